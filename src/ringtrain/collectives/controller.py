@@ -1,0 +1,294 @@
+"""The background controller: collectives are matched across ranks by name, not submission order.
+
+As in Horovod, a rank may submit asynchronous collectives in any order, or enter a barrier with
+operations still pending. Each process set runs one controller thread per rank. Every cycle:
+
+1. each rank sends the requests submitted since its last cycle (names and metadata, no tensors)
+   over the set's ``control`` group, so every rank holds the same table ``name -> rank -> request``;
+2. names that every rank has submitted (or that joined ranks stand in for) become *ready*, in the
+   order they first appeared in the table, identical on every rank;
+3. ready requests are checked for consistency (a mismatch fails on every rank with one message)
+   and executed on the data groups, small allreduces fused into one buffer.
+
+Because every decision is a function of the exchanged table, ranks never disagree on what runs
+next. Decisions that depend on time (stall reports, aborts) are made by the set's rank 0 and
+travel in its next message. If a peer dies, the control exchange fails and every pending handle
+fails with :class:`CollectiveAbortedError` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ringtrain.collectives.execute import Executor, Pending
+from ringtrain.collectives.handles import Handle
+from ringtrain.collectives.requests import Request, mismatch
+from ringtrain.config import Config
+from ringtrain.diagnostics import stall
+from ringtrain.errors import (
+    CollectiveAbortedError,
+    CollectiveArgumentError,
+    CollectiveError,
+    CollectiveMismatchError,
+    StallError,
+)
+from ringtrain.runtime.communicator import Communicator
+
+log = logging.getLogger("ringtrain")
+
+# The controller naps between cycles while nothing is pending anywhere, up to this long, so an
+# idle job costs little CPU. A local submission wakes it at once; the first op after a quiet spell
+# waits at most this long for peers' controllers to wake up.
+MAX_IDLE_SLEEP_S = 0.01
+# Control messages up to this size travel in one allgather; longer ones take a second round.
+CONTROL_SLOT_BYTES = 2048
+JOIN_NAME = "__join__"
+
+
+@dataclass
+class _Message:
+    requests: list[Request] = field(default_factory=list)
+    shutdown: bool = False
+    # Set by the set's rank 0 only: every rank aborts with this error.
+    abort: str = ""
+
+
+class Controller:
+    """Negotiates and runs the collectives of one process set on this rank."""
+
+    def __init__(self, comm: Communicator, config: Config, clock: Callable[[], float] = time.monotonic) -> None:
+        self.comm = comm
+        self.config = config
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._new: list[str] = []
+        self._pending: dict[str, Pending] = {}
+        self._table: dict[str, dict[int, Request]] = {}
+        self._first_seen: dict[str, float] = {}
+        self._joined: set[int] = set()
+        self._last_joined = -1
+        self._stall = stall.StallInspector(config.stall_warning_s, config.stall_shutdown_s)
+        self._shutdown = False
+        self._closed = False
+        self._failure: CollectiveError | None = None
+        self._counters: dict[str, int] = {}
+        self._executor = Executor(comm, config)
+        self._control = comm.group("control")
+        self._thread = threading.Thread(target=self._run, name=f"ringtrain-controller-{comm.set_id}", daemon=True)
+        self._thread.start()
+
+    # ---- submitting side (user threads) ------------------------------------------------------
+
+    def auto_name(self, kind: str) -> str:
+        """A name for an unnamed op; ranks must submit unnamed ops of a kind in the same order."""
+        with self._lock:
+            n = self._counters.get(kind, 0)
+            self._counters[kind] = n + 1
+        return f"{kind}.noname.{n}"
+
+    def submit(
+        self,
+        request: Request,
+        tensors: list[torch.Tensor],
+        outputs: list[torch.Tensor] | None = None,
+        finish: Callable[[Any], Any] | None = None,
+    ) -> Handle:
+        handle = Handle(request.name, finish)
+        with self._lock:
+            if self._failure is not None:
+                raise type(self._failure)(*self._failure.args)
+            if self._closed or self._shutdown:
+                raise CollectiveAbortedError(f"cannot submit {request.name!r}: ringtrain is shutting down")
+            if request.name in self._pending:
+                raise CollectiveArgumentError(
+                    f"a collective named {request.name!r} is already in flight on this rank.\n"
+                    "HINT: names must be unique among pending operations; wait for the first "
+                    "(synchronize) or give the second another name."
+                )
+            self._pending[request.name] = Pending(request, tensors, outputs, handle)
+            self._new.append(request.name)
+        self._wake.set()
+        return handle
+
+    def request_shutdown(self, timeout: float | None = None) -> None:
+        """Stop once every rank of the set has asked to; fail what is still pending."""
+        with self._lock:
+            self._shutdown = True
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("ringtrain controller of set %d did not stop within %s s", self.comm.set_id, timeout)
+
+    close = request_shutdown
+
+    @property
+    def last_joined(self) -> int:
+        return self._last_joined
+
+    def pending_names(self) -> list[str]:
+        with self._lock:
+            return list(self._pending)
+
+    # ---- the background thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        idle_cycles = 0
+        try:
+            while True:
+                waiting = self._cycle()
+                if self._closed:
+                    break
+                if waiting:
+                    # Peers owe us submissions (or we owe them): the next exchange blocks until
+                    # they arrive, so sleeping would only add latency.
+                    idle_cycles = 0
+                    continue
+                idle_cycles += 1
+                self._wake.wait(self._sleep_time(idle_cycles))
+                self._wake.clear()
+        except CollectiveError as e:
+            self._fail_all(e)
+        except Exception as e:  # a peer died or the network failed: fail loudly, never hang
+            self._fail_all(
+                CollectiveAbortedError(
+                    f"collectives of process set {self.comm.set_id} stopped: a peer rank failed or "
+                    f"became unreachable ({type(e).__name__}: {str(e).strip()[:300]}).\n"
+                    "HINT: the launcher's message names the rank that failed first."
+                )
+            )
+        finally:
+            self._closed = True
+
+    def _sleep_time(self, idle_cycles: int) -> float:
+        cycle = self.config.cycle_time_ms / 1000.0
+        if idle_cycles < 64:
+            return cycle
+        return min(MAX_IDLE_SLEEP_S, cycle * 2 ** min(10, (idle_cycles - 64) // 16))
+
+    def _cycle(self) -> bool:
+        """One negotiation round. Returns True if submitted names still wait for some ranks."""
+        with self._lock:
+            new, self._new = self._new, []
+            mine = _Message([self._pending[n].request for n in new], self._shutdown)
+        if self.comm.set_rank == 0:
+            mine.abort = self._inspect()
+        messages = self._exchange(mine)
+        now = self._clock()
+        for set_rank, msg in enumerate(messages):
+            for req in msg.requests:
+                entry = self._table.setdefault(req.name, {})
+                if not entry:
+                    self._first_seen[req.name] = now
+                entry[set_rank] = req
+                if req.kind == "join":
+                    self._joined.add(set_rank)
+                    self._last_joined = self.comm.ranks[set_rank]
+        abort = messages[0].abort
+        if abort:
+            raise StallError(abort)
+        ready = [name for name in self._table if self._is_ready(name)]
+        for name in ready:
+            self._run_ready(name)
+        self._executor.flush()
+        if all(m.shutdown for m in messages):
+            self._closed = True
+            self._fail_all(CollectiveAbortedError("ringtrain shut down before this collective completed"))
+        return bool(self._table)
+
+    def _is_ready(self, name: str) -> bool:
+        submitted = self._table[name]
+        if len(submitted) == self.comm.size:
+            return True
+        if name == JOIN_NAME or not self._joined:
+            return False
+        active = set(range(self.comm.size)) - self._joined
+        return bool(active) and active <= set(submitted)
+
+    def _run_ready(self, name: str) -> None:
+        by_rank = self._table.pop(name)
+        self._first_seen.pop(name, None)
+        me = self.comm.set_rank
+        with self._lock:
+            local = self._pending.pop(name, None)
+        if name == JOIN_NAME:
+            self._joined.clear()
+            if local:
+                local.handle.set_result(self._last_joined)
+            return
+        problem = mismatch(name, by_rank) if self.config.check_consistency else _local_errors(name, by_rank)
+        if problem:
+            self._executor.flush()
+            if local:
+                cls = CollectiveArgumentError if any(r.error for r in by_rank.values()) else CollectiveMismatchError
+                local.handle.set_error(cls(problem))
+            return
+        joined = frozenset(self._joined - set(by_rank))
+        self._executor.add(name, by_rank, local, joined, me)
+
+    def _inspect(self) -> str:
+        """Rank 0's time-based decisions: log stall warnings; return an abort message if due."""
+        now = self._clock()
+        waiting = {
+            name: stall.Waiting(name, tuple(sorted(by)), self._first_seen.get(name, now))
+            for name, by in self._table.items()
+        }
+        verdict = self._stall.check(waiting, self.comm.size, now, self.comm.ranks)
+        if verdict.warning:
+            log.warning("%s", verdict.warning)
+        return verdict.abort
+
+    def _exchange(self, msg: _Message) -> list[_Message]:
+        """Allgather one pickled message per rank over the control group.
+
+        Each Gloo collective costs a millisecond or more of thread hand-offs, so a cycle uses one:
+        fixed-size slots that hold a length and the message. Only when some message outgrows its
+        slot (every rank sees that in the lengths) does a second allgather carry the long ones.
+        """
+        if self.comm.size == 1:
+            return [msg]
+        payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        slot = torch.zeros(CONTROL_SLOT_BYTES, dtype=torch.uint8)
+        header = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+        slot[:8] = header
+        if len(payload) <= CONTROL_SLOT_BYTES - 8:
+            slot[8 : 8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        slots = torch.empty(self.comm.size * CONTROL_SLOT_BYTES, dtype=torch.uint8)
+        dist.all_gather_into_tensor(slots, slot, group=self._control)
+        slots = slots.view(self.comm.size, CONTROL_SLOT_BYTES)
+        lengths = slots[:, :8].contiguous().view(torch.int64).reshape(-1).tolist()
+        longest = max(lengths)
+        if longest > CONTROL_SLOT_BYTES - 8:
+            big = torch.zeros(longest, dtype=torch.uint8)
+            big[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            bigs = torch.empty(self.comm.size * longest, dtype=torch.uint8)
+            dist.all_gather_into_tensor(bigs, big, group=self._control)
+            bigs = bigs.view(self.comm.size, longest)
+            rows = [bigs[r, :n] for r, n in enumerate(lengths)]
+        else:
+            rows = [slots[r, 8 : 8 + n] for r, n in enumerate(lengths)]
+        return [pickle.loads(row.numpy().tobytes()) for row in rows]
+
+    def _fail_all(self, error: CollectiveError) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = error
+            pending, self._pending = self._pending, {}
+            self._new = []
+        for p in pending.values():
+            p.handle.set_error(error)
+
+
+def _local_errors(name: str, by_rank: dict[int, Request]) -> str | None:
+    """With consistency checks off, still honour errors a rank found locally."""
+    errs = [r.error for r in by_rank.values() if r.error]
+    return f"collective {name!r} was invalid: {errs[0]}" if errs else None

@@ -1,0 +1,61 @@
+"""Make every dtype torch offers travel over Gloo, which handles only some of them.
+
+Data movement (broadcast, allgather, alltoall) reinterprets unsupported dtypes as bytes, so it is
+exact for all of them. Reductions convert to a dtype Gloo can reduce: narrow and unsigned integers
+to int64 (exact for sums below 2**63; uint64 sums wrap exactly as uint64 would), float8 to float32.
+Complex tensors reduce as pairs of reals for Sum/Average; Min/Max/Product have no complex meaning.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringtrain.errors import CollectiveArgumentError
+
+GLOO_NATIVE = {
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool,
+    torch.complex64, torch.complex128,
+}
+_WIDEN_INT = {torch.int16, torch.uint16, torch.uint32}
+_FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)}
+
+
+def reduction_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
+    """The dtype to reduce ``dtype`` in; raises for combinations that have no meaning."""
+    if dtype.is_complex and op in ("Min", "Max", "Product"):
+        raise CollectiveArgumentError(
+            f"{op} is not defined for complex tensors ({dtype}); use Sum or Average"
+        )
+    if dtype in GLOO_NATIVE:
+        return dtype
+    if dtype in _WIDEN_INT or dtype == torch.uint64:
+        return torch.int64
+    if dtype in _FLOAT8:
+        return torch.float32
+    raise CollectiveArgumentError(f"reductions of {dtype} are not supported")
+
+
+def to_reducible(t: torch.Tensor, op: str) -> torch.Tensor:
+    """``t`` in a dtype Gloo reduces (a view when possible, else a converted copy)."""
+    target = reduction_dtype(t.dtype, op)
+    if target == t.dtype:
+        return t
+    if t.dtype == torch.uint64:
+        return t.view(torch.int64)
+    return t.to(target)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of a contiguous tensor, shaped ``(rows, bytes_per_row)`` so dim 0 survives."""
+    t = t.contiguous()
+    rows = t.shape[0] if t.dim() > 0 else 1
+    flat = t.reshape(rows, -1) if t.numel() else t.reshape(rows, 0)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty((rows, 0), dtype=torch.uint8)
+
+
+def movable(t: torch.Tensor) -> bool:
+    """Whether Gloo can move ``t`` as it is."""
+    return t.dtype in GLOO_NATIVE

@@ -1,0 +1,308 @@
+"""Run ready collectives on torch.distributed: fusion, dtype adaptation, scaling, joined ranks.
+
+The controller hands over requests that every rank agreed to run now, in the same order on every
+rank. Consecutive allreduces with the same reduce op, dtype, device and scale factors are packed
+into one buffer (tensor fusion) up to the fusion threshold, because one large Gloo allreduce is far
+cheaper than many small ones. Data movement (broadcast, allgather, alltoall) travels as raw bytes,
+which is exact for every dtype and lets ranks exchange tensors of any shape in one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ringtrain.collectives import dtypes
+from ringtrain.collectives.handles import Handle
+from ringtrain.collectives.requests import Request, TensorMeta
+from ringtrain.config import Config
+from ringtrain.errors import CollectiveArgumentError, CollectiveError
+from ringtrain.runtime.communicator import Communicator
+
+REDUCE_OPS = {
+    "Sum": dist.ReduceOp.SUM,
+    "Average": dist.ReduceOp.SUM,
+    "Min": dist.ReduceOp.MIN,
+    "Max": dist.ReduceOp.MAX,
+    "Product": dist.ReduceOp.PRODUCT,
+}
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class Pending:
+    """A collective this rank submitted: its request, tensors and the handle to complete."""
+
+    request: Request
+    tensors: list[torch.Tensor]
+    outputs: list[torch.Tensor] | None
+    handle: Handle
+
+
+@dataclass
+class _Item:
+    name: str
+    request: Request
+    tensors: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+    handle: Handle | None  # None on a joined rank standing in with zeros
+    contributors: int
+
+
+def _zeros(meta: TensorMeta) -> torch.Tensor:
+    return torch.zeros(meta.shape, dtype=getattr(torch, meta.dtype.replace("torch.", "")), device=meta.device)
+
+
+class Executor:
+    """Executes ready collectives for one process set, batching fusable allreduces."""
+
+    def __init__(self, comm: Communicator, config: Config) -> None:
+        self.comm = comm
+        self.threshold = config.fusion_threshold_bytes
+        self._batch: list[_Item] = []
+        self._batch_key: tuple[Any, ...] | None = None
+        self._batch_bytes = 0
+
+    def add(self, name: str, by_rank: Mapping[int, Request], local: Pending | None, joined: frozenset[int], me: int) -> None:
+        req = by_rank[min(by_rank)]
+        if local is None:  # this rank has joined: contribute zeros shaped like the others' tensors
+            tensors = [_zeros(m) for m in req.tensors]
+            outputs: list[torch.Tensor] = list(tensors)
+            handle = None
+        else:
+            tensors, outputs, handle = local.tensors, local.outputs or [], local.handle
+        try:
+            if joined and req.kind not in ("allreduce", "allgather", "broadcast", "barrier"):
+                raise CollectiveArgumentError(
+                    f"{req.kind} is not supported while ranks {sorted(joined)} have joined.\n"
+                    "HINT: only allreduce, allgather and broadcast run alongside ringtrain.join()."
+                )
+            if req.kind == "allreduce":
+                if joined and req.op not in ("Sum", "Average"):
+                    raise CollectiveArgumentError(f"allreduce with op={req.op} cannot run while ranks have joined")
+                item = _Item(name, req, tensors, outputs, handle, self.comm.size - len(joined))
+                self._queue_allreduce(item)
+                return
+            self.flush()
+            result = self._run_one(req, by_rank, tensors, outputs, joined, me)
+        except CollectiveError as e:
+            self.flush()
+            if handle is not None:
+                handle.set_error(e)
+            return
+        if handle is not None:
+            handle.set_result(result)
+
+    # ---- allreduce with fusion ---------------------------------------------------------------
+
+    def _queue_allreduce(self, item: _Item) -> None:
+        t0 = item.tensors[0] if item.tensors else None
+        key = (item.request.op, item.request.tensors[0].dtype if item.request.tensors else None,
+               t0.device if t0 is not None else None, item.request.prescale, item.request.postscale,
+               item.contributors)
+        nbytes = sum(t.numel() * t.element_size() for t in item.tensors)
+        if self._batch and (key != self._batch_key or self._batch_bytes + nbytes > self.threshold):
+            self.flush()
+        self._batch.append(item)
+        self._batch_key = key
+        self._batch_bytes += nbytes
+
+    def flush(self) -> None:
+        """Run the allreduces batched so far as one fused operation."""
+        batch, self._batch, self._batch_bytes, self._batch_key = self._batch, [], 0, None
+        if not batch:
+            return
+        try:
+            self._fused_allreduce(batch)
+        except CollectiveError as e:
+            for item in batch:
+                if item.handle is not None:
+                    item.handle.set_error(e)
+            return
+        for item in batch:
+            if item.handle is not None:
+                item.handle.set_result(item.outputs)
+
+    def _fused_allreduce(self, batch: list[_Item]) -> None:
+        req = batch[0].request
+        op = req.op
+        n = batch[0].contributors
+        tensors = [t for item in batch for t in item.tensors]
+        outputs = [o for item in batch for o in item.outputs]
+        if not tensors:
+            return
+        work = [dtypes.to_reducible(t, op) for t in tensors]
+        if len(work) == 1:
+            flat = work[0].reshape(-1).clone()
+        else:
+            flat = torch.cat([w.reshape(-1) for w in work])
+        pre, post = req.prescale, req.postscale
+        average = op == "Average"
+        if average and flat.dtype in _LOW_PRECISION:
+            pre /= n  # divide before summing so 16-bit sums cannot overflow
+        elif average and flat.is_floating_point() or average and flat.is_complex():
+            post /= n
+        if pre != 1.0:
+            _scale(flat, pre)
+        if self.comm.size > 1:
+            dist.all_reduce(flat, op=REDUCE_OPS[op], group=self.comm.group_for(flat))
+        if average and not (flat.is_floating_point() or flat.is_complex()):
+            flat = torch.div(flat, n, rounding_mode="floor")
+        if post != 1.0:
+            _scale(flat, post)
+        offset = 0
+        for out, w in zip(outputs, work):
+            k = w.numel()
+            piece = flat[offset : offset + k].view(w.shape)
+            offset += k
+            out.copy_(piece.view(torch.uint64) if out.dtype == torch.uint64 else piece)
+
+    # ---- everything else ---------------------------------------------------------------------
+
+    def _run_one(
+        self,
+        req: Request,
+        by_rank: Mapping[int, Request],
+        tensors: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        joined: frozenset[int],
+        me: int,
+    ) -> Any:
+        if req.kind == "barrier":
+            return None
+        if req.kind == "broadcast":
+            return self._broadcast(req, by_rank, tensors, outputs, joined, me)
+        if req.kind == "allgather":
+            return [self._allgather(i, t, by_rank, joined) for i, t in enumerate(tensors)]
+        if req.kind == "reducescatter":
+            return [self._reducescatter(req, t) for t in tensors]
+        if req.kind == "alltoall":
+            return self._alltoall(by_rank, tensors[0], me)
+        raise CollectiveArgumentError(f"unknown collective kind {req.kind!r}")
+
+    def _broadcast(self, req: Request, by_rank: Mapping[int, Request], tensors: list[torch.Tensor],
+                   outputs: list[torch.Tensor], joined: frozenset[int], me: int) -> list[torch.Tensor]:
+        if req.root in joined:
+            raise CollectiveArgumentError(f"broadcast from root rank {req.root}, which has joined")
+        root_req = by_rank[req.root]
+        results = []
+        for i, meta in enumerate(root_req.tensors):
+            if me == req.root:
+                out = outputs[i] if outputs else tensors[i]
+                if out is not tensors[i]:
+                    out.copy_(tensors[i])
+            elif req.shape_from_root or not outputs:
+                out = _zeros(meta)
+            else:
+                out = outputs[i]
+            buf = dtypes.as_bytes(out)
+            if self.comm.size > 1:
+                dist.broadcast(buf, group=self.comm.group_for(buf), group_src=req.root)
+            if buf.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
+                out.copy_(buf.view(out.dtype if out.dtype != torch.bool else torch.uint8).view(out.shape))
+            results.append(out)
+        return results
+
+    def _allgather(self, i: int, t: torch.Tensor, by_rank: Mapping[int, Request], joined: frozenset[int]) -> torch.Tensor:
+        meta = by_rank[min(by_rank)].tensors[i]
+        rows = [0 if r in joined else (by_rank[r].tensors[i].shape[0] if by_rank[r].tensors[i].shape else 1)
+                for r in range(self.comm.size)]
+        if t.dim() == 0:
+            t = t.reshape(1)
+        data = dtypes.as_bytes(t)
+        width = data.shape[1]
+        longest = max(rows)
+        if self.comm.size == 1:
+            gathered = data
+        else:
+            padded = data
+            if data.shape[0] != longest:
+                padded = torch.zeros((longest, width), dtype=torch.uint8, device=data.device)
+                padded[: data.shape[0]] = data
+            parts = [torch.empty_like(padded) for _ in range(self.comm.size)]
+            dist.all_gather(parts, padded, group=self.comm.group_for(padded))
+            gathered = torch.cat([p[:k] for p, k in zip(parts, rows)])
+        dtype = getattr(torch, meta.dtype.replace("torch.", ""))
+        tail = tuple(meta.shape[1:]) if meta.shape else ()
+        return _from_bytes(gathered, dtype, (sum(rows), *tail))
+
+    def _reducescatter(self, req: Request, t: torch.Tensor) -> torch.Tensor:
+        size, me = self.comm.size, self.comm.set_rank
+        rows = t.shape[0]
+        counts = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
+        start = sum(counts[:me])
+        work = dtypes.to_reducible(t, req.op).reshape(rows, -1)
+        longest = max(counts)
+        width = work.shape[1]
+        pieces = torch.zeros((size, longest, width), dtype=work.dtype, device=work.device)
+        offset = 0
+        for r, k in enumerate(counts):
+            pieces[r, :k] = work[offset : offset + k]
+            offset += k
+        pre, post = req.prescale, req.postscale
+        if req.op == "Average":
+            if work.dtype in _LOW_PRECISION:
+                pre /= size
+            elif work.is_floating_point() or work.is_complex():
+                post /= size
+        if pre != 1.0:
+            _scale(pieces, pre)
+        out = torch.empty((longest, width), dtype=work.dtype, device=work.device)
+        if size > 1:
+            dist.reduce_scatter_single(out, pieces.reshape(size * longest, width), op=REDUCE_OPS[req.op],
+                                       group=self.comm.group_for(out))
+        else:
+            out.copy_(pieces[0])
+        out = out[: counts[me]]
+        if req.op == "Average" and not (out.is_floating_point() or out.is_complex()):
+            out = torch.div(out, size, rounding_mode="floor")
+        if post != 1.0:
+            _scale(out, post)
+        result = out.reshape((counts[me], *t.shape[1:]))
+        if t.dtype == torch.uint64:
+            return result.view(torch.uint64)
+        return result.to(t.dtype)
+
+    def _alltoall(self, by_rank: Mapping[int, Request], t: torch.Tensor, me: int) -> tuple[torch.Tensor, torch.Tensor]:
+        size = self.comm.size
+
+        def splits_of(r: int) -> list[int]:
+            req = by_rank[r]
+            if req.splits:
+                return list(req.splits)
+            rows = req.tensors[0].shape[0] if req.tensors[0].shape else 1
+            return [rows // size] * size
+
+        send = splits_of(me)
+        recv = [splits_of(r)[me] for r in range(size)]
+        if t.dim() == 0:
+            t = t.reshape(1)
+        data = dtypes.as_bytes(t)
+        out = torch.empty((sum(recv), data.shape[1]), dtype=torch.uint8, device=data.device)
+        if size > 1:
+            dist.all_to_all_single(out, data, output_split_sizes=recv, input_split_sizes=send,
+                                   group=self.comm.group_for(data))
+        else:
+            out.copy_(data)
+        result = _from_bytes(out, t.dtype, (sum(recv), *t.shape[1:]))
+        return result, torch.tensor(recv, dtype=torch.int32)
+
+
+def _from_bytes(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if data.numel() == 0:
+        return torch.empty(shape, dtype=dtype, device=data.device)
+    flat = data.reshape(-1)
+    if dtype == torch.bool:
+        return flat.view(torch.bool).reshape(shape)
+    return flat.view(dtype).reshape(shape)
+
+
+def _scale(t: torch.Tensor, factor: float) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.mul_(factor)
+    else:
+        t.copy_((t.double() * factor).to(t.dtype))

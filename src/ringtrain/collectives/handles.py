@@ -1,0 +1,54 @@
+"""Handles of asynchronous collectives: ``poll`` never blocks, ``synchronize`` waits."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ringtrain.errors import CollectiveAbortedError, CollectiveError
+
+
+class Handle:
+    """The future result of one submitted collective."""
+
+    __slots__ = ("_done", "_error", "_finish", "_result", "name")
+
+    def __init__(self, name: str, finish: Callable[[Any], Any] | None = None) -> None:
+        self.name = name
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._finish = finish
+
+    def set_result(self, result: Any) -> None:
+        self._result = result
+        self._done.set()
+
+    def set_error(self, error: BaseException) -> None:
+        self._error = error
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._done.wait(timeout):
+            raise CollectiveAbortedError(
+                f"collective {self.name!r} did not complete within {timeout:g} s.\n"
+                "HINT: another rank may not have submitted it; the stall inspector's report "
+                "(RINGTRAIN_STALL_WARNING_S) names the missing ranks."
+            )
+        if self._error is not None:
+            # A fresh exception per waiter keeps the traceback pointing at the caller.
+            err = self._error
+            raise type(err)(*err.args) if isinstance(err, CollectiveError) else err
+        result = self._result
+        if self._finish is not None:
+            result = self._finish(result)
+            self._finish = None
+            self._result = result
+        return result
+
+    def __repr__(self) -> str:
+        return f"<Handle {self.name!r} {'done' if self.done() else 'pending'}>"

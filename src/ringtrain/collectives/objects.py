@@ -1,0 +1,82 @@
+"""Collectives on picklable Python objects, plus ``barrier`` and ``join``.
+
+Objects travel as pickled bytes through the same negotiated tensor collectives, so they are
+matched by name, checked, and (in secure mode) sealed like everything else. Receivers of a
+broadcast need not know the object's size: the root's request carries it.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+
+from ringtrain.collectives import ops
+from ringtrain.collectives.controller import JOIN_NAME
+from ringtrain.collectives.requests import Request, TensorMeta
+from ringtrain.errors import CollectiveArgumentError
+from ringtrain.runtime.process_sets import ProcessSet
+
+
+def _dumps(obj: Any) -> torch.Tensor:
+    buf = io.BytesIO()
+    try:
+        pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        raise CollectiveArgumentError(f"object of type {type(obj).__name__} cannot be pickled: {e}") from e
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _loads(t: torch.Tensor) -> Any:
+    return pickle.loads(t.numpy().tobytes())
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet | None = None) -> Any:
+    """``root_rank``'s object, on every rank of the process set."""
+    ctl = ops.controller_of(process_set)
+    name = name if name is not None else ctl.auto_name("broadcast_object")
+    size = ctl.comm.size
+    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
+        err = f"root_rank {root_rank!r} is outside the process set of size {size}"
+        return ops.synchronize(ctl.submit(Request(name, "broadcast", root=-1, error=err), [], []))
+    if ctl.comm.set_rank == root_rank:
+        data = _dumps(obj)
+        req = Request(name, "broadcast", (TensorMeta(tuple(data.shape), str(data.dtype)),), root=root_rank,
+                      shape_from_root=True)
+        handle = ctl.submit(req, [data], [data])
+    else:
+        req = Request(name, "broadcast", (TensorMeta((0,), str(torch.uint8)),), root=root_rank, shape_from_root=True)
+        handle = ctl.submit(req, [torch.empty(0, dtype=torch.uint8)], [])
+    return _loads(ops.synchronize(handle)[0])
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet | None = None) -> list[Any]:
+    """Every rank's object, as a list in rank order."""
+    ctl = ops.controller_of(process_set)
+    name = name if name is not None else ctl.auto_name("allgather_object")
+    data = _dumps(obj)
+    sizes = ops.synchronize(ops.allgather_async(torch.tensor([data.numel()], dtype=torch.int64), f"{name}.sizes",
+                                                process_set))
+    gathered = ops.synchronize(ops.allgather_async(data, name, process_set))
+    out, offset = [], 0
+    for n in sizes.tolist():
+        out.append(_loads(gathered[offset : offset + n]))
+        offset += n
+    return out
+
+
+def barrier(process_set: ProcessSet | None = None) -> None:
+    """Wait until every rank of the set reaches its barrier. Pending async ops keep running."""
+    ctl = ops.controller_of(process_set)
+    ops.synchronize(ctl.submit(Request(ctl.auto_name("barrier"), "barrier"), [], []))
+
+
+def join(device: int = -1, process_set: ProcessSet | None = None) -> int:
+    """Declare that this rank has no more data. Until every rank has joined, this rank takes part
+    in its peers' allreduces (contributing zeros; Average divides by the ranks that contributed),
+    allgathers (contributing no rows) and broadcasts. Returns the rank that joined last."""
+    ctl = ops.controller_of(process_set)
+    return ops.synchronize(ctl.submit(Request(JOIN_NAME, "join"), [], []))  # type: ignore[no-any-return]

@@ -1,0 +1,50 @@
+"""Reduce operations, with Horovod's names (``Average``, ``Sum``, ``Min``, ``Max``, ``Product``)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from ringtrain.errors import CollectiveArgumentError
+
+
+class ReduceOp(str, Enum):
+    AVERAGE = "Average"
+    SUM = "Sum"
+    MIN = "Min"
+    MAX = "Max"
+    PRODUCT = "Product"
+    ADASUM = "Adasum"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+Adasum = ReduceOp.ADASUM
+
+
+def resolve_op(op: Any, average: bool | None = None, default: ReduceOp = Average) -> str:
+    """The op's name, honouring Horovod's deprecated ``average=`` flag; rejects what we lack."""
+    if average is not None:
+        if op is not None:
+            raise CollectiveArgumentError("pass either op= or the deprecated average=, not both")
+        op = Average if average else Sum
+    if op is None:
+        op = default
+    try:
+        op = ReduceOp(op if not isinstance(op, ReduceOp) else op.value)
+    except ValueError:
+        raise CollectiveArgumentError(
+            f"unknown reduce op {op!r}; use one of Average, Sum, Min, Max, Product"
+        ) from None
+    if op is Adasum:
+        raise CollectiveArgumentError(
+            "op=Adasum is not supported by ringtrain.\n"
+            "HINT: use Average (the default) or Sum; Adasum needs Horovod's MPI build."
+        )
+    return op.value

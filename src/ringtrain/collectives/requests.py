@@ -1,0 +1,125 @@
+"""What a rank submits for a collective, and the cross-rank consistency check.
+
+A :class:`Request` is the small, picklable description of one submitted collective (never the
+tensor itself); the controller exchanges them between ranks each cycle. :func:`mismatch` is a pure
+function over the requests every rank made under one name: it returns the error every rank will
+raise, listing what each rank submitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+KINDS = ("allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier", "join")
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: str
+    device: str = "cpu"
+
+    def __str__(self) -> str:
+        dims = ", ".join(str(d) for d in self.shape)
+        where = "" if self.device == "cpu" else f"@{self.device}"
+        return f"{self.dtype.replace('torch.', '')}[{dims}]{where}"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One collective as submitted by one rank."""
+
+    name: str
+    kind: str
+    tensors: tuple[TensorMeta, ...] = ()
+    op: str = ""
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    # alltoall: rows this rank sends to each peer; its receive splits come from the peers'.
+    splits: tuple[int, ...] = ()
+    # broadcast of objects: receivers do not know the shape, the root's request decides it.
+    shape_from_root: bool = False
+    # An error the submitting rank already found; every rank raises it when the name is ready.
+    error: str = ""
+    extra: tuple[tuple[str, str], ...] = field(default=())
+
+    def describe(self) -> str:
+        args: list[str] = []
+        if self.op:
+            args.append(f"op={self.op}")
+        if self.root >= 0:
+            args.append(f"root_rank={self.root}")
+        if self.prescale != 1.0:
+            args.append(f"prescale_factor={self.prescale:g}")
+        if self.postscale != 1.0:
+            args.append(f"postscale_factor={self.postscale:g}")
+        if self.splits:
+            args.append(f"splits={list(self.splits)}")
+        args += [str(t) for t in self.tensors] if not self.shape_from_root else ["<object>"]
+        return f"{self.kind}({', '.join(args)})"
+
+
+def _first_difference(reqs: list[Request]) -> str | None:
+    a = reqs[0]
+    for b in reqs[1:]:
+        if a.kind != b.kind:
+            return "operation"
+        if a.op != b.op:
+            return "reduce op"
+        if a.root != b.root:
+            return "root rank"
+        if (a.prescale, a.postscale) != (b.prescale, b.postscale):
+            return "scale factor"
+        if len(a.tensors) != len(b.tensors):
+            return "number of tensors"
+        for ta, tb in zip(a.tensors, b.tensors):
+            if ta.dtype != tb.dtype:
+                return "dtype"
+            if ta.device.split(":")[0] != tb.device.split(":")[0]:
+                return "device type"
+            if a.kind in ("allgather", "alltoall"):
+                if len(ta.shape) != len(tb.shape) or ta.shape[1:] != tb.shape[1:]:
+                    return "shape (all dimensions but the first must agree)"
+            elif a.kind == "broadcast" and (a.shape_from_root or b.shape_from_root):
+                continue
+            elif ta.shape != tb.shape:
+                return "shape"
+    return None
+
+
+def mismatch(name: str, by_rank: Mapping[int, Request]) -> str | None:
+    """The error to raise on every rank when the ranks' requests for ``name`` disagree, else None."""
+    ranks = sorted(by_rank)
+    errors = {r: by_rank[r].error for r in ranks if by_rank[r].error}
+    if errors:
+        first = ranks.index(min(errors))
+        return f"collective {name!r} was invalid on rank {ranks[first]}: {errors[min(errors)]}"
+    what = _first_difference([by_rank[r] for r in ranks])
+    if what is None:
+        return None
+    lines = [f"ranks submitted collective {name!r} with different arguments ({what} differs):"]
+    groups: dict[str, list[int]] = {}
+    for r in ranks:
+        groups.setdefault(by_rank[r].describe(), []).append(r)
+    for desc, members in groups.items():
+        lines.append(f"  {_rank_list(members)}: {desc}")
+    lines.append(
+        "HINT: every rank must call a named collective with the same operation, reduce op, root, "
+        "dtype and shape; look for data-dependent shapes or a branch taken on some ranks only."
+    )
+    return "\n".join(lines)
+
+
+def _rank_list(ranks: list[int]) -> str:
+    parts: list[str] = []
+    start = prev = ranks[0]
+    for r in ranks[1:] + [None]:  # type: ignore[list-item]
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)

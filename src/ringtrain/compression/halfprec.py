@@ -1,0 +1,56 @@
+"""16-bit compression: send float gradients as fp16 or bf16, halving the bytes on the wire.
+
+fp16 has 5 exponent bits: values above 65504 overflow to inf. Allreduce sums in the wire dtype, so
+the collectives divide by the world size *before* the sum when averaging 16-bit data, and the
+DistributedOptimizer predivides likewise. bf16 keeps fp32's range with 8 bits of mantissa: no
+overflow, coarser values. Non-float tensors pass through unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ringtrain.compression.base import Stateless, register
+
+
+class FP16Compressor(Stateless):
+    """Casts floating-point tensors to float16 for the wire."""
+
+    name = "fp16"
+    wire_dtype = torch.float16
+
+    @classmethod
+    def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:  # type: ignore[override]
+        if tensor.is_floating_point() and tensor.dtype != cls.wire_dtype:
+            return tensor.to(cls.wire_dtype), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor.to(ctx) if ctx is not None else tensor
+
+
+class BF16Compressor(FP16Compressor):
+    """Casts floating-point tensors to bfloat16 for the wire (fp32's range, less precision)."""
+
+    name = "bf16"
+    wire_dtype = torch.bfloat16
+
+
+class NoneCompressor(Stateless):
+    name = "none"
+
+
+class Compression:
+    """Horovod's namespace: ``Compression.none``, ``Compression.fp16``, plus ``bf16``."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+    bf16 = BF16Compressor
+
+
+register("none", NoneCompressor)
+register("fp16", FP16Compressor)
+register("bf16", BF16Compressor)

@@ -1,0 +1,164 @@
+"""One typed configuration object, and the one table that maps it onto ``RINGTRAIN_*`` variables.
+
+Precedence, everywhere: explicit argument > launcher-provided value (env set by ``ringtrain run``
+from its flags) > the user's own env var > default. The launcher turns flags into the same
+variables (:func:`to_env`), so a job started by torchrun or Slurm is configured the same way.
+
+Each field has exactly one variable twin: ``RINGTRAIN_`` + the field name in upper case.
+Unknown ``RINGTRAIN_*`` variables are rejected, so a typo is an error rather than a silent default.
+This module imports nothing heavy: the launcher uses it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ringtrain.errors import ConfigError
+
+ENV_PREFIX = "RINGTRAIN_"
+
+# Variables that describe *where* a process runs (set by the launcher per rank). They are read by
+# ringtrain.runtime.environment, not by Config, and are listed so they are not taken for typos.
+PLACEMENT_VARS = frozenset(
+    {
+        "RINGTRAIN_RANK",
+        "RINGTRAIN_SIZE",
+        "RINGTRAIN_LOCAL_RANK",
+        "RINGTRAIN_LOCAL_SIZE",
+        "RINGTRAIN_CROSS_RANK",
+        "RINGTRAIN_CROSS_SIZE",
+        "RINGTRAIN_HOSTNAME",
+        "RINGTRAIN_RENDEZVOUS_ADDR",
+        "RINGTRAIN_RENDEZVOUS_PORT",
+        "RINGTRAIN_RENDEZVOUS_HOSTED",
+        "RINGTRAIN_JOB_ID",
+        "RINGTRAIN_KEY_FD",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every tunable of a ringtrain job. Build with :meth:`from_env` and :meth:`replace`."""
+
+    # Tensor fusion: allreduces of small tensors are packed into buffers up to this many bytes.
+    fusion_threshold_bytes: int = 64 * 1024 * 1024
+    # How often the background controller negotiates which collectives are ready (Horovod's
+    # cycle time). Lower is lower latency, higher packs more tensors per fused allreduce.
+    cycle_time_ms: float = 1.0
+    # Collectives that do not complete within this many seconds fail instead of hanging.
+    timeout_s: float = 300.0
+    # Stall inspector: warn after this long waiting on ranks that did not submit; 0 disables.
+    stall_warning_s: float = 60.0
+    # Stall inspector: abort the job after this long; 0 means never.
+    stall_shutdown_s: float = 0.0
+    # Check that ranks submit matching collectives (name, op, shape, dtype, root, process set).
+    check_consistency: bool = True
+    # Chrome/Perfetto trace written by every rank (rank suffix added); empty disables.
+    timeline_filename: str = ""
+    # Default gradient compression for DistributedOptimizer, by registered name.
+    compression: str = "none"
+    # Hierarchical (2D) allreduce: "auto", "on" or "off".
+    hierarchical: str = "auto"
+    # Seal every message with AES-256-GCM and authenticate the rendezvous.
+    secure: bool = False
+    # Path to the job key (e.g. a mounted Kubernetes Secret) when not started by ringtrain run.
+    key_file: str = ""
+    # Network interface(s) for Gloo, comma separated; empty means ringtrain picks.
+    network_interface: str = ""
+    # Report the slowest rank every N optimizer steps; 0 disables.
+    straggler_report_steps: int = 0
+    # Log level of ringtrain's own logger.
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        if self.fusion_threshold_bytes < 0:
+            raise ConfigError(
+                f"fusion_threshold_bytes must be >= 0, got {self.fusion_threshold_bytes}"
+            )
+        if self.cycle_time_ms <= 0:
+            raise ConfigError(f"cycle_time_ms must be > 0, got {self.cycle_time_ms}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.hierarchical not in ("auto", "on", "off"):
+            raise ConfigError(
+                f"hierarchical must be 'auto', 'on' or 'off', got {self.hierarchical!r}"
+            )
+        if self.stall_warning_s < 0 or self.stall_shutdown_s < 0:
+            raise ConfigError("stall_warning_s and stall_shutdown_s must be >= 0")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+        """Defaults, then ``RINGTRAIN_*`` variables from ``env``, then ``overrides``.
+
+        Raises :class:`ConfigError` for unknown variables or keys and for unparsable values.
+        """
+        env = os.environ if env is None else env
+        known = {f.name: f for f in _public_fields()}
+        values: dict[str, Any] = {}
+        for var, raw in env.items():
+            if not var.startswith(ENV_PREFIX) or var in PLACEMENT_VARS:
+                continue
+            name = var[len(ENV_PREFIX) :].lower()
+            if name not in known:
+                raise ConfigError(
+                    f"unknown variable {var}={raw!r}.\n"
+                    f"HINT: known ones are {', '.join(sorted(env_var(n) for n in known))}."
+                )
+            values[name] = _parse(known[name], raw, var)
+        for name, value in overrides.items():
+            if name not in known:
+                raise ConfigError(
+                    f"unknown ringtrain setting {name!r}; known: {', '.join(sorted(known))}"
+                )
+            if value is not None:
+                values[name] = value
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+
+def _public_fields() -> list[dataclasses.Field[Any]]:
+    return [f for f in fields(Config) if not f.name.startswith("_")]
+
+
+def env_var(name: str) -> str:
+    """The environment variable twin of a Config field."""
+    return ENV_PREFIX + name.upper()
+
+
+def _parse(f: dataclasses.Field[Any], raw: str, var: str) -> Any:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if kind == "bool":
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        if kind == "int":
+            return int(float(raw)) if "e" in raw.lower() else int(raw)
+        if kind == "float":
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ConfigError(f"{var}={raw!r} is not a valid {kind}") from None
+
+
+def to_env(**settings: Any) -> dict[str, str]:
+    """Render settings as the ``RINGTRAIN_*`` variables the launcher passes to every rank."""
+    known = {f.name for f in _public_fields()}
+    out: dict[str, str] = {}
+    for name, value in settings.items():
+        if name not in known:
+            raise ConfigError(f"unknown ringtrain setting {name!r}")
+        if value is None:
+            continue
+        out[env_var(name)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+    return out

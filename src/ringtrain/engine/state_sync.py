@@ -1,0 +1,108 @@
+"""Make every rank start from the same model and optimizer state.
+
+``broadcast_parameters`` overwrites tensors in place from the root. ``broadcast_optimizer_state``
+sends the root's ``state_dict`` as a skeleton (an object broadcast) plus its tensors (tensor
+broadcasts), so ranks whose optimizer has not stepped yet, and so has no state, still receive it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ringtrain.collectives import ops
+from ringtrain.collectives.objects import broadcast_object
+from ringtrain.errors import CollectiveArgumentError
+from ringtrain.runtime.process_sets import ProcessSet
+
+
+def _named(params: Any) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(params, Mapping):
+        items = list(params.items())
+    elif isinstance(params, Iterable):
+        items = list(params)
+        if items and isinstance(items[0], torch.Tensor):
+            items = [(f"param.{i}", t) for i, t in enumerate(items)]
+    else:
+        raise CollectiveArgumentError(
+            "broadcast_parameters expects model.state_dict(), model.named_parameters() or a list "
+            f"of tensors, got {type(params).__name__}"
+        )
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise CollectiveArgumentError(f"broadcast_parameters: {name!r} is a {type(t).__name__}, not a tensor")
+    return items
+
+
+def broadcast_parameters(params: Any, root_rank: int = 0, process_set: ProcessSet | None = None,
+                         prefix: str = "broadcast.param") -> None:
+    """Overwrite ``params`` (a state_dict, named_parameters() or tensors) with the root's, in place."""
+    handles = []
+    with torch.no_grad():
+        for name, t in _named(params):
+            handles.append(ops.broadcast_async_(t.data if isinstance(t, torch.nn.Parameter) else t,
+                                                root_rank, f"{prefix}.{name}", process_set))
+    for h in handles:
+        ops.synchronize(h)
+
+
+class _TensorSlot:
+    """Stands for the i-th tensor of a state_dict while its skeleton travels as an object."""
+
+    def __init__(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.index, self.shape, self.dtype = index, shape, dtype
+
+
+def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return {k: _split(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_split(v, tensors) for v in obj)
+    return obj
+
+
+def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _TensorSlot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill(v, tensors) for v in obj)
+    return obj
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              process_set: ProcessSet | None = None) -> None:
+    """Replace every rank's optimizer state (and hyper-parameters) with the root's."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    me = ops.controller_of(process_set).comm.set_rank
+    tensors: list[torch.Tensor] = []
+    skeleton = _split(inner.state_dict(), tensors) if me == root_rank else None
+    skeleton = broadcast_object(skeleton, root_rank, "broadcast.optimizer_state.skeleton", process_set)
+    slots: list[_TensorSlot] = []
+
+    def collect(o: Any) -> None:
+        if isinstance(o, _TensorSlot):
+            slots.append(o)
+        elif isinstance(o, dict):
+            for v in o.values():
+                collect(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                collect(v)
+
+    collect(skeleton)
+    slots.sort(key=lambda s: s.index)
+    if me != root_rank:
+        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in slots]
+    handles = [ops.broadcast_async_(t, root_rank, f"broadcast.optimizer_state.{i}", process_set)
+               for i, t in enumerate(tensors)]
+    for h in handles:
+        ops.synchronize(h)
+    if me != root_rank:
+        inner.load_state_dict(_fill(skeleton, tensors))

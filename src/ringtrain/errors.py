@@ -1,0 +1,78 @@
+"""The exception tree. Every error ringtrain raises on purpose is one of these.
+
+    RingtrainError                      base: catch this to catch everything below
+    ├── ConfigError (ValueError)         a setting, flag or env var is wrong
+    ├── NotInitializedError              an API call before ringtrain.init()
+    ├── LaunchEnvironmentError           the launcher's variables contradict each other or the code
+    ├── CollectiveError                  a collective failed; the same error is raised on every rank
+    │   ├── CollectiveArgumentError (ValueError)  bad arguments (root, splits, dtype, name, ...)
+    │   ├── CollectiveMismatchError     ranks submitted the same name with different arguments
+    │   ├── StallError                  ranks stopped submitting what others wait for
+    │   └── CollectiveAbortedError      the job shut down while the op was in flight
+    ├── SecurityError                   a message failed authentication or a peer lacks the key
+    ├── LaunchError                     the launcher could not start or keep the job running
+    │   └── HostSpecError (ValueError)  a -H / --hostfile entry could not be parsed
+    └── InternalError                   a bug in ringtrain itself: please report it
+
+Messages say what was given, what was expected, and what to do (``HINT:``).
+"""
+
+from __future__ import annotations
+
+
+class RingtrainError(Exception):
+    """Base of every error ringtrain raises on purpose."""
+
+
+class ConfigError(RingtrainError, ValueError):
+    """A configuration value, flag or environment variable is invalid."""
+
+
+class NotInitializedError(RingtrainError):
+    """The call needs ``ringtrain.init()`` first."""
+
+    def __init__(self, what: str = "this call") -> None:
+        super().__init__(
+            f"{what} needs ringtrain to be initialized.\n"
+            "HINT: call ringtrain.init() (or hvd.init()) at the start of the training script."
+        )
+
+
+class LaunchEnvironmentError(RingtrainError):
+    """The variables of the launcher that started this process are inconsistent."""
+
+
+class CollectiveError(RingtrainError):
+    """A collective operation failed. Raised on every rank that took part."""
+
+
+class CollectiveArgumentError(CollectiveError, ValueError):
+    """A collective was called with invalid arguments."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks submitted collectives with the same name but different arguments."""
+
+
+class StallError(CollectiveError):
+    """Some ranks stopped submitting collectives that other ranks are waiting on."""
+
+
+class CollectiveAbortedError(CollectiveError):
+    """The operation could not finish because ringtrain shut down or a peer failed."""
+
+
+class SecurityError(RingtrainError):
+    """A message failed authentication, or a peer could not prove it holds the job key."""
+
+
+class LaunchError(RingtrainError):
+    """The launcher could not start, or keep running, the job."""
+
+
+class HostSpecError(LaunchError, ValueError):
+    """A host specification could not be parsed."""
+
+
+class InternalError(RingtrainError):
+    """A bug in ringtrain. Please report it with the full message."""

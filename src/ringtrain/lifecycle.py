@@ -1,0 +1,97 @@
+"""Start and stop ringtrain: the composition root that joins the runtime and the collectives.
+
+The runtime layer owns process groups; the collectives layer owns one controller per process set.
+This module is the one place that creates both, in the right order, and tears them down in
+reverse, so neither layer needs to know about the other's lifecycle.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ringtrain.collectives.controller import Controller
+from ringtrain.config import Config
+from ringtrain.runtime import state
+from ringtrain.runtime.process_sets import ProcessSet
+
+log = logging.getLogger("ringtrain")
+
+# How long shutdown waits for peers to shut down too before giving up on a clean stop.
+SHUTDOWN_WAIT_S = 30.0
+_atexit_registered = False
+
+
+def init(
+    process_sets: Sequence[ProcessSet | Sequence[int]] | None = None,
+    *,
+    config: Config | None = None,
+    rank: int | None = None,
+    size: int | None = None,
+    **settings: Any,
+) -> None:
+    """Join the job. Reads the launcher's variables and ``RINGTRAIN_*`` settings; keyword
+    ``settings`` (any :class:`~ringtrain.config.Config` field) override them.
+
+    Calling it again while initialized does nothing; after :func:`shutdown` it starts afresh.
+    """
+    global _atexit_registered
+    if state.is_initialized():
+        return
+    if config is None:
+        config = Config.from_env(**settings)
+    elif settings:
+        config = config.replace(**settings)
+    rt = state.start(config, rank=rank, size=size)
+    try:
+        _attach_controller(state.global_process_set, config)
+        for ps in process_sets or ():
+            add_process_set(ps)
+    except BaseException:
+        state.stop()
+        raise
+    if not _atexit_registered:
+        atexit.register(_shutdown_at_exit)
+        _atexit_registered = True
+    log.debug("ringtrain initialized: rank %d/%d", rt.rank, rt.size)
+
+
+def shutdown() -> None:
+    """Leave the job: waits for the other ranks to shut down too, then frees every resource."""
+    if not state.is_initialized():
+        return
+    rt = state.current()
+    try:
+        for ps in sorted(rt.process_sets.values(), key=lambda p: -(p.process_set_id or 0)):
+            ctl = ps.communicator.service("controller")
+            if ctl is not None:
+                ctl.request_shutdown(SHUTDOWN_WAIT_S)
+    finally:
+        state.stop()
+
+
+def add_process_set(ranks: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set; every rank of the world must call this with the same ranks."""
+    ps = state.add_process_set(ranks)
+    _attach_controller(ps, state.current().config)
+    return ps
+
+
+def remove_process_set(ps: ProcessSet) -> bool:
+    """Unregister a process set; every rank of the world must call this."""
+    return state.remove_process_set(ps)
+
+
+def _attach_controller(ps: ProcessSet, config: Config) -> None:
+    comm = ps.communicator
+    if comm.included:
+        comm.attach("controller", Controller(comm, config))
+
+
+def _shutdown_at_exit() -> None:
+    try:
+        shutdown()
+    except Exception as e:  # at exit there is nobody left to raise to
+        log.warning("ringtrain shutdown at exit failed: %s", e)

@@ -1,0 +1,115 @@
+"""The torch.distributed process groups that serve one process set.
+
+Each set gets its own groups so that traffic of different sets, and of the control plane and the
+data plane, never interleaves on one connection:
+
+* ``control``: Gloo, carries the small negotiation messages of the collectives controller;
+* ``cpu``: Gloo, carries CPU tensors;
+* ``cuda``: NCCL, carries CUDA tensors (only where CUDA and NCCL are available);
+* ``engine``: Gloo, carries the gradient buckets of DistributedOptimizer, whose order is fixed by
+  the engine itself and so needs no negotiation.
+
+Layers above attach services (the controller) with :meth:`attach`; they are closed before the
+groups are destroyed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+class Communicator:
+    """Process groups and attached services of one process set, seen from this rank."""
+
+    def __init__(
+        self,
+        set_id: int,
+        ranks: Sequence[int],
+        world_rank: int,
+        groups: dict[str, Any],
+        is_world: bool,
+    ) -> None:
+        self.set_id = set_id
+        self.ranks = tuple(ranks)
+        self.world_rank = world_rank
+        self.is_world = is_world
+        self._groups = groups
+        self._services: dict[str, Closable] = {}
+
+    @property
+    def included(self) -> bool:
+        return self.world_rank in self.ranks
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def set_rank(self) -> int:
+        if not self.included:
+            from ringtrain.errors import CollectiveArgumentError
+
+            raise CollectiveArgumentError(
+                f"rank {self.world_rank} is not a member of process set {self.set_id} "
+                f"(ranks {list(self.ranks)})"
+            )
+        return self.ranks.index(self.world_rank)
+
+    def group(self, kind: str) -> Any:
+        """The process group of ``kind`` ('control', 'cpu', 'cuda', 'engine')."""
+        if kind == "cuda" and "cuda" not in self._groups:
+            from ringtrain.errors import CollectiveArgumentError
+
+            raise CollectiveArgumentError(
+                "a CUDA tensor was given, but no NCCL process group exists.\n"
+                "HINT: CUDA collectives need a CUDA build of torch with NCCL and a GPU on every "
+                "rank at ringtrain.init(); move the tensor to the CPU otherwise."
+            )
+        return self._groups[kind]
+
+    def group_for(self, tensor: torch.Tensor) -> Any:
+        return self.group("cuda" if tensor.is_cuda else "cpu")
+
+    def global_rank(self, set_rank: int) -> int:
+        return self.ranks[set_rank]
+
+    def attach(self, name: str, service: Closable) -> None:
+        self._services[name] = service
+
+    def service(self, name: str) -> Any:
+        return self._services.get(name)
+
+    def close(self) -> None:
+        """Close attached services, then destroy this set's groups (world groups die with the
+        default group)."""
+        for service in reversed(list(self._services.values())):
+            service.close()
+        self._services.clear()
+        if not self.is_world:
+            for g in {id(g): g for g in self._groups.values()}.values():
+                if g is not None and g is not dist.GroupMember.NON_GROUP_MEMBER:
+                    dist.destroy_process_group(g)
+        self._groups.clear()
+
+
+def create(set_id: int, ranks: Sequence[int], world_rank: int, world_size: int, timeout_s: float) -> Communicator:
+    """Create the groups of a process set. Collective: every world rank calls it in the same order."""
+    import datetime
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    is_world = list(ranks) == list(range(world_size))
+    groups: dict[str, Any] = {}
+    kinds = ["control", "cpu", "engine"]
+    for kind in kinds:
+        groups[kind] = dist.new_group(list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=False)
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        groups["cuda"] = dist.new_group(list(ranks), timeout=timeout, backend="nccl")
+    return Communicator(set_id, ranks, world_rank, groups, is_world)

@@ -1,0 +1,250 @@
+"""Where was this process started? One adapter per launcher, and nothing else reads their variables.
+
+Each adapter turns a launcher's variables into a :class:`Placement`: this process's rank, the world
+size, and where the rendezvous store is. Local and cross ranks given by a launcher are kept only
+as a cross-check: the real host placement is measured after the process group exists
+(:mod:`ringtrain.runtime.topology`), because launchers disagree on what "local" means and
+placements may be uneven (4-3-1).
+
+Adapters are tried in order; the first whose marker variable is present wins. All functions here
+are pure functions of a mapping, so each launcher is tested by its variables alone.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from ringtrain.errors import LaunchEnvironmentError
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This process's place in the job, as its launcher described it."""
+
+    launcher: str
+    rank: int
+    size: int
+    rendezvous_addr: str
+    rendezvous_port: int
+    # True when something other than rank 0 already serves the store (torchrun's agent, a test
+    # harness, ringtrain's launcher): then every rank, rank 0 included, connects as a client.
+    store_hosted: bool = False
+    local_rank: int | None = None
+    local_size: int | None = None
+
+
+def detect(env: Mapping[str, str]) -> Placement:
+    """The placement described by ``env``; a single process (rank 0 of 1) when no launcher is."""
+    for marker, adapter in _ADAPTERS:
+        if marker(env):
+            placement = adapter(env)
+            _validate(placement)
+            return placement
+    return Placement("single", 0, 1, "127.0.0.1", 0)
+
+
+def _int(env: Mapping[str, str], var: str, launcher: str) -> int:
+    raw = env.get(var)
+    if raw is None:
+        raise LaunchEnvironmentError(
+            f"{launcher} launch detected but {var} is not set.\n"
+            f"HINT: start the job with the {launcher} command as documented, or unset the "
+            "variables that made ringtrain think it was started by it."
+        )
+    try:
+        return int(raw)
+    except ValueError:
+        raise LaunchEnvironmentError(f"{var}={raw!r} is not an integer") from None
+
+
+def _opt_int(env: Mapping[str, str], var: str) -> int | None:
+    raw = env.get(var)
+    return int(raw) if raw not in (None, "") else None
+
+
+def _rendezvous(env: Mapping[str, str], launcher: str, default_port: int | None = None) -> tuple[str, int]:
+    addr = env.get("RINGTRAIN_RENDEZVOUS_ADDR") or env.get("MASTER_ADDR")
+    port_raw = env.get("RINGTRAIN_RENDEZVOUS_PORT") or env.get("MASTER_PORT")
+    if not addr:
+        raise LaunchEnvironmentError(
+            f"started by {launcher}, but no rendezvous address is set.\n"
+            "HINT: export MASTER_ADDR=<address of rank 0's host> and MASTER_PORT=<free port> to "
+            "every rank (e.g. `mpirun -x MASTER_ADDR=node1 -x MASTER_PORT=29500 ...`), "
+            "or start the job with `ringtrain run`."
+        )
+    if port_raw:
+        try:
+            port = int(port_raw)
+        except ValueError:
+            raise LaunchEnvironmentError(f"rendezvous port {port_raw!r} is not an integer") from None
+    elif default_port is not None:
+        port = default_port
+    else:
+        port = DEFAULT_PORT
+    return addr, port
+
+
+def _ringtrain(env: Mapping[str, str]) -> Placement:
+    addr, port = _rendezvous(env, "ringtrain run")
+    return Placement(
+        "ringtrain",
+        _int(env, "RINGTRAIN_RANK", "ringtrain run"),
+        _int(env, "RINGTRAIN_SIZE", "ringtrain run"),
+        addr,
+        port,
+        store_hosted=env.get("RINGTRAIN_RENDEZVOUS_HOSTED", "0") == "1",
+        local_rank=_opt_int(env, "RINGTRAIN_LOCAL_RANK"),
+        local_size=_opt_int(env, "RINGTRAIN_LOCAL_SIZE"),
+    )
+
+
+def _torchrun(env: Mapping[str, str]) -> Placement:
+    addr, port = _rendezvous(env, "torchrun")
+    return Placement(
+        "torchrun",
+        _int(env, "RANK", "torchrun"),
+        _int(env, "WORLD_SIZE", "torchrun"),
+        addr,
+        port,
+        # torchrun's agent serves the store when it says so; older versions leave it to rank 0.
+        store_hosted=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+        local_rank=_opt_int(env, "LOCAL_RANK"),
+        local_size=_opt_int(env, "LOCAL_WORLD_SIZE"),
+    )
+
+
+def _openmpi(env: Mapping[str, str]) -> Placement:
+    addr, port = _rendezvous(env, "Open MPI (mpirun)")
+    return Placement(
+        "openmpi",
+        _int(env, "OMPI_COMM_WORLD_RANK", "Open MPI"),
+        _int(env, "OMPI_COMM_WORLD_SIZE", "Open MPI"),
+        addr,
+        port,
+        local_rank=_opt_int(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
+        local_size=_opt_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    )
+
+
+def _pmi(env: Mapping[str, str]) -> Placement:
+    addr, port = _rendezvous(env, "MPICH/Intel MPI (mpiexec)")
+    return Placement(
+        "mpich",
+        _int(env, "PMI_RANK", "MPICH/Intel MPI"),
+        _int(env, "PMI_SIZE", "MPICH/Intel MPI"),
+        addr,
+        port,
+        local_rank=_opt_int(env, "MPI_LOCALRANKID"),
+        local_size=_opt_int(env, "MPI_LOCALNRANKS"),
+    )
+
+
+def _slurm(env: Mapping[str, str]) -> Placement:
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    fallback_addr = expand_nodelist(nodelist)[0] if nodelist else None
+    merged = dict(env)
+    if fallback_addr and not (env.get("RINGTRAIN_RENDEZVOUS_ADDR") or env.get("MASTER_ADDR")):
+        merged["MASTER_ADDR"] = fallback_addr
+    # Every task derives the same port from the job id, so no extra variable is needed.
+    job_id = env.get("SLURM_JOB_ID", "0")
+    default_port = 20000 + (int(job_id) % 20000 if job_id.isdigit() else 0)
+    addr, port = _rendezvous(merged, "Slurm (srun)", default_port=default_port)
+    return Placement(
+        "slurm",
+        _int(env, "SLURM_PROCID", "Slurm"),
+        _int(env, "SLURM_NTASKS", "Slurm"),
+        addr,
+        port,
+        local_rank=_opt_int(env, "SLURM_LOCALID"),
+        local_size=_slurm_local_size(env),
+    )
+
+
+def _slurm_local_size(env: Mapping[str, str]) -> int | None:
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    node_id = _opt_int(env, "SLURM_NODEID")
+    if not per_node or node_id is None:
+        return None
+    counts: list[int] = []
+    for part in per_node.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[node_id] if node_id < len(counts) else None
+
+
+def _kubeflow(env: Mapping[str, str]) -> Placement:
+    """A PyTorchJob pod started without torchrun: RANK is the pod's index, not the process rank."""
+    addr, port = _rendezvous(
+        {**env, "MASTER_ADDR": env.get("MASTER_ADDR") or env.get("PET_MASTER_ADDR", ""),
+         "MASTER_PORT": env.get("MASTER_PORT") or env.get("PET_MASTER_PORT", "")},
+        "a Kubeflow PyTorchJob",
+    )
+    pod = _int(env, "RANK", "Kubeflow PyTorchJob")
+    nproc_raw = env.get("PET_NPROC_PER_NODE", "1")
+    nproc = int(nproc_raw) if nproc_raw.isdigit() else 1
+    nnodes_raw = env.get("PET_NNODES", "")
+    # PET_NNODES may be a range ("1:4") for elastic jobs; the fixed size is then WORLD_SIZE pods.
+    nnodes = int(nnodes_raw) if nnodes_raw.isdigit() else _int(env, "WORLD_SIZE", "Kubeflow PyTorchJob")
+    local = _opt_int(env, "LOCAL_RANK") or 0
+    return Placement(
+        "kubeflow",
+        pod * nproc + local,
+        nnodes * nproc,
+        addr,
+        port,
+        local_rank=local,
+        local_size=nproc,
+    )
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm node list such as ``node[01-03,07],gpu5`` into host names, in order."""
+    hosts: list[str] = []
+    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?(?:,|$)", nodelist):
+        prefix, ranges = m.group(1), m.group(2)
+        if not prefix and not ranges:
+            continue
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if not hi:
+                hosts.append(prefix + lo)
+                continue
+            width = len(lo)
+            hosts += [f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi) + 1)]
+    if not hosts:
+        raise LaunchEnvironmentError(f"could not parse the Slurm node list {nodelist!r}")
+    return hosts
+
+
+def _validate(p: Placement) -> None:
+    if p.size < 1:
+        raise LaunchEnvironmentError(f"{p.launcher}: world size must be >= 1, got {p.size}")
+    if not 0 <= p.rank < p.size:
+        raise LaunchEnvironmentError(
+            f"{p.launcher}: rank {p.rank} is outside the world of size {p.size}"
+        )
+    if p.local_rank is not None and p.local_size is not None and not 0 <= p.local_rank < p.local_size:
+        raise LaunchEnvironmentError(
+            f"{p.launcher}: local rank {p.local_rank} is outside the local size {p.local_size}"
+        )
+
+
+_ADAPTERS: list[tuple[Callable[[Mapping[str, str]], bool], Callable[[Mapping[str, str]], Placement]]] = [
+    (lambda e: "RINGTRAIN_RANK" in e, _ringtrain),
+    (lambda e: "TORCHELASTIC_RUN_ID" in e or ("LOCAL_RANK" in e and "GROUP_RANK" in e), _torchrun),
+    (lambda e: "OMPI_COMM_WORLD_RANK" in e, _openmpi),
+    (lambda e: "PMI_RANK" in e, _pmi),
+    (lambda e: "SLURM_PROCID" in e and "SLURM_NTASKS" in e, _slurm),
+    (lambda e: "RANK" in e and ("PET_NNODES" in e or "PET_NPROC_PER_NODE" in e or "PET_MASTER_ADDR" in e), _kubeflow),
+    # A bare RANK/WORLD_SIZE/MASTER_ADDR set (e.g. a hand-written script): same as torchrun's.
+    (lambda e: "RANK" in e and "WORLD_SIZE" in e and "MASTER_ADDR" in e, _torchrun),
+]

@@ -1,0 +1,80 @@
+"""Process sets: named subsets of ranks that run their own collectives, as in Horovod.
+
+A :class:`ProcessSet` is a plain description (its ranks) until it is registered; registration
+(:func:`ringtrain.add_process_set`, or ``init(process_sets=...)``) is collective over the whole
+world, because ``torch.distributed.new_group`` must be called by every rank in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from ringtrain.errors import CollectiveArgumentError, NotInitializedError
+
+if TYPE_CHECKING:
+    from ringtrain.runtime.communicator import Communicator
+
+
+class ProcessSet:
+    """A subset of the world's ranks. ``ProcessSet(None)`` stands for the whole world."""
+
+    def __init__(self, ranks: Iterable[int] | None = None) -> None:
+        if ranks is None:
+            self._ranks: tuple[int, ...] | None = None
+        else:
+            ranks = [int(r) for r in ranks]
+            if len(set(ranks)) != len(ranks):
+                raise CollectiveArgumentError(f"process set ranks must be distinct, got {ranks}")
+            if not ranks:
+                raise CollectiveArgumentError("a process set needs at least one rank")
+            self._ranks = tuple(sorted(ranks))
+        self.process_set_id: int | None = None
+        self._communicator: Communicator | None = None
+
+    @property
+    def ranks(self) -> list[int]:
+        if self._ranks is None:
+            if self._communicator is None:
+                raise NotInitializedError("ProcessSet.ranks of the global set")
+            return list(self._communicator.ranks)
+        return list(self._ranks)
+
+    def _bind(self, set_id: int, communicator: Communicator) -> None:
+        self.process_set_id = set_id
+        self._communicator = communicator
+
+    def _unbind(self) -> None:
+        self.process_set_id = None
+        self._communicator = None
+
+    @property
+    def communicator(self) -> Communicator:
+        if self._communicator is None:
+            raise CollectiveArgumentError(
+                f"{self!r} is not registered.\n"
+                "HINT: pass it to ringtrain.init(process_sets=[...]) or call "
+                "ringtrain.add_process_set() on every rank first."
+            )
+        return self._communicator
+
+    def included(self) -> bool:
+        """Whether this process is a member."""
+        return self.communicator.included
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def rank(self) -> int:
+        """This process's rank within the set; raises if it is not a member."""
+        return self.communicator.set_rank
+
+    def __repr__(self) -> str:
+        who = "global" if self._ranks is None else list(self._ranks)
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={who})"
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, ProcessSet) and self._ranks == other._ranks
+
+    def __hash__(self) -> int:
+        return hash(self._ranks)

@@ -1,0 +1,70 @@
+"""Who am I: rank and size queries, as in Horovod. All raise before ``init()``."""
+
+from __future__ import annotations
+
+from ringtrain.runtime import state
+
+
+def rank() -> int:
+    """This process's rank in the world."""
+    return state.current().rank
+
+
+def size() -> int:
+    """The number of ranks in the world."""
+    return state.current().size
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks on its host."""
+    return state.current().local_rank
+
+
+def local_size() -> int:
+    """The number of ranks on this process's host."""
+    return state.current().local_size
+
+
+def cross_rank() -> int:
+    """This host's index among the hosts that run a rank with this local rank."""
+    return state.current().cross_rank
+
+
+def cross_size() -> int:
+    """The number of hosts that run a rank with this local rank."""
+    return state.current().cross_size
+
+
+def is_initialized() -> bool:
+    return state.is_initialized()
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of ranks."""
+    return state.current().topology.is_homogeneous
+
+
+def gloo_enabled() -> bool:
+    return True
+
+
+def gloo_built() -> bool:
+    return True
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_built() -> bool:
+    return False
+
+
+def nccl_built() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_nccl_available())
+
+
+def mpi_threads_supported() -> bool:
+    return False

@@ -1,0 +1,241 @@
+"""Initialization and shutdown: the one place that owns this process's distributed state.
+
+``start()`` reads the launch environment, connects to the rendezvous store, creates the default
+process group, measures the host placement, and creates the world's communicator. ``stop()``
+undoes all of it, so ``start(); stop(); start()`` works again and again in one process: each
+start uses a fresh key prefix ("generation") in the same store, and stores are kept for the
+process's lifetime because a TCPStore server cannot be rebound reliably while peers reconnect.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from ringtrain.config import Config
+from ringtrain.errors import ConfigError, LaunchEnvironmentError, NotInitializedError
+from ringtrain.runtime import communicator, environment, topology
+from ringtrain.runtime.communicator import Communicator
+from ringtrain.runtime.environment import Placement
+from ringtrain.runtime.process_sets import ProcessSet
+from ringtrain.runtime.topology import Topology
+
+log = logging.getLogger("ringtrain")
+
+WORLD_SET_ID = 0
+
+
+@dataclass
+class Runtime:
+    """Everything ringtrain knows about the running job, on this rank."""
+
+    config: Config
+    placement: Placement
+    topology: Topology
+    rank: int
+    size: int
+    generation: int
+    world: ProcessSet
+    process_sets: dict[int, ProcessSet] = field(default_factory=dict)
+    next_set_id: int = 1
+
+    @property
+    def local_rank(self) -> int:
+        return self.topology.local_rank(self.rank)
+
+    @property
+    def local_size(self) -> int:
+        return self.topology.local_size(self.rank)
+
+    @property
+    def cross_rank(self) -> int:
+        return self.topology.cross_rank(self.rank)
+
+    @property
+    def cross_size(self) -> int:
+        return self.topology.cross_size(self.rank)
+
+
+_lock = threading.RLock()
+_runtime: Runtime | None = None
+_generation = 0
+_stores: dict[tuple[str, int, bool], Any] = {}
+global_process_set = ProcessSet(None)
+
+
+def current() -> Runtime:
+    """The running job; raises :class:`NotInitializedError` before ``start()``."""
+    if _runtime is None:
+        raise NotInitializedError()
+    return _runtime
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def start(
+    config: Config | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    rank: int | None = None,
+    size: int | None = None,
+) -> Runtime:
+    """Join the job described by the environment. Idempotent while already initialized."""
+    global _runtime, _generation
+    with _lock:
+        if _runtime is not None:
+            return _runtime
+        env = os.environ if env is None else env
+        config = config or Config.from_env(env)
+        logging.getLogger("ringtrain").setLevel(config.log_level.upper())
+        placement = _reconcile(environment.detect(env), rank, size)
+        _generation += 1
+        if config.network_interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+            # HACK: torch reads Gloo's interface only from this variable; set it before the
+            # first group is created, and never override what the user set.
+            os.environ["GLOO_SOCKET_IFNAME"] = config.network_interface
+        store = dist.PrefixStore(f"ringtrain/gen{_generation}", _store(placement, config))
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=placement.rank,
+            world_size=placement.size,
+            timeout=datetime.timedelta(seconds=config.timeout_s),
+        )
+        try:
+            topo = _measure_topology(placement, env)
+            world = ProcessSet(None)
+            comm = communicator.create(WORLD_SET_ID, range(placement.size), placement.rank, placement.size, config.timeout_s)
+            world._bind(WORLD_SET_ID, comm)
+            global_process_set._bind(WORLD_SET_ID, comm)
+            _runtime = Runtime(config, placement, topo, placement.rank, placement.size, _generation, world)
+            _runtime.process_sets[WORLD_SET_ID] = global_process_set
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+        log.debug("ringtrain started: rank %d of %d via %s, %s", placement.rank, placement.size, placement.launcher, topo.describe())
+        return _runtime
+
+
+def stop() -> None:
+    """Tear down every communicator and the default group. A no-op when not initialized."""
+    global _runtime
+    with _lock:
+        rt = _runtime
+        if rt is None:
+            return
+        try:
+            for set_id in sorted(rt.process_sets, reverse=True):
+                ps = rt.process_sets[set_id]
+                if set_id != WORLD_SET_ID:
+                    ps.communicator.close()
+                    ps._unbind()
+            global_process_set.communicator.close()
+        finally:
+            global_process_set._unbind()
+            rt.world._unbind()
+            _runtime = None
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def add_process_set(ranks: Sequence[int] | ProcessSet) -> ProcessSet:
+    """Register a process set. Collective: every rank of the world calls it with the same ranks."""
+    rt = current()
+    ps = ranks if isinstance(ranks, ProcessSet) else ProcessSet(ranks)
+    if ps.process_set_id is not None:
+        raise ConfigError(f"{ps!r} is already registered")
+    bad = [r for r in ps.ranks if not 0 <= r < rt.size]
+    if bad:
+        raise ConfigError(f"process set ranks {bad} are outside the world of size {rt.size}")
+    for existing in rt.process_sets.values():
+        if existing._ranks is not None and existing._ranks == ps._ranks:
+            raise ConfigError(f"a process set with ranks {ps.ranks} is already registered as id {existing.process_set_id}")
+    set_id = rt.next_set_id
+    rt.next_set_id += 1
+    comm = communicator.create(set_id, ps.ranks, rt.rank, rt.size, rt.config.timeout_s)
+    ps._bind(set_id, comm)
+    rt.process_sets[set_id] = ps
+    return ps
+
+
+def remove_process_set(ps: ProcessSet) -> bool:
+    """Unregister a process set (collective). Returns False if it was not registered."""
+    rt = current()
+    if ps.process_set_id in (None, WORLD_SET_ID) or ps.process_set_id not in rt.process_sets:
+        return False
+    del rt.process_sets[ps.process_set_id]  # type: ignore[arg-type]
+    ps.communicator.close()
+    ps._unbind()
+    return True
+
+
+def _reconcile(p: Placement, rank: int | None, size: int | None) -> Placement:
+    """Explicit arguments win only when the launcher said nothing; a contradiction is an error."""
+    if rank is None and size is None:
+        return p
+    if p.launcher != "single":
+        if (rank is not None and rank != p.rank) or (size is not None and size != p.size):
+            raise LaunchEnvironmentError(
+                f"init(rank={rank}, size={size}) contradicts the {p.launcher} launcher, which says "
+                f"rank={p.rank}, size={p.size}.\nHINT: drop the arguments and let the launcher decide."
+            )
+        return p
+    if rank is None or size is None:
+        raise ConfigError("init(rank=..., size=...) needs both values, or neither")
+    from dataclasses import replace
+
+    placed = replace(p, launcher="explicit", rank=rank, size=size)
+    environment._validate(placed)
+    return placed
+
+
+def _store(p: Placement, config: Config) -> Any:
+    if p.size == 1 and p.launcher == "single":
+        return dist.HashStore()
+    is_master = p.rank == 0 and not p.store_hosted
+    key = (p.rendezvous_addr, p.rendezvous_port, is_master)
+    if key not in _stores:
+        try:
+            _stores[key] = dist.TCPStore(
+                p.rendezvous_addr,
+                p.rendezvous_port,
+                world_size=None,
+                is_master=is_master,
+                timeout=datetime.timedelta(seconds=config.timeout_s),
+                wait_for_workers=False,
+                use_libuv=True,
+            )
+        except (RuntimeError, OSError) as e:
+            role = "serve" if is_master else "reach"
+            raise LaunchEnvironmentError(
+                f"rank {p.rank} could not {role} the rendezvous store at "
+                f"{p.rendezvous_addr}:{p.rendezvous_port} ({e}).\n"
+                "HINT: check that the address is reachable from every host and the port is free; "
+                "`ringtrain doctor` checks both."
+            ) from e
+    return _stores[key]
+
+
+def _measure_topology(p: Placement, env: Mapping[str, str]) -> Topology:
+    host = env.get("RINGTRAIN_HOSTNAME") or socket.gethostname()
+    if p.size == 1:
+        return topology.from_hosts([host])
+    hosts: list[Any] = [None] * p.size
+    dist.all_gather_object(hosts, host)
+    topo = topology.from_hosts(hosts)
+    if p.local_size is not None and p.local_size != topo.local_size(p.rank):
+        log.warning(
+            "the %s launcher says %d ranks run on this host, but %d ranks report host %r; "
+            "using the measured placement", p.launcher, p.local_size, topo.local_size(p.rank), host,
+        )
+    return topo

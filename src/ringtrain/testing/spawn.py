@@ -1,0 +1,229 @@
+"""Run a function on N ranks: the test harness for everything distributed.
+
+A :class:`World` keeps N worker processes alive across tests (importing torch costs seconds, a
+test should not pay it), all attached to a TCPStore that this process serves on port 0, so
+parallel test runs never collide on a port. :meth:`World.run` sends a module-level function to
+every rank, which runs it between ``ringtrain.init()`` and ``ringtrain.shutdown()`` and sends back
+the result or the traceback. If the ranks do not answer in time, every rank's threads are dumped
+(faulthandler on SIGUSR1) into the error, and the world is torn down, so a hang becomes a
+readable failure instead of a stuck CI job. Workers die with their parent (PR_SET_PDEATHSIG).
+
+Write tests against ``ringtrain.rank()``/``size()`` so the same function passes at any size.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import multiprocessing as mp
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class RankFailed(AssertionError):
+    """One or more ranks raised; the message holds each rank's traceback."""
+
+
+class WorldHung(AssertionError):
+    """Ranks did not answer in time; the message holds every rank's stack dump."""
+
+
+@dataclass
+class _Call:
+    module: str
+    qualname: str
+    args: tuple[Any, ...]
+    env: dict[str, str]
+    init: bool
+    settings: dict[str, Any]
+
+
+def _worker(rank: int, size: int, port: int, conn: Connection, sys_path: list[str], log_path: str) -> None:
+    import ctypes
+    import faulthandler
+
+    try:  # die with the parent, even if it is SIGKILLed
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    log = open(log_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+    sys.path[:] = sys_path
+    os.environ.update({
+        "RINGTRAIN_RANK": str(rank), "RINGTRAIN_SIZE": str(size),
+        "RINGTRAIN_RENDEZVOUS_ADDR": "127.0.0.1", "RINGTRAIN_RENDEZVOUS_PORT": str(port),
+        "RINGTRAIN_RENDEZVOUS_HOSTED": "1", "OMP_NUM_THREADS": "1",
+    })
+    import torch
+
+    torch.set_num_threads(1)
+    import ringtrain
+
+    while True:
+        try:
+            call: _Call | None = conn.recv()
+        except EOFError:
+            return
+        if call is None:
+            return
+        saved = {k: os.environ.get(k) for k in call.env}
+        os.environ.update(call.env)
+        try:
+            fn: Any = importlib.import_module(call.module)
+            for part in call.qualname.split("."):
+                fn = getattr(fn, part)
+            if call.init:
+                ringtrain.init(**call.settings)
+            try:
+                result = fn(*call.args)
+            finally:
+                if call.init:
+                    ringtrain.shutdown()
+            conn.send(("ok", result))
+        except BaseException as e:  # report everything, including assertion failures
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+class World:
+    """N long-lived ranks that run test functions on demand."""
+
+    def __init__(self, size: int) -> None:
+        import torch.distributed as dist
+
+        self.size = size
+        self._store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60),
+                                    wait_for_workers=False)
+        self.port = self._store.port
+        self._dir = tempfile.TemporaryDirectory(prefix=f"ringtrain-world{size}-")
+        ctx = mp.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        self.logs = [os.path.join(self._dir.name, f"rank{r}.log") for r in range(size)]
+        for r in range(size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(r, size, self.port, child, list(sys.path), self.logs[r]),
+                            name=f"ringtrain-test-rank{r}", daemon=True)
+            p.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(p)
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        env: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
+        init: bool = True,
+        **settings: Any,
+    ) -> list[Any]:
+        """Run ``fn(*args)`` on every rank; returns the per-rank results in rank order.
+
+        ``env`` is applied during the call (one mapping for all ranks, or one per rank);
+        ``settings`` go to ``ringtrain.init``. Raises :class:`RankFailed` or :class:`WorldHung`.
+        """
+        if not self.alive:
+            raise WorldHung("the world's processes are gone (an earlier test killed them)")
+        envs = [dict(e) for e in env] if isinstance(env, Sequence) else [dict(env or {})] * self.size
+        for r, conn in enumerate(self._conns):
+            conn.send(_Call(fn.__module__, fn.__qualname__, args, envs[r], init, settings))
+        results: list[Any] = [None] * self.size
+        errors: dict[int, str] = {}
+        waiting = dict(enumerate(self._conns))
+        deadline = time.monotonic() + timeout
+        while waiting:
+            ready = wait(list(waiting.values()), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise WorldHung(self._hang_report(sorted(waiting), timeout))
+            for r, conn in list(waiting.items()):
+                if conn in ready:
+                    try:
+                        status, value = conn.recv()
+                    except EOFError:
+                        status, value = "error", f"rank {r} died\n{self._tail(r)}"
+                        self._procs[r].join(1)
+                    del waiting[r]
+                    if status == "ok":
+                        results[r] = value
+                    else:
+                        errors[r] = value
+        if errors:
+            raise RankFailed("\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items())))
+        return results
+
+    def _tail(self, rank: int, lines: int = 60) -> str:
+        try:
+            with open(self.logs[rank], errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def _hang_report(self, missing: list[int], timeout: float) -> str:
+        for p in self._procs:
+            if p.is_alive() and p.pid:
+                os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        parts = [f"ranks {missing} did not finish within {timeout:g} s; stacks of every rank:"]
+        parts += [f"--- rank {r} ---\n{self._tail(r, 120)}" for r in range(self.size)]
+        self.close()
+        return "\n".join(parts)
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        deadline = time.monotonic() + 5
+        for p in self._procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(2)
+        for conn in self._conns:
+            conn.close()
+        self._dir.cleanup()
+
+
+_worlds: dict[int, World] = {}
+
+
+def world(size: int) -> World:
+    """A shared world of ``size`` ranks, (re)started on demand."""
+    w = _worlds.get(size)
+    if w is None or not w.alive:
+        if w is not None:
+            w.close()
+        w = _worlds[size] = World(size)
+    return w
+
+
+def close_all() -> None:
+    for w in _worlds.values():
+        w.close()
+    _worlds.clear()

@@ -1,0 +1,193 @@
+"""allreduce in every variant, op, dtype and error case; rank-agnostic, run at sizes 1-3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ringtrain as rt
+from ringtrain.testing.spawn import RankFailed, World
+
+
+def _ops() -> None:
+    r, n = rt.rank(), rt.size()
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3) + r
+    base = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    ranks = torch.arange(n, dtype=torch.float32)
+    torch.testing.assert_close(rt.allreduce(x), base + ranks.mean())
+    torch.testing.assert_close(rt.allreduce(x, op=rt.Sum), base * n + ranks.sum())
+    torch.testing.assert_close(rt.allreduce(x, op=rt.Min), base)
+    torch.testing.assert_close(rt.allreduce(x, op=rt.Max), base + n - 1)
+    p = torch.full((3,), float(r + 2))
+    torch.testing.assert_close(rt.allreduce(p, op=rt.Product), torch.full((3,), float(torch.arange(2, n + 2).prod())))
+    torch.testing.assert_close(rt.allreduce(x, average=False), base * n + ranks.sum())
+    # scale factors: out = post * sum(pre * x)
+    torch.testing.assert_close(rt.allreduce(x, op=rt.Sum, prescale_factor=2.0, postscale_factor=0.5),
+                               base * n + ranks.sum())
+
+
+def test_reduce_ops(world: World) -> None:
+    world.run(_ops)
+
+
+def _variants() -> None:
+    r, n = rt.rank(), rt.size()
+    t = torch.ones(4) * (r + 1)
+    expected_sum = torch.ones(4) * n * (n + 1) / 2
+    out = rt.allreduce_(t, op=rt.Sum)
+    assert out is t
+    torch.testing.assert_close(t, expected_sum)
+    h = rt.allreduce_async(torch.ones(4), op=rt.Sum, name="async.one")
+    torch.testing.assert_close(rt.synchronize(h), torch.ones(4) * n)
+    t2 = torch.ones(3)
+    h = rt.allreduce_async_(t2, op=rt.Sum, name="async.inplace")
+    assert rt.synchronize(h) is t2
+    torch.testing.assert_close(t2, torch.ones(3) * n)
+    outs = rt.grouped_allreduce([torch.ones(2), torch.ones(3) * 2], op=rt.Sum)
+    torch.testing.assert_close(outs[1], torch.ones(3) * 2 * n)
+    group = [torch.ones(2), torch.ones(5)]
+    rt.grouped_allreduce_(group, op=rt.Sum)
+    torch.testing.assert_close(group[1], torch.ones(5) * n)
+    h = rt.grouped_allreduce_async([torch.ones(1)], op=rt.Sum)
+    torch.testing.assert_close(rt.synchronize(h)[0], torch.ones(1) * n)
+    # fp16 compression on the wire, result back in fp32
+    y = rt.allreduce(torch.full((8,), 0.5), compression=rt.Compression.fp16)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, torch.full((8,), 0.5))
+
+
+def test_variants(world: World) -> None:
+    world.run(_variants)
+
+
+def _out_of_order() -> None:
+    """Ranks submit in different orders; names match them up, pending ops survive a barrier."""
+    r = rt.rank()
+    names = ["a", "b", "c", "d"]
+    order = names if r % 2 == 0 else list(reversed(names))
+    handles = {nm: rt.allreduce_async(torch.ones(2) * (i + 1), op=rt.Sum, name=nm)
+               for nm, i in ((nm, names.index(nm)) for nm in order)}
+    extra = rt.allreduce_async(torch.ones(1), op=rt.Sum, name="after-barrier")
+    rt.barrier()
+    for i, nm in enumerate(names):
+        torch.testing.assert_close(rt.synchronize(handles[nm]), torch.ones(2) * (i + 1) * rt.size())
+    assert rt.synchronize(extra).item() == rt.size()
+
+
+def test_matched_by_name_not_order(world: World) -> None:
+    world.run(_out_of_order)
+
+
+def _poll_nonblocking() -> bool:
+    import time
+
+    # Only rank 0 submits at first: its handle must stay pending and poll must return at once.
+    if rt.rank() == 0:
+        h = rt.allreduce_async(torch.ones(1), name="late")
+        t0 = time.monotonic()
+        first = rt.poll(h)
+        assert time.monotonic() - t0 < 0.05
+        rt.broadcast_object("go", 0, name="go")
+        rt.synchronize(h)
+        return first if rt.size() > 1 else True
+    rt.broadcast_object(None, 0, name="go")
+    rt.synchronize(rt.allreduce_async(torch.ones(1), name="late"))
+    return True
+
+
+def test_poll_is_nonblocking(world: World) -> None:
+    results = world.run(_poll_nonblocking)
+    if world.size > 1:
+        assert results[0] is False  # still waiting for the other ranks when polled
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+          torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64, torch.bool, torch.complex64,
+          torch.complex128, torch.float8_e4m3fn]
+
+
+def _dtypes() -> None:
+    n = rt.size()
+    for dt in DTYPES:
+        if dt == torch.bool:
+            x = torch.tensor([True, False, rt.rank() == 0])
+            out = rt.allreduce(x, op=rt.Max)
+            assert out.dtype == torch.bool and out.tolist() == [True, False, True], out
+            continue
+        x = torch.ones(5, dtype=torch.float32).to(dt)
+        out = rt.allreduce(x, op=rt.Sum, name=f"dtype.{dt}")
+        assert out.dtype == dt, (dt, out.dtype)
+        torch.testing.assert_close(out.to(torch.float64 if not dt.is_complex else torch.complex128),
+                                   (torch.ones(5) * n).to(torch.float64 if not dt.is_complex else torch.complex128))
+    big = torch.tensor([2**63 + 5], dtype=torch.uint64) if n == 1 else torch.tensor([2**62], dtype=torch.uint64)
+    rt.allreduce(big, op=rt.Sum)
+
+
+def test_every_dtype(world: World) -> None:
+    world.run(_dtypes)
+
+
+def _mismatch(kind: str) -> None:
+    r = rt.rank()
+    if kind == "shape":
+        rt.allreduce(torch.ones(3 + r), name="bad.shape")
+    elif kind == "dtype":
+        rt.allreduce(torch.ones(3, dtype=torch.float32 if r == 0 else torch.float64), name="bad.dtype")
+    elif kind == "op":
+        rt.allreduce(torch.ones(3), op=rt.Sum if r == 0 else rt.Max, name="bad.op")
+    elif kind == "type":
+        rt.allreduce([1, 2, 3], name="bad.type")  # type: ignore[arg-type]
+    elif kind == "adasum":
+        rt.allreduce(torch.ones(1), op=rt.Adasum)
+
+
+@pytest.mark.parametrize("kind", ["shape", "dtype", "op"])
+def test_mismatch_raises_on_every_rank(world3: World, kind: str) -> None:
+    with pytest.raises(RankFailed) as info:
+        world3.run(_mismatch, kind, timeout=30)
+    msg = str(info.value)
+    for r in range(3):
+        assert f"--- rank {r} ---\nCollectiveMismatchError" in msg, msg
+    assert "differs" in msg and "HINT" in msg
+
+
+def test_wrong_type_raises_everywhere(world2: World) -> None:
+    with pytest.raises(RankFailed) as info:
+        world2.run(_mismatch, "type", timeout=30)
+    msg = str(info.value)
+    for r in range(2):
+        assert f"--- rank {r} ---\nCollectiveArgumentError: collective 'bad.type' was invalid" in msg, msg
+    assert "expects a torch.Tensor, got list" in msg
+
+
+def test_adasum_is_rejected_clearly(world2: World) -> None:
+    with pytest.raises(RankFailed, match="Adasum is not supported"):
+        world2.run(_mismatch, "adasum", timeout=30)
+
+
+def _duplicate_name() -> None:
+    h = rt.allreduce_async(torch.ones(1), name="dup")
+    try:
+        rt.allreduce_async(torch.ones(1), name="dup")
+    except rt.CollectiveArgumentError as e:
+        assert "already in flight" in str(e)
+    else:
+        raise AssertionError("duplicate name was accepted")
+    rt.synchronize(h)
+
+
+def test_duplicate_name_in_flight(world: World) -> None:
+    world.run(_duplicate_name)
+
+
+def _autograd() -> None:
+    n = rt.size()
+    x = torch.ones(3, requires_grad=True)
+    y = rt.allreduce(x * (rt.rank() + 1), op=rt.Sum)
+    y.sum().backward()
+    # d/dx of sum_r (r+1) x_r, gradients allreduced with Sum: each rank gets n * (rank+1)
+    torch.testing.assert_close(x.grad, torch.full((3,), float(n * (rt.rank() + 1))))
+
+
+def test_autograd(world: World) -> None:
+    world.run(_autograd)

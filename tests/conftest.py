@@ -1,0 +1,55 @@
+"""Shared fixtures: worlds of 1, 2 and 3 ranks, and a guard against leaked state.
+
+Tests written once against ``ringtrain.rank()``/``size()`` run at every world size through the
+``world`` fixture. The guard fails a test that leaves environment variables changed, threads
+running, or a process group initialized in the test process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from ringtrain.testing import spawn
+
+
+@pytest.fixture(params=[1, 2, 3], ids=lambda n: f"np{n}")
+def world(request: pytest.FixtureRequest) -> spawn.World:
+    """Every test using this runs at world sizes 1, 2 and 3."""
+    return spawn.world(request.param)
+
+
+@pytest.fixture
+def world2() -> spawn.World:
+    return spawn.world(2)
+
+
+@pytest.fixture
+def world3() -> spawn.World:
+    return spawn.world(3)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks() -> Iterator[None]:
+    env = dict(os.environ)
+    threads = {t.ident for t in threading.enumerate()}
+    yield
+    leaked_env = {k for k in set(env) ^ set(os.environ)} | {k for k in env if os.environ.get(k) != env[k]}
+    leaked_env = {k for k in leaked_env if not k.startswith("PYTEST_")}
+    assert not leaked_env, f"test changed environment variables: {sorted(leaked_env)}"
+    new_threads = [t for t in threading.enumerate() if t.ident not in threads and t.is_alive()
+                   and not t.daemon]
+    assert not new_threads, f"test left threads running: {[t.name for t in new_threads]}"
+    import sys
+
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        assert not dist.is_initialized(), "test left the default process group initialized"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    spawn.close_all()
