@@ -263,7 +263,7 @@ class Controller:
         if len(payload) <= CONTROL_SLOT_BYTES - 8:
             slot[8 : 8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         slots = torch.empty(self.comm.size * CONTROL_SLOT_BYTES, dtype=torch.uint8)
-        dist.all_gather_into_tensor(slots, slot, group=self._control)
+        dist.all_gather_single(slots, slot, group=self._control)
         slots = slots.view(self.comm.size, CONTROL_SLOT_BYTES)
         lengths = slots[:, :8].contiguous().view(torch.int64).reshape(-1).tolist()
         longest = max(lengths)
@@ -271,7 +271,7 @@ class Controller:
             big = torch.zeros(longest, dtype=torch.uint8)
             big[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             bigs = torch.empty(self.comm.size * longest, dtype=torch.uint8)
-            dist.all_gather_into_tensor(bigs, big, group=self._control)
+            dist.all_gather_single(bigs, big, group=self._control)
             bigs = bigs.view(self.comm.size, longest)
             rows = [bigs[r, :n] for r, n in enumerate(lengths)]
         else:
