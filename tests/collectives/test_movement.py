@@ -1,0 +1,189 @@
+"""allgather, broadcast, reducescatter, alltoall and object collectives; sizes 1-3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ringtrain as rt
+from ringtrain.testing.spawn import RankFailed, World
+
+
+def _allgather() -> None:
+    r, n = rt.rank(), rt.size()
+    # first dimension differs per rank
+    out = rt.allgather(torch.full((r + 1, 2), r, dtype=torch.int16))
+    expected = torch.cat([torch.full((k + 1, 2), k, dtype=torch.int16) for k in range(n)])
+    assert out.dtype == torch.int16 and torch.equal(out, expected)
+    outs = rt.grouped_allgather([torch.ones(1) * r, torch.tensor([[r, r]])])
+    assert outs[0].tolist() == [float(k) for k in range(n)]
+    assert outs[1].shape == (n, 2)
+    h = rt.allgather_async(torch.tensor([True]), name="ag.bool")
+    assert rt.synchronize(h).tolist() == [True] * n
+    # autograd: gradient of a gathered sum is the number of ranks for each own row
+    x = torch.ones(2, requires_grad=True)
+    rt.allgather(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((2,), float(n)))
+
+
+def test_allgather(world: World) -> None:
+    world.run(_allgather)
+
+
+def _broadcast() -> None:
+    r, n = rt.rank(), rt.size()
+    root = n - 1
+    t = torch.full((2, 3), float(r))
+    assert torch.equal(rt.broadcast(t, root), torch.full((2, 3), float(root)))
+    assert torch.equal(t, torch.full((2, 3), float(r))), "out-of-place broadcast changed its input"
+    rt.broadcast_(t, 0)
+    assert torch.equal(t, torch.zeros(2, 3))
+    for dt in (torch.bfloat16, torch.uint32, torch.complex64, torch.bool):
+        x = torch.ones(3).to(dt) if r == 0 else torch.zeros(3).to(dt)
+        assert torch.equal(rt.broadcast(x, 0), torch.ones(3).to(dt))
+    h = rt.broadcast_async_(torch.tensor([r]), 0, name="b.async")
+    assert rt.synchronize(h).item() == 0
+    # non-contiguous in-place
+    m = torch.full((3, 4), float(r)).t()
+    rt.broadcast_(m, 0)
+    assert torch.equal(m, torch.zeros(4, 3))
+
+
+def test_broadcast(world: World) -> None:
+    world.run(_broadcast)
+
+
+def _bad_root() -> None:
+    rt.broadcast(torch.ones(1), root_rank=7)
+
+
+def test_bad_root_rank(world2: World) -> None:
+    with pytest.raises(RankFailed) as info:
+        world2.run(_bad_root, timeout=30)
+    assert str(info.value).count("root_rank 7 is outside the process set of size 2") >= 2
+
+
+def _reducescatter() -> None:
+    r, n = rt.rank(), rt.size()
+    rows = 2 * n + 1  # uneven: the first rank gets one extra row
+    x = torch.arange(rows * 2, dtype=torch.float32).reshape(rows, 2) * (r + 1)
+    out = rt.reducescatter(x, op=rt.Sum)
+    counts = [rows // n + (1 if k < rows % n else 0) for k in range(n)]
+    start = sum(counts[:r])
+    full = torch.arange(rows * 2, dtype=torch.float32).reshape(rows, 2) * sum(range(1, n + 1))
+    torch.testing.assert_close(out, full[start : start + counts[r]])
+    avg = rt.reducescatter(torch.ones(n * 2, 3))
+    torch.testing.assert_close(avg, torch.ones(2, 3))
+    outs = rt.grouped_reducescatter([torch.ones(n, 1), torch.ones(n, 2)], op=rt.Sum)
+    assert outs[1].shape == (1, 2) and outs[1].sum().item() == 2 * n
+    x = torch.ones(n, 2, requires_grad=True)
+    rt.reducescatter(x, op=rt.Sum).sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(n, 2))
+
+
+def test_reducescatter(world: World) -> None:
+    world.run(_reducescatter)
+
+
+def _alltoall() -> None:
+    r, n = rt.rank(), rt.size()
+    # rank r sends k+1 rows to rank k, each row tagged with (sender, receiver)
+    splits = [k + 1 for k in range(n)]
+    rows = torch.cat([torch.tensor([[r, k]] * (k + 1)) for k in range(n)])
+    out, received = rt.alltoall(rows, splits=splits)
+    assert received.tolist() == [r + 1] * n
+    expected = torch.cat([torch.tensor([[s, r]] * (r + 1)) for s in range(n)])
+    assert torch.equal(out, expected)
+    even = rt.alltoall(torch.arange(n) + 10 * r)
+    assert even.tolist() == [10 * s + r for s in range(n)]
+    x = torch.ones(n, 2, requires_grad=True)
+    rt.alltoall(x).sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(n, 2))
+
+
+def test_alltoall(world: World) -> None:
+    world.run(_alltoall)
+
+
+def _bad_splits() -> None:
+    rt.alltoall(torch.ones(5), splits=[1] * (rt.size() + 1))
+
+
+def test_alltoall_bad_splits(world2: World) -> None:
+    with pytest.raises(RankFailed, match="splits has 3 entries, expected one per rank"):
+        world2.run(_bad_splits, timeout=30)
+
+
+def _objects() -> None:
+    r, n = rt.rank(), rt.size()
+    obj = {"config": [1, 2, 3], "rank": r} if r == 0 else None
+    assert rt.broadcast_object(obj, 0) == {"config": [1, 2, 3], "rank": 0}
+    assert rt.allgather_object(("r", r)) == [("r", k) for k in range(n)]
+    big = b"x" * (100_000 + r)  # larger than one control slot, different per rank
+    assert [len(b) for b in rt.allgather_object(big)] == [100_000 + k for k in range(n)]
+
+
+def test_objects(world: World) -> None:
+    world.run(_objects)
+
+
+def _process_sets() -> None:
+    r, n = rt.rank(), rt.size()
+    evens = rt.add_process_set([k for k in range(n) if k % 2 == 0])
+    assert evens.process_set_id is not None
+    if evens.included():
+        out = rt.allreduce(torch.ones(1), op=rt.Sum, process_set=evens)
+        assert out.item() == len(evens.ranks)
+        assert evens.rank() == evens.ranks.index(r)
+        assert rt.broadcast_object(r, 0, process_set=evens) == 0
+    else:
+        try:
+            rt.allreduce(torch.ones(1), process_set=evens)
+        except rt.CollectiveArgumentError as e:
+            assert "not a member" in str(e)
+        else:
+            raise AssertionError("non-member allreduce was accepted")
+    rt.barrier()
+    assert rt.remove_process_set(evens)
+    assert rt.global_process_set.size() == n
+
+
+def test_process_sets(world: World) -> None:
+    world.run(_process_sets)
+
+
+def _init_with_sets() -> list[int]:
+    ps = rt.ProcessSet([0])
+    rt.shutdown()
+    rt.init(process_sets=[ps])
+    out = rt.allreduce(torch.ones(1), op=rt.Sum, process_set=ps).item() if ps.included() else -1
+    return [int(out)]
+
+
+def test_init_with_process_sets(world2: World) -> None:
+    assert world2.run(_init_with_sets) == [[1], [-1]]
+
+
+def _join() -> int:
+    r, n = rt.rank(), rt.size()
+    # rank r has r+1 batches: ranks that run out join, the others keep reducing
+    for step in range(r + 1):
+        out = rt.allreduce(torch.ones(2) * (step + 1), op=rt.Sum, name=f"step{step}")
+        active = n - step
+        torch.testing.assert_close(out, torch.ones(2) * (step + 1) * active)
+    return rt.join()
+
+
+def test_join_uneven_batches(world: World) -> None:
+    assert world.run(_join) == [world.size - 1] * world.size
+
+
+def _reinit() -> None:
+    for _ in range(3):
+        rt.shutdown()
+        rt.init()
+        assert rt.allreduce(torch.ones(1), op=rt.Sum).item() == rt.size()
+
+
+def test_init_after_shutdown_repeatedly(world: World) -> None:
+    world.run(_reinit)
