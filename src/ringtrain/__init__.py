@@ -110,11 +110,30 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
     from ringtrain.collectives.handles import Handle
     from ringtrain.collectives.objects import allgather_object, barrier, broadcast_object, join
     from ringtrain.collectives.ops import (
-        allgather, allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall,
-        alltoall_async, broadcast, broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
-        grouped_allgather_async, grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-        grouped_allreduce_async_, grouped_reducescatter, grouped_reducescatter_async, poll, reducescatter,
-        reducescatter_async, synchronize,
+        allgather,
+        allgather_async,
+        allreduce,
+        allreduce_,
+        allreduce_async,
+        allreduce_async_,
+        alltoall,
+        alltoall_async,
+        broadcast,
+        broadcast_,
+        broadcast_async,
+        broadcast_async_,
+        grouped_allgather,
+        grouped_allgather_async,
+        grouped_allreduce,
+        grouped_allreduce_,
+        grouped_allreduce_async,
+        grouped_allreduce_async_,
+        grouped_reducescatter,
+        grouped_reducescatter_async,
+        poll,
+        reducescatter,
+        reducescatter_async,
+        synchronize,
     )
     from ringtrain.collectives.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
     from ringtrain.compression import Compression
@@ -122,11 +141,23 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
     from ringtrain.engine.optimizer import DistributedOptimizer
     from ringtrain.engine.state_sync import broadcast_optimizer_state, broadcast_parameters
     from ringtrain.errors import (
-        CollectiveArgumentError, CollectiveError, CollectiveMismatchError, ConfigError, RingtrainError, StallError,
+        CollectiveArgumentError,
+        CollectiveError,
+        CollectiveMismatchError,
+        ConfigError,
+        RingtrainError,
+        StallError,
     )
     from ringtrain.lifecycle import add_process_set, init, remove_process_set, shutdown
     from ringtrain.runtime.process_sets import ProcessSet
     from ringtrain.runtime.queries import (
-        cross_rank, cross_size, is_homogeneous, is_initialized, local_rank, local_size, rank, size,
+        cross_rank,
+        cross_size,
+        is_homogeneous,
+        is_initialized,
+        local_rank,
+        local_size,
+        rank,
+        size,
     )
     from ringtrain.runtime.state import global_process_set

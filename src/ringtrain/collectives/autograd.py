@@ -28,7 +28,7 @@ class _Allreduce(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, average: Any, name: Any, compression: Any, op: Any,
                 pre: float, post: float, ps: Any) -> torch.Tensor:
         ctx.args = (average, name, compression, op, pre, post, ps)
-        return ops.synchronize(ops.allreduce_async(tensor, average, name, op, pre, post, ps, compression))  # type: ignore[no-any-return]
+        return ops.synchronize(ops.allreduce_async(tensor, average, name, op, pre, post, ps, compression))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -39,7 +39,7 @@ class _Allreduce(torch.autograd.Function):
 
 def allreduce(tensor: torch.Tensor, average: Any, name: Any, compression: Any, op: Any, pre: float, post: float,
               ps: ProcessSet | None) -> torch.Tensor:
-    return _Allreduce.apply(tensor, average, name, compression, op, pre, post, ps)  # type: ignore[no-any-return]
+    return _Allreduce.apply(tensor, average, name, compression, op, pre, post, ps)
 
 
 class _Allgather(torch.autograd.Function):
@@ -48,7 +48,7 @@ class _Allgather(torch.autograd.Function):
         ctx.args = (name, ps)
         ctx.rows = tensor.shape[0] if tensor.dim() else 1
         ctx.scalar = tensor.dim() == 0
-        return ops.synchronize(ops.allgather_async(tensor, name, ps))  # type: ignore[no-any-return]
+        return ops.synchronize(ops.allgather_async(tensor, name, ps))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -62,14 +62,14 @@ class _Allgather(torch.autograd.Function):
 
 
 def allgather(tensor: torch.Tensor, name: Any, ps: ProcessSet | None) -> torch.Tensor:
-    return _Allgather.apply(tensor, name, ps)  # type: ignore[no-any-return]
+    return _Allgather.apply(tensor, name, ps)
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root: int, name: Any, ps: Any) -> torch.Tensor:
         ctx.args = (root, name, ps)
-        return ops.synchronize(ops.broadcast_async(tensor, root, name, ps))  # type: ignore[no-any-return]
+        return ops.synchronize(ops.broadcast_async(tensor, root, name, ps))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -81,14 +81,14 @@ class _Broadcast(torch.autograd.Function):
 
 
 def broadcast(tensor: torch.Tensor, root: int, name: Any, ps: ProcessSet | None) -> torch.Tensor:
-    return _Broadcast.apply(tensor, root, name, ps)  # type: ignore[no-any-return]
+    return _Broadcast.apply(tensor, root, name, ps)
 
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: Any, op: Any, ps: Any, pre: float, post: float) -> torch.Tensor:
         ctx.args = (name, resolve_op(op), ps, pre, post)
-        return ops.synchronize(ops.reducescatter_async(tensor, name, op, ps, pre, post))  # type: ignore[no-any-return]
+        return ops.synchronize(ops.reducescatter_async(tensor, name, op, ps, pre, post))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -101,7 +101,7 @@ class _Reducescatter(torch.autograd.Function):
 
 
 def reducescatter(tensor: torch.Tensor, name: Any, op: Any, ps: ProcessSet | None, pre: float, post: float) -> torch.Tensor:
-    return _Reducescatter.apply(tensor, name, op, ps, pre, post)  # type: ignore[no-any-return]
+    return _Reducescatter.apply(tensor, name, op, ps, pre, post)
 
 
 class _Alltoall(torch.autograd.Function):

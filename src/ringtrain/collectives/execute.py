@@ -144,7 +144,7 @@ class Executor:
         average = op == "Average"
         if average and flat.dtype in _LOW_PRECISION:
             pre /= n  # divide before summing so 16-bit sums cannot overflow
-        elif average and flat.is_floating_point() or average and flat.is_complex():
+        elif (average and flat.is_floating_point()) or (average and flat.is_complex()):
             post /= n
         if pre != 1.0:
             _scale(flat, pre)
@@ -234,7 +234,6 @@ class Executor:
         size, me = self.comm.size, self.comm.set_rank
         rows = t.shape[0]
         counts = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
-        start = sum(counts[:me])
         work = dtypes.to_reducible(t, req.op).reshape(rows, -1)
         longest = max(counts)
         width = work.shape[1]

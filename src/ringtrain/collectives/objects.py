@@ -79,4 +79,4 @@ def join(device: int = -1, process_set: ProcessSet | None = None) -> int:
     in its peers' allreduces (contributing zeros; Average divides by the ranks that contributed),
     allgathers (contributing no rows) and broadcasts. Returns the rank that joined last."""
     ctl = ops.controller_of(process_set)
-    return ops.synchronize(ctl.submit(Request(JOIN_NAME, "join"), [], []))  # type: ignore[no-any-return]
+    return ops.synchronize(ctl.submit(Request(JOIN_NAME, "join"), [], []))

@@ -36,7 +36,7 @@ def controller_of(process_set: ProcessSet | None) -> Controller:
     ctl = comm.service("controller")
     if ctl is None:
         raise CollectiveAbortedError(f"{ps!r} has no running controller; was ringtrain shut down?")
-    return ctl  # type: ignore[no-any-return]
+    return ctl
 
 
 def _meta(t: torch.Tensor) -> TensorMeta:
@@ -204,7 +204,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet | None = None) -> list[torch.Tensor]:
-    return synchronize(grouped_allgather_async(tensors, name, process_set))  # type: ignore[no-any-return]
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet | None = None) -> Handle:
@@ -218,7 +218,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Proces
         from ringtrain.collectives import autograd
 
         return autograd.allgather(tensor, name, process_set)
-    return synchronize(allgather_async(tensor, name, process_set))  # type: ignore[no-any-return]
+    return synchronize(allgather_async(tensor, name, process_set))
 
 
 # ---- broadcast -------------------------------------------------------------------------------
@@ -260,13 +260,13 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
         from ringtrain.collectives import autograd
 
         return autograd.broadcast(tensor, root_rank, name, process_set)
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set))  # type: ignore[no-any-return]
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet | None = None) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s, in place."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))  # type: ignore[no-any-return]
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 # ---- reducescatter ---------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None, op: Any = None,
                           process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
-    return synchronize(grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor,  # type: ignore[no-any-return]
+    return synchronize(grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor,
                                                    postscale_factor))
 
 
@@ -306,7 +306,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
     comp = resolve_compression(compression)
     sent, ctx = comp.compress(tensor) if isinstance(tensor, torch.Tensor) else (tensor, None)
     out = synchronize(reducescatter_async(sent, name, op, process_set, prescale_factor, postscale_factor))
-    return comp.decompress(out, ctx)  # type: ignore[no-any-return]
+    return comp.decompress(out, ctx)
 
 
 # ---- alltoall --------------------------------------------------------------------------------

@@ -113,13 +113,11 @@ def mismatch(name: str, by_rank: Mapping[int, Request]) -> str | None:
 
 
 def _rank_list(ranks: list[int]) -> str:
-    parts: list[str] = []
-    start = prev = ranks[0]
-    for r in ranks[1:] + [None]:  # type: ignore[list-item]
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    parts = [str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs]
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)

@@ -22,7 +22,7 @@ class FP16Compressor(Stateless):
     wire_dtype = torch.float16
 
     @classmethod
-    def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:  # type: ignore[override]
+    def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if tensor.is_floating_point() and tensor.dtype != cls.wire_dtype:
             return tensor.to(cls.wire_dtype), tensor.dtype
         return tensor, None

@@ -95,7 +95,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ---- the torch.optim.Optimizer surface, delegated ----------------------------------------
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
@@ -103,15 +103,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self.optimizer.state
 
-    @property  # type: ignore[override]
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -173,7 +181,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             h.remove()
         self._hooks = []
 
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
+    def _on_grad_ready(self, p: Any) -> None:
         if not self._should_sync:
             return
         param = p  # the hook receives the parameter itself
@@ -187,7 +195,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes[param] = n
         if n < self.backward_passes_per_step:
             return
-        self._handles[param] = self._submit(param)  # type: ignore[index]
+        self._handles[param] = self._submit(param)
 
     # ---- communication -----------------------------------------------------------------------
 
@@ -274,7 +282,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_sync = previous
 
-    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
         if self._should_sync and not self._synchronized:
             pending_passes = any(0 < n < self.backward_passes_per_step for n in self._passes.values())
             if pending_passes:

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from ringtrain.config import Config
 from ringtrain.errors import ConfigError, LaunchEnvironmentError, NotInitializedError
 from ringtrain.runtime import communicator, environment, topology
-from ringtrain.runtime.communicator import Communicator
 from ringtrain.runtime.environment import Placement
 from ringtrain.runtime.process_sets import ProcessSet
 from ringtrain.runtime.topology import Topology
@@ -173,7 +172,7 @@ def remove_process_set(ps: ProcessSet) -> bool:
     rt = current()
     if ps.process_set_id in (None, WORLD_SET_ID) or ps.process_set_id not in rt.process_sets:
         return False
-    del rt.process_sets[ps.process_set_id]  # type: ignore[arg-type]
+    del rt.process_sets[ps.process_set_id]
     ps.communicator.close()
     ps._unbind()
     return True

@@ -13,6 +13,7 @@ Write tests against ``ringtrain.rank()``/``size()`` so the same function passes 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import multiprocessing as mp
@@ -52,10 +53,8 @@ def _worker(rank: int, size: int, port: int, conn: Connection, sys_path: list[st
     import ctypes
     import faulthandler
 
-    try:  # die with the parent, even if it is SIGKILLed
+    with contextlib.suppress(OSError):  # die with the parent, even if it is SIGKILLed
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
     log = open(log_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -195,10 +194,8 @@ class World:
 
     def close(self) -> None:
         for conn in self._conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
         deadline = time.monotonic() + 5
         for p in self._procs:
             p.join(max(0.1, deadline - time.monotonic()))

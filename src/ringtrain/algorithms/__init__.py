@@ -1,0 +1,1 @@
+"""Reduction algorithms over process groups: flat, hierarchical, sparse, sealed."""
