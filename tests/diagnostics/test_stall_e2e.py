@@ -1,0 +1,32 @@
+"""A rank that skips an allreduce is reported by name; with a shutdown time, every rank fails."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import ringtrain as rt
+from ringtrain.testing.spawn import RankFailed, World
+
+
+def _skip_one() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    if rt.rank() != 1:
+        rt.allreduce(torch.ones(1), name="grad.skipped")
+    else:
+        # rank 1 never submits: it blocks in a later collective the others never reach
+        rt.allreduce(torch.ones(1), name="grad.next")
+
+
+def test_skipped_allreduce_reported_then_aborted(world3: World) -> None:
+    with pytest.raises(RankFailed) as info:
+        world3.run(_skip_one, timeout=40, stall_warning_s=1.0, stall_shutdown_s=3.0)
+    msg = str(info.value)
+    for r in range(3):
+        assert f"--- rank {r} ---\nStallError" in msg, msg
+    assert "rank 1 has not submitted: 'grad.skipped'" in msg
+    assert "stopping the job" in msg
+    with open(world3.logs[0]) as f:
+        assert "stall:" in f.read(), "rank 0 logged no stall warning before aborting"
