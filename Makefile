@@ -13,6 +13,7 @@ demo: setup
 
 lint: setup
 	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff format --check src tests examples
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

@@ -46,7 +46,9 @@ def load(seed: int) -> tuple[torch.Tensor, ...]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.01, help="scaled by the number of ranks")
@@ -75,7 +77,9 @@ def main() -> None:
     samples = 0
     for epoch in range(args.epochs):
         model.train()
-        order = torch.randperm(len(x_tr), generator=torch.Generator().manual_seed(args.seed + epoch))
+        order = torch.randperm(
+            len(x_tr), generator=torch.Generator().manual_seed(args.seed + epoch)
+        )
         for i in range(steps):
             idx = order[i * args.batch_size : (i + 1) * args.batch_size]
             optimizer.zero_grad()
@@ -88,14 +92,18 @@ def main() -> None:
         bar.set_postfix(epoch=epoch + 1, loss=f"{mean_loss:.3f}")
     bar.close()
     elapsed = time.perf_counter() - start
-    throughput = hvd.allreduce(torch.tensor(samples / elapsed), op=hvd.Sum, name="throughput").item()
+    throughput = hvd.allreduce(
+        torch.tensor(samples / elapsed), op=hvd.Sum, name="throughput"
+    ).item()
 
     model.eval()
     with torch.no_grad():
         accuracy = (model(x_te).argmax(1) == y_te).float().mean().item()
     if hvd.rank() == 0:
-        print(f"ranks: {hvd.size()}  final loss: {mean_loss:.4f}  test accuracy: {accuracy:.2%}  "
-              f"throughput: {throughput:,.0f} samples/s")
+        print(
+            f"ranks: {hvd.size()}  final loss: {mean_loss:.4f}  test accuracy: {accuracy:.2%}  "
+            f"throughput: {throughput:,.0f} samples/s"
+        )
         torch.save(model.state_dict(), "/tmp/ringtrain-digits.pt")
     hvd.shutdown()
     if accuracy < args.target_accuracy:

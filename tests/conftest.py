@@ -37,12 +37,15 @@ def _no_leaks() -> Iterator[None]:
     env = dict(os.environ)
     threads = {t.ident for t in threading.enumerate()}
     yield
-    leaked_env = {k for k in set(env) ^ set(os.environ)} | {k for k in env if os.environ.get(k) != env[k]}
+    leaked_env = {k for k in set(env) ^ set(os.environ)} | {
+        k for k in env if os.environ.get(k) != env[k]
+    }
     # torch sets TORCHINDUCTOR_* itself on first use of torch.optim (its dynamo import).
     leaked_env = {k for k in leaked_env if not k.startswith(("PYTEST_", "TORCHINDUCTOR_"))}
     assert not leaked_env, f"test changed environment variables: {sorted(leaked_env)}"
-    new_threads = [t for t in threading.enumerate() if t.ident not in threads and t.is_alive()
-                   and not t.daemon]
+    new_threads = [
+        t for t in threading.enumerate() if t.ident not in threads and t.is_alive() and not t.daemon
+    ]
     assert not new_threads, f"test left threads running: {[t.name for t in new_threads]}"
     import sys
 

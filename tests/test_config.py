@@ -9,7 +9,9 @@ from ringtrain.errors import ConfigError
 
 
 def test_defaults_env_then_overrides() -> None:
-    c = Config.from_env({"RINGTRAIN_CYCLE_TIME_MS": "5", "RINGTRAIN_SECURE": "yes"}, cycle_time_ms=2.0)
+    c = Config.from_env(
+        {"RINGTRAIN_CYCLE_TIME_MS": "5", "RINGTRAIN_SECURE": "yes"}, cycle_time_ms=2.0
+    )
     assert c.cycle_time_ms == 2.0 and c.secure is True
     assert Config.from_env({}).fusion_threshold_bytes == 64 * 1024 * 1024
 
@@ -34,7 +36,11 @@ def test_launcher_placement_variables_are_not_settings() -> None:
 
 def test_round_trip_through_env() -> None:
     env = to_env(secure=True, cycle_time_ms=3.5, timeline_filename="t.json")
-    assert env == {"RINGTRAIN_SECURE": "1", "RINGTRAIN_CYCLE_TIME_MS": "3.5", "RINGTRAIN_TIMELINE_FILENAME": "t.json"}
+    assert env == {
+        "RINGTRAIN_SECURE": "1",
+        "RINGTRAIN_CYCLE_TIME_MS": "3.5",
+        "RINGTRAIN_TIMELINE_FILENAME": "t.json",
+    }
     c = Config.from_env(env)
     assert (c.secure, c.cycle_time_ms, c.timeline_filename) == (True, 3.5, "t.json")
     assert env_var("stall_warning_s") == "RINGTRAIN_STALL_WARNING_S"

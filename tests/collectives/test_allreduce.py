@@ -19,11 +19,15 @@ def _ops() -> None:
     torch.testing.assert_close(rt.allreduce(x, op=rt.Min), base)
     torch.testing.assert_close(rt.allreduce(x, op=rt.Max), base + n - 1)
     p = torch.full((3,), float(r + 2))
-    torch.testing.assert_close(rt.allreduce(p, op=rt.Product), torch.full((3,), float(torch.arange(2, n + 2).prod())))
+    torch.testing.assert_close(
+        rt.allreduce(p, op=rt.Product), torch.full((3,), float(torch.arange(2, n + 2).prod()))
+    )
     torch.testing.assert_close(rt.allreduce(x, average=False), base * n + ranks.sum())
     # scale factors: out = post * sum(pre * x)
-    torch.testing.assert_close(rt.allreduce(x, op=rt.Sum, prescale_factor=2.0, postscale_factor=0.5),
-                               base * n + ranks.sum())
+    torch.testing.assert_close(
+        rt.allreduce(x, op=rt.Sum, prescale_factor=2.0, postscale_factor=0.5),
+        base * n + ranks.sum(),
+    )
 
 
 def test_reduce_ops(world: World) -> None:
@@ -65,8 +69,10 @@ def _out_of_order() -> None:
     r = rt.rank()
     names = ["a", "b", "c", "d"]
     order = names if r % 2 == 0 else list(reversed(names))
-    handles = {nm: rt.allreduce_async(torch.ones(2) * (i + 1), op=rt.Sum, name=nm)
-               for nm, i in ((nm, names.index(nm)) for nm in order)}
+    handles = {
+        nm: rt.allreduce_async(torch.ones(2) * (i + 1), op=rt.Sum, name=nm)
+        for nm, i in ((nm, names.index(nm)) for nm in order)
+    }
     extra = rt.allreduce_async(torch.ones(1), op=rt.Sum, name="after-barrier")
     rt.barrier()
     for i, nm in enumerate(names):
@@ -101,9 +107,24 @@ def test_poll_is_nonblocking(world: World) -> None:
         assert results[0] is False  # still waiting for the other ranks when polled
 
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-          torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64, torch.bool, torch.complex64,
-          torch.complex128, torch.float8_e4m3fn]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+]
 
 
 def _dtypes() -> None:
@@ -117,9 +138,15 @@ def _dtypes() -> None:
         x = torch.ones(5, dtype=torch.float32).to(dt)
         out = rt.allreduce(x, op=rt.Sum, name=f"dtype.{dt}")
         assert out.dtype == dt, (dt, out.dtype)
-        torch.testing.assert_close(out.to(torch.float64 if not dt.is_complex else torch.complex128),
-                                   (torch.ones(5) * n).to(torch.float64 if not dt.is_complex else torch.complex128))
-    big = torch.tensor([2**63 + 5], dtype=torch.uint64) if n == 1 else torch.tensor([2**62], dtype=torch.uint64)
+        torch.testing.assert_close(
+            out.to(torch.float64 if not dt.is_complex else torch.complex128),
+            (torch.ones(5) * n).to(torch.float64 if not dt.is_complex else torch.complex128),
+        )
+    big = (
+        torch.tensor([2**63 + 5], dtype=torch.uint64)
+        if n == 1
+        else torch.tensor([2**62], dtype=torch.uint64)
+    )
     rt.allreduce(big, op=rt.Sum)
 
 
@@ -132,7 +159,9 @@ def _mismatch(kind: str) -> None:
     if kind == "shape":
         rt.allreduce(torch.ones(3 + r), name="bad.shape")
     elif kind == "dtype":
-        rt.allreduce(torch.ones(3, dtype=torch.float32 if r == 0 else torch.float64), name="bad.dtype")
+        rt.allreduce(
+            torch.ones(3, dtype=torch.float32 if r == 0 else torch.float64), name="bad.dtype"
+        )
     elif kind == "op":
         rt.allreduce(torch.ones(3), op=rt.Sum if r == 0 else rt.Max, name="bad.op")
     elif kind == "type":
@@ -156,7 +185,9 @@ def test_wrong_type_raises_everywhere(world2: World) -> None:
         world2.run(_mismatch, "type", timeout=30)
     msg = str(info.value)
     for r in range(2):
-        assert f"--- rank {r} ---\nCollectiveArgumentError: collective 'bad.type' was invalid" in msg, msg
+        assert (
+            f"--- rank {r} ---\nCollectiveArgumentError: collective 'bad.type' was invalid" in msg
+        ), msg
     assert "expects a torch.Tensor, got list" in msg
 
 

@@ -34,7 +34,9 @@ def test_abort_after_shutdown_time() -> None:
 
 
 def test_disabled_with_zero_warning_time() -> None:
-    assert StallInspector(0, 0).check(_waiting(0), 3, now=1e9) == StallInspector(0, 0).check({}, 3, 0)
+    assert StallInspector(0, 0).check(_waiting(0), 3, now=1e9) == StallInspector(0, 0).check(
+        {}, 3, 0
+    )
 
 
 def test_global_rank_translation_for_process_sets() -> None:

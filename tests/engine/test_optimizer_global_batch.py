@@ -19,14 +19,19 @@ def _model() -> torch.nn.Module:
 
 def _data(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(PER_RANK * n, 6, generator=g), torch.randint(0, 3, (PER_RANK * n,), generator=g)
+    return torch.randn(PER_RANK * n, 6, generator=g), torch.randint(
+        0, 3, (PER_RANK * n,), generator=g
+    )
 
 
 def _train(opt_name: str) -> list[torch.Tensor]:
     r, n = rt.rank(), rt.size()
     model = _model()
-    base = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if opt_name == "sgd"
-            else torch.optim.Adam(model.parameters(), lr=0.01))
+    base = (
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if opt_name == "sgd"
+        else torch.optim.Adam(model.parameters(), lr=0.01)
+    )
     opt = rt.DistributedOptimizer(base, named_parameters=model.named_parameters())
     for step in range(STEPS):
         x, y = _data(step, n)
@@ -39,8 +44,11 @@ def _train(opt_name: str) -> list[torch.Tensor]:
 
 def _reference(opt_name: str, n: int) -> list[torch.Tensor]:
     model = _model()
-    opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if opt_name == "sgd"
-           else torch.optim.Adam(model.parameters(), lr=0.01))
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if opt_name == "sgd"
+        else torch.optim.Adam(model.parameters(), lr=0.01)
+    )
     for step in range(STEPS):
         x, y = _data(step, n)
         opt.zero_grad()
@@ -72,7 +80,9 @@ def _broadcast_state() -> None:
     assert opt.param_groups[0]["lr"] == 0.1
     avg = opt.state[model.weight]["exp_avg"]
     gathered = rt.allgather(avg.reshape(1, -1))
-    assert torch.equal(gathered, gathered[:1].expand_as(gathered)), "optimizer state differs after broadcast"
+    assert torch.equal(gathered, gathered[:1].expand_as(gathered)), (
+        "optimizer state differs after broadcast"
+    )
 
 
 def test_broadcast_parameters_and_optimizer_state(world: World) -> None:
@@ -81,8 +91,9 @@ def test_broadcast_parameters_and_optimizer_state(world: World) -> None:
 
 def _zero_grad_guard() -> str:
     model = torch.nn.Linear(2, 1)
-    opt = rt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                  named_parameters=model.named_parameters())
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     model(torch.ones(1, 2)).sum().backward()
     try:
         opt.zero_grad()

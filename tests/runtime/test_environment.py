@@ -14,25 +14,55 @@ def test_no_launcher_is_a_single_process() -> None:
 
 
 def test_ringtrain_launcher() -> None:
-    p = detect({"RINGTRAIN_RANK": "3", "RINGTRAIN_SIZE": "8", "RINGTRAIN_LOCAL_RANK": "1",
-                "RINGTRAIN_LOCAL_SIZE": "4", "RINGTRAIN_RENDEZVOUS_ADDR": "198.18.0.1",
-                "RINGTRAIN_RENDEZVOUS_PORT": "4000"})
+    p = detect(
+        {
+            "RINGTRAIN_RANK": "3",
+            "RINGTRAIN_SIZE": "8",
+            "RINGTRAIN_LOCAL_RANK": "1",
+            "RINGTRAIN_LOCAL_SIZE": "4",
+            "RINGTRAIN_RENDEZVOUS_ADDR": "198.18.0.1",
+            "RINGTRAIN_RENDEZVOUS_PORT": "4000",
+        }
+    )
     assert (p.launcher, p.rank, p.size, p.local_rank, p.local_size) == ("ringtrain", 3, 8, 1, 4)
     assert (p.rendezvous_addr, p.rendezvous_port, p.store_hosted) == ("198.18.0.1", 4000, False)
 
 
 def test_torchrun_with_agent_store() -> None:
-    p = detect({"RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "1",
-                "MASTER_ADDR": "node0", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "x",
-                "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    p = detect(
+        {
+            "RANK": "5",
+            "WORLD_SIZE": "6",
+            "LOCAL_RANK": "2",
+            "LOCAL_WORLD_SIZE": "3",
+            "GROUP_RANK": "1",
+            "MASTER_ADDR": "node0",
+            "MASTER_PORT": "29400",
+            "TORCHELASTIC_RUN_ID": "x",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
+    )
     assert (p.launcher, p.rank, p.size, p.local_rank, p.store_hosted) == ("torchrun", 5, 6, 2, True)
     assert (p.rendezvous_addr, p.rendezvous_port) == ("node0", 29400)
 
 
 def test_open_mpi() -> None:
-    p = detect({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-                "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "h0"})
-    assert (p.launcher, p.rank, p.size, p.local_size, p.rendezvous_port) == ("openmpi", 1, 4, 2, 29500)
+    p = detect(
+        {
+            "OMPI_COMM_WORLD_RANK": "1",
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "MASTER_ADDR": "h0",
+        }
+    )
+    assert (p.launcher, p.rank, p.size, p.local_size, p.rendezvous_port) == (
+        "openmpi",
+        1,
+        4,
+        2,
+        29500,
+    )
 
 
 def test_mpi_without_rendezvous_explains_what_to_set() -> None:
@@ -41,15 +71,29 @@ def test_mpi_without_rendezvous_explains_what_to_set() -> None:
 
 
 def test_mpich_pmi() -> None:
-    p = detect({"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1",
-                "MASTER_ADDR": "h0", "MASTER_PORT": "1234"})
+    p = detect(
+        {
+            "PMI_RANK": "2",
+            "PMI_SIZE": "3",
+            "MPI_LOCALRANKID": "0",
+            "MPI_LOCALNRANKS": "1",
+            "MASTER_ADDR": "h0",
+            "MASTER_PORT": "1234",
+        }
+    )
     assert (p.launcher, p.rank, p.size, p.local_rank) == ("mpich", 2, 3, 0)
 
 
 def test_slurm_derives_master_and_port() -> None:
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
-           "SLURM_STEP_NODELIST": "gpu[07-09,12],cpu1", "SLURM_STEP_TASKS_PER_NODE": "2(x3),1,1",
-           "SLURM_JOB_ID": "123456"}
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "2",
+        "SLURM_STEP_NODELIST": "gpu[07-09,12],cpu1",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x3),1,1",
+        "SLURM_JOB_ID": "123456",
+    }
     p = detect(env)
     assert (p.launcher, p.rank, p.size, p.local_rank, p.local_size) == ("slurm", 5, 8, 1, 2)
     assert p.rendezvous_addr == "gpu07"
@@ -57,18 +101,42 @@ def test_slurm_derives_master_and_port() -> None:
 
 
 def test_expand_nodelist() -> None:
-    assert expand_nodelist("a[1-3],b,c[08-10,15]") == ["a1", "a2", "a3", "b", "c08", "c09", "c10", "c15"]
+    assert expand_nodelist("a[1-3],b,c[08-10,15]") == [
+        "a1",
+        "a2",
+        "a3",
+        "b",
+        "c08",
+        "c09",
+        "c10",
+        "c15",
+    ]
 
 
 def test_kubeflow_pod_index_is_not_the_process_rank() -> None:
-    env = {"RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456",
-           "PET_NNODES": "3", "PET_NPROC_PER_NODE": "4", "LOCAL_RANK": "1"}
+    env = {
+        "RANK": "2",
+        "WORLD_SIZE": "3",
+        "MASTER_ADDR": "job-master-0",
+        "MASTER_PORT": "23456",
+        "PET_NNODES": "3",
+        "PET_NPROC_PER_NODE": "4",
+        "LOCAL_RANK": "1",
+    }
     p = detect(env)
     assert (p.launcher, p.rank, p.size, p.local_rank, p.local_size) == ("kubeflow", 9, 12, 1, 4)
 
 
 def test_kubeflow_single_process_pods() -> None:
-    p = detect({"RANK": "1", "WORLD_SIZE": "2", "PET_MASTER_ADDR": "m", "PET_MASTER_PORT": "1", "PET_NNODES": "2"})
+    p = detect(
+        {
+            "RANK": "1",
+            "WORLD_SIZE": "2",
+            "PET_MASTER_ADDR": "m",
+            "PET_MASTER_PORT": "1",
+            "PET_NNODES": "2",
+        }
+    )
     assert (p.rank, p.size, p.rendezvous_addr) == (1, 2, "m")
 
 

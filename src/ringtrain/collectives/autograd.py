@@ -25,20 +25,43 @@ def _grad_name(name: str | None) -> str | None:
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, average: Any, name: Any, compression: Any, op: Any,
-                pre: float, post: float, ps: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        average: Any,
+        name: Any,
+        compression: Any,
+        op: Any,
+        pre: float,
+        post: float,
+        ps: Any,
+    ) -> torch.Tensor:
         ctx.args = (average, name, compression, op, pre, post, ps)
-        return ops.synchronize(ops.allreduce_async(tensor, average, name, op, pre, post, ps, compression))
+        return ops.synchronize(
+            ops.allreduce_async(tensor, average, name, op, pre, post, ps, compression)
+        )
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         average, name, compression, op, pre, post, ps = ctx.args
-        g = ops.synchronize(ops.allreduce_async(grad.contiguous(), average, _grad_name(name), op, pre, post, ps, compression))
+        g = ops.synchronize(
+            ops.allreduce_async(
+                grad.contiguous(), average, _grad_name(name), op, pre, post, ps, compression
+            )
+        )
         return (g, None, None, None, None, None, None, None)
 
 
-def allreduce(tensor: torch.Tensor, average: Any, name: Any, compression: Any, op: Any, pre: float, post: float,
-              ps: ProcessSet | None) -> torch.Tensor:
+def allreduce(
+    tensor: torch.Tensor,
+    average: Any,
+    name: Any,
+    compression: Any,
+    op: Any,
+    pre: float,
+    post: float,
+    ps: ProcessSet | None,
+) -> torch.Tensor:
     return _Allreduce.apply(tensor, average, name, compression, op, pre, post, ps)
 
 
@@ -53,8 +76,12 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         name, ps = ctx.args
-        rows = ops.synchronize(ops.allgather_async(torch.tensor([ctx.rows]), _grad_name(name) and f"{name}.rows", ps))
-        summed = ops.synchronize(ops.allreduce_async(grad.contiguous(), name=_grad_name(name), op="Sum", process_set=ps))
+        rows = ops.synchronize(
+            ops.allgather_async(torch.tensor([ctx.rows]), _grad_name(name) and f"{name}.rows", ps)
+        )
+        summed = ops.synchronize(
+            ops.allreduce_async(grad.contiguous(), name=_grad_name(name), op="Sum", process_set=ps)
+        )
         me = ops.controller_of(ps).comm.set_rank
         start = int(rows[:me].sum())
         mine = summed[start : start + ctx.rows]
@@ -74,7 +101,9 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         root, name, ps = ctx.args
-        summed = ops.synchronize(ops.allreduce_async(grad.contiguous(), name=_grad_name(name), op="Sum", process_set=ps))
+        summed = ops.synchronize(
+            ops.allreduce_async(grad.contiguous(), name=_grad_name(name), op="Sum", process_set=ps)
+        )
         if ops.controller_of(ps).comm.set_rank != root:
             summed = torch.zeros_like(summed)
         return summed, None, None, None
@@ -86,7 +115,9 @@ def broadcast(tensor: torch.Tensor, root: int, name: Any, ps: ProcessSet | None)
 
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: Any, op: Any, ps: Any, pre: float, post: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, tensor: torch.Tensor, name: Any, op: Any, ps: Any, pre: float, post: float
+    ) -> torch.Tensor:
         ctx.args = (name, resolve_op(op), ps, pre, post)
         return ops.synchronize(ops.reducescatter_async(tensor, name, op, ps, pre, post))
 
@@ -100,7 +131,9 @@ class _Reducescatter(torch.autograd.Function):
         return full * scale if scale != 1.0 else full, None, None, None, None, None
 
 
-def reducescatter(tensor: torch.Tensor, name: Any, op: Any, ps: ProcessSet | None, pre: float, post: float) -> torch.Tensor:
+def reducescatter(
+    tensor: torch.Tensor, name: Any, op: Any, ps: ProcessSet | None, pre: float, post: float
+) -> torch.Tensor:
     return _Reducescatter.apply(tensor, name, op, ps, pre, post)
 
 
@@ -108,8 +141,13 @@ class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any, ps: Any) -> Any:
         ctx.args = (name, ps)
-        out, received = ops.synchronize(ops.alltoall_async(tensor, splits if splits is not None else None, name, ps)) \
-            if splits is not None else (ops.synchronize(ops.alltoall_async(tensor, None, name, ps)), None)
+        out, received = (
+            ops.synchronize(
+                ops.alltoall_async(tensor, splits if splits is not None else None, name, ps)
+            )
+            if splits is not None
+            else (ops.synchronize(ops.alltoall_async(tensor, None, name, ps)), None)
+        )
         ctx.received = received
         ctx.mark_non_differentiable(*([received] if received is not None else []))
         return (out, received) if received is not None else out
@@ -118,11 +156,18 @@ class _Alltoall(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> Any:
         name, ps = ctx.args
         back_splits = ctx.received.tolist() if ctx.received is not None else None
-        g = ops.synchronize(ops.alltoall_async(grad.contiguous(), back_splits, _grad_name(name), ps))
+        g = ops.synchronize(
+            ops.alltoall_async(grad.contiguous(), back_splits, _grad_name(name), ps)
+        )
         if back_splits is not None:
             g = g[0]
         return g, None, None, None
 
 
-def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None, name: Any, ps: ProcessSet | None) -> Any:
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None,
+    name: Any,
+    ps: ProcessSet | None,
+) -> Any:
     return _Alltoall.apply(tensor, splits, name, ps)

@@ -65,7 +65,9 @@ class _Message:
 class Controller:
     """Negotiates and runs the collectives of one process set on this rank."""
 
-    def __init__(self, comm: Communicator, config: Config, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, comm: Communicator, config: Config, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.comm = comm
         self.config = config
         self._clock = clock
@@ -84,7 +86,9 @@ class Controller:
         self._counters: dict[str, int] = {}
         self._executor = Executor(comm, config)
         self._control = comm.group("control")
-        self._thread = threading.Thread(target=self._run, name=f"ringtrain-controller-{comm.set_id}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"ringtrain-controller-{comm.set_id}", daemon=True
+        )
         self._thread.start()
 
     # ---- submitting side (user threads) ------------------------------------------------------
@@ -108,7 +112,9 @@ class Controller:
             if self._failure is not None:
                 raise type(self._failure)(*self._failure.args)
             if self._closed or self._shutdown:
-                raise CollectiveAbortedError(f"cannot submit {request.name!r}: ringtrain is shutting down")
+                raise CollectiveAbortedError(
+                    f"cannot submit {request.name!r}: ringtrain is shutting down"
+                )
             if request.name in self._pending:
                 raise CollectiveArgumentError(
                     f"a collective named {request.name!r} is already in flight on this rank.\n"
@@ -127,7 +133,9 @@ class Controller:
         self._wake.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            log.warning("ringtrain controller of set %d did not stop within %s s", self.comm.set_id, timeout)
+            log.warning(
+                "ringtrain controller of set %d did not stop within %s s", self.comm.set_id, timeout
+            )
 
     close = request_shutdown
 
@@ -202,7 +210,9 @@ class Controller:
         self._executor.flush()
         if all(m.shutdown for m in messages):
             self._closed = True
-            self._fail_all(CollectiveAbortedError("ringtrain shut down before this collective completed"))
+            self._fail_all(
+                CollectiveAbortedError("ringtrain shut down before this collective completed")
+            )
         return bool(self._table)
 
     def _is_ready(self, name: str) -> bool:
@@ -225,11 +235,19 @@ class Controller:
             if local:
                 local.handle.set_result(self._last_joined)
             return
-        problem = mismatch(name, by_rank) if self.config.check_consistency else _local_errors(name, by_rank)
+        problem = (
+            mismatch(name, by_rank)
+            if self.config.check_consistency
+            else _local_errors(name, by_rank)
+        )
         if problem:
             self._executor.flush()
             if local:
-                cls = CollectiveArgumentError if any(r.error for r in by_rank.values()) else CollectiveMismatchError
+                cls = (
+                    CollectiveArgumentError
+                    if any(r.error for r in by_rank.values())
+                    else CollectiveMismatchError
+                )
                 local.handle.set_error(cls(problem))
             return
         joined = frozenset(self._joined - set(by_rank))

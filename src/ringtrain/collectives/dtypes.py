@@ -13,12 +13,24 @@ import torch
 from ringtrain.errors import CollectiveArgumentError
 
 GLOO_NATIVE = {
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool,
-    torch.complex64, torch.complex128,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
 }
 _WIDEN_INT = {torch.int16, torch.uint16, torch.uint32}
-_FLOAT8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)}
+_FLOAT8 = {
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, n)
+}
 
 
 def reduction_dtype(dtype: torch.dtype, op: str) -> torch.dtype:

@@ -54,7 +54,9 @@ class _Item:
 
 
 def _zeros(meta: TensorMeta) -> torch.Tensor:
-    return torch.zeros(meta.shape, dtype=getattr(torch, meta.dtype.replace("torch.", "")), device=meta.device)
+    return torch.zeros(
+        meta.shape, dtype=getattr(torch, meta.dtype.replace("torch.", "")), device=meta.device
+    )
 
 
 class Executor:
@@ -67,7 +69,14 @@ class Executor:
         self._batch_key: tuple[Any, ...] | None = None
         self._batch_bytes = 0
 
-    def add(self, name: str, by_rank: Mapping[int, Request], local: Pending | None, joined: frozenset[int], me: int) -> None:
+    def add(
+        self,
+        name: str,
+        by_rank: Mapping[int, Request],
+        local: Pending | None,
+        joined: frozenset[int],
+        me: int,
+    ) -> None:
         req = by_rank[min(by_rank)]
         if local is None:  # this rank has joined: contribute zeros shaped like the others' tensors
             tensors = [_zeros(m) for m in req.tensors]
@@ -83,7 +92,9 @@ class Executor:
                 )
             if req.kind == "allreduce":
                 if joined and req.op not in ("Sum", "Average"):
-                    raise CollectiveArgumentError(f"allreduce with op={req.op} cannot run while ranks have joined")
+                    raise CollectiveArgumentError(
+                        f"allreduce with op={req.op} cannot run while ranks have joined"
+                    )
                 item = _Item(name, req, tensors, outputs, handle, self.comm.size - len(joined))
                 self._queue_allreduce(item)
                 return
@@ -101,9 +112,14 @@ class Executor:
 
     def _queue_allreduce(self, item: _Item) -> None:
         t0 = item.tensors[0] if item.tensors else None
-        key = (item.request.op, item.request.tensors[0].dtype if item.request.tensors else None,
-               t0.device if t0 is not None else None, item.request.prescale, item.request.postscale,
-               item.contributors)
+        key = (
+            item.request.op,
+            item.request.tensors[0].dtype if item.request.tensors else None,
+            t0.device if t0 is not None else None,
+            item.request.prescale,
+            item.request.postscale,
+            item.contributors,
+        )
         nbytes = sum(t.numel() * t.element_size() for t in item.tensors)
         if self._batch and (key != self._batch_key or self._batch_bytes + nbytes > self.threshold):
             self.flush()
@@ -184,8 +200,15 @@ class Executor:
             return self._alltoall(by_rank, tensors[0], me)
         raise CollectiveArgumentError(f"unknown collective kind {req.kind!r}")
 
-    def _broadcast(self, req: Request, by_rank: Mapping[int, Request], tensors: list[torch.Tensor],
-                   outputs: list[torch.Tensor], joined: frozenset[int], me: int) -> list[torch.Tensor]:
+    def _broadcast(
+        self,
+        req: Request,
+        by_rank: Mapping[int, Request],
+        tensors: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        joined: frozenset[int],
+        me: int,
+    ) -> list[torch.Tensor]:
         if req.root in joined:
             raise CollectiveArgumentError(f"broadcast from root rank {req.root}, which has joined")
         root_req = by_rank[req.root]
@@ -203,14 +226,22 @@ class Executor:
             if self.comm.size > 1:
                 dist.broadcast(buf, group=self.comm.group_for(buf), group_src=req.root)
             if buf.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
-                out.copy_(buf.view(out.dtype if out.dtype != torch.bool else torch.uint8).view(out.shape))
+                out.copy_(
+                    buf.view(out.dtype if out.dtype != torch.bool else torch.uint8).view(out.shape)
+                )
             results.append(out)
         return results
 
-    def _allgather(self, i: int, t: torch.Tensor, by_rank: Mapping[int, Request], joined: frozenset[int]) -> torch.Tensor:
+    def _allgather(
+        self, i: int, t: torch.Tensor, by_rank: Mapping[int, Request], joined: frozenset[int]
+    ) -> torch.Tensor:
         meta = by_rank[min(by_rank)].tensors[i]
-        rows = [0 if r in joined else (by_rank[r].tensors[i].shape[0] if by_rank[r].tensors[i].shape else 1)
-                for r in range(self.comm.size)]
+        rows = [
+            0
+            if r in joined
+            else (by_rank[r].tensors[i].shape[0] if by_rank[r].tensors[i].shape else 1)
+            for r in range(self.comm.size)
+        ]
         if t.dim() == 0:
             t = t.reshape(1)
         data = dtypes.as_bytes(t)
@@ -252,8 +283,12 @@ class Executor:
             _scale(pieces, pre)
         out = torch.empty((longest, width), dtype=work.dtype, device=work.device)
         if size > 1:
-            dist.reduce_scatter_single(out, pieces.reshape(size * longest, width), op=REDUCE_OPS[req.op],
-                                       group=self.comm.group_for(out))
+            dist.reduce_scatter_single(
+                out,
+                pieces.reshape(size * longest, width),
+                op=REDUCE_OPS[req.op],
+                group=self.comm.group_for(out),
+            )
         else:
             out.copy_(pieces[0])
         out = out[: counts[me]]
@@ -266,7 +301,9 @@ class Executor:
             return result.view(torch.uint64)
         return result.to(t.dtype)
 
-    def _alltoall(self, by_rank: Mapping[int, Request], t: torch.Tensor, me: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _alltoall(
+        self, by_rank: Mapping[int, Request], t: torch.Tensor, me: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         size = self.comm.size
 
         def splits_of(r: int) -> list[int]:
@@ -283,8 +320,13 @@ class Executor:
         data = dtypes.as_bytes(t)
         out = torch.empty((sum(recv), data.shape[1]), dtype=torch.uint8, device=data.device)
         if size > 1:
-            dist.all_to_all_single(out, data, output_split_sizes=recv, input_split_sizes=send,
-                                   group=self.comm.group_for(data))
+            dist.all_to_all_single(
+                out,
+                data,
+                output_split_sizes=recv,
+                input_split_sizes=send,
+                group=self.comm.group_for(data),
+            )
         else:
             out.copy_(data)
         result = _from_bytes(out, t.dtype, (sum(recv), *t.shape[1:]))

@@ -25,7 +25,9 @@ def _dumps(obj: Any) -> torch.Tensor:
     try:
         pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:
-        raise CollectiveArgumentError(f"object of type {type(obj).__name__} cannot be pickled: {e}") from e
+        raise CollectiveArgumentError(
+            f"object of type {type(obj).__name__} cannot be pickled: {e}"
+        ) from e
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
@@ -33,8 +35,9 @@ def _loads(t: torch.Tensor) -> Any:
     return pickle.loads(t.numpy().tobytes())
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: ProcessSet | None = None) -> Any:
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet | None = None
+) -> Any:
     """``root_rank``'s object, on every rank of the process set."""
     ctl = ops.controller_of(process_set)
     name = name if name is not None else ctl.auto_name("broadcast_object")
@@ -44,22 +47,38 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         return ops.synchronize(ctl.submit(Request(name, "broadcast", root=-1, error=err), [], []))
     if ctl.comm.set_rank == root_rank:
         data = _dumps(obj)
-        req = Request(name, "broadcast", (TensorMeta(tuple(data.shape), str(data.dtype)),), root=root_rank,
-                      shape_from_root=True)
+        req = Request(
+            name,
+            "broadcast",
+            (TensorMeta(tuple(data.shape), str(data.dtype)),),
+            root=root_rank,
+            shape_from_root=True,
+        )
         handle = ctl.submit(req, [data], [data])
     else:
-        req = Request(name, "broadcast", (TensorMeta((0,), str(torch.uint8)),), root=root_rank, shape_from_root=True)
+        req = Request(
+            name,
+            "broadcast",
+            (TensorMeta((0,), str(torch.uint8)),),
+            root=root_rank,
+            shape_from_root=True,
+        )
         handle = ctl.submit(req, [torch.empty(0, dtype=torch.uint8)], [])
     return _loads(ops.synchronize(handle)[0])
 
 
-def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet | None = None) -> list[Any]:
+def allgather_object(
+    obj: Any, name: str | None = None, process_set: ProcessSet | None = None
+) -> list[Any]:
     """Every rank's object, as a list in rank order."""
     ctl = ops.controller_of(process_set)
     name = name if name is not None else ctl.auto_name("allgather_object")
     data = _dumps(obj)
-    sizes = ops.synchronize(ops.allgather_async(torch.tensor([data.numel()], dtype=torch.int64), f"{name}.sizes",
-                                                process_set))
+    sizes = ops.synchronize(
+        ops.allgather_async(
+            torch.tensor([data.numel()], dtype=torch.int64), f"{name}.sizes", process_set
+        )
+    )
     gathered = ops.synchronize(ops.allgather_async(data, name, process_set))
     out, offset = [], 0
     for n in sizes.tolist():

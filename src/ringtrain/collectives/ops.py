@@ -50,9 +50,15 @@ def _check_tensors(kind: str, tensors: Sequence[Any]) -> str:
         if not isinstance(t, torch.Tensor):
             return f"{kind} expects a torch.Tensor{where}, got {type(t).__name__}"
         if t.is_sparse:
-            return (f"{kind} got a sparse tensor{where}; convert it with .to_dense(), or use "
-                    "DistributedOptimizer, which handles sparse gradients")
-        if kind in ("allgather", "reducescatter", "alltoall") and t.dim() == 0 and kind != "allgather":
+            return (
+                f"{kind} got a sparse tensor{where}; convert it with .to_dense(), or use "
+                "DistributedOptimizer, which handles sparse gradients"
+            )
+        if (
+            kind in ("allgather", "reducescatter", "alltoall")
+            and t.dim() == 0
+            and kind != "allgather"
+        ):
             return f"{kind} needs a tensor with at least one dimension{where}"
     return ""
 
@@ -72,7 +78,12 @@ def _submit(
     error = _check_tensors(kind, tensors) or (check() if check else "")
     if error:
         return ctl.submit(Request(name, kind, error=error, **fields), [], [], finish)
-    return ctl.submit(Request(name, kind, tuple(_meta(t) for t in tensors), **fields), list(tensors), outputs, finish)
+    return ctl.submit(
+        Request(name, kind, tuple(_meta(t) for t in tensors), **fields),
+        list(tensors),
+        outputs,
+        finish,
+    )
 
 
 def _single(result: Any) -> Any:
@@ -82,7 +93,9 @@ def _single(result: Any) -> Any:
 def synchronize(handle: Handle) -> Any:
     """Wait for an asynchronous collective and return its result (raises its error)."""
     if not isinstance(handle, Handle):
-        raise CollectiveArgumentError(f"synchronize expects a handle from an *_async call, got {handle!r}")
+        raise CollectiveArgumentError(
+            f"synchronize expects a handle from an *_async call, got {handle!r}"
+        )
     return handle.wait()
 
 
@@ -93,9 +106,20 @@ def poll(handle: Handle) -> bool:
 
 # ---- allreduce -------------------------------------------------------------------------------
 
-def _allreduce_handle(tensors: Sequence[Any], *, inplace: bool, grouped: bool, average: bool | None,
-                      name: str | None, op: Any, prescale_factor: float, postscale_factor: float,
-                      process_set: ProcessSet | None, compression: Any = None) -> Handle:
+
+def _allreduce_handle(
+    tensors: Sequence[Any],
+    *,
+    inplace: bool,
+    grouped: bool,
+    average: bool | None,
+    name: str | None,
+    op: Any,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet | None,
+    compression: Any = None,
+) -> Handle:
     op_name = resolve_op(op, average)
     comp = resolve_compression(compression)
     sent, ctxs = [], []
@@ -120,99 +144,223 @@ def _allreduce_handle(tensors: Sequence[Any], *, inplace: bool, grouped: bool, a
             outs = list(tensors)
         return outs if grouped else outs[0]
 
-    return _submit("allreduce", [s.detach() if isinstance(s, torch.Tensor) else s for s in sent], name,
-                   process_set, finish, outputs, op=op_name, prescale=float(prescale_factor),
-                   postscale=float(postscale_factor))
+    return _submit(
+        "allreduce",
+        [s.detach() if isinstance(s, torch.Tensor) else s for s in sent],
+        name,
+        process_set,
+        finish,
+        outputs,
+        op=op_name,
+        prescale=float(prescale_factor),
+        postscale=float(postscale_factor),
+    )
 
 
-def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
-                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: ProcessSet | None = None, compression: Any = None) -> Handle:
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+    compression: Any = None,
+) -> Handle:
     """Start reducing ``tensor`` over the ranks; ``synchronize`` returns a new tensor."""
-    return _allreduce_handle([tensor], inplace=False, grouped=False, average=average, name=name, op=op,
-                             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                             process_set=process_set, compression=compression)
+    return _allreduce_handle(
+        [tensor],
+        inplace=False,
+        grouped=False,
+        average=average,
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+        compression=compression,
+    )
 
 
-def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
-                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: ProcessSet | None = None) -> Handle:
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> Handle:
     """In-place version of :func:`allreduce_async`: ``tensor`` receives the result."""
-    return _allreduce_handle([tensor], inplace=True, grouped=False, average=average, name=name, op=op,
-                             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                             process_set=process_set)
+    return _allreduce_handle(
+        [tensor],
+        inplace=True,
+        grouped=False,
+        average=average,
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+    )
 
 
-def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, compression: Any = None,
-              op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: ProcessSet | None = None) -> torch.Tensor:
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks of the process set (default: Average). Differentiable."""
     if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
         from ringtrain.collectives import autograd
 
-        return autograd.allreduce(tensor, average, name, compression, op, prescale_factor, postscale_factor, process_set)
-    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
-                                       process_set, compression))
+        return autograd.allreduce(
+            tensor, average, name, compression, op, prescale_factor, postscale_factor, process_set
+        )
+    return synchronize(
+        allreduce_async(
+            tensor, average, name, op, prescale_factor, postscale_factor, process_set, compression
+        )
+    )
 
 
-def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
-               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-               process_set: ProcessSet | None = None) -> torch.Tensor:
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> torch.Tensor:
     """Reduce ``tensor`` in place and return it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    return synchronize(
+        allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
-def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                            op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: ProcessSet | None = None, compression: Any = None) -> Handle:
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+    compression: Any = None,
+) -> Handle:
     """Reduce a list of tensors as one unit (negotiated and fused together)."""
-    return _allreduce_handle(list(tensors), inplace=False, grouped=True, average=average, name=name, op=op,
-                             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                             process_set=process_set, compression=compression)
+    return _allreduce_handle(
+        list(tensors),
+        inplace=False,
+        grouped=True,
+        average=average,
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+        compression=compression,
+    )
 
 
-def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                             op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: ProcessSet | None = None) -> Handle:
-    return _allreduce_handle(list(tensors), inplace=True, grouped=True, average=average, name=name, op=op,
-                             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                             process_set=process_set)
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> Handle:
+    return _allreduce_handle(
+        list(tensors),
+        inplace=True,
+        grouped=True,
+        average=average,
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+    )
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                      compression: Any = None, op: Any = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0, process_set: ProcessSet | None = None) -> list[torch.Tensor]:
-    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
-                                               process_set, compression))
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> list[torch.Tensor]:
+    return synchronize(
+        grouped_allreduce_async(
+            tensors, average, name, op, prescale_factor, postscale_factor, process_set, compression
+        )
+    )
 
 
-def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                       op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       process_set: ProcessSet | None = None) -> list[torch.Tensor]:
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> list[torch.Tensor]:
+    return synchronize(
+        grouped_allreduce_async_(
+            tensors, average, name, op, prescale_factor, postscale_factor, process_set
+        )
+    )
 
 
 # ---- allgather -------------------------------------------------------------------------------
 
-def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
-                            process_set: ProcessSet | None = None) -> Handle:
+
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet | None = None
+) -> Handle:
     """Concatenate each tensor's rows from all ranks (first dimensions may differ per rank)."""
-    return _submit("allgather", [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors], name,
-                   process_set, list)
+    return _submit(
+        "allgather",
+        [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors],
+        name,
+        process_set,
+        list,
+    )
 
 
-def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
-                      process_set: ProcessSet | None = None) -> list[torch.Tensor]:
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet | None = None
+) -> list[torch.Tensor]:
     return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet | None = None) -> Handle:
-    return _submit("allgather", [tensor.detach() if isinstance(tensor, torch.Tensor) else tensor], name,
-                   process_set, _single)
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet | None = None
+) -> Handle:
+    return _submit(
+        "allgather",
+        [tensor.detach() if isinstance(tensor, torch.Tensor) else tensor],
+        name,
+        process_set,
+        _single,
+    )
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet | None = None) -> torch.Tensor:
+def allgather(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet | None = None
+) -> torch.Tensor:
     """Concatenate ``tensor`` from all ranks along dim 0, in rank order. Differentiable."""
     if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
         from ringtrain.collectives import autograd
@@ -223,6 +371,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Proces
 
 # ---- broadcast -------------------------------------------------------------------------------
 
+
 def _root_check(root_rank: Any, process_set: ProcessSet | None) -> Callable[[], str]:
     def check() -> str:
         size = controller_of(process_set).comm.size
@@ -231,30 +380,52 @@ def _root_check(root_rank: Any, process_set: ProcessSet | None) -> Callable[[], 
         if not 0 <= root_rank < size:
             return f"root_rank {root_rank} is outside the process set of size {size} (valid: 0..{size - 1})"
         return ""
+
     return check
 
 
-def _broadcast_handle(tensor: Any, root_rank: int, name: str | None, process_set: ProcessSet | None,
-                      inplace: bool) -> Handle:
+def _broadcast_handle(
+    tensor: Any, root_rank: int, name: str | None, process_set: ProcessSet | None, inplace: bool
+) -> Handle:
     t = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
     outputs = [t if inplace else torch.empty_like(t)] if isinstance(t, torch.Tensor) else None
     root = root_rank if isinstance(root_rank, int) else -1
-    return _submit("broadcast", [t], name, process_set, _single, outputs, _root_check(root_rank, process_set),
-                   root=root)
+    return _submit(
+        "broadcast",
+        [t],
+        name,
+        process_set,
+        _single,
+        outputs,
+        _root_check(root_rank, process_set),
+        root=root,
+    )
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet | None = None) -> Handle:
+def broadcast_async(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> Handle:
     return _broadcast_handle(tensor, root_rank, name, process_set, inplace=False)
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set: ProcessSet | None = None) -> Handle:
+def broadcast_async_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> Handle:
     return _broadcast_handle(tensor, root_rank, name, process_set, inplace=True)
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-              process_set: ProcessSet | None = None) -> torch.Tensor:
+def broadcast(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> torch.Tensor:
     """A copy of ``root_rank``'s tensor on every rank. Differentiable."""
     if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
         from ringtrain.collectives import autograd
@@ -263,71 +434,129 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-               process_set: ProcessSet | None = None) -> torch.Tensor:
+def broadcast_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s, in place."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 # ---- reducescatter ---------------------------------------------------------------------------
 
-def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None, op: Any = None,
-                                process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> Handle:
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: Any = None,
+    process_set: ProcessSet | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle:
     """Reduce, then give rank r its slice of dim 0 (the first ``rows % size`` ranks get one extra row)."""
-    return _submit("reducescatter", [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors], name,
-                   process_set, list, op=resolve_op(op), prescale=float(prescale_factor),
-                   postscale=float(postscale_factor))
+    return _submit(
+        "reducescatter",
+        [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors],
+        name,
+        process_set,
+        list,
+        op=resolve_op(op),
+        prescale=float(prescale_factor),
+        postscale=float(postscale_factor),
+    )
 
 
-def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None, op: Any = None,
-                          process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
-    return synchronize(grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor,
-                                                   postscale_factor))
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: Any = None,
+    process_set: ProcessSet | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    return synchronize(
+        grouped_reducescatter_async(
+            tensors, name, op, process_set, prescale_factor, postscale_factor
+        )
+    )
 
 
-def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = None,
-                        process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> Handle:
-    return _submit("reducescatter", [tensor.detach() if isinstance(tensor, torch.Tensor) else tensor], name,
-                   process_set, _single, op=resolve_op(op), prescale=float(prescale_factor),
-                   postscale=float(postscale_factor))
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: Any = None,
+    process_set: ProcessSet | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle:
+    return _submit(
+        "reducescatter",
+        [tensor.detach() if isinstance(tensor, torch.Tensor) else tensor],
+        name,
+        process_set,
+        _single,
+        op=resolve_op(op),
+        prescale=float(prescale_factor),
+        postscale=float(postscale_factor),
+    )
 
 
-def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = None, op: Any = None,
-                  process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> torch.Tensor:
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: Any = None,
+    op: Any = None,
+    process_set: ProcessSet | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
     """Reduce ``tensor`` over ranks and return this rank's slice of dim 0. Differentiable."""
     if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
         from ringtrain.collectives import autograd
 
-        return autograd.reducescatter(tensor, name, op, process_set, prescale_factor, postscale_factor)
+        return autograd.reducescatter(
+            tensor, name, op, process_set, prescale_factor, postscale_factor
+        )
     comp = resolve_compression(compression)
     sent, ctx = comp.compress(tensor) if isinstance(tensor, torch.Tensor) else (tensor, None)
-    out = synchronize(reducescatter_async(sent, name, op, process_set, prescale_factor, postscale_factor))
+    out = synchronize(
+        reducescatter_async(sent, name, op, process_set, prescale_factor, postscale_factor)
+    )
     return comp.decompress(out, ctx)
 
 
 # ---- alltoall --------------------------------------------------------------------------------
+
 
 def _splits_check(tensor: Any, splits: Any, process_set: ProcessSet | None) -> Callable[[], str]:
     def check() -> str:
         size = controller_of(process_set).comm.size
         rows = tensor.shape[0] if isinstance(tensor, torch.Tensor) and tensor.dim() else 0
         if splits is None:
-            return "" if rows % size == 0 else (
-                f"alltoall without splits needs dim 0 ({rows}) divisible by the set size ({size}); pass splits=")
+            return (
+                ""
+                if rows % size == 0
+                else (
+                    f"alltoall without splits needs dim 0 ({rows}) divisible by the set size ({size}); pass splits="
+                )
+            )
         if len(splits) != size:
             return f"alltoall splits has {len(splits)} entries, expected one per rank ({size})"
         if any(int(s) < 0 for s in splits) or sum(int(s) for s in splits) != rows:
             return f"alltoall splits {list(splits)} must be >= 0 and sum to dim 0 of the tensor ({rows})"
         return ""
+
     return check
 
 
-def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, name: str | None = None,
-                   process_set: ProcessSet | None = None) -> Handle:
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None = None,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> Handle:
     """Send ``splits[r]`` rows to rank r; receive each rank's rows for us, in rank order."""
     if isinstance(splits, torch.Tensor):
         splits = [int(s) for s in splits.tolist()]
@@ -338,12 +567,24 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
         return result if given else result[0]
 
     t = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
-    return _submit("alltoall", [t], name, process_set, finish, None,
-                   _splits_check(t, splits, process_set), splits=split_tuple)
+    return _submit(
+        "alltoall",
+        [t],
+        name,
+        process_set,
+        finish,
+        None,
+        _splits_check(t, splits, process_set),
+        splits=split_tuple,
+    )
 
 
-def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, name: str | None = None,
-             process_set: ProcessSet | None = None) -> Any:
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None = None,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> Any:
     """All-to-all scatter/gather. Returns the output, or ``(output, received_splits)`` when
     ``splits`` is given, as Horovod does. Differentiable."""
     if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():

@@ -8,4 +8,12 @@ from ringtrain.compression.halfprec import (
     NoneCompressor,
 )
 
-__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor", "register", "resolve"]
+__all__ = [
+    "BF16Compressor",
+    "Compression",
+    "Compressor",
+    "FP16Compressor",
+    "NoneCompressor",
+    "register",
+    "resolve",
+]

@@ -77,7 +77,9 @@ def stall_report(
         have = [to_global[r] for r in w.submitted]
         lines.append(f"  {w.name!r} waiting {now - w.since:.0f} s; submitted by ranks {have}")
     for rank, names in sorted(missing_by_rank.items()):
-        shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        shown = ", ".join(repr(n) for n in names[:5]) + (
+            f" and {len(names) - 5} more" if len(names) > 5 else ""
+        )
         lines.append(f"  rank {rank} has not submitted: {shown}")
     lines.append(
         "HINT: the missing ranks may have skipped a collective (a data-dependent branch, an "

@@ -61,16 +61,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> None:
         # Deliberately no super().__init__(): all optimizer state lives in the wrapped optimizer.
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise ConfigError(
+                f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
         if isinstance(optimizer, DistributedOptimizer):
-            raise ConfigError("this optimizer is already a DistributedOptimizer; wrap the plain optimizer once")
+            raise ConfigError(
+                "this optimizer is already a DistributedOptimizer; wrap the plain optimizer once"
+            )
         if backward_passes_per_step < 1:
-            raise ConfigError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+            raise ConfigError(
+                f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}"
+            )
         if gradient_predivide_factor <= 0:
-            raise ConfigError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+            raise ConfigError(
+                f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}"
+            )
         if groups is not None:
-            warnings.warn("DistributedOptimizer(groups=...) is ignored: ringtrain fuses by readiness",
-                          stacklevel=2)
+            warnings.warn(
+                "DistributedOptimizer(groups=...) is ignored: ringtrain fuses by readiness",
+                stacklevel=2,
+            )
         self.optimizer = optimizer
         self._op = resolve_op(op)
         if self._op not in ("Average", "Sum"):
@@ -134,21 +144,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return f"DistributedOptimizer({self.optimizer!r})"
 
     def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("DistributedOptimizer cannot be pickled; save optimizer.state_dict() instead")
+        raise TypeError(
+            "DistributedOptimizer cannot be pickled; save optimizer.state_dict() instead"
+        )
 
     # ---- naming and hooks --------------------------------------------------------------------
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def _name_parameters(self, named: Iterable[tuple[str, torch.nn.Parameter]] | None,
-                         keep: dict[torch.nn.Parameter, str] | None = None) -> dict[torch.nn.Parameter, str]:
+    def _name_parameters(
+        self,
+        named: Iterable[tuple[str, torch.nn.Parameter]] | None,
+        keep: dict[torch.nn.Parameter, str] | None = None,
+    ) -> dict[torch.nn.Parameter, str]:
         params = self._params()
         if named is not None:
             pairs = list(named)
             if any(not isinstance(p, tuple) or len(p) != 2 for p in pairs):
-                raise ConfigError("named_parameters must be an iterable of (name, parameter), "
-                                  "e.g. model.named_parameters()")
+                raise ConfigError(
+                    "named_parameters must be an iterable of (name, parameter), "
+                    "e.g. model.named_parameters()"
+                )
             names = [n for n, _ in pairs]
             dupes = sorted({n for n in names if names.count(n) > 1})
             if dupes:
@@ -218,15 +235,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 return self._submit_sparse(name, grad, pre * post)
         wire, ctx = self._compression.compress(grad)
         if wire is grad:
-            return ops.allreduce_async_(grad, name=name, op=op, prescale_factor=pre, postscale_factor=post,
-                                        process_set=self._process_set), None
-        return ops.allreduce_async_(wire, name=name, op=op, prescale_factor=pre, postscale_factor=post,
-                                    process_set=self._process_set), (wire, ctx)
+            return ops.allreduce_async_(
+                grad,
+                name=name,
+                op=op,
+                prescale_factor=pre,
+                postscale_factor=post,
+                process_set=self._process_set,
+            ), None
+        return ops.allreduce_async_(
+            wire,
+            name=name,
+            op=op,
+            prescale_factor=pre,
+            postscale_factor=post,
+            process_set=self._process_set,
+        ), (wire, ctx)
 
     def _submit_sparse(self, name: str, grad: torch.Tensor, scale: float) -> tuple[Handle, Any]:
         grad = grad.coalesce()
-        indices = ops.allgather_async(grad.indices().t().contiguous(), f"{name}.indices", self._process_set)
-        values = ops.allgather_async(grad.values().contiguous(), f"{name}.values", self._process_set)
+        indices = ops.allgather_async(
+            grad.indices().t().contiguous(), f"{name}.indices", self._process_set
+        )
+        values = ops.allgather_async(
+            grad.values().contiguous(), f"{name}.values", self._process_set
+        )
         return indices, ("sparse", values, grad.shape, scale)
 
     def _finish(self, p: torch.nn.Parameter, handle: Handle, extra: Any) -> None:
@@ -284,7 +317,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         if self._should_sync and not self._synchronized:
-            pending_passes = any(0 < n < self.backward_passes_per_step for n in self._passes.values())
+            pending_passes = any(
+                0 < n < self.backward_passes_per_step for n in self._passes.values()
+            )
             if pending_passes:
                 raise CollectiveArgumentError(
                     f"step() after {max(self._passes.values())} of {self.backward_passes_per_step} "

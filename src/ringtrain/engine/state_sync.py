@@ -32,18 +32,30 @@ def _named(params: Any) -> list[tuple[str, torch.Tensor]]:
         )
     for name, t in items:
         if not isinstance(t, torch.Tensor):
-            raise CollectiveArgumentError(f"broadcast_parameters: {name!r} is a {type(t).__name__}, not a tensor")
+            raise CollectiveArgumentError(
+                f"broadcast_parameters: {name!r} is a {type(t).__name__}, not a tensor"
+            )
     return items
 
 
-def broadcast_parameters(params: Any, root_rank: int = 0, process_set: ProcessSet | None = None,
-                         prefix: str = "broadcast.param") -> None:
+def broadcast_parameters(
+    params: Any,
+    root_rank: int = 0,
+    process_set: ProcessSet | None = None,
+    prefix: str = "broadcast.param",
+) -> None:
     """Overwrite ``params`` (a state_dict, named_parameters() or tensors) with the root's, in place."""
     handles = []
     with torch.no_grad():
         for name, t in _named(params):
-            handles.append(ops.broadcast_async_(t.data if isinstance(t, torch.nn.Parameter) else t,
-                                                root_rank, f"{prefix}.{name}", process_set))
+            handles.append(
+                ops.broadcast_async_(
+                    t.data if isinstance(t, torch.nn.Parameter) else t,
+                    root_rank,
+                    f"{prefix}.{name}",
+                    process_set,
+                )
+            )
     for h in handles:
         ops.synchronize(h)
 
@@ -76,14 +88,17 @@ def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
-                              process_set: ProcessSet | None = None) -> None:
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, root_rank: int = 0, process_set: ProcessSet | None = None
+) -> None:
     """Replace every rank's optimizer state (and hyper-parameters) with the root's."""
     inner = getattr(optimizer, "optimizer", optimizer)
     me = ops.controller_of(process_set).comm.set_rank
     tensors: list[torch.Tensor] = []
     skeleton = _split(inner.state_dict(), tensors) if me == root_rank else None
-    skeleton = broadcast_object(skeleton, root_rank, "broadcast.optimizer_state.skeleton", process_set)
+    skeleton = broadcast_object(
+        skeleton, root_rank, "broadcast.optimizer_state.skeleton", process_set
+    )
     slots: list[_TensorSlot] = []
 
     def collect(o: Any) -> None:
@@ -100,8 +115,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     slots.sort(key=lambda s: s.index)
     if me != root_rank:
         tensors = [torch.empty(s.shape, dtype=s.dtype) for s in slots]
-    handles = [ops.broadcast_async_(t, root_rank, f"broadcast.optimizer_state.{i}", process_set)
-               for i, t in enumerate(tensors)]
+    handles = [
+        ops.broadcast_async_(t, root_rank, f"broadcast.optimizer_state.{i}", process_set)
+        for i, t in enumerate(tensors)
+    ]
     for h in handles:
         ops.synchronize(h)
     if me != root_rank:

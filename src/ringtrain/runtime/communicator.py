@@ -100,7 +100,9 @@ class Communicator:
         self._groups.clear()
 
 
-def create(set_id: int, ranks: Sequence[int], world_rank: int, world_size: int, timeout_s: float) -> Communicator:
+def create(
+    set_id: int, ranks: Sequence[int], world_rank: int, world_size: int, timeout_s: float
+) -> Communicator:
     """Create the groups of a process set. Collective: every world rank calls it in the same order."""
     import datetime
 
@@ -109,7 +111,9 @@ def create(set_id: int, ranks: Sequence[int], world_rank: int, world_size: int, 
     groups: dict[str, Any] = {}
     kinds = ["control", "cpu", "engine"]
     for kind in kinds:
-        groups[kind] = dist.new_group(list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=False)
+        groups[kind] = dist.new_group(
+            list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=False
+        )
     if torch.cuda.is_available() and dist.is_nccl_available():
         groups["cuda"] = dist.new_group(list(ranks), timeout=timeout, backend="nccl")
     return Communicator(set_id, ranks, world_rank, groups, is_world)

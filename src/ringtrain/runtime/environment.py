@@ -66,7 +66,9 @@ def _opt_int(env: Mapping[str, str], var: str) -> int | None:
     return int(raw) if raw not in (None, "") else None
 
 
-def _rendezvous(env: Mapping[str, str], launcher: str, default_port: int | None = None) -> tuple[str, int]:
+def _rendezvous(
+    env: Mapping[str, str], launcher: str, default_port: int | None = None
+) -> tuple[str, int]:
     addr = env.get("RINGTRAIN_RENDEZVOUS_ADDR") or env.get("MASTER_ADDR")
     port_raw = env.get("RINGTRAIN_RENDEZVOUS_PORT") or env.get("MASTER_PORT")
     if not addr:
@@ -80,7 +82,9 @@ def _rendezvous(env: Mapping[str, str], launcher: str, default_port: int | None 
         try:
             port = int(port_raw)
         except ValueError:
-            raise LaunchEnvironmentError(f"rendezvous port {port_raw!r} is not an integer") from None
+            raise LaunchEnvironmentError(
+                f"rendezvous port {port_raw!r} is not an integer"
+            ) from None
     elif default_port is not None:
         port = default_port
     else:
@@ -144,7 +148,9 @@ def _pmi(env: Mapping[str, str]) -> Placement:
 
 
 def _slurm(env: Mapping[str, str]) -> Placement:
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    nodelist = (
+        env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    )
     fallback_addr = expand_nodelist(nodelist)[0] if nodelist else None
     merged = dict(env)
     if fallback_addr and not (env.get("RINGTRAIN_RENDEZVOUS_ADDR") or env.get("MASTER_ADDR")):
@@ -181,8 +187,11 @@ def _slurm_local_size(env: Mapping[str, str]) -> int | None:
 def _kubeflow(env: Mapping[str, str]) -> Placement:
     """A PyTorchJob pod started without torchrun: RANK is the pod's index, not the process rank."""
     addr, port = _rendezvous(
-        {**env, "MASTER_ADDR": env.get("MASTER_ADDR") or env.get("PET_MASTER_ADDR", ""),
-         "MASTER_PORT": env.get("MASTER_PORT") or env.get("PET_MASTER_PORT", "")},
+        {
+            **env,
+            "MASTER_ADDR": env.get("MASTER_ADDR") or env.get("PET_MASTER_ADDR", ""),
+            "MASTER_PORT": env.get("MASTER_PORT") or env.get("PET_MASTER_PORT", ""),
+        },
         "a Kubeflow PyTorchJob",
     )
     pod = _int(env, "RANK", "Kubeflow PyTorchJob")
@@ -190,7 +199,9 @@ def _kubeflow(env: Mapping[str, str]) -> Placement:
     nproc = int(nproc_raw) if nproc_raw.isdigit() else 1
     nnodes_raw = env.get("PET_NNODES", "")
     # PET_NNODES may be a range ("1:4") for elastic jobs; the fixed size is then WORLD_SIZE pods.
-    nnodes = int(nnodes_raw) if nnodes_raw.isdigit() else _int(env, "WORLD_SIZE", "Kubeflow PyTorchJob")
+    nnodes = (
+        int(nnodes_raw) if nnodes_raw.isdigit() else _int(env, "WORLD_SIZE", "Kubeflow PyTorchJob")
+    )
     local = _opt_int(env, "LOCAL_RANK") or 0
     return Placement(
         "kubeflow",
@@ -232,19 +243,31 @@ def _validate(p: Placement) -> None:
         raise LaunchEnvironmentError(
             f"{p.launcher}: rank {p.rank} is outside the world of size {p.size}"
         )
-    if p.local_rank is not None and p.local_size is not None and not 0 <= p.local_rank < p.local_size:
+    if (
+        p.local_rank is not None
+        and p.local_size is not None
+        and not 0 <= p.local_rank < p.local_size
+    ):
         raise LaunchEnvironmentError(
             f"{p.launcher}: local rank {p.local_rank} is outside the local size {p.local_size}"
         )
 
 
-_ADAPTERS: list[tuple[Callable[[Mapping[str, str]], bool], Callable[[Mapping[str, str]], Placement]]] = [
+_ADAPTERS: list[
+    tuple[Callable[[Mapping[str, str]], bool], Callable[[Mapping[str, str]], Placement]]
+] = [
     (lambda e: "RINGTRAIN_RANK" in e, _ringtrain),
     (lambda e: "TORCHELASTIC_RUN_ID" in e or ("LOCAL_RANK" in e and "GROUP_RANK" in e), _torchrun),
     (lambda e: "OMPI_COMM_WORLD_RANK" in e, _openmpi),
     (lambda e: "PMI_RANK" in e, _pmi),
     (lambda e: "SLURM_PROCID" in e and "SLURM_NTASKS" in e, _slurm),
-    (lambda e: "RANK" in e and ("PET_NNODES" in e or "PET_NPROC_PER_NODE" in e or "PET_MASTER_ADDR" in e), _kubeflow),
+    (
+        lambda e: (
+            "RANK" in e
+            and ("PET_NNODES" in e or "PET_NPROC_PER_NODE" in e or "PET_MASTER_ADDR" in e)
+        ),
+        _kubeflow,
+    ),
     # A bare RANK/WORLD_SIZE/MASTER_ADDR set (e.g. a hand-written script): same as torchrun's.
     (lambda e: "RANK" in e and "WORLD_SIZE" in e and "MASTER_ADDR" in e, _torchrun),
 ]

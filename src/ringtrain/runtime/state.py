@@ -113,15 +113,29 @@ def start(
         try:
             topo = _measure_topology(placement, env)
             world = ProcessSet(None)
-            comm = communicator.create(WORLD_SET_ID, range(placement.size), placement.rank, placement.size, config.timeout_s)
+            comm = communicator.create(
+                WORLD_SET_ID,
+                range(placement.size),
+                placement.rank,
+                placement.size,
+                config.timeout_s,
+            )
             world._bind(WORLD_SET_ID, comm)
             global_process_set._bind(WORLD_SET_ID, comm)
-            _runtime = Runtime(config, placement, topo, placement.rank, placement.size, _generation, world)
+            _runtime = Runtime(
+                config, placement, topo, placement.rank, placement.size, _generation, world
+            )
             _runtime.process_sets[WORLD_SET_ID] = global_process_set
         except BaseException:
             dist.destroy_process_group()
             raise
-        log.debug("ringtrain started: rank %d of %d via %s, %s", placement.rank, placement.size, placement.launcher, topo.describe())
+        log.debug(
+            "ringtrain started: rank %d of %d via %s, %s",
+            placement.rank,
+            placement.size,
+            placement.launcher,
+            topo.describe(),
+        )
         return _runtime
 
 
@@ -158,7 +172,9 @@ def add_process_set(ranks: Sequence[int] | ProcessSet) -> ProcessSet:
         raise ConfigError(f"process set ranks {bad} are outside the world of size {rt.size}")
     for existing in rt.process_sets.values():
         if existing._ranks is not None and existing._ranks == ps._ranks:
-            raise ConfigError(f"a process set with ranks {ps.ranks} is already registered as id {existing.process_set_id}")
+            raise ConfigError(
+                f"a process set with ranks {ps.ranks} is already registered as id {existing.process_set_id}"
+            )
     set_id = rt.next_set_id
     rt.next_set_id += 1
     comm = communicator.create(set_id, ps.ranks, rt.rank, rt.size, rt.config.timeout_s)
@@ -235,6 +251,10 @@ def _measure_topology(p: Placement, env: Mapping[str, str]) -> Topology:
     if p.local_size is not None and p.local_size != topo.local_size(p.rank):
         log.warning(
             "the %s launcher says %d ranks run on this host, but %d ranks report host %r; "
-            "using the measured placement", p.launcher, p.local_size, topo.local_size(p.rank), host,
+            "using the measured placement",
+            p.launcher,
+            p.local_size,
+            topo.local_size(p.rank),
+            host,
         )
     return topo

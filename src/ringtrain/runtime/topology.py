@@ -54,7 +54,9 @@ class Topology:
     def cross_groups(self) -> list[tuple[int, ...]]:
         """One group per local rank: the ranks that hold that local rank on their host."""
         deepest = max(len(g) for g in self.local_groups())
-        return [tuple(r for r in range(self.size) if self.local_rank(r) == lr) for lr in range(deepest)]
+        return [
+            tuple(r for r in range(self.size) if self.local_rank(r) == lr) for lr in range(deepest)
+        ]
 
     @property
     def is_homogeneous(self) -> bool:

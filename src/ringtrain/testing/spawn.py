@@ -49,7 +49,9 @@ class _Call:
     settings: dict[str, Any]
 
 
-def _worker(rank: int, size: int, port: int, conn: Connection, sys_path: list[str], log_path: str) -> None:
+def _worker(
+    rank: int, size: int, port: int, conn: Connection, sys_path: list[str], log_path: str
+) -> None:
     import ctypes
     import faulthandler
 
@@ -60,11 +62,16 @@ def _worker(rank: int, size: int, port: int, conn: Connection, sys_path: list[st
     os.dup2(log.fileno(), 2)
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     sys.path[:] = sys_path
-    os.environ.update({
-        "RINGTRAIN_RANK": str(rank), "RINGTRAIN_SIZE": str(size),
-        "RINGTRAIN_RENDEZVOUS_ADDR": "127.0.0.1", "RINGTRAIN_RENDEZVOUS_PORT": str(port),
-        "RINGTRAIN_RENDEZVOUS_HOSTED": "1", "OMP_NUM_THREADS": "1",
-    })
+    os.environ.update(
+        {
+            "RINGTRAIN_RANK": str(rank),
+            "RINGTRAIN_SIZE": str(size),
+            "RINGTRAIN_RENDEZVOUS_ADDR": "127.0.0.1",
+            "RINGTRAIN_RENDEZVOUS_PORT": str(port),
+            "RINGTRAIN_RENDEZVOUS_HOSTED": "1",
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     import torch
 
     torch.set_num_threads(1)
@@ -108,8 +115,14 @@ class World:
         import torch.distributed as dist
 
         self.size = size
-        self._store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60),
-                                    wait_for_workers=False)
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            None,
+            True,
+            timeout=datetime.timedelta(seconds=60),
+            wait_for_workers=False,
+        )
         self.port = self._store.port
         self._dir = tempfile.TemporaryDirectory(prefix=f"ringtrain-world{size}-")
         ctx = mp.get_context("spawn")
@@ -118,8 +131,12 @@ class World:
         self.logs = [os.path.join(self._dir.name, f"rank{r}.log") for r in range(size)]
         for r in range(size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, size, self.port, child, list(sys.path), self.logs[r]),
-                            name=f"ringtrain-test-rank{r}", daemon=True)
+            p = ctx.Process(
+                target=_worker,
+                args=(r, size, self.port, child, list(sys.path), self.logs[r]),
+                name=f"ringtrain-test-rank{r}",
+                daemon=True,
+            )
             p.start()
             child.close()
             self._conns.append(parent)
@@ -148,7 +165,9 @@ class World:
         """
         if not self.alive:
             raise WorldHung("the world's processes are gone (an earlier test killed them)")
-        envs = [dict(e) for e in env] if isinstance(env, Sequence) else [dict(env or {})] * self.size
+        envs = (
+            [dict(e) for e in env] if isinstance(env, Sequence) else [dict(env or {})] * self.size
+        )
         for r, conn in enumerate(self._conns):
             conn.send(_Call(fn.__module__, fn.__qualname__, args, envs[r], init, settings))
         results: list[Any] = [None] * self.size
@@ -172,7 +191,9 @@ class World:
                     else:
                         errors[r] = value
         if errors:
-            raise RankFailed("\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items())))
+            raise RankFailed(
+                "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items()))
+            )
         return results
 
     def _tail(self, rank: int, lines: int = 60) -> str:
