@@ -28,6 +28,9 @@ Product = ReduceOp.PRODUCT
 Adasum = ReduceOp.ADASUM
 
 
+_ALIASES = {m.value.lower(): m.value for m in ReduceOp} | {"avg": "Average", "mean": "Average"}
+
+
 def resolve_op(op: Any, average: bool | None = None, default: ReduceOp = Average) -> str:
     """The op's name, honouring Horovod's deprecated ``average=`` flag; rejects what we lack."""
     if average is not None:
@@ -36,6 +39,9 @@ def resolve_op(op: Any, average: bool | None = None, default: ReduceOp = Average
         op = Average if average else Sum
     if op is None:
         op = default
+    if isinstance(op, str) and not isinstance(op, ReduceOp):
+        # Also accept "sum", "avg", "mean" and torch-style spellings.
+        op = _ALIASES.get(op.lower(), op)
     try:
         op = ReduceOp(op if not isinstance(op, ReduceOp) else op.value)
     except ValueError:

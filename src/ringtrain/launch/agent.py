@@ -1,0 +1,285 @@
+"""The per-host agent: starts this host's ranks, streams their output, reports how they exited.
+
+One agent runs on every host of a job (a local child of the launcher, or over ssh). It talks to
+the launcher through its stdin and stdout (:mod:`ringtrain.launch.protocol`). Its stdin is also
+its lifeline: when it ends, because the launcher exited, was killed (even with SIGKILL) or the
+ssh link broke, the agent stops every rank and their children, then exits. Ranks run in their
+own sessions, so a terminal's Ctrl-C reaches the launcher only, which forwards it on purpose.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import glob
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+import psutil
+
+from ringtrain.launch import protocol
+from ringtrain.launch.tuning import ALLOCATORS, LIB_DIRS
+
+TAIL_LINES = 20
+_PR_SET_PDEATHSIG = 1
+
+
+def host_facts() -> dict[str, Any]:
+    """What the launcher needs to know about this host to plan and tune its ranks."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    nodes = []
+    for path in sorted(glob.glob("/sys/devices/system/node/node[0-9]*/cpulist")):
+        with contextlib.suppress(OSError), open(path) as f:
+            nodes.append(_parse_cpulist(f.read()))
+    allocators = {}
+    for name, files in ALLOCATORS.items():
+        for d in LIB_DIRS:
+            found = next((f"{d}/{f}" for f in files if os.path.exists(f"{d}/{f}")), None)
+            if found:
+                allocators[name] = found
+                break
+    return {
+        "hostname": socket.gethostname(),
+        "cpus": cpus or list(range(os.cpu_count() or 1)),
+        "numa_nodes": nodes,
+        "allocators": allocators,
+        "python": sys.version.split()[0],
+        "pid": os.getpid(),
+    }
+
+
+def _parse_cpulist(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.strip().split(","):
+        if "-" in part:
+            a, b = part.split("-")
+            out.extend(range(int(a), int(b) + 1))
+        elif part:
+            out.append(int(part))
+    return out
+
+
+def _interfaces() -> list[dict[str, Any]]:
+    try:
+        network = importlib.import_module("ringtrain.launch.network")
+        return [i.to_dict() for i in network.local_interfaces()]
+    except Exception:  # discovery is advisory; the launcher reports if it needs it
+        return []
+
+
+class Agent:
+    """Runs ranks and relays what happens to them. One instance per agent process."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self._out = out
+        self._write_lock = threading.Lock()
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._tails: dict[int, collections.deque[str]] = {}
+        self._readers: dict[int, list[threading.Thread]] = {}
+        self._grace_s = 3.0
+        self._stopping = False
+
+    def send(self, kind: str, **fields: Any) -> None:
+        # If the launcher is gone, the stdin watcher stops everything.
+        with self._write_lock, contextlib.suppress(BrokenPipeError, ValueError):
+            protocol.send(self._out, kind, **fields)
+
+    # ---- starting ----------------------------------------------------------------------------
+
+    def start(self, msg: dict[str, Any]) -> None:
+        self._grace_s = float(msg.get("grace_s", 3.0))
+        cwd = msg.get("cwd") or None
+        if cwd and not os.path.isdir(cwd):
+            cwd = None
+        key = msg.get("key")
+        for r in msg["ranks"]:
+            self._spawn(r, cwd, key)
+        for r in self._procs:
+            for fd, stream in ((1, self._procs[r].stdout), (2, self._procs[r].stderr)):
+                t = threading.Thread(target=self._pump, args=(r, fd, stream), daemon=True)
+                t.start()
+                self._readers.setdefault(r, []).append(t)
+        threading.Thread(target=self._reap, daemon=True).start()
+
+    def _spawn(self, r: dict[str, Any], cwd: str | None, key: str | None) -> None:
+        rank = int(r["rank"])
+        env = dict(os.environ)
+        env.update(r["env"])
+        cpus = r.get("cpus")
+        pass_fds: tuple[int, ...] = ()
+        key_w = None
+        if key:
+            # The job key reaches the rank through an inherited pipe, never argv or env.
+            key_r, key_w = os.pipe()
+            env["RINGTRAIN_KEY_FD"] = str(key_r)
+            pass_fds = (key_r,)
+        self._tails[rank] = collections.deque(maxlen=TAIL_LINES)
+        try:
+            proc = subprocess.Popen(
+                r["argv"],
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                pass_fds=pass_fds,
+                preexec_fn=_child_setup(cpus),
+            )
+        except OSError as e:
+            what = "command not found" if isinstance(e, FileNotFoundError) else e.strerror
+            line = f"cannot start {r['argv'][0]!r}: {what}"
+            self._tails[rank].append(line)
+            self.send("exit", rank=rank, code=127, signal=None, tail=[line])
+            return
+        finally:
+            if key_w is not None:
+                with contextlib.suppress(OSError):
+                    os.write(key_w, key.encode() + b"\n")  # type: ignore[union-attr]
+                os.close(key_w)
+                os.close(pass_fds[0])
+        self._procs[rank] = proc
+        self.send("started", rank=rank, pid=proc.pid)
+
+    def _pump(self, rank: int, fd: int, stream: IO[bytes] | None) -> None:
+        """Relay output as it comes, split at newlines and at carriage returns, so progress
+        bars (which redraw with ``\r``) show progress instead of arriving all at once."""
+        assert stream is not None
+        pending = b""
+        while True:
+            chunk = os.read(stream.fileno(), 65536)
+            if not chunk:
+                break
+            pending += chunk
+            while True:
+                cut = min(
+                    (i for i in (pending.find(b"\n"), pending.find(b"\r")) if i >= 0), default=-1
+                )
+                if cut < 0:
+                    break
+                self._emit(rank, fd, pending[:cut], pending[cut : cut + 1].decode())
+                pending = pending[cut + 1 :]
+        if pending:
+            self._emit(rank, fd, pending, "\n")
+
+    def _emit(self, rank: int, fd: int, raw: bytes, end: str) -> None:
+        line = raw.decode(errors="replace")
+        if fd == 2 and end == "\n":
+            self._tails[rank].append(line)
+        self.send("out", rank=rank, fd=fd, line=line, end=end)
+
+    def _reap(self) -> None:
+        pending = dict(self._procs)
+        while pending:
+            for rank, proc in list(pending.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                del pending[rank]
+                # Let the output pumps drain so the exit report comes after the last lines.
+                for t in self._readers.get(rank, []):
+                    t.join(1.0)
+                sig = signal.Signals(-code).name if code < 0 else None
+                self.send(
+                    "exit",
+                    rank=rank,
+                    code=code if code >= 0 else None,
+                    signal=sig,
+                    tail=list(self._tails[rank]),
+                )
+            time.sleep(0.02)
+        self.send("done")
+
+    # ---- stopping ----------------------------------------------------------------------------
+
+    def signal_all(self, sig: signal.Signals) -> None:
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, sig)
+
+    def stop_all(self) -> None:
+        """SIGTERM every rank's process group, SIGKILL what is left after the grace period."""
+        if self._stopping:
+            return
+        self._stopping = True
+        tree = self._descendants()
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + self._grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in self._procs.values()):
+            time.sleep(0.05)
+        self.signal_all(signal.SIGKILL)
+        # Children that left their rank's process group are found through the process tree.
+        for p in tree:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+    def _descendants(self) -> list[psutil.Process]:
+        out = []
+        for proc in self._procs.values():
+            with contextlib.suppress(psutil.Error):
+                out.extend(psutil.Process(proc.pid).children(recursive=True))
+        return out
+
+    def wait_all(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for proc in self._procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+
+
+def _child_setup(cpus: list[int] | None) -> Callable[[], None]:
+    def setup() -> None:
+        # Die with the agent even if it is SIGKILLed (Linux only; harmless elsewhere).
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if cpus:
+            with contextlib.suppress(OSError, AttributeError):
+                os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
+def main() -> int:
+    out = sys.stdout
+    # Ranks' output must never be mistaken for protocol messages: only this object writes here.
+    sys.stdout = sys.stderr
+    agent = Agent(out)
+    agent.send(
+        "hello", version=protocol.PROTOCOL_VERSION, facts=host_facts(), interfaces=_interfaces()
+    )
+
+    def on_term(signum: int, _frame: Any) -> None:
+        agent.stop_all()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards Ctrl-C explicitly
+    for line in sys.stdin:
+        msg = protocol.parse(line)
+        if msg is None:
+            continue
+        if msg["t"] == "start":
+            agent.start(msg)
+        elif msg["t"] == "signal":
+            agent.signal_all(signal.Signals[msg["sig"]])
+        elif msg["t"] == "stop":
+            agent.stop_all()
+    # Lifeline cut (or the launcher is finished): nothing may outlive it.
+    agent.stop_all()
+    agent.wait_all(1.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Host specifications: ``-H a:2,b:2`` and ``--hostfile`` (``host slots=N`` lines)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ringtrain.errors import HostSpecError
+
+LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "local"})
+
+# A host name, an ssh alias, an IPv4 address or a bracketed IPv6 address; optionally user@.
+_HOST = re.compile(r"^(?:[A-Za-z0-9_.-]+@)?(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:]+\])$")
+
+
+@dataclass(frozen=True)
+class Host:
+    """One machine of the job: the name ssh is given, and how many ranks it may run."""
+
+    name: str
+    slots: int
+
+    @property
+    def is_local(self) -> bool:
+        return self.name in LOCAL_NAMES
+
+
+def parse_hosts(spec: str) -> list[Host]:
+    """Parse ``a:2,b:2`` (slots default to 1). Repeated hosts are an error."""
+    hosts = []
+    for token in spec.split(","):
+        token = token.strip()
+        if not token:
+            raise HostSpecError(f"empty entry in host list {spec!r}; HINT: -H a:2,b:2")
+        name, sep, slots = token.rpartition(":") if not token.endswith("]") else (token, "", "")
+        if not sep:
+            name, slots = token, "1"
+        hosts.append(_host(name, slots, token))
+    return _unique(hosts, spec)
+
+
+def parse_hostfile(path: str | Path) -> list[Host]:
+    """Parse a hostfile: one ``host [slots=N]`` per line (``host:N`` too); ``#`` comments."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise HostSpecError(f"cannot read hostfile {str(path)!r}: {e.strerror}") from None
+    hosts = []
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{path}:{lineno}"
+        parts = line.split()
+        if len(parts) == 1:
+            hosts.extend(parse_hosts(parts[0]))
+            continue
+        if len(parts) != 2 or not parts[1].startswith(("slots=", "max_slots=")):
+            raise HostSpecError(
+                f"{where}: cannot parse {line!r}; expected 'HOST slots=N' (or 'HOST:N')"
+            )
+        hosts.append(_host(parts[0], parts[1].split("=", 1)[1], line))
+    if not hosts:
+        raise HostSpecError(f"hostfile {str(path)!r} lists no hosts")
+    return _unique(hosts, str(path))
+
+
+def _host(name: str, slots: str, token: str) -> Host:
+    if not _HOST.match(name):
+        raise HostSpecError(
+            f"bad host name in {token!r}; expected NAME[:SLOTS] with NAME a host, ssh alias or address"
+        )
+    try:
+        n = int(slots)
+    except ValueError:
+        raise HostSpecError(f"bad slot count in {token!r}: {slots!r} is not a number") from None
+    if n < 1:
+        raise HostSpecError(f"bad slot count in {token!r}: a host needs at least 1 slot")
+    return Host(name, n)
+
+
+def _unique(hosts: list[Host], where: str) -> list[Host]:
+    seen: set[str] = set()
+    for h in hosts:
+        if h.name in seen:
+            raise HostSpecError(
+                f"host {h.name!r} is listed twice in {where!r}; HINT: give it once with all its slots"
+            )
+        seen.add(h.name)
+    return hosts

@@ -1,0 +1,73 @@
+"""LaunchOptions: the one typed object ``ringtrain run``'s flags map onto.
+
+Job settings that the ranks read (fusion threshold, timeline, secure, ...) are not repeated here:
+they are :class:`ringtrain.config.Config` fields, carried in ``settings`` and handed to every rank
+as ``RINGTRAIN_*`` variables by :func:`ringtrain.config.to_env`, so a job started by torchrun or
+Slurm is configured the same way. This object holds only what the launcher itself needs.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from ringtrain.errors import ConfigError
+from ringtrain.launch.hosts import Host
+
+BIND_CHOICES = ("auto", "none", "core", "numa")
+MALLOC_CHOICES = ("system", "jemalloc", "tcmalloc")
+
+
+@dataclass(frozen=True)
+class SshOptions:
+    """How remote agents are reached. The user's OpenSSH client and its config are used as-is."""
+
+    port: int | None = None
+    identity_file: str | None = None
+    config_file: str | None = None
+    # Only an explicit flag relaxes host-key checking, and only to trust-on-first-use.
+    accept_new_host_keys: bool = False
+    connect_timeout_s: int = 10
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    np: int
+    hosts: tuple[Host, ...]
+    command: tuple[str, ...]
+    settings: dict[str, Any] = field(default_factory=dict)
+    ssh: SshOptions = SshOptions()
+    # -x VAR or -x VAR=value: forwarded to every rank on top of the declared set.
+    forward_env: tuple[str, ...] = ()
+    start_timeout_s: float = 60.0
+    # After the first failure (or Ctrl-C), ranks get this long to exit before SIGKILL.
+    grace_s: float = 3.0
+    bind_to: str = "auto"
+    malloc: str = "system"
+    verbose: bool = False
+    prefix_output: bool = True
+    # The interpreter that runs the agents (the same path on every host, as for the ranks).
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        if self.np < 1:
+            raise ConfigError(f"-np must be at least 1, got {self.np}")
+        if not self.command:
+            raise ConfigError(
+                "no command to run.\nHINT: ringtrain run -np 2 -- python train.py [args]"
+            )
+        if self.bind_to not in BIND_CHOICES:
+            raise ConfigError(f"--bind-to must be one of {', '.join(BIND_CHOICES)}")
+        if self.malloc not in MALLOC_CHOICES:
+            raise ConfigError(f"--malloc must be one of {', '.join(MALLOC_CHOICES)}")
+        if self.start_timeout_s <= 0:
+            raise ConfigError(f"--start-timeout must be > 0, got {self.start_timeout_s}")
+        for item in self.forward_env:
+            name = item.split("=", 1)[0]
+            if not name or not (name.replace("_", "a").isalnum() and not name[0].isdigit()):
+                raise ConfigError(f"-x {item!r}: expected VAR or VAR=value")
+
+    @property
+    def is_local(self) -> bool:
+        return all(h.is_local for h in self.hosts)

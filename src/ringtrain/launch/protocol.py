@@ -1,0 +1,39 @@
+"""The messages between the launcher and a host's agent: one JSON object per line.
+
+Launcher -> agent (agent's stdin):
+    {"t": "start", "ranks": [RankLaunch...], "cwd": str, "key": hex | null, "grace_s": float}
+    {"t": "signal", "sig": "SIGINT" | "SIGTERM"}   forward a signal to every rank
+    {"t": "stop"}                                    end every rank (TERM, then KILL after grace)
+    end of input                                     the launcher is gone: stop everything, exit
+
+Agent -> launcher (agent's stdout):
+    {"t": "hello", "facts": {...}, "interfaces": [...]}   first, before any start
+    {"t": "started", "rank": r, "pid": p}
+    {"t": "out", "rank": r, "fd": 1 | 2, "line": str, "end": "\n" | "\r"}
+    {"t": "exit", "rank": r, "code": int | null, "signal": str | null, "tail": [str]}
+    {"t": "done"}                                     every rank has exited
+"""
+
+from __future__ import annotations
+
+import json
+from typing import IO, Any
+
+PROTOCOL_VERSION = 1
+
+
+def send(stream: IO[str], kind: str, **fields: Any) -> None:
+    stream.write(json.dumps({"t": kind, **fields}, separators=(",", ":")) + "\n")
+    stream.flush()
+
+
+def parse(line: str) -> dict[str, Any] | None:
+    """A message, or None for a line that is not one (e.g. a login banner printed by the shell)."""
+    line = line.strip()
+    if not line.startswith("{"):
+        return None
+    try:
+        msg = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return msg if isinstance(msg, dict) and "t" in msg else None

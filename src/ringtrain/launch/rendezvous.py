@@ -1,0 +1,89 @@
+"""Start the job's rendezvous store (:mod:`ringtrain.runtime.rendezvous_server`) as a child.
+
+Run as a separate interpreter so the launcher itself never imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import subprocess
+import time
+
+from ringtrain.errors import LaunchError
+
+SERVER_MODULE = "ringtrain.runtime.rendezvous_server"
+
+
+def free_port() -> int:
+    """A port that is free now. The server binds it a moment later; ranks retry until it does.
+
+    Choosing the port here, instead of letting the server report one, lets the ranks start at
+    the same time as the server rather than after its torch import.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class RendezvousServer:
+    def __init__(self, python: str, timeout_s: float, start_timeout_s: float) -> None:
+        self.chosen_port = free_port()
+        self._proc = subprocess.Popen(
+            [
+                python,
+                "-m",
+                SERVER_MODULE,
+                "--timeout-s",
+                str(timeout_s),
+                "--port",
+                str(self.chosen_port),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # Ctrl-C in the terminal must not end the store early
+        )
+        self._start_timeout_s = start_timeout_s
+        self._port: int | None = None
+
+    @property
+    def port(self) -> int:
+        """Wait for the server to report its port."""
+        if self._port is not None:
+            return self._port
+        assert self._proc.stdout is not None
+        deadline = time.monotonic() + self._start_timeout_s
+        line = ""
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self._proc.stdout], [], [], 0.1)
+            if ready:
+                line = self._proc.stdout.readline()
+                break
+            if self._proc.poll() is not None:
+                break
+        if not line.startswith("PORT "):
+            err = ""
+            if self._proc.poll() is not None and self._proc.stderr is not None:
+                err = self._proc.stderr.read()[-2000:]
+            self.close()
+            raise LaunchError(
+                "the rendezvous store did not start"
+                + (f":\n{err.strip()}" if err else f" within {self._start_timeout_s:.0f} s")
+                + "\nHINT: the launcher host needs torch installed in the same interpreter."
+            )
+        self._port = int(line.split()[1])
+        return self._port
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            with contextlib.suppress(OSError):
+                assert self._proc.stdin is not None
+                self._proc.stdin.close()
+            try:
+                self._proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()

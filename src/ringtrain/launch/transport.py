@@ -1,0 +1,45 @@
+"""How an agent is started on a host: a local child process, or the user's ssh client.
+
+The agent's command is an argv list; it is quoted exactly once, here, where ssh turns it into
+the remote shell's command line. Host aliases, ports, jump hosts and keys in ``~/.ssh/config``
+apply because the real OpenSSH client is used. Host-key checking is left to that config: only
+``--ssh-accept-new-host-keys`` relaxes it, and only to trust-on-first-use.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+
+from ringtrain.launch.hosts import Host
+from ringtrain.launch.options import SshOptions
+
+AGENT_MODULE = "ringtrain.launch.agent"
+
+
+def agent_argv(python: str) -> list[str]:
+    return [python, "-u", "-m", AGENT_MODULE]
+
+
+def ssh_argv(host: Host, ssh: SshOptions, remote: Sequence[str], cwd: str) -> list[str]:
+    """The local argv that runs ``remote`` in ``cwd`` on ``host`` over ssh."""
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={ssh.connect_timeout_s}"]
+    # The launcher notices a dead link through the agent's stdin; keepalives make ssh notice too.
+    argv += ["-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]
+    if ssh.config_file:
+        argv += ["-F", ssh.config_file]
+    if ssh.port is not None:
+        argv += ["-p", str(ssh.port)]
+    if ssh.identity_file:
+        argv += ["-i", ssh.identity_file]
+    if ssh.accept_new_host_keys:
+        argv += ["-o", "StrictHostKeyChecking=accept-new"]
+    # Falls back to $HOME when the launcher's directory does not exist on the remote host.
+    script = f"cd {shlex.quote(cwd)} 2>/dev/null || cd; exec {shlex.join(remote)}"
+    return [*argv, host.name, script]
+
+
+def command_for(host: Host, ssh: SshOptions, python: str, cwd: str) -> list[str]:
+    if host.is_local:
+        return agent_argv(python)
+    return ssh_argv(host, ssh, agent_argv(python), cwd)

@@ -1,0 +1,122 @@
+"""CPU tuning for CPU training: core binding, OpenMP threads and the allocator, per rank.
+
+Ranks that share cores fight: each PyTorch process starts one OpenMP thread per core by default,
+so four ranks on eight cores run 32 busy threads. Giving each rank its own cores and setting
+``OMP_NUM_THREADS`` to their number removes that contention. All of this is pure: it takes the
+facts an agent reports about its host and returns what each rank should get.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ringtrain.errors import LaunchError
+
+ALLOCATORS = {
+    "jemalloc": ("libjemalloc.so.2", "libjemalloc.so"),
+    "tcmalloc": ("libtcmalloc.so.4", "libtcmalloc_minimal.so.4", "libtcmalloc.so"),
+}
+LIB_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/usr/local/lib",
+)
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What an agent reports about its host; see :func:`ringtrain.launch.agent.host_facts`."""
+
+    hostname: str
+    cpus: tuple[int, ...]
+    numa_nodes: tuple[tuple[int, ...], ...] = ()
+    allocators: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RankTuning:
+    cpus: tuple[int, ...] | None  # None: not bound
+    env: dict[str, str]
+    summary: str
+
+
+def tune(
+    facts: HostFacts,
+    local_size: int,
+    bind_to: str,
+    malloc: str,
+    user_env: Mapping[str, str],
+) -> list[RankTuning]:
+    """Tuning for each local rank of one host. ``user_env`` settings (e.g. OMP_NUM_THREADS) win."""
+    cpus = list(facts.cpus) or [0]
+    mode = bind_to
+    if mode == "auto":
+        # Binding only helps when every rank can have a core to itself.
+        mode = "core" if local_size <= len(cpus) else "none"
+    if mode == "numa" and len(facts.numa_nodes) < 2:
+        mode = "core" if local_size <= len(cpus) else "none"
+    preload = _preload(facts, malloc)
+    out = []
+    for local_rank in range(local_size):
+        mine = _cpus_for(local_rank, local_size, cpus, facts.numa_nodes, mode)
+        threads = max(1, len(mine) if mine is not None else len(cpus) // local_size)
+        env: dict[str, str] = {}
+        if "OMP_NUM_THREADS" not in user_env:
+            env["OMP_NUM_THREADS"] = str(threads)
+        if preload:
+            prior = user_env.get("LD_PRELOAD", "")
+            env["LD_PRELOAD"] = f"{preload}:{prior}" if prior else preload
+        shown_cpus = _ranges(mine) if mine is not None else "any"
+        summary = (
+            f"bind={mode} cpus={shown_cpus} "
+            f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', user_env.get('OMP_NUM_THREADS'))} "
+            f"malloc={malloc if preload else 'system'}"
+        )
+        out.append(RankTuning(tuple(mine) if mine is not None else None, env, summary))
+    return out
+
+
+def _cpus_for(
+    local_rank: int,
+    local_size: int,
+    cpus: Sequence[int],
+    numa_nodes: Sequence[Sequence[int]],
+    mode: str,
+) -> list[int] | None:
+    if mode == "none":
+        return None
+    if mode == "numa":
+        node = [c for c in numa_nodes[local_rank % len(numa_nodes)] if c in cpus]
+        return node or None
+    per = len(cpus) // local_size
+    return list(cpus[local_rank * per : (local_rank + 1) * per])
+
+
+def _preload(facts: HostFacts, malloc: str) -> str:
+    if malloc == "system":
+        return ""
+    path = facts.allocators.get(malloc)
+    if not path:
+        raise LaunchError(
+            f"--malloc {malloc}: no {malloc} library found on host {facts.hostname}.\n"
+            f"HINT: install it (Debian: apt-get install lib{malloc}2 / libgoogle-perftools4) "
+            "or use --malloc system."
+        )
+    return path
+
+
+def _ranges(cpus: Sequence[int]) -> str:
+    if not cpus:
+        return "-"
+    parts, start, prev = [], cpus[0], cpus[0]
+    for c in [*cpus[1:], None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if c is not None:
+            start = prev = c
+    return ",".join(parts)

@@ -1,0 +1,39 @@
+"""The job's rendezvous store, run by ``ringtrain run`` as a child process.
+
+The launcher imports no torch, so it starts this module instead of hosting a ``TCPStore`` itself.
+It binds a free port on every interface, prints ``PORT <n>`` on stdout, then serves until its
+stdin closes: the launcher holds that pipe, so the store lives exactly as long as the launcher.
+Hosting the store outside the ranks means rank 0 can fail or restart without taking the
+rendezvous with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import torch.distributed as dist
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ringtrain.runtime.rendezvous_server")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    store = dist.TCPStore(
+        "0.0.0.0",
+        args.port,
+        world_size=None,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=args.timeout_s),
+        wait_for_workers=False,
+        use_libuv=True,
+    )
+    print(f"PORT {store.port}", flush=True)
+    sys.stdin.read()  # returns when the launcher closes the pipe or dies
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

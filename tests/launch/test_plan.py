@@ -1,0 +1,133 @@
+"""The launcher's pure parts: host specs, the plan, rank variables, CPU tuning, flag mapping."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringtrain import cli
+from ringtrain.errors import ConfigError, HostSpecError, LaunchError
+from ringtrain.launch import rank_env, transport
+from ringtrain.launch.command import options_from_args
+from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
+from ringtrain.launch.options import SshOptions
+from ringtrain.launch.plan import describe, plan
+from ringtrain.launch.tuning import HostFacts, tune
+
+
+def test_parse_hosts() -> None:
+    assert parse_hosts("a:2,b:2") == [Host("a", 2), Host("b", 2)]
+    assert parse_hosts("a, user@10.0.0.2:3") == [Host("a", 1), Host("user@10.0.0.2", 3)]
+
+
+@pytest.mark.parametrize(
+    ("spec", "quoted"),
+    [("a:x", "'a:x'"), ("a:0", "'a:0'"), ("a,,b", "a,,b"), ("a b:2", "'a b:2'"), ("a,a", "'a'")],
+)
+def test_bad_host_specs_quote_the_token(spec: str, quoted: str) -> None:
+    with pytest.raises(HostSpecError) as e:
+        parse_hosts(spec)
+    assert quoted in str(e.value)
+
+
+def test_hostfile(tmp_path) -> None:
+    f = tmp_path / "hosts"
+    f.write_text("# cluster\n\nnode1 slots=4\nnode2 slots=2  # half\nnode3:1\n")
+    assert parse_hostfile(f) == [Host("node1", 4), Host("node2", 2), Host("node3", 1)]
+    f.write_text("node1 cores=4\n")
+    with pytest.raises(HostSpecError, match=r"hosts:1: cannot parse 'node1 cores=4'"):
+        parse_hostfile(f)
+    with pytest.raises(HostSpecError, match="cannot read hostfile"):
+        parse_hostfile(tmp_path / "missing")
+
+
+def test_plan_is_host_major_with_horovod_numbering() -> None:
+    specs = plan(8, [Host("a", 4), Host("b", 3), Host("c", 1)], ["python", "x.py"])
+    assert [(s.rank, s.host, s.local_rank, s.local_size) for s in specs][:5] == [
+        (0, "a", 0, 4),
+        (1, "a", 1, 4),
+        (2, "a", 2, 4),
+        (3, "a", 3, 4),
+        (4, "b", 0, 3),
+    ]
+    # Cross groups: ranks sharing a local rank, one per host that has it (4-3-1 is uneven).
+    cross = {s.rank: (s.cross_rank, s.cross_size) for s in specs}
+    assert cross[0] == (0, 3) and cross[4] == (1, 3) and cross[7] == (2, 3)
+    assert cross[1] == (0, 2) and cross[5] == (1, 2)
+    assert cross[3] == (0, 1)
+    assert describe(specs) == "8 ranks: a ranks 0-3, b ranks 4-6, c rank 7"
+
+
+def test_plan_drops_unused_hosts_and_refuses_too_many_ranks() -> None:
+    assert {s.host for s in plan(2, [Host("a", 2), Host("b", 2)], ["x"])} == {"a"}
+    with pytest.raises(LaunchError, match=r"-np 5 needs 5 slots but the hosts offer 4"):
+        plan(5, [Host("a", 2), Host("b", 2)], ["x"])
+
+
+def test_rank_env_has_both_spellings() -> None:
+    spec = plan(4, [Host("a", 2), Host("b", 2)], ["x"])[3]
+    env = rank_env.placement(spec, rank_env.Rendezvous("10.0.0.1", 1234, "job"))
+    assert env["RINGTRAIN_RANK"] == env["HOROVOD_RANK"] == "3"
+    assert env["HOROVOD_LOCAL_RANK"] == "1" and env["HOROVOD_CROSS_RANK"] == "1"
+    assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.0.0.1"
+    assert env["RINGTRAIN_RENDEZVOUS_HOSTED"] == "1"
+
+
+def test_only_declared_variables_are_forwarded() -> None:
+    env = {"PATH": "/bin", "OMP_NUM_THREADS": "2", "SECRET_TOKEN": "s", "MY_VAR": "1"}
+    out = rank_env.forwarded(env, ["MY_VAR", "EXTRA=x", "UNSET"])
+    assert out == {"PATH": "/bin", "OMP_NUM_THREADS": "2", "MY_VAR": "1", "EXTRA": "x"}
+
+
+def test_tuning_binds_cores_when_each_rank_gets_one() -> None:
+    facts = HostFacts("h", cpus=tuple(range(8)), allocators={"jemalloc": "/lib/libjemalloc.so.2"})
+    t = tune(facts, 2, "auto", "jemalloc", {})
+    assert t[0].cpus == (0, 1, 2, 3) and t[1].cpus == (4, 5, 6, 7)
+    assert t[0].env == {"OMP_NUM_THREADS": "4", "LD_PRELOAD": "/lib/libjemalloc.so.2"}
+    # Oversubscribed: no binding, one thread each; the user's own OMP_NUM_THREADS wins.
+    t = tune(HostFacts("h", cpus=(0, 1)), 4, "auto", "system", {})
+    assert t[0].cpus is None and t[0].env["OMP_NUM_THREADS"] == "1"
+    assert tune(facts, 2, "none", "system", {"OMP_NUM_THREADS": "3"})[0].env == {}
+
+
+def test_tuning_numa_and_missing_allocator() -> None:
+    facts = HostFacts("h", cpus=tuple(range(4)), numa_nodes=((0, 1), (2, 3)))
+    assert [t.cpus for t in tune(facts, 2, "numa", "system", {})] == [(0, 1), (2, 3)]
+    with pytest.raises(LaunchError, match="no tcmalloc library found on host h"):
+        tune(facts, 1, "none", "tcmalloc", {})
+
+
+def test_ssh_argv_quotes_once_and_keeps_host_key_checking() -> None:
+    argv = transport.ssh_argv(
+        Host("node1", 1), SshOptions(port=2222, config_file="/c"), ["py", "-m", "x y"], "/w d"
+    )
+    assert argv[:2] == ["ssh", "-o"] and "-F" in argv and "2222" in argv
+    assert not any("StrictHostKeyChecking" in a for a in argv)
+    assert argv[-2] == "node1"
+    assert argv[-1] == "cd '/w d' 2>/dev/null || cd; exec py -m 'x y'"
+    relaxed = transport.ssh_argv(Host("n", 1), SshOptions(accept_new_host_keys=True), ["p"], "/")
+    assert "StrictHostKeyChecking=accept-new" in relaxed
+
+
+def _options(*argv: str):
+    parser = cli.build_parser(["run", *argv])
+    return options_from_args(parser.parse_args(["run", *argv]))
+
+
+def test_flags_map_onto_settings() -> None:
+    o = _options("-np", "2", "--fusion-threshold-mb", "8", "--secure", "--", "python", "t.py")
+    assert o.np == 2 and o.command == ("python", "t.py")
+    assert o.settings == {"fusion_threshold_bytes": 8 * 1024 * 1024, "secure": True}
+    assert o.hosts == (Host("localhost", 2),) and o.is_local
+    o = _options("-H", "a:2,b:1", "python", "t.py")
+    assert o.np == 3 and not o.is_local
+
+
+def test_flag_errors() -> None:
+    with pytest.raises(ConfigError, match="how many ranks"):
+        _options("python", "t.py")
+    with pytest.raises(ConfigError, match="no command to run"):
+        _options("-np", "2")
+    with pytest.raises(ConfigError, match="--check runs its own smoke job"):
+        _options("-np", "2", "--check", "python")
+    with pytest.raises(ConfigError, match="-x '1BAD'"):
+        _options("-np", "1", "-x", "1BAD", "true")

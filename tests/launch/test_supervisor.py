@@ -1,0 +1,185 @@
+"""``ringtrain run`` end to end with plain commands: output, failures, Ctrl-C, no survivors.
+
+Ranks here are small Python programs (no torch), so each test takes about a second or two.
+Every rank records its pid; every test checks that none of them is still alive afterwards.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    rank = int(os.environ["RINGTRAIN_RANK"])
+    open(os.path.join(sys.argv[1], f"pid.{rank}"), "w").write(str(os.getpid()))
+    mode = sys.argv[2]
+    print(f"hello from {rank} of {os.environ['HOROVOD_SIZE']}", flush=True)
+    if mode == "fail" and rank == 1:
+        time.sleep(0.3)
+        print("something went wrong on rank 1", file=sys.stderr, flush=True)
+        sys.exit(3)
+    if mode == "kill" and rank == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "stubborn":
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if mode in ("fail", "kill", "sleep", "stubborn"):
+        time.sleep(60)
+    """
+)
+
+
+def _launch(tmp_path: Path, np: int, mode: str, *flags: str) -> subprocess.Popen[str]:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ringtrain",
+            "run",
+            "-np",
+            str(np),
+            *flags,
+            "--",
+            sys.executable,
+            str(script),
+            str(tmp_path),
+            mode,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_pids(tmp_path: Path, n: int, timeout: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = sorted(tmp_path.glob("pid.*"))
+        if len(files) == n and all(f.read_text() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.05)
+    raise AssertionError(f"ranks did not start: {list(tmp_path.iterdir())}")
+
+
+def _assert_all_gone(pids: list[int], within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    alive: list[int] = pids
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        if not alive:
+            return
+        time.sleep(0.05)
+    for p in alive:  # do not leak them into other tests
+        psutil.Process(p).kill()
+    raise AssertionError(f"ranks survived the job: {alive}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float = 30.0) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"launcher did not finish:\n{out}\n{err}") from None
+    return proc.returncode, out, err
+
+
+def test_success_prefixes_output_and_sets_horovod_variables(tmp_path: Path) -> None:
+    proc = _launch(tmp_path, 3, "ok")
+    code, out, err = _finish(proc)
+    assert code == 0, err
+    lines = sorted(out.splitlines())
+    assert lines == [f"[{r}] hello from {r} of 3" for r in range(3)]
+
+
+def test_failing_rank_ends_the_job_with_its_code(tmp_path: Path) -> None:
+    proc = _launch(tmp_path, 3, "fail")
+    pids = _wait_for_pids(tmp_path, 3)
+    start = time.monotonic()
+    code, _out, err = _finish(proc)
+    assert code == 3
+    assert time.monotonic() - start < 10
+    assert "rank 1 (host localhost" in err and "exited with code 3" in err
+    assert "| something went wrong on rank 1" in err  # the end of its error output
+    assert "[1] something went wrong on rank 1" in err
+    _assert_all_gone(pids)
+
+
+def test_rank_killed_by_a_signal(tmp_path: Path) -> None:
+    proc = _launch(tmp_path, 2, "kill")
+    pids = _wait_for_pids(tmp_path, 2)
+    code, _, err = _finish(proc)
+    assert code == 128 + signal.SIGKILL
+    assert "rank 1" in err and "was killed by SIGKILL" in err
+    _assert_all_gone(pids)
+
+
+@pytest.mark.parametrize("mode", ["sleep", "stubborn"])
+def test_ctrl_c_is_forwarded_and_ends_everything(tmp_path: Path, mode: str) -> None:
+    proc = _launch(tmp_path, 2, mode)
+    pids = _wait_for_pids(tmp_path, 2)
+    time.sleep(0.2)  # let "stubborn" ranks install their handlers
+    proc.send_signal(signal.SIGINT)
+    code, _, err = _finish(proc)
+    assert code == 130, err
+    assert "interrupted" in err
+    _assert_all_gone(pids)
+
+
+def test_killing_the_launcher_leaves_no_rank(tmp_path: Path) -> None:
+    proc = _launch(tmp_path, 2, "sleep")
+    pids = _wait_for_pids(tmp_path, 2)
+    proc.kill()
+    proc.communicate()
+    _assert_all_gone(pids)
+
+
+def test_command_not_found(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringtrain", "run", "-np", "2", "--", "no-such-command-xyz"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 127
+    assert "could not start" in proc.stderr and "command not found" in proc.stderr
+
+
+def test_bad_flags_give_a_clear_error() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringtrain", "run", "-H", "a:x", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "bad slot count in 'a:x'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_launcher_never_imports_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys; from ringtrain import cli; "
+        "rc = cli.main(['run', '-np', '1', '--', sys.executable, '-c', 'pass']); "
+        "assert 'torch' not in sys.modules, 'launcher imported torch'; sys.exit(rc)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
