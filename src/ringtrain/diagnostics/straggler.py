@@ -1,0 +1,160 @@
+"""The straggler policy: from per-rank step timings, name the slowest rank and why it is slow.
+
+Each rank measures, per optimizer step, how long it spent
+
+    input      from the end of the previous step to the first forward call (data loading),
+    compute    forward, backward and the optimizer update,
+    wait       inside ``step()`` waiting for gradient communication that did not overlap,
+
+and every N steps the numbers are gathered (with a short link probe: how fast each host's link
+moves data) and passed here. Data-parallel ranks proceed in lock-step, so the job runs at the
+pace of its slowest rank: a rank that is busy longer than the others makes *them* wait, and a
+slow link makes everyone wait. The verdict is one of:
+
+    compute   one rank's compute is well above the median (shared cores, thermal throttling)
+    input     one rank's data loading is well above the median (slow disk, too few workers)
+    network   a host's link is well below the others', or communication dominates every step
+    none      ranks are balanced
+
+This module is pure: numbers in, a report out; it is tested without processes or clocks.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+# A rank is a straggler when it is this much busier than the median rank...
+SLOW_FACTOR = 1.25
+# ...and the excess is at least this fraction of a step (ignores noise on tiny steps).
+MIN_EXCESS = 0.05
+# A link is slow when it moves data at less than this fraction of the median link.
+SLOW_LINK_FACTOR = 0.5
+# Communication that is not hidden behind compute dominates above this fraction of a step.
+COMM_BOUND = 0.5
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    """Mean seconds per step of one rank over the report window."""
+
+    rank: int
+    host: str
+    input_s: float
+    compute_s: float
+    wait_s: float
+
+    @property
+    def busy_s(self) -> float:
+        return self.input_s + self.compute_s
+
+    @property
+    def step_s(self) -> float:
+        return self.input_s + self.compute_s + self.wait_s
+
+
+@dataclass(frozen=True)
+class StragglerReport:
+    kind: str  # "compute" | "input" | "network" | "none"
+    ranks: tuple[int, ...]  # the ranks blamed (all ranks of a host for a slow link)
+    hosts: tuple[str, ...]
+    step_s: float
+    detail: str
+    per_rank: tuple[RankTimes, ...]
+    link_mb_s: Mapping[str, float]
+
+    @property
+    def slowest_rank(self) -> int | None:
+        return self.ranks[0] if self.ranks else None
+
+    def line(self) -> str:
+        """The one line rank 0 logs."""
+        if self.kind == "none":
+            return f"ringtrain straggler report: ranks are balanced ({self.detail})"
+        who = (
+            f"rank {self.ranks[0]} on host {self.hosts[0]}"
+            if len(self.ranks) == 1
+            else f"ranks {_ranks(self.ranks)} on host{'s' if len(self.hosts) > 1 else ''} "
+            f"{', '.join(self.hosts)}"
+        )
+        verb = "is" if len(self.ranks) == 1 else "are"
+        return f"ringtrain straggler report: {who} {verb} {self.kind}-bound: {self.detail}"
+
+
+def analyse(
+    times: Sequence[RankTimes], link_mb_s: Mapping[str, float] | None = None
+) -> StragglerReport:
+    """The verdict for one window. ``link_mb_s`` maps host -> measured link rate (MB/s)."""
+    if not times:
+        raise ValueError("no timings to analyse")
+    links = dict(link_mb_s or {})
+    step = max(t.step_s for t in times)
+    med_busy = statistics.median(t.busy_s for t in times)
+    slowest = max(times, key=lambda t: t.busy_s)
+    excess = slowest.busy_s - med_busy
+    per_rank = tuple(sorted(times, key=lambda t: t.rank))
+
+    def report(kind: str, ranks: Sequence[int], detail: str) -> StragglerReport:
+        hosts = tuple(dict.fromkeys(t.host for t in per_rank if t.rank in ranks))
+        return StragglerReport(kind, tuple(ranks), hosts, step, detail, per_rank, links)
+
+    if len(times) > 1 and slowest.busy_s > SLOW_FACTOR * med_busy and excess > MIN_EXCESS * step:
+        med_input = statistics.median(t.input_s for t in times)
+        med_compute = statistics.median(t.compute_s for t in times)
+        if slowest.input_s - med_input > slowest.compute_s - med_compute:
+            return report(
+                "input",
+                [slowest.rank],
+                f"data loading {slowest.input_s:.3f} s/step vs median {med_input:.3f} s "
+                f"({_x(slowest.input_s, med_input)}); the other ranks wait for it.\n"
+                "HINT: more DataLoader workers or faster storage on that host.",
+            )
+        return report(
+            "compute",
+            [slowest.rank],
+            f"compute {slowest.compute_s:.3f} s/step vs median {med_compute:.3f} s "
+            f"({_x(slowest.compute_s, med_compute)}); the other ranks wait for it.\n"
+            "HINT: check for other processes on its cores (--bind-to core), its thread count "
+            "(OMP_NUM_THREADS) and whether its hardware differs.",
+        )
+    mean_wait = statistics.fmean(t.wait_s for t in times)
+    if len(links) > 1:
+        med_link = statistics.median(links.values())
+        slow_hosts = [h for h, r in links.items() if r < SLOW_LINK_FACTOR * med_link]
+        if slow_hosts and mean_wait > MIN_EXCESS * step:
+            ranks = [t.rank for t in per_rank if t.host in slow_hosts]
+            rates = ", ".join(f"{h} {links[h]:.1f} MB/s" for h in slow_hosts)
+            return report(
+                "network",
+                ranks,
+                f"link {rates} vs median {med_link:.1f} MB/s; every rank waits "
+                f"{mean_wait:.3f} s/step for communication.\n"
+                "HINT: fix or avoid that link, or send fewer bytes: --compression fp16/powersgd, "
+                "backward_passes_per_step > 1.",
+            )
+    if mean_wait > COMM_BOUND * step:
+        slowest_link = min(links, key=lambda h: links[h]) if links else None
+        ranks = [t.rank for t in per_rank if slowest_link is None or t.host == slowest_link]
+        return report(
+            "network",
+            ranks,
+            f"every rank waits {mean_wait:.3f} s of a {step:.3f} s step for communication "
+            "that did not overlap with compute.\n"
+            "HINT: send fewer bytes (--compression fp16/powersgd/topk) or communicate less "
+            "often (backward_passes_per_step).",
+        )
+    return report(
+        "none",
+        [],
+        f"step {step:.3f} s: input {statistics.fmean(t.input_s for t in times):.3f} s, compute "
+        f"{statistics.fmean(t.compute_s for t in times):.3f} s, waiting {mean_wait:.3f} s",
+    )
+
+
+def _x(value: float, reference: float) -> str:
+    return f"{value / reference:.1f}x" if reference > 0 else "n/a"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)

@@ -1,0 +1,52 @@
+"""The straggler policy on synthetic timings."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringtrain.diagnostics.straggler import RankTimes, analyse
+
+
+def _times(compute=(0.2, 0.2, 0.2, 0.2), inputs=(0.01,) * 4, wait=0.02):
+    hosts = ["a", "a", "b", "b"]
+    return [RankTimes(r, hosts[r], inputs[r], compute[r], wait) for r in range(4)]
+
+
+def test_balanced() -> None:
+    r = analyse(_times())
+    assert r.kind == "none" and r.slowest_rank is None
+    assert "balanced" in r.line()
+
+
+def test_compute_bound_rank_is_named() -> None:
+    r = analyse(_times(compute=(0.2, 0.2, 0.45, 0.2)))
+    assert r.kind == "compute" and r.ranks == (2,) and r.hosts == ("b",)
+    assert r.line().startswith("ringtrain straggler report: rank 2 on host b is compute-bound")
+    assert "2.2x" in r.line()
+
+
+def test_input_bound_rank_is_named() -> None:
+    r = analyse(_times(inputs=(0.01, 0.3, 0.01, 0.01)))
+    assert r.kind == "input" and r.ranks == (1,)
+
+
+def test_slow_link_blames_every_rank_of_that_host() -> None:
+    r = analyse(_times(wait=0.5), link_mb_s={"a": 110.0, "b": 1.2})
+    assert r.kind == "network" and r.ranks == (2, 3) and r.hosts == ("b",)
+    assert "ranks 2, 3 on host b are network-bound" in r.line()
+
+
+def test_communication_dominated_without_link_numbers() -> None:
+    r = analyse(_times(wait=1.0))
+    assert r.kind == "network" and r.ranks == (0, 1, 2, 3)
+
+
+def test_noise_is_not_a_straggler() -> None:
+    # 30% slower but only 3 ms of a 0.2 s step: not worth reporting.
+    r = analyse(_times(compute=(0.010, 0.010, 0.013, 0.010), wait=0.19))
+    assert r.kind != "compute"
+
+
+def test_empty_input_is_an_error() -> None:
+    with pytest.raises(ValueError):
+        analyse([])
