@@ -1,0 +1,153 @@
+"""Per-step timings for the straggler report, and the link probe that goes with them.
+
+:class:`StepTimer` is fed by DistributedOptimizer (step start and end, backward done, waiting
+for communication) and by a global forward pre-hook (first forward after a step, which ends the
+time spent on input). Every ``straggler_report_steps`` steps all ranks gather their mean timings,
+host leaders probe their links, and :func:`ringtrain.diagnostics.straggler.analyse` decides;
+rank 0 logs the verdict in one line and every rank keeps it for :func:`last_report`.
+
+The gathering runs inside ``step()`` after every bucket is done, on the set's ``engine`` group,
+which is idle then, so it never interleaves with gradient traffic.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ringtrain.diagnostics.straggler import RankTimes, StragglerReport, analyse
+
+log = logging.getLogger("ringtrain")
+
+# Bytes each host leader sends its neighbours to measure a link: small enough to cost ~0.2 s at
+# 10 Mbit/s, large enough that latency does not dominate at 1 Gbit/s.
+PROBE_BYTES = 256 * 1024
+
+_last: StragglerReport | None = None
+
+
+def last_report() -> StragglerReport | None:
+    """The most recent straggler report on this rank (None before the first)."""
+    return _last
+
+
+@dataclass
+class _Window:
+    steps: int = 0
+    input_s: float = 0.0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+
+
+@dataclass
+class StepTimer:
+    """Timestamps of one rank's steps. ``clock`` is injectable for tests."""
+
+    every: int
+    rank: int
+    host: str
+    host_of_rank: list[str]
+    group: Any
+    clock: Callable[[], float] = time.perf_counter
+    _window: _Window = field(default_factory=_Window)
+    _step_end: float | None = None
+    _forward_start: float | None = None
+    _wait_start: float | None = None
+    _wait_s: float = 0.0
+    _steps: int = 0
+    _hook: Any = None
+
+    def __post_init__(self) -> None:
+        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._on_forward)
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _on_forward(self, _module: Any, _args: Any) -> None:
+        if self._forward_start is None:
+            self._forward_start = self.clock()
+
+    def wait_started(self) -> None:
+        self._wait_start = self.clock()
+
+    def wait_done(self) -> None:
+        if self._wait_start is not None:
+            self._wait_s += self.clock() - self._wait_start
+            self._wait_start = None
+
+    def step_done(self) -> None:
+        """End of an optimizer step; every ``every`` steps this gathers and reports."""
+        now = self.clock()
+        if self._step_end is not None:
+            start = self._forward_start if self._forward_start is not None else self._step_end
+            w = self._window
+            w.steps += 1
+            w.input_s += start - self._step_end
+            w.compute_s += (now - start) - self._wait_s
+            w.wait_s += self._wait_s
+        self._steps += 1
+        self._wait_s = 0.0
+        self._forward_start = None
+        if self.every > 0 and self._steps % self.every == 0 and self._window.steps:
+            self.report()
+        self._step_end = self.clock()
+
+    def report(self) -> StragglerReport:
+        global _last
+        w, self._window = self._window, _Window()
+        mine = RankTimes(
+            self.rank,
+            self.host,
+            w.input_s / w.steps,
+            w.compute_s / w.steps,
+            w.wait_s / w.steps,
+        )
+        size = dist.get_world_size(self.group)
+        gathered: list[Any] = [None] * size
+        dist.all_gather_object(gathered, mine, group=self.group)
+        links = probe_links(self.group, self.host_of_rank)
+        _last = analyse(gathered, links)
+        if dist.get_rank(self.group) == 0:
+            log.warning("%s", _last.line())
+        return _last
+
+
+def probe_links(group: Any, host_of_rank: list[str], nbytes: int = PROBE_BYTES) -> dict[str, float]:
+    """MB/s at which each host sends, measured between host leaders (each host's first rank).
+
+    Every leader sends ``nbytes`` to the next leader in a ring while receiving from the previous
+    one; the receiver times the arrival, which measures the *sender's* outgoing link (where
+    ``tc`` shaping and most congestion act). With one host there is no link to measure.
+    """
+    hosts = list(dict.fromkeys(host_of_rank))
+    if len(hosts) < 2:
+        return {}
+    leaders = [host_of_rank.index(h) for h in hosts]
+    me = dist.get_rank(group)
+    dist.barrier(group=group)
+    rates: dict[str, float] = {}
+    if me in leaders:
+        i = leaders.index(me)
+        nxt, prv = leaders[(i + 1) % len(leaders)], leaders[(i - 1) % len(leaders)]
+        send = torch.zeros(nbytes, dtype=torch.uint8)
+        got = torch.empty(nbytes, dtype=torch.uint8)
+        start = time.perf_counter()
+        sent = dist.isend(send, nxt, group=group)
+        dist.irecv(got, prv, group=group).wait()
+        elapsed = max(time.perf_counter() - start, 1e-6)
+        sent.wait()
+        rates[hosts[(i - 1) % len(hosts)]] = nbytes / elapsed / 1e6
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, rates, group=group)
+    out: dict[str, float] = {}
+    for part in gathered:
+        out.update(part)
+    return out

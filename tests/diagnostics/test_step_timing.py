@@ -1,0 +1,52 @@
+"""Step timings and the link probe on real ranks (loopback; hosts faked by name)."""
+
+from __future__ import annotations
+
+import time
+
+import ringtrain as rt
+from ringtrain.collectives import step_timing
+from ringtrain.runtime.state import global_process_set
+from ringtrain.testing.spawn import World
+
+
+def _probe() -> dict[str, float]:
+    group = global_process_set.communicator.group("engine")
+    hosts = ["a", "b", "b"][: rt.size()]
+    return step_timing.probe_links(group, hosts, nbytes=64 * 1024)
+
+
+def test_probe_measures_every_host(world3: World) -> None:
+    rates = world3.run(_probe, timeout=60)
+    assert rates[0] == rates[1] == rates[2]
+    assert set(rates[0]) == {"a", "b"} and all(r > 0 for r in rates[0].values())
+
+
+def _slow_rank_is_reported() -> tuple[str, tuple[int, ...]]:
+    comm = global_process_set.communicator
+    timer = step_timing.StepTimer(
+        every=4,
+        rank=rt.rank(),
+        host=f"h{rt.rank()}",
+        host_of_rank=[f"h{r}" for r in range(rt.size())],
+        group=comm.group("engine"),
+    )
+    try:
+        model = __import__("torch").nn.Linear(4, 4)
+        for _ in range(5):  # the first step only starts the clock
+            model(__import__("torch").ones(1, 4))
+            time.sleep(0.15 if rt.rank() == 1 else 0.01)  # rank 1 computes slowly
+            timer.wait_started()
+            rt.barrier()  # everyone waits for the slow rank here, as in a gradient allreduce
+            timer.wait_done()
+            timer.step_done()
+    finally:
+        timer.close()
+    report = step_timing.last_report()
+    assert report is not None
+    return report.kind, report.ranks
+
+
+def test_compute_bound_rank_is_named(world2: World) -> None:
+    results = world2.run(_slow_rank_is_reported, timeout=60)
+    assert results == [("compute", (1,))] * 2
