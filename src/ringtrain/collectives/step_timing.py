@@ -141,7 +141,9 @@ def probe_links(group: Any, host_of_rank: list[str], nbytes: int = PROBE_BYTES) 
         got = torch.empty(nbytes, dtype=torch.uint8)
         start = time.perf_counter()
         sent = dist.isend(send, nxt, group=group)
-        dist.irecv(got, prv, group=group).wait()
+        received = dist.irecv(got, prv, group=group)
+        assert sent is not None and received is not None  # None only for non-members
+        received.wait()
         elapsed = max(time.perf_counter() - start, 1e-6)
         sent.wait()
         rates[hosts[(i - 1) % len(hosts)]] = nbytes / elapsed / 1e6
