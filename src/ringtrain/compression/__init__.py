@@ -1,4 +1,8 @@
-"""Gradient compressors: one protocol, registered by name. Plain tensor code, no communication."""
+"""Gradient compressors, registered by name.
+
+Stateless wire casts (fp16, bf16) are plain tensor code. Gradient reducers (PowerSGD, top-k) own
+their collectives: they are given a torch.distributed group and never import ringtrain's runtime.
+"""
 
 from ringtrain.compression.base import Compressor, register, resolve
 from ringtrain.compression.halfprec import (
@@ -7,6 +11,8 @@ from ringtrain.compression.halfprec import (
     FP16Compressor,
     NoneCompressor,
 )
+from ringtrain.compression.powersgd import PowerSGDReducer
+from ringtrain.compression.topk import TopKReducer
 
 __all__ = [
     "BF16Compressor",
@@ -14,6 +20,8 @@ __all__ = [
     "Compressor",
     "FP16Compressor",
     "NoneCompressor",
+    "PowerSGDReducer",
+    "TopKReducer",
     "register",
     "resolve",
 ]
