@@ -13,7 +13,6 @@ import collections
 import contextlib
 import ctypes
 import glob
-import importlib
 import os
 import signal
 import socket
@@ -26,7 +25,7 @@ from typing import IO, Any
 
 import psutil
 
-from ringtrain.launch import protocol
+from ringtrain.launch import network, protocol
 from ringtrain.launch.tuning import ALLOCATORS, LIB_DIRS
 
 TAIL_LINES = 20
@@ -70,7 +69,6 @@ def _parse_cpulist(text: str) -> list[int]:
 
 def _interfaces() -> list[dict[str, Any]]:
     try:
-        network = importlib.import_module("ringtrain.launch.network")
         return [i.to_dict() for i in network.local_interfaces()]
     except Exception:  # discovery is advisory; the launcher reports if it needs it
         return []
@@ -254,8 +252,9 @@ def main() -> int:
     # Ranks' output must never be mistaken for protocol messages: only this object writes here.
     sys.stdout = sys.stderr
     agent = Agent(out)
+    interfaces = [] if "--no-interfaces" in sys.argv[1:] else _interfaces()
     agent.send(
-        "hello", version=protocol.PROTOCOL_VERSION, facts=host_facts(), interfaces=_interfaces()
+        "hello", version=protocol.PROTOCOL_VERSION, facts=host_facts(), interfaces=interfaces
     )
 
     def on_term(signum: int, _frame: Any) -> None:

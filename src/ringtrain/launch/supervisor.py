@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import importlib
 import os
 import queue
 import secrets
@@ -28,7 +27,7 @@ from typing import IO, Any
 
 from ringtrain.config import to_env
 from ringtrain.errors import LaunchError
-from ringtrain.launch import protocol, rank_env, transport
+from ringtrain.launch import network, protocol, rank_env, transport
 from ringtrain.launch.hosts import Host
 from ringtrain.launch.options import LaunchOptions
 from ringtrain.launch.plan import ProcessSpec, describe, plan
@@ -179,7 +178,9 @@ class Supervisor:
     def _start_agents(self) -> None:
         cwd = os.getcwd()
         for i, host in enumerate(self._hosts_in_use()):
-            argv = transport.command_for(host, self.options.ssh, self.options.python, cwd)
+            argv = transport.command_for(
+                host, self.options.ssh, self.options.python, cwd, self._list_interfaces()
+            )
             self._log(f"agent on {host.name}: {' '.join(argv)}")
             try:
                 self._links.append(AgentLink(i, host, argv, self._events))
@@ -250,8 +251,14 @@ class Supervisor:
                 facts, len(specs), self.options.bind_to, self.options.malloc, {**self.env, **base}
             )
             ranks = []
+            # The user's own GLOO_/NCCL_ interface variables win over what ringtrain chose.
+            net = {
+                k: v
+                for k, v in host_env.get(link.host.name, {}).items()
+                if k.startswith("RINGTRAIN_") or k not in self.env
+            }
             for s, t in zip(specs, tunings):
-                env = {**base, **settings_env, **host_env.get(link.host.name, {}), **t.env}
+                env = {**base, **settings_env, **net, **t.env}
                 env.update(rank_env.placement(s, rdzv))
                 ranks.append(
                     {
@@ -265,12 +272,19 @@ class Supervisor:
             link.send("start", ranks=ranks, cwd=os.getcwd(), key=key, grace_s=self.options.grace_s)
         self._started_at = time.monotonic()
 
+    def _list_interfaces(self) -> bool:
+        """Secure mode with an explicit interface enumerates nothing (enclaves lack netlink)."""
+        settings = self.options.settings
+        return not (settings.get("secure") and settings.get("network_interface"))
+
     def _network(self) -> tuple[str, dict[str, dict[str, str]]]:
         """The rendezvous address every host can reach, and per-host interface variables."""
-        iface = str(self.options.settings.get("network_interface") or "")
+        iface = str(
+            self.options.settings.get("network_interface")
+            or self.env.get("RINGTRAIN_NETWORK_INTERFACE", "")
+        )
         if self.options.is_local:
             return "127.0.0.1", {}
-        network = importlib.import_module("ringtrain.launch.network")
         return network.plan_network(
             {lk.host.name: lk.hello.get("interfaces", []) for lk in self._links if lk.hello},
             iface,

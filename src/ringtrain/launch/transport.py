@@ -17,8 +17,10 @@ from ringtrain.launch.options import SshOptions
 AGENT_MODULE = "ringtrain.launch.agent"
 
 
-def agent_argv(python: str) -> list[str]:
-    return [python, "-u", "-m", AGENT_MODULE]
+def agent_argv(python: str, list_interfaces: bool = True) -> list[str]:
+    """The agent's command. Without ``list_interfaces`` it enumerates no network interfaces
+    (secure mode with an explicit interface: enclave runtimes have no netlink)."""
+    return [python, "-u", "-m", AGENT_MODULE, *([] if list_interfaces else ["--no-interfaces"])]
 
 
 def ssh_argv(host: Host, ssh: SshOptions, remote: Sequence[str], cwd: str) -> list[str]:
@@ -39,7 +41,8 @@ def ssh_argv(host: Host, ssh: SshOptions, remote: Sequence[str], cwd: str) -> li
     return [*argv, host.name, script]
 
 
-def command_for(host: Host, ssh: SshOptions, python: str, cwd: str) -> list[str]:
-    if host.is_local:
-        return agent_argv(python)
-    return ssh_argv(host, ssh, agent_argv(python), cwd)
+def command_for(
+    host: Host, ssh: SshOptions, python: str, cwd: str, list_interfaces: bool = True
+) -> list[str]:
+    argv = agent_argv(python, list_interfaces)
+    return argv if host.is_local else ssh_argv(host, ssh, argv, cwd)
