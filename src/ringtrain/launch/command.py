@@ -151,8 +151,15 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     knobs = p.add_argument_group("job settings (each also a RINGTRAIN_* variable)")
     for f in SETTING_FLAGS:
-        knobs.add_argument(f.flag, dest=f.field, type=f.type, help=f.help)
+        knobs.add_argument(f.flag, dest=f.field, type=f.type, help=f.help, metavar=_metavar(f))
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs")
+
+
+def _metavar(f: SettingFlag) -> str:
+    for suffix, metavar in (("-mb", "MIB"), ("-ms", "MS"), ("-time", "S"), ("timeout", "S")):
+        if f.flag.endswith(suffix):
+            return metavar
+    return "N" if f.type is int else "VALUE"
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
