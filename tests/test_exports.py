@@ -64,6 +64,8 @@ HOROVOD_NAMES = [
     "mpi_enabled",
     "gloo_enabled",
     "nccl_built",
+    "start_timeline",
+    "stop_timeline",
 ]
 
 

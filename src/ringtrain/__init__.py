@@ -28,6 +28,8 @@ _EXPORTS: dict[str, str] = {
     "shutdown": "ringtrain.lifecycle",
     "add_process_set": "ringtrain.lifecycle",
     "remove_process_set": "ringtrain.lifecycle",
+    "start_timeline": "ringtrain.lifecycle",
+    "stop_timeline": "ringtrain.lifecycle",
     "is_initialized": "ringtrain.runtime.queries",
     "rank": "ringtrain.runtime.queries",
     "size": "ringtrain.runtime.queries",
@@ -148,7 +150,14 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
         RingtrainError,
         StallError,
     )
-    from ringtrain.lifecycle import add_process_set, init, remove_process_set, shutdown
+    from ringtrain.lifecycle import (
+        add_process_set,
+        init,
+        remove_process_set,
+        shutdown,
+        start_timeline,
+        stop_timeline,
+    )
     from ringtrain.runtime.process_sets import ProcessSet
     from ringtrain.runtime.queries import (
         cross_rank,

@@ -4,6 +4,11 @@ Precedence, everywhere: explicit argument > launcher-provided value (env set by 
 from its flags) > the user's own env var > default. The launcher turns flags into the same
 variables (:func:`to_env`), so a job started by torchrun or Slurm is configured the same way.
 
+The same rule holds for the gradient engine's knobs: an argument of ``DistributedOptimizer``
+(``fusion_threshold_bytes``, ``cycle_time_ms``, ``bucket_order``, ``compression``) wins over the
+Config field, which comes from ``RINGTRAIN_*`` (set by ``ringtrain run --fusion-threshold-mb`` /
+``--cycle-time-ms``, or by hand), which wins over the default.
+
 Each field has exactly one variable twin: ``RINGTRAIN_`` + the field name in upper case.
 Unknown ``RINGTRAIN_*`` variables are rejected, so a typo is an error rather than a silent default.
 This module imports nothing heavy: the launcher uses it too.
@@ -45,11 +50,16 @@ PLACEMENT_VARS = frozenset(
 class Config:
     """Every tunable of a ringtrain job. Build with :meth:`from_env` and :meth:`replace`."""
 
-    # Tensor fusion: allreduces of small tensors are packed into buffers up to this many bytes.
+    # Tensor fusion: allreduces of small tensors are packed into buffers up to this many bytes
+    # (DistributedOptimizer: the largest gradient bucket; 0 sends every tensor on its own).
     fusion_threshold_bytes: int = 64 * 1024 * 1024
     # How often the background controller negotiates which collectives are ready (Horovod's
     # cycle time). Lower is lower latency, higher packs more tensors per fused allreduce.
+    # DistributedOptimizer: a gradient bucket closes at a gap in backward longer than this.
     cycle_time_ms: float = 1.0
+    # Order of DistributedOptimizer's gradient buckets: "auto" (learned from the first step),
+    # "reverse" (reverse registration order, as DDP) or "registration".
+    bucket_order: str = "auto"
     # Collectives that do not complete within this many seconds fail instead of hanging.
     timeout_s: float = 300.0
     # Stall inspector: warn after this long waiting on ranks that did not submit; 0 disables.
@@ -84,6 +94,11 @@ class Config:
             raise ConfigError(f"cycle_time_ms must be > 0, got {self.cycle_time_ms}")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.bucket_order not in ("auto", "registration", "reverse"):
+            raise ConfigError(
+                "bucket_order must be 'auto', 'registration' or 'reverse', got "
+                f"{self.bucket_order!r}"
+            )
         if self.hierarchical not in ("auto", "on", "off"):
             raise ConfigError(
                 f"hierarchical must be 'auto', 'on' or 'off', got {self.hierarchical!r}"

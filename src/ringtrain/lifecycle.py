@@ -14,6 +14,7 @@ from typing import Any
 
 from ringtrain.collectives.controller import Controller
 from ringtrain.config import Config
+from ringtrain.diagnostics import timeline
 from ringtrain.runtime import state
 from ringtrain.runtime.process_sets import ProcessSet
 
@@ -49,7 +50,10 @@ def init(
         _attach_controller(state.global_process_set, config)
         for ps in process_sets or ():
             add_process_set(ps)
+        if config.timeline_filename:
+            start_timeline(config.timeline_filename)
     except BaseException:
+        timeline.stop()
         state.stop()
         raise
     if not _atexit_registered:
@@ -64,12 +68,32 @@ def shutdown() -> None:
         return
     rt = state.current()
     try:
+        timeline.stop()
         for ps in sorted(rt.process_sets.values(), key=lambda p: -(p.process_set_id or 0)):
             ctl = ps.communicator.service("controller")
             if ctl is not None:
                 ctl.request_shutdown(SHUTDOWN_WAIT_S)
     finally:
         state.stop()
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> str:
+    """Record a Chrome/Perfetto trace of this rank's gradient buckets and collectives.
+
+    Every rank writes its own file, ``file_path`` with a rank suffix (``t.json`` ->
+    ``t.rank0.json``); returns this rank's path. Merge them with
+    ``python -m ringtrain.diagnostics.timeline merged.json t.rank*.json``. ``mark_cycles`` is
+    accepted for Horovod compatibility and ignored. See :mod:`ringtrain.diagnostics.timeline`.
+    """
+    rank = state.current().rank
+    path = timeline.rank_path(file_path, rank)
+    timeline.start(path, pid=rank)
+    return path
+
+
+def stop_timeline() -> None:
+    """Stop recording the timeline and close its file (also done by :func:`shutdown`)."""
+    timeline.stop()
 
 
 def add_process_set(ranks: ProcessSet | Sequence[int]) -> ProcessSet:

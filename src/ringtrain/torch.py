@@ -40,7 +40,14 @@ from ringtrain.compression import Compression
 from ringtrain.engine.optimizer import DistributedOptimizer
 from ringtrain.engine.state_sync import broadcast_optimizer_state, broadcast_parameters
 from ringtrain.errors import RingtrainError as HorovodInternalError
-from ringtrain.lifecycle import add_process_set, init, remove_process_set, shutdown
+from ringtrain.lifecycle import (
+    add_process_set,
+    init,
+    remove_process_set,
+    shutdown,
+    start_timeline,
+    stop_timeline,
+)
 from ringtrain.runtime.process_sets import ProcessSet
 from ringtrain.runtime.queries import (
     cross_rank,
@@ -121,5 +128,7 @@ __all__ = [
     "remove_process_set",
     "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
     "synchronize",
 ]

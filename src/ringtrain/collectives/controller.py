@@ -33,12 +33,13 @@ from ringtrain.collectives.execute import Executor, Pending
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request, mismatch
 from ringtrain.config import Config
-from ringtrain.diagnostics import stall
+from ringtrain.diagnostics import stall, timeline
 from ringtrain.errors import (
     CollectiveAbortedError,
     CollectiveArgumentError,
     CollectiveError,
     CollectiveMismatchError,
+    SecurityError,
     StallError,
 )
 from ringtrain.runtime.communicator import Communicator
@@ -82,7 +83,7 @@ class Controller:
         self._stall = stall.StallInspector(config.stall_warning_s, config.stall_shutdown_s)
         self._shutdown = False
         self._closed = False
-        self._failure: CollectiveError | None = None
+        self._failure: CollectiveError | SecurityError | None = None
         self._counters: dict[str, int] = {}
         self._executor = Executor(comm, config)
         self._control = comm.group("control")
@@ -164,7 +165,7 @@ class Controller:
                 idle_cycles += 1
                 self._wake.wait(self._sleep_time(idle_cycles))
                 self._wake.clear()
-        except CollectiveError as e:
+        except (CollectiveError, SecurityError) as e:  # secure mode names the peer: keep it
             self._fail_all(e)
         except Exception as e:  # a peer died or the network failed: fail loudly, never hang
             self._fail_all(
@@ -190,7 +191,17 @@ class Controller:
             mine = _Message([self._pending[n].request for n in new], self._shutdown)
         if self.comm.set_rank == 0:
             mine.abort = self._inspect()
+        rec = timeline.current()
+        started = time.perf_counter()
         messages = self._exchange(mine)
+        if rec.enabled and any(m.requests for m in messages):  # idle rounds are not drawn
+            rec.span(
+                f"collectives set {self.comm.set_id}",
+                "NEGOTIATE",
+                started,
+                time.perf_counter(),
+                {"submitted": sum(len(m.requests) for m in messages)},
+            )
         now = self._clock()
         for set_rank, msg in enumerate(messages):
             for req in msg.requests:
@@ -296,7 +307,7 @@ class Controller:
             rows = [slots[r, 8 : 8 + n] for r, n in enumerate(lengths)]
         return [pickle.loads(row.numpy().tobytes()) for row in rows]
 
-    def _fail_all(self, error: CollectiveError) -> None:
+    def _fail_all(self, error: CollectiveError | SecurityError) -> None:
         with self._lock:
             if self._failure is None:
                 self._failure = error

@@ -9,6 +9,7 @@ which is exact for every dtype and lets ranks exchange tensors of any shape in o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from ringtrain.collectives import dtypes
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request, TensorMeta
 from ringtrain.config import Config
+from ringtrain.diagnostics import timeline
 from ringtrain.errors import CollectiveArgumentError, CollectiveError
 from ringtrain.runtime.communicator import Communicator
 
@@ -99,7 +101,9 @@ class Executor:
                 self._queue_allreduce(item)
                 return
             self.flush()
+            started = time.perf_counter()
             result = self._run_one(req, by_rank, tensors, outputs, joined, me)
+            self._record(req.kind.upper(), started, [name])
         except CollectiveError as e:
             self.flush()
             if handle is not None:
@@ -133,7 +137,9 @@ class Executor:
         if not batch:
             return
         try:
+            started = time.perf_counter()
             self._fused_allreduce(batch)
+            self._record("ALLREDUCE", started, [item.name for item in batch])
         except CollectiveError as e:
             for item in batch:
                 if item.handle is not None:
@@ -142,6 +148,17 @@ class Executor:
         for item in batch:
             if item.handle is not None:
                 item.handle.set_result(item.outputs)
+
+    def _record(self, what: str, started: float, names: list[str]) -> None:
+        rec = timeline.current()
+        if rec.enabled:
+            rec.span(
+                f"collectives set {self.comm.set_id}",
+                what,
+                started,
+                time.perf_counter(),
+                {"tensors": names[:16], "count": len(names)},
+            )
 
     def _fused_allreduce(self, batch: list[_Item]) -> None:
         req = batch[0].request

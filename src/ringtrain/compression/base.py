@@ -6,6 +6,10 @@ collective; stateful ones (top-k with error feedback, PowerSGD) keep per-tensor 
 ``state_dict``/``load_state_dict`` so it is saved with the optimizer.
 
 Horovod spells these ``Compression.none`` and ``Compression.fp16``; both spellings work here.
+
+Compressors whose output cannot simply be summed (top-k, PowerSGD) implement
+:class:`GradientReducer` instead: DistributedOptimizer hands them each whole fusion bucket and a
+process group, and they run whatever collectives they need.
 """
 
 from __future__ import annotations
@@ -27,6 +31,36 @@ class Compressor(Protocol):
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]: ...
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class GradientReducer(Protocol):
+    """A compressor that reduces a whole gradient bucket itself, collectives included.
+
+    DistributedOptimizer calls, for every fusion bucket of every step::
+
+        averaged = reducer.reduce(bucket_key, flat, group)
+
+    * ``bucket_key`` names the bucket (``"bucket0"``, ``"bucket1"``, ...), stable while the
+      bucket plan stands; keep per-bucket state (error feedback, warm starts) under it.
+    * ``flat`` is the bucket: this rank's gradients, flattened and concatenated (1-D, the
+      gradients' dtype). Do not keep or modify it; it is reused next step.
+    * ``group`` is the ``torch.distributed`` group of the process set (Gloo). Issue collectives
+      on it synchronously and in an order that depends only on the bucket key and on data
+      every rank has, never on timing: every rank calls ``reduce`` for the same buckets in the
+      same order (on one engine thread, so backward continues meanwhile), and the engine issues
+      no other collective on ``group`` while a call runs.
+    * Return the *average* of ``flat`` over the group, a new tensor of the same shape and dtype.
+      The engine applies Sum and ``backward_passes_per_step`` scaling itself.
+
+    Optional: ``plan(bucket_key, shapes)`` is called once per bucket whenever a new plan is made,
+    with the shapes of the gradients packed in the bucket, in order. ``state_dict()`` and
+    ``load_state_dict()`` are saved in and restored from the DistributedOptimizer's state_dict.
+    """
+
+    name: str
+
+    def reduce(self, bucket_key: str, flat: torch.Tensor, group: Any) -> torch.Tensor: ...
 
 
 class Stateless:
@@ -69,9 +103,10 @@ def resolve(compression: Any) -> Any:
         return _REGISTRY[compression]()
     if isinstance(compression, type):
         return compression()
-    if not isinstance(compression, Compressor):
+    if not isinstance(compression, (Compressor, GradientReducer)):
         raise ConfigError(
-            f"compression must be a name or have compress()/decompress(), got {compression!r}"
+            f"compression must be a name or have compress()/decompress() or reduce(), got "
+            f"{compression!r}"
         )
     return compression
 

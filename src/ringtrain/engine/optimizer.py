@@ -1,9 +1,19 @@
 """DistributedOptimizer: average gradients across ranks while backward is still running.
 
-It wraps the user's optimizer by composition. A hook on every parameter fires once the gradient
-has been accumulated and submits that gradient's allreduce at once, by the parameter's name, so
-communication overlaps the rest of backward; the controller fuses whatever is ready together.
-``step()`` waits only for what is still in flight, then runs the wrapped optimizer.
+It wraps the user's optimizer by composition. A hook on every trainable parameter fires once its
+gradient is accumulated and tells the engine, which packs gradients into fusion buckets and
+launches each bucket's allreduce as soon as the bucket is complete, on the process set's own
+``engine`` group, without negotiating (see :mod:`ringtrain.engine.exchange`). ``step()`` waits
+only for what is still in flight, then runs the wrapped optimizer.
+
+The bucket plan is learned in the first step (see :mod:`ringtrain.engine.schedule`): that step
+sends everything at ``step()``; later steps overlap backward. The plan is re-learned, on every
+rank alike, when ``requires_grad`` of some parameter changes or a param group is added.
+
+Limits, stated plainly: ``requires_grad`` must change identically on every rank and between
+steps (as with DDP); ``ringtrain.join()`` does not stand in for the gradient exchange of a rank
+that stopped training (use it for explicit collectives only); buckets of CUDA gradients travel
+over Gloo.
 
 The wrapper subclasses ``torch.optim.Optimizer`` (sharing ``param_groups`` and ``state`` with the
 wrapped optimizer) only so that LR schedulers and ``isinstance`` checks accept it; it never runs
@@ -13,6 +23,10 @@ wrapped optimizer) only so that LR schedulers and ``isinstance`` checks accept i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import logging
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -20,30 +34,47 @@ from typing import Any
 import torch
 
 from ringtrain.collectives import ops
-from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.reduce_ops import resolve_op
 from ringtrain.compression import resolve as resolve_compression
+from ringtrain.diagnostics import timeline
+from ringtrain.engine import schedule
+from ringtrain.engine.buckets import ORDERS, Plan
+from ringtrain.engine.exchange import GradientExchange, Scaling
 from ringtrain.errors import CollectiveArgumentError, ConfigError
 from ringtrain.runtime.process_sets import ProcessSet
 
+log = logging.getLogger("ringtrain")
+
+# Key under which state_dict() keeps the compressor's state next to the optimizer's.
+COMPRESSOR_STATE_KEY = "ringtrain_compressor"
+
 
 class DistributedOptimizer(torch.optim.Optimizer):
-    """Horovod's ``DistributedOptimizer``: same arguments, same behaviour.
+    """Horovod's ``DistributedOptimizer``: same arguments, same behaviour, plus engine knobs.
 
     Args:
         optimizer: the optimizer to wrap (its ``param_groups`` and ``state`` are shared).
-        named_parameters: ``model.named_parameters()``; names identify each gradient's allreduce
-            across ranks, so every rank must use the same names. Without them, parameters are
-            named by their position in ``optimizer.param_groups``.
-        compression: ``Compression.none`` (default), ``Compression.fp16``, ``.bf16``, or a name.
+        named_parameters: ``model.named_parameters()``; names label buckets in errors and in the
+            timeline. Without them, parameters are named by their position in
+            ``optimizer.param_groups``. Every rank must pass the same parameters in the same
+            order.
+        compression: ``Compression.none``, ``Compression.fp16``, ``.bf16``, a registered name
+            (``"powersgd"``, ``"topk"``), or an object with ``compress``/``decompress`` or
+            ``reduce`` (:class:`ringtrain.compression.base.GradientReducer`).
         backward_passes_per_step: communicate once every this many backward passes; gradients
             accumulate locally in between (as in Horovod, they are summed, not averaged: scale the
             loss by 1/k, or pass ``average_aggregated_gradients=True``, to match a k-times batch).
         op: ``Average`` (default) or ``Sum``.
         gradient_predivide_factor: divide gradients by this before the sum and by
-            ``size / factor`` after it (Average only); helps keep 16-bit sums in range.
+            ``size / factor`` after it (Average only). With a 16-bit wire and the default 1.0,
+            the whole division by the world size happens before the cast.
         process_set: reduce over this process set instead of the world.
         sparse_as_dense: send sparse gradients as dense tensors instead of as (indices, values).
+        fusion_threshold_bytes, cycle_time_ms, bucket_order: bucket planning (see
+            :mod:`ringtrain.engine.buckets` for the tuning guide).
+
+    Settings left as None come from :class:`ringtrain.config.Config` (``RINGTRAIN_*``
+    variables, which ``ringtrain run`` flags set), then the defaults: arguments win.
     """
 
     def __init__(
@@ -58,6 +89,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense: bool = False,
         average_aggregated_gradients: bool = False,
         groups: Any = None,
+        *,
+        fusion_threshold_bytes: int | None = None,
+        cycle_time_ms: float | None = None,
+        bucket_order: str | None = None,
     ) -> None:
         # Deliberately no super().__init__(): all optimizer state lives in the wrapped optimizer.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -78,7 +113,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         if groups is not None:
             warnings.warn(
-                "DistributedOptimizer(groups=...) is ignored: ringtrain fuses by readiness",
+                "DistributedOptimizer(groups=...) is ignored: ringtrain plans buckets itself "
+                "(see fusion_threshold_bytes, cycle_time_ms, bucket_order)",
                 stacklevel=2,
             )
         self.optimizer = optimizer
@@ -87,20 +123,48 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"DistributedOptimizer supports op=Average or Sum, got {self._op}")
         if gradient_predivide_factor != 1.0 and self._op != "Average":
             raise ConfigError("gradient_predivide_factor needs op=Average")
-        self._compression = resolve_compression(compression)
+        controller = ops.controller_of(process_set)
+        config = controller.config
+        self._comm = controller.comm
+        self._size = self._comm.size
+        self._threshold = (
+            config.fusion_threshold_bytes
+            if fusion_threshold_bytes is None
+            else fusion_threshold_bytes
+        )
+        self._cycle_time_ms = config.cycle_time_ms if cycle_time_ms is None else cycle_time_ms
+        self._order = config.bucket_order if bucket_order is None else bucket_order
+        if self._threshold < 0:
+            raise ConfigError(f"fusion_threshold_bytes must be >= 0, got {self._threshold}")
+        if self._cycle_time_ms <= 0:
+            raise ConfigError(f"cycle_time_ms must be > 0, got {self._cycle_time_ms}")
+        if self._order not in ORDERS:
+            raise ConfigError(
+                f"bucket_order must be one of {', '.join(ORDERS)}, got {self._order!r}"
+            )
+        self._compression = resolve_compression(
+            config.compression if compression is None else compression
+        )
         self._process_set = process_set
-        self._controller = ops.controller_of(process_set)
-        self._size = self._controller.comm.size
         self.backward_passes_per_step = backward_passes_per_step
         self._average_aggregated = average_aggregated_gradients
         self._predivide = gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
-        self._names = self._name_parameters(named_parameters)
-        self._passes: dict[torch.nn.Parameter, int] = {}
-        self._handles: dict[torch.nn.Parameter, tuple[Handle, Any]] = {}
+        self._params: list[torch.nn.Parameter] = []
+        self._names: list[str] = []
+        self._index_names(named_parameters)
+        self._hooks: dict[int, Any] = {}
+        self._plan: Plan | None = None
+        self._exchange: GradientExchange | None = None
+        self._counts = [0] * len(self._params)
+        self._learner: schedule.Learner | None = None
+        self._step_open = False  # a hook fired since the last synchronize
+        self._learning = False  # this step learns the bucket plan
+        self._any_ready = False  # some gradient reached backward_passes_per_step
+        self._in_pass = False  # timeline only: inside a backward pass
+        self._pass_start = 0.0
         self._synchronized = False
         self._should_sync = True
-        self._hooks: list[Any] = []
         self._register_hooks()
 
     # ---- the torch.optim.Optimizer surface, delegated ----------------------------------------
@@ -130,14 +194,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer.defaults = value
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        """The wrapped optimizer's state_dict, plus the compressor's state (if it has any)
+        under ``"ringtrain_compressor"``. A stateful compressor's state can differ per rank
+        (e.g. PowerSGD's error feedback): save every rank's to resume it exactly."""
+        sd = self.optimizer.state_dict()
+        get = getattr(self._compression, "state_dict", None)
+        comp_state = get() if callable(get) else {}
+        if comp_state:
+            sd[COMPRESSOR_STATE_KEY] = {
+                "name": getattr(self._compression, "name", type(self._compression).__name__),
+                "state": comp_state,
+            }
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        sd = dict(state_dict)
+        saved = sd.pop(COMPRESSOR_STATE_KEY, None)
+        self.optimizer.load_state_dict(sd)
+        if saved is None:
+            return
+        mine = getattr(self._compression, "name", type(self._compression).__name__)
+        if saved.get("name") != mine:
+            raise ConfigError(
+                f"the state_dict holds state of compressor {saved.get('name')!r}, but this "
+                f"optimizer uses {mine!r}.\nHINT: resume with the compression you saved with."
+            )
+        load = getattr(self._compression, "load_state_dict", None)
+        if callable(load):
+            load(saved["state"])
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
-        self._names = self._name_parameters(None, keep=self._names)
+        self._index_names(None)
+        self._counts = [0] * len(self._params)
+        self._drop_plan()
         self._register_hooks()
 
     def __repr__(self) -> str:
@@ -148,17 +238,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "DistributedOptimizer cannot be pickled; save optimizer.state_dict() instead"
         )
 
+    # ---- introspection (tests, benchmarks, timeline) ------------------------------------------
+
+    @property
+    def plan(self) -> Plan | None:
+        """The agreed bucket plan; None until the first step."""
+        return self._plan
+
+    @property
+    def compression(self) -> Any:
+        return self._compression
+
     # ---- naming and hooks --------------------------------------------------------------------
 
-    def _params(self) -> list[torch.nn.Parameter]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
-
-    def _name_parameters(
-        self,
-        named: Iterable[tuple[str, torch.nn.Parameter]] | None,
-        keep: dict[torch.nn.Parameter, str] | None = None,
-    ) -> dict[torch.nn.Parameter, str]:
-        params = self._params()
+    def _index_names(self, named: Iterable[tuple[str, torch.nn.Parameter]] | None) -> None:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        old = dict(zip(self._params, self._names))
         if named is not None:
             pairs = list(named)
             if any(not isinstance(p, tuple) or len(p) != 2 for p in pairs):
@@ -178,122 +273,154 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"(positions {missing[:5]}).\nHINT: pass the named_parameters() of the model "
                     "whose parameters the optimizer holds."
                 )
-            return {p: by_param[p] for p in params}
-        keep = keep or {}
-        return {p: keep.get(p, f"param.{i}") for i, p in enumerate(params)}
+            old = by_param
+        self._params = params
+        self._names = [old.get(p, f"param.{i}") for i, p in enumerate(params)]
 
     def _register_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
         if self._size == 1:
             return  # nothing to exchange: the wrapper costs nothing at world size 1
-        for p in self._params():
-            if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        for i, p in enumerate(self._params):
+            if p.requires_grad and i not in self._hooks:
+                self._hooks[i] = p.register_post_accumulate_grad_hook(
+                    functools.partial(self._on_grad_ready, i)
+                )
 
     def remove_hooks(self) -> None:
         """Detach from the parameters; the optimizer then behaves like the plain one."""
-        for h in self._hooks:
+        for h in self._hooks.values():
             h.remove()
-        self._hooks = []
+        self._hooks = {}
+        self._drop_plan()
 
-    def _on_grad_ready(self, p: Any) -> None:
+    def _drop_plan(self) -> None:
+        if self._exchange is not None:
+            self._exchange.close()
+        self._exchange = None
+        self._plan = None
+
+    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         if not self._should_sync:
             return
-        param = p  # the hook receives the parameter itself
-        if param in self._handles:
+        if not self._step_open:
+            self._open_step()
+        rec = timeline.current()
+        if rec.enabled and not self._in_pass:
+            self._start_pass()
+        n = self._counts[index] + 1
+        if n > self.backward_passes_per_step:
             raise CollectiveArgumentError(
-                f"gradient of {self._names.get(param, '?')!r} was computed again before step().\n"
+                f"gradient of {self._names[index]!r} was computed again before step().\n"
                 "HINT: call optimizer.step() (or synchronize()) between backward passes, or set "
                 "backward_passes_per_step to the number of backward passes per step."
             )
-        n = self._passes.get(param, 0) + 1
-        self._passes[param] = n
+        self._counts[index] = n
         if n < self.backward_passes_per_step:
             return
-        self._handles[param] = self._submit(param)
+        self._any_ready = True
+        if self._learning:
+            assert self._learner is not None
+            grad = param.grad
+            self._learner.saw(index, grad is not None and grad.is_sparse)
+        else:
+            assert self._exchange is not None
+            self._exchange.ready(index)
+
+    def _open_step(self) -> None:
+        """First gradient of a step: decide whether this step learns the plan. Every rank
+        decides alike, from its own parameters, before anything is sent."""
+        self._step_open = True
+        plan = self._plan
+        self._learning = plan is None or plan.trainable != schedule.trainable_of(self._params)
+        if self._learning:
+            self._learner = schedule.Learner(len(self._params))
+
+    def _start_pass(self) -> None:
+        self._in_pass = True
+        self._pass_start = time.perf_counter()
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+        except RuntimeError:  # not inside a backward pass (a hook fired by hand)
+            self._in_pass = False
+
+    def _end_pass(self) -> None:
+        self._in_pass = False
+        timeline.current().span("compute", "BACKWARD", self._pass_start, time.perf_counter())
 
     # ---- communication -----------------------------------------------------------------------
 
-    def _scales(self) -> tuple[str, float, float]:
+    def _scaling(self) -> Scaling:
         k = self.backward_passes_per_step if self._average_aggregated else 1
-        if self._op == "Average":
-            # Sum with explicit scales: predivide before the sum, the rest after it.
-            return "Sum", 1.0 / (self._predivide * k), self._predivide / self._size
-        return "Sum", 1.0 / k, 1.0
+        return Scaling(self._op == "Average", self._size, self._predivide, 1.0 / k)
 
-    def _submit(self, p: torch.nn.Parameter) -> tuple[Handle, Any]:
-        name = f"grad.{self._names[p]}"
-        grad = p.grad
-        assert grad is not None
-        op, pre, post = self._scales()
-        if grad.is_sparse:
-            if self._sparse_as_dense:
-                p.grad = grad = grad.to_dense()
-            else:
-                return self._submit_sparse(name, grad, pre * post)
-        wire, ctx = self._compression.compress(grad)
-        if wire is grad:
-            return ops.allreduce_async_(
-                grad,
-                name=name,
-                op=op,
-                prescale_factor=pre,
-                postscale_factor=post,
-                process_set=self._process_set,
-            ), None
-        return ops.allreduce_async_(
-            wire,
-            name=name,
-            op=op,
-            prescale_factor=pre,
-            postscale_factor=post,
-            process_set=self._process_set,
-        ), (wire, ctx)
-
-    def _submit_sparse(self, name: str, grad: torch.Tensor, scale: float) -> tuple[Handle, Any]:
-        grad = grad.coalesce()
-        indices = ops.allgather_async(
-            grad.indices().t().contiguous(), f"{name}.indices", self._process_set
+    def _make_plan(self) -> None:
+        """The learning step's end: agree on a plan with every rank, build its buffers."""
+        rec = timeline.current()
+        t0 = time.perf_counter()
+        learner = self._learner or schedule.Learner(len(self._params))
+        observation = learner.observation(self._params)
+        if self._sparse_as_dense:
+            observation = dataclasses.replace(
+                observation, sparse=tuple(False for _ in self._params)
+            )
+        plan = schedule.agree_plan(
+            schedule.specs_of(self._params, self._names),
+            observation,
+            self._comm.group("engine"),
+            self._size,
+            threshold_bytes=self._threshold,
+            cycle_time_ms=self._cycle_time_ms,
+            order=self._order,
         )
-        values = ops.allgather_async(
-            grad.values().contiguous(), f"{name}.values", self._process_set
+        self._drop_plan()
+        self._plan = plan
+        self._exchange = GradientExchange(
+            plan,
+            self._params,
+            self._names,
+            self._comm.group("engine"),
+            self._compression,
+            self._scaling(),
         )
-        return indices, ("sparse", values, grad.shape, scale)
-
-    def _finish(self, p: torch.nn.Parameter, handle: Handle, extra: Any) -> None:
-        result = ops.synchronize(handle)
-        if extra is None:
-            return
-        if extra[0] == "sparse":
-            _, values_handle, shape, scale = extra
-            values = ops.synchronize(values_handle)
-            summed = torch.sparse_coo_tensor(result.t(), values * scale, shape).coalesce()
-            p.grad = summed
-            return
-        wire, ctx = extra
-        assert p.grad is not None
-        p.grad.copy_(self._compression.decompress(wire, ctx))
+        self._register_hooks()
+        log.debug("ringtrain bucket plan %s: %s", plan.digest, plan.describe())
+        rec.span("step", "PLAN", t0, time.perf_counter(), {"plan": plan.describe()})
 
     def synchronize(self) -> None:
-        """Wait for every gradient's allreduce; parameters that got no gradient on this rank
+        """Wait for every gradient's reduction; parameters that got no gradient on this rank
         take part with zeros, so every rank runs the same collectives."""
         if self._size == 1:
+            if self._average_aggregated and self.backward_passes_per_step > 1:
+                with torch.no_grad():
+                    for p in self._params:
+                        if p.grad is not None:
+                            p.grad.div_(self.backward_passes_per_step)
             self._synchronized = True
             return
-        for p in self._params():
-            if not p.requires_grad or p in self._handles:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            self._handles[p] = self._submit(p)
+        rec = timeline.current()
+        observer = self._comm.service("step_timer")
+        t0 = time.perf_counter()
+        if observer is not None:
+            observer.wait_started()
         try:
-            for p, (handle, extra) in self._handles.items():
-                self._finish(p, handle, extra)
+            if not self._step_open:
+                self._open_step()
+            if self._learning:
+                self._make_plan()
+            assert self._exchange is not None
+            with torch.no_grad():
+                self._exchange.flush()
+                self._exchange.finish()
         finally:
-            self._handles.clear()
-            self._passes.clear()
+            self._counts = [0] * len(self._params)
+            self._step_open = self._learning = self._any_ready = False
+            self._in_pass = False  # a backward that raised never ran its end callback
+            self._learner = None
+            if self._exchange is not None:
+                self._exchange.reset()
+        if observer is not None:
+            observer.wait_done()
+        rec.span("step", "SYNCHRONIZE", t0, time.perf_counter())
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -308,7 +435,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally without communicating."""
+        """Backward passes inside accumulate gradients locally without communicating; the
+        first backward pass after the block communicates the accumulated sum."""
         previous, self._should_sync = self._should_sync, False
         try:
             yield
@@ -317,20 +445,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         if self._should_sync and not self._synchronized:
-            pending_passes = any(
-                0 < n < self.backward_passes_per_step for n in self._passes.values()
-            )
-            if pending_passes:
+            if self._step_open and not self._any_ready:
                 raise CollectiveArgumentError(
-                    f"step() after {max(self._passes.values())} of {self.backward_passes_per_step} "
+                    f"step() after {max(self._counts)} of {self.backward_passes_per_step} "
                     "backward passes.\nHINT: call step() once every backward_passes_per_step passes."
                 )
             self.synchronize()
         self._synchronized = False
-        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        rec = timeline.current()
+        t0 = time.perf_counter()
+        result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        rec.span("step", "OPTIMIZER_STEP", t0, time.perf_counter())
+        observer = self._comm.service("step_timer")
+        if observer is not None:
+            observer.step_done()
+        return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._handles:
+        if self._any_ready:
             raise CollectiveArgumentError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
                 "or optimizer.synchronize().\nHINT: this is usually a missing optimizer.step()."

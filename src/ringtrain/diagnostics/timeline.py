@@ -1,0 +1,243 @@
+"""The timeline: a Chrome/Perfetto trace of what each rank's gradients and collectives did.
+
+Open the file in https://ui.perfetto.dev or chrome://tracing. Every rank writes its own file
+(``trace.json`` becomes ``trace.rank0.json``, ``trace.rank1.json``, ...), so writing never needs a
+collective and a crashed rank still leaves its trace behind; :func:`merge` joins them into one
+file afterwards (``python -m ringtrain.diagnostics.timeline out.json trace.rank*.json``). Each
+rank is one process (``pid`` = rank) and each activity a named lane:
+
+* ``compute``: ``BACKWARD`` (first gradient hook to the end of the backward pass);
+* ``step``: ``PLAN`` (learning the bucket order), ``SYNCHRONIZE`` (waiting for buckets) and
+  ``OPTIMIZER_STEP`` (the wrapped optimizer);
+* ``bucket NN``: per fusion bucket, ``FILL`` (first to last gradient ready), ``PACK`` (copy,
+  scale, compress), ``ALLREDUCE`` (in flight: launched to done) and ``UNPACK`` (results back
+  into ``.grad``);
+* ``collectives set N``: negotiated collectives, ``NEGOTIATE`` (controller rounds with work) and
+  ``ALLREDUCE``/``ALLGATHER``/... as they run.
+
+Timestamps are wall-clock microseconds (taken from a monotonic clock anchored once), so the files
+of ranks on one machine line up when merged. Events are buffered and appended to the file in
+batches; :func:`stop` closes the JSON. When no timeline runs, :func:`current` returns a recorder
+whose methods do nothing and whose ``enabled`` is False, so instrumented code pays one attribute
+read. This module is plain Python: no torch, no runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+# Events held in memory before they are appended to the file.
+FLUSH_EVERY = 4096
+
+
+class NullRecorder:
+    """The recorder while no timeline runs: every method does nothing."""
+
+    enabled = False
+
+    def lane(self, name: str) -> int:
+        return 0
+
+    def span(
+        self, lane: str, name: str, start: float, end: float, args: dict[str, Any] | None = None
+    ) -> None:
+        return None
+
+    def instant(self, lane: str, name: str, t: float, args: dict[str, Any] | None = None) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class Recorder(NullRecorder):
+    """Writes one rank's events to ``path`` as a Chrome trace (``traceEvents``).
+
+    Times given to :meth:`span` and :meth:`instant` are ``time.perf_counter()`` seconds. Safe to
+    call from any thread (completion callbacks of collectives run on communication threads).
+    """
+
+    enabled = True
+
+    def __init__(self, path: str, pid: int, label: str | None = None) -> None:
+        self.path = path
+        self.pid = pid
+        # One anchor maps the monotonic clock onto wall-clock microseconds.
+        self._perf0 = time.perf_counter()
+        self._wall0_us = time.time_ns() / 1000.0
+        self._lock = threading.Lock()
+        self._lanes: dict[str, int] = {}
+        self._events: list[dict[str, Any]] = []
+        self._wrote_any = False
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        self._file: IO[str] | None = open(path, "w", encoding="utf-8")  # noqa: SIM115
+        self._file.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
+        self._events.append(
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": pid,
+                "tid": 0,
+                "args": {"name": label or f"rank {pid}"},
+            }
+        )
+        self._events.append(
+            {
+                "name": "process_sort_index",
+                "ph": "M",
+                "pid": pid,
+                "tid": 0,
+                "args": {"sort_index": pid},
+            }
+        )
+
+    def _us(self, t: float) -> float:
+        return round(self._wall0_us + (t - self._perf0) * 1e6, 3)
+
+    def lane(self, name: str) -> int:
+        """The thread id of lane ``name``, declared in the trace on first use."""
+        tid = self._lanes.get(name)
+        if tid is not None:
+            return tid
+        with self._lock:
+            tid = self._lanes.get(name)
+            if tid is None:
+                tid = self._lanes[name] = len(self._lanes) + 1
+                meta = {"ph": "M", "pid": self.pid, "tid": tid}
+                self._events.append({"name": "thread_name", **meta, "args": {"name": name}})
+                self._events.append(
+                    {"name": "thread_sort_index", **meta, "args": {"sort_index": tid}}
+                )
+        return tid
+
+    def span(
+        self, lane: str, name: str, start: float, end: float, args: dict[str, Any] | None = None
+    ) -> None:
+        """A complete event ("X") from ``start`` to ``end`` on ``lane``."""
+        event: dict[str, Any] = {
+            "name": name,
+            "ph": "X",
+            "pid": self.pid,
+            "tid": self.lane(lane),
+            "ts": self._us(start),
+            "dur": round(max(0.0, end - start) * 1e6, 3),
+        }
+        if args:
+            event["args"] = args
+        self._add(event)
+
+    def instant(self, lane: str, name: str, t: float, args: dict[str, Any] | None = None) -> None:
+        event: dict[str, Any] = {
+            "name": name,
+            "ph": "i",
+            "s": "t",
+            "pid": self.pid,
+            "tid": self.lane(lane),
+            "ts": self._us(t),
+        }
+        if args:
+            event["args"] = args
+        self._add(event)
+
+    def _add(self, event: dict[str, Any]) -> None:
+        with self._lock:
+            self._events.append(event)
+            if len(self._events) >= FLUSH_EVERY:
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        if self._file is None or not self._events:
+            return
+        text = ",\n".join(json.dumps(e, separators=(",", ":")) for e in self._events)
+        self._file.write((",\n" if self._wrote_any else "") + text)
+        self._file.flush()
+        self._wrote_any = True
+        self._events = []
+
+    def close(self) -> None:
+        """Write what is buffered and close the JSON document."""
+        with self._lock:
+            if self._file is None:
+                return
+            self._flush_locked()
+            self._file.write("\n]}\n")
+            self._file.close()
+            self._file = None
+
+
+NULL = NullRecorder()
+_current: NullRecorder = NULL
+_current_lock = threading.Lock()
+
+
+def current() -> NullRecorder:
+    """The running recorder, or the no-op recorder (``enabled`` False) when none runs."""
+    return _current
+
+
+def rank_path(filename: str, rank: int) -> str:
+    """Where ``rank`` writes the timeline asked for as ``filename``: ``t.json`` -> ``t.rank3.json``."""
+    root, ext = os.path.splitext(filename)
+    return f"{root}.rank{rank}{ext or '.json'}"
+
+
+def start(path: str, pid: int, label: str | None = None) -> Recorder:
+    """Start recording to ``path`` (replacing a running timeline, which is closed first)."""
+    global _current
+    recorder = Recorder(path, pid, label)
+    with _current_lock:
+        previous, _current = _current, recorder
+    previous.close()
+    return recorder
+
+
+def stop() -> None:
+    """Stop recording and close the file; does nothing when no timeline runs."""
+    global _current
+    with _current_lock:
+        previous, _current = _current, NULL
+    previous.close()
+
+
+def load(path: str) -> list[dict[str, Any]]:
+    """The events of a timeline file, including one whose writer died before closing it."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        doc = json.loads(text.rstrip().rstrip(",") + "\n]}")  # unterminated: a crashed writer
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    return list(events)
+
+
+def merge(paths: Sequence[str], out: str) -> int:
+    """Join per-rank timelines into one file (one process per rank); returns the event count."""
+    events: list[dict[str, Any]] = []
+    for p in paths:
+        events.extend(load(p))
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump({"displayTimeUnit": "ms", "traceEvents": events}, f)
+    return len(events)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ringtrain.diagnostics.timeline OUT IN...``: merge per-rank timelines."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) < 2:
+        print("usage: python -m ringtrain.diagnostics.timeline OUT.json RANK_FILE.json...")
+        return 2
+    n = merge(args[1:], args[0])
+    print(f"wrote {n} events from {len(args) - 1} file(s) to {args[0]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

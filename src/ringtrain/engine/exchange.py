@@ -1,0 +1,381 @@
+"""Run a bucket plan: pack gradients, launch each bucket's allreduce, unpack the averages.
+
+One :class:`GradientExchange` serves one plan. Gradient hooks call :meth:`ready`; when a bucket's
+last gradient arrives, that bucket and every complete bucket after it (in plan order, never out
+of it) is packed into its flat buffer and launched with ``async_op=True`` on the process set's
+dedicated ``engine`` Gloo group. No negotiation happens: every rank holds the same plan and
+launches the same buckets in the same order, which is all Gloo needs to match them. A bucket
+waiting for a gradient this rank never computes waits for :meth:`flush` (called by ``step()``),
+which launches what is left with zeros in place of missing gradients, then the sparse gradients.
+:meth:`finish` waits for each bucket in order and copies the results into ``.grad``.
+
+Numerics. Averaging is a sum with scale factors: ``pre`` before the sum, ``post`` after. When
+the compressor narrows the wire dtype (fp16, bf16) the whole division by the world size happens
+*before* the cast, so the sum of 16-bit values is already an average and cannot overflow unless a
+single averaged value does; and if it does anyway (a result holds inf or nan), that bucket is
+reduced again in full precision, which every rank decides alike because allreduce results are
+identical on every rank. Sparse gradients are allgathered (indices and values, padded to the
+largest count) and summed locally; they are never compressed.
+
+Stateful reducers (PowerSGD, top-k: :class:`ringtrain.compression.base.GradientReducer`) issue
+their own blocking collectives; they run on one worker thread, bucket after bucket in plan
+order, so they overlap backward and keep the same collective order on every rank.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ringtrain.diagnostics import timeline
+from ringtrain.engine.buckets import Bucket, Plan
+from ringtrain.errors import InternalError
+
+_now = time.perf_counter
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """How a reduction turns a sum into what the optimizer wants (Average or Sum)."""
+
+    average: bool
+    size: int
+    predivide: float = 1.0
+    k_scale: float = 1.0  # 1/k when averaging aggregated backward passes
+
+    def factors(self, narrow_wire: bool) -> tuple[float, float]:
+        """(pre, post) scale factors around the sum."""
+        if not self.average:
+            return self.k_scale, 1.0
+        if narrow_wire and self.predivide == 1.0:
+            return self.k_scale / self.size, 1.0  # divide before casting: the sum is the average
+        return self.k_scale / self.predivide, self.predivide / self.size
+
+    def reducer_post(self) -> float:
+        """Reducers return averages; Sum needs them times the world size."""
+        return self.k_scale * (1.0 if self.average else self.size)
+
+
+class _Slot:
+    """One bucket's buffers and per-step state."""
+
+    def __init__(
+        self,
+        bucket: Bucket,
+        params: Sequence[torch.nn.Parameter],
+        compressor: Any,
+        scaling: Scaling,
+    ) -> None:
+        self.bucket = bucket
+        first = params[bucket.params[0]]
+        self.flat = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
+        self.members = [params[i] for i in bucket.params]
+        self.views = [
+            self.flat[o : o + _numel(s)].view(s) for o, s in zip(bucket.offsets, bucket.shapes)
+        ]
+        compress = getattr(compressor, "compress", None)
+        wire_dtype = (
+            compress(torch.zeros(1, dtype=first.dtype))[0].dtype if callable(compress) else None
+        )
+        self.narrow = (
+            wire_dtype is not None
+            and wire_dtype != first.dtype
+            and _finfo_max(wire_dtype) < _finfo_max(first.dtype)
+        )
+        self.pre, self.post = scaling.factors(self.narrow)
+        self.reset()
+
+    def reset(self) -> None:
+        self.missing = len(self.members)
+        self.launched = False
+        self.work: Any = None
+        self.wire: torch.Tensor | None = None
+        self.ctx: Any = None
+        self.t_first = self.t_last = self.t_pack = self.t_sent = 0.0
+        self.done: list[float] = []  # completion time, appended by a communication thread
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _finfo_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max) if dtype.is_floating_point else float("inf")
+
+
+class _Worker:
+    """One daemon thread running reducer calls in submission order."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="ringtrain-reducer", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fut, fn, args = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to the waiting thread
+                fut.set_exception(e)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+
+class GradientExchange:
+    """Launches and completes the collectives of one plan on one process set's engine group."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        group: Any,
+        compressor: Any,
+        scaling: Scaling,
+    ) -> None:
+        self.plan = plan
+        self._params = list(params)
+        self._names = list(names)
+        self._group = group
+        self._compressor = compressor
+        self._reducer = callable(getattr(compressor, "reduce", None))
+        self._scaling = scaling
+        self._slots = [_Slot(b, self._params, compressor, scaling) for b in plan.buckets]
+        self._slot_of = [-1] * len(self._params)
+        for s, slot in enumerate(self._slots):
+            for i in slot.bucket.params:
+                self._slot_of[i] = s
+        self._next = 0  # first bucket not launched yet
+        self._lock = threading.Lock()
+        self._sparse_work: list[Any] = []
+        self._worker: _Worker | None = None
+        if self._reducer:
+            plan_fn = getattr(compressor, "plan", None)
+            if callable(plan_fn):
+                for b in plan.buckets:
+                    plan_fn(b.key, b.shapes)
+            self._worker = _Worker()
+            # An optimizer dropped without remove_hooks() must not leave its thread behind.
+            weakref.finalize(self, self._worker.close)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    # ---- during backward ----------------------------------------------------------------------
+
+    def ready(self, index: int) -> None:
+        """Parameter ``index`` has its final gradient for this step (called from its hook)."""
+        s = self._slot_of[index]
+        if s < 0:
+            return  # sparse: exchanged at flush
+        with self._lock:
+            slot = self._slots[s]
+            now = _now()
+            if slot.missing == len(slot.members):
+                slot.t_first = now
+            slot.missing -= 1
+            slot.t_last = now
+            while self._next < len(self._slots) and self._slots[self._next].missing == 0:
+                self._launch(self._slots[self._next])
+                self._next += 1
+
+    # ---- at step() ----------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Launch every bucket not launched yet (missing gradients count as zeros), then the
+        sparse gradients."""
+        with self._lock:
+            now = _now()
+            while self._next < len(self._slots):
+                slot = self._slots[self._next]
+                if slot.t_first == 0.0:
+                    slot.t_first = now
+                slot.t_last = now
+                self._launch(slot)
+                self._next += 1
+        if self.plan.sparse:
+            if self._worker is not None:
+                for slot in self._slots:  # the worker must finish before the main thread
+                    slot.work.result()  # issues more collectives on the group
+            self._sparse_work = self._launch_sparse()
+
+    def finish(self) -> None:
+        """Wait for every bucket in plan order and write the results into ``.grad``."""
+        try:
+            rec = timeline.current()
+            for slot in self._slots:
+                self._finish(slot, rec)
+            if self.plan.sparse:
+                self._finish_sparse()
+        finally:
+            self.reset()
+
+    def reset(self) -> None:
+        for slot in self._slots:
+            slot.reset()
+        self._next = 0
+        self._sparse_work = []
+
+    # ---- dense buckets ------------------------------------------------------------------------
+
+    def _launch(self, slot: _Slot) -> None:
+        slot.t_pack = _now()
+        for p, view in zip(slot.members, slot.views):
+            g = p.grad
+            if g is None:
+                view.zero_()
+            else:
+                view.copy_(g.to_dense() if g.is_sparse else g)
+        flat = slot.flat
+        rec = timeline.current()
+        if self._reducer:
+            assert self._worker is not None
+            slot.t_sent = _now()
+            fut = self._worker.submit(self._compressor.reduce, slot.bucket.key, flat, self._group)
+            slot.work = fut
+            if rec.enabled:
+                fut.add_done_callback(functools.partial(_mark_done, slot.done))
+        else:
+            if slot.pre != 1.0:
+                flat.mul_(slot.pre)
+            wire, ctx = self._compressor.compress(flat)
+            slot.wire, slot.ctx = wire, ctx
+            slot.t_sent = _now()
+            work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+            slot.work = work
+            if rec.enabled:
+                # A fresh list per launch: a late callback cannot leak into the next step.
+                work.get_future().then(functools.partial(_mark_done, slot.done))
+        slot.launched = True
+
+    def _finish(self, slot: _Slot, rec: timeline.NullRecorder) -> None:
+        if not slot.launched:
+            raise InternalError(f"{slot.bucket.key} was never launched before finish()")
+        if self._reducer:
+            result = slot.work.result()
+            post = self._scaling.reducer_post()
+        else:
+            slot.work.wait()
+            wire = slot.wire
+            assert wire is not None
+            result = wire if wire is slot.flat else self._compressor.decompress(wire, slot.ctx)
+            if slot.narrow and not bool(torch.isfinite(wire).all()):
+                # The 16-bit sum overflowed (or the data holds inf/nan): every rank sees the same
+                # result, so every rank redoes this bucket in full precision here.
+                dist.all_reduce(slot.flat, op=dist.ReduceOp.SUM, group=self._group)
+                result = slot.flat
+            post = slot.post
+        t_wait = _now()
+        if post != 1.0:
+            result.mul_(post)
+        b = slot.bucket
+        for p, offset, shape in zip(slot.members, b.offsets, b.shapes):
+            src = result[offset : offset + _numel(shape)].view(shape)
+            g = p.grad
+            if g is None or g.is_sparse:
+                p.grad = src.clone()
+            else:
+                g.copy_(src)
+        if rec.enabled:
+            self._record(slot, rec, t_wait, _now())
+
+    def _record(self, slot: _Slot, rec: timeline.NullRecorder, t_wait: float, t_end: float) -> None:
+        b = slot.bucket
+        lane = f"bucket {b.index:02d}"
+        args = {
+            "key": b.key,
+            "tensors": len(b.params),
+            "bytes": b.nbytes,
+            "first": self._names[b.params[0]],
+        }
+        rec.span(lane, "FILL", slot.t_first, slot.t_last, args)
+        rec.span(lane, "PACK", slot.t_pack, slot.t_sent)
+        done = slot.done[0] if slot.done else t_wait
+        rec.span(lane, "ALLREDUCE", slot.t_sent, done, {"wire": _wire_name(slot)})
+        rec.span(lane, "UNPACK", max(done, t_wait), t_end)
+
+    # ---- sparse gradients ---------------------------------------------------------------------
+
+    def _launch_sparse(self) -> list[Any]:
+        size = self._scaling.size
+        local = []
+        for i in self.plan.sparse:
+            p = self._params[i]
+            g = p.grad
+            if g is None:
+                indices = torch.zeros((1, 0), dtype=torch.int64, device=p.device)
+                values = torch.zeros((0, *p.shape[1:]), dtype=p.dtype, device=p.device)
+            else:
+                if not g.is_sparse:
+                    g = g.to_sparse(1)
+                elif g.sparse_dim() != 1:
+                    g = g.to_dense().to_sparse(1)
+                g = g.coalesce()
+                indices, values = g.indices(), g.values()
+            local.append((indices, values))
+        counts = torch.tensor([v.shape[0] for _, v in local], dtype=torch.int64)
+        every = torch.empty(size * counts.numel(), dtype=torch.int64)
+        dist.all_gather_into_tensor(every, counts, group=self._group)
+        table = every.view(size, -1)
+        works = []
+        for j, (indices, values) in enumerate(local):
+            rows = table[:, j].tolist()
+            longest = max(rows)
+            pad_i = torch.zeros((1, longest), dtype=indices.dtype, device=indices.device)
+            pad_i[:, : indices.shape[1]] = indices
+            pad_v = torch.zeros(
+                (longest, *values.shape[1:]), dtype=values.dtype, device=values.device
+            )
+            pad_v[: values.shape[0]] = values
+            out_i = [torch.empty_like(pad_i) for _ in range(size)]
+            out_v = [torch.empty_like(pad_v) for _ in range(size)]
+            wi = dist.all_gather(out_i, pad_i, group=self._group, async_op=True)
+            wv = dist.all_gather(out_v, pad_v, group=self._group, async_op=True)
+            works.append((rows, out_i, out_v, wi, wv))
+        return works
+
+    def _finish_sparse(self) -> None:
+        pre, post = self._scaling.factors(narrow_wire=False)
+        for i, (rows, out_i, out_v, wi, wv) in zip(self.plan.sparse, self._sparse_work):
+            wi.wait()
+            wv.wait()
+            p = self._params[i]
+            indices = torch.cat([t[:, :n] for t, n in zip(out_i, rows)], dim=1)
+            values = torch.cat([t[:n] for t, n in zip(out_v, rows)]) * (pre * post)
+            p.grad = torch.sparse_coo_tensor(indices, values, p.shape).coalesce()
+
+
+def _mark_done(marks: list[float], _future: Any) -> None:
+    marks.append(_now())
+
+
+def _wire_name(slot: _Slot) -> str:
+    wire = slot.wire
+    return str(wire.dtype).replace("torch.", "") if wire is not None else "reducer"

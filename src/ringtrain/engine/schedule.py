@@ -1,0 +1,113 @@
+"""Learning the bucket order: watch one step, then agree on one plan across ranks.
+
+The first communicating step of a :class:`~ringtrain.engine.optimizer.DistributedOptimizer` (and
+the first after ``requires_grad`` changes) is a *learning step*: gradient hooks only note the
+order and time at which each gradient becomes ready and whether it is sparse; nothing is sent
+during backward. At ``step()`` every rank contributes its :class:`Observation` to one all_gather
+on the engine group, and every rank computes the same :class:`~ringtrain.engine.buckets.Plan`
+from the same gathered data (rank 0's order wins, see :func:`ringtrain.engine.buckets.agree`).
+Only that step pays for the agreement; the plan is frozen until ``requires_grad`` changes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ringtrain.engine.buckets import NOT_SEEN, Observation, ParamSpec, Plan, agree
+from ringtrain.errors import ConfigError
+
+
+def specs_of(params: Sequence[torch.Tensor], names: Sequence[str]) -> list[ParamSpec]:
+    return [
+        ParamSpec(i, names[i], tuple(p.shape), str(p.dtype), str(p.device), p.element_size())
+        for i, p in enumerate(params)
+    ]
+
+
+def trainable_of(params: Sequence[torch.Tensor]) -> tuple[bool, ...]:
+    return tuple(p.requires_grad for p in params)
+
+
+class Learner:
+    """Notes, for one step, when each parameter's gradient became ready."""
+
+    def __init__(self, n: int) -> None:
+        self.position = [NOT_SEEN] * n
+        self.ready_us = [0] * n
+        self.sparse = [False] * n
+        self._next = 0
+        self._t0: float | None = None
+
+    def saw(self, index: int, sparse: bool, t: float | None = None) -> None:
+        if self.position[index] != NOT_SEEN:
+            return
+        t = time.perf_counter() if t is None else t
+        if self._t0 is None:
+            self._t0 = t
+        self.position[index] = self._next
+        self.ready_us[index] = int((t - self._t0) * 1e6)
+        self.sparse[index] = sparse
+        self._next += 1
+
+    def observation(self, params: Sequence[torch.Tensor]) -> Observation:
+        """The observation, counting gradients that arrived without a hook (e.g. a parameter
+        that became trainable this step) as ready last."""
+        last = max(self.ready_us, default=0)
+        for i, p in enumerate(params):
+            if self.position[i] == NOT_SEEN and p.requires_grad and p.grad is not None:
+                self.position[i] = self._next
+                self.ready_us[i] = last
+                self.sparse[i] = bool(p.grad.is_sparse)
+                self._next += 1
+        return Observation(
+            tuple(self.position),
+            tuple(self.ready_us),
+            tuple(self.sparse),
+            trainable_of(params),
+            tuple(p.numel() for p in params),
+        )
+
+
+def agree_plan(
+    specs: Sequence[ParamSpec],
+    local: Observation,
+    group: Any,
+    size: int,
+    *,
+    threshold_bytes: int,
+    cycle_time_ms: float,
+    order: str,
+) -> Plan:
+    """Gather every rank's observation on ``group`` and compute the common plan.
+
+    Two collectives: the parameter count first (so a rank with a different model fails with a
+    message instead of a size mismatch deep inside Gloo), then the observations.
+    """
+    n = len(specs)
+    if size > 1:
+        counts = torch.empty(size, dtype=torch.int64)
+        dist.all_gather_into_tensor(counts, torch.tensor([n], dtype=torch.int64), group=group)
+        if len(set(counts.tolist())) != 1:
+            raise ConfigError(
+                f"the optimizer holds {counts.tolist()} parameters on ranks 0..{size - 1}.\n"
+                "HINT: every rank must build the same model and optimizer."
+            )
+        mine = torch.tensor(local.encode(), dtype=torch.int64)
+        gathered = torch.empty(size * mine.numel(), dtype=torch.int64)
+        dist.all_gather_into_tensor(gathered, mine, group=group)
+        rows = gathered.view(size, -1).tolist()
+        observed = [Observation.decode(row, n) for row in rows]
+    else:
+        observed = [local]
+    return agree(
+        specs,
+        observed,
+        threshold_bytes=threshold_bytes,
+        cycle_time_ms=cycle_time_ms,
+        order=order,
+    )

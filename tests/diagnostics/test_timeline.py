@@ -1,0 +1,136 @@
+"""The timeline: valid Chrome traces, one per rank, showing buckets overlap backward."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import ringtrain as rt
+from ringtrain.diagnostics import timeline
+from ringtrain.testing.spawn import World
+
+BUCKET_EVENTS = {"FILL", "PACK", "ALLREDUCE", "UNPACK"}
+
+
+def test_off_by_default_and_the_null_recorder_does_nothing() -> None:
+    rec = timeline.current()
+    assert rec.enabled is False and rec is timeline.NULL
+    rec.span("x", "Y", 0.0, 1.0)  # no file, no error
+
+
+def test_recorder_writes_a_valid_trace_with_named_lanes(tmp_path: Any) -> None:
+    path = str(tmp_path / "t.json")
+    rec = timeline.start(path, pid=3)
+    try:
+        assert timeline.current() is rec
+        t = 100.0
+        rec.span("bucket 00", "ALLREDUCE", t, t + 0.002, {"bytes": 8})
+        rec.instant("step", "MARK", t)
+    finally:
+        timeline.stop()
+    assert timeline.current() is timeline.NULL
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    span = next(e for e in events if e["name"] == "ALLREDUCE")
+    assert span["ph"] == "X" and span["pid"] == 3 and span["dur"] == 2000.0
+    lanes = {e["args"]["name"]: e["tid"] for e in events if e["name"] == "thread_name"}
+    assert lanes["bucket 00"] == span["tid"] and "step" in lanes
+
+
+def test_rank_paths_merge_and_unterminated_files(tmp_path: Any) -> None:
+    assert timeline.rank_path("out/t.json", 2) == "out/t.rank2.json"
+    assert timeline.rank_path("trace", 0) == "trace.rank0.json"
+    paths = []
+    for rank in range(2):
+        p = str(tmp_path / f"t.rank{rank}.json")
+        rec = timeline.Recorder(p, pid=rank)
+        rec.span("compute", "BACKWARD", 1.0, 2.0)
+        rec.close()
+        paths.append(p)
+    crashed = str(tmp_path / "crashed.json")
+    rec = timeline.Recorder(crashed, pid=5)
+    rec.span("compute", "BACKWARD", 1.0, 2.0)
+    rec._flush_locked()  # written but never closed, as if the process died
+    assert any(e["name"] == "BACKWARD" for e in timeline.load(crashed))
+    out = str(tmp_path / "merged.json")
+    assert timeline.main([out, *paths]) == 0
+    merged = timeline.load(out)
+    assert {e["pid"] for e in merged if e["name"] == "BACKWARD"} == {0, 1}
+
+
+def _traced_training(base: str) -> str:
+    path = rt.start_timeline(base)
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(256, 256), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(256, 4))
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        fusion_threshold_bytes=300 * 1024,  # about one layer per bucket
+    )
+    g = torch.Generator().manual_seed(rt.rank())
+    for _ in range(4):
+        x = torch.randn(128, 256, generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(x), torch.zeros(128, dtype=torch.long)).backward()
+        opt.step()
+    rt.allreduce(torch.ones(3), name="timeline.probe")
+    rt.stop_timeline()
+    return path
+
+
+def test_training_timeline_per_rank_shows_buckets_overlapping_backward(
+    world: World, tmp_path: Any
+) -> None:
+    paths = world.run(_traced_training, str(tmp_path / "trace.json"))
+    for rank, path in enumerate(paths):
+        assert path == str(tmp_path / f"trace.rank{rank}.json")
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]  # valid JSON, closed
+        assert {e["pid"] for e in events} == {rank}
+        names = {e["name"] for e in events}
+        assert "OPTIMIZER_STEP" in names
+        if world.size == 1:
+            continue  # no hooks and nothing exchanged at world size 1
+        assert BUCKET_EVENTS | {"BACKWARD", "PLAN", "SYNCHRONIZE", "NEGOTIATE"} <= names
+        lanes = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+        sends = [
+            e for e in events if e["name"] == "ALLREDUCE" and lanes[e["tid"]].startswith("bucket")
+        ]
+        backward = [e for e in events if e["name"] == "BACKWARD"]
+        assert len(backward) == 4 and len({lanes[e["tid"]] for e in sends}) >= 3
+        # After the learning step, some bucket is sent while backward is still running.
+        overlapped = [
+            s for b in backward[1:] for s in sends if b["ts"] <= s["ts"] < b["ts"] + b["dur"]
+        ]
+        assert overlapped, "no bucket allreduce started before backward ended"
+        negotiated = [e for e in events if lanes.get(e["tid"], "").startswith("collectives")]
+        assert any("timeline.probe" in e.get("args", {}).get("tensors", []) for e in negotiated)
+
+
+def _configured_timeline() -> bool:
+    model = torch.nn.Linear(4, 2)
+    opt = rt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    return timeline.current().enabled
+
+
+def test_timeline_filename_setting_starts_it_at_init(world2: World, tmp_path: Any) -> None:
+    base = str(tmp_path / "cfg.json")
+    assert world2.run(_configured_timeline, env={"RINGTRAIN_TIMELINE_FILENAME": base}) == [
+        True,
+        True,
+    ]
+    for rank in range(2):
+        path = timeline.rank_path(base, rank)
+        assert os.path.exists(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]  # closed by shutdown
+        assert any(e["name"] == "ALLREDUCE" for e in events)

@@ -1,0 +1,426 @@
+"""The gradient engine behind DistributedOptimizer, against a one-process reference.
+
+Every rank trains with DistributedOptimizer while also computing, locally, what one process
+would compute on the global batch (the mean of every rank's loss). Same weights, float32
+tolerance, means the engine averaged exactly the right gradients: with several buckets, with
+parameters that get no gradient on some rank, with requires_grad changing between steps, with
+sparse embeddings, with accumulation and no_sync.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import ringtrain as rt
+from ringtrain.testing.spawn import World
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+SMALL_BUCKETS = {"fusion_threshold_bytes": 512, "cycle_time_ms": 0.01}
+
+
+def _batch(step: int, rank: int, j: int = 0, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10_000 * step + 100 * rank + j)
+    return torch.randn(rows, 6, generator=g), torch.randint(0, 3, (rows,), generator=g)
+
+
+class TwoHeads(torch.nn.Module):
+    """A trunk and two heads; in the "unused" case rank 0 never uses head b."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh())
+        self.a = torch.nn.Linear(16, 3)
+        self.b = torch.nn.Linear(16, 3)
+        self.emb = torch.nn.Embedding(20, 6, sparse=True)
+
+    def forward(self, x: torch.Tensor, use_b: bool = True, idx: Any = None) -> torch.Tensor:
+        if idx is not None:
+            x = x + self.emb(idx)
+        h = self.trunk(x)
+        return self.a(h) + self.b(h) if use_b else self.a(h)
+
+
+def _loss(case: str, model: TwoHeads, step: int, rank: int, size: int, j: int = 0) -> torch.Tensor:
+    x, y = _batch(step, rank, j)
+    if case == "unused":  # rank 0 never touches head b (unless it is alone)
+        return F.cross_entropy(model(x, use_b=rank != 0 or size == 1), y)
+    if case in ("sparse", "sparse_as_dense"):
+        g = torch.Generator().manual_seed(step * 7 + rank)
+        idx = torch.randint(0, 20, (x.shape[0],), generator=g)
+        # On odd steps rank 0 skips the embedding: its gradient is missing there.
+        skip = step % 2 == 1 and rank == 0 and size > 1
+        return F.cross_entropy(model(x, idx=None if skip else idx), y)
+    return F.cross_entropy(model(x), y)
+
+
+def _toggle(case: str, model: TwoHeads, step: int) -> None:
+    """The "freeze" case: freeze and unfreeze parts between steps, alike on every rank."""
+    if case != "freeze":
+        return
+    if step == 0:
+        model.b.bias.requires_grad_(False)  # frozen from the start, unfrozen at step 3
+    if step == 2:
+        model.trunk[0].weight.requires_grad_(False)
+    if step == 3:
+        model.b.bias.requires_grad_(True)
+    if step == 4:
+        model.trunk[0].weight.requires_grad_(True)
+
+
+def _train(case: str, steps: int, kwargs: dict[str, Any]) -> tuple[float, list[str]]:
+    """Train with DistributedOptimizer and with the global-batch reference; returns the largest
+    weight difference and the bucket plan digest of every step."""
+    r, n = rt.rank(), rt.size()
+    torch.manual_seed(0)
+    model = TwoHeads()
+    ref = copy.deepcopy(model)
+    _toggle(case, model, 0)
+    _toggle(case, ref, 0)
+    k = kwargs.get("backward_passes_per_step", 1)
+    make: Callable[[Any], torch.optim.Optimizer] = lambda m: torch.optim.SGD(  # noqa: E731
+        m.parameters(), lr=0.1
+    )
+    opt = rt.DistributedOptimizer(
+        make(model),
+        named_parameters=model.named_parameters(),
+        sparse_as_dense=case == "sparse_as_dense",
+        **kwargs,
+    )
+    ref_opt = make(ref)
+    digests = []
+    for step in range(steps):
+        _toggle(case, model, step)
+        _toggle(case, ref, step)
+        opt.zero_grad()
+        if case == "no_sync":
+            with opt.no_sync():
+                for j in range(2):
+                    (_loss(case, model, step, r, n, j) / 3).backward()
+            (_loss(case, model, step, r, n, 2) / 3).backward()
+        else:
+            for j in range(k):
+                (_loss(case, model, step, r, n, j) / k).backward()
+        opt.step()
+        digests.append(opt.plan.digest if opt.plan else "")
+        ref_opt.zero_grad()
+        passes = 3 if case == "no_sync" else k
+        total = sum(_loss(case, ref, step, q, n, j) for q in range(n) for j in range(passes))
+        (total / (n * passes)).backward()
+        ref_opt.step()
+    worst = 0.0
+    for (name, got), want in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+        worst = max(worst, float((got - want).abs().max()))
+    return worst, digests
+
+
+def _same_plan_everywhere(results: list[tuple[float, list[str]]]) -> list[str]:
+    digests = [d for _, d in results]
+    assert all(d == digests[0] for d in digests), f"bucket plans differ across ranks: {digests}"
+    return digests[0]
+
+
+def test_several_buckets_same_plan_on_every_rank(world: World) -> None:
+    digests = _same_plan_everywhere(world.run(_train, "plain", 3, SMALL_BUCKETS))
+    assert len(set(digests)) == 1  # learned once, then frozen
+
+
+def test_parameters_without_gradient_on_one_rank_reduce_zeros(world: World) -> None:
+    _same_plan_everywhere(world.run(_train, "unused", 3, SMALL_BUCKETS))
+
+
+def test_requires_grad_toggled_between_steps_replans_alike(world: World) -> None:
+    digests = _same_plan_everywhere(world.run(_train, "freeze", 6, SMALL_BUCKETS))
+    if world.size > 1:  # freezing and unfreezing gave new plans, and step 5 is back to step 4's
+        assert digests[1] != digests[2] != digests[3] != digests[4]
+        assert digests[4] == digests[5]
+
+
+def test_sparse_embedding_sent_sparse_and_dense(world: World) -> None:
+    _same_plan_everywhere(world.run(_train, "sparse", 4, SMALL_BUCKETS))
+    _same_plan_everywhere(world.run(_train, "sparse_as_dense", 4, {}))
+
+
+def test_accumulating_three_passes_equals_one_large_batch(world: World) -> None:
+    world.run(_train, "plain", 3, {"backward_passes_per_step": 3, **SMALL_BUCKETS})
+
+
+def test_no_sync_accumulates_locally(world: World) -> None:
+    world.run(_train, "no_sync", 3, SMALL_BUCKETS)
+
+
+def test_bucket_orders(world2: World) -> None:
+    for order in ("reverse", "registration"):
+        world2.run(_train, "plain", 2, {"bucket_order": order, "fusion_threshold_bytes": 512})
+
+
+# ---- 16-bit compression ----------------------------------------------------------------------
+
+
+def _compressed_error(compression: str) -> list[float]:
+    """Largest error of compressed averaged gradients, relative to the largest gradient."""
+    r, n = rt.rank(), rt.size()
+    torch.manual_seed(0)
+    model = TwoHeads()
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        **SMALL_BUCKETS,
+    )
+    errors = []
+    for step in range(3):  # the learning step, then steps that overlap backward
+        ref = copy.deepcopy(model)
+        exact = torch.autograd.grad(
+            sum(_loss("plain", ref, step, q, n) for q in range(n)) / n,
+            list(ref.parameters()),
+            allow_unused=True,
+        )
+        opt.zero_grad()
+        _loss("plain", model, step, r, n).backward()
+        opt.synchronize()
+        for p, e in zip(model.parameters(), exact):
+            if e is None:  # the embedding is unused here: the engine reduced zeros
+                e = torch.zeros_like(p)
+            got = p.grad if p.grad is not None else torch.zeros_like(p)  # world size 1
+            scale = float(e.abs().max()) or 1.0
+            errors.append(float((got - e).abs().max()) / scale)
+        with opt.skip_synchronize():
+            opt.step()
+    return errors
+
+
+def test_fp16_and_bf16_stay_within_stated_tolerance(world: World) -> None:
+    # fp16 keeps 11 significant bits, bf16 8: a few roundings of the averaged value.
+    for compression, tol in (("fp16", 2e-3), ("bf16", 1.6e-2)):
+        for errors in world.run(_compressed_error, compression):
+            assert max(errors) <= tol, (compression, max(errors))
+            if world.size > 1:  # and the wire really was 16-bit: float32 would be ~1e-7
+                assert max(errors) > 1e-5, (compression, max(errors))
+
+
+def _large_fp16_gradients() -> list[list[float]]:
+    r, n = rt.rank(), rt.size()
+    near = torch.nn.Parameter(torch.zeros(4))  # 6e4 per rank: the plain fp16 sum overflows
+    huge = torch.nn.Parameter(torch.zeros(4))  # beyond fp16 even divided by the world size
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD([near, huge], lr=0.0),
+        named_parameters=[("near", near), ("huge", huge)],
+        compression=rt.Compression.fp16,
+        fusion_threshold_bytes=0,
+    )
+    out = []
+    for _ in range(2):
+        opt.zero_grad()
+        ((near * 6e4).sum() + (huge * 1e6 * (r + 1)).sum()).backward()
+        opt.step()
+        out.append([float(near.grad[0]), float(huge.grad[0]), float(n)])
+    return out
+
+
+def test_fp16_large_gradients_do_not_overflow(world: World) -> None:
+    for steps in world.run(_large_fp16_gradients):
+        for near, huge, n in steps:
+            assert near == 6e4
+            assert abs(huge - 1e6 * (n + 1) / 2) <= 1e-6 * huge
+
+
+# ---- gradient reducers and the optimizer's state_dict -----------------------------------------
+
+
+class MeanReducer:
+    """A GradientReducer that averages exactly, counting its calls per bucket (its state)."""
+
+    name = "test-mean"
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.shapes: dict[str, Any] = {}
+
+    def plan(self, bucket_key: str, shapes: Any) -> None:
+        self.shapes[bucket_key] = shapes
+
+    def reduce(self, bucket_key: str, flat: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        self.calls[bucket_key] = self.calls.get(bucket_key, 0) + 1
+        out = flat.clone()
+        dist.all_reduce(out, group=group)
+        return out / dist.get_world_size(group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": dict(self.calls)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.calls = dict(state["calls"])
+
+
+def _reducer_and_state_dict() -> dict[str, Any]:
+    import io
+
+    r, n = rt.rank(), rt.size()
+
+    def build() -> tuple[TwoHeads, rt.DistributedOptimizer, MeanReducer]:
+        torch.manual_seed(0)
+        model = TwoHeads()
+        reducer = MeanReducer()
+        opt = rt.DistributedOptimizer(
+            torch.optim.Adam(model.parameters(), lr=0.01),
+            named_parameters=model.named_parameters(),
+            compression=reducer,
+            **SMALL_BUCKETS,
+        )
+        return model, opt, reducer
+
+    def train(model: TwoHeads, opt: rt.DistributedOptimizer, steps: range) -> None:
+        for step in steps:
+            opt.zero_grad()
+            _loss("plain", model, step, r, n).backward()
+            opt.step()
+
+    model, opt, reducer = build()
+    train(model, opt, range(3))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    model2, opt2, reducer2 = build()
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    restored_calls = dict(reducer2.calls)
+    train(model, opt, range(3, 5))
+    train(model2, opt2, range(3, 5))
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    mismatch = ""
+    try:
+        opt2.load_state_dict({**saved["opt"], "ringtrain_compressor": {"name": "x", "state": {}}})
+    except rt.ConfigError as e:
+        mismatch = str(e)
+    return {
+        "keys": sorted(reducer.calls) if n > 1 else [],
+        "calls": reducer.calls,
+        "restored": restored_calls,
+        "has_key": "ringtrain_compressor" in saved["opt"],
+        "same": same,
+        "mismatch": mismatch,
+        "planned": sorted(reducer.shapes),
+    }
+
+
+def test_gradient_reducer_and_state_dict_round_trip(world: World) -> None:
+    results = world.run(_reducer_and_state_dict)
+    for res in results:
+        assert res["same"], "training diverged after restoring the optimizer's state_dict"
+        assert "HINT" in res["mismatch"]
+        if world.size > 1:
+            assert res["has_key"] and res["keys"] == results[0]["keys"]
+            assert len(res["keys"]) > 1 and res["planned"] == res["keys"]
+            assert all(c == 3 for c in res["restored"].values())
+            assert all(c == 5 for c in res["calls"].values())
+
+
+def _powersgd_keeps_ranks_identical() -> bool:
+    from ringtrain.compression import PowerSGDReducer
+
+    r, n = rt.rank(), rt.size()
+    torch.manual_seed(0)
+    model = TwoHeads()
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        compression=PowerSGDReducer(start_iter=1),
+        **SMALL_BUCKETS,
+    )
+    for step in range(4):
+        opt.zero_grad()
+        _loss("plain", model, step, r, n).backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = rt.allgather(flat.reshape(1, -1))
+    return bool(torch.isfinite(flat).all()) and bool(
+        torch.equal(gathered, gathered[:1].expand_as(gathered))
+    )
+
+
+def test_powersgd_through_the_engine(world2: World) -> None:
+    assert world2.run(_powersgd_keeps_ranks_identical) == [True, True]
+
+
+# ---- parity with torch DDP -------------------------------------------------------------------
+
+
+class DigitsNet(torch.nn.Module):
+    """The demo's CNN (examples/train_digits.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 32, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(32, 64, 3, padding=1)
+        self.fc1 = torch.nn.Linear(64 * 4 * 4, 128)
+        self.fc2 = torch.nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(x.flatten(1)))
+        return self.fc2(x)
+
+
+class TinyTransformer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.block = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.head = torch.nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(x)).mean(1))
+
+
+def _ddp_parity(model_name: str, k: int, steps: int) -> float:
+    import contextlib
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    r = rt.rank()
+    torch.manual_seed(0)
+    model: torch.nn.Module = DigitsNet() if model_name == "cnn" else TinyTransformer()
+    ddp = DDP(copy.deepcopy(model))
+    opt = rt.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-3),
+        named_parameters=model.named_parameters(),
+        backward_passes_per_step=k,
+    )
+    ddp_opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    for step in range(steps):
+        for j in range(k):
+            g = torch.Generator().manual_seed(1000 * step + 10 * r + j)
+            if model_name == "cnn":
+                x = torch.randn(8, 1, 8, 8, generator=g)
+            else:
+                x = torch.randint(0, 32, (8, 5), generator=g)
+            y = torch.randint(0, 10, (8,), generator=g)
+            (F.cross_entropy(model(x), y) / k).backward()
+            sync = contextlib.nullcontext() if j == k - 1 else ddp.no_sync()
+            with sync:
+                (F.cross_entropy(ddp(x), y) / k).backward()
+        opt.step()
+        opt.zero_grad()
+        ddp_opt.step()
+        ddp_opt.zero_grad()
+    worst = 0.0
+    for a, b in zip(model.parameters(), ddp.module.parameters()):
+        torch.testing.assert_close(a, b, **TOL)
+        worst = max(worst, float((a - b).abs().max()))
+    return worst
+
+
+def test_same_weights_as_torch_ddp(world2: World) -> None:
+    for model_name in ("cnn", "transformer"):
+        for k in (1, 2):
+            world2.run(_ddp_parity, model_name, k, 20, timeout=90)
