@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "add_process_set": "ringtrain.lifecycle",
     "remove_process_set": "ringtrain.lifecycle",
     "start_timeline": "ringtrain.lifecycle",
+    "straggler_report": "ringtrain.collectives.step_timing",
     "stop_timeline": "ringtrain.lifecycle",
     "is_initialized": "ringtrain.runtime.queries",
     "rank": "ringtrain.runtime.queries",
@@ -138,6 +139,7 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
         synchronize,
     )
     from ringtrain.collectives.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+    from ringtrain.collectives.step_timing import straggler_report
     from ringtrain.compression import Compression
     from ringtrain.config import Config
     from ringtrain.engine.optimizer import DistributedOptimizer

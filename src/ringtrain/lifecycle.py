@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ringtrain.collectives.controller import Controller
+from ringtrain.collectives.step_timing import StepTimer
 from ringtrain.config import Config
 from ringtrain.diagnostics import timeline
 from ringtrain.runtime import state
@@ -48,6 +49,8 @@ def init(
     rt = state.start(config, rank=rank, size=size)
     try:
         _attach_controller(state.global_process_set, config)
+        if config.straggler_report_steps > 0 and rt.size > 1:
+            _attach_step_timer(rt, config.straggler_report_steps)
         for ps in process_sets or ():
             add_process_set(ps)
         if config.timeline_filename:
@@ -69,6 +72,9 @@ def shutdown() -> None:
     rt = state.current()
     try:
         timeline.stop()
+        timer = state.global_process_set.communicator.service("step_timer")
+        if timer is not None:
+            timer.final_report()
         for ps in sorted(rt.process_sets.values(), key=lambda p: -(p.process_set_id or 0)):
             ctl = ps.communicator.service("controller")
             if ctl is not None:
@@ -112,6 +118,18 @@ def _attach_controller(ps: ProcessSet, config: Config) -> None:
     comm = ps.communicator
     if comm.included:
         comm.attach("controller", Controller(comm, config))
+
+
+def _attach_step_timer(rt: state.Runtime, every: int) -> None:
+    comm = state.global_process_set.communicator
+    timer = StepTimer(
+        every=every,
+        rank=rt.rank,
+        host=rt.topology.hosts[rt.rank],
+        host_of_rank=list(rt.topology.hosts),
+        group=comm.group("engine"),
+    )
+    comm.attach("step_timer", timer)
 
 
 def _shutdown_at_exit() -> None:

@@ -50,3 +50,8 @@ def test_noise_is_not_a_straggler() -> None:
 def test_empty_input_is_an_error() -> None:
     with pytest.raises(ValueError):
         analyse([])
+
+
+def test_a_slow_link_explains_a_busier_rank_on_the_same_host() -> None:
+    r = analyse(_times(compute=(0.05, 0.05, 0.05, 0.11), wait=0.3), link_mb_s={"a": 105, "b": 1.2})
+    assert r.kind == "network" and r.hosts == ("b",)

@@ -33,8 +33,14 @@ _last: StragglerReport | None = None
 
 
 def last_report() -> StragglerReport | None:
-    """The most recent straggler report on this rank (None before the first)."""
+    """The most recent straggler report on this rank (None before the first).
+
+    ``report.kind`` ("compute", "input", "network" or "none"), ``report.ranks``, and the
+    per-rank means in ``report.per_rank``; ``report.line()`` is what rank 0 logs."""
     return _last
+
+
+straggler_report = last_report
 
 
 @dataclass
@@ -100,6 +106,16 @@ class StepTimer:
             self.report()
         self._step_end = self.clock()
 
+    def final_report(self) -> None:
+        """The report for the steps since the last one, at shutdown (a no-op if there are none).
+
+        Every rank runs the same number of steps, so every rank has the same window here."""
+        if self._window.steps:
+            try:
+                self.report()
+            except Exception as e:  # a peer is gone; shutdown goes on without the report
+                log.debug("no final straggler report: %s", e)
+
     def report(self) -> StragglerReport:
         global _last
         w, self._window = self._window, _Window()
@@ -121,11 +137,13 @@ class StepTimer:
 
 
 def probe_links(group: Any, host_of_rank: list[str], nbytes: int = PROBE_BYTES) -> dict[str, float]:
-    """MB/s at which each host sends, measured between host leaders (each host's first rank).
+    """MB/s of each host's link, measured between host leaders (each host's first rank).
 
     Every leader sends ``nbytes`` to the next leader in a ring while receiving from the previous
-    one; the receiver times the arrival, which measures the *sender's* outgoing link (where
-    ``tc`` shaping and most congestion act). With one host there is no link to measure.
+    one, and times the arrival: that measures the link between the two. A host's rate is the
+    *fastest* transfer it took part in, so a slow link is pinned on the host that all slow
+    transfers share (with only two hosts both share it and both are named). With one host there
+    is no link to measure.
     """
     hosts = list(dict.fromkeys(host_of_rank))
     if len(hosts) < 2:
@@ -133,7 +151,7 @@ def probe_links(group: Any, host_of_rank: list[str], nbytes: int = PROBE_BYTES) 
     leaders = [host_of_rank.index(h) for h in hosts]
     me = dist.get_rank(group)
     dist.barrier(group=group)
-    rates: dict[str, float] = {}
+    edges: list[tuple[str, str, float]] = []
     if me in leaders:
         i = leaders.index(me)
         nxt, prv = leaders[(i + 1) % len(leaders)], leaders[(i - 1) % len(leaders)]
@@ -146,10 +164,12 @@ def probe_links(group: Any, host_of_rank: list[str], nbytes: int = PROBE_BYTES) 
         received.wait()
         elapsed = max(time.perf_counter() - start, 1e-6)
         sent.wait()
-        rates[hosts[(i - 1) % len(hosts)]] = nbytes / elapsed / 1e6
+        edges.append((hosts[(i - 1) % len(hosts)], hosts[i], nbytes / elapsed / 1e6))
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, rates, group=group)
+    dist.all_gather_object(gathered, edges, group=group)
     out: dict[str, float] = {}
     for part in gathered:
-        out.update(part)
+        for src, dst, rate in part:
+            for h in (src, dst):
+                out[h] = max(out.get(h, 0.0), rate)
     return out

@@ -94,11 +94,28 @@ def analyse(
     slowest = max(times, key=lambda t: t.busy_s)
     excess = slowest.busy_s - med_busy
     per_rank = tuple(sorted(times, key=lambda t: t.rank))
+    mean_wait = statistics.fmean(t.wait_s for t in times)
 
     def report(kind: str, ranks: Sequence[int], detail: str) -> StragglerReport:
         hosts = tuple(dict.fromkeys(t.host for t in per_rank if t.rank in ranks))
         return StragglerReport(kind, tuple(ranks), hosts, step, detail, per_rank, links)
 
+    if len(links) > 1:
+        med_link = statistics.median(links.values())
+        slow_hosts = [h for h, r in links.items() if r < SLOW_LINK_FACTOR * med_link]
+        # A rank on a slow link is also busier (its transport competes for its cores and its
+        # sends block), so a slow link explains a straggler on the same host.
+        if slow_hosts and mean_wait > MIN_EXCESS * step:
+            ranks = [t.rank for t in per_rank if t.host in slow_hosts]
+            rates = ", ".join(f"{h} {links[h]:.1f} MB/s" for h in slow_hosts)
+            return report(
+                "network",
+                ranks,
+                f"link {rates} vs median {med_link:.1f} MB/s; every rank waits "
+                f"{mean_wait:.3f} s/step for communication.\n"
+                "HINT: fix or avoid that link, or send fewer bytes: --compression fp16/powersgd, "
+                "backward_passes_per_step > 1.",
+            )
     if len(times) > 1 and slowest.busy_s > SLOW_FACTOR * med_busy and excess > MIN_EXCESS * step:
         med_input = statistics.median(t.input_s for t in times)
         med_compute = statistics.median(t.compute_s for t in times)
@@ -118,21 +135,6 @@ def analyse(
             "HINT: check for other processes on its cores (--bind-to core), its thread count "
             "(OMP_NUM_THREADS) and whether its hardware differs.",
         )
-    mean_wait = statistics.fmean(t.wait_s for t in times)
-    if len(links) > 1:
-        med_link = statistics.median(links.values())
-        slow_hosts = [h for h, r in links.items() if r < SLOW_LINK_FACTOR * med_link]
-        if slow_hosts and mean_wait > MIN_EXCESS * step:
-            ranks = [t.rank for t in per_rank if t.host in slow_hosts]
-            rates = ", ".join(f"{h} {links[h]:.1f} MB/s" for h in slow_hosts)
-            return report(
-                "network",
-                ranks,
-                f"link {rates} vs median {med_link:.1f} MB/s; every rank waits "
-                f"{mean_wait:.3f} s/step for communication.\n"
-                "HINT: fix or avoid that link, or send fewer bytes: --compression fp16/powersgd, "
-                "backward_passes_per_step > 1.",
-            )
     if mean_wait > COMM_BOUND * step:
         slowest_link = min(links, key=lambda h: links[h]) if links else None
         ranks = [t.rank for t in per_rank if slowest_link is None or t.host == slowest_link]

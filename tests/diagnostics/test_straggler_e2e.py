@@ -1,0 +1,36 @@
+"""The straggler report during real DistributedOptimizer training."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import ringtrain as rt
+from ringtrain.testing.spawn import World
+
+
+def _train(slow_rank: int, steps: int = 10) -> tuple[str, tuple[int, ...], str]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
+    )
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(torch.randn(16, 32)).pow(2).mean()
+        if rt.rank() == slow_rank:
+            time.sleep(0.12)  # as if this rank's cores were shared with another job
+        loss.backward()
+        opt.step()
+    report = rt.straggler_report()
+    assert report is not None
+    return report.kind, report.ranks, report.line()
+
+
+def test_a_rank_slow_in_compute_is_reported(world2: World) -> None:
+    results = world2.run(_train, 1, timeout=90, straggler_report_steps=5)
+    kind, ranks, line = results[0]
+    assert all(r[:2] == (kind, ranks) for r in results)
+    assert (kind, ranks) == ("compute", (1,)), line
+    assert "rank 1" in line and "compute-bound" in line
