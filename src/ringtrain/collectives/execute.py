@@ -22,7 +22,12 @@ from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request, TensorMeta
 from ringtrain.config import Config
 from ringtrain.diagnostics import timeline
-from ringtrain.errors import CollectiveArgumentError, CollectiveError
+from ringtrain.errors import (
+    CollectiveAbortedError,
+    CollectiveArgumentError,
+    CollectiveError,
+    SecurityError,
+)
 from ringtrain.runtime.communicator import Communicator
 
 REDUCE_OPS = {
@@ -109,6 +114,10 @@ class Executor:
             if handle is not None:
                 handle.set_error(e)
             return
+        except Exception as e:  # the transport failed: this op's caller must not wait forever
+            if handle is not None:
+                handle.set_error(transport_error(e))
+            raise  # and the controller fails everything else
         if handle is not None:
             handle.set_result(result)
 
@@ -145,6 +154,11 @@ class Executor:
                 if item.handle is not None:
                     item.handle.set_error(e)
             return
+        except Exception as e:  # the transport failed: fail the batch, then the controller
+            for item in batch:
+                if item.handle is not None:
+                    item.handle.set_error(transport_error(e))
+            raise
         for item in batch:
             if item.handle is not None:
                 item.handle.set_result(item.outputs)
@@ -348,6 +362,18 @@ class Executor:
             out.copy_(data)
         result = _from_bytes(out, t.dtype, (sum(recv), *t.shape[1:]))
         return result, torch.tensor(recv, dtype=torch.int32)
+
+
+def transport_error(e: Exception) -> Exception:
+    """What the callers of an op see when its transport fails: a SecurityError as it is (it names
+    the peer), anything else as the peer failure it almost always is."""
+    if isinstance(e, SecurityError):
+        return e
+    return CollectiveAbortedError(
+        f"a collective failed in transit: a peer rank failed or became unreachable "
+        f"({type(e).__name__}: {str(e).strip()[:300]}).\n"
+        "HINT: the launcher's message names the rank that failed first."
+    )
 
 
 def _from_bytes(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

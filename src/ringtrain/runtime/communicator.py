@@ -101,19 +101,32 @@ class Communicator:
 
 
 def create(
-    set_id: int, ranks: Sequence[int], world_rank: int, world_size: int, timeout_s: float
+    set_id: int,
+    ranks: Sequence[int],
+    world_rank: int,
+    world_size: int,
+    timeout_s: float,
+    secure: bool = False,
 ) -> Communicator:
-    """Create the groups of a process set. Collective: every world rank calls it in the same order."""
+    """Create the groups of a process set. Collective: every world rank calls it in the same order.
+
+    ``secure``: every group is a sealed one (``ringtrain_sealed``, see
+    :mod:`ringtrain.algorithms.sealed_backend`), so callers use them as any other group; CUDA
+    tensors then travel through host memory, sealed, as NCCL cannot seal.
+    """
     import datetime
 
     timeout = datetime.timedelta(seconds=timeout_s)
     is_world = list(ranks) == list(range(world_size))
     groups: dict[str, Any] = {}
     kinds = ["control", "cpu", "engine"]
+    backend = "ringtrain_sealed" if secure else "gloo"
     for kind in kinds:
         groups[kind] = dist.new_group(
-            list(ranks), timeout=timeout, backend="gloo", use_local_synchronization=False
+            list(ranks), timeout=timeout, backend=backend, use_local_synchronization=False
         )
-    if torch.cuda.is_available() and dist.is_nccl_available():
+    if secure:
+        groups["cuda"] = groups["cpu"]
+    elif torch.cuda.is_available() and dist.is_nccl_available():
         groups["cuda"] = dist.new_group(list(ranks), timeout=timeout, backend="nccl")
     return Communicator(set_id, ranks, world_rank, groups, is_world)

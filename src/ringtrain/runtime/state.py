@@ -103,8 +103,14 @@ def start(
             # first group is created, and never override what the user set.
             os.environ["GLOO_SOCKET_IFNAME"] = config.network_interface
         store = dist.PrefixStore(f"ringtrain/gen{_generation}", _store(placement, config))
+        backend = "gloo"
+        if config.secure:  # every group is sealed; ranks first prove they hold the job key
+            from ringtrain.algorithms import sealed_backend
+
+            store = sealed_backend.join(store, config, env, placement.rank, placement.size)
+            backend = sealed_backend.BACKEND
         dist.init_process_group(
-            "gloo",
+            backend,
             store=store,
             rank=placement.rank,
             world_size=placement.size,
@@ -119,6 +125,7 @@ def start(
                 placement.rank,
                 placement.size,
                 config.timeout_s,
+                secure=config.secure,
             )
             world._bind(WORLD_SET_ID, comm)
             global_process_set._bind(WORLD_SET_ID, comm)
@@ -159,6 +166,10 @@ def stop() -> None:
             _runtime = None
             if dist.is_initialized():
                 dist.destroy_process_group()
+            if rt.config.secure:  # the next job brings its own key and store
+                from ringtrain.algorithms import sealed_backend
+
+                sealed_backend.deconfigure()
 
 
 def add_process_set(ranks: Sequence[int] | ProcessSet) -> ProcessSet:
@@ -177,7 +188,9 @@ def add_process_set(ranks: Sequence[int] | ProcessSet) -> ProcessSet:
             )
     set_id = rt.next_set_id
     rt.next_set_id += 1
-    comm = communicator.create(set_id, ps.ranks, rt.rank, rt.size, rt.config.timeout_s)
+    comm = communicator.create(
+        set_id, ps.ranks, rt.rank, rt.size, rt.config.timeout_s, secure=rt.config.secure
+    )
     ps._bind(set_id, comm)
     rt.process_sets[set_id] = ps
     return ps

@@ -1,0 +1,292 @@
+"""Sealed collectives: every byte between ranks is AES-256-GCM sealed, and opened before use.
+
+The algorithms run over point-to-point messages of a plain Gloo group (``send``/``recv`` of
+uint8 tensors), so Gloo only ever sees ciphertext:
+
+* **allreduce**: a ring. Reduce-scatter (n-1 steps: each rank seals one chunk for its right
+  neighbour, opens the chunk from its left one and reduces it into its own), then allgather
+  (n-1 steps: each rank seals the chunk it finished *once*, for every member, and the ring
+  forwards that blob unchanged; every rank opens it). Each rank sends 2(n-1)/n of the tensor,
+  as a plain ring does; it seals n/n... once per reduce-scatter step plus once, and opens 2(n-1)
+  times. Every element is reduced by exactly one rank, so results are identical on every rank.
+* **reducescatter**: the ring's first phase, shifted so rank r ends with chunk r.
+* **allgather**: each rank seals its piece once for everyone; the ring forwards the blobs.
+* **broadcast**: the root seals once for everyone and sends the blob to each member.
+* **alltoall**: n-1 pairwise steps, each piece sealed for its one receiver.
+* **barrier**: an allgather of empty messages (authenticated all the same).
+
+Large chunks are cut into segments of :data:`SEGMENT_BYTES`, so sealing one segment overlaps
+sending the previous one. Reductions happen in the tensor's dtype, in ring order: results match
+a plain allreduce exactly at two ranks and up to float rounding beyond.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ringtrain.errors import CollectiveArgumentError
+from ringtrain.security import sealing
+from ringtrain.security.sealing import EVERYONE, Session, sealed_size
+
+# Sealing runs in this thread while Gloo's threads move the previous segment.
+SEGMENT_BYTES = 1 << 20
+
+_Reduce = Callable[[torch.Tensor, torch.Tensor], Any]
+
+
+def _reducer(op: Any) -> tuple[_Reduce, bool]:
+    """(in-place reduce of ``acc`` with ``incoming``, whether to divide by n afterwards)."""
+    R = dist.ReduceOp
+    if op == R.SUM:
+        return (lambda acc, x: acc.add_(x)), False
+    if op == R.AVG:
+        return (lambda acc, x: acc.add_(x)), True
+    if op == R.PRODUCT:
+        return (lambda acc, x: acc.mul_(x)), False
+    if op == R.MIN:
+        return (lambda acc, x: torch.minimum(acc, x, out=acc)), False
+    if op == R.MAX:
+        return (lambda acc, x: torch.maximum(acc, x, out=acc)), False
+    if op == R.BAND:
+        return (lambda acc, x: acc.bitwise_and_(x)), False
+    if op == R.BOR:
+        return (lambda acc, x: acc.bitwise_or_(x)), False
+    if op == R.BXOR:
+        return (lambda acc, x: acc.bitwise_xor_(x)), False
+    raise CollectiveArgumentError(f"the sealed backend does not support reduce op {op}")
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor, as a flat uint8 view (no copy)."""
+    flat = t.reshape(-1)
+    if flat.dtype == torch.uint8:
+        return flat
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    return flat.view(torch.uint8)
+
+
+def _mv(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy()) if t.numel() else memoryview(bytearray(0))  # type: ignore[arg-type]
+
+
+class Link:
+    """A Gloo group and a sealing session: the transport of one sealed process group."""
+
+    def __init__(self, inner: Any, session: Session) -> None:
+        self.inner = inner
+        self.session = session
+        self.rank = session.me
+        self.size = session.size
+
+    # ---- primitives --------------------------------------------------------------------------
+
+    def seal(self, peer: int, kind: int, data: torch.Tensor) -> torch.Tensor:
+        """``data``'s bytes sealed for ``peer`` (or ``EVERYONE``), as a uint8 tensor."""
+        src = _u8(data)
+        blob = torch.empty(sealed_size(src.numel()), dtype=torch.uint8)
+        self.session.seal_into(peer, kind, _mv(src), _mv(blob))
+        return blob
+
+    def open(
+        self, peer: int, kind: int, blob: torch.Tensor, out: torch.Tensor, to_all: bool = False
+    ) -> None:
+        """Open ``blob`` from ``peer`` into ``out``'s bytes (raises SecurityError naming it)."""
+        self.session.open_into(peer, kind, _mv(blob), _mv(_u8(out)), to_all)
+
+    def start(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, int]]
+    ) -> tuple[list[Any], list[torch.Tensor]]:
+        """Post blob sends and receives of known sizes; :meth:`finish` waits for them."""
+        got = [torch.empty(n, dtype=torch.uint8) for _, n in recvs]
+        works = [self.inner.recv([b], peer, 0) for (peer, _), b in zip(recvs, got)]
+        works += [self.inner.send([blob], peer, 0) for peer, blob in sends]
+        return works, got
+
+    @staticmethod
+    def finish(posted: tuple[list[Any], list[torch.Tensor]]) -> list[torch.Tensor]:
+        for w in posted[0]:
+            w.wait()
+        return posted[1]
+
+    def post(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, int]]
+    ) -> list[torch.Tensor]:
+        """Send blobs and receive blobs of known sizes, all at once; returns the received."""
+        return self.finish(self.start(sends, recvs))
+
+    # ---- collectives -------------------------------------------------------------------------
+
+    def allreduce(self, t: torch.Tensor, op: Any) -> None:
+        """Reduce ``t`` in place across the group."""
+        n, r = self.size, self.rank
+        if n == 1:
+            return
+        reduce, divide = _reducer(op)
+        flat = t.reshape(-1)
+        bounds = [flat.numel() * i // n for i in range(n + 1)]
+        chunks = [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
+        self._reduce_scatter(chunks, reduce, offset=0, kind=sealing.ALLREDUCE)
+        # Rank r now holds the result of chunk r+1; share the finished chunks around the ring.
+        self._ring_allgather(chunks, first=(r + 1) % n, origin=lambda c: (c - 1) % n)
+        if divide:
+            _divide(flat, n)
+
+    def reducescatter(self, out: torch.Tensor, inp: torch.Tensor, op: Any) -> None:
+        """``out`` (rank r) = reduction of chunk r of every rank's ``inp`` (n equal chunks)."""
+        n = self.size
+        reduce, divide = _reducer(op)
+        work = inp.reshape(-1).clone()
+        k = out.numel()
+        chunks = [work[i * k : (i + 1) * k] for i in range(n)]
+        if n > 1:
+            self._reduce_scatter(chunks, reduce, offset=-1, kind=sealing.REDUCESCATTER)
+        mine = chunks[self.rank]
+        if divide:
+            _divide(mine, n)
+        out.reshape(-1).copy_(mine)
+
+    def allgather(self, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
+        """``outs[i]`` = rank i's ``inp`` (sizes may differ; each ``outs[i]`` sized for it)."""
+        r = self.rank
+        outs[r].reshape(-1).copy_(inp.reshape(-1))
+        if self.size > 1:
+            self._ring_allgather(list(outs), first=r, origin=lambda c: c)
+
+    def broadcast(self, t: torch.Tensor, root: int) -> None:
+        """Every rank's ``t`` = the root's."""
+        if self.size == 1:
+            return
+        if self.rank == root:
+            blob = self.seal(EVERYONE, sealing.BROADCAST, t.contiguous())
+            self.post([(p, blob) for p in range(self.size) if p != root], [])
+            return
+        (blob,) = self.post([], [(root, sealed_size(t.numel() * t.element_size()))])
+        target = (
+            t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+        )
+        self.open(root, sealing.BROADCAST, blob, target, to_all=True)
+        if target is not t:
+            t.copy_(target)
+
+    def alltoall(self, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -> None:
+        """``outs[j]`` = rank j's ``ins[self]``: n-1 pairwise sealed exchanges."""
+        n, r = self.size, self.rank
+        outs[r].reshape(-1).copy_(ins[r].reshape(-1))
+        for s in range(1, n):
+            to, frm = (r + s) % n, (r - s) % n
+            blob = self.seal(to, sealing.ALLTOALL, ins[to].contiguous())
+            nbytes = outs[frm].numel() * outs[frm].element_size()
+            (got,) = self.post([(to, blob)], [(frm, sealed_size(nbytes))])
+            self.open(frm, sealing.ALLTOALL, got, outs[frm])
+
+    def barrier(self) -> None:
+        empty = [torch.empty(0, dtype=torch.uint8) for _ in range(self.size)]
+        if self.size > 1:
+            self._ring_allgather(empty, first=self.rank, origin=lambda c: c, kind=sealing.BARRIER)
+
+    def send(self, t: torch.Tensor, peer: int) -> None:
+        self.post([(peer, self.seal(peer, sealing.P2P, t.contiguous()))], [])
+
+    def recv(self, t: torch.Tensor, peer: int) -> None:
+        (blob,) = self.post([], [(peer, sealed_size(t.numel() * t.element_size()))])
+        self.open(peer, sealing.P2P, blob, t)
+
+    # ---- ring phases -------------------------------------------------------------------------
+
+    def _reduce_scatter(
+        self, chunks: list[torch.Tensor], reduce: _Reduce, offset: int, kind: int
+    ) -> None:
+        """n-1 steps; afterwards rank r holds the full reduction of chunk (r + 1 + offset).
+
+        Segments pipeline: segment i+1 is sealed while segment i travels, and segment i is opened
+        and reduced while segment i+1 travels.
+        """
+        n, r = self.size, self.rank
+        right, left = (r + 1) % n, (r - 1) % n
+        count = _segment_count(chunks)
+        scratch = torch.empty(max(c.numel() for c in chunks), dtype=chunks[0].dtype)
+        for s in range(n - 1):
+            out_chunk = chunks[(r - s + offset) % n]
+            in_chunk = chunks[(r - s - 1 + offset) % n]
+            pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None
+            for i in range(count):
+                a, b = _cut(out_chunk.numel(), count, i)
+                c, d = _cut(in_chunk.numel(), count, i)
+                blob = self.seal(right, kind, out_chunk[a:b])
+                incoming = scratch[c:d]
+                posted = self.start([(right, blob)], [(left, _wire(incoming))])
+                if pending is not None:
+                    self._absorb(pending, left, kind, reduce)
+                pending = (posted, incoming, in_chunk[c:d])
+            if pending is not None:
+                self._absorb(pending, left, kind, reduce)
+
+    def _absorb(
+        self, pending: tuple[Any, torch.Tensor, torch.Tensor], left: int, kind: int, reduce: _Reduce
+    ) -> None:
+        posted, incoming, target = pending
+        (got,) = self.finish(posted)
+        self.open(left, kind, got, incoming)
+        reduce(target, incoming)
+
+    def _ring_allgather(
+        self,
+        pieces: list[torch.Tensor],
+        first: int,
+        origin: Callable[[int], int],
+        kind: int = sealing.ALLGATHER,
+    ) -> None:
+        """Rank r holds ``pieces[first]``; after n-1 steps it holds every piece.
+
+        The holder of a piece seals it once for everyone (segment by segment); the ring forwards
+        the blobs unchanged, and every rank opens them.
+        """
+        n, r = self.size, self.rank
+        right, left = (r + 1) % n, (r - 1) % n
+        count = _segment_count(pieces)
+        mine = pieces[first].reshape(-1)
+        blobs: list[torch.Tensor] = []
+        for s in range(n - 1):
+            idx = (first - s - 1) % n
+            piece = pieces[idx].reshape(-1)
+            sender = origin(idx)
+            posted = []
+            for i in range(count):
+                if s == 0:  # seal segment by segment, each sent as soon as it is sealed
+                    a, b = _cut(mine.numel(), count, i)
+                    blobs.append(self.seal(EVERYONE, kind, mine[a:b]))
+                c, d = _cut(piece.numel(), count, i)
+                posted.append((self.start([(right, blobs[i])], [(left, _wire(piece[c:d]))]), c, d))
+            blobs = []
+            for p, c, d in posted:
+                (got,) = self.finish(p)
+                self.open(sender, kind, got, piece[c:d], to_all=True)
+                blobs.append(got)
+
+
+def _wire(t: torch.Tensor) -> int:
+    return sealed_size(t.numel() * t.element_size())
+
+
+def _segment_count(chunks: Sequence[torch.Tensor]) -> int:
+    """Segments per chunk: the same on every rank (it depends on the largest chunk only)."""
+    largest = max(c.numel() * c.element_size() for c in chunks)
+    return max(1, -(-largest // SEGMENT_BYTES))
+
+
+def _cut(numel: int, count: int, i: int) -> tuple[int, int]:
+    return numel * i // count, numel * (i + 1) // count
+
+
+def _divide(t: torch.Tensor, n: int) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.div_(n)
+    else:
+        t.copy_(torch.div(t, n, rounding_mode="floor"))

@@ -1,0 +1,91 @@
+"""Authenticated rendezvous: ranks prove the key to each other; a stranger is turned away with a
+clear error and the job goes on; a real rank with the wrong key fails clearly on every rank."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+import ringtrain as rt
+from ringtrain.errors import SecurityError
+from ringtrain.security import keys, rendezvous
+from ringtrain.testing.spawn import RankFailed, World
+
+
+def _store() -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False
+    )
+
+
+def _run(fn: Any, *args: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+
+    def go() -> None:
+        try:
+            out.append(fn(*args))
+        except Exception as e:
+            out.append(e)
+
+    t = threading.Thread(target=go)
+    t.start()
+    return t, out
+
+
+def test_ranks_with_the_key_are_admitted() -> None:
+    store, key = _store(), keys.generate_job_key()
+    runs = [_run(rendezvous.authenticate, store, key, "job", r, 3, f"h{r}", 20) for r in range(3)]
+    for t, _ in runs:
+        t.join(30)
+    assert [out for _, out in runs] == [[None]] * 3
+
+
+def test_a_stranger_is_turned_away_and_the_job_goes_on() -> None:
+    store, key = _store(), keys.generate_job_key()
+    # the stranger claims rank 1 first, with its own key
+    t_bad, bad = _run(
+        rendezvous.authenticate, store, keys.generate_job_key(), "job", 1, 2, "evil", 20
+    )
+    t0, out0 = _run(rendezvous.authenticate, store, key, "job", 0, 2, "h0", 20)
+    t_bad.join(30)
+    assert isinstance(bad[0], SecurityError)
+    assert "could not verify rank 0's proof" in str(bad[0]) and "HINT" in str(bad[0])
+    # rank 0 is still waiting for the real rank 1, which then joins
+    assert t0.is_alive()
+    t1, out1 = _run(rendezvous.authenticate, store, key, "job", 1, 2, "h1", 20)
+    t0.join(30)
+    t1.join(30)
+    assert out0 == [None] and out1 == [None]
+
+
+def test_the_job_prefix_needs_the_key() -> None:
+    key = keys.generate_job_key()
+    assert rendezvous.job_prefix(key, "j") == rendezvous.job_prefix(key, "j")
+    assert rendezvous.job_prefix(key, "j") != rendezvous.job_prefix(keys.generate_job_key(), "j")
+    assert key.hex()[:16] not in rendezvous.job_prefix(key, "j")
+
+
+def _sum() -> float:
+    return float(rt.allreduce(torch.ones(1), op=rt.Sum).item())
+
+
+def test_a_rank_with_the_wrong_key_fails_clearly_on_every_rank(
+    world2: World, key_file: str, tmp_path: Any
+) -> None:
+    other = keys.write_key_file(tmp_path / "other.key", keys.generate_job_key())
+    envs = [{"RINGTRAIN_KEY_FILE": key_file}, {"RINGTRAIN_KEY_FILE": other}]
+    with pytest.raises(RankFailed) as info:
+        world2.run(_sum, env=envs, timeout=60, secure=True, timeout_s=5)
+    msg = str(info.value)
+    rank0, rank1 = msg.split("--- rank 1 ---")
+    assert "SecurityError" in rank1 and "could not verify rank 0's proof" in rank1
+    assert "SecurityError" in rank0 and "ranks [1] did not prove" in rank0
+    assert "wrong key" in rank0  # rank 0 saw and rejected the attempt
+    # the same ranks with the same key work
+    assert world2.run(_sum, secure=True, key_file=key_file) == [2.0, 2.0]
