@@ -1,0 +1,184 @@
+"""``ringtrain doctor [-H hosts]``: flags -> :class:`DoctorOptions` -> a report and an exit code.
+
+Exit codes: 0 when nothing found would stop a job (warnings are printed), 1 when something
+would (an unreachable host, no common network, torch missing or of different versions, a failed
+link test or allreduce), 2 for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ringtrain.diagnostics.doctor import advice, checkup, report, wire
+from ringtrain.diagnostics.doctor.gather import Reach
+from ringtrain.errors import ConfigError
+from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
+from ringtrain.launch.options import SshOptions
+
+MiB = 1024 * 1024
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return wire.parse_sizes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.usage = "ringtrain doctor [-H HOSTS | --hostfile FILE] [-np N] [options]"
+    p.description = (
+        "Pre-flight check of the hosts of a job: software, cores, network, links, allreduce "
+        "speed and rank placement; with --model-params/--model-mb and --step-time, a predicted "
+        "step time and recommended settings. Exits 1 when something would stop a job."
+    )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", help="hosts and slots: a:4,b:4 (default: this machine)")
+    where.add_argument("--hostfile", help="file with one 'host slots=N' per line")
+    p.add_argument("-np", "--num-proc", dest="np", type=int, help="ranks to place (default: slots)")
+    p.add_argument("--json", action="store_true", help="print one JSON document for tools")
+    p.add_argument(
+        "--network-interface",
+        default="",
+        metavar="VALUE",
+        help="interface for job traffic, as for ringtrain run (NAME, HOST=NAME,..., or a CIDR)",
+    )
+    tests = p.add_argument_group("tests")
+    tests.add_argument("--no-links", dest="links", action="store_false", help="skip link tests")
+    tests.add_argument(
+        "--link-seconds",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="seconds of streaming per host pair (default 1)",
+    )
+    tests.add_argument(
+        "--no-allreduce", dest="allreduce", action="store_false", help="skip the allreduce job"
+    )
+    tests.add_argument(
+        "--allreduce-sizes",
+        type=_sizes,
+        default=checkup.DEFAULT_SIZES,
+        metavar="SIZES",
+        help="allreduce message sizes (default 64K,1M,8M); large ones stop early on slow links",
+    )
+    tests.add_argument(
+        "--allreduce-budget",
+        type=float,
+        default=6.0,
+        metavar="S",
+        help="seconds for the allreduce sizes together (default 6)",
+    )
+    tests.add_argument(
+        "--start-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds for the allreduce job's agents to answer (default 60)",
+    )
+    model = p.add_argument_group("prediction")
+    size = model.add_mutually_exclusive_group()
+    size.add_argument("--model-params", type=float, metavar="N", help="parameters (fp32 gradients)")
+    size.add_argument("--model-mb", type=float, metavar="MB", help="gradient MiB per step")
+    model.add_argument(
+        "--step-time",
+        type=float,
+        metavar="S",
+        help="measured time of one training step on one rank, in seconds",
+    )
+    model.add_argument(
+        "--target-efficiency",
+        type=float,
+        default=advice.DEFAULT_TARGET,
+        metavar="F",
+        help="scaling efficiency the advice aims for (default 0.9)",
+    )
+    model.add_argument(
+        "--fusion-threshold-mb",
+        type=float,
+        default=64.0,
+        metavar="MIB",
+        help="fusion buffer size, as the job will use (default 64)",
+    )
+    ssh = p.add_argument_group("ssh")
+    ssh.add_argument("-p", "--ssh-port", type=int, help="ssh port on every host")
+    ssh.add_argument("--ssh-identity-file", help="ssh private key")
+    ssh.add_argument("--ssh-config-file", help="ssh client config (ssh -F)")
+    ssh.add_argument(
+        "--ssh-accept-new-host-keys",
+        action="store_true",
+        help="trust hosts whose keys are not yet known (trust on first use)",
+    )
+    ssh.add_argument(
+        "--ssh-connect-timeout",
+        type=int,
+        default=10,
+        metavar="S",
+        help="seconds for ssh to connect (default 10)",
+    )
+
+
+def options_from_args(args: argparse.Namespace) -> checkup.DoctorOptions:
+    hosts: list[Host]
+    if args.hosts:
+        hosts = parse_hosts(args.hosts)
+    elif args.hostfile:
+        hosts = parse_hostfile(args.hostfile)
+    else:
+        hosts = [Host("localhost", max(1, args.np or 1))]
+    if args.np is not None and args.np < 1:
+        raise ConfigError(f"-np must be at least 1, got {args.np}")
+    grad_bytes = None
+    if args.model_params is not None:
+        grad_bytes = int(args.model_params * 4)
+    elif args.model_mb is not None:
+        grad_bytes = int(args.model_mb * MiB)
+    if (grad_bytes is None) != (args.step_time is None):
+        raise ConfigError(
+            "a prediction needs both the model size and the step time.\n"
+            "HINT: --model-params 25e6 --step-time 0.2 (or --model-mb 100 --step-time 0.2)"
+        )
+    if args.link_seconds <= 0:
+        raise ConfigError(f"--link-seconds must be > 0, got {args.link_seconds}")
+    return checkup.DoctorOptions(
+        hosts=tuple(hosts),
+        np=args.np,
+        reach=Reach(
+            ssh=SshOptions(
+                port=args.ssh_port,
+                identity_file=args.ssh_identity_file,
+                config_file=args.ssh_config_file,
+                accept_new_host_keys=args.ssh_accept_new_host_keys,
+                connect_timeout_s=args.ssh_connect_timeout,
+            )
+        ),
+        network_interface=args.network_interface,
+        links=args.links,
+        link_seconds=args.link_seconds,
+        allreduce=args.allreduce,
+        sizes=tuple(args.allreduce_sizes),
+        allreduce_budget_s=args.allreduce_budget,
+        start_timeout_s=args.start_timeout,
+        grad_bytes=grad_bytes,
+        step_time_s=args.step_time,
+        target_efficiency=args.target_efficiency,
+        bucket_bytes=int(args.fusion_threshold_mb * MiB) or grad_bytes or MiB,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    options = options_from_args(args)
+
+    def say(msg: str) -> None:
+        if not args.json:
+            print(f"ringtrain doctor: {msg}...", file=sys.stderr, flush=True)
+
+    doc: dict[str, Any] = checkup.examine(options, say)
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=False, default=str))
+    else:
+        print(report.render(doc))
+    return int(doc["exit_code"])

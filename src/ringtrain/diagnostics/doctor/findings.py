@@ -1,0 +1,194 @@
+"""What the doctor concludes from what it gathered: problems that stop a job, and warnings.
+
+Problems (the doctor exits non-zero): a host that ssh cannot reach, a host where the probe
+cannot run (no Python, no ringtrain), a host without torch or torch.distributed, different torch
+or ringtrain versions across hosts, no subnet routed between all hosts, a link test or the
+allreduce job that fails. Warnings (exit 0): slow links, high latency, an uneven placement,
+more threads than cores.
+
+Slow links. Every pair of hosts is measured in both directions. One host's slow network card
+(or a shaped link) slows every pair that host is in, so the median over *pairs* can be the slow
+value itself (with 3 hosts, 4 of the 6 pairs touch the slow one). So each host gets a capacity,
+the fastest pair it is part of (its link is at least that fast), and the reference is the
+median host capacity: a host below ``SLOW_FACTOR`` of it has a slow link, and so does any pair
+below ``SLOW_FACTOR`` of it (which also catches a slow path between two fast hosts).
+
+Pure: dicts and numbers in, strings and numbers out.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# The same factor the straggler report uses for a slow host link.
+SLOW_FACTOR = 0.5
+# A pair's round trip is high above this multiple of the median, and at least HIGH_RTT_S.
+HIGH_RTT_FACTOR = 4.0
+HIGH_RTT_S = 0.5e-3
+
+
+def mbit(bytes_per_s: float) -> str:
+    v = bytes_per_s * 8 / 1e6
+    return f"{v:,.0f} Mbit/s" if v >= 100 else f"{v:.3g} Mbit/s"
+
+
+@dataclass(frozen=True)
+class LinkSample:
+    src: str
+    dst: str
+    bytes_per_s: float | None = None
+    rtt_s: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class LinkAnalysis:
+    host_capacity: dict[str, float] = field(default_factory=dict)
+    reference: float | None = None
+    slow_hosts: list[str] = field(default_factory=list)
+    slow_pairs: list[tuple[str, str]] = field(default_factory=list)
+    high_latency: list[tuple[str, str]] = field(default_factory=list)
+    slowest: float | None = None
+    median_rtt_s: float | None = None
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "host_capacity_bytes_per_s": dict(self.host_capacity),
+            "reference_bytes_per_s": self.reference,
+            "slowest_bytes_per_s": self.slowest,
+            "median_rtt_s": self.median_rtt_s,
+            "slow_hosts": list(self.slow_hosts),
+            "slow_pairs": [{"src": s, "dst": d} for s, d in self.slow_pairs],
+            "high_latency_pairs": [{"src": s, "dst": d} for s, d in self.high_latency],
+        }
+
+
+def analyze_links(samples: Sequence[LinkSample], factor: float = SLOW_FACTOR) -> LinkAnalysis:
+    """Slow hosts, slow pairs, high-latency pairs and failed tests among ``samples``."""
+    out = LinkAnalysis()
+    good = [s for s in samples if s.error is None and s.bytes_per_s]
+    for s in samples:
+        if s.error is not None:
+            out.problems.append(
+                f"the link test from {s.src} to {s.dst} failed: {s.error}\n"
+                f"HINT: ranks on {s.src} must open TCP connections to {s.dst} on any port; "
+                "check firewalls (iptables, security groups) between the hosts."
+            )
+    if not good:
+        return out
+    for s in good:
+        for h in (s.src, s.dst):
+            out.host_capacity[h] = max(out.host_capacity.get(h, 0.0), s.bytes_per_s or 0.0)
+    ref = statistics.median(out.host_capacity.values())
+    out.reference = ref
+    out.slowest = min(s.bytes_per_s or 0.0 for s in good)
+    out.slow_hosts = sorted(h for h, c in out.host_capacity.items() if c < factor * ref)
+    out.slow_pairs = [(s.src, s.dst) for s in good if (s.bytes_per_s or 0.0) < factor * ref]
+    for h in out.slow_hosts:
+        pairs = [s for s in good if h in (s.src, s.dst)]
+        shown = ", ".join(f"{s.src}->{s.dst} {mbit(s.bytes_per_s or 0.0)}" for s in pairs)
+        out.warnings.append(
+            f"host {h}'s link is slow: at most {mbit(out.host_capacity[h])}, under "
+            f"{factor:.0%} of the median host ({mbit(ref)}); pairs: {shown}.\n"
+            f"HINT: every allreduce runs at the pace of the slowest link; check {h}'s network "
+            "card, cable, switch port and traffic shaping (tc), or leave it out of the job."
+        )
+    for src, dst in out.slow_pairs:
+        if src in out.slow_hosts or dst in out.slow_hosts:
+            continue  # already explained by the host
+        rate = next(s.bytes_per_s for s in good if (s.src, s.dst) == (src, dst)) or 0.0
+        out.warnings.append(
+            f"the link from {src} to {dst} is slow: {mbit(rate)}, under {factor:.0%} of the "
+            f"median host ({mbit(ref)}), although both hosts are fast with others.\n"
+            "HINT: the path between them differs (another switch, a VPN, a routed hop)."
+        )
+    rtts = [s.rtt_s for s in good if s.rtt_s is not None]
+    if rtts:
+        med = statistics.median(rtts)
+        out.median_rtt_s = med
+        for s in good:
+            if s.rtt_s is not None and s.rtt_s > max(HIGH_RTT_FACTOR * med, HIGH_RTT_S):
+                out.high_latency.append((s.src, s.dst))
+                out.warnings.append(
+                    f"high latency from {s.src} to {s.dst}: {s.rtt_s * 1e3:.2f} ms round trip "
+                    f"(median {med * 1e3:.2f} ms).\nHINT: small allreduces pay it 2(n-1) times; "
+                    "a larger fusion buffer (--fusion-threshold-mb) sends fewer of them."
+                )
+    return out
+
+
+def _version_problem(what: str, by_host: Mapping[str, str]) -> str | None:
+    if len(set(by_host.values())) <= 1:
+        return None
+    shown = ", ".join(f"{h} {v}" for h, v in by_host.items())
+    return (
+        f"{what} versions differ across hosts: {shown}.\n"
+        f"HINT: install the same {what} version on every host; ranks of different versions "
+        "cannot be relied on to agree on the wire format."
+    )
+
+
+def check_hosts(hosts: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
+    """Problems and warnings from the hosts' probe results.
+
+    Each entry has ``name``, ``reachable`` (ssh worked), ``error`` (why the probe failed, or
+    None) and ``facts`` (the probe's facts, or None).
+    """
+    problems: list[str] = []
+    warnings: list[str] = []
+    torch_versions: dict[str, str] = {}
+    rt_versions: dict[str, str] = {}
+    py_versions: dict[str, str] = {}
+    gpus: dict[str, int] = {}
+    for h in hosts:
+        name = h["name"]
+        if h.get("error"):
+            problems.append(str(h["error"]))
+            continue
+        facts = h.get("facts") or {}
+        torch = facts.get("torch") or {}
+        if torch.get("error"):
+            problems.append(
+                f"torch cannot be imported on host {name} ({facts.get('executable', 'python')}): "
+                f"{torch['error']}\nHINT: install torch in that Python environment, at the same "
+                "version as on the other hosts."
+            )
+        else:
+            torch_versions[name] = str(torch.get("version"))
+            if not torch.get("distributed"):
+                problems.append(
+                    f"torch on host {name} was built without torch.distributed.\n"
+                    "HINT: install an official torch build (pip install torch)."
+                )
+            elif not torch.get("gloo") and not torch.get("nccl"):
+                problems.append(f"torch on host {name} has neither the Gloo nor the NCCL backend.")
+            gpus[name] = len((torch.get("cuda") or {}).get("devices") or [])
+            threads = torch.get("num_threads")
+            usable = (facts.get("cpu") or {}).get("usable")
+            if threads and usable and threads > usable:
+                warnings.append(
+                    f"host {name}: torch starts {threads} threads per process on {usable} usable "
+                    "cores (OMP_NUM_THREADS?).\nHINT: unset OMP_NUM_THREADS and let "
+                    "`ringtrain run` give each rank its share of the cores."
+                )
+        rt_versions[name] = str(facts.get("ringtrain"))
+        py_versions[name] = str(facts.get("python"))
+    for what, versions in (("torch", torch_versions), ("ringtrain", rt_versions)):
+        msg = _version_problem(what, versions)
+        if msg:
+            problems.append(msg)
+    if len(set(py_versions.values())) > 1:
+        shown = ", ".join(f"{h} {v}" for h, v in py_versions.items())
+        warnings.append(
+            f"Python versions differ across hosts: {shown}.\nHINT: objects sent with "
+            "broadcast_object/allgather_object are pickled; use one Python version everywhere."
+        )
+    if len(set(gpus.values())) > 1:
+        shown = ", ".join(f"{h} {n}" for h, n in gpus.items())
+        warnings.append(f"hosts have different numbers of CUDA devices: {shown}.")
+    return problems, warnings

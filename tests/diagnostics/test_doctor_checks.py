@@ -1,0 +1,259 @@
+"""The doctor's pure checks: placement, link analysis, host facts, and the report's rendering."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringtrain.diagnostics.doctor import checkup, findings, placement, report
+from ringtrain.diagnostics.doctor.findings import LinkSample
+from ringtrain.errors import LaunchError
+from ringtrain.launch.hosts import parse_hosts
+from ringtrain.launch.network import Interface
+
+MBIT = 1e6 / 8
+GBIT = 1e9 / 8
+
+# ---- placement ---------------------------------------------------------------------------------
+
+
+def test_4_3_1_is_flagged_with_its_cost_and_a_fix() -> None:
+    r = placement.check(8, parse_hosts("a:4,b:3,c:1"))
+    assert r.ranks_per_host == {"a": 4, "b": 3, "c": 1} and r.pattern() == "4-3-1"
+    assert r.uneven and r.imbalance == 4
+    # Equal hosts: the lock-step pace is a rank with a quarter host; 8 such ranks use 2 of 3.
+    assert r.compute_efficiency == pytest.approx(8 * (1 / 4) / 3)
+    assert r.cross_traffic_per_rank["c"] == pytest.approx(4 * r.cross_traffic_per_rank["a"])
+    (msg,) = r.warnings
+    assert "uneven placement 4-3-1" in msg and "67%" in msg
+    assert "-np 3 (1 per host)" in msg and "-H a:3,b:3,c:2" in msg
+
+
+def test_even_spread_is_suggested_when_the_slots_allow_it() -> None:
+    r = placement.check(8, parse_hosts("a:4,b:4,c:4"))
+    assert r.ranks_per_host == {"a": 4, "b": 4}
+    assert not r.uneven
+    assert any("leaves c without ranks" in w and "-H a:3,b:3,c:2" in w for w in r.warnings)
+
+
+def test_uneven_placement_offers_the_even_alternative() -> None:
+    r = placement.check(6, parse_hosts("a:4,b:4,c:4"))  # fills a:4, b:2 -> 4-2
+    assert r.uneven and r.even_alternative == {"a": 2, "b": 2, "c": 2}
+    assert r.even_efficiency == pytest.approx(1.0)
+    assert r.even_efficiency > r.compute_efficiency
+
+
+def test_even_placement_is_not_flagged() -> None:
+    r = placement.check(6, parse_hosts("a:2,b:2,c:2"))
+    assert not r.uneven and r.warnings == [] and r.compute_efficiency == pytest.approx(1.0)
+
+
+def test_cores_in_proportion_to_ranks_cost_no_compute() -> None:
+    r = placement.check(8, parse_hosts("a:4,b:3,c:1"), cores={"a": 8, "b": 6, "c": 2})
+    assert r.uneven and r.compute_efficiency == pytest.approx(1.0)
+
+
+def test_more_ranks_than_cores_is_a_warning() -> None:
+    r = placement.check(4, parse_hosts("a:4"), cores={"a": 2})
+    assert any("4 ranks on 2 cores" in w for w in r.warnings)
+
+
+def test_too_many_ranks_for_the_slots_is_the_launchers_error() -> None:
+    with pytest.raises(LaunchError, match="-np 9 needs 9 slots"):
+        placement.check(9, parse_hosts("a:4,b:4"))
+
+
+def test_even_placement_respects_slots_and_host_order() -> None:
+    assert placement.even_placement(7, parse_hosts("a:1,b:4,c:4")) == {"a": 1, "b": 3, "c": 3}
+    assert placement.even_placement(2, parse_hosts("a:2,b:2,c:2")) == {"a": 1, "b": 1}
+
+
+# ---- links -------------------------------------------------------------------------------------
+
+
+def _matrix(rates: dict[tuple[str, str], float], rtt: float = 1e-4) -> list[LinkSample]:
+    return [LinkSample(s, d, bw, rtt) for (s, d), bw in rates.items()]
+
+
+def _full(hosts: list[str], rate, rtt: float = 1e-4) -> list[LinkSample]:
+    return _matrix({(s, d): rate(s, d) for s in hosts for d in hosts if s != d}, rtt)
+
+
+def test_one_slow_host_is_named_although_most_pairs_are_slow() -> None:
+    # h0 at 10 Mbit/s: 4 of the 6 pairs are slow, so the median pair is slow too.
+    samples = _full(["h0", "h1", "h2"], lambda s, d: 9 * MBIT if "h0" in (s, d) else 900 * MBIT)
+    a = findings.analyze_links(samples)
+    assert a.slow_hosts == ["h0"]
+    assert sorted(a.slow_pairs) == sorted([("h0", "h1"), ("h0", "h2"), ("h1", "h0"), ("h2", "h0")])
+    assert a.slowest == pytest.approx(9 * MBIT)
+    (warning,) = a.warnings
+    assert warning.startswith("host h0's link is slow") and "h1->h0" in warning
+    assert a.problems == []
+
+
+def test_a_slow_path_between_fast_hosts_is_named_as_a_pair() -> None:
+    slow = {("h1", "h2"), ("h2", "h1")}
+    samples = _full(["h0", "h1", "h2", "h3"], lambda s, d: 50 * MBIT if (s, d) in slow else GBIT)
+    a = findings.analyze_links(samples)
+    assert a.slow_hosts == []
+    assert sorted(a.slow_pairs) == sorted(slow)
+    assert any("the link from h1 to h2 is slow" in w for w in a.warnings)
+
+
+def test_equal_links_raise_nothing() -> None:
+    a = findings.analyze_links(_full(["a", "b"], lambda s, d: GBIT))
+    assert a.slow_hosts == [] and a.slow_pairs == [] and a.warnings == [] and a.problems == []
+
+
+def test_high_latency_pair_is_a_warning() -> None:
+    samples = _full(["a", "b", "c"], lambda s, d: GBIT)
+    samples[0] = LinkSample(samples[0].src, samples[0].dst, GBIT, 20e-3)
+    a = findings.analyze_links(samples)
+    assert a.high_latency == [(samples[0].src, samples[0].dst)]
+
+
+def test_a_failed_link_test_is_a_problem_naming_the_pair() -> None:
+    a = findings.analyze_links([LinkSample("a", "b", error="10.0.0.2:5000: Connection refused")])
+    (problem,) = a.problems
+    assert "from a to b failed" in problem and "Connection refused" in problem
+
+
+def test_docker0_on_every_host_is_not_a_routed_subnet() -> None:
+    def host(addr: str, name: str = "eth0") -> list[Interface]:
+        return [
+            Interface("lo", "127.0.0.1", 8, True, True),
+            Interface(name, addr, 24),
+            Interface("docker0", "172.17.0.1", 16, flags=("bridge", "docker")),
+            Interface("eth1", "", 0, is_up=False),
+        ]
+
+    routable, unrouted = checkup.common_subnets(
+        {"a": host("10.0.0.1"), "b": host("10.0.0.2", "eth7"), "c": host("10.0.0.3")}
+    )
+    assert routable == ["10.0.0.0/24"]
+    assert unrouted == ["172.17.0.0/16 (a, b, c all have 172.17.0.1)"]
+
+
+def test_fabric_from_measurements() -> None:
+    links = {"slowest_bytes_per_s": 9 * MBIT, "median_rtt_s": 2e-4, "reference_bytes_per_s": GBIT}
+    ar = {
+        "world": 3,
+        "allreduce": [
+            {"bytes": 65536, "seconds": 0.08, "busbw": 1.1e6},
+            {"bytes": 1 << 20, "seconds": 1.3, "busbw": 1.08e6},
+        ],
+    }
+    f = checkup.fabric_from({"a": 4, "b": 3, "c": 1}, links, ar)
+    assert f is not None
+    assert f.ranks_per_host == (4, 3, 1) and f.link_bytes_per_s == 9 * MBIT
+    assert f.link_latency_s == pytest.approx(1e-4) and f.measured_busbw == 1.1e6
+    assert f.local_bytes_per_s == GBIT
+    wire_s = 2 * 2 / 3 * 65536 / 1.1e6
+    assert f.op_overhead_s == pytest.approx(0.08 - wire_s)
+    assert checkup.fabric_from({"a": 1}, None, {"skipped": "--no-allreduce"}) is None
+
+
+# ---- host facts --------------------------------------------------------------------------------
+
+
+def _host(name: str, torch: dict | None = None, **facts) -> dict:
+    t = {"version": "2.13.0", "distributed": True, "gloo": True, "num_threads": 2}
+    return {
+        "name": name,
+        "reachable": True,
+        "error": None,
+        "facts": {
+            "ringtrain": "0.1.0",
+            "python": "3.11.7",
+            "cpu": {"usable": 2},
+            "torch": t if torch is None else torch,
+            **facts,
+        },
+    }
+
+
+def test_healthy_hosts_have_no_problems() -> None:
+    assert findings.check_hosts([_host("a"), _host("b")]) == ([], [])
+
+
+def test_torch_missing_is_a_problem() -> None:
+    problems, _ = findings.check_hosts(
+        [_host("a"), _host("b", {"error": "ModuleNotFoundError: No module named 'torch'"})]
+    )
+    assert len(problems) == 1 and "torch cannot be imported on host b" in problems[0]
+
+
+def test_torch_version_mismatch_is_a_problem() -> None:
+    other = {"version": "2.4.0", "distributed": True, "gloo": True}
+    problems, _ = findings.check_hosts([_host("a"), _host("b", other)])
+    assert len(problems) == 1
+    assert "torch versions differ" in problems[0] and "a 2.13.0, b 2.4.0" in problems[0]
+
+
+def test_unreachable_host_error_is_passed_on() -> None:
+    down = {"name": "x", "reachable": False, "error": "host x is unreachable: ...", "facts": None}
+    problems, _ = findings.check_hosts([_host("a"), down])
+    assert problems == ["host x is unreachable: ..."]
+
+
+def test_more_threads_than_cores_is_a_warning() -> None:
+    busy = {"version": "2.13.0", "distributed": True, "gloo": True, "num_threads": 16}
+    _, warnings = findings.check_hosts([_host("a", busy)])
+    assert len(warnings) == 1 and "16 threads" in warnings[0]
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def test_report_renders_every_section() -> None:
+    samples = _full(["h0", "h1"], lambda s, d: GBIT)
+    links = {
+        "skipped": None,
+        "pairs": [
+            {
+                "src": s.src,
+                "dst": s.dst,
+                "bytes_per_s": s.bytes_per_s,
+                "rtt_s": s.rtt_s,
+                "error": None,
+            }
+            for s in samples
+        ],
+        **findings.analyze_links(samples).to_dict(),
+    }
+    place = placement.check(3, parse_hosts("h0:2,h1:1"))
+    doc = {
+        "hosts": [_host("h0"), _host("h1")],
+        "network": {
+            "routable_subnets": ["10.0.0.0/24"],
+            "unrouted_subnets": ["172.17.0.0/16 (h0, h1 all have 172.17.0.1)"],
+            "chosen": {
+                "h0": {"name": "eth0", "address": "10.0.0.1"},
+                "h1": {"name": "eth0", "address": "10.0.0.2"},
+            },
+        },
+        "links": links,
+        "allreduce": {
+            "world": 2,
+            "hosts": ["h0", "h1"],
+            "allreduce": [{"bytes": 65536, "seconds": 0.001, "busbw": 6.5e7}],
+        },
+        "placement": place.to_dict(),
+        "prediction": None,
+        "problems": [],
+        "warnings": place.warnings,
+        "ok": True,
+        "seconds": 1.0,
+    }
+    text = report.render(doc)
+    for needle in (
+        "not routed: 172.17.0.0/16",
+        "Hosts",
+        "h0",
+        "2.13.0",
+        "Links",
+        "1,000 Mbit/s",
+        "64 KiB",
+        "UNEVEN",
+        "verdict: OK",
+    ):
+        assert needle in text
