@@ -1,0 +1,11 @@
+"""Benchmarks as registered functions that return results; ``ringtrain bench`` presents them.
+
+* ``allreduce`` (:mod:`.allreduce`): bus bandwidth vs message size, ringtrain vs raw
+  torch.distributed in the same run, and the cost of many small tensors (fusion).
+* ``train`` (:mod:`.train`): steps/s of ringtrain's DistributedOptimizer, torch DDP and a
+  no-communication reference, interleaved, on model presets (:mod:`.models`) of 1M-100M params.
+
+Each benchmark runs on every rank between ``ringtrain.init()`` and ``ringtrain.shutdown()``;
+:mod:`.ranks` spawns local ranks or runs in place under a launcher. Nothing is imported here, so
+``import ringtrain.bench`` stays cheap; import the submodules (or use the CLI).
+"""

@@ -1,0 +1,195 @@
+"""Allreduce benchmark: bus bandwidth vs message size for ringtrain and raw torch.distributed.
+
+Both run in the same processes over Gloo, interleaved per size and repeated, so they see the same
+machine load; the order alternates between repeats so neither always runs on a warm cache.
+``ringtrain`` is ``ringtrain.allreduce_`` (negotiated by name by the background controller, then
+executed on ringtrain's data group); ``torch`` is ``torch.distributed.all_reduce`` on the default
+group that ``ringtrain.init`` created. Both sum in place, over tensors of zeros (repeated sums of
+anything else would overflow to inf after a few hundred rounds).
+
+The fusion case measures the price of many small tensors, which is what a model's gradients are:
+``count`` tensors of ``each_bytes`` reduced one call at a time with torch, grouped or as async
+submissions with ringtrain (which fuses them), and as one tensor of the same total size.
+
+Each sample starts after a barrier and is the slowest rank's time, since a collective is finished
+only when every rank has its result.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ringtrain
+from ringtrain.bench.registry import register
+from ringtrain.bench.stats import Summary, bus_bandwidth, load_average, machine_info
+
+KiB = 1024
+MiB = 1024 * 1024
+DEFAULT_SIZES = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB)
+# Auto iteration count: enough back-to-back ops per sample to move about this many bytes, so a
+# sample of small messages is long enough to time well but a big one is a single op.
+SAMPLE_BYTES = 8 * MiB
+MAX_ITERS = 50
+
+
+@dataclass(frozen=True)
+class AllreduceParams:
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    repeats: int = 5
+    # Ops per timed sample; 0 picks one per size (about SAMPLE_BYTES per sample, at most MAX_ITERS).
+    iters: int = 0
+    fusion_count: int = 1024
+    fusion_each_bytes: int = 64 * KiB
+    fusion_repeats: int = 3
+    dtype: str = "float32"
+    link_mbps: float | None = None
+
+
+@dataclass
+class SizePoint:
+    """One implementation at one message size: seconds per allreduce and bus bandwidth (B/s)."""
+
+    impl: str
+    nbytes: int
+    iters: int
+    time: Summary
+    busbw: Summary
+
+
+@dataclass
+class FusionPoint:
+    """One way of reducing the fusion case's tensors: seconds for all of them together."""
+
+    case: str
+    tensors: int
+    nbytes: int
+    time: Summary
+    busbw: Summary
+    # Median time relative to torch's single allreduce of the same total size (1.0 = as fast).
+    vs_one_tensor: float = 0.0
+
+
+@dataclass
+class AllreduceResult:
+    world_size: int
+    params: AllreduceParams
+    sizes: list[SizePoint] = field(default_factory=list)
+    fusion: list[FusionPoint] = field(default_factory=list)
+    environment: dict[str, Any] = field(default_factory=dict)
+
+
+Op = Callable[[], None]
+
+
+def _timed_samples(cases: dict[str, tuple[Op, int]], repeats: int) -> dict[str, list[float]]:
+    """Seconds per op of each case, ``repeats`` samples each, cases interleaved per repeat."""
+    names = list(cases)
+    local: dict[str, list[float]] = {n: [] for n in names}
+    for name in names:  # warm-up: first use allocates buffers and negotiates names
+        cases[name][0]()
+    for rep in range(repeats):
+        order = names if rep % 2 == 0 else names[::-1]
+        for name in order:
+            op, iters = cases[name]
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                op()
+            local[name].append((time.perf_counter() - t0) / iters)
+    # The slowest rank's time, sample by sample: one small allreduce, outside the timed region.
+    flat = torch.tensor([local[n][i] for n in names for i in range(repeats)], dtype=torch.float64)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    values = flat.tolist()
+    return {n: values[k * repeats : (k + 1) * repeats] for k, n in enumerate(names)}
+
+
+def _iters_for(nbytes: int, params: AllreduceParams) -> int:
+    if params.iters > 0:
+        return params.iters
+    return max(1, min(MAX_ITERS, SAMPLE_BYTES // max(1, nbytes)))
+
+
+def _summaries(samples: list[float], nbytes: int, n: int) -> tuple[Summary, Summary]:
+    return Summary.of(samples), Summary.of([bus_bandwidth(nbytes, s, n) for s in samples])
+
+
+@register("allreduce")
+def bench_allreduce(params: AllreduceParams) -> AllreduceResult:
+    """Runs on every rank after ``ringtrain.init()``; every rank returns the same result."""
+    n = ringtrain.size()
+    dtype = getattr(torch, params.dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    result = AllreduceResult(n, params, environment=machine_info())
+    for nbytes in params.sizes:
+        numel = max(1, nbytes // itemsize)
+        a = torch.zeros(numel, dtype=dtype)
+        b = torch.zeros(numel, dtype=dtype)
+        name = f"bench.allreduce.{nbytes}"
+        iters = _iters_for(nbytes, params)
+        samples = _timed_samples(
+            {
+                "ringtrain": (functools.partial(_rt_allreduce, a, name), iters),
+                "torch": (functools.partial(dist.all_reduce, b), iters),
+            },
+            params.repeats,
+        )
+        for impl, s in samples.items():
+            t, bw = _summaries(s, numel * itemsize, n)
+            result.sizes.append(SizePoint(impl, numel * itemsize, iters, t, bw))
+    if params.fusion_count > 0 and params.fusion_repeats > 0:
+        result.fusion = _fusion(params, dtype, itemsize, n)
+    result.environment["load_after"] = load_average()
+    return result
+
+
+def _rt_allreduce(t: torch.Tensor, name: str) -> None:
+    ringtrain.allreduce_(t, name=name, op=ringtrain.Sum)
+
+
+def _fusion(
+    params: AllreduceParams, dtype: torch.dtype, itemsize: int, n: int
+) -> list[FusionPoint]:
+    count = params.fusion_count
+    numel = max(1, params.fusion_each_bytes // itemsize)
+    small = [torch.zeros(numel, dtype=dtype) for _ in range(count)]
+    big = torch.zeros(numel * count, dtype=dtype)
+    total = numel * count * itemsize
+
+    def torch_separate() -> None:
+        for t in small:
+            dist.all_reduce(t)
+
+    def rt_grouped() -> None:
+        ringtrain.grouped_allreduce_(small, name="bench.fusion.grouped", op=ringtrain.Sum)
+
+    def rt_async() -> None:
+        handles = [
+            ringtrain.allreduce_async_(t, name=f"bench.fusion.{i}", op=ringtrain.Sum)
+            for i, t in enumerate(small)
+        ]
+        for h in handles:
+            ringtrain.synchronize(h)
+
+    cases: dict[str, tuple[Op, int]] = {
+        "torch one tensor": (lambda: dist.all_reduce(big), 1),
+        "torch separate": (torch_separate, 1),
+        "ringtrain one tensor": (lambda: _rt_allreduce(big, "bench.fusion.big"), 1),
+        "ringtrain grouped": (rt_grouped, 1),
+        "ringtrain async": (rt_async, 1),
+    }
+    samples = _timed_samples(cases, params.fusion_repeats)
+    points = []
+    for case, s in samples.items():
+        t, bw = _summaries(s, total, n)
+        points.append(FusionPoint(case, 1 if "one tensor" in case else count, total, t, bw))
+    base = next(p for p in points if p.case == "torch one tensor").time.median
+    for p in points:
+        p.vs_one_tensor = p.time.median / base if base > 0 else 0.0
+    return points

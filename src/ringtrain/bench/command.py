@@ -1,0 +1,232 @@
+"""``ringtrain bench``: run a registered benchmark, print its table, save JSON and a PNG plot.
+
+    ringtrain bench allreduce -np 2 --sizes 4K..64M --json ar.json --plot ar.png
+    ringtrain bench train -np 2 --model transformer-25m --steps 30 --json train.json
+    ringtrain run -np 2 -H h0:1,h1:1 -- python -m ringtrain.bench train --model cnn
+
+Without a launcher the command spawns ``-np`` ranks on this machine; started by one
+(``ringtrain run``, torchrun, ...) it runs on the job's ranks and only rank 0 reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+from ringtrain.bench import ranks
+from ringtrain.bench.allreduce import DEFAULT_SIZES, AllreduceParams
+from ringtrain.bench.models import PRESETS
+from ringtrain.bench.registry import BENCHMARKS
+from ringtrain.bench.report import (
+    fmt_bytes,
+    format_allreduce,
+    format_train,
+    plot_allreduce,
+    plot_train,
+    save_json,
+)
+from ringtrain.bench.train import VARIANTS, TrainParams
+from ringtrain.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20}
+_UNITS |= {"g": 1 << 30, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """``64K``, ``4MiB``, ``1048576`` -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(
+            f"cannot read {text!r} as a size.\nHINT: write e.g. 4096, 64K, 64KiB, 16M or 1G."
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``4K,64K,1M`` (a list) or ``4K..64M`` (x4 steps) or ``4K..64M:2`` (x2 steps)."""
+    if ".." not in text:
+        sizes = [parse_bytes(s) for s in text.split(",") if s.strip()]
+    else:
+        span, _, factor_s = text.partition(":")
+        lo_s, _, hi_s = span.partition("..")
+        lo, hi = parse_bytes(lo_s), parse_bytes(hi_s)
+        factor = int(factor_s) if factor_s else 4
+        if lo < 1 or hi < lo or factor < 2:
+            raise ConfigError(
+                f"bad size range {text!r}: need 1 <= low <= high and a factor >= 2.\n"
+                "HINT: e.g. --sizes 4K..64M or --sizes 4K..64M:2."
+            )
+        sizes = []
+        s = lo
+        while s <= hi:
+            sizes.append(s)
+            s *= factor
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--sizes {text!r} gives no positive sizes")
+    return tuple(sizes)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("ranks and output")
+    g.add_argument(
+        "-np",
+        "--num-proc",
+        dest="np",
+        type=int,
+        default=None,
+        help="ranks to spawn on this machine (default 2); omit under a launcher",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per rank (default: cores / ranks when spawning here)",
+    )
+    g.add_argument("--json", metavar="PATH", help="save the results as JSON")
+    g.add_argument("--plot", metavar="PATH", help="save a PNG plot of the results")
+    g.add_argument("--markdown", action="store_true", help="print tables as Markdown")
+    g.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
+    g.add_argument(
+        "--fusion-threshold-mb",
+        type=float,
+        default=None,
+        help="ringtrain's fusion buffer size in MiB (RINGTRAIN_FUSION_THRESHOLD_BYTES)",
+    )
+    g.add_argument(
+        "--cycle-time-ms",
+        type=float,
+        default=None,
+        help="ringtrain's controller cycle time (RINGTRAIN_CYCLE_TIME_MS)",
+    )
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+
+    ar = sub.add_parser(
+        "allreduce",
+        help="bus bandwidth vs message size, ringtrain vs raw torch.distributed; fusion case",
+        description=(
+            "Allreduce bus bandwidth vs message size for ringtrain.allreduce and raw "
+            "torch.distributed.all_reduce, interleaved in the same run, plus a fusion case."
+        ),
+    )
+    default_sizes = f"{fmt_bytes(DEFAULT_SIZES[0])}..{fmt_bytes(DEFAULT_SIZES[-1])}"
+    ar.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=DEFAULT_SIZES,
+        help=f"message sizes: 4K,64K,1M or 4K..64M[:factor] (default {default_sizes} x4)",
+    )
+    ar.add_argument("--repeats", type=int, default=5, help="timed samples per size and impl")
+    ar.add_argument("--iters", type=int, default=0, help="ops per sample (default: auto)")
+    ar.add_argument("--fusion-count", type=int, default=1024, help="tensors in the fusion case")
+    ar.add_argument(
+        "--fusion-size", type=parse_bytes, default=64 << 10, help="bytes per fusion-case tensor"
+    )
+    ar.add_argument(
+        "--fusion-repeats", type=int, default=3, help="samples of the fusion case (0 skips it)"
+    )
+    ar.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ar.add_argument(
+        "--link-mbps", type=float, default=None, help="link rate (Mbit/s) to compare against"
+    )
+    _common(ar)
+
+    tr = sub.add_parser(
+        "train",
+        help="training steps/s: ringtrain DistributedOptimizer vs DDP vs no communication",
+        description=(
+            "Training throughput of ringtrain's DistributedOptimizer, torch DDP and a "
+            "no-communication reference, interleaved in the same processes. Presets: "
+            + "; ".join(f"{p.name}: {p.description}" for p in PRESETS.values())
+        ),
+    )
+    tr.add_argument("--model", default="transformer-25m", choices=list(PRESETS))
+    tr.add_argument("--steps", type=int, default=30, help="timed steps per variant")
+    tr.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
+    tr.add_argument("--block", type=int, default=5, help="steps per variant per turn")
+    tr.add_argument(
+        "--batch-size", type=int, default=None, help="per rank and pass (default: the preset's)"
+    )
+    tr.add_argument(
+        "--compression", default="none", help="none, fp16, bf16 or any registered compressor"
+    )
+    tr.add_argument("--backward-passes-per-step", type=int, default=1)
+    tr.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated subset of {','.join(VARIANTS)}",
+    )
+    tr.add_argument("--lr", type=float, default=1e-4)
+    tr.add_argument("--seed", type=int, default=0)
+    _common(tr)
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    settings: dict[str, Any] = {}
+    if args.fusion_threshold_mb is not None:
+        settings["fusion_threshold_bytes"] = int(args.fusion_threshold_mb * (1 << 20))
+    if args.cycle_time_ms is not None:
+        settings["cycle_time_ms"] = args.cycle_time_ms
+    return settings
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """The command's options, as recorded in the JSON file next to the results."""
+    return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, tuple))}
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.benchmark == "allreduce":
+        if args.repeats < 1:
+            raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
+        params: Any = AllreduceParams(
+            sizes=tuple(args.sizes),
+            repeats=args.repeats,
+            iters=args.iters,
+            fusion_count=args.fusion_count,
+            fusion_each_bytes=args.fusion_size,
+            fusion_repeats=args.fusion_repeats,
+            dtype=args.dtype,
+            link_mbps=args.link_mbps,
+        )
+    else:
+        from ringtrain.compression import resolve
+
+        resolve(args.compression)  # an unknown name fails here, not on every rank
+        params = TrainParams(
+            model=args.model,
+            steps=args.steps,
+            warmup=args.warmup,
+            block=args.block,
+            batch_size=args.batch_size,
+            compression=args.compression,
+            backward_passes_per_step=args.backward_passes_per_step,
+            variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
+            lr=args.lr,
+            seed=args.seed,
+            fusion_threshold_mb=args.fusion_threshold_mb,
+        )
+    result = ranks.run(
+        BENCHMARKS[args.benchmark],
+        params,
+        np=args.np,
+        threads=args.threads,
+        settings=_settings(args),
+        timeout_s=args.timeout,
+    )
+    if result is None:  # not rank 0 of a launched job: rank 0 reports
+        return 0
+    if args.benchmark == "allreduce":
+        print(format_allreduce(result, args.markdown), flush=True)
+        if args.plot:
+            plot_allreduce(result, args.plot)
+    else:
+        print(format_train(result, args.markdown), flush=True)
+        if args.plot:
+            plot_train(result, args.plot)
+    if args.json:
+        save_json(args.json, result, args.benchmark, _options(args))
+    return 0

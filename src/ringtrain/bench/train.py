@@ -1,0 +1,228 @@
+"""Training benchmark: steps/s of ringtrain's DistributedOptimizer vs torch DDP vs no communication.
+
+The three variants train separate copies of the same model (same seed, same synthetic batches) in
+the same processes, interleaved in round-robin blocks of steps after a warm-up, so each sees the
+same machine load: on a shared machine, running them one after the other would compare the
+neighbours' load as much as the code. Every rank starts each block after a barrier, so a variant
+never pays for the skew the previous one left behind.
+
+* ``ringtrain``: ``ringtrain.DistributedOptimizer`` around SGD, with ``--compression`` and
+  ``--backward-passes-per-step`` passed through.
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on the default (Gloo) group, with its
+  fp16/bf16 compression hook when ``--compression`` is fp16/bf16 and ``no_sync()`` for
+  accumulation, i.e. the nearest DDP equivalent of the ringtrain settings.
+* ``nocomm``: the same model and optimizer with no communication at all: the compute floor.
+
+A step is ``backward_passes_per_step`` forward/backward passes and one optimizer step; its time
+on the slowest rank is one sample. The share of a step spent communicating (or waiting for it) is
+``1 - nocomm / variant``. Limits: ringtrain's background controller thread runs for the whole
+benchmark and so costs its (small, idle) share in every variant; synthetic data means input
+loading costs nothing here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ringtrain
+from ringtrain.bench.models import Batch, Preset, count_parameters, get_preset
+from ringtrain.bench.registry import register
+from ringtrain.bench.stats import Summary, load_average, machine_info
+from ringtrain.errors import ConfigError
+
+VARIANTS = ("ringtrain", "ddp", "nocomm")
+# DDP has built-in comm hooks for these; other compressors have no DDP twin.
+_DDP_HOOKS = ("fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class TrainParams:
+    model: str = "transformer-25m"
+    steps: int = 30  # timed steps per variant
+    warmup: int = 3  # untimed steps per variant before the first block
+    block: int = 5  # steps per variant per round-robin turn
+    batch_size: int | None = None  # per rank and backward pass; None = the preset's default
+    compression: str = "none"
+    backward_passes_per_step: int = 1
+    variants: tuple[str, ...] = VARIANTS
+    lr: float = 1e-4
+    seed: int = 0
+    # Recorded for the report; applied through ringtrain.init settings by the caller.
+    fusion_threshold_mb: float | None = None
+
+    def __post_init__(self) -> None:
+        bad = [v for v in self.variants if v not in VARIANTS]
+        if bad or not self.variants:
+            raise ConfigError(
+                f"unknown or empty variants {list(self.variants)}.\n"
+                f"HINT: choose from {', '.join(VARIANTS)}, comma separated."
+            )
+        for name in ("steps", "block", "backward_passes_per_step"):
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.warmup < 0:
+            raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
+
+
+@dataclass
+class VariantResult:
+    variant: str
+    step_time: Summary  # seconds per step, slowest rank
+    steps_per_s: float
+    samples_per_s: float  # over all ranks
+    vs_ddp: float | None = None  # steps/s relative to ddp
+    vs_nocomm: float | None = None  # steps/s relative to nocomm
+    comm_fraction: float | None = None  # 1 - nocomm step time / this step time
+
+
+@dataclass
+class TrainResult:
+    world_size: int
+    params: TrainParams
+    model: str
+    description: str
+    parameters: int
+    gradient_bytes: int
+    batch_size: int
+    samples_per_step: int  # over all ranks
+    ddp_compression: str
+    variants: list[VariantResult] = field(default_factory=list)
+    environment: dict[str, Any] = field(default_factory=dict)
+
+
+class _Variant:
+    def __init__(self, name: str, step: Callable[[], None]) -> None:
+        self.name = name
+        self.step = step
+        self.samples: list[float] = []
+
+
+def _make_variant(
+    name: str, model: nn.Module, preset: Preset, batches: list[Batch], params: TrainParams
+) -> _Variant:
+    k = params.backward_passes_per_step
+    base_opt = torch.optim.SGD(model.parameters(), lr=params.lr)
+    scale = 1.0 / k  # the mean over k micro-batches, as one k-times batch would give
+
+    def passes(net: nn.Module, quiet: Callable[[], Any] = contextlib.nullcontext) -> None:
+        # ``quiet`` wraps every pass but the last (DDP's no_sync): communicate once per step.
+        for i, (x, y) in enumerate(batches):
+            with quiet() if i < k - 1 else contextlib.nullcontext():
+                (preset.loss(net(x), y) * scale).backward()
+
+    if name == "nocomm":
+
+        def step() -> None:
+            passes(model)
+            base_opt.step()
+            base_opt.zero_grad(set_to_none=True)
+
+        return _Variant(name, step)
+    if name == "ringtrain":
+        opt = ringtrain.DistributedOptimizer(
+            base_opt,
+            named_parameters=model.named_parameters(),
+            compression=params.compression,
+            backward_passes_per_step=k,
+        )
+
+        def rt_step() -> None:
+            passes(model)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return _Variant(name, rt_step)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    if params.compression in _DDP_HOOKS:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = getattr(default_hooks, f"{params.compression}_compress_hook")
+        ddp.register_comm_hook(None, hook)
+
+    def ddp_step() -> None:
+        passes(ddp, ddp.no_sync)
+        base_opt.step()
+        base_opt.zero_grad(set_to_none=True)
+
+    return _Variant(name, ddp_step)
+
+
+@register("train")
+def bench_train(params: TrainParams) -> TrainResult:
+    """Runs on every rank after ``ringtrain.init()``; every rank returns the same result."""
+    preset = get_preset(params.model)
+    n = ringtrain.size()
+    machine = machine_info()
+    batch_size = params.batch_size or preset.default_batch_size
+    torch.manual_seed(params.seed)
+    template = preset.build()
+    g = torch.Generator().manual_seed(params.seed + 1000 * ringtrain.rank())
+    batches = [preset.make_batch(batch_size, g) for _ in range(params.backward_passes_per_step)]
+    variants = [
+        _make_variant(v, copy.deepcopy(template), preset, batches, params) for v in params.variants
+    ]
+    nparams = count_parameters(template)
+    grad_bytes = sum(p.numel() * p.element_size() for p in template.parameters())
+    del template
+
+    for v in variants:
+        for _ in range(params.warmup):
+            v.step()
+    rounds = -(-params.steps // params.block)
+    for r in range(rounds):
+        shift = r % len(variants)
+        for v in variants[shift:] + variants[:shift]:
+            todo = min(params.block, params.steps - len(v.samples))
+            dist.barrier()
+            for _ in range(todo):
+                t0 = time.perf_counter()
+                v.step()
+                v.samples.append(time.perf_counter() - t0)
+
+    # The slowest rank's time per step: one small allreduce after all timing is done.
+    flat = torch.tensor([s for v in variants for s in v.samples], dtype=torch.float64)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    per = flat.tolist()
+    samples_per_step = batch_size * params.backward_passes_per_step * n
+    result = TrainResult(
+        n,
+        params,
+        preset.name,
+        preset.description,
+        nparams,
+        grad_bytes,
+        batch_size,
+        samples_per_step,
+        params.compression if params.compression in _DDP_HOOKS else "none",
+        environment=machine,
+    )
+    for i, v in enumerate(variants):
+        s = Summary.of(per[i * params.steps : (i + 1) * params.steps])
+        result.variants.append(
+            VariantResult(v.name, s, 1.0 / s.median, samples_per_step / s.median)
+        )
+    _add_ratios(result.variants)
+    result.environment["load_after"] = load_average()
+    return result
+
+
+def _add_ratios(results: list[VariantResult]) -> None:
+    by_name = {r.variant: r for r in results}
+    ddp, nocomm = by_name.get("ddp"), by_name.get("nocomm")
+    for r in results:
+        if ddp is not None:
+            r.vs_ddp = r.steps_per_s / ddp.steps_per_s
+        if nocomm is not None:
+            r.vs_nocomm = r.steps_per_s / nocomm.steps_per_s
+            r.comm_fraction = 1.0 - nocomm.step_time.median / r.step_time.median

@@ -1,0 +1,121 @@
+"""The benchmarks as CI smoke tests: tiny settings, 2 ranks, structure and sanity, never timings.
+
+Each CLI test runs ``ringtrain bench ...`` in-process (it spawns its own 2 ranks), then reads the
+JSON it saved. The in-place test runs the benchmark the way a launcher would: on ranks that
+already exist (the test world's workers carry the launcher variables).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ringtrain import cli
+from ringtrain.errors import ConfigError
+from ringtrain.testing.spawn import World
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _positive(summary: dict[str, Any]) -> None:
+    assert summary["n"] >= 1
+    assert 0 < summary["min"] <= summary["q1"] <= summary["median"] <= summary["q3"]
+    assert summary["q3"] <= summary["max"]
+
+
+def test_allreduce_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json, out_png = tmp_path / "ar.json", tmp_path / "ar.png"
+    argv = ["bench", "allreduce", "-np", "2", "--sizes", "4K,64K", "--repeats", "2"]
+    argv += ["--fusion-count", "8", "--fusion-size", "4K", "--fusion-repeats", "1"]
+    argv += ["--link-mbps", "1000", "--json", str(out_json), "--plot", str(out_png)]
+    assert cli.main(argv) == 0
+
+    printed = capsys.readouterr().out
+    assert "rt/torch" in printed and "rt/link" in printed and "ringtrain grouped" in printed
+    assert out_png.read_bytes()[:8] == PNG_MAGIC
+    data = json.loads(out_json.read_text())
+    assert data["benchmark"] == "allreduce"
+    res = data["result"]
+    assert res["world_size"] == 2
+    assert res["environment"]["backend"] == "gloo"
+    points = {(p["impl"], p["nbytes"]): p for p in res["sizes"]}
+    assert set(points) == {(i, b) for i in ("ringtrain", "torch") for b in (4096, 65536)}
+    for p in points.values():
+        _positive(p["time"])
+        _positive(p["busbw"])
+        assert p["time"]["n"] == 2 and p["iters"] >= 1
+    cases = {f["case"]: f for f in res["fusion"]}
+    assert set(cases) == {
+        "torch one tensor",
+        "torch separate",
+        "ringtrain one tensor",
+        "ringtrain grouped",
+        "ringtrain async",
+    }
+    for f in cases.values():
+        _positive(f["time"])
+        assert f["nbytes"] == 8 * 4096 and f["vs_one_tensor"] > 0
+    assert cases["torch one tensor"]["vs_one_tensor"] == pytest.approx(1.0)
+    assert cases["ringtrain grouped"]["tensors"] == 8
+
+
+def test_train_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json, out_png = tmp_path / "train.json", tmp_path / "train.png"
+    argv = ["bench", "train", "-np", "2", "--model", "mlp-1m", "--steps", "2", "--warmup", "1"]
+    argv += ["--block", "1", "--batch-size", "8", "--backward-passes-per-step", "2"]
+    argv += ["--json", str(out_json), "--plot", str(out_png)]
+    assert cli.main(argv) == 0
+
+    printed = capsys.readouterr().out
+    assert "comm share" in printed and "nocomm" in printed
+    assert out_png.read_bytes()[:8] == PNG_MAGIC
+    res = json.loads(out_json.read_text())["result"]
+    assert res["world_size"] == 2 and res["model"] == "mlp-1m"
+    assert res["samples_per_step"] == 8 * 2 * 2
+    variants = {v["variant"]: v for v in res["variants"]}
+    assert list(variants) == ["ringtrain", "ddp", "nocomm"]
+    for v in variants.values():
+        _positive(v["step_time"])
+        assert v["step_time"]["n"] == 2
+        assert v["steps_per_s"] == pytest.approx(1 / v["step_time"]["median"])
+        assert v["samples_per_s"] == pytest.approx(res["samples_per_step"] * v["steps_per_s"])
+        assert v["vs_ddp"] > 0 and v["vs_nocomm"] > 0 and v["comm_fraction"] < 1
+    assert variants["ddp"]["vs_ddp"] == pytest.approx(1.0)
+    assert variants["nocomm"]["comm_fraction"] == pytest.approx(0.0)
+
+
+def test_train_cli_rejects_unknown_variant(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "train", "--variants", "ringtrain,horovod"]) == 2
+    assert "horovod" in capsys.readouterr().err
+
+
+def _in_place() -> Any:
+    from ringtrain.bench import ranks
+    from ringtrain.bench.allreduce import AllreduceParams, bench_allreduce
+
+    params = AllreduceParams(sizes=(1024,), repeats=1, fusion_count=2, fusion_repeats=1)
+    return ranks.run(bench_allreduce, params, np=None, threads=None, settings={}, timeout_s=60)
+
+
+def _wrong_np() -> str:
+    from ringtrain.bench import ranks
+    from ringtrain.bench.allreduce import AllreduceParams, bench_allreduce
+
+    try:
+        ranks.run(bench_allreduce, AllreduceParams(), np=7, threads=None, settings={}, timeout_s=1)
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_runs_in_place_under_a_launcher(world2: World) -> None:
+    # The workers carry RINGTRAIN_RANK/SIZE like `ringtrain run` ranks; the benchmark inits itself.
+    results = world2.run(_in_place, init=False, timeout=60)
+    assert results[1] is None  # only rank 0 reports
+    assert results[0].world_size == 2
+    assert {p.impl for p in results[0].sizes} == {"ringtrain", "torch"}
+    errors = world2.run(_wrong_np, init=False, timeout=30)
+    assert all("-np 7" in e and "HINT" in e for e in errors)
