@@ -72,8 +72,18 @@ class Config:
     timeline_filename: str = ""
     # Default gradient compression for DistributedOptimizer, by registered name.
     compression: str = "none"
-    # Hierarchical (2D) allreduce: "auto", "on" or "off".
+    # PowerSGD (compression="powersgd"): rank of the low-rank factors (1 for fine-tuning, 2-4
+    # from scratch) and the number of steps sent uncompressed first.
+    powersgd_rank: int = 2
+    powersgd_start_step: int = 10
+    # Top-k (compression="topk"): share of gradient entries each rank sends per step.
+    topk_ratio: float = 0.01
+    # Hierarchical (2D) allreduce: "auto", "on" or "off". DistributedOptimizer uses it for its
+    # gradient buckets ("auto": when several hosts and some host runs several ranks).
     hierarchical: str = "auto"
+    # DistributedOptimizer: process groups its gradient buckets round-robin over, so that
+    # consecutive buckets can be in flight at once.
+    engine_streams: int = 1
     # Seal every message with AES-256-GCM and authenticate the rendezvous.
     secure: bool = False
     # Path to the job key (e.g. a mounted Kubernetes Secret) when not started by ringtrain run.
@@ -105,6 +115,19 @@ class Config:
             )
         if self.stall_warning_s < 0 or self.stall_shutdown_s < 0:
             raise ConfigError("stall_warning_s and stall_shutdown_s must be >= 0")
+        if self.powersgd_rank < 1 or self.powersgd_start_step < 0:
+            raise ConfigError(
+                f"powersgd_rank must be >= 1 and powersgd_start_step >= 0, got "
+                f"{self.powersgd_rank} and {self.powersgd_start_step}\n"
+                "HINT: rank 1 for fine-tuning, 2-4 for training from scratch."
+            )
+        if not 0.0 < self.topk_ratio <= 1.0:
+            raise ConfigError(
+                f"topk_ratio must be in (0, 1], got {self.topk_ratio}\n"
+                "HINT: 0.01 sends 1% of the gradient entries."
+            )
+        if self.engine_streams < 1:
+            raise ConfigError(f"engine_streams must be >= 1, got {self.engine_streams}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Config:

@@ -11,10 +11,12 @@ from ringtrain.compression.halfprec import (
     FP16Compressor,
     NoneCompressor,
 )
+from ringtrain.compression.policy import AutoCompression
 from ringtrain.compression.powersgd import PowerSGDReducer
 from ringtrain.compression.topk import TopKReducer
 
 __all__ = [
+    "AutoCompression",
     "BF16Compressor",
     "Compression",
     "Compressor",

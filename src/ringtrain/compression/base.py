@@ -91,24 +91,37 @@ def register(name: str, factory: Callable[..., Any]) -> None:
     _REGISTRY[name] = factory
 
 
-def resolve(compression: Any) -> Any:
-    """A compressor object from a name, a class (Horovod style) or an instance."""
+def resolve(compression: Any, config: Any = None) -> Any:
+    """A compressor object from a name, a class (Horovod style) or an instance.
+
+    ``config`` (a :class:`ringtrain.config.Config`): names and classes with a ``from_config``
+    classmethod are built from it (``powersgd_rank``, ``topk_ratio``, ...); an instance is used
+    as it is, so arguments given to it win.
+    """
     if compression is None:
         compression = "none"
     if isinstance(compression, str):
         if compression not in _REGISTRY:
             raise ConfigError(
-                f"unknown compression {compression!r}; known: {', '.join(sorted(_REGISTRY))}"
+                f"unknown compression {compression!r}; known: {', '.join(sorted(_REGISTRY))}\n"
+                "HINT: check RINGTRAIN_COMPRESSION and the compression= argument."
             )
-        return _REGISTRY[compression]()
+        return _build(_REGISTRY[compression], config)
     if isinstance(compression, type):
-        return compression()
+        return _build(compression, config)
     if not isinstance(compression, (Compressor, GradientReducer)):
         raise ConfigError(
             f"compression must be a name or have compress()/decompress() or reduce(), got "
             f"{compression!r}"
         )
     return compression
+
+
+def _build(factory: Callable[..., Any], config: Any) -> Any:
+    from_config = getattr(factory, "from_config", None)
+    if config is not None and callable(from_config):
+        return from_config(config)
+    return factory()
 
 
 def names() -> list[str]:

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from ringtrain.compression.base import Stateless, register
+from ringtrain.compression.powersgd import PowerSGDReducer
+from ringtrain.compression.topk import TopKReducer
 
 
 class FP16Compressor(Stateless):
@@ -44,11 +46,16 @@ class NoneCompressor(Stateless):
 
 
 class Compression:
-    """Horovod's namespace: ``Compression.none``, ``Compression.fp16``, plus ``bf16``."""
+    """Horovod's namespace: ``Compression.none``, ``Compression.fp16``, plus ``bf16``, and the
+    gradient reducers: ``Compression.powersgd`` (settings from Config) or
+    ``Compression.powersgd(matrix_approximation_rank=4)``, likewise ``Compression.topk(ratio=...)``.
+    """
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+    powersgd = PowerSGDReducer
+    topk = TopKReducer
 
 
 register("none", NoneCompressor)

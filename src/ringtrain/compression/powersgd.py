@@ -216,6 +216,13 @@ class PowerSGDReducer:
         self.numel_in = 0  # elements reduced, and elements sent, since construction
         self.numel_sent = 0
 
+    @classmethod
+    def from_config(cls, config: Any) -> PowerSGDReducer:
+        """Built from ``Config.powersgd_rank`` and ``Config.powersgd_start_step``."""
+        return cls(
+            matrix_approximation_rank=config.powersgd_rank, start_iter=config.powersgd_start_step
+        )
+
     # -- planning -------------------------------------------------------------------------------
 
     def plan(self, bucket_key: str, shapes: Sequence[Sequence[int]]) -> None:

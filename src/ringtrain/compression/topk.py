@@ -66,6 +66,11 @@ class TopKReducer:
         self.numel_in = 0
         self.bytes_sent = 0
 
+    @classmethod
+    def from_config(cls, config: Any) -> TopKReducer:
+        """Built from ``Config.topk_ratio``."""
+        return cls(ratio=config.topk_ratio)
+
     def k_for(self, numel: int) -> int:
         """Entries sent for a bucket of ``numel`` (at least one)."""
         return min(numel, max(1, math.ceil(self.ratio * numel)))

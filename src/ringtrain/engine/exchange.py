@@ -20,6 +20,12 @@ largest count) and summed locally; they are never compressed.
 Stateful reducers (PowerSGD, top-k: :class:`ringtrain.compression.base.GradientReducer`) issue
 their own blocking collectives; they run on one worker thread, bucket after bucket in plan
 order, so they overlap backward and keep the same collective order on every rank.
+
+Lanes (:mod:`ringtrain.engine.streams`). Bucket ``i`` travels on lane ``i % len(lanes)``: its
+own process group, so consecutive buckets are in flight at once, and, when the lane has a
+hierarchical allreduce, through that (blocking) algorithm on the lane's worker thread. Every
+lane has at most one worker, which runs its buckets in plan order: per group, the order of
+collectives is the plan's on every rank.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import torch.distributed as dist
 
 from ringtrain.diagnostics import timeline
 from ringtrain.engine.buckets import Bucket, Plan
+from ringtrain.engine.streams import Lane
 from ringtrain.errors import InternalError
 
 _now = time.perf_counter
@@ -93,6 +100,7 @@ class _Slot:
             and _finfo_max(wire_dtype) < _finfo_max(first.dtype)
         )
         self.pre, self.post = scaling.factors(self.narrow)
+        self.lane = 0  # index of the lane this bucket travels on
         self.reset()
 
     def reset(self) -> None:
@@ -101,7 +109,7 @@ class _Slot:
         self.work: Any = None
         self.wire: torch.Tensor | None = None
         self.ctx: Any = None
-        self.t_first = self.t_last = self.t_pack = self.t_sent = 0.0
+        self.t_first = self.t_last = self.t_pack = self.t_sent = self.t_done = 0.0
         self.done: list[float] = []  # completion time, appended by a communication thread
 
 
@@ -154,39 +162,61 @@ class GradientExchange:
         plan: Plan,
         params: Sequence[torch.nn.Parameter],
         names: Sequence[str],
-        group: Any,
+        lanes: Sequence[Lane] | Any,
         compressor: Any,
         scaling: Scaling,
     ) -> None:
         self.plan = plan
         self._params = list(params)
         self._names = list(names)
-        self._group = group
+        if not isinstance(lanes, (list, tuple)):
+            lanes = [Lane(lanes)]  # one process group
+        self._lanes: list[Lane] = list(lanes)
+        self._group = self._lanes[0].group  # sparse gradients travel here
         self._compressor = compressor
         self._reducer = callable(getattr(compressor, "reduce", None))
         self._scaling = scaling
         self._slots = [_Slot(b, self._params, compressor, scaling) for b in plan.buckets]
         self._slot_of = [-1] * len(self._params)
         for s, slot in enumerate(self._slots):
+            slot.lane = s % len(self._lanes)
             for i in slot.bucket.params:
                 self._slot_of[i] = s
         self._next = 0  # first bucket not launched yet
         self._lock = threading.Lock()
         self._sparse_work: list[Any] = []
-        self._worker: _Worker | None = None
+        # Measuring (compression="auto"): note completion times, sum up time on the wire.
+        self.measure = False
+        self.last_comm_s = 0.0
+        self._hierarchical = not self._reducer and any(
+            lane.hierarchical is not None for lane in self._lanes
+        )
+        self._workers: list[_Worker] = []
         if self._reducer:
             plan_fn = getattr(compressor, "plan", None)
             if callable(plan_fn):
                 for b in plan.buckets:
                     plan_fn(b.key, b.shapes)
-            self._worker = _Worker()
-            # An optimizer dropped without remove_hooks() must not leave its thread behind.
-            weakref.finalize(self, self._worker.close)
+        if self._reducer or self._hierarchical:
+            used = min(len(self._lanes), len(self._slots)) or 1
+            self._workers = [_Worker() for _ in range(used)]
+            for worker in self._workers:
+                # An optimizer dropped without remove_hooks() must not leave its thread behind.
+                weakref.finalize(self, worker.close)
+
+    @property
+    def lanes(self) -> int:
+        return len(self._lanes)
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether buckets go through the hierarchical allreduce."""
+        return self._hierarchical
 
     def close(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+        for worker in self._workers:
+            worker.close()
+        self._workers = []
 
     # ---- during backward ----------------------------------------------------------------------
 
@@ -221,8 +251,8 @@ class GradientExchange:
                 self._launch(slot)
                 self._next += 1
         if self.plan.sparse:
-            if self._worker is not None:
-                for slot in self._slots:  # the worker must finish before the main thread
+            if self._workers:
+                for slot in self._slots:  # the workers must finish before the main thread
                     slot.work.result()  # issues more collectives on the group
             self._sparse_work = self._launch_sparse()
 
@@ -234,6 +264,8 @@ class GradientExchange:
                 self._finish(slot, rec)
             if self.plan.sparse:
                 self._finish_sparse()
+            if self.measure:
+                self.last_comm_s = _busy_s([(s.t_sent, s.t_done) for s in self._slots])
         finally:
             self.reset()
 
@@ -254,13 +286,15 @@ class GradientExchange:
             else:
                 view.copy_(g.to_dense() if g.is_sparse else g)
         flat = slot.flat
-        rec = timeline.current()
+        mark = timeline.current().enabled or self.measure
+        lane = self._lanes[slot.lane]
         if self._reducer:
-            assert self._worker is not None
             slot.t_sent = _now()
-            fut = self._worker.submit(self._compressor.reduce, slot.bucket.key, flat, self._group)
+            fut = self._workers[slot.lane].submit(
+                self._compressor.reduce, slot.bucket.key, flat, lane.group
+            )
             slot.work = fut
-            if rec.enabled:
+            if mark:
                 fut.add_done_callback(functools.partial(_mark_done, slot.done))
         else:
             if slot.pre != 1.0:
@@ -268,11 +302,17 @@ class GradientExchange:
             wire, ctx = self._compressor.compress(flat)
             slot.wire, slot.ctx = wire, ctx
             slot.t_sent = _now()
-            work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
-            slot.work = work
-            if rec.enabled:
-                # A fresh list per launch: a late callback cannot leak into the next step.
-                work.get_future().then(functools.partial(_mark_done, slot.done))
+            if lane.hierarchical is not None:
+                fut = self._workers[slot.lane].submit(lane.hierarchical.allreduce, wire, "sum")
+                slot.work = fut
+                if mark:
+                    fut.add_done_callback(functools.partial(_mark_done, slot.done))
+            else:
+                work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=lane.group, async_op=True)
+                slot.work = work
+                if mark:
+                    # A fresh list per launch: a late callback cannot leak into the next step.
+                    work.get_future().then(functools.partial(_mark_done, slot.done))
         slot.launched = True
 
     def _finish(self, slot: _Slot, rec: timeline.NullRecorder) -> None:
@@ -282,17 +322,22 @@ class GradientExchange:
             result = slot.work.result()
             post = self._scaling.reducer_post()
         else:
-            slot.work.wait()
+            if isinstance(slot.work, concurrent.futures.Future):
+                slot.work.result()  # a hierarchical allreduce, on the lane's worker
+            else:
+                slot.work.wait()
             wire = slot.wire
             assert wire is not None
             result = wire if wire is slot.flat else self._compressor.decompress(wire, slot.ctx)
             if slot.narrow and not bool(torch.isfinite(wire).all()):
                 # The 16-bit sum overflowed (or the data holds inf/nan): every rank sees the same
                 # result, so every rank redoes this bucket in full precision here.
-                dist.all_reduce(slot.flat, op=dist.ReduceOp.SUM, group=self._group)
+                group = self._lanes[slot.lane].group
+                dist.all_reduce(slot.flat, op=dist.ReduceOp.SUM, group=group)
                 result = slot.flat
             post = slot.post
         t_wait = _now()
+        slot.t_done = slot.done[0] if slot.done else t_wait
         if post != 1.0:
             result.mul_(post)
         b = slot.bucket
@@ -318,7 +363,10 @@ class GradientExchange:
         rec.span(lane, "FILL", slot.t_first, slot.t_last, args)
         rec.span(lane, "PACK", slot.t_pack, slot.t_sent)
         done = slot.done[0] if slot.done else t_wait
-        rec.span(lane, "ALLREDUCE", slot.t_sent, done, {"wire": _wire_name(slot)})
+        wire = _wire_name(slot)
+        if self._hierarchical:
+            wire += ", hierarchical"
+        rec.span(lane, "ALLREDUCE", slot.t_sent, done, {"wire": wire, "lane": slot.lane})
         rec.span(lane, "UNPACK", max(done, t_wait), t_end)
 
     # ---- sparse gradients ---------------------------------------------------------------------
@@ -370,6 +418,16 @@ class GradientExchange:
             indices = torch.cat([t[:, :n] for t, n in zip(out_i, rows)], dim=1)
             values = torch.cat([t[:n] for t, n in zip(out_v, rows)]) * (pre * post)
             p.grad = torch.sparse_coo_tensor(indices, values, p.shape).coalesce()
+
+
+def _busy_s(spans: Sequence[tuple[float, float]]) -> float:
+    """Seconds during which at least one of ``spans`` (start, end) was open."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 def _mark_done(marks: list[float], _future: Any) -> None:

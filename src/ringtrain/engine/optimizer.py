@@ -10,6 +10,10 @@ The bucket plan is learned in the first step (see :mod:`ringtrain.engine.schedul
 sends everything at ``step()``; later steps overlap backward. The plan is re-learned, on every
 rank alike, when ``requires_grad`` of some parameter changes or a param group is added.
 
+Buckets travel round robin over ``engine_streams`` process groups, hierarchically when
+``hierarchical`` says so (:mod:`ringtrain.engine.streams`); ``compression="auto"`` measures a few
+steps and then picks the compression (:mod:`ringtrain.engine.auto`).
+
 Limits, stated plainly: ``requires_grad`` must change identically on every rank and between
 steps (as with DDP); ``ringtrain.join()`` does not stand in for the gradient exchange of a rank
 that stopped training (use it for explicit collectives only); buckets of CUDA gradients travel
@@ -33,14 +37,19 @@ from typing import Any
 
 import torch
 
+from ringtrain.algorithms.hierarchical import prefer_hierarchical
 from ringtrain.collectives import ops
 from ringtrain.collectives.reduce_ops import resolve_op
 from ringtrain.compression import resolve as resolve_compression
+from ringtrain.compression.policy import AutoCompression, Decision
 from ringtrain.diagnostics import timeline
 from ringtrain.engine import schedule
+from ringtrain.engine.auto import AutoTuner
 from ringtrain.engine.buckets import ORDERS, Plan
 from ringtrain.engine.exchange import GradientExchange, Scaling
+from ringtrain.engine.streams import Lane, LanePool
 from ringtrain.errors import CollectiveArgumentError, ConfigError
+from ringtrain.runtime import state as runtime_state
 from ringtrain.runtime.process_sets import ProcessSet
 
 log = logging.getLogger("ringtrain")
@@ -59,8 +68,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``optimizer.param_groups``. Every rank must pass the same parameters in the same
             order.
         compression: ``Compression.none``, ``Compression.fp16``, ``.bf16``, a registered name
-            (``"powersgd"``, ``"topk"``), or an object with ``compress``/``decompress`` or
-            ``reduce`` (:class:`ringtrain.compression.base.GradientReducer`).
+            (``"powersgd"``, ``"topk"``, whose settings come from the Config: ``powersgd_rank``,
+            ``powersgd_start_step``, ``topk_ratio``), ``"auto"`` (measure, then choose), or an
+            object with ``compress``/``decompress`` or ``reduce``
+            (:class:`ringtrain.compression.base.GradientReducer`), e.g.
+            ``Compression.powersgd(matrix_approximation_rank=4)``.
         backward_passes_per_step: communicate once every this many backward passes; gradients
             accumulate locally in between (as in Horovod, they are summed, not averaged: scale the
             loss by 1/k, or pass ``average_aggregated_gradients=True``, to match a k-times batch).
@@ -72,6 +84,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense: send sparse gradients as dense tensors instead of as (indices, values).
         fusion_threshold_bytes, cycle_time_ms, bucket_order: bucket planning (see
             :mod:`ringtrain.engine.buckets` for the tuning guide).
+        hierarchical: "auto", "on" or "off": reduce buckets hierarchically (within hosts, then
+            across; world process set, plain and 16-bit buckets only).
+        engine_streams: process groups the buckets use round robin (world process set only).
 
     Settings left as None come from :class:`ringtrain.config.Config` (``RINGTRAIN_*``
     variables, which ``ringtrain run`` flags set), then the defaults: arguments win.
@@ -93,6 +108,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         fusion_threshold_bytes: int | None = None,
         cycle_time_ms: float | None = None,
         bucket_order: str | None = None,
+        hierarchical: str | None = None,
+        engine_streams: int | None = None,
     ) -> None:
         # Deliberately no super().__init__(): all optimizer state lives in the wrapped optimizer.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -142,9 +159,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(
                 f"bucket_order must be one of {', '.join(ORDERS)}, got {self._order!r}"
             )
+        self._hierarchical = config.hierarchical if hierarchical is None else hierarchical
+        if self._hierarchical not in ("auto", "on", "off"):
+            raise ConfigError(
+                f"hierarchical must be 'auto', 'on' or 'off', got {self._hierarchical!r}\n"
+                "HINT: 'auto' decides from the placement of the ranks on hosts."
+            )
+        self._streams = config.engine_streams if engine_streams is None else engine_streams
+        if self._streams < 1:
+            raise ConfigError(f"engine_streams must be >= 1, got {self._streams}")
+        self._timeout_s = config.timeout_s
         self._compression = resolve_compression(
-            config.compression if compression is None else compression
+            config.compression if compression is None else compression, config
         )
+        self._tuner: AutoTuner | None = None
+        if (
+            isinstance(self._compression, AutoCompression)
+            and self._size > 1
+            and self._comm.included
+        ):
+            self._tuner = AutoTuner(
+                self._compression, self._comm.group("engine"), self._size, self._comm.set_rank
+            )
+        self._lanes: list[Lane] | None = None
+        self._last_sync_end = 0.0
         self._process_set = process_set
         self.backward_passes_per_step = backward_passes_per_step
         self._average_aggregated = average_aggregated_gradients
@@ -222,6 +260,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         load = getattr(self._compression, "load_state_dict", None)
         if callable(load):
             load(saved["state"])
+        if self._tuner is not None:
+            self._tuner.restored()
+        if self._exchange is not None:
+            self._build_exchange()  # the compressor may have changed (auto)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
@@ -248,6 +290,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def compression(self) -> Any:
         return self._compression
+
+    @property
+    def auto_decision(self) -> Decision | None:
+        """With ``compression="auto"``: the settled decision and its reason (None until then)."""
+        comp = self._compression
+        return comp.decision if isinstance(comp, AutoCompression) and comp.settled else None
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether buckets are reduced hierarchically (known after the first step)."""
+        return self._exchange is not None and self._exchange.hierarchical
+
+    @property
+    def lanes(self) -> int:
+        """Process groups the buckets travel on (known after the first step)."""
+        return len(self._lanes) if self._lanes else 0
 
     # ---- naming and hooks --------------------------------------------------------------------
 
@@ -374,17 +432,51 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
         self._drop_plan()
         self._plan = plan
-        self._exchange = GradientExchange(
-            plan,
-            self._params,
-            self._names,
-            self._comm.group("engine"),
-            self._compression,
-            self._scaling(),
-        )
+        if self._lanes is None:
+            self._lanes = self._make_lanes()
+        self._build_exchange()
         self._register_hooks()
         log.debug("ringtrain bucket plan %s: %s", plan.digest, plan.describe())
         rec.span("step", "PLAN", t0, time.perf_counter(), {"plan": plan.describe()})
+
+    def _compressor(self) -> Any:
+        """The compressor in use: the one given, or what auto currently uses."""
+        comp = self._compression
+        return comp.inner if isinstance(comp, AutoCompression) else comp
+
+    def _build_exchange(self) -> None:
+        assert self._plan is not None and self._lanes is not None
+        if self._exchange is not None:
+            self._exchange.close()
+        self._exchange = GradientExchange(
+            self._plan,
+            self._params,
+            self._names,
+            self._lanes,
+            self._compressor(),
+            self._scaling(),
+        )
+        self._exchange.measure = self._tuner is not None and self._tuner.active
+
+    def _make_lanes(self) -> list[Lane]:
+        """The groups buckets travel on. Collective (it may make groups): called at the first
+        plan, which every rank of the process set reaches alike."""
+        engine = [Lane(self._comm.group("engine"))]
+        if not self._comm.is_world:
+            if self._streams > 1 or self._hierarchical == "on":
+                log.info(
+                    "engine_streams and hierarchical apply to the world process set only; "
+                    "process set %d uses its engine group",
+                    self._comm.set_id,
+                )
+            return engine
+        hosts = runtime_state.current().topology.hosts
+        hier = prefer_hierarchical(hosts, self._hierarchical)
+        if self._streams == 1 and not hier:
+            return engine
+        return LanePool.of(self._comm, self._timeout_s).lanes(
+            self._streams, hosts if hier else None
+        )
 
     def synchronize(self) -> None:
         """Wait for every gradient's reduction; parameters that got no gradient on this rank
@@ -402,9 +494,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         t0 = time.perf_counter()
         if observer is not None:
             observer.wait_started()
+        learning = False
         try:
             if not self._step_open:
                 self._open_step()
+            learning = self._learning
             if self._learning:
                 self._make_plan()
             assert self._exchange is not None
@@ -418,10 +512,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._learner = None
             if self._exchange is not None:
                 self._exchange.reset()
+        t1 = time.perf_counter()
+        if self._tuner is not None and self._tuner.active:
+            self._observe(learning, t0, t1)
         if observer is not None:
             observer.wait_done()
-        rec.span("step", "SYNCHRONIZE", t0, time.perf_counter())
+        rec.span("step", "SYNCHRONIZE", t0, t1)
         self._synchronized = True
+
+    def _observe(self, learning: bool, t0: float, t1: float) -> None:
+        """compression="auto": hand the step's timings to the tuner (collective at a phase's
+        end), and rebuild the exchange when it switched compressors."""
+        assert self._tuner is not None and self._exchange is not None and self._plan is not None
+        previous, self._last_sync_end = self._last_sync_end, t1
+        if learning or previous == 0.0:
+            return  # the learning step sent everything at step(): its timings mean nothing here
+        if self._tuner.observe(t0 - previous, t1 - t0, self._exchange.last_comm_s, self._plan):
+            self._build_exchange()
+        else:
+            self._exchange.measure = self._tuner.active
+        self._last_sync_end = time.perf_counter()  # the decision's own collectives are not compute
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:

@@ -1,0 +1,233 @@
+"""Driving ``compression="auto"`` for one DistributedOptimizer: measure, decide, try, keep.
+
+Phases, counted in steps after the learning step (which sends everything at ``step()`` and so
+says nothing about overlap):
+
+1. **measure** (:data:`MEASURE_STEPS` uncompressed steps, after :data:`WARMUP_STEPS` whose
+   allocations and caches make them slow): per step, the time outside ``synchronize()``
+   (compute), the time inside it (waiting for the exchange) and the time some bucket allreduce
+   was in flight. Then a probe: tiny allreduces (latency) and allreduces of up to
+   :data:`PROBE_BYTES` (throughput), and one allreduce (MAX) of all the figures, so every rank
+   holds the slowest rank's; every rank then calls the pure
+   :func:`ringtrain.compression.policy.choose` on identical numbers and reaches the same decision
+   without a further message.
+2. **try** the chosen method (if not ``none``) for :data:`MEASURE_STEPS` steps, after its own
+   warm-up (PowerSGD's remaining start steps), and keep it only if the slowest rank's median
+   step is :data:`~ringtrain.compression.policy.KEEP_MARGIN` shorter than uncompressed
+   (:func:`~ringtrain.compression.policy.keep`, on MAX-allreduced figures again). Otherwise go
+   back to ``none``: a fast link is never made slower for more than those few steps.
+3. **done**: rank 0 logs the decision and why, once.
+
+All collectives here run on the engine group at the end of ``synchronize()``, after every bucket
+is finished, at the same step on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ringtrain.compression import policy
+from ringtrain.compression.policy import AutoCompression, Decision, Measurement
+from ringtrain.compression.powersgd import make_layout
+from ringtrain.engine.buckets import Plan
+
+log = logging.getLogger("ringtrain")
+
+WARMUP_STEPS = 2
+MEASURE_STEPS = 4
+LATENCY_PROBES = 5
+THROUGHPUT_PROBES = 3
+PROBE_BYTES = 8 << 20
+
+
+class AutoTuner:
+    """The measurement state of one optimizer using :class:`AutoCompression`."""
+
+    def __init__(
+        self,
+        auto: AutoCompression,
+        group: Any,
+        size: int,
+        rank: int,
+        probe: Callable[[int], tuple[float, float]] | None = None,
+    ) -> None:
+        """``probe(grad_bytes) -> (latency_s, bytes_per_s)`` replaces the link probe (tests)."""
+        self.auto = auto
+        self._probe = probe or self._probe_link
+        self._group = group
+        self._size = size
+        self._rank = rank
+        self.phase = "done" if auto.settled else "measure"
+        self._samples: list[tuple[float, float, float]] = []
+        self._skip = WARMUP_STEPS  # steps to let pass before timing
+        self._steps = 0  # steps observed so far
+        self._baseline_s = 0.0
+        self.measurement: Measurement | None = None
+        self.tentative: Decision | None = None
+
+    @property
+    def active(self) -> bool:
+        """Still measuring (the exchange should note completion times)."""
+        return self.phase != "done"
+
+    def restored(self) -> None:
+        """The AutoCompression was loaded from a checkpoint: stop measuring."""
+        if self.auto.settled:
+            self.phase = "done"
+
+    def observe(self, compute_s: float, wait_s: float, comm_s: float, plan: Plan) -> bool:
+        """One finished (non-learning) step. Returns True when the compressor changed, so the
+        caller rebuilds its exchange. Collective at the end of a phase."""
+        self._steps += 1
+        if self.phase == "done":
+            return False
+        if self._skip > 0:
+            self._skip -= 1
+            return False
+        self._samples.append((compute_s, wait_s, comm_s))
+        if len(self._samples) < MEASURE_STEPS:
+            return False
+        samples, self._samples = self._samples, []
+        if self.phase == "measure":
+            return self._decide(samples, plan)
+        return self._confirm(samples)
+
+    # ---- phases --------------------------------------------------------------------------------
+
+    def _decide(self, samples: list[tuple[float, float, float]], plan: Plan) -> bool:
+        _, wait, comm = (statistics.median(col) for col in zip(*samples))
+        step = statistics.median(c + w for c, w, _ in samples)
+        latency, throughput = self._probe(sum(b.nbytes for b in plan.buckets))
+        # Throughput: the slowest rank's is the smallest: MAX of its inverse.
+        step, wait, comm, latency, inverse = self._slowest(
+            [step, wait, comm, latency, 1.0 / throughput]
+        )
+        self.measurement = m = _measurement(
+            plan, self.auto, self._size, step - wait, wait, comm, latency, 1.0 / inverse
+        )
+        self._baseline_s = step
+        decision = policy.choose(m)
+        if decision.compression == "none":
+            self._finish(decision)
+            return False
+        self.tentative = decision
+        overrides: dict[str, Any] = {}
+        self._skip = 1  # the first step after the switch also rebuilds buffers
+        if decision.compression == "powersgd" and self.auto.config is not None:
+            # The measured steps count as PowerSGD's uncompressed start.
+            start = max(0, self.auto.config.powersgd_start_step - self._steps - 1)
+            overrides["powersgd_start_step"] = start
+            self._skip += start
+        self.auto.use(decision.compression, **overrides)
+        self.phase = "try"
+        return True
+
+    def _confirm(self, samples: list[tuple[float, float, float]]) -> bool:
+        (tried,) = self._slowest([statistics.median(c + w for c, w, _ in samples)])
+        decision = self.tentative
+        assert decision is not None
+        verdict = (
+            f" Tried: {tried * 1e3:.1f} ms per step against {self._baseline_s * 1e3:.1f} ms "
+            "uncompressed"
+        )
+        if policy.keep(self._baseline_s, tried):
+            self._finish(
+                Decision(
+                    decision.compression,
+                    decision.backward_passes_per_step,
+                    decision.reason + verdict + ": kept.",
+                    decision.predicted_step_s,
+                )
+            )
+            return False
+        self.auto.use("none")
+        self._finish(
+            Decision(
+                "none",
+                decision.backward_passes_per_step,
+                decision.reason + verdict + f": not {policy.KEEP_MARGIN:.0%} faster, so none.",
+                decision.predicted_step_s,
+            )
+        )
+        return True
+
+    def _finish(self, decision: Decision) -> None:
+        if decision.compression == "none":
+            self.auto.use("none")
+        self.auto.settle(decision)
+        self.phase = "done"
+        if self._rank == 0:
+            log.warning(
+                "ringtrain compression=auto chose %s: %s", decision.compression, decision.reason
+            )
+
+    # ---- collectives -----------------------------------------------------------------------------
+
+    def _probe_link(self, grad_bytes: int) -> tuple[float, float]:
+        """(seconds of a tiny allreduce, bytes per second of a larger one), best of a few."""
+
+        def best(tensor: torch.Tensor, times: int) -> float:
+            fastest = float("inf")
+            for _ in range(times):
+                t0 = time.perf_counter()
+                dist.all_reduce(tensor, group=self._group)
+                fastest = min(fastest, time.perf_counter() - t0)
+            return fastest
+
+        latency = best(torch.zeros(1), LATENCY_PROBES)
+        nbytes = max(64 << 10, min(grad_bytes, PROBE_BYTES))
+        big = best(torch.zeros(nbytes // 4), THROUGHPUT_PROBES)
+        # A link too fast to time gets a floor of 1 ns per byte.
+        return latency, nbytes / max(big - latency, nbytes * 1e-9)
+
+    def _slowest(self, values: list[float]) -> list[float]:
+        """Every rank's values, MAX over ranks: identical on every rank afterwards."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        return [float(v) for v in t.tolist()]
+
+
+def _measurement(
+    plan: Plan,
+    auto: AutoCompression,
+    size: int,
+    compute: float,
+    wait: float,
+    comm: float,
+    latency: float,
+    throughput: float,
+) -> Measurement:
+    """The policy's input: the measured times plus what the plan says about the bytes."""
+    config = auto.config
+    rank = config.powersgd_rank if config is not None else 2
+    ratio = config.topk_ratio if config is not None else 0.01
+    numel = sum(b.numel for b in plan.buckets)
+    nbytes = sum(b.nbytes for b in plan.buckets)
+    wire, collectives = 0, 0
+    for b in plan.buckets:
+        lay = make_layout(b.shapes, b.numel, rank, 2.0)
+        wire += lay.wire_numel
+        collectives += (1 if lay.plain else 0) + (2 if lay.matrices else 0)
+    return Measurement(
+        world_size=size,
+        grad_bytes=nbytes,
+        grad_numel=numel,
+        element_size=nbytes // numel if numel else 4,
+        buckets=len(plan.buckets),
+        compute_s=compute,
+        wait_s=wait,
+        comm_s=comm,
+        latency_s=latency,
+        bytes_per_s=throughput,
+        powersgd_wire_numel=wire,
+        powersgd_collectives=collectives,
+        topk_ratio=ratio,
+        on_cuda=any(b.device.startswith("cuda") for b in plan.buckets),
+    )
