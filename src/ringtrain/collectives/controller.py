@@ -51,13 +51,17 @@ log = logging.getLogger("ringtrain")
 # waits at most this long for peers' controllers to wake up.
 MAX_IDLE_SLEEP_S = 0.01
 # Control messages up to this size travel in one allgather; longer ones take a second round.
-CONTROL_SLOT_BYTES = 2048
+CONTROL_SLOT_BYTES = 8192
+# Requests that ran before travel as a number (Horovod's response cache): a training step's
+# hundreds of named collectives then cost a few bytes each to negotiate, not a pickled Request.
+CACHE_CAPACITY = 8192
 JOIN_NAME = "__join__"
 
 
 @dataclass
 class _Message:
-    requests: list[Request] = field(default_factory=list)
+    # A Request, or the number of one in the request cache, which every rank holds alike.
+    requests: list[Request | int] = field(default_factory=list)
     shutdown: bool = False
     # Set by the set's rank 0 only: every rank aborts with this error.
     abort: str = ""
@@ -85,6 +89,8 @@ class Controller:
         self._closed = False
         self._failure: CollectiveError | SecurityError | None = None
         self._counters: dict[str, int] = {}
+        self._cache: list[Request] = []
+        self._cache_ids: dict[Request, int] = {}
         self._executor = Executor(comm, config)
         self._control = comm.group("control")
         self._thread = threading.Thread(
@@ -188,7 +194,8 @@ class Controller:
         """One negotiation round. Returns True if submitted names still wait for some ranks."""
         with self._lock:
             new, self._new = self._new, []
-            mine = _Message([self._pending[n].request for n in new], self._shutdown)
+            reqs = [self._pending[n].request for n in new]
+            mine = _Message([self._cache_ids.get(r, r) for r in reqs], self._shutdown)
         if self.comm.set_rank == 0:
             mine.abort = self._inspect()
         rec = timeline.current()
@@ -204,7 +211,8 @@ class Controller:
             )
         now = self._clock()
         for set_rank, msg in enumerate(messages):
-            for req in msg.requests:
+            for item in msg.requests:
+                req = self._cache[item] if isinstance(item, int) else item
                 entry = self._table.setdefault(req.name, {})
                 if not entry:
                     self._first_seen[req.name] = now
@@ -262,7 +270,19 @@ class Controller:
                 local.handle.set_error(cls(problem))
             return
         joined = frozenset(self._joined - set(by_rank))
+        self._remember(by_rank)
         self._executor.add(name, by_rank, local, joined, me)
+
+    def _remember(self, by_rank: dict[int, Request]) -> None:
+        """Cache a request every rank made alike. Called in the ready order, which every rank
+        shares, so a number means the same request everywhere."""
+        req = next(iter(by_rank.values()))
+        if req in self._cache_ids or len(self._cache) >= CACHE_CAPACITY:
+            return
+        if req.kind == "join" or any(r != req for r in by_rank.values()):
+            return
+        self._cache_ids[req] = len(self._cache)
+        self._cache.append(req)
 
     def _inspect(self) -> str:
         """Rank 0's time-based decisions: log stall warnings; return an abort message if due."""

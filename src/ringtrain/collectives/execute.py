@@ -9,6 +9,7 @@ which is exact for every dtype and lets ranks exchange tensors of any shape in o
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,6 +39,9 @@ REDUCE_OPS = {
     "Product": dist.ReduceOp.PRODUCT,
 }
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Fused allreduces move in chunks of this size, pipelined with packing and unpacking. Large
+# enough that Gloo's per-op cost (about a millisecond) stays small next to the transfer.
+PIPELINE_CHUNK_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
@@ -75,6 +79,7 @@ class Executor:
         self._batch: list[_Item] = []
         self._batch_key: tuple[Any, ...] | None = None
         self._batch_bytes = 0
+        self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def add(
         self,
@@ -183,30 +188,74 @@ class Executor:
         if not tensors:
             return
         work = [dtypes.to_reducible(t, op) for t in tensors]
-        if len(work) == 1:
-            flat = work[0].reshape(-1).clone()
-        else:
-            flat = torch.cat([w.reshape(-1) for w in work])
-        pre, post = req.prescale, req.postscale
-        average = op == "Average"
-        if average and flat.dtype in _LOW_PRECISION:
-            pre /= n  # divide before summing so 16-bit sums cannot overflow
-        elif (average and flat.is_floating_point()) or (average and flat.is_complex()):
-            post /= n
-        if pre != 1.0:
-            _scale(flat, pre)
-        if self.comm.size > 1:
-            dist.all_reduce(flat, op=REDUCE_OPS[op], group=self.comm.group_for(flat))
-        if average and not (flat.is_floating_point() or flat.is_complex()):
-            flat = torch.div(flat, n, rounding_mode="floor")
-        if post != 1.0:
-            _scale(flat, post)
+        scaling = _Scaling.of(req, n, work[0].dtype)
+        group = self.comm.group_for(work[0])
+        if len(work) == 1 and _reducible_in(outputs[0], work[0]):
+            flat = outputs[0]  # one tensor: reduce in its output, no packing
+            if flat.data_ptr() != work[0].data_ptr():
+                flat.copy_(work[0])
+            scaling.before(flat)
+            if self.comm.size > 1:
+                dist.all_reduce(flat, op=REDUCE_OPS[op], group=group)
+            scaling.after(flat)
+            return
+        # Pack, reduce and unpack in chunks, pipelined: while Gloo moves one chunk, this thread
+        # packs the next and unpacks the previous, so the copies hide behind the transfer.
+        buf = self._fusion_buffer(work[0], sum(w.numel() for w in work))
+        in_flight: collections.deque[tuple[list[int], torch.Tensor, Any]] = collections.deque()
         offset = 0
-        for out, w in zip(outputs, work):
-            k = w.numel()
-            piece = flat[offset : offset + k].view(w.shape)
+        for chunk in _chunks(work, PIPELINE_CHUNK_BYTES):
+            k = sum(work[i].numel() for i in chunk)
+            flat = buf[offset : offset + k]
             offset += k
+            torch.cat([work[i].reshape(-1) for i in chunk], out=flat)
+            scaling.before(flat)
+            pending = None
+            if self.comm.size > 1:
+                pending = dist.all_reduce(flat, op=REDUCE_OPS[op], group=group, async_op=True)
+            in_flight.append((chunk, flat, pending))
+            if len(in_flight) > 1:
+                self._unpack(*in_flight.popleft(), work, outputs, scaling)
+        while in_flight:
+            self._unpack(*in_flight.popleft(), work, outputs, scaling)
+
+    @staticmethod
+    def _unpack(
+        chunk: list[int],
+        flat: torch.Tensor,
+        pending: Any,
+        work: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        scaling: _Scaling,
+    ) -> None:
+        if pending is not None:
+            pending.wait()
+        scaling.after(flat)
+        pieces = torch.split_with_sizes(flat, [work[i].numel() for i in chunk])
+        plain = [i for i in chunk if _reducible_in(outputs[i], work[i])]
+        if len(plain) == len(chunk):  # the common case, in one call: no per-tensor overhead
+            torch._foreach_copy_([outputs[i].view(-1) for i in chunk], list(pieces))
+            return
+        for i, piece in zip(chunk, pieces):
+            out = outputs[i]
+            piece = piece.view(work[i].shape)
             out.copy_(piece.view(torch.uint64) if out.dtype == torch.uint64 else piece)
+
+    def _fusion_buffer(self, like: torch.Tensor, numel: int) -> torch.Tensor:
+        """``numel`` elements of this executor's fusion buffer for ``like``'s dtype and device.
+
+        The buffer lives as long as the executor: a fresh tensor of tens of MiB is a fresh mmap
+        whose page faults cost several times the copy itself (Horovod keeps one for that reason).
+        Safe to reuse: a batch is unpacked into its outputs before the next is packed. A
+        grouped op larger than the fusion threshold gets a buffer of its own, not kept.
+        """
+        key = (like.dtype, like.device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+            if numel * buf.element_size() <= max(self.threshold, 1 << 20):
+                self._buffers[key] = buf
+        return buf[:numel]
 
     # ---- everything else ---------------------------------------------------------------------
 
@@ -383,6 +432,56 @@ def _from_bytes(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) 
     if dtype == torch.bool:
         return flat.view(torch.bool).reshape(shape)
     return flat.view(dtype).reshape(shape)
+
+
+@dataclass(frozen=True)
+class _Scaling:
+    """Scale factors of one fused allreduce, applied before and after the sum."""
+
+    pre: float
+    post: float
+    floor_div: int  # integer Average: floor-divide the sum by this (0: no)
+
+    @classmethod
+    def of(cls, req: Request, contributors: int, dtype: torch.dtype) -> _Scaling:
+        pre, post, floor_div = req.prescale, req.postscale, 0
+        if req.op == "Average":
+            if dtype in _LOW_PRECISION:
+                pre /= contributors  # divide before summing so 16-bit sums cannot overflow
+            elif dtype.is_floating_point or dtype.is_complex:
+                post /= contributors
+            else:
+                floor_div = contributors
+        return cls(pre, post, floor_div)
+
+    def before(self, flat: torch.Tensor) -> None:
+        if self.pre != 1.0:
+            _scale(flat, self.pre)
+
+    def after(self, flat: torch.Tensor) -> None:
+        if self.floor_div:
+            flat.copy_(torch.div(flat, self.floor_div, rounding_mode="floor"))
+        if self.post != 1.0:
+            _scale(flat, self.post)
+
+
+def _chunks(work: list[torch.Tensor], chunk_bytes: int) -> list[list[int]]:
+    """Indices of ``work`` in consecutive runs of about ``chunk_bytes`` (whole tensors)."""
+    chunks: list[list[int]] = [[]]
+    size = 0
+    for i, w in enumerate(work):
+        if chunks[-1] and size >= chunk_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(i)
+        size += w.numel() * w.element_size()
+    return chunks
+
+
+def _reducible_in(out: torch.Tensor, work: torch.Tensor) -> bool:
+    """Whether ``work`` can be reduced in ``out`` itself: same dtype (so no conversion is
+    pending) and one dense block of memory that Gloo can address."""
+    return out.dtype == work.dtype and out.shape == work.shape and out.is_contiguous()
 
 
 def _scale(t: torch.Tensor, factor: float) -> None:

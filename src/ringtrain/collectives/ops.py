@@ -122,31 +122,34 @@ def _allreduce_handle(
 ) -> Handle:
     op_name = resolve_op(op, average)
     comp = resolve_compression(compression)
+    inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors]
     sent, ctxs = [], []
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and comp is not None:
-            c, ctx = comp.compress(t.detach())
+    for d in inputs:
+        if isinstance(d, torch.Tensor):
+            c, ctx = comp.compress(d)
         else:
-            c, ctx = t, None
+            c, ctx = d, None
         sent.append(c)
         ctxs.append(ctx)
-    same = all(s is t for s, t in zip(sent, tensors))
+    # Uncompressed in-place ops reduce in the caller's tensors: no copy, no allocation.
+    same = all(s is d for s, d in zip(sent, inputs))
     if inplace and same:
-        outputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors]
+        outputs = list(inputs)
     else:
         outputs = [torch.empty_like(s) if isinstance(s, torch.Tensor) else s for s in sent]
 
     def finish(result: list[torch.Tensor]) -> Any:
         outs = [comp.decompress(r, ctx) for r, ctx in zip(result, ctxs)]
-        if inplace and not same:
-            for t, o in zip(tensors, outs):
-                t.detach().copy_(o)
+        if inplace:
+            if not same:
+                for t, o in zip(tensors, outs):
+                    t.detach().copy_(o)
             outs = list(tensors)
         return outs if grouped else outs[0]
 
     return _submit(
         "allreduce",
-        [s.detach() if isinstance(s, torch.Tensor) else s for s in sent],
+        sent,
         name,
         process_set,
         finish,

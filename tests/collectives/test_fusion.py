@@ -1,0 +1,74 @@
+"""The fused path: chunked, pipelined packing; reduction in place; cached requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ringtrain as rt
+from ringtrain.collectives import execute
+from ringtrain.testing.spawn import RankFailed, World
+
+
+def _fused_chunks(chunk_bytes: int) -> None:
+    saved, execute.PIPELINE_CHUNK_BYTES = execute.PIPELINE_CHUNK_BYTES, chunk_bytes
+    try:
+        _check_fused()
+    finally:  # the rank processes outlive this test
+        execute.PIPELINE_CHUNK_BYTES = saved
+
+
+def _check_fused() -> None:
+    r, n = rt.rank(), rt.size()
+    shapes = [(7,), (3, 5), (1,), (40,), (2, 2, 2), (129,)] * 5
+    floats = [torch.full(s, float(r + i)) for i, s in enumerate(shapes)]
+    got = rt.grouped_allreduce(floats, op=rt.Average, prescale_factor=2.0, postscale_factor=0.5)
+    for i, (s, g) in enumerate(zip(shapes, got)):
+        torch.testing.assert_close(g, torch.full(s, (n - 1) / 2 + i))
+    ints = [torch.full(s, r + 3 * i, dtype=torch.int32) for i, s in enumerate(shapes)]
+    rt.grouped_allreduce_(ints, op=rt.Average)  # integer Average floors, per chunk
+    for i, t in enumerate(ints):
+        assert t.dtype == torch.int32
+        assert int(t.flatten()[0]) == (sum(range(n)) + 3 * i * n) // n
+    big = [torch.full(s, 2**62 + r, dtype=torch.uint64) for s in shapes]  # no in-place path
+    rt.grouped_allreduce_(big, op=rt.Max)
+    assert all(int(t.flatten()[0]) == 2**62 + n - 1 for t in big)
+
+
+@pytest.mark.parametrize("chunk_bytes", [64, 1 << 20])
+def test_chunked_fusion_is_exact(world: World, chunk_bytes: int) -> None:
+    world.run(_fused_chunks, chunk_bytes)
+
+
+def _in_place_without_copies() -> None:
+    t = torch.full((1000,), float(rt.rank()))
+    before = t.data_ptr()
+    out = rt.allreduce_(t, op=rt.Sum)
+    assert out is t and t.data_ptr() == before
+    torch.testing.assert_close(t, torch.full((1000,), float(sum(range(rt.size())))))
+    x = torch.ones(3)
+    y = rt.allreduce(x, op=rt.Sum)  # out of place: the input is left alone
+    assert y is not x and x.tolist() == [1.0, 1.0, 1.0] and y.tolist() == [rt.size()] * 3
+
+
+def test_single_tensor_is_reduced_where_it_lies(world: World) -> None:
+    world.run(_in_place_without_copies)
+
+
+def _cached_then_changed() -> None:
+    ctl = rt.global_process_set.communicator.service("controller")
+    for _step in range(3):  # the same named ops every step: negotiated by cache number
+        hs = [rt.allreduce_async(torch.ones(4), name=f"grad.{i}", op=rt.Sum) for i in range(5)]
+        for h in hs:
+            assert rt.synchronize(h).tolist() == [rt.size()] * 4
+    assert len(ctl._cache) >= 5
+    # A rank now sends a changed request under a cached name: still caught, on every rank.
+    rt.allreduce(torch.ones(4 + rt.rank()), name="grad.0", op=rt.Sum)
+
+
+def test_cached_requests_still_catch_mismatches(world2: World) -> None:
+    with pytest.raises(RankFailed) as info:
+        world2.run(_cached_then_changed, timeout=60)
+    msg = str(info.value)
+    for r in range(2):
+        assert f"--- rank {r} ---\nCollectiveMismatchError" in msg, msg
