@@ -13,6 +13,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -424,3 +425,29 @@ def test_same_weights_as_torch_ddp(world2: World) -> None:
     for model_name in ("cnn", "transformer"):
         for k in (1, 2):
             world2.run(_ddp_parity, model_name, k, 20, timeout=90)
+
+
+def _predivided(compression: str) -> list[float]:
+    r = rt.rank()
+    w = torch.nn.Parameter(torch.zeros(6))
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD([w], lr=0.0),
+        named_parameters=[("w", w)],
+        compression=compression,
+        gradient_predivide_factor=2.0,
+    )
+    out = []
+    for scale in (1.0, 1e6):  # the second overflows fp16 and is redone in float32
+        opt.zero_grad()
+        (w * torch.arange(1.0, 7.0) * scale * (r + 1)).sum().backward()
+        opt.step()
+        out.append(float(w.grad[5]) / scale)
+    return out
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16", "bf16"])
+def test_predivide_gives_the_average_on_every_wire(world: World, compression: str) -> None:
+    n = world.size
+    for got in world.run(_predivided, compression):
+        for value in got:  # d/dw5 = 6 (r+1), averaged over ranks
+            assert abs(value - 6 * (n + 1) / 2) <= 2e-2 * 6 * (n + 1) / 2, (compression, got)
