@@ -54,6 +54,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.01, help="scaled by the number of ranks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target-accuracy", type=float, default=0.95)
+    parser.add_argument(
+        "--save",
+        default="/tmp/ringtrain-digits.pt",
+        metavar="PATH",
+        help="where rank 0 saves the final weights",
+    )
     args = parser.parse_args()
 
     hvd.init()
@@ -102,9 +108,9 @@ def main() -> None:
     if hvd.rank() == 0:
         print(
             f"ranks: {hvd.size()}  final loss: {mean_loss:.4f}  test accuracy: {accuracy:.2%}  "
-            f"throughput: {throughput:,.0f} samples/s"
+            f"throughput: {throughput:,.0f} samples/s  train time: {elapsed:.2f} s"
         )
-        torch.save(model.state_dict(), "/tmp/ringtrain-digits.pt")
+        torch.save(model.state_dict(), args.save)
     hvd.shutdown()
     if accuracy < args.target_accuracy:
         raise SystemExit(f"accuracy {accuracy:.2%} is below the target {args.target_accuracy:.0%}")
