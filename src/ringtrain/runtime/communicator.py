@@ -36,11 +36,14 @@ class Communicator:
         world_rank: int,
         groups: dict[str, Any],
         is_world: bool,
+        store: Any = None,
     ) -> None:
         self.set_id = set_id
         self.ranks = tuple(ranks)
         self.world_rank = world_rank
         self.is_world = is_world
+        # The job's rendezvous store (None at world size 1): idle controllers wait on it.
+        self.store = store
         self._groups = groups
         self._services: dict[str, Closable] = {}
 
@@ -107,6 +110,7 @@ def create(
     world_size: int,
     timeout_s: float,
     secure: bool = False,
+    store: Any = None,
 ) -> Communicator:
     """Create the groups of a process set. Collective: every world rank calls it in the same order.
 
@@ -129,4 +133,4 @@ def create(
         groups["cuda"] = groups["cpu"]
     elif torch.cuda.is_available() and dist.is_nccl_available():
         groups["cuda"] = dist.new_group(list(ranks), timeout=timeout, backend="nccl")
-    return Communicator(set_id, ranks, world_rank, groups, is_world)
+    return Communicator(set_id, ranks, world_rank, groups, is_world, store)

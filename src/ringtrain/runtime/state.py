@@ -126,6 +126,7 @@ def start(
                 placement.size,
                 config.timeout_s,
                 secure=config.secure,
+                store=store,
             )
             world._bind(WORLD_SET_ID, comm)
             global_process_set._bind(WORLD_SET_ID, comm)
@@ -189,7 +190,13 @@ def add_process_set(ranks: Sequence[int] | ProcessSet) -> ProcessSet:
     set_id = rt.next_set_id
     rt.next_set_id += 1
     comm = communicator.create(
-        set_id, ps.ranks, rt.rank, rt.size, rt.config.timeout_s, secure=rt.config.secure
+        set_id,
+        ps.ranks,
+        rt.rank,
+        rt.size,
+        rt.config.timeout_s,
+        secure=rt.config.secure,
+        store=global_process_set.communicator.store,
     )
     ps._bind(set_id, comm)
     rt.process_sets[set_id] = ps

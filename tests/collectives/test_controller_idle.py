@@ -1,0 +1,53 @@
+"""An idle job costs no CPU: controllers doze on a doorbell and wake for the next collective."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import torch
+
+import ringtrain as rt
+from ringtrain.testing.spawn import World
+
+
+def _cpu_s() -> float:
+    t = psutil.Process(os.getpid()).cpu_times()
+    return float(t.user + t.system)
+
+
+def _idle_then_busy() -> tuple[int, float]:
+    ctl = rt.global_process_set.communicator.service("controller")
+    for episode in range(1, 4):  # several naps: each wakes for the next op, on every rank
+        assert rt.allreduce(torch.ones(3), name="ping", op=rt.Sum).tolist() == [rt.size()] * 3
+        deadline = time.monotonic() + 20
+        while rt.size() > 1 and ctl._naps < episode:
+            assert time.monotonic() < deadline, "the controllers never dozed"
+            time.sleep(0.05)
+    before = _cpu_s()
+    time.sleep(1.0)
+    spent = _cpu_s() - before
+    rt.barrier()  # one rank asks, all wake; shutdown afterwards must not hang either
+    return ctl._naps, spent
+
+
+def test_idle_controllers_doze_and_wake(world: World) -> None:
+    for naps, cpu_s in world.run(_idle_then_busy, timeout=90):
+        if world.size > 1:
+            assert naps >= 3
+        assert cpu_s < 0.1, f"{cpu_s:.3f} s of CPU in 1 s of idling"
+
+
+def _one_rank_wakes_the_others() -> float:
+    time.sleep(1.0)  # every controller dozes
+    if rt.rank() == 0:
+        time.sleep(0.5)  # the others submit first (and ring); rank 0 then must not wait a poll
+    t = time.perf_counter()
+    rt.allreduce(torch.ones(1), name="late")
+    return time.perf_counter() - t
+
+
+def test_a_late_rank_wakes_dozing_peers(world3: World) -> None:
+    times = world3.run(_one_rank_wakes_the_others, timeout=60)
+    assert times[0] < 2.0, times  # rank 0 did not wait for a poll interval or a timeout
