@@ -1,8 +1,9 @@
 """On the wire, secure mode shows none of the data: a loopback packet capture of a two-rank job
 contains a byte pattern planted in tensors and objects in plain mode, and never in secure mode.
 
-Needs tcpdump and root (it captures on every interface, as Gloo may use the host's address); skipped otherwise. The multi-host variant runs
-on the namespace test cluster.
+Needs tcpdump and root (it captures on every interface, as Gloo may use the host's address);
+skipped otherwise. The multi-host variant, through ``ringtrain run --secure``, is
+``tests/cluster/test_secure_capture.py``.
 """
 
 from __future__ import annotations
@@ -10,14 +11,13 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import ringtrain as rt
+from ringtrain.testing.capture import CaptureUnavailable, PacketCapture
 from ringtrain.testing.spawn import World
 
 pytestmark = pytest.mark.skipif(
@@ -36,47 +36,11 @@ def _plant(pattern: bytes) -> bool:
     return True
 
 
-class _Capture:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.proc = subprocess.Popen(
-            [
-                "tcpdump",
-                "-i",
-                "any",
-                "-Z",
-                "root",
-                "-U",
-                "-s",
-                "0",
-                "-B",
-                "65536",
-                "-w",
-                str(path),
-                "tcp",
-            ],
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-        )
-        assert self.proc.stderr is not None
-        said = ""
-        for _ in range(5):  # "listening on any ..." once it captures
-            line = self.proc.stderr.readline().decode()
-            said += line
-            if "listening" in line or not line:
-                break
-        if "listening" not in said:
-            self.stop()
-            pytest.skip(f"tcpdump could not capture: {said.strip()}")
-        time.sleep(1.0)  # "listening" comes a moment before packets do
-
-    def stop(self) -> bytes:
-        time.sleep(2.0)  # let tcpdump drain what the kernel buffered (other jobs add traffic)
-        self.proc.terminate()
-        self.proc.wait(10)
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
-        return self.path.read_bytes() if self.path.exists() else b""
+def _capture(path: Path) -> PacketCapture:
+    try:
+        return PacketCapture(path)  # every interface: Gloo may use the host's address
+    except CaptureUnavailable as e:
+        pytest.skip(str(e))
 
 
 @pytest.mark.timeout(180)
@@ -86,7 +50,7 @@ def test_planted_pattern_is_on_the_wire_only_in_plain_mode(
     world2.run(_plant, secrets.token_bytes(16))  # warm: ranks started, torch imported
     for secure in (False, True):
         pattern = secrets.token_bytes(16)
-        cap = _Capture(tmp_path / f"secure{int(secure)}.pcap")
+        cap = _capture(tmp_path / f"secure{int(secure)}.pcap")
         try:
             world2.run(_plant, pattern, secure=secure, key_file=key_file, timeout=60)
         finally:

@@ -42,10 +42,18 @@ def _collectives() -> dict[str, Any]:
             out[f"allreduce.{dt}.{op}"] = rt.allreduce(_inputs(dt, r), op=op)
         small = (_inputs(dt, r, 5).abs() % 3 + 1).to(dt)
         out[f"product.{dt}"] = rt.allreduce(small, op=rt.Product)
-    # fused: several small tensors in one buffer; one large tensor (several sealed segments)
+    # fused: several small tensors in one buffer (one direct allgather); one large tensor (the
+    # ring, several sealed segments)
     out["grouped"] = rt.grouped_allreduce([_inputs(torch.float32, r, k) for k in (1, 3, 1000)])
     big = torch.randn(700_000, generator=torch.Generator().manual_seed(r))
     out["big"] = rt.allreduce(big, op=rt.Sum)
+    # medium: direct reduce-scatter and allgather rounds, but not a whole-tensor allgather
+    medium = torch.randn(300_000, generator=torch.Generator().manual_seed(10 + r))
+    out["medium"] = rt.allreduce(medium, op=rt.Average)
+    # small exchanges take one direct round, larger ones the ring
+    out["allgather.big"] = rt.allgather(
+        torch.randn(300_000, generator=torch.Generator().manual_seed(r))
+    )
     # uneven allgather: rank r contributes r + 1 rows
     out["allgather"] = rt.allgather(torch.full((r + 1, 3), r, dtype=torch.int16))
     out["allgather.bf16"] = rt.allgather(_inputs(torch.bfloat16, r, 4).reshape(2, 2))
@@ -121,3 +129,20 @@ def _process_set() -> list[float]:
 def test_process_set_sealed(world3: World, key_file: str) -> None:
     got = world3.run(_process_set, secure=True, key_file=key_file)
     assert got == [[1.0, 1.0], [1.0, 1.0], []]
+
+
+def _uneven_all_gather() -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    # Only rank 0's piece is large: every rank must still pick the same algorithm (direct round
+    # or ring), though the bytes each one receives differ.
+    sizes = [300_000] + [1000] * (rt.size() - 1)
+    outs = [torch.empty(k) for k in sizes]
+    dist.all_gather(outs, torch.full((sizes[rt.rank()],), float(rt.rank())))
+    return outs
+
+
+def test_uneven_all_gather_on_the_sealed_group(world3: World, key_file: str) -> None:
+    for outs in world3.run(_uneven_all_gather, secure=True, key_file=key_file, timeout=60):
+        assert [t.numel() for t in outs] == [300_000, 1000, 1000]
+        assert all(torch.equal(t, torch.full_like(t, float(i))) for i, t in enumerate(outs))

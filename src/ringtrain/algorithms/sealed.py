@@ -7,7 +7,7 @@ uint8 tensors), so Gloo only ever sees ciphertext:
   neighbour, opens the chunk from its left one and reduces it into its own), then allgather
   (n-1 steps: each rank seals the chunk it finished *once*, for every member, and the ring
   forwards that blob unchanged; every rank opens it). Each rank sends 2(n-1)/n of the tensor,
-  as a plain ring does; it seals n/n... once per reduce-scatter step plus once, and opens 2(n-1)
+  as a plain ring does; it seals once per reduce-scatter step plus once, and opens 2(n-1)
   times. Every element is reduced by exactly one rank, so results are identical on every rank.
 * **reducescatter**: the ring's first phase, shifted so rank r ends with chunk r.
 * **allgather**: each rank seals its piece once for everyone; the ring forwards the blobs.
@@ -15,9 +15,19 @@ uint8 tensors), so Gloo only ever sees ciphertext:
 * **alltoall**: n-1 pairwise steps, each piece sealed for its one receiver.
 * **barrier**: an allgather of empty messages (authenticated all the same).
 
+Small exchanges, where n-1 times the largest piece is at most :data:`SMALL_EXCHANGE_BYTES` (the
+same decision on every rank), take one direct round instead of n-1 ring steps (either phase
+above): the same bytes sent and received, each piece sealed as often as in the ring. A small
+message's time is its rounds' latency, and each round of a sealed collective is a Python round
+trip (seal, post, wait, open), not a few microseconds of Gloo's C++. A direct reduce-scatter
+sends chunk j straight to the rank that reduces it, which reduces the n copies in rank order.
+An allreduce with ``bytes * (n-1)`` within the limit is one direct allgather of the whole
+tensors, each rank then reducing the n of them in rank order: one round instead of 2(n-1).
+
 Large chunks are cut into segments of :data:`SEGMENT_BYTES`, so sealing one segment overlaps
-sending the previous one. Reductions happen in the tensor's dtype, in ring order: results match
-a plain allreduce exactly at two ranks and up to float rounding beyond.
+sending the previous one. Reductions happen in the tensor's dtype, in ring order (rank order in
+a direct round): results match a plain allreduce exactly at two ranks and up to float rounding
+beyond, and are identical on every rank.
 """
 
 from __future__ import annotations
@@ -34,6 +44,10 @@ from ringtrain.security.sealing import EVERYONE, Session, sealed_size
 
 # Sealing runs in this thread while Gloo's threads move the previous segment.
 SEGMENT_BYTES = 1 << 20
+# Exchanges where n-1 times the largest piece is at most this many bytes go in one direct round
+# (every piece straight to every member) instead of a ring; allreduces that small are an
+# allgather of the whole tensors, reduced locally.
+SMALL_EXCHANGE_BYTES = 1 << 20
 
 _Reduce = Callable[[torch.Tensor, torch.Tensor], Any]
 
@@ -130,13 +144,27 @@ class Link:
             return
         reduce, divide = _reducer(op)
         flat = t.reshape(-1)
-        bounds = [flat.numel() * i // n for i in range(n + 1)]
-        chunks = [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
-        self._reduce_scatter(chunks, reduce, offset=0, kind=sealing.ALLREDUCE)
-        # Rank r now holds the result of chunk r+1; share the finished chunks around the ring.
-        self._ring_allgather(chunks, first=(r + 1) % n, origin=lambda c: (c - 1) % n)
+        if _nbytes(flat) * (n - 1) <= SMALL_EXCHANGE_BYTES:
+            self._allreduce_by_allgather(flat, reduce)
+        else:
+            bounds = [flat.numel() * i // n for i in range(n + 1)]
+            chunks = [flat[bounds[i] : bounds[i + 1]] for i in range(n)]
+            self._reduce_scatter(chunks, reduce, offset=0, kind=sealing.ALLREDUCE)
+            # Rank r now holds the result of chunk r+1; share the finished chunks in the ring.
+            self._allgather(chunks, first=(r + 1) % n, origin=lambda c: (c - 1) % n)
         if divide:
             _divide(flat, n)
+
+    def _allreduce_by_allgather(self, flat: torch.Tensor, reduce: _Reduce) -> None:
+        """Every rank's whole tensor to everyone, then the same reduction, in rank order, on
+        every rank (for small tensors: see :data:`SMALL_EXCHANGE_BYTES`)."""
+        pieces = [flat if i == self.rank else torch.empty_like(flat) for i in range(self.size)]
+        self._allgather(pieces, first=self.rank, origin=lambda c: c, kind=sealing.ALLREDUCE)
+        acc = pieces[0]  # rank 0's piece: ``flat`` itself on rank 0, a received copy elsewhere
+        for piece in pieces[1:]:
+            reduce(acc, piece)
+        if acc is not flat:
+            flat.copy_(acc)
 
     def reducescatter(self, out: torch.Tensor, inp: torch.Tensor, op: Any) -> None:
         """``out`` (rank r) = reduction of chunk r of every rank's ``inp`` (n equal chunks)."""
@@ -157,7 +185,7 @@ class Link:
         r = self.rank
         outs[r].reshape(-1).copy_(inp.reshape(-1))
         if self.size > 1:
-            self._ring_allgather(list(outs), first=r, origin=lambda c: c)
+            self._allgather(list(outs), first=r, origin=lambda c: c)
 
     def broadcast(self, t: torch.Tensor, root: int) -> None:
         """Every rank's ``t`` = the root's."""
@@ -189,7 +217,7 @@ class Link:
     def barrier(self) -> None:
         empty = [torch.empty(0, dtype=torch.uint8) for _ in range(self.size)]
         if self.size > 1:
-            self._ring_allgather(empty, first=self.rank, origin=lambda c: c, kind=sealing.BARRIER)
+            self._allgather(empty, first=self.rank, origin=lambda c: c, kind=sealing.BARRIER)
 
     def send(self, t: torch.Tensor, peer: int) -> None:
         self.post([(peer, self.seal(peer, sealing.P2P, t.contiguous()))], [])
@@ -201,6 +229,41 @@ class Link:
     # ---- ring phases -------------------------------------------------------------------------
 
     def _reduce_scatter(
+        self, chunks: list[torch.Tensor], reduce: _Reduce, offset: int, kind: int
+    ) -> None:
+        """Afterwards rank r holds the full reduction of chunk (r + 1 + offset): in one direct
+        round when chunks are small, else around the ring."""
+        mine = (self.rank + 1 + offset) % self.size
+        if _small(chunks):
+            self._direct_reduce_scatter(chunks, reduce, mine, offset, kind)
+        else:
+            self._ring_reduce_scatter(chunks, reduce, offset, kind)
+
+    def _direct_reduce_scatter(
+        self, chunks: list[torch.Tensor], reduce: _Reduce, mine: int, offset: int, kind: int
+    ) -> None:
+        """One round: chunk j, sealed for its reducer alone, goes straight to the rank that ends
+        with it; each rank reduces the n copies of its chunk in rank order."""
+        n, r = self.size, self.rank
+        sends = [
+            (owner, self.seal(owner, kind, chunks[j]))
+            for j in range(n)
+            if (owner := (j - 1 - offset) % n) != r
+        ]
+        peers = [p for p in range(n) if p != r]
+        target = chunks[mine]
+        got = self.post(sends, [(p, _wire(target)) for p in peers])
+        copies = {r: target}
+        for p, blob in zip(peers, got):
+            copies[p] = torch.empty_like(target)
+            self.open(p, kind, blob, copies[p])
+        acc = copies[0]  # reduced in rank order: ``target`` itself on rank 0, a copy elsewhere
+        for p in range(1, n):
+            reduce(acc, copies[p])
+        if acc is not target:
+            target.copy_(acc)
+
+    def _ring_reduce_scatter(
         self, chunks: list[torch.Tensor], reduce: _Reduce, offset: int, kind: int
     ) -> None:
         """n-1 steps; afterwards rank r holds the full reduction of chunk (r + 1 + offset).
@@ -235,6 +298,34 @@ class Link:
         (got,) = self.finish(posted)
         self.open(left, kind, got, incoming)
         reduce(target, incoming)
+
+    def _allgather(
+        self,
+        pieces: list[torch.Tensor],
+        first: int,
+        origin: Callable[[int], int],
+        kind: int = sealing.ALLGATHER,
+    ) -> None:
+        """Rank r holds ``pieces[first]``, sent by rank ``origin(i)`` for piece i; afterwards it
+        holds every piece: in one direct round when they are small, else around the ring."""
+        if _small(pieces):
+            self._direct_allgather(pieces, first, origin, kind)
+        else:
+            self._ring_allgather(pieces, first, origin, kind)
+
+    def _direct_allgather(
+        self, pieces: list[torch.Tensor], first: int, origin: Callable[[int], int], kind: int
+    ) -> None:
+        """One round: this rank's piece, sealed once, goes to every member at once."""
+        r = self.rank
+        blob = self.seal(EVERYONE, kind, pieces[first].reshape(-1))
+        others = [i for i in range(len(pieces)) if i != first]
+        got = self.post(
+            [(p, blob) for p in range(self.size) if p != r],
+            [(origin(i), _wire(pieces[i])) for i in others],
+        )
+        for i, g in zip(others, got):
+            self.open(origin(i), kind, g, pieces[i].reshape(-1), to_all=True)
 
     def _ring_allgather(
         self,
@@ -271,8 +362,19 @@ class Link:
                 blobs.append(got)
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def _wire(t: torch.Tensor) -> int:
-    return sealed_size(t.numel() * t.element_size())
+    return sealed_size(_nbytes(t))
+
+
+def _small(pieces: Sequence[torch.Tensor]) -> bool:
+    """Whether an exchange of ``pieces`` takes one direct round. Decided from the largest piece,
+    so every rank decides the same, whichever piece it holds."""
+    largest = max(_nbytes(p) for p in pieces)
+    return largest * (len(pieces) - 1) <= SMALL_EXCHANGE_BYTES
 
 
 def _segment_count(chunks: Sequence[torch.Tensor]) -> int:
