@@ -268,7 +268,7 @@ class HierarchicalAllreduce:
         # 3. allgather within the host.
         if local is not None:
             gathered = torch.empty(s * width, dtype=flat.dtype, device=flat.device)
-            dist.all_gather_into_tensor(gathered, mine, group=local)
+            dist.all_gather_single(gathered, mine, group=local)
             rows = gathered.view(s, width)
             for j in range(s):
                 a, b = numel * j // s, numel * (j + 1) // s

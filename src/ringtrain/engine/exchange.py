@@ -413,7 +413,7 @@ class GradientExchange:
             local.append((indices, values))
         counts = torch.tensor([v.shape[0] for _, v in local], dtype=torch.int64)
         every = torch.empty(size * counts.numel(), dtype=torch.int64)
-        dist.all_gather_into_tensor(every, counts, group=self._group)
+        dist.all_gather_single(every, counts, group=self._group)
         table = every.view(size, -1)
         works = []
         for j, (indices, values) in enumerate(local):

@@ -91,7 +91,7 @@ def agree_plan(
     n = len(specs)
     if size > 1:
         counts = torch.empty(size, dtype=torch.int64)
-        dist.all_gather_into_tensor(counts, torch.tensor([n], dtype=torch.int64), group=group)
+        dist.all_gather_single(counts, torch.tensor([n], dtype=torch.int64), group=group)
         if len(set(counts.tolist())) != 1:
             raise ConfigError(
                 f"the optimizer holds {counts.tolist()} parameters on ranks 0..{size - 1}.\n"
@@ -99,7 +99,7 @@ def agree_plan(
             )
         mine = torch.tensor(local.encode(), dtype=torch.int64)
         gathered = torch.empty(size * mine.numel(), dtype=torch.int64)
-        dist.all_gather_into_tensor(gathered, mine, group=group)
+        dist.all_gather_single(gathered, mine, group=group)
         rows = gathered.view(size, -1).tolist()
         observed = [Observation.decode(row, n) for row in rows]
     else:
