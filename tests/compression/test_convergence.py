@@ -129,6 +129,7 @@ def _digits(
 def test_digits_every_method_within_tolerance(world2: World) -> None:
     results = world2.run(_digits, list(METHODS), DIGITS_STEPS, 16, env=ONE_HOST, timeout=120)[0]
     report = ", ".join(f"{m}: loss {lo:.4f} acc {a:.3f}" for m, (lo, a, _) in results.items())
+    print(f"digits, {DIGITS_STEPS} steps: {report}")  # pytest -s shows the measured figures
     exact_loss, exact_acc, _ = results["none"]
     assert exact_acc > 0.9, report  # the task itself is learnt
     for method, (loss, acc, same) in results.items():
@@ -211,6 +212,7 @@ def test_transformer_lm_every_method_within_tolerance(world2: World) -> None:
     report = ", ".join(f"{m}: loss {lo:.4f}" for m, (lo, _, _) in results.items())
     exact, _, _ = results["none"]
     floor = _entropy_floor()
+    print(f"lm, {LM_STEPS} steps: {report}; floor {floor:.4f}")
     uniform = float(torch.log(torch.tensor(float(VOCAB))))
     # The task is learnt: most of the way from guessing (log 16) to the chain's entropy.
     assert exact < floor + 0.25 * (uniform - floor), f"{report}; floor {floor:.4f}"

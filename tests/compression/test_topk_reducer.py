@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.compression import base
-from ringtrain.compression.topk import TopKReducer
+from ringtrain.compression.topk import SAMPLE_ABOVE, TopKReducer, top_indices
 from ringtrain.errors import CollectiveArgumentError, ConfigError
 from ringtrain.testing.spawn import World
 
@@ -65,18 +65,19 @@ def test_ratio_one_equals_exact_average(world: World) -> None:
     world.run(_ratio_one_is_exact)
 
 
-def _mean_of_each_ranks_top_k() -> None:
+def _mean_of_each_ranks_top_k(numel: int, ratio: float) -> None:
     g = _group()
-    red = TopKReducer(ratio=0.1)
+    red = TopKReducer(ratio=ratio)
     world = dist.get_world_size(g)
-    flat = _bucket(500, 0)
+    flat = _bucket(numel, 0)
     out = red.reduce("b", flat, g)
-    # Reference: every rank's own top-50 by magnitude, averaged densely.
+    # Reference: every rank's own top-k by magnitude (torch.topk), averaged densely.
+    k = red.k_for(numel)
     mine = torch.zeros_like(flat)
-    idx = flat.abs().topk(50).indices
+    idx = flat.abs().topk(k).indices
     mine[idx] = flat[idx]
     torch.testing.assert_close(out, _mean(mine, g))
-    assert int((out != 0).sum()) <= 50 * world
+    assert int((out != 0).sum()) <= k * world
     # The residual is exactly what was not sent.
     residual = red.state_dict()["residuals"]["b"]
     torch.testing.assert_close(residual, flat - mine)
@@ -85,8 +86,31 @@ def _mean_of_each_ranks_top_k() -> None:
     assert all(torch.equal(o, out) for o in gathered), "ranks disagree on the result"
 
 
-def test_result_is_mean_of_each_ranks_top_k(world: World) -> None:
-    world.run(_mean_of_each_ranks_top_k)
+# 500 entries take torch.topk; 100,000 at 1% the sampled threshold (top_indices).
+@pytest.mark.parametrize(("numel", "ratio"), [(500, 0.1), (100_000, 0.01)])
+def test_result_is_mean_of_each_ranks_top_k(world: World, numel: int, ratio: float) -> None:
+    world.run(_mean_of_each_ranks_top_k, numel, ratio)
+
+
+def test_sampled_selection_is_the_exact_top_k() -> None:
+    gen = torch.Generator().manual_seed(1)
+    n = 4 * SAMPLE_ABOVE
+    for trial in range(5):
+        values = torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 3
+        for k in (1, n // 1000, n // 100, n // 20):
+            got = top_indices(values, k, gen)
+            want = values.abs().topk(k).indices
+            assert got.numel() == k and set(got.tolist()) == set(want.tolist()), (trial, k)
+    # Mostly zeros: the threshold is 0, every entry is a candidate, the nonzeros all win.
+    sparse = torch.zeros(n)
+    spots = torch.arange(0, n, n // 64)
+    sparse[spots] = torch.arange(1.0, 65.0)
+    got = top_indices(sparse, 100, gen)
+    assert got.numel() == 100 and set(spots.tolist()) <= set(got.tolist())
+    # Large ratios go to torch.topk directly.
+    assert set(top_indices(values, n // 2, gen).tolist()) == set(
+        values.abs().topk(n // 2).indices.tolist()
+    )
 
 
 def _run(red: TopKReducer, steps: range, g: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

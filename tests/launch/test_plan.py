@@ -57,6 +57,28 @@ def test_plan_is_host_major_with_horovod_numbering() -> None:
     assert describe(specs) == "8 ranks: a ranks 0-3, b ranks 4-6, c rank 7"
 
 
+def test_round_robin_deals_ranks_out_one_per_host() -> None:
+    hosts = [Host("a", 4), Host("b", 3), Host("c", 1)]
+    specs = plan(8, hosts, ["x"], placement="round-robin")
+    assert [s.host for s in specs] == ["a", "b", "c", "a", "b", "a", "b", "a"]
+    assert [(s.local_rank, s.local_size) for s in specs][:4] == [(0, 4), (0, 3), (0, 1), (1, 4)]
+    cross = {s.rank: (s.cross_rank, s.cross_size) for s in specs}
+    assert cross[0] == (0, 3) and cross[1] == (1, 3) and cross[2] == (2, 3)
+    assert cross[3] == (0, 2) and cross[4] == (1, 2) and cross[7] == (0, 1)
+    assert describe(specs) == "8 ranks: a ranks 0,3,5,7, b ranks 1,4,6, c rank 2"
+    # The same hosts and slots as host-major, only the rank order differs.
+    major = plan(8, hosts, ["x"])
+    assert sorted(s.host for s in specs) == sorted(s.host for s in major)
+    assert [s.host for s in plan(3, [Host("a", 2), Host("b", 2)], ["x"], "round-robin")] == [
+        "a",
+        "b",
+        "a",
+    ]
+    with pytest.raises(LaunchError, match="placement"):
+        plan(2, hosts, ["x"], placement="scatter")
+    assert _options("--placement", "round-robin", "-H", "a:2,b:2", "x").placement == "round-robin"
+
+
 def test_plan_drops_unused_hosts_and_refuses_too_many_ranks() -> None:
     assert {s.host for s in plan(2, [Host("a", 2), Host("b", 2)], ["x"])} == {"a"}
     with pytest.raises(LaunchError, match=r"-np 5 needs 5 slots but the hosts offer 4"):

@@ -4,12 +4,13 @@ A gradient matrix M (n x m) is sent as two thin factors: P = M Q (n x r) and Q =
 one step of power iteration per training step. Every rank sends (n + m) * r numbers instead of
 n * m, so a 4096 x 4096 layer at rank 4 travels ~500x smaller. The reduction of one bucket is:
 
-1. allreduce of the tensors that are not worth compressing (1-D, small, or below
-   ``min_compression_rate``), averaged exactly;
-2. P = M Q on every rank, allreduce(P), orthogonalize it (P^);
-3. Q = M^T P^ on every rank, allreduce(Q) / world size; the bucket's average is P^ Q^T.
+1. P = M Q on every rank; one allreduce carries P and, next to it, the tensors that are not
+   worth compressing (1-D, small, or below ``min_compression_rate``), which are thereby
+   averaged exactly; then P is orthogonalized (P^);
+2. Q = M^T P^ on every rank, allreduce(Q) / world size; the bucket's average is P^ Q^T.
 
-The three collectives are issued synchronously, in this order, for every bucket, on every rank.
+The two collectives are issued in this order, for every bucket, on every rank (a bucket with
+nothing to factorize has only the first, with its plain tensors).
 That is the whole difference from DDP's stock hook, whose second and third allreduces are
 chained on completion callbacks and so can interleave differently across ranks when a step has
 more than one bucket (Gloo then fails with "Received data size doesn't match expected size").
@@ -253,7 +254,8 @@ class PowerSGDReducer:
         if saved is not None and saved.get("signature") == _plain(signature):
             st.calls = int(saved["calls"])
             if saved.get("error") is not None:
-                st.error = saved["error"].to(flat.device)
+                # A copy: the error is updated in place, the caller's state must not change.
+                st.error = saved["error"].to(flat.device, copy=True)
             st.qs = [q.to(flat.device) for q in saved.get("qs", [])]
         elif saved is not None:
             log.warning("PowerSGD: saved state of bucket %r does not match its layout; reset", key)
@@ -287,67 +289,116 @@ class PowerSGDReducer:
             return out.div_(world)
         lay = st.layout
         self.numel_sent += lay.wire_numel
+        numel = lay.numel
         work_dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
-        x = torch.zeros(lay.padded, dtype=work_dtype, device=flat.device)
-        x[: lay.numel] = flat.detach()
-        if self.error_feedback and st.error is not None:
-            x += st.error
-        out = torch.zeros_like(x)
+        # x: the bucket plus the error carried over. It turns into this step's error in place,
+        # so the result is the only bucket-sized buffer a step allocates (CPU allocations of
+        # that size come back as fresh pages, whose first touch costs as much as a copy).
+        x = st.error if self.error_feedback else None
+        st.error = None  # rewritten below; never half-updated under the old name
+        if x is None:
+            x = torch.zeros(lay.padded, dtype=work_dtype, device=flat.device)
+            x[:numel] = flat.detach()
+        else:
+            x = x.to(work_dtype)
+            x[:numel] += flat.detach()
+        out = torch.empty(lay.padded, dtype=work_dtype, device=flat.device)
 
-        # 1. tensors sent whole; 16-bit buckets are divided before the cast so the sum fits.
+        # Tensors sent whole travel in the first allreduce, ahead of P: one collective less
+        # per bucket. They are divided by the world size first and summed in the work dtype,
+        # so 16-bit buckets cannot overflow in the sum.
+        first = torch.empty(lay.plain_numel + lay.p_numel, dtype=work_dtype, device=flat.device)
         if lay.plain:
-            plain = torch.cat([x[o : o + n] for o, n in lay.plain]).div_(world).to(flat.dtype)
-            dist.all_reduce(plain, group=group)
-            pos = 0
-            for o, n in lay.plain:
-                out[o : o + n] = plain[pos : pos + n]
-                pos += n
-        if not lay.matrices:
-            return out[: lay.numel].to(flat.dtype)
+            plain = first[: lay.plain_numel]
+            torch.cat([x[o : o + n] for o, n in lay.plain], out=plain).div_(world)
+        if lay.matrices:
+            self._reduce_matrices(bucket_key, st, lay, x, out, first, world, group)
+        else:
+            dist.all_reduce(first, group=group)
+        pos = 0
+        for o, n in lay.plain:
+            out[o : o + n] = first[pos : pos + n]
+            pos += n
+        return out[:numel].to(flat.dtype)
 
-        ms = [_batch(x, g) for g in lay.matrices]
-        qs = self._initial_qs(bucket_key, st, lay, x)
+    def _reduce_matrices(
+        self,
+        key: str,
+        st: _BucketState,
+        lay: Layout,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        first: torch.Tensor,
+        world: int,
+        group: Any,
+    ) -> None:
+        """Both steps for the bucket's matrices; writes their averages into ``out``. P goes
+        into ``first`` behind the plain tensors already there, and is allreduced with them.
 
-        # 2. P = M Q, summed over ranks, orthogonalized (its scale does not matter).
-        p_flat = torch.cat([torch.bmm(m, q).reshape(-1) for m, q in zip(ms, qs, strict=True)])
-        dist.all_reduce(p_flat, group=group)
-        ps = _split(p_flat, [(len(g.offsets), g.rows, g.rank) for g in lay.matrices])
+        Q is held transposed, (b, r, m) row-major: BLAS computes M Q several times faster as
+        M (Q^T)^T than with a column-thin Q, and Q^T = P^T M likewise. Each matrix is a view of
+        ``x``, used where it lies: nothing is stacked or copied out.
+        """
+        ms = [[_matrix(x, g, o) for o in g.offsets] for g in lay.matrices]
+        qts = self._initial_qts(key, st, lay, x)
+
+        # 1. P = M Q, summed over ranks, orthogonalized (its scale does not matter).
+        ps = _split(
+            first[lay.plain_numel :], [(len(g.offsets), g.rows, g.rank) for g in lay.matrices]
+        )
+        for mats, p, qt in zip(ms, ps, qts, strict=True):
+            for j, m in enumerate(mats):
+                torch.mm(m, qt[j].t(), out=p[j])
+        dist.all_reduce(first, group=group)
         for p in ps:
             orthogonalize(p, self.epsilon)
 
-        # 3. Q = M^T P^, averaged; result P^ Q^T. Local error uses the local Q (paper, Alg. 2).
-        local_qs = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(ms, ps, strict=True)]
+        # 2. Q = M^T P^, averaged; result P^ Q^T. Local error uses the local Q (paper, Alg. 2).
+        q_flat = torch.empty(lay.q_numel, dtype=x.dtype, device=x.device)
+        local = _split(q_flat, [(len(g.offsets), g.rank, g.cols) for g in lay.matrices])
+        for mats, p, qt in zip(ms, ps, local, strict=True):
+            for j, m in enumerate(mats):
+                torch.mm(p[j].t(), m, out=qt[j])
+        q_sum = q_flat.clone() if self.error_feedback else q_flat
+        q_work = dist.all_reduce(q_sum, group=group, async_op=True)
         if self.error_feedback:
-            err = x.clone()
-            for g, m, p, q in zip(lay.matrices, ms, ps, local_qs, strict=True):
-                _unbatch(err, g, m - torch.bmm(p, q.transpose(1, 2)))
+            # While Q travels: x becomes e = M - P^ (M^T P^)^T, in place; plain ranges were
+            # sent exactly, so nothing carries over there.
+            for mats, p, qt in zip(ms, ps, local, strict=True):
+                for j, m in enumerate(mats):
+                    m.addmm_(p[j], qt[j], alpha=-1.0)
             for o, n in lay.plain:
-                err[o : o + n] = 0  # sent exactly: nothing to carry over
-            st.error = err
-        q_flat = torch.cat([q.reshape(-1) for q in local_qs])
-        dist.all_reduce(q_flat, group=group)
-        q_flat /= world
-        avg_qs = _split(q_flat, [(len(g.offsets), g.cols, g.rank) for g in lay.matrices])
-        for g, p, q in zip(lay.matrices, ps, avg_qs, strict=True):
-            _unbatch(out, g, torch.bmm(p, q.transpose(1, 2)))
-        st.qs = [q.clone() for q in avg_qs] if self.warm_start else []
-        return out[: lay.numel].to(flat.dtype)
+                x[o : o + n] = 0
+            st.error = x
+        q_work.wait()
+        q_sum /= world
+        avg = _split(q_sum, [(len(g.offsets), g.rank, g.cols) for g in lay.matrices])
+        for g, p, qt in zip(lay.matrices, ps, avg, strict=True):
+            for j, o in enumerate(g.offsets):
+                torch.mm(p[j], qt[j], out=_matrix(out, g, o))
+        # Kept as (b, m, r) views, the shape state_dict() has always saved.
+        st.qs = [qt.transpose(1, 2) for qt in avg] if self.warm_start else []
 
-    def _initial_qs(
+    def _initial_qts(
         self, key: str, st: _BucketState, lay: Layout, x: torch.Tensor
     ) -> list[torch.Tensor]:
+        """Each group's starting Q^T, (b, r, m) contiguous: last step's Q or a seeded one."""
         shapes = [(len(g.offsets), g.cols, g.rank) for g in lay.matrices]
         if self.warm_start and [tuple(q.shape) for q in st.qs] == shapes:
-            return [orthogonalize(q.clone(), self.epsilon) for q in st.qs]
-        # Same numbers on every rank without communication: seeded by (seed, bucket, call).
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(
-            (self.seed * 1_000_003 + zlib.crc32(key.encode()) * 7919 + st.calls) % (2**63)
-        )
-        return [
-            orthogonalize(torch.randn(s, generator=gen, dtype=x.dtype).to(x.device), self.epsilon)
-            for s in shapes
-        ]
+            qs = [orthogonalize(q.to(x.dtype, copy=True), self.epsilon) for q in st.qs]
+        else:
+            # Same numbers on every rank without communication: seeded by (seed, bucket, call).
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(
+                (self.seed * 1_000_003 + zlib.crc32(key.encode()) * 7919 + st.calls) % (2**63)
+            )
+            qs = [
+                orthogonalize(
+                    torch.randn(s, generator=gen, dtype=x.dtype).to(x.device), self.epsilon
+                )
+                for s in shapes
+            ]
+        return [q.transpose(1, 2).contiguous() for q in qs]
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -386,15 +437,9 @@ def _plain(signature: Any) -> Any:
     return [numel, None if shapes is None else [list(s) for s in shapes], rank]
 
 
-def _batch(x: torch.Tensor, g: _MatrixGroup) -> torch.Tensor:
-    size = g.rows * g.cols
-    return torch.stack([x[o : o + size].view(g.rows, g.cols) for o in g.offsets])
-
-
-def _unbatch(dest: torch.Tensor, g: _MatrixGroup, mats: torch.Tensor) -> None:
-    size = g.rows * g.cols
-    for o, mat in zip(g.offsets, mats, strict=True):
-        dest[o : o + size] = mat.reshape(-1)
+def _matrix(buffer: torch.Tensor, g: _MatrixGroup, offset: int) -> torch.Tensor:
+    """The (rows, cols) view of one matrix of group ``g`` in a work buffer."""
+    return buffer[offset : offset + g.rows * g.cols].view(g.rows, g.cols)
 
 
 def _split(flat: torch.Tensor, shapes: list[tuple[int, int, int]]) -> list[torch.Tensor]:

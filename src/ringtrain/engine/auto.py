@@ -214,7 +214,7 @@ def _measurement(
     for b in plan.buckets:
         lay = make_layout(b.shapes, b.numel, rank, 2.0)
         wire += lay.wire_numel
-        collectives += (1 if lay.plain else 0) + (2 if lay.matrices else 0)
+        collectives += 2 if lay.matrices else (1 if lay.plain else 0)
     return Measurement(
         world_size=size,
         grad_bytes=nbytes,

@@ -145,17 +145,23 @@ class _Worker:
         return fut
 
     def _run(self) -> None:
+        torch.set_grad_enabled(False)  # gradients are plain data here (grad mode is per thread)
         while True:
             job = self._jobs.get()
             if job is None:
                 return
             fut, fn, args = job
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # handed to the waiting thread
-                fut.set_exception(e)
+            del job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # handed to the waiting thread
+                    fut.set_exception(e)
+            # Hold nothing while idle. close() runs at interpreter exit; a daemon thread that
+            # then frees the last job's tensors takes the GIL inside a C++ destructor, where
+            # the interpreter's exit of the thread aborts the process ("terminate called
+            # without an active exception").
+            del fut, fn, args
 
     def close(self) -> None:
         self._jobs.put(None)

@@ -16,6 +16,7 @@ from typing import Any
 from ringtrain.errors import ConfigError
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
 from ringtrain.launch.options import BIND_CHOICES, MALLOC_CHOICES, LaunchOptions, SshOptions
+from ringtrain.launch.plan import PLACEMENTS
 from ringtrain.launch.supervisor import Supervisor
 
 SMOKE_MODULE = "ringtrain.diagnostics.smoke"
@@ -116,6 +117,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output with ranks")
     p.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="host-major",
+        help="rank order: fill each host in turn (host-major, default) or deal ranks out one "
+        "per host (round-robin)",
+    )
+    p.add_argument(
         "--bind-to",
         choices=BIND_CHOICES,
         default="auto",
@@ -208,6 +216,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         start_timeout_s=args.start_timeout,
         bind_to=args.bind_to,
         malloc=args.malloc,
+        placement=args.placement,
         verbose=args.verbose,
         prefix_output=not args.no_prefix,
     )

@@ -14,6 +14,7 @@ from typing import Any
 
 from ringtrain.errors import ConfigError
 from ringtrain.launch.hosts import Host
+from ringtrain.launch.plan import PLACEMENTS
 
 BIND_CHOICES = ("auto", "none", "core", "numa")
 MALLOC_CHOICES = ("system", "jemalloc", "tcmalloc")
@@ -45,6 +46,7 @@ class LaunchOptions:
     grace_s: float = 3.0
     bind_to: str = "auto"
     malloc: str = "system"
+    placement: str = "host-major"  # or "round-robin": see ringtrain.launch.plan
     verbose: bool = False
     prefix_output: bool = True
     # The interpreter that runs the agents (the same path on every host, as for the ranks).
@@ -61,6 +63,8 @@ class LaunchOptions:
             raise ConfigError(f"--bind-to must be one of {', '.join(BIND_CHOICES)}")
         if self.malloc not in MALLOC_CHOICES:
             raise ConfigError(f"--malloc must be one of {', '.join(MALLOC_CHOICES)}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"--placement must be one of {', '.join(PLACEMENTS)}")
         if self.start_timeout_s <= 0:
             raise ConfigError(f"--start-timeout must be > 0, got {self.start_timeout_s}")
         for item in self.forward_env:

@@ -1,9 +1,11 @@
 """The pure planner: which rank runs where, with which placement numbers.
 
 ``plan()`` only computes; it starts nothing, so tests check placements without processes, and the
-same plan runs locally or over ssh. Ranks fill hosts in the order given (host-major), as
-``horovodrun`` and ``mpirun --map-by slot`` do; local and cross numbering follow Horovod: the
-cross group of a rank is every rank with the same local rank, one per host that has it.
+same plan runs locally or over ssh. By default ranks fill hosts in the order given (host-major),
+as ``horovodrun`` and ``mpirun --map-by slot`` do; ``placement="round-robin"`` deals them out one
+per host in turn instead (``mpirun --map-by node``), the rank order that makes a flat ring cross
+hosts at every hop. Local and cross numbering follow Horovod: the cross group of a rank is every
+rank with the same local rank, one per host that has it.
 """
 
 from __future__ import annotations
@@ -28,8 +30,18 @@ class ProcessSpec:
     argv: tuple[str, ...]
 
 
-def plan(np: int, hosts: Sequence[Host], command: Sequence[str]) -> list[ProcessSpec]:
+PLACEMENTS = ("host-major", "round-robin")
+
+
+def plan(
+    np: int, hosts: Sequence[Host], command: Sequence[str], placement: str = "host-major"
+) -> list[ProcessSpec]:
     """Place ``np`` ranks on ``hosts`` up to their slots. Hosts left without ranks are dropped."""
+    if placement not in PLACEMENTS:
+        raise LaunchError(
+            f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}.\n"
+            "HINT: round-robin deals ranks out one per host in turn."
+        )
     capacity = sum(h.slots for h in hosts)
     if np > capacity:
         listed = ",".join(f"{h.name}:{h.slots}" for h in hosts)
@@ -37,33 +49,34 @@ def plan(np: int, hosts: Sequence[Host], command: Sequence[str]) -> list[Process
             f"-np {np} needs {np} slots but the hosts offer {capacity} ({listed}).\n"
             "HINT: lower -np or give hosts more slots (-H host:SLOTS)."
         )
-    per_host: list[int] = []
-    left = np
-    for h in hosts:
-        take = min(h.slots, left)
-        if take == 0:
-            break
-        per_host.append(take)
-        left -= take
+    # The host index of every rank, in rank order.
+    order: list[int] = []
+    if placement == "host-major":
+        for hi, h in enumerate(hosts):
+            order += [hi] * min(h.slots, np - len(order))
+    else:
+        while len(order) < np:
+            for hi, h in enumerate(hosts):
+                if len(order) < np and order.count(hi) < h.slots:
+                    order.append(hi)
+    per_host = [order.count(hi) for hi in range(len(hosts))]
     specs = []
-    rank = 0
-    for hi, count in enumerate(per_host):
-        for local_rank in range(count):
-            having = [j for j, c in enumerate(per_host) if c > local_rank]
-            specs.append(
-                ProcessSpec(
-                    rank=rank,
-                    size=np,
-                    host=hosts[hi].name,
-                    host_index=hi,
-                    local_rank=local_rank,
-                    local_size=count,
-                    cross_rank=having.index(hi),
-                    cross_size=len(having),
-                    argv=tuple(command),
-                )
+    for rank, hi in enumerate(order):
+        local_rank = order[:rank].count(hi)
+        having = [j for j, c in enumerate(per_host) if c > local_rank]
+        specs.append(
+            ProcessSpec(
+                rank=rank,
+                size=np,
+                host=hosts[hi].name,
+                host_index=hi,
+                local_rank=local_rank,
+                local_size=per_host[hi],
+                cross_rank=having.index(hi),
+                cross_size=len(having),
+                argv=tuple(command),
             )
-            rank += 1
+        )
     return specs
 
 
@@ -72,8 +85,12 @@ def describe(specs: Sequence[ProcessSpec]) -> str:
     parts: dict[str, list[int]] = {}
     for s in specs:
         parts.setdefault(s.host, []).append(s.rank)
-    shown = ", ".join(
-        f"{h} rank{'s' if len(r) > 1 else ''} {r[0]}{f'-{r[-1]}' if len(r) > 1 else ''}"
-        for h, r in parts.items()
-    )
+    shown = ", ".join(f"{h} rank{'s' if len(r) > 1 else ''} {_span(r)}" for h, r in parts.items())
     return f"{len(specs)} rank{'s' if len(specs) != 1 else ''}: {shown}"
+
+
+def _span(ranks: list[int]) -> str:
+    """``0-3`` for consecutive ranks, ``0,2,4`` otherwise (round-robin)."""
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+    return ",".join(map(str, ranks))

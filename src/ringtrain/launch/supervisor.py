@@ -115,7 +115,7 @@ class Supervisor:
         self.env = dict(os.environ if env is None else env)
         self.out = out or sys.stdout
         self.err = err or sys.stderr
-        self.specs = plan(options.np, options.hosts, options.command)
+        self.specs = plan(options.np, options.hosts, options.command, options.placement)
         self.job_id = uuid.uuid4().hex[:12]
         self._events: queue.Queue[Any] = queue.Queue()
         self._links: list[AgentLink] = []
