@@ -87,6 +87,32 @@ def test_train_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert variants["nocomm"]["comm_fraction"] == pytest.approx(0.0)
 
 
+def test_secure_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json, out_png = tmp_path / "secure.json", tmp_path / "secure.png"
+    argv = ["bench", "secure", "-np", "2", "--sizes", "4K,64K", "--repeats", "2"]
+    argv += ["--link-mbps", "1000", "--json", str(out_json), "--plot", str(out_png)]
+    assert cli.main(argv) == 0
+
+    printed = capsys.readouterr().out
+    assert "secure/plain" in printed and "secure/link" in printed and "ringtrain.init" in printed
+    assert out_png.read_bytes()[:8] == PNG_MAGIC
+    res = json.loads(out_json.read_text())["result"]
+    assert res["world_size"] == 2
+    impls = ("gloo", "ringtrain", "ringtrain-secure", "sealed")
+    points = {(p["impl"], p["nbytes"]): p for p in res["sizes"]}
+    assert set(points) == {(i, b) for i in impls for b in (4096, 65536)}
+    for p in points.values():
+        _positive(p["time"])
+        _positive(p["busbw"])
+        assert p["time"]["n"] == 2
+    assert set(res["init_time"]) == {"plain", "secure"}
+    for s in res["init_time"].values():
+        _positive(s)
+        assert s["n"] == 2
+    assert res["params"]["key_file"], "spawned ranks got a throwaway key file"
+    assert not Path(res["params"]["key_file"]).exists(), "and it is gone afterwards"
+
+
 def test_train_cli_rejects_unknown_variant(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["bench", "train", "--variants", "ringtrain,horovod"]) == 2
     assert "horovod" in capsys.readouterr().err

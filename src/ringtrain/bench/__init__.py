@@ -4,6 +4,10 @@
   torch.distributed in the same run, and the cost of many small tensors (fusion).
 * ``train`` (:mod:`.train`): steps/s of ringtrain's DistributedOptimizer, torch DDP and a
   no-communication reference, interleaved, on model presets (:mod:`.models`) of 1M-100M params.
+* ``secure`` (:mod:`.secure`): what secure mode costs, allreduce bus bandwidth of raw Gloo,
+  ringtrain plain and ringtrain secure in alternating phases of the same processes.
+* ``checks`` (:mod:`.checks`): what consistency checks (mismatch detection) cost, allreduce
+  time with them on vs off in alternating phases, and the check alone.
 
 Each benchmark runs on every rank between ``ringtrain.init()`` and ``ringtrain.shutdown()``;
 :mod:`.ranks` spawns local ranks or runs in place under a launcher. Nothing is imported here, so

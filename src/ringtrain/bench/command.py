@@ -2,7 +2,10 @@
 
     ringtrain bench allreduce -np 2 --sizes 4K..64M --json ar.json --plot ar.png
     ringtrain bench train -np 2 --model transformer-25m --steps 30 --json train.json
+    ringtrain bench secure -np 2 --sizes 64K..64M --json secure.json
+    ringtrain bench checks -np 2 --json checks.json
     ringtrain run -np 2 -H h0:1,h1:1 -- python -m ringtrain.bench train --model cnn
+    ringtrain run --secure -H h0:1,h1:1 -- python -m ringtrain.bench secure --link-mbps 1000
 
 Without a launcher the command spawns ``-np`` ranks on this machine; started by one
 (``ringtrain run``, torchrun, ...) it runs on the job's ranks and only rank 0 reports.
@@ -11,22 +14,28 @@ Without a launcher the command spawns ``-np`` ranks on this machine; started by 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
+from collections.abc import Callable
 from typing import Any
 
-from ringtrain.bench import ranks
+from ringtrain.bench import checks, ranks, secure
 from ringtrain.bench.allreduce import DEFAULT_SIZES, AllreduceParams
 from ringtrain.bench.models import PRESETS
 from ringtrain.bench.registry import BENCHMARKS
 from ringtrain.bench.report import (
     fmt_bytes,
     format_allreduce,
+    format_checks,
+    format_secure,
     format_train,
     plot_allreduce,
+    plot_checks,
+    plot_secure,
     plot_train,
     save_json,
 )
-from ringtrain.bench.train import VARIANTS, TrainParams
+from ringtrain.bench.train import VARIANTS, TrainParams, variant_compression
 from ringtrain.errors import ConfigError
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20}
@@ -134,6 +143,61 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     _common(ar)
 
+    se = sub.add_parser(
+        "secure",
+        help="allreduce bus bandwidth: raw Gloo, ringtrain plain and ringtrain secure",
+        description=(
+            "What secure mode costs: allreduce bus bandwidth vs message size for raw "
+            "torch.distributed on Gloo, ringtrain plain, ringtrain secure (sealed) and the sealed "
+            "group alone, plain and secure phases alternating in the same processes. Under a "
+            "launcher, start the job with `ringtrain run --secure` (or give --key-file)."
+        ),
+    )
+    secure_sizes = f"{fmt_bytes(secure.DEFAULT_SIZES[0])}..{fmt_bytes(secure.DEFAULT_SIZES[-1])}"
+    se.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=secure.DEFAULT_SIZES,
+        help=f"message sizes: 64K,1M or 64K..64M[:factor] (default {secure_sizes} x4)",
+    )
+    se.add_argument("--repeats", type=int, default=5, help="phases per mode (samples per size)")
+    se.add_argument("--iters", type=int, default=0, help="ops per sample (default: auto)")
+    se.add_argument(
+        "--link-mbps", type=float, default=None, help="link rate (Mbit/s) to compare against"
+    )
+    se.add_argument(
+        "--key-file",
+        default="",
+        help="job key for the secure phases (default: the launcher's, or a throwaway one "
+        "when ranks are spawned here)",
+    )
+    _common(se)
+
+    ck = sub.add_parser(
+        "checks",
+        help="what consistency checks cost: allreduce time with checks on vs off",
+        description=(
+            "Allreduce time per op with consistency checks (mismatch detection) on and off, "
+            "phases alternating in the same processes, for single tensors and a step of many "
+            "named tensors; plus the check alone, per collective."
+        ),
+    )
+    ck_sizes = ",".join(fmt_bytes(b).replace(" ", "") for b in checks.DEFAULT_SIZES)
+    ck.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=checks.DEFAULT_SIZES,
+        help=f"single-tensor sizes: 4K,1M or 4K..1M[:factor] (default {ck_sizes})",
+    )
+    ck.add_argument("--repeats", type=int, default=5, help="phases per setting (samples)")
+    ck.add_argument("--iters", type=int, default=0, help="ops per sample (default: auto)")
+    ck.add_argument(
+        "--step-tensors", type=int, default=256, help="named tensors per step (0 skips the step)"
+    )
+    ck.add_argument("--step-size", type=parse_bytes, default=4 << 10, help="bytes per step tensor")
+    ck.add_argument("--step-iters", type=int, default=5, help="steps per sample")
+    _common(ck)
+
     tr = sub.add_parser(
         "train",
         help="training steps/s: ringtrain DistributedOptimizer vs DDP vs no communication",
@@ -157,7 +221,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     tr.add_argument(
         "--variants",
         default=",".join(VARIANTS),
-        help=f"comma-separated subset of {','.join(VARIANTS)}",
+        help=f"comma-separated subset of {','.join(VARIANTS)}; ringtrain:NAME uses compression "
+        "NAME, e.g. ringtrain,ringtrain:powersgd,ringtrain:topk,ddp,nocomm",
     )
     tr.add_argument("--lr", type=float, default=1e-4)
     tr.add_argument("--seed", type=int, default=0)
@@ -178,11 +243,12 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, tuple))}
 
 
-def main(args: argparse.Namespace) -> int:
+def _params(args: argparse.Namespace) -> Any:
+    """The benchmark's parameters from its command line; bad values fail here, not on ranks."""
+    if args.benchmark in ("allreduce", "secure", "checks") and args.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     if args.benchmark == "allreduce":
-        if args.repeats < 1:
-            raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
-        params: Any = AllreduceParams(
+        return AllreduceParams(
             sizes=tuple(args.sizes),
             repeats=args.repeats,
             iters=args.iters,
@@ -192,41 +258,78 @@ def main(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             link_mbps=args.link_mbps,
         )
-    else:
-        from ringtrain.compression import resolve
-
-        resolve(args.compression)  # an unknown name fails here, not on every rank
-        params = TrainParams(
-            model=args.model,
-            steps=args.steps,
-            warmup=args.warmup,
-            block=args.block,
-            batch_size=args.batch_size,
-            compression=args.compression,
-            backward_passes_per_step=args.backward_passes_per_step,
-            variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
-            lr=args.lr,
-            seed=args.seed,
-            fusion_threshold_mb=args.fusion_threshold_mb,
+    if args.benchmark == "secure":
+        return secure.SecureParams(
+            sizes=tuple(args.sizes),
+            repeats=args.repeats,
+            iters=args.iters,
+            link_mbps=args.link_mbps,
+            key_file=args.key_file,
         )
-    result = ranks.run(
-        BENCHMARKS[args.benchmark],
-        params,
-        np=args.np,
-        threads=args.threads,
-        settings=_settings(args),
-        timeout_s=args.timeout,
+    if args.benchmark == "checks":
+        if args.step_tensors < 0 or args.step_iters < 1:
+            raise ConfigError(
+                f"--step-tensors must be >= 0 and --step-iters >= 1, got {args.step_tensors} "
+                f"and {args.step_iters}"
+            )
+        return checks.ChecksParams(
+            sizes=tuple(args.sizes),
+            repeats=args.repeats,
+            iters=args.iters,
+            step_tensors=args.step_tensors,
+            step_each_bytes=args.step_size,
+            step_iters=args.step_iters,
+        )
+    from ringtrain.compression import resolve
+
+    params = TrainParams(
+        model=args.model,
+        steps=args.steps,
+        warmup=args.warmup,
+        block=args.block,
+        batch_size=args.batch_size,
+        compression=args.compression,
+        backward_passes_per_step=args.backward_passes_per_step,
+        variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
+        lr=args.lr,
+        seed=args.seed,
+        fusion_threshold_mb=args.fusion_threshold_mb,
     )
+    # An unknown compression name fails here, not on every rank.
+    for name in {args.compression, *(variant_compression(v, "none") for v in params.variants)}:
+        resolve(name)
+    return params
+
+
+# How each benchmark's result is printed and plotted.
+_PRESENT: dict[str, tuple[Callable[[Any, bool], str], Callable[[Any, str], None]]] = {
+    "allreduce": (format_allreduce, plot_allreduce),
+    "secure": (format_secure, plot_secure),
+    "checks": (format_checks, plot_checks),
+    "train": (format_train, plot_train),
+}
+
+
+def main(args: argparse.Namespace) -> int:
+    params = _params(args)
+    with contextlib.ExitStack() as stack:
+        if args.benchmark == "secure" and not ranks.under_launcher():
+            # Spawned ranks share this machine: a throwaway key file serves them all.
+            params = stack.enter_context(secure.spawned_key_file(params))
+        result = ranks.run(
+            BENCHMARKS[args.benchmark],
+            params,
+            np=args.np,
+            threads=args.threads,
+            settings=_settings(args),
+            timeout_s=args.timeout,
+        )
     if result is None:  # not rank 0 of a launched job: rank 0 reports
         return 0
-    if args.benchmark == "allreduce":
-        print(format_allreduce(result, args.markdown), flush=True)
-        if args.plot:
-            plot_allreduce(result, args.plot)
-    else:
-        print(format_train(result, args.markdown), flush=True)
-        if args.plot:
-            plot_train(result, args.plot)
+    present, plot = _PRESENT[args.benchmark]
+    print(present(result, args.markdown), flush=True)
+    if args.plot:
+        plot(result, args.plot)
     if args.json:
         save_json(args.json, result, args.benchmark, _options(args))
     return 0

@@ -101,9 +101,12 @@ def _child(
     fn: Callable[[Any], Any],
     params: Any,
     conn: Connection,
+    cpus: tuple[int, ...] | None = None,
 ) -> None:
     import ctypes
 
+    if cpus:  # as `ringtrain run` binds ranks by default: timings then match a real job's
+        os.sched_setaffinity(0, cpus)
     # Die with the parent (the fork server, which exits with this benchmark's process), even
     # if it is SIGKILLed.
     with contextlib.suppress(OSError):
@@ -144,7 +147,9 @@ def _spawn(
     # a plain spawn re-imports torch in every rank of every run (seconds each). The server is a
     # clean single-threaded process, so forking it is safe where forking this one might not be.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["ringtrain.bench.allreduce", "ringtrain.bench.train"])
+    ctx.set_forkserver_preload(
+        ["ringtrain.bench.allreduce", "ringtrain.bench.secure", "ringtrain.bench.train"]
+    )
     conns: list[Connection] = []
     procs: list[Any] = []
     try:
@@ -152,7 +157,7 @@ def _spawn(
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_child,
-                args=(r, n, store.port, threads, settings, fn, params, child),
+                args=(r, n, store.port, threads, settings, fn, params, child, _cores_for(r, n)),
                 name=f"ringtrain-bench-rank{r}",
                 daemon=True,
             )
@@ -172,6 +177,16 @@ def _spawn(
             "HINT: the other ranks' errors are usually consequences of the first one."
         )
     return results[0]
+
+
+def _cores_for(rank: int, size: int) -> tuple[int, ...] | None:
+    """The cores ``ringtrain run --bind-to auto`` would give local rank ``rank`` of ``size``:
+    an even share each when every rank can have at least one core, else no binding."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    per = len(cpus) // size
+    return tuple(cpus[rank * per : (rank + 1) * per]) if per >= 1 else None
 
 
 def _collect(

@@ -12,7 +12,10 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ringtrain.bench.allreduce import AllreduceResult
+from ringtrain.bench.allreduce import AllreduceResult, SizePoint
+from ringtrain.bench.checks import ChecksResult
+from ringtrain.bench.secure import IMPLS as SECURE_IMPLS
+from ringtrain.bench.secure import MODES, SecureResult
 from ringtrain.bench.stats import Summary
 from ringtrain.bench.train import TrainResult
 
@@ -113,6 +116,83 @@ def format_allreduce(res: AllreduceResult, markdown: bool = False) -> str:
     return "\n".join(out)
 
 
+def _bw(s: Summary) -> str:
+    return f"{_mbs(s.median)} [{_mbs(s.min)}-{_mbs(s.max)}]"
+
+
+def format_secure(res: SecureResult, markdown: bool = False) -> str:
+    """Bus bandwidth per size of gloo, ringtrain plain, ringtrain secure and the sealed group,
+    with the ratios secure/plain (ringtrain) and sealed/gloo (the raw groups)."""
+    link = res.params.link_mbps
+    link_bps = link * 1e6 / 8 if link else None
+    by = {(p.impl, p.nbytes): p for p in res.sizes}
+    impls = [i for m in MODES for i in SECURE_IMPLS[m]]
+    headers = ["size", *(f"{i} MB/s" for i in impls), "secure/plain", "sealed/gloo"]
+    if link_bps:
+        headers += ["gloo/link", "plain/link", "secure/link"]
+    rows = []
+    for nbytes in sorted({p.nbytes for p in res.sizes}):
+        med = {i: by[(i, nbytes)].busbw.median for i in impls}
+        row = [fmt_bytes(nbytes), *(_bw(by[(i, nbytes)].busbw) for i in impls)]
+        row += [
+            _ratio(med["ringtrain-secure"] / med["ringtrain"] if med["ringtrain"] else None),
+            _ratio(med["sealed"] / med["gloo"] if med["gloo"] else None),
+        ]
+        if link_bps:
+            row += [
+                _ratio(med[i] / link_bps, True) for i in ("gloo", "ringtrain", "ringtrain-secure")
+            ]
+        rows.append(row)
+    inits = ", ".join(f"{m} {_ms(s)} ms" for m, s in res.init_time.items())
+    return "\n".join(
+        [
+            f"allreduce, plain vs secure: {res.world_size} ranks, float32, {res.params.repeats} "
+            "phases per mode, modes and cases alternating; bus bandwidth = 2(n-1)/n * bytes / "
+            "time of the slowest rank, MB/s median [min-max]" + _load(res.environment),
+            table(headers, rows, markdown),
+            f"ringtrain.init per phase, median [min-max]: {inits}",
+        ]
+    )
+
+
+def format_checks(res: ChecksResult, markdown: bool = False) -> str:
+    """Time per op with consistency checks on and off, the paired ratio, and the check alone."""
+    rows = [
+        [
+            p.case,
+            _ms(p.on),
+            _ms(p.off),
+            f"{p.ratio.median:.3f} [{p.ratio.min:.3f}-{p.ratio.max:.3f}]",
+            _share(res.share_cached.get(p.case)),
+            _share(res.share_first.get(p.case)),
+        ]
+        for p in res.points
+    ]
+    out = [
+        f"consistency checks: {res.world_size} ranks, {res.params.repeats} phases per setting, "
+        "settings and cases alternating; ms per op (per step for a step), median [min-max] of "
+        "the slowest rank; on/off paired per repeat" + _load(res.environment),
+        table(
+            ["case", "checks on ms", "checks off ms", "on/off", "check share", "first run"],
+            rows,
+            markdown,
+        ),
+    ]
+    if res.check_cached_us is not None and res.check_first_us is not None:
+        c, f = res.check_cached_us, res.check_first_us
+        out.append(
+            f"the check alone, mismatch() over {res.world_size} equal one-tensor requests, us per "
+            f"collective: {c.median:.2f} [{c.min:.2f}-{c.max:.2f}] from the request cache, "
+            f"{f.median:.2f} [{f.min:.2f}-{f.max:.2f}] on a name's first run; check share = "
+            "that times the collectives per op, over the op's median time with checks off"
+        )
+    return "\n".join(out)
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.2g}%"
+
+
 def format_train(res: TrainResult, markdown: bool = False) -> str:
     p = res.params
     head = (
@@ -123,9 +203,12 @@ def format_train(res: TrainResult, markdown: bool = False) -> str:
         f"in blocks of {p.block} after {p.warmup} warm-up; step time of the slowest rank, "
         "median [min-max]" + _load(res.environment)
     )
+    extra = [f"{v.variant} {v.warmup_steps}" for v in res.variants if v.warmup_steps > p.warmup]
+    if extra:
+        head += "\nwarm-up steps until steady (PowerSGD start, auto's choice): " + ", ".join(extra)
     rows = [
         [
-            v.variant,
+            v.variant + (f" ({v.chosen})" if v.chosen else ""),
             _ms(v.step_time),
             f"{v.step_time.spread * 100:.0f}%",
             f"{v.steps_per_s:.2f}",
@@ -178,27 +261,8 @@ def plot_allreduce(res: AllreduceResult, path: str) -> None:
     plt = _pyplot()
     ncols = 2 if res.fusion else 1
     fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4.2), squeeze=False)
-    ax = axes[0][0]
-    for impl in ("ringtrain", "torch"):
-        pts = sorted((p for p in res.sizes if p.impl == impl), key=lambda p: p.nbytes)
-        x = [p.nbytes for p in pts]
-        y = [p.busbw.median / 1e6 for p in pts]
-        err = [
-            [m - p.busbw.min / 1e6 for p, m in zip(pts, y)],
-            [p.busbw.max / 1e6 - m for p, m in zip(pts, y)],
-        ]
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=impl)
-    if res.params.link_mbps:
-        ax.axhline(res.params.link_mbps / 8, color="grey", ls="--", label="link rate")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    sizes = sorted({p.nbytes for p in res.sizes})
-    ax.set_xticks(sizes, [fmt_bytes(s) for s in sizes], rotation=45)
-    ax.set_xlabel("message size")
-    ax.set_ylabel("bus bandwidth (MB/s)")
-    ax.set_title(f"allreduce, {res.world_size} ranks (median, min-max)")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    _busbw_panel(axes[0][0], res.sizes, ("ringtrain", "torch"), res.params.link_mbps)
+    axes[0][0].set_title(f"allreduce, {res.world_size} ranks (median, min-max)")
     if res.fusion:
         ax = axes[0][1]
         names = [p.case for p in res.fusion]
@@ -213,6 +277,57 @@ def plot_allreduce(res: AllreduceResult, path: str) -> None:
             f"{res.params.fusion_count} x {fmt_bytes(res.params.fusion_each_bytes)} tensors"
         )
         ax.grid(True, axis="x", alpha=0.3)
+    _save(fig, path)
+
+
+def _busbw_panel(
+    ax: Any, points: Sequence[SizePoint], impls: Sequence[str], link_mbps: float | None
+) -> None:
+    """Bus bandwidth vs message size, one line per implementation, with min-max error bars."""
+    for impl in impls:
+        pts = sorted((p for p in points if p.impl == impl), key=lambda p: p.nbytes)
+        x = [p.nbytes for p in pts]
+        y = [p.busbw.median / 1e6 for p in pts]
+        err = [
+            [m - p.busbw.min / 1e6 for p, m in zip(pts, y)],
+            [p.busbw.max / 1e6 - m for p, m in zip(pts, y)],
+        ]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=impl)
+    if link_mbps:
+        ax.axhline(link_mbps / 8, color="grey", ls="--", label="link rate")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    sizes = sorted({p.nbytes for p in points})
+    ax.set_xticks(sizes, [fmt_bytes(s) for s in sizes], rotation=45)
+    ax.set_xlabel("message size")
+    ax.set_ylabel("bus bandwidth (MB/s)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+
+
+def plot_secure(res: SecureResult, path: str) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    impls = [i for m in MODES for i in SECURE_IMPLS[m]]
+    _busbw_panel(ax, res.sizes, impls, res.params.link_mbps)
+    ax.set_title(f"allreduce, plain vs secure, {res.world_size} ranks (median, min-max)")
+    _save(fig, path)
+
+
+def plot_checks(res: ChecksResult, path: str) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 0.6 * len(res.points) + 1.8))
+    names = [p.case for p in res.points]
+    med = [p.ratio.median for p in res.points]
+    err = [
+        [m - p.ratio.min for p, m in zip(res.points, med)],
+        [p.ratio.max - m for p, m in zip(res.points, med)],
+    ]
+    ax.barh(names, med, xerr=err, capsize=3, color="tab:blue")
+    ax.axvline(1.0, color="grey", ls="--")
+    ax.set_xlabel("time with checks on / off (median, min-max of paired repeats)")
+    ax.set_title(f"consistency checks, {res.world_size} ranks")
+    ax.grid(True, axis="x", alpha=0.3)
     _save(fig, path)
 
 
@@ -237,6 +352,7 @@ def plot_train(res: TrainResult, path: str) -> None:
                 textcoords="offset points",
             )
     ax.set_ylabel("steps/s (median, min-max)")
+    ax.tick_params(axis="x", labelrotation=20)  # ringtrain:NAME labels are long
     ax.set_title(f"{res.model}, {res.world_size} ranks, compression {res.params.compression}")
     ax.grid(True, axis="y", alpha=0.3)
     _save(fig, path)

@@ -7,11 +7,17 @@ neighbours' load as much as the code. Every rank starts each block after a barri
 never pays for the skew the previous one left behind.
 
 * ``ringtrain``: ``ringtrain.DistributedOptimizer`` around SGD, with ``--compression`` and
-  ``--backward-passes-per-step`` passed through.
+  ``--backward-passes-per-step`` passed through. ``ringtrain:NAME`` is the same with
+  ``compression=NAME`` (``ringtrain:powersgd``, ``ringtrain:topk``, ``ringtrain:auto``...), so
+  one run compares several methods side by side.
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` on the default (Gloo) group, with its
   fp16/bf16 compression hook when ``--compression`` is fp16/bf16 and ``no_sync()`` for
   accumulation, i.e. the nearest DDP equivalent of the ringtrain settings.
 * ``nocomm``: the same model and optimizer with no communication at all: the compute floor.
+
+Warm-up: ``warmup`` steps per variant, then more (up to :data:`MAX_EXTRA_WARMUP`) until the
+variant is steady: PowerSGD past its uncompressed start steps, ``auto`` settled on its choice
+(whose measurement runs in these untimed steps, uninterrupted by other variants, as it needs).
 
 A step is ``backward_passes_per_step`` forward/backward passes and one optimizer step; its time
 on the slowest rank is one sample. The share of a step spent communicating (or waiting for it) is
@@ -37,9 +43,12 @@ import ringtrain
 from ringtrain.bench.models import Batch, Preset, count_parameters, get_preset
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import Summary, load_average, machine_info
+from ringtrain.compression.policy import AutoCompression
 from ringtrain.errors import ConfigError
 
 VARIANTS = ("ringtrain", "ddp", "nocomm")
+# Untimed steps a variant may take beyond --warmup to become steady (see the module docstring).
+MAX_EXTRA_WARMUP = 60
 # DDP has built-in comm hooks for these; other compressors have no DDP twin.
 _DDP_HOOKS = ("fp16", "bf16")
 
@@ -60,11 +69,12 @@ class TrainParams:
     fusion_threshold_mb: float | None = None
 
     def __post_init__(self) -> None:
-        bad = [v for v in self.variants if v not in VARIANTS]
-        if bad or not self.variants:
+        bad = [v for v in self.variants if not _known_variant(v)]
+        if bad or not self.variants or len(set(self.variants)) != len(self.variants):
             raise ConfigError(
-                f"unknown or empty variants {list(self.variants)}.\n"
-                f"HINT: choose from {', '.join(VARIANTS)}, comma separated."
+                f"unknown, repeated or no variants in {list(self.variants)}.\n"
+                f"HINT: choose from {', '.join(VARIANTS)}, comma separated; "
+                "ringtrain:NAME uses compression NAME (ringtrain:powersgd,ringtrain:topk)."
             )
         for name in ("steps", "block", "backward_passes_per_step"):
             if getattr(self, name) < 1:
@@ -73,6 +83,16 @@ class TrainParams:
                 )
         if self.warmup < 0:
             raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
+
+
+def _known_variant(name: str) -> bool:
+    base, sep, compression = name.partition(":")
+    return base in VARIANTS and (not sep or (base == "ringtrain" and bool(compression)))
+
+
+def variant_compression(name: str, default: str) -> str:
+    """The compression a ringtrain variant uses: NAME of ``ringtrain:NAME``, else ``default``."""
+    return name.partition(":")[2] or default
 
 
 @dataclass
@@ -84,6 +104,8 @@ class VariantResult:
     vs_ddp: float | None = None  # steps/s relative to ddp
     vs_nocomm: float | None = None  # steps/s relative to nocomm
     comm_fraction: float | None = None  # 1 - nocomm step time / this step time
+    warmup_steps: int = 0  # untimed steps taken, --warmup plus what it took to become steady
+    chosen: str = ""  # compression="auto": what it settled on
 
 
 @dataclass
@@ -102,10 +124,20 @@ class TrainResult:
 
 
 class _Variant:
-    def __init__(self, name: str, step: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        step: Callable[[], None],
+        steady: Callable[[int], bool] = lambda steps: True,
+        chosen: Callable[[], str] = lambda: "",
+    ) -> None:
         self.name = name
         self.step = step
+        # steady(steps taken) must answer alike on every rank: warm-up ends on it.
+        self.steady = steady
+        self.chosen = chosen
         self.samples: list[float] = []
+        self.warmup_steps = 0
 
 
 def _make_variant(
@@ -129,11 +161,11 @@ def _make_variant(
             base_opt.zero_grad(set_to_none=True)
 
         return _Variant(name, step)
-    if name == "ringtrain":
+    if name.startswith("ringtrain"):
         opt = ringtrain.DistributedOptimizer(
             base_opt,
             named_parameters=model.named_parameters(),
-            compression=params.compression,
+            compression=variant_compression(name, params.compression),
             backward_passes_per_step=k,
         )
 
@@ -142,7 +174,7 @@ def _make_variant(
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        return _Variant(name, rt_step)
+        return _Variant(name, rt_step, *_steadiness(opt))
     ddp = nn.parallel.DistributedDataParallel(model)
     if params.compression in _DDP_HOOKS:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -156,6 +188,21 @@ def _make_variant(
         base_opt.zero_grad(set_to_none=True)
 
     return _Variant(name, ddp_step)
+
+
+def _steadiness(
+    opt: ringtrain.DistributedOptimizer,
+) -> tuple[Callable[[int], bool], Callable[[], str]]:
+    """When a ringtrain variant is steady, and what ``auto`` chose. Every rank answers alike:
+    PowerSGD's start is a step count, and auto settles at the same step everywhere."""
+    comp = opt.compression
+    if isinstance(comp, AutoCompression):
+        if ringtrain.size() == 1:  # nothing to measure: auto stays uncompressed
+            return (lambda steps: True), (lambda: "none")
+        # Settled means measured, tried (PowerSGD past its start steps) and kept or dropped.
+        return (lambda steps: comp.settled), (lambda: comp.choice or "")
+    start = int(getattr(comp, "start_iter", 0))
+    return (lambda steps: steps > start), (lambda: "")
 
 
 @register("train")
@@ -177,8 +224,11 @@ def bench_train(params: TrainParams) -> TrainResult:
     del template
 
     for v in variants:
-        for _ in range(params.warmup):
+        while v.warmup_steps < params.warmup or (
+            not v.steady(v.warmup_steps) and v.warmup_steps < params.warmup + MAX_EXTRA_WARMUP
+        ):
             v.step()
+            v.warmup_steps += 1
     rounds = -(-params.steps // params.block)
     for r in range(rounds):
         shift = r % len(variants)
@@ -210,7 +260,14 @@ def bench_train(params: TrainParams) -> TrainResult:
     for i, v in enumerate(variants):
         s = Summary.of(per[i * params.steps : (i + 1) * params.steps])
         result.variants.append(
-            VariantResult(v.name, s, 1.0 / s.median, samples_per_step / s.median)
+            VariantResult(
+                v.name,
+                s,
+                1.0 / s.median,
+                samples_per_step / s.median,
+                warmup_steps=v.warmup_steps,
+                chosen=v.chosen(),
+            )
         )
     _add_ratios(result.variants)
     result.environment["load_after"] = load_average()

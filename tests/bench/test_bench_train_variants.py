@@ -1,0 +1,53 @@
+"""``ringtrain bench train`` comparing compression methods in one run (``ringtrain:NAME`` variants):
+a smoke test on 2 spawned ranks, structure only, never timings; and the variant names it accepts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ringtrain import cli
+from ringtrain.bench.train import TrainParams, variant_compression
+from ringtrain.compression.policy import PREFERENCE
+from ringtrain.config import Config
+from ringtrain.errors import ConfigError
+
+
+def test_variant_names() -> None:
+    assert variant_compression("ringtrain:topk", "fp16") == "topk"
+    assert variant_compression("ringtrain", "fp16") == "fp16"
+    assert variant_compression("ddp", "fp16") == "fp16"
+    TrainParams(variants=("ringtrain", "ringtrain:powersgd", "ddp", "nocomm"))
+    for bad in (("ddp:topk",), ("ringtrain:",), ("ringtrain", "ringtrain"), ("nocomm:fp16",)):
+        with pytest.raises(ConfigError, match="HINT"):
+            TrainParams(variants=bad)
+
+
+def test_unknown_compression_fails_before_spawning(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "train", "--variants", "ringtrain:zip,nocomm"]) == 2
+    assert "zip" in capsys.readouterr().err
+
+
+def test_methods_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "train.json"
+    variants = "ringtrain,ringtrain:fp16,ringtrain:powersgd,ringtrain:topk,ringtrain:auto,nocomm"
+    argv = ["bench", "train", "-np", "2", "--model", "mlp-1m", "--steps", "2", "--warmup", "1"]
+    argv += ["--block", "1", "--batch-size", "8", "--variants", variants]
+    argv += ["--json", str(out_json), "--timeout", "240"]
+    assert cli.main(argv) == 0
+
+    printed = capsys.readouterr().out
+    assert "ringtrain:topk" in printed and "warm-up steps until steady" in printed
+    res = json.loads(out_json.read_text())["result"]
+    got = {v["variant"]: v for v in res["variants"]}
+    assert list(got) == variants.split(",")
+    for v in got.values():
+        assert v["step_time"]["n"] == 2 and v["vs_nocomm"] > 0
+    # PowerSGD's uncompressed start steps are warm-up, not timed steps.
+    assert got["ringtrain:powersgd"]["warmup_steps"] > Config().powersgd_start_step
+    assert got["ringtrain:topk"]["warmup_steps"] == 1
+    # auto measured, decided and settled before timing began.
+    assert got["ringtrain:auto"]["chosen"] in PREFERENCE
+    assert got["ringtrain:auto"]["warmup_steps"] > 1
