@@ -250,7 +250,7 @@ class HierarchicalAllreduce:
                 a, b = numel * j // s, numel * (j + 1) // s
                 rows[j, : b - a] = flat[a:b]
             mine = torch.empty(width, dtype=flat.dtype, device=flat.device)
-            dist.reduce_scatter_tensor(mine, rows.view(-1), op=rop, group=local)
+            dist.reduce_scatter_single(mine, rows.view(-1), op=rop, group=local)
         else:
             mine = flat.clone()
 

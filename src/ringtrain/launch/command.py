@@ -148,15 +148,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=None,
         help="do not check that ranks submit matching collectives",
     )
-    ssh = p.add_argument_group("ssh")
-    ssh.add_argument("-p", "--ssh-port", type=int, help="ssh port on every host")
-    ssh.add_argument("--ssh-identity-file", help="ssh private key")
-    ssh.add_argument("--ssh-config-file", help="ssh client config (ssh -F)")
-    ssh.add_argument(
-        "--ssh-accept-new-host-keys",
-        action="store_true",
-        help="trust hosts whose keys are not yet known (trust on first use)",
-    )
+    add_ssh_arguments(p)
     knobs = p.add_argument_group("job settings (each also a RINGTRAIN_* variable)")
     for f in SETTING_FLAGS:
         knobs.add_argument(f.flag, dest=f.field, type=f.type, help=f.help, metavar=_metavar(f))
@@ -206,12 +198,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         hosts=tuple(hosts),
         command=tuple(command),
         settings=settings,
-        ssh=SshOptions(
-            port=args.ssh_port,
-            identity_file=args.ssh_identity_file,
-            config_file=args.ssh_config_file,
-            accept_new_host_keys=args.ssh_accept_new_host_keys,
-        ),
+        ssh=ssh_options(args),
         forward_env=tuple(args.forward_env),
         start_timeout_s=args.start_timeout,
         bind_to=args.bind_to,
@@ -224,3 +211,34 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
 
 def main(args: argparse.Namespace) -> int:
     return Supervisor(options_from_args(args)).run()
+
+
+def add_ssh_arguments(p: argparse.ArgumentParser) -> None:
+    """The ssh flags, shared by every subcommand that reaches hosts (run, doctor)."""
+    ssh = p.add_argument_group("ssh")
+    ssh.add_argument("-p", "--ssh-port", type=int, help="ssh port on every host")
+    ssh.add_argument("--ssh-identity-file", help="ssh private key")
+    ssh.add_argument("--ssh-config-file", help="ssh client config (ssh -F)")
+    ssh.add_argument(
+        "--ssh-accept-new-host-keys",
+        action="store_true",
+        help="trust hosts whose keys are not yet known (trust on first use)",
+    )
+    ssh.add_argument(
+        "--ssh-connect-timeout",
+        type=int,
+        default=SshOptions.connect_timeout_s,
+        metavar="S",
+        help=f"seconds for ssh to connect (default {SshOptions.connect_timeout_s})",
+    )
+
+
+def ssh_options(args: argparse.Namespace) -> SshOptions:
+    """The :class:`SshOptions` the flags of :func:`add_ssh_arguments` describe."""
+    return SshOptions(
+        port=args.ssh_port,
+        identity_file=args.ssh_identity_file,
+        config_file=args.ssh_config_file,
+        accept_new_host_keys=args.ssh_accept_new_host_keys,
+        connect_timeout_s=args.ssh_connect_timeout,
+    )

@@ -15,8 +15,8 @@ from typing import Any
 from ringtrain.diagnostics.doctor import advice, checkup, report, wire
 from ringtrain.diagnostics.doctor.gather import Reach
 from ringtrain.errors import ConfigError
+from ringtrain.launch.command import add_ssh_arguments, ssh_options
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
-from ringtrain.launch.options import SshOptions
 
 MiB = 1024 * 1024
 
@@ -103,22 +103,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         metavar="MIB",
         help="fusion buffer size, as the job will use (default 64)",
     )
-    ssh = p.add_argument_group("ssh")
-    ssh.add_argument("-p", "--ssh-port", type=int, help="ssh port on every host")
-    ssh.add_argument("--ssh-identity-file", help="ssh private key")
-    ssh.add_argument("--ssh-config-file", help="ssh client config (ssh -F)")
-    ssh.add_argument(
-        "--ssh-accept-new-host-keys",
-        action="store_true",
-        help="trust hosts whose keys are not yet known (trust on first use)",
-    )
-    ssh.add_argument(
-        "--ssh-connect-timeout",
-        type=int,
-        default=10,
-        metavar="S",
-        help="seconds for ssh to connect (default 10)",
-    )
+    add_ssh_arguments(p)
 
 
 def options_from_args(args: argparse.Namespace) -> checkup.DoctorOptions:
@@ -146,15 +131,7 @@ def options_from_args(args: argparse.Namespace) -> checkup.DoctorOptions:
     return checkup.DoctorOptions(
         hosts=tuple(hosts),
         np=args.np,
-        reach=Reach(
-            ssh=SshOptions(
-                port=args.ssh_port,
-                identity_file=args.ssh_identity_file,
-                config_file=args.ssh_config_file,
-                accept_new_host_keys=args.ssh_accept_new_host_keys,
-                connect_timeout_s=args.ssh_connect_timeout,
-            )
-        ),
+        reach=Reach(ssh=ssh_options(args)),
         network_interface=args.network_interface,
         links=args.links,
         link_seconds=args.link_seconds,
