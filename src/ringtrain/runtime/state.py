@@ -10,6 +10,7 @@ process's lifetime because a TCPStore server cannot be rebound reliably while pe
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import socket
@@ -166,6 +167,10 @@ def stop() -> None:
             rt.world._unbind()
             _runtime = None
             if dist.is_initialized():
+                # A DDP model kept only by a reference cycle holds the group too. Freed after
+                # this, its reducer would drop the group's last reference with the GIL held,
+                # and the group's destructor would wait on Gloo threads that need the GIL.
+                gc.collect()
                 dist.destroy_process_group()
             if rt.config.secure:  # the next job brings its own key and store
                 from ringtrain.algorithms import sealed_backend
