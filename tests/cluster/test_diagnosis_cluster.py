@@ -39,6 +39,8 @@ MISMATCHES = {
     "shape": "shape differs",
     "gather-shape": "shape (all dimensions but the first must agree) differs",
     "invalid": "was invalid on rank 3: allreduce expects a torch.Tensor, got list",
+    # Rank 3 submits on the set {2, 3}, the others on the world (ringtrain.collectives.crossset).
+    "process-set": "was submitted on different process sets",
 }
 
 MISMATCH_SCRIPT = textwrap.dedent(
@@ -50,6 +52,7 @@ MISMATCH_SCRIPT = textwrap.dedent(
 
     rt.init()
     odd = rt.rank() == 3
+    pair = rt.add_process_set([2, 3])
 
     def bad(kind):
         name = "bad." + kind
@@ -72,6 +75,8 @@ MISMATCH_SCRIPT = textwrap.dedent(
             rt.allgather(torch.ones(2, 3 if odd else 2), name=name)
         elif kind == "invalid":
             rt.allreduce([1.0, 2.0] if odd else x, name=name)
+        elif kind == "process-set":
+            rt.allreduce(x, name=name, process_set=pair if odd else rt.global_process_set)
 
     for kind in sys.argv[1:]:
         rt.allreduce(torch.ones(1), name="sync." + kind)  # all ranks start together
@@ -181,6 +186,10 @@ def test_each_mismatch_kind_fails_on_every_rank_within_seconds(
                 continue
             # The message lists what each rank submitted: ranks 0-2 alike, rank 3 apart.
             assert msg.startswith("CollectiveMismatchError:"), msg
+            if kind == "process-set":
+                assert "ranks [0, 1, 2] on process set 0" in msg, msg
+                assert "ranks [3] on process set 1 (ranks [2, 3])" in msg, msg
+                continue
             assert "|   ranks 0-2: " in msg and "|   rank 3: " in msg and "HINT:" in msg, msg
     assert sorted(re.findall(r"^\[\d\] AFTER (\d+)$", proc.stdout, re.M)) == [str(RANKS)] * RANKS
     _nothing_left(cluster)

@@ -18,6 +18,7 @@ fails with :class:`CollectiveAbortedError` instead of hanging.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import pickle
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain.collectives import crossset
 from ringtrain.collectives.execute import Executor, Pending
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request, mismatch
@@ -73,13 +75,19 @@ class _Message:
     idle: bool = False
     # Set by the set's rank 0 only: every rank aborts with this error.
     abort: str = ""
+    # Set by the set's rank 0 only: (name, error) of collectives submitted on other sets too.
+    mismatched: tuple[tuple[str, str], ...] = ()
 
 
 class Controller:
     """Negotiates and runs the collectives of one process set on this rank."""
 
     def __init__(
-        self, comm: Communicator, config: Config, clock: Callable[[], float] = time.monotonic
+        self,
+        comm: Communicator,
+        config: Config,
+        clock: Callable[[], float] = time.monotonic,
+        board: crossset.Board | None = None,
     ) -> None:
         self.comm = comm
         self.config = config
@@ -105,6 +113,13 @@ class Controller:
         self._naps = 0  # doorbell episodes so far, counted alike on every rank
         self._bell: str | None = None  # the key to set to wake the dozing controllers
         self._waiter: Any = None  # the controller's own store client, for dozing
+        # Same name on other process sets: shared by this process's controllers (see crossset).
+        if board is None and comm.store is not None and config.check_consistency:
+            board = crossset.Board(comm.store, comm.ranks[comm.set_rank])
+        self.board = board
+        self._next_stuck_check = 0.0
+        # Names this set failed as cross-set mismatches, still posted until the given time.
+        self._lingering: dict[str, tuple[crossset.Stuck, float]] = {}
         self._executor = Executor(comm, config)
         self._control = comm.group("control")
         self._thread = threading.Thread(
@@ -207,6 +222,9 @@ class Controller:
             )
         finally:
             self._closed = True
+            if self.board is not None:
+                with contextlib.suppress(Exception):  # the store may be gone with the job
+                    self.board.update(self.comm.set_id, ())
 
     def _sleep_time(self, idle_cycles: int) -> float:
         cycle = self.config.cycle_time_ms / 1000.0
@@ -263,8 +281,11 @@ class Controller:
                 and self._idle_cycles >= DOZE_AFTER_IDLE_CYCLES
                 and self.comm.store is not None
             )
+        stuck = self._stuck()
         if self.comm.set_rank == 0:
             mine.abort = self._inspect()
+            if stuck:
+                mine.mismatched = self._cross_set_mismatches(stuck)
         rec = timeline.current()
         started = time.perf_counter()
         messages = self._exchange(mine)
@@ -290,6 +311,9 @@ class Controller:
         abort = messages[0].abort
         if abort:
             raise StallError(abort)
+        for name, problem in messages[0].mismatched:
+            self._linger(name)
+            self._fail_name(name, CollectiveMismatchError(problem))
         ready = [name for name in self._table if self._is_ready(name)]
         for name in ready:
             self._run_ready(name)
@@ -341,6 +365,58 @@ class Controller:
         joined = frozenset(self._joined - set(by_rank))
         self._remember(by_rank)
         self._executor.add(name, by_rank, local, joined, me)
+
+    def _fail_name(self, name: str, error: CollectiveError) -> None:
+        """Drop ``name`` from the table on every rank alike; fail it here if this rank has it."""
+        self._table.pop(name, None)
+        self._first_seen.pop(name, None)
+        with self._lock:
+            local = self._pending.pop(name, None)
+        if local is not None:
+            local.handle.set_error(error)
+
+    def _stuck(self) -> list[crossset.Stuck] | None:
+        """Names this rank submitted that have waited long in the table, posted on the board
+        (checked every CHECK_EVERY_S; None between checks)."""
+        if self.board is None:
+            return None
+        now = self._clock()
+        if now < self._next_stuck_check:
+            return None
+        self._next_stuck_check = now + crossset.CHECK_EVERY_S
+        stuck = [
+            self._as_stuck(name)
+            for name in self._table
+            if now - self._first_seen.get(name, now) >= crossset.STUCK_AFTER_S
+        ]
+        self._lingering = {n: v for n, v in self._lingering.items() if now < v[1]}
+        me = self.comm.ranks[self.comm.set_rank]
+        mine = [s for s in stuck if me in s.submitted]
+        self.board.update(self.comm.set_id, mine + [s for s, _ in self._lingering.values()])
+        return stuck
+
+    def _as_stuck(self, name: str) -> crossset.Stuck:
+        ranks = self.comm.ranks
+        by = self._table[name]
+        return crossset.Stuck(
+            name, self.comm.set_id, tuple(ranks), tuple(ranks[r] for r in sorted(by))
+        )
+
+    def _linger(self, name: str) -> None:
+        """Keep posting a name this set failed as a cross-set mismatch for a while: the other
+        set's rank 0 may not have read the post yet, and needs it to fail its side too."""
+        if self.board is None or self.comm.set_rank not in self._table.get(name, ()):
+            return
+        until = self._clock() + crossset.LINGER_S
+        self._lingering[name] = (self._as_stuck(name), until)
+
+    def _cross_set_mismatches(self, stuck: list[crossset.Stuck]) -> tuple[tuple[str, str], ...]:
+        """Rank 0: stuck names whose missing ranks went to another set with the same name."""
+        assert self.board is not None
+        missing = {r for s in stuck for r in s.missing}
+        posts = {r: self.board.read(r) for r in sorted(missing)}
+        found = crossset.set_mismatches(self.comm.set_id, stuck, posts)
+        return tuple(sorted(found.items()))
 
     def _remember(self, by_rank: dict[int, Request]) -> None:
         """Cache a request every rank made alike. Called in the ready order, which every rank
