@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import ringtrain as rt
+from _training import DigitsNet, same_on_every_rank
 from ringtrain.testing.spawn import World
 
 METHODS: dict[str, dict[str, Any]] = {
@@ -50,12 +51,6 @@ ACCURACY_DROP = 0.025
 LM_SLACK = 0.1
 
 
-def _same_on_every_rank(model: torch.nn.Module) -> bool:
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    gathered = rt.allgather(flat.reshape(1, -1))
-    return bool(torch.equal(gathered, gathered[:1].expand_as(gathered)))
-
-
 def _optimizer(model: torch.nn.Module, base: torch.optim.Optimizer, kwargs: dict[str, Any]) -> Any:
     return rt.DistributedOptimizer(base, named_parameters=model.named_parameters(), **kwargs)
 
@@ -66,23 +61,6 @@ DIGITS_STEPS = 300
 # Held-out figures are averaged over evaluations every EVAL_EVERY steps in the last EVAL_LAST
 # steps: one evaluation swings by tens of percent from step to step at this size.
 EVAL_EVERY, EVAL_LAST = 20, 100
-
-
-class DigitsNet(torch.nn.Module):
-    """The demo's CNN."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(1, 32, 3, padding=1)
-        self.conv2 = torch.nn.Conv2d(32, 64, 3, padding=1)
-        self.fc1 = torch.nn.Linear(64 * 4 * 4, 128)
-        self.fc2 = torch.nn.Linear(128, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.conv1(x))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = F.relu(self.fc1(x.flatten(1)))
-        return self.fc2(x)
 
 
 def _digits(
@@ -104,7 +82,7 @@ def _digits(
         base = torch.optim.SGD(model.parameters(), lr=0.01 * n, momentum=0.9)
         opt = _optimizer(model, base, METHODS[method])
         gen = torch.Generator().manual_seed(r)
-        evals = []
+        evals: list[tuple[float, float]] = []
         for step in range(1, steps + 1):
             batch = mine[torch.randint(len(mine), (batch_size,), generator=gen)]
             opt.zero_grad()
@@ -121,7 +99,7 @@ def _digits(
                     )
         loss = sum(e[0] for e in evals) / len(evals)
         acc = sum(e[1] for e in evals) / len(evals)
-        out[method] = (loss, acc, _same_on_every_rank(model))
+        out[method] = (loss, acc, same_on_every_rank(model))
         opt.remove_hooks()
     return out
 
@@ -197,7 +175,7 @@ def _lm(methods: list[str], steps: int = LM_STEPS) -> dict[str, tuple[float, flo
         with torch.no_grad():
             logits = model(held_out[:, :-1])
             loss = float(F.cross_entropy(logits.flatten(0, 1), held_out[:, 1:].flatten()))
-        out[method] = (loss, 0.0, _same_on_every_rank(model))
+        out[method] = (loss, 0.0, same_on_every_rank(model))
         opt.remove_hooks()
     return out
 

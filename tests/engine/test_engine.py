@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import ringtrain as rt
+from _training import DigitsNet, assert_same_weights, same_on_every_rank, train
 from ringtrain.testing.spawn import World
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -113,11 +114,7 @@ def _train(case: str, steps: int, kwargs: dict[str, Any]) -> tuple[float, list[s
         total = sum(_loss(case, ref, step, q, n, j) for q in range(n) for j in range(passes))
         (total / (n * passes)).backward()
         ref_opt.step()
-    worst = 0.0
-    for (name, got), want in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(got, want, **TOL, msg=lambda m, name=name: f"{name}: {m}")
-        worst = max(worst, float((got - want).abs().max()))
-    return worst, digests
+    return assert_same_weights(model, ref, **TOL), digests
 
 
 def _same_plan_everywhere(results: list[tuple[float, list[str]]]) -> list[str]:
@@ -278,14 +275,11 @@ def _reducer_and_state_dict() -> dict[str, Any]:
         )
         return model, opt, reducer
 
-    def train(model: TwoHeads, opt: rt.DistributedOptimizer, steps: range) -> None:
-        for step in steps:
-            opt.zero_grad()
-            _loss("plain", model, step, r, n).backward()
-            opt.step()
+    def plain(model: TwoHeads) -> Callable[[int], torch.Tensor]:
+        return lambda step: _loss("plain", model, step, r, n)
 
     model, opt, reducer = build()
-    train(model, opt, range(3))
+    train(opt, range(3), plain(model))
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     buf.seek(0)
@@ -294,8 +288,8 @@ def _reducer_and_state_dict() -> dict[str, Any]:
     model2.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["opt"])
     restored_calls = dict(reducer2.calls)
-    train(model, opt, range(3, 5))
-    train(model2, opt2, range(3, 5))
+    train(opt, range(3, 5), plain(model))
+    train(opt2, range(3, 5), plain(model2))
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
     mismatch = ""
     try:
@@ -337,15 +331,9 @@ def _powersgd_keeps_ranks_identical() -> bool:
         compression=PowerSGDReducer(start_iter=1),
         **SMALL_BUCKETS,
     )
-    for step in range(4):
-        opt.zero_grad()
-        _loss("plain", model, step, r, n).backward()
-        opt.step()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    gathered = rt.allgather(flat.reshape(1, -1))
-    return bool(torch.isfinite(flat).all()) and bool(
-        torch.equal(gathered, gathered[:1].expand_as(gathered))
-    )
+    train(opt, range(4), lambda step: _loss("plain", model, step, r, n))
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return same_on_every_rank(model) and finite
 
 
 def test_powersgd_through_the_engine(world2: World) -> None:
@@ -353,23 +341,6 @@ def test_powersgd_through_the_engine(world2: World) -> None:
 
 
 # ---- parity with torch DDP -------------------------------------------------------------------
-
-
-class DigitsNet(torch.nn.Module):
-    """The demo's CNN (examples/train_digits.py)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = torch.nn.Conv2d(1, 32, 3, padding=1)
-        self.conv2 = torch.nn.Conv2d(32, 64, 3, padding=1)
-        self.fc1 = torch.nn.Linear(64 * 4 * 4, 128)
-        self.fc2 = torch.nn.Linear(128, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.conv1(x))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = F.relu(self.fc1(x.flatten(1)))
-        return self.fc2(x)
 
 
 class TinyTransformer(torch.nn.Module):
@@ -414,11 +385,7 @@ def _ddp_parity(model_name: str, k: int, steps: int) -> float:
         opt.zero_grad()
         ddp_opt.step()
         ddp_opt.zero_grad()
-    worst = 0.0
-    for a, b in zip(model.parameters(), ddp.module.parameters()):
-        torch.testing.assert_close(a, b, **TOL)
-        worst = max(worst, float((a - b).abs().max()))
-    return worst
+    return assert_same_weights(model, ddp.module, **TOL)
 
 
 def test_same_weights_as_torch_ddp(world2: World) -> None:

@@ -47,6 +47,59 @@ class Reach:
         remote = [self.python, "-m", wire.PROBE_MODULE, "--deadline", f"{deadline_s:.0f}", *args]
         return remote if host.is_local else transport.ssh_argv(host, self.ssh, remote, self.cwd)
 
+    def run(self, host: Host, args: Sequence[str], deadline_s: float, late: str) -> ProbeRun:
+        """Run one probe subcommand on ``host`` to its end; ``late`` says it did not end in time.
+
+        ssh gets its connect timeout on top of the probe's own ``deadline_s``.
+        """
+        argv = self.argv(host, args, deadline_s)
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(
+                argv,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=deadline_s + self.ssh.connect_timeout_s,
+                start_new_session=True,
+            )
+        except subprocess.TimeoutExpired:
+            return ProbeRun(host, argv, time.monotonic() - t0, unfinished=late)
+        except OSError as e:
+            return ProbeRun(
+                host, argv, 0.0, unfinished=f"cannot start {argv[0]!r} for {host.name}: {e}"
+            )
+        return ProbeRun(
+            host, argv, time.monotonic() - t0, proc.returncode, proc.stdout, proc.stderr
+        )
+
+
+@dataclass(frozen=True)
+class ProbeRun:
+    """How one probe subcommand on one host ended: its output, or why it never finished."""
+
+    host: Host
+    argv: list[str]
+    seconds: float
+    returncode: int = 0
+    stdout: str = ""
+    stderr: str = ""
+    unfinished: str | None = None  # it timed out or could not start
+
+    @property
+    def ok(self) -> bool:
+        return self.unfinished is None and self.returncode == 0
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return wire.records(self.stdout.splitlines())
+
+    def failure(self) -> tuple[bool, str]:
+        """(reachable, message) for a run that did not give what was asked of it."""
+        if self.unfinished is not None:
+            return False, self.unfinished
+        return _failure(self.host, self.argv, self.returncode, self.stderr or self.stdout)
+
 
 @dataclass
 class HostProbe:
@@ -96,34 +149,16 @@ def _failure(host: Host, argv: Sequence[str], rc: int, stderr: str) -> tuple[boo
 
 
 def probe_host(host: Host, reach: Reach, timeout_s: float) -> HostProbe:
-    argv = reach.argv(host, ["facts"], timeout_s)
-    t0 = time.monotonic()
-    try:
-        proc = subprocess.run(
-            argv,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s + reach.ssh.connect_timeout_s,
-            start_new_session=True,
-        )
-    except subprocess.TimeoutExpired:
-        return HostProbe(
-            host.name,
-            False,
-            f"host {host.name} did not answer within {timeout_s:.0f} s.\n"
-            "HINT: check that ssh to it works and that it is not overloaded.",
-            seconds=time.monotonic() - t0,
-        )
-    except OSError as e:
-        return HostProbe(host.name, False, f"cannot start {argv[0]!r} for {host.name}: {e}")
-    took = time.monotonic() - t0
-    found = wire.records(proc.stdout.splitlines())
-    facts = next((r["facts"] for r in found if "facts" in r), None)
-    if proc.returncode != 0 or facts is None:
-        reachable, msg = _failure(host, argv, proc.returncode, proc.stderr or proc.stdout)
-        return HostProbe(host.name, reachable, msg, seconds=took)
-    return HostProbe(host.name, True, None, facts, took)
+    late = (
+        f"host {host.name} did not answer within {timeout_s:.0f} s.\n"
+        "HINT: check that ssh to it works and that it is not overloaded."
+    )
+    run = reach.run(host, ["facts"], timeout_s, late)
+    facts = next((r["facts"] for r in run.records if "facts" in r), None)
+    if not run.ok or facts is None:
+        reachable, msg = run.failure()
+        return HostProbe(host.name, reachable, msg, seconds=run.seconds)
+    return HostProbe(host.name, True, None, facts, run.seconds)
 
 
 def probe_hosts(hosts: Sequence[Host], reach: Reach, timeout_s: float) -> list[HostProbe]:
@@ -245,22 +280,10 @@ def _send(
     for t in targets:
         args += ["--to", f"{t.address}:{t.port}"]
     budget = timeout_s + len(targets) * (seconds + 10)
-    argv = reach.argv(src, args, budget)
-    try:
-        proc = subprocess.run(
-            argv,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=budget + reach.ssh.connect_timeout_s,
-            start_new_session=True,
-        )
-        found = [r["link"] for r in wire.records(proc.stdout.splitlines()) if "link" in r]
-        failed = (
-            None if proc.returncode == 0 else _failure(src, argv, proc.returncode, proc.stderr)[1]
-        )
-    except subprocess.TimeoutExpired:
-        found, failed = [], f"the link test sender on {src.name} did not finish in time"
+    late = f"the link test sender on {src.name} did not finish in time"
+    run = reach.run(src, args, budget, late)
+    found = [r["link"] for r in run.records if "link" in r]
+    failed = None if run.ok else run.failure()[1]
     out = []
     for t in targets:
         r = next(
