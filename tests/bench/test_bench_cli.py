@@ -59,6 +59,9 @@ def test_allreduce_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         _positive(f["time"])
         assert f["nbytes"] == 8 * 4096 and f["vs_one_tensor"] > 0
     assert cases["torch one tensor"]["vs_one_tensor"] == pytest.approx(1.0)
+    # Repeat by repeat, torch's case over itself is exactly 1; the others are real ratios.
+    assert cases["torch one tensor"]["paired"]["max"] == pytest.approx(1.0)
+    assert cases["ringtrain grouped"]["paired"]["n"] == res["params"]["fusion_repeats"]
     assert cases["ringtrain grouped"]["tensors"] == 8
 
 

@@ -74,6 +74,9 @@ class FusionPoint:
     busbw: Summary
     # Median time relative to torch's single allreduce of the same total size (1.0 = as fast).
     vs_one_tensor: float = 0.0
+    # The same, repeat by repeat: each sample over the torch sample of the same repeat. The cases
+    # of one repeat run back to back, so this pairs them under the same machine load.
+    paired: Summary | None = None
 
 
 @dataclass
@@ -193,7 +196,10 @@ def _fusion(
     for case, s in samples.items():
         t, bw = _summaries(s, total, n)
         points.append(FusionPoint(case, 1 if "one tensor" in case else count, total, t, bw))
-    base = next(p for p in points if p.case == "torch one tensor").time.median
+    base_samples = samples["torch one tensor"]
+    base = Summary.of(base_samples).median
     for p in points:
         p.vs_one_tensor = p.time.median / base if base > 0 else 0.0
+        ratios = [a / b for a, b in zip(samples[p.case], base_samples) if b > 0]
+        p.paired = Summary.of(ratios) if ratios else None
     return points

@@ -103,17 +103,29 @@ def format_allreduce(res: AllreduceResult, markdown: bool = False) -> str:
     if res.fusion:
         f0 = res.fusion[0]
         rows = [
-            [p.case, str(p.tensors), _ms(p.time), _mbs(p.busbw.median), _ratio(p.vs_one_tensor)]
+            [
+                p.case,
+                str(p.tensors),
+                _ms(p.time),
+                _mbs(p.busbw.median),
+                _ratio(p.vs_one_tensor),
+                _paired(p.paired),
+            ]
             for p in res.fusion
         ]
         out += [
             "",
             f"fusion: {res.params.fusion_count} x {fmt_bytes(res.params.fusion_each_bytes)} "
             f"= {fmt_bytes(f0.nbytes)}, {res.params.fusion_repeats} repeats; "
-            "time relative to torch's single allreduce of the same bytes",
-            table(["case", "tensors", "ms", "MB/s", "vs one tensor"], rows, markdown),
+            "time relative to torch's single allreduce of the same bytes (of the medians, and "
+            "repeat by repeat: median [min-max])",
+            table(["case", "tensors", "ms", "MB/s", "vs one tensor", "paired"], rows, markdown),
         ]
     return "\n".join(out)
+
+
+def _paired(s: Summary | None) -> str:
+    return "-" if s is None else f"{s.median:.2f}x [{s.min:.2f}-{s.max:.2f}]"
 
 
 def _bw(s: Summary) -> str:
