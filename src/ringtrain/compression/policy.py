@@ -9,8 +9,11 @@ numbers, the same on every rank. The model, as plain as it can be:
   bucket allreduces were in flight; ``comm_s - wait_s`` of it hid behind backward.
 * The link is described by ``bytes_per_s``, the throughput of a probe allreduce of up to a few
   MiB, and by the cost of one collective inside a step, ``op_overhead_s``: what of ``comm_s`` the
-  bytes do not explain, per bucket (at least a tiny allreduce's ``latency_s``). Small models are
-  all overhead, and no compression removes collectives.
+  bytes do not explain, per bucket (at least a tiny allreduce's ``latency_s``, at most
+  :data:`OP_OVERHEAD_MAX_LATENCIES` of them). Small models are all overhead, and no compression
+  removes collectives. Time beyond that cap is the link moving the step's bytes slower than it
+  moved the probe's (a shaped link under sustained traffic), so it is charged per byte:
+  ``in_step_bytes_per_s``.
 * A method's communication time is ``collectives x op_overhead + wire bytes / throughput + its
   own compute`` (casting, factorizing, selecting, at ``*_S_PER_ELEMENT``: rough figures for one CPU
   core, much lower on a GPU). fp16 sends half the bytes; PowerSGD the numbers its layouts say
@@ -55,6 +58,11 @@ FP16_S_PER_ELEMENT = 6e-9
 POWERSGD_S_PER_ELEMENT = 10e-9
 TOPK_S_PER_ELEMENT = 15e-9
 CUDA_SPEEDUP = 50.0
+# One collective's own cost inside a step is at most this many tiny-allreduce latencies (thread
+# hand-offs and contention with backward make it several). On a 100 Mbit/s link, charging all the
+# time the probe's throughput does not explain per collective came to 38 ms each and priced
+# PowerSGD, with two collectives per bucket, above top-k, which measured slower.
+OP_OVERHEAD_MAX_LATENCIES = 10
 # Exposed communication above this share of compute makes accumulation worth recommending.
 ACCUMULATE_ABOVE = 0.25
 ACCUMULATION_CHOICES = (2, 4, 8)
@@ -108,7 +116,17 @@ class Measurement:
         if self.buckets == 0:
             return self.latency_s
         unexplained = self.comm_s - self.grad_bytes / self.bytes_per_s
-        return max(self.latency_s, unexplained / self.buckets)
+        per_op = max(self.latency_s, unexplained / self.buckets)
+        return min(per_op, OP_OVERHEAD_MAX_LATENCIES * self.latency_s)
+
+    @property
+    def in_step_bytes_per_s(self) -> float:
+        """Throughput the step's own exchange got: the probe's, or less if the step's bytes
+        took longer than the probe's rate and the collectives' overhead explain."""
+        wire_s = self.comm_s - self.buckets * self.op_overhead_s
+        if self.grad_bytes <= 0 or wire_s <= 0:
+            return self.bytes_per_s
+        return min(self.bytes_per_s, self.grad_bytes / wire_s)
 
 
 @dataclass(frozen=True)
@@ -123,7 +141,7 @@ class Decision:
 
 def predict_comm_s(m: Measurement, method: str) -> float:
     """Seconds of communication (with the method's own compute) per step for ``method``."""
-    bw = m.bytes_per_s
+    bw = m.in_step_bytes_per_s
     op = m.op_overhead_s
     speed = CUDA_SPEEDUP if m.on_cuda else 1.0
     if method == "none":
@@ -173,8 +191,8 @@ def choose(m: Measurement, methods: tuple[str, ...] = PREFERENCE) -> Decision:
     base = (
         f"uncompressed, a step is {step * 1e3:.1f} ms: {m.compute_s * 1e3:.1f} ms of compute "
         f"and {m.wait_s * 1e3:.1f} ms waiting for {m.grad_bytes / 2**20:.1f} MiB of gradients "
-        f"(allreduce ~{m.bytes_per_s / 2**20:.0f} MiB/s, {m.op_overhead_s * 1e3:.2f} ms per "
-        "collective)"
+        f"(allreduce ~{m.in_step_bytes_per_s / 2**20:.0f} MiB/s in the step, "
+        f"{m.op_overhead_s * 1e3:.2f} ms per collective)"
     )
     if m.wait_s <= MIN_WAIT_SHARE * step:
         return Decision(
