@@ -19,7 +19,8 @@ numbers, the same on every rank. The model, as plain as it can be:
   core, much lower on a GPU). fp16 sends half the bytes; PowerSGD the numbers its layouts say
   (``powersgd_wire_numel``) in two collectives per bucket; top-k all-gathers
   ``ratio x numel`` (index, value) pairs, which grows with the world size. The same amount
-  hides behind backward as did uncompressed.
+  hides behind backward as did uncompressed, except the method's own compute on a rank with no
+  core to spare (``spare_core`` false): the reducer thread then takes its time from backward.
 
 Rules, in order: one rank, or an exchange adding under :data:`MIN_WAIT_SHARE` of the step, keeps
 ``none`` ("never make a fast link slower"); a method must be predicted to shorten the step by at
@@ -86,6 +87,9 @@ class Measurement:
     powersgd_collectives: int  # collectives per step with PowerSGD
     topk_ratio: float
     on_cuda: bool = False
+    # Every rank has a CPU core beyond its torch threads, so a reducer's work can run beside
+    # backward; without one it adds to the step (a rank bound to one core).
+    spare_core: bool = True
 
     def __post_init__(self) -> None:
         bad = {
@@ -141,25 +145,30 @@ class Decision:
 
 def predict_comm_s(m: Measurement, method: str) -> float:
     """Seconds of communication (with the method's own compute) per step for ``method``."""
+    if method == "none":
+        return m.comm_s
+    transfer, local = _costs(m, method)
+    return transfer + local
+
+
+def _costs(m: Measurement, method: str) -> tuple[float, float]:
+    """(collectives and bytes, the method's own compute) in seconds per step."""
     bw = m.in_step_bytes_per_s
     op = m.op_overhead_s
     speed = CUDA_SPEEDUP if m.on_cuda else 1.0
-    if method == "none":
-        return m.comm_s
     if method == "fp16":
         wire = m.grad_bytes * min(1.0, 2 / max(m.element_size, 1))
-        local = FP16_S_PER_ELEMENT * m.grad_numel / speed
-        return m.buckets * op + wire / bw + local
+        return m.buckets * op + wire / bw, FP16_S_PER_ELEMENT * m.grad_numel / speed
     if method == "powersgd":
         wire = m.powersgd_wire_numel * m.element_size
         local = POWERSGD_S_PER_ELEMENT * m.grad_numel / speed
-        return m.powersgd_collectives * op + wire / bw + local
+        return m.powersgd_collectives * op + wire / bw, local
     if method == "topk":
         # Each rank sends k (int32 index, value) pairs; an allgather moves n/2 times what an
         # allreduce of the same per-rank bytes moves (ring: (n-1) k vs 2 (n-1)/n k per rank).
         pairs = math.ceil(m.topk_ratio * m.grad_numel) * (4 + m.element_size)
         local = TOPK_S_PER_ELEMENT * m.grad_numel / speed
-        return m.buckets * op + m.world_size * pairs / (2 * bw) + local
+        return m.buckets * op + m.world_size * pairs / (2 * bw), local
     raise ConfigError(f"unknown method {method!r}; expected one of {', '.join(PREFERENCE)}")
 
 
@@ -168,7 +177,10 @@ def predict_step_s(m: Measurement, method: str) -> float:
     if method == "none":
         return m.step_s
     hidden = max(0.0, m.comm_s - m.wait_s)
-    return m.compute_s + max(0.0, predict_comm_s(m, method) - hidden)
+    transfer, local = _costs(m, method)
+    if m.on_cuda or m.spare_core:
+        return m.compute_s + max(0.0, transfer + local - hidden)
+    return m.compute_s + local + max(0.0, transfer - hidden)
 
 
 def _accumulation(m: Measurement, exposed_s: float) -> tuple[int, str]:
@@ -192,7 +204,9 @@ def choose(m: Measurement, methods: tuple[str, ...] = PREFERENCE) -> Decision:
         f"uncompressed, a step is {step * 1e3:.1f} ms: {m.compute_s * 1e3:.1f} ms of compute "
         f"and {m.wait_s * 1e3:.1f} ms waiting for {m.grad_bytes / 2**20:.1f} MiB of gradients "
         f"(allreduce ~{m.in_step_bytes_per_s / 2**20:.0f} MiB/s in the step, "
-        f"{m.op_overhead_s * 1e3:.2f} ms per collective)"
+        f"{m.op_overhead_s * 1e3:.2f} ms per collective"
+        + ("" if m.on_cuda or m.spare_core else "; no spare core for a reducer")
+        + ")"
     )
     if m.wait_s <= MIN_WAIT_SHARE * step:
         return Decision(

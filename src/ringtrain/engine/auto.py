@@ -24,7 +24,9 @@ is finished, at the same step on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -105,13 +107,15 @@ class AutoTuner:
         _, wait, comm = (statistics.median(col) for col in zip(*samples))
         step = statistics.median(c + w for c, w, _ in samples)
         latency, throughput = self._probe(sum(b.nbytes for b in plan.buckets))
-        # Throughput: the slowest rank's is the smallest: MAX of its inverse.
-        step, wait, comm, latency, inverse = self._slowest(
-            [step, wait, comm, latency, 1.0 / throughput]
+        # Throughput: the slowest rank's is the smallest: MAX of its inverse. A spare core
+        # counts only if every rank has one: MAX of its absence.
+        step, wait, comm, latency, inverse, no_spare = self._slowest(
+            [step, wait, comm, latency, 1.0 / throughput, float(not _spare_core())]
         )
         self.measurement = m = _measurement(
             plan, self.auto, self._size, step - wait, wait, comm, latency, 1.0 / inverse
         )
+        m = self.measurement = dataclasses.replace(m, spare_core=not no_spare)
         self._baseline_s = step
         decision = policy.choose(m)
         if decision.compression == "none":
@@ -192,6 +196,16 @@ class AutoTuner:
         t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
         return [float(v) for v in t.tolist()]
+
+
+def _spare_core() -> bool:
+    """Whether this rank may run on more cores than torch's threads use (a reducer thread can
+    then work beside backward)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux: count the machine's
+        cores = os.cpu_count() or 1
+    return cores > torch.get_num_threads()
 
 
 def _measurement(
