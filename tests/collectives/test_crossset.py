@@ -78,6 +78,18 @@ def test_the_board_posts_only_changes_and_reads_back_what_was_posted() -> None:
     assert other.read(0) == ()
 
 
+def test_a_broken_store_or_post_is_no_evidence_and_no_failure() -> None:
+    class Broken(_Store):
+        def set(self, key: str, value: str) -> None:
+            raise RuntimeError("store gone")
+
+    store = Broken()
+    board = Board(store, 0)
+    board.update(1, [Stuck("x", 1, PAIR, (0,))])  # does not raise
+    store.data["ringtrain/stuck/1"] = b"not json"
+    assert board.read(1) == ()
+
+
 def _two_sets_one_name() -> tuple[str, float, str]:
     pair = rt.add_process_set(list(PAIR))
     rt.allreduce(torch.ones(1), name="start")

@@ -20,10 +20,13 @@ Posts are JSON: the store is shared by the whole job and its contents are never 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger("ringtrain")
 
 # A name waiting this long in a set's table is posted, and checked against the posts of the
 # ranks it misses. Same-name collectives on two sets that are both in flight longer than this,
@@ -81,17 +84,25 @@ class Board:
             content = tuple(s for key in sorted(self._by_set) for s in self._by_set[key])
             if content == self._posted:
                 return
-            self._posted = content
             # Under the lock: two sets' controllers must not post out of order.
-            self._store.set(_key(self._rank), json.dumps([s.to_json() for s in content]))
+            try:
+                self._store.set(_key(self._rank), json.dumps([s.to_json() for s in content]))
+            except Exception as e:  # a diagnostic must not fail the job: try again next check
+                log.debug("could not post stuck collectives: %s", e)
+                return
+            self._posted = content
 
     def read(self, world_rank: int) -> tuple[Stuck, ...]:
         """What another rank last posted as stuck (nothing if it never posted)."""
         key = _key(world_rank)
-        if not self._store.check([key]):
+        try:
+            if not self._store.check([key]):
+                return ()
+            raw = self._store.get(key)
+            return tuple(Stuck.from_json(item) for item in json.loads(bytes(raw).decode()))
+        except Exception as e:  # unreadable: no evidence of a mismatch, the stall report stays
+            log.debug("could not read rank %d's stuck collectives: %s", world_rank, e)
             return ()
-        raw = self._store.get(key)
-        return tuple(Stuck.from_json(item) for item in json.loads(bytes(raw).decode()))
 
 
 def set_mismatches(
