@@ -340,6 +340,47 @@ def test_powersgd_through_the_engine(world2: World) -> None:
     assert world2.run(_powersgd_keeps_ranks_identical) == [True, True]
 
 
+def _dropped_optimizer_is_freed() -> tuple[bool, list[str], int, bool]:
+    import gc
+    import threading
+    import time
+    import weakref
+
+    from ringtrain.compression import PowerSGDReducer
+
+    r, n = rt.rank(), rt.size()
+    model = TwoHeads()
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        compression=PowerSGDReducer(start_iter=1),  # a reducer: the exchange has a thread
+        **SMALL_BUCKETS,
+    )
+    train(opt, range(3), lambda step: _loss("plain", model, step, r, n))
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while any(t.name == "ringtrain-reducer" for t in threading.enumerate()):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("ringtrain-reducer")]
+    hooks = sum(
+        len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters()
+    )
+    # The model trains on alone afterwards: nothing of the optimizer is left in its backward.
+    _loss("plain", model, 9, r, n).backward()
+    return gone() is None, threads, hooks, all(p.grad is not None for p in model.parameters())
+
+
+def test_a_dropped_optimizer_frees_itself_and_its_threads(world2: World) -> None:
+    # Hooks live in the parameters' C++ autograd data, where the garbage collector cannot see a
+    # cycle through them: they hold the optimizer weakly, or it would live as long as the model.
+    for freed, threads, hooks, trains in world2.run(_dropped_optimizer_is_freed):
+        assert freed and threads == [] and hooks == 0 and trains
+
+
 # ---- parity with torch DDP -------------------------------------------------------------------
 
 

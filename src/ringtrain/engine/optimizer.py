@@ -32,6 +32,7 @@ import functools
 import logging
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -192,6 +193,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._names: list[str] = []
         self._index_names(named_parameters)
         self._hooks: dict[int, Any] = {}
+        # Dropped without remove_hooks(), the optimizer takes its hooks off the parameters.
+        weakref.finalize(self, _remove_hooks, self._hooks)
         self._plan: Plan | None = None
         self._exchange: GradientExchange | None = None
         self._counts = [0] * len(self._params)
@@ -338,17 +341,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _register_hooks(self) -> None:
         if self._size == 1:
             return  # nothing to exchange: the wrapper costs nothing at world size 1
+        me = weakref.ref(self)
         for i, p in enumerate(self._params):
             if p.requires_grad and i not in self._hooks:
                 self._hooks[i] = p.register_post_accumulate_grad_hook(
-                    functools.partial(self._on_grad_ready, i)
+                    functools.partial(_grad_ready, me, i)
                 )
 
     def remove_hooks(self) -> None:
         """Detach from the parameters; the optimizer then behaves like the plain one."""
-        for h in self._hooks.values():
-            h.remove()
-        self._hooks = {}
+        _remove_hooks(self._hooks)
         self._drop_plan()
 
     def _drop_plan(self) -> None:
@@ -578,3 +580,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "or optimizer.synchronize().\nHINT: this is usually a missing optimizer.step()."
             )
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def _grad_ready(optimizer: weakref.ref[DistributedOptimizer], index: int, param: Any) -> None:
+    """A parameter's hook. It holds its optimizer weakly: hooks live in the parameter's C++
+    autograd data, out of sight of Python's garbage collector, so a strong reference would make
+    optimizer -> parameters -> hook -> optimizer a cycle that is never freed, and a dropped
+    optimizer would keep its reducer threads and buffers for the life of the process."""
+    opt = optimizer()
+    if opt is not None:
+        opt._on_grad_ready(index, param)
+
+
+def _remove_hooks(hooks: dict[int, Any]) -> None:
+    for h in hooks.values():
+        h.remove()
+    hooks.clear()
