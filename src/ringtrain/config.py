@@ -62,7 +62,8 @@ class Config:
     bucket_order: str = "auto"
     # Collectives that do not complete within this many seconds fail instead of hanging.
     timeout_s: float = 300.0
-    # Stall inspector: warn after this long waiting on ranks that did not submit; 0 disables.
+    # Stall inspector: warn after this long waiting on ranks that did not submit; 0 disables the
+    # inspector, its shutdown included.
     stall_warning_s: float = 60.0
     # Stall inspector: abort the job after this long; 0 means never.
     stall_shutdown_s: float = 0.0

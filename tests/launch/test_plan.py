@@ -109,6 +109,9 @@ def test_tuning_binds_cores_when_each_rank_gets_one() -> None:
     t = tune(HostFacts("h", cpus=(0, 1)), 4, "auto", "system", {})
     assert t[0].cpus is None and t[0].env["OMP_NUM_THREADS"] == "1"
     assert tune(facts, 2, "none", "system", {"OMP_NUM_THREADS": "3"})[0].env == {}
+    # Binding asked for anyway: one core each, in turn, never an empty set.
+    t = tune(HostFacts("h", cpus=(0, 1)), 3, "core", "system", {})
+    assert [r.cpus for r in t] == [(0,), (1,), (0,)]
 
 
 def test_tuning_numa_and_missing_allocator() -> None:

@@ -92,6 +92,8 @@ def _cpus_for(
         node = [c for c in numa_nodes[local_rank % len(numa_nodes)] if c in cpus]
         return node or None
     per = len(cpus) // local_size
+    if per == 0:  # asked for cores with more ranks than cores: one each, shared in turn
+        return [cpus[local_rank % len(cpus)]]
     return list(cpus[local_rank * per : (local_rank + 1) * per])
 
 

@@ -17,8 +17,8 @@ A model, as simple as it can be while still saying something useful:
   communication hides behind the backward pass (``backward_fraction`` of the step); the rest,
   and everything beyond the backward pass, is exposed and adds to the step.
 - **compression** scales the bytes: fp16/bf16 send half. PowerSGD at rank 4 sends about
-  ``POWERSGD_RATIO`` of them (layers ~512 wide: ``(n+m) r / (n m)`` = 1/64, plus the biases
-  it sends whole) in two collectives per bucket. Top-k at ratio 1% all-gathers (index, value)
+  ``WIRE_RATIO["powersgd"]`` = 1/32 of them (layers ~512 wide: ``(n+m) r / (n m)`` = 1/64,
+  doubled for the biases it sends whole and narrower layers) in two collectives per bucket. Top-k at ratio 1% all-gathers (index, value)
   pairs: each rank receives ``(n-1) * 2% * bytes``, which grows with the world size.
 - **backward_passes_per_step** k: gradients are accumulated over k backward passes and reduced
   once, so each pass pays ``1/k`` of the exposed communication. It multiplies the effective
