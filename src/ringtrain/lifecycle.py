@@ -117,7 +117,10 @@ def remove_process_set(ps: ProcessSet) -> bool:
 def _attach_controller(ps: ProcessSet, config: Config) -> None:
     comm = ps.communicator
     if comm.included:
-        comm.attach("controller", Controller(comm, config))
+        # One board per process: it posts what is stuck on all of this rank's sets under one key.
+        world = state.global_process_set.communicator.service("controller")
+        board = world.board if world is not None else None
+        comm.attach("controller", Controller(comm, config, board=board))
 
 
 def _attach_step_timer(rt: state.Runtime, every: int) -> None:

@@ -74,7 +74,13 @@ def test_the_board_posts_only_changes_and_reads_back_what_was_posted() -> None:
     mine.update(1, stuck)
     assert store.sets == 1
     assert other.read(0) == tuple(stuck)
+    # Stuck on two sets at once: one post holds both.
+    on_world = Stuck("y", 0, WORLD, (0, 2))
+    mine.update(0, [on_world])
+    assert set(other.read(0)) == {on_world, *stuck}
     mine.update(1, [])
+    assert other.read(0) == (on_world,)
+    mine.update(0, [])
     assert other.read(0) == ()
 
 
@@ -92,6 +98,9 @@ def test_a_broken_store_or_post_is_no_evidence_and_no_failure() -> None:
 
 def _two_sets_one_name() -> tuple[str, float, str]:
     pair = rt.add_process_set(list(PAIR))
+    if rt.rank() in PAIR:  # one board per process, or two sets' posts would overwrite each other
+        world_ctl = rt.global_process_set.communicator.service("controller")
+        assert pair.communicator.service("controller").board is world_ctl.board
     rt.allreduce(torch.ones(1), name="start")
     t0 = time.monotonic()
     ps = pair if rt.rank() == 0 else rt.global_process_set
