@@ -36,6 +36,11 @@ def test_slow_link_blames_every_rank_of_that_host() -> None:
     assert "ranks 2, 3 on host b are network-bound" in r.line()
 
 
+def test_two_hosts_share_their_one_link_and_are_both_named() -> None:
+    r = analyse(_times(wait=0.5), link_mb_s={"a": 1.21, "b": 1.2})
+    assert r.kind == "network" and r.ranks == (0, 1, 2, 3) and r.hosts == ("a", "b")
+
+
 def test_communication_dominated_without_link_numbers() -> None:
     r = analyse(_times(wait=1.0))
     assert r.kind == "network" and r.ranks == (0, 1, 2, 3)

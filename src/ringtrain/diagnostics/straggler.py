@@ -33,6 +33,8 @@ MIN_EXCESS = 0.05
 SLOW_LINK_FACTOR = 0.5
 # Communication that is not hidden behind compute dominates above this fraction of a step.
 COMM_BOUND = 0.5
+# Link rates within this factor of the slowest count as equally slow.
+LINK_TIE = 1.1
 
 
 @dataclass(frozen=True)
@@ -136,8 +138,11 @@ def analyse(
             "(OMP_NUM_THREADS) and whether its hardware differs.",
         )
     if mean_wait > COMM_BOUND * step:
-        slowest_link = min(links, key=lambda h: links[h]) if links else None
-        ranks = [t.rank for t in per_rank if slowest_link is None or t.host == slowest_link]
+        # The hosts on the slowest link, ties included: with two hosts there is one link between
+        # them, and both measure it alike.
+        floor = min(links.values(), default=0.0)
+        on_slowest = {h for h, r in links.items() if r <= floor * LINK_TIE}
+        ranks = [t.rank for t in per_rank if not on_slowest or t.host in on_slowest]
         return report(
             "network",
             ranks,
