@@ -15,7 +15,7 @@ from typing import Any
 from ringtrain.collectives.controller import Controller
 from ringtrain.collectives.step_timing import StepTimer
 from ringtrain.config import Config
-from ringtrain.diagnostics import timeline
+from ringtrain.diagnostics import engine_wait, timeline
 from ringtrain.runtime import state
 from ringtrain.runtime.process_sets import ProcessSet
 
@@ -75,6 +75,7 @@ def shutdown() -> None:
         timer = state.global_process_set.communicator.service("step_timer")
         if timer is not None:
             timer.final_report()
+        _post_finished(rt.rank)
         for ps in sorted(rt.process_sets.values(), key=lambda p: -(p.process_set_id or 0)):
             ctl = ps.communicator.service("controller")
             if ctl is not None:
@@ -112,6 +113,17 @@ def add_process_set(ranks: ProcessSet | Sequence[int]) -> ProcessSet:
 def remove_process_set(ps: ProcessSet) -> bool:
     """Unregister a process set; every rank of the world must call this."""
     return state.remove_process_set(ps)
+
+
+def _post_finished(rank: int) -> None:
+    """Tell ranks still waiting in step() that this one has finished (engine_wait)."""
+    store = state.global_process_set.communicator.store
+    if store is None:
+        return
+    try:
+        store.set(engine_wait.finished_key(rank), "1")
+    except Exception as e:  # the store may be gone with a failed job
+        log.debug("could not post that rank %d finished: %s", rank, e)
 
 
 def _attach_controller(ps: ProcessSet, config: Config) -> None:

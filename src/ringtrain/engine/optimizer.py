@@ -33,6 +33,7 @@ import logging
 import time
 import warnings
 import weakref
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -43,7 +44,7 @@ from ringtrain.collectives import ops
 from ringtrain.collectives.reduce_ops import resolve_op
 from ringtrain.compression import resolve as resolve_compression
 from ringtrain.compression.policy import AutoCompression, Decision
-from ringtrain.diagnostics import timeline
+from ringtrain.diagnostics import engine_wait, timeline
 from ringtrain.engine import schedule
 from ringtrain.engine.auto import AutoTuner
 from ringtrain.engine.buckets import ORDERS, Plan
@@ -206,6 +207,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._pass_start = 0.0
         self._synchronized = False
         self._should_sync = True
+        self._syncs = 0  # synchronize() calls: the step number the wait watch posts
+        self._watch = self._make_watch(config.stall_warning_s)
         self._register_hooks()
 
     # ---- the torch.optim.Optimizer surface, delegated ----------------------------------------
@@ -337,6 +340,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
             old = by_param
         self._params = params
         self._names = [old.get(p, f"param.{i}") for i, p in enumerate(params)]
+
+    def _make_watch(self, warning_s: float) -> engine_wait.WaitWatch | None:
+        """Names the ranks elsewhere when synchronize() waits past the stall warning time.
+        Keyed by the parameter names, which every rank's optimizer of one model shares."""
+        comm = self._comm
+        if self._size == 1 or not comm.included or comm.store is None or warning_s <= 0:
+            return None
+        names = zlib.crc32("\n".join(self._names).encode())
+        watch = engine_wait.WaitWatch(
+            comm.store,
+            f"ringtrain/engine/set{comm.set_id}/{names:08x}",
+            comm.ranks[comm.set_rank],
+            comm.ranks,
+            warning_s,
+            self._timeout_s,
+        )
+        weakref.finalize(self, watch.close)
+        return watch
 
     def _register_hooks(self) -> None:
         if self._size == 1:
@@ -504,9 +525,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self._learning:
                 self._make_plan()
             assert self._exchange is not None
-            with torch.no_grad():
-                self._exchange.flush()
-                self._exchange.finish()
+            self._syncs += 1
+            if self._watch is not None:
+                self._watch.begin(self._syncs)
+            try:
+                with torch.no_grad():
+                    self._exchange.flush()
+                    self._exchange.finish()
+            finally:
+                if self._watch is not None:
+                    self._watch.end()
         finally:
             self._counts = [0] * len(self._params)
             self._step_open = self._learning = self._any_ready = False

@@ -1,0 +1,184 @@
+"""Why ``step()`` waits: the ranks that are not waiting with this one, named.
+
+DistributedOptimizer's bucket allreduces go straight to the transport (no controller, so no
+stall inspector): when one rank stops taking steps, because its data ran out first (uneven
+batches), it is stuck elsewhere, or it died without the launcher noticing, the other ranks wait
+inside Gloo or NCCL until the transport's timeout, minutes later, with nothing said.
+
+So ``synchronize()`` tells a :class:`WaitWatch` when it starts and stops waiting. A wait that
+passes half the warning time is posted under the rank's key in the job's store ("waiting in
+step k"); at the warning time the rank reads every member's post and logs one warning naming
+the ranks that are elsewhere: waiting in another step (they ran a different number of steps),
+finished (``ringtrain.shutdown()`` posts that), or not waiting at all (in forward, backward or
+data loading, stuck, or gone). Only the lowest waiting rank logs, so the job prints one report;
+when every rank waits in the same step the exchange itself is slow, and nothing is said.
+Posts are taken back when the wait ends, and only a wait that lasted writes anything.
+
+:func:`explain` is the pure part, tested with plain numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+log = logging.getLogger("ringtrain")
+
+FINISHED = "finished"
+
+
+def finished_key(world_rank: int) -> str:
+    return f"ringtrain/engine/finished/{world_rank}"
+
+
+def explain(
+    me: int,
+    step: int,
+    waited_s: float,
+    states: Mapping[int, int | str | None],
+    timeout_s: float,
+) -> str:
+    """The warning for rank ``me``, waiting ``waited_s`` in ``step``. ``states`` holds every
+    member rank's post: a step number it waits in, :data:`FINISHED`, or None (no post)."""
+    same = sorted(r for r, s in states.items() if s == step)
+    other = {r: s for r, s in states.items() if isinstance(s, int) and s != step}
+    done = sorted(r for r, s in states.items() if s == FINISHED)
+    silent = sorted(r for r, s in states.items() if s is None and r != me)
+    lines = [
+        f"ringtrain: step() has waited {waited_s:.0f} s for the gradients of step {step}; "
+        f"ranks {same} wait there."
+    ]
+    for r, s in sorted(other.items()):
+        lines.append(
+            f"  rank {r} waits in step {s}: it ran {abs(s - step)} step(s) "
+            f"{'more' if s > step else 'fewer'} than these ranks"
+        )
+    if done:
+        lines.append(f"  ranks {done} have finished (ringtrain.shutdown()): they ran fewer steps")
+    if silent:
+        lines.append(
+            f"  ranks {silent} are not waiting in step(): still in forward, backward or data "
+            "loading, stuck elsewhere, or gone"
+        )
+    lines.append(
+        "HINT: every rank must take the same number of steps (for uneven data see "
+        f"ringtrain.join()); the wait fails at the transport timeout ({timeout_s:g} s, "
+        "RINGTRAIN_TIMEOUT_S)."
+    )
+    return "\n".join(lines)
+
+
+class WaitWatch:
+    """Watches one optimizer's waits in ``synchronize()`` on one rank."""
+
+    def __init__(
+        self,
+        store: Any,
+        prefix: str,
+        rank: int,
+        members: Sequence[int],
+        warning_s: float,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._prefix = prefix
+        self._rank = rank
+        self._members = list(members)
+        self.warning_s = warning_s
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._wait: tuple[int, float] | None = None  # (step, since)
+        self._posted = False  # this wait is posted
+        self._warned = False  # this wait was reported
+        self._unpost = False  # a post of an ended wait is still in the store
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def _key(self, rank: int) -> str:
+        return f"{self._prefix}/waiting/{rank}"
+
+    def begin(self, step: int) -> None:
+        with self._cond:
+            self._wait = (step, self._clock())
+            self._posted = self._warned = False
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="ringtrain-wait-watch", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def end(self) -> None:
+        with self._cond:
+            self._wait = None
+            if self._posted:
+                self._unpost = True
+                self._posted = False
+                self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                action = self._next_action()
+                if action is None:
+                    return
+            try:
+                action()
+            except Exception as e:  # a diagnostic must never fail training
+                log.debug("ringtrain wait watch: %s", e)
+
+    def _next_action(self) -> Callable[[], None] | None:
+        """Under the lock: sleep until there is something to do; None once closed."""
+        while not self._closed:
+            if self._unpost:
+                self._unpost = False
+                return lambda: self._store.delete_key(self._key(self._rank))
+            if self._wait is None or self._warned:
+                self._cond.wait()
+                continue
+            step, since = self._wait
+            due = since + (self.warning_s if self._posted else self.warning_s / 2)
+            left = due - self._clock()
+            if left > 0:
+                self._cond.wait(left)
+                continue
+            if not self._posted:
+                self._posted = True
+                return lambda: self._store.set(self._key(self._rank), str(step))
+            self._warned = True
+            waited = self._clock() - since
+            return lambda: self._report(step, waited)
+        return None
+
+    def _report(self, step: int, waited: float) -> None:
+        states = {r: self._state(r) for r in self._members}
+        waiting_here = [r for r, s in states.items() if s == step]
+        if len(waiting_here) == len(states):
+            return  # all wait in this step together: a slow exchange, not a rank elsewhere
+        if waiting_here and min(waiting_here) != self._rank:
+            return  # the lowest waiting rank speaks for all
+        with self._cond:
+            still = self._wait is not None and self._wait[0] == step
+        if still:
+            log.warning("%s", explain(self._rank, step, waited, states, self._timeout_s))
+
+    def _state(self, rank: int) -> int | str | None:
+        if rank == self._rank:
+            with self._cond:
+                return self._wait[0] if self._wait is not None else None
+        key = self._key(rank)
+        if self._store.check([key]):
+            return int(bytes(self._store.get(key)).decode())
+        if self._store.check([finished_key(rank)]):
+            return FINISHED
+        return None
