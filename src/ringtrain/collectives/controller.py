@@ -11,9 +11,10 @@ operations still pending. Each process set runs one controller thread per rank. 
    and executed on the data groups, small allreduces fused into one buffer.
 
 Because every decision is a function of the exchanged table, ranks never disagree on what runs
-next. Decisions that depend on time (stall reports, aborts) are made by the set's rank 0 and
-travel in its next message. If a peer dies, the control exchange fails and every pending handle
-fails with :class:`CollectiveAbortedError` instead of hanging.
+next. Decisions that depend on time (stall reports, aborts, and names that ranks submitted on
+different process sets, see :mod:`ringtrain.collectives.crossset`) are made by the set's rank 0
+and travel in its next message. If a peer dies, the control exchange fails and every pending
+handle fails with :class:`CollectiveAbortedError` instead of hanging.
 """
 
 from __future__ import annotations
