@@ -35,6 +35,12 @@ def _check_fused() -> None:
     assert all(int(t.flatten()[0]) == 2**62 + n - 1 for t in big)
 
 
+def test_chunks_are_runs_of_whole_tensors_in_order() -> None:
+    assert execute._chunks([4, 4, 4, 4], 8) == [range(0, 2), range(2, 4)]
+    assert execute._chunks([10, 1, 1], 8) == [range(0, 1), range(1, 3)]  # never split a tensor
+    assert execute._chunks([3], 8) == [range(0, 1)]
+
+
 @pytest.mark.parametrize("chunk_bytes", [64, 1 << 20])
 def test_chunked_fusion_is_exact(world: World, chunk_bytes: int) -> None:
     world.run(_fused_chunks, chunk_bytes)

@@ -138,7 +138,7 @@ class Executor:
             item.request.postscale,
             item.contributors,
         )
-        nbytes = sum(t.numel() * t.element_size() for t in item.tensors)
+        nbytes = sum(t.nbytes for t in item.tensors)
         if self._batch and (key != self._batch_key or self._batch_bytes + nbytes > self.threshold):
             self.flush()
         self._batch.append(item)
@@ -187,7 +187,7 @@ class Executor:
         outputs = [o for item in batch for o in item.outputs]
         if not tensors:
             return
-        work = [dtypes.to_reducible(t, op) for t in tensors]
+        work = _reducible(tensors, op)
         scaling = _Scaling.of(req, n, work[0].dtype)
         group = self.comm.group_for(work[0])
         if len(work) == 1 and _reducible_in(outputs[0], work[0]):
@@ -201,11 +201,16 @@ class Executor:
             return
         # Pack, reduce and unpack in chunks, pipelined: while Gloo moves one chunk, this thread
         # packs the next and unpacks the previous, so the copies hide behind the transfer.
-        buf = self._fusion_buffer(work[0], sum(w.numel() for w in work))
-        in_flight: collections.deque[tuple[list[int], torch.Tensor, Any]] = collections.deque()
+        # Per-tensor facts are read once per batch: a grouped call may hold a thousand tensors.
+        numels = [w.numel() for w in work]
+        buf = self._fusion_buffer(work[0], sum(numels))
+        plain = all(
+            o.is_contiguous() and (o is w or _reducible_in(o, w)) for o, w in zip(outputs, work)
+        )
+        in_flight: collections.deque[tuple[range, torch.Tensor, Any]] = collections.deque()
         offset = 0
-        for chunk in _chunks(work, PIPELINE_CHUNK_BYTES):
-            k = sum(work[i].numel() for i in chunk)
+        for chunk in _chunks(numels, PIPELINE_CHUNK_BYTES // buf.element_size()):
+            k = sum(numels[chunk.start : chunk.stop])
             flat = buf[offset : offset + k]
             offset += k
             torch.cat([work[i].reshape(-1) for i in chunk], out=flat)
@@ -215,25 +220,26 @@ class Executor:
                 pending = dist.all_reduce(flat, op=REDUCE_OPS[op], group=group, async_op=True)
             in_flight.append((chunk, flat, pending))
             if len(in_flight) > 1:
-                self._unpack(*in_flight.popleft(), work, outputs, scaling)
+                self._unpack(*in_flight.popleft(), work, outputs, numels, plain, scaling)
         while in_flight:
-            self._unpack(*in_flight.popleft(), work, outputs, scaling)
+            self._unpack(*in_flight.popleft(), work, outputs, numels, plain, scaling)
 
     @staticmethod
     def _unpack(
-        chunk: list[int],
+        chunk: range,
         flat: torch.Tensor,
         pending: Any,
         work: list[torch.Tensor],
         outputs: list[torch.Tensor],
+        numels: list[int],
+        plain: bool,
         scaling: _Scaling,
     ) -> None:
         if pending is not None:
             pending.wait()
         scaling.after(flat)
-        pieces = torch.split_with_sizes(flat, [work[i].numel() for i in chunk])
-        plain = [i for i in chunk if _reducible_in(outputs[i], work[i])]
-        if len(plain) == len(chunk):  # the common case, in one call: no per-tensor overhead
+        pieces = torch.split_with_sizes(flat, numels[chunk.start : chunk.stop])
+        if plain:  # the common case, in one call: no per-tensor overhead
             torch._foreach_copy_([outputs[i].view(-1) for i in chunk], list(pieces))
             return
         for i, piece in zip(chunk, pieces):
@@ -465,17 +471,25 @@ class _Scaling:
             _scale(flat, self.post)
 
 
-def _chunks(work: list[torch.Tensor], chunk_bytes: int) -> list[list[int]]:
-    """Indices of ``work`` in consecutive runs of about ``chunk_bytes`` (whole tensors)."""
-    chunks: list[list[int]] = [[]]
-    size = 0
-    for i, w in enumerate(work):
-        if chunks[-1] and size >= chunk_bytes:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(i)
-        size += w.numel() * w.element_size()
+def _chunks(numels: list[int], chunk_numel: int) -> list[range]:
+    """Consecutive runs of tensors (by index) of about ``chunk_numel`` elements, whole tensors."""
+    chunks: list[range] = []
+    start, size = 0, 0
+    for i, k in enumerate(numels):
+        if i > start and size >= chunk_numel:
+            chunks.append(range(start, i))
+            start, size = i, 0
+        size += k
+    chunks.append(range(start, len(numels)))
     return chunks
+
+
+def _reducible(tensors: list[torch.Tensor], op: str) -> list[torch.Tensor]:
+    """``tensors`` in dtypes Gloo reduces; checked per dtype, not per tensor, when none change."""
+    kinds = {t.dtype for t in tensors}
+    if all(dtypes.reduction_dtype(d, op) == d for d in kinds):
+        return tensors
+    return [dtypes.to_reducible(t, op) for t in tensors]
 
 
 def _reducible_in(out: torch.Tensor, work: torch.Tensor) -> bool:
