@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import ringtrain as rt
@@ -24,23 +25,6 @@ def test_explain_names_each_rank_by_where_it_is() -> None:
     assert "ringtrain.join()" in msg and "(300 s, RINGTRAIN_TIMEOUT_S)" in msg
 
 
-class _Store:
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key: str, value: str) -> None:
-        self.data[key] = value.encode()
-
-    def get(self, key: str) -> bytes:
-        return self.data[key]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.data for k in keys)
-
-    def delete_key(self, key: str) -> bool:
-        return self.data.pop(key, None) is not None
-
-
 def _wait_for(cond: object, within: float = 5.0) -> None:
     deadline = time.monotonic() + within
     while not cond():  # type: ignore[operator]
@@ -51,53 +35,50 @@ def _wait_for(cond: object, within: float = 5.0) -> None:
 def test_a_long_wait_is_posted_reported_once_and_taken_back(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    store = _Store()
+    store = dist.HashStore()
     store.set(finished_key(1), "1")
     watch = WaitWatch(store, "p", 0, [0, 1], warning_s=0.2, timeout_s=300.0)
     with caplog.at_level(logging.WARNING, logger="ringtrain"):
         watch.begin(3)
-        _wait_for(lambda: "p/waiting/0" in store.data)  # posted at half the warning time
-        assert store.data["p/waiting/0"] == b"3"
+        _wait_for(lambda: store.check(["p/waiting/0"]))  # posted at half the warning time
+        assert store.get("p/waiting/0") == b"3"
         _wait_for(lambda: caplog.records)
         time.sleep(0.3)
     assert len(caplog.records) == 1  # once per wait
     assert "ranks [1] have finished" in caplog.records[0].getMessage()
     watch.end()
-    _wait_for(lambda: "p/waiting/0" not in store.data)  # taken back when the wait ends
+    _wait_for(lambda: not store.check(["p/waiting/0"]))  # taken back when the wait ends
     # A short wait writes nothing.
     watch.begin(4)
     watch.end()
     time.sleep(0.2)
-    assert "p/waiting/0" not in store.data
+    assert not store.check(["p/waiting/0"])
     watch.close()
 
 
-def test_the_lowest_waiting_rank_speaks_for_all(caplog: pytest.LogCaptureFixture) -> None:
-    store = _Store()
-    store.set("p/waiting/0", "3")  # rank 0 waits in the same step and reports
-    watch = WaitWatch(store, "p", 1, [0, 1], warning_s=0.1, timeout_s=300.0)
-    with caplog.at_level(logging.WARNING, logger="ringtrain"):
-        watch.begin(3)
-        _wait_for(lambda: "p/waiting/1" in store.data)
-        time.sleep(0.3)
-    watch.end()
-    watch.close()
-    assert not caplog.records
-
-
-def test_all_waiting_together_is_a_slow_exchange_not_a_stall(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize(
+    ("me", "members", "logs"),
+    [
+        (0, [0, 1, 2], True),  # ranks 0-1 wait, rank 2 is elsewhere: rank 0, the lowest, reports
+        (2, [0, 1, 2, 3], False),  # ranks 0-2 wait, rank 3 is elsewhere: rank 0 reports
+        (0, [0, 1], False),  # every rank waits in this step: a slow exchange, not a stall
+    ],
+)
+def test_who_reports_and_when(
+    caplog: pytest.LogCaptureFixture, me: int, members: list[int], logs: bool
 ) -> None:
-    store = _Store()
-    store.set("p/waiting/1", "3")
-    watch = WaitWatch(store, "p", 0, [0, 1], warning_s=0.1, timeout_s=300.0)
+    store = dist.HashStore()
+    store.set("p/waiting/1", "3")  # rank 1 waits in step 3 too
+    if me == 2:
+        store.set("p/waiting/0", "3")  # and so does rank 0, below rank 2
+    watch = WaitWatch(store, "p", me, members, warning_s=0.1, timeout_s=300.0)
     with caplog.at_level(logging.WARNING, logger="ringtrain"):
         watch.begin(3)
-        _wait_for(lambda: "p/waiting/0" in store.data)
+        _wait_for(lambda: store.check([f"p/waiting/{me}"]))
         time.sleep(0.3)
     watch.end()
     watch.close()
-    assert not caplog.records
+    assert bool(caplog.records) == logs
 
 
 def _uneven_steps() -> tuple[str, str]:

@@ -197,7 +197,7 @@ def _fusion(
         t, bw = _summaries(s, total, n)
         points.append(FusionPoint(case, 1 if "one tensor" in case else count, total, t, bw))
     base_samples = samples["torch one tensor"]
-    base = Summary.of(base_samples).median
+    base = next(p for p in points if p.case == "torch one tensor").time.median
     for p in points:
         p.vs_one_tensor = p.time.median / base if base > 0 else 0.0
         ratios = [a / b for a, b in zip(samples[p.case], base_samples) if b > 0]

@@ -110,6 +110,23 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _sweep(
+    p: argparse.ArgumentParser,
+    sizes: tuple[int, ...],
+    sizes_help: str,
+    repeats_help: str,
+    link: bool = True,
+) -> None:
+    """The message-size sweep's flags, alike for every benchmark that has one."""
+    p.add_argument("--sizes", type=parse_sizes, default=sizes, help=sizes_help)
+    p.add_argument("--repeats", type=int, default=5, help=repeats_help)
+    p.add_argument("--iters", type=int, default=0, help="ops per sample (default: auto)")
+    if link:
+        p.add_argument(
+            "--link-mbps", type=float, default=None, help="link rate (Mbit/s) to compare against"
+        )
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
 
@@ -122,14 +139,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         ),
     )
     default_sizes = f"{fmt_bytes(DEFAULT_SIZES[0])}..{fmt_bytes(DEFAULT_SIZES[-1])}"
-    ar.add_argument(
-        "--sizes",
-        type=parse_sizes,
-        default=DEFAULT_SIZES,
-        help=f"message sizes: 4K,64K,1M or 4K..64M[:factor] (default {default_sizes} x4)",
+    _sweep(
+        ar,
+        DEFAULT_SIZES,
+        f"message sizes: 4K,64K,1M or 4K..64M[:factor] (default {default_sizes} x4)",
+        "timed samples per size and impl",
     )
-    ar.add_argument("--repeats", type=int, default=5, help="timed samples per size and impl")
-    ar.add_argument("--iters", type=int, default=0, help="ops per sample (default: auto)")
     ar.add_argument("--fusion-count", type=int, default=1024, help="tensors in the fusion case")
     ar.add_argument(
         "--fusion-size", type=parse_bytes, default=64 << 10, help="bytes per fusion-case tensor"
@@ -138,9 +153,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--fusion-repeats", type=int, default=3, help="samples of the fusion case (0 skips it)"
     )
     ar.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    ar.add_argument(
-        "--link-mbps", type=float, default=None, help="link rate (Mbit/s) to compare against"
-    )
     _common(ar)
 
     se = sub.add_parser(
@@ -154,16 +166,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         ),
     )
     secure_sizes = f"{fmt_bytes(secure.DEFAULT_SIZES[0])}..{fmt_bytes(secure.DEFAULT_SIZES[-1])}"
-    se.add_argument(
-        "--sizes",
-        type=parse_sizes,
-        default=secure.DEFAULT_SIZES,
-        help=f"message sizes: 64K,1M or 64K..64M[:factor] (default {secure_sizes} x4)",
-    )
-    se.add_argument("--repeats", type=int, default=5, help="phases per mode (samples per size)")
-    se.add_argument("--iters", type=int, default=0, help="ops per sample (default: auto)")
-    se.add_argument(
-        "--link-mbps", type=float, default=None, help="link rate (Mbit/s) to compare against"
+    _sweep(
+        se,
+        secure.DEFAULT_SIZES,
+        f"message sizes: 64K,1M or 64K..64M[:factor] (default {secure_sizes} x4)",
+        "phases per mode (samples per size)",
     )
     se.add_argument(
         "--key-file",
@@ -183,14 +190,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         ),
     )
     ck_sizes = ",".join(fmt_bytes(b).replace(" ", "") for b in checks.DEFAULT_SIZES)
-    ck.add_argument(
-        "--sizes",
-        type=parse_sizes,
-        default=checks.DEFAULT_SIZES,
-        help=f"single-tensor sizes: 4K,1M or 4K..1M[:factor] (default {ck_sizes})",
+    _sweep(
+        ck,
+        checks.DEFAULT_SIZES,
+        f"single-tensor sizes: 4K,1M or 4K..1M[:factor] (default {ck_sizes})",
+        "phases per setting (samples)",
+        link=False,
     )
-    ck.add_argument("--repeats", type=int, default=5, help="phases per setting (samples)")
-    ck.add_argument("--iters", type=int, default=0, help="ops per sample (default: auto)")
     ck.add_argument(
         "--step-tensors", type=int, default=256, help="named tensors per step (0 skips the step)"
     )

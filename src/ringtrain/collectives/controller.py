@@ -19,7 +19,6 @@ handle fails with :class:`CollectiveAbortedError` instead of hanging.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import pickle
@@ -224,8 +223,7 @@ class Controller:
         finally:
             self._closed = True
             if self.board is not None:
-                with contextlib.suppress(Exception):  # the store may be gone with the job
-                    self.board.update(self.comm.set_id, ())
+                self.board.update(self.comm.set_id, ())  # never raises: a diagnostic
 
     def _sleep_time(self, idle_cycles: int) -> float:
         cycle = self.config.cycle_time_ms / 1000.0

@@ -75,7 +75,8 @@ class Board:
         self._posted: tuple[Stuck, ...] = ()
 
     def update(self, set_id: int, stuck: Sequence[Stuck]) -> None:
-        """Set what is stuck on one set (called by that set's controller thread)."""
+        """Set what is stuck on one set (called by that set's controller thread). Never raises:
+        a store that fails only withholds evidence."""
         with self._lock:
             if stuck:
                 self._by_set[set_id] = tuple(stuck)

@@ -58,6 +58,14 @@ def to_reducible(t: torch.Tensor, op: str) -> torch.Tensor:
     return t.to(target)
 
 
+def to_reducible_all(tensors: list[torch.Tensor], op: str) -> list[torch.Tensor]:
+    """:func:`to_reducible` of each; checked per dtype, not per tensor, when none change (a
+    grouped call may hold a thousand tensors of one dtype)."""
+    if all(reduction_dtype(d, op) == d for d in {t.dtype for t in tensors}):
+        return tensors
+    return [to_reducible(t, op) for t in tensors]
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a contiguous tensor, shaped ``(rows, bytes_per_row)`` so dim 0 survives."""
     t = t.contiguous()

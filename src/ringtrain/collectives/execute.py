@@ -187,7 +187,7 @@ class Executor:
         outputs = [o for item in batch for o in item.outputs]
         if not tensors:
             return
-        work = _reducible(tensors, op)
+        work = dtypes.to_reducible_all(tensors, op)
         scaling = _Scaling.of(req, n, work[0].dtype)
         group = self.comm.group_for(work[0])
         if len(work) == 1 and _reducible_in(outputs[0], work[0]):
@@ -482,14 +482,6 @@ def _chunks(numels: list[int], chunk_numel: int) -> list[range]:
         size += k
     chunks.append(range(start, len(numels)))
     return chunks
-
-
-def _reducible(tensors: list[torch.Tensor], op: str) -> list[torch.Tensor]:
-    """``tensors`` in dtypes Gloo reduces; checked per dtype, not per tensor, when none change."""
-    kinds = {t.dtype for t in tensors}
-    if all(dtypes.reduction_dtype(d, op) == d for d in kinds):
-        return tensors
-    return [dtypes.to_reducible(t, op) for t in tensors]
 
 
 def _reducible_in(out: torch.Tensor, work: torch.Tensor) -> bool:

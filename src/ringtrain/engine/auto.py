@@ -24,7 +24,6 @@ is finished, at the same step on every rank.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import statistics
@@ -113,9 +112,16 @@ class AutoTuner:
             [step, wait, comm, latency, 1.0 / throughput, float(not _spare_core())]
         )
         self.measurement = m = _measurement(
-            plan, self.auto, self._size, step - wait, wait, comm, latency, 1.0 / inverse
+            plan,
+            self.auto,
+            self._size,
+            step - wait,
+            wait,
+            comm,
+            latency,
+            1.0 / inverse,
+            spare_core=not no_spare,
         )
-        m = self.measurement = dataclasses.replace(m, spare_core=not no_spare)
         self._baseline_s = step
         decision = policy.choose(m)
         if decision.compression == "none":
@@ -217,6 +223,7 @@ def _measurement(
     comm: float,
     latency: float,
     throughput: float,
+    spare_core: bool = True,
 ) -> Measurement:
     """The policy's input: the measured times plus what the plan says about the bytes."""
     config = auto.config
@@ -244,4 +251,5 @@ def _measurement(
         powersgd_collectives=collectives,
         topk_ratio=ratio,
         on_cuda=any(b.device.startswith("cuda") for b in plan.buckets),
+        spare_core=spare_core,
     )
