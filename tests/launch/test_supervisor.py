@@ -6,15 +6,20 @@ Every rank records its pid; every test checks that none of them is still alive a
 
 from __future__ import annotations
 
+import queue
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
+
+from ringtrain.launch.hosts import Host
+from ringtrain.launch.supervisor import AgentLink
 
 RANK_SCRIPT = textwrap.dedent(
     """
@@ -183,3 +188,14 @@ def test_launcher_never_imports_torch(tmp_path: Path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_an_agent_that_dies_is_reported_with_its_last_words() -> None:
+    """The eof report quotes the agent's stderr (ssh's reason), even when stderr ends after
+    stdout: here a child of the 'agent' writes its reason after the agent itself has gone."""
+    script = "(exec 1>&-; sleep 0.5; echo 'ssh: connect to host ghost: Connection refused' >&2) &"
+    events: queue.Queue[Any] = queue.Queue()
+    link = AgentLink(0, Host("ghost", 1), ["sh", "-c", f"{script} exec 1>&-; exit 255"], events)
+    _, msg = events.get(timeout=10)
+    assert msg == {"t": "eof"}
+    assert list(link.err_tail) == ["ssh: connect to host ghost: Connection refused"]

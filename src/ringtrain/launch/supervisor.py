@@ -67,8 +67,9 @@ class AgentLink:
             start_new_session=True,  # Ctrl-C goes to the launcher, which forwards it on purpose
         )
         self._events = events
+        self._err_reader = threading.Thread(target=self._read_err, daemon=True)
+        self._err_reader.start()
         threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=self._read_err, daemon=True).start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -77,6 +78,9 @@ class AgentLink:
             if msg is not None:
                 self._events.put((self, msg))
         self.proc.wait()
+        # The eof report quotes err_tail (ssh's own words), so wait for stderr to drain too; a
+        # grandchild holding stderr open must not hold the report up for long.
+        self._err_reader.join(timeout=2.0)
         self._events.put((self, {"t": "eof"}))
 
     def _read_err(self) -> None:
