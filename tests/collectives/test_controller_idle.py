@@ -51,3 +51,19 @@ def _one_rank_wakes_the_others() -> float:
 def test_a_late_rank_wakes_dozing_peers(world3: World) -> None:
     times = world3.run(_one_rank_wakes_the_others, timeout=60)
     assert times[0] < 2.0, times  # rank 0 did not wait for a poll interval or a timeout
+
+
+def _settle_after_an_op() -> tuple[bool, float]:
+    ctl = rt.global_process_set.communicator.service("controller")
+    rt.allreduce(torch.ones(3), name="before-quiet")
+    t = time.monotonic()
+    settled = ctl.settle(timeout=5.0)
+    return settled, time.monotonic() - t
+
+
+def test_controllers_stop_polling_soon_after_an_op(world: World) -> None:
+    # Idle rounds cost CPU that the process's next work (its compute, its torch collectives)
+    # needs: they stop within a fraction of a second, not after many polls.
+    for settled, waited in world.run(_settle_after_an_op, timeout=60):
+        assert settled
+        assert waited < 0.5, f"controllers polled for {waited:.2f} s after the last op"

@@ -18,7 +18,6 @@ only when every rank has its result.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ import torch.distributed as dist
 import ringtrain
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import Summary, bus_bandwidth, load_average, machine_info
+from ringtrain.bench.timing import seconds_per_op
 
 KiB = 1024
 MiB = 1024 * 1024
@@ -102,11 +102,7 @@ def _timed_samples(cases: dict[str, tuple[Op, int]], repeats: int) -> dict[str, 
         order = names if rep % 2 == 0 else names[::-1]
         for name in order:
             op, iters = cases[name]
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                op()
-            local[name].append((time.perf_counter() - t0) / iters)
+            local[name].append(seconds_per_op(op, iters))
     # The slowest rank's time, sample by sample: one small allreduce, outside the timed region.
     flat = torch.tensor([local[n][i] for n in names for i in range(repeats)], dtype=torch.float64)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import ringtrain
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import Summary, load_average, machine_info
+from ringtrain.bench.timing import seconds_per_op
 from ringtrain.collectives.requests import Request, TensorMeta, mismatch
 from ringtrain.runtime import state
 
@@ -157,12 +158,7 @@ def _phase(rep: int, cases: dict[str, _Case]) -> dict[str, float]:
         case.op()  # warm-up: this phase's controller has not seen these names yet
     order = list(cases) if rep % 2 == 0 else list(cases)[::-1]
     for label in order:
-        op, iters = cases[label].op, cases[label].iters
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            op()
-        out[label] = (time.perf_counter() - t0) / iters
+        out[label] = seconds_per_op(cases[label].op, cases[label].iters)
     return out
 
 

@@ -40,6 +40,7 @@ import ringtrain
 from ringtrain.bench.allreduce import SizePoint
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import Summary, bus_bandwidth, load_average, machine_info
+from ringtrain.bench.timing import seconds_per_op
 from ringtrain.runtime import state
 from ringtrain.security import keys
 
@@ -132,12 +133,7 @@ def _phase(
             op()  # warm-up: this phase's groups, names and buffers are new
         order = list(cases) if rep % 2 == 0 else list(cases)[::-1]
         for impl in order:
-            op = cases[impl]
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                op()
-            out[(impl, nbytes)] = (time.perf_counter() - t0) / iters
+            out[(impl, nbytes)] = seconds_per_op(cases[impl], iters)
     return out
 
 

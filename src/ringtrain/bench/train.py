@@ -43,6 +43,7 @@ import ringtrain
 from ringtrain.bench.models import Batch, Preset, count_parameters, get_preset
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import Summary, load_average, machine_info
+from ringtrain.bench.timing import settle
 from ringtrain.compression.policy import AutoCompression
 from ringtrain.errors import ConfigError
 
@@ -234,6 +235,7 @@ def bench_train(params: TrainParams) -> TrainResult:
         shift = r % len(variants)
         for v in variants[shift:] + variants[:shift]:
             todo = min(params.block, params.steps - len(v.samples))
+            settle()
             dist.barrier()
             for _ in range(todo):
                 t0 = time.perf_counter()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import logging
 import pickle
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -49,14 +50,18 @@ from ringtrain.runtime.communicator import Communicator
 
 log = logging.getLogger("ringtrain")
 
-# The controller naps between cycles while nothing is pending anywhere, up to this long. A local
-# submission wakes it at once; peers' controllers take at most this long to follow.
+# The controller naps between cycles while nothing is pending anywhere: the first
+# POLL_FAST_CYCLES naps last one cycle time (a burst's next op is usually that close), then each
+# doubles, up to MAX_IDLE_SLEEP_S. A local submission wakes it at once; peers' controllers take
+# at most one nap to follow.
+POLL_FAST_CYCLES = 8
 MAX_IDLE_SLEEP_S = 0.01
-# After this many idle cycles in a row on every rank (about 0.1-0.2 s of quiet), the controllers
-# stop polling and block on a doorbell key in the rendezvous store until some rank submits or
-# shuts down: a job that only trains through DistributedOptimizer (which bypasses the controller)
-# would otherwise spend a sixth of a core per rank on empty negotiation rounds.
-DOZE_AFTER_IDLE_CYCLES = 96
+# After this many idle cycles in a row on every rank (30-70 ms of quiet), the controllers stop
+# polling and block on a doorbell key in the rendezvous store until some rank submits or shuts
+# down. An idle round is a Gloo allgather costing about a millisecond of CPU per rank, so polling
+# for longer slows whatever the process does next (its own torch collectives, its compute) far
+# more than the millisecond or two a doorbell adds to the next op.
+DOZE_AFTER_IDLE_CYCLES = 16
 DOORBELL_WAIT = datetime.timedelta(days=7)
 # Control messages up to this size travel in one allgather; longer ones take a second round.
 CONTROL_SLOT_BYTES = 8192
@@ -122,6 +127,8 @@ class Controller:
         self._lingering: dict[str, tuple[crossset.Stuck, float]] = {}
         self._executor = Executor(comm, config)
         self._control = comm.group("control")
+        self._slot = torch.zeros(CONTROL_SLOT_BYTES, dtype=torch.uint8)
+        self._slots = torch.zeros(comm.size * CONTROL_SLOT_BYTES, dtype=torch.uint8)
         self._thread = threading.Thread(
             target=self._run, name=f"ringtrain-controller-{comm.set_id}", daemon=True
         )
@@ -185,6 +192,17 @@ class Controller:
     def last_joined(self) -> int:
         return self._last_joined
 
+    def settle(self, timeout: float = 1.0) -> bool:
+        """Wait until this set's controllers doze (no idle rounds), at most ``timeout`` seconds.
+        For benchmarks: a measurement then starts from a quiet process, as in a job that runs
+        nothing else. Returns whether they dozed; a lone rank never polls, so it is settled."""
+        deadline = time.monotonic() + timeout
+        while self.comm.size > 1 and self._bell is None and not self._closed:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
     def pending_names(self) -> list[str]:
         with self._lock:
             return list(self._pending)
@@ -227,9 +245,9 @@ class Controller:
 
     def _sleep_time(self, idle_cycles: int) -> float:
         cycle = self.config.cycle_time_ms / 1000.0
-        if idle_cycles < 64:
+        if idle_cycles < POLL_FAST_CYCLES:
             return cycle
-        return min(MAX_IDLE_SLEEP_S, cycle * 2 ** min(10, (idle_cycles - 64) // 16))
+        return min(MAX_IDLE_SLEEP_S, cycle * 2 ** min(10, idle_cycles - POLL_FAST_CYCLES + 1))
 
     def _sleep_until_rung(self) -> None:
         """Every rank dozes on the same key until one of them submits or shuts down. The key
@@ -450,26 +468,28 @@ class Controller:
         if self.comm.size == 1:
             return [msg]
         payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        slot = torch.zeros(CONTROL_SLOT_BYTES, dtype=torch.uint8)
-        header = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
-        slot[:8] = header
-        if len(payload) <= CONTROL_SLOT_BYTES - 8:
-            slot[8 : 8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        slots = torch.empty(self.comm.size * CONTROL_SLOT_BYTES, dtype=torch.uint8)
+        # Preallocated slots, filled and read through memoryviews: a round runs every cycle, and
+        # a dozen small torch ops cost as much CPU as the allgather itself.
+        size, width = self.comm.size, CONTROL_SLOT_BYTES
+        slot, slots = self._slot, self._slots
+        out = slot.numpy().data
+        struct.pack_into("<q", out, 0, len(payload))
+        if len(payload) <= width - 8:
+            out[8 : 8 + len(payload)] = payload
         dist.all_gather_single(slots, slot, group=self._control)
-        slots = slots.view(self.comm.size, CONTROL_SLOT_BYTES)
-        lengths = slots[:, :8].contiguous().view(torch.int64).reshape(-1).tolist()
+        got = slots.numpy().data
+        lengths = [struct.unpack_from("<q", got, r * width)[0] for r in range(size)]
         longest = max(lengths)
-        if longest > CONTROL_SLOT_BYTES - 8:
-            big = torch.zeros(longest, dtype=torch.uint8)
-            big[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            bigs = torch.empty(self.comm.size * longest, dtype=torch.uint8)
-            dist.all_gather_single(bigs, big, group=self._control)
-            bigs = bigs.view(self.comm.size, longest)
-            rows = [bigs[r, :n] for r, n in enumerate(lengths)]
-        else:
-            rows = [slots[r, 8 : 8 + n] for r, n in enumerate(lengths)]
-        return [pickle.loads(row.numpy().tobytes()) for row in rows]
+        if longest <= width - 8:
+            return [
+                pickle.loads(got[r * width + 8 : r * width + 8 + n]) for r, n in enumerate(lengths)
+            ]
+        big = torch.zeros(longest, dtype=torch.uint8)
+        big.numpy().data[: len(payload)] = payload
+        bigs = torch.empty(size * longest, dtype=torch.uint8)
+        dist.all_gather_single(bigs, big, group=self._control)
+        got = bigs.numpy().data
+        return [pickle.loads(got[r * longest : r * longest + n]) for r, n in enumerate(lengths)]
 
     def _fail_all(self, error: CollectiveError | SecurityError) -> None:
         with self._lock:
