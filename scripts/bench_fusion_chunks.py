@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 import ringtrain as rt
+from ringtrain.bench.timing import seconds_per_op
 from ringtrain.collectives import execute
 
 CHUNKS_MIB = (1, 2, 4, 8, 16, 64)
@@ -28,11 +28,7 @@ OPS_PER_SAMPLE = 3
 
 
 def _time(op: Callable[[], None]) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(OPS_PER_SAMPLE):
-        op()
-    return (time.perf_counter() - t0) / OPS_PER_SAMPLE
+    return seconds_per_op(op, OPS_PER_SAMPLE)  # from a quiet process, after a barrier
 
 
 def main() -> None:
