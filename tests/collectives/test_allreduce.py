@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import pytest
 import torch
 
 import ringtrain as rt
+from ringtrain.collectives import inline
 from ringtrain.testing.spawn import RankFailed, World
 
 
@@ -30,8 +34,30 @@ def _ops() -> None:
     )
 
 
-def test_reduce_ops(world: World) -> None:
-    world.run(_ops)
+def _without_inline(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` with small allreduces forced through a Gloo collective (the inline path off)."""
+
+    @functools.wraps(fn)
+    def run() -> None:
+        saved, inline.INLINE_MAX_BYTES = inline.INLINE_MAX_BYTES, 0
+        try:
+            fn()
+        finally:
+            inline.INLINE_MAX_BYTES = saved
+
+    return run
+
+
+PATHS = pytest.mark.parametrize("path", ["inline", "collective"])
+
+
+def _on(path: str, fn: Callable[[], None]) -> Callable[[], None]:
+    return fn if path == "inline" else _without_inline(fn)
+
+
+@PATHS
+def test_reduce_ops(world: World, path: str) -> None:
+    world.run(_on(path, _ops))
 
 
 def _variants() -> None:
@@ -150,8 +176,33 @@ def _dtypes() -> None:
     rt.allreduce(big, op=rt.Sum)
 
 
-def test_every_dtype(world: World) -> None:
-    world.run(_dtypes)
+@PATHS
+def test_every_dtype(world: World, path: str) -> None:
+    world.run(_on(path, _dtypes))
+
+
+def _which_path() -> list[int]:
+    ctl = rt.global_process_set.communicator.service("controller")
+    counts = []
+    for t, op in [
+        (torch.ones(4), rt.Sum),  # 16 bytes: inline
+        (torch.ones(inline.INLINE_MAX_BYTES // 4 + 1), rt.Sum),  # just too big: a collective
+        (torch.ones(3, dtype=torch.int16) * (rt.rank() + 1), rt.Average),  # widened: inline
+    ]:
+        before = ctl._executor.inline_ops
+        out = rt.allreduce(t, op=op)
+        assert out.dtype == t.dtype
+        counts.append(ctl._executor.inline_ops - before)
+    before = ctl._executor.inline_ops
+    mixed = rt.grouped_allreduce([torch.ones(2), torch.ones(2, dtype=torch.float64)], op=rt.Sum)
+    assert [m.tolist() for m in mixed] == [[rt.size()] * 2] * 2
+    counts.append(ctl._executor.inline_ops - before)  # two reduction dtypes: a collective
+    return counts
+
+
+def test_small_allreduces_travel_in_the_negotiation(world2: World) -> None:
+    for counts in world2.run(_which_path):
+        assert counts == [1, 0, 1, 0]
 
 
 def _mismatch(kind: str) -> None:

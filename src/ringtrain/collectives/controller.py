@@ -3,12 +3,14 @@
 As in Horovod, a rank may submit asynchronous collectives in any order, or enter a barrier with
 operations still pending. Each process set runs one controller thread per rank. Every cycle:
 
-1. each rank sends the requests submitted since its last cycle (names and metadata, no tensors)
-   over the set's ``control`` group, so every rank holds the same table ``name -> rank -> request``;
+1. each rank sends the requests submitted since its last cycle (names and metadata; tensor data
+   only for allreduces of a few hundred bytes, see :mod:`ringtrain.collectives.inline`) over the
+   set's ``control`` group, so every rank holds the same table ``name -> rank -> request``;
 2. names that every rank has submitted (or that joined ranks stand in for) become *ready*, in the
    order they first appeared in the table, identical on every rank;
 3. ready requests are checked for consistency (a mismatch fails on every rank with one message)
-   and executed on the data groups, small allreduces fused into one buffer.
+   and executed on the data groups, consecutive allreduces fused into one buffer; an allreduce
+   whose data every rank sent in step 1 is reduced locally instead, with no collective of its own.
 
 Because every decision is a function of the exchanged table, ranks never disagree on what runs
 next. Decisions that depend on time (stall reports, aborts, and names that ranks submitted on
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringtrain.collectives import crossset
+from ringtrain.collectives import crossset, inline
 from ringtrain.collectives.execute import Executor, Pending
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request, mismatch
@@ -82,6 +84,8 @@ class _Message:
     abort: str = ""
     # Set by the set's rank 0 only: (name, error) of collectives submitted on other sets too.
     mismatched: tuple[tuple[str, str], ...] = ()
+    # Small allreduces' data, by position in ``requests`` (see collectives.inline).
+    inline: dict[int, inline.Payload] = field(default_factory=dict)
 
 
 class Controller:
@@ -102,6 +106,7 @@ class Controller:
         self._new: list[str] = []
         self._pending: dict[str, Pending] = {}
         self._table: dict[str, dict[int, Request]] = {}
+        self._inline: dict[str, dict[int, inline.Payload]] = {}  # by name, then set rank
         self._first_seen: dict[str, float] = {}
         self._joined: set[int] = set()
         self._last_joined = -1
@@ -289,7 +294,8 @@ class Controller:
         """One negotiation round. Returns True if submitted names still wait for some ranks."""
         with self._lock:
             new, self._new = self._new, []
-            reqs = [self._pending[n].request for n in new]
+            subs = [self._pending[n] for n in new]
+            reqs = [p.request for p in subs]
             mine = _Message([self._cache_ids.get(r, r) for r in reqs], self._shutdown)
             mine.idle = (
                 not reqs
@@ -298,6 +304,7 @@ class Controller:
                 and self._idle_cycles >= DOZE_AFTER_IDLE_CYCLES
                 and self.comm.store is not None
             )
+        mine.inline = _inline_payloads(subs)
         stuck = self._stuck()
         if self.comm.set_rank == 0:
             mine.abort = self._inspect()
@@ -316,12 +323,14 @@ class Controller:
             )
         now = self._clock()
         for set_rank, msg in enumerate(messages):
-            for item in msg.requests:
+            for i, item in enumerate(msg.requests):
                 req = self._cache[item] if isinstance(item, int) else item
                 entry = self._table.setdefault(req.name, {})
                 if not entry:
                     self._first_seen[req.name] = now
                 entry[set_rank] = req
+                if i in msg.inline:
+                    self._inline.setdefault(req.name, {})[set_rank] = msg.inline[i]
                 if req.kind == "join":
                     self._joined.add(set_rank)
                     self._last_joined = self.comm.ranks[set_rank]
@@ -356,6 +365,7 @@ class Controller:
     def _run_ready(self, name: str) -> None:
         by_rank = self._table.pop(name)
         self._first_seen.pop(name, None)
+        payloads = self._inline.pop(name, None)
         me = self.comm.set_rank
         with self._lock:
             local = self._pending.pop(name, None)
@@ -381,12 +391,16 @@ class Controller:
             return
         joined = frozenset(self._joined - set(by_rank))
         self._remember(by_rank)
-        self._executor.add(name, by_rank, local, joined, me)
+        # Inline only when every rank that submitted sent its data (joined ranks add zeros).
+        if payloads is not None and payloads.keys() != by_rank.keys():
+            payloads = None
+        self._executor.add(name, by_rank, local, joined, me, payloads)
 
     def _fail_name(self, name: str, error: CollectiveError) -> None:
         """Drop ``name`` from the table on every rank alike; fail it here if this rank has it."""
         self._table.pop(name, None)
         self._first_seen.pop(name, None)
+        self._inline.pop(name, None)
         with self._lock:
             local = self._pending.pop(name, None)
         if local is not None:
@@ -499,6 +513,20 @@ class Controller:
             self._new = []
         for p in pending.values():
             p.handle.set_error(error)
+
+
+def _inline_payloads(subs: list[Pending]) -> dict[int, inline.Payload]:
+    """The data of this message's small allreduces, within the per-message budget."""
+    out: dict[int, inline.Payload] = {}
+    budget = inline.INLINE_MAX_PER_MESSAGE
+    for i, p in enumerate(subs):
+        if p.request.kind != "allreduce" or p.request.error:
+            continue
+        payload = inline.encode(p.tensors, p.request.op)
+        if payload is not None and len(payload[1]) <= budget:
+            out[i] = payload
+            budget -= len(payload[1])
+    return out
 
 
 def _local_errors(name: str, by_rank: dict[int, Request]) -> str | None:

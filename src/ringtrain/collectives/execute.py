@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringtrain.collectives import dtypes
+from ringtrain.collectives import dtypes, inline
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request, TensorMeta
 from ringtrain.config import Config
@@ -80,6 +80,7 @@ class Executor:
         self._batch_key: tuple[Any, ...] | None = None
         self._batch_bytes = 0
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self.inline_ops = 0  # allreduces reduced from negotiation data, for tests and stats
 
     def add(
         self,
@@ -88,7 +89,10 @@ class Executor:
         local: Pending | None,
         joined: frozenset[int],
         me: int,
+        inline_data: Mapping[int, inline.Payload] | None = None,
     ) -> None:
+        """Run (or batch) one ready collective. ``inline_data``: every submitting rank's data
+        of a small allreduce, which then reduces here without a collective of its own."""
         req = by_rank[min(by_rank)]
         if local is None:  # this rank has joined: contribute zeros shaped like the others' tensors
             tensors = [_zeros(m) for m in req.tensors]
@@ -108,12 +112,16 @@ class Executor:
                         f"allreduce with op={req.op} cannot run while ranks have joined"
                     )
                 item = _Item(name, req, tensors, outputs, handle, self.comm.size - len(joined))
-                self._queue_allreduce(item)
-                return
-            self.flush()
-            started = time.perf_counter()
-            result = self._run_one(req, by_rank, tensors, outputs, joined, me)
-            self._record(req.kind.upper(), started, [name])
+                if inline_data is not None:
+                    result = self._inline_allreduce(item, inline_data)
+                else:
+                    self._queue_allreduce(item)
+                    return
+            else:
+                self.flush()
+                started = time.perf_counter()
+                result = self._run_one(req, by_rank, tensors, outputs, joined, me)
+                self._record(req.kind.upper(), started, [name])
         except CollectiveError as e:
             self.flush()
             if handle is not None:
@@ -178,6 +186,23 @@ class Executor:
                 time.perf_counter(),
                 {"tensors": names[:16], "count": len(names)},
             )
+
+    def _inline_allreduce(
+        self, item: _Item, payloads: Mapping[int, inline.Payload]
+    ) -> list[torch.Tensor]:
+        started = time.perf_counter()
+        work = dtypes.to_reducible_all(item.tensors, item.request.op)
+        scaling = _Scaling.of(item.request, item.contributors, work[0].dtype)
+        flat = inline.reduce(item.name, payloads, item.request.op, scaling.before)
+        numels = [w.numel() for w in work]
+        plain = all(
+            o.is_contiguous() and (o is w or _reducible_in(o, w))
+            for o, w in zip(item.outputs, work)
+        )
+        self._unpack(range(len(work)), flat, None, work, item.outputs, numels, plain, scaling)
+        self.inline_ops += 1
+        self._record("ALLREDUCE (inline)", started, [item.name])
+        return item.outputs
 
     def _fused_allreduce(self, batch: list[_Item]) -> None:
         req = batch[0].request

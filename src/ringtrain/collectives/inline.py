@@ -1,0 +1,84 @@
+"""Small allreduces carried inside the negotiation round.
+
+Every collective is negotiated before it runs: one allgather of each rank's control message. For
+an allreduce of a few hundred bytes that round can carry the data as well. Each rank puts its
+tensors' bytes in its message; once every contributing rank has done so, every rank reduces the
+same bytes in the same rank order on its own, so the results are identical everywhere and the op
+needs no Gloo collective of its own (on loopback that is about half of a small op's latency).
+
+Whether an op went inline is decided from the messages every rank received alike, never from
+local state, so all ranks take the same path; an op some rank could not inline (too large, a
+CUDA tensor, an error) simply runs as a normal collective everywhere. In secure mode the control
+group is sealed like every other group, so inline data is encrypted too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from ringtrain.collectives import dtypes
+from ringtrain.errors import CollectiveArgumentError, CollectiveMismatchError
+
+# An op this small (all its tensors together) travels in the negotiation round...
+INLINE_MAX_BYTES = 512
+# ... while its rank's control message carries no more than this in all, so a burst of small ops
+# still fits one control slot (CONTROL_SLOT_BYTES); the rest run as normal collectives.
+INLINE_MAX_PER_MESSAGE = 4096
+
+# (reduction dtype, raw bytes of the tensors, flattened and concatenated)
+Payload = tuple[str, bytes]
+
+
+def encode(tensors: Sequence[torch.Tensor], op: str) -> Payload | None:
+    """This rank's contribution to an inline allreduce, or None where it cannot go inline."""
+    if not tensors or any(t.device.type != "cpu" or t.is_sparse for t in tensors):
+        return None
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    if nbytes == 0 or nbytes > INLINE_MAX_BYTES:
+        return None
+    try:
+        work = dtypes.to_reducible_all(list(tensors), op)
+    except CollectiveArgumentError:
+        return None  # the normal path reports it, on every rank
+    dtype = work[0].dtype
+    if any(w.dtype != dtype for w in work):
+        return None
+    flat = torch.cat([w.reshape(-1) for w in work]) if len(work) > 1 else work[0].reshape(-1)
+    return str(dtype), flat.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def reduce(
+    name: str,
+    payloads: Mapping[int, Payload],
+    op: str,
+    prescale: Callable[[torch.Tensor], None],
+) -> torch.Tensor:
+    """The reduction of every rank's payload (rank order, so bitwise alike on every rank), flat
+    in the reduction dtype; ``prescale`` is applied to each contribution first."""
+    ranks = sorted(payloads)
+    kinds = {payloads[r][0] for r in ranks}
+    sizes = {len(payloads[r][1]) for r in ranks}
+    if len(kinds) != 1 or len(sizes) != 1:
+        seen = ", ".join(
+            f"rank {r}: {len(payloads[r][1])} bytes of {payloads[r][0]}" for r in ranks
+        )
+        raise CollectiveMismatchError(
+            f"allreduce {name!r} got tensors of different sizes or dtypes ({seen}).\n"
+            "HINT: every rank must pass tensors of the same shapes and dtypes."
+        )
+    dtype = getattr(torch, kinds.pop().removeprefix("torch."))
+    stack = torch.stack([torch.frombuffer(bytearray(payloads[r][1]), dtype=dtype) for r in ranks])
+    prescale(stack)
+    if op in ("Sum", "Average"):
+        out = stack.sum(0)
+    elif op == "Min":
+        out = stack.amin(0)
+    elif op == "Max":
+        out = stack.amax(0)
+    elif op == "Product":
+        out = stack.prod(0)
+    else:  # pragma: no cover - requests are validated at submission
+        raise CollectiveArgumentError(f"unknown reduce op {op!r}")
+    return out.to(dtype)  # integer sums and products come back as int64
