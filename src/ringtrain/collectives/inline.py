@@ -33,10 +33,12 @@ Payload = tuple[str, bytes]
 
 def encode(tensors: Sequence[torch.Tensor], op: str) -> Payload | None:
     """This rank's contribution to an inline allreduce, or None where it cannot go inline."""
-    if not tensors or any(t.device.type != "cpu" or t.is_sparse for t in tensors):
-        return None
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    if nbytes == 0 or nbytes > INLINE_MAX_BYTES:
+    nbytes = 0
+    for t in tensors:  # stops at the first large tensor: grouped calls can hold thousands
+        nbytes += t.numel() * t.element_size()
+        if nbytes > INLINE_MAX_BYTES or t.device.type != "cpu" or t.is_sparse:
+            return None
+    if nbytes == 0:
         return None
     try:
         work = dtypes.to_reducible_all(list(tensors), op)
