@@ -21,11 +21,12 @@ import torch
 from ringtrain.collectives import dtypes
 from ringtrain.errors import CollectiveArgumentError, CollectiveMismatchError
 
-# An op this small (all its tensors together) travels in the negotiation round...
-INLINE_MAX_BYTES = 512
-# ... while its rank's control message carries no more than this in all, so a burst of small ops
-# still fits one control slot (CONTROL_SLOT_BYTES); the rest run as normal collectives.
-INLINE_MAX_PER_MESSAGE = 4096
+# An op this small (all its tensors together) travels in the negotiation round, while a rank's
+# control message carries no more than INLINE_MAX_PER_MESSAGE in all: the round moves a fixed
+# slot of CONTROL_SLOT_BYTES (8 KiB) per rank anyway, so data that fits costs no extra bytes.
+# A burst of small ops beyond that budget runs as normal (fused) collectives.
+INLINE_MAX_BYTES = 4096
+INLINE_MAX_PER_MESSAGE = 6144
 
 # (reduction dtype, raw bytes of the tensors, flattened and concatenated)
 Payload = tuple[str, bytes]
