@@ -73,7 +73,7 @@ def test_train_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(argv) == 0
 
     printed = capsys.readouterr().out
-    assert "comm share" in printed and "nocomm" in printed
+    assert "comm share" in printed and "nocomm" in printed and "vs ddp, paired" in printed
     assert out_png.read_bytes()[:8] == PNG_MAGIC
     res = json.loads(out_json.read_text())["result"]
     assert res["world_size"] == 2 and res["model"] == "mlp-1m"
@@ -86,7 +86,9 @@ def test_train_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert v["steps_per_s"] == pytest.approx(1 / v["step_time"]["median"])
         assert v["samples_per_s"] == pytest.approx(res["samples_per_step"] * v["steps_per_s"])
         assert v["vs_ddp"] > 0 and v["vs_nocomm"] > 0 and v["comm_fraction"] < 1
+        assert v["paired_vs_ddp"]["n"] == 2  # one ratio per round (blocks of 1 step)
     assert variants["ddp"]["vs_ddp"] == pytest.approx(1.0)
+    assert variants["ddp"]["paired_vs_ddp"]["median"] == pytest.approx(1.0)
     assert variants["nocomm"]["comm_fraction"] == pytest.approx(0.0)
 
 

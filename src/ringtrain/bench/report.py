@@ -226,6 +226,7 @@ def format_train(res: TrainResult, markdown: bool = False) -> str:
             f"{v.steps_per_s:.2f}",
             f"{v.samples_per_s:.1f}",
             _ratio(v.vs_ddp),
+            _paired(v.paired_vs_ddp),
             _ratio(v.vs_nocomm),
             _ratio(v.comm_fraction, True),
         ]
@@ -238,6 +239,7 @@ def format_train(res: TrainResult, markdown: bool = False) -> str:
         "steps/s",
         "samples/s",
         "vs ddp",
+        "vs ddp, paired",
         "vs nocomm",
         "comm share",
     ]

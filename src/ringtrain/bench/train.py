@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -103,6 +104,9 @@ class VariantResult:
     steps_per_s: float
     samples_per_s: float  # over all ranks
     vs_ddp: float | None = None  # steps/s relative to ddp
+    # The same ratio round by round (this variant's block against ddp's block of the same round,
+    # medians): pairs them under the same load, so its spread is the ratio's own.
+    paired_vs_ddp: Summary | None = None
     vs_nocomm: float | None = None  # steps/s relative to nocomm
     comm_fraction: float | None = None  # 1 - nocomm step time / this step time
     warmup_steps: int = 0  # untimed steps taken, --warmup plus what it took to become steady
@@ -260,7 +264,8 @@ def bench_train(params: TrainParams) -> TrainResult:
         environment=machine,
     )
     for i, v in enumerate(variants):
-        s = Summary.of(per[i * params.steps : (i + 1) * params.steps])
+        mine = per[i * params.steps : (i + 1) * params.steps]
+        s = Summary.of(mine)
         result.variants.append(
             VariantResult(
                 v.name,
@@ -271,9 +276,21 @@ def bench_train(params: TrainParams) -> TrainResult:
                 chosen=v.chosen(),
             )
         )
+    names = [v.name for v in variants]
+    if "ddp" in names:
+        k = names.index("ddp")
+        ddp_blocks = _blocks(per[k * params.steps : (k + 1) * params.steps], params.block)
+        for i, vr in enumerate(result.variants):
+            mine = _blocks(per[i * params.steps : (i + 1) * params.steps], params.block)
+            vr.paired_vs_ddp = Summary.of([d / m for d, m in zip(ddp_blocks, mine) if m > 0])
     _add_ratios(result.variants)
     result.environment["load_after"] = load_average()
     return result
+
+
+def _blocks(samples: list[float], block: int) -> list[float]:
+    """The median of each round's block of steps (every variant runs one block per round)."""
+    return [statistics.median(samples[j : j + block]) for j in range(0, len(samples), block)]
 
 
 def _add_ratios(results: list[VariantResult]) -> None:
