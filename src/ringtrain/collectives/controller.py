@@ -200,7 +200,10 @@ class Controller:
     def settle(self, timeout: float = 1.0) -> bool:
         """Wait until this set's controllers doze (no idle rounds), at most ``timeout`` seconds.
         For benchmarks: a measurement then starts from a quiet process, as in a job that runs
-        nothing else. Returns whether they dozed; a lone rank never polls, so it is settled."""
+        nothing else. Returns whether they dozed; a lone rank never polls, so it is settled (and
+        controllers without a store to doze on never settle, so this returns at once)."""
+        if self.comm.store is None:
+            return False
         deadline = time.monotonic() + timeout
         while self.comm.size > 1 and self._bell is None and not self._closed:
             if time.monotonic() >= deadline:
