@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import pytest
 import torch
 
 import ringtrain as rt
+from _inline_paths import PATHS, on
 from ringtrain.collectives import inline
 from ringtrain.testing.spawn import RankFailed, World
 
@@ -34,30 +32,9 @@ def _ops() -> None:
     )
 
 
-def _without_inline(fn: Callable[[], None]) -> Callable[[], None]:
-    """``fn`` with small allreduces forced through a Gloo collective (the inline path off)."""
-
-    @functools.wraps(fn)
-    def run() -> None:
-        saved, inline.INLINE_MAX_BYTES = inline.INLINE_MAX_BYTES, 0
-        try:
-            fn()
-        finally:
-            inline.INLINE_MAX_BYTES = saved
-
-    return run
-
-
-PATHS = pytest.mark.parametrize("path", ["inline", "collective"])
-
-
-def _on(path: str, fn: Callable[[], None]) -> Callable[[], None]:
-    return fn if path == "inline" else _without_inline(fn)
-
-
 @PATHS
 def test_reduce_ops(world: World, path: str) -> None:
-    world.run(_on(path, _ops))
+    world.run(on(path, _ops))
 
 
 def _variants() -> None:
@@ -178,7 +155,7 @@ def _dtypes() -> None:
 
 @PATHS
 def test_every_dtype(world: World, path: str) -> None:
-    world.run(_on(path, _dtypes))
+    world.run(on(path, _dtypes))
 
 
 def _which_path() -> list[int]:
@@ -280,3 +257,19 @@ def _autograd() -> None:
 
 def test_autograd(world: World) -> None:
     world.run(_autograd)
+
+
+def _inline_mismatch_unchecked() -> str:
+    try:
+        rt.allreduce(torch.ones(2 + rt.rank()), name="unchecked.shape")
+    except rt.CollectiveMismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_inline_shape_mismatch_without_checks_fails_cleanly(world2: World) -> None:
+    # With consistency checks off nothing compares shapes first: the inline reduction itself
+    # must refuse, on every rank, and the controller must live on.
+    for message in world2.run(_inline_mismatch_unchecked, check_consistency=False):
+        assert "different sizes" in message and "unchecked.shape" in message, message
+    world2.run(_ops)

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import ringtrain as rt
+from _inline_paths import PATHS, on
+from ringtrain.collectives import inline
 from ringtrain.testing.spawn import RankFailed, World
 
 
@@ -49,8 +51,9 @@ def _broadcast() -> None:
     assert torch.equal(m, torch.zeros(4, 3))
 
 
-def test_broadcast(world: World) -> None:
-    world.run(_broadcast)
+@PATHS
+def test_broadcast(world: World, path: str) -> None:
+    world.run(on(path, _broadcast))
 
 
 def _bad_root() -> None:
@@ -123,8 +126,25 @@ def _objects() -> None:
     assert [len(b) for b in rt.allgather_object(big)] == [100_000 + k for k in range(n)]
 
 
-def test_objects(world: World) -> None:
-    world.run(_objects)
+@PATHS
+def test_objects(world: World, path: str) -> None:
+    world.run(on(path, _objects))
+
+
+def _broadcast_path() -> list[int]:
+    ctl = rt.global_process_set.communicator.service("controller")
+    counts = []
+    for t in (torch.ones(3), torch.ones(inline.INLINE_MAX_BYTES // 4 + 1)):
+        before = ctl._executor.inline_ops
+        got = rt.broadcast(t * rt.rank(), 0)
+        assert torch.equal(got, torch.zeros_like(t))
+        counts.append(ctl._executor.inline_ops - before)
+    return counts
+
+
+def test_small_broadcasts_travel_in_the_negotiation(world2: World) -> None:
+    for counts in world2.run(_broadcast_path):
+        assert counts == [1, 0]
 
 
 def _process_sets() -> None:

@@ -4,13 +4,13 @@ As in Horovod, a rank may submit asynchronous collectives in any order, or enter
 operations still pending. Each process set runs one controller thread per rank. Every cycle:
 
 1. each rank sends the requests submitted since its last cycle (names and metadata; tensor data
-   only for allreduces of a few hundred bytes, see :mod:`ringtrain.collectives.inline`) over the
-   set's ``control`` group, so every rank holds the same table ``name -> rank -> request``;
+   only for allreduces and broadcasts of a few KiB, see :mod:`ringtrain.collectives.inline`)
+   over the set's ``control`` group, so every rank holds the same table ``name -> rank -> request``;
 2. names that every rank has submitted (or that joined ranks stand in for) become *ready*, in the
    order they first appeared in the table, identical on every rank;
 3. ready requests are checked for consistency (a mismatch fails on every rank with one message)
-   and executed on the data groups, consecutive allreduces fused into one buffer; an allreduce
-   whose data every rank sent in step 1 is reduced locally instead, with no collective of its own.
+   and executed on the data groups, consecutive allreduces fused into one buffer; an op whose
+   data came in step 1 completes locally instead, with no collective of its own.
 
 Because every decision is a function of the exchanged table, ranks never disagree on what runs
 next. Decisions that depend on time (stall reports, aborts, and names that ranks submitted on
@@ -307,7 +307,7 @@ class Controller:
                 and self._idle_cycles >= DOZE_AFTER_IDLE_CYCLES
                 and self.comm.store is not None
             )
-        mine.inline = _inline_payloads(subs)
+        mine.inline = _inline_payloads(subs, self.comm.set_rank)
         stuck = self._stuck()
         if self.comm.set_rank == 0:
             mine.abort = self._inspect()
@@ -394,8 +394,8 @@ class Controller:
             return
         joined = frozenset(self._joined - set(by_rank))
         self._remember(by_rank)
-        # Inline only when every rank that submitted sent its data (joined ranks add zeros).
-        if payloads is not None and payloads.keys() != by_rank.keys():
+        req = by_rank[min(by_rank)]
+        if payloads is not None and not inline.usable(req, payloads, by_rank):
             payloads = None
         self._executor.add(name, by_rank, local, joined, me, payloads)
 
@@ -518,14 +518,12 @@ class Controller:
             p.handle.set_error(error)
 
 
-def _inline_payloads(subs: list[Pending]) -> dict[int, inline.Payload]:
-    """The data of this message's small allreduces, within the per-message budget."""
+def _inline_payloads(subs: list[Pending], set_rank: int) -> dict[int, inline.Payload]:
+    """The data of this message's small collectives, within the per-message budget."""
     out: dict[int, inline.Payload] = {}
     budget = inline.INLINE_MAX_PER_MESSAGE
     for i, p in enumerate(subs):
-        if p.request.kind != "allreduce" or p.request.error:
-            continue
-        payload = inline.encode(p.tensors, p.request.op)
+        payload = inline.encode(p.request, p.tensors, set_rank)
         if payload is not None and len(payload[1]) <= budget:
             out[i] = payload
             budget -= len(payload[1])

@@ -80,7 +80,7 @@ class Executor:
         self._batch_key: tuple[Any, ...] | None = None
         self._batch_bytes = 0
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        self.inline_ops = 0  # allreduces reduced from negotiation data, for tests and stats
+        self.inline_ops = 0  # ops whose data came with the negotiation, for tests and stats
 
     def add(
         self,
@@ -120,8 +120,12 @@ class Executor:
             else:
                 self.flush()
                 started = time.perf_counter()
-                result = self._run_one(req, by_rank, tensors, outputs, joined, me)
-                self._record(req.kind.upper(), started, [name])
+                result = self._run_one(req, by_rank, tensors, outputs, joined, me, inline_data)
+                what = req.kind.upper()
+                if inline_data is not None:
+                    what += " (inline)"
+                    self.inline_ops += 1
+                self._record(what, started, [name])
         except CollectiveError as e:
             self.flush()
             if handle is not None:
@@ -298,11 +302,13 @@ class Executor:
         outputs: list[torch.Tensor],
         joined: frozenset[int],
         me: int,
+        inline_data: Mapping[int, inline.Payload] | None = None,
     ) -> Any:
         if req.kind == "barrier":
             return None
         if req.kind == "broadcast":
-            return self._broadcast(req, by_rank, tensors, outputs, joined, me)
+            root_data = inline_data[req.root] if inline_data is not None else None
+            return self._broadcast(req, by_rank, tensors, outputs, joined, me, root_data)
         if req.kind == "allgather":
             return [self._allgather(i, t, by_rank, joined) for i, t in enumerate(tensors)]
         if req.kind == "reducescatter":
@@ -319,11 +325,14 @@ class Executor:
         outputs: list[torch.Tensor],
         joined: frozenset[int],
         me: int,
+        root_data: inline.Payload | None = None,
     ) -> list[torch.Tensor]:
+        """``root_data``: the root's tensors, sent inline with the negotiation."""
         if req.root in joined:
             raise CollectiveArgumentError(f"broadcast from root rank {req.root}, which has joined")
         root_req = by_rank[req.root]
         results = []
+        offset = 0
         for i, meta in enumerate(root_req.tensors):
             if me == req.root:
                 out = outputs[i] if outputs else tensors[i]
@@ -334,7 +343,12 @@ class Executor:
             else:
                 out = outputs[i]
             buf = dtypes.as_bytes(out)
-            if self.comm.size > 1:
+            if root_data is not None:
+                if me == req.root:
+                    offset += buf.numel()
+                else:
+                    offset = inline.take(root_data, offset, buf)
+            elif self.comm.size > 1:
                 dist.broadcast(buf, group=self.comm.group_for(buf), group_src=req.root)
             if buf.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
                 out.copy_(

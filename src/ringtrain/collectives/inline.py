@@ -1,10 +1,14 @@
-"""Small allreduces carried inside the negotiation round.
+"""Small allreduces and broadcasts carried inside the negotiation round.
 
 Every collective is negotiated before it runs: one allgather of each rank's control message. For
-an allreduce of a few hundred bytes that round can carry the data as well. Each rank puts its
-tensors' bytes in its message; once every contributing rank has done so, every rank reduces the
-same bytes in the same rank order on its own, so the results are identical everywhere and the op
-needs no Gloo collective of its own (on loopback that is about half of a small op's latency).
+an op of a few KiB that round can carry the data as well, and the op needs no Gloo collective of
+its own (on loopback that is about half of a small op's latency):
+
+* allreduce: each rank puts its tensors' bytes in its message; once every contributing rank has
+  done so, every rank reduces the same bytes in the same rank order on its own, so the results
+  are identical everywhere;
+* broadcast (objects included): the root puts its tensors' bytes in its message, and every
+  other rank takes them from there.
 
 Whether an op went inline is decided from the messages every rank received alike, never from
 local state, so all ranks take the same path; an op some rank could not inline (too large, a
@@ -14,11 +18,12 @@ group is sealed like every other group, so inline data is encrypted too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from ringtrain.collectives import dtypes
+from ringtrain.collectives.requests import Request
 from ringtrain.errors import CollectiveArgumentError, CollectiveMismatchError
 
 # An op this small (all its tensors together) travels in the negotiation round, while a rank's
@@ -28,12 +33,17 @@ from ringtrain.errors import CollectiveArgumentError, CollectiveMismatchError
 INLINE_MAX_BYTES = 4096
 INLINE_MAX_PER_MESSAGE = 6144
 
-# (reduction dtype, raw bytes of the tensors, flattened and concatenated)
+# (reduction dtype, or "bytes" for a broadcast; the tensors' raw bytes, concatenated)
 Payload = tuple[str, bytes]
 
 
-def encode(tensors: Sequence[torch.Tensor], op: str) -> Payload | None:
-    """This rank's contribution to an inline allreduce, or None where it cannot go inline."""
+def encode(request: Request, tensors: Sequence[torch.Tensor], set_rank: int) -> Payload | None:
+    """What this rank sends inline for ``request``, or None (not small, not inlinable, or
+    nothing to send: a broadcast's receivers)."""
+    if request.error or request.kind not in ("allreduce", "broadcast"):
+        return None
+    if request.kind == "broadcast" and set_rank != request.root:
+        return None
     nbytes = 0
     for t in tensors:  # stops at the first large tensor: grouped calls can hold thousands
         nbytes += t.numel() * t.element_size()
@@ -41,6 +51,20 @@ def encode(tensors: Sequence[torch.Tensor], op: str) -> Payload | None:
             return None
     if nbytes == 0:
         return None
+    if request.kind == "broadcast":
+        return "bytes", b"".join(dtypes.as_bytes(t).numpy().tobytes() for t in tensors)
+    return _encode_reduction(tensors, request.op)
+
+
+def usable(request: Request, payloads: Mapping[int, Payload], submitted: Iterable[int]) -> bool:
+    """Whether the op runs inline: every submitting rank's data arrived (allreduce; joined
+    ranks add zeros), or the root's (broadcast). Every rank decides alike, from the messages."""
+    if request.kind == "broadcast":
+        return request.root in payloads
+    return payloads.keys() == set(submitted)
+
+
+def _encode_reduction(tensors: Sequence[torch.Tensor], op: str) -> Payload | None:
     try:
         work = dtypes.to_reducible_all(list(tensors), op)
     except CollectiveArgumentError:
@@ -85,3 +109,17 @@ def reduce(
     else:  # pragma: no cover - requests are validated at submission
         raise CollectiveArgumentError(f"unknown reduce op {op!r}")
     return out.to(dtype)  # integer sums and products come back as int64
+
+
+def take(payload: Payload, offset: int, out: torch.Tensor) -> int:
+    """Fill the uint8 view ``out`` from a broadcast payload at ``offset``; the next offset."""
+    n = out.numel()
+    chunk = payload[1][offset : offset + n]
+    if len(chunk) != n:  # only when consistency checks are off: they catch this first
+        raise CollectiveMismatchError(
+            f"broadcast: the root sent {len(payload[1])} bytes in all, this rank expects more.\n"
+            "HINT: every rank must pass tensors of the root's shapes and dtypes."
+        )
+    if n:
+        out.view(-1).copy_(torch.frombuffer(bytearray(chunk), dtype=torch.uint8))
+    return offset + n
