@@ -13,7 +13,8 @@ rank is one process (``pid`` = rank) and each activity a named lane:
   scale, compress), ``ALLREDUCE`` (in flight: launched to done) and ``UNPACK`` (results back
   into ``.grad``);
 * ``collectives set N``: negotiated collectives, ``NEGOTIATE`` (controller rounds with work) and
-  ``ALLREDUCE``/``ALLGATHER``/... as they run.
+  ``ALLREDUCE``/``ALLGATHER``/... as they run (``... (inline)`` when the data of a small op
+  came with the negotiation, see :mod:`ringtrain.collectives.inline`).
 
 Timestamps are wall-clock microseconds (taken from a monotonic clock anchored once), so the files
 of ranks on one machine line up when merged. Events are buffered and appended to the file in
