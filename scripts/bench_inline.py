@@ -32,6 +32,7 @@ def main() -> None:
             lambda: rt.broadcast_parameters(model.state_dict(), 0),
             1,
         ),
+        "allgather_object (small tuple)": (lambda: rt.allgather_object(("r", rt.rank())), 20),
         "allreduce 1 KiB": (lambda: rt.allreduce(torch.ones(256), name="k"), 20),
     }
     settings = {"inline": inline.INLINE_MAX_BYTES, "collective": 0}

@@ -28,8 +28,25 @@ def _allgather() -> None:
     torch.testing.assert_close(x.grad, torch.full((2,), float(n)))
 
 
-def test_allgather(world: World) -> None:
-    world.run(_allgather)
+@PATHS
+def test_allgather(world: World, path: str) -> None:
+    world.run(on(path, _allgather))
+
+
+def _allgather_path() -> list[int]:
+    ctl = rt.global_process_set.communicator.service("controller")
+    counts = []
+    for rows in (1, inline.INLINE_MAX_BYTES // 8 + 1):  # 8 bytes a row
+        before = ctl._executor.inline_ops
+        got = rt.allgather(torch.full((rows + rt.rank(), 2), rt.rank(), dtype=torch.int32))
+        assert got.shape == (rt.size() * rows + 1, 2) and got[-1].tolist() == [1, 1]
+        counts.append(ctl._executor.inline_ops - before)
+    return counts
+
+
+def test_small_allgathers_travel_in_the_negotiation(world2: World) -> None:
+    for counts in world2.run(_allgather_path):
+        assert counts == [1, 0]
 
 
 def _broadcast() -> None:

@@ -4,7 +4,8 @@ As in Horovod, a rank may submit asynchronous collectives in any order, or enter
 operations still pending. Each process set runs one controller thread per rank. Every cycle:
 
 1. each rank sends the requests submitted since its last cycle (names and metadata; tensor data
-   only for allreduces and broadcasts of a few KiB, see :mod:`ringtrain.collectives.inline`)
+   only for allreduces, allgathers and broadcasts of a few KiB, see
+   :mod:`ringtrain.collectives.inline`)
    over the set's ``control`` group, so every rank holds the same table ``name -> rank -> request``;
 2. names that every rank has submitted (or that joined ranks stand in for) become *ready*, in the
    order they first appeared in the table, identical on every rank;

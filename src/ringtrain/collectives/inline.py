@@ -7,6 +7,8 @@ its own (on loopback that is about half of a small op's latency):
 * allreduce: each rank puts its tensors' bytes in its message; once every contributing rank has
   done so, every rank reduces the same bytes in the same rank order on its own, so the results
   are identical everywhere;
+* allgather (objects included): each rank puts its tensors' bytes in its message; once every
+  contributing rank has done so, every rank concatenates them in rank order;
 * broadcast (objects included): the root puts its tensors' bytes in its message, and every
   other rank takes them from there.
 
@@ -23,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 
 from ringtrain.collectives import dtypes
-from ringtrain.collectives.requests import Request
+from ringtrain.collectives.requests import Request, TensorMeta
 from ringtrain.errors import CollectiveArgumentError, CollectiveMismatchError
 
 # An op this small (all its tensors together) travels in the negotiation round, while a rank's
@@ -40,7 +42,7 @@ Payload = tuple[str, bytes]
 def encode(request: Request, tensors: Sequence[torch.Tensor], set_rank: int) -> Payload | None:
     """What this rank sends inline for ``request``, or None (not small, not inlinable, or
     nothing to send: a broadcast's receivers)."""
-    if request.error or request.kind not in ("allreduce", "broadcast"):
+    if request.error or request.kind not in ("allreduce", "allgather", "broadcast"):
         return None
     if request.kind == "broadcast" and set_rank != request.root:
         return None
@@ -51,14 +53,15 @@ def encode(request: Request, tensors: Sequence[torch.Tensor], set_rank: int) -> 
             return None
     if nbytes == 0:
         return None
-    if request.kind == "broadcast":
+    if request.kind in ("broadcast", "allgather"):
         return "bytes", b"".join(dtypes.as_bytes(t).numpy().tobytes() for t in tensors)
     return _encode_reduction(tensors, request.op)
 
 
 def usable(request: Request, payloads: Mapping[int, Payload], submitted: Iterable[int]) -> bool:
-    """Whether the op runs inline: every submitting rank's data arrived (allreduce; joined
-    ranks add zeros), or the root's (broadcast). Every rank decides alike, from the messages."""
+    """Whether the op runs inline: every submitting rank's data arrived (allreduce, allgather;
+    joined ranks add zeros or no rows), or the root's (broadcast). Every rank decides alike,
+    from the messages."""
     if request.kind == "broadcast":
         return request.root in payloads
     return payloads.keys() == set(submitted)
@@ -123,3 +126,29 @@ def take(payload: Payload, offset: int, out: torch.Tensor) -> int:
     if n:
         out.view(-1).copy_(torch.frombuffer(bytearray(chunk), dtype=torch.uint8))
     return offset + n
+
+
+def gathered(
+    name: str, payloads: Mapping[int, Payload], metas: Mapping[int, Sequence[TensorMeta]], i: int
+) -> bytes:
+    """Tensor ``i`` of every rank (in rank order), as raw bytes, from allgather payloads; each
+    rank's payload holds its tensors back to back, sized as its request says."""
+    parts = []
+    for r in sorted(payloads):
+        sizes = [_nbytes(m) for m in metas[r]]
+        start = sum(sizes[:i])
+        part = payloads[r][1][start : start + sizes[i]]
+        if len(part) != sizes[i]:  # only when consistency checks are off: they catch this first
+            raise CollectiveMismatchError(
+                f"allgather {name!r}: rank {r} sent fewer bytes than its request describes.\n"
+                "HINT: every rank must pass tensors of the same dtypes and trailing shapes."
+            )
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _nbytes(meta: TensorMeta) -> int:
+    n = torch.empty((), dtype=getattr(torch, meta.dtype.removeprefix("torch."))).element_size()
+    for d in meta.shape:
+        n *= d
+    return n
