@@ -5,8 +5,8 @@ operations still pending. Each process set runs one controller thread per rank. 
 
 1. each rank sends the requests submitted since its last cycle (names and metadata; tensor data
    only for allreduces, allgathers and broadcasts of a few KiB, see
-   :mod:`ringtrain.collectives.inline`)
-   over the set's ``control`` group, so every rank holds the same table ``name -> rank -> request``;
+   :mod:`ringtrain.collectives.inline`) over the set's ``control`` group, so every rank holds the
+   same table ``name -> rank -> request``;
 2. names that every rank has submitted (or that joined ranks stand in for) become *ready*, in the
    order they first appeared in the table, identical on every rank;
 3. ready requests are checked for consistency (a mismatch fails on every rank with one message)
