@@ -1,4 +1,4 @@
-"""Small allreduces and broadcasts carried inside the negotiation round.
+"""Small allreduces, allgathers and broadcasts carried inside the negotiation round.
 
 Every collective is negotiated before it runs: one allgather of each rank's control message. For
 an op of a few KiB that round can carry the data as well, and the op needs no Gloo collective of
@@ -35,7 +35,7 @@ from ringtrain.errors import CollectiveArgumentError, CollectiveMismatchError
 INLINE_MAX_BYTES = 4096
 INLINE_MAX_PER_MESSAGE = 6144
 
-# (reduction dtype, or "bytes" for a broadcast; the tensors' raw bytes, concatenated)
+# (reduction dtype, or "bytes" for a broadcast or allgather; the tensors' raw bytes, back to back)
 Payload = tuple[str, bytes]
 
 
