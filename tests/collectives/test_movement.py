@@ -208,11 +208,17 @@ def _join() -> int:
         out = rt.allreduce(torch.ones(2) * (step + 1), op=rt.Sum, name=f"step{step}")
         active = n - step
         torch.testing.assert_close(out, torch.ones(2) * (step + 1) * active)
+        # ranks that joined add no rows, and a broadcast from a rank still active reaches all
+        got = rt.allgather(torch.tensor([[r, step]]), name=f"rows{step}")
+        assert got.tolist() == [[k, step] for k in range(step, n)], got
+        root = rt.broadcast(torch.tensor([float(r)]), n - 1, name=f"root{step}")
+        assert root.tolist() == [float(n - 1)]
     return rt.join()
 
 
-def test_join_uneven_batches(world: World) -> None:
-    assert world.run(_join) == [world.size - 1] * world.size
+@PATHS
+def test_join_uneven_batches(world: World, path: str) -> None:
+    assert world.run(on(path, _join)) == [world.size - 1] * world.size
 
 
 def _reinit() -> None:
