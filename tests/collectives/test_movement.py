@@ -183,10 +183,20 @@ def _process_sets() -> None:
     rt.barrier()
     assert rt.remove_process_set(evens)
     assert rt.global_process_set.size() == n
+    if n > 1:  # a set whose set ranks differ from the global ones: roots are set ranks
+        tail = rt.add_process_set(list(range(1, n)))
+        if tail.included():
+            got = rt.broadcast(torch.tensor([float(r)]), tail.size() - 1, process_set=tail)
+            assert got.item() == n - 1
+            rows = rt.allgather(torch.tensor([r]), process_set=tail)
+            assert rows.tolist() == list(range(1, n))
+        rt.barrier()
+        assert rt.remove_process_set(tail)
 
 
-def test_process_sets(world: World) -> None:
-    world.run(_process_sets)
+@PATHS
+def test_process_sets(world: World, path: str) -> None:
+    world.run(on(path, _process_sets))
 
 
 def _init_with_sets() -> list[int]:
