@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import ringtrain as rt
+import ringtrain.torch as hvd
 from _inline_paths import PATHS, on
 from ringtrain.collectives import inline
 from ringtrain.testing.spawn import RankFailed, World
@@ -273,3 +274,39 @@ def test_inline_shape_mismatch_without_checks_fails_cleanly(world2: World) -> No
     for message in world2.run(_inline_mismatch_unchecked, check_consistency=False):
         assert "different sizes" in message and "unchecked.shape" in message, message
     world2.run(_ops)
+
+
+def _sparse() -> None:
+    r, n = rt.rank(), rt.size()
+    dense = _rank_dense(r)  # rows overlap on 0 and differ elsewhere
+    h = hvd.sparse_allreduce_async(dense.to_sparse(), name="sparse.avg", op=rt.Average)
+    assert isinstance(rt.poll(h), bool)
+    got = rt.synchronize(h)
+    assert got.is_sparse and got.shape == dense.shape
+    expected = sum(_rank_dense(k) for k in range(n)) / n
+    torch.testing.assert_close(got.to_dense(), expected)
+    total = rt.synchronize(hvd.sparse_allreduce_async(dense.to_sparse(), "sparse.sum", rt.Sum))
+    torch.testing.assert_close(total.to_dense(), expected * n)
+
+
+def _rank_dense(k: int) -> torch.Tensor:
+    """Rank k's tensor: 1 in row 0, plus k+1 in row k % 4."""
+    d = torch.zeros(4, 2)
+    d[0] = 1.0
+    d[k % 4] += k + 1
+    return d
+
+
+def test_sparse_allreduce_async(world: World) -> None:
+    world.run(_sparse)
+
+
+def _sparse_bad() -> None:
+    with pytest.raises(rt.CollectiveArgumentError, match="sparse COO tensor"):
+        hvd.sparse_allreduce_async(torch.ones(3), "bad.dense")
+    with pytest.raises(rt.CollectiveArgumentError, match="Average and Sum"):
+        hvd.sparse_allreduce_async(torch.ones(3).to_sparse(), "bad.op", op=rt.Max)
+
+
+def test_sparse_allreduce_rejects_what_it_cannot_do(world2: World) -> None:
+    world2.run(_sparse_bad)

@@ -52,3 +52,24 @@ class Handle:
 
     def __repr__(self) -> str:
         return f"<Handle {self.name!r} {'done' if self.done() else 'pending'}>"
+
+
+class CompositeHandle(Handle):
+    """One handle over several collectives: done when all are; its result is built from theirs
+    (``build(*results)``) by the first ``wait``."""
+
+    __slots__ = ("_build", "_parts")
+
+    def __init__(self, name: str, parts: list[Handle], build: Callable[..., Any]) -> None:
+        super().__init__(name)
+        self._parts = parts
+        self._build = build
+
+    def done(self) -> bool:
+        return all(p.done() for p in self._parts)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._done.is_set():
+            self._result = self._build(*(p.wait(timeout) for p in self._parts))
+            self._done.set()
+        return self._result

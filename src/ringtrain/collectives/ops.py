@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ringtrain.collectives.controller import Controller
-from ringtrain.collectives.handles import Handle
+from ringtrain.collectives.handles import CompositeHandle, Handle
 from ringtrain.collectives.reduce_ops import resolve_op
 from ringtrain.collectives.requests import Request, TensorMeta
 from ringtrain.compression import resolve as resolve_compression
@@ -370,6 +370,44 @@ def allgather(
 
         return autograd.allgather(tensor, name, process_set)
     return synchronize(allgather_async(tensor, name, process_set))
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: Any = None,
+    process_set: ProcessSet | None = None,
+) -> Handle:
+    """Average (or Sum) a sparse COO tensor across ranks, as Horovod does: the indices and values
+    of every rank are allgathered and form one uncoalesced sparse tensor of the same shape."""
+    op_name = resolve_op(op)
+    if op_name not in ("Average", "Sum"):
+        raise CollectiveArgumentError(
+            f"sparse_allreduce_async supports Average and Sum, not {op_name}.\n"
+            "HINT: densify the tensor (tensor.to_dense()) for other reductions."
+        )
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise CollectiveArgumentError(
+            f"sparse_allreduce_async expects a sparse COO tensor, got {type(tensor).__name__}"
+            f"{' (dense)' if isinstance(tensor, torch.Tensor) else ''}.\n"
+            "HINT: use allreduce_async for dense tensors."
+        )
+    t = tensor.detach().coalesce()
+    ctl = controller_of(process_set)
+    name = name if name is not None else ctl.auto_name("sparse_allreduce")
+    size = ctl.comm.size
+    # Allgather concatenates along dim 0: indices travel transposed, one row per entry.
+    parts = [
+        allgather_async(t.indices().t().contiguous(), f"{name}.indices", process_set),
+        allgather_async(t.values(), f"{name}.values", process_set),
+    ]
+
+    def build(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        if op_name == "Average":
+            values = values / size
+        return torch.sparse_coo_tensor(indices.t(), values, t.shape)
+
+    return CompositeHandle(name, parts, build)
 
 
 # ---- broadcast -------------------------------------------------------------------------------

@@ -66,5 +66,26 @@ def nccl_built() -> bool:
     return bool(dist.is_nccl_available())
 
 
+def cuda_built() -> bool:
+    """Whether CUDA tensors can be reduced: torch was built with CUDA (NCCL does the work)."""
+    import torch
+
+    return torch.backends.cuda.is_built()
+
+
+def rocm_built() -> bool:
+    import torch
+
+    return torch.version.hip is not None
+
+
+def ddl_built() -> bool:
+    return False  # IBM DDL is a Horovod/MPI backend; ringtrain runs on torch.distributed
+
+
+def ccl_built() -> bool:
+    return False  # oneCCL likewise
+
+
 def mpi_threads_supported() -> bool:
     return False
