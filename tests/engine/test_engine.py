@@ -10,6 +10,7 @@ sparse embeddings, with accumulation and no_sync.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -459,3 +460,20 @@ def test_predivide_gives_the_average_on_every_wire(world: World, compression: st
     for got in world.run(_predivided, compression):
         for value in got:  # d/dw5 = 6 (r+1), averaged over ranks
             assert abs(value - 6 * (n + 1) / 2) <= 2e-2 * 6 * (n + 1) / 2, (compression, got)
+
+
+def _horovod_grouping_args() -> list[str]:
+    model = torch.nn.Linear(2, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            num_groups=2,
+        )
+    return [str(w.message) for w in caught]
+
+
+def test_horovod_grouping_arguments_are_accepted_and_ignored_aloud(world2: World) -> None:
+    for messages in world2.run(_horovod_grouping_args):
+        assert any("num_groups" in m and "ignored" in m for m in messages), messages

@@ -84,6 +84,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             the whole division by the world size happens before the cast.
         process_set: reduce over this process set instead of the world.
         sparse_as_dense: send sparse gradients as dense tensors instead of as (indices, values).
+        groups, num_groups: accepted for Horovod scripts and ignored, with a warning: the engine
+            groups gradients into buckets itself.
         fusion_threshold_bytes, cycle_time_ms, bucket_order: bucket planning (see
             :mod:`ringtrain.engine.buckets` for the tuning guide).
         hierarchical: "auto", "on" or "off": reduce buckets hierarchically (within hosts, then
@@ -106,6 +108,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense: bool = False,
         average_aggregated_gradients: bool = False,
         groups: Any = None,
+        num_groups: int = 0,
         *,
         fusion_threshold_bytes: int | None = None,
         cycle_time_ms: float | None = None,
@@ -130,9 +133,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(
                 f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}"
             )
-        if groups is not None:
+        if groups is not None or num_groups:
             warnings.warn(
-                "DistributedOptimizer(groups=...) is ignored: ringtrain plans buckets itself "
+                "DistributedOptimizer(groups=/num_groups=) is ignored: ringtrain plans buckets itself "
                 "(see fusion_threshold_bytes, cycle_time_ms, bucket_order)",
                 stacklevel=2,
             )
