@@ -50,6 +50,7 @@ HOROVOD_NAMES = [
     "broadcast_parameters",
     "broadcast_optimizer_state",
     "DistributedOptimizer",
+    "SyncBatchNorm",
     "Compression",
     "Average",
     "Sum",
@@ -64,6 +65,11 @@ HOROVOD_NAMES = [
     "mpi_enabled",
     "gloo_enabled",
     "nccl_built",
+    "cuda_built",
+    "rocm_built",
+    "ddl_built",
+    "ccl_built",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
 ]
@@ -79,6 +85,7 @@ def test_facade_exports_resolve() -> None:
         assert getattr(ringtrain, name) is not None, name
     assert ringtrain.allreduce is hvd.allreduce
     assert ringtrain.DistributedOptimizer is hvd.DistributedOptimizer
+    assert ringtrain.SyncBatchNorm is hvd.SyncBatchNorm
 
 
 def test_compression_spellings() -> None:

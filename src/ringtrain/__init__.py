@@ -83,6 +83,7 @@ _EXPORTS: dict[str, str] = {
     "DistributedOptimizer": "ringtrain.engine.optimizer",
     "broadcast_parameters": "ringtrain.engine.state_sync",
     "broadcast_optimizer_state": "ringtrain.engine.state_sync",
+    "SyncBatchNorm": "ringtrain.engine.sync_batch_norm",
     "Compression": "ringtrain.compression",
     # errors
     "RingtrainError": "ringtrain.errors",
@@ -144,6 +145,7 @@ if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
     from ringtrain.config import Config
     from ringtrain.engine.optimizer import DistributedOptimizer
     from ringtrain.engine.state_sync import broadcast_optimizer_state, broadcast_parameters
+    from ringtrain.engine.sync_batch_norm import SyncBatchNorm
     from ringtrain.errors import (
         CollectiveArgumentError,
         CollectiveError,

@@ -33,12 +33,14 @@ from ringtrain.collectives.ops import (
     poll,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from ringtrain.collectives.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from ringtrain.compression import Compression
 from ringtrain.engine.optimizer import DistributedOptimizer
 from ringtrain.engine.state_sync import broadcast_optimizer_state, broadcast_parameters
+from ringtrain.engine.sync_batch_norm import SyncBatchNorm
 from ringtrain.errors import RingtrainError as HorovodInternalError
 from ringtrain.lifecycle import (
     add_process_set,
@@ -50,8 +52,11 @@ from ringtrain.lifecycle import (
 )
 from ringtrain.runtime.process_sets import ProcessSet
 from ringtrain.runtime.queries import (
+    ccl_built,
     cross_rank,
     cross_size,
+    cuda_built,
+    ddl_built,
     gloo_built,
     gloo_enabled,
     is_homogeneous,
@@ -63,6 +68,7 @@ from ringtrain.runtime.queries import (
     mpi_threads_supported,
     nccl_built,
     rank,
+    rocm_built,
     size,
 )
 from ringtrain.runtime.state import global_process_set
@@ -80,6 +86,7 @@ __all__ = [
     "Product",
     "ReduceOp",
     "Sum",
+    "SyncBatchNorm",
     "add_process_set",
     "allgather",
     "allgather_async",
@@ -98,8 +105,11 @@ __all__ = [
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "ccl_built",
     "cross_rank",
     "cross_size",
+    "cuda_built",
+    "ddl_built",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",
@@ -126,8 +136,10 @@ __all__ = [
     "reducescatter",
     "reducescatter_async",
     "remove_process_set",
+    "rocm_built",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
     "start_timeline",
     "stop_timeline",
     "synchronize",
