@@ -85,7 +85,7 @@ class _Message:
     abort: str = ""
     # Set by the set's rank 0 only: (name, error) of collectives submitted on other sets too.
     mismatched: tuple[tuple[str, str], ...] = ()
-    # Small allreduces' data, by position in ``requests`` (see collectives.inline).
+    # Small collectives' data, by position in ``requests`` (see collectives.inline).
     inline: dict[int, inline.Payload] = field(default_factory=dict)
 
 
@@ -524,7 +524,10 @@ def _inline_payloads(subs: list[Pending], set_rank: int) -> dict[int, inline.Pay
     out: dict[int, inline.Payload] = {}
     budget = inline.INLINE_MAX_PER_MESSAGE
     for i, p in enumerate(subs):
-        payload = inline.encode(p.request, p.tensors, set_rank)
+        try:
+            payload = inline.encode(p.request, p.tensors, set_rank)
+        except Exception:  # e.g. a tensor torch cannot read: the normal path reports it
+            payload = None
         if payload is not None and len(payload[1]) <= budget:
             out[i] = payload
             budget -= len(payload[1])
