@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import psutil
 import torch
+import torch.distributed as dist
 
 import ringtrain as rt
 from ringtrain.collectives import controller
@@ -61,7 +62,10 @@ def _settle_after_an_op() -> tuple[bool, float]:
     rt.allreduce(torch.ones(3), name="before-quiet")
     t = time.monotonic()
     settled = ctl.settle(timeout=5.0)
-    return settled, time.monotonic() - t
+    waited = time.monotonic() - t
+    # No rank may shut down (which wakes every controller) before all have seen the doze.
+    dist.barrier()
+    return settled, waited
 
 
 def test_controllers_stop_polling_soon_after_an_op(world: World) -> None:

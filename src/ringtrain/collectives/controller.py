@@ -206,7 +206,10 @@ class Controller:
         if self.comm.store is None:
             return False
         deadline = time.monotonic() + timeout
-        while self.comm.size > 1 and self._bell is None and not self._closed:
+        naps = self._naps  # a nap that began and ended between two looks counts too
+        while self.comm.size > 1 and self._bell is None and self._naps == naps:
+            if self._closed:
+                break
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.002)
