@@ -193,7 +193,7 @@ def test_launcher_never_imports_torch(tmp_path: Path) -> None:
 def test_an_agent_that_dies_is_reported_with_its_last_words() -> None:
     """The eof report quotes the agent's stderr (ssh's reason), even when stderr ends after
     stdout: here a child of the 'agent' writes its reason after the agent itself has gone."""
-    script = "(exec 1>&-; sleep 0.5; echo 'ssh: connect to host ghost: Connection refused' >&2) &"
+    script = "(exec 1>&-; sleep 0.2; echo 'ssh: connect to host ghost: Connection refused' >&2) &"
     events: queue.Queue[Any] = queue.Queue()
     link = AgentLink(0, Host("ghost", 1), ["sh", "-c", f"{script} exec 1>&-; exit 255"], events)
     _, msg = events.get(timeout=10)
