@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
+import ringtrain as rt
 from ringtrain.collectives import inline
 
 PATHS = pytest.mark.parametrize("path", ["inline", "collective"])
@@ -26,3 +28,11 @@ def on(path: str, fn: Callable[[], None]) -> Callable[[], None]:
             inline.INLINE_MAX_BYTES = saved
 
     return run
+
+
+def inline_ops(op: Callable[[], Any]) -> tuple[Any, int]:
+    """``op()``'s result, and how many collectives of the world set ran inline meanwhile."""
+    executor = rt.global_process_set.communicator.service("controller")._executor
+    before = executor.inline_ops
+    result = op()
+    return result, executor.inline_ops - before

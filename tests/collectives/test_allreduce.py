@@ -7,7 +7,7 @@ import torch
 
 import ringtrain as rt
 import ringtrain.torch as hvd
-from _inline_paths import PATHS, on
+from _inline_paths import PATHS, inline_ops, on
 from ringtrain.collectives import inline
 from ringtrain.testing.spawn import RankFailed, World
 
@@ -160,22 +160,19 @@ def test_every_dtype(world: World, path: str) -> None:
 
 
 def _which_path() -> list[int]:
-    ctl = rt.global_process_set.communicator.service("controller")
     counts = []
     for t, op in [
         (torch.ones(4), rt.Sum),  # 16 bytes: inline
         (torch.ones(inline.INLINE_MAX_BYTES // 4 + 1), rt.Sum),  # just too big: a collective
         (torch.ones(3, dtype=torch.int16) * (rt.rank() + 1), rt.Average),  # widened: inline
     ]:
-        before = ctl._executor.inline_ops
-        out = rt.allreduce(t, op=op)
+        out, count = inline_ops(lambda t=t, op=op: rt.allreduce(t, op=op))
         assert out.dtype == t.dtype
-        counts.append(ctl._executor.inline_ops - before)
-    before = ctl._executor.inline_ops
-    mixed = rt.grouped_allreduce([torch.ones(2), torch.ones(2, dtype=torch.float64)], op=rt.Sum)
+        counts.append(count)
+    pair = [torch.ones(2), torch.ones(2, dtype=torch.float64)]  # two reduction dtypes
+    mixed, count = inline_ops(lambda: rt.grouped_allreduce(pair, op=rt.Sum))
     assert [m.tolist() for m in mixed] == [[rt.size()] * 2] * 2
-    counts.append(ctl._executor.inline_ops - before)  # two reduction dtypes: a collective
-    return counts
+    return [*counts, count]
 
 
 def test_small_allreduces_travel_in_the_negotiation(world2: World) -> None:
@@ -260,19 +257,27 @@ def test_autograd(world: World) -> None:
     world.run(_autograd)
 
 
-def _inline_mismatch_unchecked() -> str:
-    try:
-        rt.allreduce(torch.ones(2 + rt.rank()), name="unchecked.shape")
-    except rt.CollectiveMismatchError as e:
-        return str(e)
-    return "no error"
+def _inline_mismatch_unchecked() -> list[str]:
+    messages = []
+    for op in (
+        lambda: rt.allreduce(torch.ones(2 + rt.rank()), name="unchecked.shape"),
+        lambda: rt.allgather(torch.ones(1, 2 + rt.rank()), name="unchecked.rows"),
+    ):
+        try:
+            op()
+        except rt.CollectiveMismatchError as e:
+            messages.append(str(e))
+        else:
+            messages.append("no error")
+    return messages
 
 
 def test_inline_shape_mismatch_without_checks_fails_cleanly(world2: World) -> None:
-    # With consistency checks off nothing compares shapes first: the inline reduction itself
-    # must refuse, on every rank, and the controller must live on.
-    for message in world2.run(_inline_mismatch_unchecked, check_consistency=False):
-        assert "different sizes" in message and "unchecked.shape" in message, message
+    # With consistency checks off nothing compares shapes first: the inline path itself must
+    # refuse, on every rank, and the controller must live on.
+    for reduced, gathered in world2.run(_inline_mismatch_unchecked, check_consistency=False):
+        assert "different sizes" in reduced and "unchecked.shape" in reduced, reduced
+        assert "different sizes" in gathered and "unchecked.rows" in gathered, gathered
     world2.run(_ops)
 
 

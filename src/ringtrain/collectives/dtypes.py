@@ -33,6 +33,13 @@ _FLOAT8 = {
 }
 
 
+def from_name(name: str) -> torch.dtype:
+    """The dtype a request names (``str(dtype)``, e.g. "torch.float32")."""
+    dtype = getattr(torch, name.removeprefix("torch."))
+    assert isinstance(dtype, torch.dtype), name
+    return dtype
+
+
 def reduction_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
     """The dtype to reduce ``dtype`` in; raises for combinations that have no meaning."""
     if dtype.is_complex and op in ("Min", "Max", "Product"):

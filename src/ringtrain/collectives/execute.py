@@ -27,6 +27,7 @@ from ringtrain.errors import (
     CollectiveAbortedError,
     CollectiveArgumentError,
     CollectiveError,
+    CollectiveMismatchError,
     SecurityError,
 )
 from ringtrain.runtime.communicator import Communicator
@@ -65,9 +66,7 @@ class _Item:
 
 
 def _zeros(meta: TensorMeta) -> torch.Tensor:
-    return torch.zeros(
-        meta.shape, dtype=getattr(torch, meta.dtype.replace("torch.", "")), device=meta.device
-    )
+    return torch.zeros(meta.shape, dtype=dtypes.from_name(meta.dtype), device=meta.device)
 
 
 class Executor:
@@ -100,6 +99,7 @@ class Executor:
             handle = None
         else:
             tensors, outputs, handle = local.tensors, local.outputs or [], local.handle
+        started = time.perf_counter()
         try:
             if joined and req.kind not in ("allreduce", "allgather", "broadcast", "barrier"):
                 raise CollectiveArgumentError(
@@ -112,20 +112,18 @@ class Executor:
                         f"allreduce with op={req.op} cannot run while ranks have joined"
                     )
                 item = _Item(name, req, tensors, outputs, handle, self.comm.size - len(joined))
-                if inline_data is not None:
-                    result = self._inline_allreduce(item, inline_data)
-                else:
+                if inline_data is None:
                     self._queue_allreduce(item)
                     return
+                result = self._inline_allreduce(item, inline_data)
             else:
                 self.flush()
-                started = time.perf_counter()
                 result = self._run_one(req, by_rank, tensors, outputs, joined, me, inline_data)
-                what = req.kind.upper()
-                if inline_data is not None:
-                    what += " (inline)"
-                    self.inline_ops += 1
-                self._record(what, started, [name])
+            what = req.kind.upper()
+            if inline_data is not None:
+                what += " (inline)"
+                self.inline_ops += 1
+            self._record(what, started, [name])
         except CollectiveError as e:
             self.flush()
             if handle is not None:
@@ -194,18 +192,12 @@ class Executor:
     def _inline_allreduce(
         self, item: _Item, payloads: Mapping[int, inline.Payload]
     ) -> list[torch.Tensor]:
-        started = time.perf_counter()
         work = dtypes.to_reducible_all(item.tensors, item.request.op)
         scaling = _Scaling.of(item.request, item.contributors, work[0].dtype)
         flat = inline.reduce(item.name, payloads, item.request.op, scaling.before)
         numels = [w.numel() for w in work]
-        plain = all(
-            o.is_contiguous() and (o is w or _reducible_in(o, w))
-            for o, w in zip(item.outputs, work)
-        )
+        plain = _all_reducible_in(item.outputs, work)
         self._unpack(range(len(work)), flat, None, work, item.outputs, numels, plain, scaling)
-        self.inline_ops += 1
-        self._record("ALLREDUCE (inline)", started, [item.name])
         return item.outputs
 
     def _fused_allreduce(self, batch: list[_Item]) -> None:
@@ -233,9 +225,7 @@ class Executor:
         # Per-tensor facts are read once per batch: a grouped call may hold a thousand tensors.
         numels = [w.numel() for w in work]
         buf = self._fusion_buffer(work[0], sum(numels))
-        plain = all(
-            o.is_contiguous() and (o is w or _reducible_in(o, w)) for o, w in zip(outputs, work)
-        )
+        plain = _all_reducible_in(outputs, work)
         in_flight: collections.deque[tuple[range, torch.Tensor, Any]] = collections.deque()
         offset = 0
         for chunk in _chunks(numels, PIPELINE_CHUNK_BYTES // buf.element_size()):
@@ -310,9 +300,12 @@ class Executor:
             root_data = inline_data[req.root] if inline_data is not None else None
             return self._broadcast(req, by_rank, tensors, outputs, joined, me, root_data)
         if req.kind == "allgather":
-            return [
-                self._allgather(i, t, by_rank, joined, inline_data) for i, t in enumerate(tensors)
-            ]
+            pieces = None
+            if inline_data is not None:
+                pieces = inline.split(
+                    req.name, inline_data, {r: q.tensors for r, q in by_rank.items()}
+                )
+            return [self._allgather(i, t, by_rank, joined, pieces) for i, t in enumerate(tensors)]
         if req.kind == "reducescatter":
             return [self._reducescatter(req, t) for t in tensors]
         if req.kind == "alltoall":
@@ -346,10 +339,9 @@ class Executor:
                 out = outputs[i]
             buf = dtypes.as_bytes(out)
             if root_data is not None:
-                if me == req.root:
-                    offset += buf.numel()
-                else:
-                    offset = inline.take(root_data, offset, buf)
+                if me != req.root:
+                    inline.take(root_data, offset, buf)
+                offset += buf.numel()
             elif self.comm.size > 1:
                 dist.broadcast(buf, group=self.comm.group_for(buf), group_src=req.root)
             if buf.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
@@ -365,8 +357,9 @@ class Executor:
         t: torch.Tensor,
         by_rank: Mapping[int, Request],
         joined: frozenset[int],
-        inline_data: Mapping[int, inline.Payload] | None = None,
+        pieces: Mapping[int, list[bytes]] | None = None,
     ) -> torch.Tensor:
+        """``pieces``: every rank's tensors as raw bytes, when they came with the negotiation."""
         meta = by_rank[min(by_rank)].tensors[i]
         rows = [
             0
@@ -379,9 +372,14 @@ class Executor:
         data = dtypes.as_bytes(t)
         width = data.shape[1]
         longest = max(rows)
-        if inline_data is not None:
-            metas = {r: req.tensors for r, req in by_rank.items()}
-            raw = inline.gathered(by_rank[min(by_rank)].name, inline_data, metas, i)
+        if pieces is not None:
+            raw = b"".join(pieces[r][i] for r in sorted(pieces))
+            if len(raw) != sum(rows) * width:  # only with consistency checks off
+                raise CollectiveMismatchError(
+                    f"allgather {by_rank[min(by_rank)].name!r}: ranks sent rows of different "
+                    "sizes.\nHINT: every rank must pass tensors of the same dtype and trailing "
+                    "shape (only the first dimension may differ)."
+                )
             gathered = (
                 torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(sum(rows), width)
                 if raw
@@ -397,7 +395,7 @@ class Executor:
             parts = [torch.empty_like(padded) for _ in range(self.comm.size)]
             dist.all_gather(parts, padded, group=self.comm.group_for(padded))
             gathered = torch.cat([p[:k] for p, k in zip(parts, rows)])
-        dtype = getattr(torch, meta.dtype.replace("torch.", ""))
+        dtype = dtypes.from_name(meta.dtype)
         tail = tuple(meta.shape[1:]) if meta.shape else ()
         return _from_bytes(gathered, dtype, (sum(rows), *tail))
 
@@ -536,6 +534,11 @@ def _chunks(numels: list[int], chunk_numel: int) -> list[range]:
         size += k
     chunks.append(range(start, len(numels)))
     return chunks
+
+
+def _all_reducible_in(outputs: list[torch.Tensor], work: list[torch.Tensor]) -> bool:
+    """Whether every output can take its reduced piece as it is (one ``_foreach_copy_``)."""
+    return all(o.is_contiguous() and (o is w or _reducible_in(o, w)) for o, w in zip(outputs, work))
 
 
 def _reducible_in(out: torch.Tensor, work: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ group is sealed like every other group, so inline data is encrypted too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -98,7 +99,7 @@ def reduce(
             f"allreduce {name!r} got tensors of different sizes or dtypes ({seen}).\n"
             "HINT: every rank must pass tensors of the same shapes and dtypes."
         )
-    dtype = getattr(torch, kinds.pop().removeprefix("torch."))
+    dtype = dtypes.from_name(kinds.pop())
     stack = torch.stack([torch.frombuffer(bytearray(payloads[r][1]), dtype=dtype) for r in ranks])
     prescale(stack)
     if op in ("Sum", "Average"):
@@ -114,8 +115,8 @@ def reduce(
     return out.to(dtype)  # integer sums and products come back as int64
 
 
-def take(payload: Payload, offset: int, out: torch.Tensor) -> int:
-    """Fill the uint8 view ``out`` from a broadcast payload at ``offset``; the next offset."""
+def take(payload: Payload, offset: int, out: torch.Tensor) -> None:
+    """Fill the uint8 view ``out`` from a broadcast payload, starting at byte ``offset``."""
     n = out.numel()
     chunk = payload[1][offset : offset + n]
     if len(chunk) != n:  # only when consistency checks are off: they catch this first
@@ -125,30 +126,24 @@ def take(payload: Payload, offset: int, out: torch.Tensor) -> int:
         )
     if n:
         out.view(-1).copy_(torch.frombuffer(bytearray(chunk), dtype=torch.uint8))
-    return offset + n
 
 
-def gathered(
-    name: str, payloads: Mapping[int, Payload], metas: Mapping[int, Sequence[TensorMeta]], i: int
-) -> bytes:
-    """Tensor ``i`` of every rank (in rank order), as raw bytes, from allgather payloads; each
-    rank's payload holds its tensors back to back, sized as its request says."""
-    parts = []
+def split(
+    name: str, payloads: Mapping[int, Payload], metas: Mapping[int, Sequence[TensorMeta]]
+) -> dict[int, list[bytes]]:
+    """Each rank's allgather payload cut into its tensors' bytes, sized as its request says."""
+    out: dict[int, list[bytes]] = {}
     for r in sorted(payloads):
-        sizes = [_nbytes(m) for m in metas[r]]
-        start = sum(sizes[:i])
-        part = payloads[r][1][start : start + sizes[i]]
-        if len(part) != sizes[i]:  # only when consistency checks are off: they catch this first
+        data, pieces, start = payloads[r][1], [], 0
+        for meta in metas[r]:
+            n = math.prod(meta.shape) * dtypes.from_name(meta.dtype).itemsize
+            pieces.append(data[start : start + n])
+            start += n
+        if start != len(data):  # only when consistency checks are off: they catch this first
             raise CollectiveMismatchError(
-                f"allgather {name!r}: rank {r} sent fewer bytes than its request describes.\n"
-                "HINT: every rank must pass tensors of the same dtypes and trailing shapes."
+                f"allgather {name!r}: rank {r} sent {len(data)} bytes, its request describes "
+                f"{start}.\nHINT: every rank must pass tensors of the same dtypes and trailing "
+                "shapes."
             )
-        parts.append(part)
-    return b"".join(parts)
-
-
-def _nbytes(meta: TensorMeta) -> int:
-    n = torch.empty((), dtype=getattr(torch, meta.dtype.removeprefix("torch."))).element_size()
-    for d in meta.shape:
-        n *= d
-    return n
+        out[r] = pieces
+    return out
