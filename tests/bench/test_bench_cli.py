@@ -54,6 +54,7 @@ def test_allreduce_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         "ringtrain one tensor",
         "ringtrain grouped",
         "ringtrain async",
+        "ringtrain engine",
     }
     for f in cases.values():
         _positive(f["time"])
@@ -63,6 +64,7 @@ def test_allreduce_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert cases["torch one tensor"]["paired"]["max"] == pytest.approx(1.0)
     assert cases["ringtrain grouped"]["paired"]["n"] == res["params"]["fusion_repeats"]
     assert cases["ringtrain grouped"]["tensors"] == 8
+    assert cases["ringtrain engine"]["tensors"] == 8
 
 
 def test_train_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -77,7 +77,10 @@ def _toggle(case: str, model: TwoHeads, step: int) -> None:
 
 def _train(case: str, steps: int, kwargs: dict[str, Any]) -> tuple[float, list[str]]:
     """Train with DistributedOptimizer and with the global-batch reference; returns the largest
-    weight difference and the bucket plan digest of every step."""
+    weight difference and the bucket plan digest of every step. A case ending in ":kept" zeroes
+    gradients in place (``zero_grad(set_to_none=False)``), so they stay the buckets' views."""
+    case, _, kept = case.partition(":")
+    set_to_none = kept != "kept"
     r, n = rt.rank(), rt.size()
     torch.manual_seed(0)
     model = TwoHeads()
@@ -99,7 +102,7 @@ def _train(case: str, steps: int, kwargs: dict[str, Any]) -> tuple[float, list[s
     for step in range(steps):
         _toggle(case, model, step)
         _toggle(case, ref, step)
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         if case == "no_sync":
             with opt.no_sync():
                 for j in range(2):
@@ -131,6 +134,37 @@ def test_several_buckets_same_plan_on_every_rank(world: World) -> None:
 
 def test_parameters_without_gradient_on_one_rank_reduce_zeros(world: World) -> None:
     _same_plan_everywhere(world.run(_train, "unused", 3, SMALL_BUCKETS))
+
+
+@pytest.mark.parametrize("case", ["plain:kept", "unused:kept", "freeze:kept", "no_sync:kept"])
+def test_gradients_zeroed_in_place_stay_exact(world: World, case: str) -> None:
+    # Kept gradients are the buckets' own views: scaled where they lie, never copied.
+    world.run(_train, case, 4, SMALL_BUCKETS)
+    if not case.startswith("no_sync"):  # no_sync is its own way of accumulating
+        world.run(_train, case, 3, {"backward_passes_per_step": 2, **SMALL_BUCKETS})
+
+
+def _gradient_storage() -> tuple[int, int, bool]:
+    """(buckets, distinct gradient storages, whether the storages stayed put across steps)."""
+    torch.manual_seed(0)
+    model = TwoHeads()
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    where: list[set[int]] = []
+    for step in range(4):
+        opt.zero_grad(set_to_none=step % 2 == 0)  # fresh gradients, then kept ones
+        _loss("plain", model, step, rt.rank(), rt.size()).backward()
+        opt.step()
+        where.append({p.grad.untyped_storage().data_ptr() for p in model.parameters()})
+    assert opt.plan is not None
+    return len(opt.plan.buckets), len(where[-1]), all(w == where[0] for w in where)
+
+
+def test_gradients_are_views_of_their_buckets(world2: World) -> None:
+    for buckets, storages, stayed in world2.run(_gradient_storage):
+        assert storages == buckets  # every gradient lies in its bucket: nothing copied back
+        assert stayed
 
 
 def test_requires_grad_toggled_between_steps_replans_alike(world: World) -> None:

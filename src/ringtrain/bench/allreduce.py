@@ -9,7 +9,11 @@ anything else would overflow to inf after a few hundred rounds).
 
 The fusion case measures the price of many small tensors, which is what a model's gradients are:
 ``count`` tensors of ``each_bytes`` reduced one call at a time with torch, grouped or as async
-submissions with ringtrain (which fuses them), and as one tensor of the same total size.
+submissions with ringtrain (which fuses them), and as one tensor of the same total size. Those
+tensors are independent, so fusing them costs two passes over the bytes: packing into the
+fusion buffer and copying the results back. ``ringtrain engine`` is the gradient path: as many
+parameters, whose gradients live in the engine's buckets (as after the first step of training),
+exchanged by ``DistributedOptimizer.synchronize()`` with no copy at all.
 
 Each sample starts after a barrier and is the slowest rank's time, since a collective is finished
 only when every rank has its result.
@@ -169,6 +173,12 @@ def _fusion(
     def rt_grouped() -> None:
         ringtrain.grouped_allreduce_(small, name="bench.fusion.grouped", op=ringtrain.Sum)
 
+    weights = [torch.nn.Parameter(torch.zeros(numel, dtype=dtype)) for _ in range(count)]
+    for w in weights:
+        w.grad = torch.zeros_like(w)
+    # Sum, as every other case: an average would add one scaling pass over the bucket.
+    engine = ringtrain.DistributedOptimizer(torch.optim.SGD(weights, lr=0.0), op=ringtrain.Sum)
+
     def rt_async() -> None:
         handles = [
             ringtrain.allreduce_async_(t, name=f"bench.fusion.{i}", op=ringtrain.Sum)
@@ -186,6 +196,7 @@ def _fusion(
         "ringtrain one tensor": (lambda: _rt_allreduce(big, "bench.fusion.big"), k),
         "ringtrain grouped": (rt_grouped, k),
         "ringtrain async": (rt_async, k),
+        "ringtrain engine": (engine.synchronize, k),
     }
     samples = _timed_samples(cases, params.fusion_repeats)
     points = []

@@ -9,9 +9,10 @@ rank is one process (``pid`` = rank) and each activity a named lane:
 * ``compute``: ``BACKWARD`` (first gradient hook to the end of the backward pass);
 * ``step``: ``PLAN`` (learning the bucket order), ``SYNCHRONIZE`` (waiting for buckets) and
   ``OPTIMIZER_STEP`` (the wrapped optimizer);
-* ``bucket NN``: per fusion bucket, ``FILL`` (first to last gradient ready), ``PACK`` (copy,
-  scale, compress), ``ALLREDUCE`` (in flight: launched to done) and ``UNPACK`` (results back
-  into ``.grad``);
+* ``bucket NN``: per fusion bucket, ``FILL`` (first to last gradient ready), ``PACK`` (zeros for
+  gradients this rank lacks, compression; a gradient is copied into its bucket by its own hook,
+  inside ``FILL``), ``ALLREDUCE`` (in flight: launched to done) and ``UNPACK`` (decompression and
+  scaling, in the bucket that ``.grad`` views);
 * ``collectives set N``: negotiated collectives, ``NEGOTIATE`` (controller rounds with work) and
   ``ALLREDUCE``/``ALLGATHER``/... as they run (``... (inline)`` when the data of a small op
   came with the negotiation, see :mod:`ringtrain.collectives.inline`).

@@ -7,7 +7,16 @@ dedicated ``engine`` Gloo group. No negotiation happens: every rank holds the sa
 launches the same buckets in the same order, which is all Gloo needs to match them. A bucket
 waiting for a gradient this rank never computes waits for :meth:`flush` (called by ``step()``),
 which launches what is left with zeros in place of missing gradients, then the sparse gradients.
-:meth:`finish` waits for each bucket in order and copies the results into ``.grad``.
+:meth:`finish` waits for each bucket in order.
+
+Gradients live in their buckets (DDP's ``gradient_as_bucket_view``). When a gradient is ready it
+is copied into its place in the bucket's flat buffer, scaled on the way (the average's division
+costs no pass of its own), and ``.grad`` becomes that view; a gradient that already is the view
+(``zero_grad(set_to_none=False)``, accumulation) is scaled where it lies. The allreduce's result
+is then the gradient: nothing is copied back. Next to packing into a scratch buffer and copying
+out, that is one pass over every gradient less per step, and one copy of the gradients less in
+memory. So after ``step()`` a ``.grad`` is a view into a buffer the next step reuses; clone it to
+keep it.
 
 Numerics. Averaging is a sum with scale factors: ``pre`` before the sum, ``post`` after. When
 the compressor narrows the wire dtype (fp16, bf16) the whole division by the world size happens
@@ -83,11 +92,13 @@ class _Slot:
         params: Sequence[torch.nn.Parameter],
         compressor: Any,
         scaling: Scaling,
+        reducer: bool,
     ) -> None:
         self.bucket = bucket
         first = params[bucket.params[0]]
         self.flat = torch.zeros(bucket.numel, dtype=first.dtype, device=first.device)
         self.members = [params[i] for i in bucket.params]
+        # What each member's .grad becomes: its place in the flat buffer.
         self.views = [
             self.flat[o : o + _numel(s)].view(s) for o, s in zip(bucket.offsets, bucket.shapes)
         ]
@@ -100,7 +111,12 @@ class _Slot:
             and wire_dtype != first.dtype
             and _finfo_max(wire_dtype) < _finfo_max(first.dtype)
         )
-        self.pre, self.post = scaling.factors(self.narrow)
+        # pre: applied as a gradient is placed in the bucket; post: to the result, in place.
+        # Reducers take raw gradients and return averages.
+        if reducer:
+            self.pre, self.post = 1.0, scaling.reducer_post()
+        else:
+            self.pre, self.post = scaling.factors(self.narrow)
         # fp16/bf16: a wire buffer of its own, written by one scaling cast and read back by one,
         # instead of two fresh tensors per step (tens of MiB each: page faults cost more than
         # the casts) and separate scaling passes.
@@ -112,12 +128,43 @@ class _Slot:
 
     def reset(self) -> None:
         self.missing = len(self.members)
+        self.placed = [False] * len(self.members)
         self.launched = False
         self.work: Any = None
         self.wire: torch.Tensor | None = None
         self.ctx: Any = None
         self.t_first = self.t_last = self.t_pack = self.t_sent = self.t_done = 0.0
         self.done: list[float] = []  # completion time, appended by a communication thread
+
+
+def _place(slot: _Slot, pos: int) -> None:
+    """Member ``pos``'s gradient into its view of the bucket, scaled by ``pre``; ``.grad``
+    becomes the view. A gradient that already is the view is scaled where it lies."""
+    p, view = slot.members[pos], slot.views[pos]
+    g = p.grad
+    if g is None:
+        view.zero_()
+    elif _is_view(g, view):
+        if slot.pre != 1.0:
+            view.mul_(slot.pre)
+    else:
+        if g.is_sparse:
+            g = g.to_dense()
+        if slot.pre != 1.0:
+            torch.mul(g, slot.pre, out=view)  # scaled while copied: one pass, not two
+        else:
+            view.copy_(g)
+    p.grad = view
+    slot.placed[pos] = True
+
+
+def _is_view(g: torch.Tensor, view: torch.Tensor) -> bool:
+    return g is view or (
+        not g.is_sparse
+        and g.data_ptr() == view.data_ptr()
+        and g.shape == view.shape
+        and g.stride() == view.stride()
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -189,12 +236,16 @@ class GradientExchange:
         self._compressor = compressor
         self._reducer = callable(getattr(compressor, "reduce", None))
         self._scaling = scaling
-        self._slots = [_Slot(b, self._params, compressor, scaling) for b in plan.buckets]
+        self._slots = [
+            _Slot(b, self._params, compressor, scaling, self._reducer) for b in plan.buckets
+        ]
         self._slot_of = [-1] * len(self._params)
+        self._pos_of = [-1] * len(self._params)  # position within its bucket
         for s, slot in enumerate(self._slots):
             slot.lane = s % len(self._lanes)
-            for i in slot.bucket.params:
+            for pos, i in enumerate(slot.bucket.params):
                 self._slot_of[i] = s
+                self._pos_of[i] = pos
         self._next = 0  # first bucket not launched yet
         self._lock = threading.Lock()
         self._sparse_work: list[Any] = []
@@ -243,6 +294,7 @@ class GradientExchange:
             now = _now()
             if slot.missing == len(slot.members):
                 slot.t_first = now
+            _place(slot, self._pos_of[index])
             slot.missing -= 1
             slot.t_last = now
             while self._next < len(self._slots) and self._slots[self._next].missing == 0:
@@ -292,12 +344,9 @@ class GradientExchange:
 
     def _launch(self, slot: _Slot) -> None:
         slot.t_pack = _now()
-        for p, view in zip(slot.members, slot.views):
-            g = p.grad
-            if g is None:
-                view.zero_()
-            else:
-                view.copy_(g.to_dense() if g.is_sparse else g)
+        for pos, placed in enumerate(slot.placed):
+            if not placed:  # no hook this step: whatever .grad holds (zeros if none) goes
+                _place(slot, pos)
         flat = slot.flat
         mark = timeline.current().enabled or self.measure
         lane = self._lanes[slot.lane]
@@ -312,14 +361,9 @@ class GradientExchange:
         else:
             if slot.cast is not None:
                 wire = slot.cast
-                if slot.pre != 1.0:
-                    torch.mul(flat, slot.pre, out=wire)  # scaled and cast in one pass
-                else:
-                    wire.copy_(flat)
+                wire.copy_(flat)
                 slot.wire = wire
             else:
-                if slot.pre != 1.0:
-                    flat.mul_(slot.pre)
                 wire, ctx = self._compressor.compress(flat)
                 slot.wire, slot.ctx = wire, ctx
             slot.t_sent = _now()
@@ -339,9 +383,9 @@ class GradientExchange:
     def _finish(self, slot: _Slot, rec: timeline.NullRecorder) -> None:
         if not slot.launched:
             raise InternalError(f"{slot.bucket.key} was never launched before finish()")
+        flat = slot.flat
         if self._reducer:
             result = slot.work.result()
-            post = self._scaling.reducer_post()
         else:
             if isinstance(slot.work, concurrent.futures.Future):
                 slot.work.result()  # a hierarchical allreduce, on the lane's worker
@@ -349,34 +393,33 @@ class GradientExchange:
                 slot.work.wait()
             wire = slot.wire
             assert wire is not None
-            post = slot.post
             if slot.narrow and not bool(torch.isfinite(wire).all()):
                 # The 16-bit sum overflowed (or the data holds inf/nan): every rank sees the same
-                # result, so every rank redoes this bucket in full precision here.
-                if slot.cast is not None and slot.pre != 1.0:
-                    slot.flat.mul_(slot.pre)  # the cast path left flat unscaled
+                # result, so every rank redoes this bucket in full precision here. The flat
+                # buffer still holds this rank's scaled gradients: only the wire was reduced.
                 group = self._lanes[slot.lane].group
-                dist.all_reduce(slot.flat, op=dist.ReduceOp.SUM, group=group)
-                result = slot.flat
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+                result = flat
+            elif wire is flat:
+                result = flat
             elif slot.cast is not None:
-                result = slot.flat
-                result.copy_(wire)
+                result = wire
             else:
-                result = wire if wire is slot.flat else self._compressor.decompress(wire, slot.ctx)
+                result = self._compressor.decompress(wire, slot.ctx)
         t_wait = _now()
         slot.t_done = slot.done[0] if slot.done else t_wait
-        b = slot.bucket
-        for p, offset, shape in zip(slot.members, b.offsets, b.shapes):
-            src = result[offset : offset + _numel(shape)].view(shape)
-            g = p.grad
-            if g is None or g.is_sparse:
-                p.grad = src * post if post != 1.0 else src.clone()
-            elif post == 1.0:
-                g.copy_(src)
-            elif g.dtype == src.dtype:
-                torch.mul(src, post, out=g)  # scaled while unpacked: one pass, not two
-            else:
-                g.copy_(src * post)
+        # Into the flat buffer, scaled on the way: the gradients are its views.
+        post = slot.post
+        if result is flat:
+            if post != 1.0:
+                flat.mul_(post)
+        elif post != 1.0:
+            torch.mul(result.view(-1), post, out=flat)
+        else:
+            flat.copy_(result.view(-1))
+        for p, view in zip(slot.members, slot.views):
+            if p.grad is not view:  # replaced since it was placed (or a 1-element bucket)
+                p.grad = view
         if rec.enabled:
             self._record(slot, rec, t_wait, _now())
 
