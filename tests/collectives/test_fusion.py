@@ -61,6 +61,42 @@ def test_single_tensor_is_reduced_where_it_lies(world: World) -> None:
     world.run(_in_place_without_copies)
 
 
+def test_one_block_spans_views_that_lie_back_to_back() -> None:
+    flat = torch.zeros(30)
+    views = [flat[0:10], flat[10:25].view(3, 5), flat[25:30]]
+    whole = execute.one_block(views, views)
+    assert whole is not None and whole.data_ptr() == flat.data_ptr() and whole.numel() == 30
+    assert execute.one_block(views[::-1], views[::-1]) is None  # out of order
+    gap = [flat[0:10], flat[11:20]]
+    assert execute.one_block(gap, gap) is None
+    apart = [torch.zeros(5), torch.zeros(5)]
+    assert execute.one_block(apart, apart) is None
+    copies = [v.clone() for v in views]
+    assert execute.one_block(copies, views) is None  # out of place
+
+
+def _views_of_one_buffer() -> None:
+    n = rt.size()
+    flat = torch.arange(4 * 4096, dtype=torch.float32) * (rt.rank() + 1)
+    views = list(flat.split(4096))
+    saved = execute.Executor._fusion_buffer
+
+    def no_packing(*args: object) -> torch.Tensor:
+        raise AssertionError("views of one buffer were packed")
+
+    execute.Executor._fusion_buffer = no_packing  # type: ignore[method-assign]
+    try:
+        rt.grouped_allreduce_(views, op=rt.Average, postscale_factor=2.0)
+    finally:
+        execute.Executor._fusion_buffer = saved  # type: ignore[method-assign]
+    factor = 2.0 * sum(range(1, n + 1)) / n
+    torch.testing.assert_close(flat, torch.arange(4 * 4096, dtype=torch.float32) * factor)
+
+
+def test_grouped_views_of_one_buffer_are_reduced_where_they_lie(world: World) -> None:
+    world.run(_views_of_one_buffer)
+
+
 def _cached_then_changed() -> None:
     ctl = rt.global_process_set.communicator.service("controller")
     for _step in range(3):  # the same named ops every step: negotiated by cache number

@@ -211,10 +211,12 @@ class Executor:
         work = dtypes.to_reducible_all(tensors, op)
         scaling = _Scaling.of(req, n, work[0].dtype)
         group = self.comm.group_for(work[0])
-        if len(work) == 1 and _reducible_in(outputs[0], work[0]):
+        flat = one_block(outputs, work)  # in place, back to back: reduce them where they lie
+        if flat is None and len(work) == 1 and _reducible_in(outputs[0], work[0]):
             flat = outputs[0]  # one tensor: reduce in its output, no packing
             if flat.data_ptr() != work[0].data_ptr():
                 flat.copy_(work[0])
+        if flat is not None:
             scaling.before(flat)
             if self.comm.size > 1:
                 dist.all_reduce(flat, op=REDUCE_OPS[op], group=group)
@@ -534,6 +536,30 @@ def _chunks(numels: list[int], chunk_numel: int) -> list[range]:
         size += k
     chunks.append(range(start, len(numels)))
     return chunks
+
+
+def one_block(outputs: list[torch.Tensor], work: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors as one flat tensor, if the op is in place and they lie back to back, in
+    order, in one storage (views of a flat buffer, as fused gradients often are): then they are
+    reduced where they lie, with no packing and no copy back. None otherwise."""
+    first = work[0]
+    storage = first.untyped_storage().data_ptr()
+    size = first.element_size()
+    at, total = first.data_ptr(), 0
+    for out, w in zip(outputs, work):
+        if (
+            out is not w
+            or w.dtype != first.dtype
+            or w.numel() == 0
+            or not w.is_contiguous()
+            or w.data_ptr() != at
+            or w.untyped_storage().data_ptr() != storage
+        ):
+            return None
+        at += w.numel() * size
+        total += w.numel()
+    whole = torch.empty(0, dtype=first.dtype, device=first.device)
+    return whole.set_(first.untyped_storage(), first.storage_offset(), (total,), (1,))
 
 
 def _all_reducible_in(outputs: list[torch.Tensor], work: list[torch.Tensor]) -> bool:
