@@ -18,10 +18,11 @@ out, that is one pass over every gradient less per step, and one copy of the gra
 memory. So after ``step()`` a ``.grad`` is a view into a buffer the next step reuses; clone it to
 keep it.
 
-Numerics. Averaging is a sum with scale factors: ``pre`` before the sum, ``post`` after. When
-the compressor narrows the wire dtype (fp16, bf16) the whole division by the world size happens
-*before* the cast, so the sum of 16-bit values is already an average and cannot overflow unless a
-single averaged value does; and if it does anyway (a result holds inf or nan), that bucket is
+Numerics. Averaging is a sum with scale factors: ``pre`` before the sum, ``post`` after. The
+whole division by the world size happens *before* the sum (unless ``gradient_predivide_factor``
+splits it), as in DDP: so with a 16-bit wire (fp16, bf16) the sum is already an average and
+cannot overflow unless a single averaged value does; and if it does anyway (a result holds inf
+or nan), that bucket is
 reduced again in full precision, which every rank decides alike because allreduce results are
 identical on every rank. Sparse gradients are allgathered (indices and values, padded to the
 largest count) and summed locally; they are never compressed.
@@ -70,12 +71,15 @@ class Scaling:
     predivide: float = 1.0
     k_scale: float = 1.0  # 1/k when averaging aggregated backward passes
 
-    def factors(self, narrow_wire: bool) -> tuple[float, float]:
-        """(pre, post) scale factors around the sum."""
+    def factors(self) -> tuple[float, float]:
+        """(pre, post) scale factors around the sum. Averages divide before summing, as DDP
+        does: the division rides on the copy into the bucket, the result needs no pass of its
+        own, and a 16-bit sum is already the average, so it cannot overflow unless an averaged
+        value does. ``gradient_predivide_factor`` splits the division, as in Horovod."""
         if not self.average:
             return self.k_scale, 1.0
-        if narrow_wire and self.predivide == 1.0:
-            return self.k_scale / self.size, 1.0  # divide before casting: the sum is the average
+        if self.predivide == 1.0:
+            return self.k_scale / self.size, 1.0
         return self.k_scale / self.predivide, self.predivide / self.size
 
     def reducer_post(self) -> float:
@@ -116,7 +120,7 @@ class _Slot:
         if reducer:
             self.pre, self.post = 1.0, scaling.reducer_post()
         else:
-            self.pre, self.post = scaling.factors(self.narrow)
+            self.pre, self.post = scaling.factors()
         # fp16/bf16: a wire buffer of its own, written by one scaling cast and read back by one,
         # instead of two fresh tensors per step (tens of MiB each: page faults cost more than
         # the casts) and separate scaling passes.
@@ -482,7 +486,7 @@ class GradientExchange:
         return works
 
     def _finish_sparse(self) -> None:
-        pre, post = self._scaling.factors(narrow_wire=False)
+        pre, post = self._scaling.factors()
         for i, (rows, out_i, out_v, wi, wv) in zip(self.plan.sparse, self._sparse_work):
             wi.wait()
             wv.wait()
