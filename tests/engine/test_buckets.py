@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from ringtrain.engine.buckets import (
+    BUCKET_WIRE_S,
     MIN_TIMED_BUCKET_BYTES,
     NOT_SEEN,
     Observation,
     ParamSpec,
     agree,
     make_plan,
+    timed_floor,
 )
 from ringtrain.errors import ConfigError
 
@@ -73,6 +77,26 @@ def test_readiness_gap_closes_a_bucket_once_it_is_big_enough() -> None:
         ready_us=ready,
     )
     assert len(small.buckets) == 1
+
+
+def test_the_measured_rate_sets_how_big_a_bucket_a_gap_may_close() -> None:
+    mib = 1 << 20
+    assert timed_floor(0.0, 64 * mib) == MIN_TIMED_BUCKET_BYTES  # not measured yet
+    assert timed_floor(12.5e6, 64 * mib) == MIN_TIMED_BUCKET_BYTES  # 100 Mbit/s: 250 KB
+    assert timed_floor(125e6, 64 * mib) == int(125e6 * BUCKET_WIRE_S)  # 1 Gbit/s: 2.5 MB
+    assert timed_floor(1e9, 64 * mib) == int(1e9 * BUCKET_WIRE_S)  # loopback: 20 MB
+    assert timed_floor(1e12, 64 * mib) == 64 * mib  # never above the fusion threshold
+    n = MIN_TIMED_BUCKET_BYTES // 4
+    specs = _specs([n] * 6)
+    ready = {i: 5_000 * i for i in range(6)}  # every gradient after a gap
+    cut = functools.partial(
+        make_plan, specs, list(range(6)), [], [True] * 6, threshold_bytes=1 << 30, cycle_us=1000
+    )
+    assert len(cut(ready_us=ready).buckets) == 6
+    assert [b.params for b in cut(ready_us=ready, min_timed_bytes=3 * n * 4).buckets] == [
+        (0, 1, 2),
+        (3, 4, 5),
+    ]
 
 
 def test_auto_order_follows_rank0_then_others_then_reverse_registration() -> None:

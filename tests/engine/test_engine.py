@@ -144,6 +144,42 @@ def test_gradients_zeroed_in_place_stay_exact(world: World, case: str) -> None:
         world.run(_train, case, 3, {"backward_passes_per_step": 2, **SMALL_BUCKETS})
 
 
+def _planned_at_rate(rate: float) -> list[tuple[str, int]]:
+    """(digest, buckets) after each step, with the learning step's measured rate replaced."""
+    from ringtrain.engine import schedule
+
+    saved = schedule.agree_rate
+    schedule.agree_rate = lambda *args: rate  # type: ignore[assignment]
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(6)))
+        opt = rt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            named_parameters=model.named_parameters(),
+            cycle_time_ms=0.001,  # every gap in backward may close a bucket
+        )
+        plans = []
+        for step in range(3):
+            x = torch.randn(4, 512, generator=torch.Generator().manual_seed(step))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            assert opt.plan is not None
+            plans.append((opt.plan.digest, len(opt.plan.buckets)))
+        return plans
+    finally:
+        schedule.agree_rate = saved  # type: ignore[assignment]
+
+
+def test_the_first_exchange_sets_how_finely_buckets_are_cut(world2: World) -> None:
+    slow, fast = world2.run(_planned_at_rate, 0.0), world2.run(_planned_at_rate, 1e12)
+    for plans in (slow, fast):
+        assert plans[0] == plans[1]  # the same plan on every rank
+        assert len(set(plans[0])) == 1  # settled in the learning step, then frozen
+    # Unmeasured: gaps close buckets from 1 MiB; a fast link: one bucket is worth more.
+    assert slow[0][0][1] >= 4 and fast[0][0][1] == 1
+
+
 def _gradient_storage() -> tuple[int, int, bool]:
     """(buckets, distinct gradient storages, whether the storages stayed put across steps)."""
     torch.manual_seed(0)

@@ -14,9 +14,11 @@ Tuning guide:
   own allreduce.
 * ``cycle_time_ms`` closes a bucket at a gap in backward: with order "auto", a bucket is closed
   before a gradient that became ready more than one cycle after the bucket's first one did
-  (timed on rank 0's first step), once the bucket holds at least ``MIN_TIMED_BUCKET_BYTES``.
-  Gradients that appear together travel together; slow layers get their own bucket, which
-  then starts while backward is still busy. Raise it to fuse more, lower it for earlier starts.
+  (timed on rank 0's first step), once the bucket is big enough to be worth a collective of its
+  own: it must take ``BUCKET_WIRE_S`` on the wire at the rate the first exchange measured (see
+  :func:`timed_floor`), and hold at least ``MIN_TIMED_BUCKET_BYTES``. Gradients that appear
+  together travel together; slow layers get their own bucket, which then starts while backward
+  is still busy. Raise it to fuse more, lower it for earlier starts.
 * ``bucket_order``: "auto" follows the order gradients became ready in the first step on rank 0
   (parameters that rank 0 never saw come after, by the earliest any rank saw them, then in
   reverse registration order). "reverse" is reverse registration order (what DDP assumes),
@@ -35,6 +37,13 @@ ORDERS = ("auto", "registration", "reverse")
 # Below this a bucket is never closed for timing reasons: a Gloo round costs ~1 ms regardless of
 # size, so splitting small buckets costs more than the earlier start gains.
 MIN_TIMED_BUCKET_BYTES = 1 << 20
+# A bucket closed at a gap must take at least this long on the wire. Each collective costs about
+# a millisecond of fixed work (thread hand-offs, Gloo's setup) on the core that also runs
+# backward; on a fast link (loopback: ~1 GB/s) many small buckets then cost more CPU than their
+# early start gains (measured: 25-64 MiB buckets ran 5% faster than 4 MiB ones on the 25M
+# transformer), while on a slow link (1 Gbit/s: ~115 MB/s) a few MiB already keep the link busy
+# from the first layer on. 20 ms keeps the fixed cost near 5% of a bucket's time either way.
+BUCKET_WIRE_S = 0.02
 # A bucket smaller than this (or than the threshold, if lower) is not closed because the next
 # tensor is big: a bias and its weight travel together rather than the bias alone.
 SMALL_BUCKET_BYTES = 256 << 10
@@ -131,6 +140,14 @@ class Observation:
         )
 
 
+def timed_floor(bytes_per_s: float, threshold_bytes: int) -> int:
+    """The smallest bucket that a gap in backward may close, for gradients moving at
+    ``bytes_per_s`` (0: not measured yet): ``BUCKET_WIRE_S`` of transfer, at least
+    ``MIN_TIMED_BUCKET_BYTES``, at most the fusion threshold."""
+    floor = int(bytes_per_s * BUCKET_WIRE_S)
+    return max(MIN_TIMED_BUCKET_BYTES, min(floor, threshold_bytes))
+
+
 def agree(
     specs: Sequence[ParamSpec],
     observed: Sequence[Observation],
@@ -138,6 +155,7 @@ def agree(
     threshold_bytes: int,
     cycle_time_ms: float,
     order: str = "auto",
+    min_timed_bytes: int = MIN_TIMED_BUCKET_BYTES,
 ) -> Plan:
     """The plan every rank computes from every rank's observation (rank 0's first).
 
@@ -176,6 +194,7 @@ def agree(
         cycle_us=cycle_time_ms * 1000.0,
         ready_us=ready,
         order=order,
+        min_timed_bytes=min_timed_bytes,
     )
 
 
@@ -189,10 +208,12 @@ def make_plan(
     cycle_us: float = 0.0,
     ready_us: dict[int, int] | None = None,
     order: str = "auto",
+    min_timed_bytes: int = MIN_TIMED_BUCKET_BYTES,
 ) -> Plan:
     """Cut ``dense_order`` into buckets: same dtype and device, at most ``threshold_bytes``
     (except that one tensor may exceed it, alone or after a bucket still smaller than
-    ``SMALL_BUCKET_BYTES``), split at readiness gaps longer than ``cycle_us``."""
+    ``SMALL_BUCKET_BYTES``), split at readiness gaps longer than ``cycle_us`` once a bucket
+    holds ``min_timed_bytes``."""
     buckets: list[Bucket] = []
     small = min(threshold_bytes, SMALL_BUCKET_BYTES)
     current: list[int] = []
@@ -215,7 +236,7 @@ def make_plan(
                 and start_us is not None
                 and cycle_us > 0
                 and t - start_us > cycle_us
-                and size >= MIN_TIMED_BUCKET_BYTES
+                and size >= min_timed_bytes
             )
             if (
                 (s.dtype, s.device) != (head.dtype, head.device)

@@ -45,9 +45,9 @@ from ringtrain.collectives.reduce_ops import resolve_op
 from ringtrain.compression import resolve as resolve_compression
 from ringtrain.compression.policy import AutoCompression, Decision
 from ringtrain.diagnostics import engine_wait, timeline
-from ringtrain.engine import schedule
+from ringtrain.engine import buckets, schedule
 from ringtrain.engine.auto import AutoTuner
-from ringtrain.engine.buckets import ORDERS, Plan
+from ringtrain.engine.buckets import ORDERS, Observation, Plan
 from ringtrain.engine.exchange import GradientExchange, Scaling
 from ringtrain.engine.streams import Lane, LanePool
 from ringtrain.errors import CollectiveArgumentError, ConfigError
@@ -200,6 +200,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Dropped without remove_hooks(), the optimizer takes its hooks off the parameters.
         weakref.finalize(self, _remove_hooks, self._hooks)
         self._plan: Plan | None = None
+        self._observed: list[Observation] = []  # every rank's, from the last learning step
         self._exchange: GradientExchange | None = None
         self._counts = [0] * len(self._params)
         self._learner: schedule.Learner | None = None
@@ -447,15 +448,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             observation = dataclasses.replace(
                 observation, sparse=tuple(False for _ in self._params)
             )
-        plan = schedule.agree_plan(
-            schedule.specs_of(self._params, self._names),
-            observation,
-            self._comm.group("engine"),
-            self._size,
-            threshold_bytes=self._threshold,
-            cycle_time_ms=self._cycle_time_ms,
-            order=self._order,
-        )
+        self._observed = schedule.gather(observation, self._comm.group("engine"), self._size)
+        plan = self._agree(buckets.MIN_TIMED_BUCKET_BYTES)
         self._drop_plan()
         self._plan = plan
         if self._lanes is None:
@@ -464,6 +458,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._register_hooks()
         log.debug("ringtrain bucket plan %s: %s", plan.digest, plan.describe())
         rec.span("step", "PLAN", t0, time.perf_counter(), {"plan": plan.describe()})
+
+    def _agree(self, min_timed_bytes: int) -> Plan:
+        return buckets.agree(
+            schedule.specs_of(self._params, self._names),
+            self._observed,
+            threshold_bytes=self._threshold,
+            cycle_time_ms=self._cycle_time_ms,
+            order=self._order,
+            min_timed_bytes=min_timed_bytes,
+        )
+
+    def _calibrate(self) -> None:
+        """The learning step's end: its exchange sent every bucket at once with nothing else
+        running, so it measured the rate gradients move at. Every rank re-plans alike with the
+        bucket floor that the slowest rank's rate calls for (see ``buckets.timed_floor``)."""
+        plan, exchange = self._plan, self._exchange
+        if plan is None or exchange is None or not plan.buckets:
+            return
+        nbytes = sum(b.nbytes for b in plan.buckets)
+        rate = schedule.agree_rate(
+            nbytes, exchange.last_comm_s, self._comm.group("engine"), self._size
+        )
+        floor = buckets.timed_floor(rate, self._threshold)
+        if floor != buckets.MIN_TIMED_BUCKET_BYTES:
+            better = self._agree(floor)
+            if better.digest != plan.digest:
+                self._plan = plan = better
+                self._build_exchange()
+        log.debug(
+            "ringtrain gradients moved at %.0f MB/s: buckets closed at gaps from %.1f MiB; %s",
+            rate / 1e6,
+            floor / 2**20,
+            plan.describe(),
+        )
 
     def _compressor(self) -> Any:
         """The compressor in use: the one given, or what auto currently uses."""
@@ -531,6 +559,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._syncs += 1
             if self._watch is not None:
                 self._watch.begin(self._syncs)
+            if learning:
+                self._exchange.measure = True  # for _calibrate
             try:
                 with torch.no_grad():
                     self._exchange.flush()
@@ -538,6 +568,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             finally:
                 if self._watch is not None:
                     self._watch.end()
+            if learning:
+                self._calibrate()
+                self._exchange.measure = self._tuner is not None and self._tuner.active
         finally:
             self._counts = [0] * len(self._params)
             self._step_open = self._learning = self._any_ready = False

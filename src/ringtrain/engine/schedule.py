@@ -6,7 +6,11 @@ order and time at which each gradient becomes ready and whether it is sparse; no
 during backward. At ``step()`` every rank contributes its :class:`Observation` to one all_gather
 on the engine group, and every rank computes the same :class:`~ringtrain.engine.buckets.Plan`
 from the same gathered data (rank 0's order wins, see :func:`ringtrain.engine.buckets.agree`).
-Only that step pays for the agreement; the plan is frozen until ``requires_grad`` changes.
+That step sends everything at once, with nothing else running, which makes its exchange a
+measurement of the rate at which gradients move: every rank then agrees on the slowest rank's
+rate (:func:`agree_rate`) and re-plans from the same observations with the bucket floor that rate
+calls for (:func:`ringtrain.engine.buckets.timed_floor`). Only that step pays for the agreement;
+the plan is frozen until ``requires_grad`` changes.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringtrain.engine.buckets import NOT_SEEN, Observation, ParamSpec, Plan, agree
+from ringtrain.engine.buckets import NOT_SEEN, Observation, ParamSpec
 from ringtrain.errors import ConfigError
 
 
@@ -73,41 +77,33 @@ class Learner:
         )
 
 
-def agree_plan(
-    specs: Sequence[ParamSpec],
-    local: Observation,
-    group: Any,
-    size: int,
-    *,
-    threshold_bytes: int,
-    cycle_time_ms: float,
-    order: str,
-) -> Plan:
-    """Gather every rank's observation on ``group`` and compute the common plan.
+def gather(local: Observation, group: Any, size: int) -> list[Observation]:
+    """Every rank's observation, rank by rank, gathered on ``group``.
 
     Two collectives: the parameter count first (so a rank with a different model fails with a
     message instead of a size mismatch deep inside Gloo), then the observations.
     """
-    n = len(specs)
+    if size == 1:
+        return [local]
+    n = len(local.numel)
+    counts = torch.empty(size, dtype=torch.int64)
+    dist.all_gather_single(counts, torch.tensor([n], dtype=torch.int64), group=group)
+    if len(set(counts.tolist())) != 1:
+        raise ConfigError(
+            f"the optimizer holds {counts.tolist()} parameters on ranks 0..{size - 1}.\n"
+            "HINT: every rank must build the same model and optimizer."
+        )
+    mine = torch.tensor(local.encode(), dtype=torch.int64)
+    gathered = torch.empty(size * mine.numel(), dtype=torch.int64)
+    dist.all_gather_single(gathered, mine, group=group)
+    return [Observation.decode(row, n) for row in gathered.view(size, -1).tolist()]
+
+
+def agree_rate(nbytes: int, busy_s: float, group: Any, size: int) -> float:
+    """Bytes per second at which ``nbytes`` of gradients moved in ``busy_s`` on the slowest
+    rank: one small collective, so every rank holds the same figure (0 if nothing moved)."""
+    busy = torch.tensor([busy_s], dtype=torch.float64)
     if size > 1:
-        counts = torch.empty(size, dtype=torch.int64)
-        dist.all_gather_single(counts, torch.tensor([n], dtype=torch.int64), group=group)
-        if len(set(counts.tolist())) != 1:
-            raise ConfigError(
-                f"the optimizer holds {counts.tolist()} parameters on ranks 0..{size - 1}.\n"
-                "HINT: every rank must build the same model and optimizer."
-            )
-        mine = torch.tensor(local.encode(), dtype=torch.int64)
-        gathered = torch.empty(size * mine.numel(), dtype=torch.int64)
-        dist.all_gather_single(gathered, mine, group=group)
-        rows = gathered.view(size, -1).tolist()
-        observed = [Observation.decode(row, n) for row in rows]
-    else:
-        observed = [local]
-    return agree(
-        specs,
-        observed,
-        threshold_bytes=threshold_bytes,
-        cycle_time_ms=cycle_time_ms,
-        order=order,
-    )
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=group)
+    slowest = float(busy.item())
+    return nbytes / slowest if slowest > 0 and nbytes > 0 else 0.0
