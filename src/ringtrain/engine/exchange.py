@@ -121,9 +121,8 @@ class _Slot:
             self.pre, self.post = 1.0, scaling.reducer_post()
         else:
             self.pre, self.post = scaling.factors()
-        # fp16/bf16: a wire buffer of its own, written by one scaling cast and read back by one,
-        # instead of two fresh tensors per step (tens of MiB each: page faults cost more than
-        # the casts) and separate scaling passes.
+        # fp16/bf16: a wire buffer of its own, written by one cast and read back by one, instead
+        # of two fresh tensors per step (tens of MiB each: page faults cost more than the casts).
         self.cast: torch.Tensor | None = None
         if isinstance(compressor, FP16Compressor) and wire_dtype not in (None, first.dtype):
             self.cast = torch.zeros(bucket.numel, dtype=wire_dtype, device=first.device)
