@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ringtrain import cli
-from ringtrain.bench.train import TrainParams, variant_compression
+from ringtrain.bench.train import TrainParams, engine_options, variant_compression
 from ringtrain.compression.policy import PREFERENCE
 from ringtrain.config import Config
 from ringtrain.errors import ConfigError
@@ -20,7 +20,23 @@ def test_variant_names() -> None:
     assert variant_compression("ringtrain", "fp16") == "fp16"
     assert variant_compression("ddp", "fp16") == "fp16"
     TrainParams(variants=("ringtrain", "ringtrain:powersgd", "ddp", "nocomm"))
-    for bad in (("ddp:topk",), ("ringtrain:",), ("ringtrain", "ringtrain"), ("nocomm:fp16",)):
+    TrainParams(variants=("ringtrain", "ringtrain@fusion=25@cycle=1000", "ringtrain:fp16@cycle=5"))
+    assert variant_compression("ringtrain:fp16@fusion=8", "none") == "fp16"
+    assert engine_options("ringtrain:fp16@fusion=8@cycle=0.5") == {
+        "fusion_threshold_bytes": 8 << 20,
+        "cycle_time_ms": 0.5,
+    }
+    for bad in (
+        ("ddp:topk",),
+        ("ringtrain:",),
+        ("ringtrain", "ringtrain"),
+        ("nocomm:fp16",),
+        ("ddp@fusion=25",),
+        ("ringtrain@buckets=3",),
+        ("ringtrain@fusion=big",),
+        ("ringtrain@fusion=-1",),
+        ("ringtrain@cycle=inf",),
+    ):
         with pytest.raises(ConfigError, match="HINT"):
             TrainParams(variants=bad)
 
@@ -33,6 +49,7 @@ def test_unknown_compression_fails_before_spawning(capsys: pytest.CaptureFixture
 def test_methods_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_json = tmp_path / "train.json"
     variants = "ringtrain,ringtrain:fp16,ringtrain:powersgd,ringtrain:topk,ringtrain:auto,nocomm"
+    variants += ",ringtrain@fusion=1@cycle=1000"
     argv = ["bench", "train", "-np", "2", "--model", "mlp-1m", "--steps", "2", "--warmup", "1"]
     argv += ["--block", "1", "--batch-size", "8", "--variants", variants]
     argv += ["--json", str(out_json), "--timeout", "240"]

@@ -228,7 +228,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--variants",
         default=",".join(VARIANTS),
         help=f"comma-separated subset of {','.join(VARIANTS)}; ringtrain:NAME uses compression "
-        "NAME, e.g. ringtrain,ringtrain:powersgd,ringtrain:topk,ddp,nocomm",
+        "NAME, e.g. ringtrain,ringtrain:powersgd,ringtrain:topk,ddp,nocomm; a ringtrain variant "
+        "may end in @fusion=MiB and/or @cycle=MS (bucket knobs for it alone), e.g. "
+        "ringtrain@fusion=25@cycle=1000",
     )
     tr.add_argument("--lr", type=float, default=1e-4)
     tr.add_argument("--seed", type=int, default=0)

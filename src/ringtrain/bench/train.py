@@ -51,6 +51,9 @@ from ringtrain.errors import ConfigError
 VARIANTS = ("ringtrain", "ddp", "nocomm")
 # Untimed steps a variant may take beyond --warmup to become steady (see the module docstring).
 MAX_EXTRA_WARMUP = 60
+# ``ringtrain...@KEY=VALUE`` sets a DistributedOptimizer knob for that variant alone, so bucket
+# settings can be compared in one run: KEY -> (argument, unit of VALUE in the argument's terms).
+ENGINE_OPTIONS = {"fusion": ("fusion_threshold_bytes", 1 << 20), "cycle": ("cycle_time_ms", 1)}
 # DDP has built-in comm hooks for these; other compressors have no DDP twin.
 _DDP_HOOKS = ("fp16", "bf16")
 
@@ -76,7 +79,9 @@ class TrainParams:
             raise ConfigError(
                 f"unknown, repeated or no variants in {list(self.variants)}.\n"
                 f"HINT: choose from {', '.join(VARIANTS)}, comma separated; "
-                "ringtrain:NAME uses compression NAME (ringtrain:powersgd,ringtrain:topk)."
+                "ringtrain:NAME uses compression NAME (ringtrain:powersgd,ringtrain:topk); "
+                "ringtrain@fusion=MiB and @cycle=MS set those engine knobs for one variant "
+                "(ringtrain@fusion=25@cycle=1000)."
             )
         for name in ("steps", "block", "backward_passes_per_step"):
             if getattr(self, name) < 1:
@@ -88,13 +93,38 @@ class TrainParams:
 
 
 def _known_variant(name: str) -> bool:
-    base, sep, compression = name.partition(":")
-    return base in VARIANTS and (not sep or (base == "ringtrain" and bool(compression)))
+    head, *options = name.split("@")
+    base, sep, compression = head.partition(":")
+    if base not in VARIANTS or (sep and not (base == "ringtrain" and compression)):
+        return False
+    if options and base != "ringtrain":
+        return False
+    try:
+        engine_options(name)
+    except ValueError:
+        return False
+    return True
 
 
 def variant_compression(name: str, default: str) -> str:
     """The compression a ringtrain variant uses: NAME of ``ringtrain:NAME``, else ``default``."""
-    return name.partition(":")[2] or default
+    return name.split("@")[0].partition(":")[2] or default
+
+
+def engine_options(name: str) -> dict[str, Any]:
+    """The DistributedOptimizer arguments of a variant's ``@KEY=VALUE`` suffixes (ValueError if
+    one is malformed): ``ringtrain@fusion=25@cycle=1000`` gives 25 MiB buckets cut by size."""
+    kwargs: dict[str, Any] = {}
+    for option in name.split("@")[1:]:
+        key, _, value = option.partition("=")
+        if key not in ENGINE_OPTIONS:
+            raise ValueError(f"unknown engine option {key!r} in {name!r}")
+        arg, unit = ENGINE_OPTIONS[key]
+        number = float(value) * unit
+        if not 0 <= number < float("inf"):
+            raise ValueError(f"{key} must be a number >= 0 in {name!r}")
+        kwargs[arg] = int(number) if arg == "fusion_threshold_bytes" else number
+    return kwargs
 
 
 @dataclass
@@ -172,6 +202,7 @@ def _make_variant(
             named_parameters=model.named_parameters(),
             compression=variant_compression(name, params.compression),
             backward_passes_per_step=k,
+            **engine_options(name),
         )
 
         def rt_step() -> None:
