@@ -82,9 +82,9 @@ def test_readiness_gap_closes_a_bucket_once_it_is_big_enough() -> None:
 def test_the_measured_rate_sets_how_big_a_bucket_a_gap_may_close() -> None:
     mib = 1 << 20
     assert timed_floor(0.0, 64 * mib) == MIN_TIMED_BUCKET_BYTES  # not measured yet
-    assert timed_floor(12.5e6, 64 * mib) == MIN_TIMED_BUCKET_BYTES  # 100 Mbit/s: 250 KB
-    assert timed_floor(125e6, 64 * mib) == int(125e6 * BUCKET_WIRE_S)  # 1 Gbit/s: 2.5 MB
-    assert timed_floor(1e9, 64 * mib) == int(1e9 * BUCKET_WIRE_S)  # loopback: 20 MB
+    assert timed_floor(12.5e6, 64 * mib) == MIN_TIMED_BUCKET_BYTES  # 100 Mbit/s: 375 KB
+    assert timed_floor(125e6, 64 * mib) == int(125e6 * BUCKET_WIRE_S)  # 1 Gbit/s: 3.75 MB
+    assert timed_floor(1e9, 64 * mib) == int(1e9 * BUCKET_WIRE_S)  # loopback: 30 MB
     assert timed_floor(1e12, 64 * mib) == 64 * mib  # never above the fusion threshold
     n = MIN_TIMED_BUCKET_BYTES // 4
     specs = _specs([n] * 6)

@@ -40,10 +40,10 @@ MIN_TIMED_BUCKET_BYTES = 1 << 20
 # A bucket closed at a gap must take at least this long on the wire. Each collective costs about
 # a millisecond of fixed work (thread hand-offs, Gloo's setup) on the core that also runs
 # backward; on a fast link (loopback: ~1 GB/s) many small buckets then cost more CPU than their
-# early start gains (measured: 25-64 MiB buckets ran 5% faster than 4 MiB ones on the 25M
-# transformer), while on a slow link (1 Gbit/s: ~115 MB/s) a few MiB already keep the link busy
-# from the first layer on. 20 ms keeps the fixed cost near 5% of a bucket's time either way.
-BUCKET_WIRE_S = 0.02
+# early start gains (measured on the 25M transformer: buckets of 25-64 MiB ran 3-7% faster than
+# 4-16 MiB ones), while on a slow link (1 Gbit/s: ~115 MB/s) a few MiB already keep the link busy
+# from the first layer on. 30 ms gives loopback buckets of ~30 MiB and 1 Gbit/s ones of ~3.5 MB.
+BUCKET_WIRE_S = 0.03
 # A bucket smaller than this (or than the threshold, if lower) is not closed because the next
 # tensor is big: a bias and its weight travel together rather than the bias alone.
 SMALL_BUCKET_BYTES = 256 << 10
