@@ -21,6 +21,7 @@ def test_variant_names() -> None:
     assert variant_compression("ddp", "fp16") == "fp16"
     TrainParams(variants=("ringtrain", "ringtrain:powersgd", "ddp", "nocomm"))
     TrainParams(variants=("ringtrain", "ringtrain@fusion=25@cycle=1000", "ringtrain:fp16@cycle=5"))
+    assert engine_options("ringtrain@fusion=0") == {"fusion_threshold_bytes": 0}
     assert variant_compression("ringtrain:fp16@fusion=8", "none") == "fp16"
     assert engine_options("ringtrain:fp16@fusion=8@cycle=0.5") == {
         "fusion_threshold_bytes": 8 << 20,
@@ -36,6 +37,7 @@ def test_variant_names() -> None:
         ("ringtrain@fusion=big",),
         ("ringtrain@fusion=-1",),
         ("ringtrain@cycle=inf",),
+        ("ringtrain@cycle=0",),
     ):
         with pytest.raises(ConfigError, match="HINT"):
             TrainParams(variants=bad)

@@ -121,8 +121,9 @@ def engine_options(name: str) -> dict[str, Any]:
             raise ValueError(f"unknown engine option {key!r} in {name!r}")
         arg, unit = ENGINE_OPTIONS[key]
         number = float(value) * unit
-        if not 0 <= number < float("inf"):
-            raise ValueError(f"{key} must be a number >= 0 in {name!r}")
+        least = 0.0 if key == "fusion" else 1e-9  # fusion=0: every tensor alone; cycle > 0
+        if not least <= number < float("inf"):
+            raise ValueError(f"{key} out of range in {name!r}")
         kwargs[arg] = int(number) if arg == "fusion_threshold_bytes" else number
     return kwargs
 
