@@ -79,12 +79,20 @@ class Config:
     powersgd_start_step: int = 10
     # Top-k (compression="topk"): share of gradient entries each rank sends per step.
     topk_ratio: float = 0.01
-    # Hierarchical (2D) allreduce: "auto", "on" or "off". DistributedOptimizer uses it for its
-    # gradient buckets ("auto": when several hosts and some host runs several ranks).
-    hierarchical: str = "auto"
+    # Hierarchical (2D) allreduce: "off", "on" or "auto". DistributedOptimizer uses it for its
+    # gradient buckets ("auto": when several hosts and some host runs several ranks). Off by
+    # default: it sums within hosts first, so results depend on the host layout.
+    hierarchical: str = "off"
     # DistributedOptimizer: process groups its gradient buckets round-robin over, so that
     # consecutive buckets can be in flight at once.
     engine_streams: int = 1
+    # Same job, same seed, same weights: nothing measured at run time (gaps in backward, arrival
+    # of async ops) changes which values are summed together or in which order. False lets the
+    # engine cut buckets at timed gaps and fuse async allreduces of 3+ ranks by arrival.
+    reproducible: bool = True
+    # DistributedOptimizer's link class, which sets its bucket size: "auto" (measured once in the
+    # first step, then fixed), "fast" (32 MiB buckets) or "slow" (4 MiB, for ~1 Gbit/s and below).
+    link_class: str = "auto"
     # Seal every message with AES-256-GCM and authenticate the rendezvous.
     secure: bool = False
     # Path to the job key (e.g. a mounted Kubernetes Secret) when not started by ringtrain run.
@@ -113,6 +121,11 @@ class Config:
         if self.hierarchical not in ("auto", "on", "off"):
             raise ConfigError(
                 f"hierarchical must be 'auto', 'on' or 'off', got {self.hierarchical!r}"
+            )
+        if self.link_class not in ("auto", "fast", "slow"):
+            raise ConfigError(
+                f"link_class must be 'auto', 'fast' or 'slow', got {self.link_class!r}\n"
+                "HINT: pin the class that a run with -v logged."
             )
         if self.stall_warning_s < 0 or self.stall_shutdown_s < 0:
             raise ConfigError("stall_warning_s and stall_shutdown_s must be >= 0")

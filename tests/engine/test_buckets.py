@@ -13,6 +13,8 @@ from ringtrain.engine.buckets import (
     Observation,
     ParamSpec,
     agree,
+    borderline,
+    link_class,
     make_plan,
     timed_floor,
 )
@@ -144,3 +146,26 @@ def test_ranks_that_disagree_on_the_model_fail_with_a_hint() -> None:
 def test_observation_round_trips_through_integers() -> None:
     o = _obs([2, NOT_SEEN, 0], 3, sparse=[True, False, False], numel=[5, 6, 7])
     assert Observation.decode(o.encode(), 3) == o
+
+
+def test_link_classes_lie_far_from_the_rates_links_deliver() -> None:
+    gbit = 125e6 * 0.93  # 1 Gbit/s of payload
+    assert link_class(gbit) == "slow" and not borderline(gbit)
+    assert link_class(10 * gbit) == "fast" and not borderline(10 * gbit)
+    assert link_class(0.0) == "slow"  # nothing measured: small buckets are never wrong by much
+    assert borderline(240e6) and borderline(300e6)
+
+
+def test_without_a_cycle_time_readiness_gaps_never_cut() -> None:
+    """What the reproducible engine relies on: the plan is the same whatever the timing."""
+    specs = _specs([MIN_TIMED_BUCKET_BYTES // 4] * 4)
+    plans = {
+        agree(
+            specs,
+            [_obs([0, 1, 2, 3], 4, ready=ready, numel=[s.numel for s in specs])],
+            threshold_bytes=1 << 30,
+            cycle_time_ms=0.0,
+        ).digest
+        for ready in ([0, 10, 20, 30], [0, 50_000, 90_000, 300_000])
+    }
+    assert len(plans) == 1

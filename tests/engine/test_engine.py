@@ -171,11 +171,23 @@ def _planned_at_rate(rate: float) -> list[tuple[str, int]]:
         schedule.agree_rate = saved  # type: ignore[assignment]
 
 
-def test_the_first_exchange_sets_how_finely_buckets_are_cut(world2: World) -> None:
+def test_the_first_exchange_picks_the_link_class_once(world2: World) -> None:
     slow, fast = world2.run(_planned_at_rate, 0.0), world2.run(_planned_at_rate, 1e12)
     for plans in (slow, fast):
         assert plans[0] == plans[1]  # the same plan on every rank
         assert len(set(plans[0])) == 1  # settled in the learning step, then frozen
+    # Six 1 MiB layers: a slow link cuts 4 MiB buckets; a fast one sends all 6 MiB at once.
+    assert slow[0][0][1] == 2 and fast[0][0][1] == 1
+    # Pinned, the class wins over any measurement.
+    assert world2.run(_planned_at_rate, 1e12, link_class="slow") == slow
+    assert world2.run(_planned_at_rate, 0.0, link_class="fast") == fast
+
+
+def test_timed_gaps_cut_buckets_only_when_not_reproducible(world2: World) -> None:
+    slow = world2.run(_planned_at_rate, 0.0, reproducible=False)
+    fast = world2.run(_planned_at_rate, 1e12, reproducible=False)
+    for plans in (slow, fast):
+        assert plans[0] == plans[1] and len(set(plans[0])) == 1
     # Unmeasured: gaps close buckets from 1 MiB; a fast link: one bucket is worth more.
     assert slow[0][0][1] >= 4 and fast[0][0][1] == 1
 

@@ -3,7 +3,12 @@
 The controller hands over requests that every rank agreed to run now, in the same order on every
 rank. Consecutive allreduces with the same reduce op, dtype, device and scale factors are packed
 into one buffer (tensor fusion) up to the fusion threshold, because one large Gloo allreduce is far
-cheaper than many small ones. Data movement (broadcast, allgather, alltoall) travels as raw bytes,
+cheaper than many small ones. With ``Config.reproducible`` (the default) and three or more ranks,
+only the tensors of one request (a grouped call) are fused: which async ops meet in one buffer
+depends on timing, and with three or more ranks Gloo's ring sums an element in an order set by
+its offset in the buffer. Two ranks sum ``a + b``, which is the same in any order, so they fuse
+freely. For the same reason a small allreduce that could not travel inline is reduced as inline
+ones are (every rank's values, in rank order). Data movement (broadcast, allgather, alltoall) travels as raw bytes,
 which is exact for every dtype and lets ranks exchange tensors of any shape in one call.
 """
 
@@ -75,6 +80,8 @@ class Executor:
     def __init__(self, comm: Communicator, config: Config) -> None:
         self.comm = comm
         self.threshold = config.fusion_threshold_bytes
+        # Whether arrival decides what is summed in which order (see the module docstring).
+        self.order_free = not config.reproducible or comm.size <= 2
         self._batch: list[_Item] = []
         self._batch_key: tuple[Any, ...] | None = None
         self._batch_bytes = 0
@@ -112,10 +119,14 @@ class Executor:
                         f"allreduce with op={req.op} cannot run while ranks have joined"
                     )
                 item = _Item(name, req, tensors, outputs, handle, self.comm.size - len(joined))
-                if inline_data is None:
+                if inline_data is not None:
+                    result = self._inline_allreduce(item, inline_data)
+                elif not self.order_free and inline.inlinable_size(tensors):
+                    self.flush()
+                    result = self._gathered_allreduce(item)
+                else:
                     self._queue_allreduce(item)
                     return
-                result = self._inline_allreduce(item, inline_data)
             else:
                 self.flush()
                 result = self._run_one(req, by_rank, tensors, outputs, joined, me, inline_data)
@@ -149,7 +160,11 @@ class Executor:
             item.contributors,
         )
         nbytes = sum(t.nbytes for t in item.tensors)
-        if self._batch and (key != self._batch_key or self._batch_bytes + nbytes > self.threshold):
+        if self._batch and (
+            key != self._batch_key
+            or self._batch_bytes + nbytes > self.threshold
+            or not self.order_free
+        ):
             self.flush()
         self._batch.append(item)
         self._batch_key = key
@@ -198,6 +213,26 @@ class Executor:
         numels = [w.numel() for w in work]
         plain = _all_reducible_in(item.outputs, work)
         self._unpack(range(len(work)), flat, None, work, item.outputs, numels, plain, scaling)
+        return item.outputs
+
+    def _gathered_allreduce(self, item: _Item) -> list[torch.Tensor]:
+        """A small allreduce of 3+ ranks that did not travel inline (the round was full): every
+        rank's values gathered and reduced in rank order, exactly as inline, so the result does
+        not depend on which round the op fell into."""
+        work = dtypes.to_reducible_all(item.tensors, item.request.op)
+        if any(w.dtype != work[0].dtype for w in work):
+            self._fused_allreduce([item])  # never inline either: one path, whatever the timing
+            return item.outputs
+        scaling = _Scaling.of(item.request, item.contributors, work[0].dtype)
+        numels = [w.numel() for w in work]
+        flat = torch.cat([w.reshape(-1) for w in work])
+        rows = torch.empty(self.comm.size * flat.numel(), dtype=flat.dtype)
+        dist.all_gather_single(rows, flat, group=self.comm.group_for(flat))
+        stack = rows.view(self.comm.size, -1)
+        scaling.before(stack)
+        out = inline.reduce_rows(stack, item.request.op)
+        plain = _all_reducible_in(item.outputs, work)
+        self._unpack(range(len(work)), out, None, work, item.outputs, numels, plain, scaling)
         return item.outputs
 
     def _fused_allreduce(self, batch: list[_Item]) -> None:

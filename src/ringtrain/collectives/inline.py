@@ -47,12 +47,7 @@ def encode(request: Request, tensors: Sequence[torch.Tensor], set_rank: int) -> 
         return None
     if request.kind == "broadcast" and set_rank != request.root:
         return None
-    nbytes = 0
-    for t in tensors:  # stops at the first large tensor: grouped calls can hold thousands
-        nbytes += t.numel() * t.element_size()
-        if nbytes > INLINE_MAX_BYTES or t.device.type != "cpu" or t.is_sparse:
-            return None
-    if nbytes == 0:
+    if not inlinable_size(tensors):
         return None
     if request.kind in ("broadcast", "allgather"):
         return "bytes", b"".join(dtypes.as_bytes(t).numpy().tobytes() for t in tensors)
@@ -102,6 +97,11 @@ def reduce(
     dtype = dtypes.from_name(kinds.pop())
     stack = torch.stack([torch.frombuffer(bytearray(payloads[r][1]), dtype=dtype) for r in ranks])
     prescale(stack)
+    return reduce_rows(stack, op)
+
+
+def reduce_rows(stack: torch.Tensor, op: str) -> torch.Tensor:
+    """``op`` over the rows of ``stack`` (one per rank, in rank order), in the rows' dtype."""
     if op in ("Sum", "Average"):
         out = stack.sum(0)
     elif op == "Min":
@@ -112,7 +112,17 @@ def reduce(
         out = stack.prod(0)
     else:  # pragma: no cover - requests are validated at submission
         raise CollectiveArgumentError(f"unknown reduce op {op!r}")
-    return out.to(dtype)  # integer sums and products come back as int64
+    return out.to(stack.dtype)  # integer sums and products come back as int64
+
+
+def inlinable_size(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are small enough (and on the CPU) to travel inline."""
+    nbytes = 0
+    for t in tensors:  # stops at the first large tensor: grouped calls can hold thousands
+        nbytes += t.numel() * t.element_size()
+        if nbytes > INLINE_MAX_BYTES or t.device.type != "cpu" or t.is_sparse:
+            return False
+    return nbytes > 0
 
 
 def take(payload: Payload, offset: int, out: torch.Tensor) -> None:

@@ -12,13 +12,20 @@ Tuning guide:
   small ones (each costs ~1 ms of thread hand-offs), but a bucket can only start once its last
   gradient is ready, so huge buckets delay the start of communication. 0 gives every tensor its
   own allreduce.
-* ``cycle_time_ms`` closes a bucket at a gap in backward: with order "auto", a bucket is closed
-  before a gradient that became ready more than one cycle after the bucket's first one did
-  (timed on rank 0's first step), once the bucket is big enough to be worth a collective of its
-  own: it must take ``BUCKET_WIRE_S`` on the wire at the rate the first exchange measured (see
-  :func:`timed_floor`), and hold at least ``MIN_TIMED_BUCKET_BYTES``. Gradients that appear
-  together travel together; slow layers get their own bucket, which then starts while backward
-  is still busy. Raise it to fuse more, lower it for earlier starts.
+* The **link class** sets the bucket size (``reproducible=True``, the default): ``fast`` links
+  (loopback, 10 Gbit/s) get buckets of up to ``CLASS_BUCKET_BYTES["fast"]`` (32 MiB), since each
+  collective costs about a millisecond of fixed work on the core that also runs backward;
+  ``slow`` ones (~1 Gbit/s and below) up to 4 MiB (~30 ms on the wire at 1 Gbit/s), so the link is
+  busy from the first layers on. The class is measured once, in the first step's exchange (the
+  slowest rank's rate, see :func:`link_class`), and can be pinned (``RINGTRAIN_LINK_CLASS``). The
+  plan then depends only on sizes, the ready *order* (which autograd fixes) and settings, so every
+  run of a job sums the same values in the same order.
+* ``cycle_time_ms`` (only with ``reproducible=False``) closes a bucket at a gap in backward: a
+  bucket is closed before a gradient that became ready more than one cycle after the bucket's
+  first one did (timed on rank 0's first step), once it takes ``BUCKET_WIRE_S`` on the wire at the
+  rate the first exchange measured (see :func:`timed_floor`) and holds at least
+  ``MIN_TIMED_BUCKET_BYTES``. Timing then shapes the buckets, and with them the order of the sums:
+  a few percent faster at best, never bitwise repeatable.
 * ``bucket_order``: "auto" follows the order gradients became ready in the first step on rank 0
   (parameters that rank 0 never saw come after, by the earliest any rank saw them, then in
   reverse registration order). "reverse" is reverse registration order (what DDP assumes),
@@ -48,6 +55,13 @@ BUCKET_WIRE_S = 0.03
 # tensor is big: a bias and its weight travel together rather than the bias alone.
 SMALL_BUCKET_BYTES = 256 << 10
 NOT_SEEN = -1
+# Link classes and their largest bucket (capped by the fusion threshold). The boundary sits far
+# from the rates links deliver here (1 Gbit/s: ~115 MB/s; loopback, even on a busy machine:
+# 500+ MB/s), so one job measures the same class run after run.
+CLASS_BUCKET_BYTES = {"fast": 32 << 20, "slow": 4 << 20}
+FAST_LINK_BYTES_PER_S = 250e6
+# A measured rate within this factor of the boundary is logged as borderline: pin the class.
+BORDERLINE = 1.5
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,16 @@ class Observation:
             tuple(bool(x) for x in v[3 * n : 4 * n]),
             tuple(v[4 * n : 5 * n]),
         )
+
+
+def link_class(bytes_per_s: float) -> str:
+    """The class of a link that moved gradients at ``bytes_per_s`` (the slowest rank's rate)."""
+    return "fast" if bytes_per_s >= FAST_LINK_BYTES_PER_S else "slow"
+
+
+def borderline(bytes_per_s: float) -> bool:
+    """Whether a measured rate lies so near the class boundary that another run may differ."""
+    return FAST_LINK_BYTES_PER_S / BORDERLINE <= bytes_per_s < FAST_LINK_BYTES_PER_S * BORDERLINE
 
 
 def timed_floor(bytes_per_s: float, threshold_bytes: int) -> int:

@@ -170,6 +170,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"hierarchical must be 'auto', 'on' or 'off', got {self._hierarchical!r}\n"
                 "HINT: 'auto' decides from the placement of the ranks on hosts."
             )
+        self._reproducible = config.reproducible
+        # The link class that sizes buckets: pinned, or measured in the first step (then fixed).
+        self._link_class: str | None = None if config.link_class == "auto" else config.link_class
         self._streams = config.engine_streams if engine_streams is None else engine_streams
         if self._streams < 1:
             raise ConfigError(f"engine_streams must be >= 1, got {self._streams}")
@@ -460,38 +463,64 @@ class DistributedOptimizer(torch.optim.Optimizer):
         rec.span("step", "PLAN", t0, time.perf_counter(), {"plan": plan.describe()})
 
     def _agree(self, min_timed_bytes: int) -> Plan:
+        threshold, cycle_ms = self._threshold, self._cycle_time_ms
+        if self._reproducible:
+            # Sizes and the ready order only; until the class is known, plan for a fast link.
+            threshold = min(threshold, buckets.CLASS_BUCKET_BYTES[self._link_class or "fast"])
+            cycle_ms = 0.0
         return buckets.agree(
             schedule.specs_of(self._params, self._names),
             self._observed,
-            threshold_bytes=self._threshold,
-            cycle_time_ms=self._cycle_time_ms,
+            threshold_bytes=threshold,
+            cycle_time_ms=cycle_ms,
             order=self._order,
             min_timed_bytes=min_timed_bytes,
         )
 
     def _calibrate(self) -> None:
         """The learning step's end: its exchange sent every bucket at once with nothing else
-        running, so it measured the rate gradients move at. Every rank re-plans alike with the
-        bucket floor that the slowest rank's rate calls for (see ``buckets.timed_floor``)."""
+        running, so it measured the rate gradients move at (the slowest rank's, so every rank
+        holds the same figure). Reproducible: that rate picks the link class once, and with it
+        the bucket size. Otherwise: every rank re-plans alike with the bucket floor the rate
+        calls for (see ``buckets.timed_floor``)."""
         plan, exchange = self._plan, self._exchange
         if plan is None or exchange is None or not plan.buckets:
             return
+        if self._reproducible and self._link_class is not None:
+            return  # pinned, or measured by an earlier learning step: the plan is final
         nbytes = sum(b.nbytes for b in plan.buckets)
         rate = schedule.agree_rate(
             nbytes, exchange.last_comm_s, self._comm.group("engine"), self._size
         )
-        floor = buckets.timed_floor(rate, self._threshold)
-        if floor != buckets.MIN_TIMED_BUCKET_BYTES:
-            better = self._agree(floor)
-            if better.digest != plan.digest:
-                self._plan = plan = better
-                self._build_exchange()
-        log.debug(
-            "ringtrain gradients moved at %.0f MB/s: buckets closed at gaps from %.1f MiB; %s",
-            rate / 1e6,
-            floor / 2**20,
-            plan.describe(),
-        )
+        if self._reproducible:
+            self._link_class = buckets.link_class(rate)
+            better = self._agree(buckets.MIN_TIMED_BUCKET_BYTES)
+        else:
+            better = self._agree(buckets.timed_floor(rate, self._threshold))
+        if better.digest != plan.digest:
+            self._plan = plan = better
+            self._build_exchange()
+        if self._comm.set_rank != 0:
+            return
+        if self._reproducible:
+            log.info(
+                "ringtrain: gradients moved at %.0f MB/s: link class %r, %s. Every run that "
+                "measures this class sums alike; pin it with RINGTRAIN_LINK_CLASS=%s%s",
+                rate / 1e6,
+                self._link_class,
+                plan.describe(),
+                self._link_class,
+                " (the rate is near the class boundary: pin it)"
+                if buckets.borderline(rate)
+                else "",
+            )
+        else:
+            log.info(
+                "ringtrain: gradients moved at %.0f MB/s: buckets closed at timed gaps "
+                "(reproducible=False); %s",
+                rate / 1e6,
+                plan.describe(),
+            )
 
     def _compressor(self) -> Any:
         """The compressor in use: the one given, or what auto currently uses."""
@@ -526,6 +555,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return engine
         hosts = runtime_state.current().topology.hosts
         hier = prefer_hierarchical(hosts, self._hierarchical)
+        if hier and self._comm.set_rank == 0:
+            log.info(
+                "ringtrain: hierarchical allreduce (hierarchical=%s): gradients are summed within "
+                "each host first, so results differ from a flat run's and from other host layouts",
+                self._hierarchical,
+            )
         if self._streams == 1 and not hier:
             return engine
         return LanePool.of(self._comm, self._timeout_s).lanes(

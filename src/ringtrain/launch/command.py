@@ -8,6 +8,7 @@ onto :class:`ringtrain.config.Config` fields (``SETTING_FLAGS``), which reach ev
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -193,6 +194,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         settings["secure"] = True
     if args.check_consistency is not None:
         settings["check_consistency"] = False
+    if args.verbose and "log_level" not in settings and "RINGTRAIN_LOG_LEVEL" not in os.environ:
+        settings["log_level"] = "INFO"  # the ranks say how they tuned themselves, too
     return LaunchOptions(
         np=np,
         hosts=tuple(hosts),

@@ -82,6 +82,17 @@ def is_initialized() -> bool:
     return _runtime is not None
 
 
+def _configure_logging(level: str) -> None:
+    logger = logging.getLogger("ringtrain")
+    logger.setLevel(level.upper())
+    # Python's last-resort handler prints warnings only: below that, ringtrain's records (the
+    # tuning that -v promises) need a handler, unless the script configured logging itself.
+    if logger.level < logging.WARNING and not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+
+
 def start(
     config: Config | None = None,
     env: Mapping[str, str] | None = None,
@@ -96,7 +107,7 @@ def start(
             return _runtime
         env = os.environ if env is None else env
         config = config or Config.from_env(env)
-        logging.getLogger("ringtrain").setLevel(config.log_level.upper())
+        _configure_logging(config.log_level)
         placement = _reconcile(environment.detect(env), rank, size)
         _generation += 1
         if config.network_interface and "GLOO_SOCKET_IFNAME" not in os.environ:
