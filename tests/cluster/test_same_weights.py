@@ -46,8 +46,8 @@ def _cpu_hogs(n: int = 2) -> Iterator[None]:
 
 def _run_side_by_side(
     jobs: Sequence[tuple[list[str], dict[str, str] | None]], cwd: Path
-) -> list[str]:
-    """Run the jobs at once (most of each is waiting for imports); their stdout, in order."""
+) -> list[tuple[str, str]]:
+    """Run the jobs at once (most of each is waiting for imports); their (stdout, stderr)."""
     procs = [
         subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env
@@ -63,7 +63,7 @@ def _run_side_by_side(
             p.wait()
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, f"{p.args}\n{out}\n{err}"
-    return [out for out, _ in outs]
+    return outs
 
 
 def _assert_bitwise_equal(paths: Sequence[Path]) -> None:
@@ -105,15 +105,19 @@ def test_demo_gives_the_same_weights_on_one_host_loaded_or_not_and_on_two(
         *_demo(tmp_path / "remote.pt"),
     ]
     with _cpu_hogs():
-        loaded_out, remote_out = _run_side_by_side(
+        (loaded_out, _), (remote_out, remote_err) = _run_side_by_side(
             [(_local(tmp_path / "loaded.pt"), None), (remote, None)], tmp_path
         )
-    (quiet_out,) = _run_side_by_side([(_local(tmp_path / "quiet.pt"), None)], tmp_path)
+    ((quiet_out, _),) = _run_side_by_side([(_local(tmp_path / "quiet.pt"), None)], tmp_path)
     _assert_bitwise_equal([tmp_path / "quiet.pt", tmp_path / "loaded.pt", tmp_path / "remote.pt"])
     summary = [ln for ln in quiet_out.splitlines() if "final loss" in ln]
     assert summary, quiet_out
     for out in (loaded_out, remote_out):  # the same loss and accuracy, to the printed digit
         assert summary[0].split("throughput")[0] in out
+    # -v shows what the engine measured, and how to pin it.
+    assert "link class 'fast'" in remote_err and "RINGTRAIN_LINK_CLASS=fast" in remote_err, (
+        remote_err
+    )
 
 
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S)

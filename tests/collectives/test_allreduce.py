@@ -89,14 +89,12 @@ def test_matched_by_name_not_order(world: World) -> None:
 
 
 def _poll_nonblocking() -> bool:
-    import time
-
-    # Only rank 0 submits at first: its handle must stay pending and poll must return at once.
+    # Only rank 0 submits at first: its handle must stay pending, and poll must return without
+    # waiting for it, since the other ranks submit only after rank 0's "go" (a blocking poll
+    # would hang here, and the harness's timeout would fail the test).
     if rt.rank() == 0:
         h = rt.allreduce_async(torch.ones(1), name="late")
-        t0 = time.monotonic()
         first = rt.poll(h)
-        assert time.monotonic() - t0 < 0.05
         rt.broadcast_object("go", 0, name="go")
         rt.synchronize(h)
         return first if rt.size() > 1 else True

@@ -68,7 +68,12 @@ SETTING_FLAGS = (
     SettingFlag(
         "--compression", "compression", str, "default gradient compression (none, fp16, bf16, ...)"
     ),
-    SettingFlag("--hierarchical", "hierarchical", str, "hierarchical allreduce: auto, on, off"),
+    SettingFlag(
+        "--hierarchical",
+        "hierarchical",
+        str,
+        "hierarchical allreduce: off (default; results independent of the host layout), on, auto",
+    ),
     SettingFlag(
         "--network-interface",
         "network_interface",
