@@ -27,6 +27,10 @@ def test_variant_names() -> None:
         "fusion_threshold_bytes": 8 << 20,
         "cycle_time_ms": 0.5,
     }
+    assert engine_options("ringtrain@repro=0@link=slow") == {
+        "reproducible": False,
+        "link_class": "slow",
+    }
     for bad in (
         ("ddp:topk",),
         ("ringtrain:",),
@@ -38,6 +42,8 @@ def test_variant_names() -> None:
         ("ringtrain@fusion=-1",),
         ("ringtrain@cycle=inf",),
         ("ringtrain@cycle=0",),
+        ("ringtrain@link=medium",),
+        ("ringtrain@repro=no",),
     ):
         with pytest.raises(ConfigError, match="HINT"):
             TrainParams(variants=bad)

@@ -54,6 +54,11 @@ MAX_EXTRA_WARMUP = 60
 # ``ringtrain...@KEY=VALUE`` sets a DistributedOptimizer knob for that variant alone, so bucket
 # settings can be compared in one run: KEY -> (argument, unit of VALUE in the argument's terms).
 ENGINE_OPTIONS = {"fusion": ("fusion_threshold_bytes", 1 << 20), "cycle": ("cycle_time_ms", 1)}
+# ``@link=fast|slow`` pins the link class; ``@repro=0`` lets timing cut buckets (not reproducible).
+ENGINE_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
+    "link": ("link_class", {"fast": "fast", "slow": "slow"}),
+    "repro": ("reproducible", {"0": False, "1": True}),
+}
 # DDP has built-in comm hooks for these; other compressors have no DDP twin.
 _DDP_HOOKS = ("fp16", "bf16")
 
@@ -80,8 +85,8 @@ class TrainParams:
                 f"unknown, repeated or no variants in {list(self.variants)}.\n"
                 f"HINT: choose from {', '.join(VARIANTS)}, comma separated; "
                 "ringtrain:NAME uses compression NAME (ringtrain:powersgd,ringtrain:topk); "
-                "ringtrain@fusion=MiB and @cycle=MS set those engine knobs for one variant "
-                "(ringtrain@fusion=25@cycle=1000)."
+                "ringtrain@fusion=MiB, @cycle=MS, @link=fast|slow and @repro=0|1 set those "
+                "engine knobs for one variant (ringtrain@repro=0@cycle=1000)."
             )
         for name in ("steps", "block", "backward_passes_per_step"):
             if getattr(self, name) < 1:
@@ -117,6 +122,12 @@ def engine_options(name: str) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     for option in name.split("@")[1:]:
         key, _, value = option.partition("=")
+        if key in ENGINE_CHOICES:
+            arg, choices = ENGINE_CHOICES[key]
+            if value not in choices:
+                raise ValueError(f"{key} must be one of {', '.join(choices)} in {name!r}")
+            kwargs[arg] = choices[value]
+            continue
         if key not in ENGINE_OPTIONS:
             raise ValueError(f"unknown engine option {key!r} in {name!r}")
         arg, unit = ENGINE_OPTIONS[key]

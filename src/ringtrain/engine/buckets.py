@@ -59,6 +59,7 @@ NOT_SEEN = -1
 # from the rates links deliver here (1 Gbit/s: ~115 MB/s; loopback, even on a busy machine:
 # 500+ MB/s), so one job measures the same class run after run.
 CLASS_BUCKET_BYTES = {"fast": 32 << 20, "slow": 4 << 20}
+LINK_CLASSES = ("auto", *CLASS_BUCKET_BYTES)
 FAST_LINK_BYTES_PER_S = 250e6
 # A measured rate within this factor of the boundary is logged as borderline: pin the class.
 BORDERLINE = 1.5

@@ -91,6 +91,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         hierarchical: "auto", "on" or "off": reduce buckets hierarchically (within hosts, then
             across; world process set, plain and 16-bit buckets only).
         engine_streams: process groups the buckets use round robin (world process set only).
+        reproducible: False lets timing shape the buckets (cuts at gaps in backward); see
+            docs/engine.md, "Reproducibility".
+        link_class: "auto" (measured in the first step), "fast" or "slow": sets the bucket size.
 
     Settings left as None come from :class:`ringtrain.config.Config` (``RINGTRAIN_*``
     variables, which ``ringtrain run`` flags set), then the defaults: arguments win.
@@ -115,6 +118,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket_order: str | None = None,
         hierarchical: str | None = None,
         engine_streams: int | None = None,
+        reproducible: bool | None = None,
+        link_class: str | None = None,
     ) -> None:
         # Deliberately no super().__init__(): all optimizer state lives in the wrapped optimizer.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -170,9 +175,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"hierarchical must be 'auto', 'on' or 'off', got {self._hierarchical!r}\n"
                 "HINT: 'auto' decides from the placement of the ranks on hosts."
             )
-        self._reproducible = config.reproducible
+        self._reproducible = config.reproducible if reproducible is None else reproducible
+        link_class = config.link_class if link_class is None else link_class
+        if link_class not in buckets.LINK_CLASSES:
+            raise ConfigError(
+                f"link_class must be one of {', '.join(buckets.LINK_CLASSES)}, got {link_class!r}"
+            )
         # The link class that sizes buckets: pinned, or measured in the first step (then fixed).
-        self._link_class: str | None = None if config.link_class == "auto" else config.link_class
+        self._link_class: str | None = None if link_class == "auto" else link_class
         self._streams = config.engine_streams if engine_streams is None else engine_streams
         if self._streams < 1:
             raise ConfigError(f"engine_streams must be >= 1, got {self._streams}")
