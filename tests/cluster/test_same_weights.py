@@ -114,10 +114,9 @@ def test_demo_gives_the_same_weights_on_one_host_loaded_or_not_and_on_two(
     assert summary, quiet_out
     for out in (loaded_out, remote_out):  # the same loss and accuracy, to the printed digit
         assert summary[0].split("throughput")[0] in out
-    # -v shows what the engine measured, and how to pin it.
-    assert "link class 'fast'" in remote_err and "RINGTRAIN_LINK_CLASS=fast" in remote_err, (
-        remote_err
-    )
+    # -v shows what the engine measured, and how to pin it (a heavily loaded machine may
+    # measure its links as slow: the demo's one bucket is the same either way).
+    assert "link class '" in remote_err and "RINGTRAIN_LINK_CLASS=" in remote_err, remote_err
 
 
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S)
