@@ -104,7 +104,7 @@ class _Broadcast(torch.autograd.Function):
         summed = ops.synchronize(
             ops.allreduce_async(grad.contiguous(), name=_grad_name(name), op="Sum", process_set=ps)
         )
-        if ops.controller_of(ps).comm.set_rank != root:
+        if ops.controller_of(ps).comm.world_rank != root:  # a global rank, as in Horovod
             summed = torch.zeros_like(summed)
         return summed, None, None, None
 

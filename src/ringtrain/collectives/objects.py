@@ -41,11 +41,10 @@ def broadcast_object(
     """``root_rank``'s object, on every rank of the process set."""
     ctl = ops.controller_of(process_set)
     name = name if name is not None else ctl.auto_name("broadcast_object")
-    size = ctl.comm.size
-    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
-        err = f"root_rank {root_rank!r} is outside the process set of size {size}"
+    err = ops.root_error(root_rank, ctl.comm.ranks)
+    if err:
         return ops.synchronize(ctl.submit(Request(name, "broadcast", root=-1, error=err), [], []))
-    if ctl.comm.set_rank == root_rank:
+    if ctl.comm.world_rank == root_rank:  # a global rank, as in Horovod
         data = _dumps(obj)
         req = Request(
             name,

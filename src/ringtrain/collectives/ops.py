@@ -90,17 +90,21 @@ def _single(result: Any) -> Any:
     return result[0]
 
 
-def synchronize(handle: Handle) -> Any:
-    """Wait for an asynchronous collective and return its result (raises its error)."""
+def _check_handle(fn: str, handle: Any) -> None:
     if not isinstance(handle, Handle):
-        raise CollectiveArgumentError(
-            f"synchronize expects a handle from an *_async call, got {handle!r}"
-        )
+        raise CollectiveArgumentError(f"{fn} expects a handle from an *_async call, got {handle!r}")
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for an asynchronous collective and return its result (raises its error). Waiting
+    again on the same handle returns the same result."""
+    _check_handle("synchronize", handle)
     return handle.wait()
 
 
 def poll(handle: Handle) -> bool:
-    """True once the collective finished; never blocks."""
+    """True once the collective finished (``synchronize`` then returns at once); never blocks."""
+    _check_handle("poll", handle)
     return handle.done()
 
 
@@ -413,16 +417,18 @@ def sparse_allreduce_async(
 # ---- broadcast -------------------------------------------------------------------------------
 
 
-def _root_check(root_rank: Any, process_set: ProcessSet | None) -> Callable[[], str]:
-    def check() -> str:
-        size = controller_of(process_set).comm.size
-        if not isinstance(root_rank, int) or isinstance(root_rank, bool):
-            return f"root_rank must be an int, got {type(root_rank).__name__}"
-        if not 0 <= root_rank < size:
-            return f"root_rank {root_rank} is outside the process set of size {size} (valid: 0..{size - 1})"
-        return ""
-
-    return check
+def root_error(root_rank: Any, ranks: Sequence[int]) -> str:
+    """Why ``root_rank`` cannot be the root of a broadcast over ``ranks``, or ''. As in Horovod,
+    a root is a global rank (``rank()``), also on a process set, and must be one of its members."""
+    if not isinstance(root_rank, int) or isinstance(root_rank, bool):
+        return f"root_rank must be an int, got {type(root_rank).__name__}"
+    if root_rank not in ranks:
+        return (
+            f"root_rank {root_rank} is not a member of the process set (ranks {list(ranks)}).\n"
+            "HINT: root_rank is a global rank (hvd.rank() of the root), as in Horovod, and must "
+            "belong to the process set."
+        )
+    return ""
 
 
 def _broadcast_handle(
@@ -430,16 +436,22 @@ def _broadcast_handle(
 ) -> Handle:
     t = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
     outputs = [t if inplace else torch.empty_like(t)] if isinstance(t, torch.Tensor) else None
-    root = root_rank if isinstance(root_rank, int) else -1
+    ranks = controller_of(process_set).comm.ranks
+    error = root_error(root_rank, ranks)
+
+    def finish(result: list[torch.Tensor]) -> Any:
+        # In place, the caller's own tensor comes back (the result is a view of it), as Horovod.
+        return tensor if inplace and isinstance(tensor, torch.Tensor) else result[0]
+
     return _submit(
         "broadcast",
         [t],
         name,
         process_set,
-        _single,
+        finish,
         outputs,
-        _root_check(root_rank, process_set),
-        root=root,
+        lambda: error,
+        root=-1 if error else root_rank,
     )
 
 
