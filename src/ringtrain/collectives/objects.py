@@ -93,8 +93,12 @@ def barrier(process_set: ProcessSet | None = None) -> None:
 
 
 def join(device: int = -1, process_set: ProcessSet | None = None) -> int:
-    """Declare that this rank has no more data. Until every rank has joined, this rank takes part
-    in its peers' allreduces (contributing zeros; Average divides by the ranks that contributed),
-    allgathers (contributing no rows) and broadcasts. Returns the rank that joined last."""
+    """Declare that this rank has no more data; returns the (global) rank that joined last.
+
+    As in Horovod: until every rank has joined, this rank stands in for the allreduces its peers
+    still run, contributing zeros (Average still divides by every rank of the set), and their
+    barriers pass without it. Allgather, broadcast, alltoall and reducescatter fail on the active
+    ranks while any rank has joined, as they do in Horovod; so do allreduces with Min, Max or
+    Product, which would take the zeros for data (Horovod reduces the zeros with them)."""
     ctl = ops.controller_of(process_set)
     return ops.synchronize(ctl.submit(Request(JOIN_NAME, "join"), [], []))
