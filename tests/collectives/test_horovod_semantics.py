@@ -15,7 +15,10 @@ the process sets have members other than rank 0 ({1, 3} and {2, 3} at 4 ranks, {
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -388,3 +391,22 @@ def _all_handles() -> None:
 
 def test_handles_poll_synchronize_and_call(world: spawn.World) -> None:
     world.run(_all_handles)
+
+
+def test_a_horovod_script_catches_the_mismatch_on_every_rank(tmp_path: Path) -> None:
+    source = (Path(__file__).parent / "horovod_catch.py").read_text()
+    script = tmp_path / "catch.py"
+    script.write_text(
+        source.replace("import horovod.torch as hvd", "import ringtrain.torch as hvd")
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringtrain", "run", "-np", "2", "--", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(2):
+        assert f"[{r}] caught CollectiveMismatchError internal=True" in proc.stdout, proc.stdout
+        assert f"[{r}] after [2.0, 2.0]" in proc.stdout, proc.stdout
+    assert "[1] set broadcast 1" in proc.stdout, proc.stdout
