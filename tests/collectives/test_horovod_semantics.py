@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 import torch
 
@@ -116,7 +117,9 @@ def _set_broadcasts(ps: hvd.ProcessSet) -> None:
         e = _raises(call, ValueError)
         assert isinstance(e, hvd.HorovodInternalError) and isinstance(e, RuntimeError)
         assert f"root_rank {outside} is not a member" in str(e) and str(ps.ranks) in str(e), e
-    assert hvd.broadcast(torch.tensor([me]), ps.ranks[-1], process_set=ps).item() == ps.ranks[-1]
+    last = numpy.int64(ps.ranks[-1])  # integer-like roots work too
+    assert hvd.broadcast(torch.tensor([me]), last, process_set=ps).item() == ps.ranks[-1]
+    assert hvd.broadcast_object(me, last, process_set=ps) == ps.ranks[-1]
     if ps.size() > 1:  # members naming different roots: a mismatch naming global ranks
         e = _raises(
             lambda: hvd.broadcast(torch.ones(1), me, name="roots", process_set=ps), RuntimeError

@@ -41,16 +41,16 @@ def broadcast_object(
     """``root_rank``'s object, on every rank of the process set."""
     ctl = ops.controller_of(process_set)
     name = name if name is not None else ctl.auto_name("broadcast_object")
-    err = ops.root_error(root_rank, ctl.comm.ranks)
+    root, err = ops.checked_root(root_rank, ctl.comm.ranks)
     if err:
         return ops.synchronize(ctl.submit(Request(name, "broadcast", root=-1, error=err), [], []))
-    if ctl.comm.world_rank == root_rank:  # a global rank, as in Horovod
+    if ctl.comm.world_rank == root:  # a global rank, as in Horovod
         data = _dumps(obj)
         req = Request(
             name,
             "broadcast",
             (TensorMeta(tuple(data.shape), str(data.dtype)),),
-            root=root_rank,
+            root=root,
             shape_from_root=True,
         )
         handle = ctl.submit(req, [data], [data])
@@ -59,7 +59,7 @@ def broadcast_object(
             name,
             "broadcast",
             (TensorMeta((0,), str(torch.uint8)),),
-            root=root_rank,
+            root=root,
             shape_from_root=True,
         )
         handle = ctl.submit(req, [torch.empty(0, dtype=torch.uint8)], [])

@@ -9,6 +9,7 @@ go through the autograd functions in :mod:`ringtrain.collectives.autograd`.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -417,18 +418,23 @@ def sparse_allreduce_async(
 # ---- broadcast -------------------------------------------------------------------------------
 
 
-def root_error(root_rank: Any, ranks: Sequence[int]) -> str:
-    """Why ``root_rank`` cannot be the root of a broadcast over ``ranks``, or ''. As in Horovod,
-    a root is a global rank (``rank()``), also on a process set, and must be one of its members."""
-    if not isinstance(root_rank, int) or isinstance(root_rank, bool):
-        return f"root_rank must be an int, got {type(root_rank).__name__}"
-    if root_rank not in ranks:
-        return (
-            f"root_rank {root_rank} is not a member of the process set (ranks {list(ranks)}).\n"
+def checked_root(root_rank: Any, ranks: Sequence[int]) -> tuple[int, str]:
+    """``(root, "")`` for a valid root of a broadcast over the set ``ranks``, else ``(-1, why)``.
+    As in Horovod, a root is a global rank (``rank()`` of the root), also on a process set, and
+    must be a member. Ints, numpy and 0-d torch integers are accepted."""
+    try:
+        if isinstance(root_rank, bool):
+            raise TypeError
+        root = operator.index(root_rank)
+    except TypeError:
+        return -1, f"root_rank must be an int, got {type(root_rank).__name__}"
+    if root not in ranks:
+        return -1, (
+            f"root_rank {root} is not a member of the process set (ranks {list(ranks)}).\n"
             "HINT: root_rank is a global rank (hvd.rank() of the root), as in Horovod, and must "
             "belong to the process set."
         )
-    return ""
+    return root, ""
 
 
 def _broadcast_handle(
@@ -436,8 +442,7 @@ def _broadcast_handle(
 ) -> Handle:
     t = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
     outputs = [t if inplace else torch.empty_like(t)] if isinstance(t, torch.Tensor) else None
-    ranks = controller_of(process_set).comm.ranks
-    error = root_error(root_rank, ranks)
+    root, error = checked_root(root_rank, controller_of(process_set).comm.ranks)
 
     def finish(result: list[torch.Tensor]) -> Any:
         # In place, the caller's own tensor comes back (the result is a view of it), as Horovod.
@@ -451,7 +456,7 @@ def _broadcast_handle(
         finish,
         outputs,
         lambda: error,
-        root=-1 if error else root_rank,
+        root=root,
     )
 
 
