@@ -385,6 +385,11 @@ def _handles(ps: Any = None) -> None:
         assert check(out), (kind, out)
         assert hvd.poll(h) is True, kind
         assert hvd.synchronize(h) is out and h() is out, kind  # waiting again: the same result
+    if n > 1:  # a failed op: done, and every wait raises its error
+        h = hvd.allreduce_async(torch.ones(1 + r), name="h.bad", process_set=ps)
+        _raises(lambda: hvd.synchronize(h), rt.CollectiveMismatchError)
+        assert hvd.poll(h) is True
+        _raises(h, rt.CollectiveMismatchError)
 
 
 def _all_handles() -> None:
