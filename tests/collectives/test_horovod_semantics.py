@@ -14,6 +14,7 @@ the process sets have members other than rank 0 ({1, 3} and {2, 3} at 4 ranks, {
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -131,6 +132,14 @@ def _set_broadcasts(ps: hvd.ProcessSet) -> None:
 
 def _process_set_roots() -> None:
     _with_sets(_set_broadcasts)
+    for ranks in _sets(hvd.size()):  # a non-member's call: Horovod's internal error, a ValueError
+        ps = hvd.add_process_set(ranks)
+        if not ps.included():
+            call = functools.partial(hvd.broadcast, torch.ones(1), ranks[0], process_set=ps)
+            e = _raises(call, ValueError)
+            assert isinstance(e, hvd.HorovodInternalError) and "not a member" in str(e), e
+        hvd.barrier()
+        assert hvd.remove_process_set(ps)
 
 
 def test_process_set_roots_are_global_ranks(world: spawn.World) -> None:
@@ -365,9 +374,13 @@ def _handles(ps: Any = None) -> None:
             lambda: hvd.grouped_reducescatter_async([mine], op=hvd.Sum, process_set=ps),
             lambda out: bool(out[0].eq(total).all()),
         ),
-        "alltoall_async": (
+        "alltoall_async": (  # (output, received splits), with or without splits, as Horovod
             lambda: hvd.alltoall_async(torch.tensor(members) * 0 + r, process_set=ps),
-            lambda out: out.tolist() == members,
+            lambda out: out[0].tolist() == members and out[1].tolist() == [1] * n,
+        ),
+        "alltoall_async splits": (
+            lambda: hvd.alltoall_async(torch.tensor([r] * n), [1] * n, process_set=ps),
+            lambda out: out[0].tolist() == members and out[1].tolist() == [1] * n,
         ),
         "sparse_allreduce_async": (
             lambda: hvd.sparse_allreduce_async(

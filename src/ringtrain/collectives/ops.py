@@ -615,22 +615,19 @@ def alltoall_async(
     name: str | None = None,
     process_set: ProcessSet | None = None,
 ) -> Handle:
-    """Send ``splits[r]`` rows to rank r; receive each rank's rows for us, in rank order."""
+    """Send ``splits[r]`` rows to rank r; receive each rank's rows for us, in rank order.
+    ``synchronize`` returns ``(output, received_splits)``, with or without ``splits``, as
+    Horovod's does (only the sync :func:`alltoall` drops the splits when none were given)."""
     if isinstance(splits, torch.Tensor):
         splits = [int(s) for s in splits.tolist()]
-    given = splits is not None
     split_tuple = tuple(int(s) for s in splits) if splits is not None else ()
-
-    def finish(result: tuple[torch.Tensor, torch.Tensor]) -> Any:
-        return result if given else result[0]
-
     t = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
     return _submit(
         "alltoall",
         [t],
         name,
         process_set,
-        finish,
+        tuple,
         None,
         _splits_check(t, splits, process_set),
         splits=split_tuple,
@@ -649,4 +646,5 @@ def alltoall(
         from ringtrain.collectives import autograd
 
         return autograd.alltoall(tensor, splits, name, process_set)
-    return synchronize(alltoall_async(tensor, splits, name, process_set))
+    out, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+    return (out, received) if splits is not None else out
