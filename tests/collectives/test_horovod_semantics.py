@@ -18,7 +18,7 @@ import functools
 import json
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,12 @@ from ringtrain.testing import spawn
 @pytest.fixture(params=[2, 4], ids=lambda n: f"np{n}")
 def world(request: pytest.FixtureRequest) -> spawn.World:
     return spawn.world(request.param)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_the_4_rank_world() -> Iterator[None]:
+    yield
+    spawn.close(4)  # only this module uses 4 ranks
 
 
 def _sets(n: int) -> list[list[int]]:
