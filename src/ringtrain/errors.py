@@ -2,10 +2,11 @@
 
     RingtrainError                      base: catch this to catch everything below
     ├── ConfigError (ValueError)         a setting, flag or env var is wrong
-    ├── NotInitializedError              an API call before ringtrain.init()
+    ├── NotInitializedError (ValueError) an API call before ringtrain.init()
     ├── LaunchEnvironmentError           the launcher's variables contradict each other or the code
-    ├── CollectiveError                  a collective failed; the same error is raised on every rank
+    ├── CollectiveError (RuntimeError)   a collective failed; the same error is raised on every rank
     │   ├── CollectiveArgumentError (ValueError)  bad arguments (root, splits, dtype, name, ...)
+    │   │   └── CollectiveUnsupportedError (NotImplementedError)  an op ringtrain lacks (Adasum)
     │   ├── CollectiveMismatchError     ranks submitted the same name with different arguments
     │   ├── StallError                  ranks stopped submitting what others wait for
     │   └── CollectiveAbortedError      the job shut down while the op was in flight
@@ -15,6 +16,12 @@
     └── InternalError                   a bug in ringtrain itself: please report it
 
 Messages say what was given, what was expected, and what to do (``HINT:``).
+
+The builtin bases are Horovod's: its collectives fail with ``HorovodInternalError``, a
+``RuntimeError`` (``ringtrain.torch.HorovodInternalError`` is :class:`CollectiveError`), its
+argument checks raise ``ValueError``, unsupported ops ``NotImplementedError``, and its queries
+before ``init()`` ``ValueError``. So ``except RuntimeError`` around a collective catches a
+mismatch in either library.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ class ConfigError(RingtrainError, ValueError):
     """A configuration value, flag or environment variable is invalid."""
 
 
-class NotInitializedError(RingtrainError):
+class NotInitializedError(RingtrainError, ValueError):
     """The call needs ``ringtrain.init()`` first."""
 
     def __init__(self, what: str = "this call") -> None:
@@ -42,12 +49,16 @@ class LaunchEnvironmentError(RingtrainError):
     """The variables of the launcher that started this process are inconsistent."""
 
 
-class CollectiveError(RingtrainError):
+class CollectiveError(RingtrainError, RuntimeError):
     """A collective operation failed. Raised on every rank that took part."""
 
 
 class CollectiveArgumentError(CollectiveError, ValueError):
     """A collective was called with invalid arguments."""
+
+
+class CollectiveUnsupportedError(CollectiveArgumentError, NotImplementedError):
+    """The collective asks for something ringtrain does not do (``op=Adasum``)."""
 
 
 class CollectiveMismatchError(CollectiveError):

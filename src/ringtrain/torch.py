@@ -2,7 +2,9 @@
 
 Every name here is the ringtrain implementation of the Horovod name it carries; nothing is a stub.
 Names Horovod has that ringtrain does not support (Adasum, MPI-specific queries) raise a clear
-error or answer truthfully (``mpi_enabled() -> False``).
+error or answer truthfully (``mpi_enabled() -> False``). ``HorovodInternalError`` is
+:class:`ringtrain.errors.CollectiveError`: like Horovod's, a ``RuntimeError`` raised when a
+collective fails (a mismatch across ranks, a stall, a peer gone).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from ringtrain.compression import Compression
 from ringtrain.engine.optimizer import DistributedOptimizer
 from ringtrain.engine.state_sync import broadcast_optimizer_state, broadcast_parameters
 from ringtrain.engine.sync_batch_norm import SyncBatchNorm
-from ringtrain.errors import RingtrainError as HorovodInternalError
+from ringtrain.errors import CollectiveError as HorovodInternalError
 from ringtrain.lifecycle import (
     add_process_set,
     init,

@@ -79,7 +79,9 @@ def _bad_root() -> None:
 def test_bad_root_rank(world2: World) -> None:
     with pytest.raises(RankFailed) as info:
         world2.run(_bad_root, timeout=30)
-    assert str(info.value).count("root_rank 7 is outside the process set of size 2") >= 2
+    assert (
+        str(info.value).count("root_rank 7 is not a member of the process set (ranks [0, 1])") >= 2
+    )
 
 
 def _reducescatter() -> None:
@@ -180,11 +182,13 @@ def _process_sets() -> None:
     rt.barrier()
     assert rt.remove_process_set(evens)
     assert rt.global_process_set.size() == n
-    if n > 1:  # a set whose set ranks differ from the global ones: roots are set ranks
+    if n > 1:  # a set whose set ranks differ from the global ones: roots are global ranks
         tail = rt.add_process_set(list(range(1, n)))
         if tail.included():
-            got = rt.broadcast(torch.tensor([float(r)]), tail.size() - 1, process_set=tail)
-            assert got.item() == n - 1
+            for root in tail.ranks:
+                got = rt.broadcast(torch.tensor([float(r)]), root, process_set=tail)
+                assert got.item() == root
+                assert rt.broadcast_object(r, root, process_set=tail) == root
             rows = rt.allgather(torch.tensor([r]), process_set=tail)
             assert rows.tolist() == list(range(1, n))
         rt.barrier()
@@ -210,16 +214,13 @@ def test_init_with_process_sets(world2: World) -> None:
 
 def _join() -> int:
     r, n = rt.rank(), rt.size()
-    # rank r has r+1 batches: ranks that run out join, the others keep reducing
+    # rank r has r+1 batches: ranks that run out join, the others keep reducing; as in Horovod,
+    # the joined ranks add zeros (Average divides by every rank; tests/collectives/
+    # test_horovod_semantics.py checks that and what is refused meanwhile)
     for step in range(r + 1):
         out = rt.allreduce(torch.ones(2) * (step + 1), op=rt.Sum, name=f"step{step}")
         active = n - step
         torch.testing.assert_close(out, torch.ones(2) * (step + 1) * active)
-        # ranks that joined add no rows, and a broadcast from a rank still active reaches all
-        got = rt.allgather(torch.tensor([[r, step]]), name=f"rows{step}")
-        assert got.tolist() == [[k, step] for k in range(step, n)], got
-        root = rt.broadcast(torch.tensor([float(r)]), n - 1, name=f"root{step}")
-        assert root.tolist() == [float(n - 1)]
     return rt.join()
 
 

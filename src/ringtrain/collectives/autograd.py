@@ -104,7 +104,7 @@ class _Broadcast(torch.autograd.Function):
         summed = ops.synchronize(
             ops.allreduce_async(grad.contiguous(), name=_grad_name(name), op="Sum", process_set=ps)
         )
-        if ops.controller_of(ps).comm.set_rank != root:
+        if ops.controller_of(ps).comm.world_rank != root:  # a global rank, as in Horovod
             summed = torch.zeros_like(summed)
         return summed, None, None, None
 
@@ -141,13 +141,10 @@ class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any, ps: Any) -> Any:
         ctx.args = (name, ps)
-        out, received = (
-            ops.synchronize(
-                ops.alltoall_async(tensor, splits if splits is not None else None, name, ps)
-            )
-            if splits is not None
-            else (ops.synchronize(ops.alltoall_async(tensor, None, name, ps)), None)
-        )
+        # alltoall_async's handle gives (output, received_splits) either way, as Horovod's
+        out, received = ops.synchronize(ops.alltoall_async(tensor, splits, name, ps))
+        if splits is None:
+            received = None
         ctx.received = received
         ctx.mark_non_differentiable(*([received] if received is not None else []))
         return (out, received) if received is not None else out
@@ -156,11 +153,9 @@ class _Alltoall(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> Any:
         name, ps = ctx.args
         back_splits = ctx.received.tolist() if ctx.received is not None else None
-        g = ops.synchronize(
+        g, _ = ops.synchronize(
             ops.alltoall_async(grad.contiguous(), back_splits, _grad_name(name), ps)
         )
-        if back_splits is not None:
-            g = g[0]
         return g, None, None, None
 
 

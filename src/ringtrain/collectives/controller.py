@@ -311,7 +311,7 @@ class Controller:
                 and self._idle_cycles >= DOZE_AFTER_IDLE_CYCLES
                 and self.comm.store is not None
             )
-        mine.inline = _inline_payloads(subs, self.comm.set_rank)
+        mine.inline = _inline_payloads(subs, self.comm.world_rank)
         stuck = self._stuck()
         if self.comm.set_rank == 0:
             mine.abort = self._inspect()
@@ -382,7 +382,7 @@ class Controller:
                 local.handle.set_result(self._last_joined)
             return
         problem = (
-            mismatch(name, by_rank)
+            mismatch(name, by_rank, self.comm.ranks)
             if self.config.check_consistency
             else _local_errors(name, by_rank)
         )
@@ -399,7 +399,7 @@ class Controller:
         joined = frozenset(self._joined - set(by_rank))
         self._remember(by_rank)
         req = by_rank[min(by_rank)]
-        if payloads is not None and not inline.usable(req, payloads, by_rank):
+        if payloads is not None and not inline.usable(req, payloads, by_rank, self.comm.ranks):
             payloads = None
         self._executor.add(name, by_rank, local, joined, me, payloads)
 
@@ -522,13 +522,13 @@ class Controller:
             p.handle.set_error(error)
 
 
-def _inline_payloads(subs: list[Pending], set_rank: int) -> dict[int, inline.Payload]:
+def _inline_payloads(subs: list[Pending], rank: int) -> dict[int, inline.Payload]:
     """The data of this message's small collectives, within the per-message budget."""
     out: dict[int, inline.Payload] = {}
     budget = inline.INLINE_MAX_PER_MESSAGE
     for i, p in enumerate(subs):
         try:
-            payload = inline.encode(p.request, p.tensors, set_rank)
+            payload = inline.encode(p.request, p.tensors, rank)
         except Exception:  # e.g. a tensor torch cannot read: the normal path reports it
             payload = None
         if payload is not None and len(payload[1]) <= budget:

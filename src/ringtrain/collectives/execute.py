@@ -108,17 +108,11 @@ class Executor:
             tensors, outputs, handle = local.tensors, local.outputs or [], local.handle
         started = time.perf_counter()
         try:
-            if joined and req.kind not in ("allreduce", "allgather", "broadcast", "barrier"):
-                raise CollectiveArgumentError(
-                    f"{req.kind} is not supported while ranks {sorted(joined)} have joined.\n"
-                    "HINT: only allreduce, allgather and broadcast run alongside ringtrain.join()."
-                )
+            if joined:
+                self._check_joined(req, joined)
             if req.kind == "allreduce":
-                if joined and req.op not in ("Sum", "Average"):
-                    raise CollectiveArgumentError(
-                        f"allreduce with op={req.op} cannot run while ranks have joined"
-                    )
-                item = _Item(name, req, tensors, outputs, handle, self.comm.size - len(joined))
+                # Joined ranks contribute zeros and Average divides by the whole set, as Horovod.
+                item = _Item(name, req, tensors, outputs, handle, self.comm.size)
                 if inline_data is not None:
                     result = self._inline_allreduce(item, inline_data)
                 elif not self.order_free and inline.inlinable_size(tensors):
@@ -129,7 +123,7 @@ class Executor:
                     return
             else:
                 self.flush()
-                result = self._run_one(req, by_rank, tensors, outputs, joined, me, inline_data)
+                result = self._run_one(req, by_rank, tensors, outputs, me, inline_data)
             what = req.kind.upper()
             if inline_data is not None:
                 what += " (inline)"
@@ -146,6 +140,25 @@ class Executor:
             raise  # and the controller fails everything else
         if handle is not None:
             handle.set_result(result)
+
+    def _check_joined(self, req: Request, joined: frozenset[int]) -> None:
+        """While ranks have joined, only allreduce (Sum or Average: the joined ranks add zeros)
+        and barrier run. Horovod refuses allgather, broadcast, alltoall and reducescatter then;
+        Min, Max and Product would take the zeros for data, so they are refused too."""
+        who = sorted(self.comm.ranks[r] for r in joined)
+        hint = (
+            "HINT: while some ranks have called join(), the others may only run allreduces "
+            "(Sum or Average) and barriers, as in Horovod; run the rest before join()."
+        )
+        if req.kind not in ("allreduce", "barrier"):
+            raise CollectiveArgumentError(
+                f"{req.kind} {req.name!r} is not supported while ranks {who} have joined.\n{hint}"
+            )
+        if req.kind == "allreduce" and req.op not in ("Sum", "Average"):
+            raise CollectiveArgumentError(
+                f"allreduce {req.name!r} with op={req.op} cannot run while ranks {who} have "
+                f"joined: their zeros would enter the {req.op}.\n{hint}"
+            )
 
     # ---- allreduce with fusion ---------------------------------------------------------------
 
@@ -327,22 +340,22 @@ class Executor:
         by_rank: Mapping[int, Request],
         tensors: list[torch.Tensor],
         outputs: list[torch.Tensor],
-        joined: frozenset[int],
         me: int,
         inline_data: Mapping[int, inline.Payload] | None = None,
     ) -> Any:
         if req.kind == "barrier":
             return None
         if req.kind == "broadcast":
-            root_data = inline_data[req.root] if inline_data is not None else None
-            return self._broadcast(req, by_rank, tensors, outputs, joined, me, root_data)
+            root = self.comm.ranks.index(req.root)  # roots are global ranks, as in Horovod
+            root_data = inline_data[root] if inline_data is not None else None
+            return self._broadcast(req, by_rank, tensors, outputs, root, me, root_data)
         if req.kind == "allgather":
             pieces = None
             if inline_data is not None:
                 pieces = inline.split(
                     req.name, inline_data, {r: q.tensors for r, q in by_rank.items()}
                 )
-            return [self._allgather(i, t, by_rank, joined, pieces) for i, t in enumerate(tensors)]
+            return [self._allgather(i, t, by_rank, pieces) for i, t in enumerate(tensors)]
         if req.kind == "reducescatter":
             return [self._reducescatter(req, t) for t in tensors]
         if req.kind == "alltoall":
@@ -355,18 +368,17 @@ class Executor:
         by_rank: Mapping[int, Request],
         tensors: list[torch.Tensor],
         outputs: list[torch.Tensor],
-        joined: frozenset[int],
+        root: int,
         me: int,
         root_data: inline.Payload | None = None,
     ) -> list[torch.Tensor]:
-        """``root_data``: the root's tensors, sent inline with the negotiation."""
-        if req.root in joined:
-            raise CollectiveArgumentError(f"broadcast from root rank {req.root}, which has joined")
-        root_req = by_rank[req.root]
+        """``root``: the root's set rank; ``root_data``: its tensors, sent inline with the
+        negotiation."""
+        root_req = by_rank[root]
         results = []
         offset = 0
         for i, meta in enumerate(root_req.tensors):
-            if me == req.root:
+            if me == root:
                 out = outputs[i] if outputs else tensors[i]
                 if out is not tensors[i]:
                     out.copy_(tensors[i])
@@ -376,11 +388,11 @@ class Executor:
                 out = outputs[i]
             buf = dtypes.as_bytes(out)
             if root_data is not None:
-                if me != req.root:
+                if me != root:
                     inline.take(root_data, offset, buf)
                 offset += buf.numel()
             elif self.comm.size > 1:
-                dist.broadcast(buf, group=self.comm.group_for(buf), group_src=req.root)
+                dist.broadcast(buf, group=self.comm.group_for(buf), group_src=root)
             if buf.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
                 out.copy_(
                     buf.view(out.dtype if out.dtype != torch.bool else torch.uint8).view(out.shape)
@@ -393,15 +405,12 @@ class Executor:
         i: int,
         t: torch.Tensor,
         by_rank: Mapping[int, Request],
-        joined: frozenset[int],
         pieces: Mapping[int, list[bytes]] | None = None,
     ) -> torch.Tensor:
         """``pieces``: every rank's tensors as raw bytes, when they came with the negotiation."""
         meta = by_rank[min(by_rank)].tensors[i]
         rows = [
-            0
-            if r in joined
-            else (by_rank[r].tensors[i].shape[0] if by_rank[r].tensors[i].shape else 1)
+            by_rank[r].tensors[i].shape[0] if by_rank[r].tensors[i].shape else 1
             for r in range(self.comm.size)
         ]
         if t.dim() == 0:

@@ -1,4 +1,9 @@
-"""Handles of asynchronous collectives: ``poll`` never blocks, ``synchronize`` waits."""
+"""Handles of asynchronous collectives: ``poll`` never blocks, ``synchronize`` waits.
+
+Every handle is also callable (``handle()`` waits and returns the result): Horovod's
+``sparse_allreduce_async`` returns a plain function that its users call, so any handle can
+stand where one of those is expected.
+"""
 
 from __future__ import annotations
 
@@ -49,6 +54,10 @@ class Handle:
             self._finish = None
             self._result = result
         return result
+
+    def __call__(self) -> Any:
+        """Wait and return the result, like :meth:`wait` (Horovod's sparse handles are called)."""
+        return self.wait()
 
     def __repr__(self) -> str:
         return f"<Handle {self.name!r} {'done' if self.done() else 'pending'}>"

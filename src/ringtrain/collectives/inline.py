@@ -40,12 +40,12 @@ INLINE_MAX_PER_MESSAGE = 6144
 Payload = tuple[str, bytes]
 
 
-def encode(request: Request, tensors: Sequence[torch.Tensor], set_rank: int) -> Payload | None:
-    """What this rank sends inline for ``request``, or None (not small, not inlinable, or
-    nothing to send: a broadcast's receivers)."""
+def encode(request: Request, tensors: Sequence[torch.Tensor], rank: int) -> Payload | None:
+    """What this rank (``rank``: its global rank) sends inline for ``request``, or None (not
+    small, not inlinable, or nothing to send: a broadcast's receivers)."""
     if request.error or request.kind not in ("allreduce", "allgather", "broadcast"):
         return None
-    if request.kind == "broadcast" and set_rank != request.root:
+    if request.kind == "broadcast" and rank != request.root:  # roots are global ranks
         return None
     if not inlinable_size(tensors):
         return None
@@ -54,12 +54,17 @@ def encode(request: Request, tensors: Sequence[torch.Tensor], set_rank: int) -> 
     return _encode_reduction(tensors, request.op)
 
 
-def usable(request: Request, payloads: Mapping[int, Payload], submitted: Iterable[int]) -> bool:
-    """Whether the op runs inline: every submitting rank's data arrived (allreduce, allgather;
-    joined ranks add zeros or no rows), or the root's (broadcast). Every rank decides alike,
-    from the messages."""
+def usable(
+    request: Request,
+    payloads: Mapping[int, Payload],
+    submitted: Iterable[int],
+    set_ranks: Sequence[int],
+) -> bool:
+    """Whether the op runs inline: every submitting rank's data arrived (allreduce: joined ranks
+    add zeros), or the root's (broadcast). Every rank decides alike, from the messages.
+    ``payloads`` and ``submitted`` are by set rank; ``set_ranks`` maps them to global ranks."""
     if request.kind == "broadcast":
-        return request.root in payloads
+        return request.root in set_ranks and set_ranks.index(request.root) in payloads
     return payloads.keys() == set(submitted)
 
 

@@ -41,17 +41,16 @@ def broadcast_object(
     """``root_rank``'s object, on every rank of the process set."""
     ctl = ops.controller_of(process_set)
     name = name if name is not None else ctl.auto_name("broadcast_object")
-    size = ctl.comm.size
-    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
-        err = f"root_rank {root_rank!r} is outside the process set of size {size}"
+    root, err = ops.checked_root(root_rank, ctl.comm.ranks)
+    if err:
         return ops.synchronize(ctl.submit(Request(name, "broadcast", root=-1, error=err), [], []))
-    if ctl.comm.set_rank == root_rank:
+    if ctl.comm.world_rank == root:  # a global rank, as in Horovod
         data = _dumps(obj)
         req = Request(
             name,
             "broadcast",
             (TensorMeta(tuple(data.shape), str(data.dtype)),),
-            root=root_rank,
+            root=root,
             shape_from_root=True,
         )
         handle = ctl.submit(req, [data], [data])
@@ -60,7 +59,7 @@ def broadcast_object(
             name,
             "broadcast",
             (TensorMeta((0,), str(torch.uint8)),),
-            root=root_rank,
+            root=root,
             shape_from_root=True,
         )
         handle = ctl.submit(req, [torch.empty(0, dtype=torch.uint8)], [])
@@ -94,8 +93,12 @@ def barrier(process_set: ProcessSet | None = None) -> None:
 
 
 def join(device: int = -1, process_set: ProcessSet | None = None) -> int:
-    """Declare that this rank has no more data. Until every rank has joined, this rank takes part
-    in its peers' allreduces (contributing zeros; Average divides by the ranks that contributed),
-    allgathers (contributing no rows) and broadcasts. Returns the rank that joined last."""
+    """Declare that this rank has no more data; returns the (global) rank that joined last.
+
+    As in Horovod: until every rank has joined, this rank stands in for the allreduces its peers
+    still run, contributing zeros (Average still divides by every rank of the set), and their
+    barriers pass without it. Allgather, broadcast, alltoall and reducescatter fail on the active
+    ranks while any rank has joined, as they do in Horovod; so do allreduces with Min, Max or
+    Product, which would take the zeros for data (Horovod reduces the zeros with them)."""
     ctl = ops.controller_of(process_set)
     return ops.synchronize(ctl.submit(Request(JOIN_NAME, "join"), [], []))

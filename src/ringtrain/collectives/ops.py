@@ -9,6 +9,7 @@ go through the autograd functions in :mod:`ringtrain.collectives.autograd`.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -90,17 +91,21 @@ def _single(result: Any) -> Any:
     return result[0]
 
 
-def synchronize(handle: Handle) -> Any:
-    """Wait for an asynchronous collective and return its result (raises its error)."""
+def _check_handle(fn: str, handle: Any) -> None:
     if not isinstance(handle, Handle):
-        raise CollectiveArgumentError(
-            f"synchronize expects a handle from an *_async call, got {handle!r}"
-        )
+        raise CollectiveArgumentError(f"{fn} expects a handle from an *_async call, got {handle!r}")
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for an asynchronous collective and return its result (raises its error). Waiting
+    again on the same handle returns the same result."""
+    _check_handle("synchronize", handle)
     return handle.wait()
 
 
 def poll(handle: Handle) -> bool:
-    """True once the collective finished; never blocks."""
+    """True once the collective finished (``synchronize`` then returns at once); never blocks."""
+    _check_handle("poll", handle)
     return handle.done()
 
 
@@ -413,16 +418,23 @@ def sparse_allreduce_async(
 # ---- broadcast -------------------------------------------------------------------------------
 
 
-def _root_check(root_rank: Any, process_set: ProcessSet | None) -> Callable[[], str]:
-    def check() -> str:
-        size = controller_of(process_set).comm.size
-        if not isinstance(root_rank, int) or isinstance(root_rank, bool):
-            return f"root_rank must be an int, got {type(root_rank).__name__}"
-        if not 0 <= root_rank < size:
-            return f"root_rank {root_rank} is outside the process set of size {size} (valid: 0..{size - 1})"
-        return ""
-
-    return check
+def checked_root(root_rank: Any, ranks: Sequence[int]) -> tuple[int, str]:
+    """``(root, "")`` for a valid root of a broadcast over the set ``ranks``, else ``(-1, why)``.
+    As in Horovod, a root is a global rank (``rank()`` of the root), also on a process set, and
+    must be a member. Ints, numpy and 0-d torch integers are accepted."""
+    try:
+        if isinstance(root_rank, bool):
+            raise TypeError
+        root = operator.index(root_rank)
+    except TypeError:
+        return -1, f"root_rank must be an int, got {type(root_rank).__name__}"
+    if root not in ranks:
+        return -1, (
+            f"root_rank {root} is not a member of the process set (ranks {list(ranks)}).\n"
+            "HINT: root_rank is a global rank (hvd.rank() of the root), as in Horovod, and must "
+            "belong to the process set."
+        )
+    return root, ""
 
 
 def _broadcast_handle(
@@ -430,15 +442,20 @@ def _broadcast_handle(
 ) -> Handle:
     t = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
     outputs = [t if inplace else torch.empty_like(t)] if isinstance(t, torch.Tensor) else None
-    root = root_rank if isinstance(root_rank, int) else -1
+    root, error = checked_root(root_rank, controller_of(process_set).comm.ranks)
+
+    def finish(result: list[torch.Tensor]) -> Any:
+        # In place, the caller's own tensor comes back (the result is a view of it), as Horovod.
+        return tensor if inplace and isinstance(tensor, torch.Tensor) else result[0]
+
     return _submit(
         "broadcast",
         [t],
         name,
         process_set,
-        _single,
+        finish,
         outputs,
-        _root_check(root_rank, process_set),
+        lambda: error,
         root=root,
     )
 
@@ -598,22 +615,19 @@ def alltoall_async(
     name: str | None = None,
     process_set: ProcessSet | None = None,
 ) -> Handle:
-    """Send ``splits[r]`` rows to rank r; receive each rank's rows for us, in rank order."""
+    """Send ``splits[r]`` rows to rank r; receive each rank's rows for us, in rank order.
+    ``synchronize`` returns ``(output, received_splits)``, with or without ``splits``, as
+    Horovod's does (only the sync :func:`alltoall` drops the splits when none were given)."""
     if isinstance(splits, torch.Tensor):
         splits = [int(s) for s in splits.tolist()]
-    given = splits is not None
     split_tuple = tuple(int(s) for s in splits) if splits is not None else ()
-
-    def finish(result: tuple[torch.Tensor, torch.Tensor]) -> Any:
-        return result if given else result[0]
-
     t = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
     return _submit(
         "alltoall",
         [t],
         name,
         process_set,
-        finish,
+        tuple,
         None,
         _splits_check(t, splits, process_set),
         splits=split_tuple,
@@ -632,4 +646,5 @@ def alltoall(
         from ringtrain.collectives import autograd
 
         return autograd.alltoall(tensor, splits, name, process_set)
-    return synchronize(alltoall_async(tensor, splits, name, process_set))
+    out, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+    return (out, received) if splits is not None else out

@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
-from ringtrain.errors import CollectiveArgumentError
+from ringtrain.errors import CollectiveArgumentError, CollectiveUnsupportedError
 
 
 class ReduceOp(str, Enum):
@@ -49,7 +49,8 @@ def resolve_op(op: Any, average: bool | None = None, default: ReduceOp = Average
             f"unknown reduce op {op!r}; use one of Average, Sum, Min, Max, Product"
         ) from None
     if op is Adasum:
-        raise CollectiveArgumentError(
+        # NotImplementedError (a RuntimeError), as Horovod raises for the Adasum setups it lacks.
+        raise CollectiveUnsupportedError(
             "op=Adasum is not supported by ringtrain.\n"
             "HINT: use Average (the default) or Sum; Adasum needs Horovod's MPI build."
         )

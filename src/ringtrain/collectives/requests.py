@@ -12,7 +12,7 @@ are built only when something differs; ``ringtrain bench checks`` measures what 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -97,8 +97,13 @@ def _first_difference(reqs: list[Request]) -> str | None:
     return None
 
 
-def mismatch(name: str, by_rank: Mapping[int, Request]) -> str | None:
-    """The error to raise on every rank when the ranks' requests for ``name`` disagree, else None."""
+def mismatch(
+    name: str, by_rank: Mapping[int, Request], set_ranks: Sequence[int] | None = None
+) -> str | None:
+    """The error to raise on every rank when the ranks' requests for ``name`` disagree, else None.
+
+    ``by_rank`` is keyed by rank within the process set; ``set_ranks`` (the set's global ranks,
+    default: the world) names them by global rank in the message, as users know them."""
     ranks = sorted(by_rank)
     ref = by_rank[ranks[0]]
     # The happy path: every rank submitted an equal request (often the very same object, when
@@ -107,8 +112,9 @@ def mismatch(name: str, by_rank: Mapping[int, Request]) -> str | None:
         return None
     errors = {r: by_rank[r].error for r in ranks if by_rank[r].error}
     if errors:
-        first = ranks.index(min(errors))
-        return f"collective {name!r} was invalid on rank {ranks[first]}: {errors[min(errors)]}"
+        first = min(errors)
+        who = set_ranks[first] if set_ranks is not None else first
+        return f"collective {name!r} was invalid on rank {who}: {errors[first]}"
     what = _first_difference([by_rank[r] for r in ranks])
     if what is None:
         return None
@@ -117,6 +123,8 @@ def mismatch(name: str, by_rank: Mapping[int, Request]) -> str | None:
     for r in ranks:
         groups.setdefault(by_rank[r].describe(), []).append(r)
     for desc, members in groups.items():
+        if set_ranks is not None:
+            members = [set_ranks[r] for r in members]
         lines.append(f"  {_rank_list(members)}: {desc}")
     lines.append(
         "HINT: every rank must call a named collective with the same operation, reduce op, root, "

@@ -93,7 +93,7 @@ def broadcast_optimizer_state(
 ) -> None:
     """Replace every rank's optimizer state (and hyper-parameters) with the root's."""
     inner = getattr(optimizer, "optimizer", optimizer)
-    me = ops.controller_of(process_set).comm.set_rank
+    me = ops.controller_of(process_set).comm.world_rank  # root_rank is global, as in Horovod
     tensors: list[torch.Tensor] = []
     skeleton = _split(inner.state_dict(), tensors) if me == root_rank else None
     skeleton = broadcast_object(

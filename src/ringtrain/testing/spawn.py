@@ -245,3 +245,11 @@ def close_all() -> None:
     for w in _worlds.values():
         w.close()
     _worlds.clear()
+
+
+def close(size: int) -> None:
+    """Stop the shared world of ``size`` ranks if it runs: a module that alone needs a larger
+    world frees its processes when done instead of holding them for the rest of the session."""
+    w = _worlds.pop(size, None)
+    if w is not None:
+        w.close()

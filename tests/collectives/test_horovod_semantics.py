@@ -1,0 +1,439 @@
+"""Horovod's semantics where ringtrain once differed (issue 12), at 2 and at 4 ranks.
+
+* roots of broadcasts are global ranks, also on process sets, and must belong to the set;
+* failed collectives are ``RuntimeError`` (Horovod's ``HorovodInternalError``), argument errors
+  ``ValueError``, Adasum ``NotImplementedError``, and a job that catches them goes on;
+* ``join()``: the joined ranks add zeros, Average divides by every rank, allgather, broadcast,
+  alltoall and reducescatter are refused while a rank has joined, and join returns the last rank;
+* handles: ``poll``/``synchronize`` on every kind, and sparse handles are callable.
+
+Expected values are worked out from Horovod's definitions (horovod/torch/mpi_ops.py and
+horovod/common/operations.cc, controller.cc). Each test sends many cases to one spawned job, and
+the process sets have members other than rank 0 ({1, 3} and {2, 3} at 4 ranks, {1} at 2).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy
+import pytest
+import torch
+
+import ringtrain as rt
+import ringtrain.torch as hvd
+from ringtrain.collectives import inline
+from ringtrain.testing import spawn
+
+
+@pytest.fixture(params=[2, 4], ids=lambda n: f"np{n}")
+def world(request: pytest.FixtureRequest) -> spawn.World:
+    return spawn.world(request.param)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_the_4_rank_world() -> Iterator[None]:
+    yield
+    spawn.close(4)  # only this module uses 4 ranks
+
+
+def _sets(n: int) -> list[list[int]]:
+    return [[1, 3], [2, 3]] if n >= 4 else [[1]]
+
+
+def _with_sets(fn: Callable[[hvd.ProcessSet], Any]) -> dict[str, Any]:
+    """``fn(ps)`` on the members of each test set, in turn; results by the set's ranks."""
+    sets = [hvd.add_process_set(ranks) for ranks in _sets(hvd.size())]
+    out = {str(ps.ranks): fn(ps) for ps in sets if ps.included()}
+    hvd.barrier()
+    for ps in sets:
+        assert hvd.remove_process_set(ps)
+    return out
+
+
+def _raises(call: Callable[[], Any], *types: type[BaseException]) -> BaseException:
+    try:
+        call()
+    except BaseException as e:
+        assert isinstance(e, types), (types, e)
+        return e
+    raise AssertionError(f"no error; expected {types}")
+
+
+# ---- 1. roots are global ranks -----------------------------------------------------------------
+
+
+def _set_broadcasts(ps: hvd.ProcessSet) -> None:
+    me = hvd.rank()
+    executor = ps.communicator.service("controller")._executor
+    model = torch.nn.Linear(2, 2)
+    for root in ps.ranks:  # global ranks, as Horovod reads root_rank
+        small = torch.full((3,), float(me))
+        large = torch.full((inline.INLINE_MAX_BYTES // 4 + 1,), float(me))
+        before = executor.inline_ops
+        got = hvd.broadcast(small, root, process_set=ps)
+        assert got.tolist() == [float(root)] * 3, (root, got)
+        assert executor.inline_ops == before + 1  # the small one rode in the negotiation
+        got = hvd.broadcast(large, root, process_set=ps)
+        assert torch.equal(got, torch.full_like(large, root)), root
+        assert executor.inline_ops == before + 1  # the large one was a Gloo broadcast
+        t = torch.full((2, 2), float(me))
+        assert hvd.broadcast_(t, root, process_set=ps) is t and t.eq(root).all()
+        h = hvd.broadcast_async(small, root, name="ps.async", process_set=ps)
+        assert hvd.synchronize(h).eq(root).all() and small.eq(me).all()
+        h = hvd.broadcast_async_(large, root, name="ps.async_", process_set=ps)
+        assert hvd.synchronize(h) is large and large.eq(root).all()
+        assert hvd.broadcast_object({"from": me}, root, process_set=ps) == {"from": root}
+        # autograd: the gradient goes to the root only (its size is issue 12's item 3)
+        x = torch.full((2,), float(me), requires_grad=True)
+        y = hvd.broadcast(x, root, process_set=ps)
+        assert y.tolist() == [float(root)] * 2
+        y.sum().backward()
+        assert x.grad is not None and bool((x.grad != 0).all()) == (me == root), (root, x.grad)
+        # parameters and optimizer state
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(me)
+        hvd.broadcast_parameters(model.state_dict(), root, process_set=ps)
+        assert all(p.eq(root).all() for p in model.parameters()), root
+        opt = torch.optim.SGD(model.parameters(), lr=0.1 * (me + 1), momentum=0.9)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, float(me))
+        opt.step()  # momentum buffers = this rank's gradients
+        hvd.broadcast_optimizer_state(opt, root, process_set=ps)
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * (root + 1))
+        for p in model.parameters():
+            assert opt.state[p]["momentum_buffer"].eq(root).all(), root
+    # A root outside the set: a ValueError on every member (Horovod: its internal error, a
+    # RuntimeError; both catch it), naming the set's ranks. Then the set goes on working.
+    outside = next(r for r in range(hvd.size()) if r not in ps.ranks)
+    x = torch.ones(2, requires_grad=True)
+    for call in (
+        lambda: hvd.broadcast(torch.ones(3), outside, process_set=ps),
+        lambda: hvd.broadcast_(torch.ones(3), outside, process_set=ps),
+        lambda: hvd.synchronize(hvd.broadcast_async(torch.ones(3), outside, process_set=ps)),
+        lambda: hvd.broadcast(x, outside, process_set=ps),
+        lambda: hvd.broadcast_object("x", outside, process_set=ps),
+    ):
+        e = _raises(call, ValueError)
+        assert isinstance(e, hvd.HorovodInternalError) and isinstance(e, RuntimeError)
+        assert f"root_rank {outside} is not a member" in str(e) and str(ps.ranks) in str(e), e
+    last = numpy.int64(ps.ranks[-1])  # integer-like roots work too
+    assert hvd.broadcast(torch.tensor([me]), last, process_set=ps).item() == ps.ranks[-1]
+    assert hvd.broadcast_object(me, last, process_set=ps) == ps.ranks[-1]
+    if ps.size() > 1:  # members naming different roots: a mismatch naming global ranks
+        e = _raises(
+            lambda: hvd.broadcast(torch.ones(1), me, name="roots", process_set=ps), RuntimeError
+        )
+        assert isinstance(e, rt.CollectiveMismatchError), e
+        for k in ps.ranks:
+            assert f"rank {k}: broadcast(root_rank={k}, float32[1])" in str(e), e
+
+
+def _process_set_roots() -> None:
+    _with_sets(_set_broadcasts)
+    for ranks in _sets(hvd.size()):  # a non-member's call: Horovod's internal error, a ValueError
+        ps = hvd.add_process_set(ranks)
+        if not ps.included():
+            call = functools.partial(hvd.broadcast, torch.ones(1), ranks[0], process_set=ps)
+            e = _raises(call, ValueError)
+            assert isinstance(e, hvd.HorovodInternalError) and "not a member" in str(e), e
+        hvd.barrier()
+        assert hvd.remove_process_set(ps)
+
+
+def test_process_set_roots_are_global_ranks(world: spawn.World) -> None:
+    world.run(_process_set_roots)
+
+
+def _issue_case() -> list[float]:
+    """Issue 12's report: 4 ranks, set {1, 3}, root_rank=3."""
+    ps = hvd.add_process_set([1, 3])
+    got = [-1.0]
+    if ps.included():
+        t = torch.full((4,), 10.0 + hvd.rank())
+        got = hvd.broadcast(t, root_rank=3, process_set=ps).unique().tolist()
+    hvd.barrier()
+    assert hvd.remove_process_set(ps)
+    return got
+
+
+def test_issue_broadcast_on_set_1_3_from_rank_3() -> None:
+    assert spawn.world(4).run(_issue_case) == [[-1.0], [13.0], [-1.0], [13.0]]
+
+
+# ---- 2. the exceptions Horovod users catch -----------------------------------------------------
+
+
+def _mismatches(ps: Any = None) -> dict[str, str]:
+    """Mismatched collectives, each caught as RuntimeError on every rank, then a good one."""
+    r = hvd.rank()
+    members = ps.ranks if ps is not None else list(range(hvd.size()))
+    i = members.index(r)  # odd and even members differ in dtype, op and kind
+    big = inline.INLINE_MAX_BYTES // 4 + 1
+    cases: dict[str, Callable[[], Any]] = {
+        "shape": lambda: hvd.allreduce(torch.ones(3 + r), name="bad.shape", process_set=ps),
+        "large shape": lambda: hvd.allreduce(torch.ones(big + r), name="bad.big", process_set=ps),
+        "dtype": lambda: hvd.allreduce(
+            torch.ones(3, dtype=torch.float32 if i % 2 else torch.float64),
+            name="bad.dtype",
+            process_set=ps,
+        ),
+        "op": lambda: hvd.allreduce(
+            torch.ones(3), op=hvd.Sum if i % 2 else hvd.Max, name="bad.op", process_set=ps
+        ),
+        "root": lambda: hvd.broadcast(torch.ones(3), r, name="bad.root", process_set=ps),
+        "count": lambda: hvd.grouped_allreduce(
+            [torch.ones(2)] * (1 + r), name="bad.count", process_set=ps
+        ),
+        "scale": lambda: hvd.allreduce(
+            torch.ones(2), prescale_factor=1.0 + r, name="bad.scale", process_set=ps
+        ),
+        "kind": lambda: (hvd.allreduce if i % 2 else hvd.allgather)(
+            torch.ones(2), name="bad.kind", process_set=ps
+        ),
+    }
+    messages = {}
+    for what, call in cases.items():
+        try:  # what a Horovod script writes
+            call()
+        except RuntimeError as e:
+            assert isinstance(e, rt.CollectiveMismatchError) and isinstance(
+                e, hvd.HorovodInternalError
+            )
+            messages[what] = str(e)
+        else:
+            raise AssertionError(f"{what}: no error")
+        good = hvd.allreduce(
+            torch.ones(2) * (r + 1), op=hvd.Sum, name=f"good.{what}", process_set=ps
+        )
+        assert good.tolist() == [float(sum(k + 1 for k in members))] * 2
+    return messages
+
+
+def _exceptions() -> dict[str, Any]:
+    n = hvd.size()
+    out: dict[str, Any] = {"world": _mismatches()}
+    # Adasum: NotImplementedError (a RuntimeError) as Horovod raises where it lacks Adasum
+    for call in (
+        lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum),
+        lambda: hvd.allreduce_async_(torch.ones(2), op=hvd.Adasum),
+        lambda: hvd.grouped_allreduce([torch.ones(2)], op=hvd.Adasum),
+    ):
+        e = _raises(call, NotImplementedError)
+        assert isinstance(e, RuntimeError) and "Adasum is not supported" in str(e)
+    # Argument errors Horovod raises as ValueError stay ValueError
+    _raises(lambda: hvd.allreduce(torch.ones(1), average=True, op=hvd.Sum), ValueError)
+    _raises(lambda: hvd.allreduce(torch.ones(1), op="median"), ValueError)
+    _raises(lambda: hvd.synchronize(3), ValueError)
+    _raises(lambda: hvd.poll("h"), ValueError)
+    _raises(lambda: hvd.sparse_allreduce_async(torch.ones(2), "s", hvd.Sum), ValueError)
+    # ...and those Horovod finds in its controller (a RuntimeError there) are both
+    e = _raises(lambda: hvd.alltoall(torch.ones(n + 1), splits=[1] * (n + 1)), ValueError)
+    assert isinstance(e, RuntimeError) and "expected one per rank" in str(e)
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n
+    out["sets"] = _with_sets(lambda ps: _mismatches(ps) if ps.size() > 1 else {})
+    return out
+
+
+def test_mismatches_are_runtime_errors_a_script_can_catch(world: spawn.World) -> None:
+    n = world.size
+    results = world.run(_exceptions)
+    for rank, result in enumerate(results):
+        msgs = result["world"]
+        # every rank's submission is named, by global rank
+        for k in range(n):
+            assert f"rank {k}: allreduce(op=Average, float32[{3 + k}])" in msgs["shape"], msgs
+            assert f"rank {k}: broadcast(root_rank={k}, float32[3])" in msgs["root"], msgs
+        assert "(dtype differs)" in msgs["dtype"] and "float64[3]" in msgs["dtype"]
+        assert "(reduce op differs)" in msgs["op"] and "op=Max" in msgs["op"]
+        assert "(number of tensors differs)" in msgs["count"]
+        assert "(scale factor differs)" in msgs["scale"] and "prescale_factor=2" in msgs["scale"]
+        assert "(operation differs)" in msgs["kind"] and "allgather(" in msgs["kind"]
+        assert "(shape differs)" in msgs["large shape"]
+        for ranks, set_msgs in result["sets"].items():
+            members = json.loads(ranks)
+            assert rank in members
+            if len(members) > 1:
+                for k in members:
+                    assert f"rank {k}: allreduce(op=Average, float32[{3 + k}])" in set_msgs["shape"]
+                    assert f"rank {k}: broadcast(root_rank={k}, float32[3])" in set_msgs["root"]
+
+
+def test_before_init_queries_raise_value_error_as_horovod() -> None:
+    with pytest.raises(ValueError, match=r"init\(\)"):
+        hvd.size()
+    assert issubclass(hvd.HorovodInternalError, RuntimeError)
+    assert issubclass(rt.CollectiveMismatchError, hvd.HorovodInternalError)
+
+
+# ---- 4. join -----------------------------------------------------------------------------------
+
+
+def _refused_while_joined(n: int, step: int) -> dict[str, Callable[[], Any]]:
+    """What Horovod's controller refuses while a rank has joined (and Min, which would take
+    the joined ranks' zeros for data)."""
+    return {
+        "allgather": lambda: hvd.allgather(torch.ones(1), name=f"ag.{step}"),
+        "broadcast": lambda: hvd.broadcast(torch.ones(1), n - 1, name=f"bc.{step}"),
+        "alltoall": lambda: hvd.alltoall(torch.ones(n), name=f"a2a.{step}"),
+        "reducescatter": lambda: hvd.reducescatter(torch.ones(n, 2), name=f"rs.{step}"),
+        "broadcast_object": lambda: hvd.broadcast_object(1, n - 1, name=f"bo.{step}"),
+        "min": lambda: hvd.allreduce(torch.ones(1), op=hvd.Min, name=f"min.{step}"),
+    }
+
+
+def _join() -> int:
+    r, n = hvd.rank(), hvd.size()
+    big = inline.INLINE_MAX_BYTES // 4 + 1
+    for step in range(r + 1):  # rank r has r + 1 batches; ranks below `step` have joined
+        active = range(step, n)
+
+        def value(k: int, step: int = step) -> float:
+            return float((k + 1) * (step + 1))
+
+        # Horovod: joined ranks contribute zeros, Average divides by size(), not by the active
+        for length, tag in ((3, "small"), (big, "big")):
+            mine = torch.full((length,), value(r))
+            avg = hvd.allreduce(mine, name=f"avg.{tag}.{step}")
+            torch.testing.assert_close(avg, torch.full_like(mine, sum(map(value, active)) / n))
+            total = hvd.allreduce(mine, op=hvd.Sum, name=f"sum.{tag}.{step}")
+            torch.testing.assert_close(total, torch.full_like(mine, sum(map(value, active))))
+        outs = hvd.grouped_allreduce([torch.ones(2) * value(r)] * 2, name=f"grouped.{step}")
+        torch.testing.assert_close(outs[1], torch.ones(2) * sum(map(value, active)) / n)
+        if step == 0:
+            continue
+        refused = _refused_while_joined(n, step)
+        for what, call in refused.items():
+            e = _raises(call, RuntimeError)
+            assert isinstance(e, hvd.HorovodInternalError), (what, e)
+            assert f"ranks {list(range(step))} have joined" in str(e), (what, e)
+        hvd.barrier()  # barriers still run
+    return hvd.join()
+
+
+def test_join_as_horovod(world: spawn.World) -> None:
+    # the rank with the most batches joins last, and join returns it on every rank
+    assert world.run(_join) == [world.size - 1] * world.size
+
+
+# ---- 6. handles --------------------------------------------------------------------------------
+
+
+def _rank_dense(k: int) -> torch.Tensor:
+    d = torch.zeros(4, 2)
+    d[0] = 1.0
+    d[k % 4] += k + 1
+    return d
+
+
+def _handles(ps: Any = None) -> None:
+    r = hvd.rank()
+    members = ps.ranks if ps is not None else list(range(hvd.size()))
+    n = len(members)
+    total = float(sum(k + 1 for k in members))
+    mine = torch.ones(n, 2) * (r + 1)
+    starts: dict[str, tuple[Callable[[], rt.Handle], Callable[[Any], bool]]] = {
+        "allreduce_async": (
+            lambda: hvd.allreduce_async(mine, op=hvd.Sum, process_set=ps),
+            lambda out: bool(out.eq(total).all()),
+        ),
+        "allreduce_async_": (
+            lambda: hvd.allreduce_async_(mine.clone(), op=hvd.Sum, process_set=ps),
+            lambda out: bool(out.eq(total).all()),
+        ),
+        "grouped_allreduce_async": (
+            lambda: hvd.grouped_allreduce_async([mine, mine], op=hvd.Sum, process_set=ps),
+            lambda out: all(o.eq(total).all() for o in out),
+        ),
+        "grouped_allreduce_async_": (
+            lambda: hvd.grouped_allreduce_async_([mine.clone()], op=hvd.Sum, process_set=ps),
+            lambda out: bool(out[0].eq(total).all()),
+        ),
+        "allgather_async": (
+            lambda: hvd.allgather_async(torch.tensor([r]), process_set=ps),
+            lambda out: out.tolist() == members,
+        ),
+        "grouped_allgather_async": (
+            lambda: hvd.grouped_allgather_async([torch.tensor([r])], process_set=ps),
+            lambda out: out[0].tolist() == members,
+        ),
+        "broadcast_async": (
+            lambda: hvd.broadcast_async(torch.tensor([r]), members[-1], process_set=ps),
+            lambda out: out.tolist() == [members[-1]],
+        ),
+        "broadcast_async_": (
+            lambda: hvd.broadcast_async_(torch.tensor([r]), members[-1], process_set=ps),
+            lambda out: out.tolist() == [members[-1]],
+        ),
+        "reducescatter_async": (
+            lambda: hvd.reducescatter_async(mine, op=hvd.Sum, process_set=ps),
+            lambda out: out.shape == (1, 2) and bool(out.eq(total).all()),
+        ),
+        "grouped_reducescatter_async": (
+            lambda: hvd.grouped_reducescatter_async([mine], op=hvd.Sum, process_set=ps),
+            lambda out: bool(out[0].eq(total).all()),
+        ),
+        "alltoall_async": (  # (output, received splits), with or without splits, as Horovod
+            lambda: hvd.alltoall_async(torch.tensor(members) * 0 + r, process_set=ps),
+            lambda out: out[0].tolist() == members and out[1].tolist() == [1] * n,
+        ),
+        "alltoall_async splits": (
+            lambda: hvd.alltoall_async(torch.tensor([r] * n), [1] * n, process_set=ps),
+            lambda out: out[0].tolist() == members and out[1].tolist() == [1] * n,
+        ),
+        "sparse_allreduce_async": (
+            lambda: hvd.sparse_allreduce_async(
+                _rank_dense(r).to_sparse(), "sparse", hvd.Average, process_set=ps
+            ),
+            lambda out: torch.allclose(
+                out.to_dense(), torch.stack([_rank_dense(k) for k in members]).mean(0)
+            ),
+        ),
+    }
+    for kind, (start, check) in starts.items():
+        h = start()
+        assert isinstance(hvd.poll(h), bool), kind
+        out = h() if kind == "sparse_allreduce_async" else hvd.synchronize(h)  # as Horovod's users
+        assert check(out), (kind, out)
+        assert hvd.poll(h) is True, kind
+        assert hvd.synchronize(h) is out and h() is out, kind  # waiting again: the same result
+    if n > 1:  # a failed op: done, and every wait raises its error
+        h = hvd.allreduce_async(torch.ones(1 + r), name="h.bad", process_set=ps)
+        _raises(lambda: hvd.synchronize(h), rt.CollectiveMismatchError)
+        assert hvd.poll(h) is True
+        _raises(h, rt.CollectiveMismatchError)
+
+
+def _all_handles() -> None:
+    _handles()
+    _with_sets(_handles)
+
+
+def test_handles_poll_synchronize_and_call(world: spawn.World) -> None:
+    world.run(_all_handles)
+
+
+def test_a_horovod_script_catches_the_mismatch_on_every_rank(tmp_path: Path) -> None:
+    source = (Path(__file__).parent / "horovod_catch.py").read_text()
+    script = tmp_path / "catch.py"
+    script.write_text(
+        source.replace("import horovod.torch as hvd", "import ringtrain.torch as hvd")
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringtrain", "run", "-np", "2", "--", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(2):
+        assert f"[{r}] caught CollectiveMismatchError internal=True" in proc.stdout, proc.stdout
+        assert f"[{r}] after [2.0, 2.0]" in proc.stdout, proc.stdout
+    assert "[1] set broadcast 1" in proc.stdout, proc.stdout
