@@ -90,6 +90,13 @@ def _single(result: Any) -> Any:
     return result[0]
 
 
+def _wants_grad(tensors: Sequence[Any]) -> bool:
+    """Whether a sync call goes through autograd: a tensor requires grad and grad mode is on."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
+
+
 def synchronize(handle: Handle) -> Any:
     """Wait for an asynchronous collective and return its result (raises its error)."""
     if not isinstance(handle, Handle):
@@ -304,6 +311,13 @@ def grouped_allreduce(
     postscale_factor: float = 1.0,
     process_set: ProcessSet | None = None,
 ) -> list[torch.Tensor]:
+    """Reduce a list of tensors as one unit. Differentiable, as Horovod's."""
+    if _wants_grad(tensors):
+        from ringtrain.collectives import autograd
+
+        return autograd.grouped_allreduce(
+            tensors, average, name, compression, op, prescale_factor, postscale_factor, process_set
+        )
     return synchronize(
         grouped_allreduce_async(
             tensors, average, name, op, prescale_factor, postscale_factor, process_set, compression
@@ -346,6 +360,11 @@ def grouped_allgather_async(
 def grouped_allgather(
     tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet | None = None
 ) -> list[torch.Tensor]:
+    """Allgather each tensor of a list, as one unit. Differentiable, as Horovod's."""
+    if _wants_grad(tensors):
+        from ringtrain.collectives import autograd
+
+        return autograd.grouped_allgather(tensors, name, process_set)
     return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
@@ -516,12 +535,23 @@ def grouped_reducescatter(
     process_set: ProcessSet | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    compression: Any = None,
 ) -> list[torch.Tensor]:
-    return synchronize(
+    """Reducescatter each tensor of a list, as one unit. Differentiable, as Horovod's."""
+    if _wants_grad(tensors):
+        from ringtrain.collectives import autograd
+
+        return autograd.grouped_reducescatter(
+            tensors, name, compression, op, process_set, prescale_factor, postscale_factor
+        )
+    comp = resolve_compression(compression)
+    sent = [comp.compress(t) if isinstance(t, torch.Tensor) else (t, None) for t in tensors]
+    outs = synchronize(
         grouped_reducescatter_async(
-            tensors, name, op, process_set, prescale_factor, postscale_factor
+            [c for c, _ in sent], name, op, process_set, prescale_factor, postscale_factor
         )
     )
+    return [comp.decompress(o, ctx) for o, (_, ctx) in zip(outs, sent)]
 
 
 def reducescatter_async(
@@ -558,7 +588,7 @@ def reducescatter(
         from ringtrain.collectives import autograd
 
         return autograd.reducescatter(
-            tensor, name, op, process_set, prescale_factor, postscale_factor
+            tensor, name, compression, op, process_set, prescale_factor, postscale_factor
         )
     comp = resolve_compression(compression)
     sent, ctx = comp.compress(tensor) if isinstance(tensor, torch.Tensor) else (tensor, None)
@@ -599,13 +629,24 @@ def alltoall_async(
     process_set: ProcessSet | None = None,
 ) -> Handle:
     """Send ``splits[r]`` rows to rank r; receive each rank's rows for us, in rank order."""
+    return alltoall_with_received_async(tensor, splits, name, process_set, splits is not None)
+
+
+def alltoall_with_received_async(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None = None,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+    received: bool = True,
+) -> Handle:
+    """:func:`alltoall_async` whose result is ``(output, received_splits)`` even without splits
+    (autograd sends gradients back along the received splits)."""
     if isinstance(splits, torch.Tensor):
         splits = [int(s) for s in splits.tolist()]
-    given = splits is not None
     split_tuple = tuple(int(s) for s in splits) if splits is not None else ()
 
     def finish(result: tuple[torch.Tensor, torch.Tensor]) -> Any:
-        return result if given else result[0]
+        return result if received else result[0]
 
     t = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
     return _submit(
