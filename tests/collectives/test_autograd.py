@@ -170,6 +170,13 @@ def _reducescatter(ps: rt.ProcessSet | None, members: list[int]) -> None:
         _backward([y], [_w(r, (counts[p], 2))])
         _close(x.grad, full * scale, f"reducescatter op={op} pre={pre} post={post}")
 
+    # fp16 compression, grouped too: the gradient comes back in the input's dtype
+    x = _leaf((R, 2), 1.0, torch.float32)
+    (y,) = rt.grouped_reducescatter([x], None, rt.Compression.fp16, rt.Sum, ps)
+    assert y.dtype == torch.float32
+    _backward([y], [_w(r, (counts[p], 2), torch.float32)])
+    _close(x.grad, full.float() * n, "grouped_reducescatter fp16")
+
     for op, scale in ((rt.Sum, 3.0 * n), (rt.Average, 3.0)):
         a, b = _leaf((R, 2), 1.0), _leaf((n,), 1.0)
         outs = rt.grouped_reducescatter(

@@ -531,13 +531,14 @@ def grouped_reducescatter_async(
 def grouped_reducescatter(
     tensors: Sequence[torch.Tensor],
     name: str | None = None,
+    compression: Any = None,
     op: Any = None,
     process_set: ProcessSet | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    compression: Any = None,
 ) -> list[torch.Tensor]:
-    """Reducescatter each tensor of a list, as one unit. Differentiable, as Horovod's."""
+    """Reducescatter each tensor of a list, as one unit (Horovod's argument order, as
+    :func:`reducescatter`). Differentiable, as Horovod's."""
     if _wants_grad(tensors):
         from ringtrain.collectives import autograd
 
