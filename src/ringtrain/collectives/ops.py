@@ -90,13 +90,6 @@ def _single(result: Any) -> Any:
     return result[0]
 
 
-def _wants_grad(tensors: Sequence[Any]) -> bool:
-    """Whether a sync call goes through autograd: a tensor requires grad and grad mode is on."""
-    return torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
-    )
-
-
 def synchronize(handle: Handle) -> Any:
     """Wait for an asynchronous collective and return its result (raises its error)."""
     if not isinstance(handle, Handle):
@@ -164,6 +157,13 @@ def _allreduce_handle(
         op=op_name,
         prescale=float(prescale_factor),
         postscale=float(postscale_factor),
+    )
+
+
+def _wants_grad(tensors: Sequence[Any]) -> bool:
+    """Whether a sync call goes through autograd: a tensor requires grad and grad mode is on."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
     )
 
 
