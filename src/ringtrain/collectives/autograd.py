@@ -251,7 +251,7 @@ def reducescatter(
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any, ps: Any) -> Any:
-        out, received = ops.synchronize(ops.alltoall_with_received_async(tensor, splits, name, ps))
+        out, received = ops.synchronize(ops.alltoall_async(tensor, splits, name, ps))
         ctx.args = (name, ps)
         # Without splits, ranks may still send different row counts (dim 0 / n each): the
         # gradient goes back along what each rank really received, never an even split.
@@ -265,7 +265,7 @@ class _Alltoall(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> Any:
         name, ps = ctx.args
         g, _ = ops.synchronize(
-            ops.alltoall_with_received_async(grad.contiguous(), ctx.received, _grad_name(name), ps)
+            ops.alltoall_async(grad.contiguous(), ctx.received, _grad_name(name), ps)
         )
         return g, None, None, None
 

@@ -629,33 +629,19 @@ def alltoall_async(
     name: str | None = None,
     process_set: ProcessSet | None = None,
 ) -> Handle:
-    """Send ``splits[r]`` rows to rank r; receive each rank's rows for us, in rank order."""
-    return alltoall_with_received_async(tensor, splits, name, process_set, splits is not None)
-
-
-def alltoall_with_received_async(
-    tensor: torch.Tensor,
-    splits: Sequence[int] | torch.Tensor | None = None,
-    name: str | None = None,
-    process_set: ProcessSet | None = None,
-    received: bool = True,
-) -> Handle:
-    """:func:`alltoall_async` whose result is ``(output, received_splits)`` even without splits
-    (autograd sends gradients back along the received splits)."""
+    """Send ``splits[r]`` rows to rank r; receive each rank's rows for us, in rank order.
+    ``synchronize`` returns ``(output, received_splits)``, with or without ``splits``, as
+    Horovod's does (only the sync :func:`alltoall` drops the splits when none were given)."""
     if isinstance(splits, torch.Tensor):
         splits = [int(s) for s in splits.tolist()]
     split_tuple = tuple(int(s) for s in splits) if splits is not None else ()
-
-    def finish(result: tuple[torch.Tensor, torch.Tensor]) -> Any:
-        return result if received else result[0]
-
     t = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
     return _submit(
         "alltoall",
         [t],
         name,
         process_set,
-        finish,
+        tuple,
         None,
         _splits_check(t, splits, process_set),
         splits=split_tuple,
@@ -674,4 +660,5 @@ def alltoall(
         from ringtrain.collectives import autograd
 
         return autograd.alltoall(tensor, splits, name, process_set)
-    return synchronize(alltoall_async(tensor, splits, name, process_set))
+    out, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+    return (out, received) if splits is not None else out
