@@ -1,10 +1,21 @@
-"""Gradients through collectives, as in Horovod.
+"""Gradients through collectives, defined as Horovod defines them (``horovod/torch/mpi_ops.py``).
 
-* allreduce: the gradient is allreduced with the same op and scale factors;
-* allgather: each rank's gradient is the sum over ranks of the matching rows;
-* broadcast: gradients are summed onto the root; other ranks get zeros;
-* reducescatter: the gradient of each slice is allgathered (scaled as the forward was);
-* alltoall: gradients travel back along the reverse splits.
+Horovod's gradients are conventions, not all the derivative of one total loss; ringtrain keeps
+them so that a model ported from Horovod computes the same numbers. With ``n`` the size of the
+process set and ``g_k`` the gradient arriving at rank ``k``:
+
+* ``allreduce``, ``grouped_allreduce``: ``g`` is allreduced with the forward's op, ``prescale``
+  and ``postscale`` factors and process set (Sum: ``pre*post*sum_k g_k``; Average: the mean).
+* ``allgather``, ``grouped_allgather``: ``g`` is *averaged* over the set (``mean_k g_k``) and each
+  rank keeps the rows it contributed: ``1/n`` of the derivative of the summed loss.
+* ``broadcast``: ``g`` is *averaged* over the set and kept by the root (a global rank, compared
+  with ``rank()`` as Horovod does); every other rank gets zeros.
+* ``reducescatter``, ``grouped_reducescatter``: the slices ``g_k`` are allgathered and multiplied
+  by ``pre*post``, and by ``n`` when the op is Sum (not when it is Average).
+* ``alltoall``: ``g`` travels back along the splits each rank received (the exact adjoint).
+
+Compression wraps the autograd function (compress, collective, decompress), as in Horovod, so a
+gradient crosses the wire in the same dtype as the forward's tensor did.
 """
 
 from __future__ import annotations
@@ -16,40 +27,60 @@ import torch
 
 from ringtrain.collectives import ops
 from ringtrain.collectives.reduce_ops import resolve_op
+from ringtrain.compression import resolve as resolve_compression
 from ringtrain.runtime.process_sets import ProcessSet
 
 
-def _grad_name(name: str | None) -> str | None:
-    return None if name is None else f"{name}.grad"
+def _grad_name(name: str | None, suffix: str = "grad") -> str | None:
+    return None if name is None else f"{name}.{suffix}"
+
+
+def _compressed(compression: Any, tensors: Sequence[torch.Tensor]) -> tuple[Any, list[Any]]:
+    """The compressor and each tensor compressed (differentiably: a cast), with its context."""
+    comp = resolve_compression(compression)
+    return comp, [comp.compress(t) for t in tensors]
+
+
+def _set_size(ps: ProcessSet | None) -> int:
+    return ops.controller_of(ps).comm.size
+
+
+def _own_rows(
+    grads: Sequence[torch.Tensor], rows: Sequence[int], scalars: Sequence[bool], name: Any, ps: Any
+) -> list[torch.Tensor]:
+    """Horovod's allgather backward: average each gradient over the set, keep this rank's rows."""
+    averaged = ops.grouped_allreduce_async(
+        [g.contiguous() for g in grads], name=_grad_name(name), op="Average", process_set=ps
+    )
+    # Every rank's row counts, one gathered row per rank (the counts may differ per rank).
+    counts = ops.allgather_async(torch.tensor([list(rows)]), _grad_name(name, "rows"), ps)
+    averaged_grads = ops.synchronize(averaged)
+    starts = ops.synchronize(counts)[: ops.controller_of(ps).comm.set_rank].sum(0).tolist()
+    out = []
+    for g, start, n, scalar in zip(averaged_grads, starts, rows, scalars):
+        mine = g[start : start + n]
+        out.append(mine.reshape(()) if scalar else mine)
+    return out
+
+
+# ---- allreduce -------------------------------------------------------------------------------
 
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any,
-        tensor: torch.Tensor,
-        average: Any,
-        name: Any,
-        compression: Any,
-        op: Any,
-        pre: float,
-        post: float,
-        ps: Any,
+        ctx: Any, tensor: torch.Tensor, op: str, name: Any, pre: float, post: float, ps: Any
     ) -> torch.Tensor:
-        ctx.args = (average, name, compression, op, pre, post, ps)
-        return ops.synchronize(
-            ops.allreduce_async(tensor, average, name, op, pre, post, ps, compression)
-        )
+        ctx.args = (op, name, pre, post, ps)
+        return ops.synchronize(ops.allreduce_async(tensor, None, name, op, pre, post, ps))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        average, name, compression, op, pre, post, ps = ctx.args
+        op, name, pre, post, ps = ctx.args
         g = ops.synchronize(
-            ops.allreduce_async(
-                grad.contiguous(), average, _grad_name(name), op, pre, post, ps, compression
-            )
+            ops.allreduce_async(grad.contiguous(), None, _grad_name(name), op, pre, post, ps)
         )
-        return (g, None, None, None, None, None, None, None)
+        return g, None, None, None, None, None
 
 
 def allreduce(
@@ -62,34 +93,80 @@ def allreduce(
     post: float,
     ps: ProcessSet | None,
 ) -> torch.Tensor:
-    return _Allreduce.apply(tensor, average, name, compression, op, pre, post, ps)
+    op_name = resolve_op(op, average)
+    comp, [(sent, ctx)] = _compressed(compression, [tensor])
+    out = _Allreduce.apply(sent, op_name, name, pre, post, ps)
+    return comp.decompress(out, ctx)
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, op: str, name: Any, pre: float, post: float, ps: Any, *tensors: torch.Tensor
+    ) -> Any:
+        ctx.args = (op, name, pre, post, ps)
+        return tuple(
+            ops.synchronize(
+                ops.grouped_allreduce_async(list(tensors), None, name, op, pre, post, ps)
+            )
+        )
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        op, name, pre, post, ps = ctx.args
+        g = ops.synchronize(
+            ops.grouped_allreduce_async(
+                [x.contiguous() for x in grads], None, _grad_name(name), op, pre, post, ps
+            )
+        )
+        return (None, None, None, None, None, *g)
+
+
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: Any,
+    name: Any,
+    compression: Any,
+    op: Any,
+    pre: float,
+    post: float,
+    ps: ProcessSet | None,
+) -> list[torch.Tensor]:
+    op_name = resolve_op(op, average)
+    comp, sent = _compressed(compression, tensors)
+    outs = _GroupedAllreduce.apply(op_name, name, pre, post, ps, *(s for s, _ in sent))
+    return [comp.decompress(o, ctx) for o, (_, ctx) in zip(outs, sent)]
+
+
+# ---- allgather -------------------------------------------------------------------------------
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: Any, ps: Any) -> torch.Tensor:
+    def forward(ctx: Any, name: Any, ps: Any, *tensors: torch.Tensor) -> Any:
         ctx.args = (name, ps)
-        ctx.rows = tensor.shape[0] if tensor.dim() else 1
-        ctx.scalar = tensor.dim() == 0
-        return ops.synchronize(ops.allgather_async(tensor, name, ps))
+        ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
+        ctx.scalars = [t.dim() == 0 for t in tensors]
+        return tuple(ops.synchronize(ops.grouped_allgather_async(list(tensors), name, ps)))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         name, ps = ctx.args
-        rows = ops.synchronize(
-            ops.allgather_async(torch.tensor([ctx.rows]), _grad_name(name) and f"{name}.rows", ps)
-        )
-        summed = ops.synchronize(
-            ops.allreduce_async(grad.contiguous(), name=_grad_name(name), op="Sum", process_set=ps)
-        )
-        me = ops.controller_of(ps).comm.set_rank
-        start = int(rows[:me].sum())
-        mine = summed[start : start + ctx.rows]
-        return (mine.reshape(()) if ctx.scalar else mine), None, None
+        return (None, None, *_own_rows(grads, ctx.rows, ctx.scalars, name, ps))
 
 
 def allgather(tensor: torch.Tensor, name: Any, ps: ProcessSet | None) -> torch.Tensor:
-    return _Allgather.apply(tensor, name, ps)
+    (out,) = _Allgather.apply(name, ps, tensor)
+    return out
+
+
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor], name: Any, ps: ProcessSet | None
+) -> list[torch.Tensor]:
+    return list(_Allgather.apply(name, ps, *tensors))
+
+
+# ---- broadcast -------------------------------------------------------------------------------
 
 
 class _Broadcast(torch.autograd.Function):
@@ -101,60 +178,94 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         root, name, ps = ctx.args
-        summed = ops.synchronize(
-            ops.allreduce_async(grad.contiguous(), name=_grad_name(name), op="Sum", process_set=ps)
+        averaged = ops.synchronize(
+            ops.allreduce_async(
+                grad.contiguous(), name=_grad_name(name), op="Average", process_set=ps
+            )
         )
         if ops.controller_of(ps).comm.world_rank != root:  # a global rank, as in Horovod
-            summed = torch.zeros_like(summed)
-        return summed, None, None, None
+            averaged = torch.zeros_like(averaged)
+        return averaged, None, None, None
 
 
 def broadcast(tensor: torch.Tensor, root: int, name: Any, ps: ProcessSet | None) -> torch.Tensor:
     return _Broadcast.apply(tensor, root, name, ps)
 
 
+# ---- reducescatter ---------------------------------------------------------------------------
+
+
+def _scattered_grads(grads: Sequence[torch.Tensor], ctx: Any) -> list[torch.Tensor]:
+    name, op, ps, pre, post = ctx.args
+    # Horovod's convention: Sum's gradient is n times the slices, Average's is the slices.
+    scale = pre * post * (_set_size(ps) if op == "Sum" else 1)
+    scaled = [g.contiguous() * scale if scale != 1.0 else g.contiguous() for g in grads]
+    return ops.synchronize(ops.grouped_allgather_async(scaled, _grad_name(name), ps))
+
+
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, tensor: torch.Tensor, name: Any, op: Any, ps: Any, pre: float, post: float
-    ) -> torch.Tensor:
-        ctx.args = (name, resolve_op(op), ps, pre, post)
-        return ops.synchronize(ops.reducescatter_async(tensor, name, op, ps, pre, post))
+        ctx: Any, name: Any, op: str, ps: Any, pre: float, post: float, *tensors: torch.Tensor
+    ) -> Any:
+        ctx.args = (name, op, ps, pre, post)
+        return tuple(
+            ops.synchronize(ops.grouped_reducescatter_async(list(tensors), name, op, ps, pre, post))
+        )
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        name, op, ps, pre, post = ctx.args
-        full = ops.synchronize(ops.allgather_async(grad.contiguous(), _grad_name(name), ps))
-        scale = pre * post
-        if op == "Average":
-            scale /= ops.controller_of(ps).comm.size
-        return full * scale if scale != 1.0 else full, None, None, None, None, None
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        return (None, None, None, None, None, *_scattered_grads(grads, ctx))
+
+
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: Any,
+    compression: Any,
+    op: Any,
+    ps: ProcessSet | None,
+    pre: float,
+    post: float,
+) -> list[torch.Tensor]:
+    comp, sent = _compressed(compression, tensors)
+    outs = _Reducescatter.apply(name, resolve_op(op), ps, pre, post, *(s for s, _ in sent))
+    return [comp.decompress(o, ctx) for o, (_, ctx) in zip(outs, sent)]
 
 
 def reducescatter(
-    tensor: torch.Tensor, name: Any, op: Any, ps: ProcessSet | None, pre: float, post: float
+    tensor: torch.Tensor,
+    name: Any,
+    compression: Any,
+    op: Any,
+    ps: ProcessSet | None,
+    pre: float,
+    post: float,
 ) -> torch.Tensor:
-    return _Reducescatter.apply(tensor, name, op, ps, pre, post)
+    (out,) = grouped_reducescatter([tensor], name, compression, op, ps, pre, post)
+    return out
+
+
+# ---- alltoall --------------------------------------------------------------------------------
 
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any, ps: Any) -> Any:
-        ctx.args = (name, ps)
-        # alltoall_async's handle gives (output, received_splits) either way, as Horovod's
         out, received = ops.synchronize(ops.alltoall_async(tensor, splits, name, ps))
+        ctx.args = (name, ps)
+        # Without splits, ranks may still send different row counts (dim 0 / n each): the
+        # gradient goes back along what each rank really received, never an even split.
+        ctx.received = [int(s) for s in received.tolist()]
         if splits is None:
-            received = None
-        ctx.received = received
-        ctx.mark_non_differentiable(*([received] if received is not None else []))
-        return (out, received) if received is not None else out
+            return out
+        ctx.mark_non_differentiable(received)
+        return out, received
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> Any:
         name, ps = ctx.args
-        back_splits = ctx.received.tolist() if ctx.received is not None else None
         g, _ = ops.synchronize(
-            ops.alltoall_async(grad.contiguous(), back_splits, _grad_name(name), ps)
+            ops.alltoall_async(grad.contiguous(), ctx.received, _grad_name(name), ps)
         )
         return g, None, None, None
 

@@ -165,6 +165,13 @@ def _allreduce_handle(
     )
 
 
+def _wants_grad(tensors: Sequence[Any]) -> bool:
+    """Whether a sync call goes through autograd: a tensor requires grad and grad mode is on."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tensors
+    )
+
+
 def allreduce_async(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -309,6 +316,13 @@ def grouped_allreduce(
     postscale_factor: float = 1.0,
     process_set: ProcessSet | None = None,
 ) -> list[torch.Tensor]:
+    """Reduce a list of tensors as one unit. Differentiable, as Horovod's."""
+    if _wants_grad(tensors):
+        from ringtrain.collectives import autograd
+
+        return autograd.grouped_allreduce(
+            tensors, average, name, compression, op, prescale_factor, postscale_factor, process_set
+        )
     return synchronize(
         grouped_allreduce_async(
             tensors, average, name, op, prescale_factor, postscale_factor, process_set, compression
@@ -351,6 +365,11 @@ def grouped_allgather_async(
 def grouped_allgather(
     tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet | None = None
 ) -> list[torch.Tensor]:
+    """Allgather each tensor of a list, as one unit. Differentiable, as Horovod's."""
+    if _wants_grad(tensors):
+        from ringtrain.collectives import autograd
+
+        return autograd.grouped_allgather(tensors, name, process_set)
     return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
@@ -529,16 +548,28 @@ def grouped_reducescatter_async(
 def grouped_reducescatter(
     tensors: Sequence[torch.Tensor],
     name: str | None = None,
+    compression: Any = None,
     op: Any = None,
     process_set: ProcessSet | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
-    return synchronize(
+    """Reducescatter each tensor of a list, as one unit (Horovod's argument order, as
+    :func:`reducescatter`). Differentiable, as Horovod's."""
+    if _wants_grad(tensors):
+        from ringtrain.collectives import autograd
+
+        return autograd.grouped_reducescatter(
+            tensors, name, compression, op, process_set, prescale_factor, postscale_factor
+        )
+    comp = resolve_compression(compression)
+    sent = [comp.compress(t) if isinstance(t, torch.Tensor) else (t, None) for t in tensors]
+    outs = synchronize(
         grouped_reducescatter_async(
-            tensors, name, op, process_set, prescale_factor, postscale_factor
+            [c for c, _ in sent], name, op, process_set, prescale_factor, postscale_factor
         )
     )
+    return [comp.decompress(o, ctx) for o, (_, ctx) in zip(outs, sent)]
 
 
 def reducescatter_async(
@@ -575,7 +606,7 @@ def reducescatter(
         from ringtrain.collectives import autograd
 
         return autograd.reducescatter(
-            tensor, name, op, process_set, prescale_factor, postscale_factor
+            tensor, name, compression, op, process_set, prescale_factor, postscale_factor
         )
     comp = resolve_compression(compression)
     sent, ctx = comp.compress(tensor) if isinstance(tensor, torch.Tensor) else (tensor, None)
