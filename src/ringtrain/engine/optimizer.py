@@ -66,8 +66,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: the optimizer to wrap (its ``param_groups`` and ``state`` are shared).
         named_parameters: ``model.named_parameters()``; names label buckets in errors and in the
-            timeline. Without them, parameters are named by their position in
-            ``optimizer.param_groups``. Every rank must pass the same parameters in the same
+            timeline. Without them, parameters get Horovod's names,
+            ``allreduce.noname.<group>.<position>`` in ``optimizer.param_groups``. Every rank must pass the same parameters in the same
             order.
         compression: ``Compression.none``, ``Compression.fp16``, ``.bf16``, a registered name
             (``"powersgd"``, ``"topk"``, whose settings come from the Config: ``powersgd_rank``,
@@ -145,14 +145,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 stacklevel=2,
             )
         self.optimizer = optimizer
+        # Names are checked before anything needs init(), as in Horovod.
+        self._params: list[torch.nn.Parameter] = []
+        self._names: list[str] = []
+        self._index_names(named_parameters)
         self._op = resolve_op(op)
         if self._op not in ("Average", "Sum"):
             raise ConfigError(f"DistributedOptimizer supports op=Average or Sum, got {self._op}")
         if gradient_predivide_factor != 1.0 and self._op != "Average":
             raise ConfigError("gradient_predivide_factor needs op=Average")
-        controller = ops.controller_of(process_set)
-        config = controller.config
-        self._comm = controller.comm
+        if process_set is not None and not process_set.included():
+            # Outside its set the optimizer only steps on local gradients (Horovod's behaviour).
+            config = runtime_state.current().config
+            self._comm = process_set.communicator
+        else:
+            controller = ops.controller_of(process_set)
+            config = controller.config
+            self._comm = controller.comm
         self._size = self._comm.size
         self._threshold = (
             config.fusion_threshold_bytes
@@ -206,9 +215,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._average_aggregated = average_aggregated_gradients
         self._predivide = gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
-        self._params: list[torch.nn.Parameter] = []
-        self._names: list[str] = []
-        self._index_names(named_parameters)
+        self._sparse_back: set[int] = set()  # sparse gradients sent dense, handed back sparse
         self._hooks: dict[int, Any] = {}
         # Dropped without remove_hooks(), the optimizer takes its hooks off the parameters.
         weakref.finalize(self, _remove_hooks, self._hooks)
@@ -222,8 +229,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._any_ready = False  # some gradient reached backward_passes_per_step
         self._in_pass = False  # timeline only: inside a backward pass
         self._pass_start = 0.0
-        self._synchronized = False
+        self._synchronized = False  # synchronize() ran since the last step()
         self._should_sync = True
+        self._skip_sync = False  # inside skip_synchronize()
         self._syncs = 0  # synchronize() calls: the step number the wait watch posts
         self._watch = self._make_watch(config.stall_warning_s)
         self._register_hooks()
@@ -356,7 +364,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             old = by_param
         self._params = params
-        self._names = [old.get(p, f"param.{i}") for i, p in enumerate(params)]
+        # Unnamed parameters get Horovod's names: allreduce.noname.<group>.<position>.
+        unnamed = {
+            p: f"allreduce.noname.{g}.{j}"
+            for g, group in enumerate(self.optimizer.param_groups)
+            for j, p in enumerate(group["params"])
+        }
+        self._names = [old.get(p, unnamed[p]) for p in params]
 
     def _make_watch(self, warning_s: float) -> engine_wait.WaitWatch | None:
         """Names the ranks elsewhere when synchronize() waits past the stall warning time.
@@ -377,8 +391,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return watch
 
     def _register_hooks(self) -> None:
-        if self._size == 1:
-            return  # nothing to exchange: the wrapper costs nothing at world size 1
+        if self._size == 1 or not self._comm.included:
+            # Nothing to exchange at world size 1; outside its process set the optimizer steps
+            # on local gradients, as Horovod's does.
+            return
         me = weakref.ref(self)
         for i, p in enumerate(self._params):
             if p.requires_grad and i not in self._hooks:
@@ -416,9 +432,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if n < self.backward_passes_per_step:
             return
         self._any_ready = True
+        grad = param.grad
+        if self._sparse_as_dense and grad is not None and grad.is_sparse:
+            self._sparse_back.add(index)
         if self._learning:
             assert self._learner is not None
-            grad = param.grad
             self._learner.saw(index, grad is not None and grad.is_sparse)
         else:
             assert self._exchange is not None
@@ -588,6 +606,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             p.grad.div_(self.backward_passes_per_step)
             self._synchronized = True
             return
+        if not self._comm.included:
+            self._synchronized = True  # not a member: nothing to reduce (Horovod's behaviour)
+            return
         rec = timeline.current()
         observer = self._comm.service("step_timer")
         t0 = time.perf_counter()
@@ -606,10 +627,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._watch.begin(self._syncs)
             if learning:
                 self._exchange.measure = True  # for _calibrate
+            if self._sparse_as_dense:
+                self._sparse_back.update(
+                    i for i, p in enumerate(self._params) if p.grad is not None and p.grad.is_sparse
+                )
             try:
                 with torch.no_grad():
                     self._exchange.flush()
                     self._exchange.finish()
+                    self._resparsify()
             finally:
                 if self._watch is not None:
                     self._watch.end()
@@ -618,6 +644,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._exchange.measure = self._tuner is not None and self._tuner.active
         finally:
             self._counts = [0] * len(self._params)
+            self._sparse_back.clear()
             self._step_open = self._learning = self._any_ready = False
             self._in_pass = False  # a backward that raised never ran its end callback
             self._learner = None
@@ -630,6 +657,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             observer.wait_done()
         rec.span("step", "SYNCHRONIZE", t0, t1)
         self._synchronized = True
+
+    def _resparsify(self) -> None:
+        """sparse_as_dense: a gradient that came in sparse goes back sparse (as in Horovod), so
+        optimizers that only take sparse gradients (SparseAdam) still step."""
+        for i in self._sparse_back:
+            p = self._params[i]
+            if p.grad is not None and not p.grad.is_sparse:
+                p.grad = p.grad.to_sparse()
 
     def _observe(self, learning: bool, t0: float, t1: float) -> None:
         """compression="auto": hand the step's timings to the tuner (collective at a phase's
@@ -646,13 +681,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
-        """Make the next ``step()`` skip synchronization, after an explicit ``synchronize()``
-        (e.g. to clip gradients on averaged values)."""
-        self._synchronized = True
+        """``step()`` inside skips synchronization, after an explicit ``synchronize()`` (e.g.
+        to clip gradients on averaged values). Without it, ``step()`` after ``synchronize()``
+        warns and reduces again, as Horovod's does."""
+        previous, self._skip_sync = self._skip_sync, True
         try:
             yield
         finally:
-            pass
+            self._skip_sync = previous
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -665,7 +701,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._should_sync = previous
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
-        if self._should_sync and not self._synchronized:
+        if self._should_sync and not self._skip_sync:
+            if self._synchronized:
+                warnings.warn(
+                    "optimizer.step() called after optimizer.synchronize() without "
+                    "optimizer.skip_synchronize(): the gradients are reduced again, which costs "
+                    "time (and with op=Sum multiplies them by the set size once more).\n"
+                    "HINT: optimizer.synchronize(); with optimizer.skip_synchronize(): "
+                    "optimizer.step()",
+                    stacklevel=2,
+                )
             if self._step_open and not self._any_ready:
                 raise CollectiveArgumentError(
                     f"step() after {max(self._counts)} of {self.backward_passes_per_step} "

@@ -88,11 +88,33 @@ def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
+def _init_state(inner: torch.optim.Optimizer) -> None:
+    """An optimizer with no state yet: zero gradients on the trainable parameters and one step
+    of the plain optimizer (never the distributed one, whose step would reduce), as Horovod
+    does. Like Horovod, this leaves those gradients at zero."""
+    if inner.state_dict()["state"]:
+        return
+    for group in inner.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    inner.step()
+
+
 def broadcast_optimizer_state(
     optimizer: torch.optim.Optimizer, root_rank: int = 0, process_set: ProcessSet | None = None
 ) -> None:
-    """Replace every rank's optimizer state (and hyper-parameters) with the root's."""
+    """Replace every rank's optimizer state (and hyper-parameters) with the root's.
+
+    A fresh optimizer first takes one step on zero gradients (Horovod's way), so its state
+    exists (e.g. Adam's ``step`` and moments) and has the same structure on every rank."""
     inner = getattr(optimizer, "optimizer", optimizer)
+    if isinstance(inner, torch.optim.LBFGS):
+        raise CollectiveArgumentError(
+            "cannot broadcast torch.optim.LBFGS state (as in Horovod).\n"
+            "HINT: broadcast the parameters with broadcast_parameters() instead."
+        )
+    _init_state(inner)
     me = ops.controller_of(process_set).comm.world_rank  # root_rank is global, as in Horovod
     tensors: list[torch.Tensor] = []
     skeleton = _split(inner.state_dict(), tensors) if me == root_rank else None

@@ -1,0 +1,307 @@
+"""DistributedOptimizer and broadcast_optimizer_state edge cases, checked against the values
+Horovod's definitions give (horovod/torch/optimizer.py, functions.py), at 2 and 4 ranks."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import ringtrain as rt
+from ringtrain.testing import spawn
+
+SIZES = [2, 4]
+
+
+@pytest.fixture(params=SIZES, ids=[f"np{n}" for n in SIZES])
+def world(request: pytest.FixtureRequest) -> spawn.World:
+    return spawn.world(request.param)
+
+
+def _linear(r: int) -> tuple[torch.nn.Linear, torch.Tensor]:
+    """w = 0, input (r+1) * ones: the gradient of sum(w.x) is (r+1) on every entry."""
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    return model, torch.full((1, 2), float(r + 1))
+
+
+# ---- built on ranks outside its process set ------------------------------------------------
+
+
+def _outside_set() -> list[float]:
+    r, n = rt.rank(), rt.size()
+    members = [1] if n == 2 else [1, 3]
+    ps = rt.add_process_set(members)
+    model, x = _linear(r)
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        named_parameters=model.named_parameters(),
+        process_set=ps,
+    )
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    rt.remove_process_set(ps)
+    return model.weight.detach().flatten().tolist()
+
+
+def test_outside_process_set_steps_on_local_gradients(world: spawn.World) -> None:
+    """Horovod registers no hooks outside the set and synchronize() returns at once: the
+    optimizer steps on the rank's own gradients; members step on the members' average."""
+    members = [1] if world.size == 2 else [1, 3]
+    avg = sum(m + 1 for m in members) / len(members)
+    for r, w in enumerate(world.run(_outside_set)):
+        g = avg if r in members else r + 1
+        assert w == [-2 * g, -2 * g], f"rank {r}"
+
+
+# ---- without named_parameters -------------------------------------------------------------
+
+
+def _unnamed() -> tuple[list[float], str]:
+    r = rt.rank()
+    a, x = _linear(r)
+    b = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        b.weight.zero_()
+    base = torch.optim.SGD([{"params": a.parameters()}, {"params": b.parameters()}], lr=1.0)
+    opt = rt.DistributedOptimizer(base)
+    (a(x) + b(2 * x)).sum().backward()
+    opt.step()
+    got = a.weight.detach().flatten().tolist() + b.weight.detach().flatten().tolist()
+    opt.zero_grad()
+    (a(x) + b(x)).sum().backward()
+    try:
+        b(x).sum().backward()  # a second gradient before step(): the error names the parameter
+    except rt.CollectiveArgumentError as e:
+        message = str(e)
+    else:
+        message = ""
+    opt.remove_hooks()
+    return got, message
+
+
+def test_unnamed_parameters_take_horovods_names(world: spawn.World) -> None:
+    n = world.size
+    mean = sum(r + 1 for r in range(n)) / n
+    for got, message in world.run(_unnamed):
+        assert got == [-mean, -mean, -2 * mean, -2 * mean]
+        # Horovod's name for group 1, position 0.
+        assert "'allreduce.noname.1.0'" in message
+
+
+def test_duplicate_names_raise_value_error_before_init() -> None:
+    """Horovod checks the names in the constructor, before anything needs init()."""
+    assert not rt.is_initialized()
+    a, b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    base = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    named = [*a.named_parameters(), *b.named_parameters()]
+    with pytest.raises(ValueError, match=r"duplicate names: \['bias', 'weight'\]"):
+        rt.DistributedOptimizer(base, named_parameters=named)
+    with pytest.raises(ValueError, match="named_parameters must be an iterable of"):
+        rt.DistributedOptimizer(base, named_parameters=list(a.parameters()))  # type: ignore[arg-type]
+    assert not rt.is_initialized()
+
+
+# ---- synchronize() then step() ------------------------------------------------------------
+
+
+def _sync_then_step(skip: bool) -> tuple[list[float], list[str]]:
+    r = rt.rank()
+    model, x = _linear(r)
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        named_parameters=model.named_parameters(),
+        op=rt.Sum,
+    )
+    model(x).sum().backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if skip:
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+    opt.remove_hooks()
+    return model.weight.detach().flatten().tolist(), [str(w.message) for w in caught]
+
+
+def test_step_after_synchronize_warns_and_reduces_again(world: spawn.World) -> None:
+    """Horovod: step() after synchronize() outside skip_synchronize() warns and synchronizes
+    again; with Sum the summed gradients are summed once more (n * sum)."""
+    n = world.size
+    total = sum(r + 1 for r in range(n))
+    for w, caught in world.run(_sync_then_step, False):
+        assert w == [-n * total, -n * total]
+        assert len(caught) == 1 and "skip_synchronize" in caught[0]
+    for w, caught in world.run(_sync_then_step, True):
+        assert w == [-total, -total]
+        assert caught == []
+
+
+# ---- sparse_as_dense with a sparse-only optimizer -----------------------------------------
+
+ROWS, DIM, STEPS = 8, 3, 3
+
+
+def _rows(r: int, step: int) -> torch.Tensor:
+    return torch.tensor([r % ROWS, (r + step + 1) % ROWS, (2 * r + 3) % ROWS])
+
+
+def _embedding() -> torch.nn.Embedding:
+    torch.manual_seed(0)
+    return torch.nn.Embedding(ROWS, DIM, sparse=True)
+
+
+def _sparse_adam() -> tuple[list[list[float]], bool]:
+    r = rt.rank()
+    emb = _embedding()
+    opt = rt.DistributedOptimizer(
+        torch.optim.SparseAdam(emb.parameters(), lr=0.1),
+        named_parameters=emb.named_parameters(),
+        sparse_as_dense=True,
+    )
+    sparse = True
+    for step in range(STEPS):
+        opt.zero_grad()
+        (emb(_rows(r, step)) * (r + 1)).sum().backward()
+        opt.synchronize()
+        sparse = sparse and emb.weight.grad is not None and emb.weight.grad.is_sparse
+        with opt.skip_synchronize():
+            opt.step()
+    opt.remove_hooks()
+    return emb.weight.detach().tolist(), sparse
+
+
+def _sparse_reference(n: int) -> list[list[float]]:
+    """Horovod's definition: average the densified gradients, hand them back as to_sparse()."""
+    emb = _embedding()
+    opt = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+    for step in range(STEPS):
+        grads = []
+        for r in range(n):
+            emb.zero_grad()
+            (emb(_rows(r, step)) * (r + 1)).sum().backward()
+            assert emb.weight.grad is not None
+            grads.append(emb.weight.grad.to_dense())
+        emb.weight.grad = (torch.stack(grads).sum(0) / n).to_sparse()
+        opt.step()
+    return emb.weight.detach().tolist()
+
+
+def test_sparse_as_dense_trains_sparse_adam(world: spawn.World) -> None:
+    want = torch.tensor(_sparse_reference(world.size))
+    for got, sparse in world.run(_sparse_adam):
+        assert sparse, "the reduced gradient must be handed back sparse"
+        torch.testing.assert_close(torch.tensor(got), want, rtol=1e-6, atol=1e-6)
+
+
+# ---- broadcast_optimizer_state on a fresh optimizer ---------------------------------------
+
+
+class _Counting(torch.optim.Optimizer):
+    """An optimizer with a scalar (non-tensor) state entry and tuple/str options."""
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float], tag: str) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "tag": tag})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                st["count"] = st.get("count", 0) + 1
+                st["acc"] = st.get("acc", torch.zeros_like(p)) + p.grad
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+def _fresh_state(kind: str) -> dict[str, Any]:
+    r = rt.rank()
+    torch.manual_seed(7)
+    model = torch.nn.Linear(3, 2)
+    frozen = torch.nn.Linear(3, 1)
+    frozen.requires_grad_(False)
+    params = [*model.parameters(), *frozen.parameters()]
+    base: torch.optim.Optimizer
+    if kind == "adam":
+        base = torch.optim.Adam(params, lr=0.01 * (r + 1), betas=(0.9 - 0.1 * r, 0.99))
+    elif kind == "sgd":
+        base = torch.optim.SGD(params, lr=0.1 * (r + 1), momentum=0.9, weight_decay=0.5)
+    else:
+        base = _Counting(params, lr=0.1 * (r + 1), betas=(0.5 + r, 0.7), tag=f"rank{r}")
+    opt = rt.DistributedOptimizer(
+        base,
+        named_parameters=[*model.named_parameters()]
+        + [(f"frozen.{k}", v) for k, v in frozen.named_parameters()],
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    rt.broadcast_optimizer_state(opt, root_rank=0)
+    out: dict[str, Any] = {
+        "group": {k: v for k, v in base.param_groups[0].items() if k != "params"},
+        "state": {
+            i: {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in base.state[p].items()}
+            for i, p in enumerate(params)
+            if p in base.state
+        },
+        "grads": [None if p.grad is None else p.grad.tolist() for p in params],
+        "moved": [(p.detach() - b).tolist() for p, b in zip(model.parameters(), before)],
+        "before": [b.tolist() for b in before],
+    }
+    # The optimizer trains normally afterwards.
+    opt.zero_grad()
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    opt.remove_hooks()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd", "scalar"])
+def test_broadcast_state_of_fresh_optimizer(world: spawn.World, kind: str) -> None:
+    results = world.run(_fresh_state, kind)
+    root = results[0]
+    for res in results:
+        # Every rank ends with the root's options and the state one zero-gradient step makes.
+        assert res["group"] == root["group"]
+        assert res["state"] == root["state"]
+        assert sorted(res["state"]) == [0, 1], "state for the trainable parameters only"
+        zeros = [[0.0] * 3] * 2, [0.0] * 2
+        assert res["grads"][:2] == list(zeros) and res["grads"][2:] == [None, None]
+    st = root["state"][0]
+    if kind == "adam":
+        assert root["group"]["lr"] == 0.01 and root["group"]["betas"] == (0.9, 0.99)
+        assert st["step"] == 1.0 and st["exp_avg"] == [[0.0] * 3] * 2
+        for res in results:  # Adam on a zero gradient does not move the parameters
+            assert res["moved"] == [[[0.0] * 3] * 2, [0.0] * 2]
+    elif kind == "sgd":
+        # Horovod's step on zero gradients applies weight decay on every rank with its own lr:
+        # buf = wd * p, p -= lr * buf.
+        for r, res in enumerate(results):
+            lr = 0.1 * (r + 1)
+            w = torch.tensor(res["before"][0])
+            torch.testing.assert_close(torch.tensor(res["moved"][0]), -lr * 0.5 * w)
+        w0 = torch.tensor(root["before"][0])
+        torch.testing.assert_close(torch.tensor(st["momentum_buffer"]), 0.5 * w0)
+    else:
+        assert root["group"]["betas"] == (0.5, 0.7) and root["group"]["tag"] == "rank0"
+        assert st["count"] == 1 and st["acc"] == [[0.0] * 3] * 2
+
+
+def _lbfgs() -> str:
+    model = torch.nn.Linear(2, 1)
+    try:
+        rt.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), root_rank=0)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_lbfgs_state_is_refused(world: spawn.World) -> None:
+    for message in world.run(_lbfgs):
+        assert "LBFGS" in message
