@@ -8,11 +8,13 @@ onto :class:`ringtrain.config.Config` fields (``SETTING_FLAGS``), which reach ev
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ringtrain.config import LOG_LEVELS, Config, horovod_settings
 from ringtrain.errors import ConfigError
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
 from ringtrain.launch.options import BIND_CHOICES, MALLOC_CHOICES, LaunchOptions, SshOptions
@@ -86,8 +88,29 @@ SETTING_FLAGS = (
         int,
         "report the slowest rank every N steps (0: off)",
     ),
-    SettingFlag("--log-level", "log_level", str, "ringtrain's log level on the ranks"),
+    SettingFlag(
+        "--log-level",
+        "log_level",
+        str,
+        "ringtrain's log level on the ranks (Horovod's TRACE..FATAL accepted)",
+        lambda level: LOG_LEVELS.get(level.upper(), level),
+    ),
+    SettingFlag(
+        "--cache-capacity",
+        "cache_capacity",
+        int,
+        "distinct collectives negotiated by number instead of in full (0: off)",
+    ),
 )
+
+# horovodrun's flags that are not needed here: accepted, each with one line saying why.
+NOT_NEEDED = {
+    "gloo": "--gloo is not needed: ranks always talk over torch.distributed (Gloo on CPU)",
+    "mpi": "--mpi is not needed: ringtrain run starts the ranks itself; to start them with "
+    "mpirun instead, run `mpirun ... python train.py` (ringtrain reads Open MPI's variables)",
+    "disable_cache": "--disable-cache is not needed: ringtrain run keeps no cache of host checks "
+    "and checks every host on every start",
+}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -148,11 +171,76 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=None,
         help="do not check that ranks submit matching collectives",
     )
+    p.add_argument(
+        "--output-filename",
+        metavar="DIR",
+        help="also write each rank's output to DIR/rank.<rank>/stdout and stderr (horovodrun's "
+        "layout: ranks zero-padded to one width)",
+    )
     add_ssh_arguments(p)
     knobs = p.add_argument_group("job settings (each also a RINGTRAIN_* variable)")
     for f in SETTING_FLAGS:
         knobs.add_argument(f.flag, dest=f.field, type=f.type, help=f.help, metavar=_metavar(f))
+    _add_horovodrun_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs")
+
+
+def _add_horovodrun_arguments(p: argparse.ArgumentParser) -> None:
+    """horovodrun's spellings, so its command lines run unchanged (see docs/horovod.md)."""
+    hvd = p.add_argument_group("horovodrun's flags (same meaning)")
+    hvd.add_argument(
+        "--network-interfaces",
+        dest="network_interface",
+        metavar="NAMES",
+        help="same as --network-interface: interfaces, comma separated",
+    )
+    hvd.add_argument(
+        "--hierarchical-allreduce",
+        dest="hierarchical",
+        action="store_const",
+        const="on",
+        help="same as --hierarchical on",
+    )
+    hvd.add_argument(
+        "--no-hierarchical-allreduce",
+        dest="hierarchical",
+        action="store_const",
+        const="off",
+        help="same as --hierarchical off",
+    )
+    hvd.add_argument(
+        "--stall-check-warning-time-seconds",
+        dest="stall_warning_s",
+        type=float,
+        metavar="S",
+        help="same as --stall-warning-time",
+    )
+    hvd.add_argument(
+        "--stall-check-shutdown-time-seconds",
+        dest="stall_shutdown_s",
+        type=float,
+        metavar="S",
+        help="same as --stall-shutdown-time",
+    )
+    hvd.add_argument(
+        "--no-stall-check",
+        dest="stall_warning_s",
+        action="store_const",
+        const=0.0,
+        help="same as --stall-warning-time 0",
+    )
+    for name in NOT_NEEDED:
+        hvd.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            action="store_true",
+            help="accepted; not needed (a note says why)",
+        )
+
+
+def not_needed(args: argparse.Namespace) -> list[str]:
+    """One line for each horovodrun flag given that ringtrain does not need."""
+    return [line for name, line in NOT_NEEDED.items() if getattr(args, name, False)]
 
 
 def _metavar(f: SettingFlag) -> str:
@@ -206,18 +294,25 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         placement=args.placement,
         verbose=args.verbose,
         prefix_output=not args.no_prefix,
+        output_dir=args.output_filename,
     )
 
 
 def main(args: argparse.Namespace) -> int:
-    return Supervisor(options_from_args(args)).run()
+    options = options_from_args(args)
+    # A bad HOROVOD_* value or setting fails here once, before any rank starts.
+    horovod_settings(os.environ)
+    Config.from_env({}, **options.settings)
+    for line in not_needed(args):
+        print(f"ringtrain run: {line}", file=sys.stderr)
+    return Supervisor(options).run()
 
 
 def add_ssh_arguments(p: argparse.ArgumentParser) -> None:
     """The ssh flags, shared by every subcommand that reaches hosts (run, doctor)."""
     ssh = p.add_argument_group("ssh")
     ssh.add_argument("-p", "--ssh-port", type=int, help="ssh port on every host")
-    ssh.add_argument("--ssh-identity-file", help="ssh private key")
+    ssh.add_argument("-i", "--ssh-identity-file", help="ssh private key")
     ssh.add_argument("--ssh-config-file", help="ssh client config (ssh -F)")
     ssh.add_argument(
         "--ssh-accept-new-host-keys",
