@@ -14,6 +14,7 @@ def test_defaults_env_then_overrides() -> None:
     )
     assert c.cycle_time_ms == 2.0 and c.secure is True
     assert Config.from_env({}).fusion_threshold_bytes == 64 * 1024 * 1024
+    assert Config.from_env({}).cache_capacity == 8192
 
 
 def test_unknown_variable_is_an_error_naming_it() -> None:

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 
 from ringtrain import cli
+from ringtrain.errors import ConfigError, LaunchError
 from ringtrain.launch import rank_env
 from ringtrain.launch.command import not_needed, options_from_args
 from ringtrain.launch.hosts import Host
+from ringtrain.launch.network import Interface, plan_network
 
 
 def _parse(*argv: str):
@@ -34,7 +36,7 @@ def _same(horovod: list[str], ringtrain: list[str]) -> None:
 @pytest.mark.parametrize(
     ("horovod", "ringtrain"),
     [
-        (["--network-interfaces", "eth0,eth1"], ["--network-interface", "eth0,eth1"]),
+        (["--network-interfaces", "eth0"], ["--network-interface", "eth0"]),
         (["--hierarchical-allreduce"], ["--hierarchical", "on"]),
         (["--no-hierarchical-allreduce"], ["--hierarchical", "off"]),
         (["--fusion-threshold-mb", "32"], ["--fusion-threshold-mb", "32.0"]),
@@ -72,6 +74,29 @@ def test_horovodrun_flags_reach_config_settings() -> None:
         "cache_capacity": 0,
     }
     assert o.output_dir == "logs"
+
+
+def test_network_interfaces_limit_the_choice_per_host() -> None:
+    # horovodrun --network-interfaces eth7,eth0: the NICs the job may use; each host takes one.
+    _, o = _parse("-np", "2", "--network-interfaces", "eth7, eth0", "true")
+    assert o.interface_candidates == ("eth7", "eth0") and "network_interface" not in o.settings
+    view = {
+        "h0": [Interface("eth0", "198.18.0.10", 24), Interface("ib0", "10.9.0.10", 24)],
+        "h1": [Interface("eth7", "198.18.0.11", 24), Interface("ib0", "10.9.0.11", 24)],
+    }
+    hellos = {h: [i.to_dict() for i in ifaces] for h, ifaces in view.items()}
+    launcher = [Interface("eth0", "198.18.0.1", 24)]
+    _, env = plan_network(hellos, local=launcher, candidates=o.interface_candidates)
+    assert env["h0"]["GLOO_SOCKET_IFNAME"] == "eth0" and env["h1"]["GLOO_SOCKET_IFNAME"] == "eth7"
+    # Only ib0 allowed: the choice goes there, although eth* would do too.
+    _, env = plan_network(hellos, local=[Interface("ib0", "10.9.0.1", 24)], candidates=["ib0"])
+    assert {e["GLOO_SOCKET_IFNAME"] for e in env.values()} == {"ib0"}
+    with pytest.raises(LaunchError, match="host h1 has none of them"):
+        plan_network(hellos, local=launcher, candidates=["eth0"])
+    with pytest.raises(ConfigError, match="not both"):
+        _parse("-np", "2", "--network-interfaces", "a,b", "--network-interface", "a", "true")
+    with pytest.raises(ConfigError, match="empty entry"):
+        _parse("-np", "2", "--network-interfaces", "a,,b", "true")
 
 
 def test_horovodrun_placement_flags() -> None:
@@ -194,3 +219,10 @@ def test_output_filename_pads_ranks_to_one_width(tmp_path: Path) -> None:
 def test_bad_flag_value_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
     proc = _run("-np", "1", "--log-level", "LOUD", "true", env={}, cwd=tmp_path)
     assert proc.returncode == 2 and "log_level must be one of" in proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--min-np", "--autotune", "--config-file"])
+def test_horovodrun_flags_without_a_counterpart_are_refused(flag: str, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser(["run"]).parse_args(["run", "-np", "1", flag, "x", "true"])
+    assert e.value.code == 2 and f"unrecognized arguments: {flag}" in capsys.readouterr().err

@@ -190,9 +190,9 @@ def _add_horovodrun_arguments(p: argparse.ArgumentParser) -> None:
     hvd = p.add_argument_group("horovodrun's flags (same meaning)")
     hvd.add_argument(
         "--network-interfaces",
-        dest="network_interface",
         metavar="NAMES",
-        help="same as --network-interface: interfaces, comma separated",
+        help="interfaces the job may use, comma separated; ringtrain picks, per host, one of "
+        "them on a subnet every host shares (one name: same as --network-interface NAME)",
     )
     hvd.add_argument(
         "--hierarchical-allreduce",
@@ -277,6 +277,16 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         value = getattr(args, f.field)
         if value is not None:
             settings[f.field] = f.to_setting(value)
+    candidates = _interface_names(args.network_interfaces)
+    if candidates and "network_interface" in settings:
+        raise ConfigError(
+            "give --network-interface or --network-interfaces, not both.\n"
+            "HINT: --network-interfaces eth0,eth1 lets ringtrain pick among names; "
+            "--network-interface fixes one (or HOST=NAME,...)."
+        )
+    if len(candidates) == 1:
+        settings["network_interface"] = candidates[0]
+        candidates = ()
     if args.secure is not None:
         settings["secure"] = True
     if args.check_consistency is not None:
@@ -295,7 +305,19 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         verbose=args.verbose,
         prefix_output=not args.no_prefix,
         output_dir=args.output_filename,
+        interface_candidates=candidates,
     )
+
+
+def _interface_names(value: str | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    names = tuple(n.strip() for n in value.split(","))
+    if not all(names):
+        raise ConfigError(
+            f"--network-interfaces {value!r} has an empty entry.\nHINT: e.g. eth0,eth1"
+        )
+    return tuple(dict.fromkeys(names))
 
 
 def main(args: argparse.Namespace) -> int:

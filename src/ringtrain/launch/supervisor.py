@@ -302,6 +302,7 @@ class Supervisor:
             {lk.host.name: lk.hello.get("interfaces", []) for lk in self._links if lk.hello},
             iface,
             secure=bool(self.options.settings.get("secure")),
+            candidates=self.options.interface_candidates,
         )
 
     def _supervise(self) -> None:
