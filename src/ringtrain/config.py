@@ -11,6 +11,11 @@ Config field, which comes from ``RINGTRAIN_*`` (set by ``ringtrain run --fusion-
 
 Each field has exactly one variable twin: ``RINGTRAIN_`` + the field name in upper case.
 Unknown ``RINGTRAIN_*`` variables are rejected, so a typo is an error rather than a silent default.
+
+A Horovod job's variables work too: :data:`HOROVOD_VARS` (at the end) maps each ``HOROVOD_*`` knob
+that has a meaning here onto one field, in Horovod's unit, one level below ``RINGTRAIN_*`` (the
+twin wins when both are set); :data:`HOROVOD_UNUSED` lists the ones accepted without effect,
+which ``ringtrain run -v`` names (docs/horovod.md).
 This module imports nothing heavy: the launcher uses it too.
 """
 

@@ -81,15 +81,15 @@ def test_network_interfaces_limit_the_choice_per_host() -> None:
     _, o = _parse("-np", "2", "--network-interfaces", "eth7, eth0", "true")
     assert o.interface_candidates == ("eth7", "eth0") and "network_interface" not in o.settings
     view = {
-        "h0": [Interface("eth0", "198.18.0.10", 24), Interface("ib0", "10.9.0.10", 24)],
-        "h1": [Interface("eth7", "198.18.0.11", 24), Interface("ib0", "10.9.0.11", 24)],
+        "h0": [Interface("eth0", "198.18.0.10", 24), Interface("ib0", "198.19.0.10", 24)],
+        "h1": [Interface("eth7", "198.18.0.11", 24), Interface("ib0", "198.19.0.11", 24)],
     }
     hellos = {h: [i.to_dict() for i in ifaces] for h, ifaces in view.items()}
     launcher = [Interface("eth0", "198.18.0.1", 24)]
     _, env = plan_network(hellos, local=launcher, candidates=o.interface_candidates)
     assert env["h0"]["GLOO_SOCKET_IFNAME"] == "eth0" and env["h1"]["GLOO_SOCKET_IFNAME"] == "eth7"
     # Only ib0 allowed: the choice goes there, although eth* would do too.
-    _, env = plan_network(hellos, local=[Interface("ib0", "10.9.0.1", 24)], candidates=["ib0"])
+    _, env = plan_network(hellos, local=[Interface("ib0", "198.19.0.1", 24)], candidates=["ib0"])
     assert {e["GLOO_SOCKET_IFNAME"] for e in env.values()} == {"ib0"}
     with pytest.raises(LaunchError, match="host h1 has none of them"):
         plan_network(hellos, local=launcher, candidates=["eth0"])
@@ -226,3 +226,27 @@ def test_horovodrun_flags_without_a_counterpart_are_refused(flag: str, capsys) -
     with pytest.raises(SystemExit) as e:
         cli.build_parser(["run"]).parse_args(["run", "-np", "1", flag, "x", "true"])
     assert e.value.code == 2 and f"unrecognized arguments: {flag}" in capsys.readouterr().err
+
+
+def test_horovod_gloo_iface_picks_the_interface_on_remote_hosts() -> None:
+    from types import SimpleNamespace
+
+    from ringtrain.launch.supervisor import Supervisor
+
+    _, o = _parse("-np", "2", "-H", "h0:1,h1:1", "true")
+    sup = Supervisor(o, env={"HOROVOD_GLOO_IFACE": "ib0"})
+    ifaces = {"h0": "198.19.0.10", "h1": "198.19.0.11"}  # test-cluster space
+    sup._links = [
+        SimpleNamespace(
+            host=Host(h, 1),
+            hello={
+                "interfaces": [
+                    Interface("eth0", f"198.18.0.1{i}", 24).to_dict(),
+                    Interface("ib0", addr, 24).to_dict(),
+                ]
+            },
+        )
+        for i, (h, addr) in enumerate(ifaces.items())
+    ]
+    _, env = sup._network()
+    assert {h: e["GLOO_SOCKET_IFNAME"] for h, e in env.items()} == {"h0": "ib0", "h1": "ib0"}

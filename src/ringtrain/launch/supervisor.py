@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import IO, Any
 
-from ringtrain.config import horovod_unused, to_env
+from ringtrain.config import horovod_settings, horovod_unused, to_env
 from ringtrain.errors import LaunchError
 from ringtrain.launch import network, protocol, rank_env, transport
 from ringtrain.launch.hosts import Host
@@ -295,6 +295,7 @@ class Supervisor:
         iface = str(
             self.options.settings.get("network_interface")
             or self.env.get("RINGTRAIN_NETWORK_INTERFACE", "")
+            or horovod_settings(self.env).get("network_interface", "")  # HOROVOD_GLOO_IFACE
         )
         if self.options.is_local:
             return "127.0.0.1", {}
