@@ -32,8 +32,6 @@ from ringtrain.errors import ConfigError
 
 ENV_PREFIX = "RINGTRAIN_"
 
-# Variables that describe *where* a process runs (set by the launcher per rank). They are read by
-# ringtrain.runtime.environment, not by Config, and are listed so they are not taken for typos.
 # Python logging levels, and Horovod's two extra names for the nearest one.
 LOG_LEVELS = {
     "TRACE": "DEBUG",
@@ -45,6 +43,8 @@ LOG_LEVELS = {
     "CRITICAL": "CRITICAL",
 }
 
+# Variables that describe *where* a process runs (set by the launcher per rank). They are read by
+# ringtrain.runtime.environment, not by Config, and are listed so they are not taken for typos.
 PLACEMENT_VARS = frozenset(
     {
         "RINGTRAIN_RANK",
