@@ -159,7 +159,8 @@ hvd.shutdown()
 """
 
 
-def test_real_job_with_horovodrun_flags_and_horovod_variables(tmp_path: Path) -> None:
+@pytest.mark.parametrize("np", [2, 4])
+def test_real_job_with_horovodrun_flags_and_horovod_variables(tmp_path: Path, np: int) -> None:
     (tmp_path / "train.py").write_text(SCRIPT)
     env = {
         "HOROVOD_FUSION_THRESHOLD": "1048576",
@@ -172,12 +173,12 @@ def test_real_job_with_horovodrun_flags_and_horovod_variables(tmp_path: Path) ->
         "NCCL_IB_DISABLE": "1",
     }
     proc = _run(
-        "-np", "2", "--gloo", "-v", "--output-filename", "logs", "--no-hierarchical-allreduce",
+        "-np", str(np), "--gloo", "-v", "--output-filename", "logs", "--no-hierarchical-allreduce",
         "--cycle-time-ms", "4", sys.executable, "train.py", env=env, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # Flag (launcher) > HOROVOD_* (environment); RINGTRAIN_* > HOROVOD_*; TRACE reads as DEBUG.
-    for rank in (0, 1):
+    for rank in range(np):
         assert f"[{rank}] config 1048576 4.0 off 45.0 0 True" in proc.stdout
         assert f"[{rank}] cached 0" in proc.stdout  # HOROVOD_CACHE_CAPACITY=0: no cache
     # One line for --gloo, and the variables without meaning listed once.
@@ -186,8 +187,9 @@ def test_real_job_with_horovodrun_flags_and_horovod_variables(tmp_path: Path) ->
     assert len(unused) == 1
     assert "HOROVOD_MPI_THREADS_DISABLE" in unused[0] and "NCCL_IB_DISABLE" in unused[0]
     # horovodrun's --output-filename layout, unprefixed lines, console output kept.
-    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["rank.0", "rank.1"]
-    for rank in (0, 1):
+    ranks = [f"rank.{r}" for r in range(np)]
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ranks
+    for rank in range(np):
         out = (tmp_path / "logs" / f"rank.{rank}" / "stdout").read_text()
         assert out.startswith("config 1048576") and "cached 0" in out
         err = (tmp_path / "logs" / f"rank.{rank}" / "stderr").read_text()
