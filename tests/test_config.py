@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringtrain.config import Config, env_var, to_env
+from ringtrain.config import Config, env_var, horovod_unused, to_env
 from ringtrain.errors import ConfigError
 
 
@@ -14,6 +14,7 @@ def test_defaults_env_then_overrides() -> None:
     )
     assert c.cycle_time_ms == 2.0 and c.secure is True
     assert Config.from_env({}).fusion_threshold_bytes == 64 * 1024 * 1024
+    assert Config.from_env({}).cache_capacity == 8192
 
 
 def test_unknown_variable_is_an_error_naming_it() -> None:
@@ -44,3 +45,99 @@ def test_round_trip_through_env() -> None:
     c = Config.from_env(env)
     assert (c.secure, c.cycle_time_ms, c.timeline_filename) == (True, 3.5, "t.json")
     assert env_var("stall_warning_s") == "RINGTRAIN_STALL_WARNING_S"
+
+
+# ---- Horovod's variables ------------------------------------------------------------------------
+
+
+def test_horovod_variables_map_onto_config_in_horovods_units() -> None:
+    c = Config.from_env(
+        {
+            "HOROVOD_FUSION_THRESHOLD": "33554432",  # bytes
+            "HOROVOD_CYCLE_TIME": "3.5",  # milliseconds
+            "HOROVOD_TIMELINE": "/tmp/tl.json",
+            "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
+            "HOROVOD_STALL_CHECK_TIME_SECONDS": "20",
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "90",
+            "HOROVOD_GLOO_IFACE": "eth1",
+            "HOROVOD_LOG_LEVEL": "trace",
+            "HOROVOD_CACHE_CAPACITY": "0",
+        }
+    )
+    assert c.fusion_threshold_bytes == 32 * 1024 * 1024
+    assert c.cycle_time_ms == 3.5
+    assert c.timeline_filename == "/tmp/tl.json"
+    assert c.hierarchical == "on"
+    assert (c.stall_warning_s, c.stall_shutdown_s) == (20, 90)
+    assert c.network_interface == "eth1"
+    assert c.log_level == "DEBUG"  # Horovod's TRACE is below DEBUG; Python has no TRACE
+    assert c.cache_capacity == 0
+    assert Config.from_env({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}).hierarchical == "off"
+    assert Config.from_env({"HOROVOD_LOG_LEVEL": "FATAL"}).log_level == "CRITICAL"
+    # DYNAMIC: no file at init, hvd.start_timeline() starts one later (as in Horovod).
+    assert Config.from_env({"HOROVOD_TIMELINE": "DYNAMIC"}).timeline_filename == ""
+    # The stall check switched off outright beats its warning time.
+    off = {"HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_CHECK_TIME_SECONDS": "5"}
+    assert Config.from_env(off).stall_warning_s == 0
+    assert Config.from_env({"HOROVOD_STALL_CHECK_DISABLE": "0"}).stall_warning_s == 60
+
+
+def test_ringtrain_variable_wins_over_horovods_and_arguments_over_both() -> None:
+    env = {
+        "HOROVOD_FUSION_THRESHOLD": "1024",
+        "RINGTRAIN_FUSION_THRESHOLD_BYTES": "2048",
+        "HOROVOD_CYCLE_TIME": "7",
+    }
+    c = Config.from_env(env)
+    assert (c.fusion_threshold_bytes, c.cycle_time_ms) == (2048, 7.0)
+    assert Config.from_env(env, fusion_threshold_bytes=4096).fusion_threshold_bytes == 4096
+
+
+@pytest.mark.parametrize(
+    ("var", "raw", "expected"),
+    [
+        ("HOROVOD_FUSION_THRESHOLD", "64MB", "an integer of bytes"),
+        ("HOROVOD_FUSION_THRESHOLD", "-1", "an integer of bytes, >= 0"),
+        ("HOROVOD_CYCLE_TIME", "0", "a number of milliseconds, > 0"),
+        ("HOROVOD_HIERARCHICAL_ALLREDUCE", "maybe", "0 or 1"),
+        ("HOROVOD_STALL_CHECK_TIME_SECONDS", "1m", "an integer of seconds"),
+        ("HOROVOD_LOG_LEVEL", "LOUD", "TRACE, DEBUG, INFO, WARNING, ERROR, FATAL"),
+        ("HOROVOD_CACHE_CAPACITY", "lots", "an integer of requests"),
+    ],
+)
+def test_bad_horovod_value_names_the_variable(var: str, raw: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        Config.from_env({var: raw})
+    assert f"{var}={raw!r} is not valid" in str(e.value) and expected in str(e.value)
+    assert "RINGTRAIN_" in str(e.value)  # the hint names ringtrain's own twin
+
+
+def test_horovod_variables_without_meaning_are_listed_with_why() -> None:
+    env = {
+        "HOROVOD_MPI_THREADS_DISABLE": "1",
+        "NCCL_IB_DISABLE": "1",
+        "HOROVOD_AUTOTUNE": "1",
+        "HOROVOD_SOMETHING_NEW": "x",
+        # Mapped or placement: not listed.
+        "HOROVOD_CYCLE_TIME": "2",
+        "HOROVOD_RANK": "0",
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+        "PATH": "/bin",
+    }
+    listed = dict(horovod_unused(env))
+    assert set(listed) == {
+        "HOROVOD_MPI_THREADS_DISABLE",
+        "NCCL_IB_DISABLE",
+        "HOROVOD_AUTOTUNE",
+        "HOROVOD_SOMETHING_NEW",
+    }
+    assert "no MPI" in listed["HOROVOD_MPI_THREADS_DISABLE"]
+    assert "no effect on Gloo" in listed["NCCL_IB_DISABLE"]
+    assert listed["HOROVOD_SOMETHING_NEW"] == "not known to ringtrain"
+    Config.from_env(env)  # accepted: none of them is an error
+
+
+def test_log_level_is_checked_and_normalized() -> None:
+    assert Config(log_level="info").log_level == "INFO"
+    with pytest.raises(ConfigError, match="log_level must be one of"):
+        Config(log_level="chatty")

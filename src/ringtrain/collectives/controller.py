@@ -68,9 +68,9 @@ DOZE_AFTER_IDLE_CYCLES = 16
 DOORBELL_WAIT = datetime.timedelta(days=7)
 # Control messages up to this size travel in one allgather; longer ones take a second round.
 CONTROL_SLOT_BYTES = 8192
-# Requests that ran before travel as a number (Horovod's response cache): a training step's
-# hundreds of named collectives then cost a few bytes each to negotiate, not a pickled Request.
-CACHE_CAPACITY = 8192
+# Requests that ran before travel as a number (Horovod's response cache, up to
+# Config.cache_capacity of them): a training step's hundreds of named collectives then cost a few
+# bytes each to negotiate, not a pickled Request.
 JOIN_NAME = "__join__"
 
 
@@ -460,7 +460,7 @@ class Controller:
         """Cache a request every rank made alike. Called in the ready order, which every rank
         shares, so a number means the same request everywhere."""
         req = next(iter(by_rank.values()))
-        if req in self._cache_ids or len(self._cache) >= CACHE_CAPACITY:
+        if req in self._cache_ids or len(self._cache) >= self.config.cache_capacity:
             return
         if req.kind == "join" or any(r != req for r in by_rank.values()):
             return

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ringtrain.config import LOG_LEVELS, Config, horovod_settings
 from ringtrain.errors import ConfigError
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
 from ringtrain.launch.options import BIND_CHOICES, MALLOC_CHOICES, LaunchOptions, SshOptions
@@ -92,8 +93,29 @@ SETTING_FLAGS = (
         int,
         "report the slowest rank every N steps (0: off)",
     ),
-    SettingFlag("--log-level", "log_level", str, "ringtrain's log level on the ranks"),
+    SettingFlag(
+        "--log-level",
+        "log_level",
+        str,
+        "ringtrain's log level on the ranks (Horovod's TRACE..FATAL accepted)",
+        lambda level: LOG_LEVELS.get(level.upper(), level),
+    ),
+    SettingFlag(
+        "--cache-capacity",
+        "cache_capacity",
+        int,
+        "distinct collectives negotiated by number instead of in full (0: off)",
+    ),
 )
+
+# horovodrun's flags that are not needed here: accepted, each with one line saying why.
+NOT_NEEDED = {
+    "gloo": "--gloo is not needed: ranks always talk over torch.distributed (Gloo on CPU)",
+    "mpi": "--mpi is not needed: ringtrain run starts the ranks itself; to start them with "
+    "mpirun instead, run `mpirun ... python train.py` (ringtrain reads Open MPI's variables)",
+    "disable_cache": "--disable-cache is not needed: ringtrain run keeps no cache of host checks "
+    "and checks every host on every start",
+}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -154,11 +176,76 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=None,
         help="do not check that ranks submit matching collectives",
     )
+    p.add_argument(
+        "--output-filename",
+        metavar="DIR",
+        help="also write each rank's output to DIR/rank.<rank>/stdout and stderr (horovodrun's "
+        "layout: ranks zero-padded to one width)",
+    )
     add_ssh_arguments(p)
     knobs = p.add_argument_group("job settings (each also a RINGTRAIN_* variable)")
     for f in SETTING_FLAGS:
         knobs.add_argument(f.flag, dest=f.field, type=f.type, help=f.help, metavar=_metavar(f))
+    _add_horovodrun_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs")
+
+
+def _add_horovodrun_arguments(p: argparse.ArgumentParser) -> None:
+    """horovodrun's spellings, so its command lines run unchanged (see docs/horovod.md)."""
+    hvd = p.add_argument_group("horovodrun's flags (same meaning)")
+    hvd.add_argument(
+        "--network-interfaces",
+        metavar="NAMES",
+        help="interfaces the job may use, comma separated; ringtrain picks, per host, one of "
+        "them on a subnet every host shares (one name: same as --network-interface NAME)",
+    )
+    hvd.add_argument(
+        "--hierarchical-allreduce",
+        dest="hierarchical",
+        action="store_const",
+        const="on",
+        help="same as --hierarchical on",
+    )
+    hvd.add_argument(
+        "--no-hierarchical-allreduce",
+        dest="hierarchical",
+        action="store_const",
+        const="off",
+        help="same as --hierarchical off",
+    )
+    hvd.add_argument(
+        "--stall-check-warning-time-seconds",
+        dest="stall_warning_s",
+        type=float,
+        metavar="S",
+        help="same as --stall-warning-time",
+    )
+    hvd.add_argument(
+        "--stall-check-shutdown-time-seconds",
+        dest="stall_shutdown_s",
+        type=float,
+        metavar="S",
+        help="same as --stall-shutdown-time",
+    )
+    hvd.add_argument(
+        "--no-stall-check",
+        dest="stall_warning_s",
+        action="store_const",
+        const=0.0,
+        help="same as --stall-warning-time 0",
+    )
+    for name in NOT_NEEDED:
+        hvd.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            action="store_true",
+            help="accepted; not needed (a note says why)",
+        )
+
+
+def not_needed(args: argparse.Namespace) -> list[str]:
+    """One line for each horovodrun flag given that ringtrain does not need."""
+    return [line for name, line in NOT_NEEDED.items() if getattr(args, name, False)]
 
 
 def _metavar(f: SettingFlag) -> str:
@@ -195,6 +282,16 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         value = getattr(args, f.field)
         if value is not None:
             settings[f.field] = f.to_setting(value)
+    candidates = _interface_names(args.network_interfaces)
+    if candidates and "network_interface" in settings:
+        raise ConfigError(
+            "give --network-interface or --network-interfaces, not both.\n"
+            "HINT: --network-interfaces eth0,eth1 lets ringtrain pick among names; "
+            "--network-interface fixes one (or HOST=NAME,...)."
+        )
+    if len(candidates) == 1:
+        settings["network_interface"] = candidates[0]
+        candidates = ()
     if args.secure is not None:
         settings["secure"] = True
     if args.check_consistency is not None:
@@ -214,18 +311,37 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         placement=args.placement,
         verbose=args.verbose,
         prefix_output=not args.no_prefix,
+        output_dir=args.output_filename,
+        interface_candidates=candidates,
     )
 
 
+def _interface_names(value: str | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    names = tuple(n.strip() for n in value.split(","))
+    if not all(names):
+        raise ConfigError(
+            f"--network-interfaces {value!r} has an empty entry.\nHINT: e.g. eth0,eth1"
+        )
+    return tuple(dict.fromkeys(names))
+
+
 def main(args: argparse.Namespace) -> int:
-    return Supervisor(options_from_args(args)).run()
+    options = options_from_args(args)
+    # A bad HOROVOD_* value or setting fails here once, before any rank starts.
+    horovod_settings(os.environ)
+    Config.from_env({}, **options.settings)
+    for line in not_needed(args):
+        print(f"ringtrain run: {line}", file=sys.stderr)
+    return Supervisor(options).run()
 
 
 def add_ssh_arguments(p: argparse.ArgumentParser) -> None:
     """The ssh flags, shared by every subcommand that reaches hosts (run, doctor)."""
     ssh = p.add_argument_group("ssh")
     ssh.add_argument("-p", "--ssh-port", type=int, help="ssh port on every host")
-    ssh.add_argument("--ssh-identity-file", help="ssh private key")
+    ssh.add_argument("-i", "--ssh-identity-file", help="ssh private key")
     ssh.add_argument("--ssh-config-file", help="ssh client config (ssh -F)")
     ssh.add_argument(
         "--ssh-accept-new-host-keys",

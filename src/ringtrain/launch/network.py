@@ -402,6 +402,21 @@ def rendezvous_address(
     )
 
 
+def _only_named(
+    hosts: Mapping[str, Sequence[Interface]], names: Sequence[str]
+) -> dict[str, list[Interface]]:
+    out = {h: [i for i in ifaces if i.name in names] for h, ifaces in hosts.items()}
+    for h, kept in out.items():
+        if not kept and hosts[h]:
+            has = ", ".join(sorted({i.name for i in hosts[h]}))
+            raise LaunchError(
+                f"--network-interfaces {','.join(names)}: host {h} has none of them (it has "
+                f"{has}).\nHINT: list the names every host may use, or pick per host with "
+                "--network-interface HOST=NAME,..."
+            )
+    return out
+
+
 # ---- everything the launcher needs ---------------------------------------------------------------
 
 
@@ -421,17 +436,21 @@ def plan_network(
     secure: bool = False,
     local: Sequence[Interface] | None = None,
     reachable: Reachable | None = None,
+    candidates: Sequence[str] = (),
 ) -> tuple[str, dict[str, dict[str, str]]]:
     """The rendezvous address and each host's interface variables, from the agents' reports.
 
     ``per_host`` holds each host's interfaces as reported (dicts from the agents' hellos, or
     :class:`Interface`). ``local`` defaults to this machine's interfaces, except in secure mode
-    with an explicit ``spec``, where nothing is enumerated.
+    with an explicit ``spec``, where nothing is enumerated. ``candidates`` (horovodrun's
+    ``--network-interfaces a,b``) limits the automatic choice to interfaces of those names.
     """
     hosts = {
         h: [i if isinstance(i, Interface) else Interface.from_dict(i) for i in ifaces]
         for h, ifaces in per_host.items()
     }
+    if candidates and not spec.strip():
+        hosts = _only_named(hosts, candidates)
     chosen = resolve_spec(spec, hosts) if spec.strip() else choose(hosts, reachable)
     if local is None and not (secure and spec.strip()):
         with contextlib.suppress(OSError):

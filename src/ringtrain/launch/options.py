@@ -49,6 +49,10 @@ class LaunchOptions:
     placement: str = "host-major"  # or "round-robin": see ringtrain.launch.plan
     verbose: bool = False
     prefix_output: bool = True
+    # --output-filename: each rank's output is also written to DIR/rank.<rank>/{stdout,stderr}.
+    output_dir: str | None = None
+    # --network-interfaces a,b (horovodrun): the automatic choice considers only these names.
+    interface_candidates: tuple[str, ...] = ()
     # The interpreter that runs the agents (the same path on every host, as for the ranks).
     python: str = sys.executable
 

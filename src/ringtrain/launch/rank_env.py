@@ -37,6 +37,7 @@ FORWARDED = (
     "CUDA_VISIBLE_DEVICES",
     "HF_*",
     "RINGTRAIN_*",
+    "HOROVOD_*",  # a Horovod job's knobs (ringtrain.config maps them); placement is rewritten
 )
 
 

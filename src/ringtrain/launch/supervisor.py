@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import IO, Any
 
-from ringtrain.config import to_env
+from ringtrain.config import horovod_settings, horovod_unused, to_env
 from ringtrain.errors import LaunchError
 from ringtrain.launch import network, protocol, rank_env, transport
 from ringtrain.launch.hosts import Host
@@ -129,6 +129,7 @@ class Supervisor:
         self._interrupts = 0
         self._stop_deadline: float | None = None
         self._started_at = time.monotonic()
+        self._outputs: dict[tuple[int, int], IO[str]] = {}
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -140,6 +141,12 @@ class Supervisor:
         server = None
         try:
             self._log(f"job {self.job_id}: {describe(self.specs)}")
+            unused = horovod_unused(self.env)
+            if unused:
+                self._log(
+                    "accepted without effect here: "
+                    + "; ".join(f"{var} ({why})" for var, why in unused)
+                )
             server = RendezvousServer(
                 self.options.python,
                 float(self.options.settings.get("timeout_s") or 300.0),
@@ -162,6 +169,8 @@ class Supervisor:
                 link.kill()
             if server is not None:
                 server.close()
+            for f in self._outputs.values():
+                f.close()
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGINT, prior)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -286,6 +295,7 @@ class Supervisor:
         iface = str(
             self.options.settings.get("network_interface")
             or self.env.get("RINGTRAIN_NETWORK_INTERFACE", "")
+            or horovod_settings(self.env).get("network_interface", "")  # HOROVOD_GLOO_IFACE
         )
         if self.options.is_local:
             return "127.0.0.1", {}
@@ -293,6 +303,7 @@ class Supervisor:
             {lk.host.name: lk.hello.get("interfaces", []) for lk in self._links if lk.hello},
             iface,
             secure=bool(self.options.settings.get("secure")),
+            candidates=self.options.interface_candidates,
         )
 
     def _supervise(self) -> None:
@@ -405,11 +416,33 @@ class Supervisor:
     # ---- output ------------------------------------------------------------------------------
 
     def _print_line(self, rank: int, fd: int, line: str, end: str) -> None:
+        if self.options.output_dir:
+            self._output_file(rank, fd).write(line + end)
         stream = self.out if fd == 1 else self.err
         text = f"[{rank}] {line}" if self.options.prefix_output else line
         with contextlib.suppress(BrokenPipeError, ValueError):
             stream.write(text + end)
             stream.flush()
+
+    def _output_file(self, rank: int, fd: int) -> IO[str]:
+        """--output-filename DIR: DIR/rank.<rank>/stdout|stderr, as horovodrun lays them out
+        (ranks zero-padded to the width of the largest, so they sort in order)."""
+        f = self._outputs.get((rank, fd))
+        if f is None:
+            assert self.options.output_dir is not None
+            width = len(str(self.options.np - 1))
+            folder = os.path.join(self.options.output_dir, f"rank.{rank:0{width}d}")
+            try:
+                os.makedirs(folder, exist_ok=True)
+                f = open(  # noqa: SIM115 (closed when the job ends)
+                    os.path.join(folder, "stdout" if fd == 1 else "stderr"),
+                    "w",
+                    buffering=1,
+                )
+            except OSError as e:
+                raise LaunchError(f"--output-filename: cannot write {folder}: {e}") from None
+            self._outputs[(rank, fd)] = f
+        return f
 
     def _say(self, text: str) -> None:
         with contextlib.suppress(BrokenPipeError, ValueError):

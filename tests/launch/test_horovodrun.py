@@ -1,0 +1,254 @@
+"""horovodrun's command lines and HOROVOD_* environment under ``ringtrain run``.
+
+The flags are checked against their ringtrain counterparts in the pure planner (same options,
+same settings); one real job shows them reaching the ranks, with horovodrun's per-rank output
+files and the Horovod variables mapped onto every rank's Config.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ringtrain import cli
+from ringtrain.errors import ConfigError, LaunchError
+from ringtrain.launch import rank_env
+from ringtrain.launch.command import not_needed, options_from_args
+from ringtrain.launch.hosts import Host
+from ringtrain.launch.network import Interface, plan_network
+
+
+def _parse(*argv: str):
+    args = cli.build_parser(["run", *argv]).parse_args(["run", *argv])
+    return args, options_from_args(args)
+
+
+def _same(horovod: list[str], ringtrain: list[str]) -> None:
+    _, a = _parse(*horovod, "python", "train.py")
+    _, b = _parse(*ringtrain, "python", "train.py")
+    assert a == b
+
+
+@pytest.mark.parametrize(
+    ("horovod", "ringtrain"),
+    [
+        (["--network-interfaces", "eth0"], ["--network-interface", "eth0"]),
+        (["--hierarchical-allreduce"], ["--hierarchical", "on"]),
+        (["--no-hierarchical-allreduce"], ["--hierarchical", "off"]),
+        (["--fusion-threshold-mb", "32"], ["--fusion-threshold-mb", "32.0"]),
+        (["--cycle-time-ms", "5"], ["--cycle-time-ms", "5.0"]),
+        (["--timeline-filename", "t.json"], ["--timeline-filename", "t.json"]),
+        (["--log-level", "INFO"], ["--log-level", "info"]),
+        (["--stall-check-warning-time-seconds", "30"], ["--stall-warning-time", "30"]),
+        (["--stall-check-shutdown-time-seconds", "90"], ["--stall-shutdown-time", "90"]),
+        (["--no-stall-check"], ["--stall-warning-time", "0"]),
+        (["-i", "/k"], ["--ssh-identity-file", "/k"]),
+        (["--gloo"], []),
+        (["--mpi"], []),
+        (["--disable-cache"], []),
+    ],
+)
+def test_horovodrun_flag_plans_as_its_ringtrain_counterpart(
+    horovod: list[str], ringtrain: list[str]
+) -> None:
+    _same(["-np", "2", *horovod], ["-np", "2", *ringtrain])
+
+
+def test_horovodrun_flags_reach_config_settings() -> None:
+    _, o = _parse(
+        "-np", "2", "--fusion-threshold-mb", "32", "--cycle-time-ms", "5", "--hierarchical-allreduce",
+        "--network-interfaces", "eth0", "--timeline-filename", "t.json", "--log-level", "TRACE",
+        "--cache-capacity", "0", "--output-filename", "logs", "python", "train.py",
+    )  # fmt: skip
+    assert o.settings == {
+        "fusion_threshold_bytes": 32 * 1024 * 1024,  # horovodrun: MB * 1024 * 1024
+        "cycle_time_ms": 5.0,
+        "hierarchical": "on",
+        "network_interface": "eth0",
+        "timeline_filename": "t.json",
+        "log_level": "DEBUG",  # Horovod's TRACE: Python's nearest level
+        "cache_capacity": 0,
+    }
+    assert o.output_dir == "logs"
+
+
+def test_network_interfaces_limit_the_choice_per_host() -> None:
+    # horovodrun --network-interfaces eth7,eth0: the NICs the job may use; each host takes one.
+    _, o = _parse("-np", "2", "--network-interfaces", "eth7, eth0", "true")
+    assert o.interface_candidates == ("eth7", "eth0") and "network_interface" not in o.settings
+    view = {
+        "h0": [Interface("eth0", "198.18.0.10", 24), Interface("ib0", "198.19.0.10", 24)],
+        "h1": [Interface("eth7", "198.18.0.11", 24), Interface("ib0", "198.19.0.11", 24)],
+    }
+    hellos = {h: [i.to_dict() for i in ifaces] for h, ifaces in view.items()}
+    launcher = [Interface("eth0", "198.18.0.1", 24)]
+    _, env = plan_network(hellos, local=launcher, candidates=o.interface_candidates)
+    assert env["h0"]["GLOO_SOCKET_IFNAME"] == "eth0" and env["h1"]["GLOO_SOCKET_IFNAME"] == "eth7"
+    # Only ib0 allowed: the choice goes there, although eth* would do too.
+    _, env = plan_network(hellos, local=[Interface("ib0", "198.19.0.1", 24)], candidates=["ib0"])
+    assert {e["GLOO_SOCKET_IFNAME"] for e in env.values()} == {"ib0"}
+    with pytest.raises(LaunchError, match="host h1 has none of them"):
+        plan_network(hellos, local=launcher, candidates=["eth0"])
+    with pytest.raises(ConfigError, match="not both"):
+        _parse("-np", "2", "--network-interfaces", "a,b", "--network-interface", "a", "true")
+    with pytest.raises(ConfigError, match="empty entry"):
+        _parse("-np", "2", "--network-interfaces", "a,,b", "true")
+
+
+def test_horovodrun_placement_flags() -> None:
+    # horovodrun -np 4 -H a:2,b:2 -p 2222 --start-timeout 30 --verbose python train.py
+    _, o = _parse(
+        "-np", "4", "-H", "a:2,b:2", "-p", "2222", "--start-timeout", "30", "--verbose",
+        "python", "train.py",
+    )  # fmt: skip
+    assert o.hosts == (Host("a", 2), Host("b", 2)) and o.np == 4
+    assert (o.ssh.port, o.start_timeout_s, o.verbose) == (2222, 30.0, True)
+    assert o.command == ("python", "train.py")  # no "--" needed, as with horovodrun
+
+
+def test_horovodrun_hostfile(tmp_path: Path) -> None:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a slots=2\nb slots=2\n")  # horovodrun's format
+    _, o = _parse("-np", "4", "--hostfile", str(hostfile), "python", "train.py")
+    assert o.hosts == (Host("a", 2), Host("b", 2))
+
+
+def test_flags_not_needed_say_so_in_one_line_each() -> None:
+    args, _ = _parse("-np", "1", "--gloo", "--mpi", "--disable-cache", "true")
+    lines = not_needed(args)
+    assert len(lines) == 3 and all("is not needed" in line for line in lines)
+    assert not_needed(_parse("-np", "1", "true")[0]) == []
+
+
+def test_horovod_variables_are_forwarded_to_remote_hosts() -> None:
+    env = {"HOROVOD_CYCLE_TIME": "2", "SECRET": "s"}
+    assert rank_env.forwarded(env, []) == {"HOROVOD_CYCLE_TIME": "2"}
+
+
+def _run(*argv: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ringtrain", "run", *argv],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+    )
+
+
+SCRIPT = """
+import logging
+import torch
+import ringtrain.torch as hvd
+from ringtrain.runtime import state
+
+hvd.init()
+c = state.current().config
+for _ in range(3):
+    hvd.allreduce(torch.ones(2), name="same")
+controller = state.global_process_set.communicator.service("controller")
+print("config", c.fusion_threshold_bytes, c.cycle_time_ms, c.hierarchical, c.stall_warning_s,
+      c.cache_capacity, logging.getLogger("ringtrain").level == logging.DEBUG)
+print("cached", len(controller._cache))
+print("to stderr", hvd.rank(), file=__import__("sys").stderr)
+hvd.shutdown()
+"""
+
+
+@pytest.mark.parametrize("np", [2, 4])
+def test_real_job_with_horovodrun_flags_and_horovod_variables(tmp_path: Path, np: int) -> None:
+    (tmp_path / "train.py").write_text(SCRIPT)
+    env = {
+        "HOROVOD_FUSION_THRESHOLD": "1048576",
+        "HOROVOD_CYCLE_TIME": "2.5",
+        "HOROVOD_STALL_CHECK_TIME_SECONDS": "40",
+        "HOROVOD_CACHE_CAPACITY": "0",
+        "HOROVOD_LOG_LEVEL": "TRACE",
+        "RINGTRAIN_STALL_WARNING_S": "45",  # ringtrain's own variable wins
+        "HOROVOD_MPI_THREADS_DISABLE": "1",
+        "NCCL_IB_DISABLE": "1",
+    }
+    proc = _run(
+        "-np", str(np), "--gloo", "-v", "--output-filename", "logs", "--no-hierarchical-allreduce",
+        "--cycle-time-ms", "4", sys.executable, "train.py", env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Flag (launcher) > HOROVOD_* (environment); RINGTRAIN_* > HOROVOD_*; TRACE reads as DEBUG.
+    for rank in range(np):
+        assert f"[{rank}] config 1048576 4.0 off 45.0 0 True" in proc.stdout
+        assert f"[{rank}] cached 0" in proc.stdout  # HOROVOD_CACHE_CAPACITY=0: no cache
+    # One line for --gloo, and the variables without meaning listed once.
+    assert proc.stderr.count("--gloo is not needed") == 1
+    unused = [line for line in proc.stderr.splitlines() if "accepted without effect" in line]
+    assert len(unused) == 1
+    assert "HOROVOD_MPI_THREADS_DISABLE" in unused[0] and "NCCL_IB_DISABLE" in unused[0]
+    # horovodrun's --output-filename layout, unprefixed lines, console output kept.
+    ranks = [f"rank.{r}" for r in range(np)]
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ranks
+    for rank in range(np):
+        out = (tmp_path / "logs" / f"rank.{rank}" / "stdout").read_text()
+        assert out.startswith("config 1048576") and "cached 0" in out
+        err = (tmp_path / "logs" / f"rank.{rank}" / "stderr").read_text()
+        assert f"to stderr {rank}" in err
+
+
+def test_bad_horovod_value_stops_the_launch_once(tmp_path: Path) -> None:
+    proc = _run(
+        "-np", "2", sys.executable, "-c", "print('ran')",
+        env={"HOROVOD_FUSION_THRESHOLD": "64MB"}, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "ran" not in proc.stdout
+    assert proc.stderr.count("HOROVOD_FUSION_THRESHOLD='64MB' is not valid") == 1
+
+
+def test_output_filename_pads_ranks_to_one_width(tmp_path: Path) -> None:
+    from ringtrain.launch.supervisor import Supervisor
+
+    _, o = _parse("-np", "11", "--output-filename", str(tmp_path / "d"), "true")
+    sup = Supervisor(o)
+    sup._output_file(3, 2).write("x\n")
+    sup._output_file(10, 1).write("y\n")
+    for f in sup._outputs.values():
+        f.close()
+    assert (tmp_path / "d" / "rank.03" / "stderr").read_text() == "x\n"
+    assert (tmp_path / "d" / "rank.10" / "stdout").read_text() == "y\n"
+
+
+def test_bad_flag_value_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    proc = _run("-np", "1", "--log-level", "LOUD", "true", env={}, cwd=tmp_path)
+    assert proc.returncode == 2 and "log_level must be one of" in proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--min-np", "--autotune", "--config-file"])
+def test_horovodrun_flags_without_a_counterpart_are_refused(flag: str, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.build_parser(["run"]).parse_args(["run", "-np", "1", flag, "x", "true"])
+    assert e.value.code == 2 and f"unrecognized arguments: {flag}" in capsys.readouterr().err
+
+
+def test_horovod_gloo_iface_picks_the_interface_on_remote_hosts() -> None:
+    from types import SimpleNamespace
+
+    from ringtrain.launch.supervisor import Supervisor
+
+    _, o = _parse("-np", "2", "-H", "h0:1,h1:1", "true")
+    sup = Supervisor(o, env={"HOROVOD_GLOO_IFACE": "ib0"})
+    ifaces = {"h0": "198.19.0.10", "h1": "198.19.0.11"}  # test-cluster space
+    sup._links = [
+        SimpleNamespace(
+            host=Host(h, 1),
+            hello={
+                "interfaces": [
+                    Interface("eth0", f"198.18.0.1{i}", 24).to_dict(),
+                    Interface("ib0", addr, 24).to_dict(),
+                ]
+            },
+        )
+        for i, (h, addr) in enumerate(ifaces.items())
+    ]
+    _, env = sup._network()
+    assert {h: e["GLOO_SOCKET_IFNAME"] for h, e in env.items()} == {"h0": "ib0", "h1": "ib0"}
