@@ -267,11 +267,22 @@ def _ssh_config(cluster: tc.Cluster, names: dict[str, str], tmp_path: Path) -> P
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI (Debian openmpi-bin)")
-def test_mpijob_trains_on_namespace_hosts(make_cluster: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("secure", "slots", "stdin"),
+    [(True, 1, False), (False, 2, True)],
+    ids=["secure-1slot-no-stdin", "plain-2slots"],
+)
+def test_mpijob_trains_on_namespace_hosts(
+    make_cluster: Any, tmp_path: Path, secure: bool, slots: int, stdin: bool
+) -> None:
+    """``no-stdin`` starts Open MPI's daemons with ``ssh -n`` (stdin at EOF from the start), as
+    MPIJob v1's ``kubexec.sh`` does with ``kubectl exec`` without ``-i``: ranks must not care."""
     out = tmp_path / "out"
     out.mkdir()
-    spec = describe(out, secure=True)
-    secret, job = manifests.generate(spec, "mpijob", KEY)
+    spec = describe(out, secure=secure, slots=slots, cpus=slots)
+    docs = manifests.generate(spec, "mpijob", KEY if secure else None)
+    secret = next((d for d in docs if d["kind"] == "Secret"), None)
+    (job,) = [d for d in docs if d["kind"] == "MPIJob"]
     workers = operators.mpijob_workers(job)
     cluster = make_cluster(1 + len(workers))
     names = {w: h.name for w, h in zip(workers, cluster.hosts[1:])}
@@ -282,24 +293,15 @@ def test_mpijob_trains_on_namespace_hosts(make_cluster: Any, tmp_path: Path) -> 
     launcher = operators.mpijob_launcher(job, str(hostfile))
     env = {**_base_env(), **launcher.env}
     rsh = env["OMPI_MCA_plm_rsh_args"]
-    env["OMPI_MCA_plm_rsh_args"] = f"-F {_ssh_config(cluster, names, tmp_path)} {rsh}"
+    no_stdin = "" if stdin else "-n "
+    env["OMPI_MCA_plm_rsh_args"] = f"{no_stdin}-F {_ssh_config(cluster, names, tmp_path)} {rsh}"
     with _secret_volume(secret, tmp_path) as volume:
-        assert volume is not None
         # The worker pods' container is sshd: the key volume goes into its mount namespace,
-        # where the ranks mpirun starts over ssh will look for it.
-        for h in cluster.hosts[1:]:
+        # where the ranks mpirun starts over ssh look for it.
+        for h in cluster.hosts[1:] if volume is not None else []:
             subprocess.run(
-                [
-                    "nsenter",
-                    "-t",
-                    str(cluster.sshd_pid(h.name)),
-                    "-m",
-                    "--",
-                    "mount",
-                    "--bind",
-                    str(volume),
-                    manifests.KEY_DIR,
-                ],
+                ["nsenter", "-t", str(cluster.sshd_pid(h.name)), "-m", "--"]
+                + ["mount", "--bind", str(volume), manifests.KEY_DIR],
                 check=True,
                 capture_output=True,
                 timeout=30,
