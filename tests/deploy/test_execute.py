@@ -299,9 +299,9 @@ def test_mpijob_trains_on_namespace_hosts(
         # The worker pods' container is sshd: the key volume goes into its mount namespace,
         # where the ranks mpirun starts over ssh look for it.
         for h in cluster.hosts[1:] if volume is not None else []:
+            enter = ["nsenter", "-t", str(cluster.sshd_pid(h.name)), "-m", "--"]
             subprocess.run(
-                ["nsenter", "-t", str(cluster.sshd_pid(h.name)), "-m", "--"]
-                + ["mount", "--bind", str(volume), manifests.KEY_DIR],
+                [*enter, "mount", "--bind", str(volume), manifests.KEY_DIR],
                 check=True,
                 capture_output=True,
                 timeout=30,
