@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tomllib
 import yaml
 
 from ringtrain.cli import main as cli
@@ -205,6 +204,7 @@ class _Python:
 def _render(text: str) -> dict[str, Any]:
     """The template as gramine-manifest renders it (Jinja with its helpers), parsed as TOML."""
     jinja2 = pytest.importorskip("jinja2")
+    tomllib = pytest.importorskip("tomllib")
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     rendered = env.from_string(text).render(
         entrypoint="/usr/bin/python3.11",

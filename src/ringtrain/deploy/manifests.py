@@ -215,9 +215,9 @@ def mpirun_command(spec: JobSpec) -> list[str]:
         **spec.env,
     }
     argv = ["mpirun", "--allow-run-as-root", "-np", str(spec.world_size)]
-    # Each rank bound to its share of the worker's exclusive cores.
-    argv += ["--map-by", f"slot:PE={spec.threads_per_rank}", "--bind-to", "core"]
-    argv += ["-x", "PATH"]
+    # Placement on cores is the CPU manager's (the pod's cpuset): mpirun binding inside a pod
+    # would pin ranks of pods sharing a node to the same cores where the policy is not static.
+    argv += ["--map-by", "slot", "--bind-to", "none", "-x", "PATH"]
     for name, value in forwarded.items():
         argv += ["-x", f"{name}={value}"]
     return [*argv, *rank_command(spec)]
