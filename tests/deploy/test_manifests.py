@@ -153,8 +153,9 @@ def test_the_secret_holds_the_key_as_a_key_file_does(tmp_path: Path) -> None:
     assert keys.load_job_key(config, env={}) == KEY
     # With an fsGroup the kubelet would make it 0440: refused, which is why pods set none.
     path.chmod(0o440)
-    with pytest.raises(keys.SecurityError, match="group or others"):
+    with pytest.raises(keys.SecurityError, match="group or others") as refused:
         keys.load_job_key(config, env={})
+    assert "fsGroup" in str(refused.value)  # the hint names the cause on Kubernetes
 
 
 @pytest.mark.parametrize("slots", [1, 2])
@@ -386,3 +387,35 @@ def test_kubectl_kustomize_renders_the_output_offline(tmp_path: Path) -> None:
     rendered = {d["kind"]: d for d in yaml.safe_load_all(built.stdout)}
     assert rendered["PyTorchJob"] == yaml.safe_load(to_yaml(docs[1:]))
     assert rendered["Secret"]["data"] == docs[0]["data"]
+
+
+def test_cli_refuses_a_key_file_others_can_read(tmp_path: Path, capsys: Any) -> None:
+    key_file = tmp_path / "job.key"
+    keys.write_key_file(key_file, KEY)
+    key_file.chmod(0o644)
+    argv = ["k8s", "--name", "demo", "--image", "img", "--command", "python t.py", "--secure"]
+    assert cli([*argv, "--key-file", str(key_file), "--out", str(tmp_path / "o")]) == 2
+    assert "group or others" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_names_an_unknown_setting(capsys: Any) -> None:
+    argv = ["k8s", "--name", "demo", "--image", "img", "--command", "python t.py"]
+    assert cli([*argv, "--set", "compresion=fp16"]) == 2
+    assert "--set compresion: unknown ringtrain setting" in capsys.readouterr().err
+
+
+def test_numbers_in_the_command_become_arguments() -> None:
+    spec = JobSpec.from_mapping(
+        {**BASE, "command": ["python", "t.py", "--epochs", 10, "--lr", 0.5]}
+    )
+    assert spec.command == ("python", "t.py", "--epochs", "10", "--lr", "0.5")
+
+
+def test_without_pyyaml_the_command_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml now raises ImportError
+    argv = ["k8s", "--name", "demo", "--image", "img", "--command", "python t.py"]
+    assert cli(argv) == 2
+    assert "pip install 'ringtrain[k8s]'" in capsys.readouterr().err

@@ -112,6 +112,12 @@ def _typed(settings: dict[str, str]) -> dict[str, Any]:
     """``--set`` values parsed as their Config field's type (via the RINGTRAIN_* parser)."""
     from ringtrain.config import Config, env_var
 
+    known = set(Config.__dataclass_fields__)
+    for name in settings:
+        if name not in known:
+            raise ConfigError(
+                f"--set {name}: unknown ringtrain setting.\nHINT: known: {', '.join(sorted(known))}."
+            )
     parsed = Config.from_env({env_var(k): v for k, v in settings.items()})
     return {k: getattr(parsed, k) for k in settings}
 

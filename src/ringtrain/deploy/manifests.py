@@ -47,7 +47,6 @@ PYTORCH_PORT_NAME = "pytorchjob-port"
 # the trainer step.
 TRAINER_CONTAINER = "node"
 TRAINER_ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
-MPI_RENDEZVOUS_PORT = 29500
 MPI_HOSTFILE = "/etc/mpi/hostfile"
 SSH_DIR = "/root/.ssh"
 # Intel's SGX device plugin: EPC memory, the enclave device, and the provisioning device
@@ -208,7 +207,7 @@ def mpirun_command(spec: JobSpec) -> list[str]:
     """The launcher's command: mpirun over the operator's hostfile, forwarding what ranks need."""
     forwarded = {
         "MASTER_ADDR": mpi_worker_host(spec, 0),
-        "MASTER_PORT": str(MPI_RENDEZVOUS_PORT),
+        "MASTER_PORT": str(spec.port),
         "OMP_NUM_THREADS": str(spec.threads_per_rank),
         "PYTHONUNBUFFERED": "1",
         **spec.ringtrain_env(KEY_FILE),

@@ -61,7 +61,8 @@ class JobSpec:
     secure: bool = False
     # The pods' network interface for ringtrain's traffic (RINGTRAIN_NETWORK_INTERFACE).
     interface: str = "eth0"
-    # The rendezvous port on rank 0's pod (MASTER_PORT). 23456 is the PyTorchJob default.
+    # The rendezvous port on rank 0's pod (MASTER_PORT) of PyTorchJob and MPIJob (TrainJob's is
+    # the operator's). 23456 is the PyTorchJob default.
     port: int = 23456
     # Run every rank inside an SGX enclave with Gramine (implies secure).
     sgx: bool = False
@@ -174,7 +175,12 @@ class JobSpec:
                 f"{where}: command must be a list of arguments, got the string {command!r}.\n"
                 f'HINT: command: {command.split()!r} (YAML) or --command "{command}" (CLI).'
             )
-        values["command"] = tuple(command)
+        if not isinstance(command, list | tuple):
+            raise ConfigError(f"{where}: command must be a list of arguments, got {command!r}")
+        # YAML reads `--epochs, 10` as a number; an argv holds strings.
+        values["command"] = tuple(
+            str(a) if isinstance(a, int | float) and not isinstance(a, bool) else a for a in command
+        )
         for key in ("settings", "env"):
             if key in values and not isinstance(values[key], Mapping):
                 raise ConfigError(f"{where}: {key} must be a mapping, got {values[key]!r}")
