@@ -34,11 +34,12 @@ from ringtrain.testing.netns import ETC_NETNS
 
 from . import operators, train_tiny
 
-pytestmark = pytest.mark.cluster
+# A job's own limit, and the test's above it (cluster set-up and checks included).
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 PY = sys.executable
 SCRIPT = Path(__file__).with_name("train_tiny.py")
 STEPS = 4
-JOB_TIMEOUT_S = 240.0
+JOB_TIMEOUT_S = 200.0
 KEY = bytes(range(100, 132))
 
 
