@@ -419,3 +419,16 @@ def test_without_pyyaml_the_command_says_what_to_install(
     argv = ["k8s", "--name", "demo", "--image", "img", "--command", "python t.py"]
     assert cli(argv) == 2
     assert "pip install 'ringtrain[k8s]'" in capsys.readouterr().err
+
+
+def test_the_command_never_imports_torch(tmp_path: Path) -> None:
+    """Manifests are written where torch may not be installed (a laptop, a CI job)."""
+    code = (
+        "import sys; from ringtrain.cli import main; "
+        f"rc = main(['k8s', '--name', 'a', '--image', 'i', '--command', 'python t.py', "
+        f"'--sgx', '--out', {str(tmp_path)!r}]); "
+        "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'torch imported'; "
+        "sys.exit(rc)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

@@ -16,6 +16,7 @@ from typing import Any
 
 from ringtrain.config import Config, to_env
 from ringtrain.errors import ConfigError
+from ringtrain.launch.tuning import HostFacts, tune
 
 TARGETS = ("pytorchjob", "mpijob", "trainjob")
 # Kubernetes names: DNS-1035 labels. Pod names add "-worker-12", Services "-worker", Secrets
@@ -142,8 +143,11 @@ class JobSpec:
 
     @property
     def threads_per_rank(self) -> int:
-        """OMP_NUM_THREADS of every rank: the pod's exclusive cores shared out evenly."""
-        return self.cpus // self.slots
+        """OMP_NUM_THREADS of every rank: ``ringtrain run``'s thread plan for a host with the
+        pod's cores and ``slots`` ranks (each rank its share of the cores)."""
+        facts = HostFacts(hostname=self.name, cpus=tuple(range(self.cpus)))
+        plan = tune(facts, self.slots, bind_to="auto", malloc="system", user_env={})
+        return int(plan[0].env["OMP_NUM_THREADS"])
 
     def ringtrain_env(self, key_file: str) -> dict[str, str]:
         """The RINGTRAIN_* variables every rank gets (settings, secure mode, interface)."""
