@@ -27,7 +27,6 @@ from ringtrain.testing import cluster as tc
 from ringtrain.testing.cluster import DOCKER0, HostSpec
 
 pytestmark = [
-    pytest.mark.cluster,
     pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI (openmpi-bin)"),
     pytest.mark.timeout(300),  # above _run's own limit, so a hung job is stopped and reported
 ]
@@ -94,6 +93,7 @@ def test_mpirun_on_one_host_needs_no_variables(tmp_path: Path) -> None:
     assert res[0]["checksum"] == res[1]["checksum"]
 
 
+@pytest.mark.cluster
 def test_mpirun_across_two_hosts_needs_no_variables(cluster: tc.Cluster, tmp_path: Path) -> None:
     def popen(argv: Sequence[str]) -> subprocess.Popen[str]:
         # mpirun runs on h0, as on an MPIJob launcher that is also a worker; it reaches h1 by ssh.
