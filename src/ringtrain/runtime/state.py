@@ -17,12 +17,15 @@ import socket
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ringtrain.config import Config
 from ringtrain.errors import ConfigError, LaunchEnvironmentError, NotInitializedError
+from ringtrain.launch import cpu_limits
 from ringtrain.runtime import communicator, environment, topology
 from ringtrain.runtime.environment import Placement
 from ringtrain.runtime.process_sets import ProcessSet
@@ -122,6 +125,7 @@ def start(
         )
         try:
             topo = _measure_topology(placement, env)
+            fit_threads_to_quota(env, topo.local_size(placement.rank))
             world = ProcessSet(None)
             comm = communicator.create(
                 WORLD_SET_ID,
@@ -289,6 +293,35 @@ def _new_store(p: Placement, addr: str, port: int, is_master: bool, config: Conf
             "HINT: check that the address is reachable from every host and the port is free; "
             "`ringtrain doctor` checks both."
         ) from e
+
+
+def fit_threads_to_quota(
+    env: Mapping[str, str], local_size: int, root: Path = cpu_limits.ROOT
+) -> int | None:
+    """Cap torch's threads at this rank's share of the cgroup CPU quota; the new count, if cut.
+
+    Ranks that ``ringtrain run`` did not start (mpirun, torchrun, a pod) get no thread plan, and
+    torch starts one thread per core of the affinity mask: in a shared CPU pool that is every
+    core of the node, far more than the quota lets run. A user's OMP_NUM_THREADS is kept.
+    """
+    if "OMP_NUM_THREADS" in env:
+        return None
+    quota = cpu_limits.cpu_quota(root)
+    if quota is None:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, cpu_limits.cpu_budget(cores or 1, quota) // max(1, local_size))
+    if torch.get_num_threads() <= share:
+        return None
+    log.info(
+        "cgroup CPU quota %.3g CPUs for %d rank(s) here: torch threads %d -> %d",
+        quota,
+        local_size,
+        torch.get_num_threads(),
+        share,
+    )
+    torch.set_num_threads(share)
+    return share
 
 
 def _measure_topology(p: Placement, env: Mapping[str, str]) -> Topology:
