@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -160,9 +161,11 @@ def test_plan_in_a_shared_pool_sizes_threads_by_the_quota_and_binds_nothing() ->
     )
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a cgroup")
-def test_real_cgroup_quota_is_read_and_planned(tmp_path: Path) -> None:
-    """Optional: where this machine lets root make a child cgroup with a CPU quota."""
+def _in_quota_cgroup(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` inside a fresh child cgroup with 1.5 CPUs of quota (v2 or v1); skips the test
+    where this machine does not let root make one."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a cgroup")
     name = f"ringtrain-test-{uuid.uuid4().hex[:8]}"
     candidates = [
         (Path("/sys/fs/cgroup") / name, "cpu.max", "150000 100000"),  # v2
@@ -181,20 +184,36 @@ def test_real_cgroup_quota_is_read_and_planned(tmp_path: Path) -> None:
                 (d / knob).write_text(value)
             except OSError:
                 continue
-            code = "from ringtrain.launch import agent; print(agent.host_facts()['cpu_quota'])"
-            # The child joins the cgroup itself, then reports what the agent would send.
-            wrapper = f'echo $$ > {d / "cgroup.procs"} && exec {sys.executable} -c "$0"'
+            # The child joins the cgroup itself, then runs the command.
+            join = f'echo $$ > {d / "cgroup.procs"} && exec "$@"'
             out = subprocess.run(
-                ["sh", "-c", wrapper, code], capture_output=True, text=True, timeout=60
+                ["sh", "-c", join, "sh", *argv], capture_output=True, text=True, timeout=timeout
             )
             if out.returncode != 0 and "cgroup.procs" in out.stderr:
                 continue
-            assert out.returncode == 0, out.stderr
-            assert float(out.stdout.strip()) == 1.5
-            return
+            return out
         finally:
             d.rmdir()
     pytest.skip("this machine does not let us make a cgroup with a CPU quota")
+
+
+def test_real_cgroup_quota_is_what_the_agent_reports() -> None:
+    """Optional: where this machine lets root make a child cgroup with a CPU quota."""
+    code = "from ringtrain.launch import agent; print(agent.host_facts()['cpu_quota'])"
+    out = _in_quota_cgroup([sys.executable, "-c", code])
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip()) == 1.5
+
+
+def test_real_cgroup_quota_is_flagged_by_the_doctor() -> None:
+    """The doctor, run in a 1.5-CPU cgroup on a machine with more cores, calls it shared."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores, so that a 1.5-CPU quota is smaller than the cores")
+    argv = [sys.executable, "-m", "ringtrain", "doctor", "--json", "--no-allreduce"]
+    out = _in_quota_cgroup(argv)
+    report = json.loads(out.stdout)
+    assert report["hosts"][0]["facts"]["cpu"]["quota"] == 1.5
+    assert any("CPU quota of 1.5 CPUs" in w for w in report["warnings"]), report["warnings"]
 
 
 def test_ranks_not_started_by_ringtrain_fit_torch_threads_to_the_quota(tmp_path: Path) -> None:
