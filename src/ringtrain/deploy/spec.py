@@ -145,7 +145,8 @@ class JobSpec:
     def threads_per_rank(self) -> int:
         """OMP_NUM_THREADS of every rank: ``ringtrain run``'s thread plan for a host with the
         pod's cores and ``slots`` ranks (each rank its share of the cores)."""
-        facts = HostFacts(hostname=self.name, cpus=tuple(range(self.cpus)))
+        # A Guaranteed pod: a cpuset of `cpus` cores and a CFS quota of as many CPUs.
+        facts = HostFacts(self.name, tuple(range(self.cpus)), cpu_quota=float(self.cpus))
         plan = tune(facts, self.slots, bind_to="auto", malloc="system", user_env={})
         return int(plan[0].env["OMP_NUM_THREADS"])
 
