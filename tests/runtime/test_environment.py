@@ -65,9 +65,37 @@ def test_open_mpi() -> None:
     )
 
 
-def test_mpi_without_rendezvous_explains_what_to_set() -> None:
-    with pytest.raises(LaunchEnvironmentError, match=r"MASTER_ADDR.*mpirun -x"):
-        detect({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"})
+def test_mpirun_on_one_host_derives_a_loopback_rendezvous_from_the_job_id() -> None:
+    env = {
+        "OMPI_COMM_WORLD_RANK": "1",
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "OMPI_MCA_ess_base_jobid": "496631809",
+    }
+    p = detect(env)
+    assert (p.rendezvous_addr, p.rendezvous_via) == ("127.0.0.1", None)
+    # Every rank of the job gets the same port, below Linux's ephemeral range (32768-).
+    assert p.rendezvous_port == detect({**env, "OMPI_COMM_WORLD_RANK": "0"}).rendezvous_port
+    assert 20000 <= p.rendezvous_port < 32768
+    other = detect({**env, "OMPI_MCA_ess_base_jobid": "496631810"})
+    assert other.rendezvous_port != p.rendezvous_port
+    assert detect({**env, "MASTER_PORT": "4100"}).rendezvous_port == 4100
+
+
+def test_mpirun_across_hosts_leaves_the_rendezvous_to_mpi() -> None:
+    env = {
+        "OMPI_COMM_WORLD_RANK": "2",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    }
+    p = detect(env)
+    assert (p.rank, p.size, p.rendezvous_via, p.rendezvous_port) == (2, 4, "mpi", 0)
+    assert detect({**env, "MASTER_PORT": "4100"}).rendezvous_port == 4100
+    # An explicit address wins: no MPI exchange.
+    given = detect({**env, "MASTER_ADDR": "10.0.0.5"})
+    assert (given.rendezvous_addr, given.rendezvous_via) == ("10.0.0.5", None)
 
 
 def test_mpich_pmi() -> None:

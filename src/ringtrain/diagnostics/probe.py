@@ -92,9 +92,10 @@ def _preloaded() -> list[str]:
 
 def facts() -> dict[str, Any]:
     """Everything the doctor shows about this host."""
-    from ringtrain.launch import agent, network
+    from ringtrain.launch import agent, cpu_limits, network
 
     base = agent.host_facts()
+    siblings = cpu_limits.smt_siblings(base["cpus"])
     logical = psutil.cpu_count(logical=True) or len(base["cpus"])
     physical = psutil.cpu_count(logical=False) or logical
     per_core = max(1, round(logical / physical))
@@ -110,6 +111,10 @@ def facts() -> dict[str, Any]:
             "threads_per_core": per_core,
             "hyperthreading": per_core > 1,
             "usable": len(base["cpus"]),  # this process's affinity (cgroups, taskset)
+            "cpus": base["cpus"],
+            "quota": base["cpu_quota"],  # CPUs' worth of time (cgroup cpu.max), or None
+            # Hardware threads of one core, as groups of CPU numbers (only cores with 2+).
+            "smt_groups": sorted({s for s in siblings.values() if len(s) > 1}),
             "model": _cpu_model(),
         },
         "numa_nodes": base["numa_nodes"],

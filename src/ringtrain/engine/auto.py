@@ -25,7 +25,6 @@ is finished, at the same step on every rank.
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from ringtrain.compression import policy
 from ringtrain.compression.policy import AutoCompression, Decision, Measurement
 from ringtrain.compression.powersgd import make_layout
 from ringtrain.engine.buckets import Plan
+from ringtrain.launch import cpu_limits
 
 log = logging.getLogger("ringtrain")
 
@@ -207,11 +207,7 @@ class AutoTuner:
 def _spare_core() -> bool:
     """Whether this rank may run on more cores than torch's threads use (a reducer thread can
     then work beside backward)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux: count the machine's
-        cores = os.cpu_count() or 1
-    return cores > torch.get_num_threads()
+    return cpu_limits.usable_cpus() > torch.get_num_threads()  # affinity, capped by cgroup quota
 
 
 def _measurement(

@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import psutil
 
-from ringtrain.launch import network, protocol
+from ringtrain.launch import cpu_limits, network, protocol
 from ringtrain.launch.tuning import ALLOCATORS, LIB_DIRS
 
 TAIL_LINES = 20
@@ -51,6 +51,7 @@ def host_facts() -> dict[str, Any]:
         "cpus": cpus or list(range(os.cpu_count() or 1)),
         "numa_nodes": nodes,
         "allocators": allocators,
+        "cpu_quota": cpu_limits.cpu_quota(),
         "python": sys.version.split()[0],
         "pid": os.getpid(),
     }

@@ -254,6 +254,7 @@ class Supervisor:
                 cpus=tuple(f.get("cpus", ())),
                 numa_nodes=tuple(tuple(n) for n in f.get("numa_nodes", ())),
                 allocators=f.get("allocators", {}),
+                cpu_quota=f.get("cpu_quota"),
             )
             base = (
                 rank_env.explicit(self.env, self.options.forward_env)

@@ -4,6 +4,11 @@ Ranks that share cores fight: each PyTorch process starts one OpenMP thread per 
 so four ranks on eight cores run 32 busy threads. Giving each rank its own cores and setting
 ``OMP_NUM_THREADS`` to their number removes that contention. All of this is pure: it takes the
 facts an agent reports about its host and returns what each rank should get.
+
+A cgroup CPU quota (:mod:`ringtrain.launch.cpu_limits`) caps the plan too. With a quota smaller
+than the cores in the affinity mask (a pod in Kubernetes' shared CPU pool), threads are sized by
+the quota, and ``auto`` binds nothing: the cores are shared with other pods, so pinning a rank to
+some of them only takes the scheduler's freedom to use idle ones.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ringtrain.errors import LaunchError
+from ringtrain.launch.cpu_limits import cpu_budget, is_shared_pool
 
 ALLOCATORS = {
     "jemalloc": ("libjemalloc.so.2", "libjemalloc.so"),
@@ -34,6 +40,7 @@ class HostFacts:
     cpus: tuple[int, ...]
     numa_nodes: tuple[tuple[int, ...], ...] = ()
     allocators: Mapping[str, str] = field(default_factory=dict)
+    cpu_quota: float | None = None  # CPUs' worth of time (cgroup cpu.max); None: no quota
 
 
 @dataclass(frozen=True)
@@ -52,10 +59,12 @@ def tune(
 ) -> list[RankTuning]:
     """Tuning for each local rank of one host. ``user_env`` settings (e.g. OMP_NUM_THREADS) win."""
     cpus = list(facts.cpus) or [0]
+    budget = cpu_budget(len(cpus), facts.cpu_quota)
+    shared = is_shared_pool(len(cpus), facts.cpu_quota)
     mode = bind_to
     if mode == "auto":
-        # Binding only helps when every rank can have a core to itself.
-        mode = "core" if local_size <= len(cpus) else "none"
+        # Binding only helps when every rank can have a core to itself, not shared with others.
+        mode = "core" if local_size <= len(cpus) and not shared else "none"
     if mode == "numa" and len(facts.numa_nodes) < 2:
         mode = "core" if local_size <= len(cpus) else "none"
     preload = _preload(facts, malloc)
@@ -63,6 +72,7 @@ def tune(
     for local_rank in range(local_size):
         mine = _cpus_for(local_rank, local_size, cpus, facts.numa_nodes, mode)
         threads = max(1, len(mine) if mine is not None else len(cpus) // local_size)
+        threads = max(1, min(threads, budget // local_size))  # the quota's share, if lower
         env: dict[str, str] = {}
         if "OMP_NUM_THREADS" not in user_env:
             env["OMP_NUM_THREADS"] = str(threads)
@@ -74,6 +84,7 @@ def tune(
             f"bind={mode} cpus={shown_cpus} "
             f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', user_env.get('OMP_NUM_THREADS'))} "
             f"malloc={malloc if preload else 'system'}"
+            + (f" cpu-quota={facts.cpu_quota:g}" if facts.cpu_quota is not None else "")
         )
         out.append(RankTuning(tuple(mine) if mine is not None else None, env, summary))
     return out

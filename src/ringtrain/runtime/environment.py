@@ -35,6 +35,9 @@ class Placement:
     store_hosted: bool = False
     local_rank: int | None = None
     local_size: int | None = None
+    # "mpi" when the launcher gave no address and ranks span hosts: the address is exchanged
+    # through MPI itself at init (:mod:`ringtrain.runtime.mpi_rendezvous`).
+    rendezvous_via: str | None = None
 
 
 def detect(env: Mapping[str, str]) -> Placement:
@@ -122,16 +125,38 @@ def _torchrun(env: Mapping[str, str]) -> Placement:
 
 
 def _openmpi(env: Mapping[str, str]) -> Placement:
-    addr, port = _rendezvous(env, "Open MPI (mpirun)")
+    rank = _int(env, "OMPI_COMM_WORLD_RANK", "Open MPI")
+    size = _int(env, "OMPI_COMM_WORLD_SIZE", "Open MPI")
+    local_rank = _opt_int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
+    local_size = _opt_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    via = None
+    if env.get("RINGTRAIN_RENDEZVOUS_ADDR") or env.get("MASTER_ADDR"):
+        addr, port = _rendezvous(env, "Open MPI (mpirun)")
+    elif local_size == size:
+        # A plain `mpirun -np N` on one host: every rank derives the same loopback port from
+        # the job id mpirun gave them, so nothing needs exporting.
+        addr = "127.0.0.1"
+        port = _opt_int(env, "RINGTRAIN_RENDEZVOUS_PORT") or _opt_int(env, "MASTER_PORT") or 0
+        port = port or _job_port(env.get("OMPI_MCA_ess_base_jobid", ""))
+    else:
+        # Ranks on several hosts and no address given: rank 0's address travels through MPI.
+        addr, via = "", "mpi"
+        port = _opt_int(env, "RINGTRAIN_RENDEZVOUS_PORT") or _opt_int(env, "MASTER_PORT") or 0
     return Placement(
         "openmpi",
-        _int(env, "OMPI_COMM_WORLD_RANK", "Open MPI"),
-        _int(env, "OMPI_COMM_WORLD_SIZE", "Open MPI"),
+        rank,
+        size,
         addr,
         port,
-        local_rank=_opt_int(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
-        local_size=_opt_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        local_rank=local_rank,
+        local_size=local_size,
+        rendezvous_via=via,
     )
+
+
+def _job_port(job_id: str) -> int:
+    """A port every rank of one job derives alike: 20000-32767, below Linux's ephemeral range."""
+    return 20000 + (int(job_id) % 12768 if job_id.isdigit() else 0)
 
 
 def _pmi(env: Mapping[str, str]) -> Placement:

@@ -17,12 +17,15 @@ import socket
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ringtrain.config import Config
 from ringtrain.errors import ConfigError, LaunchEnvironmentError, NotInitializedError
+from ringtrain.launch import cpu_limits
 from ringtrain.runtime import communicator, environment, topology
 from ringtrain.runtime.environment import Placement
 from ringtrain.runtime.process_sets import ProcessSet
@@ -109,11 +112,14 @@ def start(
         config = config or Config.from_env(env)
         _configure_logging(config.log_level)
         placement = _reconcile(environment.detect(env), rank, size)
+        interface = config.network_interface
+        if placement.rendezvous_via == "mpi":
+            placement, interface = _mpi_rendezvous(placement, config, env)
         _generation += 1
-        if config.network_interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+        if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
             # HACK: torch reads Gloo's interface only from this variable; set it before the
             # first group is created, and never override what the user set.
-            os.environ["GLOO_SOCKET_IFNAME"] = config.network_interface
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
         store = dist.PrefixStore(f"ringtrain/gen{_generation}", _store(placement, config))
         backend = "gloo"
         if config.secure:  # every group is sealed; ranks first prove they hold the job key
@@ -130,6 +136,7 @@ def start(
         )
         try:
             topo = _measure_topology(placement, env)
+            fit_threads_to_quota(env, topo.local_size(placement.rank))
             world = ProcessSet(None)
             comm = communicator.create(
                 WORLD_SET_ID,
@@ -250,31 +257,82 @@ def _reconcile(p: Placement, rank: int | None, size: int | None) -> Placement:
     return placed
 
 
+_mpi_placed: tuple[Placement, str] | None = None
+
+
+def _mpi_rendezvous(p: Placement, config: Config, env: Mapping[str, str]) -> tuple[Placement, str]:
+    """Rank 0's address through MPI, once per process: a restart reuses the same store."""
+    global _mpi_placed
+    if _mpi_placed is None:
+        from ringtrain.runtime import mpi_rendezvous
+
+        def serve(addr: str, port: int) -> int:
+            store = _new_store(p, addr, port, True, config)
+            _stores[(addr, store.port, True)] = store
+            return int(store.port)
+
+        host = env.get("RINGTRAIN_HOSTNAME") or socket.gethostname()
+        _mpi_placed = mpi_rendezvous.exchange(p, host, config.network_interface, serve)
+    return _mpi_placed
+
+
 def _store(p: Placement, config: Config) -> Any:
     if p.size == 1 and p.launcher == "single":
         return dist.HashStore()
     is_master = p.rank == 0 and not p.store_hosted
     key = (p.rendezvous_addr, p.rendezvous_port, is_master)
     if key not in _stores:
-        try:
-            _stores[key] = dist.TCPStore(
-                p.rendezvous_addr,
-                p.rendezvous_port,
-                world_size=None,
-                is_master=is_master,
-                timeout=datetime.timedelta(seconds=config.timeout_s),
-                wait_for_workers=False,
-                use_libuv=True,
-            )
-        except (RuntimeError, OSError) as e:
-            role = "serve" if is_master else "reach"
-            raise LaunchEnvironmentError(
-                f"rank {p.rank} could not {role} the rendezvous store at "
-                f"{p.rendezvous_addr}:{p.rendezvous_port} ({e}).\n"
-                "HINT: check that the address is reachable from every host and the port is free; "
-                "`ringtrain doctor` checks both."
-            ) from e
+        _stores[key] = _new_store(p, p.rendezvous_addr, p.rendezvous_port, is_master, config)
     return _stores[key]
+
+
+def _new_store(p: Placement, addr: str, port: int, is_master: bool, config: Config) -> Any:
+    try:
+        return dist.TCPStore(
+            addr,
+            port,
+            world_size=None,
+            is_master=is_master,
+            timeout=datetime.timedelta(seconds=config.timeout_s),
+            wait_for_workers=False,
+            use_libuv=True,
+        )
+    except (RuntimeError, OSError) as e:
+        role = "serve" if is_master else "reach"
+        raise LaunchEnvironmentError(
+            f"rank {p.rank} could not {role} the rendezvous store at {addr}:{port} ({e}).\n"
+            "HINT: check that the address is reachable from every host and the port is free; "
+            "`ringtrain doctor` checks both."
+        ) from e
+
+
+def fit_threads_to_quota(
+    env: Mapping[str, str], local_size: int, root: Path = cpu_limits.ROOT
+) -> int | None:
+    """Cap torch's threads at this rank's share of the cgroup CPU quota; the new count, if cut.
+
+    Ranks that ``ringtrain run`` did not start (mpirun, torchrun, a pod) get no thread plan, and
+    torch starts one thread per core of the affinity mask: in a shared CPU pool that is every
+    core of the node, far more than the quota lets run. A user's OMP_NUM_THREADS is kept.
+    """
+    if "OMP_NUM_THREADS" in env:
+        return None
+    quota = cpu_limits.cpu_quota(root)
+    if quota is None:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, cpu_limits.cpu_budget(cores or 1, quota) // max(1, local_size))
+    if torch.get_num_threads() <= share:
+        return None
+    log.info(
+        "cgroup CPU quota %.3g CPUs for %d rank(s) here: torch threads %d -> %d",
+        quota,
+        local_size,
+        torch.get_num_threads(),
+        share,
+    )
+    torch.set_num_threads(share)
+    return share
 
 
 def _measure_topology(p: Placement, env: Mapping[str, str]) -> Topology:

@@ -165,7 +165,7 @@ def _read_file(path: str) -> bytes:
                 f"the key file {path!r} has mode {stat.S_IMODE(st.st_mode):o}: group or others "
                 "may access it, expected access for its owner only.\n"
                 f"HINT: run `chmod 600 {path}` (Kubernetes: mount the Secret with "
-                "`defaultMode: 0400`)."
+                "`defaultMode: 0400` in a pod without `fsGroup`, which makes it 0440)."
             )
         data = b""
         while len(data) < 4096:

@@ -282,6 +282,9 @@ def examine(options: DoctorOptions, say: Callable[[str], None] = lambda _m: None
     place, counts, p_place, w_place = _placement(options, probes)
     problems += p_place
     warnings += w_place
+    for p in probes:
+        if p.facts is not None:
+            warnings += findings.check_cpus(p.name, p.facts, (counts or {}).get(p.name, 1))
     prediction = None
     if options.grad_bytes and options.step_time_s and counts:
         prediction = _prediction(options, counts, links, result_ar)

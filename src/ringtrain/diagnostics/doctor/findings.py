@@ -4,7 +4,8 @@ Problems (the doctor exits non-zero): a host that ssh cannot reach, a host where
 cannot run (no Python, no ringtrain), a host without torch or torch.distributed, different torch
 or ringtrain versions across hosts, no subnet routed between all hosts, a link test or the
 allreduce job that fails. Warnings (exit 0): slow links, high latency, an uneven placement,
-more threads than cores.
+more threads than cores, a CPU quota without exclusive cores (a shared pool), and a rank that
+the binding plan would give two hardware threads of one core (:func:`check_cpus`).
 
 Slow links. Every pair of hosts is measured in both directions. One host's slow network card
 (or a shaped link) slows every pair that host is in, so the median over *pairs* can be the slow
@@ -22,6 +23,9 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from ringtrain.launch.cpu_limits import is_shared_pool, shared_cores
+from ringtrain.launch.tuning import HostFacts, tune
 
 # The same factor the straggler report uses for a slow host link.
 SLOW_FACTOR = 0.5
@@ -192,3 +196,44 @@ def check_hosts(hosts: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[str
         shown = ", ".join(f"{h} {n}" for h, n in gpus.items())
         warnings.append(f"hosts have different numbers of CUDA devices: {shown}.")
     return problems, warnings
+
+
+def check_cpus(name: str, facts: Mapping[str, Any], ranks: int) -> list[str]:
+    """Warnings about how ``ranks`` ranks would share this host's CPUs under ``ringtrain run``."""
+    cpu = facts.get("cpu") or {}
+    cpus = [int(c) for c in cpu.get("cpus") or ()]
+    quota = cpu.get("quota")
+    out: list[str] = []
+    if cpus and is_shared_pool(len(cpus), quota):
+        out.append(
+            f"host {name}: a CPU quota of {quota:g} CPUs (cgroup cpu.max) but {len(cpus)} cores "
+            "to run on: no exclusive cpuset, so these cores are shared with other pods or "
+            "processes (Kubernetes CPU manager policy 'none', or a pod that is not Guaranteed "
+            "with whole CPUs). Threads sized by the cores would be throttled; `ringtrain run` "
+            "sizes them by the quota and binds nothing.\nHINT: for cores of its own, give the pod "
+            "Guaranteed QoS with whole CPUs (requests = limits) on a node whose kubelet runs "
+            "--cpu-manager-policy=static."
+        )
+    groups = [tuple(int(c) for c in g) for g in cpu.get("smt_groups") or ()]
+    if cpus and groups and ranks > 0:
+        siblings = {c: g for g in groups for c in g}
+        plan = tune(
+            HostFacts(name, tuple(cpus), tuple(tuple(n) for n in facts.get("numa_nodes") or ())),
+            ranks,
+            "auto",
+            "system",
+            {},
+        )
+        for local, t in enumerate(plan):
+            shared = shared_cores(t.cpus or (), siblings)
+            if shared:
+                shown = ", ".join("+".join(map(str, g)) for g in shared)
+                out.append(
+                    f"host {name}: local rank {local} would be bound to CPUs that are hardware "
+                    f"threads of one core ({shown}), so its {len(t.cpus or ())} threads get "
+                    f"{len(t.cpus or ()) - sum(len(g) - 1 for g in shared)} cores.\nHINT: set "
+                    "OMP_NUM_THREADS to the physical cores per rank, or turn SMT off for "
+                    "compute-bound training."
+                )
+                break  # one warning per host says it
+    return out

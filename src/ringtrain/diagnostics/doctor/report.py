@@ -46,6 +46,9 @@ def _threads(facts: Mapping[str, Any]) -> str:
     ]
     if torch.get("num_threads"):
         parts.append(f"torch={torch['num_threads']}")
+    quota = (facts.get("cpu") or {}).get("quota")
+    if quota is not None:
+        parts.append(f"cpu-quota={quota:g}")
     return " ".join(parts)
 
 

@@ -1,0 +1,184 @@
+"""``ringtrain k8s``: a description (YAML file and/or flags) -> Kubernetes manifests.
+
+    ringtrain k8s --name mnist --image reg/mnist:1 --command "python /app/train.py" \\
+        --replicas 4 --slots 2 --cpus 8 --memory 16Gi --secure --out deploy/
+    ringtrain k8s job.yaml --target mpijob --out deploy/      # keys as in JobSpec
+    kubectl apply -k deploy/
+
+Flags override the file's keys. With ``--out DIR`` it writes ``<target>.yaml``, the key's
+``secret.yaml`` (mode 600: it holds the job key), ``ringtrain.manifest.template`` for ``--sgx``,
+and a ``kustomization.yaml``; without it, the manifests go to standard output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+from ringtrain.deploy import gramine, manifests, render, sizing
+from ringtrain.deploy.spec import TARGETS, JobSpec
+from ringtrain.errors import ConfigError
+
+# flag -> (JobSpec key, type, help)
+_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
+    ("--name", "name", str, "job name (prefix of every pod's name)"),
+    ("--namespace", "namespace", str, "Kubernetes namespace (default: default)"),
+    ("--image", "image", str, "container image with ringtrain and the training script"),
+    ("--replicas", "replicas", int, "pods that run ranks (default: 2)"),
+    ("--slots", "slots", int, "ranks per pod (default: 1)"),
+    ("--cpus", "cpus", int, "whole CPUs per pod, exclusive under the static CPU manager"),
+    ("--memory", "memory", str, "memory per pod, e.g. 16Gi (default: 2Gi)"),
+    ("--interface", "interface", str, "the pods' network interface (default: eth0)"),
+    ("--port", "port", int, "rendezvous port on rank 0's pod (default: 23456)"),
+    ("--model-params", "model_params", int, "--sgx: the model's parameter count"),
+    ("--batch-size", "batch_size", int, "--sgx: samples per rank and step"),
+    ("--sample-bytes", "sample_bytes", int, "--sgx: bytes of one input sample"),
+)
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("description", nargs="?", help="YAML file with the job's keys (optional)")
+    p.add_argument("--target", choices=TARGETS, default="pytorchjob", help="what to generate")
+    p.add_argument("--command", help='the training command, e.g. "python /app/train.py"')
+    for flag, _key, kind, text in _FLAGS:
+        p.add_argument(flag, type=kind, default=None, help=text)
+    p.add_argument("--secure", action="store_true", default=None, help="seal all traffic")
+    p.add_argument(
+        "--sgx", action="store_true", default=None, help="run every rank in an SGX enclave"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a ringtrain setting for every rank (a Config field), e.g. --set compression=fp16",
+    )
+    p.add_argument("--env", action="append", default=[], metavar="VAR=VALUE")
+    p.add_argument("--key-file", help="put this existing job key in the Secret (default: new)")
+    p.add_argument("--no-secret", action="store_true", help="write no Secret (make it yourself)")
+    p.add_argument("--out", help="directory to write into (default: standard output)")
+
+
+def _pairs(items: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"{flag} {item!r}: expected NAME=VALUE")
+        out[name.strip()] = value
+    return out
+
+
+def description(args: argparse.Namespace) -> dict[str, Any]:
+    """The description's keys: the file's, then the flags given on top."""
+    data: dict[str, Any] = {}
+    if args.description:
+        try:
+            text = Path(args.description).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read {args.description!r}: {e.strerror}") from None
+        yaml = render._yaml()
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{args.description} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{args.description} must hold a mapping of keys (name: ..., ...)")
+        data.update(loaded)
+    for _flag, key, _kind, _help in _FLAGS:
+        value = getattr(args, key)
+        if value is not None:
+            data[key] = value
+    if args.command is not None:
+        data["command"] = shlex.split(args.command)
+    for key in ("secure", "sgx"):
+        if getattr(args, key):
+            data[key] = True
+    settings = _pairs(args.set, "--set")
+    if settings:
+        data["settings"] = {**dict(data.get("settings") or {}), **_typed(settings)}
+    env = _pairs(args.env, "--env")
+    if env:
+        data["env"] = {**dict(data.get("env") or {}), **env}
+    return data
+
+
+def _typed(settings: dict[str, str]) -> dict[str, Any]:
+    """``--set`` values parsed as their Config field's type (via the RINGTRAIN_* parser)."""
+    from ringtrain.config import Config, env_var
+
+    known = set(Config.__dataclass_fields__)
+    for name in settings:
+        if name not in known:
+            raise ConfigError(
+                f"--set {name}: unknown ringtrain setting.\nHINT: known: {', '.join(sorted(known))}."
+            )
+    parsed = Config.from_env({env_var(k): v for k, v in settings.items()})
+    return {k: getattr(parsed, k) for k in settings}
+
+
+def _key(args: argparse.Namespace, spec: JobSpec) -> bytes | None:
+    if not spec.sealed or args.no_secret:
+        return None
+    from ringtrain.security import keys
+
+    if args.key_file:
+        return keys.load_job_key(types.SimpleNamespace(key_file=args.key_file), env={})
+    return keys.generate_job_key()
+
+
+def main(args: argparse.Namespace) -> int:
+    spec = JobSpec.from_mapping(description(args), where=args.description or "the flags")
+    key = _key(args, spec)
+    docs = manifests.generate(spec, args.target, key)
+    secret = [d for d in docs if d["kind"] == "Secret"]
+    jobs = [d for d in docs if d["kind"] != "Secret"]
+    if spec.sgx:
+        for line in sizing.plan(spec).lines():
+            print(f"ringtrain k8s: enclave {line}", file=sys.stderr)
+    if not args.out:
+        sys.stdout.write(render.to_yaml(docs))
+        if spec.sgx:
+            print(
+                "ringtrain k8s: --sgx also needs the Gramine manifest template: use --out DIR",
+                file=sys.stderr,
+            )
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    if secret:
+        _write(out / "secret.yaml", render.to_yaml(secret), 0o600)
+        files.append("secret.yaml")
+    _write(out / f"{args.target}.yaml", render.to_yaml(jobs), 0o644)
+    files.append(f"{args.target}.yaml")
+    _write(out / "kustomization.yaml", render.kustomization(files, spec.namespace), 0o644)
+    written = [*files, "kustomization.yaml"]
+    if spec.sgx:
+        template = gramine.template(spec, manifests.KEY_DIR)
+        _write(out / gramine.TEMPLATE_FILE, template, 0o644)
+        written.append(gramine.TEMPLATE_FILE)
+    print(f"ringtrain k8s: wrote {', '.join(written)} to {out}", file=sys.stderr)
+    if spec.sealed and not secret:
+        print(
+            f"ringtrain k8s: create the key's Secret yourself: kubectl create secret generic "
+            f"{manifests.secret_name(spec)} -n {spec.namespace} "
+            f"--from-file={manifests.KEY_ITEM}=./job.key",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    # Created with its final mode: the Secret's file is never readable by others, even briefly.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.fchmod(fd, mode)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)

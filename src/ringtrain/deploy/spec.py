@@ -1,0 +1,214 @@
+"""The one description a deployment is generated from: :class:`JobSpec`.
+
+It is what a user knows about a job (image, command, how many pods, ranks and CPUs per pod,
+memory, secure or not, the network interface, and for ``--sgx`` the model and batch sizes), read
+from CLI flags and/or a small YAML mapping with the same keys. Every key is checked here, once,
+so the generators (:mod:`ringtrain.deploy.manifests`) only build dictionaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ringtrain.config import Config, to_env
+from ringtrain.errors import ConfigError
+from ringtrain.launch.tuning import HostFacts, tune
+
+TARGETS = ("pytorchjob", "mpijob", "trainjob")
+# Kubernetes names: DNS-1035 labels. Pod names add "-worker-12", Services "-worker", Secrets
+# "-ringtrain-key", so a job name keeps 40 of the 63 characters a label may have.
+_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+MAX_NAME = 40
+# Kubernetes quantities for memory: binary (Ki, Mi, Gi, Ti) or decimal (k, M, G, T) suffixes.
+_MEMORY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+_MEMORY_FACTOR = {
+    None: 1,
+    "Ki": 1 << 10,
+    "Mi": 1 << 20,
+    "Gi": 1 << 30,
+    "Ti": 1 << 40,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+}
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to deploy. Build with :meth:`from_mapping` (checks every key and value)."""
+
+    # The job's name: the PyTorchJob/MPIJob/TrainJob name and the prefix of its pods.
+    name: str
+    # The container image every pod runs (ringtrain and the training script inside).
+    image: str
+    # The training command, as an argv list: ["python", "/app/train.py", "--epochs", "3"].
+    command: tuple[str, ...]
+    namespace: str = "default"
+    # Pods (hosts) that run ranks; each gets `slots` ranks.
+    replicas: int = 2
+    # Ranks per pod (torchrun starts them in PyTorchJob/TrainJob pods, mpirun in MPIJob's).
+    slots: int = 1
+    # Whole CPUs per pod: requests == limits, so the static CPU manager gives exclusive cores.
+    cpus: int = 1
+    # Memory per pod (a Kubernetes quantity); requests == limits (Guaranteed QoS).
+    memory: str = "2Gi"
+    # Seal all traffic with the job key from a Secret (see docs/security.md).
+    secure: bool = False
+    # The pods' network interface for ringtrain's traffic (RINGTRAIN_NETWORK_INTERFACE).
+    interface: str = "eth0"
+    # The rendezvous port on rank 0's pod (MASTER_PORT) of PyTorchJob and MPIJob (TrainJob's is
+    # the operator's). 23456 is the PyTorchJob default.
+    port: int = 23456
+    # Run every rank inside an SGX enclave with Gramine (implies secure).
+    sgx: bool = False
+    # For the enclave size estimate (--sgx): the model's parameter count, the samples per rank
+    # and step, and the bytes of one sample as the model reads it (e.g. 3*224*224*4).
+    model_params: int = 0
+    batch_size: int = 0
+    sample_bytes: int = 0
+    # Extra ringtrain settings (Config fields), passed to every rank as RINGTRAIN_* variables.
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    # Extra environment variables for every rank.
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (_NAME.match(self.name) and len(self.name) <= MAX_NAME):
+            raise ConfigError(
+                f"name {self.name!r} is not a valid job name: lowercase letters, digits and '-', "
+                f"starting with a letter, at most {MAX_NAME} characters.\nHINT: e.g. mnist-ddp."
+            )
+        if not _NAME.match(self.namespace) or len(self.namespace) > 63:
+            raise ConfigError(f"namespace {self.namespace!r} is not a valid Kubernetes namespace")
+        if not self.image.strip() or any(c.isspace() for c in self.image):
+            raise ConfigError(f"image {self.image!r} must be one image reference, no spaces")
+        if not self.command or not all(isinstance(a, str) and a for a in self.command):
+            raise ConfigError(
+                "command must be a non-empty list of non-empty strings.\n"
+                'HINT: command: ["python", "/app/train.py"] (YAML) or --command "python train.py".'
+            )
+        for key in ("replicas", "slots", "cpus"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{key} must be a whole number >= 1, got {value!r}")
+        if self.cpus < self.slots:
+            raise ConfigError(
+                f"cpus={self.cpus} is fewer than slots={self.slots}: every rank needs a core of "
+                "its own.\nHINT: raise cpus to a multiple of slots, or lower slots."
+            )
+        if self.cpus % self.slots:
+            raise ConfigError(
+                f"cpus={self.cpus} is not a multiple of slots={self.slots}: ranks of one pod "
+                f"would get unequal cores.\nHINT: cpus={self.slots * (self.cpus // self.slots)} "
+                f"or {self.slots * (self.cpus // self.slots + 1)}."
+            )
+        memory_bytes(self.memory)
+        if not 1 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 1..65535, got {self.port}")
+        if not self.interface or any(c.isspace() or c == "/" for c in self.interface):
+            raise ConfigError(f"interface {self.interface!r} is not an interface name")
+        for key in ("model_params", "batch_size", "sample_bytes"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{key} must be a whole number >= 0, got {value!r}")
+        for name in self.env:
+            if not _ENV_NAME.match(name):
+                raise ConfigError(f"env: {name!r} is not a valid environment variable name")
+            if name.startswith("RINGTRAIN_"):
+                raise ConfigError(
+                    f"env: set {name} through `settings` (the Config field), so it is checked."
+                )
+        # Unknown settings and bad values fail here, as they would on every rank.
+        Config.from_env({}, **dict(self.settings))
+        reserved = {"secure", "key_file", "network_interface"} & set(self.settings)
+        if reserved:
+            raise ConfigError(
+                f"settings: {', '.join(sorted(reserved))} come from the description's own keys "
+                "(secure, interface); remove them from settings."
+            )
+
+    @property
+    def sealed(self) -> bool:
+        """Whether ranks run in secure mode (an enclave job always does)."""
+        return self.secure or self.sgx
+
+    @property
+    def world_size(self) -> int:
+        return self.replicas * self.slots
+
+    @property
+    def threads_per_rank(self) -> int:
+        """OMP_NUM_THREADS of every rank: ``ringtrain run``'s thread plan for a host with the
+        pod's cores and ``slots`` ranks (each rank its share of the cores)."""
+        # A Guaranteed pod: a cpuset of `cpus` cores and a CFS quota of as many CPUs.
+        facts = HostFacts(self.name, tuple(range(self.cpus)), cpu_quota=float(self.cpus))
+        plan = tune(facts, self.slots, bind_to="auto", malloc="system", user_env={})
+        return int(plan[0].env["OMP_NUM_THREADS"])
+
+    def ringtrain_env(self, key_file: str) -> dict[str, str]:
+        """The RINGTRAIN_* variables every rank gets (settings, secure mode, interface)."""
+        settings = dict(self.settings)
+        settings["network_interface"] = self.interface
+        if self.sealed:
+            settings.update(secure=True, key_file=key_file)
+        return to_env(**settings)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], where: str = "the description") -> JobSpec:
+        """A JobSpec from a mapping (a parsed YAML file, or flags): unknown keys are errors."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{where} must be a mapping of keys to values, got {type(data)}")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"{where}: unknown key(s) {', '.join(map(str, unknown))}.\n"
+                f"HINT: known keys are {', '.join(known)}."
+            )
+        missing = [n for n in ("name", "image", "command") if data.get(n) in (None, "", [])]
+        if missing:
+            raise ConfigError(f"{where}: {', '.join(missing)} must be given")
+        values = dict(data)
+        command = values["command"]
+        if isinstance(command, str):
+            raise ConfigError(
+                f"{where}: command must be a list of arguments, got the string {command!r}.\n"
+                f'HINT: command: {command.split()!r} (YAML) or --command "{command}" (CLI).'
+            )
+        if not isinstance(command, list | tuple):
+            raise ConfigError(f"{where}: command must be a list of arguments, got {command!r}")
+        # YAML reads `--epochs, 10` as a number; an argv holds strings.
+        values["command"] = tuple(
+            str(a) if isinstance(a, int | float) and not isinstance(a, bool) else a for a in command
+        )
+        for key in ("settings", "env"):
+            if key in values and not isinstance(values[key], Mapping):
+                raise ConfigError(f"{where}: {key} must be a mapping, got {values[key]!r}")
+        values["env"] = {str(k): str(v) for k, v in dict(values.get("env") or {}).items()}
+        values["settings"] = dict(values.get("settings") or {})
+        for key in ("secure", "sgx"):
+            if key in values and not isinstance(values[key], bool):
+                raise ConfigError(f"{where}: {key} must be true or false, got {values[key]!r}")
+        for key in ("name", "image", "namespace", "interface", "memory"):
+            if key in values and not isinstance(values[key], str):
+                raise ConfigError(f"{where}: {key} must be a string, got {values[key]!r}")
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> JobSpec:
+        return dataclasses.replace(self, **changes)
+
+
+def memory_bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity (``2Gi``, ``512Mi``, ``1G``) in bytes."""
+    m = _MEMORY.match(str(quantity))
+    if not m or int(m.group(1)) == 0:
+        raise ConfigError(
+            f"memory {quantity!r} is not a Kubernetes memory quantity.\n"
+            "HINT: write e.g. 2Gi, 512Mi or 4G."
+        )
+    return int(m.group(1)) * _MEMORY_FACTOR[m.group(2)]

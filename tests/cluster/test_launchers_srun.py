@@ -1,0 +1,122 @@
+"""Real ``srun`` (Debian's slurm-wlm) starts ringtrain jobs with nothing exported by hand.
+
+A throwaway Slurm (:mod:`ringtrain.testing.slurm`: munged, slurmctld and slurmd with a generated
+slurm.conf in a temporary directory) on this machine, and one with a slurmd in each of two
+namespace hosts. ``SLURM_CONF`` points srun at it; that is the only variable set, and it is for
+srun, not ringtrain. Ranks find rank 0 from the job's node list and a port from the job id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ringtrain.testing import cluster as tc
+from ringtrain.testing import slurm
+
+pytestmark = [
+    pytest.mark.skipif(
+        bool(slurm.missing_tools()),
+        reason=f"needs {', '.join(slurm.missing_tools())} (Debian: slurmctld slurmd slurm-client munge)",
+    ),
+    pytest.mark.skipif(os.geteuid() != 0, reason="the test Slurm runs its daemons as root"),
+    pytest.mark.timeout(300),  # above the jobs' own limit, so a hang is reported
+]
+CLUSTER = 2
+JOB = Path(__file__).with_name("launcher_job.py")
+LIMIT = 200.0
+
+
+def _env() -> dict[str, str]:
+    """This process's environment without anything that could hand ranks a rendezvous."""
+    drop = ("MASTER_", "RINGTRAIN_", "GLOO_", "OMPI_", "PMIX_", "SLURM_", "RANK", "WORLD_SIZE")
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+
+
+def _results(out: str) -> list[dict[str, Any]]:
+    found = [json.loads(ln.split("RESULT ", 1)[1]) for ln in out.splitlines() if "RESULT " in ln]
+    return sorted(found, key=lambda r: r["rank"])
+
+
+def _finish(proc: subprocess.Popen[str], logs: Any) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=LIMIT)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # srun cancels its step on SIGINT
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        raise AssertionError(f"srun did not finish in {LIMIT}s:\n{out[-3000:]}\n{logs()}") from None
+    return proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def local_slurm() -> Iterator[slurm.MiniSlurm]:
+    with slurm.MiniSlurm() as s:
+        yield s
+
+
+def test_srun_on_one_node(local_slurm: slurm.MiniSlurm, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        ["srun", "-n", "2", sys.executable, str(JOB)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+        env={**_env(), **local_slurm.env()},
+        start_new_session=True,
+    )
+    rc, out = _finish(proc, local_slurm.logs)
+    assert rc == 0, out[-4000:] + local_slurm.logs()
+    res = _results(out)
+    assert [r["rank"] for r in res] == [0, 1], out[-4000:]
+    for r in res:
+        assert r["launcher"] == "slurm"
+        assert (r["size"], r["local_rank"], r["local_size"]) == (2, r["rank"], 2)
+        assert (r["cross_rank"], r["cross_size"]) == (0, 1)
+        assert r["identical"] and r["trained"]
+
+
+@pytest.mark.cluster
+def test_srun_across_two_namespace_hosts(cluster: tc.Cluster, tmp_path: Path) -> None:
+    with slurm.MiniSlurm(cluster) as s:
+        # srun runs on h0, as from a login node that is also a compute node.
+        proc = cluster.popen(
+            "h0",
+            s.srun_argv("-N", "2", "-n", "4", "--ntasks-per-node", "2", sys.executable, str(JOB)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=tmp_path,
+            env=_env(),
+            start_new_session=True,
+        )
+        rc, out = _finish(proc, s.logs)
+        assert rc == 0, out[-4000:] + s.logs()
+    res = _results(out)
+    assert [r["rank"] for r in res] == [0, 1, 2, 3], out[-4000:]
+    for r in res:
+        host = r["rank"] // 2
+        assert r["launcher"] == "slurm"
+        assert r["host"] == f"h{host}"
+        assert (r["size"], r["local_rank"], r["local_size"]) == (4, r["rank"] % 2, 2)
+        assert (r["cross_rank"], r["cross_size"]) == (host, 2)
+        assert r["identical"] and r["trained"]
+    assert len({r["checksum"] for r in res}) == 1
+    # Nothing is left on the hosts but their sshd (a step's slurmstepd may take a moment).
+    deadline = time.monotonic() + 20
+    while any(cluster.pids(h.name) != [cluster.sshd_pid(h.name)] for h in cluster.hosts):
+        if time.monotonic() > deadline:
+            raise AssertionError({h.name: cluster.pids(h.name) for h in cluster.hosts})
+        time.sleep(0.2)

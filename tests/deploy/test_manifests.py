@@ -1,0 +1,434 @@
+"""Generated manifests, checked without a cluster: the real schemas, QoS, the key's mount, the
+Gramine template, and the CLI's files and errors."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ringtrain.cli import main as cli
+from ringtrain.deploy import gramine, manifests, sizing
+from ringtrain.deploy.render import kustomization, to_yaml
+from ringtrain.deploy.spec import TARGETS, JobSpec
+from ringtrain.errors import ConfigError
+from ringtrain.runtime import environment
+from ringtrain.security import keys
+
+from . import operators, schemas
+
+KEY = bytes(range(32))
+BASE = {
+    "name": "mnist",
+    "image": "registry.example/mnist:1",
+    "command": ["python", "/app/train.py", "--epochs", "3"],
+    "replicas": 3,
+    "slots": 2,
+    "cpus": 4,
+    "memory": "8Gi",
+}
+VARIANTS = {
+    "plain": {},
+    "secure": {"secure": True, "settings": {"compression": "fp16"}},
+    "sgx": {
+        "sgx": True,
+        "model_params": 25_000_000,
+        "batch_size": 32,
+        "sample_bytes": 3 * 224**2 * 4,
+    },
+}
+
+
+def spec_of(variant: str, **more: Any) -> JobSpec:
+    return JobSpec.from_mapping({**BASE, **VARIANTS[variant], **more})
+
+
+def pods(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every pod spec in ``docs`` (each replica type's template)."""
+    out = []
+    for d in docs:
+        if d["kind"] == "PyTorchJob":
+            out += [r["template"]["spec"] for r in d["spec"]["pytorchReplicaSpecs"].values()]
+        elif d["kind"] == "MPIJob":
+            out += [r["template"]["spec"] for r in d["spec"]["mpiReplicaSpecs"].values()]
+        elif d["kind"] == "TrainingRuntime":
+            for rj in d["spec"]["template"]["spec"]["replicatedJobs"]:
+                out.append(rj["template"]["spec"]["template"]["spec"])
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_manifest_validates_against_its_schema(target: str, variant: str) -> None:
+    docs = manifests.generate(spec_of(variant), target, KEY)
+    kinds = [d["kind"] for d in docs]
+    expected = {
+        "pytorchjob": ["PyTorchJob"],
+        "mpijob": ["MPIJob"],
+        "trainjob": ["TrainingRuntime", "TrainJob"],
+    }[target]
+    assert kinds == (["Secret"] if variant != "plain" else []) + expected
+    for doc in docs:
+        # What kubectl would send: the YAML text, read back.
+        sent = yaml.safe_load(to_yaml([doc]))
+        assert schemas.errors(sent) == [], doc["kind"]
+
+
+def test_the_validator_catches_a_misspelt_field_and_a_wrong_type() -> None:
+    """The closed CRD schemas are what make the check worth having: typos fail."""
+    job = manifests.pytorchjob(spec_of("secure"))
+    bad = copy.deepcopy(job)
+    container = bad["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    container["volumeMount"] = container.pop("volumeMounts")
+    assert any("volumeMount" in e for e in schemas.errors(bad))
+    bad = copy.deepcopy(job)
+    bad["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = "two"
+    assert any("replicas" in e for e in schemas.errors(bad))
+    secret = manifests.secret(spec_of("secure"), KEY)
+    secret["metadata"]["labelz"] = {}
+    assert any("labelz" in e for e in schemas.errors(secret))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("target", TARGETS)
+def test_pods_are_guaranteed_with_whole_cpus_and_no_fsgroup(target: str, variant: str) -> None:
+    spec = spec_of(variant)
+    for pod in pods(manifests.generate(spec, target, KEY)):
+        # fsGroup would make the key file 0440 (kubernetes#57923), which ringtrain refuses.
+        assert "fsGroup" not in pod.get("securityContext", {})
+        for c in pod["containers"]:
+            res = c["resources"]
+            assert res["requests"] == res["limits"], c["name"]
+            assert str(int(res["requests"]["cpu"])) == res["requests"]["cpu"]
+    rank_pods = [c for p in pods(manifests.generate(spec, target, KEY)) for c in p["containers"]]
+    rank_pods = [c for c in rank_pods if c["name"] != "launcher"]
+    for c in rank_pods:
+        assert c["resources"]["limits"]["cpu"] == "4"
+        assert c["resources"]["limits"]["memory"] == "8Gi"
+        if variant == "sgx":
+            limits = c["resources"]["limits"]
+            assert limits[manifests.SGX_ENCLAVE] == "1"
+            assert limits[manifests.SGX_PROVISION] == "1"
+            epc = sizing.plan(spec).enclave_bytes * spec.slots
+            assert limits[manifests.SGX_EPC] == f"{epc >> 20}Mi"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_secure_pods_mount_the_key_read_only_0400_where_ranks_run(target: str) -> None:
+    docs = manifests.generate(spec_of("secure"), target, KEY)
+    for pod in pods(docs):
+        container = pod["containers"][0]
+        if container["name"] == "launcher":  # mpirun's pod runs no rank: no key there
+            assert "volumes" not in pod
+            continue
+        (volume,) = pod["volumes"]
+        assert volume["secret"]["secretName"] == manifests.secret_name(spec_of("secure"))
+        (mount,) = container["volumeMounts"]
+        assert mount == {"name": volume["name"], "mountPath": manifests.KEY_DIR, "readOnly": True}
+    text = to_yaml(docs)
+    assert "defaultMode: 0400\n" in text  # octal, as people write it
+    for pod in pods([yaml.safe_load(d) for d in text.split("\n---\n") if "Secret" not in d]):
+        for v in pod.get("volumes", []):
+            assert v["secret"]["defaultMode"] == 0o400  # and Kubernetes reads it as 256
+
+
+def test_the_secret_holds_the_key_as_a_key_file_does(tmp_path: Path) -> None:
+    secret = yaml.safe_load(to_yaml([manifests.secret(spec_of("secure"), KEY)]))
+    data = base64.b64decode(secret["data"][manifests.KEY_ITEM])
+    # What the kubelet writes into the pod: this content, mode 0400, owned by root.
+    path = tmp_path / manifests.KEY_ITEM
+    path.write_bytes(data)
+    path.chmod(0o400)
+    config = types.SimpleNamespace(key_file=str(path))
+    assert keys.load_job_key(config, env={}) == KEY
+    # With an fsGroup the kubelet would make it 0440: refused, which is why pods set none.
+    path.chmod(0o440)
+    with pytest.raises(keys.SecurityError, match="group or others") as refused:
+        keys.load_job_key(config, env={})
+    assert "fsGroup" in str(refused.value)  # the hint names the cause on Kubernetes
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_ranks_start_as_each_operator_expects(slots: int) -> None:
+    spec = spec_of("plain", slots=slots, cpus=2 * slots)
+    (job,) = manifests.generate(spec, "pytorchjob")
+    container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    assert container["name"] == "pytorch"  # the operator finds MASTER_PORT on this container
+    assert container["command"] == (
+        list(spec.command) if slots == 1 else ["torchrun", "--no-python", *spec.command]
+    )
+    assert job["spec"]["nprocPerNode"] == str(slots)
+    _runtime, trainjob = manifests.generate(spec, "trainjob")
+    assert trainjob["spec"]["trainer"]["command"] == ["torchrun", "--no-python", *spec.command]
+    assert trainjob["spec"]["trainer"]["numProcPerNode"] == slots
+    (mpi,) = manifests.generate(spec, "mpijob")
+    launcher = mpi["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+    argv = launcher["command"]
+    assert argv[:4] == ["mpirun", "--allow-run-as-root", "-np", str(spec.world_size)]
+    assert argv[-len(spec.command) :] == list(spec.command)
+    assert f"MASTER_ADDR={operators.mpijob_workers(mpi)[0]}" in argv
+
+
+def test_sgx_runs_ranks_through_gramine_with_the_command_measured() -> None:
+    spec = spec_of("sgx")
+    (job,) = manifests.generate(spec, "pytorchjob")
+    container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["torchrun", "--no-python", "gramine-sgx", "ringtrain"]
+    text = gramine.template(spec, manifests.KEY_DIR)
+    assert "loader.argv = " + str(list(spec.command)).replace("'", '"') in text
+
+
+class _Gramine:
+    libos = "/usr/lib/x86_64-linux-gnu/gramine/libsysdb.so"
+
+    @staticmethod
+    def runtimedir() -> str:
+        return "/usr/lib/x86_64-linux-gnu/gramine/runtime/glibc"
+
+
+class _Python:
+    @staticmethod
+    def get_sys_path(entrypoint: str) -> list[Path]:
+        return [Path(p) for p in sys.path if p and Path(p).exists()][:3]
+
+
+def _render(text: str) -> dict[str, Any]:
+    """The template as gramine-manifest renders it (Jinja with its helpers), parsed as TOML."""
+    jinja2 = pytest.importorskip("jinja2")
+    tomllib = pytest.importorskip("tomllib")
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    rendered = env.from_string(text).render(
+        entrypoint="/usr/bin/python3.11",
+        arch_libdir="/lib/x86_64-linux-gnu",
+        gramine=_Gramine,
+        python=_Python,
+        env=os.environ,
+    )
+    return tomllib.loads(rendered)
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_the_gramine_template_renders_to_a_manifest_with_what_ranks_need(secure: bool) -> None:
+    spec = spec_of("sgx") if secure else JobSpec.from_mapping({**BASE, "sgx": True})
+    manifest = _render(gramine.template(spec, manifests.KEY_DIR))
+    plan = sizing.plan(spec)
+    assert manifest["libos"]["entrypoint"] == "/usr/bin/python3.11"
+    assert manifest["loader"]["argv"] == list(spec.command)
+    assert manifest["sys"]["enable_extra_runtime_domain_names_conf"] is True
+    sgx = manifest["sgx"]
+    assert sgx["enclave_size"] == plan.enclave_size
+    assert sgx["max_threads"] == plan.max_threads
+    size = plan.enclave_bytes
+    assert size & (size - 1) == 0, "SGX enclave sizes are powers of two"
+    passed = {k for k, v in manifest["loader"]["env"].items() if v == {"passthrough": True}}
+    assert {"RINGTRAIN_SECURE", "RINGTRAIN_KEY_FILE", "RINGTRAIN_NETWORK_INTERFACE"} <= passed
+    assert {"MASTER_ADDR", "PET_NODE_RANK", "OMPI_COMM_WORLD_RANK", "OMP_NUM_THREADS"} <= passed
+    mounts = {m["path"] for m in manifest["fs"]["mounts"]}
+    assert "/app" in mounts  # the script's directory
+    assert (manifests.KEY_DIR in mounts) is spec.sealed  # --sgx alone is secure too
+    assert f"file:{manifests.KEY_DIR}/" in sgx["allowed_files"]
+    assert "file:/app/" in sgx["trusted_files"]
+
+
+def test_the_enclave_grows_with_the_model_and_the_batch() -> None:
+    small = sizing.plan(spec_of("sgx", model_params=1000, batch_size=1, sample_bytes=64))
+    big = sizing.plan(spec_of("sgx", model_params=300_000_000))
+    assert small.enclave_bytes >= sizing.MIN_ENCLAVE_BYTES
+    assert big.enclave_bytes > small.enclave_bytes
+    assert big.model_bytes == 300_000_000 * sizing.MODEL_STATE_BYTES_PER_PARAM
+    wide = sizing.plan(spec_of("sgx", cpus=16, slots=2))
+    assert wide.omp_threads == 8 and wide.max_threads > small.max_threads
+
+
+def _placement_env(target: str, spec: JobSpec) -> list[dict[str, str]]:
+    """Each rank's environment as its launcher would set it, for the first pod."""
+    if target == "pytorchjob":
+        (job,) = manifests.generate(spec, target)
+        pod = operators.pytorchjob_pods(job)[1]
+        if spec.slots == 1:
+            return [pod.env]
+        base = pod.env
+    elif target == "trainjob":
+        runtime, trainjob = manifests.generate(spec, target)
+        base = operators.trainjob_pods(runtime, trainjob)[1].env
+    else:
+        return [
+            {
+                "OMPI_COMM_WORLD_RANK": str(r),
+                "OMPI_COMM_WORLD_SIZE": str(spec.world_size),
+                "OMPI_COMM_WORLD_LOCAL_RANK": str(r % spec.slots),
+                "OMPI_COMM_WORLD_LOCAL_SIZE": str(spec.slots),
+                **dict(
+                    a.split("=", 1)
+                    for a in manifests.mpirun_command(spec)
+                    if "=" in a and not a.startswith("-")
+                ),
+            }
+            for r in range(spec.world_size)
+        ]
+    # torchrun's per-rank variables on that pod (node rank from PET_NODE_RANK).
+    node = int(base["PET_NODE_RANK"])
+    return [
+        {
+            **base,
+            "RANK": str(node * spec.slots + local),
+            "WORLD_SIZE": str(spec.world_size),
+            "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(spec.slots),
+            "GROUP_RANK": str(node),
+            "MASTER_ADDR": base.get("PET_MASTER_ADDR", ""),
+            "MASTER_PORT": base.get("PET_MASTER_PORT", ""),
+            "TORCHELASTIC_RUN_ID": "none",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
+        for local in range(spec.slots)
+    ]
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_enclave_lets_through_every_variable_placement_needs(target: str, slots: int) -> None:
+    spec = spec_of("sgx", slots=slots, cpus=2 * slots)
+    allowed = set(gramine.passthrough_vars(spec))
+    for env in _placement_env(target, spec):
+        inside = {k: v for k, v in env.items() if k in allowed}
+        assert environment.detect(inside) == environment.detect(env)
+
+
+def test_cli_writes_the_files_and_the_secret_only_for_its_owner(tmp_path: Path) -> None:
+    out = tmp_path / "deploy"
+    argv = ["k8s", "--name", "demo", "--image", "img:1", "--command", "python /app/t.py"]
+    assert cli([*argv, "--secure", "--sgx", "--target", "mpijob", "--out", str(out)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [
+        "kustomization.yaml",
+        "mpijob.yaml",
+        gramine.TEMPLATE_FILE,
+        "secret.yaml",
+    ]
+    assert stat.S_IMODE((out / "secret.yaml").stat().st_mode) == 0o600
+    assert yaml.safe_load((out / "kustomization.yaml").read_text())["resources"] == [
+        "secret.yaml",
+        "mpijob.yaml",
+    ]
+    (job,) = yaml.safe_load_all((out / "mpijob.yaml").read_text())
+    assert schemas.errors(job) == []
+    # A second run with --key-file keeps the key; a fresh one draws a new key.
+    key_file = tmp_path / "job.key"
+    keys.write_key_file(key_file, KEY)
+    again = tmp_path / "again"
+    assert cli([*argv, "--secure", "--key-file", str(key_file), "--out", str(again)]) == 0
+    (secret,) = yaml.safe_load_all((again / "secret.yaml").read_text())
+    assert base64.b64decode(secret["data"]["job.key"]) == keys.encode_key(KEY)
+
+
+def test_cli_reads_a_description_file_and_flags_win(tmp_path: Path, capsys: Any) -> None:
+    desc = tmp_path / "job.yaml"
+    desc.write_text(yaml.safe_dump({**BASE, "settings": {"compression": "fp16"}}))
+    assert cli(["k8s", str(desc), "--replicas", "5", "--set", "timeout_s=60"]) == 0
+    (job,) = yaml.safe_load_all(capsys.readouterr().out)
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 4
+    env = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["env"]
+    env = {e["name"]: e["value"] for e in env}
+    assert env["RINGTRAIN_COMPRESSION"] == "fp16" and env["RINGTRAIN_TIMEOUT_S"] == "60.0"
+    assert env["OMP_NUM_THREADS"] == "2"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"cpus": 3}, "not a multiple of slots"),
+        ({"cpus": 1}, "fewer than slots"),
+        ({"memory": "8 gigs"}, "not a Kubernetes memory quantity"),
+        ({"name": "My_Job"}, "not a valid job name"),
+        ({"command": "python train.py"}, "must be a list"),
+        ({"replicaz": 2}, "unknown key"),
+        ({"settings": {"compresion": "fp16"}}, "unknown ringtrain setting"),
+        ({"settings": {"secure": True}}, "come from the description"),
+        ({"env": {"RINGTRAIN_SECURE": "1"}}, "through `settings`"),
+    ],
+)
+def test_bad_descriptions_say_what_is_wrong(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        JobSpec.from_mapping({**BASE, **change})
+
+
+def test_cli_errors_are_one_line_not_a_traceback(tmp_path: Path, capsys: Any) -> None:
+    desc = tmp_path / "job.yaml"
+    desc.write_text("name: demo\nimage: img\ncommand: [python, t.py]\ncpus: 0\n")
+    assert cli(["k8s", str(desc)]) == 2
+    assert "ringtrain k8s: error: cpus must be a whole number >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed here")
+def test_kubectl_kustomize_renders_the_output_offline(tmp_path: Path) -> None:
+    """kubectl (where installed: CI's fresh machine may lack it) builds the directory as
+    ``kubectl apply -k`` would, without an API server."""
+    docs = manifests.generate(spec_of("secure"), "pytorchjob", KEY)
+    (tmp_path / "secret.yaml").write_text(to_yaml(docs[:1]))
+    (tmp_path / "job.yaml").write_text(to_yaml(docs[1:]))
+    (tmp_path / "kustomization.yaml").write_text(
+        kustomization(["secret.yaml", "job.yaml"], "default")
+    )
+    built = subprocess.run(
+        ["kubectl", "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert built.returncode == 0, built.stderr
+    rendered = {d["kind"]: d for d in yaml.safe_load_all(built.stdout)}
+    assert rendered["PyTorchJob"] == yaml.safe_load(to_yaml(docs[1:]))
+    assert rendered["Secret"]["data"] == docs[0]["data"]
+
+
+def test_cli_refuses_a_key_file_others_can_read(tmp_path: Path, capsys: Any) -> None:
+    key_file = tmp_path / "job.key"
+    keys.write_key_file(key_file, KEY)
+    key_file.chmod(0o644)
+    argv = ["k8s", "--name", "demo", "--image", "img", "--command", "python t.py", "--secure"]
+    assert cli([*argv, "--key-file", str(key_file), "--out", str(tmp_path / "o")]) == 2
+    assert "group or others" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_names_an_unknown_setting(capsys: Any) -> None:
+    argv = ["k8s", "--name", "demo", "--image", "img", "--command", "python t.py"]
+    assert cli([*argv, "--set", "compresion=fp16"]) == 2
+    assert "--set compresion: unknown ringtrain setting" in capsys.readouterr().err
+
+
+def test_numbers_in_the_command_become_arguments() -> None:
+    spec = JobSpec.from_mapping(
+        {**BASE, "command": ["python", "t.py", "--epochs", 10, "--lr", 0.5]}
+    )
+    assert spec.command == ("python", "t.py", "--epochs", "10", "--lr", "0.5")
+
+
+def test_without_pyyaml_the_command_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml now raises ImportError
+    argv = ["k8s", "--name", "demo", "--image", "img", "--command", "python t.py"]
+    assert cli(argv) == 2
+    assert "pip install 'ringtrain[k8s]'" in capsys.readouterr().err
+
+
+def test_the_command_never_imports_torch(tmp_path: Path) -> None:
+    """Manifests are written where torch may not be installed (a laptop, a CI job)."""
+    code = (
+        "import sys; from ringtrain.cli import main; "
+        f"rc = main(['k8s', '--name', 'a', '--image', 'i', '--command', 'python t.py', "
+        f"'--sgx', '--out', {str(tmp_path)!r}]); "
+        "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'torch imported'; "
+        "sys.exit(rc)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
