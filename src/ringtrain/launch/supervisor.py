@@ -277,9 +277,14 @@ class Supervisor:
         self._started_at = time.monotonic()
 
     def _list_interfaces(self) -> bool:
-        """Secure mode with an explicit interface enumerates nothing (enclaves lack netlink)."""
+        """Secure mode or the TCP transport, with an explicit interface, enumerate nothing
+        (enclaves lack netlink)."""
+        return not self._enclave_ready()
+
+    def _enclave_ready(self) -> bool:
         settings = self.options.settings
-        return not (settings.get("secure") and settings.get("network_interface"))
+        enclave = settings.get("secure") or settings.get("transport") == "tcp"
+        return bool(enclave and settings.get("network_interface"))
 
     def _network(self) -> tuple[str, dict[str, dict[str, str]]]:
         """The rendezvous address every host can reach, and per-host interface variables."""
@@ -292,7 +297,7 @@ class Supervisor:
         return network.plan_network(
             {lk.host.name: lk.hello.get("interfaces", []) for lk in self._links if lk.hello},
             iface,
-            secure=bool(self.options.settings.get("secure")),
+            secure=self._enclave_ready(),
         )
 
     def _supervise(self) -> None:

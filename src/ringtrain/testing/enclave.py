@@ -115,6 +115,8 @@ class Rule:
     equals: int | None = None  # deny when the argument's low 32 bits equal this...
     any_bit: int | None = None  # ...or have any of these bits set...
     no_bit: int | None = None  # ...or have none of these bits set
+    # Not a forbidden act but a way to steer libc (clone3 -> clone): an error even when strict.
+    steer: bool = False
 
 
 def base_rules(arch: _Arch) -> list[Rule]:
@@ -134,7 +136,7 @@ def fork_rules(arch: _Arch) -> list[Rule]:
     glibc falls back to ``clone``, whose flags the filter sees."""
     rules = [
         Rule(arch.clone, errno.EPERM, arg=0, no_bit=CLONE_THREAD),
-        Rule(arch.clone3, errno.ENOSYS),
+        Rule(arch.clone3, errno.ENOSYS, steer=True),
     ]
     rules += [Rule(nr, errno.EPERM) for nr in (arch.fork, arch.vfork) if nr is not None]
     return rules
@@ -151,8 +153,8 @@ def compile_filter(arch: _Arch, rules: Sequence[Rule], strict: bool) -> bytes:
     through to the next on no match, so no jump crosses a block (all offsets stay tiny).
     """
 
-    def deny(err: int) -> int:
-        return _RET_KILL_PROCESS if strict else _RET_ERRNO | err
+    def deny(rule: Rule) -> int:
+        return _RET_KILL_PROCESS if strict and not rule.steer else _RET_ERRNO | rule.err
 
     prog = [
         _insn(_LD_W_ABS, _OFF_ARCH),
@@ -166,7 +168,7 @@ def compile_filter(arch: _Arch, rules: Sequence[Rule], strict: bool) -> bytes:
     for rule in rules:
         block: list[bytes] = []
         if rule.arg is None:
-            block += [_insn(_JEQ_K, rule.nr, jt=0, jf=1), _insn(_RET_K, deny(rule.err))]
+            block += [_insn(_JEQ_K, rule.nr, jt=0, jf=1), _insn(_RET_K, deny(rule))]
         else:
             if rule.equals is not None:
                 test = _insn(_JEQ_K, rule.equals, jt=0, jf=1)  # match: fall into the return
@@ -181,7 +183,7 @@ def compile_filter(arch: _Arch, rules: Sequence[Rule], strict: bool) -> bytes:
                 _insn(_JEQ_K, rule.nr, jt=0, jf=4),
                 _insn(_LD_W_ABS, _off_arg(rule.arg)),
                 test,
-                _insn(_RET_K, deny(rule.err)),
+                _insn(_RET_K, deny(rule)),
                 _insn(_LD_W_ABS, _OFF_NR),
             ]
         prog += block
@@ -266,7 +268,7 @@ def forbid_fork_after_init(strict: bool = False) -> None:
             armed[0] = True
         return rt
 
-    state.start = start  # type: ignore[assignment]
+    state.start = start
 
 
 def enter(strict: bool = False, keep_dev_shm: bool = False) -> None:
