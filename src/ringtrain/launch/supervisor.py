@@ -183,7 +183,12 @@ class Supervisor:
         cwd = os.getcwd()
         for i, host in enumerate(self._hosts_in_use()):
             argv = transport.command_for(
-                host, self.options.ssh, self.options.python, cwd, self._list_interfaces()
+                host,
+                self.options.ssh,
+                self.options.python,
+                cwd,
+                self._list_interfaces(),
+                network.spec_names(str(self.options.settings.get("network_interface") or "")),
             )
             self._log(f"agent on {host.name}: {' '.join(argv)}")
             try:
