@@ -117,10 +117,12 @@ _SIOCGIFADDR = 0x8915
 
 
 def address_from_env(env: Mapping[str, str] | None = None) -> str:
-    """The address for a job that did not go through ``ringtrain.init`` (plain DDP)."""
+    """The address for a group made outside ``ringtrain.init``'s choice (plain DDP, or a
+    ``ringtrain_tcp`` group in a Gloo job, as ``ringtrain bench allreduce --tcp`` makes)."""
     env = os.environ if env is None else env
     interface = env.get("GLOO_SOCKET_IFNAME") or env.get("RINGTRAIN_NETWORK_INTERFACE", "")
-    return local_address(interface, env.get("MASTER_ADDR", ""))
+    rendezvous = env.get("MASTER_ADDR") or env.get("RINGTRAIN_RENDEZVOUS_ADDR", "")
+    return local_address(interface, rendezvous)
 
 
 def mesh(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Mesh:
