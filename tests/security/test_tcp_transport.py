@@ -8,10 +8,13 @@ enclave sandbox (fast, in the shared worlds); ``test_enclave_jobs.py`` runs real
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import torch
 import torch.distributed as dist
 from test_sealed_collectives import _collectives, _compare, _process_set, _uneven_all_gather
+from test_sealed_ddp import _ddp
 from test_secure_training import _train
 
 from ringtrain.testing import spawn
@@ -62,3 +65,11 @@ def test_training_on_tcp_matches_gloo(size: int) -> None:
                 assert torch.equal(g[name], t[name]), name
             else:
                 torch.testing.assert_close(g[name], t[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_plain_ddp_on_ringtrain_tcp_matches_gloo(world2: World) -> None:
+    gloo = world2.run(_ddp, "gloo", uuid.uuid4().hex, 5, init=False)
+    tcp = world2.run(_ddp, "ringtrain_tcp", uuid.uuid4().hex, 5, init=False, timeout=60)
+    for g, t in zip(gloo, tcp):
+        for name in g:
+            assert torch.equal(g[name], t[name]), name
