@@ -116,6 +116,9 @@ class Config:
     key_file: str = ""
     # Network interface(s) for Gloo, comma separated; empty means ringtrain picks.
     network_interface: str = ""
+    # What carries the ranks' traffic: "gloo", "tcp" (ringtrain's own sockets: for enclaves,
+    # where Gloo cannot start without netlink), or "auto" (Gloo unless netlink is missing).
+    transport: str = "auto"
     # Report the slowest rank every N optimizer steps; 0 disables.
     straggler_report_steps: int = 0
     # Log level of ringtrain's own logger (Horovod's TRACE and FATAL read as DEBUG and CRITICAL).
@@ -159,6 +162,11 @@ class Config:
             raise ConfigError(
                 f"topk_ratio must be in (0, 1], got {self.topk_ratio}\n"
                 "HINT: 0.01 sends 1% of the gradient entries."
+            )
+        if self.transport not in ("auto", "gloo", "tcp"):
+            raise ConfigError(
+                f"transport must be 'auto', 'gloo' or 'tcp', got {self.transport!r}\n"
+                "HINT: 'tcp' runs in enclaves (no netlink), 'gloo' is fastest elsewhere."
             )
         if self.engine_streams < 1:
             raise ConfigError(f"engine_streams must be >= 1, got {self.engine_streams}")

@@ -67,6 +67,23 @@ def test_allreduce_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert cases["ringtrain engine"]["tensors"] == 8
 
 
+def test_allreduce_cli_times_the_tcp_transport(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "ar.json"
+    argv = ["bench", "allreduce", "-np", "2", "--sizes", "4K,2M", "--repeats", "2", "--tcp"]
+    argv += ["--fusion-repeats", "0", "--link-mbps", "1000", "--json", str(out_json)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "tcp/torch" in printed and "tcp/link" in printed
+    res = json.loads(out_json.read_text())["result"]
+    points = {(p["impl"], p["nbytes"]): p for p in res["sizes"]}
+    impls = ("ringtrain", "torch", "tcp")
+    assert set(points) == {(i, b) for i in impls for b in (4096, 2 << 20)}
+    for p in points.values():
+        _positive(p["busbw"])
+
+
 def test_train_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_json, out_png = tmp_path / "train.json", tmp_path / "train.png"
     argv = ["bench", "train", "-np", "2", "--model", "mlp-1m", "--steps", "2", "--warmup", "1"]

@@ -90,20 +90,36 @@ def _mv(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()) if t.numel() else memoryview(bytearray(0))  # type: ignore[arg-type]
 
 
-class Link:
-    """A Gloo group and a sealing session: the transport of one sealed process group."""
+class Plain:
+    """No sealing: the ring's bytes travel as they are (the ``ringtrain_tcp`` backend)."""
 
-    def __init__(self, inner: Any, session: Session) -> None:
+    def __init__(self, me: int, size: int) -> None:
+        self.me, self.size = me, size
+
+
+class Link:
+    """A point-to-point transport (a Gloo group, or :class:`~ringtrain.algorithms.tcp_mesh.
+    Mesh`) and a sealing session (or :class:`Plain`): what one ring process group runs on."""
+
+    def __init__(self, inner: Any, session: Session | Plain) -> None:
         self.inner = inner
         self.session = session
         self.rank = session.me
         self.size = session.size
+        self.plain = isinstance(session, Plain)
+        self._overhead = 0 if self.plain else sealed_size(0)
+
+    def _wire(self, t: torch.Tensor) -> int:
+        """Bytes on the wire for ``t``."""
+        return _nbytes(t) + self._overhead
 
     # ---- primitives --------------------------------------------------------------------------
 
     def seal(self, peer: int, kind: int, data: torch.Tensor) -> torch.Tensor:
         """``data``'s bytes sealed for ``peer`` (or ``EVERYONE``), as a uint8 tensor."""
         src = _u8(data)
+        if isinstance(self.session, Plain):
+            return src  # sent as it is; nothing changes it before the send completes
         blob = torch.empty(sealed_size(src.numel()), dtype=torch.uint8)
         self.session.seal_into(peer, kind, _mv(src), _mv(blob))
         return blob
@@ -112,6 +128,11 @@ class Link:
         self, peer: int, kind: int, blob: torch.Tensor, out: torch.Tensor, to_all: bool = False
     ) -> None:
         """Open ``blob`` from ``peer`` into ``out``'s bytes (raises SecurityError naming it)."""
+        if isinstance(self.session, Plain):
+            dst = _u8(out)
+            if dst.numel() and dst.data_ptr() != blob.data_ptr():
+                dst.copy_(blob)
+            return
         self.session.open_into(peer, kind, _mv(blob), _mv(_u8(out)), to_all)
 
     def start(
@@ -195,7 +216,7 @@ class Link:
             blob = self.seal(EVERYONE, sealing.BROADCAST, t.contiguous())
             self.post([(p, blob) for p in range(self.size) if p != root], [])
             return
-        (blob,) = self.post([], [(root, sealed_size(t.numel() * t.element_size()))])
+        (blob,) = self.post([], [(root, self._wire(t))])
         target = (
             t if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
         )
@@ -210,8 +231,7 @@ class Link:
         for s in range(1, n):
             to, frm = (r + s) % n, (r - s) % n
             blob = self.seal(to, sealing.ALLTOALL, ins[to].contiguous())
-            nbytes = outs[frm].numel() * outs[frm].element_size()
-            (got,) = self.post([(to, blob)], [(frm, sealed_size(nbytes))])
+            (got,) = self.post([(to, blob)], [(frm, self._wire(outs[frm]))])
             self.open(frm, sealing.ALLTOALL, got, outs[frm])
 
     def barrier(self) -> None:
@@ -223,7 +243,7 @@ class Link:
         self.post([(peer, self.seal(peer, sealing.P2P, t.contiguous()))], [])
 
     def recv(self, t: torch.Tensor, peer: int) -> None:
-        (blob,) = self.post([], [(peer, sealed_size(t.numel() * t.element_size()))])
+        (blob,) = self.post([], [(peer, self._wire(t))])
         self.open(peer, sealing.P2P, blob, t)
 
     # ---- ring phases -------------------------------------------------------------------------
@@ -252,7 +272,7 @@ class Link:
         ]
         peers = [p for p in range(n) if p != r]
         target = chunks[mine]
-        got = self.post(sends, [(p, _wire(target)) for p in peers])
+        got = self.post(sends, [(p, self._wire(target)) for p in peers])
         copies = {r: target}
         for p, blob in zip(peers, got):
             copies[p] = torch.empty_like(target)
@@ -284,7 +304,7 @@ class Link:
                 c, d = _cut(in_chunk.numel(), count, i)
                 blob = self.seal(right, kind, out_chunk[a:b])
                 incoming = scratch[c:d]
-                posted = self.start([(right, blob)], [(left, _wire(incoming))])
+                posted = self.start([(right, blob)], [(left, self._wire(incoming))])
                 if pending is not None:
                     self._absorb(pending, left, kind, reduce)
                 pending = (posted, incoming, in_chunk[c:d])
@@ -322,7 +342,7 @@ class Link:
         others = [i for i in range(len(pieces)) if i != first]
         got = self.post(
             [(p, blob) for p in range(self.size) if p != r],
-            [(origin(i), _wire(pieces[i])) for i in others],
+            [(origin(i), self._wire(pieces[i])) for i in others],
         )
         for i, g in zip(others, got):
             self.open(origin(i), kind, g, pieces[i].reshape(-1), to_all=True)
@@ -354,7 +374,9 @@ class Link:
                     a, b = _cut(mine.numel(), count, i)
                     blobs.append(self.seal(EVERYONE, kind, mine[a:b]))
                 c, d = _cut(piece.numel(), count, i)
-                posted.append((self.start([(right, blobs[i])], [(left, _wire(piece[c:d]))]), c, d))
+                posted.append(
+                    (self.start([(right, blobs[i])], [(left, self._wire(piece[c:d]))]), c, d)
+                )
             blobs = []
             for p, c, d in posted:
                 (got,) = self.finish(p)
@@ -364,10 +386,6 @@ class Link:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _wire(t: torch.Tensor) -> int:
-    return sealed_size(_nbytes(t))
 
 
 def _small(pieces: Sequence[torch.Tensor]) -> bool:

@@ -54,6 +54,9 @@ class AllreduceParams:
     fusion_repeats: int = 3
     dtype: str = "float32"
     link_mbps: float | None = None
+    # Also time ``torch.distributed.all_reduce`` on a ``ringtrain_tcp`` group ("tcp"): the
+    # enclave data path (ringtrain's TCP mesh, no Gloo device), beside Gloo ("torch").
+    tcp: bool = False
 
 
 @dataclass
@@ -131,19 +134,21 @@ def bench_allreduce(params: AllreduceParams) -> AllreduceResult:
     dtype = getattr(torch, params.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
     result = AllreduceResult(n, params, environment=machine_info())
+    tcp_group = _tcp_group() if params.tcp else None
     for nbytes in params.sizes:
         numel = max(1, nbytes // itemsize)
         a = torch.zeros(numel, dtype=dtype)
         b = torch.zeros(numel, dtype=dtype)
         name = f"bench.allreduce.{nbytes}"
         iters = _iters_for(nbytes, params)
-        samples = _timed_samples(
-            {
-                "ringtrain": (functools.partial(_rt_allreduce, a, name), iters),
-                "torch": (functools.partial(dist.all_reduce, b), iters),
-            },
-            params.repeats,
-        )
+        cases: dict[str, tuple[Op, int]] = {
+            "ringtrain": (functools.partial(_rt_allreduce, a, name), iters),
+            "torch": (functools.partial(dist.all_reduce, b), iters),
+        }
+        if tcp_group is not None:
+            c = torch.zeros(numel, dtype=dtype)
+            cases["tcp"] = (functools.partial(dist.all_reduce, c, group=tcp_group), iters)
+        samples = _timed_samples(cases, params.repeats)
         for impl, s in samples.items():
             t, bw = _summaries(s, numel * itemsize, n)
             result.sizes.append(SizePoint(impl, numel * itemsize, iters, t, bw))
@@ -151,6 +156,13 @@ def bench_allreduce(params: AllreduceParams) -> AllreduceResult:
         result.fusion = _fusion(params, dtype, itemsize, n)
     result.environment["load_after"] = load_average()
     return result
+
+
+def _tcp_group() -> Any:
+    """A world group on ringtrain's TCP mesh (the default group stays what init made)."""
+    from ringtrain.algorithms import tcp_backend
+
+    return dist.new_group(backend=tcp_backend.BACKEND)
 
 
 def _rt_allreduce(t: torch.Tensor, name: str) -> None:

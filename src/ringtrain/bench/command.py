@@ -153,6 +153,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--fusion-repeats", type=int, default=3, help="samples of the fusion case (0 skips it)"
     )
     ar.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ar.add_argument(
+        "--tcp",
+        action="store_true",
+        help="also time the enclave data path (a ringtrain_tcp group) beside Gloo",
+    )
     _common(ar)
 
     se = sub.add_parser(
@@ -265,6 +270,7 @@ def _params(args: argparse.Namespace) -> Any:
             fusion_repeats=args.fusion_repeats,
             dtype=args.dtype,
             link_mbps=args.link_mbps,
+            tcp=args.tcp,
         )
     if args.benchmark == "secure":
         return secure.SecureParams(

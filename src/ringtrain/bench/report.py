@@ -73,9 +73,12 @@ def format_allreduce(res: AllreduceResult, markdown: bool = False) -> str:
     link_bps = link * 1e6 / 8 if link else None
     by = {(p.impl, p.nbytes): p for p in res.sizes}
     sizes = sorted({p.nbytes for p in res.sizes})
+    tcp = any(p.impl == "tcp" for p in res.sizes)
     headers = ["size", "ringtrain ms", "torch ms", "ringtrain MB/s", "torch MB/s", "rt/torch"]
+    if tcp:
+        headers += ["tcp ms", "tcp MB/s", "tcp/torch"]
     if link_bps:
-        headers += ["rt/link", "torch/link"]
+        headers += ["rt/link", "torch/link"] + (["tcp/link"] if tcp else [])
     rows = []
     for nbytes in sizes:
         rt, tt = by[("ringtrain", nbytes)], by[("torch", nbytes)]
@@ -88,11 +91,17 @@ def format_allreduce(res: AllreduceResult, markdown: bool = False) -> str:
             _mbs(tt.busbw.median),
             _ratio(ratio),
         ]
+        if tcp:
+            tc = by[("tcp", nbytes)]
+            tratio = tc.busbw.median / tt.busbw.median if tt.busbw.median else None
+            row += [_ms(tc.time), _mbs(tc.busbw.median), _ratio(tratio)]
         if link_bps:
             row += [
                 _ratio(rt.busbw.median / link_bps, True),
                 _ratio(tt.busbw.median / link_bps, True),
             ]
+            if tcp:
+                row += [_ratio(by[("tcp", nbytes)].busbw.median / link_bps, True)]
         rows.append(row)
     out = [
         f"allreduce: {res.world_size} ranks, {res.params.dtype}, {res.params.repeats} repeats "
@@ -275,7 +284,8 @@ def plot_allreduce(res: AllreduceResult, path: str) -> None:
     plt = _pyplot()
     ncols = 2 if res.fusion else 1
     fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4.2), squeeze=False)
-    _busbw_panel(axes[0][0], res.sizes, ("ringtrain", "torch"), res.params.link_mbps)
+    impls = ("ringtrain", "torch", "tcp") if res.params.tcp else ("ringtrain", "torch")
+    _busbw_panel(axes[0][0], res.sizes, impls, res.params.link_mbps)
     axes[0][0].set_title(f"allreduce, {res.world_size} ranks (median, min-max)")
     if res.fusion:
         ax = axes[0][1]

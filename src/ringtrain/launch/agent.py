@@ -253,7 +253,13 @@ def main() -> int:
     # Ranks' output must never be mistaken for protocol messages: only this object writes here.
     sys.stdout = sys.stderr
     agent = Agent(out)
-    interfaces = [] if "--no-interfaces" in sys.argv[1:] else _interfaces()
+    args = sys.argv[1:]
+    if "--no-interfaces" in args:  # no enumeration: only the named ones, by ioctl
+        names = args[args.index("--interface-names") + 1] if "--interface-names" in args else ""
+        named = network.named_interfaces([n for n in names.split(",") if n])
+        interfaces = [i.to_dict() for i in named]
+    else:
+        interfaces = _interfaces()
     agent.send(
         "hello", version=protocol.PROTOCOL_VERSION, facts=host_facts(), interfaces=interfaces
     )

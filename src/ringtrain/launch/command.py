@@ -82,6 +82,12 @@ SETTING_FLAGS = (
         "interface for job traffic: NAME, HOST=NAME,..., or a CIDR like 10.0.0.0/24",
     ),
     SettingFlag(
+        "--transport",
+        "transport",
+        str,
+        "what carries rank traffic: auto, gloo, tcp (ringtrain's sockets: enclaves, no netlink)",
+    ),
+    SettingFlag(
         "--key-file",
         "key_file",
         str,

@@ -49,6 +49,7 @@ _RUNTIME_NAMES = re.compile(
 # What a --network-interface value may name: 1-15 chars, none of "/", ",", "=" or spaces.
 _IFNAME = re.compile(r"^[^\s/,=]{1,15}$")
 _SIOCGIFADDR = 0x8915
+_SIOCGIFNETMASK = 0x891B
 
 # What probing found: reachable(src_host, address), or src_host -> the addresses it reached.
 Reachable = Union[Callable[[str, str], bool], Mapping[str, Collection[str]]]  # noqa: UP007
@@ -122,6 +123,35 @@ def local_interfaces() -> list[Interface]:
             loop = is_loopback or ipaddress.IPv4Address(a.address).is_loopback
             out.append(Interface(name, a.address, prefix, is_up, loop, flags))
     return out
+
+
+def named_interfaces(names: Sequence[str]) -> list[Interface]:
+    """The named interfaces that exist here, with address and netmask by ``ioctl``: no netlink,
+    no enumeration (what an agent reports when the job must run where netlink is missing)."""
+    out = []
+    for name in names:
+        address = interface_address(name)
+        if address is None:
+            continue
+        prefix = 32
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(
+                s.fileno(), _SIOCGIFNETMASK, struct.pack("256s", name.encode()[:15])
+            )
+            prefix = ipaddress.IPv4Network(f"0.0.0.0/{socket.inet_ntoa(packed[20:24])}").prefixlen
+        loop = ipaddress.IPv4Address(address).is_loopback
+        out.append(Interface(name, address, prefix, True, loop))
+    return out
+
+
+def spec_names(spec: str) -> list[str]:
+    """The interface names a ``--network-interface`` value mentions (not addresses or CIDRs)."""
+    names = []
+    for token in spec.split(","):
+        value = token.rpartition("=")[2].strip()
+        if value and _IFNAME.match(value) and not re.fullmatch(r"[\d.]+", value):
+            names.append(value)
+    return sorted(set(names))
 
 
 def _flags(name: str) -> tuple[str, ...]:

@@ -192,7 +192,12 @@ class Supervisor:
         cwd = os.getcwd()
         for i, host in enumerate(self._hosts_in_use()):
             argv = transport.command_for(
-                host, self.options.ssh, self.options.python, cwd, self._list_interfaces()
+                host,
+                self.options.ssh,
+                self.options.python,
+                cwd,
+                self._list_interfaces(),
+                network.spec_names(str(self.options.settings.get("network_interface") or "")),
             )
             self._log(f"agent on {host.name}: {' '.join(argv)}")
             try:
@@ -287,9 +292,14 @@ class Supervisor:
         self._started_at = time.monotonic()
 
     def _list_interfaces(self) -> bool:
-        """Secure mode with an explicit interface enumerates nothing (enclaves lack netlink)."""
+        """Secure mode or the TCP transport, with an explicit interface, enumerate nothing
+        (enclaves lack netlink)."""
+        return not self._enclave_ready()
+
+    def _enclave_ready(self) -> bool:
         settings = self.options.settings
-        return not (settings.get("secure") and settings.get("network_interface"))
+        enclave = settings.get("secure") or settings.get("transport") == "tcp"
+        return bool(enclave and settings.get("network_interface"))
 
     def _network(self) -> tuple[str, dict[str, dict[str, str]]]:
         """The rendezvous address every host can reach, and per-host interface variables."""
@@ -303,7 +313,7 @@ class Supervisor:
         return network.plan_network(
             {lk.host.name: lk.hello.get("interfaces", []) for lk in self._links if lk.hello},
             iface,
-            secure=bool(self.options.settings.get("secure")),
+            secure=self._enclave_ready(),
             candidates=self.options.interface_candidates,
         )
 

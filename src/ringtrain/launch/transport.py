@@ -17,10 +17,14 @@ from ringtrain.launch.options import SshOptions
 AGENT_MODULE = "ringtrain.launch.agent"
 
 
-def agent_argv(python: str, list_interfaces: bool = True) -> list[str]:
+def agent_argv(python: str, list_interfaces: bool = True, names: Sequence[str] = ()) -> list[str]:
     """The agent's command. Without ``list_interfaces`` it enumerates no network interfaces
-    (secure mode with an explicit interface: enclave runtimes have no netlink)."""
-    return [python, "-u", "-m", AGENT_MODULE, *([] if list_interfaces else ["--no-interfaces"])]
+    (an enclave-ready job with an explicit interface: enclave runtimes have no netlink) and
+    reports only the ``names`` it has, by ioctl."""
+    if list_interfaces:
+        return [python, "-u", "-m", AGENT_MODULE]
+    named = ["--interface-names", ",".join(names)] if names else []
+    return [python, "-u", "-m", AGENT_MODULE, "--no-interfaces", *named]
 
 
 def ssh_argv(host: Host, ssh: SshOptions, remote: Sequence[str], cwd: str) -> list[str]:
@@ -42,7 +46,12 @@ def ssh_argv(host: Host, ssh: SshOptions, remote: Sequence[str], cwd: str) -> li
 
 
 def command_for(
-    host: Host, ssh: SshOptions, python: str, cwd: str, list_interfaces: bool = True
+    host: Host,
+    ssh: SshOptions,
+    python: str,
+    cwd: str,
+    list_interfaces: bool = True,
+    names: Sequence[str] = (),
 ) -> list[str]:
-    argv = agent_argv(python, list_interfaces)
+    argv = agent_argv(python, list_interfaces, names)
     return argv if host.is_local else ssh_argv(host, ssh, argv, cwd)

@@ -109,14 +109,16 @@ def create(
     world_rank: int,
     world_size: int,
     timeout_s: float,
-    secure: bool = False,
+    backend: str = "gloo",
     store: Any = None,
 ) -> Communicator:
     """Create the groups of a process set. Collective: every world rank calls it in the same order.
 
-    ``secure``: every group is a sealed one (``ringtrain_sealed``, see
-    :mod:`ringtrain.algorithms.sealed_backend`), so callers use them as any other group; CUDA
-    tensors then travel through host memory, sealed, as NCCL cannot seal.
+    ``backend``: that of the default group. Other than ``gloo`` (``ringtrain_sealed``, see
+    :mod:`ringtrain.algorithms.sealed_backend`, or ``ringtrain_tcp``, see
+    :mod:`ringtrain.algorithms.tcp_backend`), every group uses it, so callers use them as any
+    other group; CUDA tensors then travel through host memory (NCCL cannot seal, and an enclave
+    job makes no NCCL group).
     """
     import datetime
 
@@ -124,12 +126,11 @@ def create(
     is_world = list(ranks) == list(range(world_size))
     groups: dict[str, Any] = {}
     kinds = ["control", "cpu", "engine"]
-    backend = "ringtrain_sealed" if secure else "gloo"
     for kind in kinds:
         groups[kind] = dist.new_group(
             list(ranks), timeout=timeout, backend=backend, use_local_synchronization=False
         )
-    if secure:
+    if backend != "gloo":
         groups["cuda"] = groups["cpu"]
     elif torch.cuda.is_available() and dist.is_nccl_available():
         groups["cuda"] = dist.new_group(list(ranks), timeout=timeout, backend="nccl")

@@ -121,19 +121,30 @@ def start(
             # first group is created, and never override what the user set.
             os.environ["GLOO_SOCKET_IFNAME"] = interface
         store = dist.PrefixStore(f"ringtrain/gen{_generation}", _store(placement, config))
-        backend = "gloo"
+        backend, transport = _backend(config, env, placement)
         if config.secure:  # every group is sealed; ranks first prove they hold the job key
             from ringtrain.algorithms import sealed_backend
 
-            store = sealed_backend.join(store, config, env, placement.rank, placement.size)
-            backend = sealed_backend.BACKEND
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=placement.rank,
-            world_size=placement.size,
-            timeout=datetime.timedelta(seconds=config.timeout_s),
-        )
+            store = sealed_backend.join(
+                store, config, env, placement.rank, placement.size, transport
+            )
+        try:
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=placement.rank,
+                world_size=placement.size,
+                timeout=datetime.timedelta(seconds=config.timeout_s),
+            )
+        except RuntimeError as e:
+            if transport == "gloo" and "Address family not supported" in str(e):
+                raise LaunchEnvironmentError(
+                    f"Gloo cannot start here: it enumerates network interfaces over netlink, "
+                    f"which this process cannot use ({e}).\nHINT: enclave runtimes such as "
+                    "Gramine have no netlink; set RINGTRAIN_TRANSPORT=tcp (ringtrain run "
+                    "--transport tcp) or leave it at 'auto'."
+                ) from e
+            raise
         try:
             topo = _measure_topology(placement, env)
             fit_threads_to_quota(env, topo.local_size(placement.rank))
@@ -144,7 +155,7 @@ def start(
                 placement.rank,
                 placement.size,
                 config.timeout_s,
-                secure=config.secure,
+                backend=backend,
                 store=store,
             )
             world._bind(WORLD_SET_ID, comm)
@@ -194,6 +205,10 @@ def stop() -> None:
                 from ringtrain.algorithms import sealed_backend
 
                 sealed_backend.deconfigure()
+            if rt.config.transport != "gloo":
+                from ringtrain.algorithms import tcp_backend
+
+                tcp_backend.deconfigure()
 
 
 def add_process_set(ranks: Sequence[int] | ProcessSet) -> ProcessSet:
@@ -218,7 +233,7 @@ def add_process_set(ranks: Sequence[int] | ProcessSet) -> ProcessSet:
         rt.rank,
         rt.size,
         rt.config.timeout_s,
-        secure=rt.config.secure,
+        backend=dist.get_backend(),
         store=global_process_set.communicator.store,
     )
     ps._bind(set_id, comm)
@@ -235,6 +250,26 @@ def remove_process_set(ps: ProcessSet) -> bool:
     ps.communicator.close()
     ps._unbind()
     return True
+
+
+def _backend(config: Config, env: Mapping[str, str], p: Placement) -> tuple[str, str]:
+    """The backend of every group, and what carries it ("gloo" or "tcp", see
+    :mod:`ringtrain.algorithms.tcp_backend`)."""
+    if config.transport == "gloo":
+        transport = "gloo"
+    else:
+        from ringtrain.algorithms import tcp_backend
+
+        transport = tcp_backend.choose(config.transport)
+        if transport == "tcp":
+            interface = env.get("GLOO_SOCKET_IFNAME") or config.network_interface
+            tcp_backend.configure(tcp_backend.local_address(interface, p.rendezvous_addr))
+            log.debug("transport: ringtrain's TCP mesh (no Gloo devices)")
+    if config.secure:
+        from ringtrain.algorithms import sealed_backend
+
+        return sealed_backend.BACKEND, transport
+    return ("gloo" if transport == "gloo" else "ringtrain_tcp"), transport
 
 
 def _reconcile(p: Placement, rank: int | None, size: int | None) -> Placement:

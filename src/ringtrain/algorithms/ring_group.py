@@ -1,0 +1,317 @@
+"""A Python ``torch.distributed`` process group that runs ringtrain's own ring algorithms.
+
+:class:`RingProcessGroup` maps every ``torch.distributed`` call torch makes on a group
+(``all_reduce``, ``broadcast``, ``all_gather``, ``all_gather_into_tensor``,
+``reduce_scatter_tensor``, ``all_to_all_single``, ``barrier``, ``send``/``recv``) onto
+:class:`ringtrain.algorithms.sealed.Link`, which runs them over point-to-point messages. Two
+backends are built on it: ``ringtrain_sealed`` (:mod:`ringtrain.algorithms.sealed_backend`, every
+message sealed) and ``ringtrain_tcp`` (:mod:`ringtrain.algorithms.tcp_backend`, plain bytes over
+ringtrain's own TCP mesh, for enclaves, where Gloo cannot start).
+
+Each group owns one worker thread that runs its operations in call order and returns a
+:class:`RingWork` at once, so ``async_op=True`` overlaps as with Gloo.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from ringtrain.algorithms.sealed import Link
+from ringtrain.errors import CollectiveAbortedError
+
+# While an operation waits longer than this, it runs its group's check (a peer's failure).
+NOTICE_POLL_S = 0.25
+# How long shutdown waits for the group's worker to finish its queue.
+SHUTDOWN_JOIN_S = 5.0
+
+
+class RingWork(dist.Work):
+    """The handle of one operation; ``wait`` raises its error (a SecurityError intact).
+
+    ``check`` runs every :data:`NOTICE_POLL_S` while waiting: the sealed backend raises a
+    peer's posted failure from it."""
+
+    def __init__(self, check: Callable[[], None], result: Any) -> None:
+        super().__init__()
+        self._check = check
+        self._result = result
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._future: Future[Any] | None = None
+        self._lock = threading.Lock()
+
+    def _finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            self._error = error
+            self._done.set()
+            fut = self._future
+        if fut is not None:
+            _settle(fut, self._result, error)
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        limit = timeout.total_seconds() if timeout else 0.0
+        deadline = time.monotonic() + limit if limit > 0 else None
+        while not self._done.wait(NOTICE_POLL_S):
+            self._check()  # a peer's failure ends our wait, with its message
+            if deadline is not None and time.monotonic() > deadline:
+                raise CollectiveAbortedError(
+                    f"a ringtrain operation did not finish within {limit:g} s"
+                )
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> Any:
+        return self._error
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
+    def get_future(self) -> Future[Any]:
+        with self._lock:
+            if self._future is None:
+                self._future = Future()
+                if self._done.is_set():
+                    _settle(self._future, self._result, self._error)
+            return self._future
+
+
+def _settle(fut: Future[Any], result: Any, error: BaseException | None) -> None:
+    if error is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(error)
+
+
+class RingProcessGroup(dist.ProcessGroup):
+    """A Python process group whose collectives are :class:`Link`'s ring algorithms, run in one
+    worker thread per group. Subclasses build the link and call :meth:`_begin`."""
+
+    backend_name = ""
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the Python-group constructor
+        self._closed = False
+
+    def _begin(self, link: Link, name: str) -> None:
+        """Start serving: ``link`` runs the algorithms; one worker thread runs operations in
+        call order (the order point-to-point transports need)."""
+        self._link = link
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], RingWork] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    # Hooks for the sealed backend: a failure every group of the process must share.
+    def _poisoned(self) -> BaseException | None:
+        """The failure that ends every operation of this group at once (cheap: no I/O)."""
+        return None
+
+    def _check(self) -> None:
+        """Raise a failure of another rank, if one was posted (runs while waiting)."""
+
+    def _on_error(self, error: BaseException) -> BaseException:
+        """What an operation's error becomes (and what it poisons)."""
+        return error
+
+    # ---- plumbing ----------------------------------------------------------------------------
+
+    def getBackendName(self) -> str:
+        return self.backend_name
+
+    # torch names groups through these; a Python group must keep the names itself.
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return getattr(self, "_group_name", "")
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return getattr(self, "_group_desc", "")
+
+    def _submit(self, fn: Callable[[], None], result: Any) -> RingWork:
+        work = RingWork(self._check, result)
+        poisoned = self._poisoned()
+        if poisoned is not None:
+            work._finish(poisoned)
+        elif self._closed:
+            work._finish(CollectiveAbortedError("the process group was shut down"))
+        else:
+            self._jobs.put((fn, work))
+        return work
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, work = job
+            poisoned = self._poisoned()
+            if poisoned is not None:
+                work._finish(poisoned)
+                continue
+            try:
+                fn()
+            except BaseException as e:  # a peer died, a timeout, a forgery: report, keep serving
+                work._finish(self._on_error(e))
+            else:
+                work._finish(None)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._thread.join(SHUTDOWN_JOIN_S)
+        if not self._thread.is_alive():
+            # Release the transport now, from this thread: left to interpreter exit, Gloo's
+            # destructor runs too late and aborts the process ("terminate called without an
+            # active exception"). A worker stuck in Gloo (a peer failed) keeps it until Gloo
+            # times out.
+            inner, self._link.inner = self._link.inner, None
+            close = getattr(inner, "close", None)
+            if close is not None:  # the TCP mesh closes its sockets
+                close()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+    # ---- collectives (signatures as torch calls them) ----------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> RingWork:  # type: ignore[override]
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return self._submit(lambda: _each(tensors, lambda t: self._link.allreduce(t, op)), tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> RingWork:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> RingWork:  # type: ignore[override]
+        root = opts.rootRank if opts is not None else 0
+        return self._submit(
+            lambda: _each(tensors, lambda t: self._link.broadcast(t, root)), tensors
+        )
+
+    def allgather(  # type: ignore[override]
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> RingWork:
+        def run() -> None:
+            for outs, inp in zip(outputs, inputs):
+                _staged([*list(outs), inp], lambda *ts: self._link.allgather(ts[:-1], ts[-1]))
+
+        return self._submit(run, outputs)
+
+    def all_gather_single(
+        self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None
+    ) -> RingWork:
+        def run() -> None:
+            def go(out: torch.Tensor, i: torch.Tensor) -> None:
+                self._link.allgather(list(out.reshape(-1).chunk(self.size())), i)
+
+            _staged([output, inp], go)
+
+        return self._submit(run, [output])
+
+    _allgather_base = all_gather_single  # type: ignore[assignment]
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None
+    ) -> RingWork:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return self._submit(
+            lambda: _staged([output, inp], lambda o, i: self._link.reducescatter(o, i, op)),
+            [output],
+        )
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+
+    def reduce_scatter(  # type: ignore[override]
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> RingWork:
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+        def run() -> None:
+            for out, ins in zip(outputs, inputs):
+                flat = torch.cat([t.reshape(-1) for t in ins])
+                _staged([out, flat], lambda o, i: self._link.reducescatter(o, i, op))
+
+        return self._submit(run, outputs)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        inp: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> RingWork:
+        n = self.size()
+
+        def split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+            if not sizes:
+                return list(t.chunk(n)) if t.numel() else [t] * n
+            return list(t.split(sizes))
+
+        def run() -> None:
+            _staged(
+                [output, inp],
+                lambda o, i: self._link.alltoall(
+                    split(o, output_split_sizes), split(i, input_split_sizes)
+                ),
+            )
+
+        return self._submit(run, [output])
+
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
+
+    def alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> RingWork:
+        return self._submit(lambda: self._link.alltoall(outputs, inputs), outputs)
+
+    def barrier(self, opts: Any = None) -> RingWork:
+        return self._submit(self._link.barrier, None)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> RingWork:
+        return self._submit(lambda: _each(tensors, lambda t: self._link.send(t, dst)), tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> RingWork:
+        return self._submit(lambda: _each(tensors, lambda t: self._link.recv(t, src)), tensors)
+
+
+def _each(tensors: list[torch.Tensor], fn: Callable[[torch.Tensor], None]) -> None:
+    for t in tensors:
+        _staged([t], fn)
+
+
+def _staged(tensors: list[torch.Tensor], fn: Callable[..., None]) -> None:
+    """Run ``fn`` on contiguous CPU copies where needed, then copy results back."""
+    work = [
+        t if (t.device.type == "cpu" and t.is_contiguous()) else t.detach().cpu().contiguous()
+        for t in tensors
+    ]
+    fn(*work)
+    for t, w in zip(tensors, work):
+        if w is not t:
+            t.copy_(w)

@@ -1,0 +1,262 @@
+"""Point-to-point messages between the members of a group over plain TCP sockets.
+
+This is the wire under ringtrain's own ring algorithms (:class:`ringtrain.algorithms.sealed.Link`)
+when a job runs with ``transport = "tcp"``, in place of a Gloo group. It exists for enclaves:
+Gloo's TCP device calls ``getifaddrs()`` (netlink) even when given an address, and enclave
+runtimes such as Gramine have no netlink. What a :class:`Mesh` does, and does not do:
+
+* one TCP connection per pair of members, bound to an address given by the caller (no interface
+  enumeration, no name resolution: numeric IPv4 only), found through the group's store (each
+  member posts ``address:port:token``; the higher rank connects to the lower and proves it read
+  the token, so a stray connection is turned away instead of taking a member's place);
+* ``send``/``recv`` of uint8 tensors, matched in order per pair (the order the caller posts
+  them), each message framed with its length so a mismatch is an error, not garbled data;
+* two Python threads per peer (one sends, one receives): a large message overlaps the next, and
+  sockets release the GIL while they move bytes;
+* nothing an enclave lacks: no netlink, no ``MSG_MORE`` (``TCP_NODELAY`` and one ``sendmsg`` of
+  header and payload instead), no ``fork``, no file locks, no shared memory, no signals.
+
+A peer that closes its connection, or a wait longer than the group's timeout, fails the pending
+and every later operation to that peer with :class:`ConnectionError` naming it. Integrity and
+confidentiality are not this module's business: the sealed backend seals what it sends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import queue
+import socket
+import struct
+import threading
+from typing import Any
+
+import torch
+
+log = logging.getLogger("ringtrain")
+
+_MAGIC = b"RTM1"
+_HELLO = struct.Struct("<4s16sI")  # magic, the listener's token, the connecting rank
+_HEADER = struct.Struct("<Q")  # payload length
+
+
+class MeshWork:
+    """One send or receive; ``wait`` raises its error."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    if t.dtype != torch.uint8 or not t.is_contiguous() or t.device.type != "cpu":
+        raise TypeError("the TCP mesh moves contiguous uint8 CPU tensors only")
+    return memoryview(t.numpy()).cast("B") if t.numel() else memoryview(b"")  # type: ignore[arg-type]
+
+
+class _Peer:
+    """The connection to one member, with its sending and receiving threads."""
+
+    def __init__(self, sock: socket.socket, me: int, peer: int, timeout_s: float) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.error: BaseException | None = None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(timeout_s)
+        self._timeout_s = timeout_s
+        self._sends: queue.SimpleQueue[tuple[torch.Tensor, MeshWork] | None] = queue.SimpleQueue()
+        self._recvs: queue.SimpleQueue[tuple[torch.Tensor, MeshWork] | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(self._sends, self._send), daemon=True,
+                             name=f"ringtrain-tcp-{me}>{peer}"),
+            threading.Thread(target=self._loop, args=(self._recvs, self._recv), daemon=True,
+                             name=f"ringtrain-tcp-{me}<{peer}"),
+        ]  # fmt: skip
+        for t in self._threads:
+            t.start()
+
+    def post_send(self, t: torch.Tensor) -> MeshWork:
+        work = MeshWork()
+        self._sends.put((t, work))
+        return work
+
+    def post_recv(self, t: torch.Tensor) -> MeshWork:
+        work = MeshWork()
+        self._recvs.put((t, work))
+        return work
+
+    def _loop(
+        self,
+        jobs: queue.SimpleQueue[tuple[torch.Tensor, MeshWork] | None],
+        move: Any,
+    ) -> None:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            t, work = job
+            if self.error is not None:
+                work.finish(self.error)
+                continue
+            try:
+                move(_bytes_of(t))
+            except TimeoutError:
+                self.error = ConnectionError(
+                    f"no progress with rank {self.peer} for {self._timeout_s:g} s (the group's "
+                    "timeout): it may be stuck or gone"
+                )
+                work.finish(self.error)
+            except (OSError, ValueError) as e:
+                self.error = ConnectionError(f"the connection to rank {self.peer} failed: {e}")
+                work.finish(self.error)
+            else:
+                work.finish()
+
+    def _send(self, data: memoryview) -> None:
+        header = _HEADER.pack(len(data))
+        sent = self.sock.sendmsg([header, data]) if len(data) else self.sock.send(header)
+        if sent < len(header):
+            self.sock.sendall(header[sent:])
+            sent = len(header)
+        if sent - len(header) < len(data):
+            self.sock.sendall(data[sent - len(header) :])
+
+    def _recv(self, data: memoryview) -> None:
+        header = bytearray(_HEADER.size)
+        self._recv_into(memoryview(header))
+        (n,) = _HEADER.unpack(header)
+        if n != len(data):
+            raise ValueError(f"rank {self.peer} sent {n} bytes where {len(data)} were expected")
+        self._recv_into(data)
+
+    def _recv_into(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            n = self.sock.recv_into(view[got:], len(view) - got)
+            if n == 0:
+                raise OSError(f"rank {self.peer} closed the connection")
+            got += n
+
+    def close(self) -> None:
+        self._sends.put(None)
+        self._recvs.put(None)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+class Mesh:
+    """Connections from this member to every other member of one group.
+
+    Collective: every member creates its mesh with the same store, at about the same time.
+    ``address`` is this host's numeric IPv4 address that the other members can reach.
+    """
+
+    def __init__(
+        self, store: Any, rank: int, size: int, timeout: datetime.timedelta, address: str
+    ) -> None:
+        self.rank, self.size = rank, size
+        timeout_s = timeout.total_seconds()
+        self._peers: dict[int, _Peer] = {}
+        if size == 1:
+            return
+        token = os.urandom(16)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind((address, 0))
+            listener.listen(size)
+            listener.settimeout(timeout_s)
+            port = listener.getsockname()[1]
+            store.set(f"tcp/{rank}", f"{address}:{port}:{token.hex()}")
+            # Connect to the lower ranks (their listeners queue us until they accept), then
+            # accept the higher ones: no order of arrival can deadlock.
+            for peer in range(rank):
+                self._peers[peer] = _Peer(
+                    self._connect(store, peer, timeout_s), rank, peer, timeout_s
+                )
+            while len(self._peers) < size - 1:
+                sock, _ = listener.accept()
+                joiner = self._admit(sock, token)
+                if joiner is not None:
+                    self._peers[joiner] = _Peer(sock, rank, joiner, timeout_s)
+        except TimeoutError:
+            missing = sorted(set(range(size)) - set(self._peers) - {rank})
+            self.close()
+            raise ConnectionError(
+                f"rank {rank} could not connect to ranks {missing} within {timeout_s:g} s"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            listener.close()
+
+    def _connect(self, store: Any, peer: int, timeout_s: float) -> socket.socket:
+        ip, port, token = store.get(f"tcp/{peer}").decode().split(":")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect((ip, int(port)))
+            sock.sendall(_HELLO.pack(_MAGIC, bytes.fromhex(token), self.rank))
+        except OSError as e:
+            sock.close()
+            raise ConnectionError(
+                f"rank {self.rank} could not connect to rank {peer} at {ip}:{port}: {e}"
+            ) from e
+        return sock
+
+    def _admit(self, sock: socket.socket, token: bytes) -> int | None:
+        """The connecting member's rank, or None (and the socket closed) for a stranger."""
+        try:
+            hello = bytearray(_HELLO.size)
+            view, got = memoryview(hello), 0
+            while got < len(hello):
+                n = sock.recv_into(view[got:])
+                if n == 0:
+                    raise OSError("closed before saying who it is")
+                got += n
+            magic, their_token, peer = _HELLO.unpack(hello)
+            if magic != _MAGIC or their_token != token:
+                raise OSError("wrong greeting")
+            if not self.rank < peer < self.size or peer in self._peers:
+                raise OSError(f"claims rank {peer}")
+            return int(peer)
+        except OSError as e:
+            log.warning("rank %d turned away a connection: %s", self.rank, e)
+            sock.close()
+            return None
+
+    def _peer(self, peer: int) -> _Peer:
+        p = self._peers.get(peer)
+        if p is None:
+            raise ValueError(f"rank {peer} is not another member of this {self.size}-member group")
+        return p
+
+    # The calls Link makes on a Gloo group: send([t], peer, tag) / recv([t], peer, tag).
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int = 0) -> MeshWork:
+        (t,) = tensors
+        return self._peer(peer).post_send(t)
+
+    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int = 0) -> MeshWork:
+        (t,) = tensors
+        return self._peer(peer).post_recv(t)
+
+    def close(self) -> None:
+        for p in self._peers.values():
+            p.close()
+        self._peers.clear()
