@@ -10,6 +10,8 @@
     │   ├── StallError                  ranks stopped submitting what others wait for
     │   └── CollectiveAbortedError      the job shut down while the op was in flight
     ├── SecurityError                   a message failed authentication or a peer lacks the key
+    ├── HorovodInternalError (RuntimeError)   elastic: a peer failed; restore the last commit
+    ├── HostsUpdatedInterrupt (RuntimeError)  elastic: hosts joined or left; re-form the world
     ├── LaunchError                     the launcher could not start or keep the job running
     │   └── HostSpecError (ValueError)  a -H / --hostfile entry could not be parsed
     └── InternalError                   a bug in ringtrain itself: please report it
@@ -64,6 +66,21 @@ class CollectiveAbortedError(CollectiveError):
 
 class SecurityError(RingtrainError):
     """A message failed authentication, or a peer could not prove it holds the job key."""
+
+
+class HorovodInternalError(RingtrainError, RuntimeError):
+    """A peer failed during a collective (Horovod's name). ``@elastic.run`` restores the last
+    commit, re-forms the world with the survivors and retries; elsewhere it ends the job."""
+
+
+class HostsUpdatedInterrupt(RingtrainError, RuntimeError):
+    """The launcher announced a new membership (Horovod's name). Raised by
+    ``state.check_host_updates()``/``commit()`` on every rank at once; nothing is lost, so
+    ``@elastic.run`` re-forms the world without restoring. ``skip_sync`` as in Horovod."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the hosts of the job changed; the world will be re-formed")
+        self.skip_sync = skip_sync
 
 
 class LaunchError(RingtrainError):

@@ -7,6 +7,7 @@ error or answer truthfully (``mpi_enabled() -> False``).
 
 from __future__ import annotations
 
+from ringtrain import elastic
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.objects import allgather_object, barrier, broadcast_object, join
 from ringtrain.collectives.ops import (
@@ -41,7 +42,7 @@ from ringtrain.compression import Compression
 from ringtrain.engine.optimizer import DistributedOptimizer
 from ringtrain.engine.state_sync import broadcast_optimizer_state, broadcast_parameters
 from ringtrain.engine.sync_batch_norm import SyncBatchNorm
-from ringtrain.errors import RingtrainError as HorovodInternalError
+from ringtrain.errors import HorovodInternalError, HostsUpdatedInterrupt
 from ringtrain.lifecycle import (
     add_process_set,
     init,
@@ -80,6 +81,7 @@ __all__ = [
     "DistributedOptimizer",
     "Handle",
     "HorovodInternalError",
+    "HostsUpdatedInterrupt",
     "Max",
     "Min",
     "ProcessSet",
@@ -110,6 +112,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",

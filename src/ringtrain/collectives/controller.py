@@ -194,6 +194,14 @@ class Controller:
 
     close = request_shutdown
 
+    def abandon(self) -> None:
+        """Stop at once, without the peers (elastic: one of them failed). Pending ops fail; a
+        background thread stuck in an exchange ends at the group's timeout, unwaited."""
+        with self._lock:
+            self._closed = True
+        self._wake.set()
+        self._fail_all(CollectiveAbortedError("the world was re-formed while this op was pending"))
+
     @property
     def last_joined(self) -> int:
         return self._last_joined
