@@ -20,16 +20,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ringtrain.errors import HorovodInternalError
+from ringtrain.launch.elastic import (
+    GENERATION_KEY,
+    ID_VAR,
+    RESET_LIMIT_VAR,
+    TIMEOUT_VAR,
+    members_key,
+)
 
-ID_VAR = "RINGTRAIN_ELASTIC_ID"
-TIMEOUT_VAR = "RINGTRAIN_ELASTIC_TIMEOUT"
-RESET_LIMIT_VAR = "RINGTRAIN_ELASTIC_RESET_LIMIT"
-GENERATION_KEY = "ringtrain/elastic/generation"
 DEFAULT_TIMEOUT_S = 600.0
-
-
-def members_key(generation: int) -> str:
-    return f"ringtrain/elastic/members/{generation}"
 
 
 @dataclass(frozen=True)

@@ -154,6 +154,21 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=None,
         help="do not check that ranks submit matching collectives",
     )
+    elastic = p.add_argument_group("elastic (see docs/elastic.md)")
+    elastic.add_argument(
+        "--min-np", type=int, help="keep the job running while at least this many ranks remain"
+    )
+    elastic.add_argument("--max-np", type=int, help="the most ranks the job may grow to")
+    elastic.add_argument(
+        "--elastic-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds survivors wait for a new world after a failure (default 600)",
+    )
+    elastic.add_argument(
+        "--reset-limit", type=int, help="the most times the world may be re-formed"
+    )
     add_ssh_arguments(p)
     knobs = p.add_argument_group("job settings (each also a RINGTRAIN_* variable)")
     for f in SETTING_FLAGS:
@@ -214,6 +229,10 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         placement=args.placement,
         verbose=args.verbose,
         prefix_output=not args.no_prefix,
+        min_np=args.min_np,
+        max_np=args.max_np,
+        elastic_timeout_s=args.elastic_timeout,
+        reset_limit=args.reset_limit,
     )
 
 
