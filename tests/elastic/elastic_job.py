@@ -2,7 +2,8 @@
 
 ``w`` = (count, sum, sum of squares) of the samples trained on, so the final value equals an
 undisturbed run's only if every sample of every epoch was trained on exactly once, whatever the
-world size did in between. ``VICTIM=<id>`` SIGKILLs that rank mid-epoch, after a commit and one
+world size did in between. ``MODE=optimizer`` trains ``w`` through DistributedOptimizer (op=Sum, SGD lr=1, a loss whose
+gradient is each sample's (1, x, x^2)), so ``w`` ends at minus that. ``VICTIM=<id>`` SIGKILLs that rank mid-epoch, after a commit and one
 uncommitted batch, in the job's first world.
 """
 
@@ -31,7 +32,21 @@ def main() -> None:
     victim = int(os.environ.get("VICTIM", "-1"))
     data = torch.arange(1, N + 1, dtype=torch.float64)
     sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=3)
-    state = hvd.elastic.TorchState(sampler=sampler, w=torch.zeros(3, dtype=torch.float64), epoch=0)
+    use_optimizer = os.environ.get("MODE") == "optimizer"
+    model = torch.nn.Linear(3, 1, bias=False).double()
+    torch.nn.init.zeros_(model.weight)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        named_parameters=model.named_parameters(),
+        op=hvd.Sum,
+    )
+    state = hvd.elastic.TorchState(
+        model=model,
+        optimizer=opt,
+        sampler=sampler,
+        w=torch.zeros(3, dtype=torch.float64),
+        epoch=0,
+    )
     state.register_reset_callbacks(
         [lambda: say(f"reset id={me} rank={hvd.rank()} size={hvd.size()} t={time.time():.3f}")]
     )
@@ -53,7 +68,13 @@ def main() -> None:
                 local = torch.stack(
                     [torch.tensor(float(len(x)), dtype=torch.float64), x.sum(), (x * x).sum()]
                 )
-                state.w += hvd.allreduce(local, op=hvd.Sum, name=f"w.{state.epoch}.{idx}")
+                if use_optimizer:
+                    opt.zero_grad()
+                    feats = torch.stack([torch.ones_like(x), x, x * x], dim=1)
+                    model(feats).sum().backward()
+                    opt.step()
+                else:
+                    state.w += hvd.allreduce(local, op=hvd.Sum, name=f"w.{state.epoch}.{idx}")
                 state.sampler.record_batch(idx, B)
                 if (idx + 1) % COMMIT_EVERY == 0:
                     state.commit()
@@ -62,7 +83,8 @@ def main() -> None:
             state.commit()
 
     train(state)
-    w = [int(v) for v in state.w.tolist()]
+    final = -model.weight.detach()[0] if use_optimizer else state.w
+    w = [int(v) for v in final.tolist()]
     say(
         f"done id={me} pid={os.getpid()} rank={hvd.rank()} size={hvd.size()} w={w}".replace(
             ", ", ","

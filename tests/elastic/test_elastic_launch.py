@@ -22,8 +22,8 @@ N, EPOCHS = 60, 2  # as in elastic_job.py
 EXPECTED = [N * EPOCHS, EPOCHS * N * (N + 1) // 2, EPOCHS * N * (N + 1) * (2 * N + 1) // 6]
 
 
-def _job(*flags: str, victim: int) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "VICTIM": str(victim), "OMP_NUM_THREADS": "1"}
+def _job(*flags: str, victim: int, mode: str = "allreduce") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "VICTIM": str(victim), "OMP_NUM_THREADS": "1", "MODE": mode}
     return subprocess.run(
         [sys.executable, "-m", "ringtrain", "run", "-np", "3", *flags, sys.executable, str(JOB)],
         capture_output=True,
@@ -43,8 +43,10 @@ def _fields(out: str, kind: str) -> list[dict[str, str]]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0"])
-def test_survivors_resume_in_the_same_processes(victim: int) -> None:
-    proc = _job("--min-np", "2", "--elastic-timeout", "60", victim=victim)
+@pytest.mark.parametrize("mode", ["allreduce", "optimizer"])
+def test_survivors_resume_in_the_same_processes(victim: int, mode: str) -> None:
+    """``optimizer``: the gradients go through DistributedOptimizer, rebound to the new world."""
+    proc = _job("--min-np", "2", "--elastic-timeout", "60", victim=victim, mode=mode)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     pids = {s["id"]: s["pid"] for s in _fields(proc.stdout, "start")}
     done = _fields(proc.stdout, "done")

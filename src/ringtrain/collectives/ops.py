@@ -20,7 +20,7 @@ from ringtrain.collectives.reduce_ops import resolve_op
 from ringtrain.collectives.requests import Request, TensorMeta
 from ringtrain.compression import resolve as resolve_compression
 from ringtrain.errors import CollectiveAbortedError, CollectiveArgumentError
-from ringtrain.runtime import state
+from ringtrain.runtime import abort, state
 from ringtrain.runtime.process_sets import ProcessSet
 
 
@@ -96,7 +96,15 @@ def synchronize(handle: Handle) -> Any:
         raise CollectiveArgumentError(
             f"synchronize expects a handle from an *_async call, got {handle!r}"
         )
-    return handle.wait()
+    if abort.superseded is None:
+        return handle.wait()
+    while True:  # elastic: a controller stuck on an abandoned world would never answer
+        try:
+            return handle.wait(abort.SLICE_S)
+        except CollectiveAbortedError:
+            if handle.done():
+                raise  # the op's own error, not the slice running out
+        abort.check()
 
 
 def poll(handle: Handle) -> bool:

@@ -90,6 +90,11 @@ def announced() -> int | None:
     return int(store.get(GENERATION_KEY))
 
 
+def superseded() -> bool:
+    """Whether the launcher announced a world newer than the one this process runs in."""
+    return (announced() or 0) > _current
+
+
 def next_world(wait_s: float | None = None) -> World:
     """Wait (at most ``wait_s``, default the elastic timeout) for a world newer than ours.
 

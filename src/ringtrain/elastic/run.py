@@ -20,12 +20,14 @@ import torch.distributed as dist
 from ringtrain import lifecycle
 from ringtrain.elastic import membership
 from ringtrain.elastic.state import State
+from ringtrain.engine import optimizer
 from ringtrain.errors import (
     CollectiveAbortedError,
     HorovodInternalError,
     HostsUpdatedInterrupt,
     LaunchError,
 )
+from ringtrain.runtime import abort
 from ringtrain.runtime import state as runtime
 
 log = logging.getLogger("ringtrain")
@@ -41,11 +43,23 @@ PEER_FAILED: tuple[type[BaseException], ...] = (
 )
 
 
+def peer_failed(e: BaseException) -> bool:
+    """Whether ``e`` means a peer failed (so re-forming the world can help)."""
+    if isinstance(e, PEER_FAILED):
+        return True
+    # HACK: the engine waits on raw Gloo work, whose transport errors reach us as plain
+    # RuntimeErrors; recognise them by Gloo's source path in the message.
+    text = str(e)
+    return isinstance(e, RuntimeError) and "gloo/transport" in text
+
+
 def run(func: Callable[..., R]) -> Callable[..., R]:
     """Decorate ``train(state, *args, **kwargs)``; call it with a committed :class:`State`."""
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
+        if membership.active():
+            abort.superseded = membership.superseded
         resets = 0
         skip_sync = False
         while True:
@@ -56,7 +70,9 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
             except HostsUpdatedInterrupt as e:
                 failure: BaseException | None = None
                 skip_sync = e.skip_sync
-            except PEER_FAILED as e:
+            except Exception as e:
+                if not peer_failed(e):
+                    raise
                 failure = e
                 skip_sync = False
                 state.restore()
@@ -78,6 +94,7 @@ def _reset(state: State, failure: BaseException | None) -> None:
             raise failure
         lifecycle.shutdown()  # hosts changed by hand (tests, Horovod's own semantics)
         lifecycle.init()
+        optimizer.rejoin_all()
         return
     world = membership.next_world()
     me = membership.identity()
@@ -88,6 +105,7 @@ def _reset(state: State, failure: BaseException | None) -> None:
         ) from failure
     old = runtime.current().rank if runtime.is_initialized() else None
     lifecycle.reform(world.members.index(me), len(world.members), world.generation)
+    optimizer.rejoin_all()
     membership.entered(world)
     state.mark_generation(world.generation)
     log.warning(
