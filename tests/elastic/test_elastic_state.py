@@ -9,6 +9,7 @@ import torch
 import ringtrain as rt
 import ringtrain.torch as hvd
 from ringtrain.elastic import state as base
+from ringtrain.errors import LaunchError
 from ringtrain.testing.spawn import World
 
 
@@ -96,3 +97,24 @@ def _retry_on_host_update() -> list[int]:
 def test_run_resets_and_retries_on_a_host_update(world: World) -> None:
     for total, resets in world.run(_retry_on_host_update):
         assert total == 4 * world.size and resets == 1
+
+
+def _reset_forever() -> str:
+    state = hvd.elastic.ObjectState(step=0)
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.ObjectState) -> None:
+        state.on_hosts_updated(state._seen_update + 1)
+        state.commit()
+
+    try:
+        train(state)
+    except LaunchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_reset_limit_ends_the_retries(world: World) -> None:
+    # the variable `ringtrain run --reset-limit 2` gives every rank
+    for message in world.run(_reset_forever, env={"RINGTRAIN_ELASTIC_RESET_LIMIT": "2"}):
+        assert "re-formed 3 times, more than --reset-limit 2" in message
