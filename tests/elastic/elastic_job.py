@@ -4,7 +4,8 @@
 undisturbed run's only if every sample of every epoch was trained on exactly once, whatever the
 world size did in between. ``MODE=optimizer`` trains ``w`` through DistributedOptimizer (op=Sum, SGD lr=1, a loss whose
 gradient is each sample's (1, x, x^2)), so ``w`` ends at minus that. ``VICTIM=<id>`` SIGKILLs that rank mid-epoch, after a commit and one
-uncommitted batch, in the job's first world.
+uncommitted batch, in the job's first world (``KILL=agent``: its agent instead, so every rank
+of its host vanishes at once, as when a host is lost).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 import ringtrain.torch as hvd
 from ringtrain.elastic import membership
 
-N, B, EPOCHS, COMMIT_EVERY, KILL_AT = 60, 2, 2, 2, 5
+N, B, EPOCHS, COMMIT_EVERY = 60, 2, 2, 2
+KILL_AT = int(os.environ.get("KILL_AT", "5"))
 
 
 def say(*parts: object) -> None:
@@ -28,7 +30,7 @@ def say(*parts: object) -> None:
 def main() -> None:
     hvd.init()
     me = membership.identity() if membership.active() else hvd.rank()
-    say(f"start id={me} pid={os.getpid()} rank={hvd.rank()} size={hvd.size()}")
+    say(f"start id={me} pid={os.getpid()} ppid={os.getppid()} rank={hvd.rank()} size={hvd.size()}")
     victim = int(os.environ.get("VICTIM", "-1"))
     data = torch.arange(1, N + 1, dtype=torch.float64)
     sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=3)
@@ -55,7 +57,7 @@ def main() -> None:
     def train(state: hvd.elastic.TorchState) -> None:
         while state.epoch < EPOCHS:
             order = list(state.sampler)
-            for idx in range(len(order) // B):
+            for idx in range(-(-len(order) // B)):
                 if (
                     me == victim
                     and membership.current() == 0
@@ -63,6 +65,9 @@ def main() -> None:
                     and idx == KILL_AT
                 ):
                     say(f"kill id={me} t={time.time():.3f}")
+                    if os.environ.get("KILL") == "agent":
+                        os.kill(os.getppid(), signal.SIGKILL)
+                        time.sleep(60)  # PR_SET_PDEATHSIG ends this rank with its agent
                     os.kill(os.getpid(), signal.SIGKILL)
                 x = data[order[idx * B : (idx + 1) * B]]
                 local = torch.stack(

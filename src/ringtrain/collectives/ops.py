@@ -96,15 +96,16 @@ def synchronize(handle: Handle) -> Any:
         raise CollectiveArgumentError(
             f"synchronize expects a handle from an *_async call, got {handle!r}"
         )
-    if abort.superseded is None:
+    if abort.announced is None:
         return handle.wait()
+    since = abort.generation
     while True:  # elastic: a controller stuck on an abandoned world would never answer
         try:
             return handle.wait(abort.SLICE_S)
         except CollectiveAbortedError:
             if handle.done():
                 raise  # the op's own error, not the slice running out
-        abort.check()
+        abort.check(since)
 
 
 def poll(handle: Handle) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from ringtrain.launch.elastic import (
     TIMEOUT_VAR,
     members_key,
 )
+from ringtrain.runtime import abort
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -37,7 +39,7 @@ class World:
     members: tuple[int, ...]  # identities, in new-rank order
 
 
-_client: Any = None
+_clients = threading.local()  # one store client per thread: waits poll from several
 _current = 0  # the generation this process runs in
 
 
@@ -64,11 +66,11 @@ def current() -> int:
 
 
 def _store() -> Any:
-    global _client
-    if _client is None:
+    client = getattr(_clients, "store", None)
+    if client is None:
         import torch.distributed as dist
 
-        _client = dist.TCPStore(
+        client = _clients.store = dist.TCPStore(
             os.environ["RINGTRAIN_RENDEZVOUS_ADDR"],
             int(os.environ["RINGTRAIN_RENDEZVOUS_PORT"]),
             world_size=None,
@@ -77,7 +79,7 @@ def _store() -> Any:
             wait_for_workers=False,
             use_libuv=True,
         )
-    return _client
+    return client
 
 
 def announced() -> int | None:
@@ -90,9 +92,9 @@ def announced() -> int | None:
     return int(store.get(GENERATION_KEY))
 
 
-def superseded() -> bool:
-    """Whether the launcher announced a world newer than the one this process runs in."""
-    return (announced() or 0) > _current
+def newest() -> int:
+    """The newest generation announced (0 outside elastic jobs)."""
+    return announced() or 0
 
 
 def next_world(wait_s: float | None = None) -> World:
@@ -121,3 +123,4 @@ def entered(world: World) -> None:
     """Record that this process now runs in ``world``."""
     global _current
     _current = world.generation
+    abort.generation = world.generation

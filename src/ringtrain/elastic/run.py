@@ -59,7 +59,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
         if membership.active():
-            abort.superseded = membership.superseded
+            abort.announced = membership.newest
         resets = 0
         skip_sync = False
         while True:
@@ -104,9 +104,9 @@ def _reset(state: State, failure: BaseException | None) -> None:
             f"({list(world.members)}): it was considered failed"
         ) from failure
     old = runtime.current().rank if runtime.is_initialized() else None
+    membership.entered(world)  # first: the new world's waits must not count as superseded
     lifecycle.reform(world.members.index(me), len(world.members), world.generation)
     optimizer.rejoin_all()
-    membership.entered(world)
     state.mark_generation(world.generation)
     log.warning(
         "ringtrain elastic: %s; rank %s is now rank %d of %d (generation %d)",

@@ -38,11 +38,14 @@ class Membership:
     generation: int = 0
     gone: list[int] = field(default_factory=list)
 
-    def lose(self, identity: int) -> bool:
-        """Drop a failed rank. True when a new world can go on (at least ``min_np`` remain)."""
-        if identity in self.members:
-            self.members.remove(identity)
-            self.gone.append(identity)
+    def lose(self, *identities: int) -> bool:
+        """Drop failed ranks (a lost host's, together: one new world, not one per rank).
+        True when a new world can go on (at least ``min_np`` remain)."""
+        dropped = [i for i in identities if i in self.members]
+        for i in dropped:
+            self.members.remove(i)
+            self.gone.append(i)
+        if dropped:
             self.generation += 1
         return len(self.members) >= self.min_np
 

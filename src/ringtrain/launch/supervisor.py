@@ -352,16 +352,17 @@ class Supervisor:
         elif kind == "eof" and not link.done:
             link.lost = True
             if self._failure is None and not self._interrupts:
-                self._fail(
-                    Failure(
-                        None,
-                        link.host.name,
-                        1,
-                        f"lost the connection to host {link.host.name}'s agent "
-                        f"(ranks {', '.join(str(s.rank) for s in self.specs if s.host == link.host.name)})",
-                        list(link.err_tail),
-                    )
+                ranks = [s.rank for s in self.specs if s.host == link.host.name]
+                desc = (
+                    f"lost the connection to host {link.host.name}'s agent "
+                    f"(ranks {', '.join(str(r) for r in ranks)})"
                 )
+                if self._membership is not None:
+                    alive = [r for r in ranks if r not in self._exits]
+                    if self._reform(desc, *alive):
+                        return
+                    desc += f"; fewer than --min-np {self._membership.min_np} ranks remain"
+                self._fail(Failure(None, link.host.name, 1, desc, list(link.err_tail)))
 
     def _on_exit(self, link: AgentLink, msg: dict[str, Any]) -> None:
         rank = msg["rank"]
@@ -386,16 +387,16 @@ class Supervisor:
             elapsed = time.monotonic() - self._started_at
             desc = f"rank {rank} (host {link.host.name}, pid {pid}) {how} after {elapsed:.1f} s"
         if self._membership is not None and pid is not None:
-            if self._reform(rank, desc):
+            if self._reform(desc, rank):
                 return
             desc += f"; fewer than --min-np {self._membership.min_np} ranks remain"
         self._fail(Failure(rank, link.host.name, exit_code, desc, tail))
 
-    def _reform(self, rank: int, desc: str) -> bool:
-        """Elastic: drop ``rank`` and announce the survivors' world. False below --min-np."""
+    def _reform(self, desc: str, *ranks: int) -> bool:
+        """Elastic: drop ``ranks`` and announce the survivors' world. False below --min-np."""
         m = self._membership
         assert m is not None and self._server is not None
-        if not m.lose(rank):
+        if not m.lose(*ranks):
             return False
         for key, value in m.announcement():
             self._server.publish(key, value)
