@@ -59,6 +59,10 @@ PLACEMENT_VARS = frozenset(
         "RINGTRAIN_RENDEZVOUS_HOSTED",
         "RINGTRAIN_JOB_ID",
         "RINGTRAIN_KEY_FD",
+        # elastic jobs: the rank's stable identity and the launcher's limits (launch/elastic.py)
+        "RINGTRAIN_ELASTIC_ID",
+        "RINGTRAIN_ELASTIC_TIMEOUT",
+        "RINGTRAIN_ELASTIC_RESET_LIMIT",
     }
 )
 

@@ -4,12 +4,15 @@
     ├── ConfigError (ValueError)         a setting, flag or env var is wrong
     ├── NotInitializedError (ValueError) an API call before ringtrain.init()
     ├── LaunchEnvironmentError           the launcher's variables contradict each other or the code
-    ├── CollectiveError (RuntimeError)   a collective failed; the same error is raised on every rank
-    │   ├── CollectiveArgumentError (ValueError)  bad arguments (root, splits, dtype, name, ...)
-    │   │   └── CollectiveUnsupportedError (NotImplementedError)  an op ringtrain lacks (Adasum)
-    │   ├── CollectiveMismatchError     ranks submitted the same name with different arguments
-    │   ├── StallError                  ranks stopped submitting what others wait for
-    │   └── CollectiveAbortedError      the job shut down while the op was in flight
+    ├── HorovodInternalError (RuntimeError)  a collective failed (Horovod's name); elastic: a peer
+    │   │                                    failed, restore the last commit
+    │   └── CollectiveError              a collective failed; the same error is raised on every rank
+    │       ├── CollectiveArgumentError (ValueError)  bad arguments (root, splits, dtype, name, ...)
+    │       │   └── CollectiveUnsupportedError (NotImplementedError)  an op ringtrain lacks (Adasum)
+    │       ├── CollectiveMismatchError     ranks submitted the same name with different arguments
+    │       ├── StallError                  ranks stopped submitting what others wait for
+    │       └── CollectiveAbortedError      the job shut down while the op was in flight
+    ├── HostsUpdatedInterrupt (RuntimeError)  elastic: hosts joined or left; re-form the world
     ├── SecurityError                   a message failed authentication or a peer lacks the key
     ├── LaunchError                     the launcher could not start or keep the job running
     │   └── HostSpecError (ValueError)  a -H / --hostfile entry could not be parsed
@@ -18,7 +21,7 @@
 Messages say what was given, what was expected, and what to do (``HINT:``).
 
 The builtin bases are Horovod's: its collectives fail with ``HorovodInternalError``, a
-``RuntimeError`` (``ringtrain.torch.HorovodInternalError`` is :class:`CollectiveError`), its
+``RuntimeError`` (every :class:`CollectiveError` is a :class:`HorovodInternalError`), its
 argument checks raise ``ValueError``, unsupported ops ``NotImplementedError``, and its queries
 before ``init()`` ``ValueError``. So ``except RuntimeError`` around a collective catches a
 mismatch in either library.
@@ -49,7 +52,13 @@ class LaunchEnvironmentError(RingtrainError):
     """The variables of the launcher that started this process are inconsistent."""
 
 
-class CollectiveError(RingtrainError, RuntimeError):
+class HorovodInternalError(RingtrainError, RuntimeError):
+    """A collective failed (Horovod's name and base class, so ``except HorovodInternalError``
+    catches what it catches in Horovod). Raised as such when a peer failed; ``@elastic.run``
+    then restores the last commit, re-forms the world with the survivors and retries."""
+
+
+class CollectiveError(HorovodInternalError):
     """A collective operation failed. Raised on every rank that took part."""
 
 
@@ -75,6 +84,16 @@ class CollectiveAbortedError(CollectiveError):
 
 class SecurityError(RingtrainError):
     """A message failed authentication, or a peer could not prove it holds the job key."""
+
+
+class HostsUpdatedInterrupt(RingtrainError, RuntimeError):
+    """The launcher announced a new membership (Horovod's name). Raised by
+    ``state.check_host_updates()``/``commit()`` on every rank at once; nothing is lost, so
+    ``@elastic.run`` re-forms the world without restoring. ``skip_sync`` as in Horovod."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the hosts of the job changed; the world will be re-formed")
+        self.skip_sync = skip_sync
 
 
 class LaunchError(RingtrainError):

@@ -32,6 +32,7 @@ def init(
     config: Config | None = None,
     rank: int | None = None,
     size: int | None = None,
+    elastic: tuple[int, int, int] | None = None,
     **settings: Any,
 ) -> None:
     """Join the job. Reads the launcher's variables and ``RINGTRAIN_*`` settings; keyword
@@ -46,7 +47,7 @@ def init(
         config = Config.from_env(**settings)
     elif settings:
         config = config.replace(**settings)
-    rt = state.start(config, rank=rank, size=size)
+    rt = state.start(config, rank=rank, size=size, elastic=elastic)
     try:
         _attach_controller(state.global_process_set, config)
         if config.straggler_report_steps > 0 and rt.size > 1:
@@ -82,6 +83,21 @@ def shutdown() -> None:
                 ctl.request_shutdown(SHUTDOWN_WAIT_S)
     finally:
         state.stop()
+
+
+def reform(rank: int, size: int, generation: int) -> None:
+    """Elastic: leave the current world without waiting for its peers (one failed), and join
+    world ``generation`` as ``rank`` of ``size``. Process sets other than the world are gone."""
+    config = None
+    if state.is_initialized():
+        rt = state.current()
+        config = rt.config
+        for ps in rt.process_sets.values():
+            ctl = ps.communicator.service("controller")
+            if ctl is not None:
+                ctl.abandon()
+        state.abandon()
+    init(config=config, elastic=(rank, size, generation))
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> str:

@@ -2,13 +2,14 @@
 
 Every name here is the ringtrain implementation of the Horovod name it carries; nothing is a stub.
 Names Horovod has that ringtrain does not support (Adasum, MPI-specific queries) raise a clear
-error or answer truthfully (``mpi_enabled() -> False``). ``HorovodInternalError`` is
-:class:`ringtrain.errors.CollectiveError`: like Horovod's, a ``RuntimeError`` raised when a
-collective fails (a mismatch across ranks, a stall, a peer gone).
+error or answer truthfully (``mpi_enabled() -> False``). ``HorovodInternalError`` is,
+as in Horovod, the ``RuntimeError`` a failed collective raises (a mismatch across ranks, a
+stall, a peer gone): the base of :class:`ringtrain.errors.CollectiveError`.
 """
 
 from __future__ import annotations
 
+from ringtrain import elastic
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.objects import allgather_object, barrier, broadcast_object, join
 from ringtrain.collectives.ops import (
@@ -43,7 +44,7 @@ from ringtrain.compression import Compression
 from ringtrain.engine.optimizer import DistributedOptimizer
 from ringtrain.engine.state_sync import broadcast_optimizer_state, broadcast_parameters
 from ringtrain.engine.sync_batch_norm import SyncBatchNorm
-from ringtrain.errors import CollectiveError as HorovodInternalError
+from ringtrain.errors import HorovodInternalError, HostsUpdatedInterrupt
 from ringtrain.lifecycle import (
     add_process_set,
     init,
@@ -82,6 +83,7 @@ __all__ = [
     "DistributedOptimizer",
     "Handle",
     "HorovodInternalError",
+    "HostsUpdatedInterrupt",
     "Max",
     "Min",
     "ProcessSet",
@@ -112,6 +114,7 @@ __all__ = [
     "cross_size",
     "cuda_built",
     "ddl_built",
+    "elastic",
     "global_process_set",
     "gloo_built",
     "gloo_enabled",

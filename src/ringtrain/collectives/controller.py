@@ -49,6 +49,7 @@ from ringtrain.errors import (
     SecurityError,
     StallError,
 )
+from ringtrain.runtime import abort
 from ringtrain.runtime.communicator import Communicator
 
 log = logging.getLogger("ringtrain")
@@ -132,6 +133,7 @@ class Controller:
         # Names this set failed as cross-set mismatches, still posted until the given time.
         self._lingering: dict[str, tuple[crossset.Stuck, float]] = {}
         self._executor = Executor(comm, config)
+        self._world = abort.generation  # elastic: this controller's waits end when it is replaced
         self._control = comm.group("control")
         self._slot = torch.zeros(CONTROL_SLOT_BYTES, dtype=torch.uint8)
         self._slots = torch.zeros(comm.size * CONTROL_SLOT_BYTES, dtype=torch.uint8)
@@ -193,6 +195,14 @@ class Controller:
             )
 
     close = request_shutdown
+
+    def abandon(self) -> None:
+        """Stop at once, without the peers (elastic: one of them failed). Pending ops fail; a
+        background thread stuck in an exchange ends at the group's timeout, unwaited."""
+        with self._lock:
+            self._closed = True
+        self._wake.set()
+        self._fail_all(CollectiveAbortedError("the world was re-formed while this op was pending"))
 
     @property
     def last_joined(self) -> int:
@@ -497,7 +507,9 @@ class Controller:
         struct.pack_into("<q", out, 0, len(payload))
         if len(payload) <= width - 8:
             out[8 : 8 + len(payload)] = payload
-        dist.all_gather_single(slots, slot, group=self._control)
+        abort.wait_work(
+            dist.all_gather_single(slots, slot, group=self._control, async_op=True), self._world
+        )
         got = slots.numpy().data
         lengths = [struct.unpack_from("<q", got, r * width)[0] for r in range(size)]
         longest = max(lengths)
@@ -508,7 +520,9 @@ class Controller:
         big = torch.zeros(longest, dtype=torch.uint8)
         big.numpy().data[: len(payload)] = payload
         bigs = torch.empty(size * longest, dtype=torch.uint8)
-        dist.all_gather_single(bigs, big, group=self._control)
+        abort.wait_work(
+            dist.all_gather_single(bigs, big, group=self._control, async_op=True), self._world
+        )
         got = bigs.numpy().data
         return [pickle.loads(got[r * longest : r * longest + n]) for r, n in enumerate(lengths)]
 

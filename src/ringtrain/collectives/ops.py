@@ -21,7 +21,7 @@ from ringtrain.collectives.reduce_ops import resolve_op
 from ringtrain.collectives.requests import Request, TensorMeta
 from ringtrain.compression import resolve as resolve_compression
 from ringtrain.errors import CollectiveAbortedError, CollectiveArgumentError
-from ringtrain.runtime import state
+from ringtrain.runtime import abort, state
 from ringtrain.runtime.process_sets import ProcessSet
 
 
@@ -100,7 +100,16 @@ def synchronize(handle: Handle) -> Any:
     """Wait for an asynchronous collective and return its result (raises its error). Waiting
     again on the same handle returns the same result."""
     _check_handle("synchronize", handle)
-    return handle.wait()
+    if abort.announced is None:
+        return handle.wait()
+    since = abort.generation
+    while True:  # elastic: a controller stuck on an abandoned world would never answer
+        try:
+            return handle.wait(abort.SLICE_S)
+        except CollectiveAbortedError:
+            if handle.done():
+                raise  # the op's own error, not the slice running out
+        abort.check(since)
 
 
 def poll(handle: Handle) -> bool:

@@ -58,6 +58,7 @@ from ringtrain.diagnostics import timeline
 from ringtrain.engine.buckets import Bucket, Plan
 from ringtrain.engine.streams import Lane
 from ringtrain.errors import InternalError
+from ringtrain.runtime import abort
 
 _now = time.perf_counter
 
@@ -393,7 +394,7 @@ class GradientExchange:
             if isinstance(slot.work, concurrent.futures.Future):
                 slot.work.result()  # a hierarchical allreduce, on the lane's worker
             else:
-                slot.work.wait()
+                abort.wait_work(slot.work)
             wire = slot.wire
             assert wire is not None
             if slot.narrow and not bool(torch.isfinite(wire).all()):
@@ -487,8 +488,8 @@ class GradientExchange:
     def _finish_sparse(self) -> None:
         pre, post = self._scaling.factors()
         for i, (rows, out_i, out_v, wi, wv) in zip(self.plan.sparse, self._sparse_work):
-            wi.wait()
-            wv.wait()
+            abort.wait_work(wi)
+            abort.wait_work(wv)
             p = self._params[i]
             indices = torch.cat([t[:, :n] for t, n in zip(out_i, rows)], dim=1)
             values = torch.cat([t[:n] for t, n in zip(out_v, rows)]) * (pre * post)

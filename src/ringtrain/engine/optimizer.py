@@ -192,13 +192,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         # The link class that sizes buckets: pinned, or measured in the first step (then fixed).
         self._link_class: str | None = None if link_class == "auto" else link_class
+        self._link_pinned = self._link_class  # what an elastic rejoin() starts from again
         self._streams = config.engine_streams if engine_streams is None else engine_streams
         if self._streams < 1:
             raise ConfigError(f"engine_streams must be >= 1, got {self._streams}")
         self._timeout_s = config.timeout_s
-        self._compression = resolve_compression(
-            config.compression if compression is None else compression, config
-        )
+        self._compression_arg = config.compression if compression is None else compression
+        self._compression = resolve_compression(self._compression_arg, config)
         self._tuner: AutoTuner | None = None
         if (
             isinstance(self._compression, AutoCompression)
@@ -235,6 +235,41 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._syncs = 0  # synchronize() calls: the step number the wait watch posts
         self._watch = self._make_watch(config.stall_warning_s)
         self._register_hooks()
+        _live.add(self)
+
+    def rejoin(self) -> None:
+        """Elastic: the world was re-formed (:mod:`ringtrain.elastic`); take its communicator and
+        start over alike on every rank: the bucket plan is learned again, compression state
+        (PowerSGD/top-k error feedback, the auto tuner) starts afresh, and a measured link class
+        is measured again. Called for every live optimizer by ``@elastic.run``."""
+        if self._process_set not in (None, runtime_state.global_process_set):
+            return  # its process set is gone with the old world; it cannot be used again
+        controller = ops.controller_of(self._process_set)
+        config = controller.config
+        self._drop_plan()
+        self._comm = controller.comm
+        self._size = self._comm.size
+        self._compression = resolve_compression(self._compression_arg, config)
+        self._tuner = None
+        if isinstance(self._compression, AutoCompression) and self._size > 1:
+            self._tuner = AutoTuner(
+                self._compression, self._comm.group("engine"), self._size, self._comm.set_rank
+            )
+        self._link_class = self._link_pinned
+        self._lanes = None
+        self._observed = []
+        self._counts = [0] * len(self._params)
+        self._learner = None
+        self._step_open = self._learning = self._any_ready = self._in_pass = False
+        self._synchronized = False
+        self._should_sync = True
+        if self._watch is not None:
+            self._watch.close()
+        self._watch = self._make_watch(config.stall_warning_s)
+        if self._size == 1:
+            _remove_hooks(self._hooks)
+        else:
+            self._register_hooks()
 
     # ---- the torch.optim.Optimizer surface, delegated ----------------------------------------
 
@@ -744,6 +779,16 @@ def _grad_ready(optimizer: weakref.ref[DistributedOptimizer], index: int, param:
     opt = optimizer()
     if opt is not None:
         opt._on_grad_ready(index, param)
+
+
+# Every DistributedOptimizer alive in this process, for the elastic rejoin.
+_live: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()
+
+
+def rejoin_all() -> None:
+    """Elastic: rebind every live DistributedOptimizer to the re-formed world."""
+    for opt in list(_live):
+        opt.rejoin()
 
 
 def _remove_hooks(hooks: dict[int, Any]) -> None:

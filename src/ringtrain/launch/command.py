@@ -188,6 +188,21 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="also write each rank's output to DIR/rank.<rank>/stdout and stderr (horovodrun's "
         "layout: ranks zero-padded to one width)",
     )
+    elastic = p.add_argument_group("elastic (see docs/elastic.md)")
+    elastic.add_argument(
+        "--min-np", type=int, help="keep the job running while at least this many ranks remain"
+    )
+    elastic.add_argument("--max-np", type=int, help="the most ranks the job may grow to")
+    elastic.add_argument(
+        "--elastic-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds survivors wait for a new world after a failure (default 600)",
+    )
+    elastic.add_argument(
+        "--reset-limit", type=int, help="the most times the world may be re-formed"
+    )
     add_ssh_arguments(p)
     knobs = p.add_argument_group("job settings (each also a RINGTRAIN_* variable)")
     for f in SETTING_FLAGS:
@@ -319,6 +334,10 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         prefix_output=not args.no_prefix,
         output_dir=args.output_filename,
         interface_candidates=candidates,
+        min_np=args.min_np,
+        max_np=args.max_np,
+        elastic_timeout_s=args.elastic_timeout,
+        reset_limit=args.reset_limit,
     )
 
 

@@ -55,6 +55,11 @@ class LaunchOptions:
     interface_candidates: tuple[str, ...] = ()
     # The interpreter that runs the agents (the same path on every host, as for the ranks).
     python: str = sys.executable
+    # Elastic (any of these set): a rank that fails does not end the job while min_np remain.
+    min_np: int | None = None
+    max_np: int | None = None
+    elastic_timeout_s: float = 600.0
+    reset_limit: int | None = None
 
     def __post_init__(self) -> None:
         if self.np < 1:
@@ -71,10 +76,26 @@ class LaunchOptions:
             raise ConfigError(f"--placement must be one of {', '.join(PLACEMENTS)}")
         if self.start_timeout_s <= 0:
             raise ConfigError(f"--start-timeout must be > 0, got {self.start_timeout_s}")
+        if self.elastic:
+            lo = self.min_np if self.min_np is not None else self.np
+            hi = self.max_np if self.max_np is not None else self.np
+            if not 1 <= lo <= self.np <= hi:
+                raise ConfigError(
+                    f"elastic jobs need 1 <= --min-np <= -np <= --max-np; got --min-np {lo}, "
+                    f"-np {self.np}, --max-np {hi}"
+                )
+            if self.elastic_timeout_s <= 0:
+                raise ConfigError(f"--elastic-timeout must be > 0, got {self.elastic_timeout_s}")
+            if self.reset_limit is not None and self.reset_limit < 0:
+                raise ConfigError(f"--reset-limit must be >= 0, got {self.reset_limit}")
         for item in self.forward_env:
             name = item.split("=", 1)[0]
             if not name or not (name.replace("_", "a").isalnum() and not name[0].isdigit()):
                 raise ConfigError(f"-x {item!r}: expected VAR or VAR=value")
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_np is not None or self.max_np is not None
 
     @property
     def is_local(self) -> bool:

@@ -77,6 +77,17 @@ class RendezvousServer:
         self._port = int(line.split()[1])
         return self._port
 
+    def publish(self, key: str, value: str) -> None:
+        """Set ``key`` in the store (no spaces in ``key``; no newline in either)."""
+        if " " in key or "\n" in key + value:
+            raise ValueError(f"cannot publish {key!r}={value!r}")
+        assert self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(f"SET {key} {value}\n")
+            self._proc.stdin.flush()
+        except (OSError, ValueError) as e:
+            raise LaunchError(f"the rendezvous store is gone; cannot announce {key}: {e}") from e
+
     def close(self) -> None:
         if self._proc.poll() is None:
             with contextlib.suppress(OSError):

@@ -1,5 +1,9 @@
 """The launcher side of a job: agents up, ranks started, output relayed, first failure acted on.
 
+Failure policy (elastic jobs, ``--min-np``/``--max-np``: see :mod:`ringtrain.launch.elastic`): a
+rank that fails is dropped and the others told to re-form the world, while at least ``--min-np``
+remain; below that, or without those flags, the policy below applies.
+
 Failure policy: the first rank that exits non-zero (or is killed by a signal) ends the job. The
 others get SIGTERM, then SIGKILL after a grace period; the launcher exits with that rank's code
 (128 + signal number for a signal) after a message naming the rank, its host, how it ended and
@@ -27,7 +31,7 @@ from typing import IO, Any
 
 from ringtrain.config import horovod_settings, horovod_unused, to_env
 from ringtrain.errors import LaunchError
-from ringtrain.launch import network, protocol, rank_env, transport
+from ringtrain.launch import elastic, network, protocol, rank_env, transport
 from ringtrain.launch.hosts import Host
 from ringtrain.launch.options import LaunchOptions
 from ringtrain.launch.plan import ProcessSpec, describe, plan
@@ -130,6 +134,15 @@ class Supervisor:
         self._stop_deadline: float | None = None
         self._started_at = time.monotonic()
         self._outputs: dict[tuple[int, int], IO[str]] = {}
+        self._server: RendezvousServer | None = None
+        self._membership = (
+            elastic.Membership(
+                [s.rank for s in self.specs],
+                options.min_np if options.min_np is not None else options.np,
+            )
+            if options.elastic
+            else None
+        )
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -152,6 +165,7 @@ class Supervisor:
                 float(self.options.settings.get("timeout_s") or 300.0),
                 self.options.start_timeout_s,
             )
+            self._server = server
             self._start_agents()
             self._await_hellos()
             self._start_ranks(server.chosen_port)
@@ -279,6 +293,12 @@ class Supervisor:
             for s, t in zip(specs, tunings):
                 env = {**base, **settings_env, **net, **t.env}
                 env.update(rank_env.placement(s, rdzv))
+                if self.options.elastic:
+                    env.update(
+                        elastic.rank_env(
+                            s.rank, self.options.elastic_timeout_s, self.options.reset_limit
+                        )
+                    )
                 ranks.append(
                     {
                         "rank": s.rank,
@@ -354,16 +374,17 @@ class Supervisor:
         elif kind == "eof" and not link.done:
             link.lost = True
             if self._failure is None and not self._interrupts:
-                self._fail(
-                    Failure(
-                        None,
-                        link.host.name,
-                        1,
-                        f"lost the connection to host {link.host.name}'s agent "
-                        f"(ranks {', '.join(str(s.rank) for s in self.specs if s.host == link.host.name)})",
-                        list(link.err_tail),
-                    )
+                ranks = [s.rank for s in self.specs if s.host == link.host.name]
+                desc = (
+                    f"lost the connection to host {link.host.name}'s agent "
+                    f"(ranks {', '.join(str(r) for r in ranks)})"
                 )
+                if self._membership is not None:
+                    alive = [r for r in ranks if r not in self._exits]
+                    if self._reform(desc, *alive):
+                        return
+                    desc += f"; fewer than --min-np {self._membership.min_np} ranks remain"
+                self._fail(Failure(None, link.host.name, 1, desc, list(link.err_tail)))
 
     def _on_exit(self, link: AgentLink, msg: dict[str, Any]) -> None:
         rank = msg["rank"]
@@ -387,7 +408,25 @@ class Supervisor:
         else:
             elapsed = time.monotonic() - self._started_at
             desc = f"rank {rank} (host {link.host.name}, pid {pid}) {how} after {elapsed:.1f} s"
+        if self._membership is not None and pid is not None:
+            if self._reform(desc, rank):
+                return
+            desc += f"; fewer than --min-np {self._membership.min_np} ranks remain"
         self._fail(Failure(rank, link.host.name, exit_code, desc, tail))
+
+    def _reform(self, desc: str, *ranks: int) -> bool:
+        """Elastic: drop ``ranks`` and announce the survivors' world. False below --min-np."""
+        m = self._membership
+        assert m is not None and self._server is not None
+        if not m.lose(*ranks):
+            return False
+        for key, value in m.announcement():
+            self._server.publish(key, value)
+        self._say(
+            f"{desc}; re-forming the world with the {len(m.members)} remaining rank(s) "
+            f"{m.members} (generation {m.generation})"
+        )
+        return True
 
     def _fail(self, failure: Failure) -> None:
         self._failure = failure

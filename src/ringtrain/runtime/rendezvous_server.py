@@ -3,6 +3,8 @@
 The launcher imports no torch, so it starts this module instead of hosting a ``TCPStore`` itself.
 It binds a free port on every interface, prints ``PORT <n>`` on stdout, then serves until its
 stdin closes: the launcher holds that pipe, so the store lives exactly as long as the launcher.
+Lines ``SET <key> <value>`` on stdin set keys: how the launcher, which has no store client,
+announces elastic membership (:mod:`ringtrain.elastic.membership`).
 Hosting the store outside the ranks means rank 0 can fail or restart without taking the
 rendezvous with it.
 """
@@ -31,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         use_libuv=True,
     )
     print(f"PORT {store.port}", flush=True)
-    sys.stdin.read()  # returns when the launcher closes the pipe or dies
+    for line in sys.stdin:  # ends when the launcher closes the pipe or dies
+        parts = line.rstrip("\n").split(" ", 2)
+        if len(parts) == 3 and parts[0] == "SET":
+            store.set(parts[1], parts[2])
     return 0
 
 

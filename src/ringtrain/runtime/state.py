@@ -102,8 +102,14 @@ def start(
     *,
     rank: int | None = None,
     size: int | None = None,
+    elastic: tuple[int, int, int] | None = None,
 ) -> Runtime:
-    """Join the job described by the environment. Idempotent while already initialized."""
+    """Join the job described by the environment. Idempotent while already initialized.
+
+    ``elastic``: ``(rank, size, generation)`` of a world the launcher announced (see
+    :mod:`ringtrain.elastic.membership`); the store prefix then comes from the launcher's
+    generation, so survivors agree on it whatever each one did before.
+    """
     global _runtime, _generation
     with _lock:
         if _runtime is not None:
@@ -116,11 +122,20 @@ def start(
         if placement.rendezvous_via == "mpi":
             placement, interface = _mpi_rendezvous(placement, config, env)
         _generation += 1
+        prefix = f"ringtrain/gen{_generation}"
+        if elastic is not None:
+            from dataclasses import replace
+
+            # Renumbered: the launcher's host-local counts no longer hold; topology is measured.
+            placement = replace(
+                placement, rank=elastic[0], size=elastic[1], local_rank=None, local_size=None
+            )
+            prefix = f"ringtrain/elastic/gen{elastic[2]}"
         if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
             # HACK: torch reads Gloo's interface only from this variable; set it before the
             # first group is created, and never override what the user set.
             os.environ["GLOO_SOCKET_IFNAME"] = interface
-        store = dist.PrefixStore(f"ringtrain/gen{_generation}", _store(placement, config))
+        store = dist.PrefixStore(prefix, _store(placement, config))
         backend, transport = _backend(config, env, placement)
         if config.secure:  # every group is sealed; ranks first prove they hold the job key
             from ringtrain.algorithms import sealed_backend
@@ -209,6 +224,51 @@ def stop() -> None:
                 from ringtrain.algorithms import tcp_backend
 
                 tcp_backend.deconfigure()
+
+
+# Groups of abandoned worlds: destroying one with an op stuck in it blocks until that op's
+# timeout, and so would dropping the last reference; they are kept for the process's lifetime.
+_abandoned: list[Any] = []
+
+
+def abandon() -> None:
+    """Forget the current world without waiting for its peers (one of which has failed).
+
+    Its process groups are unregistered from torch.distributed but neither shut down nor freed,
+    so a new world can be started at once; attached services must be closed by the caller.
+    """
+    global _runtime
+    with _lock:
+        rt = _runtime
+        if rt is None:
+            return
+        for ps in rt.process_sets.values():
+            ps._unbind()
+        global_process_set._unbind()
+        rt.world._unbind()
+        _runtime = None
+        c10d = dist.distributed_c10d
+        world = c10d._world
+        _abandoned.extend(world.pg_map.keys())
+        # HACK: destroy_process_group() minus the shutdown of each group (which blocks on a
+        # group whose peer vanished): torch has no public call to drop its registry only.
+        c10d._update_default_pg(None)
+        for table in (
+            world.pg_map,
+            world.pg_names,
+            world.pg_group_ranks,
+            world.pg_backend_config,
+            world.pg_to_tag,
+            world.tags_to_pg,
+            world.pg_coalesce_state,
+        ):
+            table.clear()
+        c10d._unregister_all_process_groups()
+        world.group_count = 0
+        if rt.config.secure:
+            from ringtrain.algorithms import sealed_backend
+
+            sealed_backend.deconfigure()
 
 
 def add_process_set(ranks: Sequence[int] | ProcessSet) -> ProcessSet:

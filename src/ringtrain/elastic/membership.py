@@ -1,0 +1,126 @@
+"""The rank's side of the launcher's membership announcements, read from the rendezvous store.
+
+``ringtrain run --min-np N`` gives each rank a stable identity (``RINGTRAIN_ELASTIC_ID``, its
+first rank) and, when ranks leave, announces a new world in the store it serves:
+
+* ``ringtrain/elastic/members/<g>``: the identities of world ``g``, in new-rank order;
+* ``ringtrain/elastic/generation``: the newest ``g`` (written after its member list).
+
+The launcher is the one authority on generations, so survivors agree on the new world and its
+store prefix whatever each one saw of the failure. Generation 0 is the world the job started as.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ringtrain.errors import HorovodInternalError
+from ringtrain.launch.elastic import (
+    GENERATION_KEY,
+    ID_VAR,
+    RESET_LIMIT_VAR,
+    TIMEOUT_VAR,
+    members_key,
+)
+from ringtrain.runtime import abort
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class World:
+    generation: int
+    members: tuple[int, ...]  # identities, in new-rank order
+
+
+_clients = threading.local()  # one store client per thread: waits poll from several
+_current = 0  # the generation this process runs in
+
+
+def active(env: Mapping[str, str] | None = None) -> bool:
+    """Whether an elastic launcher started this rank."""
+    return ID_VAR in (os.environ if env is None else env)
+
+
+def identity() -> int:
+    return int(os.environ[ID_VAR])
+
+
+def timeout_s() -> float:
+    return float(os.environ.get(TIMEOUT_VAR) or DEFAULT_TIMEOUT_S)
+
+
+def reset_limit() -> int | None:
+    raw = os.environ.get(RESET_LIMIT_VAR)
+    return int(raw) if raw else None
+
+
+def current() -> int:
+    return _current
+
+
+def _store() -> Any:
+    client = getattr(_clients, "store", None)
+    if client is None:
+        import torch.distributed as dist
+
+        client = _clients.store = dist.TCPStore(
+            os.environ["RINGTRAIN_RENDEZVOUS_ADDR"],
+            int(os.environ["RINGTRAIN_RENDEZVOUS_PORT"]),
+            world_size=None,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=60),
+            wait_for_workers=False,
+            use_libuv=True,
+        )
+    return client
+
+
+def announced() -> int | None:
+    """The newest generation the launcher announced; ``None`` outside an elastic job."""
+    if not active():
+        return None
+    store = _store()
+    if not store.check([GENERATION_KEY]):
+        return 0
+    return int(store.get(GENERATION_KEY))
+
+
+def newest() -> int:
+    """The newest generation announced (0 outside elastic jobs)."""
+    return announced() or 0
+
+
+def next_world(wait_s: float | None = None) -> World:
+    """Wait (at most ``wait_s``, default the elastic timeout) for a world newer than ours.
+
+    Raises :class:`HorovodInternalError` when none is announced in time: the failure was not one
+    the launcher saw (no rank left), so re-forming cannot help.
+    """
+    wait_s = timeout_s() if wait_s is None else wait_s
+    store = _store()
+    try:
+        store.wait([members_key(_current + 1)], datetime.timedelta(seconds=wait_s))
+    except Exception as e:  # the store's timeout error has no stable type across torch versions
+        raise HorovodInternalError(
+            f"no new world was announced within {wait_s:.0f} s of a collective failing "
+            f"(this process is in generation {_current}).\n"
+            "HINT: the launcher announces one only when a rank exits; the error that started "
+            "this is chained below."
+        ) from e
+    generation = int(store.get(GENERATION_KEY))
+    members = json.loads(store.get(members_key(generation)))
+    return World(generation, tuple(int(m) for m in members))
+
+
+def entered(world: World) -> None:
+    """Record that this process now runs in ``world``."""
+    global _current
+    _current = world.generation
+    abort.generation = world.generation

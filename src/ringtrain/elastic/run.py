@@ -1,0 +1,123 @@
+"""``@elastic.run``: retry the training function in the same process when the world changes.
+
+On :class:`HorovodInternalError` (a peer failed mid-collective; ringtrain's
+``CollectiveAbortedError`` and torch's ``DistError`` mean the same) the state rolls back to its
+last commit; on :class:`HostsUpdatedInterrupt` nothing is lost. Either way the process leaves the
+old world without waiting for it, joins the world the launcher announces (renumbered alike on
+every rank), runs the reset callbacks, syncs the state from the new rank 0, and calls the
+function again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from ringtrain import lifecycle
+from ringtrain.elastic import membership
+from ringtrain.elastic.state import State
+from ringtrain.engine import optimizer
+from ringtrain.errors import (
+    CollectiveAbortedError,
+    CollectiveArgumentError,
+    CollectiveMismatchError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    LaunchError,
+)
+from ringtrain.runtime import abort
+from ringtrain.runtime import state as runtime
+
+log = logging.getLogger("ringtrain")
+
+R = TypeVar("R")
+
+# What a peer failing looks like from a survivor: ringtrain's collectives say it in their words,
+# the engine's raw Gloo work in torch's. Mismatched or invalid calls are HorovodInternalErrors
+# too (as in Horovod) but would fail again in any world: they end the job instead of a reset.
+PEER_FAILED: tuple[type[BaseException], ...] = (
+    HorovodInternalError,
+    CollectiveAbortedError,
+    dist.DistError,
+)
+
+
+def peer_failed(e: BaseException) -> bool:
+    """Whether ``e`` means a peer failed (so re-forming the world can help)."""
+    if isinstance(e, (CollectiveArgumentError, CollectiveMismatchError)):
+        return False
+    if isinstance(e, PEER_FAILED):
+        return True
+    # HACK: the engine waits on raw Gloo work, whose transport errors reach us as plain
+    # RuntimeErrors; recognise them by Gloo's source path in the message.
+    text = str(e)
+    return isinstance(e, RuntimeError) and "gloo/transport" in text
+
+
+def run(func: Callable[..., R]) -> Callable[..., R]:
+    """Decorate ``train(state, *args, **kwargs)``; call it with a committed :class:`State`."""
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
+        if membership.active():
+            abort.announced = membership.newest
+        resets = 0
+        skip_sync = False
+        while True:
+            if not skip_sync:
+                state.sync()
+            try:
+                return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt as e:
+                failure: BaseException | None = None
+                skip_sync = e.skip_sync
+            except Exception as e:
+                if not peer_failed(e):
+                    raise
+                failure = e
+                skip_sync = False
+                state.restore()
+            resets += 1
+            limit = membership.reset_limit()
+            if limit is not None and resets > limit:
+                raise LaunchError(
+                    f"the world was re-formed {resets} times, more than --reset-limit {limit}"
+                ) from failure
+            _reset(state, failure)
+            state.on_reset()
+
+    return wrapper
+
+
+def _reset(state: State, failure: BaseException | None) -> None:
+    if not membership.active():
+        if failure is not None:  # no elastic launcher: nobody can say who is left
+            raise failure
+        lifecycle.shutdown()  # hosts changed by hand (tests, Horovod's own semantics)
+        lifecycle.init()
+        optimizer.rejoin_all()
+        return
+    world = membership.next_world()
+    me = membership.identity()
+    if me not in world.members:
+        raise HorovodInternalError(
+            f"rank {me} is not in world {world.generation} the launcher announced "
+            f"({list(world.members)}): it was considered failed"
+        ) from failure
+    old = runtime.current().rank if runtime.is_initialized() else None
+    membership.entered(world)  # first: the new world's waits must not count as superseded
+    lifecycle.reform(world.members.index(me), len(world.members), world.generation)
+    optimizer.rejoin_all()
+    state.mark_generation(world.generation)
+    log.warning(
+        "ringtrain elastic: %s; rank %s is now rank %d of %d (generation %d)",
+        "a peer failed" if failure is not None else "hosts changed",
+        old,
+        world.members.index(me),
+        len(world.members),
+        world.generation,
+    )

@@ -1,0 +1,140 @@
+"""TorchState and ObjectState bound to ringtrain's collectives (Horovod's ``hvd.elastic`` names).
+
+Models, optimizers, LR schedulers and :class:`ElasticSampler` given to :class:`TorchState` are
+tracked by a handler each (a deep copy of their ``state_dict`` at each commit); anything else is
+a plain value. ``sync()`` broadcasts rank 0's values after the world was re-formed.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from ringtrain.collectives.objects import allgather_object, broadcast_object
+from ringtrain.elastic import membership
+from ringtrain.elastic import state as base
+from ringtrain.elastic.sampler import ElasticSampler
+from ringtrain.engine.state_sync import broadcast_optimizer_state, broadcast_parameters
+from ringtrain.runtime import state as runtime
+
+
+def _gather(obj: Any) -> list[Any]:
+    return allgather_object(obj, name=None)
+
+
+class ObjectState(base.ObjectState):
+    """``ObjectState(**values)``: plain values kept across resets, synced from rank 0."""
+
+    def __init__(self, **values: Any) -> None:
+        super().__init__(broadcast_object, _gather, membership.announced, **values)
+
+
+class _Handler:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self.saved: Any = None
+        self.save()
+
+    def set_value(self, value: Any) -> None:
+        self.value = value
+        self.save()
+
+    def save(self) -> None:
+        self.saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(copy.deepcopy(self.saved))
+
+    def sync(self) -> None:
+        self.value.load_state_dict(broadcast_object(self.value.state_dict()))
+
+
+class _ModelHandler(_Handler):
+    def sync(self) -> None:
+        broadcast_parameters(self.value.state_dict(), root_rank=0)
+
+
+class _OptimizerHandler(_Handler):
+    def sync(self) -> None:
+        broadcast_optimizer_state(self.value, root_rank=0)
+
+
+class _SamplerHandler(_Handler):
+    """Each rank records only its own batches: commits and syncs hold the whole world's."""
+
+    def _world_state(self) -> dict[str, Any]:
+        sd: dict[str, Any] = self.value.state_dict()
+        if runtime.is_initialized():
+            sd["processed_indices"] = set().union(*allgather_object(sd["processed_indices"]))
+        return sd
+
+    def save(self) -> None:
+        self.saved = self._world_state()
+
+    def sync(self) -> None:
+        # After a restore every survivor holds the commit's union; after an announcement the
+        # ranks still hold their own batches since it: the union covers both.
+        self.value.load_state_dict(broadcast_object(self._world_state()))
+
+
+_HANDLERS: list[tuple[type, type[_Handler]]] = [
+    (torch.nn.Module, _ModelHandler),
+    (torch.optim.Optimizer, _OptimizerHandler),
+    (torch.optim.lr_scheduler.LRScheduler, _Handler),
+    (ElasticSampler, _SamplerHandler),
+]
+
+
+def _handler_for(value: Any) -> _Handler | None:
+    for kind, handler in _HANDLERS:
+        if isinstance(value, kind):
+            return handler(value)
+    return None
+
+
+class TorchState(ObjectState):
+    """``TorchState(model=None, optimizer=None, **values)``, as Horovod's.
+
+    Every keyword becomes an attribute; assigning a new model/optimizer/sampler to one re-commits
+    it. Other values (epoch, batch, ...) are kept as plain objects.
+    """
+
+    _handlers: dict[str, _Handler]
+
+    def __init__(self, model: Any = None, optimizer: Any = None, **values: Any) -> None:
+        values.update(model=model, optimizer=optimizer)
+        handlers: dict[str, _Handler] = {}
+        plain: dict[str, Any] = {}
+        for name, value in values.items():
+            handler = _handler_for(value)
+            if handler is None:
+                plain[name] = value
+            else:
+                handlers[name] = handler
+        object.__setattr__(self, "_handlers", handlers)
+        for name, handler in handlers.items():
+            object.__setattr__(self, name, handler.value)
+        super().__init__(**plain)
+
+    def save(self) -> None:
+        for handler in self._handlers.values():
+            handler.save()
+        super().save()
+
+    def restore(self) -> None:
+        for handler in self._handlers.values():
+            handler.restore()
+        super().restore()
+
+    def sync(self) -> None:
+        for handler in self._handlers.values():
+            handler.sync()
+        super().sync()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        handlers = self.__dict__.get("_handlers", {})
+        if name in handlers and name in self.__dict__:
+            handlers[name].set_value(value)
+        super().__setattr__(name, value)

@@ -1,0 +1,57 @@
+"""Leaving a world that was replaced: long waits ask, between slices, whether to give up.
+
+In an elastic job (:mod:`ringtrain.elastic`) a survivor can wait on another survivor that has
+already left the failed world without closing its connections; such a wait would end only at the
+transport timeout. ``announced`` (set by ``@elastic.run``) gives the newest world the launcher
+announced; a wait that began in an older world (``generation`` when it began) fails with the
+"peer failed" error, checked every :data:`SLICE_S`. That frees the controller threads of
+abandoned worlds too, so none is inside a Gloo call when the process exits. Outside elastic jobs
+``announced`` is ``None`` and waits are plain, unsliced waits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ringtrain.errors import CollectiveAbortedError
+
+SLICE_S = 1.0
+announced: Callable[[], int] | None = None
+generation = 0  # the world this process runs in now
+
+
+def check(since: int | None = None) -> None:
+    """Raise :class:`CollectiveAbortedError` if the launcher replaced world ``since`` (default:
+    the current one)."""
+    since = generation if since is None else since
+    if announced is not None and announced() > since:
+        raise CollectiveAbortedError(
+            "a peer failed: the launcher announced a new world while this rank waited"
+        )
+
+
+def wait_work(work: Any, since: int | None = None) -> None:
+    """``work.wait()`` for a torch.distributed work, leaving early if the world was replaced.
+
+    A work whose slice ran out can be waited on again (checked on torch 2.13's Gloo); past the
+    job's transport timeout the last error is raised, as an unsliced wait would have.
+    """
+    if announced is None:
+        work.wait()
+        return
+    from ringtrain.runtime import state
+
+    since = generation if since is None else since
+    limit_s = state.current().config.timeout_s if state.is_initialized() else 300.0
+    deadline = time.monotonic() + limit_s + SLICE_S
+    while True:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=SLICE_S))
+            return
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower() or time.monotonic() > deadline:
+                raise
+        check(since)

@@ -1,0 +1,104 @@
+"""Elastic jobs under ``ringtrain run --min-np``: a rank SIGKILLed mid-epoch, the survivors
+re-form the world in the same processes and finish with an undisturbed run's result."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ringtrain.errors import ConfigError
+from ringtrain.launch import elastic
+from ringtrain.launch.hosts import Host
+from ringtrain.launch.options import LaunchOptions
+
+JOB = Path(__file__).parent / "elastic_job.py"
+N, EPOCHS = 60, 2  # as in elastic_job.py
+# (count, sum, sum of squares) of samples 1..N, each trained on once per epoch
+EXPECTED = [N * EPOCHS, EPOCHS * N * (N + 1) // 2, EPOCHS * N * (N + 1) * (2 * N + 1) // 6]
+
+
+def _job(*flags: str, victim: int, mode: str = "allreduce") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "VICTIM": str(victim), "OMP_NUM_THREADS": "1", "MODE": mode}
+    return subprocess.run(
+        [sys.executable, "-m", "ringtrain", "run", "-np", "3", *flags, sys.executable, str(JOB)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+
+
+def _fields(out: str, kind: str) -> list[dict[str, str]]:
+    return [
+        dict(re.findall(r"(\w+)=(\S+)", line))
+        for line in out.splitlines()
+        if re.match(rf"\[\d+\] {kind} ", line)
+    ]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0"])
+@pytest.mark.parametrize("mode", ["allreduce", "optimizer"])
+def test_survivors_resume_in_the_same_processes(victim: int, mode: str) -> None:
+    """``optimizer``: the gradients go through DistributedOptimizer, rebound to the new world."""
+    proc = _job("--min-np", "2", "--elastic-timeout", "60", victim=victim, mode=mode)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pids = {s["id"]: s["pid"] for s in _fields(proc.stdout, "start")}
+    done = _fields(proc.stdout, "done")
+    survivors = sorted({"0", "1", "2"} - {str(victim)})
+    assert sorted(d["id"] for d in done) == survivors
+    for d in done:
+        assert d["pid"] == pids[d["id"]]  # recovered in place, not restarted
+        assert d["size"] == "2"
+        assert d["w"] == str(EXPECTED).replace(" ", "")  # every sample exactly once
+    # renumbered alike everywhere: the survivors keep their order as ranks 0 and 1
+    assert sorted(int(d["rank"]) for d in done) == [0, 1]
+    assert [d["id"] for d in sorted(done, key=lambda d: d["rank"])] == survivors
+    (kill,) = _fields(proc.stdout, "kill")
+    resets = _fields(proc.stdout, "reset")
+    assert len(resets) == 2
+    assert max(float(r["t"]) for r in resets) - float(kill["t"]) < 10.0
+    assert f"re-forming the world with the 2 remaining rank(s) {[int(s) for s in survivors]}" in (
+        proc.stderr
+    )
+
+
+@pytest.mark.timeout(300)
+def test_below_min_np_the_job_ends_naming_what_is_missing() -> None:
+    proc = _job("--min-np", "3", "--elastic-timeout", "60", victim=1)
+    assert proc.returncode == 137, proc.stdout + proc.stderr
+    assert "rank 1 (host localhost" in proc.stderr
+    assert "fewer than --min-np 3 ranks remain" in proc.stderr
+    assert "[0] done" not in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_without_elastic_flags_a_killed_rank_ends_the_job() -> None:
+    proc = _job(victim=1)
+    assert proc.returncode == 137, proc.stdout + proc.stderr
+    assert "re-forming" not in proc.stderr and "[0] done" not in proc.stdout
+
+
+def test_membership_drops_failed_ranks_until_min_np() -> None:
+    m = elastic.Membership([0, 1, 2, 3], min_np=2)
+    assert m.lose(2) and m.members == [0, 1, 3] and m.generation == 1
+    assert m.announcement() == [
+        ("ringtrain/elastic/members/1", "[0,1,3]"),
+        ("ringtrain/elastic/generation", "1"),
+    ]
+    assert m.lose(0) and m.members == [1, 3]
+    assert not m.lose(1) and m.gone == [2, 0, 1]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"min_np": 4}, {"min_np": 0}, {"max_np": 2}, {"min_np": 2, "elastic_timeout_s": 0}],
+)
+def test_elastic_flags_are_checked(kw: dict[str, float]) -> None:
+    with pytest.raises(ConfigError):
+        LaunchOptions(np=3, hosts=(Host("localhost", 3),), command=("x",), **kw)  # type: ignore[arg-type]

@@ -1,0 +1,120 @@
+"""TorchState/ObjectState commit, restore and sync, and @elastic.run's retry on a host update,
+written once against rank/size and run at world sizes 1-3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ringtrain as rt
+import ringtrain.torch as hvd
+from ringtrain.elastic import state as base
+from ringtrain.errors import LaunchError
+from ringtrain.testing.spawn import World
+
+
+def test_object_state_commit_restore_without_a_job() -> None:
+    s = base.ObjectState(lambda o: o, lambda o: [o], epoch=0, seen=[1])
+    s.epoch, s.seen = 3, [1, 2]
+    s.restore()
+    assert (s.epoch, s.seen) == (0, [1])
+    s.epoch = 5
+    s.seen.append(9)
+    s.commit()
+    s.epoch, s.seen = 6, []
+    s.restore()
+    assert (s.epoch, s.seen) == (5, [1, 9])
+
+
+def test_check_host_updates_raises_once_per_announcement() -> None:
+    announced = [0]
+    s = base.ObjectState(lambda o: o, lambda o: [o], lambda: announced[0], x=1)
+    s.check_host_updates()
+    announced[0] = 2
+    with pytest.raises(hvd.HostsUpdatedInterrupt):
+        s.commit()
+    s.check_host_updates()  # seen: no second interrupt
+    calls: list[int] = []
+    s.register_reset_callbacks([lambda: calls.append(1)])
+    s.on_reset()
+    assert calls == [1]
+
+
+def _torch_state() -> list[float]:
+    r = rt.rank()
+    torch.manual_seed(r)  # different weights on every rank: sync must make them rank 0's
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sampler = hvd.elastic.ElasticSampler(list(range(12)), shuffle=False)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=r)
+    state.sync()
+    w0 = model.weight.detach().clone()
+    assert state.epoch == 0
+    gathered = hvd.allgather_object(w0)
+    assert all(torch.equal(g, gathered[0]) for g in gathered)
+    # a step, then a commit; another step, then restore undoes only the second
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state.epoch = 1
+    sampler.record_batch(0, 2)
+    state.commit()
+    committed = model.weight.detach().clone()
+    opt.zero_grad()
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state.epoch = 2
+    sampler.record_batch(1, 2)
+    state.restore()
+    assert torch.equal(model.weight, committed) and state.epoch == 1
+    # the commit held every rank's first batch: none of them is handed out again
+    assert sampler.processed_indices == set(range(2 * rt.size()))
+    assert not set(sampler) & set(range(2 * rt.size()))
+    return committed.flatten().tolist()
+
+
+def test_torch_state_commit_restore_sync(world: World) -> None:
+    results = world.run(_torch_state)
+    assert all(r == results[0] for r in results)
+
+
+def _retry_on_host_update() -> list[int]:
+    calls: list[int] = []
+    state = hvd.elastic.ObjectState(step=0)
+    state.register_reset_callbacks([lambda: calls.append(rt.size())])
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.ObjectState) -> int:
+        while state.step < 4:
+            state.step += 1
+            if state.step == 2 and not calls and rt.rank() == rt.size() - 1:
+                state.on_hosts_updated(1)  # one rank hears of new hosts: all must reset
+            state.commit()
+        return int(hvd.allreduce(torch.tensor(state.step), op=hvd.Sum))
+
+    return [train(state), len(calls)]
+
+
+def test_run_resets_and_retries_on_a_host_update(world: World) -> None:
+    for total, resets in world.run(_retry_on_host_update):
+        assert total == 4 * world.size and resets == 1
+
+
+def _reset_forever() -> str:
+    state = hvd.elastic.ObjectState(step=0)
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.ObjectState) -> None:
+        state.on_hosts_updated(state._seen_update + 1)
+        state.commit()
+
+    try:
+        train(state)
+    except LaunchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_reset_limit_ends_the_retries(world: World) -> None:
+    # the variable `ringtrain run --reset-limit 2` gives every rank
+    for message in world.run(_reset_forever, env={"RINGTRAIN_ELASTIC_RESET_LIMIT": "2"}):
+        assert "re-formed 3 times, more than --reset-limit 2" in message
