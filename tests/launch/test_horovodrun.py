@@ -223,7 +223,7 @@ def test_bad_flag_value_is_refused_before_any_rank_starts(tmp_path: Path) -> Non
     assert proc.returncode == 2 and "log_level must be one of" in proc.stderr
 
 
-@pytest.mark.parametrize("flag", ["--min-np", "--autotune", "--config-file"])
+@pytest.mark.parametrize("flag", ["--autotune", "--config-file", "--mpi-args"])
 def test_horovodrun_flags_without_a_counterpart_are_refused(flag: str, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         cli.build_parser(["run"]).parse_args(["run", "-np", "1", flag, "x", "true"])

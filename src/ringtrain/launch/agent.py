@@ -38,7 +38,7 @@ def host_facts() -> dict[str, Any]:
     nodes = []
     for path in sorted(glob.glob("/sys/devices/system/node/node[0-9]*/cpulist")):
         with contextlib.suppress(OSError), open(path) as f:
-            nodes.append(_parse_cpulist(f.read()))
+            nodes.append(cpu_limits.parse_cpulist(f.read()))
     allocators = {}
     for name, files in ALLOCATORS.items():
         for d in LIB_DIRS:
@@ -55,17 +55,6 @@ def host_facts() -> dict[str, Any]:
         "python": sys.version.split()[0],
         "pid": os.getpid(),
     }
-
-
-def _parse_cpulist(text: str) -> list[int]:
-    out: list[int] = []
-    for part in text.strip().split(","):
-        if "-" in part:
-            a, b = part.split("-")
-            out.extend(range(int(a), int(b) + 1))
-        elif part:
-            out.append(int(part))
-    return out
 
 
 def _interfaces() -> list[dict[str, Any]]:

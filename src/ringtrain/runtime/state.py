@@ -269,6 +269,10 @@ def abandon() -> None:
             from ringtrain.algorithms import sealed_backend
 
             sealed_backend.deconfigure()
+        if rt.config.transport != "gloo":
+            from ringtrain.algorithms import tcp_backend
+
+            tcp_backend.deconfigure()
 
 
 def add_process_set(ranks: Sequence[int] | ProcessSet) -> ProcessSet:
