@@ -15,6 +15,7 @@ import signal
 import time
 
 import torch
+import torch.distributed as dist
 
 import ringtrain.torch as hvd
 from ringtrain.elastic import membership
@@ -50,7 +51,12 @@ def main() -> None:
         epoch=0,
     )
     state.register_reset_callbacks(
-        [lambda: say(f"reset id={me} rank={hvd.rank()} size={hvd.size()} t={time.time():.3f}")]
+        [
+            lambda: say(
+                f"reset id={me} rank={hvd.rank()} size={hvd.size()} t={time.time():.3f} "
+                f"backend={dist.get_backend()}"
+            )
+        ]
     )
 
     @hvd.elastic.run

@@ -265,10 +265,10 @@ def abandon() -> None:
             table.clear()
         c10d._unregister_all_process_groups()
         world.group_count = 0
-        if rt.config.secure:
+        if rt.config.secure:  # the next world authenticates anew, with the same job key
             from ringtrain.algorithms import sealed_backend
 
-            sealed_backend.deconfigure()
+            sealed_backend.deconfigure(keep_key=True)
 
 
 def add_process_set(ranks: Sequence[int] | ProcessSet) -> ProcessSet:
