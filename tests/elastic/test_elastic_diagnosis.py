@@ -80,3 +80,18 @@ def test_logs_timeline_and_straggler_reports_carry_over(tmp_path: Path) -> None:
     timeline.merge(files, str(merged))
     pids = {e["pid"] for e in json.loads(merged.read_text())["traceEvents"]}
     assert {0, 2} <= pids
+
+
+def test_a_change_names_who_left_and_joined_and_why() -> None:
+    from ringtrain.elastic import membership
+    from ringtrain.elastic.run import describe_change
+    from ringtrain.errors import CollectiveAbortedError
+
+    world = membership.World(2, (0, 2, 3))
+    assert describe_change((0, 1, 2), world, None) == (
+        "rank(s) [1] left and rank(s) [3] joined (the launcher announced new hosts)"
+    )
+    failed = CollectiveAbortedError("a peer failed: boom\nmore detail")
+    assert describe_change((0, 1, 2, 3), world, failed) == (
+        "rank(s) [1] left (a peer failed: CollectiveAbortedError: a peer failed: boom)"
+    )
