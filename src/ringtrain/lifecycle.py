@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from ringtrain.collectives.controller import Controller
 from ringtrain.collectives.step_timing import StepTimer
 from ringtrain.config import Config
 from ringtrain.diagnostics import engine_wait, timeline
+from ringtrain.launch import elastic as elastic_launch
 from ringtrain.runtime import state
 from ringtrain.runtime.process_sets import ProcessSet
 
@@ -54,7 +56,8 @@ def init(
             _attach_step_timer(rt, config.straggler_report_steps)
         for ps in process_sets or ():
             add_process_set(ps)
-        if config.timeline_filename:
+        if config.timeline_filename and not timeline.current().enabled:
+            # Elastic: a re-formed world keeps the running timeline (one file per process).
             start_timeline(config.timeline_filename)
     except BaseException:
         timeline.stop()
@@ -96,6 +99,9 @@ def reform(rank: int, size: int, generation: int) -> None:
             ctl = ps.communicator.service("controller")
             if ctl is not None:
                 ctl.abandon()
+        timer = state.global_process_set.communicator.service("step_timer")
+        if timer is not None:  # its window is of the old world; the new world gets a new timer
+            timer.close()
         state.abandon()
     init(config=config, elastic=(rank, size, generation))
 
@@ -104,11 +110,14 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> str:
     """Record a Chrome/Perfetto trace of this rank's gradient buckets and collectives.
 
     Every rank writes its own file, ``file_path`` with a rank suffix (``t.json`` ->
-    ``t.rank0.json``); returns this rank's path. Merge them with
+    ``t.rank0.json``; elastic jobs: the rank the process started as); returns its path. Merge with
     ``python -m ringtrain.diagnostics.timeline merged.json t.rank*.json``. ``mark_cycles`` is
     accepted for Horovod compatibility and ignored. See :mod:`ringtrain.diagnostics.timeline`.
     """
     rank = state.current().rank
+    # Elastic jobs renumber ranks: a process's file is named by its first rank (its identity),
+    # so it records the whole job in one file and never overwrites another process's.
+    rank = int(os.environ.get(elastic_launch.ID_VAR, rank))
     path = timeline.rank_path(file_path, rank)
     timeline.start(path, pid=rank)
     return path

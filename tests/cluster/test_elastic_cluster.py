@@ -3,10 +3,13 @@ mid-epoch; the other two hosts' ranks re-form the world in the same processes.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,3 +93,82 @@ def test_a_lost_host_drops_all_its_ranks_at_once(cluster: tc.Cluster) -> None:
     assert "re-forming the world with the 4 remaining rank(s) [0, 1, 2, 3] (generation 1)" in (
         proc.stderr
     )
+
+
+def _cut_link_job(cluster: tc.Cluster, mode: str) -> tuple[int, str, str, float]:
+    """Host h2's rank stops mid-epoch and the test takes its link down (``ip link set down``
+    in its namespace): nothing exits and nothing closes, the host just falls silent. Returns
+    the launcher's code, its stdout and stderr, and when the link was cut."""
+    victim = cluster.hosts[2]
+    env = {**os.environ, "MODE": mode, "OMP_NUM_THREADS": "1", "VICTIM": "2", "KILL": "cut"}
+    forward = [a for name in ["MODE", "OMP_NUM_THREADS", "VICTIM", "KILL"] for a in ("-x", name)]
+    argv = [
+        sys.executable,
+        "-m",
+        "ringtrain",
+        "run",
+        *cluster.launcher_args(slots=1),
+        "-np",
+        "3",
+        "--min-np",
+        "2",
+        "--elastic-timeout",
+        "120",
+        *forward,
+        "--",
+        sys.executable,
+        str(JOB),
+    ]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    out: list[str] = []
+    cut_at = 0.0
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("[2] kill "):
+                cluster.exec(
+                    victim.name, ["ip", "link", "set", victim.interface, "down"], check=True
+                )
+                cut_at = time.time()
+                break
+        rest, err = proc.communicate(timeout=240)
+        out.append(rest)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        # Back to a clean host for the next test: its link up, the stranded agent and rank gone.
+        cluster.exec(victim.name, ["ip", "link", "set", victim.interface, "up"])
+        sshd = cluster.sshd_pid(victim.name)
+        for pid in cluster.pids(victim.name):
+            if pid != sshd:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    return proc.returncode, "".join(out), err, cut_at
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["optimizer", "allreduce"])
+def test_a_host_whose_link_is_cut_is_dropped(cluster: tc.Cluster, mode: str) -> None:
+    """The survivors leave the collective that waits on the silent host (no hang), the launcher
+    drops the host once ssh's keepalives give up on it, and the two others finish in place."""
+    code, out, err, cut_at = _cut_link_job(cluster, mode)
+    assert code == 0 and cut_at > 0, out + err
+    pids = {s["id"]: s["pid"] for s in _fields(out, "start")}
+    done = _fields(out, "done")
+    assert sorted(d["id"] for d in done) == ["0", "1"]
+    for d in done:
+        assert d["pid"] == pids[d["id"]] and d["size"] == "2"
+        assert d["w"] == str(EXPECTED).replace(" ", "")
+    assert "lost the connection to host h2's agent (ranks 2)" in err
+    assert "re-forming the world with the 2 remaining rank(s) [0, 1] (generation 1)" in err
+    resets = _fields(out, "reset")
+    assert len(resets) == 2
+    detected = max(float(r["t"]) for r in resets) - cut_at
+    print(f"link cut -> survivors re-formed: {detected:.1f} s")
+    # ssh's keepalives (ServerAliveInterval=5 x ServerAliveCountMax=3) bound detection: well
+    # under the transport timeout (300 s) the survivors would otherwise wait.
+    assert detected < 120

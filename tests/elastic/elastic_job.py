@@ -5,7 +5,8 @@ undisturbed run's only if every sample of every epoch was trained on exactly onc
 world size did in between. ``MODE=optimizer`` trains ``w`` through DistributedOptimizer (op=Sum, SGD lr=1, a loss whose
 gradient is each sample's (1, x, x^2)), so ``w`` ends at minus that. ``VICTIM=<id>`` SIGKILLs that rank mid-epoch, after a commit and one
 uncommitted batch, in the job's first world (``KILL=agent``: its agent instead, so every rank
-of its host vanishes at once, as when a host is lost).
+of its host vanishes at once, as when a host is lost; ``KILL=cut``: it says so and stops, and
+the test cuts its host's network link, so the host falls silent).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import signal
 import time
 
 import torch
+import torch.distributed as dist
 
 import ringtrain.torch as hvd
 from ringtrain.elastic import membership
@@ -50,7 +52,12 @@ def main() -> None:
         epoch=0,
     )
     state.register_reset_callbacks(
-        [lambda: say(f"reset id={me} rank={hvd.rank()} size={hvd.size()} t={time.time():.3f}")]
+        [
+            lambda: say(
+                f"reset id={me} rank={hvd.rank()} size={hvd.size()} t={time.time():.3f} "
+                f"backend={dist.get_backend()}"
+            )
+        ]
     )
 
     @hvd.elastic.run
@@ -65,6 +72,8 @@ def main() -> None:
                     and idx == KILL_AT
                 ):
                     say(f"kill id={me} t={time.time():.3f}")
+                    if os.environ.get("KILL") == "cut":  # the test cuts this host's link now
+                        time.sleep(3600)
                     if os.environ.get("KILL") == "agent":
                         os.kill(os.getppid(), signal.SIGKILL)
                         time.sleep(60)  # PR_SET_PDEATHSIG ends this rank with its agent

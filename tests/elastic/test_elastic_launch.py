@@ -69,6 +69,26 @@ def test_survivors_resume_in_the_same_processes(victim: int, mode: str) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0"])
+def test_secure_mode_survives_a_membership_change(victim: int) -> None:
+    """--secure: the survivors authenticate a new rendezvous and make new sealed groups (fresh
+    session keys) for the new world, and finish with the undisturbed result."""
+    proc = _job(
+        "--min-np", "2", "--elastic-timeout", "60", "--secure", victim=victim, mode="optimizer"
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pids = {s["id"]: s["pid"] for s in _fields(proc.stdout, "start")}
+    done = _fields(proc.stdout, "done")
+    assert sorted(d["id"] for d in done) == sorted({"0", "1", "2"} - {str(victim)})
+    for d in done:
+        assert d["pid"] == pids[d["id"]] and d["size"] == "2"
+        assert d["w"] == str(EXPECTED).replace(" ", "")
+    resets = _fields(proc.stdout, "reset")
+    assert len(resets) == 2
+    assert all(r["backend"] == "ringtrain_sealed" for r in resets)  # the new world is sealed
+
+
+@pytest.mark.timeout(300)
 def test_below_min_np_the_job_ends_naming_what_is_missing() -> None:
     proc = _job("--min-np", "3", "--elastic-timeout", "60", victim=1)
     assert proc.returncode == 137, proc.stdout + proc.stderr

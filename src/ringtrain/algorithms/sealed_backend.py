@@ -37,7 +37,7 @@ import os
 import socket
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -67,6 +67,7 @@ class Context:
     interface: str = ""  # Gloo's interface(s) or address: devices are made without netlink
     transport: str = "gloo"  # "tcp": ringtrain's TCP mesh carries the ciphertext (enclaves)
     failure: SecurityError | None = None
+    job_key: bytes = field(default=b"", repr=False)  # kept for an elastic job's next world
 
     def fail(self, error: SecurityError) -> None:
         if self.failure is None:
@@ -91,6 +92,9 @@ class Context:
 
 _context: Context | None = None
 _context_lock = threading.Lock()
+# Elastic: the job key of the world just abandoned, for the next world of the same job. The
+# launcher's key pipe is read once, and its descriptor number may be reused by then.
+_kept_key: bytes | None = None
 
 
 def configure(
@@ -106,7 +110,14 @@ def configure(
     global _context
     with _context_lock:
         _context = Context(
-            keys.derive(job_key, keys.SEALING), job_id, rank, host, notices, interface, transport
+            keys.derive(job_key, keys.SEALING),
+            job_id,
+            rank,
+            host,
+            notices,
+            interface,
+            transport,
+            job_key=job_key,
         )
         return _context
 
@@ -122,7 +133,8 @@ def join(
     """Secure ``ringtrain.init``: load the key, run the authenticated rendezvous, configure the
     sealed backend. Returns the store to build process groups on (under the job's keyed prefix).
     """
-    key = keys.load_job_key(config, env)
+    global _kept_key
+    key, _kept_key = _kept_key or keys.load_job_key(config, env), None
     host = env.get("RINGTRAIN_HOSTNAME") or socket.gethostname()
     job_id = env.get("RINGTRAIN_JOB_ID", "")
     rendezvous.authenticate(store, key, job_id, rank, size, host, config.timeout_s)
@@ -132,9 +144,16 @@ def join(
     return job_store
 
 
-def deconfigure() -> None:
-    global _context
+def deconfigure(keep_key: bool = False) -> None:
+    """Forget the sealing context. ``keep_key``: the next :func:`join` of this process is the
+    next world of the same elastic job, and authenticates with the same job key (fresh sealed
+    groups and session keys are made all the same)."""
+    global _context, _kept_key
     with _context_lock:
+        if keep_key and _context is not None:
+            _kept_key = _context.job_key
+        elif not keep_key:
+            _kept_key = None
         _context = None
 
 

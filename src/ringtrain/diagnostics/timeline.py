@@ -212,6 +212,8 @@ def load(path: str) -> list[dict[str, Any]]:
     """The events of a timeline file, including one whose writer died before closing it."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
+    if not text.strip():  # its writer was killed (SIGKILL) before its first write
+        return []
     try:
         doc = json.loads(text)
     except json.JSONDecodeError:

@@ -41,6 +41,7 @@ class World:
 
 _clients = threading.local()  # one store client per thread: waits poll from several
 _current = 0  # the generation this process runs in
+_members: tuple[int, ...] | None = None  # its identities; None: the first world (0..size-1)
 
 
 def active(env: Mapping[str, str] | None = None) -> bool:
@@ -119,8 +120,14 @@ def next_world(wait_s: float | None = None) -> World:
     return World(generation, tuple(int(m) for m in members))
 
 
+def members(size: int) -> tuple[int, ...]:
+    """The identities of the world this process runs in (``size``: that world's size)."""
+    return _members if _members is not None else tuple(range(size))
+
+
 def entered(world: World) -> None:
     """Record that this process now runs in ``world``."""
-    global _current
+    global _current, _members
     _current = world.generation
+    _members = world.members
     abort.generation = world.generation

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from ringtrain import lifecycle
+from ringtrain.diagnostics import timeline
 from ringtrain.elastic import membership
 from ringtrain.elastic.state import State
 from ringtrain.engine import optimizer
@@ -109,15 +111,47 @@ def _reset(state: State, failure: BaseException | None) -> None:
             f"({list(world.members)}): it was considered failed"
         ) from failure
     old = runtime.current().rank if runtime.is_initialized() else None
+    before = membership.members(runtime.current().size if runtime.is_initialized() else 0)
     membership.entered(world)  # first: the new world's waits must not count as superseded
     lifecycle.reform(world.members.index(me), len(world.members), world.generation)
     optimizer.rejoin_all()
     state.mark_generation(world.generation)
+    change = describe_change(before, world, failure)
     log.warning(
-        "ringtrain elastic: %s; rank %s is now rank %d of %d (generation %d)",
-        "a peer failed" if failure is not None else "hosts changed",
+        "ringtrain elastic: generation %d: %s; rank %s is now rank %d of %d",
+        world.generation,
+        change,
         old,
         world.members.index(me),
         len(world.members),
-        world.generation,
     )
+    timeline.current().instant(
+        "elastic",
+        "WORLD CHANGE",
+        time.perf_counter(),
+        {
+            "generation": world.generation,
+            "rank": world.members.index(me),
+            "size": len(world.members),
+            "members": list(world.members),
+            "change": change,
+        },
+    )
+
+
+def describe_change(
+    before: tuple[int, ...], world: membership.World, failure: BaseException | None
+) -> str:
+    """Who left and who joined (by the rank each started as), and why, in one phrase."""
+    left = [m for m in before if m not in world.members]
+    joined = [m for m in world.members if m not in before]
+    parts = []
+    if left:
+        parts.append(f"rank(s) {left} left")
+    if joined:
+        parts.append(f"rank(s) {joined} joined")
+    what = " and ".join(parts) or "the world was re-formed"
+    if failure is None:
+        return f"{what} (the launcher announced new hosts)"
+    first = (str(failure).strip().splitlines() or [type(failure).__name__])[0]
+    return f"{what} (a peer failed: {type(failure).__name__}: {first[:200]})"

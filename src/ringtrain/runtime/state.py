@@ -231,6 +231,16 @@ def stop() -> None:
 _abandoned: list[Any] = []
 
 
+def _keep_past_exit(obj: Any) -> None:
+    """Hold ``obj`` with a reference the interpreter never drops, not even while it clears the
+    modules at exit: a group still waiting on a silent peer (a cut link) would otherwise block
+    the process's exit in its destructor until the transport timeout."""
+    import ctypes
+
+    # HACK: a deliberate leak; the OS frees the group when the process exits.
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
 def abandon() -> None:
     """Forget the current world without waiting for its peers (one of which has failed).
 
@@ -249,7 +259,9 @@ def abandon() -> None:
         _runtime = None
         c10d = dist.distributed_c10d
         world = c10d._world
-        _abandoned.extend(world.pg_map.keys())
+        for group in world.pg_map:
+            _abandoned.append(group)
+            _keep_past_exit(group)
         # HACK: destroy_process_group() minus the shutdown of each group (which blocks on a
         # group whose peer vanished): torch has no public call to drop its registry only.
         c10d._update_default_pg(None)
@@ -265,10 +277,10 @@ def abandon() -> None:
             table.clear()
         c10d._unregister_all_process_groups()
         world.group_count = 0
-        if rt.config.secure:
+        if rt.config.secure:  # the next world authenticates anew, with the same job key
             from ringtrain.algorithms import sealed_backend
 
-            sealed_backend.deconfigure()
+            sealed_backend.deconfigure(keep_key=True)
         if rt.config.transport != "gloo":
             from ringtrain.algorithms import tcp_backend
 

@@ -1,0 +1,97 @@
+"""Diagnosis across a membership change: the launcher and every survivor log who left and why,
+each process's timeline runs on in one file, and straggler reports go on in the new world."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ringtrain.diagnostics import timeline
+
+JOB = Path(__file__).parent / "elastic_job.py"
+
+
+@pytest.mark.timeout(300)
+def test_logs_timeline_and_straggler_reports_carry_over(tmp_path: Path) -> None:
+    env = {**os.environ, "VICTIM": "1", "OMP_NUM_THREADS": "1", "MODE": "optimizer"}
+    trace = tmp_path / "t.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ringtrain",
+            "run",
+            "-np",
+            "3",
+            "--min-np",
+            "2",
+            "--elastic-timeout",
+            "60",
+            "--timeline-filename",
+            str(trace),
+            "--straggler-report-steps",
+            "4",
+            sys.executable,
+            str(JOB),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    err = proc.stderr.splitlines()
+    # The launcher: who left, how, and the new world.
+    assert any(
+        "rank 1 (host localhost" in line
+        and "was killed by SIGKILL" in line
+        and "re-forming the world with the 2 remaining rank(s) [0, 2] (generation 1)" in line
+        for line in err
+    ), proc.stderr
+    # Every survivor: who left and why, and its new rank.
+    for who, new_rank in (("0", 0), ("2", 1)):
+        (line,) = [x for x in err if x.startswith(f"[{who}] ringtrain elastic: generation 1:")]
+        assert "rank(s) [1] left (a peer failed: " in line
+        assert line.endswith(f"rank {who} is now rank {new_rank} of 2")
+    # Straggler reports before and after the change (rank 0 of each world logs them).
+    change = err.index(next(x for x in err if x.startswith("[0] ringtrain elastic:")))
+    reports = [i for i, x in enumerate(err) if x.startswith("[0] ringtrain straggler report:")]
+    assert any(i < change for i in reports) and any(i > change for i in reports), proc.stderr
+    # One timeline file per process, named by the rank it started as, spanning the change.
+    for who in (0, 2):
+        events = timeline.load(str(tmp_path / f"t.rank{who}.json"))
+        assert {e["pid"] for e in events} == {who}
+        (marker,) = [e for e in events if e["name"] == "WORLD CHANGE"]
+        assert marker["args"]["members"] == [0, 2] and marker["args"]["generation"] == 1
+        assert "rank(s) [1] left" in marker["args"]["change"]
+        spans = [e for e in events if e.get("ph") == "X"]
+        assert any(e["ts"] < marker["ts"] for e in spans)
+        assert any(e["ts"] > marker["ts"] and e["name"] == "ALLREDUCE" for e in spans)
+    # The killed rank's file is never overwritten by a renumbered survivor, and the documented
+    # merge works with it (its writer may have died before writing anything).
+    files = sorted(str(p) for p in tmp_path.glob("t.rank*.json"))
+    assert len(files) == 3
+    merged = tmp_path / "merged.json"
+    timeline.merge(files, str(merged))
+    pids = {e["pid"] for e in json.loads(merged.read_text())["traceEvents"]}
+    assert {0, 2} <= pids
+
+
+def test_a_change_names_who_left_and_joined_and_why() -> None:
+    from ringtrain.elastic import membership
+    from ringtrain.elastic.run import describe_change
+    from ringtrain.errors import CollectiveAbortedError
+
+    world = membership.World(2, (0, 2, 3))
+    assert describe_change((0, 1, 2), world, None) == (
+        "rank(s) [1] left and rank(s) [3] joined (the launcher announced new hosts)"
+    )
+    failed = CollectiveAbortedError("a peer failed: boom\nmore detail")
+    assert describe_change((0, 1, 2, 3), world, failed) == (
+        "rank(s) [1] left (a peer failed: CollectiveAbortedError: a peer failed: boom)"
+    )
