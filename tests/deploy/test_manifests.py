@@ -188,6 +188,31 @@ def test_sgx_runs_ranks_through_gramine_with_the_command_measured() -> None:
     assert "loader.argv = " + str(list(spec.command)).replace("'", '"') in text
 
 
+def _rank_env(docs: list[dict[str, Any]]) -> dict[str, str]:
+    """The variables a rank of ``docs`` gets from the manifest (container env, or mpirun -x)."""
+    for d in docs:
+        if d["kind"] == "MPIJob":
+            argv = d["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]
+            pairs = [a for i, a in enumerate(argv["command"]) if argv["command"][i - 1] == "-x"]
+            return dict(p.split("=", 1) for p in pairs if "=" in p)
+    (container, *_) = [c for p in pods(docs) for c in p["containers"] if c["name"] != "launcher"]
+    return {e["name"]: e["value"] for e in container["env"]}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_sgx_ranks_use_ringtrains_own_sockets_not_gloo(target: str) -> None:
+    """Gloo cannot start in an enclave (no netlink): --sgx ranks get transport=tcp, passed into
+    the enclave; other jobs keep the default (auto)."""
+    sgx = _rank_env(manifests.generate(spec_of("sgx"), target, KEY))
+    assert sgx["RINGTRAIN_TRANSPORT"] == "tcp"
+    assert "RINGTRAIN_TRANSPORT" in gramine.passthrough_vars(spec_of("sgx"))
+    for variant in ("plain", "secure"):
+        env = _rank_env(manifests.generate(spec_of(variant), target, KEY))
+        assert "RINGTRAIN_TRANSPORT" not in env
+    with pytest.raises(ConfigError, match="cannot run in an SGX enclave"):
+        spec_of("sgx", settings={"transport": "gloo"})
+
+
 class _Gramine:
     libos = "/usr/lib/x86_64-linux-gnu/gramine/libsysdb.so"
 

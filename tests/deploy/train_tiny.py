@@ -13,6 +13,7 @@ import torch
 
 import ringtrain
 import ringtrain.torch as hvd
+from ringtrain.algorithms import tcp_backend
 from ringtrain.runtime import environment
 
 
@@ -68,6 +69,9 @@ def main() -> None:
         "size": hvd.size(),
         "launcher": placement.launcher,
         "secure": ringtrain.Config.from_env().secure,
+        "backend": str(torch.distributed.get_backend()),
+        "transport": ringtrain.Config.from_env().transport,
+        "netlink": tcp_backend.netlink_available(),
         "hostname": os.uname().nodename,
         "weights": torch.cat([q.detach().reshape(-1) for q in net.parameters()]).tolist(),
         "threads": len(os.listdir("/proc/self/task")),

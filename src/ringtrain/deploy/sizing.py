@@ -6,7 +6,8 @@ large and every rank commits EPC it never uses. Both are estimates from the desc
 the terms written out so a user can see which one to raise:
 
 * threads: OpenMP threads (the thread plan: the pod's cores shared out among its ranks), as many
-  inter-op threads, ringtrain's and the process groups' own threads, and Gramine's helpers.
+  inter-op threads, ringtrain's and the process groups' own threads, the TCP mesh's two per peer
+  and group (enclave ranks use ``transport = "tcp"``), and Gramine's helpers.
   ``tests/deploy/test_execute.py`` counts a real rank's threads after training and checks the
   estimate covers them.
 * memory: a runtime base (the interpreter, PyTorch's CPU libraries mapped into the enclave,
@@ -29,6 +30,11 @@ from ringtrain.deploy.spec import JobSpec
 # threads. A 2-rank secure job measured 19 in all with one OpenMP thread; this leaves room for
 # more process groups (engine_streams, hierarchical allreduce).
 RUNTIME_THREADS = 32
+# An enclave rank's groups run on ringtrain's TCP mesh (transport "tcp"), which keeps two
+# threads per peer in every group (one sends, one receives): a 4-rank job measured 31 threads
+# per rank, 16 more than at 2 ranks. Groups counted: the default one, the world process set's
+# control, cpu and engine groups, and up to one per engine stream.
+MESH_BASE_GROUPS = 4
 # Gramine's own threads inside the enclave: IPC, async events, a TLS handshake per pipe, and
 # the main thread's slot (Gramine's manifest documentation asks for at least 4).
 GRAMINE_THREADS = 4
@@ -51,6 +57,7 @@ class EnclavePlan:
 
     omp_threads: int
     interop_threads: int
+    mesh_threads: int
     max_threads: int
     base_bytes: int
     model_bytes: int
@@ -70,8 +77,8 @@ class EnclavePlan:
         mib = 1 << 20
         return [
             f"threads: {self.omp_threads} OpenMP + {self.interop_threads} inter-op + "
-            f"{RUNTIME_THREADS} ringtrain/process groups + {GRAMINE_THREADS} Gramine = "
-            f"{self.max_threads}",
+            f"{RUNTIME_THREADS} ringtrain/process groups + {self.mesh_threads} TCP mesh + "
+            f"{GRAMINE_THREADS} Gramine = {self.max_threads}",
             f"memory: {self.base_bytes // mib} MiB runtime + {self.model_bytes // mib} MiB model "
             f"state + {self.fusion_bytes // mib} MiB fusion buffers + "
             f"{self.activation_bytes // mib} MiB activations + {self.stack_bytes // mib} MiB "
@@ -84,8 +91,9 @@ def plan(spec: JobSpec) -> EnclavePlan:
     omp = spec.threads_per_rank
     # torch sizes its inter-op pool by the cores it sees; one rank sees its pod's cores.
     interop = spec.cpus
-    max_threads = omp + interop + RUNTIME_THREADS + GRAMINE_THREADS
     config = Config.from_env({}, **dict(spec.settings))
+    mesh = (MESH_BASE_GROUPS + config.engine_streams) * 2 * (spec.world_size - 1)
+    max_threads = omp + interop + RUNTIME_THREADS + mesh + GRAMINE_THREADS
     model = spec.model_params * MODEL_STATE_BYTES_PER_PARAM
     # A fused bucket is at most the fusion threshold and never bigger than the gradients;
     # sealing keeps the plaintext and the ciphertext.
@@ -102,6 +110,7 @@ def plan(spec: JobSpec) -> EnclavePlan:
     return EnclavePlan(
         omp_threads=omp,
         interop_threads=interop,
+        mesh_threads=mesh,
         max_threads=max_threads,
         base_bytes=RUNTIME_BASE_BYTES,
         model_bytes=model,

@@ -65,7 +65,7 @@ class JobSpec:
     # The rendezvous port on rank 0's pod (MASTER_PORT) of PyTorchJob and MPIJob (TrainJob's is
     # the operator's). 23456 is the PyTorchJob default.
     port: int = 23456
-    # Run every rank inside an SGX enclave with Gramine (implies secure).
+    # Run every rank inside an SGX enclave with Gramine (implies secure, and transport "tcp").
     sgx: bool = False
     # For the enclave size estimate (--sgx): the model's parameter count, the samples per rank
     # and step, and the bytes of one sample as the model reads it (e.g. 3*224*224*4).
@@ -131,6 +131,11 @@ class JobSpec:
                 f"settings: {', '.join(sorted(reserved))} come from the description's own keys "
                 "(secure, interface); remove them from settings."
             )
+        if self.sgx and self.settings.get("transport") == "gloo":
+            raise ConfigError(
+                "settings: transport 'gloo' cannot run in an SGX enclave: Gloo needs netlink, "
+                "which Gramine lacks.\nHINT: remove transport from settings (sgx jobs use 'tcp')."
+            )
 
     @property
     def sealed(self) -> bool:
@@ -156,6 +161,10 @@ class JobSpec:
         settings["network_interface"] = self.interface
         if self.sealed:
             settings.update(secure=True, key_file=key_file)
+        if self.sgx:
+            # Gloo cannot start in an enclave (no netlink); ringtrain's own sockets can, and
+            # saying so spares each rank its netlink probe.
+            settings.setdefault("transport", "tcp")
         return to_env(**settings)
 
     @classmethod
