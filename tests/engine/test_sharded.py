@@ -65,14 +65,30 @@ def _make(kind: str, model: Net) -> torch.optim.Optimizer:
     return torch.optim.Adam(groups, lr=0.01)
 
 
-def _run(model: Net, opt: Any, steps: range, k: int = 1, sched: Any = None) -> None:
+def _run(model: Net, opt: Any, steps: range, k: int = 1, sched: Any = None, how: str = "") -> None:
+    """``how``: "no_sync" runs 3 passes, the first two inside ``no_sync()``; "clip" clips the
+    averaged gradients between ``synchronize()`` and ``step()``."""
     r = rt.rank()
     for step in steps:
         opt.zero_grad()
-        for j in range(k):
-            x, y = _batch(step, r, j)
-            (F.cross_entropy(model(x), y) / k).backward()
-        opt.step()
+        if how == "no_sync":
+            with opt.no_sync():
+                for j in range(2):
+                    x, y = _batch(step, r, j)
+                    (F.cross_entropy(model(x), y) / 3).backward()
+            x, y = _batch(step, r, 2)
+            (F.cross_entropy(model(x), y) / 3).backward()
+        else:
+            for j in range(k):
+                x, y = _batch(step, r, j)
+                (F.cross_entropy(model(x), y) / k).backward()
+        if how == "clip":
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
         if sched is not None:
             sched.step()
 
@@ -82,13 +98,16 @@ def _pair(kind: str, kwargs: dict[str, Any]) -> tuple[Net, Any, Net, Any]:
     plain = Net()
     shard = copy.deepcopy(plain)
     opts = []
+    args = {k: v for k, v in kwargs.items() if k != "how"}
     for model, on in ((plain, False), (shard, True)):
+        if kwargs.get("compression") == "powersgd-now":  # a fresh reducer per optimizer
+            args["compression"] = rt.Compression.powersgd(start_iter=0)
         opts.append(
             rt.DistributedOptimizer(
                 _make(kind, model),
                 named_parameters=model.named_parameters(),
                 shard_optimizer=on,
-                **kwargs,
+                **args,
             )
         )
     return plain, opts[0], shard, opts[1]
@@ -100,7 +119,7 @@ def _same_weights(kind: str, kwargs: dict[str, Any]) -> tuple[float, bool, int, 
     plain, p_opt, shard, s_opt = _pair(kind, kwargs)
     for model, opt in ((plain, p_opt), (shard, s_opt)):
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-        _run(model, opt, range(6), k, sched)
+        _run(model, opt, range(6), k, sched, kwargs.get("how", ""))
     worst, exact = 0.0, True
     for a, b in zip(plain.parameters(), shard.parameters()):
         worst = max(worst, float((a - b).abs().max()))
@@ -123,6 +142,10 @@ def _same_weights(kind: str, kwargs: dict[str, Any]) -> tuple[float, bool, int, 
         ("adamw", {**SMALL, "backward_passes_per_step": 2}),
         ("adam", {**SMALL, "compression": "fp16"}),
         ("adam", {"link_class": "fast"}),  # one bucket
+        ("sgd-loop", {**SMALL, "how": "no_sync"}),
+        ("adam-loop", {**SMALL, "how": "clip"}),
+        ("adam-loop", {**SMALL, "engine_streams": 2}),
+        ("sgd-loop", {**SMALL, "compression": "powersgd-now"}),
     ],
     ids=[
         "adam-loop",
@@ -133,10 +156,14 @@ def _same_weights(kind: str, kwargs: dict[str, Any]) -> tuple[float, bool, int, 
         "adamw-accumulate",
         "adam-fp16",
         "one-bucket",
+        "sgd-no_sync",
+        "adam-clip",
+        "adam-lanes",
+        "sgd-powersgd",
     ],
 )
 def test_same_weights_as_unsharded(world: spawn.World, kind: str, kwargs: dict[str, Any]) -> None:
-    for worst, exact, full, mine in world.run(_same_weights, kind, kwargs):
+    for worst, exact, full, mine in world.run(_same_weights, kind, kwargs, timeout=300):
         if kind.endswith("-loop"):
             # Same kernel, same element-wise arithmetic, same sums: the same bits.
             assert exact, f"{kind}: differs by {worst}"
@@ -186,7 +213,7 @@ def _state_round_trip() -> list[float]:
 
 
 def test_state_dict_round_trip(world: spawn.World) -> None:
-    for diffs in world.run(_state_round_trip):
+    for diffs in world.run(_state_round_trip, timeout=300):
         assert diffs == [0.0, 0.0]
 
 
@@ -217,7 +244,7 @@ def _broadcast() -> bool:
 
 
 def test_broadcast_optimizer_state(world: spawn.World) -> None:
-    assert all(world.run(_broadcast))
+    assert all(world.run(_broadcast, timeout=300))
 
 
 def _process_set() -> list[float]:
@@ -245,7 +272,7 @@ def _process_set() -> list[float]:
 
 
 def test_process_set(world: spawn.World) -> None:
-    for diffs in world.run(_process_set):
+    for diffs in world.run(_process_set, timeout=300):
         assert max(diffs) == 0.0
 
 
@@ -278,7 +305,7 @@ def _error(case: str) -> str:
     ],
 )
 def test_unsupported_is_a_clear_error(case: str, words: str) -> None:
-    for msg in spawn.world(2).run(_error, case):
+    for msg in spawn.world(2).run(_error, case, timeout=300):
         assert words in msg, msg
 
 
@@ -289,5 +316,8 @@ def _env_twin() -> bool:
 
 def test_config_variable_turns_it_on() -> None:
     w = spawn.world(2)
-    assert w.run(_env_twin, env={"RINGTRAIN_SHARD_OPTIMIZER": "1"}) == [True, True]
-    assert w.run(_env_twin) == [False, False]
+    assert w.run(_env_twin, env={"RINGTRAIN_SHARD_OPTIMIZER": "1"}, timeout=300) == [True, True]
+    assert w.run(_env_twin, timeout=300) == [False, False]
+    # One rank: nothing to shard, the plain optimizer.
+    one = spawn.world(1).run(_env_twin, env={"RINGTRAIN_SHARD_OPTIMIZER": "1"}, timeout=300)
+    assert one == [False]

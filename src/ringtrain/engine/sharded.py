@@ -14,9 +14,10 @@ clipping between ``synchronize()`` and ``step()`` works unchanged. What changes 
    schedulers keep working. So optimizer state (Adam's two moments) exists for 1/N of the
    elements on each rank, and each rank does 1/N of the optimizer's arithmetic.
 3. Each bucket's updated shard is all-gathered, and every rank copies the other ranks' shards
-   into its parameters: after ``step()`` every rank holds the same full weights. Bucket b's
-   all-gather is in flight while bucket b+1 steps; at most two are alive (their buffers are
-   transient, a bucket each).
+   into its parameters: after ``step()`` every rank holds the same full weights. The gathers
+   run in slices of at most :data:`GATHER_BYTES`, two in flight (the next slice travels while
+   the last one is copied out, and bucket b's last slices while bucket b+1 steps), so their
+   transient buffers stay a few MiB whatever the bucket size.
 
 Why an allreduce and not a reduce-scatter: torch's Gloo backend implements
 ``reduce_scatter_tensor`` as a clone of the whole input, an allreduce of it, and a copy of the
@@ -50,6 +51,9 @@ from ringtrain.runtime import abort
 
 # Group keys that belong to the shard optimizers themselves, never copied from the user's groups.
 OWN_KEYS = frozenset({"params", "fused", "foreach"})
+# Largest all-gather output: parameters come back in slices of this, so the transient buffers
+# (ours and Gloo's own flat copy, two slices in flight) stay a few MiB whatever the bucket size.
+GATHER_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -137,13 +141,12 @@ class ShardedStep:
             for p in pg["params"]:
                 group_of[where[id(p)]] = g
         self.layouts = layouts(plan, group_of, rank, size)
-        for layout in self.layouts:
-            for piece in layout.pieces:
-                p = self._params[piece.index]
-                if not p.is_contiguous():
+        for b in plan.buckets:
+            for i in b.params:
+                if not self._params[i].is_contiguous():
                     raise ConfigError(
                         f"shard_optimizer=True steps flat views of parameters, but "
-                        f"{names[piece.index]!r} is not contiguous (e.g. channels_last).\n"
+                        f"{names[i]!r} is not contiguous (e.g. channels_last).\n"
                         "HINT: model.to(memory_format=torch.contiguous_format), or "
                         "shard_optimizer=False."
                     )
@@ -214,16 +217,23 @@ class ShardedStep:
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """Step this rank's pieces, then all-gather every bucket into every rank's parameters."""
-        pending: list[tuple[Layout, torch.Tensor, Any]] = []
+        """Step this rank's pieces, then all-gather every bucket into every rank's parameters,
+        in slices of at most :data:`GATHER_BYTES` (two in flight)."""
+        pending: list[tuple[Layout, int, int, torch.Tensor, Any]] = []
         with torch.no_grad():
             for layout, views, opt in zip(self.layouts, self._tensors, self._opts):
                 if opt is not None:
                     self._refresh(layout, views, opt)
                     opt.step()
-                pending.append(self._launch_gather(layout, views))
-                if len(pending) == 2:  # at most two gather buffers alive
-                    self._land(*pending.pop(0))
+                mine = self._shard_of(layout, views)
+                step = max(1, GATHER_BYTES // (self._size * mine.element_size()))
+                for a in range(0, layout.shard, step):
+                    z = min(layout.shard, a + step)
+                    out = torch.empty((z - a) * self._size, dtype=mine.dtype, device=mine.device)
+                    work = dist.all_gather_single(out, mine[a:z], group=self._group, async_op=True)
+                    pending.append((layout, a, z, out, work))
+                    if len(pending) == 2:
+                        self._land(*pending.pop(0))
             for item in pending:
                 self._land(*item)
 
@@ -252,33 +262,38 @@ class ShardedStep:
                 if key not in OWN_KEYS:
                     group[key] = value
 
-    def _launch_gather(
-        self, layout: Layout, views: list[torch.Tensor]
-    ) -> tuple[Layout, torch.Tensor, Any]:
-        first = self._params[self.plan.buckets[layout.bucket].params[0]]
+    def _shard_of(self, layout: Layout, views: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's shard of the bucket, contiguous (the all-gather's input)."""
+        b = self.plan.buckets[layout.bucket]
+        first = self._params[b.params[0]]
         mine = torch.zeros(layout.shard, dtype=first.dtype, device=first.device)
         lo = self._rank * layout.shard
-        offsets = self.plan.buckets[layout.bucket].offsets
-        members = self.plan.buckets[layout.bucket].params
-        where = dict(zip(members, offsets))
+        where = dict(zip(b.params, b.offsets))
         for piece, view in zip(layout.pieces, views):
             a = where[piece.index] + piece.start - lo
             mine[a : a + view.numel()].copy_(view)
-            view.grad = None  # drop the references to the gradient buffers
-        out = torch.empty(layout.shard * self._size, dtype=first.dtype, device=first.device)
-        work = dist.all_gather_into_tensor(out, mine, group=self._group, async_op=True)
-        return layout, out, work
+            view.grad = None  # hold no reference to the gradient buffers between steps
+        return mine
 
-    def _land(self, layout: Layout, out: torch.Tensor, work: Any) -> None:
+    def _land(self, layout: Layout, a: int, z: int, out: torch.Tensor, work: Any) -> None:
+        """Copy the other ranks' slices ``[a, z)`` of their shards into the parameters."""
         abort.wait_work(work)
         b = self.plan.buckets[layout.bucket]
-        lo, hi = layout.bounds(self._rank)
-        for i, offset, shape in zip(b.params, b.offsets, b.shapes):
-            p = self._params[i]
-            n = p.numel()
-            if lo <= offset and offset + n <= hi:
-                continue  # wholly this rank's: already stepped in place
-            p.detach().copy_(out[offset : offset + n].view(shape))
+        w = z - a
+        for r in range(self._size):
+            if r == self._rank:
+                continue  # stepped in place
+            lo = r * layout.shard + a
+            hi = lo + w
+            src = out[r * w : (r + 1) * w]
+            for i, offset, shape in zip(b.params, b.offsets, b.shapes):
+                n = 1
+                for d in shape:
+                    n *= d
+                s0, s1 = max(lo, offset), min(hi, offset + n)
+                if s0 < s1:
+                    dst = self._params[i].detach().view(-1)
+                    dst[s0 - offset : s1 - offset].copy_(src[s0 - lo : s1 - lo])
 
     # ---- checkpoints ---------------------------------------------------------------------------
 
@@ -327,7 +342,7 @@ class ShardedStep:
                         a = where[piece.index] + piece.start - lo
                         shard[a : a + view.numel()].copy_(value.reshape(-1))
                 out = torch.empty(layout.shard * self._size, dtype=dtype, device=first.device)
-                dist.all_gather_into_tensor(out, shard, group=self._group)
+                dist.all_gather_single(out, shard, group=self._group)
                 for i, offset, shape in zip(b.params, b.offsets, b.shapes):
                     if i in info and key in info[i][1]:
                         n = self._params[i].numel()
