@@ -21,6 +21,8 @@ import torch.nn.functional as F
 import ringtrain as rt
 from ringtrain.testing import spawn
 
+# Worlds of 4 ranks on a busy 2-core machine: the first call in a fresh world imports torch.
+pytestmark = pytest.mark.timeout(400)
 SIZES = [2, 4]
 # Small buckets: several buckets, and shards that cut parameters in the middle.
 SMALL = {"fusion_threshold_bytes": 2048, "link_class": "fast"}
