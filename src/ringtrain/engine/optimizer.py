@@ -10,6 +10,9 @@ The bucket plan is learned in the first step (see :mod:`ringtrain.engine.schedul
 sends everything at ``step()``; later steps overlap backward. The plan is re-learned, on every
 rank alike, when ``requires_grad`` of some parameter changes or a param group is added.
 
+``shard_optimizer=True`` keeps and steps only this rank's 1/N of the optimizer state, then
+all-gathers the parameters (ZeRO stage 1, :mod:`ringtrain.engine.sharded`).
+
 Buckets travel round robin over ``engine_streams`` process groups, hierarchically when
 ``hierarchical`` says so (:mod:`ringtrain.engine.streams`); ``compression="auto"`` measures a few
 steps and then picks the compression (:mod:`ringtrain.engine.auto`).
