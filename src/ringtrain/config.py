@@ -114,6 +114,9 @@ class Config:
     # DistributedOptimizer's link class, which sets its bucket size: "auto" (measured once in the
     # first step, then fixed), "fast" (32 MiB buckets) or "slow" (4 MiB, for ~1 Gbit/s and below).
     link_class: str = "auto"
+    # DistributedOptimizer: shard the optimizer step (ZeRO stage 1): each rank keeps and steps
+    # the optimizer state of 1/N of the parameters, then the parameters are all-gathered.
+    shard_optimizer: bool = False
     # Seal every message with AES-256-GCM and authenticate the rendezvous.
     secure: bool = False
     # Path to the job key (e.g. a mounted Kubernetes Secret) when not started by ringtrain run.

@@ -31,6 +31,8 @@ def test_variant_names() -> None:
         "reproducible": False,
         "link_class": "slow",
     }
+    assert engine_options("ringtrain@shard=1") == {"shard_optimizer": True}
+    TrainParams(variants=("ringtrain", "ringtrain@shard=1"), optimizer="adam")
     for bad in (
         ("ddp:topk",),
         ("ringtrain:",),
@@ -44,6 +46,7 @@ def test_variant_names() -> None:
         ("ringtrain@cycle=0",),
         ("ringtrain@link=medium",),
         ("ringtrain@repro=no",),
+        ("ringtrain@shard=yes",),
     ):
         with pytest.raises(ConfigError, match="HINT"):
             TrainParams(variants=bad)

@@ -234,10 +234,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=",".join(VARIANTS),
         help=f"comma-separated subset of {','.join(VARIANTS)}; ringtrain:NAME uses compression "
         "NAME, e.g. ringtrain,ringtrain:powersgd,ringtrain:topk,ddp,nocomm; a ringtrain variant "
-        "may end in @fusion=MiB and/or @cycle=MS (bucket knobs for it alone), e.g. "
-        "ringtrain@fusion=25@cycle=1000",
+        "may end in @fusion=MiB, @cycle=MS, @link=fast|slow, @repro=0|1, @shard=0|1 (engine "
+        "knobs for it alone), e.g. ringtrain@fusion=25@cycle=1000, ringtrain@shard=1",
     )
     tr.add_argument("--lr", type=float, default=1e-4)
+    tr.add_argument(
+        "--optimizer", default="sgd", choices=["sgd", "adam"], help="what every variant wraps"
+    )
     tr.add_argument("--seed", type=int, default=0)
     _common(tr)
 
@@ -307,6 +310,7 @@ def _params(args: argparse.Namespace) -> Any:
         variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
         lr=args.lr,
         seed=args.seed,
+        optimizer=args.optimizer,
         fusion_threshold_mb=args.fusion_threshold_mb,
     )
     # An unknown compression name fails here, not on every rank.

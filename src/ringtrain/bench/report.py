@@ -224,6 +224,11 @@ def format_train(res: TrainResult, markdown: bool = False) -> str:
         f"in blocks of {p.block} after {p.warmup} warm-up; step time of the slowest rank, "
         "median [min-max]" + _load(res.environment)
     )
+    if res.peak_rss_bytes:
+        head += (
+            f"\noptimizer {p.optimizer}; peak RSS of the largest rank {fmt_bytes(res.peak_rss_bytes)}"
+            f" ({fmt_bytes(res.base_rss_bytes)} before the model was built)"
+        )
     extra = [f"{v.variant} {v.warmup_steps}" for v in res.variants if v.warmup_steps > p.warmup]
     if extra:
         head += "\nwarm-up steps until steady (PowerSGD start, auto's choice): " + ", ".join(extra)
@@ -238,6 +243,7 @@ def format_train(res: TrainResult, markdown: bool = False) -> str:
             _paired(v.paired_vs_ddp),
             _ratio(v.vs_nocomm),
             _ratio(v.comm_fraction, True),
+            fmt_bytes(v.state_bytes),
         ]
         for v in res.variants
     ]
@@ -251,6 +257,7 @@ def format_train(res: TrainResult, markdown: bool = False) -> str:
         "vs ddp, paired",
         "vs nocomm",
         "comm share",
+        "opt state/rank",
     ]
     return head + "\n" + table(headers, rows, markdown)
 

@@ -54,11 +54,15 @@ MAX_EXTRA_WARMUP = 60
 # ``ringtrain...@KEY=VALUE`` sets a DistributedOptimizer knob for that variant alone, so bucket
 # settings can be compared in one run: KEY -> (argument, unit of VALUE in the argument's terms).
 ENGINE_OPTIONS = {"fusion": ("fusion_threshold_bytes", 1 << 20), "cycle": ("cycle_time_ms", 1)}
-# ``@link=fast|slow`` pins the link class; ``@repro=0`` lets timing cut buckets (not reproducible).
+# ``@link=fast|slow`` pins the link class; ``@repro=0`` lets timing cut buckets (not reproducible);
+# ``@shard=1`` shards the optimizer step (ZeRO stage 1, ringtrain.engine.sharded).
 ENGINE_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
     "link": ("link_class", {"fast": "fast", "slow": "slow"}),
     "repro": ("reproducible", {"0": False, "1": True}),
+    "shard": ("shard_optimizer", {"0": False, "1": True}),
 }
+# The optimizer every variant wraps (--optimizer).
+OPTIMIZERS = ("sgd", "adam")
 # DDP has built-in comm hooks for these; other compressors have no DDP twin.
 _DDP_HOOKS = ("fp16", "bf16")
 
@@ -75,6 +79,7 @@ class TrainParams:
     variants: tuple[str, ...] = VARIANTS
     lr: float = 1e-4
     seed: int = 0
+    optimizer: str = "sgd"
     # Recorded for the report; applied through ringtrain.init settings by the caller.
     fusion_threshold_mb: float | None = None
 
@@ -85,8 +90,12 @@ class TrainParams:
                 f"unknown, repeated or no variants in {list(self.variants)}.\n"
                 f"HINT: choose from {', '.join(VARIANTS)}, comma separated; "
                 "ringtrain:NAME uses compression NAME (ringtrain:powersgd,ringtrain:topk); "
-                "ringtrain@fusion=MiB, @cycle=MS, @link=fast|slow and @repro=0|1 set those "
-                "engine knobs for one variant (ringtrain@repro=0@cycle=1000)."
+                "ringtrain@fusion=MiB, @cycle=MS, @link=fast|slow, @repro=0|1 and @shard=0|1 "
+                "set those engine knobs for one variant (ringtrain@repro=0@cycle=1000)."
+            )
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(
+                f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
             )
         for name in ("steps", "block", "backward_passes_per_step"):
             if getattr(self, name) < 1:
@@ -153,6 +162,7 @@ class VariantResult:
     comm_fraction: float | None = None  # 1 - nocomm step time / this step time
     warmup_steps: int = 0  # untimed steps taken, --warmup plus what it took to become steady
     chosen: str = ""  # compression="auto": what it settled on
+    state_bytes: int = 0  # optimizer state tensors held per rank (the largest rank's)
 
 
 @dataclass
@@ -168,6 +178,10 @@ class TrainResult:
     ddp_compression: str
     variants: list[VariantResult] = field(default_factory=list)
     environment: dict[str, Any] = field(default_factory=dict)
+    # Resident memory of the largest rank: before the model was built, and the peak of the whole
+    # run (ru_maxrss). The peak is one variant's only when the run has one variant.
+    base_rss_bytes: int = 0
+    peak_rss_bytes: int = 0
 
 
 class _Variant:
@@ -177,9 +191,11 @@ class _Variant:
         step: Callable[[], None],
         steady: Callable[[int], bool] = lambda steps: True,
         chosen: Callable[[], str] = lambda: "",
+        state_bytes: Callable[[], int] = lambda: 0,
     ) -> None:
         self.name = name
         self.step = step
+        self.state_bytes = state_bytes
         # steady(steps taken) must answer alike on every rank: warm-up ends on it.
         self.steady = steady
         self.chosen = chosen
@@ -191,7 +207,11 @@ def _make_variant(
     name: str, model: nn.Module, preset: Preset, batches: list[Batch], params: TrainParams
 ) -> _Variant:
     k = params.backward_passes_per_step
-    base_opt = torch.optim.SGD(model.parameters(), lr=params.lr)
+    base_opt: torch.optim.Optimizer = (
+        torch.optim.Adam(model.parameters(), lr=params.lr)
+        if params.optimizer == "adam"
+        else torch.optim.SGD(model.parameters(), lr=params.lr)
+    )
     scale = 1.0 / k  # the mean over k micro-batches, as one k-times batch would give
 
     def passes(net: nn.Module, quiet: Callable[[], Any] = contextlib.nullcontext) -> None:
@@ -207,7 +227,7 @@ def _make_variant(
             base_opt.step()
             base_opt.zero_grad(set_to_none=True)
 
-        return _Variant(name, step)
+        return _Variant(name, step, state_bytes=lambda: _state_bytes(base_opt))
     if name.startswith("ringtrain"):
         opt = ringtrain.DistributedOptimizer(
             base_opt,
@@ -222,7 +242,7 @@ def _make_variant(
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        return _Variant(name, rt_step, *_steadiness(opt))
+        return _Variant(name, rt_step, *_steadiness(opt), state_bytes=lambda: opt.state_bytes)
     ddp = nn.parallel.DistributedDataParallel(model)
     if params.compression in _DDP_HOOKS:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -235,7 +255,28 @@ def _make_variant(
         base_opt.step()
         base_opt.zero_grad(set_to_none=True)
 
-    return _Variant(name, ddp_step)
+    return _Variant(name, ddp_step, state_bytes=lambda: _state_bytes(base_opt))
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(
+        v.numel() * v.element_size()
+        for st in opt.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor)
+    )
+
+
+def _rss_bytes() -> tuple[int, int]:
+    """(current, peak) resident memory of this process."""
+    import resource
+
+    current = 0
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                current = int(line.split()[1]) * 1024
+    return current, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _steadiness(
@@ -260,6 +301,7 @@ def bench_train(params: TrainParams) -> TrainResult:
     n = ringtrain.size()
     machine = machine_info()
     batch_size = params.batch_size or preset.default_batch_size
+    base_rss = _rss_bytes()[0]
     torch.manual_seed(params.seed)
     template = preset.build()
     g = torch.Generator().manual_seed(params.seed + 1000 * ringtrain.rank())
@@ -290,9 +332,11 @@ def bench_train(params: TrainParams) -> TrainResult:
                 v.samples.append(time.perf_counter() - t0)
 
     # The slowest rank's time per step: one small allreduce after all timing is done.
-    flat = torch.tensor([s for v in variants for s in v.samples], dtype=torch.float64)
+    memory = [base_rss, _rss_bytes()[1], *(v.state_bytes() for v in variants)]
+    flat = torch.tensor([s for v in variants for s in v.samples] + memory, dtype=torch.float64)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)
     per = flat.tolist()
+    base_rss, peak_rss, *state = (int(x) for x in per[len(per) - len(memory) :])
     samples_per_step = batch_size * params.backward_passes_per_step * n
     result = TrainResult(
         n,
@@ -305,6 +349,8 @@ def bench_train(params: TrainParams) -> TrainResult:
         samples_per_step,
         params.compression if params.compression in _DDP_HOOKS else "none",
         environment=machine,
+        base_rss_bytes=base_rss,
+        peak_rss_bytes=peak_rss,
     )
     for i, v in enumerate(variants):
         mine = per[i * params.steps : (i + 1) * params.steps]
@@ -317,6 +363,7 @@ def bench_train(params: TrainParams) -> TrainResult:
                 samples_per_step / s.median,
                 warmup_steps=v.warmup_steps,
                 chosen=v.chosen(),
+                state_bytes=state[i],
             )
         )
     names = [v.name for v in variants]

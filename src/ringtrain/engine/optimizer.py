@@ -10,6 +10,9 @@ The bucket plan is learned in the first step (see :mod:`ringtrain.engine.schedul
 sends everything at ``step()``; later steps overlap backward. The plan is re-learned, on every
 rank alike, when ``requires_grad`` of some parameter changes or a param group is added.
 
+``shard_optimizer=True`` keeps and steps only this rank's 1/N of the optimizer state, then
+all-gathers the parameters (ZeRO stage 1, :mod:`ringtrain.engine.sharded`).
+
 Buckets travel round robin over ``engine_streams`` process groups, hierarchically when
 ``hierarchical`` says so (:mod:`ringtrain.engine.streams`); ``compression="auto"`` measures a few
 steps and then picks the compression (:mod:`ringtrain.engine.auto`).
@@ -26,6 +29,7 @@ wrapped optimizer) only so that LR schedulers and ``isinstance`` checks accept i
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -45,7 +49,7 @@ from ringtrain.collectives.reduce_ops import resolve_op
 from ringtrain.compression import resolve as resolve_compression
 from ringtrain.compression.policy import AutoCompression, Decision
 from ringtrain.diagnostics import engine_wait, timeline
-from ringtrain.engine import buckets, schedule
+from ringtrain.engine import buckets, schedule, sharded
 from ringtrain.engine.auto import AutoTuner
 from ringtrain.engine.buckets import ORDERS, Observation, Plan
 from ringtrain.engine.exchange import GradientExchange, Scaling
@@ -94,6 +98,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         reproducible: False lets timing shape the buckets (cuts at gaps in backward); see
             docs/engine.md, "Reproducibility".
         link_class: "auto" (measured in the first step), "fast" or "slow": sets the bucket size.
+        shard_optimizer: True steps the optimizer sharded (ZeRO stage 1): each rank keeps and
+            updates the optimizer state of 1/N of every bucket, then the updated parameters
+            are all-gathered (:mod:`ringtrain.engine.sharded`). ``state_dict()`` then gathers
+            the full state and is collective: every rank must call it.
 
     Settings left as None come from :class:`ringtrain.config.Config` (``RINGTRAIN_*``
     variables, which ``ringtrain run`` flags set), then the defaults: arguments win.
@@ -120,6 +128,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         engine_streams: int | None = None,
         reproducible: bool | None = None,
         link_class: str | None = None,
+        shard_optimizer: bool | None = None,
     ) -> None:
         # Deliberately no super().__init__(): all optimizer state lives in the wrapped optimizer.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -197,6 +206,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._streams < 1:
             raise ConfigError(f"engine_streams must be >= 1, got {self._streams}")
         self._timeout_s = config.timeout_s
+        self._shard_mode = config.shard_optimizer if shard_optimizer is None else shard_optimizer
+        if self._shard_mode:
+            sharded.check_supported(optimizer)
+        self._shards: sharded.ShardedStep | None = None
         self._compression_arg = config.compression if compression is None else compression
         self._compression = resolve_compression(self._compression_arg, config)
         self._tuner: AutoTuner | None = None
@@ -257,6 +270,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         self._link_class = self._link_pinned
         self._lanes = None
+        self._shards = None  # the old world's shards: a restored (full) state is sharded anew
         self._observed = []
         self._counts = [0] * len(self._params)
         self._learner = None
@@ -301,7 +315,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state_dict, plus the compressor's state (if it has any)
         under ``"ringtrain_compressor"``. A stateful compressor's state can differ per rank
         (e.g. PowerSGD's error feedback): save every rank's to resume it exactly."""
-        sd = self.optimizer.state_dict()
+        sd = self._full_state_dict() if self._shards is not None else self.optimizer.state_dict()
         get = getattr(self._compression, "state_dict", None)
         comp_state = get() if callable(get) else {}
         if comp_state:
@@ -315,6 +329,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sd = dict(state_dict)
         saved = sd.pop(COMPRESSOR_STATE_KEY, None)
         self.optimizer.load_state_dict(sd)
+        if self._shards is not None:
+            self._absorb_full_state()
         if saved is None:
             return
         mine = getattr(self._compression, "name", type(self._compression).__name__)
@@ -755,12 +771,85 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         rec = timeline.current()
         t0 = time.perf_counter()
-        result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        result: Any = None
+        if self.shards_state and self._plan is not None:
+            self._sharded_step(closure)
+        else:
+            result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         rec.span("step", "OPTIMIZER_STEP", t0, time.perf_counter())
         observer = self._comm.service("step_timer")
         if observer is not None:
             observer.step_done()
         return result
+
+    # ---- the sharded step (shard_optimizer=True; ringtrain.engine.sharded) -------------------
+
+    @property
+    def shards_state(self) -> bool:
+        """Whether this rank keeps only its shard of the optimizer state (shard_optimizer=True,
+        a member of a process set of 2 or more ranks)."""
+        return bool(self._shard_mode) and self._size > 1 and self._comm.included
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors held on this rank (its shards, or the whole)."""
+        total = self._shards.state_bytes() if self._shards is not None else 0
+        for st in self.optimizer.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    total += v.numel() * v.element_size()
+        return total
+
+    def _sharded_step(self, closure: Callable[[], float] | None) -> None:
+        if closure is not None:
+            raise ConfigError(
+                "step(closure) is not supported with shard_optimizer=True.\n"
+                "HINT: compute the loss before step(), or use shard_optimizer=False."
+            )
+        plan = self._plan
+        assert plan is not None
+        if self._shards is None or self._shards.plan.digest != plan.digest:
+            # A new plan cuts new shards: carry the state over (collective, like the plan).
+            full = self._shards.gather_state() if self._shards is not None else {}
+            self._shards = sharded.ShardedStep(
+                plan,
+                self._params,
+                self._names,
+                self.optimizer,
+                self._comm.group("engine"),
+                self._comm.set_rank,
+                self._size,
+            )
+            if full:
+                self._shards.load_state(full)
+        self._absorb_full_state()
+        self._shards.step()
+
+    def _absorb_full_state(self) -> None:
+        """Full state in the wrapped optimizer (loaded, broadcast, or from a step before the
+        first plan) goes into the shards, and leaves the wrapped optimizer."""
+        assert self._shards is not None
+        inner = self.optimizer.state
+        full = {i: dict(inner[p]) for i, p in enumerate(self._params) if inner.get(p)}
+        if full:
+            self._shards.load_state(full)
+        inner.clear()
+
+    def _full_state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state_dict with the full state gathered from every rank's
+        shards (collective), so it loads into a sharded or an unsharded optimizer alike."""
+        assert self._shards is not None
+        inner = self.optimizer
+        full = self._shards.gather_state()
+        saved = inner.state
+        state: collections.defaultdict[Any, dict[str, Any]] = collections.defaultdict(dict)
+        state.update({self._params[i]: st for i, st in full.items()})
+        state.update({p: st for p, st in saved.items() if st})  # not absorbed yet: newer
+        inner.state = state
+        try:
+            return inner.state_dict()
+        finally:
+            inner.state = saved
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._any_ready:

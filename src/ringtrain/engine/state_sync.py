@@ -114,10 +114,17 @@ def broadcast_optimizer_state(
             "cannot broadcast torch.optim.LBFGS state (as in Horovod).\n"
             "HINT: broadcast the parameters with broadcast_parameters() instead."
         )
-    _init_state(inner)
+    # A sharded DistributedOptimizer (shard_optimizer=True) gathers and loads its full state
+    # itself; its state_dict() is collective, so every rank takes it.
+    owner: Any = optimizer if getattr(optimizer, "shards_state", False) else inner
+    state = owner.state_dict()
+    if not state["state"]:
+        _init_state(inner)
+        state = owner.state_dict()
+    state.pop("ringtrain_compressor", None)  # per-rank (error feedback): never the root's
     me = ops.controller_of(process_set).comm.world_rank  # root_rank is global, as in Horovod
     tensors: list[torch.Tensor] = []
-    skeleton = _split(inner.state_dict(), tensors) if me == root_rank else None
+    skeleton = _split(state, tensors) if me == root_rank else None
     skeleton = broadcast_object(
         skeleton, root_rank, "broadcast.optimizer_state.skeleton", process_set
     )
@@ -144,4 +151,4 @@ def broadcast_optimizer_state(
     for h in handles:
         ops.synchronize(h)
     if me != root_rank:
-        inner.load_state_dict(_fill(skeleton, tensors))
+        owner.load_state_dict(_fill(skeleton, tensors))
