@@ -29,6 +29,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 DEFAULT_TIMEOUT_S = 60.0
+# Starting a rank (spawn, import torch, warm up) is not the test's time: on a loaded machine it
+# can take minutes, so it has its own deadline and a test's timeout starts once every rank is up.
+START_TIMEOUT_S = 600.0
 
 
 class RankFailed(AssertionError):
@@ -77,6 +80,8 @@ def _worker(
     torch.set_num_threads(1)
     import ringtrain
 
+    _warm_up(torch)
+    conn.send(("ready", None))
     while True:
         try:
             call: _Call | None = conn.recv()
@@ -106,6 +111,14 @@ def _worker(
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+
+def _warm_up(torch: Any) -> None:
+    """Pay torch's lazy imports now: the first optimizer step imports torch._dynamo (and sympy),
+    which can take longer than a test's whole timeout on a busy machine."""
+    p = torch.zeros(1, requires_grad=True)
+    p.grad = torch.zeros(1)
+    torch.optim.Adam([p]).step()
 
 
 class World:
@@ -141,6 +154,23 @@ class World:
             child.close()
             self._conns.append(parent)
             self._procs.append(p)
+        self._started = False
+
+    def _wait_started(self) -> None:
+        waiting = dict(enumerate(self._conns))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while waiting:
+            ready = wait(list(waiting.values()), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise WorldHung(self._hang_report(sorted(waiting), START_TIMEOUT_S))
+            for r, conn in list(waiting.items()):
+                if conn in ready:
+                    try:
+                        conn.recv()
+                    except EOFError:
+                        raise RankFailed(f"rank {r} died while starting\n{self._tail(r)}") from None
+                    del waiting[r]
+        self._started = True
 
     @property
     def alive(self) -> bool:
@@ -165,6 +195,8 @@ class World:
         """
         if not self.alive:
             raise WorldHung("the world's processes are gone (an earlier test killed them)")
+        if not self._started:
+            self._wait_started()
         envs = (
             [dict(e) for e in env] if isinstance(env, Sequence) else [dict(env or {})] * self.size
         )
