@@ -114,6 +114,10 @@ class Config:
     # DistributedOptimizer's link class, which sets its bucket size: "auto" (measured once in the
     # first step, then fixed), "fast" (32 MiB buckets) or "slow" (4 MiB, for ~1 Gbit/s and below).
     link_class: str = "auto"
+    # DistributedOptimizer: step() returns once the last buckets are launched; each bucket's
+    # parameters are updated as its reduction completes and the next forward waits per module
+    # (cross-iteration overlap, ringtrain.engine.overlap). Opt-in.
+    overlap: bool = False
     # Seal every message with AES-256-GCM and authenticate the rendezvous.
     secure: bool = False
     # Path to the job key (e.g. a mounted Kubernetes Secret) when not started by ringtrain run.
