@@ -830,16 +830,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return False
         if not self._step_open:
             self._open_step()  # decides, as synchronize() would, whether this step learns
-        if self._learning or self._exchange is None or self._launch_order is None:
+        if self._learning or self._exchange is None or self._plan is None:
             return False
-        assert self._plan is not None
         if self._plan.sparse:
             raise ConfigError(
                 "overlap=True needs dense gradients, but "
                 f"{', '.join(self._names[i] for i in self._plan.sparse)} came sparse.\n"
                 "HINT: pass sparse_as_dense=True, or overlap=False."
             )
-        return True
+        return self._launch_order is not None
 
     def _step_overlapped(self) -> None:
         """Launch what is left and hand the waiting and the per-bucket updates to the updater

@@ -163,9 +163,7 @@ _global_hook: Any = None
 # forward never runs (MultiheadAttention reads out_proj.weight without calling out_proj): the
 # module that does run waits for those too.
 _called: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-_extra: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.Tensor]] = (
-    weakref.WeakKeyDictionary()
-)
+_extra: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.Tensor]] = weakref.WeakKeyDictionary()
 _extra_of = [0]  # len(_called) when _extra was computed
 
 
