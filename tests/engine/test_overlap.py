@@ -23,6 +23,8 @@ from ringtrain.testing.spawn import World
 
 # Several buckets, the same plan on every run (the link class pinned, as a comparison needs).
 ENGINE = {"fusion_threshold_bytes": 4096, "link_class": "slow"}
+# Generous: on a shared 2-core machine a rank may get a small share of a core.
+TIMEOUT_S = 300.0
 
 
 class Net(torch.nn.Module):
@@ -106,22 +108,22 @@ def test_overlap_gives_the_same_bits(size: int, kind: str) -> None:
     from ringtrain.testing import spawn
 
     world = spawn.world(size)
-    assert all(world.run(_same_bits, kind, "plain"))
+    assert all(world.run(_same_bits, kind, "plain", timeout=TIMEOUT_S))
 
 
 @pytest.mark.parametrize("case", ["fp16", "accumulate", "no_sync", "clip"])
 def test_overlap_keeps_compression_accumulation_and_skipping(world2: World, case: str) -> None:
-    assert all(world2.run(_same_bits, "adam", case, 4))
+    assert all(world2.run(_same_bits, "adam", case, 4, timeout=TIMEOUT_S))
 
 
-def _contract() -> dict[str, bool]:
+def _contract(overlap: bool = True) -> dict[str, bool]:
     """One model steps with overlap, a copy without; compare at every point the contract
     names."""
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
     opt = rt.DistributedOptimizer(
-        _make("sgd", model), named_parameters=model.named_parameters(), overlap=True, **ENGINE
+        _make("sgd", model), named_parameters=model.named_parameters(), overlap=overlap, **ENGINE
     )
     ref_opt = rt.DistributedOptimizer(
         _make("sgd", ref), named_parameters=ref.named_parameters(), **ENGINE
@@ -161,8 +163,8 @@ def _contract() -> dict[str, bool]:
 
 
 def test_parameters_are_final_wherever_the_contract_says(world2: World) -> None:
-    for result in world2.run(_contract):
-        assert result == dict.fromkeys(result, True)
+    for result in world2.run(_contract, timeout=TIMEOUT_S):
+        assert result == dict.fromkeys(result, True), result
 
 
 def _refused(what: str) -> str:
@@ -193,7 +195,7 @@ def _refused(what: str) -> str:
     [("lbfgs", "LBFGS"), ("auto", "compression='auto'"), ("sparse", "sparse_as_dense=True")],
 )
 def test_what_overlap_does_not_support_says_so(world2: World, what: str, says: str) -> None:
-    messages = world2.run(_refused, what)
+    messages = world2.run(_refused, what, timeout=TIMEOUT_S)
     assert all(says in msg for msg in messages), messages
 
 
@@ -206,3 +208,48 @@ def test_launch_order_sends_what_the_forward_needs_first_once_backward_ends() ->
     assert order == [0, 2, 3, 1]
     # An infinitely fast link sends each bucket as it becomes ready.
     assert launch_order(b, 0.0) == [0, 1, 2, 3]
+
+
+def _trace(path: str) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """Overlapped steps while rank 1 launches late: (FORWARD spans, ALLREDUCE spans) of this
+    rank's timeline, as (start, end) in microseconds."""
+    import time
+
+    from ringtrain.diagnostics import timeline
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = rt.DistributedOptimizer(
+        _make("sgd", model), named_parameters=model.named_parameters(), overlap=True, **ENGINE
+    )
+    name = rt.start_timeline(path)
+    for step in range(4):
+        opt.zero_grad()
+        loss = _loss(model, step)
+        if rt.rank() == 1 and step == 2:
+            time.sleep(0.5)  # rank 0's buckets of step 2 stay in flight while it goes on
+        loss.backward()
+        opt.step()
+    _loss(model, 4).backward()  # the FORWARD span ends at the next backward's first gradient
+    opt.synchronize()
+    rt.stop_timeline()
+    events = timeline.load(name)
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+
+    def spans(lane: str, what: str) -> list[tuple[float, float]]:
+        return [
+            (e["ts"], e["ts"] + e["dur"])
+            for e in events
+            if e.get("ph") == "X" and e["name"] == what and lanes[e["tid"]].startswith(lane)
+        ]
+
+    return spans("compute", "FORWARD"), spans("bucket", "ALLREDUCE")
+
+
+def test_the_timeline_shows_the_forward_overlapping_the_exchange(
+    world2: World, tmp_path: Any
+) -> None:
+    forwards, allreduces = world2.run(_trace, str(tmp_path / "trace.json"), timeout=TIMEOUT_S)[0]
+    assert forwards, "no FORWARD span in rank 0's timeline"
+    # Rank 0's forward after step 2 started while step 2's buckets were still on the wire.
+    assert any(a0 < f0 < a1 for f0, _ in forwards for a0, a1 in allreduces)

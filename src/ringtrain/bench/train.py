@@ -58,7 +58,12 @@ ENGINE_OPTIONS = {"fusion": ("fusion_threshold_bytes", 1 << 20), "cycle": ("cycl
 ENGINE_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
     "link": ("link_class", {"fast": "fast", "slow": "slow"}),
     "repro": ("reproducible", {"0": False, "1": True}),
+    # ``@overlap=1``: cross-iteration overlap (step() returns at once, the forward waits per
+    # module); its pending updates end at each block's last step, inside that step's time.
+    "overlap": ("overlap", {"0": False, "1": True}),
 }
+# --optimizer: what every variant trains with (its own instance per variant).
+OPTIMIZERS = ("sgd", "momentum", "adam")
 # DDP has built-in comm hooks for these; other compressors have no DDP twin.
 _DDP_HOOKS = ("fp16", "bf16")
 
@@ -75,6 +80,7 @@ class TrainParams:
     variants: tuple[str, ...] = VARIANTS
     lr: float = 1e-4
     seed: int = 0
+    optimizer: str = "sgd"  # sgd, momentum (SGD with momentum 0.9) or adam
     # Recorded for the report; applied through ringtrain.init settings by the caller.
     fusion_threshold_mb: float | None = None
 
@@ -85,7 +91,7 @@ class TrainParams:
                 f"unknown, repeated or no variants in {list(self.variants)}.\n"
                 f"HINT: choose from {', '.join(VARIANTS)}, comma separated; "
                 "ringtrain:NAME uses compression NAME (ringtrain:powersgd,ringtrain:topk); "
-                "ringtrain@fusion=MiB, @cycle=MS, @link=fast|slow and @repro=0|1 set those "
+                "ringtrain@fusion=MiB, @cycle=MS, @link=fast|slow, @repro=0|1 and @overlap=0|1 set those "
                 "engine knobs for one variant (ringtrain@repro=0@cycle=1000)."
             )
         for name in ("steps", "block", "backward_passes_per_step"):
@@ -93,6 +99,10 @@ class TrainParams:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(
+                f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
         if self.warmup < 0:
             raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
 
@@ -177,9 +187,12 @@ class _Variant:
         step: Callable[[], None],
         steady: Callable[[int], bool] = lambda steps: True,
         chosen: Callable[[], str] = lambda: "",
+        drain: Callable[[], None] = lambda: None,
     ) -> None:
         self.name = name
         self.step = step
+        # Ends what a step left running (overlap's pending updates) before another variant runs.
+        self.drain = drain
         # steady(steps taken) must answer alike on every rank: warm-up ends on it.
         self.steady = steady
         self.chosen = chosen
@@ -191,7 +204,7 @@ def _make_variant(
     name: str, model: nn.Module, preset: Preset, batches: list[Batch], params: TrainParams
 ) -> _Variant:
     k = params.backward_passes_per_step
-    base_opt = torch.optim.SGD(model.parameters(), lr=params.lr)
+    base_opt = _optimizer(params, model)
     scale = 1.0 / k  # the mean over k micro-batches, as one k-times batch would give
 
     def passes(net: nn.Module, quiet: Callable[[], Any] = contextlib.nullcontext) -> None:
@@ -222,7 +235,7 @@ def _make_variant(
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        return _Variant(name, rt_step, *_steadiness(opt))
+        return _Variant(name, rt_step, *_steadiness(opt), drain=opt.synchronize)
     ddp = nn.parallel.DistributedDataParallel(model)
     if params.compression in _DDP_HOOKS:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -236,6 +249,13 @@ def _make_variant(
         base_opt.zero_grad(set_to_none=True)
 
     return _Variant(name, ddp_step)
+
+
+def _optimizer(params: TrainParams, model: nn.Module) -> torch.optim.Optimizer:
+    if params.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=params.lr)
+    momentum = 0.9 if params.optimizer == "momentum" else 0.0
+    return torch.optim.SGD(model.parameters(), lr=params.lr, momentum=momentum)
 
 
 def _steadiness(
@@ -277,6 +297,7 @@ def bench_train(params: TrainParams) -> TrainResult:
         ):
             v.step()
             v.warmup_steps += 1
+        v.drain()
     rounds = -(-params.steps // params.block)
     for r in range(rounds):
         shift = r % len(variants)
@@ -284,9 +305,11 @@ def bench_train(params: TrainParams) -> TrainResult:
             todo = min(params.block, params.steps - len(v.samples))
             settle()
             dist.barrier()
-            for _ in range(todo):
+            for i in range(todo):
                 t0 = time.perf_counter()
                 v.step()
+                if i == todo - 1:
+                    v.drain()  # the block's last step pays for what it left running
                 v.samples.append(time.perf_counter() - t0)
 
     # The slowest rank's time per step: one small allreduce after all timing is done.

@@ -145,13 +145,22 @@ def zero_param_grad(p: torch.Tensor, set_to_none: bool) -> None:
 
 
 class _Pending:
-    """One bucket's update in flight: the forward of its parameters waits on it."""
+    """One bucket's update in flight: the forward of its parameters waits on it. It holds its
+    Overlap weakly: no reference cycle, so a dropped optimizer is freed at once, never by the
+    garbage collector at some later point."""
 
-    __slots__ = ("done", "owner")
+    __slots__ = ("_owner", "done")
 
     def __init__(self, owner: Overlap) -> None:
         self.done = threading.Event()
-        self.owner = owner
+        self._owner = weakref.ref(owner)
+
+    @property
+    def owner(self) -> Overlap:
+        owner = self._owner()
+        if owner is None:  # its optimizer is gone: nothing can be pending any more
+            raise CollectiveError("an overlapped optimizer was dropped with updates pending")
+        return owner
 
 
 # id(parameter) -> its bucket's pending update, for every overlapped optimizer of the process.
@@ -164,7 +173,8 @@ _global_hook: Any = None
 # module that does run waits for those too.
 _called: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _extra: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.Tensor]] = weakref.WeakKeyDictionary()
-_extra_of = [0]  # len(_called) when _extra was computed
+_generation = [0]  # bumped whenever a module runs its forward for the first time
+_extra_of = [-1]  # the generation _extra was computed at
 
 
 def _forward_pre_hook(module: torch.nn.Module, _args: Any) -> None:
@@ -172,42 +182,48 @@ def _forward_pre_hook(module: torch.nn.Module, _args: Any) -> None:
     descendants that never run their own forward)."""
     if module not in _called:
         _called.add(module)
+        _generation[0] += 1
     if not _waits:
         return
-    seen = False
-    params: list[Any] = list(module._parameters.values())
-    extra = _extra.get(module)
-    if extra:
-        params.extend(extra)
-    for p in params:
-        if p is None:
-            continue
+    for p in _own(module):
         pending = _waits.get(id(p))
         if pending is None:
             continue
-        seen = True
         pending.owner.note_forward()
         if not pending.done.is_set():
             pending.owner.wait_for(pending)
         pending.owner.raise_error()
-    if seen and module not in _hooked:
-        # model.state_dict() drains first: the module's parameters are then final.
-        module.register_state_dict_pre_hook(_drain_for_state_dict)
-        _hooked.add(module)
+
+
+def _own(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters a module's forward waits for: its own, and those of descendants that
+    never run their own forward."""
+    params = [p for p in module._parameters.values() if p is not None]
+    extra = _extra.get(module)
+    return [*params, *extra] if extra else list(params)
 
 
 def _drain_for_state_dict(module: torch.nn.Module, _prefix: str, _keep_vars: bool) -> None:
-    for p in module._parameters.values():
-        pending = _waits.get(id(p)) if p is not None else None
+    """model.state_dict() drains first: the module's parameters are then final."""
+    for p in _own(module):
+        pending = _waits.get(id(p))
         if pending is not None:
             pending.owner.drain()
 
 
+def _hook_state_dicts(ids: set[int]) -> None:
+    """Every module that ran forward and holds one of these parameters drains in state_dict()."""
+    for m in list(_called):
+        if m not in _hooked and any(id(p) in ids for p in _own(m)):
+            m.register_state_dict_pre_hook(_drain_for_state_dict)
+            _hooked.add(m)
+
+
 def _cover_uncalled() -> None:
     """Recompute ``_extra`` when modules ran their forward for the first time."""
-    called = list(_called)
-    if len(called) == _extra_of[0]:
+    if _extra_of[0] == _generation[0]:
         return
+    called = list(_called)
     _extra.clear()
     for m in called:
         found: list[torch.Tensor] = []
@@ -220,7 +236,7 @@ def _cover_uncalled() -> None:
             todo.extend(child.children())
         if found:
             _extra[m] = found
-    _extra_of[0] = len(called)
+    _extra_of[0] = _generation[0]
 
 
 def _install_global_hook() -> None:
@@ -244,11 +260,8 @@ class Overlap:
         self._members: list[list[torch.Tensor]] = []
         self._zero: list[bool | None] = []  # deferred zero_grad per bucket (set_to_none)
         self._forward_t0 = 0.0
-        self._thread: threading.Thread | None = None
-        self._jobs: list[Callable[[], None] | None] = []
-        self._wake = threading.Condition()
+        self._generation = -1  # of the modules seen when state_dict hooks were last placed
         _install_global_hook()
-        weakref.finalize(self, _stop, self._wake, self._jobs)
 
     @property
     def pending(self) -> bool:
@@ -282,7 +295,10 @@ class Overlap:
         self._zero = [None] * len(members)
         self._error = None
         self._forward_t0 = 0.0
-        _cover_uncalled()
+        if self._generation != _generation[0]:
+            self._generation = _generation[0]
+            _cover_uncalled()
+            _hook_state_dicts({id(p) for params in members for p in params})
         with _waits_lock:
             for pending, params in zip(self._pending, members):
                 for p in params:
@@ -382,37 +398,34 @@ class Overlap:
     # ---- the updater thread ----------------------------------------------------------------------
 
     def _submit(self, job: Callable[[], None]) -> None:
-        with self._wake:
-            self._jobs.append(job)
-            self._wake.notify()
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=_serve, args=(self._wake, self._jobs), name="ringtrain-overlap", daemon=True
-            )
-            self._thread.start()
+        global _updater
+        with _wake:
+            _jobs.append(job)
+            _wake.notify()
+            if _updater is None:
+                _updater = threading.Thread(target=_serve, name="ringtrain-overlap", daemon=True)
+                _updater.start()
 
     def close(self) -> None:
+        """Let pending updates end (a dropped optimizer's step still completes on every rank)."""
         if self.pending:
             self._idle.wait(self._timeout_s + 30.0)
-        _stop(self._wake, self._jobs)
 
 
-def _serve(wake: threading.Condition, jobs: list[Callable[[], None] | None]) -> None:
-    """The updater thread: runs jobs in order; None stops it. Holds no reference to the
-    Overlap itself (only to its jobs), so a dropped optimizer is freed and stops it."""
-    torch.set_grad_enabled(False)
+# One updater thread per process, for every overlapped optimizer, started at the first step and
+# kept for the life of the process: a thread that ended while the collector freed tensors could
+# take the GIL inside a C++ destructor. Idle, it holds no job and no tensor.
+_jobs: list[Callable[[], None]] = []
+_wake = threading.Condition()
+_updater: threading.Thread | None = None
+
+
+def _serve() -> None:
+    torch.set_grad_enabled(False)  # grad mode is per thread
     while True:
-        with wake:
-            while not jobs:
-                wake.wait()
-            job = jobs.pop(0)
-        if job is None:
-            return
+        with _wake:
+            while not _jobs:
+                _wake.wait()
+            job = _jobs.pop(0)
         job()
         del job
-
-
-def _stop(wake: threading.Condition, jobs: list[Callable[[], None] | None]) -> None:
-    with wake:
-        jobs.append(None)
-        wake.notify()
