@@ -235,7 +235,9 @@ def _make_variant(
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        return _Variant(name, rt_step, *_steadiness(opt), drain=opt.synchronize)
+        # Overlap: synchronize() right after step() only waits for the pending updates.
+        drain = opt.synchronize if opt.overlap else (lambda: None)
+        return _Variant(name, rt_step, *_steadiness(opt), drain=drain)
     ddp = nn.parallel.DistributedDataParallel(model)
     if params.compression in _DDP_HOOKS:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
