@@ -80,6 +80,7 @@ def test_methods_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert got["ringtrain:auto"]["warmup_steps"] > 1
 
 
+@pytest.mark.timeout(300)
 def test_overlap_variant_with_adam(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_json = tmp_path / "train.json"
     variants = "ringtrain,ringtrain@overlap=1,ddp"

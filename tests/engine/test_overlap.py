@@ -21,6 +21,9 @@ from ringtrain.engine.overlap import BucketTiming, launch_order
 from ringtrain.errors import ConfigError
 from ringtrain.testing.spawn import World
 
+# Spawning 3-rank worlds and training twice per test: slow on a shared 2-core machine.
+pytestmark = pytest.mark.timeout(900)
+
 # Several buckets, the same plan on every run (the link class pinned, as a comparison needs).
 ENGINE = {"fusion_threshold_bytes": 4096, "link_class": "slow"}
 # Generous: on a shared 2-core machine a rank may get a small share of a core.

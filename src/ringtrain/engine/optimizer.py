@@ -265,7 +265,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return  # its process set is gone with the old world; it cannot be used again
         controller = ops.controller_of(self._process_set)
         config = controller.config
-        self._drain()
+        with contextlib.suppress(Exception):  # the old world's failure, already reported
+            self._drain()
+        self._overlap_open = False
         self._drop_plan()
         self._comm = controller.comm
         self._size = self._comm.size
