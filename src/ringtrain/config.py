@@ -117,6 +117,10 @@ class Config:
     # DistributedOptimizer: shard the optimizer step (ZeRO stage 1): each rank keeps and steps
     # the optimizer state of 1/N of the parameters, then the parameters are all-gathered.
     shard_optimizer: bool = False
+    # DistributedOptimizer: step() returns once the last buckets are launched; each bucket's
+    # parameters are updated as its reduction completes and the next forward waits per module
+    # (cross-iteration overlap, ringtrain.engine.overlap). Opt-in.
+    overlap: bool = False
     # Seal every message with AES-256-GCM and authenticate the rendezvous.
     secure: bool = False
     # Path to the job key (e.g. a mounted Kubernetes Secret) when not started by ringtrain run.

@@ -33,7 +33,9 @@ def test_variant_names() -> None:
     }
     assert engine_options("ringtrain@shard=1") == {"shard_optimizer": True}
     TrainParams(variants=("ringtrain", "ringtrain@shard=1"), optimizer="adam")
+    assert engine_options("ringtrain:fp16@overlap=1") == {"overlap": True}
     for bad in (
+        ("ringtrain@overlap=yes",),
         ("ddp:topk",),
         ("ringtrain:",),
         ("ringtrain", "ringtrain"),
@@ -79,3 +81,20 @@ def test_methods_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     # auto measured, decided and settled before timing began.
     assert got["ringtrain:auto"]["chosen"] in PREFERENCE
     assert got["ringtrain:auto"]["warmup_steps"] > 1
+
+
+@pytest.mark.timeout(300)
+def test_overlap_variant_with_adam(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "train.json"
+    variants = "ringtrain,ringtrain@overlap=1,ddp"
+    argv = ["bench", "train", "-np", "2", "--model", "mlp-1m", "--steps", "4", "--warmup", "1"]
+    argv += ["--block", "2", "--batch-size", "8", "--optimizer", "adam", "--variants", variants]
+    argv += ["--json", str(out_json), "--timeout", "240"]
+    assert cli.main(argv) == 0
+    assert "optimizer adam" in capsys.readouterr().out
+    res = json.loads(out_json.read_text())["result"]
+    assert res["params"]["optimizer"] == "adam"
+    got = {v["variant"]: v for v in res["variants"]}
+    assert list(got) == variants.split(",")
+    assert got["ringtrain@overlap=1"]["step_time"]["n"] == 4
+    assert got["ringtrain@overlap=1"]["vs_ddp"] > 0

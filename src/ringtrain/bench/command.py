@@ -239,7 +239,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     tr.add_argument("--lr", type=float, default=1e-4)
     tr.add_argument(
-        "--optimizer", default="sgd", choices=["sgd", "adam"], help="what every variant wraps"
+        "--optimizer",
+        default="sgd",
+        choices=("sgd", "momentum", "adam"),
+        help="what every variant trains with: sgd, momentum (SGD, 0.9) or adam",
     )
     tr.add_argument("--seed", type=int, default=0)
     _common(tr)
@@ -309,8 +312,8 @@ def _params(args: argparse.Namespace) -> Any:
         backward_passes_per_step=args.backward_passes_per_step,
         variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
         lr=args.lr,
-        seed=args.seed,
         optimizer=args.optimizer,
+        seed=args.seed,
         fusion_threshold_mb=args.fusion_threshold_mb,
     )
     # An unknown compression name fails here, not on every rank.

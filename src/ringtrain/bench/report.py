@@ -220,7 +220,8 @@ def format_train(res: TrainResult, markdown: bool = False) -> str:
         f"train: {res.model} ({res.parameters / 1e6:.1f}M params, {fmt_bytes(res.gradient_bytes)} "
         f"of gradients), {res.world_size} ranks, batch {res.batch_size}/rank x "
         f"{p.backward_passes_per_step} pass(es) = {res.samples_per_step} samples/step, "
-        f"compression {p.compression} (ddp: {res.ddp_compression}), {p.steps} steps/variant "
+        f"optimizer {p.optimizer}, compression {p.compression} (ddp: {res.ddp_compression}), "
+        f"{p.steps} steps/variant "
         f"in blocks of {p.block} after {p.warmup} warm-up; step time of the slowest rank, "
         "median [min-max]" + _load(res.environment)
     )

@@ -60,9 +60,12 @@ ENGINE_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
     "link": ("link_class", {"fast": "fast", "slow": "slow"}),
     "repro": ("reproducible", {"0": False, "1": True}),
     "shard": ("shard_optimizer", {"0": False, "1": True}),
+    # ``@overlap=1``: cross-iteration overlap (step() returns at once, the forward waits per
+    # module); its pending updates end at each block's last step, inside that step's time.
+    "overlap": ("overlap", {"0": False, "1": True}),
 }
-# The optimizer every variant wraps (--optimizer).
-OPTIMIZERS = ("sgd", "adam")
+# --optimizer: what every variant trains with (its own instance per variant).
+OPTIMIZERS = ("sgd", "momentum", "adam")
 # DDP has built-in comm hooks for these; other compressors have no DDP twin.
 _DDP_HOOKS = ("fp16", "bf16")
 
@@ -79,7 +82,7 @@ class TrainParams:
     variants: tuple[str, ...] = VARIANTS
     lr: float = 1e-4
     seed: int = 0
-    optimizer: str = "sgd"
+    optimizer: str = "sgd"  # sgd, momentum (SGD with momentum 0.9) or adam
     # Recorded for the report; applied through ringtrain.init settings by the caller.
     fusion_threshold_mb: float | None = None
 
@@ -90,8 +93,8 @@ class TrainParams:
                 f"unknown, repeated or no variants in {list(self.variants)}.\n"
                 f"HINT: choose from {', '.join(VARIANTS)}, comma separated; "
                 "ringtrain:NAME uses compression NAME (ringtrain:powersgd,ringtrain:topk); "
-                "ringtrain@fusion=MiB, @cycle=MS, @link=fast|slow, @repro=0|1 and @shard=0|1 "
-                "set those engine knobs for one variant (ringtrain@repro=0@cycle=1000)."
+                "ringtrain@fusion=MiB, @cycle=MS, @link=fast|slow, @repro=0|1, @shard=0|1 and "
+                "@overlap=0|1 set those engine knobs for one variant (ringtrain@repro=0@cycle=1000)."
             )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
@@ -102,6 +105,10 @@ class TrainParams:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(
+                f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
         if self.warmup < 0:
             raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
 
@@ -192,10 +199,13 @@ class _Variant:
         steady: Callable[[int], bool] = lambda steps: True,
         chosen: Callable[[], str] = lambda: "",
         state_bytes: Callable[[], int] = lambda: 0,
+        drain: Callable[[], None] = lambda: None,
     ) -> None:
         self.name = name
         self.step = step
         self.state_bytes = state_bytes
+        # Ends what a step left running (overlap's pending updates) before another variant runs.
+        self.drain = drain
         # steady(steps taken) must answer alike on every rank: warm-up ends on it.
         self.steady = steady
         self.chosen = chosen
@@ -207,11 +217,7 @@ def _make_variant(
     name: str, model: nn.Module, preset: Preset, batches: list[Batch], params: TrainParams
 ) -> _Variant:
     k = params.backward_passes_per_step
-    base_opt: torch.optim.Optimizer = (
-        torch.optim.Adam(model.parameters(), lr=params.lr)
-        if params.optimizer == "adam"
-        else torch.optim.SGD(model.parameters(), lr=params.lr)
-    )
+    base_opt = _optimizer(params, model)
     scale = 1.0 / k  # the mean over k micro-batches, as one k-times batch would give
 
     def passes(net: nn.Module, quiet: Callable[[], Any] = contextlib.nullcontext) -> None:
@@ -242,7 +248,11 @@ def _make_variant(
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        return _Variant(name, rt_step, *_steadiness(opt), state_bytes=lambda: opt.state_bytes)
+        # Overlap: synchronize() right after step() only waits for the pending updates.
+        drain = opt.synchronize if opt.overlap else (lambda: None)
+        return _Variant(
+            name, rt_step, *_steadiness(opt), state_bytes=lambda: opt.state_bytes, drain=drain
+        )
     ddp = nn.parallel.DistributedDataParallel(model)
     if params.compression in _DDP_HOOKS:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -277,6 +287,13 @@ def _rss_bytes() -> tuple[int, int]:
             if line.startswith("VmRSS:"):
                 current = int(line.split()[1]) * 1024
     return current, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _optimizer(params: TrainParams, model: nn.Module) -> torch.optim.Optimizer:
+    if params.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=params.lr)
+    momentum = 0.9 if params.optimizer == "momentum" else 0.0
+    return torch.optim.SGD(model.parameters(), lr=params.lr, momentum=momentum)
 
 
 def _steadiness(
@@ -319,6 +336,7 @@ def bench_train(params: TrainParams) -> TrainResult:
         ):
             v.step()
             v.warmup_steps += 1
+        v.drain()
     rounds = -(-params.steps // params.block)
     for r in range(rounds):
         shift = r % len(variants)
@@ -326,9 +344,11 @@ def bench_train(params: TrainParams) -> TrainResult:
             todo = min(params.block, params.steps - len(v.samples))
             settle()
             dist.barrier()
-            for _ in range(todo):
+            for i in range(todo):
                 t0 = time.perf_counter()
                 v.step()
+                if i == todo - 1:
+                    v.drain()  # the block's last step pays for what it left running
                 v.samples.append(time.perf_counter() - t0)
 
     # The slowest rank's time per step: one small allreduce after all timing is done.

@@ -250,7 +250,8 @@ class GradientExchange:
             for pos, i in enumerate(slot.bucket.params):
                 self._slot_of[i] = s
                 self._pos_of[i] = pos
-        self._next = 0  # first bucket not launched yet
+        self._next = 0  # position in _order of the first bucket not launched yet
+        self._order = list(range(len(self._slots)))  # launch order (overlap: see set_launch_order)
         self._lock = threading.Lock()
         self._sparse_work: list[Any] = []
         # Measuring (compression="auto"): note completion times, sum up time on the wire.
@@ -301,8 +302,10 @@ class GradientExchange:
             _place(slot, self._pos_of[index])
             slot.missing -= 1
             slot.t_last = now
-            while self._next < len(self._slots) and self._slots[self._next].missing == 0:
-                self._launch(self._slots[self._next])
+            while (
+                self._next < len(self._slots) and self._slots[self._order[self._next]].missing == 0
+            ):
+                self._launch(self._slots[self._order[self._next]])
                 self._next += 1
 
     # ---- at step() ----------------------------------------------------------------------------
@@ -313,7 +316,7 @@ class GradientExchange:
         with self._lock:
             now = _now()
             while self._next < len(self._slots):
-                slot = self._slots[self._next]
+                slot = self._slots[self._order[self._next]]
                 if slot.t_first == 0.0:
                     slot.t_first = now
                 slot.t_last = now
@@ -337,6 +340,23 @@ class GradientExchange:
                 self.last_comm_s = _busy_s([(s.t_sent, s.t_done) for s in self._slots])
         finally:
             self.reset()
+
+    def set_launch_order(self, order: Sequence[int]) -> None:
+        """Launch buckets in ``order`` (a permutation of the plan's bucket indices, the same on
+        every rank) instead of plan order: :mod:`ringtrain.engine.overlap` sends the buckets the
+        next forward needs first. The buckets themselves, and so every sum, stay the plan's."""
+        if sorted(order) != list(range(len(self._slots))):
+            raise InternalError(f"launch order {list(order)} is not a permutation of the buckets")
+        self._order = list(order)
+
+    def members(self, s: int) -> list[torch.nn.Parameter]:
+        """The parameters of bucket ``s``."""
+        return list(self._slots[s].members)
+
+    def finish_slot(self, s: int) -> None:
+        """Wait for bucket ``s`` alone and write its result into ``.grad`` (overlap: called per
+        bucket from the updater thread; :meth:`reset` after the last one)."""
+        self._finish(self._slots[s], timeline.current())
 
     def reset(self) -> None:
         for slot in self._slots:

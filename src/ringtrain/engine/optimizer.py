@@ -53,6 +53,7 @@ from ringtrain.engine import buckets, schedule, sharded
 from ringtrain.engine.auto import AutoTuner
 from ringtrain.engine.buckets import ORDERS, Observation, Plan
 from ringtrain.engine.exchange import GradientExchange, Scaling
+from ringtrain.engine.overlap import Overlap, check_optimizer, launch_order, timings
 from ringtrain.engine.streams import Lane, LanePool
 from ringtrain.errors import CollectiveArgumentError, ConfigError
 from ringtrain.runtime import state as runtime_state
@@ -102,6 +103,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             updates the optimizer state of 1/N of every bucket, then the updated parameters
             are all-gathered (:mod:`ringtrain.engine.sharded`). ``state_dict()`` then gathers
             the full state and is collective: every rank must call it.
+        overlap: True: ``step()`` returns once the buckets are launched, each bucket's parameters
+            are updated as its reduction completes, and the next forward waits per module for
+            its own parameters (:mod:`ringtrain.engine.overlap`; contract in docs/engine.md).
 
     Settings left as None come from :class:`ringtrain.config.Config` (``RINGTRAIN_*``
     variables, which ``ringtrain run`` flags set), then the defaults: arguments win.
@@ -129,6 +133,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         reproducible: bool | None = None,
         link_class: str | None = None,
         shard_optimizer: bool | None = None,
+        overlap: bool | None = None,
     ) -> None:
         # Deliberately no super().__init__(): all optimizer state lives in the wrapped optimizer.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -247,6 +252,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._skip_sync = False  # inside skip_synchronize()
         self._syncs = 0  # synchronize() calls: the step number the wait watch posts
         self._watch = self._make_watch(config.stall_warning_s)
+        # Cross-iteration overlap (opt-in): the pending updates, and the agreed launch order.
+        self._overlap: Overlap | None = None
+        self._launch_order: list[int] | None = None
+        self._overlap_open = False  # an overlapped step() ran and no gradient came since
+        if config.overlap if overlap is None else overlap:
+            if self._shard_mode:
+                # Each would own the optimizer step; composing them (the all-gather per layer
+                # inside the next forward) is not built yet.
+                raise ConfigError(
+                    "overlap=True and shard_optimizer=True cannot be combined yet.\n"
+                    "HINT: choose one: shard_optimizer for memory, overlap for step time."
+                )
+            if isinstance(self._compression, AutoCompression):
+                raise ConfigError(
+                    "overlap=True does not work with compression='auto', whose measurements "
+                    "time synchronize().\nHINT: pin the compression (e.g. 'fp16' or 'none')."
+                )
+            check_optimizer(optimizer)
+            if self._size > 1 and self._comm.included:
+                self._overlap = Overlap(optimizer, self._timeout_s)
+                weakref.finalize(self, self._overlap.close)
         self._register_hooks()
         _live.add(self)
 
@@ -259,6 +285,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return  # its process set is gone with the old world; it cannot be used again
         controller = ops.controller_of(self._process_set)
         config = controller.config
+        with contextlib.suppress(Exception):  # the old world's failure, already reported
+            self._drain()
+        self._overlap_open = False
         self._drop_plan()
         self._comm = controller.comm
         self._size = self._comm.size
@@ -315,6 +344,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state_dict, plus the compressor's state (if it has any)
         under ``"ringtrain_compressor"``. A stateful compressor's state can differ per rank
         (e.g. PowerSGD's error feedback): save every rank's to resume it exactly."""
+        self._drain()
         sd = self._full_state_dict() if self._shards is not None else self.optimizer.state_dict()
         get = getattr(self._compression, "state_dict", None)
         comp_state = get() if callable(get) else {}
@@ -326,6 +356,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._drain()
         sd = dict(state_dict)
         saved = sd.pop(COMPRESSOR_STATE_KEY, None)
         self.optimizer.load_state_dict(sd)
@@ -348,6 +379,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._build_exchange()  # the compressor may have changed (auto)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._drain()
         self.optimizer.add_param_group(param_group)
         self._index_names(None)
         self._counts = [0] * len(self._params)
@@ -455,6 +487,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def remove_hooks(self) -> None:
         """Detach from the parameters; the optimizer then behaves like the plain one."""
+        self._drain()
         _remove_hooks(self._hooks)
         self._drop_plan()
 
@@ -463,8 +496,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._exchange.close()
         self._exchange = None
         self._plan = None
+        self._launch_order = None
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        if self._overlap is not None and self._overlap_open:
+            # The previous step's updates end before this step's buckets reuse the exchange.
+            self._overlap_open = False
+            self._overlap.forward_ended()
+            self._overlap.drain()
         if not self._should_sync:
             return
         if not self._step_open:
@@ -619,6 +658,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._scaling(),
         )
         self._exchange.measure = self._tuner is not None and self._tuner.active
+        if self._launch_order is not None:
+            self._exchange.set_launch_order(self._launch_order)
+
+    def _plan_overlap(self, busy_s: float) -> None:
+        """The learning step's end, with overlap: agree on the link rate (the slowest rank's)
+        and derive the launch order from it, alike on every rank (see overlap.launch_order)."""
+        plan, exchange = self._plan, self._exchange
+        if plan is None or exchange is None or not plan.buckets:
+            return
+        nbytes = sum(b.nbytes for b in plan.buckets)
+        rate = schedule.agree_rate(nbytes, busy_s, self._comm.group("engine"), self._size)
+        self._launch_order = launch_order(timings(plan, self._observed[0]), rate)
+        exchange.set_launch_order(self._launch_order)
+        log.debug("ringtrain overlap: launch order %s at %.0f MB/s", self._launch_order, rate / 1e6)
+
+    def _drain(self) -> None:
+        """Overlap: wait for the pending updates, so parameters and state are final."""
+        if self._overlap is not None:
+            self._overlap.drain()
 
     def _make_lanes(self) -> list[Lane]:
         """The groups buckets travel on. Collective (it may make groups): called at the first
@@ -649,6 +707,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Wait for every gradient's reduction; parameters that got no gradient on this rank
         take part with zeros, so every rank runs the same collectives."""
+        self._drain()
+        if self._overlap_open and not self._step_open:
+            # After an overlapped step() and no backward since: the updates are final now.
+            self._overlap_open = False
+            return
         if self._size == 1:
             if self._average_aggregated and self.backward_passes_per_step > 1:
                 with torch.no_grad():
@@ -691,7 +754,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if self._watch is not None:
                     self._watch.end()
             if learning:
+                busy_s = self._exchange.last_comm_s
                 self._calibrate()
+                if self._overlap is not None:
+                    self._plan_overlap(busy_s)
                 self._exchange.measure = self._tuner is not None and self._tuner.active
         finally:
             self._counts = [0] * len(self._params)
@@ -752,6 +818,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._should_sync = previous
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
+        self._drain()
+        self._overlap_open = False
         if self._should_sync and not self._skip_sync:
             if self._synchronized:
                 warnings.warn(
@@ -767,6 +835,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     f"step() after {max(self._counts)} of {self.backward_passes_per_step} "
                     "backward passes.\nHINT: call step() once every backward_passes_per_step passes."
                 )
+            if self._overlapping(closure):
+                return self._step_overlapped()
             self.synchronize()
         self._synchronized = False
         rec = timeline.current()
@@ -851,12 +921,69 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             inner.state = saved
 
+    def _overlapping(self, closure: Any) -> bool:
+        """Whether this step() overlaps: overlap is on, the plan is learned and unchanged, and
+        there is no closure (which must see the updated parameters at once)."""
+        if self._overlap is None or closure is not None or not self._comm.included:
+            return False
+        if not self._step_open:
+            self._open_step()  # decides, as synchronize() would, whether this step learns
+        if self._learning or self._exchange is None or self._plan is None:
+            return False
+        if self._plan.sparse:
+            raise ConfigError(
+                "overlap=True needs dense gradients, but "
+                f"{', '.join(self._names[i] for i in self._plan.sparse)} came sparse.\n"
+                "HINT: pass sparse_as_dense=True, or overlap=False."
+            )
+        return self._launch_order is not None
+
+    def _step_overlapped(self) -> None:
+        """Launch what is left and hand the waiting and the per-bucket updates to the updater
+        thread: the parameters are updated by the time they are next used (see overlap)."""
+        exchange = self._exchange
+        assert exchange is not None and self._overlap is not None
+        rec = timeline.current()
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                exchange.flush()
+        finally:
+            self._counts = [0] * len(self._params)
+            self._sparse_back.clear()  # dense in overlap: gradients stay as they travelled
+            self._step_open = self._learning = self._any_ready = False
+            self._in_pass = False
+            self._learner = None
+        self._syncs += 1
+        n = len(self._plan.buckets) if self._plan is not None else 0
+        self._overlap.start(
+            self._launch_order or list(range(n)),
+            [exchange.members(s) for s in range(n)],
+            exchange.finish_slot,
+            exchange.reset,
+        )
+        self._overlap_open = True
+        self._synchronized = False
+        rec.span("step", "STEP_LAUNCHED", t0, time.perf_counter())
+        observer = self._comm.service("step_timer")
+        if observer is not None:
+            observer.step_done()
+
+    @property
+    def overlap(self) -> bool:
+        """Whether step() overlaps the exchange with the next forward (overlap=True)."""
+        return self._overlap is not None
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._any_ready:
             raise CollectiveArgumentError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
                 "or optimizer.synchronize().\nHINT: this is usually a missing optimizer.step()."
             )
+        if self._overlap is not None and self._overlap.pending:
+            # Deferred per bucket, so the next forward need not wait for the whole exchange.
+            self._overlap.zero_grad(self._params, set_to_none)
+            return
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
 

@@ -1,0 +1,258 @@
+"""Cross-iteration overlap (DistributedOptimizer(overlap=True)) against the same run without it.
+
+Same plan, same reductions, same per-parameter updates: the weights must be bitwise equal after
+every step, at 2 and 3 ranks, with SGD (momentum) and Adam, with 16-bit compression,
+accumulation, no_sync and the synchronize()/skip_synchronize() pattern. The contract tests check
+what a user may rely on: parameters are final when a module's forward starts, after
+synchronize(), in state_dict() (module's and optimizer's), and zero_grad() still zeroes.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ringtrain as rt
+from ringtrain.engine.overlap import BucketTiming, launch_order
+from ringtrain.errors import ConfigError
+from ringtrain.testing.spawn import World
+
+# Spawning 3-rank worlds and training twice per test: slow on a shared 2-core machine.
+pytestmark = pytest.mark.timeout(900)
+
+# Several buckets, the same plan on every run (the link class pinned, as a comparison needs).
+ENGINE = {"fusion_threshold_bytes": 4096, "link_class": "slow"}
+# Generous: on a shared 2-core machine a rank may get a small share of a core.
+TIMEOUT_S = 300.0
+
+
+class Net(torch.nn.Module):
+    """Embedding, attention (whose out_proj runs no forward of its own), MLP, head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)
+        )
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        x = x + self.attn(x, x, x, need_weights=False)[0]
+        return self.head(x + self.mlp(x))
+
+
+def _loss(model: torch.nn.Module, step: int, j: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 10 * rt.rank() + j)
+    tokens = torch.randint(0, 32, (3, 6), generator=g)
+    return F.cross_entropy(model(tokens).flatten(0, 1), torch.roll(tokens, 1, 1).flatten())
+
+
+def _make(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if kind == "adam":
+        return torch.optim.Adam(
+            [
+                {"params": list(model.emb.parameters()), "lr": 3e-3},
+                {"params": [p for n, p in model.named_parameters() if not n.startswith("emb")]},
+            ],
+            lr=1e-2,
+        )
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _run(kind: str, case: str, overlap: bool, steps: int) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = Net()
+    k = 2 if case == "accumulate" else 1
+    opt = rt.DistributedOptimizer(
+        _make(kind, model),
+        named_parameters=model.named_parameters(),
+        compression="fp16" if case == "fp16" else "none",
+        backward_passes_per_step=k,
+        overlap=overlap,
+        **ENGINE,
+    )
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
+    for step in range(steps):
+        opt.zero_grad()
+        if case == "no_sync":
+            with opt.no_sync():
+                _loss(model, step, 1).backward()
+        for j in range(k):
+            (_loss(model, step, j) / k).backward()
+        if case == "clip":
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+        sched.step()
+    opt.synchronize()  # overlap: the last step's updates are final now
+    assert opt.overlap == (overlap and rt.size() > 1)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _same_bits(kind: str, case: str, steps: int = 5) -> bool:
+    plain = _run(kind, case, False, steps)
+    overlapped = _run(kind, case, True, steps)
+    return all(torch.equal(a, b) for a, b in zip(plain, overlapped))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+@pytest.mark.parametrize("size", [2, 3])
+def test_overlap_gives_the_same_bits(size: int, kind: str) -> None:
+    from ringtrain.testing import spawn
+
+    world = spawn.world(size)
+    assert all(world.run(_same_bits, kind, "plain", timeout=TIMEOUT_S))
+
+
+@pytest.mark.parametrize("case", ["fp16", "accumulate", "no_sync", "clip"])
+def test_overlap_keeps_compression_accumulation_and_skipping(world2: World, case: str) -> None:
+    assert all(world2.run(_same_bits, "adam", case, 4, timeout=TIMEOUT_S))
+
+
+def _contract(overlap: bool = True) -> dict[str, bool]:
+    """One model steps with overlap, a copy without; compare at every point the contract
+    names."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = rt.DistributedOptimizer(
+        _make("sgd", model), named_parameters=model.named_parameters(), overlap=overlap, **ENGINE
+    )
+    ref_opt = rt.DistributedOptimizer(
+        _make("sgd", ref), named_parameters=ref.named_parameters(), **ENGINE
+    )
+    twin = dict(zip(model.parameters(), ref.parameters()))
+    stale: list[str] = []
+    names = {p: n for n, p in model.named_parameters()}
+
+    def check(module: torch.nn.Module, _args: Any) -> None:
+        # Runs after ringtrain's global pre-hook: the module's parameters must be final here,
+        # out_proj's too (MultiheadAttention uses it without calling it).
+        mine = list(module.parameters(recurse=module is model.attn))
+        stale.extend(names[p] for p in mine if not torch.equal(p, twin[p]))
+
+    for m in model.modules():
+        m.register_forward_pre_hook(check)
+    out: dict[str, bool] = {"final in forward": True, "state_dict": True, "opt state": True}
+    for step in range(4):
+        for m_, o_ in ((model, opt), (ref, ref_opt)):
+            o_.zero_grad()
+            _loss(m_, step).backward()
+            o_.step()
+        if step == 1:  # model.state_dict() right after step(): final values
+            sd, ref_sd = model.state_dict(), ref.state_dict()
+            out["state_dict"] = all(torch.equal(sd[k], ref_sd[k]) for k in sd)
+        if step == 2:  # the optimizer's state_dict too (momentum buffers)
+            a, b = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+            out["opt state"] = all(
+                torch.equal(a[i]["momentum_buffer"], b[i]["momentum_buffer"]) for i in a
+            )
+    out["final in forward"] = not stale
+    opt.zero_grad()  # deferred while updates are pending, applied with them
+    opt.synchronize()
+    out["synchronize"] = all(torch.equal(p, twin[p]) for p in model.parameters())
+    out["zero_grad"] = all(p.grad is None for p in model.parameters())
+    return out
+
+
+def test_parameters_are_final_wherever_the_contract_says(world2: World) -> None:
+    for result in world2.run(_contract, timeout=TIMEOUT_S):
+        assert result == dict.fromkeys(result, True), result
+
+
+def _refused(what: str) -> str:
+    model = Net()
+    try:
+        if what == "lbfgs":
+            rt.DistributedOptimizer(torch.optim.LBFGS(model.parameters()), overlap=True)
+        elif what == "auto":
+            rt.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1), compression="auto", overlap=True
+            )
+        else:
+            sparse = torch.nn.Embedding(32, 16, sparse=True)
+            opt = rt.DistributedOptimizer(
+                torch.optim.SGD(sparse.parameters(), lr=0.1), overlap=True
+            )
+            for _ in range(2):
+                sparse(torch.tensor([[1, 2]])).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize(
+    ("what", "says"),
+    [("lbfgs", "LBFGS"), ("auto", "compression='auto'"), ("sparse", "sparse_as_dense=True")],
+)
+def test_what_overlap_does_not_support_says_so(world2: World, what: str, says: str) -> None:
+    messages = world2.run(_refused, what, timeout=TIMEOUT_S)
+    assert all(says in msg for msg in messages), messages
+
+
+def test_launch_order_sends_what_the_forward_needs_first_once_backward_ends() -> None:
+    # Four equal buckets, ready in backward order (bucket 0 holds the last layers); the link
+    # needs 10 ms per bucket, backward makes one ready every 5 ms.
+    b = [BucketTiming(0.005 * i, 1_000_000, 30 - 10 * i) for i in range(4)]
+    order = launch_order(b, 1e8)
+    # Whenever the link is free it takes the ready bucket the forward needs first.
+    assert order == [0, 2, 3, 1]
+    # An infinitely fast link sends each bucket as it becomes ready.
+    assert launch_order(b, 0.0) == [0, 1, 2, 3]
+
+
+def _trace(path: str) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """Overlapped steps while rank 1 launches late: (FORWARD spans, ALLREDUCE spans) of this
+    rank's timeline, as (start, end) in microseconds."""
+    import time
+
+    from ringtrain.diagnostics import timeline
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = rt.DistributedOptimizer(
+        _make("sgd", model), named_parameters=model.named_parameters(), overlap=True, **ENGINE
+    )
+    name = rt.start_timeline(path)
+    for step in range(4):
+        opt.zero_grad()
+        loss = _loss(model, step)
+        if rt.rank() == 1 and step == 2:
+            time.sleep(0.5)  # rank 0's buckets of step 2 stay in flight while it goes on
+        loss.backward()
+        opt.step()
+    _loss(model, 4).backward()  # the FORWARD span ends at the next backward's first gradient
+    opt.synchronize()
+    rt.stop_timeline()
+    events = timeline.load(name)
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+
+    def spans(lane: str, what: str) -> list[tuple[float, float]]:
+        return [
+            (e["ts"], e["ts"] + e["dur"])
+            for e in events
+            if e.get("ph") == "X" and e["name"] == what and lanes[e["tid"]].startswith(lane)
+        ]
+
+    return spans("compute", "FORWARD"), spans("bucket", "ALLREDUCE")
+
+
+def test_the_timeline_shows_the_forward_overlapping_the_exchange(
+    world2: World, tmp_path: Any
+) -> None:
+    forwards, allreduces = world2.run(_trace, str(tmp_path / "trace.json"), timeout=TIMEOUT_S)[0]
+    assert forwards, "no FORWARD span in rank 0's timeline"
+    # Rank 0's forward after step 2 started while step 2's buckets were still on the wire.
+    assert any(a0 < f0 < a1 for f0, _ in forwards for a0, a1 in allreduces)
