@@ -64,6 +64,12 @@ class _OptimizerHandler(_Handler):
 class _SamplerHandler(_Handler):
     """Each rank records only its own batches: commits and syncs hold the whole world's."""
 
+    def __init__(self, value: Any) -> None:
+        # No gather when the state is made: a rank joining a running job makes its state
+        # alone, and the first sync or commit gathers anyway.
+        self.value = value
+        self.saved = copy.deepcopy(value.state_dict())
+
     def _world_state(self) -> dict[str, Any]:
         sd: dict[str, Any] = self.value.state_dict()
         if runtime.is_initialized():
