@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -64,7 +65,10 @@ def hold(state: hvd.elastic.TorchState) -> None:
 def main() -> None:
     hvd.init()
     me = membership.identity()
-    say(f"start id={me} pid={os.getpid()} rank={hvd.rank()} size={hvd.size()}")
+    say(
+        f"start id={me} pid={os.getpid()} rank={hvd.rank()} size={hvd.size()} "
+        f"host={socket.gethostname()}"
+    )
     victim = int(os.environ.get("VICTIM", "-1"))
     data = torch.arange(1, N + 1, dtype=torch.float64)
     sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=3)
