@@ -198,3 +198,17 @@ def test_below_min_np_past_the_elastic_timeout_ends_the_job_naming_what_is_missi
     assert "excluded hosts: localhost (for good)" in err
     assert "the discovery script offers: localhost:3" in err
     assert "[0] done" not in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_without_a_discovery_script_below_min_np_ends_at_once_naming_what_is_missing(
+    tmp_path: Path,
+) -> None:
+    proc = run_job(tmp_path, ["-np", "3", "--min-np", "3"], VICTIM="1")
+    assert proc.returncode == 137, proc.stdout + proc.stderr
+    assert re.search(r"rank 1 \(host localhost, pid \d+\) was killed by SIGKILL", proc.stderr)
+    assert (
+        "fewer than --min-np 3 ranks remain (2 left: rank(s) 0 on localhost, 2 on localhost; "
+        "1 more needed; no --host-discovery-script can add hosts)"
+    ) in proc.stderr
+    assert "waiting up to" not in proc.stderr and "[0] done" not in proc.stdout

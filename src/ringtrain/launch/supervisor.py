@@ -463,7 +463,7 @@ class Supervisor:
                     return
                 if self._await_hosts(desc, Failure(None, link.host.name, 1, desc, [])):
                     return
-                desc += f"; fewer than --min-np {self._membership.min_np} ranks remain"
+                desc += self._shortfall()
             self._fail(Failure(None, link.host.name, 1, desc, list(link.err_tail)))
 
     def _on_exit(self, link: AgentLink, msg: dict[str, Any]) -> None:
@@ -504,7 +504,7 @@ class Supervisor:
             failure = Failure(rank, link.host.name, exit_code, desc, tail)
             if self._await_hosts(desc, failure):
                 return
-            desc += f"; fewer than --min-np {self._membership.min_np} ranks remain"
+            desc += self._shortfall()
         self._fail(Failure(rank, link.host.name, exit_code, desc, tail))
 
     def _reform(self, desc: str, *ranks: int) -> bool:
@@ -522,6 +522,21 @@ class Supervisor:
             f"{m.members} (generation {m.generation})"
         )
         return True
+
+    def _shortfall(self) -> str:
+        """What is missing when the job ends below --min-np without waiting for hosts."""
+        m = self._membership
+        assert m is not None
+        where = ", ".join(f"{i} on {self._rank_host[i]}" for i in m.members) or "none"
+        why = (
+            "no rank remains to carry the state"
+            if not m.members
+            else "no --host-discovery-script can add hosts"
+        )
+        return (
+            f"; fewer than --min-np {m.min_np} ranks remain ({len(m.members)} left: rank(s) "
+            f"{where}; {m.min_np - len(m.members)} more needed; {why})"
+        )
 
     def _announce(self) -> None:
         m = self._membership
