@@ -454,7 +454,7 @@ class Supervisor:
                 f"lost the connection to host {link.host.name}'s agent "
                 f"(ranks {', '.join(str(r) for r in link.ranks)})"
             )
-            if link.joining or all(r in self._joiners for r in alive):
+            if all(r in self._joiners for r in alive):
                 self._joiner_failed(link, alive, desc)
                 return
             if self._membership is not None:
@@ -614,7 +614,7 @@ class Supervisor:
         self._retired.update(gone)
         for lk in self._links:
             if lk.host.name in hosts:
-                lk.send("stop")
+                self._stop_link(lk)
         if not members:
             self._say(desc)
         elif not self._reform(desc, *members):
@@ -670,7 +670,7 @@ class Supervisor:
         m = self._membership
         ids = [i for i in link.ranks if i in self._joiners]
         if m is None or not ids or not self._growing or self._failure is not None:
-            link.send("stop")
+            self._stop_link(link)
             return
         host_net: dict[str, str] = {}
         if not self._is_local():
@@ -758,7 +758,7 @@ class Supervisor:
             if i in self._joiners:
                 del self._joiners[i]
                 self._retired.add(i)
-        link.send("stop")
+        self._stop_link(link)
         self._exclude(link.host.name, desc)
 
     def _retire_joiners(self, why: str) -> None:
@@ -767,8 +767,16 @@ class Supervisor:
         self._retired.update(ids)
         for lk in self._links:
             if any(i in ids for i in lk.ranks):
-                lk.send("stop")
+                self._stop_link(lk)
         self._log(f"{why}: stopping rank(s) {ids} that had not joined yet")
+
+    def _stop_link(self, link: AgentLink) -> None:
+        """Stop an agent's ranks. One that started none ends by closing its input (it reports
+        "done" only after ranks it ran), so the job does not wait for it."""
+        if any(r in self._pids for r in link.ranks):
+            link.send("stop")
+        else:
+            link.close_input()
 
     def _exclude(self, host: str, why: str) -> None:
         """Horovod's blacklist: no new rank starts on ``host`` for a cool-down. Only a discovery
