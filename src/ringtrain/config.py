@@ -353,7 +353,7 @@ HOROVOD_UNUSED: dict[str, str] = {
     "HOROVOD_BATCH_D2D_MEMCOPIES": "GPU-only",
     "HOROVOD_ENABLE_ASYNC_COMPLETION": "GPU-only",
     "HOROVOD_DISABLE_GROUP_FUSION": "grouped collectives are fused like any others",
-    "HOROVOD_ELASTIC*": "no elastic mode",
+    "HOROVOD_ELASTIC*": "use ringtrain run --elastic-timeout / --min-np (docs/elastic.md)",
     "HOROVOD_START_TIMEOUT": "use ringtrain run --start-timeout",
     "NCCL_*": "read by NCCL only: no effect on Gloo (CPU) jobs",
 }

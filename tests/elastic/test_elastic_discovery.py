@@ -87,9 +87,10 @@ def test_a_script_failing_at_start_ends_the_job(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(420)
 def test_a_slot_offered_later_joins_and_the_world_grows(tmp_path: Path) -> None:
-    """2 ranks, then the script offers a third slot: the new rank joins at the commit where the
-    others wait, receives the state by broadcast, and all three end with the exact result."""
-    disc = script(tmp_path, "localhost:2\\n", "localhost:3\\n")
+    """2 ranks, then the script offers two more slots but --max-np is 3: one new rank joins at
+    the commit where the others wait, receives the state by broadcast, and all three end with
+    the exact result."""
+    disc = script(tmp_path, "localhost:2\\n", "localhost:4\\n")
     proc = run_job(
         tmp_path,
         ["-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", disc],
@@ -105,6 +106,7 @@ def test_a_slot_offered_later_joins_and_the_world_grows(tmp_path: Path) -> None:
     assert sorted(d["rank"] for d in done) == ["0", "1", "2"]
     assert [d["id"] for d in sorted(done, key=lambda d: d["rank"])] == ["0", "1", "2"]
     assert len(fields(proc.stdout, "start")) == 3  # no restart: one start per rank
+    assert "host localhost offers 1 free slot(s): starting rank(s) [2] to join" in proc.stderr
     assert "growing the world to 3 rank(s) [0, 1, 2] (generation 1)" in proc.stderr
 
 
@@ -212,3 +214,18 @@ def test_without_a_discovery_script_below_min_np_ends_at_once_naming_what_is_mis
         "1 more needed; no --host-discovery-script can add hosts)"
     ) in proc.stderr
     assert "waiting up to" not in proc.stderr and "[0] done" not in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_too_few_slots_at_start_end_the_job_after_the_elastic_timeout(tmp_path: Path) -> None:
+    disc = script(tmp_path, "localhost:1\\n", "localhost:1\\n")
+    proc = run_job(
+        tmp_path,
+        ["-np", "2", "--min-np", "2", "--host-discovery-script", disc, "--elastic-timeout", "2"],
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert (
+        "timed out after 2 s (--elastic-timeout) waiting for --min-np 2 slots: "
+        "the discovery script offers 1 (localhost:1)"
+    ) in proc.stderr
+    assert "[0]" not in proc.stdout
