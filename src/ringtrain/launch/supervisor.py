@@ -455,6 +455,8 @@ class Supervisor:
                 f"(ranks {', '.join(str(r) for r in link.ranks)})"
             )
             if all(r in self._joiners for r in alive):
+                if link.err_tail:  # e.g. ssh's reason: the failure is reported only in one line
+                    desc += f": {link.err_tail[-1]}"
                 self._joiner_failed(link, alive, desc)
                 return
             if self._membership is not None:
