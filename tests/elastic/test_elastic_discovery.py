@@ -9,6 +9,7 @@ its own agent), which is enough to tell hosts apart. The same on real ssh hosts 
 
 from __future__ import annotations
 
+import queue
 import re
 from pathlib import Path
 
@@ -34,6 +35,25 @@ def test_script_output_is_parsed_as_horovodrun_does() -> None:
 def test_a_failing_script_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(LaunchError, match="exited with code 3: no hosts today"):
         discovery.run_script("echo no hosts today >&2; exit 3", 1)
+
+
+def test_the_poller_reruns_the_script_and_reports_failures(tmp_path: Path) -> None:
+    """Every second: a failing run is handed on as the error (the launcher says it and keeps
+    the hosts it had), the next run's hosts follow."""
+    count = tmp_path / "count"
+    cmd = (
+        f"n=$(cat {count} 2>/dev/null || echo 0); echo $((n+1)) > {count}; "
+        '[ "$n" = 0 ] && { echo broken >&2; exit 2; }; echo "a:$n"'
+    )
+    got: queue.Queue[object] = queue.Queue()
+    poller = discovery.Poller(cmd, 1, got.put)
+    poller.start()
+    try:
+        first, second = got.get(timeout=30), got.get(timeout=30)
+    finally:
+        poller.stop()
+    assert isinstance(first, LaunchError) and "exited with code 2: broken" in str(first)
+    assert second == [Host("a", 1)]
 
 
 def test_exclusion_cooldown_grows_with_each_failure_within_the_range() -> None:
