@@ -5,13 +5,16 @@ with a message naming what is missing."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from _elastic_grow import EXPECTED, fields, run_job, script
+from _elastic_grow import EXPECTED, JOB, fields, run_job, script
 from ringtrain.testing import cluster as tc
 
 pytestmark = pytest.mark.cluster
@@ -112,3 +115,81 @@ def test_below_min_np_past_the_elastic_timeout_ends_the_job(
     assert re.search(rf"left: rank 1 \(host {h[1]}, pid \d+\) was killed by SIGKILL", proc.stderr)
     assert f"excluded hosts: {h[1]} (for good)" in proc.stderr
     assert "[0] done" not in proc.stdout
+
+
+@pytest.mark.timeout(420)
+def test_an_unreachable_host_is_excluded_with_ssh_s_reason(
+    cluster: tc.Cluster, tmp_path: Path
+) -> None:
+    """The script offers an address on the cluster's subnet that no host has: the agent's ssh
+    fails, the host is excluded in one line quoting ssh, and the job goes on without it. The
+    ranks hold at a commit until the test has seen that line."""
+    ghost = cluster.launcher_address.rsplit(".", 1)[0] + ".200"
+    disc = script(tmp_path, _hosts(cluster, 2) + f"{ghost}:1\\n", _hosts(cluster, 2))
+    fails = tmp_path / "fails"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MODE": "optimizer",
+        "SIGNAL_FILE": str(tmp_path / "unused"),
+        "FAILS_FILE": str(fails),
+        "HOLD_AT": "4",
+        "HOLD_FOR_LINES": "1",
+    }
+    forward = [
+        a
+        for n in ["OMP_NUM_THREADS", "MODE", "FAILS_FILE", "HOLD_AT", "HOLD_FOR_LINES"]
+        for a in ("-x", n)
+    ]
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ringtrain",
+            "run",
+            "--ssh-config-file",
+            str(cluster.ssh_config_path),
+            "--ssh-connect-timeout",
+            "3",
+            "-np",
+            "2",
+            "--min-np",
+            "2",
+            "--max-np",
+            "3",
+            "--host-discovery-script",
+            disc,
+            *forward,
+            "--",
+            sys.executable,
+            str(JOB),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    err: list[str] = []
+
+    def read_err() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            err.append(line)
+            if f"excluding host {ghost}" in line:
+                fails.write_text("seen\n")  # releases the ranks' hold
+
+    reader = threading.Thread(target=read_err, daemon=True)
+    reader.start()
+    try:
+        out, _ = proc.communicate(timeout=360)
+    finally:
+        proc.kill()
+    reader.join(10)
+    text = "".join(err)
+    assert proc.returncode == 0, out + text
+    (line,) = [e for e in err if f"excluding host {ghost}" in e]
+    assert "for the rest of the job" in line
+    assert f"lost the connection to host {ghost}'s agent (ranks 2): ssh: connect to host" in line
+    done = fields(out, "done")
+    assert sorted(d["id"] for d in done) == ["0", "1"]
+    assert all(d["w"] == EXPECTED and d["size"] == "2" for d in done)
