@@ -11,7 +11,8 @@ and every rank waits in ``state.check_host_updates()`` until the launcher announ
 So the change happens at a known number of processed samples, and the sampler's split stays
 exact. ``HOLD_FOR_LINES=k`` instead holds there until ``$FAILS_FILE`` has ``k`` lines and goes on
 in the same world. A rank on host ``$FAIL_HOST`` that was started to join appends a line to
-``$FAILS_FILE`` and exits 1 at once. ``VICTIM=<id>`` SIGKILLs that rank at batch ``KILL_AT``.
+``$FAILS_FILE`` and exits 1 at once. ``VICTIM=<id>`` SIGKILLs that rank at batch ``KILL_AT``
+(``SIGNAL_ON_KILL=1``: after creating ``$SIGNAL_FILE``).
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ def main() -> None:
                 first = membership.current() == 0 and state.epoch == 0
                 if me == victim and first and idx == KILL_AT:
                     say(f"kill id={me} t={time.time():.3f}")
+                    if os.environ.get("SIGNAL_ON_KILL"):
+                        Path(os.environ["SIGNAL_FILE"]).touch()
                     os.kill(os.getpid(), signal.SIGKILL)
                 x = data[order[idx * B : (idx + 1) * B]]
                 if use_optimizer:

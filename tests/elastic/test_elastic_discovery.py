@@ -191,6 +191,30 @@ def test_a_failing_host_is_excluded_for_a_growing_cooldown(tmp_path: Path) -> No
 
 
 @pytest.mark.timeout(420)
+def test_below_min_np_a_host_offered_in_time_replaces_the_lost_rank(tmp_path: Path) -> None:
+    """Rank 1 dies (its host is excluded), leaving 1 of --min-np 2; the script then offers
+    another host: the new rank joins the survivor, which restored its last commit, and both end
+    with the exact result."""
+    disc = script(tmp_path, "localhost:2\\n", "localhost:2\\n127.0.0.1:1\\n")
+    proc = run_job(
+        tmp_path,
+        ["-np", "2", "--min-np", "2", "--host-discovery-script", disc, "--elastic-timeout", "300"],
+        VICTIM="1",
+        SIGNAL_ON_KILL="1",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    err = proc.stderr
+    assert "1 rank(s) remain, fewer than --min-np 2: waiting up to 300 s" in err
+    assert "excluding host localhost for the rest of the job" in err
+    assert "growing the world to 2 rank(s) [0, 2] (generation 1)" in err
+    pids = {s["id"]: s["pid"] for s in fields(proc.stdout, "start")}
+    done = fields(proc.stdout, "done")
+    assert sorted(d["id"] for d in done) == ["0", "2"]
+    for d in done:
+        assert d["pid"] == pids[d["id"]] and d["size"] == "2" and d["w"] == EXPECTED
+
+
+@pytest.mark.timeout(420)
 def test_below_min_np_past_the_elastic_timeout_ends_the_job_naming_what_is_missing(
     tmp_path: Path,
 ) -> None:
