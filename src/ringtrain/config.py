@@ -63,6 +63,7 @@ PLACEMENT_VARS = frozenset(
         "RINGTRAIN_ELASTIC_ID",
         "RINGTRAIN_ELASTIC_TIMEOUT",
         "RINGTRAIN_ELASTIC_RESET_LIMIT",
+        "RINGTRAIN_ELASTIC_JOIN",
     }
 )
 
@@ -359,7 +360,7 @@ HOROVOD_UNUSED: dict[str, str] = {
     "HOROVOD_BATCH_D2D_MEMCOPIES": "GPU-only",
     "HOROVOD_ENABLE_ASYNC_COMPLETION": "GPU-only",
     "HOROVOD_DISABLE_GROUP_FUSION": "grouped collectives are fused like any others",
-    "HOROVOD_ELASTIC*": "no elastic mode",
+    "HOROVOD_ELASTIC*": "use ringtrain run --elastic-timeout / --min-np (docs/elastic.md)",
     "HOROVOD_START_TIMEOUT": "use ringtrain run --start-timeout",
     "NCCL_*": "read by NCCL only: no effect on Gloo (CPU) jobs",
 }

@@ -49,6 +49,8 @@ def init(
         config = Config.from_env(**settings)
     elif settings:
         config = config.replace(**settings)
+    if elastic is None and rank is None:
+        elastic = _elastic_join()
     rt = state.start(config, rank=rank, size=size, elastic=elastic)
     try:
         _attach_controller(state.global_process_set, config)
@@ -67,6 +69,16 @@ def init(
         atexit.register(_shutdown_at_exit)
         _atexit_registered = True
     log.debug("ringtrain initialized: rank %d/%d", rt.rank, rt.size)
+
+
+def _elastic_join() -> tuple[int, int, int] | None:
+    """A rank an elastic launcher started on a new host joins the world announced for it."""
+    from ringtrain.elastic import membership  # the elastic package imports this module
+
+    if not membership.joining():
+        return None
+    world = membership.join()
+    return world.members.index(membership.identity()), len(world.members), world.generation
 
 
 def shutdown() -> None:

@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +25,11 @@ from ringtrain.errors import HorovodInternalError
 from ringtrain.launch.elastic import (
     GENERATION_KEY,
     ID_VAR,
+    JOIN_VAR,
     RESET_LIMIT_VAR,
     TIMEOUT_VAR,
     members_key,
+    ready_key,
 )
 from ringtrain.runtime import abort
 
@@ -123,6 +126,38 @@ def next_world(wait_s: float | None = None) -> World:
 def members(size: int) -> tuple[int, ...]:
     """The identities of the world this process runs in (``size``: that world's size)."""
     return _members if _members is not None else tuple(range(size))
+
+
+def joining() -> bool:
+    """Whether the launcher started this rank to join a job that is already running."""
+    return active() and os.environ.get(JOIN_VAR) == "1"
+
+
+def join(poll_s: float = 0.1) -> World:
+    """A joining rank: say it is ready, then wait for the first world that holds it.
+
+    The launcher announces the world only once every new rank of a host is ready, so the
+    running ranks never wait in a rendezvous for a rank that is still importing its modules.
+    """
+    me = identity()
+    store = _store()
+    store.set(ready_key(me), "1")
+    deadline = time.monotonic() + timeout_s()
+    while True:
+        generation = int(store.get(GENERATION_KEY)) if store.check([GENERATION_KEY]) else 0
+        if generation > 0:
+            ids = tuple(int(m) for m in json.loads(store.get(members_key(generation))))
+            if me in ids:
+                os.environ.pop(JOIN_VAR, None)  # joined: a later init is not a join again
+                world = World(generation, ids)
+                entered(world)
+                return world
+        if time.monotonic() > deadline:
+            raise HorovodInternalError(
+                f"rank {me} was started to join the running job but no world holding it was "
+                f"announced within {timeout_s():.0f} s"
+            )
+        time.sleep(poll_s)
 
 
 def entered(world: World) -> None:

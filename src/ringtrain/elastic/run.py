@@ -67,6 +67,8 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
     def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
         if membership.active():
             abort.announced = membership.newest
+            # A rank that joined a running job starts in a later world: not news to it.
+            state.mark_generation(membership.current())
         resets = 0
         skip_sync = False
         while True:

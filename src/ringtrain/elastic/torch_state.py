@@ -64,8 +64,18 @@ class _OptimizerHandler(_Handler):
 class _SamplerHandler(_Handler):
     """Each rank records only its own batches: commits and syncs hold the whole world's."""
 
+    def __init__(self, value: Any) -> None:
+        # No gather when the state is made: a rank joining a running job makes its state
+        # alone, and the first sync or commit gathers anyway.
+        self.value = value
+        self.saved = copy.deepcopy(value.state_dict())
+
     def _world_state(self) -> dict[str, Any]:
         sd: dict[str, Any] = self.value.state_dict()
+        if self.saved is not None and self.saved["epoch"] == sd["epoch"]:
+            # What the last commit gathered, ranks that have left since included (a host the
+            # discovery script removed leaves by an announcement, not a restore).
+            sd["processed_indices"] |= self.saved["processed_indices"]
         if runtime.is_initialized():
             sd["processed_indices"] = set().union(*allgather_object(sd["processed_indices"]))
         return sd
@@ -75,7 +85,7 @@ class _SamplerHandler(_Handler):
 
     def sync(self) -> None:
         # After a restore every survivor holds the commit's union; after an announcement the
-        # ranks still hold their own batches since it: the union covers both.
+        # ranks hold their own batches since it, and the commit's union: the union covers all.
         self.value.load_state_dict(broadcast_object(self._world_state()))
 
 

@@ -198,10 +198,33 @@ def configure(p: argparse.ArgumentParser) -> None:
         type=float,
         default=600.0,
         metavar="S",
-        help="seconds survivors wait for a new world after a failure (default 600)",
+        help="with --host-discovery-script: how long fewer than --min-np ranks may remain "
+        "(and the first hosts may take to offer --min-np slots) before the job ends "
+        "(default 600)",
     )
     elastic.add_argument(
         "--reset-limit", type=int, help="the most times the world may be re-formed"
+    )
+    elastic.add_argument(
+        "--host-discovery-script",
+        metavar="S",
+        help="a command printing the usable hosts, one 'host:slots' (or 'host') per line; run "
+        "every second: ranks start on new hosts and leave removed ones (instead of -H)",
+    )
+    elastic.add_argument(
+        "--slots-per-host",
+        type=int,
+        default=1,
+        metavar="N",
+        help="slots of a host the discovery script prints without ':slots' (default 1)",
+    )
+    elastic.add_argument(
+        "--blacklist-cooldown-range",
+        type=float,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        help="a host whose rank failed is excluded for MIN*2^n (+ jitter) seconds, at most MAX, "
+        "at its n-th failure (default: for the rest of the job)",
     )
     add_ssh_arguments(p)
     knobs = p.add_argument_group("job settings (each also a RINGTRAIN_* variable)")
@@ -285,11 +308,19 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     else:
         hosts = []
     np = args.np
+    discovering = getattr(args, "host_discovery_script", None) is not None
+    if discovering and hosts:
+        raise ConfigError(
+            "give --host-discovery-script or -H/--hostfile, not both: with a discovery script "
+            "the hosts are whatever it prints"
+        )
+    if np is None and discovering and args.min_np is not None:
+        np = args.min_np
     if np is None:
         if not hosts:
             raise ConfigError("how many ranks? HINT: ringtrain run -np 4 -- python train.py")
         np = sum(h.slots for h in hosts)
-    if not hosts:
+    if not hosts and not discovering:
         hosts = [Host("localhost", np)]
     command = list(args.command)
     if command and command[0] == "--":
@@ -338,6 +369,13 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         max_np=args.max_np,
         elastic_timeout_s=args.elastic_timeout,
         reset_limit=args.reset_limit,
+        discovery_script=getattr(args, "host_discovery_script", None),
+        slots_per_host=getattr(args, "slots_per_host", 1),
+        cooldown_range=(
+            (args.blacklist_cooldown_range[0], args.blacklist_cooldown_range[1])
+            if getattr(args, "blacklist_cooldown_range", None)
+            else None
+        ),
     )
 
 

@@ -1,10 +1,13 @@
 """Elastic membership, the launcher's side: who is in the world, and how ranks are told.
 
 The launcher is the one authority on membership. Each rank gets a stable identity (its first
-rank) in ``ID_VAR``; when a rank fails and at least ``--min-np`` remain, the launcher announces a
-new generation in the rendezvous store (the member list first, then the generation number) and
-the survivors re-form the world in the same processes (:mod:`ringtrain.elastic`). The key names
-here are the contract with :mod:`ringtrain.elastic.membership`, which imports them.
+rank; ranks started later get the next unused numbers) in ``ID_VAR``; when a rank fails and at
+least ``--min-np`` remain, or when ranks started on newly discovered hosts are ready, the
+launcher announces a new generation in the rendezvous store (the member list first, then the
+generation number) and the ranks re-form the world in the same processes
+(:mod:`ringtrain.elastic`). A rank started to join a running job (``JOIN_VAR``) first sets its
+``ready_key`` and waits for a member list that holds it. The key names here are the contract
+with :mod:`ringtrain.elastic.membership`, which imports them.
 """
 
 from __future__ import annotations
@@ -15,17 +18,30 @@ from dataclasses import dataclass, field
 ID_VAR = "RINGTRAIN_ELASTIC_ID"
 TIMEOUT_VAR = "RINGTRAIN_ELASTIC_TIMEOUT"
 RESET_LIMIT_VAR = "RINGTRAIN_ELASTIC_RESET_LIMIT"
+JOIN_VAR = "RINGTRAIN_ELASTIC_JOIN"
 GENERATION_KEY = "ringtrain/elastic/generation"
+# Ranks wait this much longer than --elastic-timeout for a new world: the launcher, which ends
+# the job when its own timeout passes, must decide first (a rank that gave up would be taken
+# for a failing one).
+RANK_WAIT_MARGIN_S = 30.0
 
 
 def members_key(generation: int) -> str:
     return f"ringtrain/elastic/members/{generation}"
 
 
-def rank_env(identity: int, timeout_s: float, reset_limit: int | None) -> dict[str, str]:
-    env = {ID_VAR: str(identity), TIMEOUT_VAR: str(timeout_s)}
+def ready_key(identity: int) -> str:
+    return f"ringtrain/elastic/ready/{identity}"
+
+
+def rank_env(
+    identity: int, timeout_s: float, reset_limit: int | None, join: bool = False
+) -> dict[str, str]:
+    env = {ID_VAR: str(identity), TIMEOUT_VAR: str(timeout_s + RANK_WAIT_MARGIN_S)}
     if reset_limit is not None:
         env[RESET_LIMIT_VAR] = str(reset_limit)
+    if join:
+        env[JOIN_VAR] = "1"
     return env
 
 
@@ -40,14 +56,23 @@ class Membership:
 
     def lose(self, *identities: int) -> bool:
         """Drop failed ranks (a lost host's, together: one new world, not one per rank).
-        True when a new world can go on (at least ``min_np`` remain)."""
+        True when a new world can go on (at least ``min_np`` remain); only then is a new
+        generation taken, so the generations announced stay consecutive."""
         dropped = [i for i in identities if i in self.members]
         for i in dropped:
             self.members.remove(i)
             self.gone.append(i)
-        if dropped:
+        enough = len(self.members) >= self.min_np
+        if dropped and enough:
             self.generation += 1
-        return len(self.members) >= self.min_np
+        return enough
+
+    def add(self, *identities: int) -> None:
+        """Ranks started on new hosts join: one new world for all of them."""
+        new = [i for i in identities if i not in self.members]
+        if new:
+            self.members.extend(new)
+            self.generation += 1
 
     def announcement(self) -> list[tuple[str, str]]:
         """The store writes that announce the current world, in the order they must happen."""

@@ -60,6 +60,11 @@ class LaunchOptions:
     max_np: int | None = None
     elastic_timeout_s: float = 600.0
     reset_limit: int | None = None
+    # --host-discovery-script (horovodrun's): hosts come from it, re-run every second.
+    discovery_script: str | None = None
+    slots_per_host: int = 1
+    # --blacklist-cooldown-range MIN MAX: a failing host comes back after a cool-down.
+    cooldown_range: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.np < 1:
@@ -88,6 +93,27 @@ class LaunchOptions:
                 raise ConfigError(f"--elastic-timeout must be > 0, got {self.elastic_timeout_s}")
             if self.reset_limit is not None and self.reset_limit < 0:
                 raise ConfigError(f"--reset-limit must be >= 0, got {self.reset_limit}")
+        if self.discovery_script is not None:
+            if self.hosts:
+                raise ConfigError(
+                    "give --host-discovery-script or -H/--hostfile, not both: with a discovery "
+                    "script the hosts are whatever it prints"
+                )
+            if self.min_np is None:
+                raise ConfigError(
+                    "--host-discovery-script needs --min-np (and usually --max-np).\n"
+                    "HINT: ringtrain run -np 2 --min-np 2 --max-np 4 "
+                    "--host-discovery-script ./hosts.sh -- python train.py"
+                )
+        if self.slots_per_host < 1:
+            raise ConfigError(f"--slots-per-host must be at least 1, got {self.slots_per_host}")
+        if self.cooldown_range is not None:
+            cmin, cmax = self.cooldown_range
+            if not 1.0 <= cmin <= cmax <= 3600.0:
+                raise ConfigError(
+                    f"--blacklist-cooldown-range {cmin:g} {cmax:g}: expected "
+                    "1 <= MIN <= MAX <= 3600 seconds"
+                )
         for item in self.forward_env:
             name = item.split("=", 1)[0]
             if not name or not (name.replace("_", "a").isalnum() and not name[0].isdigit()):
@@ -95,7 +121,9 @@ class LaunchOptions:
 
     @property
     def elastic(self) -> bool:
-        return self.min_np is not None or self.max_np is not None
+        return (
+            self.min_np is not None or self.max_np is not None or self.discovery_script is not None
+        )
 
     @property
     def is_local(self) -> bool:

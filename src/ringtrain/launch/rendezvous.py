@@ -88,6 +88,22 @@ class RendezvousServer:
         except (OSError, ValueError) as e:
             raise LaunchError(f"the rendezvous store is gone; cannot announce {key}: {e}") from e
 
+    def present(self, keys: list[str], timeout_s: float = 5.0) -> set[str]:
+        """Those of ``keys`` that are set in the store (empty if the store does not answer)."""
+        if not keys:
+            return set()
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        try:
+            self._proc.stdin.write("CHECK " + " ".join(keys) + "\n")
+            self._proc.stdin.flush()
+        except (OSError, ValueError) as e:
+            raise LaunchError(f"the rendezvous store is gone: {e}") from e
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
+        line = self._proc.stdout.readline() if ready else ""
+        if not line.startswith("HAVE"):
+            return set()
+        return set(line.split()[1:])
+
     def close(self) -> None:
         if self._proc.poll() is None:
             with contextlib.suppress(OSError):

@@ -2,7 +2,11 @@
 
 Failure policy (elastic jobs, ``--min-np``/``--max-np``: see :mod:`ringtrain.launch.elastic`): a
 rank that fails is dropped and the others told to re-form the world, while at least ``--min-np``
-remain; below that, or without those flags, the policy below applies.
+remain. With ``--host-discovery-script`` (:mod:`ringtrain.launch.discovery`) the launcher also
+starts ranks on hosts the script offers (up to ``--max-np``), retires those of hosts it no
+longer offers, excludes hosts whose ranks failed, and below ``--min-np`` waits up to
+``--elastic-timeout`` for new hosts; below that, or without those flags, the policy below
+applies.
 
 Failure policy: the first rank that exits non-zero (or is killed by a signal) ends the job. The
 others get SIGTERM, then SIGKILL after a grace period; the launcher exits with that rank's code
@@ -31,7 +35,7 @@ from typing import IO, Any
 
 from ringtrain.config import horovod_settings, horovod_unused, to_env
 from ringtrain.errors import LaunchError
-from ringtrain.launch import elastic, network, protocol, rank_env, transport
+from ringtrain.launch import discovery, elastic, network, protocol, rank_env, transport
 from ringtrain.launch.hosts import Host
 from ringtrain.launch.options import LaunchOptions
 from ringtrain.launch.plan import ProcessSpec, describe, plan
@@ -60,6 +64,8 @@ class AgentLink:
         self.hello: dict[str, Any] | None = None
         self.done = False
         self.lost = False
+        self.ranks: list[int] = []  # identities of the ranks this agent runs
+        self.joining = False  # started for a running elastic job; its ranks join when ready
         self.err_tail: collections.deque[str] = collections.deque(maxlen=AGENT_ERR_LINES)
         self.proc = subprocess.Popen(
             argv,
@@ -123,7 +129,13 @@ class Supervisor:
         self.env = dict(os.environ if env is None else env)
         self.out = out or sys.stdout
         self.err = err or sys.stderr
-        self.specs = plan(options.np, options.hosts, options.command, options.placement)
+        self._hosts = list(options.hosts)
+        # With a discovery script the hosts are known only once it ran (in run()).
+        self.specs = (
+            []
+            if options.discovery_script
+            else plan(options.np, options.hosts, options.command, options.placement)
+        )
         self.job_id = uuid.uuid4().hex[:12]
         self._events: queue.Queue[Any] = queue.Queue()
         self._links: list[AgentLink] = []
@@ -135,14 +147,19 @@ class Supervisor:
         self._started_at = time.monotonic()
         self._outputs: dict[tuple[int, int], IO[str]] = {}
         self._server: RendezvousServer | None = None
-        self._membership = (
-            elastic.Membership(
-                [s.rank for s in self.specs],
-                options.min_np if options.min_np is not None else options.np,
-            )
-            if options.elastic
-            else None
-        )
+        self._membership: elastic.Membership | None = None
+        # Elastic growth (--host-discovery-script): see the "elastic hosts" section.
+        self._exclusions = discovery.Exclusions(options.cooldown_range)
+        self._poller: discovery.Poller | None = None
+        self._offered: list[Host] = []
+        self._rank_host: dict[int, str] = {}  # every rank ever started: identity -> host
+        self._joiners: dict[int, float] = {}  # started, not yet in a world: id -> ready by
+        self._retired: set[int] = set()  # stopped on purpose (host no longer offered)
+        self._left: list[str] = []  # how each rank that left the world went
+        self._below: tuple[float, Failure] | None = None  # below --min-np since, and why
+        self._growing = True  # until a rank finishes
+        self._next_check = 0.0
+        self._run_env: dict[str, Any] = {}
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -166,16 +183,33 @@ class Supervisor:
                 self.options.start_timeout_s,
             )
             self._server = server
+            if self.options.discovery_script:
+                self._first_discovery()
+            self._rank_host = {s.rank: s.host for s in self.specs}
+            if self.options.elastic:
+                self._membership = elastic.Membership(
+                    [s.rank for s in self.specs],
+                    self.options.min_np if self.options.min_np is not None else self.options.np,
+                )
             self._start_agents()
             self._await_hellos()
             self._start_ranks(server.chosen_port)
             self._check_server(server)
+            if self.options.discovery_script:
+                self._poller = discovery.Poller(
+                    self.options.discovery_script,
+                    self.options.slots_per_host,
+                    lambda found: self._events.put((None, {"t": "hosts", "found": found})),
+                )
+                self._poller.start()
             self._supervise()
         except LaunchError as e:
             if self._failure is None and not self._interrupts:
                 self._failure = Failure(None, "", 1, str(e), [])
             self._stop_all(hard=True)
         finally:
+            if self._poller is not None:
+                self._poller.stop()
             for link in self._links:
                 link.close_input()
             self._drain(deadline=time.monotonic() + self.options.grace_s + 2.0)
@@ -194,7 +228,10 @@ class Supervisor:
 
     def _hosts_in_use(self) -> list[Host]:
         used = {s.host for s in self.specs}
-        return [h for h in self.options.hosts if h.name in used]
+        return [h for h in self._hosts if h.name in used]
+
+    def _is_local(self) -> bool:
+        return all(h.is_local for h in self._hosts)
 
     def _check_server(self, server: RendezvousServer) -> None:
         if server.port != server.chosen_port:  # pragma: no cover - the server binds what it's told
@@ -203,21 +240,26 @@ class Supervisor:
             )
 
     def _start_agents(self) -> None:
-        cwd = os.getcwd()
-        for i, host in enumerate(self._hosts_in_use()):
-            argv = transport.command_for(
-                host,
-                self.options.ssh,
-                self.options.python,
-                cwd,
-                self._list_interfaces(),
-                network.spec_names(str(self.options.settings.get("network_interface") or "")),
-            )
-            self._log(f"agent on {host.name}: {' '.join(argv)}")
-            try:
-                self._links.append(AgentLink(i, host, argv, self._events))
-            except OSError as e:
-                raise LaunchError(f"cannot start the agent for host {host.name}: {e}") from e
+        for host in self._hosts_in_use():
+            link = self._start_agent(host)
+            link.ranks = [s.rank for s in self.specs if s.host == host.name]
+
+    def _start_agent(self, host: Host) -> AgentLink:
+        argv = transport.command_for(
+            host,
+            self.options.ssh,
+            self.options.python,
+            os.getcwd(),
+            self._list_interfaces(),
+            network.spec_names(str(self.options.settings.get("network_interface") or "")),
+        )
+        self._log(f"agent on {host.name}: {' '.join(argv)}")
+        try:
+            link = AgentLink(len(self._links), host, argv, self._events)
+        except OSError as e:
+            raise LaunchError(f"cannot start the agent for host {host.name}: {e}") from e
+        self._links.append(link)
+        return link
 
     def _await_hellos(self) -> None:
         deadline = time.monotonic() + self.options.start_timeout_s
@@ -256,60 +298,82 @@ class Supervisor:
 
     def _start_ranks(self, port: int) -> None:
         addr, host_env = self._network()
-        rdzv = rank_env.Rendezvous(addr, port, self.job_id)
-        settings_env = to_env(**self.options.settings)
         key = None
         if self.options.settings.get("secure") and not self.options.settings.get("key_file"):
             key = secrets.token_bytes(32).hex()
+        # Kept for ranks started later on hosts a discovery script adds.
+        self._run_env = {
+            "rdzv": rank_env.Rendezvous(addr, port, self.job_id),
+            "settings": to_env(**self.options.settings),
+            "key": key,
+        }
         by_host: dict[str, list[ProcessSpec]] = {}
         for s in self.specs:
             by_host.setdefault(s.host, []).append(s)
         for link in self._links:
             specs = by_host[link.host.name]
-            assert link.hello is not None
-            f = link.hello["facts"]
-            facts = HostFacts(
-                hostname=f.get("hostname", link.host.name),
-                cpus=tuple(f.get("cpus", ())),
-                numa_nodes=tuple(tuple(n) for n in f.get("numa_nodes", ())),
-                allocators=f.get("allocators", {}),
-                cpu_quota=f.get("cpu_quota"),
-            )
-            base = (
-                rank_env.explicit(self.env, self.options.forward_env)
-                if link.host.is_local
-                else rank_env.forwarded(self.env, self.options.forward_env)
-            )
-            tunings = tune(
-                facts, len(specs), self.options.bind_to, self.options.malloc, {**self.env, **base}
-            )
-            ranks = []
-            # The user's own GLOO_/NCCL_ interface variables win over what ringtrain chose.
-            net = {
-                k: v
-                for k, v in host_env.get(link.host.name, {}).items()
-                if k.startswith("RINGTRAIN_") or k not in self.env
-            }
-            for s, t in zip(specs, tunings):
-                env = {**base, **settings_env, **net, **t.env}
-                env.update(rank_env.placement(s, rdzv))
-                if self.options.elastic:
-                    env.update(
-                        elastic.rank_env(
-                            s.rank, self.options.elastic_timeout_s, self.options.reset_limit
-                        )
-                    )
-                ranks.append(
-                    {
-                        "rank": s.rank,
-                        "argv": list(s.argv),
-                        "env": env,
-                        "cpus": list(t.cpus) if t.cpus else None,
-                    }
-                )
-                self._log(f"rank {s.rank} on {link.host.name}: {t.summary}")
-            link.send("start", ranks=ranks, cwd=os.getcwd(), key=key, grace_s=self.options.grace_s)
+            self._launch(link, specs, [s.rank for s in specs], host_env.get(link.host.name, {}))
         self._started_at = time.monotonic()
+
+    def _launch(
+        self,
+        link: AgentLink,
+        specs: list[ProcessSpec],
+        identities: list[int],
+        host_net: dict[str, str],
+        join: bool = False,
+        bind_to: str | None = None,
+    ) -> None:
+        """Start ``specs`` on ``link``'s host; ``identities`` are their elastic identities."""
+        assert link.hello is not None
+        f = link.hello["facts"]
+        facts = HostFacts(
+            hostname=f.get("hostname", link.host.name),
+            cpus=tuple(f.get("cpus", ())),
+            numa_nodes=tuple(tuple(n) for n in f.get("numa_nodes", ())),
+            allocators=f.get("allocators", {}),
+            cpu_quota=f.get("cpu_quota"),
+        )
+        base = (
+            rank_env.explicit(self.env, self.options.forward_env)
+            if link.host.is_local
+            else rank_env.forwarded(self.env, self.options.forward_env)
+        )
+        tunings = tune(
+            facts,
+            len(specs),
+            bind_to or self.options.bind_to,
+            self.options.malloc,
+            {**self.env, **base},
+        )
+        ranks = []
+        # The user's own GLOO_/NCCL_ interface variables win over what ringtrain chose.
+        net = {k: v for k, v in host_net.items() if k.startswith("RINGTRAIN_") or k not in self.env}
+        for s, ident, t in zip(specs, identities, tunings):
+            env = {**base, **self._run_env["settings"], **net, **t.env}
+            env.update(rank_env.placement(s, self._run_env["rdzv"]))
+            if self.options.elastic:
+                env.update(
+                    elastic.rank_env(
+                        ident, self.options.elastic_timeout_s, self.options.reset_limit, join
+                    )
+                )
+            ranks.append(
+                {
+                    "rank": ident,
+                    "argv": list(s.argv),
+                    "env": env,
+                    "cpus": list(t.cpus) if t.cpus else None,
+                }
+            )
+            self._log(f"rank {ident} on {link.host.name}: {t.summary}")
+        link.send(
+            "start",
+            ranks=ranks,
+            cwd=os.getcwd(),
+            key=self._run_env["key"],
+            grace_s=self.options.grace_s,
+        )
 
     def _list_interfaces(self) -> bool:
         """Secure mode or the TCP transport, with an explicit interface, enumerate nothing
@@ -328,7 +392,7 @@ class Supervisor:
             or self.env.get("RINGTRAIN_NETWORK_INTERFACE", "")
             or horovod_settings(self.env).get("network_interface", "")  # HOROVOD_GLOO_IFACE
         )
-        if self.options.is_local:
+        if self._is_local():
             return "127.0.0.1", {}
         return network.plan_network(
             {lk.host.name: lk.hello.get("interfaces", []) for lk in self._links if lk.hello},
@@ -345,6 +409,8 @@ class Supervisor:
                 for lk in self._links:
                     lk.kill()
                 self._stop_deadline = time.monotonic() + 5.0
+            if self.options.discovery_script:
+                self._elastic_tick()
             try:
                 link, msg = self._events.get(timeout=0.1)
             except queue.Empty:
@@ -361,10 +427,16 @@ class Supervisor:
 
     # ---- events ------------------------------------------------------------------------------
 
-    def _handle(self, link: AgentLink, msg: dict[str, Any]) -> None:
+    def _handle(self, link: AgentLink | None, msg: dict[str, Any]) -> None:
         kind = msg["t"]
+        if link is None:
+            if kind == "hosts":
+                self._on_discovered(msg["found"])
+            return
         if kind == "out":
             self._print_line(msg["rank"], msg["fd"], msg["line"], msg.get("end", "\n"))
+        elif kind == "hello" and link.joining and link.hello is None:
+            self._on_joiner_hello(link, msg)
         elif kind == "started":
             self._pids[msg["rank"]] = msg["pid"]
         elif kind == "exit":
@@ -373,24 +445,40 @@ class Supervisor:
             link.done = True
         elif kind == "eof" and not link.done:
             link.lost = True
-            if self._failure is None and not self._interrupts:
-                ranks = [s.rank for s in self.specs if s.host == link.host.name]
-                desc = (
-                    f"lost the connection to host {link.host.name}'s agent "
-                    f"(ranks {', '.join(str(r) for r in ranks)})"
-                )
-                if self._membership is not None:
-                    alive = [r for r in ranks if r not in self._exits]
-                    if self._reform(desc, *alive):
-                        return
-                    desc += f"; fewer than --min-np {self._membership.min_np} ranks remain"
-                self._fail(Failure(None, link.host.name, 1, desc, list(link.err_tail)))
+            if self._failure is not None or self._interrupts:
+                return
+            alive = [r for r in link.ranks if r not in self._exits and r not in self._retired]
+            if not alive:
+                return
+            desc = (
+                f"lost the connection to host {link.host.name}'s agent "
+                f"(ranks {', '.join(str(r) for r in link.ranks)})"
+            )
+            if all(r in self._joiners for r in alive):
+                if link.err_tail:  # e.g. ssh's reason: the failure is reported only in one line
+                    desc += f": {link.err_tail[-1]}"
+                self._joiner_failed(link, alive, desc)
+                return
+            if self._membership is not None:
+                self._exclude(link.host.name, desc)
+                if self._reform(desc, *alive):
+                    return
+                if self._await_hosts(desc, Failure(None, link.host.name, 1, desc, [])):
+                    return
+                desc += self._shortfall()
+            self._fail(Failure(None, link.host.name, 1, desc, list(link.err_tail)))
 
     def _on_exit(self, link: AgentLink, msg: dict[str, Any]) -> None:
         rank = msg["rank"]
         self._exits[rank] = msg
         code, sig = msg.get("code"), msg.get("signal")
+        if rank in self._retired:
+            self._log(f"rank {rank} (host {link.host.name}) stopped")
+            return
         if code == 0 and sig is None:
+            if self._growing and self._membership is not None and self._joiners:
+                self._retire_joiners("a rank finished")
+            self._growing = False  # the job is finishing: no new ranks
             return
         if self._failure is not None or self._interrupts:
             return  # stopped by us after the first failure, or by Ctrl-C
@@ -408,31 +496,338 @@ class Supervisor:
         else:
             elapsed = time.monotonic() - self._started_at
             desc = f"rank {rank} (host {link.host.name}, pid {pid}) {how} after {elapsed:.1f} s"
+        if rank in self._joiners:
+            self._joiner_failed(link, [rank], desc)
+            return
         if self._membership is not None and pid is not None:
+            self._exclude(link.host.name, desc)
             if self._reform(desc, rank):
                 return
-            desc += f"; fewer than --min-np {self._membership.min_np} ranks remain"
+            failure = Failure(rank, link.host.name, exit_code, desc, tail)
+            if self._await_hosts(desc, failure):
+                return
+            desc += self._shortfall()
         self._fail(Failure(rank, link.host.name, exit_code, desc, tail))
 
     def _reform(self, desc: str, *ranks: int) -> bool:
         """Elastic: drop ``ranks`` and announce the survivors' world. False below --min-np."""
         m = self._membership
         assert m is not None and self._server is not None
+        self._left.append(desc)
         if not m.lose(*ranks):
             return False
-        for key, value in m.announcement():
-            self._server.publish(key, value)
+        if not m.members:
+            return False
+        self._announce()
         self._say(
             f"{desc}; re-forming the world with the {len(m.members)} remaining rank(s) "
             f"{m.members} (generation {m.generation})"
         )
         return True
 
+    def _shortfall(self) -> str:
+        """What is missing when the job ends below --min-np without waiting for hosts."""
+        m = self._membership
+        assert m is not None
+        where = ", ".join(f"{i} on {self._rank_host[i]}" for i in m.members) or "none"
+        why = (
+            "no rank remains to carry the state"
+            if not m.members
+            else "no --host-discovery-script can add hosts"
+        )
+        return (
+            f"; fewer than --min-np {m.min_np} ranks remain ({len(m.members)} left: rank(s) "
+            f"{where}; {m.min_np - len(m.members)} more needed; {why})"
+        )
+
+    def _announce(self) -> None:
+        m = self._membership
+        assert m is not None and self._server is not None
+        for key, value in m.announcement():
+            self._server.publish(key, value)
+
     def _fail(self, failure: Failure) -> None:
         self._failure = failure
-        others = len(self.specs) - len([r for r in self._exits if r != failure.rank]) - 1
-        self._say(f"{failure.description}; stopping the other {max(others, 0)} rank(s).")
+        others = len(
+            [r for r in self._rank_host if r not in self._exits and r not in self._retired]
+        )
+        self._say(f"{failure.description}; stopping the other {others} rank(s).")
         self._stop_all(hard=False)
+
+    # ---- elastic hosts (--host-discovery-script) -----------------------------------------------
+
+    def _first_discovery(self) -> None:
+        """Plan the first world on the hosts the script offers, waiting up to --elastic-timeout
+        for at least --min-np slots. A script that fails here is a configuration error."""
+        o = self.options
+        assert o.discovery_script is not None
+        min_np = o.min_np if o.min_np is not None else o.np
+        deadline = time.monotonic() + o.elastic_timeout_s
+        while True:
+            hosts = discovery.run_script(o.discovery_script, o.slots_per_host)
+            capacity = sum(h.slots for h in hosts)
+            if capacity >= min_np and hosts:
+                break
+            if time.monotonic() > deadline or self._interrupts:
+                raise LaunchError(
+                    f"timed out after {o.elastic_timeout_s:g} s (--elastic-timeout) waiting for "
+                    f"--min-np {min_np} slots: the discovery script offers {capacity} "
+                    f"({_listed(hosts)})"
+                )
+            time.sleep(discovery.EVERY_S)
+        if any(h.is_local for h in hosts) and not all(h.is_local for h in hosts):
+            raise LaunchError(
+                f"the discovery script offers local and remote hosts ({_listed(hosts)}).\n"
+                "HINT: name this machine by an address the other hosts can reach."
+            )
+        self._hosts = hosts
+        self._offered = hosts
+        self.specs = plan(min(o.np, capacity), hosts, o.command, o.placement)
+
+    def _on_discovered(self, found: list[Host] | LaunchError) -> None:
+        if isinstance(found, LaunchError):
+            self._say(f"{found} (keeping the hosts found before; trying again)")
+            return
+        if self._failure is not None or self._interrupts or self._membership is None:
+            return
+        self._offered = found
+        offered = {h.name for h in found}
+        gone = [
+            i
+            for i, host in self._rank_host.items()
+            if host not in offered and i not in self._exits and i not in self._retired
+        ]
+        if gone:
+            self._remove_hosts(gone)
+        self._grow()
+
+    def _remove_hosts(self, gone: list[int]) -> None:
+        """Ranks on hosts the script no longer offers leave the world; then they are stopped."""
+        m = self._membership
+        assert m is not None
+        hosts = sorted({self._rank_host[i] for i in gone})
+        desc = (
+            f"host(s) {', '.join(hosts)} no longer offered by the discovery script: "
+            f"removing rank(s) {gone}"
+        )
+        members = [i for i in gone if i in m.members]
+        for i in gone:
+            self._joiners.pop(i, None)
+        self._retired.update(gone)
+        for lk in self._links:
+            if lk.host.name in hosts:
+                self._stop_link(lk)
+        if not members:
+            self._say(desc)
+        elif not self._reform(desc, *members):
+            failure = Failure(None, hosts[0], 1, desc, [])
+            if not self._await_hosts(desc, failure):
+                self._fail(
+                    Failure(None, hosts[0], 1, desc + "; no rank remains to carry the state", [])
+                )
+
+    def _grow(self) -> None:
+        """Start ranks on offered slots that have none, up to --max-np."""
+        m = self._membership
+        if not self._growing or m is None or self._failure is not None or self._interrupts:
+            return
+        live = [*m.members, *self._joiners]
+        per_host = collections.Counter(self._rank_host[i] for i in live)
+        limit = self.options.max_np if self.options.max_np is not None else float("inf")
+        total = len(live)
+        for host in self._offered:
+            free = host.slots - per_host[host.name]
+            n = int(min(free, limit - total))
+            if n <= 0 or self._exclusions.excluded(host.name):
+                continue
+            if host.is_local != self._is_local():
+                continue  # refused once, at the first discovery, with its reason
+            self._start_joiners(host, n)
+            total += n
+
+    def _start_joiners(self, host: Host, n: int) -> None:
+        ids = list(range(max(self._rank_host) + 1, max(self._rank_host) + 1 + n))
+        ready_by = (
+            time.monotonic()
+            + max(self.options.start_timeout_s, 0.0)
+            + (self.options.elastic_timeout_s)
+        )
+        for i in ids:
+            self._rank_host[i] = host.name
+            self._joiners[i] = ready_by
+        self._say(f"host {host.name} offers {n} free slot(s): starting rank(s) {ids} to join")
+        try:
+            link = self._start_agent(host)
+        except LaunchError as e:
+            for i in ids:
+                self._joiners.pop(i, None)
+                self._retired.add(i)
+            self._exclude(host.name, str(e))
+            return
+        link.ranks = ids
+        link.joining = True
+
+    def _on_joiner_hello(self, link: AgentLink, msg: dict[str, Any]) -> None:
+        link.hello = msg
+        m = self._membership
+        ids = [i for i in link.ranks if i in self._joiners]
+        if m is None or not ids or not self._growing or self._failure is not None:
+            self._stop_link(link)
+            return
+        host_net: dict[str, str] = {}
+        if not self._is_local():
+            try:
+                _, host_env = network.plan_network(
+                    {
+                        lk.host.name: lk.hello.get("interfaces", [])
+                        for lk in self._links
+                        if lk.hello
+                    },
+                    str(self.options.settings.get("network_interface") or ""),
+                    secure=self._enclave_ready(),
+                    candidates=self.options.interface_candidates,
+                )
+                host_net = host_env.get(link.host.name, {})
+            except LaunchError as e:
+                self._joiner_failed(link, ids, f"host {link.host.name}: {e}")
+                return
+        size = len(m.members) + len(self._joiners)
+        first = len(m.members) + list(self._joiners).index(ids[0])
+        specs = [
+            ProcessSpec(
+                rank=first + j,
+                size=size,
+                host=link.host.name,
+                host_index=link.index,
+                local_rank=j,
+                local_size=len(ids),
+                cross_rank=0,
+                cross_size=1,
+                argv=tuple(self.options.command),
+            )
+            for j in range(len(ids))
+        ]
+        shared = any(
+            lk is not link and lk.host.name == link.host.name and not (lk.done or lk.lost)
+            for lk in self._links
+        )
+        self._launch(link, specs, ids, host_net, join=True, bind_to="none" if shared else None)
+
+    def _elastic_tick(self) -> None:
+        """Announce joiners that are ready; give up on late ones; end a too long wait."""
+        now = time.monotonic()
+        if now < self._next_check or self._failure is not None or self._interrupts:
+            return
+        self._next_check = now + 0.25
+        m = self._membership
+        assert m is not None and self._server is not None
+        if self._below is not None and now - self._below[0] > self.options.elastic_timeout_s:
+            self._fail(self._below_timeout(self._below[1]))
+            return
+        for lk in self._links:
+            late = [i for i in lk.ranks if i in self._joiners and self._joiners[i] < now]
+            if late:
+                self._joiner_failed(
+                    lk, late, f"rank(s) {late} on host {lk.host.name} were not ready in time"
+                )
+        waiting = [i for i in self._joiners if i in self._pids]
+        if not waiting:
+            return
+        have = self._server.present([elastic.ready_key(i) for i in waiting])
+        # A host's new ranks join together, in one new world.
+        ready: list[int] = []
+        for lk in self._links:
+            ids = [i for i in lk.ranks if i in self._joiners]
+            if ids and all(elastic.ready_key(i) in have for i in ids):
+                ready += ids
+        if not ready or len(m.members) + len(ready) < m.min_np:
+            return
+        hosts = sorted({self._rank_host[i] for i in ready})
+        for i in ready:
+            del self._joiners[i]
+        m.add(*ready)
+        self._announce()
+        self._below = None
+        self._say(
+            f"rank(s) {ready} on host(s) {', '.join(hosts)} ready: growing the world to "
+            f"{len(m.members)} rank(s) {m.members} (generation {m.generation})"
+        )
+
+    def _joiner_failed(self, link: AgentLink, ids: list[int], desc: str) -> None:
+        """A rank started to join failed before it joined: its host is excluded, the job goes
+        on. Its agent's other joiners are stopped with it."""
+        for i in link.ranks:
+            if i in self._joiners:
+                del self._joiners[i]
+                self._retired.add(i)
+        self._stop_link(link)
+        self._exclude(link.host.name, desc)
+
+    def _retire_joiners(self, why: str) -> None:
+        ids = list(self._joiners)
+        self._joiners.clear()
+        self._retired.update(ids)
+        for lk in self._links:
+            if any(i in ids for i in lk.ranks):
+                self._stop_link(lk)
+        self._log(f"{why}: stopping rank(s) {ids} that had not joined yet")
+
+    def _stop_link(self, link: AgentLink) -> None:
+        """Stop an agent's ranks. One that started none ends by closing its input (it reports
+        "done" only after ranks it ran), so the job does not wait for it."""
+        if any(r in self._pids for r in link.ranks):
+            link.send("stop")
+        else:
+            link.close_input()
+
+    def _exclude(self, host: str, why: str) -> None:
+        """Horovod's blacklist: no new rank starts on ``host`` for a cool-down. Only a discovery
+        script can offer a host again, so only then is it said."""
+        if not self.options.discovery_script:
+            return
+        cooldown = self._exclusions.fail(host)
+        n = self._exclusions.failures(host)
+        if cooldown is None:
+            span = "for the rest of the job (--blacklist-cooldown-range MIN MAX lets it back)"
+        else:
+            span = f"for {cooldown:.1f} s"
+        self._say(f"excluding host {host} {span} after failure {n} of its ranks: {why}")
+
+    def _await_hosts(self, desc: str, failure: Failure) -> bool:
+        """Below --min-np with a discovery script: wait up to --elastic-timeout for hosts."""
+        m = self._membership
+        if not self.options.discovery_script or m is None or not m.members:
+            return False
+        if self._below is None:
+            self._below = (time.monotonic(), failure)
+        self._say(
+            f"{desc}; {len(m.members)} rank(s) remain, fewer than --min-np {m.min_np}: waiting "
+            f"up to {self.options.elastic_timeout_s:g} s (--elastic-timeout) for the discovery "
+            "script to offer hosts"
+        )
+        self._grow()
+        return True
+
+    def _below_timeout(self, first: Failure) -> Failure:
+        m = self._membership
+        assert m is not None
+        where = ", ".join(f"{i} on {self._rank_host[i]}" for i in m.members)
+        excluded = []
+        for name in dict.fromkeys(self._rank_host.values()):
+            left = self._exclusions.remaining_s(name)
+            if left is not None:
+                excluded.append(
+                    f"{name} ({'for good' if left == float('inf') else f'{left:.0f} s more'})"
+                )
+        lines = [
+            f"fewer than --min-np {m.min_np} ranks for {self.options.elastic_timeout_s:g} s "
+            f"(--elastic-timeout): {len(m.members)} remain (rank(s) {where}), "
+            f"{m.min_np - len(m.members)} more needed",
+            *(f"  left: {d}" for d in self._left),
+            f"  excluded hosts: {', '.join(excluded) or 'none'}",
+            f"  the discovery script offers: {_listed(self._offered)}",
+        ]
+        return Failure(first.rank, first.host, first.code, "\n".join(lines), first.tail)
 
     def _send_stop(self) -> None:
         for lk in self._links:
@@ -521,3 +916,7 @@ class Supervisor:
             lines.extend(f"  | {t}" for t in f.tail)
         self._say("\n".join(lines))
         return f.code
+
+
+def _listed(hosts: list[Host]) -> str:
+    return ", ".join(f"{h.name}:{h.slots}" for h in hosts) or "no host"

@@ -4,7 +4,8 @@ The launcher imports no torch, so it starts this module instead of hosting a ``T
 It binds a free port on every interface, prints ``PORT <n>`` on stdout, then serves until its
 stdin closes: the launcher holds that pipe, so the store lives exactly as long as the launcher.
 Lines ``SET <key> <value>`` on stdin set keys: how the launcher, which has no store client,
-announces elastic membership (:mod:`ringtrain.elastic.membership`).
+announces elastic membership (:mod:`ringtrain.elastic.membership`); ``CHECK <key> ...`` answers
+``HAVE <key> ...`` on stdout with those of the keys that are set (joining ranks' ready keys).
 Hosting the store outside the ranks means rank 0 can fail or restart without taking the
 rendezvous with it.
 """
@@ -37,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         parts = line.rstrip("\n").split(" ", 2)
         if len(parts) == 3 and parts[0] == "SET":
             store.set(parts[1], parts[2])
+        elif parts[0] == "CHECK":
+            keys = line.split()[1:]
+            print(" ".join(["HAVE", *(k for k in keys if store.check([k]))]), flush=True)
     return 0
 
 
