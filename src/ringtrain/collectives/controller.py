@@ -13,6 +13,10 @@ operations still pending. Each process set runs one controller thread per rank. 
    and executed on the data groups, consecutive allreduces fused into one buffer; an op whose
    data came in step 1 completes locally instead, with no collective of its own.
 
+An allreduce that repeats the request the set's fast lane reserved skips steps 1-3 and starts
+at once (see :mod:`ringtrain.collectives.lane`); rounds carry each rank's lane status, and decide
+when the lane opens, moves to another request, or releases a slot a peer waits in.
+
 Because every decision is a function of the exchanged table, ranks never disagree on what runs
 next. Decisions that depend on time (stall reports, aborts, and names that ranks submitted on
 different process sets, see :mod:`ringtrain.collectives.crossset`) are made by the set's rank 0
@@ -73,6 +77,8 @@ CONTROL_SLOT_BYTES = 8192
 # Config.cache_capacity of them): a training step's hundreds of named collectives then cost a few
 # bytes each to negotiate, not a pickled Request.
 JOIN_NAME = "__join__"
+# At shutdown, how long a rank waits for the peers to complete the lane slots it claimed.
+LANE_DRAIN_S = 10.0
 
 
 @dataclass
@@ -166,7 +172,8 @@ class Controller:
         if config.fast_lane and comm.size > 1 and lane_group is not None:
             self._lane = lane.Lane(comm.size, lane_group)
         self._lane_request: Request | None = None
-        self._lane_misses = 0
+        self._lane_misses: dict[Request, int] = {}
+        self._lane_used = 0  # the lowest next slot of the ranks, at the last round
         # This rank only: (slot, first seen) of a peer's claim this rank has not matched, and
         # whether a claim of ours has waited long enough to keep the controllers polling.
         self._lane_peer: tuple[int, float] | None = None
@@ -270,6 +277,13 @@ class Controller:
             time.sleep(0.002)
         return True
 
+    @property
+    def lane_slots(self) -> tuple[int, int]:
+        """Slots of the fast lane so far, (valid, not valid): for tests and statistics."""
+        if self._lane is None:
+            return (0, 0)
+        return (self._lane.slots_valid, self._lane.slots_invalid)
+
     def pending_names(self) -> list[str]:
         with self._lock:
             return list(self._pending)
@@ -307,6 +321,8 @@ class Controller:
             )
         finally:
             self._closed = True
+            if self._lane is not None:
+                self._lane.drain(LANE_DRAIN_S if self._failure is None else 0.0)
             if self.board is not None:
                 self.board.update(self.comm.set_id, ())  # never raises: a diagnostic
 
@@ -587,9 +603,14 @@ class Controller:
         if fast is None or claim is None:
             return
         try:
-            if block:
-                self._lane_wait(claim)
-            settled = fast.settle(claim)
+            while True:
+                if block:
+                    self._lane_wait(claim)
+                settled = fast.settle(claim)
+                # Not settled: still in flight, taken by another thread, or the flags' round
+                # just started (then wait for that too).
+                if settled is not None or not block or fast.claim is not claim:
+                    break
         except Exception as e:  # the transport failed: this op fails, the controller follows
             with self._lock:
                 self._pending.pop(handle.name, None)
@@ -600,19 +621,15 @@ class Controller:
             self._lane_finish(settled)
 
     def _lane_wait(self, claim: lane.Claim) -> None:
-        """Wait for a claim's collectives. The flag completes once every rank has claimed the
-        slot; if that takes long, the peers may not know of the claim (their controllers doze),
-        so wake the controllers and keep them polling until the slot is settled."""
-        flag, data = claim.works
-        if not flag.is_completed():
-            try:
-                flag.wait(timeout=datetime.timedelta(seconds=lane.NUDGE_S))
-            except RuntimeError as e:
-                if "timed out" not in str(e).lower():
-                    raise
+        """Wait for a claim's collectives. They complete once every rank has claimed the slot;
+        if that takes long, the peers may not know of the claim (their controllers doze), so
+        wake the controllers and keep them polling until the slot is settled."""
+        for work in list(claim.works):
+            if work.is_completed():
+                continue
+            if not lane.wait_for(work, lane.NUDGE_S):
                 self._lane_nudge()
-                abort.wait_work(flag, self._world)
-        abort.wait_work(data, self._world)
+                abort.wait_work(work, self._world)
 
     def _lane_nudge(self) -> None:
         with self._lock:
@@ -659,8 +676,9 @@ class Controller:
             handle.claim = None
             handle.set_result(local.outputs or local.tensors)
             return
-        if claim.backup is not None and claim.original is not None:
-            claim.original.copy_(claim.backup)
+        if claim.restore is not None:
+            where, what = claim.restore
+            where.copy_(what)
         handle.claim = None
         with self._lock:
             if self._failure is None and not self._closed:
@@ -717,12 +735,21 @@ class Controller:
         if all(not st.open and not st.claimed for st in known) and len(slots) == 1:
             if fast.open_at(slots.pop(), ran[-1]):
                 self._lane_request = ran[-1]
-                self._lane_misses = 0
+                self._lane_misses.clear()
         elif all(st.open for st in known):
-            self._lane_misses += sum(1 for req in ran if req != self._lane_request)
-            if self._lane_misses >= lane.SWITCH_AFTER:
-                fast.doom(max(st.next_free for st in known))
-                self._lane_misses = 0
+            # A request negotiated again and again while the reservation goes unused takes it.
+            used = min(st.next_free for st in known)
+            if used > self._lane_used or len(self._lane_misses) > 64:
+                self._lane_misses.clear()
+            self._lane_used = used
+            for req in ran:
+                if req == self._lane_request:
+                    continue
+                self._lane_misses[req] = self._lane_misses.get(req, 0) + 1
+                if self._lane_misses[req] >= lane.SWITCH_AFTER:
+                    fast.doom(max(st.next_free for st in known))
+                    self._lane_misses.clear()
+                    break
 
     def _lane_candidate(self, name: str) -> Request | None:
         """The request of a ready name if it may reserve the lane: every rank submitted it, alike,
