@@ -297,3 +297,23 @@ def test_process_sets_have_lanes_of_their_own(world: spawn.World) -> None:
 def test_the_lane_can_be_turned_off(world: spawn.World) -> None:
     for _got, slots in world.run(_one_name, 3, env={"RINGTRAIN_FAST_LANE": "0"}, timeout=TIMEOUT):
         assert slots == (0, 0)
+
+
+def _abandoned_claim() -> tuple[int, int]:
+    """Rank 0 claims a slot and never waits for it; the others never submit the name; then
+    every rank shuts down (the harness calls ringtrain.shutdown()): nobody may hang."""
+    r = rt.rank()
+    for s in range(3):
+        rt.allreduce(_data(s, r), name="gone", op=rt.Sum)
+    if r == 0:
+        rt.allreduce_async(_data(5, r), name="gone", op=rt.Sum)
+    return _slots()
+
+
+def test_shutdown_with_a_claim_nobody_matched(world: spawn.World) -> None:
+    t0 = time.monotonic()
+    world.run(_abandoned_claim, timeout=TIMEOUT)
+    assert time.monotonic() - t0 < 60
+    # The ranks are fine afterwards: the next job in the same processes runs.
+    for _got, (valid, invalid) in world.run(_one_name, 3, timeout=TIMEOUT):
+        assert invalid == 0 and valid >= 1
