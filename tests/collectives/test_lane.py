@@ -4,6 +4,7 @@ same results, name matching and mismatch reports as negotiated ones; at 2 and 3 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -317,3 +318,20 @@ def test_shutdown_with_a_claim_nobody_matched(world: spawn.World) -> None:
     # The ranks are fine afterwards: the next job in the same processes runs.
     for _got, (valid, invalid) in world.run(_one_name, 3, timeout=TIMEOUT):
         assert invalid == 0 and valid >= 1
+
+
+def _traced(base: str) -> list[str]:
+    import json
+
+    path = rt.start_timeline(base)
+    for s in range(4):
+        rt.allreduce(_data(s, rt.rank()), name="traced", op=rt.Sum)
+    rt.stop_timeline()
+    with open(path) as f:
+        return [e["name"] for e in json.load(f)["traceEvents"]]
+
+
+def test_the_timeline_shows_lane_ops(world: spawn.World, tmp_path: Path) -> None:
+    for names in world.run(_traced, str(tmp_path / "trace.json"), timeout=TIMEOUT):
+        assert names.count("ALLREDUCE (lane)") >= 2, names
+        assert "NEGOTIATE" in names  # the first run, which reserved the lane
