@@ -138,6 +138,9 @@ class Config:
     # Collectives negotiated before travel as a number, for up to this many distinct requests
     # (Horovod's response cache); 0 sends every request in full.
     cache_capacity: int = 8192
+    # An allreduce that repeats a request every rank just ran (same name, shape, dtype, op)
+    # starts without a negotiation round (collectives/lane.py); results are the same.
+    fast_lane: bool = True
 
     def __post_init__(self) -> None:
         if self.fusion_threshold_bytes < 0:

@@ -68,6 +68,9 @@ class SizePoint:
     iters: int
     time: Summary
     busbw: Summary
+    # Bus bandwidth relative to torch's, repeat by repeat (torch's time over this one's): the
+    # two run back to back in each repeat, so this pairs them under the same machine load.
+    paired: Summary | None = None
 
 
 @dataclass
@@ -148,14 +151,28 @@ def bench_allreduce(params: AllreduceParams) -> AllreduceResult:
         if tcp_group is not None:
             c = torch.zeros(numel, dtype=dtype)
             cases["tcp"] = (functools.partial(dist.all_reduce, c, group=tcp_group), iters)
+        before = _lane_slots()
         samples = _timed_samples(cases, params.repeats)
+        after = _lane_slots()
+        # How many of this size's ops took the fast lane (collectives/lane.py), and how many
+        # lane slots were given up: (valid, not valid).
+        lanes = result.environment.setdefault("lane_slots", {})
+        lanes[str(nbytes)] = [after[0] - before[0], after[1] - before[1]]
         for impl, s in samples.items():
             t, bw = _summaries(s, numel * itemsize, n)
-            result.sizes.append(SizePoint(impl, numel * itemsize, iters, t, bw))
+            ratios = [b / a for a, b in zip(s, samples["torch"]) if a > 0]
+            paired = Summary.of(ratios) if ratios else None
+            result.sizes.append(SizePoint(impl, numel * itemsize, iters, t, bw, paired))
     if params.fusion_count > 0 and params.fusion_repeats > 0:
         result.fusion = _fusion(params, dtype, itemsize, n)
     result.environment["load_after"] = load_average()
     return result
+
+
+def _lane_slots() -> tuple[int, int]:
+    from ringtrain.collectives.ops import controller_of
+
+    return controller_of(None).lane_slots
 
 
 def _tcp_group() -> Any:

@@ -75,6 +75,7 @@ def format_allreduce(res: AllreduceResult, markdown: bool = False) -> str:
     sizes = sorted({p.nbytes for p in res.sizes})
     tcp = any(p.impl == "tcp" for p in res.sizes)
     headers = ["size", "ringtrain ms", "torch ms", "ringtrain MB/s", "torch MB/s", "rt/torch"]
+    headers += ["rt/torch paired"]
     if tcp:
         headers += ["tcp ms", "tcp MB/s", "tcp/torch"]
     if link_bps:
@@ -90,6 +91,7 @@ def format_allreduce(res: AllreduceResult, markdown: bool = False) -> str:
             _mbs(rt.busbw.median),
             _mbs(tt.busbw.median),
             _ratio(ratio),
+            _paired(rt.paired),
         ]
         if tcp:
             tc = by[("tcp", nbytes)]
@@ -106,7 +108,8 @@ def format_allreduce(res: AllreduceResult, markdown: bool = False) -> str:
     out = [
         f"allreduce: {res.world_size} ranks, {res.params.dtype}, {res.params.repeats} repeats "
         "per size; times per op, median [min-max] of the slowest rank; bus bandwidth = "
-        "2(n-1)/n * bytes / time" + _load(res.environment),
+        "2(n-1)/n * bytes / time; rt/torch of the medians, and repeat by repeat (paired: "
+        "median [min-max])" + _load(res.environment),
         table(headers, rows, markdown),
     ]
     if res.fusion:

@@ -13,6 +13,10 @@ operations still pending. Each process set runs one controller thread per rank. 
    and executed on the data groups, consecutive allreduces fused into one buffer; an op whose
    data came in step 1 completes locally instead, with no collective of its own.
 
+An allreduce that repeats the request the set's fast lane reserved skips steps 1-3 and starts
+at once (see :mod:`ringtrain.collectives.lane`); rounds carry each rank's lane status, and decide
+when the lane opens, moves to another request, or releases a slot a peer waits in.
+
 Because every decision is a function of the exchanged table, ranks never disagree on what runs
 next. Decisions that depend on time (stall reports, aborts, and names that ranks submitted on
 different process sets, see :mod:`ringtrain.collectives.crossset`) are made by the set's rank 0
@@ -35,8 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringtrain.collectives import crossset, inline
-from ringtrain.collectives.execute import Executor, Pending
+from ringtrain.collectives import crossset, inline, lane
+from ringtrain.collectives.execute import Executor, Pending, Scaling, transport_error
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request, mismatch
 from ringtrain.config import Config
@@ -73,6 +77,8 @@ CONTROL_SLOT_BYTES = 8192
 # Config.cache_capacity of them): a training step's hundreds of named collectives then cost a few
 # bytes each to negotiate, not a pickled Request.
 JOIN_NAME = "__join__"
+# At shutdown, how long a rank waits for the peers to complete the lane slots it claimed.
+LANE_DRAIN_S = 10.0
 
 
 @dataclass
@@ -88,6 +94,32 @@ class _Message:
     mismatched: tuple[tuple[str, str], ...] = ()
     # Small collectives' data, by position in ``requests`` (see collectives.inline).
     inline: dict[int, inline.Payload] = field(default_factory=dict)
+    # This rank's fast lane (see collectives.lane); None without one.
+    lane: lane.Status | None = None
+
+
+class _LaneHandle(Handle):
+    """The handle of an op that claimed a lane slot: waiting on it takes the slot's verdict,
+    then gives the result, or (the slot was not valid) waits for the negotiated op."""
+
+    __slots__ = ("_ctl", "claim")
+
+    def __init__(
+        self, name: str, finish: Callable[[Any], Any] | None, ctl: Controller, claim: lane.Claim
+    ) -> None:
+        super().__init__(name, finish)
+        self._ctl = ctl
+        self.claim: lane.Claim | None = claim
+
+    def done(self) -> bool:
+        if self.claim is not None and not self._done.is_set():
+            self._ctl._lane_progress(self, block=False)
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if self.claim is not None and not self._done.is_set():
+            self._ctl._lane_progress(self, block=True)
+        return super().wait(timeout)
 
 
 class Controller:
@@ -133,6 +165,19 @@ class Controller:
         # Names this set failed as cross-set mismatches, still posted until the given time.
         self._lingering: dict[str, tuple[crossset.Stuck, float]] = {}
         self._executor = Executor(comm, config)
+        # The fast lane (collectives.lane) and what the rounds decided about it, alike on every
+        # rank: the request of its last opening, eligible requests run since, other ones run.
+        self._lane: lane.Lane | None = None
+        lane_group = comm.optional_group("lane")
+        if config.fast_lane and comm.size > 1 and lane_group is not None:
+            self._lane = lane.Lane(comm.size, lane_group)
+        self._lane_request: Request | None = None
+        self._lane_misses: dict[Request, int] = {}
+        self._lane_used = 0  # the lowest next slot of the ranks, at the last round
+        # This rank only: (slot, first seen) of a peer's claim this rank has not matched, and
+        # whether a claim of ours has waited long enough to keep the controllers polling.
+        self._lane_peer: tuple[int, float] | None = None
+        self._lane_nudged = False
         self._world = abort.generation  # elastic: this controller's waits end when it is replaced
         self._control = comm.group("control")
         self._slot = torch.zeros(CONTROL_SLOT_BYTES, dtype=torch.uint8)
@@ -158,7 +203,7 @@ class Controller:
         outputs: list[torch.Tensor] | None = None,
         finish: Callable[[Any], Any] | None = None,
     ) -> Handle:
-        handle = Handle(request.name, finish)
+        fast = self._lane
         with self._lock:
             if self._failure is not None:
                 raise type(self._failure)(*self._failure.args)
@@ -172,6 +217,13 @@ class Controller:
                     "HINT: names must be unique among pending operations; wait for the first "
                     "(synchronize) or give the second another name."
                 )
+            if fast is not None and fast.reserved is not None:
+                claim = fast.try_claim(request, tensors, outputs)
+                if claim is not None:  # no negotiation: the op is on its way
+                    lane_handle = _LaneHandle(request.name, finish, self, claim)
+                    self._pending[request.name] = Pending(request, tensors, outputs, lane_handle)
+                    return lane_handle
+            handle = Handle(request.name, finish)
             self._pending[request.name] = Pending(request, tensors, outputs, handle)
             self._new.append(request.name)
             bell, self._bell = self._bell, None
@@ -225,6 +277,13 @@ class Controller:
             time.sleep(0.002)
         return True
 
+    @property
+    def lane_slots(self) -> tuple[int, int]:
+        """Slots of the fast lane so far, (valid, not valid): for tests and statistics."""
+        if self._lane is None:
+            return (0, 0)
+        return (self._lane.slots_valid, self._lane.slots_invalid)
+
     def pending_names(self) -> list[str]:
         with self._lock:
             return list(self._pending)
@@ -262,6 +321,8 @@ class Controller:
             )
         finally:
             self._closed = True
+            if self._lane is not None:
+                self._lane.drain(LANE_DRAIN_S if self._failure is None else 0.0)
             if self.board is not None:
                 self.board.update(self.comm.set_id, ())  # never raises: a diagnostic
 
@@ -309,6 +370,8 @@ class Controller:
 
     def _cycle(self) -> bool:
         """One negotiation round. Returns True if submitted names still wait for some ranks."""
+        if self._lane is not None:
+            self._lane_settle()
         with self._lock:
             new, self._new = self._new, []
             subs = [self._pending[n] for n in new]
@@ -320,7 +383,11 @@ class Controller:
                 and not self._table
                 and self._idle_cycles >= DOZE_AFTER_IDLE_CYCLES
                 and self.comm.store is not None
+                and not self._lane_nudged
+                and self._lane_peer is None
             )
+        if self._lane is not None:
+            mine.lane = self._lane.status()
         mine.inline = _inline_payloads(subs, self.comm.world_rank)
         stuck = self._stuck()
         if self.comm.set_rank == 0:
@@ -358,6 +425,8 @@ class Controller:
             self._linger(name)
             self._fail_name(name, CollectiveMismatchError(problem))
         ready = [name for name in self._table if self._is_ready(name)]
+        if self._lane is not None:
+            self._lane_round(messages, ready)
         for name in ready:
             self._run_ready(name)
         self._executor.flush()
@@ -525,6 +594,173 @@ class Controller:
         )
         got = bigs.numpy().data
         return [pickle.loads(got[r * longest : r * longest + n]) for r, n in enumerate(lengths)]
+
+    # ---- the fast lane (collectives.lane) ---------------------------------------------------
+
+    def _lane_progress(self, handle: _LaneHandle, block: bool) -> None:
+        """Take the verdict of ``handle``'s slot (waiting for it when ``block``) and act on it."""
+        fast, claim = self._lane, handle.claim
+        if fast is None or claim is None:
+            return
+        try:
+            while True:
+                if block:
+                    self._lane_wait(claim)
+                settled = fast.settle(claim)
+                # Not settled: still in flight, taken by another thread, or the flags' round
+                # just started (then wait for that too).
+                if settled is not None or not block or fast.claim is not claim:
+                    break
+        except Exception as e:  # the transport failed: this op fails, the controller follows
+            with self._lock:
+                self._pending.pop(handle.name, None)
+            handle.claim = None
+            handle.set_error(transport_error(e))
+            return
+        if settled is not None:
+            self._lane_finish(settled)
+
+    def _lane_wait(self, claim: lane.Claim) -> None:
+        """Wait for a claim's collectives. They complete once every rank has claimed the slot;
+        if that takes long, the peers may not know of the claim (their controllers doze), so
+        wake the controllers and keep them polling until the slot is settled."""
+        for work in list(claim.works):
+            if work.is_completed():
+                continue
+            if not lane.wait_for(work, lane.NUDGE_S):
+                self._lane_nudge()
+                abort.wait_work(work, self._world)
+
+    def _lane_nudge(self) -> None:
+        with self._lock:
+            self._lane_nudged = True
+            bell, self._bell = self._bell, None
+        self._wake.set()
+        if bell is not None:
+            self._ring(bell)
+
+    def _lane_settle(self) -> None:
+        """The controller's share: settle a slot nobody waits for (dummies, unwaited ops)."""
+        assert self._lane is not None
+        try:
+            settled = self._lane.settle()
+        except Exception:
+            return  # its waiter (if any) reports it; a dead peer fails the next round too
+        if settled is not None:
+            self._lane_finish(settled)
+
+    def _lane_finish(self, claim: lane.Claim) -> None:
+        """Complete a settled claim: a valid slot gives the result; otherwise the op is
+        negotiated as any other, from the tensor as it was submitted."""
+        self._lane_nudged = False
+        if claim.name is None:
+            return
+        with self._lock:
+            local = self._pending.get(claim.name)
+        if local is None or not isinstance(local.handle, _LaneHandle):
+            return  # failed meanwhile (shutdown, a peer's failure)
+        handle = local.handle
+        if claim.valid:
+            Scaling.of(claim.request, self.comm.size, claim.data.dtype).after(claim.data)
+            rec = timeline.current()
+            if rec.enabled:
+                rec.span(
+                    f"collectives set {self.comm.set_id}",
+                    "ALLREDUCE (lane)",
+                    claim.started,
+                    time.perf_counter(),
+                    {"tensors": [claim.name], "count": 1},
+                )
+            with self._lock:
+                self._pending.pop(claim.name, None)
+            handle.claim = None
+            handle.set_result(local.outputs or local.tensors)
+            return
+        if claim.restore is not None:
+            where, what = claim.restore
+            where.copy_(what)
+        handle.claim = None
+        with self._lock:
+            if self._failure is None and not self._closed:
+                self._new.append(claim.name)
+                bell, self._bell = self._bell, None
+            else:
+                self._pending.pop(claim.name, None)
+                bell = None
+                handle.set_error(
+                    CollectiveAbortedError("ringtrain shut down before this collective completed")
+                )
+        self._wake.set()
+        if bell is not None:
+            self._ring(bell)
+
+    def _lane_round(self, messages: list[_Message], ready: list[str]) -> None:
+        """The lane's share of a round, before the ready ops run. Releasing a slot is this
+        rank's own decision; opening and giving up the reservation are decided from what every
+        rank received alike, so every rank decides the same."""
+        fast = self._lane
+        assert fast is not None
+        statuses = [m.lane for m in messages]
+        me = self.comm.set_rank
+        # Release: a peer waits in the current slot while this rank is busy elsewhere.
+        self._lane_settle()
+        mine = fast.status()
+        peers = [
+            st
+            for r, st in enumerate(statuses)
+            if r != me and st is not None and st.claimed and st.slot == mine.slot
+        ]
+        if not peers or mine.claimed or not mine.open:
+            self._lane_peer = None
+        else:
+            now = self._clock()
+            if self._lane_peer is None or self._lane_peer[0] != mine.slot:
+                self._lane_peer = (mine.slot, now)
+            busy = (
+                self._shutdown
+                or any(st.dummy for st in peers)
+                or any(me in by for by in self._table.values())
+            )
+            if busy or now - self._lane_peer[1] >= lane.RELEASE_S:
+                fast.doom(mine.slot)
+                self._lane_peer = None
+        # Open, or give up the reservation: from the messages and the ready list only.
+        known = [st for st in statuses if st is not None]
+        if len(known) != len(statuses):
+            return
+        ran = [req for req in (self._lane_candidate(name) for name in ready) if req is not None]
+        if not ran:
+            return
+        slots = {st.slot for st in known}
+        if all(not st.open and not st.claimed for st in known) and len(slots) == 1:
+            if fast.open_at(slots.pop(), ran[-1]):
+                self._lane_request = ran[-1]
+                self._lane_misses.clear()
+        elif all(st.open for st in known):
+            # A request negotiated again and again while the reservation goes unused takes it.
+            used = min(st.next_free for st in known)
+            if used > self._lane_used or len(self._lane_misses) > 64:
+                self._lane_misses.clear()
+            self._lane_used = used
+            for req in ran:
+                if req == self._lane_request:
+                    continue
+                self._lane_misses[req] = self._lane_misses.get(req, 0) + 1
+                if self._lane_misses[req] >= lane.SWITCH_AFTER:
+                    fast.doom(max(st.next_free for st in known))
+                    self._lane_misses.clear()
+                    break
+
+    def _lane_candidate(self, name: str) -> Request | None:
+        """The request of a ready name if it may reserve the lane: every rank submitted it, alike,
+        with no rank joined."""
+        by_rank = self._table[name]
+        if len(by_rank) != self.comm.size or self._joined:
+            return None
+        req = by_rank[0]
+        if not lane.eligible(req) or any(r != req for r in by_rank.values()):
+            return None
+        return req
 
     def _fail_all(self, error: CollectiveError | SecurityError) -> None:
         with self._lock:

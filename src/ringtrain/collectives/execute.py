@@ -221,7 +221,7 @@ class Executor:
         self, item: _Item, payloads: Mapping[int, inline.Payload]
     ) -> list[torch.Tensor]:
         work = dtypes.to_reducible_all(item.tensors, item.request.op)
-        scaling = _Scaling.of(item.request, item.contributors, work[0].dtype)
+        scaling = Scaling.of(item.request, item.contributors, work[0].dtype)
         flat = inline.reduce(item.name, payloads, item.request.op, scaling.before)
         numels = [w.numel() for w in work]
         plain = _all_reducible_in(item.outputs, work)
@@ -236,7 +236,7 @@ class Executor:
         if any(w.dtype != work[0].dtype for w in work):
             self._fused_allreduce([item])  # never inline either: one path, whatever the timing
             return item.outputs
-        scaling = _Scaling.of(item.request, item.contributors, work[0].dtype)
+        scaling = Scaling.of(item.request, item.contributors, work[0].dtype)
         numels = [w.numel() for w in work]
         flat = torch.cat([w.reshape(-1) for w in work])
         rows = torch.empty(self.comm.size * flat.numel(), dtype=flat.dtype)
@@ -257,7 +257,7 @@ class Executor:
         if not tensors:
             return
         work = dtypes.to_reducible_all(tensors, op)
-        scaling = _Scaling.of(req, n, work[0].dtype)
+        scaling = Scaling.of(req, n, work[0].dtype)
         group = self.comm.group_for(work[0])
         flat = one_block(outputs, work)  # in place, back to back: reduce them where they lie
         if flat is None and len(work) == 1 and _reducible_in(outputs[0], work[0]):
@@ -302,7 +302,7 @@ class Executor:
         outputs: list[torch.Tensor],
         numels: list[int],
         plain: bool,
-        scaling: _Scaling,
+        scaling: Scaling,
     ) -> None:
         if pending is not None:
             pending.wait()
@@ -539,7 +539,7 @@ def _from_bytes(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) 
 
 
 @dataclass(frozen=True)
-class _Scaling:
+class Scaling:
     """Scale factors of one fused allreduce, applied before and after the sum."""
 
     pre: float
@@ -547,7 +547,7 @@ class _Scaling:
     floor_div: int  # integer Average: floor-divide the sum by this (0: no)
 
     @classmethod
-    def of(cls, req: Request, contributors: int, dtype: torch.dtype) -> _Scaling:
+    def of(cls, req: Request, contributors: int, dtype: torch.dtype) -> Scaling:
         pre, post, floor_div = req.prescale, req.postscale, 0
         if req.op == "Average":
             if dtype in _LOW_PRECISION:

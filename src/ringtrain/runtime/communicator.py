@@ -7,7 +7,9 @@ data plane, never interleaves on one connection:
 * ``cpu``: Gloo, carries CPU tensors;
 * ``cuda``: NCCL, carries CUDA tensors (only where CUDA and NCCL are available);
 * ``engine``: Gloo, carries the gradient buckets of DistributedOptimizer, whose order is fixed by
-  the engine itself and so needs no negotiation.
+  the engine itself and so needs no negotiation;
+* ``lane``: Gloo, carries the controller's fast lane (allreduces that repeat a reserved request
+  and so skip the negotiation round, see :mod:`ringtrain.collectives.lane`).
 
 Layers above attach services (the controller) with :meth:`attach`; they are closed before the
 groups are destroyed.
@@ -78,6 +80,10 @@ class Communicator:
             )
         return self._groups[kind]
 
+    def optional_group(self, kind: str) -> Any:
+        """The process group of ``kind``, or None where this set has none."""
+        return self._groups.get(kind)
+
     def group_for(self, tensor: torch.Tensor) -> Any:
         return self.group("cuda" if tensor.is_cuda else "cpu")
 
@@ -125,7 +131,7 @@ def create(
     timeout = datetime.timedelta(seconds=timeout_s)
     is_world = list(ranks) == list(range(world_size))
     groups: dict[str, Any] = {}
-    kinds = ["control", "cpu", "engine"]
+    kinds = ["control", "cpu", "engine", "lane"]
     for kind in kinds:
         groups[kind] = dist.new_group(
             list(ranks), timeout=timeout, backend=backend, use_local_synchronization=False

@@ -1,0 +1,285 @@
+"""The fast lane: a repeated allreduce starts at once, with no negotiation round before it.
+
+A negotiated collective waits for one controller round (an allgather of every rank's requests)
+before its data moves; for a 256 KiB-4 MiB allreduce that round costs 5-50% of the transfer.
+Most such ops repeat: the same name, shape and dtype every step. So each process set keeps one
+*reservation*, agreed in a controller round like every other decision: "the next collective of
+the lane is this request". The lane is a sequence of *slots* on a Gloo group of its own
+(``lane``), the same sequence on every rank. A rank that submits exactly the reserved request
+claims the current slot at once, on the caller's thread, and starts the allreduce there: one
+Gloo collective, as a plain ``torch.distributed.all_reduce`` would be.
+
+Every rank must take part in every slot, so a rank that does not submit the reserved request in
+time claims the slot as a *dummy*: ``-0.0`` everywhere (the identity of a floating-point sum,
+signed zeros included), except a NaN in the first value. Its controller decides that
+(:meth:`Lane.doom`) when a peer's claim shows in a round and this rank is busy elsewhere: it
+waits on other collectives, it joined or is shutting down, a peer claimed a dummy, or the claim
+waited :data:`RELEASE_S`. Every rank then sees the same result, so it decides alike: a first
+value that is not NaN means every rank claimed the slot for real, and the slot is *valid*; a
+NaN (a dummy's, or one in the data itself) makes every rank allreduce a one-element flag (1: a
+real claim) to tell. A valid slot's result is exactly the normal path's (the same Gloo ring over
+a buffer of the same size; 2 ranks sum ``a + b`` in either order). Otherwise the lane closes on
+every rank, each real claimant gets its tensor back as it was (2 ranks: only the first value
+changed; 3 or more: from a copy taken at the claim, as partial sums would remain) and the op is
+negotiated as any other, so name matching, mismatch reports (which list every rank's
+submission) and stall reports work as before.
+
+The lane opens, deterministically, at a controller round that ran an eligible request on every
+rank, for that request; a reservation that goes unused while another eligible request is
+negotiated again and again (:data:`SWITCH_AFTER` times) is given up the same way (every rank
+claims the next slot as a dummy), so the lane follows what a program repeats. One reservation
+per process set: of several names used in turn, one rides the lane and the others are
+negotiated.
+
+What may ride the lane (:func:`eligible`): an allreduce (Sum or Average, no prescale) of one
+contiguous CPU tensor of a floating-point type (integers cannot hold the dummy's NaN; 16-bit
+averages divide before the sum), larger than what travels inline in the negotiation round
+(:mod:`ringtrain.collectives.inline`), submitted alike by every rank. ``Config.fast_lane``
+(``RINGTRAIN_FAST_LANE=0``) turns the lane off.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ringtrain.collectives import dtypes, inline
+from ringtrain.collectives.requests import Request
+
+# A real claim waits at most this long for a rank that is not busy elsewhere before that rank's
+# controller releases the slot (the op is then negotiated, and the stall inspector sees it).
+RELEASE_S = 1.0
+# A claim that has waited this long wakes the controllers (they may doze between rounds), so
+# that the ranks that have not claimed learn of it.
+NUDGE_S = 0.25
+# An eligible request negotiated this many times while the reservation went unused takes the
+# lane (the reservation is given up, then the lane reopens for the next eligible request).
+SWITCH_AFTER = 2
+
+# Floating point only: a dummy marks its slot with a NaN, which integers cannot hold.
+_DTYPES = {"torch.float32", "torch.float64", "torch.float16", "torch.bfloat16"}
+_LOW_PRECISION = {"torch.float16", "torch.bfloat16"}
+
+
+def eligible(req: Request) -> bool:
+    """Whether ``req`` may ride the lane (the tensors themselves are checked at the claim)."""
+    if req.kind != "allreduce" or req.error or len(req.tensors) != 1 or req.prescale != 1.0:
+        return False
+    if req.op not in ("Sum", "Average"):
+        return False
+    meta = req.tensors[0]
+    if meta.device != "cpu" or meta.dtype not in _DTYPES:
+        return False
+    if req.op == "Average" and meta.dtype in _LOW_PRECISION:
+        return False  # 16-bit averages divide before the sum: the tensor would change
+    nbytes = math.prod(meta.shape) * dtypes.from_name(meta.dtype).itemsize
+    return nbytes > inline.INLINE_MAX_BYTES
+
+
+class Status(NamedTuple):
+    """One rank's lane, as its control message reports it."""
+
+    slot: int  # the slot claimed (when ``claimed``), else the next one to claim
+    claimed: bool
+    dummy: bool  # the claim is a dummy: the slot cannot be valid
+    open: bool  # a reservation stands
+
+    @property
+    def next_free(self) -> int:
+        return self.slot + 1 if self.claimed else self.slot
+
+
+@dataclass
+class Claim:
+    """This rank's part in one slot."""
+
+    slot: int
+    request: Request
+    name: str | None  # None: a dummy
+    data: torch.Tensor
+    works: list[Any]  # in flight: the data's allreduce, then (if needed) the flags'
+    started: float
+    restore: tuple[torch.Tensor, torch.Tensor] | None = None  # (where, what) on a lost slot
+    flag: torch.Tensor | None = None
+    valid: bool | None = None
+
+    def completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+class Lane:
+    """One process set's lane on this rank. Users claim slots on their own threads; the
+    controller thread opens the lane, dooms slots and settles claims nobody waits for."""
+
+    def __init__(self, size: int, group: Any) -> None:
+        self.size = size
+        self._group = group
+        self._lock = threading.Lock()
+        self.slot = 0
+        self.reserved: Request | None = None
+        self.claim: Claim | None = None
+        self._doom_at = -1
+        self.slots_valid = 0  # for tests and statistics
+        self.slots_invalid = 0
+        self.flag_rounds = 0  # slots whose first value came out NaN: flags decided
+
+    def status(self) -> Status:
+        with self._lock:
+            c = self.claim
+            return Status(self.slot, c is not None, c is not None and c.name is None, self.open)
+
+    @property
+    def open(self) -> bool:
+        return self.reserved is not None
+
+    # ---- claiming ----------------------------------------------------------------------------
+
+    def try_claim(
+        self, request: Request, tensors: list[torch.Tensor], outputs: list[torch.Tensor] | None
+    ) -> Claim | None:
+        """Claim the current slot for ``request`` if it is the reservation; None otherwise.
+        A request that matches but whose tensors cannot ride claims a dummy (so the peers do
+        not wait for it) and returns None: it is negotiated instead."""
+        with self._lock:
+            if self.reserved is None or self.claim is not None or request != self.reserved:
+                return None
+            if self._doom_at == self.slot:
+                return None
+            t = tensors[0] if len(tensors) == 1 else None
+            out = outputs[0] if outputs else t
+            if not _fits(t, out):
+                self._claim_dummy()
+                return None
+            assert t is not None and out is not None
+            if out is not t:
+                out.copy_(t)
+                restore = None  # the op's own output: a lost slot is simply filled again
+            elif self.size > 2:
+                restore = (t, t.clone())  # the real claimants' partial sums would remain
+            else:
+                first = t.view(-1)[:1]  # two ranks: only the first value can change (to NaN)
+                restore = (first, first.clone())
+            self.claim = self._launch(request, request.name, out)
+            self.claim.restore = restore
+            return self.claim
+
+    def _claim_dummy(self) -> None:
+        req = self.reserved
+        assert req is not None and self.claim is None
+        meta = req.tensors[0]
+        data = torch.full(meta.shape, -0.0, dtype=dtypes.from_name(meta.dtype))
+        data.view(-1)[0] = math.nan  # marks the slot: every rank's first value comes out NaN
+        self.claim = self._launch(req, None, data)
+
+    def _launch(self, req: Request, name: str | None, data: torch.Tensor) -> Claim:
+        work = dist.all_reduce(data, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+        return Claim(self.slot, req, name, data, [work], time.perf_counter())
+
+    def doom(self, slot: int) -> None:
+        """Claim ``slot`` as a dummy: now if it is the current, unclaimed slot of an open lane;
+        when the lane reaches it, if it is ahead; never if this rank has claimed it already."""
+        with self._lock:
+            if slot > self.slot:
+                self._doom_at = max(self._doom_at, slot)
+            elif slot == self.slot and self.claim is None and self.reserved is not None:
+                self._claim_dummy()
+
+    def open_at(self, slot: int, request: Request) -> bool:
+        """Reserve ``slot`` onwards for ``request`` (a decision every rank makes alike)."""
+        with self._lock:
+            if self.reserved is not None or self.claim is not None or self.slot != slot:
+                return False  # cannot happen: every rank reported the lane closed at ``slot``
+            self.reserved = request
+            self._doom_at = -1
+            return True
+
+    # ---- settling ----------------------------------------------------------------------------
+
+    def settle(self, claim: Claim | None = None) -> Claim | None:
+        """Take the verdict of the current slot if its collectives are done. Returns the claim
+        whose verdict this call took (exactly one caller gets each), else None: not done yet,
+        or (first value NaN) the flags' allreduce was just started and must be waited for."""
+        with self._lock:
+            c = self.claim
+            if c is None or (claim is not None and c is not claim) or not c.completed():
+                return None
+            try:
+                for w in c.works:
+                    w.wait()  # completed: raises the transport's error if there was one
+                if c.flag is None:
+                    if not math.isnan(float(c.data.view(-1)[0])):
+                        return self._verdict(c, True)  # no dummy took part: valid
+                    # A dummy, or NaN in the data itself: every rank saw the same NaN, and
+                    # every rank now sends its flag (1: real) to tell the two apart.
+                    self.flag_rounds += 1
+                    c.flag = torch.tensor([0 if c.name is None else 1], dtype=torch.int32)
+                    sum_op = dist.ReduceOp.SUM
+                    c.works = [dist.all_reduce(c.flag, op=sum_op, group=self._group, async_op=True)]
+                    return None
+                return self._verdict(c, int(c.flag.item()) == self.size)
+            except Exception:
+                self.claim, self.reserved = None, None
+                raise
+
+    def _verdict(self, c: Claim, valid: bool) -> Claim:
+        c.valid = valid
+        self.claim = None
+        self.slot += 1
+        if valid:
+            self.slots_valid += 1
+        else:
+            self.slots_invalid += 1
+            self.reserved = None
+        if self._doom_at == self.slot and self.reserved is not None:
+            self._claim_dummy()
+        return c
+
+    def drain(self, timeout_s: float) -> None:
+        """At shutdown: see this rank's claims through, including a dummy decided for a slot
+        ahead, so that no peer is left in a slot this rank never claims (a group cannot be
+        destroyed with a collective in flight). Gives up after ``timeout_s`` (a peer failed)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                c = self.claim
+            if c is None:
+                return
+            try:
+                for w in list(c.works):
+                    if not wait_for(w, deadline - time.monotonic()):
+                        return
+                self.settle(c)
+            except Exception:
+                return  # a peer failed: its error is reported elsewhere
+
+
+def wait_for(work: Any, seconds: float) -> bool:
+    """Wait for ``work`` up to ``seconds``; False if it is still running (Gloo, and ringtrain's
+    own groups, raise when a timed wait runs out, and the work can be waited on again)."""
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=max(seconds, 0.001)))
+    except RuntimeError:
+        if work.is_completed():
+            raise  # the work's own error
+        return False
+    return True
+
+
+def _fits(t: torch.Tensor | None, out: torch.Tensor | None) -> bool:
+    """Whether a claim can reduce in ``out`` directly, as the normal path does."""
+    if t is None or out is None or t.is_sparse or t.device.type != "cpu":
+        return False
+    return (
+        out.is_contiguous()
+        and out.dtype == t.dtype
+        and out.shape == t.shape
+        and out.device.type == "cpu"
+        and str(t.dtype) in _DTYPES
+    )
