@@ -32,7 +32,7 @@ def _fields(out: str, kind: str) -> list[dict[str, str]]:
 
 
 def _job(
-    cluster: tc.Cluster, slots: int, min_np: int, **env_vars: str
+    cluster: tc.Cluster, slots: int, min_np: int, *flags: str, **env_vars: str
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "MODE": "optimizer", "OMP_NUM_THREADS": "1", **env_vars}
     forward = [a for name in ["MODE", "OMP_NUM_THREADS", *env_vars] for a in ("-x", name)]
@@ -49,6 +49,7 @@ def _job(
             str(min_np),
             "--elastic-timeout",
             "60",
+            *flags,
             *forward,
             "--",
             sys.executable,
@@ -77,6 +78,19 @@ def test_survivors_on_other_hosts_resume(cluster: tc.Cluster, victim: int) -> No
     resets = _fields(proc.stdout, "reset")
     assert len(resets) == 2
     assert max(float(r["t"]) for r in resets) - float(kill["t"]) < 10.0
+
+
+@pytest.mark.timeout(300)
+def test_secure_survivors_on_other_hosts_resume(cluster: tc.Cluster) -> None:
+    """--secure across hosts: the survivors authenticate a new rendezvous with the job key they
+    hold and make new sealed groups, then finish with the undisturbed result."""
+    proc = _job(cluster, 1, 2, "--secure", VICTIM="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    done = _fields(proc.stdout, "done")
+    assert sorted(d["id"] for d in done) == ["0", "2"]
+    assert all(d["w"] == str(EXPECTED).replace(" ", "") for d in done)
+    resets = _fields(proc.stdout, "reset")
+    assert len(resets) == 2 and all(r["backend"] == "ringtrain_sealed" for r in resets), resets
 
 
 @pytest.mark.timeout(300)
