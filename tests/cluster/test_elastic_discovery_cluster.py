@@ -178,13 +178,20 @@ def test_an_unreachable_host_is_excluded_with_ssh_s_reason(
             if f"excluding host {ghost}" in line:
                 fails.write_text("seen\n")  # releases the ranks' hold
 
+    # Only the reader thread reads stderr (communicate() would race it for the line), and
+    # another thread drains stdout so the job never blocks on a full pipe.
+    outs: list[str] = []
     reader = threading.Thread(target=read_err, daemon=True)
     reader.start()
+    drain = threading.Thread(target=lambda: outs.extend(proc.stdout or []), daemon=True)
+    drain.start()
     try:
-        out, _ = proc.communicate(timeout=360)
+        proc.wait(timeout=360)
     finally:
         proc.kill()
     reader.join(10)
+    drain.join(10)
+    out = "".join(outs)
     text = "".join(err)
     assert proc.returncode == 0, out + text
     (line,) = [e for e in err if f"excluding host {ghost}" in e]
