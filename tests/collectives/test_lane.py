@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import ringtrain as rt
+from ringtrain.collectives import lane
 from ringtrain.collectives.ops import controller_of
 from ringtrain.testing import spawn
 
@@ -54,9 +56,28 @@ def _repeat(steps: int) -> tuple[list[torch.Tensor], tuple[int, int]]:
     return out, _slots()
 
 
+def _patient(release_s: float, fn_name: str, *args: object) -> object:
+    """Run ``fn_name(*args)`` with the lane releasing a waiting claim only after ``release_s``:
+    on a busy machine a rank can be descheduled past the default second, and a test that counts
+    lane slots must not depend on that (results never do)."""
+    saved = lane.RELEASE_S
+    lane.RELEASE_S = release_s
+    try:
+        return globals()[fn_name](*args)
+    finally:
+        lane.RELEASE_S = saved
+
+
+def _run(world: spawn.World, fn: Any, *args: Any, release_s: float = 60.0, **kw: Any) -> Any:
+    """world.run with the lane on (it is opt-in) and a patient release, unless a test says."""
+    if "env" not in kw:
+        kw.setdefault("fast_lane", True)
+    return world.run(_patient, release_s, fn.__name__, *args, timeout=TIMEOUT, **kw)
+
+
 def test_repeated_allreduces_match_the_negotiated_path_bitwise(world: spawn.World) -> None:
-    fast = world.run(_repeat, 6, timeout=TIMEOUT)
-    slow = world.run(_repeat, 6, fast_lane=False, timeout=TIMEOUT)
+    fast = _run(world, _repeat, 6)
+    slow = _run(world, _repeat, 6, fast_lane=False)
     n = world.size
     for r in range(n):
         for a, b in zip(fast[r][0], slow[r][0]):
@@ -78,7 +99,7 @@ def _one_name(steps: int) -> tuple[list[torch.Tensor], tuple[int, int]]:
 
 
 def test_one_repeated_name_rides_the_lane_from_its_second_run(world: spawn.World) -> None:
-    results = world.run(_one_name, 8, timeout=TIMEOUT)
+    results = _run(world, _one_name, 8)
     for got, (valid, invalid) in results:
         # The first run is negotiated (and reserves the lane); the rest ride it.
         assert valid >= 6 and invalid == 0, (valid, invalid)
@@ -98,7 +119,7 @@ def _switch() -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def test_the_lane_follows_a_new_name(world: spawn.World) -> None:
-    for first, second in world.run(_switch, timeout=TIMEOUT):
+    for first, second in _run(world, _switch):
         assert first[0] >= 3
         # "second" misses the reservation a few times, the lane gives it up (one slot no rank
         # used), reopens for "second", which then rides it
@@ -118,7 +139,7 @@ def _reshaped() -> tuple[int, int]:
 
 
 def test_a_name_reused_with_another_shape(world: spawn.World) -> None:
-    for valid, _ in world.run(_reshaped, timeout=TIMEOUT):
+    for valid, _ in _run(world, _reshaped):
         assert valid >= 5
 
 
@@ -157,7 +178,7 @@ def _mismatch_on_the_lane(kind: str) -> str:
 def test_mismatch_on_a_cached_name_is_reported_with_every_rank(
     world: spawn.World, kind: str
 ) -> None:
-    messages = world.run(_mismatch_on_the_lane, kind, timeout=TIMEOUT)
+    messages = _run(world, _mismatch_on_the_lane, kind)
     n = world.size
     last = n - 1
     assert len(set(messages)) == 1, messages  # one message, on every rank
@@ -181,7 +202,7 @@ def _out_of_order() -> list[torch.Tensor]:
 
 
 def test_ranks_submitting_in_different_orders(world: spawn.World) -> None:
-    results = world.run(_out_of_order, timeout=TIMEOUT)
+    results = _run(world, _out_of_order)
     n = world.size
     for r in range(n):
         for i, nm in enumerate(["a", "b", "c"]):
@@ -203,13 +224,13 @@ def _late(delay: float) -> tuple[int, int]:
 
 def test_a_late_rank_joins_the_slot(world: spawn.World) -> None:
     # Late enough that the waiting ranks wake the controllers (lane.NUDGE_S), within RELEASE_S.
-    for valid, invalid in world.run(_late, 0.5, timeout=TIMEOUT):
+    for valid, invalid in _run(world, _late, 0.5):
         assert invalid == 0 and valid >= 2
 
 
 def test_a_rank_away_longer_than_the_release_time(world: spawn.World) -> None:
     # The others' claim is released (a dummy from the absent rank) and the op is negotiated.
-    for valid, invalid in world.run(_late, 2.0, timeout=TIMEOUT):
+    for valid, invalid in _run(world, _late, 2.0, release_s=lane.RELEASE_S):
         assert invalid == 1 and valid >= 1
 
 
@@ -225,7 +246,7 @@ def _nan_first() -> tuple[list[torch.Tensor], tuple[int, int], int]:
 
 
 def test_nan_in_the_first_value_is_told_from_a_dummy(world: spawn.World) -> None:
-    for got, (valid, invalid), flag_rounds in world.run(_nan_first, timeout=TIMEOUT):
+    for got, (valid, invalid), flag_rounds in _run(world, _nan_first):
         assert invalid == 0 and valid == 3 and flag_rounds == 2
         for s, t in enumerate(got):
             expected = sum(_data(s, k) for k in range(world.size))
@@ -255,7 +276,7 @@ def _busy_elsewhere() -> tuple[int, int]:
 
 
 def test_a_rank_busy_with_another_collective(world: spawn.World) -> None:
-    for _, invalid in world.run(_busy_elsewhere, timeout=TIMEOUT):
+    for _, invalid in _run(world, _busy_elsewhere):
         assert invalid <= 1
 
 
@@ -269,7 +290,7 @@ def _join() -> int:
 
 
 def test_join_while_the_lane_is_open(world: spawn.World) -> None:
-    assert world.run(_join, timeout=TIMEOUT) == [world.size - 1] * world.size
+    assert _run(world, _join) == [world.size - 1] * world.size
 
 
 def _process_sets() -> tuple[tuple[int, int], tuple[int, int]]:
@@ -289,14 +310,14 @@ def _process_sets() -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def test_process_sets_have_lanes_of_their_own(world: spawn.World) -> None:
-    for r, (world_slots, set_slots) in enumerate(world.run(_process_sets, timeout=TIMEOUT)):
+    for r, (world_slots, set_slots) in enumerate(_run(world, _process_sets)):
         assert world_slots[0] >= 3
         if r in (0, 1):
             assert set_slots[0] >= 3
 
 
 def test_the_lane_can_be_turned_off(world: spawn.World) -> None:
-    for _got, slots in world.run(_one_name, 3, env={"RINGTRAIN_FAST_LANE": "0"}, timeout=TIMEOUT):
+    for _got, slots in _run(world, _one_name, 3, env={"RINGTRAIN_FAST_LANE": "0"}):
         assert slots == (0, 0)
 
 
@@ -313,10 +334,10 @@ def _abandoned_claim() -> tuple[int, int]:
 
 def test_shutdown_with_a_claim_nobody_matched(world: spawn.World) -> None:
     t0 = time.monotonic()
-    world.run(_abandoned_claim, timeout=TIMEOUT)
+    _run(world, _abandoned_claim)
     assert time.monotonic() - t0 < 60
     # The ranks are fine afterwards: the next job in the same processes runs.
-    for _got, (valid, invalid) in world.run(_one_name, 3, timeout=TIMEOUT):
+    for _got, (valid, invalid) in _run(world, _one_name, 3):
         assert invalid == 0 and valid >= 1
 
 
@@ -332,6 +353,6 @@ def _traced(base: str) -> list[str]:
 
 
 def test_the_timeline_shows_lane_ops(world: spawn.World, tmp_path: Path) -> None:
-    for names in world.run(_traced, str(tmp_path / "trace.json"), timeout=TIMEOUT):
+    for names in _run(world, _traced, str(tmp_path / "trace.json")):
         assert names.count("ALLREDUCE (lane)") >= 2, names
         assert "NEGOTIATE" in names  # the first run, which reserved the lane
