@@ -348,7 +348,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         settings["secure"] = True
     if args.check_consistency is not None:
         settings["check_consistency"] = False
-    if args.verbose and "log_level" not in settings and "RINGTRAIN_LOG_LEVEL" not in os.environ:
+    asked = ("RINGTRAIN_LOG_LEVEL", "HOROVOD_LOG_LEVEL")  # a level the job set wins over -v's
+    if args.verbose and "log_level" not in settings and not any(v in os.environ for v in asked):
         settings["log_level"] = "INFO"  # the ranks say how they tuned themselves, too
     return LaunchOptions(
         np=np,
