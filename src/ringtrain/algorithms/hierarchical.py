@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain import compat
 from ringtrain.errors import CollectiveArgumentError, ConfigError
 
 _OPS = {
@@ -250,7 +251,7 @@ class HierarchicalAllreduce:
                 a, b = numel * j // s, numel * (j + 1) // s
                 rows[j, : b - a] = flat[a:b]
             mine = torch.empty(width, dtype=flat.dtype, device=flat.device)
-            dist.reduce_scatter_single(mine, rows.view(-1), op=rop, group=local)
+            compat.reduce_scatter_single(mine, rows.view(-1), op=rop, group=local)
         else:
             mine = flat.clone()
 
@@ -268,7 +269,7 @@ class HierarchicalAllreduce:
         # 3. allgather within the host.
         if local is not None:
             gathered = torch.empty(s * width, dtype=flat.dtype, device=flat.device)
-            dist.all_gather_single(gathered, mine, group=local)
+            compat.all_gather_single(gathered, mine, group=local)
             rows = gathered.view(s, width)
             for j in range(s):
                 a, b = numel * j // s, numel * (j + 1) // s

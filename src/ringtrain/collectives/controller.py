@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from ringtrain import compat
 from ringtrain.collectives import crossset, inline, lane
 from ringtrain.collectives.execute import Executor, Pending, Scaling, transport_error
 from ringtrain.collectives.handles import Handle
@@ -577,7 +577,7 @@ class Controller:
         if len(payload) <= width - 8:
             out[8 : 8 + len(payload)] = payload
         abort.wait_work(
-            dist.all_gather_single(slots, slot, group=self._control, async_op=True), self._world
+            compat.all_gather_single(slots, slot, group=self._control, async_op=True), self._world
         )
         got = slots.numpy().data
         lengths = [struct.unpack_from("<q", got, r * width)[0] for r in range(size)]
@@ -590,7 +590,7 @@ class Controller:
         big.numpy().data[: len(payload)] = payload
         bigs = torch.empty(size * longest, dtype=torch.uint8)
         abort.wait_work(
-            dist.all_gather_single(bigs, big, group=self._control, async_op=True), self._world
+            compat.all_gather_single(bigs, big, group=self._control, async_op=True), self._world
         )
         got = bigs.numpy().data
         return [pickle.loads(got[r * longest : r * longest + n]) for r, n in enumerate(lengths)]

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain import compat
 from ringtrain.collectives import dtypes, inline
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request, TensorMeta
@@ -240,7 +241,7 @@ class Executor:
         numels = [w.numel() for w in work]
         flat = torch.cat([w.reshape(-1) for w in work])
         rows = torch.empty(self.comm.size * flat.numel(), dtype=flat.dtype)
-        dist.all_gather_single(rows, flat, group=self.comm.group_for(flat))
+        compat.all_gather_single(rows, flat, group=self.comm.group_for(flat))
         stack = rows.view(self.comm.size, -1)
         scaling.before(stack)
         out = inline.reduce_rows(stack, item.request.op)
@@ -467,7 +468,7 @@ class Executor:
             _scale(pieces, pre)
         out = torch.empty((longest, width), dtype=work.dtype, device=work.device)
         if size > 1:
-            dist.reduce_scatter_single(
+            compat.reduce_scatter_single(
                 out,
                 pieces.reshape(size * longest, width),
                 op=REDUCE_OPS[req.op],

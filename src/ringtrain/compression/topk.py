@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain import compat
 from ringtrain.compression.base import register
 from ringtrain.errors import CollectiveArgumentError, ConfigError
 
@@ -157,7 +158,7 @@ class TopKReducer:
         # One allgather of packed bytes (indices then values) instead of two collectives.
         packed = torch.cat([idx.to(idx_dtype).view(torch.uint8), values.view(torch.uint8)])
         gathered = torch.empty(world * packed.numel(), dtype=torch.uint8, device=flat.device)
-        dist.all_gather_single(gathered, packed, group=group)
+        compat.all_gather_single(gathered, packed, group=group)
         self.numel_in += numel
         self.bytes_sent += packed.numel()
 

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain import compat
 from ringtrain.compression.halfprec import FP16Compressor
 from ringtrain.diagnostics import timeline
 from ringtrain.engine.buckets import Bucket, Plan
@@ -486,7 +487,7 @@ class GradientExchange:
             local.append((indices, values))
         counts = torch.tensor([v.shape[0] for _, v in local], dtype=torch.int64)
         every = torch.empty(size * counts.numel(), dtype=torch.int64)
-        dist.all_gather_single(every, counts, group=self._group)
+        compat.all_gather_single(every, counts, group=self._group)
         table = every.view(size, -1)
         works = []
         for j, (indices, values) in enumerate(local):

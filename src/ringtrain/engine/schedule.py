@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain import compat
 from ringtrain.engine.buckets import NOT_SEEN, Observation, ParamSpec
 from ringtrain.errors import ConfigError
 
@@ -87,7 +88,7 @@ def gather(local: Observation, group: Any, size: int) -> list[Observation]:
         return [local]
     n = len(local.numel)
     counts = torch.empty(size, dtype=torch.int64)
-    dist.all_gather_single(counts, torch.tensor([n], dtype=torch.int64), group=group)
+    compat.all_gather_single(counts, torch.tensor([n], dtype=torch.int64), group=group)
     if len(set(counts.tolist())) != 1:
         raise ConfigError(
             f"the optimizer holds {counts.tolist()} parameters on ranks 0..{size - 1}.\n"
@@ -95,7 +96,7 @@ def gather(local: Observation, group: Any, size: int) -> list[Observation]:
         )
     mine = torch.tensor(local.encode(), dtype=torch.int64)
     gathered = torch.empty(size * mine.numel(), dtype=torch.int64)
-    dist.all_gather_single(gathered, mine, group=group)
+    compat.all_gather_single(gathered, mine, group=group)
     return [Observation.decode(row, n) for row in gathered.view(size, -1).tolist()]
 
 

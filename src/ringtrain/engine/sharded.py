@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain import compat
 from ringtrain.engine.buckets import Plan
 from ringtrain.errors import ConfigError
 from ringtrain.runtime import abort
@@ -230,7 +231,9 @@ class ShardedStep:
                 for a in range(0, layout.shard, step):
                     z = min(layout.shard, a + step)
                     out = torch.empty((z - a) * self._size, dtype=mine.dtype, device=mine.device)
-                    work = dist.all_gather_single(out, mine[a:z], group=self._group, async_op=True)
+                    work = compat.all_gather_single(
+                        out, mine[a:z], group=self._group, async_op=True
+                    )
                     pending.append((layout, a, z, out, work))
                     if len(pending) == 2:
                         self._land(*pending.pop(0))
@@ -342,7 +345,7 @@ class ShardedStep:
                         a = where[piece.index] + piece.start - lo
                         shard[a : a + view.numel()].copy_(value.reshape(-1))
                 out = torch.empty(layout.shard * self._size, dtype=dtype, device=first.device)
-                dist.all_gather_single(out, shard, group=self._group)
+                compat.all_gather_single(out, shard, group=self._group)
                 for i, offset, shape in zip(b.params, b.offsets, b.shapes):
                     if i in info and key in info[i][1]:
                         n = self._params[i].numel()

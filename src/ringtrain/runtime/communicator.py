@@ -5,7 +5,9 @@ data plane, never interleaves on one connection:
 
 * ``control``: Gloo, carries the small negotiation messages of the collectives controller;
 * ``cpu``: Gloo, carries CPU tensors;
-* ``cuda``: NCCL, carries CUDA tensors (only where CUDA and NCCL are available);
+* ``cuda``: carries CUDA tensors: NCCL where CUDA and NCCL are available and every rank of the
+  set has its own GPU, else the ``cpu`` group, which moves them through host memory (decided at
+  the set's first CUDA collective, see :mod:`ringtrain.runtime.devices`);
 * ``engine``: Gloo, carries the gradient buckets of DistributedOptimizer, whose order is fixed by
   the engine itself and so needs no negotiation;
 * ``lane``: Gloo, carries the controller's fast lane (allreduces that repeat a reserved request
@@ -17,11 +19,18 @@ groups are destroyed.
 
 from __future__ import annotations
 
+import logging
+import socket
+import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+from ringtrain.runtime import devices
+
+log = logging.getLogger("ringtrain")
 
 
 class Closable(Protocol):
@@ -39,6 +48,7 @@ class Communicator:
         groups: dict[str, Any],
         is_world: bool,
         store: Any = None,
+        host: str = "",
     ) -> None:
         self.set_id = set_id
         self.ranks = tuple(ranks)
@@ -46,8 +56,12 @@ class Communicator:
         self.is_world = is_world
         # The job's rendezvous store (None at world size 1): idle controllers wait on it.
         self.store = store
+        self.host = host or socket.gethostname()
         self._groups = groups
         self._services: dict[str, Closable] = {}
+        # Where CUDA tensors go, once decided (see cuda_route); "cuda" in groups once decided.
+        self.cuda_route: devices.CudaRoute | None = None
+        self._route_lock = threading.Lock()
 
     @property
     def included(self) -> bool:
@@ -69,8 +83,9 @@ class Communicator:
         return self.ranks.index(self.world_rank)
 
     def group(self, kind: str) -> Any:
-        """The process group of ``kind`` ('control', 'cpu', 'cuda', 'engine')."""
-        if kind == "cuda" and "cuda" not in self._groups:
+        """The process group of ``kind`` ('control', 'cpu', 'cuda', 'engine'). CUDA tensors
+        take :meth:`group_for`, which decides between NCCL and host memory first."""
+        if kind == "cuda" and "cuda" not in self._groups and "nccl" not in self._groups:
             from ringtrain.errors import CollectiveArgumentError
 
             raise CollectiveArgumentError(
@@ -78,6 +93,8 @@ class Communicator:
                 "HINT: CUDA collectives need a CUDA build of torch with NCCL and a GPU on every "
                 "rank at ringtrain.init(); move the tensor to the CPU otherwise."
             )
+        if kind == "cuda" and "cuda" not in self._groups:
+            return self._groups["nccl"]  # not decided yet: group_for decides with a tensor
         return self._groups[kind]
 
     def optional_group(self, kind: str) -> Any:
@@ -85,7 +102,34 @@ class Communicator:
         return self._groups.get(kind)
 
     def group_for(self, tensor: torch.Tensor) -> Any:
-        return self.group("cuda" if tensor.is_cuda else "cpu")
+        """The group that carries ``tensor``. Collective at the set's first CUDA tensor: the
+        executor calls it for the same op at the same point on every rank of the set."""
+        if not tensor.is_cuda:
+            return self._groups["cpu"]
+        if "cuda" not in self._groups:
+            self.group("cuda")  # raises if this set has no NCCL group either
+            self._route_cuda(tensor.device)
+        return self._groups["cuda"]
+
+    def _route_cuda(self, device: torch.device) -> None:
+        """Decide where this set's CUDA tensors travel (see :mod:`ringtrain.runtime.devices`):
+        every rank reports the device of the first CUDA collective's tensors; NCCL unless two
+        ranks share one, else the ``cpu`` (Gloo) group, which stages them in host memory."""
+        with self._route_lock:
+            if "cuda" in self._groups:
+                return
+            route = devices.CudaRoute(True)
+            if self.size > 1:
+                mine = devices.identity(device, self.host)
+                every: list[Any] = [None] * self.size
+                dist.all_gather_object(every, mine, group=self._groups["cpu"])
+                route = devices.choose_route(every, self.ranks, self.set_id)
+            if not route.nccl:
+                # One warning per set, from its first rank; the others say it at DEBUG.
+                level = logging.WARNING if self.set_rank == 0 else logging.DEBUG
+                log.log(level, "%s", route.reason)
+            self.cuda_route = route
+            self._groups["cuda"] = self._groups["nccl" if route.nccl else "cpu"]
 
     def global_rank(self, set_rank: int) -> int:
         return self.ranks[set_rank]
@@ -117,6 +161,7 @@ def create(
     timeout_s: float,
     backend: str = "gloo",
     store: Any = None,
+    host: str = "",
 ) -> Communicator:
     """Create the groups of a process set. Collective: every world rank calls it in the same order.
 
@@ -124,7 +169,9 @@ def create(
     :mod:`ringtrain.algorithms.sealed_backend`, or ``ringtrain_tcp``, see
     :mod:`ringtrain.algorithms.tcp_backend`), every group uses it, so callers use them as any
     other group; CUDA tensors then travel through host memory (NCCL cannot seal, and an enclave
-    job makes no NCCL group).
+    job makes no NCCL group). With Gloo, the NCCL group is made here (it connects lazily, at its
+    first collective) and used only if no two ranks of the set share a GPU; ``host``: this rank's
+    host, for that check (see :mod:`ringtrain.runtime.devices`).
     """
     import datetime
 
@@ -139,5 +186,5 @@ def create(
     if backend != "gloo":
         groups["cuda"] = groups["cpu"]
     elif torch.cuda.is_available() and dist.is_nccl_available():
-        groups["cuda"] = dist.new_group(list(ranks), timeout=timeout, backend="nccl")
-    return Communicator(set_id, ranks, world_rank, groups, is_world, store)
+        groups["nccl"] = dist.new_group(list(ranks), timeout=timeout, backend="nccl")
+    return Communicator(set_id, ranks, world_rank, groups, is_world, store, host)

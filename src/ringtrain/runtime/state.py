@@ -172,6 +172,7 @@ def start(
                 config.timeout_s,
                 backend=backend,
                 store=store,
+                host=topo.hosts[placement.rank],
             )
             world._bind(WORLD_SET_ID, comm)
             global_process_set._bind(WORLD_SET_ID, comm)
@@ -311,6 +312,7 @@ def add_process_set(ranks: Sequence[int] | ProcessSet) -> ProcessSet:
         rt.config.timeout_s,
         backend=dist.get_backend(),
         store=global_process_set.communicator.store,
+        host=rt.topology.hosts[rt.rank],
     )
     ps._bind(set_id, comm)
     rt.process_sets[set_id] = ps

@@ -25,9 +25,6 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
 from ringtrain.errors import ConfigError, SecurityError
 
 KEY_BYTES = 32
@@ -105,6 +102,11 @@ def load_job_key(config: Any, env: Mapping[str, str] | None = None) -> bytes:
 
 def derive(key: bytes, purpose: str, context: bytes = b"", length: int = KEY_BYTES) -> bytes:
     """An independent subkey of ``key`` for ``purpose`` (HKDF-SHA256), bound to ``context``."""
+    # Imported here: jobs that seal nothing import this module (through the TCP backend's
+    # ring groups) and must run where `cryptography` is not installed.
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
     _check_length(key, "derive")
     info = b"ringtrain/v1/" + purpose.encode() + b"\x00" + context
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=info).derive(key)

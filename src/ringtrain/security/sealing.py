@@ -33,9 +33,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
 from ringtrain.errors import ConfigError, InternalError, SecurityError
 from ringtrain.security import keys
 
@@ -97,6 +94,12 @@ class Session:
         for r, m in zip(randoms, members):
             digest.update(r + struct.pack(">q", m.rank))
         self.tag = digest.digest()
+        # Imported here: ``ringtrain.init`` imports this module (through the TCP backend) in
+        # every job, and a job that seals nothing must run where `cryptography` is missing.
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        self._invalid_tag = InvalidTag
         job = job_id.encode()
         self._aead = AESGCM(keys.derive(sealing_key, "session", job + b"\x00" + self.tag))
         self._aad_prefix = b"ringtrain/v1\x00" + job + b"\x00" + self.tag[:16]
@@ -187,7 +190,7 @@ class Session:
                 self._aad(peer, receiver, kind, seq),
                 out,
             )
-        except InvalidTag:
+        except self._invalid_tag:
             self._fail(
                 peer,
                 kind,
