@@ -357,6 +357,9 @@ def _process_set_route() -> tuple[bool, str]:
         t = torch.full((8,), float(r), device=dev)
         _check(hvd.broadcast(t, n - 1, process_set=ps), torch.full((8,), n - 1.0), dev, "set")
         route = ps.communicator.cuda_route
+        if n == 1:  # a one-rank set moves no data, so it never needs to decide
+            assert route is None
+            return True, ""
         assert route is not None
         return route.nccl, route.reason
     finally:
