@@ -112,7 +112,9 @@ def _switch() -> tuple[tuple[int, int], tuple[int, int]]:
     for s in range(5):
         rt.allreduce(_data(s, r), name="first", op=rt.Sum)
     after_first = _slots()
-    for s in range(8):
+    # The switch takes a few rounds (misses, the dummy slot, its flags, the reopening), one step
+    # each, and a descheduled rank can add a round: 12 steps leave room for that.
+    for s in range(12):
         got = rt.allreduce(_data(s, r)[: N // 2], name="second", op=rt.Sum)
         _close(got, sum(_data(s, k)[: N // 2] for k in range(rt.size())))
     return after_first, _slots()
@@ -130,7 +132,9 @@ def _reshaped() -> tuple[int, int]:
     r = rt.rank()
     for s in range(4):
         rt.allreduce(_data(s, r), name="x", op=rt.Sum)
-    for s in range(6):  # the same name, another shape, on every rank: negotiated, then the lane
+    # The same name, another shape, on every rank: negotiated, then the lane (after a switch of
+    # a few rounds, as in _switch).
+    for s in range(12):
         got = rt.allreduce(_data(s, r).reshape(64, -1), name="x", op=rt.Sum)
         assert got.shape == (64, N // 64)
         expected = sum(_data(s, k) for k in range(rt.size())).reshape(64, -1)
@@ -140,7 +144,7 @@ def _reshaped() -> tuple[int, int]:
 
 def test_a_name_reused_with_another_shape(world: spawn.World) -> None:
     for valid, _ in _run(world, _reshaped):
-        assert valid >= 5
+        assert valid >= 6  # 3 of the first shape, at least 3 of the second
 
 
 def _mismatch_on_the_lane(kind: str) -> str:
