@@ -8,6 +8,7 @@
 #
 #     bash scripts/bench_quiet_1gbit.sh            # as root on the quiet machine
 #     SHAPE=0 MODEL=mlp-1m STEPS=2 bash scripts/bench_quiet_1gbit.sh   # a quick smoke run
+#     THREADS=1 LANES= bash scripts/bench_quiet_1gbit.sh   # one thread per rank, no allreduce runs
 set -uo pipefail
 OUT="${OUT:-/tmp}"
 PY="${PY:-python3}"
@@ -45,7 +46,7 @@ train() {  # optimizer compression
 train momentum none
 train momentum fp16
 train adam none
-for lane in 0 1; do
+for lane in ${LANES-0 1}; do
     RINGTRAIN_FAST_LANE=$lane timeout 90 "$PY" -m ringtrain.bench allreduce -np 2 \
         --threads "$THREADS" --sizes 256K..4M:2 --repeats 5 --link-mbps 1000 \
         --fusion-repeats 0 --markdown --json "$OUT/quiet-allreduce-lane$lane.json" 2>&1 \
