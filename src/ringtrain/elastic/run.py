@@ -39,12 +39,14 @@ log = logging.getLogger("ringtrain")
 R = TypeVar("R")
 
 # What a peer failing looks like from a survivor: ringtrain's collectives say it in their words,
-# the engine's raw Gloo work in torch's. Mismatched or invalid calls are HorovodInternalErrors
-# too (as in Horovod) but would fail again in any world: they end the job instead of a reset.
+# the engine's raw Gloo work in torch's, ringtrain's TCP mesh (enclaves, secure elastic jobs) as
+# a ConnectionError. Mismatched or invalid calls are HorovodInternalErrors too (as in Horovod)
+# but would fail again in any world: they end the job instead of a reset.
 PEER_FAILED: tuple[type[BaseException], ...] = (
     HorovodInternalError,
     CollectiveAbortedError,
     dist.DistError,
+    ConnectionError,
 )
 
 

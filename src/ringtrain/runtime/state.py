@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ringtrain.config import Config
 from ringtrain.errors import ConfigError, LaunchEnvironmentError, NotInitializedError
 from ringtrain.launch import cpu_limits
+from ringtrain.launch.elastic import ID_VAR as ELASTIC_ID_VAR
 from ringtrain.runtime import communicator, environment, topology
 from ringtrain.runtime.environment import Placement
 from ringtrain.runtime.process_sets import ProcessSet
@@ -339,6 +340,16 @@ def _backend(config: Config, env: Mapping[str, str], p: Placement) -> tuple[str,
         from ringtrain.algorithms import tcp_backend
 
         transport = tcp_backend.choose(config.transport)
+        if (
+            transport == "gloo"
+            and config.secure
+            and config.transport == "auto"
+            and ELASTIC_ID_VAR in env
+        ):
+            # An elastic job leaks the sealed groups of the worlds it abandons, and their workers
+            # may still wait in a Gloo receive; one that returns while the interpreter exits
+            # aborts the process. The TCP mesh waits in Python instead (docs/elastic.md).
+            transport = "tcp"
         if transport == "tcp":
             interface = env.get("GLOO_SOCKET_IFNAME") or config.network_interface
             tcp_backend.configure(tcp_backend.local_address(interface, p.rendezvous_addr))
