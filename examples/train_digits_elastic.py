@@ -61,15 +61,24 @@ def main() -> None:
     def train(state: hvd.elastic.TorchState) -> None:
         while state.epoch < args.epochs:
             model.train()
+            total, batches = torch.zeros(()), 0
             for idx, (x, y) in enumerate(loader):
                 optimizer.zero_grad()
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()
                 optimizer.step()
+                total += loss.detach()
+                batches += 1
                 state.sampler.record_batch(idx, args.batch_size)
                 if (idx + 1) % args.commit_every == 0:
                     state.commit()
-            mean_loss = hvd.allreduce(loss.detach(), name=f"loss.{state.epoch}").item()
+            # A world re-formed near an epoch's end may leave a rank no batch of it: count them.
+            sums = hvd.allreduce(
+                torch.stack([total, torch.tensor(float(batches))]),
+                op=hvd.Sum,
+                name=f"loss.{state.epoch}",
+            )
+            mean_loss = (sums[0] / sums[1].clamp(min=1.0)).item()
             if hvd.rank() == 0:
                 print(
                     f"epoch {state.epoch + 1}/{args.epochs}  ranks {hvd.size()}  "
