@@ -63,9 +63,8 @@ class RingWork(dist.Work):
         while not self._done.wait(NOTICE_POLL_S):
             self._check()  # a peer's failure ends our wait, with its message
             if deadline is not None and time.monotonic() > deadline:
-                raise CollectiveAbortedError(
-                    f"a ringtrain operation did not finish within {limit:g} s"
-                )
+                # "timed out", as Gloo says: a sliced wait (runtime.abort) waits again.
+                raise CollectiveAbortedError(f"a ringtrain operation timed out after {limit:g} s")
         if self._error is not None:
             raise self._error
         return True

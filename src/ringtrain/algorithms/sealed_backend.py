@@ -46,6 +46,7 @@ from ringtrain.algorithms import tcp_backend
 from ringtrain.algorithms.ring_group import NOTICE_POLL_S, RingProcessGroup, RingWork
 from ringtrain.algorithms.sealed import Link
 from ringtrain.errors import SecurityError
+from ringtrain.runtime import abort
 from ringtrain.security import keys, rendezvous, sealing
 
 log = logging.getLogger("ringtrain")
@@ -69,23 +70,28 @@ class Context:
     failure: SecurityError | None = None
     job_key: bytes = field(default=b"", repr=False)  # kept for an elastic job's next world
 
+    # Store calls run on daemon threads (waits, group workers): through abort.native_call, so
+    # none is under way while the interpreter finalizes (that would abort the process).
     def fail(self, error: SecurityError) -> None:
         if self.failure is None:
             self.failure = error
-            try:
-                self.notices.set(_NOTICE_KEY, str(error))
-            except Exception as e:  # the store may be gone; the local error still stands
-                log.debug("could not post the security failure notice: %s", e)
+            with abort.native_call() as ok:
+                try:
+                    if ok:
+                        self.notices.set(_NOTICE_KEY, str(error))
+                except Exception as e:  # the store may be gone; the local error still stands
+                    log.debug("could not post the security failure notice: %s", e)
 
     def check_notice(self) -> None:
         if self.failure is not None:
             raise SecurityError(str(self.failure))
-        try:
-            if self.notices.check([_NOTICE_KEY]):
-                text = self.notices.get(_NOTICE_KEY).decode(errors="replace")
-                self.failure = SecurityError(text)
-        except Exception as e:  # never let the watchdog's own problem mask the real one
-            log.debug("could not read the security failure notice: %s", e)
+        with abort.native_call() as ok:
+            try:
+                if ok and self.notices.check([_NOTICE_KEY]):
+                    text = self.notices.get(_NOTICE_KEY).decode(errors="replace")
+                    self.failure = SecurityError(text)
+            except Exception as e:  # never let the watchdog's own problem mask the real one
+                log.debug("could not read the security failure notice: %s", e)
         if self.failure is not None:
             raise SecurityError(str(self.failure))
 

@@ -249,11 +249,19 @@ class Controller:
     close = request_shutdown
 
     def abandon(self) -> None:
-        """Stop at once, without the peers (elastic: one of them failed). Pending ops fail; a
-        background thread stuck in an exchange ends at the group's timeout, unwaited."""
+        """Stop at once, without the peers (elastic: one of them failed). Pending ops fail. The
+        background thread leaves at its next sliced wait (:mod:`ringtrain.runtime.abort`), and
+        the process's exit waits for it: it may be inside a torch call until then."""
         with self._lock:
             self._closed = True
+            bell, self._bell = self._bell, None
         self._wake.set()
+        if bell is not None:  # dozing in a store wait: wake it, so that it can leave
+            try:
+                self._ring(bell)
+            except Exception as e:  # the old world's store may be gone with the failed peer
+                log.debug("could not wake the abandoned controller: %s", e)
+        abort.leave_behind(self._thread)
         self._fail_all(CollectiveAbortedError("the world was re-formed while this op was pending"))
 
     @property

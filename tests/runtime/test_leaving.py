@@ -1,0 +1,98 @@
+"""Leaving a replaced world, and leaving the process (ringtrain.runtime.abort).
+
+A daemon thread that is inside a torch call releasing the GIL (a store lookup, a Gloo wait) when
+the interpreter finalizes kills the process with SIGABRT ("terminate called without an active
+exception") after the job's work is done: that is how a secure elastic survivor died at exit
+(stress runs of 2026-11-26). The exit now waits for such calls and refuses new ones; sliced waits
+on ringtrain's own works (sealed, TCP mesh) wait again instead of failing after one slice.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from ringtrain.algorithms.ring_group import RingWork
+from ringtrain.errors import CollectiveAbortedError
+from ringtrain.runtime import abort
+
+# Daemon threads polling a store as fast as they can while the main thread ends.
+_POLLER = textwrap.dedent(
+    """
+    import datetime, sys, threading, time
+    import torch.distributed as dist
+    from ringtrain.runtime import abort
+
+    guarded = sys.argv[1] == "guarded"
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+
+    def poll():
+        while True:
+            if guarded:
+                with abort.native_call() as ok:
+                    if ok:
+                        store.check(["x"])
+            else:
+                store.check(["x"])
+
+    def leftover():  # an abandoned world's controller: in torch calls for a while yet
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            store.check(["x"])
+
+    for _ in range(3):
+        threading.Thread(target=poll, daemon=True).start()
+    if guarded:
+        t = threading.Thread(target=leftover, daemon=True)
+        t.start()
+        abort.leave_behind(t)
+    time.sleep(0.2)
+    print("done", flush=True)
+    """
+)
+
+
+def _exit_code(mode: str) -> int:
+    proc = subprocess.run(
+        [sys.executable, "-c", _POLLER, mode], capture_output=True, text=True, timeout=120
+    )
+    assert "done" in proc.stdout, proc.stderr
+    return proc.returncode
+
+
+@pytest.mark.timeout(300)
+def test_the_process_exits_cleanly_with_daemon_threads_in_native_calls() -> None:
+    # The hazard itself, on this torch: unguarded, the exit aborts.
+    assert _exit_code("unguarded") == -6
+    for _ in range(3):
+        assert _exit_code("guarded") == 0
+
+
+def _finish_later(work: RingWork, after_s: float) -> None:
+    timer = threading.Timer(after_s, work._finish, args=(None,))
+    timer.daemon = True
+    timer.start()
+
+
+def test_a_sliced_wait_on_a_ringtrain_work_waits_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(abort, "announced", lambda: 0)
+    monkeypatch.setattr(abort, "generation", 0)
+    work = RingWork(lambda: None, None)
+    _finish_later(work, abort.SLICE_S * 1.5)  # longer than one slice
+    abort.wait_work(work)
+    assert work.is_completed()
+
+
+def test_a_sliced_wait_ends_when_the_world_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(abort, "announced", lambda: 1)  # the launcher announced world 1
+    monkeypatch.setattr(abort, "generation", 0)
+    work = RingWork(lambda: None, None)
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveAbortedError, match="a peer failed"):
+        abort.wait_work(work)
+    assert time.monotonic() - t0 < abort.SLICE_S * 3
