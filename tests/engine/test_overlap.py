@@ -2,7 +2,8 @@
 
 Same plan, same reductions, same per-parameter updates: the weights must be bitwise equal after
 every step, at 2 and 3 ranks, with SGD (momentum) and Adam, with 16-bit compression,
-accumulation, no_sync and the synchronize()/skip_synchronize() pattern. The contract tests check
+accumulation, no_sync and the synchronize()/skip_synchronize() pattern. With the sharded step
+(shard_optimizer=True) too, against the sharded step without overlap. The contract tests check
 what a user may rely on: parameters are final when a module's forward starts, after
 synchronize(), in state_dict() (module's and optimizer's), and zero_grad() still zeroes.
 """
@@ -66,7 +67,9 @@ def _make(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
-def _run(kind: str, case: str, overlap: bool, steps: int) -> list[torch.Tensor]:
+def _run(
+    kind: str, case: str, overlap: bool, steps: int, shard: bool = False
+) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = Net()
     k = 2 if case == "accumulate" else 1
@@ -76,6 +79,7 @@ def _run(kind: str, case: str, overlap: bool, steps: int) -> list[torch.Tensor]:
         compression="fp16" if case == "fp16" else "none",
         backward_passes_per_step=k,
         overlap=overlap,
+        shard_optimizer=shard,
         **ENGINE,
     )
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
@@ -96,12 +100,13 @@ def _run(kind: str, case: str, overlap: bool, steps: int) -> list[torch.Tensor]:
         sched.step()
     opt.synchronize()  # overlap: the last step's updates are final now
     assert opt.overlap == (overlap and rt.size() > 1)
+    assert opt.shards_state == (shard and rt.size() > 1)
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _same_bits(kind: str, case: str, steps: int = 5) -> bool:
-    plain = _run(kind, case, False, steps)
-    overlapped = _run(kind, case, True, steps)
+def _same_bits(kind: str, case: str, steps: int = 5, shard: bool = False) -> bool:
+    plain = _run(kind, case, False, steps, shard)
+    overlapped = _run(kind, case, True, steps, shard)
     return all(torch.equal(a, b) for a, b in zip(plain, overlapped))
 
 
@@ -119,17 +124,38 @@ def test_overlap_keeps_compression_accumulation_and_skipping(world2: World, case
     assert all(world2.run(_same_bits, "adam", case, 4, timeout=TIMEOUT_S))
 
 
-def _contract(overlap: bool = True) -> dict[str, bool]:
-    """One model steps with overlap, a copy without; compare at every point the contract
-    names."""
+def _overlap_and_shards(size: int) -> bool:
+    """Sharded and overlapped against sharded alone: Adam (torch's fused kernel on the shards)
+    and SGD, with an LR scheduler stepping between step() and the updates, 16-bit
+    compression, accumulation and clipping."""
+    cases = [("adam", "plain"), ("sgd", "plain")]
+    if size == 2:
+        cases += [("adam", "fp16"), ("adam", "accumulate"), ("adam", "clip")]
+    return all(_same_bits(kind, case, 4, shard=True) for kind, case in cases)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_overlap_with_the_sharded_step_gives_the_same_bits(size: int) -> None:
+    from ringtrain.testing import spawn
+
+    assert all(spawn.world(size).run(_overlap_and_shards, size, timeout=TIMEOUT_S))
+
+
+def _contract(shard: bool = False) -> dict[str, bool]:
+    """One model steps with overlap, a copy without (both sharded, or neither); compare at
+    every point the contract names."""
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
     opt = rt.DistributedOptimizer(
-        _make("sgd", model), named_parameters=model.named_parameters(), overlap=overlap, **ENGINE
+        _make("sgd", model),
+        named_parameters=model.named_parameters(),
+        overlap=True,
+        shard_optimizer=shard,
+        **ENGINE,
     )
     ref_opt = rt.DistributedOptimizer(
-        _make("sgd", ref), named_parameters=ref.named_parameters(), **ENGINE
+        _make("sgd", ref), named_parameters=ref.named_parameters(), shard_optimizer=shard, **ENGINE
     )
     twin = dict(zip(model.parameters(), ref.parameters()))
     stale: list[str] = []
@@ -165,8 +191,9 @@ def _contract(overlap: bool = True) -> dict[str, bool]:
     return out
 
 
-def test_parameters_are_final_wherever_the_contract_says(world2: World) -> None:
-    for result in world2.run(_contract, timeout=TIMEOUT_S):
+@pytest.mark.parametrize("shard", [False, True], ids=["plain", "sharded"])
+def test_parameters_are_final_wherever_the_contract_says(world2: World, shard: bool) -> None:
+    for result in world2.run(_contract, shard, timeout=TIMEOUT_S):
         assert result == dict.fromkeys(result, True), result
 
 
@@ -178,6 +205,24 @@ def _refused(what: str) -> str:
         elif what == "auto":
             rt.DistributedOptimizer(
                 torch.optim.SGD(model.parameters(), lr=0.1), compression="auto", overlap=True
+            )
+        elif what == "sharded-process-set":  # in a world of 3
+            ps = rt.add_process_set([0, 1])
+            try:
+                rt.DistributedOptimizer(
+                    torch.optim.SGD(model.parameters(), lr=0.1),
+                    overlap=True,
+                    shard_optimizer=True,
+                    process_set=ps,
+                )
+            finally:
+                rt.remove_process_set(ps)
+        elif what == "sharded-powersgd":
+            rt.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                compression="powersgd",
+                overlap=True,
+                shard_optimizer=True,
             )
         else:
             sparse = torch.nn.Embedding(32, 16, sparse=True)
@@ -195,11 +240,23 @@ def _refused(what: str) -> str:
 
 @pytest.mark.parametrize(
     ("what", "says"),
-    [("lbfgs", "LBFGS"), ("auto", "compression='auto'"), ("sparse", "sparse_as_dense=True")],
+    [
+        ("lbfgs", "LBFGS"),
+        ("auto", "compression='auto'"),
+        ("sparse", "sparse_as_dense=True"),
+        ("sharded-powersgd", "compression='powersgd'"),
+    ],
 )
 def test_what_overlap_does_not_support_says_so(world2: World, what: str, says: str) -> None:
     messages = world2.run(_refused, what, timeout=TIMEOUT_S)
     assert all(says in msg for msg in messages), messages
+
+
+def test_overlap_with_shards_on_a_process_set_says_so() -> None:
+    from ringtrain.testing import spawn
+
+    messages = spawn.world(3).run(_refused, "sharded-process-set", timeout=TIMEOUT_S)
+    assert all("world process set only" in msg for msg in messages), messages
 
 
 def test_launch_order_sends_what_the_forward_needs_first_once_backward_ends() -> None:

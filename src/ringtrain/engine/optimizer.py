@@ -11,7 +11,9 @@ sends everything at ``step()``; later steps overlap backward. The plan is re-lea
 rank alike, when ``requires_grad`` of some parameter changes or a param group is added.
 
 ``shard_optimizer=True`` keeps and steps only this rank's 1/N of the optimizer state, then
-all-gathers the parameters (ZeRO stage 1, :mod:`ringtrain.engine.sharded`).
+all-gathers the parameters (ZeRO stage 1, :mod:`ringtrain.engine.sharded`). With ``overlap=True``
+too, each bucket's shard steps and its parameters are all-gathered as the bucket's reduction
+completes, on the overlap's updater thread, while the next forward runs.
 
 Buckets travel round robin over ``engine_streams`` process groups, hierarchically when
 ``hierarchical`` says so (:mod:`ringtrain.engine.streams`); ``compression="auto"`` measures a few
@@ -106,6 +108,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlap: True: ``step()`` returns once the buckets are launched, each bucket's parameters
             are updated as its reduction completes, and the next forward waits per module for
             its own parameters (:mod:`ringtrain.engine.overlap`; contract in docs/engine.md).
+            Combines with ``shard_optimizer``: the all-gathers then overlap the next forward.
 
     Settings left as None come from :class:`ringtrain.config.Config` (``RINGTRAIN_*``
     variables, which ``ringtrain run`` flags set), then the defaults: arguments win.
@@ -215,6 +218,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._shard_mode:
             sharded.check_supported(optimizer)
         self._shards: sharded.ShardedStep | None = None
+        self._gather_group: Any = None  # overlap with shards: the updater's all-gathers
         self._compression_arg = config.compression if compression is None else compression
         self._compression = resolve_compression(self._compression_arg, config)
         self._tuner: AutoTuner | None = None
@@ -257,12 +261,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._launch_order: list[int] | None = None
         self._overlap_open = False  # an overlapped step() ran and no gradient came since
         if config.overlap if overlap is None else overlap:
-            if self._shard_mode:
-                # Each would own the optimizer step; composing them (the all-gather per layer
-                # inside the next forward) is not built yet.
+            if self._shard_mode and not self._comm.is_world and self._size > 1:
                 raise ConfigError(
-                    "overlap=True and shard_optimizer=True cannot be combined yet.\n"
-                    "HINT: choose one: shard_optimizer for memory, overlap for step time."
+                    "overlap=True with shard_optimizer=True works on the world process set only "
+                    f"(this optimizer is on process set {self._comm.set_id}): its all-gathers "
+                    "need a process group of their own.\n"
+                    "HINT: drop one of overlap and shard_optimizer on this process set."
+                )
+            if self._shard_mode and callable(getattr(self._compression, "reduce", None)):
+                # Its worker thread issues collectives on the engine group while the updater
+                # thread all-gathers there: the two orders could differ between ranks.
+                raise ConfigError(
+                    f"overlap=True with shard_optimizer=True cannot use compression="
+                    f"{self._compression_arg!r}, whose reducer runs collectives of its own.\n"
+                    "HINT: use compression 'none', 'fp16' or 'bf16' here, or drop one of "
+                    "overlap and shard_optimizer."
                 )
             if isinstance(self._compression, AutoCompression):
                 raise ConfigError(
@@ -299,6 +312,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         self._link_class = self._link_pinned
         self._lanes = None
+        self._gather_group = None
         self._shards = None  # the old world's shards: a restored (full) state is sharded anew
         self._observed = []
         self._counts = [0] * len(self._params)
@@ -575,6 +589,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._plan = plan
         if self._lanes is None:
             self._lanes = self._make_lanes()
+            if self._overlap is not None and self.shards_state:
+                # The updater thread's all-gathers get a group of their own: on the engine
+                # group they could interleave differently on each rank with the collectives
+                # other threads launch there (another optimizer's buckets).
+                pool = LanePool.of(self._comm, self._timeout_s)
+                self._gather_group = pool.spare("shard-gather")
         self._build_exchange()
         self._register_hooks()
         log.debug("ringtrain bucket plan %s: %s", plan.digest, plan.describe())
@@ -876,6 +896,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "step(closure) is not supported with shard_optimizer=True.\n"
                 "HINT: compute the loss before step(), or use shard_optimizer=False."
             )
+        self._current_shards().step()
+
+    def _current_shards(self) -> sharded.ShardedStep:
+        """The shards of the current plan, holding all of the optimizer's state. Collective
+        when the plan is new (every rank reaches it at the same step)."""
         plan = self._plan
         assert plan is not None
         if self._shards is None or self._shards.plan.digest != plan.digest:
@@ -893,7 +918,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if full:
                 self._shards.load_state(full)
         self._absorb_full_state()
-        self._shards.step()
+        return self._shards
 
     def _absorb_full_state(self) -> None:
         """Full state in the wrapped optimizer (loaded, broadcast, or from a step before the
@@ -956,11 +981,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._learner = None
         self._syncs += 1
         n = len(self._plan.buckets) if self._plan is not None else 0
+        update: Callable[[int], None] | None = None
+        if self.shards_state:
+            # Each bucket: this rank's shard steps, then the bucket's parameters are
+            # all-gathered; a module's forward waits for its own bucket's gather only.
+            shards = self._current_shards()
+            # The hyper-parameters as at step(): a scheduler may change them before the update.
+            update = functools.partial(
+                shards.step_bucket, settings=shards.hyper_parameters(), group=self._gather_group
+            )
         self._overlap.start(
             self._launch_order or list(range(n)),
             [exchange.members(s) for s in range(n)],
             exchange.finish_slot,
             exchange.reset,
+            update,
         )
         self._overlap_open = True
         self._synchronized = False

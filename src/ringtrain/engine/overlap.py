@@ -8,6 +8,9 @@ runs the wrapped optimizer over that bucket's parameters alone (:func:`step_subs
 class, the same param groups and hyper-parameters, restricted to those parameters). A global
 forward pre-hook makes each module wait only for the updates of its own parameters
 (``module._parameters``), so the first layers compute while the last buckets still travel.
+With ``shard_optimizer=True`` the per-bucket update is the sharded step's instead
+(:meth:`ringtrain.engine.sharded.ShardedStep.step_bucket`: this rank's shard, then the bucket's
+all-gather), so the gathers too run while the next forward computes.
 
 Launch order (:func:`launch_order`). Backward makes the last layers' gradients ready first and
 the next forward needs the first layers first. The bucket *contents* are the engine's plan (so
@@ -275,10 +278,13 @@ class Overlap:
         members: Sequence[Sequence[torch.Tensor]],
         finish_slot: Callable[[int], None],
         finish_all: Callable[[], None],
+        update: Callable[[int], None] | None = None,
     ) -> None:
         """Update bucket ``order[0]``, ``order[1]``, ... as each one's reduction completes
         (``finish_slot(s)`` waits for bucket ``s`` and writes its averages into ``.grad``),
-        then ``finish_all()``. The buckets are launched already; this returns at once."""
+        then ``finish_all()``. The buckets are launched already; this returns at once.
+        ``update(s)``, if given, updates bucket ``s`` instead of the wrapped optimizer (the
+        sharded step: this rank's shard, then the all-gather of the bucket's parameters)."""
         assert not self.pending, "start() while the previous step's updates are pending"
         opt = self._optimizer
         # The hyper-parameters as they are now: an LR scheduler may change them after step().
@@ -304,12 +310,13 @@ class Overlap:
                 for p in params:
                     _waits[id(p)] = pending
         self._idle.clear()
-        self._submit(lambda: self._run(list(order), plans, finish_slot, finish_all))
+        run = update if update is not None else (lambda s: step_subset(opt, plans[s]))
+        self._submit(lambda: self._run(list(order), run, finish_slot, finish_all))
 
     def _run(
         self,
         order: list[int],
-        plans: list[list[dict[str, Any]]],
+        update: Callable[[int], None],
         finish_slot: Callable[[int], None],
         finish_all: Callable[[], None],
     ) -> None:
@@ -318,7 +325,7 @@ class Overlap:
             for s in order:
                 finish_slot(s)
                 t0 = time.perf_counter()
-                step_subset(self._optimizer, plans[s])
+                update(s)
                 with self._lock:
                     zero = self._zero[s]
                     if zero is not None:

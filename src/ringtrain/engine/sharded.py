@@ -18,6 +18,9 @@ clipping between ``synchronize()`` and ``step()`` works unchanged. What changes 
    run in slices of at most :data:`GATHER_BYTES`, two in flight (the next slice travels while
    the last one is copied out, and bucket b's last slices while bucket b+1 steps), so their
    transient buffers stay a few MiB whatever the bucket size.
+   With ``overlap=True`` (:mod:`ringtrain.engine.overlap`) the updater thread does this bucket
+   by bucket (:meth:`ShardedStep.step_bucket`), in the overlap's launch order, as each bucket's
+   reduction completes, while the next forward waits per module for its own bucket.
 
 Why an allreduce and not a reduce-scatter: torch's Gloo backend implements
 ``reduce_scatter_tensor`` as a clone of the whole input, an allreduce of it, and a copy of the
@@ -38,7 +41,7 @@ the rank that owns the parameter's first element.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +81,11 @@ class Layout:
 
     def bounds(self, rank: int) -> tuple[int, int]:
         return rank * self.shard, (rank + 1) * self.shard
+
+
+# One all-gather slice in flight: (bucket layout, first and end element of the shard, output,
+# work).
+_Slice = tuple[Layout, int, int, torch.Tensor, Any]
 
 
 def layouts(plan: Plan, group_of: Sequence[int], rank: int, size: int) -> list[Layout]:
@@ -217,35 +225,67 @@ class ShardedStep:
 
     # ---- the step ------------------------------------------------------------------------------
 
+    def hyper_parameters(self) -> list[dict[str, Any]]:
+        """The user's param groups' settings as they are now. Overlap takes them at ``step()``
+        and updates later, after an LR scheduler may have changed the user's groups."""
+        return [
+            {k: v for k, v in group.items() if k not in OWN_KEYS}
+            for group in self._user.param_groups
+        ]
+
     def step(self) -> None:
         """Step this rank's pieces, then all-gather every bucket into every rank's parameters,
-        in slices of at most :data:`GATHER_BYTES` (two in flight)."""
-        pending: list[tuple[Layout, int, int, torch.Tensor, Any]] = []
+        in slices of at most :data:`GATHER_BYTES` (two in flight, across buckets: bucket b's
+        last slices travel while bucket b+1 steps)."""
+        settings = self.hyper_parameters()
+        n = len(self.layouts)
+        self._pump(item for k in range(n) for item in self._step_and_gather(k, settings))
+
+    def step_bucket(self, k: int, settings: list[dict[str, Any]], group: Any) -> None:
+        """Step and all-gather bucket ``k`` alone, on ``group``: its parameters are final on
+        return (overlap updates bucket by bucket, in its launch order, the same on every rank,
+        on a group that only its updater thread uses)."""
+        self._pump(self._step_and_gather(k, settings, group))
+
+    def _pump(self, slices: Iterator[_Slice]) -> None:
+        """Launch the slices in order, two in flight, landing each."""
+        pending: list[_Slice] = []
         with torch.no_grad():
-            for layout, views, opt in zip(self.layouts, self._tensors, self._opts):
-                if opt is not None:
-                    self._refresh(layout, views, opt)
-                    opt.step()
-                mine = self._shard_of(layout, views)
-                step = max(1, GATHER_BYTES // (self._size * mine.element_size()))
-                for a in range(0, layout.shard, step):
-                    z = min(layout.shard, a + step)
-                    out = torch.empty((z - a) * self._size, dtype=mine.dtype, device=mine.device)
-                    work = compat.all_gather_single(
-                        out, mine[a:z], group=self._group, async_op=True
-                    )
-                    pending.append((layout, a, z, out, work))
-                    if len(pending) == 2:
-                        self._land(*pending.pop(0))
+            for item in slices:
+                pending.append(item)
+                if len(pending) == 2:
+                    self._land(*pending.pop(0))
             for item in pending:
                 self._land(*item)
 
+    def _step_and_gather(
+        self, k: int, settings: list[dict[str, Any]], group: Any = None
+    ) -> Iterator[_Slice]:
+        """Step this rank's shard of bucket ``k``, then launch its all-gather slice by slice
+        (on ``group``, default the engine group), one per ``next()``: the caller decides how
+        many fly at once."""
+        group = self._group if group is None else group
+        layout, views, opt = self.layouts[k], self._tensors[k], self._opts[k]
+        if opt is not None:
+            self._refresh(layout, views, opt, settings)
+            opt.step()
+        mine = self._shard_of(layout, views)
+        step = max(1, GATHER_BYTES // (self._size * mine.element_size()))
+        for a in range(0, layout.shard, step):
+            z = min(layout.shard, a + step)
+            out = torch.empty((z - a) * self._size, dtype=mine.dtype, device=mine.device)
+            work = compat.all_gather_single(out, mine[a:z], group=group, async_op=True)
+            yield (layout, a, z, out, work)
+
     def _refresh(
-        self, layout: Layout, views: list[torch.Tensor], opt: torch.optim.Optimizer
+        self,
+        layout: Layout,
+        views: list[torch.Tensor],
+        opt: torch.optim.Optimizer,
+        settings: list[dict[str, Any]],
     ) -> None:
         """Point every piece at its parameter's current storage and gradient, and take the
-        user's current hyper-parameters (an LR scheduler changes the user's groups)."""
-        user_groups = self._user.param_groups
+        user's hyper-parameters (``settings``: an LR scheduler changes the user's groups)."""
         for k, (piece, group) in enumerate(zip(layout.pieces, opt.param_groups)):
             p = self._params[piece.index]
             view = views[k]
@@ -261,9 +301,7 @@ class ShardedStep:
             else:
                 flat = g.view(-1) if g.is_contiguous() else g.reshape(-1)
                 view.grad = flat[piece.start : piece.stop]
-            for key, value in user_groups[piece.group].items():
-                if key not in OWN_KEYS:
-                    group[key] = value
+            group.update(settings[piece.group])
 
     def _shard_of(self, layout: Layout, views: list[torch.Tensor]) -> torch.Tensor:
         """This rank's shard of the bucket, contiguous (the all-gather's input)."""

@@ -49,6 +49,7 @@ class LanePool:
         self._groups: list[Any] = [engine]
         self._hierarchical: list[HierarchicalAllreduce] = []
         self._hosts: tuple[Hashable, ...] | None = None
+        self._spares: dict[str, Any] = {}
         # Sealed jobs seal every group: the extra ones use the engine group's own backend.
         self._backend = str(dist.get_backend(engine))
         self._timeout = datetime.timedelta(seconds=timeout_s)
@@ -61,20 +62,29 @@ class LanePool:
             comm.attach(SERVICE, pool)
         return pool
 
+    def spare(self, name: str) -> Any:
+        """A group of its own for ``name``, made at the first ask (collective then, like
+        :meth:`lanes`): the overlap's sharded step all-gathers on one, from its updater thread,
+        so no other thread's collectives share that group's order."""
+        if name not in self._spares:
+            self._spares[name] = self._new_group()
+        return self._spares[name]
+
+    def _new_group(self) -> Any:
+        return dist.new_group(
+            self._ranks,
+            timeout=self._timeout,
+            backend=self._backend,
+            use_local_synchronization=False,
+        )
+
     def lanes(self, count: int, hosts: Sequence[Hashable] | None = None) -> list[Lane]:
         """``count`` lanes, hierarchical over ``hosts`` (host of every world rank) if given.
 
         Collective whenever it has to make groups: every rank must ask for the same, in the same
         order relative to every other group creation."""
         while len(self._groups) < count:
-            self._groups.append(
-                dist.new_group(
-                    self._ranks,
-                    timeout=self._timeout,
-                    backend=self._backend,
-                    use_local_synchronization=False,
-                )
-            )
+            self._groups.append(self._new_group())
         if hosts is None:
             return [Lane(g) for g in self._groups[:count]]
         hosts = tuple(hosts)
@@ -93,3 +103,4 @@ class LanePool:
         self._hierarchical.clear()
         # The extra flat groups are world groups: they die with the default group.
         self._groups = self._groups[:1]
+        self._spares.clear()
