@@ -8,6 +8,7 @@ reverse, so neither layer needs to know about the other's lifecycle.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import logging
 import os
 from collections.abc import Sequence
@@ -68,6 +69,11 @@ def init(
     if not _atexit_registered:
         atexit.register(_shutdown_at_exit)
         _atexit_registered = True
+    if not faulthandler.is_enabled():
+        # A rank that dies of a signal (SIGSEGV, SIGABRT: "terminate called ...") prints every
+        # thread's Python stack on its stderr, which the launcher shows: where it was, not
+        # just that it died.
+        faulthandler.enable()
     log.debug("ringtrain initialized: rank %d/%d", rt.rank, rt.size)
 
 

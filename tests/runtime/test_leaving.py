@@ -1,4 +1,4 @@
-"""Leaving a replaced world, and leaving the process (ringtrain.runtime.abort).
+"""Leaving a replaced world (ringtrain.runtime.abort), and the process (runtime.exit_guard).
 
 A daemon thread that is inside a torch call releasing the GIL (a store lookup, a Gloo wait) when
 the interpreter finalizes kills the process with SIGABRT ("terminate called without an active
@@ -9,6 +9,7 @@ on ringtrain's own works (sealed, TCP mesh) wait again instead of failing after 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -26,7 +27,7 @@ _POLLER = textwrap.dedent(
     """
     import datetime, sys, threading, time
     import torch.distributed as dist
-    from ringtrain.runtime import abort
+    from ringtrain.runtime import exit_guard
 
     guarded = sys.argv[1] == "guarded"
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
@@ -34,7 +35,7 @@ _POLLER = textwrap.dedent(
     def poll():
         while True:
             if guarded:
-                with abort.native_call() as ok:
+                with exit_guard.native_call() as ok:
                     if ok:
                         store.check(["x"])
             else:
@@ -50,7 +51,7 @@ _POLLER = textwrap.dedent(
     if guarded:
         t = threading.Thread(target=leftover, daemon=True)
         t.start()
-        abort.leave_behind(t)
+        exit_guard.leave_behind(t)
     time.sleep(0.2)
     print("done", flush=True)
     """
@@ -96,3 +97,14 @@ def test_a_sliced_wait_ends_when_the_world_is_replaced(monkeypatch: pytest.Monke
     with pytest.raises(CollectiveAbortedError, match="a peer failed"):
         abort.wait_work(work)
     assert time.monotonic() - t0 < abort.SLICE_S * 3
+
+
+def test_a_rank_that_dies_of_a_signal_prints_where_every_thread_was() -> None:
+    code = "import os, ringtrain; ringtrain.init(rank=0, size=1); os.abort()"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == -6
+    assert "Fatal Python error: Aborted" in proc.stderr, proc.stderr
+    assert "ringtrain/collectives/controller.py" in proc.stderr, proc.stderr  # another thread

@@ -27,6 +27,7 @@ from torch.futures import Future
 
 from ringtrain.algorithms.sealed import Link
 from ringtrain.errors import CollectiveAbortedError
+from ringtrain.runtime import exit_guard
 
 # While an operation waits longer than this, it runs its group's check (a peer's failure).
 NOTICE_POLL_S = 0.25
@@ -184,7 +185,9 @@ class RingProcessGroup(dist.ProcessGroup):
         self._closed = True
         self._jobs.put(None)
         self._thread.join(SHUTDOWN_JOIN_S)
-        if not self._thread.is_alive():
+        if self._thread.is_alive():
+            exit_guard.leave_behind(self._thread)  # still in torch calls: the exit waits for it
+        else:
             # Release the transport now, from this thread: left to interpreter exit, Gloo's
             # destructor runs too late and aborts the process ("terminate called without an
             # active exception"). A worker stuck in Gloo (a peer failed) keeps it until Gloo

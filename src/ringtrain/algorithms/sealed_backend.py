@@ -46,7 +46,7 @@ from ringtrain.algorithms import tcp_backend
 from ringtrain.algorithms.ring_group import NOTICE_POLL_S, RingProcessGroup, RingWork
 from ringtrain.algorithms.sealed import Link
 from ringtrain.errors import SecurityError
-from ringtrain.runtime import abort
+from ringtrain.runtime import exit_guard
 from ringtrain.security import keys, rendezvous, sealing
 
 log = logging.getLogger("ringtrain")
@@ -70,12 +70,12 @@ class Context:
     failure: SecurityError | None = None
     job_key: bytes = field(default=b"", repr=False)  # kept for an elastic job's next world
 
-    # Store calls run on daemon threads (waits, group workers): through abort.native_call, so
+    # Store calls run on daemon threads (waits, group workers): through exit_guard, so
     # none is under way while the interpreter finalizes (that would abort the process).
     def fail(self, error: SecurityError) -> None:
         if self.failure is None:
             self.failure = error
-            with abort.native_call() as ok:
+            with exit_guard.native_call() as ok:
                 try:
                     if ok:
                         self.notices.set(_NOTICE_KEY, str(error))
@@ -85,7 +85,7 @@ class Context:
     def check_notice(self) -> None:
         if self.failure is not None:
             raise SecurityError(str(self.failure))
-        with abort.native_call() as ok:
+        with exit_guard.native_call() as ok:
             try:
                 if ok and self.notices.check([_NOTICE_KEY]):
                     text = self.notices.get(_NOTICE_KEY).decode(errors="replace")

@@ -53,7 +53,7 @@ from ringtrain.errors import (
     SecurityError,
     StallError,
 )
-from ringtrain.runtime import abort
+from ringtrain.runtime import abort, exit_guard
 from ringtrain.runtime.communicator import Communicator
 
 log = logging.getLogger("ringtrain")
@@ -245,13 +245,15 @@ class Controller:
             log.warning(
                 "ringtrain controller of set %d did not stop within %s s", self.comm.set_id, timeout
             )
+            exit_guard.leave_behind(self._thread)  # still in torch calls: the exit waits for it
 
     close = request_shutdown
 
     def abandon(self) -> None:
         """Stop at once, without the peers (elastic: one of them failed). Pending ops fail. The
         background thread leaves at its next sliced wait (:mod:`ringtrain.runtime.abort`), and
-        the process's exit waits for it: it may be inside a torch call until then."""
+        the process's exit waits for it (:mod:`ringtrain.runtime.exit_guard`): it may be inside
+        a torch call until then."""
         with self._lock:
             self._closed = True
             bell, self._bell = self._bell, None
@@ -261,7 +263,7 @@ class Controller:
                 self._ring(bell)
             except Exception as e:  # the old world's store may be gone with the failed peer
                 log.debug("could not wake the abandoned controller: %s", e)
-        abort.leave_behind(self._thread)
+        exit_guard.leave_behind(self._thread)
         self._fail_all(CollectiveAbortedError("the world was re-formed while this op was pending"))
 
     @property

@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ringtrain.runtime import exit_guard
+
 log = logging.getLogger("ringtrain")
 
 FINISHED = "finished"
@@ -132,10 +134,15 @@ class WaitWatch:
                 action = self._next_action()
                 if action is None:
                     return
-            try:
-                action()
-            except Exception as e:  # a diagnostic must never fail training
-                log.debug("ringtrain wait watch: %s", e)
+            # Store calls, from a daemon thread: none may be under way while the interpreter
+            # finalizes (see ringtrain.runtime.exit_guard), and none starts after that.
+            with exit_guard.native_call() as ok:
+                if not ok:
+                    return
+                try:
+                    action()
+                except Exception as e:  # a diagnostic must never fail training
+                    log.debug("ringtrain wait watch: %s", e)
 
     def _next_action(self) -> Callable[[], None] | None:
         """Under the lock: sleep until there is something to do; None once closed."""

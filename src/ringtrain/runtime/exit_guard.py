@@ -1,0 +1,79 @@
+"""Leaving the process without SIGABRT: no daemon thread may be inside a torch call then.
+
+A daemon thread that returns from a torch call releasing the GIL (a Gloo wait, a store lookup)
+while the interpreter finalizes dies in pybind11 with "terminate called without an active
+exception" (SIGABRT), after the job's work is done, and the launcher reports a failed job.
+So, at exit (atexit, before finalization):
+
+- calls that daemon threads make now and then (the sealed backend's failure notices, the wait
+  watch's posts) go through :func:`native_call`: no new one starts, those under way are waited
+  for;
+- threads that may still be inside such a call, the controllers of abandoned worlds and
+  workers that did not stop at shutdown (:func:`leave_behind`), are joined.
+
+Both waits together take at most :data:`EXIT_WAIT_S`. ``tests/runtime/test_leaving.py`` shows
+the hazard on this torch and the guard.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+# How long the exit waits, in all, for left-behind threads and native calls under way.
+EXIT_WAIT_S = 3.0  # an abandoned controller's sliced wait ends within 1 s (runtime.abort)
+_gate = threading.Condition()
+_native_calls = 0  # native calls under way on daemon threads
+_exiting = False
+_left: list[threading.Thread] = []  # threads that may still be inside a torch call
+
+
+def leave_behind(thread: threading.Thread) -> None:
+    """``thread`` (an abandoned world's controller, a worker that did not stop at shutdown)
+    may still be inside a torch call: the process's exit waits for it (at most
+    :data:`EXIT_WAIT_S` in all)."""
+    with _gate:
+        _left[:] = [t for t in _left if t.is_alive()]
+        _left.append(thread)
+
+
+@contextlib.contextmanager
+def native_call() -> Iterator[bool]:
+    """``with native_call() as ok: if ok: store.check(...)``: ``ok`` is False once the process
+    is exiting, and the exit waits for calls under way (see the module docstring)."""
+    global _native_calls
+    with _gate:
+        if _exiting:
+            ok = False
+        else:
+            ok = True
+            _native_calls += 1
+    try:
+        yield ok
+    finally:
+        if ok:
+            with _gate:
+                _native_calls -= 1
+                _gate.notify_all()
+
+
+def _settle_at_exit() -> None:
+    """atexit: no new native calls from daemon threads, then wait for those under way and for
+    left-behind threads, within :data:`EXIT_WAIT_S`."""
+    global _exiting
+    deadline = time.monotonic() + EXIT_WAIT_S
+    with _gate:
+        _exiting = True
+        while _native_calls and _gate.wait(max(0.0, deadline - time.monotonic())):
+            pass
+        left = list(_left)
+    me = threading.current_thread()
+    for thread in left:
+        if thread is not me:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_settle_at_exit)
