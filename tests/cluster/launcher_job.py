@@ -7,7 +7,9 @@ training moved them. Nothing here reads a launcher's variables: that is the poin
 """
 
 import json
+import os
 import socket
+import sys
 
 import torch
 
@@ -47,4 +49,7 @@ result = {
     "checksum": float(end.double().sum()),
 }
 hvd.shutdown()
-print("RESULT " + json.dumps(result), flush=True)
+# One write of the whole line (under PIPE_BUF, so atomic): the ranks share the launcher's stdout
+# pipe, and a line written in pieces (text, then newline) can interleave with another rank's.
+sys.stdout.flush()
+os.write(1, ("RESULT " + json.dumps(result) + "\n").encode())
