@@ -9,6 +9,7 @@ on ringtrain's own works (sealed, TCP mesh) wait again instead of failing after 
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
@@ -17,8 +18,12 @@ import threading
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from ringtrain.algorithms import tcp_backend
 from ringtrain.algorithms.ring_group import RingWork
+from ringtrain.algorithms.tcp_backend import TcpProcessGroup
 from ringtrain.errors import CollectiveAbortedError
 from ringtrain.runtime import abort
 
@@ -108,3 +113,50 @@ def test_a_rank_that_dies_of_a_signal_prints_where_every_thread_was() -> None:
     assert proc.returncode == -6
     assert "Fatal Python error: Aborted" in proc.stderr, proc.stderr
     assert "ringtrain/collectives/controller.py" in proc.stderr, proc.stderr  # another thread
+
+
+def _tcp_pair() -> list[TcpProcessGroup]:
+    """Two members of one ``ringtrain_tcp`` group, made in this process (the constructor is
+    collective, so each in its own thread)."""
+    tcp_backend.configure("127.0.0.1")
+    store = dist.HashStore()
+    groups: list[TcpProcessGroup | None] = [None, None]
+
+    def make(rank: int) -> None:
+        groups[rank] = TcpProcessGroup(store, rank, 2, datetime.timedelta(seconds=60))
+
+    makers = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    for t in makers:
+        t.start()
+    for t in makers:
+        t.join(60)
+    tcp_backend.deconfigure()
+    assert all(g is not None for g in groups)
+    return [g for g in groups if g is not None]
+
+
+@pytest.mark.timeout(120)
+def test_leaving_a_group_ends_the_operation_waiting_on_a_peer_now() -> None:
+    """An elastic survivor leaves its old world's groups (runtime.state.abandon): an operation
+    waiting on a peer that will never take part ends now, not at the transport timeout, and
+    the group's worker stops, so no daemon thread is inside torch when the process exits."""
+    g0, g1 = _tcp_pair()
+    try:
+        stuck = g0.allreduce([torch.ones(1000)])  # rank 1 never joins it
+        assert not stuck.is_completed() and not stuck._done.wait(0.3)
+        t0 = time.monotonic()
+        g0.leave()
+        assert time.monotonic() - t0 < 1.0  # leaving never waits for peers
+        assert stuck._done.wait(5.0)
+        with pytest.raises(ConnectionError):
+            stuck.wait()
+        g0._thread.join(5.0)
+        assert not g0._thread.is_alive()
+        with pytest.raises(CollectiveAbortedError, match="world was replaced"):
+            g0.allreduce([torch.ones(4)]).wait()
+        # The peer's side sees the connection go, naming rank 0.
+        with pytest.raises(ConnectionError, match="rank 0"):
+            g1.allreduce([torch.ones(4)]).wait()
+    finally:
+        g0.leave()
+        g1.shutdown()

@@ -108,6 +108,7 @@ class RingProcessGroup(dist.ProcessGroup):
     def __init__(self, rank: int, size: int) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the Python-group constructor
         self._closed = False
+        self._left: BaseException | None = None  # set by leave(): every later operation fails
 
     def _begin(self, link: Link, name: str) -> None:
         """Start serving: ``link`` runs the algorithms; one worker thread runs operations in
@@ -153,7 +154,7 @@ class RingProcessGroup(dist.ProcessGroup):
 
     def _submit(self, fn: Callable[[], None], result: Any) -> RingWork:
         work = RingWork(self._check, result)
-        poisoned = self._poisoned()
+        poisoned = self._left or self._poisoned()
         if poisoned is not None:
             work._finish(poisoned)
         elif self._closed:
@@ -168,16 +169,24 @@ class RingProcessGroup(dist.ProcessGroup):
             if job is None:
                 return
             fn, work = job
-            poisoned = self._poisoned()
+            del job
+            poisoned = self._left or self._poisoned()
             if poisoned is not None:
                 work._finish(poisoned)
                 continue
-            try:
-                fn()
-            except BaseException as e:  # a peer died, a timeout, a forgery: report, keep serving
-                work._finish(self._on_error(e))
-            else:
-                work._finish(None)
+            # An operation makes torch calls that release the GIL: none may be under way while
+            # the interpreter finalizes (runtime.exit_guard); the exit waits for this one.
+            with exit_guard.native_call() as ok:
+                if not ok:
+                    work._finish(CollectiveAbortedError("the process is exiting"))
+                    return
+                try:
+                    fn()
+                except BaseException as e:  # a peer died, a timeout, a forgery: report, go on
+                    work._finish(self._on_error(e))
+                else:
+                    work._finish(None)
+                del fn, work  # hold no tensor while idle
 
     def shutdown(self) -> None:
         if self._closed:
@@ -196,6 +205,25 @@ class RingProcessGroup(dist.ProcessGroup):
             close = getattr(inner, "close", None)
             if close is not None:  # the TCP mesh closes its sockets
                 close()
+
+    def leave(self) -> None:
+        """Leave this group without waiting for its peers: its world was replaced (an elastic
+        job), and a peer of it may be gone or may never take part again.
+
+        Unlike :meth:`shutdown` this never blocks: queued operations fail, a TCP mesh is closed
+        at once (so an operation waiting on a peer fails now, not at the timeout), the worker
+        stops after the operation under way, and the process's exit waits for it."""
+        if self._closed:
+            return
+        self._closed = True
+        self._left = CollectiveAbortedError(
+            "a peer failed: this process group's world was replaced (elastic job)"
+        )
+        self._jobs.put(None)
+        close = getattr(self._link.inner, "close", None)
+        if close is not None:  # a Gloo group cannot be interrupted; its worker ends at its timeout
+            close()
+        exit_guard.leave_behind(self._thread)
 
     def abort(self) -> None:
         self.shutdown()

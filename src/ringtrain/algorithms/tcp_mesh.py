@@ -79,6 +79,8 @@ class _Peer:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(timeout_s)
         self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._closed = False
         self._sends: queue.SimpleQueue[tuple[torch.Tensor, MeshWork] | None] = queue.SimpleQueue()
         self._recvs: queue.SimpleQueue[tuple[torch.Tensor, MeshWork] | None] = queue.SimpleQueue()
         self._threads = [
@@ -91,13 +93,20 @@ class _Peer:
             t.start()
 
     def post_send(self, t: torch.Tensor) -> MeshWork:
-        work = MeshWork()
-        self._sends.put((t, work))
-        return work
+        return self._post(self._sends, t)
 
     def post_recv(self, t: torch.Tensor) -> MeshWork:
+        return self._post(self._recvs, t)
+
+    def _post(
+        self, jobs: queue.SimpleQueue[tuple[torch.Tensor, MeshWork] | None], t: torch.Tensor
+    ) -> MeshWork:
         work = MeshWork()
-        self._recvs.put((t, work))
+        with self._lock:  # a job queued behind close()'s stop would never finish
+            if self._closed:
+                work.finish(ConnectionError(f"the connection to rank {self.peer} was closed"))
+            else:
+                jobs.put((t, work))
         return work
 
     def _loop(
@@ -153,8 +162,10 @@ class _Peer:
             got += n
 
     def close(self) -> None:
-        self._sends.put(None)
-        self._recvs.put(None)
+        with self._lock:
+            self._closed = True
+            self._sends.put(None)
+            self._recvs.put(None)
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()

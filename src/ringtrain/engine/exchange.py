@@ -59,7 +59,7 @@ from ringtrain.diagnostics import timeline
 from ringtrain.engine.buckets import Bucket, Plan
 from ringtrain.engine.streams import Lane
 from ringtrain.errors import InternalError
-from ringtrain.runtime import abort
+from ringtrain.runtime import abort, exit_guard
 
 _now = time.perf_counter
 
@@ -215,11 +215,16 @@ class _Worker:
                 return
             fut, fn, args = job
             del job
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args))
-                except BaseException as e:  # handed to the waiting thread
-                    fut.set_exception(e)
+            # Torch calls that release the GIL: the process's exit waits for the one under way
+            # and starts no other (runtime.exit_guard).
+            with exit_guard.native_call() as ok:
+                if not ok:
+                    return
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(*args))
+                    except BaseException as e:  # handed to the waiting thread
+                        fut.set_exception(e)
             # Hold nothing while idle. close() runs at interpreter exit; a daemon thread that
             # then frees the last job's tensors takes the GIL inside a C++ destructor, where
             # the interpreter's exit of the thread aborts the process ("terminate called

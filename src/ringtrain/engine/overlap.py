@@ -45,7 +45,8 @@ import torch
 
 from ringtrain.diagnostics import timeline
 from ringtrain.engine.buckets import NOT_SEEN, Observation, Plan
-from ringtrain.errors import CollectiveError, ConfigError
+from ringtrain.errors import CollectiveAbortedError, CollectiveError, ConfigError
+from ringtrain.runtime import exit_guard
 
 # Fixed cost of one collective (Gloo's setup and thread hand-offs), in the replay.
 OP_COST_S = 0.001
@@ -348,6 +349,14 @@ class Overlap:
                             del _waits[id(p)]
             self._idle.set()
 
+    def _cancel(self) -> None:
+        """The process is exiting before this step's update ran: nothing waits in vain."""
+        self._error = CollectiveAbortedError("the process is exiting; the update did not run")
+        with self._lock:
+            for pending in self._pending:
+                pending.done.set()
+        self._idle.set()
+
     # ---- waiting --------------------------------------------------------------------------------
 
     def note_forward(self) -> None:
@@ -407,7 +416,7 @@ class Overlap:
     def _submit(self, job: Callable[[], None]) -> None:
         global _updater
         with _wake:
-            _jobs.append(job)
+            _jobs.append((job, self._cancel))
             _wake.notify()
             if _updater is None:
                 _updater = threading.Thread(target=_serve, name="ringtrain-overlap", daemon=True)
@@ -422,7 +431,7 @@ class Overlap:
 # One updater thread per process, for every overlapped optimizer, started at the first step and
 # kept for the life of the process: a thread that ended while the collector freed tensors could
 # take the GIL inside a C++ destructor. Idle, it holds no job and no tensor.
-_jobs: list[Callable[[], None]] = []
+_jobs: list[tuple[Callable[[], None], Callable[[], None]]] = []  # (update, cancel)
 _wake = threading.Condition()
 _updater: threading.Thread | None = None
 
@@ -434,5 +443,16 @@ def _serve() -> None:
             while not _jobs:
                 _wake.wait()
             job = _jobs.pop(0)
-        job()
+        # An update's torch calls release the GIL: the process's exit waits for the one under
+        # way and starts no other (runtime.exit_guard).
+        with exit_guard.native_call() as ok:
+            if ok:
+                job[0]()
+            else:
+                with _wake:
+                    left = [job, *_jobs]
+                    _jobs.clear()
+                for _, cancel in left:
+                    cancel()
+                return
         del job

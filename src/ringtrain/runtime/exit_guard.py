@@ -5,11 +5,13 @@ while the interpreter finalizes dies in pybind11 with "terminate called without 
 exception" (SIGABRT), after the job's work is done, and the launcher reports a failed job.
 So, at exit (atexit, before finalization):
 
-- calls that daemon threads make now and then (the sealed backend's failure notices, the wait
-  watch's posts) go through :func:`native_call`: no new one starts, those under way are waited
-  for;
+- what daemon threads do in torch goes through :func:`native_call`: the sealed backend's
+  failure notices, the wait watch's posts, each operation of a ringtrain process group's worker
+  (sealed, TCP mesh), each job of the engine's reducer and of the overlap updater. No new one
+  starts, those under way are waited for;
 - threads that may still be inside such a call, the controllers of abandoned worlds and
-  workers that did not stop at shutdown (:func:`leave_behind`), are joined.
+  workers that did not stop at shutdown or were left with their world
+  (:func:`leave_behind`), are joined.
 
 Both waits together take at most :data:`EXIT_WAIT_S`. ``tests/runtime/test_leaving.py`` shows
 the hazard on this torch and the guard.

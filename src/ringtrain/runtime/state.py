@@ -247,7 +247,9 @@ def abandon() -> None:
     """Forget the current world without waiting for its peers (one of which has failed).
 
     Its process groups are unregistered from torch.distributed but neither shut down nor freed,
-    so a new world can be started at once; attached services must be closed by the caller.
+    so a new world can be started at once; ringtrain's own groups (sealed, TCP mesh) are left
+    (``RingProcessGroup.leave``): their connections close and their workers stop now. Attached
+    services must be closed by the caller.
     """
     global _runtime
     with _lock:
@@ -264,6 +266,9 @@ def abandon() -> None:
         for group in world.pg_map:
             _abandoned.append(group)
             _keep_past_exit(group)
+            leave = getattr(group, "leave", None)  # ringtrain's own groups stop without waiting
+            if callable(leave):
+                leave()
         # HACK: destroy_process_group() minus the shutdown of each group (which blocks on a
         # group whose peer vanished): torch has no public call to drop its registry only.
         c10d._update_default_pg(None)
