@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -372,3 +373,78 @@ def test_each_process_set_decides_for_itself(gpu_world: spawn.World) -> None:
     for nccl, reason in gpu_world.run(_process_set_route):
         assert nccl == (not shared)
         assert ("CUDA tensors of process set 1 travel through host memory" in reason) == shared
+
+
+# ---- the engine's schedules, and secure mode, on CUDA tensors ---------------------------------
+
+
+def _train_mode(overlap: bool, shard: bool) -> list[torch.Tensor]:
+    """Adam (torch's CUDA kernels; fused on the shards) with or without cross-iteration overlap
+    and the sharded step, several buckets; every parameter read after synchronize()."""
+    dev, r, n = _dev(), hvd.rank(), hvd.size()
+    model = _model(dev)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        named_parameters=model.named_parameters(),
+        overlap=overlap,
+        shard_optimizer=shard,
+        fusion_threshold_bytes=2048,
+        link_class="slow",
+    )
+    for step in range(STEPS):
+        x, y = _batch(step, n, dev)
+        mine = slice(r * PER_RANK, (r + 1) * PER_RANK)
+        opt.zero_grad()
+        F.cross_entropy(model(x[mine]), y[mine]).backward()
+        opt.step()
+    opt.synchronize()
+    assert opt.overlap == (overlap and n > 1) and opt.shards_state == (shard and n > 1)
+    for p in model.parameters():
+        assert p.device == dev
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+def _schedules() -> dict[str, list[torch.Tensor]]:
+    return {
+        f"overlap={o} shard={s}": _train_mode(o, s) for o in (False, True) for s in (False, True)
+    }
+
+
+def test_overlap_and_the_sharded_step_on_cuda(gpu_world: spawn.World) -> None:
+    """Overlap gives the same bits as the same step without it (plain, and sharded); the
+    sharded step gives float-tolerance equal weights (a different reduction: reduce-scatter)."""
+    results = gpu_world.run(_schedules, timeout=120)
+    for got in results:
+        for shard in (False, True):
+            plain, overlapped = (
+                got[f"overlap=False shard={shard}"],
+                got[f"overlap=True shard={shard}"],
+            )
+            assert all(torch.equal(a, b) for a, b in zip(plain, overlapped)), f"shard={shard}"
+        for a, b in zip(got["overlap=False shard=False"], got["overlap=False shard=True"]):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    for other in results[1:]:
+        for mode, weights in other.items():
+            assert all(torch.equal(a, b) for a, b in zip(results[0][mode], weights)), mode
+
+
+def _sealed_cuda() -> list[torch.Tensor]:
+    dev, r, n = _dev(), hvd.rank(), hvd.size()
+    x = torch.arange(1 << 16, dtype=torch.float32, device=dev) + r
+    out = [hvd.allreduce(x, op=hvd.Sum), hvd.broadcast(x, n - 1), hvd.allgather(x[:5])]
+    for t in out:
+        assert t.device == dev
+    _check(out[0], torch.arange(1 << 16, dtype=torch.float32) * n + n * (n - 1) // 2, dev, "sum")
+    _check(out[1], torch.arange(1 << 16, dtype=torch.float32) + n - 1, dev, "broadcast")
+    return [*(t.cpu() for t in out), *_train("none")]
+
+
+def test_secure_mode_moves_cuda_tensors(gpu_world: spawn.World, tmp_path: Any) -> None:
+    """Sealed collectives and the optimizer on CUDA tensors give the plain run's results."""
+    from ringtrain.security import keys
+
+    key = keys.write_key_file(tmp_path / "job.key", keys.generate_job_key())
+    plain = gpu_world.run(_sealed_cuda, timeout=120)
+    sealed = gpu_world.run(_sealed_cuda, timeout=120, secure=True, key_file=key)
+    for p, s in zip(plain, sealed):
+        assert all(torch.equal(a, b) for a, b in zip(p, s))
