@@ -64,6 +64,9 @@ ENGINE_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
     # module); its pending updates end at each block's last step, inside that step's time.
     "overlap": ("overlap", {"0": False, "1": True}),
 }
+# ``@whole=1``: the wrapped optimizer steps whole after the last bucket instead of bucket by
+# bucket as each one is reduced (a step hook forces that, as it does for a user's hook).
+BENCH_CHOICES = {"whole": {"0": False, "1": True}}
 # --optimizer: what every variant trains with (its own instance per variant).
 OPTIMIZERS = ("sgd", "momentum", "adam")
 # DDP has built-in comm hooks for these; other compressors have no DDP twin.
@@ -93,8 +96,9 @@ class TrainParams:
                 f"unknown, repeated or no variants in {list(self.variants)}.\n"
                 f"HINT: choose from {', '.join(VARIANTS)}, comma separated; "
                 "ringtrain:NAME uses compression NAME (ringtrain:powersgd,ringtrain:topk); "
-                "ringtrain@fusion=MiB, @cycle=MS, @link=fast|slow, @repro=0|1, @shard=0|1 and "
-                "@overlap=0|1 set those engine knobs for one variant (ringtrain@repro=0@cycle=1000)."
+                "ringtrain@fusion=MiB, @cycle=MS, @link=fast|slow, @repro=0|1, @shard=0|1, "
+                "@overlap=0|1 and @whole=0|1 set those engine knobs for one variant "
+                "(ringtrain@repro=0@cycle=1000)."
             )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
@@ -138,6 +142,12 @@ def engine_options(name: str) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     for option in name.split("@")[1:]:
         key, _, value = option.partition("=")
+        if key in BENCH_CHOICES:
+            if value not in BENCH_CHOICES[key]:
+                raise ValueError(
+                    f"{key} must be one of {', '.join(BENCH_CHOICES[key])} in {name!r}"
+                )
+            continue  # not an engine argument: _make_variant applies it
         if key in ENGINE_CHOICES:
             arg, choices = ENGINE_CHOICES[key]
             if value not in choices:
@@ -235,6 +245,8 @@ def _make_variant(
 
         return _Variant(name, step, state_bytes=lambda: _state_bytes(base_opt))
     if name.startswith("ringtrain"):
+        if "@whole=1" in name:
+            base_opt.register_step_post_hook(lambda *_: None)
         opt = ringtrain.DistributedOptimizer(
             base_opt,
             named_parameters=model.named_parameters(),

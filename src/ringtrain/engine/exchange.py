@@ -345,12 +345,16 @@ class GradientExchange:
                     slot.work.result()  # issues more collectives on the group
             self._sparse_work = self._launch_sparse()
 
-    def finish(self) -> None:
-        """Wait for every bucket in plan order and write the results into ``.grad``."""
+    def finish(self, then: Callable[[int], None] | None = None) -> None:
+        """Wait for every bucket in plan order and write the results into ``.grad``; ``then(s)``,
+        if given, runs as soon as bucket ``s`` is done, while later buckets are still on the
+        wire (the optimizer's update of the bucket, see ``DistributedOptimizer.step``)."""
         try:
             rec = timeline.current()
-            for slot in self._slots:
+            for s, slot in enumerate(self._slots):
                 self._finish(slot, rec)
+                if then is not None:
+                    then(s)
             if self.plan.sparse:
                 self._finish_sparse()
             if self.measure:

@@ -55,9 +55,17 @@ from ringtrain.engine import buckets, schedule, sharded
 from ringtrain.engine.auto import AutoTuner
 from ringtrain.engine.buckets import ORDERS, Observation, Plan
 from ringtrain.engine.exchange import GradientExchange, Scaling
-from ringtrain.engine.overlap import Overlap, check_optimizer, launch_order, timings
+from ringtrain.engine.overlap import (
+    Overlap,
+    bucket_groups,
+    check_optimizer,
+    launch_order,
+    step_subset,
+    steps_alike_by_bucket,
+    timings,
+)
 from ringtrain.engine.streams import Lane, LanePool
-from ringtrain.errors import CollectiveArgumentError, ConfigError
+from ringtrain.errors import CollectiveArgumentError, ConfigError, InternalError
 from ringtrain.runtime import state as runtime_state
 from ringtrain.runtime.process_sets import ProcessSet
 
@@ -727,6 +735,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Wait for every gradient's reduction; parameters that got no gradient on this rank
         take part with zeros, so every rank runs the same collectives."""
+        self._synchronize()
+
+    def _synchronize(self, then: Callable[[int], None] | None = None) -> None:
+        """:meth:`synchronize`; ``then(s)`` runs as soon as bucket ``s`` is reduced (when the
+        step is not a learning step: see :meth:`_bucket_updates`)."""
         self._drain()
         if self._overlap_open and not self._step_open:
             # After an overlapped step() and no backward since: the updates are final now.
@@ -768,7 +781,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             try:
                 with torch.no_grad():
                     self._exchange.flush()
-                    self._exchange.finish()
+                    self._exchange.finish(None if learning else then)
                     self._resparsify()
             finally:
                 if self._watch is not None:
@@ -857,7 +870,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             if self._overlapping(closure):
                 return self._step_overlapped()
-            self.synchronize()
+            updates = self._bucket_updates(closure)
+            if updates is not None:
+                self._synchronize(updates.update)
+                if updates.finish():
+                    return self._step_done(None)
+            else:
+                self.synchronize()
         self._synchronized = False
         rec = timeline.current()
         t0 = time.perf_counter()
@@ -867,6 +886,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         rec.span("step", "OPTIMIZER_STEP", t0, time.perf_counter())
+        return self._step_done(result)
+
+    def _bucket_updates(self, closure: Any) -> _BucketUpdates | None:
+        """The optimizer's update, bucket by bucket, for a step() that synchronizes: each
+        bucket's parameters are updated as soon as its reduction is done, while later buckets
+        are still on the wire, instead of all of them after the last one. The same computation
+        as one ``optimizer.step()`` (per-parameter optimizers only, the sums untouched), so the
+        weights are bit for bit the same; None where that does not hold or cannot be known yet
+        (the learning step, a closure, sparse gradients, the sharded step, compression="auto",
+        step hooks)."""
+        if (
+            closure is not None
+            or self._size == 1
+            or not self._comm.included
+            or self.shards_state
+            or self._tuner is not None
+            or self._sparse_as_dense
+            or not steps_alike_by_bucket(self.optimizer)
+        ):
+            return None
+        if not self._step_open:
+            self._open_step()  # decides, as synchronize() would, whether this step learns
+        if self._learning or self._exchange is None or self._plan is None or self._plan.sparse:
+            return None
+        return _BucketUpdates(self.optimizer, self._exchange)
+
+    def _step_done(self, result: Any) -> Any:
+        self._synchronized = False
         observer = self._comm.service("step_timer")
         if observer is not None:
             observer.step_done()
@@ -1020,6 +1067,42 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._overlap.zero_grad(self._params, set_to_none)
             return
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+class _BucketUpdates:
+    """One step's updates bucket by bucket (:meth:`DistributedOptimizer._bucket_updates`)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, exchange: GradientExchange) -> None:
+        self._optimizer = optimizer
+        members = [exchange.members(s) for s in range(len(exchange.plan.buckets))]
+        # The hyper-parameters as at step(), as one optimizer.step() would read them.
+        self._groups = bucket_groups(optimizer, members)
+        self._done = [False] * len(members)
+        in_buckets = {id(p) for m in members for p in m}
+        self._rest = [
+            p
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if id(p) not in in_buckets
+        ]
+
+    def update(self, s: int) -> None:
+        t0 = time.perf_counter()
+        step_subset(self._optimizer, self._groups[s])
+        self._done[s] = True
+        timeline.current().span("update", "OPTIMIZER_STEP", t0, time.perf_counter(), {"bucket": s})
+
+    def finish(self) -> bool:
+        """After the exchange: whether every bucket was updated (if not, none was: the caller
+        steps the optimizer as a whole). Parameters outside every bucket step now."""
+        if not all(self._done):
+            if any(self._done):
+                raise InternalError("the step updated some buckets and not others")
+            return False
+        rest = [p for p in self._rest if p.grad is not None]
+        if rest:
+            step_subset(self._optimizer, bucket_groups(self._optimizer, [rest])[0])
+        return True
 
 
 def _grad_ready(optimizer: weakref.ref[DistributedOptimizer], index: int, param: Any) -> None:

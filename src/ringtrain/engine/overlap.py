@@ -34,6 +34,7 @@ between ``step()`` and the next forward needs ``synchronize()`` first.
 from __future__ import annotations
 
 import heapq
+import inspect
 import threading
 import time
 import weakref
@@ -68,9 +69,21 @@ PER_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 )
 
 
+def per_parameter(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is one of :data:`PER_PARAMETER_OPTIMIZERS`, or a subclass that keeps
+    its ``step`` (one that overrides it may compute anything across parameters)."""
+    # Compared unwrapped: torch wraps a class's step for its profiler hooks at the class's first
+    # instance, so a subclass made before its base's first instance holds its own wrapper.
+    own = inspect.unwrap(type(optimizer).step)
+    return any(
+        isinstance(optimizer, cls) and own is inspect.unwrap(cls.step)
+        for cls in PER_PARAMETER_OPTIMIZERS
+    )
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """ConfigError unless ``optimizer`` updates every parameter on its own (see above)."""
-    if not isinstance(optimizer, PER_PARAMETER_OPTIMIZERS):
+    if not per_parameter(optimizer):
         names = ", ".join(c.__name__ for c in PER_PARAMETER_OPTIMIZERS)
         raise ConfigError(
             f"overlap=True steps the optimizer bucket by bucket, which needs an update per "
@@ -121,6 +134,39 @@ def launch_order(buckets: Sequence[BucketTiming], bytes_per_s: float) -> list[in
         order.append(i)
         t += OP_COST_S + buckets[i].nbytes / rate
     return order
+
+
+def steps_alike_by_bucket(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether stepping ``optimizer`` bucket by bucket (:func:`step_subset`) is what one
+    ``optimizer.step()`` would do, observably too: a per-parameter optimizer, with no step hooks
+    (they would run once per bucket) and no ``step`` patched onto the instance (an LR scheduler
+    given the wrapped optimizer counts its calls that way)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    return (
+        per_parameter(optimizer)
+        and "step" not in vars(optimizer)
+        and not getattr(optimizer, "_optimizer_step_pre_hooks", None)
+        and not getattr(optimizer, "_optimizer_step_post_hooks", None)
+        and not torch_optimizer._global_optimizer_pre_hooks
+        and not torch_optimizer._global_optimizer_post_hooks
+    )
+
+
+def bucket_groups(
+    optimizer: torch.optim.Optimizer, members: Sequence[Sequence[torch.Tensor]]
+) -> list[list[dict[str, Any]]]:
+    """Per bucket, ``optimizer``'s param groups restricted to the bucket's parameters (``members``),
+    with the hyper-parameters as they are now: what :func:`step_subset` takes."""
+    index = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    groups = [dict(group) for group in optimizer.param_groups]
+    plans: list[list[dict[str, Any]]] = []
+    for params in members:
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for p in params:
+            by_group.setdefault(index[id(p)], []).append(p)
+        plans.append([{**groups[g], "params": ps} for g, ps in sorted(by_group.items())])
+    return plans
 
 
 def step_subset(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
@@ -289,14 +335,7 @@ class Overlap:
         assert not self.pending, "start() while the previous step's updates are pending"
         opt = self._optimizer
         # The hyper-parameters as they are now: an LR scheduler may change them after step().
-        index = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
-        groups = [dict(group) for group in opt.param_groups]
-        plans: list[list[dict[str, Any]]] = []
-        for params in members:
-            by_group: dict[int, list[torch.Tensor]] = {}
-            for p in params:
-                by_group.setdefault(index[id(p)], []).append(p)
-            plans.append([{**groups[g], "params": ps} for g, ps in sorted(by_group.items())])
+        plans = bucket_groups(opt, members)
         self._members = [list(m) for m in members]
         self._pending = [_Pending(self) for _ in members]
         self._zero = [None] * len(members)
