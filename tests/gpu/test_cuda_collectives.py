@@ -378,13 +378,17 @@ def test_each_process_set_decides_for_itself(gpu_world: spawn.World) -> None:
 # ---- the engine's schedules, and secure mode, on CUDA tensors ---------------------------------
 
 
-def _train_mode(overlap: bool, shard: bool) -> list[torch.Tensor]:
+def _train_mode(overlap: bool, shard: bool, whole: bool = False) -> list[torch.Tensor]:
     """Adam (torch's CUDA kernels; fused on the shards) with or without cross-iteration overlap
-    and the sharded step, several buckets; every parameter read after synchronize()."""
+    and the sharded step, several buckets; every parameter read after synchronize(). ``whole``:
+    a step hook makes the engine step the optimizer whole instead of bucket by bucket."""
     dev, r, n = _dev(), hvd.rank(), hvd.size()
     model = _model(dev)
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if whole:
+        inner.register_step_post_hook(lambda *_: None)
     opt = hvd.DistributedOptimizer(
-        torch.optim.Adam(model.parameters(), lr=1e-2),
+        inner,
         named_parameters=model.named_parameters(),
         overlap=overlap,
         shard_optimizer=shard,
@@ -405,16 +409,22 @@ def _train_mode(overlap: bool, shard: bool) -> list[torch.Tensor]:
 
 
 def _schedules() -> dict[str, list[torch.Tensor]]:
-    return {
+    runs = {
         f"overlap={o} shard={s}": _train_mode(o, s) for o in (False, True) for s in (False, True)
     }
+    runs["whole"] = _train_mode(False, False, whole=True)
+    return runs
 
 
 def test_overlap_and_the_sharded_step_on_cuda(gpu_world: spawn.World) -> None:
-    """Overlap gives the same bits as the same step without it (plain, and sharded); the
-    sharded step gives float-tolerance equal weights (a different reduction: reduce-scatter)."""
+    """Overlap gives the same bits as the same step without it (plain, and sharded), and the
+    default step (bucket by bucket) the same bits as the whole optimizer's step; the sharded
+    step gives float-tolerance equal weights (a different reduction: reduce-scatter)."""
     results = gpu_world.run(_schedules, timeout=120)
     for got in results:
+        assert all(
+            torch.equal(a, b) for a, b in zip(got["whole"], got["overlap=False shard=False"])
+        )
         for shard in (False, True):
             plain, overlapped = (
                 got[f"overlap=False shard={shard}"],
