@@ -160,3 +160,32 @@ def test_leaving_a_group_ends_the_operation_waiting_on_a_peer_now() -> None:
     finally:
         g0.leave()
         g1.shutdown()
+
+
+def test_a_thread_still_busy_after_the_wait_is_named() -> None:
+    """If a daemon thread is still inside a native call when the exit's wait runs out, the rank's
+    stderr names it: an abort that may follow says where it came from."""
+    code = textwrap.dedent(
+        """
+        import threading, time
+        from ringtrain.runtime import exit_guard
+
+        def busy():
+            with exit_guard.native_call():
+                time.sleep(30)  # longer than the exit waits
+
+        threading.Thread(target=busy, name="busy-worker", daemon=True).start()
+        time.sleep(0.2)
+        """
+    )
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - t0 < 30
+    assert "ringtrain: exiting after 3 s while busy-worker may still be inside a torch call" in (
+        proc.stderr
+    )
+    quiet = subprocess.run(
+        [sys.executable, "-c", _POLLER, "guarded"], capture_output=True, text=True, timeout=120
+    )
+    assert quiet.returncode == 0 and "ringtrain: exiting" not in quiet.stderr, quiet.stderr

@@ -910,7 +910,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._open_step()  # decides, as synchronize() would, whether this step learns
         if self._learning or self._exchange is None or self._plan is None or self._plan.sparse:
             return None
-        return _BucketUpdates(self.optimizer, self._exchange)
+        return _BucketUpdates(self.optimizer, self._exchange, self._comm.service("step_timer"))
 
     def _step_done(self, result: Any) -> Any:
         self._synchronized = False
@@ -1072,8 +1072,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 class _BucketUpdates:
     """One step's updates bucket by bucket (:meth:`DistributedOptimizer._bucket_updates`)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, exchange: GradientExchange) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, exchange: GradientExchange, timer: Any = None
+    ) -> None:
         self._optimizer = optimizer
+        self._timer = timer  # straggler reports: an update is compute, not waiting
         members = [exchange.members(s) for s in range(len(exchange.plan.buckets))]
         # The hyper-parameters as at step(), as one optimizer.step() would read them.
         self._groups = bucket_groups(optimizer, members)
@@ -1087,9 +1090,13 @@ class _BucketUpdates:
         ]
 
     def update(self, s: int) -> None:
+        if self._timer is not None:
+            self._timer.wait_done()
         t0 = time.perf_counter()
         step_subset(self._optimizer, self._groups[s])
         self._done[s] = True
+        if self._timer is not None:
+            self._timer.wait_started()
         timeline.current().span("update", "OPTIMIZER_STEP", t0, time.perf_counter(), {"bucket": s})
 
     def finish(self) -> bool:

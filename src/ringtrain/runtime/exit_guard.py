@@ -13,14 +13,16 @@ So, at exit (atexit, before finalization):
   workers that did not stop at shutdown or were left with their world
   (:func:`leave_behind`), are joined.
 
-Both waits together take at most :data:`EXIT_WAIT_S`. ``tests/runtime/test_leaving.py`` shows
-the hazard on this torch and the guard.
+Both waits together take at most :data:`EXIT_WAIT_S`; a thread still busy after that is named
+on stderr, so an abort that follows says where it came from. ``tests/runtime/test_leaving.py``
+shows the hazard on this torch and the guard.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +30,7 @@ from collections.abc import Iterator
 # How long the exit waits, in all, for left-behind threads and native calls under way.
 EXIT_WAIT_S = 3.0  # an abandoned controller's sliced wait ends within 1 s (runtime.abort)
 _gate = threading.Condition()
-_native_calls = 0  # native calls under way on daemon threads
+_native_calls: dict[int, int] = {}  # thread ident -> native calls under way on it
 _exiting = False
 _left: list[threading.Thread] = []  # threads that may still be inside a torch call
 
@@ -46,19 +48,21 @@ def leave_behind(thread: threading.Thread) -> None:
 def native_call() -> Iterator[bool]:
     """``with native_call() as ok: if ok: store.check(...)``: ``ok`` is False once the process
     is exiting, and the exit waits for calls under way (see the module docstring)."""
-    global _native_calls
+    me = threading.get_ident()
     with _gate:
         if _exiting:
             ok = False
         else:
             ok = True
-            _native_calls += 1
+            _native_calls[me] = _native_calls.get(me, 0) + 1
     try:
         yield ok
     finally:
         if ok:
             with _gate:
-                _native_calls -= 1
+                _native_calls[me] -= 1
+                if not _native_calls[me]:
+                    del _native_calls[me]
                 _gate.notify_all()
 
 
@@ -76,6 +80,19 @@ def _settle_at_exit() -> None:
     for thread in left:
         if thread is not me:
             thread.join(max(0.0, deadline - time.monotonic()))
+    with _gate:
+        busy = set(_native_calls)
+    names = {t.ident: t.name for t in threading.enumerate()}
+    stuck = sorted({names.get(i, f"thread {i}") for i in busy})
+    stuck += sorted({t.name for t in left if t is not me and t.is_alive()} - set(stuck))
+    if stuck:
+        # What a rank's last words should say if the interpreter's exit now aborts it.
+        sys.stderr.write(
+            f"ringtrain: exiting after {EXIT_WAIT_S:g} s while {', '.join(stuck)} may still be "
+            'inside a torch call; an abort now ("terminate called without an active '
+            "exception\") comes from there, after this process's work was done.\n"
+        )
+        sys.stderr.flush()
 
 
 atexit.register(_settle_at_exit)
