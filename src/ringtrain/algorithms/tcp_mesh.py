@@ -31,12 +31,15 @@ import queue
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 import torch
 
 log = logging.getLogger("ringtrain")
 
+# How long closing a mesh waits for its peers' threads to end (they end as their sockets shut).
+CLOSE_JOIN_S = 2.0
 _MAGIC = b"RTM1"
 _HELLO = struct.Struct("<4s16sI")  # magic, the listener's token, the connecting rank
 _HEADER = struct.Struct("<Q")  # payload length
@@ -83,13 +86,13 @@ class _Peer:
         self._closed = False
         self._sends: queue.SimpleQueue[tuple[torch.Tensor, MeshWork] | None] = queue.SimpleQueue()
         self._recvs: queue.SimpleQueue[tuple[torch.Tensor, MeshWork] | None] = queue.SimpleQueue()
-        self._threads = [
+        self.threads = [
             threading.Thread(target=self._loop, args=(self._sends, self._send), daemon=True,
                              name=f"ringtrain-tcp-{me}>{peer}"),
             threading.Thread(target=self._loop, args=(self._recvs, self._recv), daemon=True,
                              name=f"ringtrain-tcp-{me}<{peer}"),
         ]  # fmt: skip
-        for t in self._threads:
+        for t in self.threads:
             t.start()
 
     def post_send(self, t: torch.Tensor) -> MeshWork:
@@ -268,6 +271,16 @@ class Mesh:
         return self._peer(peer).post_recv(t)
 
     def close(self) -> None:
-        for p in self._peers.values():
-            p.close()
+        peers = list(self._peers.values())
         self._peers.clear()
+        for p in peers:
+            p.close()
+        # Let the peers' threads end now, not while the interpreter exits (a thread still
+        # winding down then can abort the process: runtime.exit_guard). Called from a peer's
+        # own thread it cannot wait for that one.
+        deadline = time.monotonic() + CLOSE_JOIN_S
+        me = threading.current_thread()
+        for p in peers:
+            for t in p.threads:
+                if t is not me:
+                    t.join(max(0.0, deadline - time.monotonic()))
