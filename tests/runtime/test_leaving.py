@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -159,6 +160,46 @@ def test_leaving_a_group_ends_the_operation_waiting_on_a_peer_now() -> None:
             g1.allreduce([torch.ones(4)]).wait()
     finally:
         g0.leave()
+        g1.shutdown()
+
+
+def _held_tensors(thread: threading.Thread) -> list[str]:
+    """The tensors (or views of their bytes) that ``thread``'s Python frames hold."""
+    frame: Any = sys._current_frames().get(thread.ident or 0)
+    held = []
+    while frame is not None:
+        for name, value in frame.f_locals.items():
+            if isinstance(value, (torch.Tensor, memoryview)):
+                held.append(f"{frame.f_code.co_name}: {name}")
+        frame = frame.f_back
+    return held
+
+
+@pytest.mark.timeout(120)
+def test_idle_group_threads_hold_no_tensor() -> None:
+    """Freeing a tensor releases the GIL (and so does ``Tensor.numpy()``): a daemon thread that
+    frees one while the interpreter finalizes aborts the process, so a group's worker and its
+    TCP mesh threads free what an operation held before they go idle (inside a native call:
+    runtime.exit_guard) and make no torch call of their own."""
+    g0, g1 = _tcp_pair()
+    try:
+        for _ in range(3):
+            works = [g.allreduce([torch.ones(10_000)]) for g in (g0, g1)]
+            for w in works:
+                w.wait()
+        del works, w
+        threads = [g._thread for g in (g0, g1)]
+        for g in (g0, g1):
+            threads += [t for peer in g._link.inner._peers.values() for t in peer.threads]
+        deadline = time.monotonic() + 10
+        while True:
+            held = {t.name: _held_tensors(t) for t in threads}
+            if not any(held.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)  # a thread may still be finishing its last message
+        assert not any(held.values()), held
+    finally:
+        g0.shutdown()
         g1.shutdown()
 
 

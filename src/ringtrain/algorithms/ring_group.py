@@ -50,12 +50,14 @@ class RingWork(dist.Work):
         self._future: Future[Any] | None = None
         self._lock = threading.Lock()
 
-    def _finish(self, error: BaseException | None) -> None:
+    def _finish(self, error: BaseException | None, settle: bool = True) -> None:
+        """End the operation; ``settle=False`` leaves torch's future (if one was asked for)
+        alone: setting it is a torch call."""
         with self._lock:
             self._error = error
             self._done.set()
             fut = self._future
-        if fut is not None:
+        if fut is not None and settle:
             _settle(fut, self._result, error)
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
@@ -170,23 +172,26 @@ class RingProcessGroup(dist.ProcessGroup):
                 return
             fn, work = job
             del job
-            poisoned = self._left or self._poisoned()
-            if poisoned is not None:
-                work._finish(poisoned)
-                continue
-            # An operation makes torch calls that release the GIL: none may be under way while
-            # the interpreter finalizes (runtime.exit_guard); the exit waits for this one.
+            # An operation makes torch calls that release the GIL, and so may freeing what it
+            # holds: none may be under way while the interpreter finalizes
+            # (runtime.exit_guard); the exit waits for this one.
             with exit_guard.native_call() as ok:
+                poisoned = self._left or self._poisoned()
                 if not ok:
-                    work._finish(CollectiveAbortedError("the process is exiting"))
-                    return
-                try:
-                    fn()
-                except BaseException as e:  # a peer died, a timeout, a forgery: report, go on
-                    work._finish(self._on_error(e))
+                    exit_guard.keep(fn, work)  # its future is torch's: not settled either
+                    work._finish(CollectiveAbortedError("the process is exiting"), settle=False)
+                elif poisoned is not None:
+                    work._finish(poisoned)
                 else:
-                    work._finish(None)
+                    try:
+                        fn()
+                    except BaseException as e:  # a peer died, a timeout, a forgery: report, go on
+                        work._finish(self._on_error(e))
+                    else:
+                        work._finish(None)
                 del fn, work  # hold no tensor while idle
+            if not ok:
+                return
 
     def shutdown(self) -> None:
         if self._closed:

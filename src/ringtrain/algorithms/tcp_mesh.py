@@ -12,7 +12,9 @@ runtimes such as Gramine have no netlink. What a :class:`Mesh` does, and does no
 * ``send``/``recv`` of uint8 tensors, matched in order per pair (the order the caller posts
   them), each message framed with its length so a mismatch is an error, not garbled data;
 * two Python threads per peer (one sends, one receives): a large message overlaps the next, and
-  sockets release the GIL while they move bytes;
+  sockets release the GIL while they move bytes. They touch no tensor outside
+  :func:`ringtrain.runtime.exit_guard.native_call` (the caller makes each message's view; the
+  thread frees it inside one), so none can abort the process while it exits;
 * nothing an enclave lacks: no netlink, no ``MSG_MORE`` (``TCP_NODELAY`` and one ``sendmsg`` of
   header and payload instead), no ``fork``, no file locks, no shared memory, no signals.
 
@@ -35,6 +37,8 @@ import time
 from typing import Any
 
 import torch
+
+from ringtrain.runtime import exit_guard
 
 log = logging.getLogger("ringtrain")
 
@@ -66,6 +70,10 @@ class MeshWork:
         return self._done.is_set()
 
 
+# A message to move: the bytes of its tensor (a view that keeps the tensor alive), its handle.
+_Job = tuple[memoryview, MeshWork]
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     if t.dtype != torch.uint8 or not t.is_contiguous() or t.device.type != "cpu":
         raise TypeError("the TCP mesh moves contiguous uint8 CPU tensors only")
@@ -84,8 +92,8 @@ class _Peer:
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._closed = False
-        self._sends: queue.SimpleQueue[tuple[torch.Tensor, MeshWork] | None] = queue.SimpleQueue()
-        self._recvs: queue.SimpleQueue[tuple[torch.Tensor, MeshWork] | None] = queue.SimpleQueue()
+        self._sends: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._recvs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.threads = [
             threading.Thread(target=self._loop, args=(self._sends, self._send), daemon=True,
                              name=f"ringtrain-tcp-{me}>{peer}"),
@@ -101,43 +109,50 @@ class _Peer:
     def post_recv(self, t: torch.Tensor) -> MeshWork:
         return self._post(self._recvs, t)
 
-    def _post(
-        self, jobs: queue.SimpleQueue[tuple[torch.Tensor, MeshWork] | None], t: torch.Tensor
-    ) -> MeshWork:
+    def _post(self, jobs: queue.SimpleQueue[_Job | None], t: torch.Tensor) -> MeshWork:
+        # The bytes' view is made here, on the caller's thread: Tensor.numpy() releases the
+        # GIL, which the peer's daemon threads must not do outside a native call. The view
+        # keeps the tensor alive until the message has moved.
+        data = _bytes_of(t)
         work = MeshWork()
         with self._lock:  # a job queued behind close()'s stop would never finish
             if self._closed:
                 work.finish(ConnectionError(f"the connection to rank {self.peer} was closed"))
             else:
-                jobs.put((t, work))
+                jobs.put((data, work))
         return work
 
-    def _loop(
-        self,
-        jobs: queue.SimpleQueue[tuple[torch.Tensor, MeshWork] | None],
-        move: Any,
-    ) -> None:
+    def _loop(self, jobs: queue.SimpleQueue[_Job | None], move: Any) -> None:
         while True:
             job = jobs.get()
             if job is None:
                 return
-            t, work = job
-            if self.error is not None:
-                work.finish(self.error)
-                continue
-            try:
-                move(_bytes_of(t))
-            except TimeoutError:
-                self.error = ConnectionError(
-                    f"no progress with rank {self.peer} for {self._timeout_s:g} s (the group's "
-                    "timeout): it may be stuck or gone"
-                )
-                work.finish(self.error)
-            except (OSError, ValueError) as e:
-                self.error = ConnectionError(f"the connection to rank {self.peer} failed: {e}")
-                work.finish(self.error)
-            else:
-                work.finish()
+            data, work = job
+            del job
+            error = self.error
+            if error is None:
+                try:
+                    move(data)
+                except TimeoutError:
+                    error = self.error = ConnectionError(
+                        f"no progress with rank {self.peer} for {self._timeout_s:g} s (the "
+                        "group's timeout): it may be stuck or gone"
+                    )
+                except (OSError, ValueError) as e:
+                    error = self.error = ConnectionError(
+                        f"the connection to rank {self.peer} failed: {e}"
+                    )
+            # The view may hold the tensor's last reference (its caller gave up on it): it is
+            # freed inside a native call, or kept if the process is exiting (runtime.exit_guard).
+            with exit_guard.native_call() as ok:
+                if not ok:
+                    exit_guard.keep(data)
+                    error = error or ConnectionError("the process is exiting")
+                del data
+                work.finish(error)
+                del work
+            if not ok:
+                return
 
     def _send(self, data: memoryview) -> None:
         header = _HEADER.pack(len(data))
@@ -284,3 +299,5 @@ class Mesh:
             for t in p.threads:
                 if t is not me:
                     t.join(max(0.0, deadline - time.monotonic()))
+                    if t.is_alive():  # a busy machine: the process's exit waits for it
+                        exit_guard.leave_behind(t)

@@ -58,7 +58,7 @@ from ringtrain.compression.halfprec import FP16Compressor
 from ringtrain.diagnostics import timeline
 from ringtrain.engine.buckets import Bucket, Plan
 from ringtrain.engine.streams import Lane
-from ringtrain.errors import InternalError
+from ringtrain.errors import CollectiveAbortedError, InternalError
 from ringtrain.runtime import abort, exit_guard
 
 _now = time.perf_counter
@@ -215,21 +215,22 @@ class _Worker:
                 return
             fut, fn, args = job
             del job
-            # Torch calls that release the GIL: the process's exit waits for the one under way
-            # and starts no other (runtime.exit_guard).
+            # Torch calls that release the GIL, freeing the job's tensors among them: the
+            # process's exit waits for the job under way and starts no other
+            # (runtime.exit_guard). Idle, the thread holds nothing.
             with exit_guard.native_call() as ok:
                 if not ok:
-                    return
-                if fut.set_running_or_notify_cancel():
+                    exit_guard.keep(fn, args)
+                    if fut.set_running_or_notify_cancel():  # nothing waits in vain
+                        fut.set_exception(CollectiveAbortedError("the process is exiting"))
+                elif fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn(*args))
                     except BaseException as e:  # handed to the waiting thread
                         fut.set_exception(e)
-            # Hold nothing while idle. close() runs at interpreter exit; a daemon thread that
-            # then frees the last job's tensors takes the GIL inside a C++ destructor, where
-            # the interpreter's exit of the thread aborts the process ("terminate called
-            # without an active exception").
-            del fut, fn, args
+                del fut, fn, args
+            if not ok:
+                return
 
     def close(self) -> None:
         self._jobs.put(None)

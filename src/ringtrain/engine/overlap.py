@@ -484,6 +484,7 @@ def _serve() -> None:
             job = _jobs.pop(0)
         # An update's torch calls release the GIL: the process's exit waits for the one under
         # way and starts no other (runtime.exit_guard).
+        # Freeing the update's tensors is such a call too: the thread holds none while idle.
         with exit_guard.native_call() as ok:
             if ok:
                 job[0]()
@@ -491,7 +492,10 @@ def _serve() -> None:
                 with _wake:
                     left = [job, *_jobs]
                     _jobs.clear()
+                exit_guard.keep(left)
                 for _, cancel in left:
                     cancel()
-                return
-        del job
+                del left
+            del job
+        if not ok:
+            return

@@ -7,8 +7,11 @@ So, at exit (atexit, before finalization):
 
 - what daemon threads do in torch goes through :func:`native_call`: the sealed backend's
   failure notices, the wait watch's posts, each operation of a ringtrain process group's worker
-  (sealed, TCP mesh), each job of the engine's reducer and of the overlap updater. No new one
-  starts, those under way are waited for;
+  (sealed, TCP mesh), each message of a TCP mesh, each job of the engine's reducer and of the
+  overlap updater. No new one starts, those under way are waited for. Freeing a tensor is such
+  a call too (its destructor releases the GIL; so does ``Tensor.numpy()``): a daemon thread
+  drops its last references inside the call, holds none while idle, and one that may not start
+  a call any more hands what it holds to :func:`keep` instead of freeing it;
 - threads that may still be inside such a call, the controllers of abandoned worlds and
   workers that did not stop at shutdown or were left with their world
   (:func:`leave_behind`), are joined.
@@ -33,6 +36,7 @@ _gate = threading.Condition()
 _native_calls: dict[int, int] = {}  # thread ident -> native calls under way on it
 _exiting = False
 _left: list[threading.Thread] = []  # threads that may still be inside a torch call
+_kept: list[object] = []  # what daemon threads could not free: the main thread frees it at exit
 
 
 def leave_behind(thread: threading.Thread) -> None:
@@ -64,6 +68,14 @@ def native_call() -> Iterator[bool]:
                 if not _native_calls[me]:
                     del _native_calls[me]
                 _gate.notify_all()
+
+
+def keep(*objects: object) -> None:
+    """Hold ``objects`` (tensors, or what holds them) for the rest of the process: a daemon
+    thread whose :func:`native_call` was refused must not free them. The interpreter's exit
+    frees them on the main thread, where that is safe."""
+    with _gate:
+        _kept.append(objects)
 
 
 def _settle_at_exit() -> None:
