@@ -118,6 +118,10 @@ class Config:
     # DistributedOptimizer: shard the optimizer step (ZeRO stage 1): each rank keeps and steps
     # the optimizer state of 1/N of the parameters, then the parameters are all-gathered.
     shard_optimizer: bool = False
+    # With shard_optimizer: reduce-scatter the gradients (each rank receives the sum of its own
+    # shard only: half an allreduce's bytes), so the sharded step moves what DDP moves. .grad
+    # outside the rank's shard then holds its own gradient after step(), until synchronize().
+    reduce_scatter: bool = False
     # DistributedOptimizer: step() returns once the last buckets are launched; each bucket's
     # parameters are updated as its reduction completes and the next forward waits per module
     # (cross-iteration overlap, ringtrain.engine.overlap). Opt-in.

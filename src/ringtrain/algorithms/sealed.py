@@ -91,7 +91,8 @@ def _mv(t: torch.Tensor) -> memoryview:
 
 
 class Plain:
-    """No sealing: the ring's bytes travel as they are (the ``ringtrain_tcp`` backend)."""
+    """No sealing: the ring's bytes travel as they are (the ``ringtrain_tcp`` backend, and the
+    engine's reduce-scatter of gradients over its own groups)."""
 
     def __init__(self, me: int, size: int) -> None:
         self.me, self.size = me, size
@@ -200,6 +201,22 @@ class Link:
         if divide:
             _divide(mine, n)
         out.reshape(-1).copy_(mine)
+
+    def reduce_scatter_chunks(self, chunks: Sequence[torch.Tensor], op: Any) -> None:
+        """Afterwards rank r's ``chunks[r]`` holds the reduction of every rank's ``chunks[r]``
+        (in place; the other chunks hold partial results). Chunk sizes may differ, alike on
+        every rank. (N-1)/N of the data leaves each rank: half an allreduce's bytes."""
+        if self.size == 1:
+            return
+        reduce, divide = _reducer(op)
+        self._reduce_scatter(list(chunks), reduce, offset=-1, kind=sealing.REDUCESCATTER)
+        if divide:
+            _divide(chunks[self.rank], self.size)
+
+    def allgather_chunks(self, chunks: Sequence[torch.Tensor]) -> None:
+        """Afterwards every rank's ``chunks[i]`` holds rank i's ``chunks[i]`` (in place)."""
+        if self.size > 1:
+            self._allgather(list(chunks), first=self.rank, origin=lambda c: c)
 
     def allgather(self, outs: Sequence[torch.Tensor], inp: torch.Tensor) -> None:
         """``outs[i]`` = rank i's ``inp`` (sizes may differ; each ``outs[i]`` sized for it)."""

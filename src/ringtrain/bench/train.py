@@ -60,6 +60,8 @@ ENGINE_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
     "link": ("link_class", {"fast": "fast", "slow": "slow"}),
     "repro": ("reproducible", {"0": False, "1": True}),
     "shard": ("shard_optimizer", {"0": False, "1": True}),
+    # ``@scatter=1`` (with ``@shard=1``): gradients reduce-scattered, not allreduced.
+    "scatter": ("reduce_scatter", {"0": False, "1": True}),
     # ``@overlap=1``: cross-iteration overlap (step() returns at once, the forward waits per
     # module); its pending updates end at each block's last step, inside that step's time.
     "overlap": ("overlap", {"0": False, "1": True}),

@@ -31,6 +31,15 @@ Stateful reducers (PowerSGD, top-k: :class:`ringtrain.compression.base.GradientR
 their own blocking collectives; they run on one worker thread, bucket after bucket in plan
 order, so they overlap backward and keep the same collective order on every rank.
 
+Reduce-scatter (``scatter=True``, with the sharded step: :mod:`ringtrain.engine.sharded`). Each
+bucket is cut into the sharded step's N shards and reduce-scattered around a ring over the lane's
+group (:meth:`ringtrain.algorithms.sealed.Link.reduce_scatter_chunks`, on the lane's worker): rank
+r receives the sum of shard r only, so (N-1)/N of the bucket leaves each rank instead of an
+allreduce's 2(N-1)/N, and the sharded step's all-gather of the parameters brings the total back
+to an allreduce's. The sums follow the ring's order (fixed by rank, not by timing or layout),
+not Gloo's allreduce's. Outside its own shard, a rank's ``.grad`` keeps its own (scaled)
+gradient until :meth:`GradientExchange.gather_grads` all-gathers the reduced shards.
+
 Lanes (:mod:`ringtrain.engine.streams`). Bucket ``i`` travels on lane ``i % len(lanes)``: its
 own process group, so consecutive buckets are in flight at once, and, when the lane has a
 hierarchical allreduce, through that (blocking) algorithm on the lane's worker thread. Every
@@ -54,7 +63,8 @@ import torch
 import torch.distributed as dist
 
 from ringtrain import compat
-from ringtrain.compression.halfprec import FP16Compressor
+from ringtrain.algorithms.sealed import Link, Plain
+from ringtrain.compression.halfprec import FP16Compressor, NoneCompressor
 from ringtrain.diagnostics import timeline
 from ringtrain.engine.buckets import Bucket, Plan
 from ringtrain.engine.streams import Lane
@@ -129,6 +139,7 @@ class _Slot:
         if isinstance(compressor, FP16Compressor) and wire_dtype not in (None, first.dtype):
             self.cast = torch.zeros(bucket.numel, dtype=wire_dtype, device=first.device)
         self.lane = 0  # index of the lane this bucket travels on
+        self.chunks: list[torch.Tensor] = []  # reduce-scatter: the flat buffer's N shards
         self.reset()
 
     def reset(self) -> None:
@@ -247,6 +258,7 @@ class GradientExchange:
         lanes: Sequence[Lane] | Any,
         compressor: Any,
         scaling: Scaling,
+        scatter: bool = False,
     ) -> None:
         self.plan = plan
         self._params = list(params)
@@ -278,13 +290,30 @@ class GradientExchange:
         self._hierarchical = not self._reducer and any(
             lane.hierarchical is not None for lane in self._lanes
         )
+        # Reduce-scatter: a ring over each lane's group, and every bucket's shards.
+        self._scatter = scatter
+        self._links: list[Link] = []
+        if scatter:
+            if self._reducer or self._hierarchical or not isinstance(compressor, NoneCompressor):
+                raise InternalError("reduce-scatter takes uncompressed, flat buckets only")
+            for lane in self._lanes:
+                self._links.append(Link(lane.group, Plain(lane.group.rank(), lane.group.size())))
+            n = self._links[0].size
+            for slot in self._slots:
+                shard = -(-slot.flat.numel() // n)  # as the sharded step cuts (sharded.layouts)
+                slot.chunks = [
+                    slot.flat[
+                        min(r * shard, slot.flat.numel()) : min((r + 1) * shard, slot.flat.numel())
+                    ]
+                    for r in range(n)
+                ]
         self._workers: list[_Worker] = []
         if self._reducer:
             plan_fn = getattr(compressor, "plan", None)
             if callable(plan_fn):
                 for b in plan.buckets:
                     plan_fn(b.key, b.shapes)
-        if self._reducer or self._hierarchical:
+        if self._reducer or self._hierarchical or scatter:
             used = min(len(self._lanes), len(self._slots)) or 1
             self._workers = [_Worker() for _ in range(used)]
             for worker in self._workers:
@@ -363,6 +392,16 @@ class GradientExchange:
         finally:
             self.reset()
 
+    def gather_grads(self) -> None:
+        """Reduce-scatter: all-gather every bucket's reduced shards, so every ``.grad`` holds the
+        whole reduced gradient (what a user's ``synchronize()`` promises). (N-1)/N of the
+        gradients more on the wire; the lanes' workers are idle once :meth:`finish` returned."""
+        if not self._scatter:
+            return
+        with torch.no_grad():
+            for slot in self._slots:
+                self._links[slot.lane].allgather_chunks(slot.chunks)
+
     def set_launch_order(self, order: Sequence[int]) -> None:
         """Launch buckets in ``order`` (a permutation of the plan's bucket indices, the same on
         every rank) instead of plan order: :mod:`ringtrain.engine.overlap` sends the buckets the
@@ -396,7 +435,15 @@ class GradientExchange:
         flat = slot.flat
         mark = timeline.current().enabled or self.measure
         lane = self._lanes[slot.lane]
-        if self._reducer:
+        if self._scatter:
+            slot.t_sent = _now()
+            fut = self._workers[slot.lane].submit(
+                self._links[slot.lane].reduce_scatter_chunks, slot.chunks, dist.ReduceOp.SUM
+            )
+            slot.work = fut
+            if mark:
+                fut.add_done_callback(functools.partial(_mark_done, slot.done))
+        elif self._reducer:
             slot.t_sent = _now()
             fut = self._workers[slot.lane].submit(
                 self._compressor.reduce, slot.bucket.key, flat, lane.group
@@ -430,7 +477,13 @@ class GradientExchange:
         if not slot.launched:
             raise InternalError(f"{slot.bucket.key} was never launched before finish()")
         flat = slot.flat
-        if self._reducer:
+        if self._scatter:
+            slot.work.result()
+            mine = slot.chunks[self._links[slot.lane].rank]
+            if slot.post != 1.0:
+                mine.mul_(slot.post)
+            result = None  # this rank's shard is reduced in place; the rest stays its own
+        elif self._reducer:
             result = slot.work.result()
         else:
             if isinstance(slot.work, concurrent.futures.Future):
@@ -456,7 +509,9 @@ class GradientExchange:
         slot.t_done = slot.done[0] if slot.done else t_wait
         # Into the flat buffer, scaled on the way: the gradients are its views.
         post = slot.post
-        if result is flat:
+        if result is None:
+            pass
+        elif result is flat:
             if post != 1.0:
                 flat.mul_(post)
         elif post != 1.0:
@@ -481,7 +536,7 @@ class GradientExchange:
         rec.span(lane, "FILL", slot.t_first, slot.t_last, args)
         rec.span(lane, "PACK", slot.t_pack, slot.t_sent)
         done = slot.done[0] if slot.done else t_wait
-        wire = _wire_name(slot)
+        wire = "reduce-scatter" if self._scatter else _wire_name(slot)
         if self._hierarchical:
             wire += ", hierarchical"
         rec.span(lane, "ALLREDUCE", slot.t_sent, done, {"wire": wire, "lane": slot.lane})

@@ -49,6 +49,7 @@ from ringtrain.algorithms.hierarchical import prefer_hierarchical
 from ringtrain.collectives import ops
 from ringtrain.collectives.reduce_ops import resolve_op
 from ringtrain.compression import resolve as resolve_compression
+from ringtrain.compression.halfprec import NoneCompressor
 from ringtrain.compression.policy import AutoCompression, Decision
 from ringtrain.diagnostics import engine_wait, timeline
 from ringtrain.engine import buckets, schedule, sharded
@@ -113,6 +114,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             updates the optimizer state of 1/N of every bucket, then the updated parameters
             are all-gathered (:mod:`ringtrain.engine.sharded`). ``state_dict()`` then gathers
             the full state and is collective: every rank must call it.
+        reduce_scatter: with ``shard_optimizer``, reduce-scatter the gradients instead of
+            allreducing them: each rank receives the sum of its own shard only, so a sharded
+            step moves an allreduce's bytes in all, not 1.5 times them. Sums follow a ring's
+            order (not the unsharded engine's, so weights differ from it in the last bits),
+            and outside this rank's shard ``.grad`` keeps this rank's own gradient after
+            ``step()``; ``synchronize()`` all-gathers the reduced gradients when you call it
+            (to clip them, say). Uncompressed only; not with ``overlap``.
         overlap: True: ``step()`` returns once the buckets are launched, each bucket's parameters
             are updated as its reduction completes, and the next forward waits per module for
             its own parameters (:mod:`ringtrain.engine.overlap`; contract in docs/engine.md).
@@ -145,6 +153,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         link_class: str | None = None,
         shard_optimizer: bool | None = None,
         overlap: bool | None = None,
+        reduce_scatter: bool | None = None,
     ) -> None:
         # Deliberately no super().__init__(): all optimizer state lives in the wrapped optimizer.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -225,10 +234,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._shard_mode = config.shard_optimizer if shard_optimizer is None else shard_optimizer
         if self._shard_mode:
             sharded.check_supported(optimizer)
+        self._scatter = config.reduce_scatter if reduce_scatter is None else reduce_scatter
         self._shards: sharded.ShardedStep | None = None
         self._gather_group: Any = None  # overlap with shards: the updater's all-gathers
         self._compression_arg = config.compression if compression is None else compression
         self._compression = resolve_compression(self._compression_arg, config)
+        if self._scatter:
+            self._check_scatter(config.overlap if overlap is None else overlap)
         self._tuner: AutoTuner | None = None
         if (
             isinstance(self._compression, AutoCompression)
@@ -296,6 +308,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 weakref.finalize(self, self._overlap.close)
         self._register_hooks()
         _live.add(self)
+
+    def _check_scatter(self, overlap: bool) -> None:
+        """reduce_scatter=True: what it needs, as errors that say what to change."""
+        if not self._shard_mode:
+            raise ConfigError(
+                "reduce_scatter=True needs shard_optimizer=True: each rank then steps only the "
+                "shard whose sum it receives.\nHINT: add shard_optimizer=True, or drop "
+                "reduce_scatter."
+            )
+        if not isinstance(self._compression, NoneCompressor):
+            raise ConfigError(
+                f"reduce_scatter=True cannot use compression={self._compression_arg!r}: it "
+                "reduce-scatters full-precision buckets.\nHINT: compression='none', or drop "
+                "reduce_scatter (fp16 already halves the allreduce's bytes)."
+            )
+        if overlap:
+            raise ConfigError(
+                "reduce_scatter=True does not combine with overlap=True yet.\nHINT: drop one of "
+                "them."
+            )
+        if self._hierarchical == "on":
+            raise ConfigError(
+                "reduce_scatter=True does not combine with hierarchical='on': the ring runs "
+                "over every rank of the set.\nHINT: hierarchical='off' (or 'auto')."
+            )
 
     def rejoin(self) -> None:
         """Elastic: the world was re-formed (:mod:`ringtrain.elastic`); take its communicator and
@@ -684,6 +721,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._lanes,
             self._compressor(),
             self._scaling(),
+            scatter=self._scatter and self.shards_state,
         )
         self._exchange.measure = self._tuner is not None and self._tuner.active
         if self._launch_order is not None:
@@ -719,7 +757,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             return engine
         hosts = runtime_state.current().topology.hosts
-        hier = prefer_hierarchical(hosts, self._hierarchical)
+        hier = not self._scatter and prefer_hierarchical(hosts, self._hierarchical)
         if hier and self._comm.set_rank == 0:
             log.info(
                 "ringtrain: hierarchical allreduce (hierarchical=%s): gradients are summed within "
@@ -736,6 +774,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Wait for every gradient's reduction; parameters that got no gradient on this rank
         take part with zeros, so every rank runs the same collectives."""
         self._synchronize()
+        if self._exchange is not None and self._scatter and self.shards_state:
+            self._exchange.gather_grads()  # whole gradients, as synchronize() promises
 
     def _synchronize(self, then: Callable[[int], None] | None = None) -> None:
         """:meth:`synchronize`; ``then(s)`` runs as soon as bucket ``s`` is reduced (when the
@@ -876,7 +916,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if updates.finish():
                     return self._step_done(None)
             else:
-                self.synchronize()
+                self._synchronize()  # reduce_scatter: the step needs this rank's shard alone
         self._synchronized = False
         rec = timeline.current()
         t0 = time.perf_counter()

@@ -28,7 +28,9 @@ rank's chunk (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), so a reduc
 cost the allreduce's traffic plus a bucket-sized copy. Keeping the engine's in-place allreduce
 costs no more on the wire, keeps every ``.grad`` whole, and keeps the reduction order: the sums
 are bit for bit the unsharded engine's. The all-gather is the extra traffic, (N-1)/N of the
-parameters per rank and step.
+parameters per rank and step. ``reduce_scatter=True`` trades those bits for an allreduce's bytes:
+the exchange then reduce-scatters each bucket around a ring of its own, cut into exactly these
+shards (:mod:`ringtrain.engine.exchange`), and each rank receives only the sums it steps.
 
 Checkpoints: :meth:`ShardedStep.gather_state` (collective) rebuilds the full per-parameter state
 in the wrapped optimizer's own layout, so ``state_dict()`` is interchangeable with the
