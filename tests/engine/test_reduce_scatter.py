@@ -6,12 +6,14 @@ Link over the engine's Gloo groups), instead of an allreduce of whole buckets. S
 ranks): the weights agree with the allreduce-based sharded step within float rounding (the ring
 sums in another order), are bit for bit the same when the job runs again, are identical on
 every rank; ``synchronize()`` called by the user gives whole reduced gradients (clipping works),
-and what cannot combine is refused with a hint.
+and what cannot combine (compression, overlap, hierarchical, sealed groups) is refused with a
+hint.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,7 @@ from test_sharded import Net, _batch  # this directory is on the path (rootless 
 
 import ringtrain as rt
 from ringtrain.errors import ConfigError
+from ringtrain.security import keys
 from ringtrain.testing import spawn
 
 pytestmark = pytest.mark.timeout(400)
@@ -146,3 +149,23 @@ def test_what_cannot_combine_is_refused_with_a_hint() -> None:
     assert len(said) == 4, said
     for text, needle in zip(said, ("shard_optimizer=True", "fp16", "overlap", "hierarchical")):
         assert needle in text and "HINT" in text, text
+
+
+def _refused_here() -> str:
+    try:
+        rt.DistributedOptimizer(
+            torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1),
+            shard_optimizer=True,
+            reduce_scatter=True,
+        )
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+def test_sealed_groups_are_refused_not_deadlocked(tmp_path: Path) -> None:
+    """A sealed group's one worker would run the ring's receive before its paired send."""
+    key_file = keys.write_key_file(tmp_path / "job.key", keys.generate_job_key())
+    said = spawn.world(2).run(_refused_here, timeout=120, secure=True, key_file=key_file)
+    for text in said:
+        assert "ringtrain_sealed" in text and "HINT" in text, text

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from ringtrain.algorithms.hierarchical import prefer_hierarchical
+from ringtrain.algorithms.ring_group import RingProcessGroup
 from ringtrain.collectives import ops
 from ringtrain.collectives.reduce_ops import resolve_op
 from ringtrain.compression import resolve as resolve_compression
@@ -120,7 +121,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             order (not the unsharded engine's, so weights differ from it in the last bits),
             and outside this rank's shard ``.grad`` keeps this rank's own gradient after
             ``step()``; ``synchronize()`` all-gathers the reduced gradients when you call it
-            (to clip them, say). Uncompressed only; not with ``overlap``.
+            (to clip them, say). Uncompressed, on Gloo groups only; not with ``overlap``.
         overlap: True: ``step()`` returns once the buckets are launched, each bucket's parameters
             are updated as its reduction completes, and the next forward waits per module for
             its own parameters (:mod:`ringtrain.engine.overlap`; contract in docs/engine.md).
@@ -332,6 +333,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(
                 "reduce_scatter=True does not combine with hierarchical='on': the ring runs "
                 "over every rank of the set.\nHINT: hierarchical='off' (or 'auto')."
+            )
+        engine = self._comm.optional_group("engine")
+        if isinstance(engine, RingProcessGroup):
+            # Its one worker runs a posted receive before the send posted after it: the ring's
+            # paired send and receive would wait for each other.
+            raise ConfigError(
+                f"reduce_scatter=True needs Gloo (or NCCL) engine groups, but this job's are "
+                f"{engine.getBackendName()!r} (secure mode, or transport='tcp').\nHINT: drop "
+                "reduce_scatter here; the sharded step then allreduces."
             )
 
     def rejoin(self) -> None:
