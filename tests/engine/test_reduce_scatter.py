@@ -128,16 +128,18 @@ def test_synchronize_gives_whole_reduced_gradients() -> None:
 
 def _refusals() -> list[str]:
     model = torch.nn.Linear(3, 2)
+    off_cpu = torch.nn.Linear(3, 2, device="meta")  # stands in for a GPU model here
     said = []
-    for kwargs in (
-        {"reduce_scatter": True},
-        {"reduce_scatter": True, "shard_optimizer": True, "compression": "fp16"},
-        {"reduce_scatter": True, "shard_optimizer": True, "overlap": True},
-        {"reduce_scatter": True, "shard_optimizer": True, "hierarchical": "on"},
+    for params, kwargs in (
+        (model, {"reduce_scatter": True}),
+        (model, {"reduce_scatter": True, "shard_optimizer": True, "compression": "fp16"}),
+        (model, {"reduce_scatter": True, "shard_optimizer": True, "overlap": True}),
+        (model, {"reduce_scatter": True, "shard_optimizer": True, "hierarchical": "on"}),
+        (off_cpu, {"reduce_scatter": True, "shard_optimizer": True}),
     ):
         try:
             rt.DistributedOptimizer(
-                torch.optim.SGD(copy.deepcopy(model).parameters(), lr=0.1), **kwargs
+                torch.optim.SGD(copy.deepcopy(params).parameters(), lr=0.1), **kwargs
             )
         except ConfigError as e:
             said.append(str(e))
@@ -146,8 +148,9 @@ def _refusals() -> list[str]:
 
 def test_what_cannot_combine_is_refused_with_a_hint() -> None:
     (said,) = spawn.world(2).run(_refusals, timeout=300)[:1]
-    assert len(said) == 4, said
-    for text, needle in zip(said, ("shard_optimizer=True", "fp16", "overlap", "hierarchical")):
+    assert len(said) == 5, said
+    needles = ("shard_optimizer=True", "fp16", "overlap", "hierarchical", "CPU parameters")
+    for text, needle in zip(said, needles):
         assert needle in text and "HINT" in text, text
 
 

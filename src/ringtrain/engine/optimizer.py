@@ -121,7 +121,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             order (not the unsharded engine's, so weights differ from it in the last bits),
             and outside this rank's shard ``.grad`` keeps this rank's own gradient after
             ``step()``; ``synchronize()`` all-gathers the reduced gradients when you call it
-            (to clip them, say). Uncompressed, on Gloo groups only; not with ``overlap``.
+            (to clip them, say). CPU, uncompressed, on Gloo groups only; not with
+            ``overlap``.
         overlap: True: ``step()`` returns once the buckets are launched, each bucket's parameters
             are updated as its reduction completes, and the next forward waits per module for
             its own parameters (:mod:`ringtrain.engine.overlap`; contract in docs/engine.md).
@@ -333,6 +334,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(
                 "reduce_scatter=True does not combine with hierarchical='on': the ring runs "
                 "over every rank of the set.\nHINT: hierarchical='off' (or 'auto')."
+            )
+        if any(p.device.type != "cpu" for p in self._params):
+            raise ConfigError(
+                "reduce_scatter=True works on CPU parameters only for now (the ring's buffers "
+                "are host memory).\nHINT: drop reduce_scatter for a model on the GPU; the "
+                "sharded step then allreduces."
             )
         engine = self._comm.optional_group("engine")
         if isinstance(engine, RingProcessGroup):
