@@ -68,7 +68,7 @@ def _make(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _run(
-    kind: str, case: str, overlap: bool, steps: int, shard: bool = False
+    kind: str, case: str, overlap: bool, steps: int, shard: bool = False, scatter: bool = False
 ) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = Net()
@@ -80,6 +80,7 @@ def _run(
         backward_passes_per_step=k,
         overlap=overlap,
         shard_optimizer=shard,
+        reduce_scatter=scatter,
         **ENGINE,
     )
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
@@ -104,9 +105,11 @@ def _run(
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _same_bits(kind: str, case: str, steps: int = 5, shard: bool = False) -> bool:
-    plain = _run(kind, case, False, steps, shard)
-    overlapped = _run(kind, case, True, steps, shard)
+def _same_bits(
+    kind: str, case: str, steps: int = 5, shard: bool = False, scatter: bool = False
+) -> bool:
+    plain = _run(kind, case, False, steps, shard, scatter)
+    overlapped = _run(kind, case, True, steps, shard, scatter)
     return all(torch.equal(a, b) for a, b in zip(plain, overlapped))
 
 
@@ -141,7 +144,70 @@ def test_overlap_with_the_sharded_step_gives_the_same_bits(size: int) -> None:
     assert all(spawn.world(size).run(_overlap_and_shards, size, timeout=TIMEOUT_S))
 
 
-def _contract(shard: bool = False) -> dict[str, bool]:
+def _overlap_and_scatter(size: int) -> bool:
+    """Reduce-scattered gradients (reduce_scatter=True), overlapped against not: the same ring
+    sums, the same shard steps, only their timing moves. 3 ranks: unequal shards."""
+    cases = [("adam", "plain"), ("sgd", "plain")]
+    if size == 2:
+        cases += [("adam", "accumulate"), ("adam", "no_sync"), ("adam", "clip")]
+    return all(_same_bits(kind, case, 4, shard=True, scatter=True) for kind, case in cases)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_overlap_with_reduce_scattered_gradients_gives_the_same_bits(size: int) -> None:
+    from ringtrain.testing import spawn
+
+    assert all(spawn.world(size).run(_overlap_and_scatter, size, timeout=TIMEOUT_S))
+
+
+def _two_models(overlap: bool) -> list[torch.Tensor]:
+    """A GAN's pattern: two models, two reduce-scattering optimizers, steps interleaved. With
+    overlap, one's rings are still on the wire while the other's backward launches its own;
+    on odd steps both backward passes run first, and the first model's gradients are gathered
+    (synchronize(), clipped) while the second's rings are still on the wire."""
+    torch.manual_seed(0)
+    models = (Net(), Net())
+    opts = [
+        rt.DistributedOptimizer(
+            _make("adam", m),
+            named_parameters=m.named_parameters(),
+            overlap=overlap,
+            shard_optimizer=True,
+            reduce_scatter=True,
+            **ENGINE,
+        )
+        for m in models
+    ]
+    for step in range(5):
+        if step % 2:
+            for m, o in zip(models, opts):
+                o.zero_grad()
+                _loss(m, step).backward()
+            opts[0].synchronize()
+            torch.nn.utils.clip_grad_norm_(models[0].parameters(), 0.5)
+            with opts[0].skip_synchronize():
+                opts[0].step()
+            opts[1].step()
+            continue
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            _loss(m, step).backward()
+            o.step()
+    for o in opts:
+        o.synchronize()
+    return [p.detach().clone() for m in models for p in m.parameters()]
+
+
+def _two_models_same_bits() -> bool:
+    plain, overlapped = _two_models(False), _two_models(True)
+    return all(torch.equal(a, b) for a, b in zip(plain, overlapped))
+
+
+def test_two_overlapped_reduce_scattering_optimizers_give_the_same_bits(world2: World) -> None:
+    assert all(world2.run(_two_models_same_bits, timeout=TIMEOUT_S))
+
+
+def _contract(shard: bool = False, scatter: bool = False) -> dict[str, bool]:
     """One model steps with overlap, a copy without (both sharded, or neither); compare at
     every point the contract names."""
     torch.manual_seed(0)
@@ -152,10 +218,15 @@ def _contract(shard: bool = False) -> dict[str, bool]:
         named_parameters=model.named_parameters(),
         overlap=True,
         shard_optimizer=shard,
+        reduce_scatter=scatter,
         **ENGINE,
     )
     ref_opt = rt.DistributedOptimizer(
-        _make("sgd", ref), named_parameters=ref.named_parameters(), shard_optimizer=shard, **ENGINE
+        _make("sgd", ref),
+        named_parameters=ref.named_parameters(),
+        shard_optimizer=shard,
+        reduce_scatter=scatter,
+        **ENGINE,
     )
     twin = dict(zip(model.parameters(), ref.parameters()))
     stale: list[str] = []
@@ -191,9 +262,15 @@ def _contract(shard: bool = False) -> dict[str, bool]:
     return out
 
 
-@pytest.mark.parametrize("shard", [False, True], ids=["plain", "sharded"])
-def test_parameters_are_final_wherever_the_contract_says(world2: World, shard: bool) -> None:
-    for result in world2.run(_contract, shard, timeout=TIMEOUT_S):
+@pytest.mark.parametrize(
+    ("shard", "scatter"),
+    [(False, False), (True, False), (True, True)],
+    ids=["plain", "sharded", "reduce-scattered"],
+)
+def test_parameters_are_final_wherever_the_contract_says(
+    world2: World, shard: bool, scatter: bool
+) -> None:
+    for result in world2.run(_contract, shard, scatter, timeout=TIMEOUT_S):
         assert result == dict.fromkeys(result, True), result
 
 

@@ -247,6 +247,43 @@ class _Worker:
         self._jobs.put(None)
 
 
+class _SharedWorkers:
+    """One :class:`_Worker` per process group, shared by every exchange on that group.
+
+    The ring's sends and receives (reduce-scatter) all use tag 0, and a reducer's or a
+    hierarchical allreduce's collectives are numbered by the order they are issued in: two
+    threads issuing on one group interleave differently on each rank, and a receive then takes
+    another exchange's message. Two optimizers' exchanges (a GAN's, or an overlapped step still
+    on the wire while the next model's backward launches) must therefore queue on one thread per
+    group, in submission order, which is the main thread's and the same on every rank. The
+    worker ends when the last exchange holding it closes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[int, tuple[_Worker, int]] = {}  # id(group): (worker, holders)
+
+    def acquire(self, group: Any) -> _Worker:
+        with self._lock:
+            worker, holders = self._held.get(id(group), (None, 0))
+            if worker is None:
+                worker = _Worker()
+            self._held[id(group)] = (worker, holders + 1)
+            return worker
+
+    def release(self, key: int) -> None:
+        """``key`` is ``id(group)``: the group lives as long as an exchange holds it."""
+        with self._lock:
+            worker, holders = self._held[key]
+            if holders > 1:
+                self._held[key] = (worker, holders - 1)
+                return
+            del self._held[key]
+        worker.close()
+
+
+_WORKERS = _SharedWorkers()
+
+
 class GradientExchange:
     """Launches and completes the collectives of one plan on one process set's engine group."""
 
@@ -308,6 +345,7 @@ class GradientExchange:
                     for r in range(n)
                 ]
         self._workers: list[_Worker] = []
+        self._releases: list[weakref.finalize[Any, Any]] = []
         if self._reducer:
             plan_fn = getattr(compressor, "plan", None)
             if callable(plan_fn):
@@ -315,10 +353,10 @@ class GradientExchange:
                     plan_fn(b.key, b.shapes)
         if self._reducer or self._hierarchical or scatter:
             used = min(len(self._lanes), len(self._slots)) or 1
-            self._workers = [_Worker() for _ in range(used)]
-            for worker in self._workers:
+            for lane in self._lanes[:used]:
+                self._workers.append(_WORKERS.acquire(lane.group))
                 # An optimizer dropped without remove_hooks() must not leave its thread behind.
-                weakref.finalize(self, worker.close)
+                self._releases.append(weakref.finalize(self, _WORKERS.release, id(lane.group)))
 
     @property
     def lanes(self) -> int:
@@ -330,8 +368,8 @@ class GradientExchange:
         return self._hierarchical
 
     def close(self) -> None:
-        for worker in self._workers:
-            worker.close()
+        for release in self._releases:
+            release()  # once: a finalizer runs at most once
         self._workers = []
 
     # ---- during backward ----------------------------------------------------------------------
@@ -395,12 +433,16 @@ class GradientExchange:
     def gather_grads(self) -> None:
         """Reduce-scatter: all-gather every bucket's reduced shards, so every ``.grad`` holds the
         whole reduced gradient (what a user's ``synchronize()`` promises). (N-1)/N of the
-        gradients more on the wire; the lanes' workers are idle once :meth:`finish` returned."""
+        gradients more on the wire. On the lanes' workers, as the rings: another optimizer's
+        rings may still be queued there (see :class:`_SharedWorkers`)."""
         if not self._scatter:
             return
-        with torch.no_grad():
-            for slot in self._slots:
-                self._links[slot.lane].allgather_chunks(slot.chunks)
+        gathers = [
+            self._workers[slot.lane].submit(self._links[slot.lane].allgather_chunks, slot.chunks)
+            for slot in self._slots
+        ]
+        for fut in gathers:
+            fut.result()
 
     def set_launch_order(self, order: Sequence[int]) -> None:
         """Launch buckets in ``order`` (a permutation of the plan's bucket indices, the same on

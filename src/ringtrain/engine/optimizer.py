@@ -242,7 +242,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._compression_arg = config.compression if compression is None else compression
         self._compression = resolve_compression(self._compression_arg, config)
         if self._scatter:
-            self._check_scatter(config.overlap if overlap is None else overlap)
+            self._check_scatter()
         self._tuner: AutoTuner | None = None
         if (
             isinstance(self._compression, AutoCompression)
@@ -311,7 +311,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._register_hooks()
         _live.add(self)
 
-    def _check_scatter(self, overlap: bool) -> None:
+    def _check_scatter(self) -> None:
         """reduce_scatter=True: what it needs, as errors that say what to change."""
         if not self._shard_mode:
             raise ConfigError(
@@ -324,11 +324,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"reduce_scatter=True cannot use compression={self._compression_arg!r}: it "
                 "reduce-scatters full-precision buckets.\nHINT: compression='none', or drop "
                 "reduce_scatter (fp16 already halves the allreduce's bytes)."
-            )
-        if overlap:
-            raise ConfigError(
-                "reduce_scatter=True does not combine with overlap=True yet.\nHINT: drop one of "
-                "them."
             )
         if self._hierarchical == "on":
             raise ConfigError(
