@@ -160,6 +160,42 @@ def test_overlap_with_reduce_scattered_gradients_gives_the_same_bits(size: int) 
     assert all(spawn.world(size).run(_overlap_and_scatter, size, timeout=TIMEOUT_S))
 
 
+def _two_models_overflowing(overlap: bool) -> list[torch.Tensor]:
+    """Two models, two fp16 optimizers, steps interleaved, losses scaled so that the 16-bit sums
+    overflow: each overflowing bucket is reduced again in full precision, with overlap on the
+    updater thread while the main thread launches the other model's buckets."""
+    torch.manual_seed(0)
+    models = (Net(), Net())
+    opts = [
+        rt.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=1e-9),
+            named_parameters=m.named_parameters(),
+            overlap=overlap,
+            compression="fp16",
+            **ENGINE,
+        )
+        for m in models
+    ]
+    for step in range(6):
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            (_loss(m, step) * 1e7).backward()
+            o.step()
+    for o in opts:
+        o.synchronize()
+    return [p.detach().clone() for m in models for p in m.parameters()]
+
+
+def _two_overflowing_same_bits() -> bool:
+    plain, overlapped = _two_models_overflowing(False), _two_models_overflowing(True)
+    assert all(torch.isfinite(p).all() for p in plain)
+    return all(torch.equal(a, b) for a, b in zip(plain, overlapped))
+
+
+def test_two_overlapped_fp16_optimizers_redo_overflowing_buckets_alike(world2: World) -> None:
+    assert all(world2.run(_two_overflowing_same_bits, timeout=TIMEOUT_S))
+
+
 def _two_models(overlap: bool) -> list[torch.Tensor]:
     """A GAN's pattern: two models, two reduce-scattering optimizers, steps interleaved. With
     overlap, one's rings are still on the wire while the other's backward launches its own;

@@ -456,10 +456,13 @@ class GradientExchange:
         """The parameters of bucket ``s``."""
         return list(self._slots[s].members)
 
-    def finish_slot(self, s: int) -> None:
+    def finish_slot(self, s: int, redo_group: Any = None) -> None:
         """Wait for bucket ``s`` alone and write its result into ``.grad`` (overlap: called per
-        bucket from the updater thread; :meth:`reset` after the last one)."""
-        self._finish(self._slots[s], timeline.current())
+        bucket from the updater thread; :meth:`reset` after the last one). ``redo_group``: where
+        a 16-bit bucket that overflowed is reduced again, a group only this thread uses (on the
+        lane's group, the main thread may be launching another optimizer's buckets meanwhile, in
+        an order that differs by rank)."""
+        self._finish(self._slots[s], timeline.current(), redo_group)
 
     def reset(self) -> None:
         for slot in self._slots:
@@ -515,7 +518,7 @@ class GradientExchange:
                     work.get_future().then(functools.partial(_mark_done, slot.done))
         slot.launched = True
 
-    def _finish(self, slot: _Slot, rec: timeline.NullRecorder) -> None:
+    def _finish(self, slot: _Slot, rec: timeline.NullRecorder, redo_group: Any = None) -> None:
         if not slot.launched:
             raise InternalError(f"{slot.bucket.key} was never launched before finish()")
         flat = slot.flat
@@ -538,7 +541,7 @@ class GradientExchange:
                 # The 16-bit sum overflowed (or the data holds inf/nan): every rank sees the same
                 # result, so every rank redoes this bucket in full precision here. The flat
                 # buffer still holds this rank's scaled gradients: only the wire was reduced.
-                group = self._lanes[slot.lane].group
+                group = self._lanes[slot.lane].group if redo_group is None else redo_group
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
                 result = flat
             elif wire is flat:

@@ -238,7 +238,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             sharded.check_supported(optimizer)
         self._scatter = config.reduce_scatter if reduce_scatter is None else reduce_scatter
         self._shards: sharded.ShardedStep | None = None
-        self._gather_group: Any = None  # overlap with shards: the updater's all-gathers
+        self._updater_group: Any = None  # overlap: the updater thread's own collectives
         self._compression_arg = config.compression if compression is None else compression
         self._compression = resolve_compression(self._compression_arg, config)
         if self._scatter:
@@ -369,7 +369,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         self._link_class = self._link_pinned
         self._lanes = None
-        self._gather_group = None
+        self._updater_group = None
         self._shards = None  # the old world's shards: a restored (full) state is sharded anew
         self._observed = []
         self._counts = [0] * len(self._params)
@@ -646,12 +646,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._plan = plan
         if self._lanes is None:
             self._lanes = self._make_lanes()
-            if self._overlap is not None and self.shards_state:
-                # The updater thread's all-gathers get a group of their own: on the engine
-                # group they could interleave differently on each rank with the collectives
-                # other threads launch there (another optimizer's buckets).
+            if self._overlap is not None and self._comm.is_world:
+                # The updater thread's collectives (the sharded step's all-gathers, a 16-bit
+                # bucket's full-precision redo) get a group of their own: on the engine groups
+                # they could interleave differently on each rank with the collectives the main
+                # thread launches there (another optimizer's buckets). One updater thread
+                # serves every optimizer, so their order on this group is the same everywhere.
                 pool = LanePool.of(self._comm, self._timeout_s)
-                self._gather_group = pool.spare("shard-gather")
+                self._updater_group = pool.spare("overlap-updater")
         self._build_exchange()
         self._register_hooks()
         log.debug("ringtrain bucket plan %s: %s", plan.digest, plan.describe())
@@ -1087,12 +1089,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             shards = self._current_shards()
             # The hyper-parameters as at step(): a scheduler may change them before the update.
             update = functools.partial(
-                shards.step_bucket, settings=shards.hyper_parameters(), group=self._gather_group
+                shards.step_bucket, settings=shards.hyper_parameters(), group=self._updater_group
             )
         self._overlap.start(
             self._launch_order or list(range(n)),
             [exchange.members(s) for s in range(n)],
-            exchange.finish_slot,
+            functools.partial(exchange.finish_slot, redo_group=self._updater_group),
             exchange.reset,
             update,
         )
