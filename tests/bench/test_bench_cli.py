@@ -84,6 +84,25 @@ def test_allreduce_cli_times_the_tcp_transport(
         _positive(p["busbw"])
 
 
+def test_allreduce_cli_times_reducescatter(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_json = tmp_path / "ar.json"
+    # 4M: 2 MiB chunks go around the ring in segments; 64K in one direct round.
+    argv = ["bench", "allreduce", "-np", "2", "--sizes", "64K,4M", "--repeats", "2"]
+    argv += ["--reducescatter", "--fusion-repeats", "0", "--link-mbps", "1000"]
+    assert cli.main([*argv, "--json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert "reducescatter (Sum)" in printed and "(n-1)/n * bytes / time" in printed
+    res = json.loads(out_json.read_text())["result"]
+    points = {(p["impl"], p["nbytes"]): p for p in res["reducescatter"]}
+    assert set(points) == {(i, b) for i in ("ringtrain", "torch") for b in (64 << 10, 4 << 20)}
+    for p in points.values():
+        _positive(p["busbw"])
+        _positive(p["time"])
+        assert p["paired"]["n"] == 2
+
+
 def test_train_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_json, out_png = tmp_path / "train.json", tmp_path / "train.png"
     argv = ["bench", "train", "-np", "2", "--model", "mlp-1m", "--steps", "2", "--warmup", "1"]

@@ -101,6 +101,22 @@ def _reducescatter() -> None:
     x = torch.ones(n, 2, requires_grad=True)
     rt.reducescatter(x, op=rt.Sum).sum().backward()
     torch.testing.assert_close(x.grad, torch.full((n, 2), float(n)))
+    # Large enough to go around ringtrain's ring in segments (chunks of several MiB), 1-D and
+    # with uneven rows, every reduce op; integer values, so every summation order is exact.
+    rows = (3 << 20) * n // 2 + 1
+    x = torch.arange(rows, dtype=torch.float64) % 7 + r
+    counts = [rows // n + (1 if k < rows % n else 0) for k in range(n)]
+    start = sum(counts[:r])
+    every = torch.stack([torch.arange(rows, dtype=torch.float64) % 7 + k for k in range(n)])
+    mine = slice(start, start + counts[r])
+    for op, want in (
+        (rt.Sum, every.sum(0)),
+        (rt.Average, every.mean(0)),
+        (rt.Min, every.amin(0)),
+        (rt.Max, every.amax(0)),
+        (rt.Product, every.prod(0)),
+    ):
+        torch.testing.assert_close(rt.reducescatter(x, op=op), want[mine], rtol=0, atol=0)
 
 
 def test_reducescatter(world: World) -> None:

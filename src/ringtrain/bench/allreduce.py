@@ -15,6 +15,12 @@ fusion buffer and copying the results back. ``ringtrain engine`` is the gradient
 parameters, whose gradients live in the engine's buckets (as after the first step of training),
 exchanged by ``DistributedOptimizer.synchronize()`` with no copy at all.
 
+With ``reducescatter=True`` (``--reducescatter``) each size also times ``ringtrain.reducescatter``
+(Sum) against ``torch.distributed.reduce_scatter_tensor`` on the same bytes, interleaved with
+each other. Their bus bandwidth is (n-1)/n * bytes / time (what each rank's link carries in a
+ring reduce-scatter), so a link-bound ring shows the link's rate; Gloo's reduce-scatter is an
+allreduce of the whole input, and shows half of it.
+
 Each sample starts after a barrier and is the slowest rank's time, since a collective is finished
 only when every rank has its result.
 """
@@ -30,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 import ringtrain
+from ringtrain import compat
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import Summary, bus_bandwidth, load_average, machine_info
 from ringtrain.bench.timing import seconds_per_op
@@ -57,6 +64,8 @@ class AllreduceParams:
     # Also time ``torch.distributed.all_reduce`` on a ``ringtrain_tcp`` group ("tcp"): the
     # enclave data path (ringtrain's TCP mesh, no Gloo device), beside Gloo ("torch").
     tcp: bool = False
+    # Also time reducescatter: ringtrain's against torch's, per size (AllreduceResult.reducescatter).
+    reducescatter: bool = False
 
 
 @dataclass
@@ -95,6 +104,8 @@ class AllreduceResult:
     params: AllreduceParams
     sizes: list[SizePoint] = field(default_factory=list)
     fusion: list[FusionPoint] = field(default_factory=list)
+    # Reducescatter, per size, impls "ringtrain" and "torch"; busbw = (n-1)/n * bytes / time.
+    reducescatter: list[SizePoint] = field(default_factory=list)
     environment: dict[str, Any] = field(default_factory=dict)
 
 
@@ -130,6 +141,21 @@ def _summaries(samples: list[float], nbytes: int, n: int) -> tuple[Summary, Summ
     return Summary.of(samples), Summary.of([bus_bandwidth(nbytes, s, n) for s in samples])
 
 
+def _points(
+    samples: dict[str, list[float]], nbytes: int, iters: int, n: int, scale: float = 1.0
+) -> list[SizePoint]:
+    """One point per impl, paired repeat by repeat with torch's; bus bandwidth times ``scale``
+    (0.5 for a reduce-scatter, which moves half an allreduce's bytes)."""
+    points = []
+    for impl, s in samples.items():
+        t = Summary.of(s)
+        bw = Summary.of([bus_bandwidth(nbytes, x, n) * scale for x in s])
+        ratios = [b / a for a, b in zip(s, samples["torch"]) if a > 0]
+        paired = Summary.of(ratios) if ratios else None
+        points.append(SizePoint(impl, nbytes, iters, t, bw, paired))
+    return points
+
+
 @register("allreduce")
 def bench_allreduce(params: AllreduceParams) -> AllreduceResult:
     """Runs on every rank after ``ringtrain.init()``; every rank returns the same result."""
@@ -158,15 +184,35 @@ def bench_allreduce(params: AllreduceParams) -> AllreduceResult:
         # lane slots were given up: (valid, not valid).
         lanes = result.environment.setdefault("lane_slots", {})
         lanes[str(nbytes)] = [after[0] - before[0], after[1] - before[1]]
-        for impl, s in samples.items():
-            t, bw = _summaries(s, numel * itemsize, n)
-            ratios = [b / a for a, b in zip(s, samples["torch"]) if a > 0]
-            paired = Summary.of(ratios) if ratios else None
-            result.sizes.append(SizePoint(impl, numel * itemsize, iters, t, bw, paired))
+        result.sizes += _points(samples, numel * itemsize, iters, n)
+        if params.reducescatter and n > 1:
+            result.reducescatter += _reducescatter_points(nbytes, dtype, iters, params.repeats, n)
     if params.fusion_count > 0 and params.fusion_repeats > 0:
         result.fusion = _fusion(params, dtype, itemsize, n)
     result.environment["load_after"] = load_average()
     return result
+
+
+def _reducescatter_points(
+    nbytes: int, dtype: torch.dtype, iters: int, repeats: int, n: int
+) -> list[SizePoint]:
+    """ringtrain.reducescatter against torch's reduce_scatter_tensor, interleaved, on an input
+    of about ``nbytes`` (a multiple of n elements, as torch's needs)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = max(n, nbytes // itemsize // n * n)
+    a = torch.zeros(numel, dtype=dtype)
+    b = torch.zeros(numel, dtype=dtype)
+    out = torch.empty(numel // n, dtype=dtype)
+    name = f"bench.reducescatter.{nbytes}"
+
+    def rt_reducescatter() -> None:
+        ringtrain.reducescatter(a, name=name, op=ringtrain.Sum)
+
+    cases: dict[str, tuple[Op, int]] = {
+        "ringtrain": (rt_reducescatter, iters),
+        "torch": (functools.partial(compat.reduce_scatter_single, out, b), iters),
+    }
+    return _points(_timed_samples(cases, repeats), numel * itemsize, iters, n, scale=0.5)
 
 
 def _lane_slots() -> tuple[int, int]:

@@ -158,6 +158,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time the enclave data path (a ringtrain_tcp group) beside Gloo",
     )
+    ar.add_argument(
+        "--reducescatter",
+        action="store_true",
+        help="also time ringtrain.reducescatter against torch's reduce_scatter_tensor per size",
+    )
     _common(ar)
 
     se = sub.add_parser(
@@ -278,6 +283,7 @@ def _params(args: argparse.Namespace) -> Any:
             dtype=args.dtype,
             link_mbps=args.link_mbps,
             tcp=args.tcp,
+            reducescatter=args.reducescatter,
         )
     if args.benchmark == "secure":
         return secure.SecureParams(

@@ -112,6 +112,8 @@ def format_allreduce(res: AllreduceResult, markdown: bool = False) -> str:
         "median [min-max])" + _load(res.environment),
         table(headers, rows, markdown),
     ]
+    if res.reducescatter:
+        out += ["", *_reducescatter_table(res, link_bps, markdown)]
     if res.fusion:
         f0 = res.fusion[0]
         rows = [
@@ -134,6 +136,28 @@ def format_allreduce(res: AllreduceResult, markdown: bool = False) -> str:
             table(["case", "tensors", "ms", "MB/s", "vs one tensor", "paired"], rows, markdown),
         ]
     return "\n".join(out)
+
+
+def _reducescatter_table(res: AllreduceResult, link_bps: float | None, markdown: bool) -> list[str]:
+    by = {(p.impl, p.nbytes): p for p in res.reducescatter}
+    headers = ["size", "ringtrain ms", "torch ms", "ringtrain MB/s", "torch MB/s"]
+    headers += ["rt/torch paired"] + (["rt/link", "torch/link"] if link_bps else [])
+    rows = []
+    for nbytes in sorted({p.nbytes for p in res.reducescatter}):
+        rt, tt = by[("ringtrain", nbytes)], by[("torch", nbytes)]
+        row = [fmt_bytes(nbytes), _ms(rt.time), _ms(tt.time), _mbs(rt.busbw.median)]
+        row += [_mbs(tt.busbw.median), _paired(rt.paired)]
+        if link_bps:
+            row += [
+                _ratio(rt.busbw.median / link_bps, True),
+                _ratio(tt.busbw.median / link_bps, True),
+            ]
+        rows.append(row)
+    return [
+        "reducescatter (Sum) of each size's bytes: ringtrain.reducescatter vs torch's "
+        "reduce_scatter_tensor, interleaved; bus bandwidth = (n-1)/n * bytes / time",
+        table(headers, rows, markdown),
+    ]
 
 
 def _paired(s: Summary | None) -> str:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain import compat
+from ringtrain.algorithms.sealed import Link, Plain
 from ringtrain.collectives import dtypes, inline
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request, TensorMeta
@@ -73,6 +74,13 @@ class _Item:
 
 def _zeros(meta: TensorMeta) -> torch.Tensor:
     return torch.zeros(meta.shape, dtype=dtypes.from_name(meta.dtype), device=meta.device)
+
+
+def _ring_reduces_scatter(pieces: torch.Tensor, group: Any) -> bool:
+    """Whether a reducescatter of ``pieces`` (one equal chunk per rank) goes around ringtrain's
+    ring: host memory on a Gloo group (sealed and TCP groups run their own ring already), and
+    some data to move."""
+    return not pieces.is_cuda and pieces.numel() > 0 and dist.get_backend(group) == "gloo"
 
 
 class Executor:
@@ -466,16 +474,20 @@ class Executor:
                 post /= size
         if pre != 1.0:
             _scale(pieces, pre)
-        out = torch.empty((longest, width), dtype=work.dtype, device=work.device)
-        if size > 1:
-            compat.reduce_scatter_single(
-                out,
-                pieces.reshape(size * longest, width),
-                op=REDUCE_OPS[req.op],
-                group=self.comm.group_for(out),
-            )
+        if size == 1:
+            out = pieces[0]
+        elif _ring_reduces_scatter(pieces, group := self.comm.group_for(pieces)):
+            # Gloo's reduce_scatter allreduces the whole input and keeps a chunk: twice the
+            # bytes. Around a ring each rank sends every other rank's chunk once; the sums'
+            # order is fixed by rank (not timing), as Gloo's is.
+            link = Link(group, Plain(group.rank(), group.size()))
+            link.reduce_scatter_chunks(list(pieces.view(size, -1).unbind(0)), REDUCE_OPS[req.op])
+            out = pieces[link.rank].clone()  # a view would keep every rank's chunk alive
         else:
-            out.copy_(pieces[0])
+            out = torch.empty((longest, width), dtype=work.dtype, device=work.device)
+            compat.reduce_scatter_single(
+                out, pieces.reshape(size * longest, width), op=REDUCE_OPS[req.op], group=group
+            )
         out = out[: counts[me]]
         if req.op == "Average" and not (out.is_floating_point() or out.is_complex()):
             out = torch.div(out, size, rounding_mode="floor")
