@@ -114,6 +114,8 @@ def format_allreduce(res: AllreduceResult, markdown: bool = False) -> str:
     ]
     if res.reducescatter:
         out += ["", *_reducescatter_table(res, link_bps, markdown)]
+    elif res.params.reducescatter:
+        out += ["", "reducescatter: not timed, one rank moves nothing (run with -np 2 or more)"]
     if res.fusion:
         f0 = res.fusion[0]
         rows = [
