@@ -240,8 +240,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated subset of {','.join(VARIANTS)}; ringtrain:NAME uses compression "
         "NAME, e.g. ringtrain,ringtrain:powersgd,ringtrain:topk,ddp,nocomm; a ringtrain variant "
         "may end in @fusion=MiB, @cycle=MS, @link=fast|slow, @repro=0|1, @shard=0|1, "
-        "@overlap=0|1, @whole=0|1 (the optimizer steps whole after the last bucket) (engine "
-        "knobs for it alone), e.g. ringtrain@fusion=25@cycle=1000, ringtrain@shard=1",
+        "@scatter=0|1 (with @shard=1: gradients reduce-scattered), @overlap=0|1, @whole=0|1 "
+        "(the optimizer steps whole after the last bucket) (engine knobs for it alone), e.g. "
+        "ringtrain@fusion=25@cycle=1000, ringtrain@shard=1@scatter=1",
     )
     tr.add_argument("--lr", type=float, default=1e-4)
     tr.add_argument(

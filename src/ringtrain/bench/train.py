@@ -99,7 +99,7 @@ class TrainParams:
                 f"HINT: choose from {', '.join(VARIANTS)}, comma separated; "
                 "ringtrain:NAME uses compression NAME (ringtrain:powersgd,ringtrain:topk); "
                 "ringtrain@fusion=MiB, @cycle=MS, @link=fast|slow, @repro=0|1, @shard=0|1, "
-                "@overlap=0|1 and @whole=0|1 set those engine knobs for one variant "
+                "@scatter=0|1, @overlap=0|1 and @whole=0|1 set those engine knobs for one variant "
                 "(ringtrain@repro=0@cycle=1000)."
             )
         if self.optimizer not in OPTIMIZERS:
