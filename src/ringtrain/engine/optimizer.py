@@ -291,8 +291,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "HINT: drop one of overlap and shard_optimizer on this process set."
                 )
             if self._shard_mode and callable(getattr(self._compression, "reduce", None)):
-                # Its worker thread issues collectives on the engine group while the updater
-                # thread all-gathers there: the two orders could differ between ranks.
+                # Its worker thread issues blocking collectives on the lanes while the updater
+                # thread steps and gathers: a combination no test covers yet, so refused.
                 raise ConfigError(
                     f"overlap=True with shard_optimizer=True cannot use compression="
                     f"{self._compression_arg!r}, whose reducer runs collectives of its own.\n"
