@@ -1,5 +1,5 @@
-"""The Kubernetes and Kubeflow schemas in ``../shared/schemas`` (beside the repository), as
-jsonschema validators.
+"""The Kubernetes and Kubeflow schemas in ``tests/deploy/schema_data/`` (copied into the repository;
+its README names their sources, versions and licences), as jsonschema validators.
 
 * Core objects (``kubernetes/*.json``): "standalone-strict" JSON Schema (draft 4): every object
   has ``additionalProperties: false``, so a misspelt field is an error.
@@ -23,8 +23,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-SCHEMAS = ROOT.parent / "shared" / "schemas"
+SCHEMAS = Path(__file__).resolve().parent / "schema_data"
 
 CRDS = {
     ("kubeflow.org/v1", "PyTorchJob"): "kubeflow.org_pytorchjobs.v1.yaml",
@@ -42,9 +41,9 @@ def _path(*parts: str) -> Path:
     path = SCHEMAS.joinpath(*parts)
     if not path.is_file():
         raise FileNotFoundError(
-            f"schema {path} is missing: the tests read the schemas from ../shared/schemas beside "
-            f"the repository ({ROOT}).\nHINT: check out shared/ next to the repository, as CI "
-            "does (a worktree elsewhere can link it: ln -s /path/to/shared ../shared)."
+            f"schema {path} is missing: the deploy tests read the schemas checked in under "
+            f"{SCHEMAS}.\nHINT: restore it from git (git checkout -- tests/deploy/schema_data); "
+            "its README says where each file comes from."
         )
     return path
 
