@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.resources
 import subprocess
 import sys
+from pathlib import Path
+from types import ModuleType
 
 import ringtrain
 import ringtrain.torch as hvd
+
+PUBLIC_NAMES = Path(__file__).with_name("public_names.txt")
 
 HOROVOD_NAMES = [
     "init",
@@ -73,6 +79,61 @@ HOROVOD_NAMES = [
     "start_timeline",
     "stop_timeline",
 ]
+
+
+def _public(module: ModuleType, prefix: str) -> set[str]:
+    """The module's public names, as ``prefix.name``: its ``__all__``, and anything else it
+    binds without a leading underscore (an import that leaks into the namespace counts too),
+    except its own submodules and ``from __future__ import annotations``."""
+    bound = {
+        n
+        for n, v in vars(module).items()
+        if not n.startswith("_")
+        and n != "annotations"
+        and not (isinstance(v, ModuleType) and v.__name__.startswith(module.__name__ + "."))
+    }
+    if module is ringtrain:
+        bound -= {"TYPE_CHECKING", "Any", "importlib"}  # the lazy facade's own machinery
+    return {f"{prefix}.{n}" for n in set(module.__all__) | bound}
+
+
+def test_the_public_names_are_the_checked_in_list() -> None:
+    listed = {
+        line.strip()
+        for line in PUBLIC_NAMES.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    current = (
+        _public(ringtrain, "ringtrain")
+        | _public(hvd, "ringtrain.torch")
+        | _public(hvd.elastic, "ringtrain.torch.elastic")
+    )
+    added, removed = sorted(current - listed), sorted(listed - current)
+    assert not added and not removed, (
+        f"the public surface changed: added {added}, removed {removed}.\n"
+        f"HINT: if that was meant, change {PUBLIC_NAMES.name} in the same commit; if not, "
+        "rename the helper with a leading underscore or restore the name."
+    )
+
+
+def test_the_facade_types_what_it_loads() -> None:
+    """ringtrain/__init__.py's TYPE_CHECKING imports name exactly the lazily loaded exports."""
+    tree = ast.parse(Path(ringtrain.__file__).read_text())
+    block = next(
+        n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
+    )
+    typed = {
+        alias.name: node.module
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.asname == alias.name  # "X as X": re-exported for type checkers
+    }
+    assert typed == ringtrain._EXPORTS
+
+
+def test_the_package_ships_its_types() -> None:
+    assert importlib.resources.files("ringtrain").joinpath("py.typed").is_file()
 
 
 def test_horovod_names_all_exist() -> None:

@@ -110,67 +110,69 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-if TYPE_CHECKING:  # let type checkers and IDEs see the real objects
-    from ringtrain.collectives.handles import Handle
-    from ringtrain.collectives.objects import allgather_object, barrier, broadcast_object, join
-    from ringtrain.collectives.ops import (
-        allgather,
-        allgather_async,
-        allreduce,
-        allreduce_,
-        allreduce_async,
-        allreduce_async_,
-        alltoall,
-        alltoall_async,
-        broadcast,
-        broadcast_,
-        broadcast_async,
-        broadcast_async_,
-        grouped_allgather,
-        grouped_allgather_async,
-        grouped_allreduce,
-        grouped_allreduce_,
-        grouped_allreduce_async,
-        grouped_allreduce_async_,
-        grouped_reducescatter,
-        grouped_reducescatter_async,
-        poll,
-        reducescatter,
-        reducescatter_async,
-        synchronize,
-    )
-    from ringtrain.collectives.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-    from ringtrain.collectives.step_timing import straggler_report
-    from ringtrain.compression import Compression
-    from ringtrain.config import Config
-    from ringtrain.engine.optimizer import DistributedOptimizer
-    from ringtrain.engine.state_sync import broadcast_optimizer_state, broadcast_parameters
-    from ringtrain.engine.sync_batch_norm import SyncBatchNorm
-    from ringtrain.errors import (
-        CollectiveArgumentError,
-        CollectiveError,
-        CollectiveMismatchError,
-        ConfigError,
-        RingtrainError,
-        StallError,
-    )
-    from ringtrain.lifecycle import (
-        add_process_set,
-        init,
-        remove_process_set,
-        shutdown,
-        start_timeline,
-        stop_timeline,
-    )
-    from ringtrain.runtime.process_sets import ProcessSet
-    from ringtrain.runtime.queries import (
-        cross_rank,
-        cross_size,
-        is_homogeneous,
-        is_initialized,
-        local_rank,
-        local_size,
-        rank,
-        size,
-    )
-    from ringtrain.runtime.state import global_process_set
+if TYPE_CHECKING:  # type checkers and IDEs see the real objects ("X as X": re-exported)
+    from ringtrain.collectives.handles import Handle as Handle
+    from ringtrain.collectives.objects import allgather_object as allgather_object
+    from ringtrain.collectives.objects import barrier as barrier
+    from ringtrain.collectives.objects import broadcast_object as broadcast_object
+    from ringtrain.collectives.objects import join as join
+    from ringtrain.collectives.ops import allgather as allgather
+    from ringtrain.collectives.ops import allgather_async as allgather_async
+    from ringtrain.collectives.ops import allreduce as allreduce
+    from ringtrain.collectives.ops import allreduce_ as allreduce_
+    from ringtrain.collectives.ops import allreduce_async as allreduce_async
+    from ringtrain.collectives.ops import allreduce_async_ as allreduce_async_
+    from ringtrain.collectives.ops import alltoall as alltoall
+    from ringtrain.collectives.ops import alltoall_async as alltoall_async
+    from ringtrain.collectives.ops import broadcast as broadcast
+    from ringtrain.collectives.ops import broadcast_ as broadcast_
+    from ringtrain.collectives.ops import broadcast_async as broadcast_async
+    from ringtrain.collectives.ops import broadcast_async_ as broadcast_async_
+    from ringtrain.collectives.ops import grouped_allgather as grouped_allgather
+    from ringtrain.collectives.ops import grouped_allgather_async as grouped_allgather_async
+    from ringtrain.collectives.ops import grouped_allreduce as grouped_allreduce
+    from ringtrain.collectives.ops import grouped_allreduce_ as grouped_allreduce_
+    from ringtrain.collectives.ops import grouped_allreduce_async as grouped_allreduce_async
+    from ringtrain.collectives.ops import grouped_allreduce_async_ as grouped_allreduce_async_
+    from ringtrain.collectives.ops import grouped_reducescatter as grouped_reducescatter
+    from ringtrain.collectives.ops import grouped_reducescatter_async as grouped_reducescatter_async
+    from ringtrain.collectives.ops import poll as poll
+    from ringtrain.collectives.ops import reducescatter as reducescatter
+    from ringtrain.collectives.ops import reducescatter_async as reducescatter_async
+    from ringtrain.collectives.ops import synchronize as synchronize
+    from ringtrain.collectives.reduce_ops import Adasum as Adasum
+    from ringtrain.collectives.reduce_ops import Average as Average
+    from ringtrain.collectives.reduce_ops import Max as Max
+    from ringtrain.collectives.reduce_ops import Min as Min
+    from ringtrain.collectives.reduce_ops import Product as Product
+    from ringtrain.collectives.reduce_ops import ReduceOp as ReduceOp
+    from ringtrain.collectives.reduce_ops import Sum as Sum
+    from ringtrain.collectives.step_timing import straggler_report as straggler_report
+    from ringtrain.compression import Compression as Compression
+    from ringtrain.config import Config as Config
+    from ringtrain.engine.optimizer import DistributedOptimizer as DistributedOptimizer
+    from ringtrain.engine.state_sync import broadcast_optimizer_state as broadcast_optimizer_state
+    from ringtrain.engine.state_sync import broadcast_parameters as broadcast_parameters
+    from ringtrain.engine.sync_batch_norm import SyncBatchNorm as SyncBatchNorm
+    from ringtrain.errors import CollectiveArgumentError as CollectiveArgumentError
+    from ringtrain.errors import CollectiveError as CollectiveError
+    from ringtrain.errors import CollectiveMismatchError as CollectiveMismatchError
+    from ringtrain.errors import ConfigError as ConfigError
+    from ringtrain.errors import RingtrainError as RingtrainError
+    from ringtrain.errors import StallError as StallError
+    from ringtrain.lifecycle import add_process_set as add_process_set
+    from ringtrain.lifecycle import init as init
+    from ringtrain.lifecycle import remove_process_set as remove_process_set
+    from ringtrain.lifecycle import shutdown as shutdown
+    from ringtrain.lifecycle import start_timeline as start_timeline
+    from ringtrain.lifecycle import stop_timeline as stop_timeline
+    from ringtrain.runtime.process_sets import ProcessSet as ProcessSet
+    from ringtrain.runtime.queries import cross_rank as cross_rank
+    from ringtrain.runtime.queries import cross_size as cross_size
+    from ringtrain.runtime.queries import is_homogeneous as is_homogeneous
+    from ringtrain.runtime.queries import is_initialized as is_initialized
+    from ringtrain.runtime.queries import local_rank as local_rank
+    from ringtrain.runtime.queries import local_size as local_size
+    from ringtrain.runtime.queries import rank as rank
+    from ringtrain.runtime.queries import size as size
+    from ringtrain.runtime.state import global_process_set as global_process_set

@@ -223,7 +223,7 @@ class Controller:
                     lane_handle = _LaneHandle(request.name, finish, self, claim)
                     self._pending[request.name] = Pending(request, tensors, outputs, lane_handle)
                     return lane_handle
-            handle = Handle(request.name, finish)
+            handle: Handle[Any] = Handle(request.name, finish)
             self._pending[request.name] = Pending(request, tensors, outputs, handle)
             self._new.append(request.name)
             bell, self._bell = self._bell, None

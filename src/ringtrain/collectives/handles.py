@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
 from ringtrain.errors import CollectiveAbortedError, CollectiveError
 
+T = TypeVar("T", covariant=True)  # a handle only hands its result out
 
-class Handle:
-    """The future result of one submitted collective."""
+
+class Handle(Generic[T]):
+    """The future result of one submitted collective (``Handle[torch.Tensor]`` for one tensor)."""
 
     __slots__ = ("_done", "_error", "_finish", "_result", "name")
 
@@ -37,7 +39,7 @@ class Handle:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def wait(self, timeout: float | None = None) -> Any:
+    def wait(self, timeout: float | None = None) -> T:
         if not self._done.wait(timeout):
             raise CollectiveAbortedError(
                 f"collective {self.name!r} did not complete within {timeout:g} s.\n"
@@ -53,9 +55,9 @@ class Handle:
             result = self._finish(result)
             self._finish = None
             self._result = result
-        return result
+        return cast(T, result)  # finish() turned the raw result into what the call returns
 
-    def __call__(self) -> Any:
+    def __call__(self) -> T:
         """Wait and return the result, like :meth:`wait` (Horovod's sparse handles are called)."""
         return self.wait()
 
@@ -63,13 +65,13 @@ class Handle:
         return f"<Handle {self.name!r} {'done' if self.done() else 'pending'}>"
 
 
-class CompositeHandle(Handle):
+class CompositeHandle(Handle[T]):
     """One handle over several collectives: done when all are; its result is built from theirs
     (``build(*results)``) by the first ``wait``."""
 
     __slots__ = ("_build", "_parts")
 
-    def __init__(self, name: str, parts: list[Handle], build: Callable[..., Any]) -> None:
+    def __init__(self, name: str, parts: list[Handle[Any]], build: Callable[..., T]) -> None:
         super().__init__(name)
         self._parts = parts
         self._build = build
@@ -77,8 +79,8 @@ class CompositeHandle(Handle):
     def done(self) -> bool:
         return all(p.done() for p in self._parts)
 
-    def wait(self, timeout: float | None = None) -> Any:
+    def wait(self, timeout: float | None = None) -> T:
         if not self._done.is_set():
             self._result = self._build(*(p.wait(timeout) for p in self._parts))
             self._done.set()
-        return self._result
+        return cast(T, self._result)

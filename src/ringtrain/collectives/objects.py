@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -18,6 +18,8 @@ from ringtrain.collectives.controller import JOIN_NAME
 from ringtrain.collectives.requests import Request, TensorMeta
 from ringtrain.errors import CollectiveArgumentError
 from ringtrain.runtime.process_sets import ProcessSet
+
+T = TypeVar("T")
 
 
 def _dumps(obj: Any) -> torch.Tensor:
@@ -36,14 +38,15 @@ def _loads(t: torch.Tensor) -> Any:
 
 
 def broadcast_object(
-    obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet | None = None
-) -> Any:
+    obj: T, root_rank: int = 0, name: str | None = None, process_set: ProcessSet | None = None
+) -> T:
     """``root_rank``'s object, on every rank of the process set."""
     ctl = ops.controller_of(process_set)
     name = name if name is not None else ctl.auto_name("broadcast_object")
     root, err = ops.checked_root(root_rank, ctl.comm.ranks)
     if err:
-        return ops.synchronize(ctl.submit(Request(name, "broadcast", root=-1, error=err), [], []))
+        bad = ctl.submit(Request(name, "broadcast", root=-1, error=err), [], [])
+        return cast(T, ops.synchronize(bad))  # raises the error on every rank
     if ctl.comm.world_rank == root:  # a global rank, as in Horovod
         data = _dumps(obj)
         req = Request(
@@ -63,12 +66,12 @@ def broadcast_object(
             shape_from_root=True,
         )
         handle = ctl.submit(req, [torch.empty(0, dtype=torch.uint8)], [])
-    return _loads(ops.synchronize(handle)[0])
+    return cast(T, _loads(ops.synchronize(handle)[0]))
 
 
 def allgather_object(
-    obj: Any, name: str | None = None, process_set: ProcessSet | None = None
-) -> list[Any]:
+    obj: T, name: str | None = None, process_set: ProcessSet | None = None
+) -> list[T]:
     """Every rank's object, as a list in rank order."""
     ctl = ops.controller_of(process_set)
     name = name if name is not None else ctl.auto_name("allgather_object")
@@ -79,7 +82,8 @@ def allgather_object(
         )
     )
     gathered = ops.synchronize(ops.allgather_async(data, name, process_set))
-    out, offset = [], 0
+    out: list[T] = []
+    offset = 0
     for n in sizes.tolist():
         out.append(_loads(gathered[offset : offset + n]))
         offset += n
@@ -101,4 +105,5 @@ def join(device: int = -1, process_set: ProcessSet | None = None) -> int:
     ranks while any rank has joined, as they do in Horovod; so do allreduces with Min, Max or
     Product, which would take the zeros for data (Horovod reduces the zeros with them)."""
     ctl = ops.controller_of(process_set)
-    return ops.synchronize(ctl.submit(Request(JOIN_NAME, "join"), [], []))
+    last: int = ops.synchronize(ctl.submit(Request(JOIN_NAME, "join"), [], []))
+    return last

@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from ringtrain.collectives.controller import Controller
 from ringtrain.collectives.handles import CompositeHandle, Handle
-from ringtrain.collectives.reduce_ops import resolve_op
+from ringtrain.collectives.reduce_ops import ReduceOpLike, resolve_op
 from ringtrain.collectives.requests import Request, TensorMeta
+from ringtrain.compression import CompressionLike
 from ringtrain.compression import resolve as resolve_compression
 from ringtrain.errors import CollectiveAbortedError, CollectiveArgumentError
 from ringtrain.runtime import abort, state
 from ringtrain.runtime.process_sets import ProcessSet
+
+T = TypeVar("T")
 
 
 def controller_of(process_set: ProcessSet | None) -> Controller:
@@ -34,7 +37,7 @@ def controller_of(process_set: ProcessSet | None) -> Controller:
             f"rank {comm.world_rank} is not a member of {ps!r}.\n"
             "HINT: only call collectives of a process set on its member ranks (ps.included())."
         )
-    ctl = comm.service("controller")
+    ctl: Controller | None = comm.service("controller")
     if ctl is None:
         raise CollectiveAbortedError(f"{ps!r} has no running controller; was ringtrain shut down?")
     return ctl
@@ -73,7 +76,7 @@ def _submit(
     outputs: list[torch.Tensor] | None = None,
     check: Callable[[], str] | None = None,
     **fields: Any,
-) -> Handle:
+) -> Handle[Any]:
     ctl = controller_of(process_set)
     name = name if name is not None else ctl.auto_name(kind)
     error = _check_tensors(kind, tensors) or (check() if check else "")
@@ -96,7 +99,7 @@ def _check_handle(fn: str, handle: Any) -> None:
         raise CollectiveArgumentError(f"{fn} expects a handle from an *_async call, got {handle!r}")
 
 
-def synchronize(handle: Handle) -> Any:
+def synchronize(handle: Handle[T]) -> T:
     """Wait for an asynchronous collective and return its result (raises its error). Waiting
     again on the same handle returns the same result."""
     _check_handle("synchronize", handle)
@@ -112,7 +115,7 @@ def synchronize(handle: Handle) -> Any:
         abort.check(since)
 
 
-def poll(handle: Handle) -> bool:
+def poll(handle: Handle[Any]) -> bool:
     """True once the collective finished (``synchronize`` then returns at once); never blocks."""
     _check_handle("poll", handle)
     return handle.done()
@@ -128,12 +131,12 @@ def _allreduce_handle(
     grouped: bool,
     average: bool | None,
     name: str | None,
-    op: Any,
+    op: ReduceOpLike | None,
     prescale_factor: float,
     postscale_factor: float,
     process_set: ProcessSet | None,
-    compression: Any = None,
-) -> Handle:
+    compression: CompressionLike | None = None,
+) -> Handle[Any]:
     op_name = resolve_op(op, average)
     comp = resolve_compression(compression)
     inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors]
@@ -185,12 +188,12 @@ def allreduce_async(
     tensor: torch.Tensor,
     average: bool | None = None,
     name: str | None = None,
-    op: Any = None,
+    op: ReduceOpLike | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: ProcessSet | None = None,
-    compression: Any = None,
-) -> Handle:
+    compression: CompressionLike | None = None,
+) -> Handle[torch.Tensor]:
     """Start reducing ``tensor`` over the ranks; ``synchronize`` returns a new tensor."""
     return _allreduce_handle(
         [tensor],
@@ -210,11 +213,11 @@ def allreduce_async_(
     tensor: torch.Tensor,
     average: bool | None = None,
     name: str | None = None,
-    op: Any = None,
+    op: ReduceOpLike | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: ProcessSet | None = None,
-) -> Handle:
+) -> Handle[torch.Tensor]:
     """In-place version of :func:`allreduce_async`: ``tensor`` receives the result."""
     return _allreduce_handle(
         [tensor],
@@ -233,8 +236,8 @@ def allreduce(
     tensor: torch.Tensor,
     average: bool | None = None,
     name: str | None = None,
-    compression: Any = None,
-    op: Any = None,
+    compression: CompressionLike | None = None,
+    op: ReduceOpLike | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: ProcessSet | None = None,
@@ -257,7 +260,7 @@ def allreduce_(
     tensor: torch.Tensor,
     average: bool | None = None,
     name: str | None = None,
-    op: Any = None,
+    op: ReduceOpLike | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: ProcessSet | None = None,
@@ -272,12 +275,12 @@ def grouped_allreduce_async(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
     name: str | None = None,
-    op: Any = None,
+    op: ReduceOpLike | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: ProcessSet | None = None,
-    compression: Any = None,
-) -> Handle:
+    compression: CompressionLike | None = None,
+) -> Handle[list[torch.Tensor]]:
     """Reduce a list of tensors as one unit (negotiated and fused together)."""
     return _allreduce_handle(
         list(tensors),
@@ -297,11 +300,11 @@ def grouped_allreduce_async_(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
     name: str | None = None,
-    op: Any = None,
+    op: ReduceOpLike | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: ProcessSet | None = None,
-) -> Handle:
+) -> Handle[list[torch.Tensor]]:
     return _allreduce_handle(
         list(tensors),
         inplace=True,
@@ -319,8 +322,8 @@ def grouped_allreduce(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
     name: str | None = None,
-    compression: Any = None,
-    op: Any = None,
+    compression: CompressionLike | None = None,
+    op: ReduceOpLike | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: ProcessSet | None = None,
@@ -343,7 +346,7 @@ def grouped_allreduce_(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
     name: str | None = None,
-    op: Any = None,
+    op: ReduceOpLike | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: ProcessSet | None = None,
@@ -360,7 +363,7 @@ def grouped_allreduce_(
 
 def grouped_allgather_async(
     tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet | None = None
-) -> Handle:
+) -> Handle[list[torch.Tensor]]:
     """Concatenate each tensor's rows from all ranks (first dimensions may differ per rank)."""
     return _submit(
         "allgather",
@@ -384,7 +387,7 @@ def grouped_allgather(
 
 def allgather_async(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet | None = None
-) -> Handle:
+) -> Handle[torch.Tensor]:
     return _submit(
         "allgather",
         [tensor.detach() if isinstance(tensor, torch.Tensor) else tensor],
@@ -408,9 +411,9 @@ def allgather(
 def sparse_allreduce_async(
     tensor: torch.Tensor,
     name: str | None = None,
-    op: Any = None,
+    op: ReduceOpLike | None = None,
     process_set: ProcessSet | None = None,
-) -> Handle:
+) -> Handle[torch.Tensor]:
     """Average (or Sum) a sparse COO tensor across ranks, as Horovod does: the indices and values
     of every rank are allgathered and form one uncoalesced sparse tensor of the same shape."""
     op_name = resolve_op(op)
@@ -467,7 +470,7 @@ def checked_root(root_rank: Any, ranks: Sequence[int]) -> tuple[int, str]:
 
 def _broadcast_handle(
     tensor: Any, root_rank: int, name: str | None, process_set: ProcessSet | None, inplace: bool
-) -> Handle:
+) -> Handle[Any]:
     t = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
     outputs = [t if inplace else torch.empty_like(t)] if isinstance(t, torch.Tensor) else None
     root, error = checked_root(root_rank, controller_of(process_set).comm.ranks)
@@ -493,7 +496,7 @@ def broadcast_async(
     root_rank: int,
     name: str | None = None,
     process_set: ProcessSet | None = None,
-) -> Handle:
+) -> Handle[torch.Tensor]:
     return _broadcast_handle(tensor, root_rank, name, process_set, inplace=False)
 
 
@@ -502,7 +505,7 @@ def broadcast_async_(
     root_rank: int,
     name: str | None = None,
     process_set: ProcessSet | None = None,
-) -> Handle:
+) -> Handle[torch.Tensor]:
     return _broadcast_handle(tensor, root_rank, name, process_set, inplace=True)
 
 
@@ -536,11 +539,11 @@ def broadcast_(
 def grouped_reducescatter_async(
     tensors: Sequence[torch.Tensor],
     name: str | None = None,
-    op: Any = None,
+    op: ReduceOpLike | None = None,
     process_set: ProcessSet | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-) -> Handle:
+) -> Handle[list[torch.Tensor]]:
     """Reduce, then give rank r its slice of dim 0 (the first ``rows % size`` ranks get one extra row)."""
     return _submit(
         "reducescatter",
@@ -557,8 +560,8 @@ def grouped_reducescatter_async(
 def grouped_reducescatter(
     tensors: Sequence[torch.Tensor],
     name: str | None = None,
-    compression: Any = None,
-    op: Any = None,
+    compression: CompressionLike | None = None,
+    op: ReduceOpLike | None = None,
     process_set: ProcessSet | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
@@ -584,11 +587,11 @@ def grouped_reducescatter(
 def reducescatter_async(
     tensor: torch.Tensor,
     name: str | None = None,
-    op: Any = None,
+    op: ReduceOpLike | None = None,
     process_set: ProcessSet | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-) -> Handle:
+) -> Handle[torch.Tensor]:
     return _submit(
         "reducescatter",
         [tensor.detach() if isinstance(tensor, torch.Tensor) else tensor],
@@ -604,8 +607,8 @@ def reducescatter_async(
 def reducescatter(
     tensor: torch.Tensor,
     name: str | None = None,
-    compression: Any = None,
-    op: Any = None,
+    compression: CompressionLike | None = None,
+    op: ReduceOpLike | None = None,
     process_set: ProcessSet | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
@@ -622,7 +625,8 @@ def reducescatter(
     out = synchronize(
         reducescatter_async(sent, name, op, process_set, prescale_factor, postscale_factor)
     )
-    return comp.decompress(out, ctx)
+    result: torch.Tensor = comp.decompress(out, ctx)  # comp: any compressor the caller gave
+    return result
 
 
 # ---- alltoall --------------------------------------------------------------------------------
@@ -654,7 +658,7 @@ def alltoall_async(
     splits: Sequence[int] | torch.Tensor | None = None,
     name: str | None = None,
     process_set: ProcessSet | None = None,
-) -> Handle:
+) -> Handle[tuple[torch.Tensor, torch.Tensor]]:
     """Send ``splits[r]`` rows to rank r; receive each rank's rows for us, in rank order.
     ``synchronize`` returns ``(output, received_splits)``, with or without ``splits``, as
     Horovod's does (only the sync :func:`alltoall` drops the splits when none were given)."""

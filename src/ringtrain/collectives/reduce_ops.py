@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import TypeAlias
 
 from ringtrain.errors import CollectiveArgumentError, CollectiveUnsupportedError
 
@@ -27,11 +27,16 @@ Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 Adasum = ReduceOp.ADASUM
 
+# What an ``op=`` argument takes: a ReduceOp, or its name in any case ("sum", "avg", "mean").
+ReduceOpLike: TypeAlias = ReduceOp | str
+
 
 _ALIASES = {m.value.lower(): m.value for m in ReduceOp} | {"avg": "Average", "mean": "Average"}
 
 
-def resolve_op(op: Any, average: bool | None = None, default: ReduceOp = Average) -> str:
+def resolve_op(
+    op: ReduceOpLike | None, average: bool | None = None, default: ReduceOp = Average
+) -> str:
     """The op's name, honouring Horovod's deprecated ``average=`` flag; rejects what we lack."""
     if average is not None:
         if op is not None:

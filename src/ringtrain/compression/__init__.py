@@ -4,7 +4,7 @@ Stateless wire casts (fp16, bf16) are plain tensor code. Gradient reducers (Powe
 their collectives: they are given a torch.distributed group and never import ringtrain's runtime.
 """
 
-from ringtrain.compression.base import Compressor, register, resolve
+from ringtrain.compression.base import CompressionLike, Compressor, register, resolve
 from ringtrain.compression.halfprec import (
     BF16Compressor,
     Compression,
@@ -19,6 +19,7 @@ __all__ = [
     "AutoCompression",
     "BF16Compressor",
     "Compression",
+    "CompressionLike",
     "Compressor",
     "FP16Compressor",
     "NoneCompressor",

@@ -15,7 +15,7 @@ process group, and they run whatever collectives they need.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import torch
 
@@ -63,6 +63,13 @@ class GradientReducer(Protocol):
     def reduce(self, bucket_key: str, flat: torch.Tensor, group: Any) -> torch.Tensor: ...
 
 
+# What a ``compression=`` argument takes: a registered name ("fp16", "powersgd", "auto"), a class
+# (Horovod's ``Compression.fp16``) or an instance (``Compression.powersgd(...)``); None: "none".
+CompressionLike: TypeAlias = (
+    str | type[Compressor] | type[GradientReducer] | Compressor | GradientReducer
+)
+
+
 class Stateless:
     """Base for compressors without state; they can be used as classes, as in Horovod."""
 
@@ -91,7 +98,7 @@ def register(name: str, factory: Callable[..., Any]) -> None:
     _REGISTRY[name] = factory
 
 
-def resolve(compression: Any, config: Any = None) -> Any:
+def resolve(compression: CompressionLike | None, config: Any = None) -> Any:
     """A compressor object from a name, a class (Horovod style) or an instance.
 
     ``config`` (a :class:`ringtrain.config.Config`): names and classes with a ``from_config``

@@ -70,7 +70,7 @@ def cuda_built() -> bool:
     """Whether CUDA tensors can be reduced: torch was built with CUDA (NCCL does the work)."""
     import torch
 
-    return torch.backends.cuda.is_built()
+    return bool(torch.backends.cuda.is_built())  # type: ignore[no-untyped-call]
 
 
 def rocm_built() -> bool:

@@ -1,0 +1,30 @@
+"""What a user's type checker sees of the public API; `make lint` runs mypy on this file.
+
+Never run. Each line must type-check as written; the lines marked ``type: ignore[arg-type]`` must
+be errors (mypy's ``warn_unused_ignores`` fails the lint if an argument's type is loosened).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import ringtrain
+import ringtrain.torch as hvd
+
+
+def usage(t: torch.Tensor, model: torch.nn.Module) -> None:
+    a: torch.Tensor = hvd.allreduce(t, op=hvd.Sum, compression=hvd.Compression.fp16)
+    b: torch.Tensor = hvd.synchronize(hvd.allreduce_async(t, op="sum", compression="fp16"))
+    c: list[torch.Tensor] = hvd.synchronize(hvd.grouped_allreduce_async([a, b]))
+    d: list[torch.Tensor] = ringtrain.grouped_allreduce(c, op=ringtrain.Average)
+    e: torch.Tensor = hvd.synchronize(hvd.broadcast_async(d[0], root_rank=0))
+    f: tuple[torch.Tensor, torch.Tensor] = hvd.synchronize(hvd.alltoall_async(e))
+    g: torch.Tensor = hvd.reducescatter(f[0], compression=hvd.Compression.powersgd())
+    h: list[int] = hvd.allgather_object(hvd.rank())
+    i: dict[str, int] = hvd.broadcast_object({"step": h[0]})
+    j: int = hvd.join()
+    k: bool = hvd.poll(hvd.allgather_async(g)) and hvd.is_initialized()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=i["step"] + j + int(k))
+    hvd.allreduce(t, op=3)  # type: ignore[arg-type]
+    hvd.allreduce(t, compression=0.5)  # type: ignore[arg-type]
+    hvd.grouped_allreduce_async([t], op=hvd.Sum, compression=torch.float16)  # type: ignore[arg-type]
