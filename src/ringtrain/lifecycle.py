@@ -14,10 +14,11 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ringtrain.collectives import step_timing
 from ringtrain.collectives.controller import Controller
 from ringtrain.collectives.step_timing import StepTimer
 from ringtrain.config import Config
-from ringtrain.diagnostics import engine_wait, timeline
+from ringtrain.diagnostics import engine_wait, timeline, trainjob_status
 from ringtrain.launch import elastic as elastic_launch
 from ringtrain.runtime import state
 from ringtrain.runtime.process_sets import ProcessSet
@@ -57,6 +58,8 @@ def init(
         _attach_controller(state.global_process_set, config)
         if config.straggler_report_steps > 0 and rt.size > 1:
             _attach_step_timer(rt, config.straggler_report_steps)
+        if rt.rank == 0:
+            _start_trainjob_status()
         for ps in process_sets or ():
             add_process_set(ps)
         if config.timeline_filename and not timeline.current().enabled:
@@ -64,6 +67,7 @@ def init(
             start_timeline(config.timeline_filename)
     except BaseException:
         timeline.stop()
+        trainjob_status.stop()
         state.stop()
         raise
     if not _atexit_registered:
@@ -97,6 +101,7 @@ def shutdown() -> None:
         timer = state.global_process_set.communicator.service("step_timer")
         if timer is not None:
             timer.final_report()
+        trainjob_status.stop()  # its last post, bounded by the post timeout
         _post_finished(rt.rank)
         for ps in sorted(rt.process_sets.values(), key=lambda p: -(p.process_set_id or 0)):
             ctl = ps.communicator.service("controller")
@@ -120,6 +125,7 @@ def reform(rank: int, size: int, generation: int) -> None:
         timer = state.global_process_set.communicator.service("step_timer")
         if timer is not None:  # its window is of the old world; the new world gets a new timer
             timer.close()
+        trainjob_status.stop()
         state.abandon()
     init(config=config, elastic=(rank, size, generation))
 
@@ -188,6 +194,31 @@ def _attach_step_timer(rt: state.Runtime, every: int) -> None:
         group=comm.group("engine"),
     )
     comm.attach("step_timer", timer)
+
+
+def _start_trainjob_status() -> None:
+    """Rank 0 posts progress to Kubeflow Trainer where it injected its status endpoint."""
+    endpoint = trainjob_status.Endpoint.from_env(os.environ)
+    if endpoint is None:
+        return
+    reporter = trainjob_status.start(endpoint, _straggler_verdict)
+    comm = state.global_process_set.communicator
+    timer = comm.service("step_timer")
+    if timer is None:  # no straggler reports: a timer that only counts steps
+        rt = state.current()
+        timer = StepTimer(0, rt.rank, rt.topology.hosts[rt.rank], list(rt.topology.hosts), None)
+        comm.attach("step_timer", timer)
+    timer.on_step = reporter.step_done
+    log.debug("posting progress to Kubeflow Trainer at %s", endpoint.url)
+
+
+def _straggler_verdict() -> str | None:
+    report = step_timing.last_report()
+    if report is None:
+        return None
+    if report.kind == "none":
+        return "balanced"
+    return f"{report.kind}-bound: ranks {','.join(map(str, report.ranks))}"
 
 
 def _shutdown_at_exit() -> None:

@@ -43,6 +43,7 @@ result = {
     "cross_rank": hvd.cross_rank(),
     "cross_size": hvd.cross_size(),
     "host": socket.gethostname(),
+    "ringtrain_host": state.current().topology.hosts[hvd.rank()],
     "launcher": state.current().placement.launcher,
     "identical": all(torch.equal(every[0], every[r]) for r in range(hvd.size())),
     "trained": not torch.equal(start, end),

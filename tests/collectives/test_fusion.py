@@ -26,7 +26,7 @@ def _check_fused() -> None:
     for i, (s, g) in enumerate(zip(shapes, got)):
         torch.testing.assert_close(g, torch.full(s, (n - 1) / 2 + i))
     ints = [torch.full(s, r + 3 * i, dtype=torch.int32) for i, s in enumerate(shapes)]
-    rt.grouped_allreduce_(ints, op=rt.Average)  # integer Average floors, per chunk
+    rt.grouped_allreduce_(ints, op=rt.Average)  # integer Average truncates (Horovod), per chunk
     for i, t in enumerate(ints):
         assert t.dtype == torch.int32
         assert int(t.flatten()[0]) == (sum(range(n)) + 3 * i * n) // n

@@ -467,10 +467,10 @@ class Executor:
             pieces[r, :k] = work[offset : offset + k]
             offset += k
         pre, post = req.prescale, req.postscale
-        if req.op == "Average":
+        if req.op == "Average":  # integers as Horovod: see Scaling
             if work.dtype in _LOW_PRECISION:
                 pre /= size
-            elif work.is_floating_point() or work.is_complex():
+            else:
                 post /= size
         if pre != 1.0:
             _scale(pieces, pre)
@@ -489,8 +489,6 @@ class Executor:
                 out, pieces.reshape(size * longest, width), op=REDUCE_OPS[req.op], group=group
             )
         out = out[: counts[me]]
-        if req.op == "Average" and not (out.is_floating_point() or out.is_complex()):
-            out = torch.div(out, size, rounding_mode="floor")
         if post != 1.0:
             _scale(out, post)
         result = out.reshape((counts[me], *t.shape[1:]))
@@ -553,31 +551,32 @@ def _from_bytes(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) 
 
 @dataclass(frozen=True)
 class Scaling:
-    """Scale factors of one fused allreduce, applied before and after the sum."""
+    """Scale factors of one fused allreduce, applied before and after the sum.
+
+    An Average divides by the set's size (joined ranks included) through the factor after the
+    sum, as Horovod does: integers too, so an integer average is the sum times ``post / size``
+    in double precision, truncated toward zero (Horovod's ``ScaleBuffer``: -75 / 2 gives -37,
+    not -38).
+    """
 
     pre: float
     post: float
-    floor_div: int  # integer Average: floor-divide the sum by this (0: no)
 
     @classmethod
     def of(cls, req: Request, contributors: int, dtype: torch.dtype) -> Scaling:
-        pre, post, floor_div = req.prescale, req.postscale, 0
+        pre, post = req.prescale, req.postscale
         if req.op == "Average":
             if dtype in _LOW_PRECISION:
                 pre /= contributors  # divide before summing so 16-bit sums cannot overflow
-            elif dtype.is_floating_point or dtype.is_complex:
-                post /= contributors
             else:
-                floor_div = contributors
-        return cls(pre, post, floor_div)
+                post /= contributors
+        return cls(pre, post)
 
     def before(self, flat: torch.Tensor) -> None:
         if self.pre != 1.0:
             _scale(flat, self.pre)
 
     def after(self, flat: torch.Tensor) -> None:
-        if self.floor_div:
-            flat.copy_(torch.div(flat, self.floor_div, rounding_mode="floor"))
         if self.post != 1.0:
             _scale(flat, self.post)
 

@@ -61,6 +61,8 @@ class StepTimer:
     host_of_rank: list[str]
     group: Any
     clock: Callable[[], float] = time.perf_counter
+    # Called at every step's end (rank 0's Kubeflow Trainer status counts steps with it).
+    on_step: Callable[[], None] | None = None
     _window: _Window = field(default_factory=_Window)
     _step_end: float | None = None
     _forward_start: float | None = None
@@ -100,6 +102,8 @@ class StepTimer:
             w.compute_s += (now - start) - self._wait_s
             w.wait_s += self._wait_s
         self._steps += 1
+        if self.on_step is not None:
+            self.on_step()
         self._wait_s = 0.0
         self._forward_start = None
         if self.every > 0 and self._steps % self.every == 0 and self._window.steps:
@@ -109,8 +113,9 @@ class StepTimer:
     def final_report(self) -> None:
         """The report for the steps since the last one, at shutdown (a no-op if there are none).
 
-        Every rank runs the same number of steps, so every rank has the same window here."""
-        if self._window.steps:
+        Every rank runs the same number of steps, so every rank has the same window here. A
+        timer that never reports (``every`` 0: it only counts steps) has none to give."""
+        if self.every > 0 and self._window.steps:
             try:
                 self.report()
             except Exception as e:  # a peer is gone; shutdown goes on without the report
