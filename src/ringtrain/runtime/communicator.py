@@ -140,13 +140,14 @@ class Communicator:
     def service(self, name: str) -> Any:
         return self._services.get(name)
 
-    def close(self) -> None:
-        """Close attached services, then destroy this set's groups (world groups die with the
-        default group)."""
+    def close(self, destroy_groups: bool | None = None) -> None:
+        """Close attached services, then destroy this set's groups. ``destroy_groups``: by
+        default only those of sets other than the world, whose groups die with the default
+        group (which an adopted default group does not: see :mod:`ringtrain.runtime.state`)."""
         for service in reversed(list(self._services.values())):
             service.close()
         self._services.clear()
-        if not self.is_world:
+        if not self.is_world if destroy_groups is None else destroy_groups:
             for g in {id(g): g for g in self._groups.values()}.values():
                 if g is not None and g is not dist.GroupMember.NON_GROUP_MEMBER:
                     dist.destroy_process_group(g)

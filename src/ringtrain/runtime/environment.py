@@ -1,10 +1,11 @@
 """Where was this process started? One adapter per launcher, and nothing else reads their variables.
 
 Each adapter turns a launcher's variables into a :class:`Placement`: this process's rank, the world
-size, and where the rendezvous store is. Local and cross ranks given by a launcher are kept only
-as a cross-check: the real host placement is measured after the process group exists
-(:mod:`ringtrain.runtime.topology`), because launchers disagree on what "local" means and
-placements may be uneven (4-3-1).
+size, where the rendezvous store is, and the launcher's name for this rank's host when it has one
+(``node``: ringtrain's host spec, torchrun's node rank, Slurm's node, a pod). Local and cross ranks
+given by a launcher are kept only as a cross-check: the host placement is gathered after the
+process group exists (:mod:`ringtrain.runtime.topology`), from the launcher's node where there is
+one, because launchers disagree on what "local" means and placements may be uneven (4-3-1).
 
 Adapters are tried in order; the first whose marker variable is present wins. All functions here
 are pure functions of a mapping, so each launcher is tested by its variables alone.
@@ -38,6 +39,9 @@ class Placement:
     # "mpi" when the launcher gave no address and ranks span hosts: the address is exchanged
     # through MPI itself at init (:mod:`ringtrain.runtime.mpi_rendezvous`).
     rendezvous_via: str | None = None
+    # The launcher's name for this rank's host; ranks with one node share a host, whatever their
+    # hostnames say (cloned VMs and containers often share one). None: the launcher has none.
+    node: str | None = None
 
 
 def detect(env: Mapping[str, str]) -> Placement:
@@ -62,6 +66,12 @@ def _int(env: Mapping[str, str], var: str, launcher: str) -> int:
         return int(raw)
     except ValueError:
         raise LaunchEnvironmentError(f"{var}={raw!r} is not an integer") from None
+
+
+def _node(env: Mapping[str, str], var: str) -> str | None:
+    """A launcher's node number, as the host's identity; None when unset."""
+    raw = env.get(var, "").strip()
+    return f"{var}={raw}" if raw else None
 
 
 def _opt_int(env: Mapping[str, str], var: str) -> int | None:
@@ -106,6 +116,7 @@ def _ringtrain(env: Mapping[str, str]) -> Placement:
         store_hosted=env.get("RINGTRAIN_RENDEZVOUS_HOSTED", "0") == "1",
         local_rank=_opt_int(env, "RINGTRAIN_LOCAL_RANK"),
         local_size=_opt_int(env, "RINGTRAIN_LOCAL_SIZE"),
+        node=env.get("RINGTRAIN_HOSTNAME") or None,
     )
 
 
@@ -121,6 +132,8 @@ def _torchrun(env: Mapping[str, str]) -> Placement:
         store_hosted=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
         local_rank=_opt_int(env, "LOCAL_RANK"),
         local_size=_opt_int(env, "LOCAL_WORLD_SIZE"),
+        # torchrun numbers its agents (one per node); Ray Train and Lightning say NODE_RANK.
+        node=_node(env, "GROUP_RANK") or _node(env, "NODE_RANK"),
     )
 
 
@@ -192,6 +205,7 @@ def _slurm(env: Mapping[str, str]) -> Placement:
         port,
         local_rank=_opt_int(env, "SLURM_LOCALID"),
         local_size=_slurm_local_size(env),
+        node=_node(env, "SLURM_NODEID"),
     )
 
 
@@ -236,6 +250,7 @@ def _kubeflow(env: Mapping[str, str]) -> Placement:
         port,
         local_rank=local,
         local_size=nproc,
+        node=f"pod {pod}",
     )
 
 

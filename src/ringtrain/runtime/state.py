@@ -5,6 +5,12 @@ process group, measures the host placement, and creates the world's communicator
 undoes all of it, so ``start(); stop(); start()`` works again and again in one process: each
 start uses a fresh key prefix ("generation") in the same store, and stores are kept for the
 process's lifetime because a TCPStore server cannot be rebound reliably while peers reconnect.
+
+A default process group that the script (or Ray Train, Lightning, Accelerate) created before
+``start()`` is *adopted*: its rank and size are the job's, its store carries ringtrain's groups
+(or, where it has no store, rank 0 serves one and tells the others through that group), and
+ringtrain's groups are made beside it. ``stop()`` then destroys ringtrain's groups only: the
+default group stays the script's, usable after ``shutdown()``, as Horovod leaves it.
 """
 
 from __future__ import annotations
@@ -50,6 +56,10 @@ class Runtime:
     world: ProcessSet
     process_sets: dict[int, ProcessSet] = field(default_factory=dict)
     next_set_id: int = 1
+    # The backend of ringtrain's groups ("gloo", or ringtrain's sealed or TCP backend).
+    backend: str = "gloo"
+    # True when the default group was the script's (see the module docstring): stop keeps it.
+    adopted: bool = False
 
     @property
     def local_rank(self) -> int:
@@ -118,9 +128,19 @@ def start(
         env = os.environ if env is None else env
         config = config or Config.from_env(env)
         _configure_logging(config.log_level)
-        placement = _reconcile(environment.detect(env), rank, size)
+        adopted = dist.is_initialized()
+        if adopted:
+            if elastic is not None:
+                raise ConfigError(
+                    "an elastic job cannot adopt the process group this script created: ringtrain "
+                    "re-forms the world when a rank fails, and that group cannot follow.\n"
+                    "HINT: leave init_process_group to ringtrain.init() in elastic jobs."
+                )
+            placement = _reconcile_adopted(_adopted_placement(env), rank, size)
+        else:
+            placement = _reconcile(environment.detect(env), rank, size)
         interface = config.network_interface
-        if placement.rendezvous_via == "mpi":
+        if placement.rendezvous_via == "mpi" and not adopted:
             placement, interface = _mpi_rendezvous(placement, config, env)
         _generation += 1
         prefix = f"ringtrain/gen{_generation}"
@@ -136,7 +156,8 @@ def start(
             # HACK: torch reads Gloo's interface only from this variable; set it before the
             # first group is created, and never override what the user set.
             os.environ["GLOO_SOCKET_IFNAME"] = interface
-        store = dist.PrefixStore(prefix, _store(placement, config))
+        base = _adopted_store(placement, config) if adopted else _store(placement, config)
+        store = dist.PrefixStore(prefix, base)
         backend, transport = _backend(config, env, placement)
         if config.secure:  # every group is sealed; ranks first prove they hold the job key
             from ringtrain.algorithms import sealed_backend
@@ -144,27 +165,10 @@ def start(
             store = sealed_backend.join(
                 store, config, env, placement.rank, placement.size, transport
             )
+        if not adopted:
+            _init_default_group(backend, transport, store, placement, config)
+        comm = None
         try:
-            dist.init_process_group(
-                backend,
-                store=store,
-                rank=placement.rank,
-                world_size=placement.size,
-                timeout=datetime.timedelta(seconds=config.timeout_s),
-            )
-        except RuntimeError as e:
-            if transport == "gloo" and "Address family not supported" in str(e):
-                raise LaunchEnvironmentError(
-                    f"Gloo cannot start here: it enumerates network interfaces over netlink, "
-                    f"which this process cannot use ({e}).\nHINT: enclave runtimes such as "
-                    "Gramine have no netlink; set RINGTRAIN_TRANSPORT=tcp (ringtrain run "
-                    "--transport tcp) or leave it at 'auto'."
-                ) from e
-            raise
-        try:
-            topo = _measure_topology(placement, env)
-            fit_threads_to_quota(env, topo.local_size(placement.rank))
-            world = ProcessSet(None)
             comm = communicator.create(
                 WORLD_SET_ID,
                 range(placement.size),
@@ -173,25 +177,64 @@ def start(
                 config.timeout_s,
                 backend=backend,
                 store=store,
-                host=topo.hosts[placement.rank],
             )
+            topo = _measure_topology(placement, config, env, comm.group("control"))
+            comm.host = topo.hosts[placement.rank]
+            fit_threads_to_quota(env, topo.local_size(placement.rank))
+            world = ProcessSet(None)
             world._bind(WORLD_SET_ID, comm)
             global_process_set._bind(WORLD_SET_ID, comm)
             _runtime = Runtime(
-                config, placement, topo, placement.rank, placement.size, _generation, world
+                config,
+                placement,
+                topo,
+                placement.rank,
+                placement.size,
+                _generation,
+                world,
+                backend=backend,
+                adopted=adopted,
             )
             _runtime.process_sets[WORLD_SET_ID] = global_process_set
         except BaseException:
-            dist.destroy_process_group()
+            global_process_set._unbind()
+            if adopted:
+                if comm is not None:
+                    comm.close(destroy_groups=True)
+            else:
+                dist.destroy_process_group()
             raise
         log.debug(
-            "ringtrain started: rank %d of %d via %s, %s",
+            "ringtrain started: rank %d of %d via %s%s, %s",
             placement.rank,
             placement.size,
             placement.launcher,
+            " (adopted the script's process group)" if adopted else "",
             topo.describe(),
         )
         return _runtime
+
+
+def _init_default_group(
+    backend: str, transport: str, store: Any, placement: Placement, config: Config
+) -> None:
+    try:
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=placement.rank,
+            world_size=placement.size,
+            timeout=datetime.timedelta(seconds=config.timeout_s),
+        )
+    except RuntimeError as e:
+        if transport == "gloo" and "Address family not supported" in str(e):
+            raise LaunchEnvironmentError(
+                f"Gloo cannot start here: it enumerates network interfaces over netlink, "
+                f"which this process cannot use ({e}).\nHINT: enclave runtimes such as "
+                "Gramine have no netlink; set RINGTRAIN_TRANSPORT=tcp (ringtrain run "
+                "--transport tcp) or leave it at 'auto'."
+            ) from e
+        raise
 
 
 def stop() -> None:
@@ -207,12 +250,14 @@ def stop() -> None:
                 if set_id != WORLD_SET_ID:
                     ps.communicator.close()
                     ps._unbind()
-            global_process_set.communicator.close()
+            if rt.adopted:
+                gc.collect()  # see below
+            global_process_set.communicator.close(destroy_groups=rt.adopted)
         finally:
             global_process_set._unbind()
             rt.world._unbind()
             _runtime = None
-            if dist.is_initialized():
+            if dist.is_initialized() and not rt.adopted:
                 # A DDP model kept only by a reference cycle holds the group too. Freed after
                 # this, its reducer would drop the group's last reference with the GIL held,
                 # and the group's destructor would wait on Gloo threads that need the GIL.
@@ -316,7 +361,7 @@ def add_process_set(ranks: Sequence[int] | ProcessSet) -> ProcessSet:
         rt.rank,
         rt.size,
         rt.config.timeout_s,
-        backend=dist.get_backend(),
+        backend=rt.backend,
         store=global_process_set.communicator.store,
         host=rt.topology.hosts[rt.rank],
     )
@@ -384,6 +429,83 @@ def _reconcile(p: Placement, rank: int | None, size: int | None) -> Placement:
     placed = replace(p, launcher="explicit", rank=rank, size=size)
     environment._validate(placed)
     return placed
+
+
+def _adopted_placement(env: Mapping[str, str]) -> Placement:
+    """The placement of a process whose default group exists: its rank and size are the group's;
+    the launcher (if any) still says where the store is and which host this is."""
+    from dataclasses import replace
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    try:
+        p = environment.detect(env)
+    except LaunchEnvironmentError as e:  # half a launcher's variables: the group says enough
+        log.debug("adopting the process group; launcher variables ignored: %s", e)
+        p = Placement("single", 0, 1, "", 0)
+    if p.launcher == "single":
+        p = replace(p, launcher="explicit", rank=rank, size=size)
+    elif (p.rank, p.size) != (rank, size):
+        log.warning(
+            "the %s launcher says rank %d of %d, but the process group this script created says "
+            "rank %d of %d: using the process group's numbering",
+            p.launcher,
+            p.rank,
+            p.size,
+            rank,
+            size,
+        )
+        p = replace(p, rank=rank, size=size, local_rank=None, local_size=None)
+    addr, port = _store_address(dist.distributed_c10d._get_default_store())
+    if addr:
+        p = replace(p, rendezvous_addr=addr, rendezvous_port=port)
+    return replace(p, rendezvous_via=None)
+
+
+def _store_address(store: Any) -> tuple[str, int]:
+    """Host and port of the TCPStore under ``store``'s prefixes; ("", 0) for other stores."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return str(store.host), int(store.port)
+    return "", 0
+
+
+def _reconcile_adopted(p: Placement, rank: int | None, size: int | None) -> Placement:
+    """init(rank=, size=) beside an adopted group: only the group's own numbers are accepted."""
+    if (rank is not None and rank != p.rank) or (size is not None and size != p.size):
+        raise LaunchEnvironmentError(
+            f"init(rank={rank}, size={size}) contradicts the process group this script created, "
+            f"which says rank={p.rank}, size={p.size}.\nHINT: drop the arguments: ringtrain "
+            "takes its numbering from that group."
+        )
+    return p
+
+
+def _adopted_store(p: Placement, config: Config) -> Any:
+    """The adopted default group's store; where it has none (an MPI group), rank 0 serves a
+    TCPStore and sends its address to the others through the default group itself."""
+    store = dist.distributed_c10d._get_default_store()
+    if store is not None:
+        return store
+    from ringtrain.algorithms import tcp_backend
+
+    where: list[Any] = [None]
+    if p.rank == 0:
+        interface = os.environ.get("GLOO_SOCKET_IFNAME") or config.network_interface
+        addr = tcp_backend.local_address(interface, p.rendezvous_addr)
+        if addr == "127.0.0.1" and p.size > 1:
+            addr = socket.gethostbyname(socket.gethostname())
+        served = _new_store(p, addr, 0, True, config)
+        _stores[(addr, served.port, True)] = served
+        where = [(addr, int(served.port))]
+    dist.broadcast_object_list(where, src=0)
+    addr, port = where[0]
+    if p.rank == 0:
+        return _stores[(addr, port, True)]
+    key = (addr, port, False)
+    if key not in _stores:
+        _stores[key] = _new_store(p, addr, port, False, config)
+    return _stores[key]
 
 
 _mpi_placed: tuple[Placement, str] | None = None
@@ -464,13 +586,15 @@ def fit_threads_to_quota(
     return share
 
 
-def _measure_topology(p: Placement, env: Mapping[str, str]) -> Topology:
-    host = env.get("RINGTRAIN_HOSTNAME") or socket.gethostname()
+def _measure_topology(p: Placement, config: Config, env: Mapping[str, str], group: Any) -> Topology:
+    """Every rank's host, gathered over ``group``: the launcher's node where it names one, else
+    the hostname with the address of the interface the job uses (see :mod:`.topology`)."""
+    me = _host_identity(p, config, env)
     if p.size == 1:
-        return topology.from_hosts([host])
-    hosts: list[Any] = [None] * p.size
-    dist.all_gather_object(hosts, host)
-    topo = topology.from_hosts(hosts)
+        return topology.from_identities([me])
+    every: list[Any] = [None] * p.size
+    dist.all_gather_object(every, me, group=group)
+    topo = topology.from_identities(every)
     if p.local_size is not None and p.local_size != topo.local_size(p.rank):
         log.warning(
             "the %s launcher says %d ranks run on this host, but %d ranks report host %r; "
@@ -478,6 +602,16 @@ def _measure_topology(p: Placement, env: Mapping[str, str]) -> Topology:
             p.launcher,
             p.local_size,
             topo.local_size(p.rank),
-            host,
+            topo.hosts[p.rank],
         )
     return topo
+
+
+def _host_identity(p: Placement, config: Config, env: Mapping[str, str]) -> topology.HostIdentity:
+    name = env.get("RINGTRAIN_HOSTNAME") or socket.gethostname()
+    if p.node is not None or p.size == 1:
+        return topology.HostIdentity(name, p.node or "")
+    from ringtrain.algorithms import tcp_backend
+
+    interface = env.get("GLOO_SOCKET_IFNAME") or config.network_interface
+    return topology.HostIdentity(name, tcp_backend.local_address(interface, p.rendezvous_addr))

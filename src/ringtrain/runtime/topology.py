@@ -1,7 +1,10 @@
 """The real host placement of the ranks, and the local/cross numbering derived from it.
 
 Launchers disagree about what "local" means and placements may be uneven (4-3-1), so local and
-cross ranks are computed from the host name every rank reports, never trusted from the launcher.
+cross ranks are computed from the host every rank reports, never from the launcher's counts. A
+host is what the launcher names one where it does (its node: ringtrain's host spec, torchrun's
+node rank, Slurm's node, a pod); otherwise a hostname together with the address of the interface
+the job uses, so that two machines with one hostname (cloned VMs, containers) stay two hosts.
 Numbering follows Horovod: ``local_rank`` counts ranks on the same host; the *cross* communicator
 of a rank holds every rank with the same ``local_rank`` (one per host that has that many ranks).
 """
@@ -76,3 +79,25 @@ class Topology:
 
 def from_hosts(hosts: Sequence[str]) -> Topology:
     return Topology(tuple(hosts))
+
+
+@dataclass(frozen=True)
+class HostIdentity:
+    """What one rank reports about its host: a ``name`` for people (a hostname, or the host
+    spec it was launched on) and a ``key`` that tells hosts apart (the launcher's node, or the
+    interface's address)."""
+
+    name: str
+    key: str
+
+
+def from_identities(ids: Sequence[HostIdentity]) -> Topology:
+    """The topology of ranks that reported ``ids`` (by rank): ranks with equal ``(name, key)``
+    share a host. A host is named by its ``name`` alone where no other host has that name, else
+    by ``name[key]``, so that messages keep naming hosts as people know them."""
+    keys_of: dict[str, set[str]] = {}
+    for i in ids:
+        keys_of.setdefault(i.name, set()).add(i.key)
+    return Topology(
+        tuple(i.name if len(keys_of[i.name]) == 1 else f"{i.name}[{i.key}]" for i in ids)
+    )
