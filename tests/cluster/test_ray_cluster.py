@@ -66,6 +66,14 @@ def test_torch_trainer_with_ringtrain_config(ray_cluster: RayCluster) -> None:
 
 
 @pytest.mark.timeout(600)
+def test_torch_trainer_with_rays_own_process_group(ray_cluster: RayCluster) -> None:
+    """Ray's torch backend calls init_process_group; hvd.init() adopts that group."""
+    result = _job(ray_cluster, "trainer-torch")
+    _two_hosts(result["ranks"])
+    assert all(r["ray_world_rank"] == r["rank"] for r in result["ranks"])
+
+
+@pytest.mark.timeout(600)
 def test_ray_executor_secure_one_worker_per_host(ray_cluster: RayCluster) -> None:
     result = _job(ray_cluster, "executor")
     _two_hosts(result["ranks"])

@@ -110,7 +110,7 @@ def check_counts(
             "HINT: give min_workers[/max_workers] for an elastic job, or num_workers "
             "(or num_hosts x num_workers_per_host) for a fixed one."
         )
-    if min_workers is None and not num_workers and not num_hosts:
+    if min_workers is None and num_workers is None and num_hosts is None:
         raise ConfigError(
             "no worker count: give num_workers, num_hosts (x num_workers_per_host) or "
             "min_workers[/max_workers]."
