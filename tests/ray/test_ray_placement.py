@@ -6,9 +6,9 @@ import pytest
 
 pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'ringtrain[ray]'")
 
-from ringtrain.errors import ConfigError  # noqa: E402
-from ringtrain.ray import RayExecutor  # noqa: E402
-from ringtrain.ray.placement import (  # noqa: E402
+from ringtrain.errors import ConfigError
+from ringtrain.ray import RayExecutor
+from ringtrain.ray.placement import (
     WorkerFacts,
     host_major,
     rank_environment,
