@@ -38,7 +38,7 @@ def ray_cluster(cluster: tc.Cluster) -> Iterator[RayCluster]:
         assert rc.daemons() == {}, "Ray daemons outlived the cluster"
 
 
-def _job(rc: RayCluster, mode: str, timeout: float = 400) -> dict:
+def _job(rc: RayCluster, mode: str, timeout: float = 500) -> dict:
     out_dir = tempfile.mkdtemp(prefix=f"ringtrain-ray-{mode}-")
     done = rc.run_driver("h0", [sys.executable, str(JOB), mode, out_dir], timeout=timeout)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -92,11 +92,7 @@ def test_driver_without_the_token_is_refused(ray_cluster: RayCluster) -> None:
     assert "token" in (done.stdout + done.stderr).lower()
 
 
-def _first_step_after(times: list[list], t_kill: float) -> float:
-    return min(t for _step, t, *_ in times if t > t_kill)
-
-
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_killed_worker_survivors_go_on_in_place_vs_ray_train_restart(
     ray_cluster: RayCluster,
 ) -> None:
@@ -115,23 +111,29 @@ def test_killed_worker_survivors_go_on_in_place_vs_ray_train_restart(
         assert pids == {s["start"]["pid"]} and s["start"]["pid"] in start_pids  # not restarted
         assert s["end"]["size"] == 2 and s["end"]["cross_size"] == 2  # still two hosts
         assert s["log"][-1][0] == 24
-    in_place = max(_first_step_after(s["log"], t_kill) for s in survivors) - t_kill
-    redone = KILL_STEP - min(step for s in survivors for step, t, *_ in s["log"] if t > t_kill) + 1
-
-    rt = _job(ray_cluster, "raytrain-restart")
-    rt_kill = rt["killed"]["time"]
-    rt_killed_pid = rt["killed"]["pid"]
-    after = [e for log in rt["logs"].values() for e in log if e[1] > rt_kill]
-    before_pids = {e[3] for log in rt["logs"].values() for e in log if e[1] <= rt_kill}
-    after_pids = {e[3] for e in after}
-    restart = min(e[1] for e in after) - rt_kill
-    rt_redone = KILL_STEP - min(e[0] for e in after) + 1
+    # The survivors' next step is their first in the re-formed world of 2 (a step that was
+    # already under way when the victim died may complete just after its kill).
+    reformed = [next(e for e in s["log"] if e[2] == 2) for s in survivors]
+    in_place = max(e[1] for e in reformed) - t_kill
+    redone = KILL_STEP - min(e[0] for e in reformed) + 1
     print(
         f"\nkilled worker at step {KILL_STEP} (commit/checkpoint every 5 steps), shared 2-core "
         f"machine:\n  ringtrain RayExecutor in place: survivors' next step after {in_place:.2f} s, "
-        f"0 processes restarted, {redone} step(s) redone\n  Ray Train elastic restart: "
-        f"first step after {restart:.2f} s, {len(after_pids - before_pids)} new processes "
-        f"(old ones ended: {len(before_pids - after_pids)}), {rt_redone} step(s) redone"
+        f"0 processes restarted, {redone} step(s) redone",
+        flush=True,
     )
-    assert rt_killed_pid in before_pids
     assert in_place <= 2.0, f"survivors took {in_place:.2f} s to reach their next step"
+
+    rt = _job(ray_cluster, "raytrain-restart", timeout=900)
+    rt_kill = rt["killed"]["time"]
+    logs = [log for log in rt["logs"].values() if log]
+    old = [log for log in logs if log[0][1] <= rt_kill]
+    new = [log for log in logs if log[0][1] > rt_kill]  # processes Ray Train started anew
+    restart = min(log[0][1] for log in new) - rt_kill
+    rt_redone = KILL_STEP - min(log[0][0] for log in new) + 1
+    print(
+        f"  Ray Train elastic restart (same harness): first step after {restart:.2f} s, "
+        f"{len(old)} processes replaced by {len(new)} new ones, {rt_redone} step(s) redone"
+    )
+    assert rt["killed"]["pid"] in {log[0][3] for log in old}
+    assert all(log[-1][0] == 24 for log in new)

@@ -242,12 +242,14 @@ def raytrain_fn(config: dict) -> None:
 
 
 def run_raytrain_restart(out_dir: str) -> dict:
+    import threading
+
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from ringtrain.ray import RingtrainConfig
 
-    TorchTrainer(
+    trainer = TorchTrainer(
         raytrain_fn,
         train_loop_config={"out_dir": out_dir},
         torch_config=RingtrainConfig(settings={"timeout_s": 60}),
@@ -257,12 +259,40 @@ def run_raytrain_restart(out_dir: str) -> dict:
             name="restart",
             failure_config=FailureConfig(max_failures=1),
         ),
-    ).fit()
+    )
+    failed: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except BaseException as e:
+            failed.append(e)
+
+    threading.Thread(target=fit, daemon=True).start()
+    # The measurement is complete once the restarted group logged its last step; Ray Train's
+    # own finalization after that takes minutes on the loaded 2-core machine, so it is not
+    # waited for (the test stops the whole cluster afterwards).
+    while not failed:
+        result = _restart_logs(out_dir)
+        if result is not None:
+            return result
+        time.sleep(1.0)
+    raise failed[0]
+
+
+def _restart_logs(out_dir: str) -> dict | None:
+    marker = os.path.join(out_dir, "raytrain-killed.json")
+    if not os.path.exists(marker):
+        return None
+    killed = json.loads(_read(out_dir, "raytrain-killed.json"))
     logs = {}
     for name in os.listdir(out_dir):
         if name.startswith("raytrain-") and name.endswith(".jsonl"):
-            logs[name] = [json.loads(line) for line in _read(out_dir, name).splitlines()]
-    return {"logs": logs, "killed": json.loads(_read(out_dir, "raytrain-killed.json"))}
+            logs[name] = [json.loads(line) for line in _read(out_dir, name).splitlines() if line]
+    after = [log for log in logs.values() if log and log[0][1] > killed["time"]]
+    if not after or not all(log[-1][0] == STEPS for log in after):
+        return None
+    return {"logs": logs, "killed": killed}
 
 
 def main() -> None:
@@ -281,6 +311,8 @@ def main() -> None:
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     print("RESULT " + json.dumps(result), flush=True)
+    if mode == "raytrain-restart":
+        os._exit(0)  # not waiting for Ray Train's finalization (see run_raytrain_restart)
 
 
 if __name__ == "__main__":
