@@ -1,0 +1,66 @@
+"""What runs inside a Ray worker process before the user's function: facts and environment.
+
+These functions travel to the workers by reference (``ringtrain.ray.worker.<name>``), so each
+worker imports ringtrain, not the driver's copy of it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from ringtrain.ray.placement import WorkerFacts
+from ringtrain.security import keys
+
+
+def facts() -> WorkerFacts:
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return WorkerFacts(
+        node_ip=ray.util.get_node_ip_address(),
+        node_id=ctx.get_node_id(),
+        hostname=socket.gethostname(),
+        pid=os.getpid(),
+    )
+
+
+def set_environment(env: Mapping[str, str], key: bytes | None = None) -> int:
+    """Export ``env`` in this process; with ``key``, hand the job key to ``hvd.init()`` through
+    a pipe (``RINGTRAIN_KEY_FD``) as ``ringtrain run --secure`` does: never in the environment,
+    argv or a file. Returns this process's pid."""
+    os.environ.update(env)
+    if key is not None:
+        read_end, write_end = os.pipe()
+        os.write(write_end, keys.encode_key(key))
+        os.close(write_end)
+        os.environ[keys.KEY_FD_VAR] = str(read_end)
+    return os.getpid()
+
+
+class Worker:
+    """The actor class of :class:`ringtrain.ray.RayExecutor`: Horovod's worker contract
+    (``execute(fn)`` calls ``fn(executable)``)."""
+
+    def __init__(self) -> None:
+        self.executable: Any = None
+
+    def facts(self) -> WorkerFacts:
+        return facts()
+
+    def set_environment(self, env: Mapping[str, str], key: bytes | None = None) -> int:
+        return set_environment(env, key)
+
+    def start_executable(
+        self,
+        executable_cls: type | None,
+        args: list[Any] | None,
+        kwargs: dict[str, Any] | None,
+    ) -> None:
+        if executable_cls is not None:
+            self.executable = executable_cls(*(args or []), **(kwargs or {}))
+
+    def execute(self, fn: Any) -> Any:
+        return fn(self.executable)
