@@ -66,8 +66,11 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def read(directory: str) -> dict[str, Any]:
+def read(directory: str, secure: bool = False) -> dict[str, Any]:
+    """The manifest; in secure mode an unreadable one is a :class:`SecurityError` (it cannot be
+    authenticated)."""
     path = os.path.join(directory, MANIFEST)
+    error = SecurityError if secure else CheckpointError
     try:
         with open(path) as f:
             manifest: dict[str, Any] = json.load(f)
@@ -78,12 +81,12 @@ def read(directory: str) -> dict[str, Any]:
             "holds the checkpoints (the newest complete one is chosen), or an earlier step."
         ) from None
     except (OSError, ValueError) as e:
-        raise CheckpointError(
+        raise error(
             f"{path} cannot be read as a checkpoint manifest ({e}).\n"
             "HINT: the file is damaged; load an earlier checkpoint."
         ) from None
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
+        raise error(
             f"{path} is not a {FORMAT} v{FORMAT_VERSION} manifest (format "
             f"{manifest.get('format')!r}, version {manifest.get('format_version')!r}).\n"
             "HINT: load it with the ringtrain version that wrote it."
@@ -124,8 +127,16 @@ def sha256_file(path: str) -> tuple[str, int]:
     return h.hexdigest(), n
 
 
-def check_file(directory: str, name: str, entry: dict[str, Any], data: bytes | None = None) -> None:
-    """Raise :class:`CheckpointError` naming ``name`` unless it has the manifest's size and hash."""
+def check_file(
+    directory: str,
+    name: str,
+    entry: dict[str, Any],
+    data: bytes | None = None,
+    sealed: bool = False,
+) -> None:
+    """Raise :class:`CheckpointError` naming ``name`` unless it has the manifest's size and
+    hash; a :class:`SecurityError` for a sealed checkpoint (whose manifest was authenticated)."""
+    error = SecurityError if sealed else CheckpointError
     path = os.path.join(directory, name)
     if data is None:
         try:
@@ -138,12 +149,12 @@ def check_file(directory: str, name: str, entry: dict[str, Any], data: bytes | N
     else:
         digest, size = hashlib.sha256(data).hexdigest(), len(data)
     if size != entry["bytes"]:
-        raise CheckpointError(
+        raise error(
             f"{path} has {size} bytes, the manifest says {entry['bytes']}: the file is "
             "truncated or was replaced.\nHINT: load an earlier checkpoint."
         )
     if digest != entry["sha256"]:
-        raise CheckpointError(
+        raise error(
             f"{path} does not match its SHA-256 in the manifest: the file is corrupted, or "
             "belongs to another checkpoint or job.\nHINT: load an earlier checkpoint."
         )

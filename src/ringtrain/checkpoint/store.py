@@ -156,7 +156,7 @@ def open_checkpoint(path: str, keys: Keys | None) -> Opened:
     """Resolve ``path``, check the manifest (and its MAC), read and verify every file (size,
     SHA-256; sealed: open it). Nothing is returned unless all of it is whole."""
     directory = manifest.resolve(path)
-    man = manifest.read(directory)
+    man = manifest.read(directory, secure=keys is not None)
     manifest.check_mac(directory, man, keys.manifest if keys is not None else None)
     files: dict[str, bytes] = {}
     for name, entry in sorted(man["files"].items()):
@@ -169,7 +169,7 @@ def open_checkpoint(path: str, keys: Keys | None) -> Opened:
                 f"{full} is missing: the checkpoint is incomplete (a shard was lost or "
                 "deleted).\nHINT: load an earlier checkpoint."
             ) from None
-        manifest.check_file(directory, name, entry, blob)
+        manifest.check_file(directory, name, entry, blob, sealed=bool(man["sealed"]))
         files[name] = open_sealed(keys.files, name, full, blob) if man["sealed"] and keys else blob
     listed = {n for n in os.listdir(directory) if n.endswith(".distcp")}
     extra = listed - set(files)
