@@ -7,12 +7,13 @@
 Layering: ``manifest`` (plain Python: commit by rename, verification) < ``layout`` (DCP's
 file format) < ``sealed`` < ``store`` (write a part, commit, open) < ``optimizer_state`` (the
 one adapter onto the engine) < ``parts`` (what each rank writes, reassembly) < ``api``
-(``save``/``load``, collective). See docs/checkpoint.md.
+(``save``/``load``, collective) < ``writer`` (asynchronous saves in a writer process). See docs/checkpoint.md.
 """
 
 from __future__ import annotations
 
 from ringtrain.checkpoint.api import Restored, latest, load, save
 from ringtrain.checkpoint.samplers import Remaining
+from ringtrain.checkpoint.writer import Checkpointer
 
-__all__ = ["Remaining", "Restored", "latest", "load", "save"]
+__all__ = ["Checkpointer", "Remaining", "Restored", "latest", "load", "save"]

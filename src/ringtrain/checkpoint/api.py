@@ -76,6 +76,7 @@ def prepare(
     optimizer: Any,
     sampler: Any,
     extra: Any,
+    host: Any = None,
 ) -> tuple[store.Job, list[Any], sealed.Keys | None]:
     """The blocking half of a save (collective): agree on an id, copy this rank's part to host
     memory. What is left (writing, committing) needs no collective."""
@@ -94,7 +95,7 @@ def prepare(
         timeout_s=float(config.timeout_s),
         facts={},
     )
-    items, facts = parts.snapshot(rank, size, model, optimizer, sampler, extra)
+    items, facts = parts.snapshot(rank, size, model, optimizer, sampler, extra, host)
     job.facts = facts
     return job, items, sealed.job_keys(config)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,10 +80,13 @@ def snapshot(
     optimizer: Any = None,
     sampler: Any = None,
     extra: Any = None,
+    host: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
 ) -> tuple[list[Item], dict[str, Any]]:
-    """This rank's items, copied to host memory, and the layout facts for the manifest."""
+    """This rank's items, copied to host memory (by ``host(tensor, key)``: default a fresh
+    copy), and the layout facts for the manifest."""
     from ringtrain.checkpoint import samplers
 
+    copy = host if host is not None else (lambda t, key: _host(t))
     items: list[Item] = []
     layout: dict[str, Any] = {"world_size": size}
     model_sd = model.state_dict() if model is not None else {}
@@ -97,7 +100,7 @@ def snapshot(
     owner = deal(sizes, size)
     for k, v in tensors.items():
         if owner[f"model.{k}"] == rank:
-            items.append(Item(f"model.{k}", _host(v), tuple(v.shape), (0,) * v.dim()))
+            items.append(Item(f"model.{k}", copy(v, f"model.{k}"), tuple(v.shape), (0,) * v.dim()))
     others = {k: v for k, v in model_sd.items() if not isinstance(v, torch.Tensor)}
     if model is not None and rank == 0:
         items.append(Item("meta.model", {"keys": list(model_sd), "objects": others}))
@@ -112,7 +115,7 @@ def snapshot(
                 fqn = f"optim.{piece.index}.{key}"
                 if held.replicated and owner[fqn] != rank:
                     continue
-                items.append(Item(fqn, _host(v), (numel,), (piece.start,)))
+                items.append(Item(fqn, copy(v, f"{fqn}@{piece.start}"), (numel,), (piece.start,)))
             if piece.scalars is not None and (not held.replicated or _first(owner, piece, rank)):
                 for key, v in piece.scalars.items():
                     value = _host(v) if isinstance(v, torch.Tensor) else v
