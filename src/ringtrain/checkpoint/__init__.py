@@ -7,13 +7,15 @@
 Layering: ``manifest`` (plain Python: commit by rename, verification) < ``layout`` (DCP's
 file format) < ``sealed`` < ``store`` (write a part, commit, open) < ``optimizer_state`` (the
 one adapter onto the engine) < ``parts`` (what each rank writes, reassembly) < ``api``
-(``save``/``load``, collective) < ``writer`` (asynchronous saves in a writer process). See docs/checkpoint.md.
+(``save``/``load``, collective) < ``writer`` (asynchronous saves in a writer process) < ``durable`` (saves on the job's
+schedule, ``--resume``). See docs/checkpoint.md.
 """
 
 from __future__ import annotations
 
 from ringtrain.checkpoint.api import Restored, latest, load, save
+from ringtrain.checkpoint.durable import Durable
 from ringtrain.checkpoint.samplers import Remaining
 from ringtrain.checkpoint.writer import Checkpointer
 
-__all__ = ["Checkpointer", "Remaining", "Restored", "latest", "load", "save"]
+__all__ = ["Checkpointer", "Durable", "Remaining", "Restored", "latest", "load", "save"]

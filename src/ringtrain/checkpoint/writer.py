@@ -157,6 +157,11 @@ class Checkpointer:
                 "permissions) and save again."
             )
 
+    def in_flight(self) -> bool:
+        """Whether a background save is still being written (does not raise its failure)."""
+        self._collect(block=False)
+        return self._inflight is not None
+
     def wait(self) -> str | None:
         """Wait for the save in flight; returns the newest committed checkpoint's path."""
         self._collect(block=True)
