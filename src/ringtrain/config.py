@@ -146,6 +146,14 @@ class Config:
     # starts without a negotiation round (collectives/lane.py). Whether a slot is used depends
     # on timing; the results never do. On by default since the suite ran with it under load.
     fast_lane: bool = True
+    # Durable jobs (ringtrain.checkpoint.Durable; `ringtrain run --checkpoint-dir/-every`):
+    # where the job's checkpoints go, and how often: "N" optimizer steps or "Ns" seconds.
+    checkpoint_dir: str = ""
+    checkpoint_every: str = ""
+    # How many of the newest checkpoints to keep (0: all).
+    checkpoint_keep: int = 3
+    # Continue from the newest complete checkpoint in this directory (`ringtrain run --resume`).
+    resume: str = ""
 
     def __post_init__(self) -> None:
         if self.fusion_threshold_bytes < 0:
@@ -156,6 +164,10 @@ class Config:
             raise ConfigError(f"cycle_time_ms must be > 0, got {self.cycle_time_ms}")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.checkpoint_every:
+            checkpoint_schedule(self.checkpoint_every)
+        if self.checkpoint_keep < 0:
+            raise ConfigError(f"checkpoint_keep must be >= 0, got {self.checkpoint_keep}")
         if self.bucket_order not in ("auto", "registration", "reverse"):
             raise ConfigError(
                 "bucket_order must be 'auto', 'registration' or 'reverse', got "
@@ -259,6 +271,26 @@ def _parse(f: dataclasses.Field[Any], raw: str, var: str) -> Any:
         return raw
     except ValueError:
         raise ConfigError(f"{var}={raw!r} is not a valid {kind}") from None
+
+
+def checkpoint_schedule(every: str) -> tuple[str, float]:
+    """``"100"`` -> ("steps", 100); ``"300s"`` -> ("seconds", 300.0)."""
+    text = every.strip().lower()
+    try:
+        if text.endswith("s"):
+            value: float = float(text[:-1])
+            kind = "seconds"
+        else:
+            value = int(text)
+            kind = "steps"
+    except ValueError:
+        value, kind = 0, ""
+    if not kind or value <= 0:
+        raise ConfigError(
+            f"checkpoint_every={every!r} is neither a number of steps nor of seconds.\n"
+            "HINT: --checkpoint-every 100 saves every 100 optimizer steps, 300s every 5 minutes."
+        )
+    return kind, value
 
 
 def to_env(**settings: Any) -> dict[str, str]:

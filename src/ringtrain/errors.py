@@ -14,6 +14,7 @@
     │       └── CollectiveAbortedError      the job shut down while the op was in flight
     ├── HostsUpdatedInterrupt (RuntimeError)  elastic: hosts joined or left; re-form the world
     ├── SecurityError                   a message failed authentication or a peer lacks the key
+    ├── CheckpointError                 a checkpoint is incomplete, damaged, or cannot be written
     ├── LaunchError                     the launcher could not start or keep the job running
     │   └── HostSpecError (ValueError)  a -H / --hostfile entry could not be parsed
     └── InternalError                   a bug in ringtrain itself: please report it
@@ -94,6 +95,11 @@ class HostsUpdatedInterrupt(RingtrainError, RuntimeError):
     def __init__(self, skip_sync: bool = False) -> None:
         super().__init__("the hosts of the job changed; the world will be re-formed")
         self.skip_sync = skip_sync
+
+
+class CheckpointError(RingtrainError):
+    """A checkpoint could not be written, or is incomplete or damaged (the message names the
+    file)."""
 
 
 class LaunchError(RingtrainError):

@@ -4,6 +4,7 @@
     ringtrain bench train -np 2 --model transformer-25m --steps 30 --json train.json
     ringtrain bench secure -np 2 --sizes 64K..64M --json secure.json
     ringtrain bench checks -np 2 --json checks.json
+    ringtrain bench checkpoint -np 4 --model transformer-25m --json ckpt.json
     ringtrain run -np 2 -H h0:1,h1:1 -- python -m ringtrain.bench train --model cnn
     ringtrain run --secure -H h0:1,h1:1 -- python -m ringtrain.bench secure --link-mbps 1000
 
@@ -19,6 +20,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from ringtrain.bench import checkpoint as ckpt_bench
 from ringtrain.bench import checks, ranks, secure
 from ringtrain.bench.allreduce import DEFAULT_SIZES, AllreduceParams
 from ringtrain.bench.models import PRESETS
@@ -214,6 +216,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     ck.add_argument("--step-iters", type=int, default=5, help="steps per sample")
     _common(ck)
 
+    cp = sub.add_parser(
+        "checkpoint",
+        help="checkpoints: training blocked per save, step slowdown while a write runs",
+        description=(
+            "Asynchronous checkpoints of a preset trained with Adam: how long each save blocks "
+            "training (the copy to host memory), how long the background write takes, and step "
+            "time while it runs vs idle, interleaved in the same processes."
+        ),
+    )
+    cp.add_argument("--model", default="transformer-25m", choices=list(PRESETS))
+    cp.add_argument("--rounds", type=int, default=4, help="saves measured")
+    cp.add_argument("--steps", type=int, default=6, help="steps after each save, and idle")
+    cp.add_argument("--batch-size", type=int, default=None, help="per rank (default: preset's)")
+    cp.add_argument("--whole", action="store_true", help="unsharded optimizer (default sharded)")
+    cp.add_argument("--dir", default="", help="checkpoint directory (default: a temporary one)")
+    _common(cp)
+
     tr = sub.add_parser(
         "train",
         help="training steps/s: ringtrain DistributedOptimizer vs DDP vs no communication",
@@ -308,6 +327,19 @@ def _params(args: argparse.Namespace) -> Any:
             step_each_bytes=args.step_size,
             step_iters=args.step_iters,
         )
+    if args.benchmark == "checkpoint":
+        if args.rounds < 1 or args.steps < 1:
+            raise ConfigError(f"--rounds and --steps must be >= 1, got {args.rounds}, {args.steps}")
+        if args.plot:
+            raise ConfigError("bench checkpoint draws no plot.\nHINT: use --json for the numbers.")
+        return ckpt_bench.CheckpointParams(
+            model=args.model,
+            rounds=args.rounds,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            shard=not args.whole,
+            directory=args.dir,
+        )
     from ringtrain.compression import resolve
 
     params = TrainParams(
@@ -336,6 +368,7 @@ _PRESENT: dict[str, tuple[Callable[[Any, bool], str], Callable[[Any, str], None]
     "secure": (format_secure, plot_secure),
     "checks": (format_checks, plot_checks),
     "train": (format_train, plot_train),
+    "checkpoint": (ckpt_bench.format_checkpoint, lambda res, path: None),  # --plot refused
 }
 
 

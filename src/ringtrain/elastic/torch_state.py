@@ -17,6 +17,7 @@ from ringtrain.elastic import membership
 from ringtrain.elastic import state as base
 from ringtrain.elastic.sampler import ElasticSampler
 from ringtrain.engine.state_sync import broadcast_optimizer_state, broadcast_parameters
+from ringtrain.errors import ConfigError
 from ringtrain.runtime import state as runtime
 
 
@@ -142,6 +143,61 @@ class TorchState(ObjectState):
         for handler in self._handlers.values():
             handler.sync()
         super().sync()
+
+    # ---- durable checkpoints (ringtrain.checkpoint) --------------------------------------------
+
+    def _tracked(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model, optimizer and sampler for ``ringtrain.checkpoint``; the other handlers'
+        values (LR schedulers) by name."""
+        single: dict[str, Any] = {}
+        others: dict[str, Any] = {}
+        for name, handler in self._handlers.items():
+            kind = {
+                _ModelHandler: "model",
+                _OptimizerHandler: "optimizer",
+                _SamplerHandler: "sampler",
+            }.get(type(handler))
+            if kind is None:
+                others[name] = handler.value
+            elif kind in single:
+                raise ConfigError(
+                    f"TorchState holds more than one {kind} ({name!r} and another): a checkpoint "
+                    f"saves one.\nHINT: keep one {kind} in the state, or save with "
+                    "ringtrain.checkpoint.save directly."
+                )
+            else:
+                single[kind] = handler.value
+        return single, others
+
+    def save_checkpoint(self, path: str, step: int = 0, keep: int = 0) -> str:
+        """Write the current values to disk with :func:`ringtrain.checkpoint.save` (collective):
+        the model, optimizer and sampler as it does, LR schedulers and plain values as its
+        ``extra``. Returns the checkpoint's directory."""
+        from ringtrain import checkpoint
+
+        single, others = self._tracked()
+        extra = {
+            "values": {k: getattr(self, k) for k in self._saved_state},
+            "handlers": {k: v.state_dict() for k, v in others.items()},
+        }
+        return checkpoint.save(path, **single, extra=extra, step=step, keep=keep)
+
+    def load_checkpoint(self, path: str) -> Any:
+        """Load what :meth:`save_checkpoint` wrote (at any world size), then commit it, so a
+        later ``restore()`` comes back to it. Returns :class:`ringtrain.checkpoint.Restored`."""
+        from ringtrain import checkpoint
+
+        single, others = self._tracked()
+        restored = checkpoint.load(path, **single)
+        extra = restored.extra or {}
+        for name, sd in extra.get("handlers", {}).items():
+            if name in others:
+                others[name].load_state_dict(sd)
+        for name, value in extra.get("values", {}).items():
+            if name in self._saved_state:
+                object.__setattr__(self, name, value)
+        self.save()
+        return restored
 
     def __setattr__(self, name: str, value: Any) -> None:
         handlers = self.__dict__.get("_handlers", {})

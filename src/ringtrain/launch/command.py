@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ringtrain.config import LOG_LEVELS, Config, horovod_settings
+from ringtrain.config import LOG_LEVELS, Config, checkpoint_schedule, horovod_settings
 from ringtrain.errors import ConfigError
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
 from ringtrain.launch.options import BIND_CHOICES, MALLOC_CHOICES, LaunchOptions, SshOptions
@@ -105,6 +105,27 @@ SETTING_FLAGS = (
         str,
         "ringtrain's log level on the ranks (Horovod's TRACE..FATAL accepted)",
         lambda level: LOG_LEVELS.get(level.upper(), level),
+    ),
+    SettingFlag(
+        "--checkpoint-dir",
+        "checkpoint_dir",
+        str,
+        "durable job: save checkpoints into this directory (ringtrain.checkpoint.Durable)",
+    ),
+    SettingFlag(
+        "--checkpoint-every",
+        "checkpoint_every",
+        str,
+        "durable job: save every N optimizer steps, or every Ns seconds (e.g. 100 or 300s)",
+    ),
+    SettingFlag(
+        "--checkpoint-keep", "checkpoint_keep", int, "keep this many newest checkpoints (0: all)"
+    ),
+    SettingFlag(
+        "--resume",
+        "resume",
+        str,
+        "continue the job from the newest complete checkpoint in this directory",
     ),
     SettingFlag(
         "--cache-capacity",
@@ -334,6 +355,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         value = getattr(args, f.field)
         if value is not None:
             settings[f.field] = f.to_setting(value)
+    if "checkpoint_every" in settings:
+        checkpoint_schedule(settings["checkpoint_every"])  # a bad value fails here, not per rank
     candidates = _interface_names(args.network_interfaces)
     if candidates and "network_interface" in settings:
         raise ConfigError(

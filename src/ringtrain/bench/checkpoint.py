@@ -1,0 +1,153 @@
+"""Checkpoint benchmark: how long training is blocked per save, and how much a background write
+slows the steps taken meanwhile.
+
+Every rank trains a preset (default transformer-25m, Adam, sharded optimizer) and, per round,
+takes ``steps`` steps right after an asynchronous save (:class:`ringtrain.checkpoint.
+Checkpointer`), then waits for the write, then ``steps`` steps with nothing being written. A
+step counts as *writing* when rank 0's write was in flight both when it started and when it
+ended, and as *idle* when taken after the wait; rounds interleave the two, so both see the same
+machine load. An untimed first save starts the writer process and makes the shared-memory
+buffers. Reported: blocked time per save (the host copy, plus waiting for the previous
+save, which never happens here since each round waits), the write's duration (save to commit),
+and step time writing vs idle, median [min-max], with their ratio. Figures are rank 0's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import ringtrain
+import ringtrain.checkpoint
+from ringtrain.bench.models import PRESETS
+from ringtrain.bench.registry import register
+from ringtrain.bench.stats import Summary, load_average, machine_info
+
+
+@dataclass(frozen=True)
+class CheckpointParams:
+    model: str = "transformer-25m"
+    rounds: int = 4  # saves measured
+    steps: int = 6  # steps after each save, and again after its write finished
+    batch_size: int | None = None
+    shard: bool = True
+    directory: str = ""  # default: a temporary directory, removed afterwards
+    seed: int = 0
+
+
+@dataclass
+class CheckpointResult:
+    params: CheckpointParams
+    world_size: int
+    checkpoint_bytes: int  # the committed checkpoint's files, all ranks
+    blocked_s: Summary
+    write_s: Summary
+    step_idle_s: Summary
+    step_writing_s: Summary
+    slowdown: float  # median writing / median idle
+    environment: dict[str, Any] = field(default_factory=dict)
+
+
+def _size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+
+
+@register("checkpoint")
+def bench_checkpoint(params: CheckpointParams) -> CheckpointResult:
+    preset = PRESETS[params.model]
+    torch.manual_seed(params.seed)
+    model = preset.build()
+    opt = ringtrain.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-4),
+        named_parameters=model.named_parameters(),
+        shard_optimizer=params.shard,
+    )
+    gen = torch.Generator().manual_seed(params.seed + ringtrain.rank())
+    batch = params.batch_size or preset.default_batch_size
+
+    def step() -> float:
+        x, y = preset.make_batch(batch, gen)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        preset.loss(model(x), y).backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    root = params.directory or (
+        ringtrain.broadcast_object(tempfile.mkdtemp(prefix="ringtrain-bench-ckpt-"))
+        if ringtrain.rank() == 0
+        else ringtrain.broadcast_object(None)
+    )
+    blocked, writes, idle, writing = [], [], [], []
+    try:
+        for _ in range(2):
+            step()  # the plan is learned, shards made
+        with ringtrain.checkpoint.Checkpointer(root, keep=1) as saver:
+            saver.save(0, model=model, optimizer=opt)  # untimed: starts the writer, makes buffers
+            saver.wait()
+            for r in range(params.rounds):
+                saver.save(r + 1, model=model, optimizer=opt)
+                started = time.perf_counter()
+                blocked.append(saver.last_blocked_s)
+                done_at = None
+                for _ in range(params.steps):
+                    before = saver.in_flight()
+                    s = step()
+                    if before and saver.in_flight():
+                        writing.append(s)
+                    elif done_at is None and not saver.in_flight():
+                        done_at = time.perf_counter()
+                saver.wait()
+                writes.append((done_at or time.perf_counter()) - started)
+                ringtrain.barrier()
+                idle += [step() for _ in range(params.steps)]
+        size = _size(ringtrain.checkpoint.latest(root) or root)
+    finally:
+        ringtrain.barrier()
+        if not params.directory and ringtrain.rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    if not writing:
+        writing = [float("nan")]
+    ratio = Summary.of(writing).median / Summary.of(idle).median
+    env = machine_info() | {"load_average": load_average()}
+    return CheckpointResult(
+        params,
+        ringtrain.size(),
+        size,
+        Summary.of(blocked),
+        Summary.of(writes),
+        Summary.of(idle),
+        Summary.of(writing),
+        ratio,
+        env,
+    )
+
+
+def format_checkpoint(res: CheckpointResult, markdown: bool = False) -> str:
+    from ringtrain.bench.report import _load, table
+
+    def ms(s: Summary) -> str:
+        return f"{s.median * 1e3:.0f} [{s.min * 1e3:.0f}-{s.max * 1e3:.0f}]"
+
+    p = res.params
+    rows = [
+        ["blocked per save (ms)", ms(res.blocked_s), str(res.blocked_s.n)],
+        ["write, save to commit (ms, <=)", ms(res.write_s), str(res.write_s.n)],
+        ["step, idle (ms)", ms(res.step_idle_s), str(res.step_idle_s.n)],
+        ["step, write in flight (ms)", ms(res.step_writing_s), str(res.step_writing_s.n)],
+        ["slowdown (writing / idle)", f"{res.slowdown:.2f}x", ""],
+    ]
+    return "\n".join(
+        [
+            f"checkpoint: {p.model}, Adam, {'sharded' if p.shard else 'whole'} optimizer, "
+            f"{res.world_size} ranks, {res.checkpoint_bytes / 2**20:.0f} MiB per checkpoint, "
+            f"{p.rounds} saves, median [min-max] of rank 0" + _load(res.environment),
+            table(["what", "value", "samples"], rows, markdown),
+        ]
+    )

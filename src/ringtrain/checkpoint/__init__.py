@@ -1,0 +1,21 @@
+"""Checkpoints: every rank writes its own part, loadable at any world size, verified, sealed.
+
+    import ringtrain.checkpoint as ckpt
+    ckpt.save("ckpt/step-100", model=model, optimizer=opt, sampler=sampler, step=100)
+    restored = ckpt.load("ckpt", model=model, optimizer=opt, sampler=sampler)
+
+Layering: ``manifest`` (plain Python: commit by rename, verification) < ``layout`` (DCP's
+file format) < ``sealed`` < ``store`` (write a part, commit, open) < ``optimizer_state`` (the
+one adapter onto the engine) < ``parts`` (what each rank writes, reassembly) < ``api``
+(``save``/``load``, collective) < ``writer`` (asynchronous saves in a writer process) < ``durable`` (saves on the job's
+schedule, ``--resume``). See docs/checkpoint.md.
+"""
+
+from __future__ import annotations
+
+from ringtrain.checkpoint.api import Restored, latest, load, save
+from ringtrain.checkpoint.durable import Durable
+from ringtrain.checkpoint.samplers import Remaining
+from ringtrain.checkpoint.writer import Checkpointer
+
+__all__ = ["Checkpointer", "Durable", "Remaining", "Restored", "latest", "load", "save"]

@@ -1,0 +1,290 @@
+"""``save`` and ``load``: a job's model, optimizer, data position and RNG, at any world size.
+
+Both are collective when ringtrain is initialized (every rank calls them, alike); without
+``init()`` they work on the one process. See docs/checkpoint.md for what is saved and the
+resharding rules.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ringtrain.checkpoint import manifest, optimizer_state, parts, samplers, sealed, store
+from ringtrain.errors import CheckpointError, ConfigError, RingtrainError, SecurityError
+
+
+@dataclass
+class Restored:
+    """What :func:`load` found besides what it put into the objects it was given."""
+
+    directory: str
+    step: int
+    saved_world_size: int
+    extra: Any = None
+    data: Any = None  # what to iterate for the rest of the epoch (sampler, or Remaining)
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+def _where() -> tuple[int, int, Any]:
+    from ringtrain.config import Config
+    from ringtrain.runtime import state as runtime
+
+    if runtime.is_initialized():
+        rt = runtime.current()
+        return rt.rank, rt.size, rt.config
+    return 0, 1, Config.from_env()
+
+
+def _agree(value: Any, size: int) -> Any:
+    """Rank 0's value on every rank."""
+    if size == 1:
+        return value
+    from ringtrain.collectives.objects import broadcast_object
+
+    return broadcast_object(value, root_rank=0)
+
+
+def _all_ok(error: BaseException | None, size: int, what: str) -> None:
+    """Raise on every rank if any rank failed: a failed rank its own error, the others the
+    same kind of error naming it."""
+    if size > 1:
+        from ringtrain.collectives.objects import allgather_object
+
+        told = None if error is None else (isinstance(error, SecurityError), str(error))
+        errors = allgather_object(told)
+    else:
+        errors = [None if error is None else (False, "")]
+    if error is not None:
+        raise error
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if bad:
+        r, (secure, message) = bad[0]
+        kind = SecurityError if secure else CheckpointError
+        raise kind(f"{what} failed on rank {r}: {message}")
+
+
+def prepare(
+    path: str,
+    step: int,
+    keep: int,
+    model: Any,
+    optimizer: Any,
+    sampler: Any,
+    extra: Any,
+    host: Any = None,
+) -> tuple[store.Job, list[Any], sealed.Keys | None]:
+    """The blocking half of a save (collective): agree on an id, copy this rank's part to host
+    memory. What is left (writing, committing) needs no collective."""
+    rank, size, config = _where()
+    save_id = _agree(uuid.uuid4().hex, size)
+    final = os.path.abspath(path)
+    parent, base = os.path.split(final)
+    job = store.Job(
+        final=final,
+        partial=os.path.join(parent, f".{base}.partial-{save_id}"),
+        save_id=save_id,
+        rank=rank,
+        size=size,
+        step=int(step),
+        keep=int(keep),
+        timeout_s=float(config.timeout_s),
+        facts={},
+    )
+    items, facts = parts.snapshot(rank, size, model, optimizer, sampler, extra, host)
+    job.facts = facts
+    return job, items, sealed.job_keys(config)
+
+
+def save(
+    path: str | os.PathLike[str],
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: Any = None,
+    sampler: Any = None,
+    extra: Any = None,
+    step: int = 0,
+    keep: int = 0,
+) -> str:
+    """Save a checkpoint into the directory ``path`` (collective); returns its path.
+
+    Every rank writes its own part: its share of the model's tensors (whole tensors, dealt by
+    size), its ZeRO-1 shard of the optimizer state (or its share of the whole state), its RNG
+    state, its sampler position and its compressor state. ``extra`` (any picklable object, the
+    same on every rank) is stored once. The checkpoint exists once its manifest is committed;
+    an interrupted save leaves earlier checkpoints as they were. ``keep`` > 0 keeps only the
+    newest ``keep`` ``step-N`` checkpoints beside ``path``.
+    """
+    job, items, keys = prepare(os.fspath(path), step, keep, model, optimizer, sampler, extra)
+    error: BaseException | None = None
+    try:
+        store.write_part(job, items, keys)
+    except (OSError, RingtrainError) as e:
+        error = _named(e, job.final)
+    _all_ok(error, job.size, f"writing the checkpoint {job.final}")
+    if job.rank == 0:
+        try:
+            store.commit(job, keys)
+        except (OSError, RingtrainError) as e:
+            error = _named(e, job.final)
+    _all_ok(error if job.rank == 0 else None, job.size, f"committing the checkpoint {job.final}")
+    return job.final
+
+
+def _named(e: BaseException, where: str) -> BaseException:
+    """OS errors become a :class:`CheckpointError` that names the checkpoint."""
+    if isinstance(e, RingtrainError):
+        return e
+    err = CheckpointError(
+        f"could not write the checkpoint {where}: {e}.\nHINT: check the directory's space "
+        "and permissions; earlier checkpoints are untouched."
+    )
+    err.__cause__ = e
+    return err
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: Any = None,
+    sampler: Any = None,
+    strict: bool = True,
+) -> Restored:
+    """Load a checkpoint saved at any world size into these objects (collective).
+
+    ``path`` is a checkpoint directory, or a directory of ``step-N`` checkpoints (the newest
+    complete one is taken). The whole checkpoint is verified (manifest, every file's SHA-256,
+    sealed: authenticated) and checked against ``model`` and ``optimizer`` before anything is
+    changed: on an error nothing was loaded. The optimizer state is handed over whole and the
+    optimizer keeps its own shard (sharded or not, any world size). The RNG states are
+    restored per rank (rank r takes saved rank r mod N's). Compressor state (PowerSGD/top-k
+    error feedback) is restored at the same world size and reset at another; ``auto``'s
+    decision is kept at any size.
+    """
+    rank, size, config = _where()
+    keys = sealed.job_keys(config)
+    error: BaseException | None = None
+    prepared: Any = None
+    try:
+        prepared = _read(os.fspath(path), keys, model, optimizer, rank, size)
+    except (OSError, RingtrainError) as e:
+        error = e if isinstance(e, RingtrainError) else CheckpointError(f"loading {path}: {e}")
+    _all_ok(error, size, f"loading the checkpoint {os.fspath(path)}")
+    return _apply(prepared, model, optimizer, sampler, strict, rank, size)
+
+
+@dataclass
+class _Prepared:
+    opened: store.Opened
+    asm: parts.Assembled
+
+
+def _read(
+    path: str, keys: sealed.Keys | None, model: Any, optimizer: Any, rank: int, size: int
+) -> _Prepared:
+    opened = store.open_checkpoint(path, keys)
+    asm = parts.assemble(opened.metadata, store.reader(opened), opened.directory)
+    where = opened.directory
+    if model is not None:
+        saved = {k[len("model.") :]: v for k, v in asm.tensors.items() if k.startswith("model.")}
+        if "meta.model" not in asm.objects:
+            raise CheckpointError(f"{where} holds no model.\nHINT: load without model=.")
+        for k, v in model.state_dict().items():
+            if isinstance(v, torch.Tensor) and k in saved and saved[k].shape != v.shape:
+                raise CheckpointError(
+                    f"{where}: the model's {k} has shape {tuple(v.shape)}, the checkpoint's "
+                    f"{tuple(saved[k].shape)}.\nHINT: build the model as it was saved."
+                )
+    if optimizer is not None:
+        meta = asm.objects.get("meta.optim")
+        if meta is None:
+            raise CheckpointError(f"{where} holds no optimizer.\nHINT: load without optimizer=.")
+        shapes = [tuple(p.shape) for p in optimizer_state.params_of(optimizer)]
+        if [tuple(s) for s in meta["shapes"]] != shapes:
+            raise CheckpointError(
+                f"{where}: the optimizer's {len(shapes)} parameters do not match the "
+                f"checkpoint's {len(meta['shapes'])} (number or shapes).\n"
+                "HINT: build the model and optimizer as they were saved."
+            )
+        saved_comp = opened.manifest["layout"].get("compressor")
+        mine = optimizer_state.compressor_name(optimizer)
+        if saved_comp is not None and mine is not None and saved_comp != mine:
+            raise CheckpointError(
+                f"{where} was saved with compression {saved_comp!r}, this optimizer uses "
+                f"{mine!r}.\nHINT: resume with the compression it was saved with."
+            )
+    return _Prepared(opened, asm)
+
+
+def _apply(
+    prep: _Prepared, model: Any, optimizer: Any, sampler: Any, strict: bool, rank: int, size: int
+) -> Restored:
+    asm, man = prep.asm, prep.opened.manifest
+    saved_size = int(man["world_size"])
+    if model is not None:
+        meta = asm.objects["meta.model"]
+        sd = dict(meta["objects"])
+        for k in meta["keys"]:
+            if f"model.{k}" in asm.tensors:
+                sd[k] = asm.tensors[f"model.{k}"]
+        model.load_state_dict(sd, strict=strict)
+    if optimizer is not None:
+        meta = asm.objects["meta.optim"]
+        state: dict[int, dict[str, Any]] = {}
+        for fqn, t in asm.tensors.items():
+            if fqn.startswith("optim."):
+                _, i, key = fqn.split(".", 2)
+                state.setdefault(int(i), {})[key] = t.view(meta["shapes"][int(i)])
+        for fqn, v in asm.objects.items():
+            if fqn.startswith("optim_scalar."):
+                _, i, key = fqn.split(".", 2)
+                state.setdefault(int(i), {})[key] = v
+        optimizer_state.load(
+            optimizer, state, meta["param_groups"], _compressor(asm, rank, size, saved_size)
+        )
+    rng = asm.objects.get(f"rank{rank % saved_size}.rng")
+    if rng is not None:
+        parts.set_rng_state(rng)
+    data = None
+    states = [asm.objects.get(f"rank{r}.sampler") for r in range(saved_size)]
+    if sampler is not None:
+        if any(s is None for s in states):
+            raise ConfigError(
+                f"{prep.opened.directory} holds no sampler position.\nHINT: load without sampler=."
+            )
+        data = samplers.restore(sampler, states, rank, size)  # type: ignore[arg-type]
+    return Restored(
+        prep.opened.directory,
+        int(man["step"]),
+        saved_size,
+        asm.objects.get("meta.extra"),
+        data,
+        man,
+    )
+
+
+def _compressor(asm: parts.Assembled, rank: int, size: int, saved_size: int) -> Any:
+    """Same world size: each rank its own compressor state. Another: reset, but ``auto`` keeps
+    its decision (its inner compressor's state is reset)."""
+    if size == saved_size:
+        return asm.objects.get(f"rank{rank}.compressor")
+    first = asm.objects.get("rank0.compressor")
+    if first is None:
+        return None
+    state = first.get("state", {})
+    if "choice" in state:  # auto: keep the decision
+        return {"name": first["name"], "state": {**state, "inner": {}}}
+    return None
+
+
+def latest(root: str | os.PathLike[str]) -> str | None:
+    """The newest complete checkpoint under ``root`` (or ``root`` itself), or None."""
+    try:
+        return manifest.resolve(os.fspath(root))
+    except CheckpointError:
+        return None

@@ -1,0 +1,95 @@
+"""Durable jobs: checkpoints on a schedule, and resuming a job whose ranks or launcher died.
+
+    job = ringtrain.checkpoint.Durable(model=model, optimizer=opt, sampler=sampler)
+    for step in range(job.start_step, total_steps):
+        ...                                  # one optimizer step
+        job.step(step + 1, extra={...})      # saves when the schedule says so
+    job.close()                              # waits for the last save
+
+Settings come from the Config (``ringtrain run --checkpoint-dir D --checkpoint-every 100|300s
+--checkpoint-keep K``, or ``RINGTRAIN_CHECKPOINT_*``); ``ringtrain run --resume D`` loads the
+newest complete checkpoint of ``D`` when the object is made (``start_step`` is then its step)
+and keeps saving into ``D`` unless ``--checkpoint-dir`` says otherwise. Saves are asynchronous
+(:class:`ringtrain.checkpoint.Checkpointer`). A schedule in seconds is decided by rank 0's
+clock and broadcast, so every rank saves at the same step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ringtrain.checkpoint import api
+from ringtrain.checkpoint.writer import Checkpointer
+from ringtrain.config import checkpoint_schedule
+from ringtrain.errors import ConfigError
+
+
+class Durable:
+    """A training loop's checkpoints, configured by the job (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        sampler: Any = None,
+        config: Any = None,
+    ) -> None:
+        _, self._size, cfg = api._where()
+        cfg = cfg if config is None else config
+        self.directory = cfg.checkpoint_dir or cfg.resume
+        self._every = checkpoint_schedule(cfg.checkpoint_every) if cfg.checkpoint_every else None
+        if self._every is not None and not self.directory:
+            raise ConfigError(
+                "checkpoint_every is set but there is no checkpoint directory.\n"
+                "HINT: ringtrain run --checkpoint-dir DIR --checkpoint-every N."
+            )
+        self._objects = {"model": model, "optimizer": optimizer, "sampler": sampler}
+        self.start_step = 0
+        self.restored: api.Restored | None = None
+        if cfg.resume:
+            self.restored = api.load(cfg.resume, model=model, optimizer=optimizer, sampler=sampler)
+            self.start_step = self.restored.step
+        self._saver = (
+            Checkpointer(self.directory, keep=cfg.checkpoint_keep) if self.directory else None
+        )
+        self._last_step = self.start_step
+        self._last_time = time.monotonic()
+
+    @property
+    def extra(self) -> Any:
+        """The ``extra`` of the checkpoint resumed from (None on a fresh start)."""
+        return self.restored.extra if self.restored is not None else None
+
+    def _due(self, step: int) -> bool:
+        if self._every is None:
+            return False
+        kind, n = self._every
+        if kind == "steps":
+            return step - self._last_step >= n
+        due = time.monotonic() - self._last_time >= n
+        return bool(api._agree(due, self._size))
+
+    def step(self, step: int, extra: Any = None, force: bool = False) -> bool:
+        """Call after optimizer step ``step`` (counting from 1): saves if due (or ``force``);
+        returns whether it saved. Raises an earlier background save's failure."""
+        if self._saver is None:
+            return False
+        self._saver.check()
+        if not force and not self._due(step):
+            return False
+        self._saver.save(step, **self._objects, extra=extra)
+        self._last_step, self._last_time = step, time.monotonic()
+        return True
+
+    def close(self) -> None:
+        """Wait for the last save and stop the writer."""
+        if self._saver is not None:
+            self._saver.close()
+
+    def __enter__(self) -> Durable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

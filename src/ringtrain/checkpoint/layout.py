@@ -1,0 +1,140 @@
+"""Bytes on disk in torch.distributed.checkpoint's (DCP's) storage layout, without its collectives.
+
+A rank's part is one ``__<rank>_0.distcp`` file: its items one after another, each a
+``torch.save`` of a tensor or of a Python object, exactly as DCP's ``FileSystemWriter`` writes
+them, so ``FileSystemReader``/``dcp.load``/``dcp_to_torch_save`` read an unsealed checkpoint.
+The ``.metadata`` file is DCP's pickled :class:`Metadata`: for every key, its global size and
+the chunks (offsets and sizes) every rank wrote, and where each chunk's bytes lie.
+
+What differs from ``dcp.save``: the plan is computed locally on every rank (the cut is a pure
+function of the job: :mod:`ringtrain.checkpoint.parts`), so the writing needs no collective and
+can run in a background process; each rank records what it wrote in a small part record, and
+the committing writer merges them into ``.metadata``. Sealed files (secure mode) wrap each whole
+file in AES-GCM and are not readable by torch's tools (:mod:`ringtrain.checkpoint.sealed`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+DCP_VERSION = "1.0.0"  # torch's CURRENT_DCP_VERSION for the FileSystemWriter format we write
+METADATA_FILE = ".metadata"
+
+
+def data_file(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+def part_file(rank: int) -> str:
+    return f"part-{rank}.pkl"
+
+
+@dataclass
+class Item:
+    """One entry of a rank's part: a tensor chunk or a Python object (``value`` is bytes-able)."""
+
+    fqn: str
+    value: Any  # a CPU tensor (a chunk) or any picklable object
+    size: tuple[int, ...] | None = None  # a tensor's global size; None for an object
+    offset: tuple[int, ...] | None = None  # the chunk's offset in the global tensor
+
+
+# fqn, offset (None: an object), global size, dtype name, chunk size, file offset, length
+Entry = tuple[str, Any, Any, str, Any, int, int]
+
+
+@dataclass
+class Record:
+    """What one rank wrote: per item, where its bytes lie; and its file's SHA-256."""
+
+    rank: int
+    file: str
+    sha256: str
+    nbytes: int
+    entries: list[Entry] = field(default_factory=list)
+
+
+def serialize(items: list[Item]) -> tuple[bytes, list[Entry]]:
+    """The part's file contents (DCP's per-item ``torch.save``), and each item's entry."""
+    buf = io.BytesIO()
+    entries: list[Entry] = []
+    for it in items:
+        start = buf.tell()
+        if it.size is not None:  # a chunk of a tensor (a tensor given as an object has no size)
+            t = it.value
+            torch.save(t if t.is_contiguous() else t.contiguous(), buf)
+            dtype = str(t.dtype).replace("torch.", "")
+            entries.append(
+                (
+                    it.fqn,
+                    tuple(it.offset or (0,) * t.dim()),
+                    tuple(it.size),
+                    dtype,
+                    tuple(t.shape),
+                    start,
+                    buf.tell() - start,
+                )
+            )
+        else:
+            torch.save(it.value, buf)
+            entries.append((it.fqn, None, None, "", None, start, buf.tell() - start))
+    return buf.getvalue(), entries
+
+
+def write_file(path: str, data: bytes) -> str:
+    """Write ``data`` to ``path`` durably (fsync); returns its SHA-256 (hex)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
+def build_metadata(records: list[Record]) -> Metadata:
+    """DCP's metadata for the parts of every rank."""
+    sd_md: dict[str, Any] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    planner: dict[str, tuple[str, ...]] = {}
+    for rec in sorted(records, key=lambda r: r.rank):
+        for fqn, offset, size, dtype, chunk, start, length in rec.entries:
+            planner[fqn] = tuple(fqn.split(".", 1))
+            if offset is None:
+                sd_md[fqn] = BytesStorageMetadata()
+                storage[MetadataIndex(fqn)] = _StorageInfo(rec.file, start, length)
+                continue
+            md = sd_md.get(fqn)
+            if md is None:
+                props = TensorProperties(dtype=getattr(torch, dtype))
+                md = sd_md[fqn] = TensorStorageMetadata(props, torch.Size(size), [])
+            md.chunks.append(ChunkStorageMetadata(torch.Size(offset), torch.Size(chunk)))
+            storage[MetadataIndex(fqn, torch.Size(offset))] = _StorageInfo(rec.file, start, length)
+    return Metadata(
+        state_dict_metadata=sd_md, planner_data=planner, storage_data=storage, version=DCP_VERSION
+    )
+
+
+def metadata_bytes(metadata: Metadata) -> bytes:
+    return pickle.dumps(metadata)
+
+
+def load_item(data: bytes | memoryview, start: int, length: int) -> Any:
+    """One item of a part file (a tensor or an object)."""
+    return torch.load(
+        io.BytesIO(data[start : start + length]), map_location="cpu", weights_only=False
+    )

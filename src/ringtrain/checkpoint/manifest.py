@@ -1,0 +1,204 @@
+"""The manifest: what a checkpoint holds, written last, committed by rename, checked before use.
+
+A checkpoint directory is complete when ``manifest.json`` is in it. The committing writer
+writes it only after every rank's part and DCP's ``.metadata`` are on disk (fsynced), as
+``manifest.json.tmp`` and then ``os.replace`` (atomic on POSIX), and only then renames the
+directory from ``.<name>.partial`` to ``<name>``. So a crash at any moment leaves either the
+previous checkpoints untouched and a ``.partial`` directory that nothing loads, or a complete one.
+
+:func:`verify` checks the whole checkpoint before anything is loaded: every file listed is
+present with its size and SHA-256, and (sealed) the manifest's MAC. Errors name the file.
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+from ringtrain.errors import CheckpointError, SecurityError
+
+MANIFEST = "manifest.json"
+FORMAT = "ringtrain-checkpoint"
+FORMAT_VERSION = 1
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def partial_name(name: str) -> str:
+    return f".{name}.partial"
+
+
+def canonical(manifest: dict[str, Any]) -> bytes:
+    """The bytes a sealed manifest's MAC covers: everything but the MAC itself."""
+    body = {k: v for k, v in manifest.items() if k != "mac"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def write(directory: str, manifest: dict[str, Any], mac_key: bytes | None = None) -> None:
+    """Write ``manifest`` into ``directory`` atomically (temp file, fsync, rename, dir fsync)."""
+    manifest = dict(manifest)
+    if mac_key is not None:
+        manifest["mac"] = hmac.new(mac_key, canonical(manifest), hashlib.sha256).hexdigest()
+    tmp = os.path.join(directory, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, MANIFEST))
+    fsync_dir(directory)
+
+
+def fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read(directory: str, secure: bool = False) -> dict[str, Any]:
+    """The manifest; in secure mode an unreadable one is a :class:`SecurityError` (it cannot be
+    authenticated)."""
+    path = os.path.join(directory, MANIFEST)
+    error = SecurityError if secure else CheckpointError
+    try:
+        with open(path) as f:
+            manifest: dict[str, Any] = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path} is missing: {directory} is not a complete checkpoint (its save did not "
+            "finish, or this is not a checkpoint directory).\nHINT: load the directory that "
+            "holds the checkpoints (the newest complete one is chosen), or an earlier step."
+        ) from None
+    except (OSError, ValueError) as e:
+        raise error(
+            f"{path} cannot be read as a checkpoint manifest ({e}).\n"
+            "HINT: the file is damaged; load an earlier checkpoint."
+        ) from None
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise error(
+            f"{path} is not a {FORMAT} v{FORMAT_VERSION} manifest (format "
+            f"{manifest.get('format')!r}, version {manifest.get('format_version')!r}).\n"
+            "HINT: load it with the ringtrain version that wrote it."
+        )
+    return manifest
+
+
+def check_mac(directory: str, manifest: dict[str, Any], mac_key: bytes | None) -> None:
+    path = os.path.join(directory, MANIFEST)
+    if not manifest.get("sealed"):
+        if mac_key is not None:
+            raise SecurityError(
+                f"{path} describes an unsealed checkpoint, but this job runs in secure mode.\n"
+                "HINT: secure jobs load only sealed checkpoints; load it outside secure mode."
+            )
+        return
+    if mac_key is None:
+        raise SecurityError(
+            f"{path} describes a sealed checkpoint and this job has no key to open it.\n"
+            "HINT: load it in secure mode with the job key it was saved under "
+            "(RINGTRAIN_KEY_FILE)."
+        )
+    want = hmac.new(mac_key, canonical(manifest), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(want, str(manifest.get("mac", ""))):
+        raise SecurityError(
+            f"{path} failed authentication: it was changed, or sealed under another key.\n"
+            "HINT: load it with the job key it was saved under; otherwise it cannot be trusted."
+        )
+
+
+def sha256_file(path: str) -> tuple[str, int]:
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            n += len(chunk)
+    return h.hexdigest(), n
+
+
+def check_file(
+    directory: str,
+    name: str,
+    entry: dict[str, Any],
+    data: bytes | None = None,
+    sealed: bool = False,
+) -> None:
+    """Raise :class:`CheckpointError` naming ``name`` unless it has the manifest's size and
+    hash; a :class:`SecurityError` for a sealed checkpoint (whose manifest was authenticated)."""
+    error = SecurityError if sealed else CheckpointError
+    path = os.path.join(directory, name)
+    if data is None:
+        try:
+            digest, size = sha256_file(path)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{path} is missing: the checkpoint is incomplete (a shard was lost or "
+                "deleted).\nHINT: load an earlier checkpoint."
+            ) from None
+    else:
+        digest, size = hashlib.sha256(data).hexdigest(), len(data)
+    if size != entry["bytes"]:
+        raise error(
+            f"{path} has {size} bytes, the manifest says {entry['bytes']}: the file is "
+            "truncated or was replaced.\nHINT: load an earlier checkpoint."
+        )
+    if digest != entry["sha256"]:
+        raise error(
+            f"{path} does not match its SHA-256 in the manifest: the file is corrupted, or "
+            "belongs to another checkpoint or job.\nHINT: load an earlier checkpoint."
+        )
+
+
+def committed(root: str) -> list[tuple[int, str]]:
+    """``(step, directory)`` of every committed checkpoint under ``root``, oldest first."""
+    out = []
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        m = STEP_DIR.match(name)
+        path = os.path.join(root, name)
+        if m and os.path.isfile(os.path.join(path, MANIFEST)):
+            out.append((int(m.group(1)), path))
+    return sorted(out)
+
+
+def resolve(path: str) -> str:
+    """A checkpoint directory: ``path`` itself, or the newest committed one under it."""
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return path
+    found = committed(path)
+    if found:
+        return found[-1][1]
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"no checkpoint at {path}: the directory does not exist.\n"
+            "HINT: give the directory a save wrote to (or --checkpoint-dir's)."
+        )
+    raise CheckpointError(
+        f"{path} holds no complete checkpoint ({MANIFEST} missing, and no step-N directory "
+        "with one).\nHINT: a save may have been interrupted; load an earlier checkpoint."
+    )
+
+
+def prune(root: str, keep: int, remove: Callable[[str], None] = shutil.rmtree) -> list[str]:
+    """Remove all but the newest ``keep`` committed checkpoints, and stale partial ones."""
+    if keep <= 0:
+        return []
+    gone = []
+    for _, path in committed(root)[:-keep]:
+        remove(path)
+        gone.append(path)
+    return gone

@@ -1,0 +1,212 @@
+"""Writing a rank's part and committing a checkpoint; reading one back whole and verified.
+
+No collective here: this runs in the training process (a blocking save) or in the background
+writer process (:mod:`ringtrain.checkpoint.writer`). Every rank writes its data file and a part
+record (JSON: what it wrote where, and the file's SHA-256) into the save's partial directory;
+rank 0's writer waits for all the records of this save (by its save id), writes DCP's
+``.metadata`` and the manifest (last, by rename), renames the directory into place, and prunes
+old checkpoints. A shared file system is assumed (as DCP assumes) when ranks span hosts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ringtrain.checkpoint import layout, manifest
+from ringtrain.checkpoint.layout import Item, Record
+from ringtrain.checkpoint.sealed import Keys, open_sealed, seal
+from ringtrain.errors import CheckpointError
+
+
+@dataclass
+class Job:
+    """One save, as every rank knows it."""
+
+    final: str  # the committed checkpoint's directory
+    partial: str  # where its files are written first
+    save_id: str
+    rank: int
+    size: int
+    step: int
+    keep: int  # keep-last-K under the parent directory (0: keep all)
+    timeout_s: float
+    facts: dict[str, Any]  # layout facts for the manifest
+
+
+def write_part(job: Job, items: list[Item], keys: Keys | None) -> Record:
+    os.makedirs(job.partial, exist_ok=True)
+    data, entries = layout.serialize(items)
+    name = layout.data_file(job.rank)
+    if keys is not None:
+        data = seal(keys.files, name, data)
+    digest = layout.write_file(os.path.join(job.partial, name), data)
+    record = Record(job.rank, name, digest, len(data), entries)
+    tmp = os.path.join(job.partial, layout.part_file(job.rank) + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"save_id": job.save_id, "record": asdict(record)}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(job.partial, layout.part_file(job.rank)))
+    return record
+
+
+def _records(job: Job) -> list[Record]:
+    """Every rank's part record of this save (rank 0's writer waits for them)."""
+    deadline = time.monotonic() + job.timeout_s
+    found: dict[int, Record] = {}
+    while True:
+        for r in range(job.size):
+            if r in found:
+                continue
+            path = os.path.join(job.partial, layout.part_file(r))
+            try:
+                with open(path) as f:
+                    got = json.load(f)
+            except (FileNotFoundError, ValueError):
+                continue
+            if got.get("save_id") == job.save_id:
+                rec = got["record"]
+                rec["entries"] = [tuple(e) for e in rec["entries"]]
+                found[r] = Record(**rec)
+        if len(found) == job.size:
+            return [found[r] for r in range(job.size)]
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(job.size)) - set(found))
+            raise CheckpointError(
+                f"the save into {job.final} did not complete: ranks {missing} wrote no part "
+                f"into {job.partial} within {job.timeout_s:g} s.\nHINT: those ranks failed or "
+                "cannot reach this directory (ranks on several hosts need a shared file system)."
+            )
+        time.sleep(0.02)
+
+
+def commit(job: Job, keys: Keys | None) -> None:
+    """Rank 0's writer: metadata, manifest (last), rename into place, prune."""
+    import torch
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    import ringtrain
+
+    records = _records(job)
+    md = layout.build_metadata(records)
+    md.storage_meta = StorageMeta(checkpoint_id=job.final, save_id=job.save_id)
+    data = layout.metadata_bytes(md)
+    if keys is not None:
+        data = seal(keys.files, layout.METADATA_FILE, data)
+    files = {rec.file: {"sha256": rec.sha256, "bytes": rec.nbytes} for rec in records}
+    files[layout.METADATA_FILE] = {
+        "sha256": layout.write_file(os.path.join(job.partial, layout.METADATA_FILE), data),
+        "bytes": len(data),
+    }
+    for r in range(job.size):
+        os.remove(os.path.join(job.partial, layout.part_file(r)))
+    manifest.write(
+        job.partial,
+        {
+            "format": manifest.FORMAT,
+            "format_version": manifest.FORMAT_VERSION,
+            "save_id": job.save_id,
+            "step": job.step,
+            "world_size": job.size,
+            "layout": job.facts,
+            "versions": {"ringtrain": ringtrain.__version__, "torch": torch.__version__},
+            "dcp_version": layout.DCP_VERSION,
+            "sealed": keys is not None,
+            "created_unix": time.time(),
+            "files": files,
+        },
+        keys.manifest if keys is not None else None,
+    )
+    place(job)
+
+
+def place(job: Job) -> None:
+    """Rename the finished directory into place; an older one of the same name goes after."""
+    parent = os.path.dirname(os.path.abspath(job.final)) or "."
+    old = None
+    if os.path.exists(job.final):
+        old = f"{job.final}.old-{job.save_id}"
+        os.replace(job.final, old)
+    os.replace(job.partial, job.final)
+    manifest.fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    base = os.path.basename(job.final)
+    for name in os.listdir(parent):  # saves of this name, or of steps, that never finished
+        if ".partial-" in name and name.startswith((f".{base}.", ".step-")):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    if job.keep > 0:
+        manifest.prune(parent, job.keep)
+
+
+@dataclass
+class Opened:
+    directory: str
+    manifest: dict[str, Any]
+    metadata: Any
+    files: dict[str, bytes]  # data file name -> plaintext
+
+
+def open_checkpoint(path: str, keys: Keys | None) -> Opened:
+    """Resolve ``path``, check the manifest (and its MAC), read and verify every file (size,
+    SHA-256; sealed: open it). Nothing is returned unless all of it is whole."""
+    directory = manifest.resolve(path)
+    man = manifest.read(directory, secure=keys is not None)
+    manifest.check_mac(directory, man, keys.manifest if keys is not None else None)
+    files: dict[str, bytes] = {}
+    for name, entry in sorted(man["files"].items()):
+        full = os.path.join(directory, name)
+        try:
+            with open(full, "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{full} is missing: the checkpoint is incomplete (a shard was lost or "
+                "deleted).\nHINT: load an earlier checkpoint."
+            ) from None
+        manifest.check_file(directory, name, entry, blob, sealed=bool(man["sealed"]))
+        files[name] = open_sealed(keys.files, name, full, blob) if man["sealed"] and keys else blob
+    listed = {n for n in os.listdir(directory) if n.endswith(".distcp")}
+    extra = listed - set(files)
+    if extra:
+        raise CheckpointError(
+            f"{directory} holds {sorted(extra)}, which its manifest does not list: files of "
+            "another checkpoint or job were mixed in.\nHINT: load an earlier checkpoint."
+        )
+    import pickle
+
+    meta_blob = files.pop(layout.METADATA_FILE)
+    metadata = pickle.loads(meta_blob)
+    if getattr(metadata.storage_meta, "save_id", None) != man["save_id"]:
+        raise CheckpointError(
+            f"{os.path.join(directory, layout.METADATA_FILE)} belongs to another save "
+            f"({metadata.storage_meta.save_id!r}, the manifest says {man['save_id']!r}).\n"
+            "HINT: load an earlier checkpoint."
+        )
+    return Opened(directory, man, metadata, files)
+
+
+def reader(opened: Opened) -> Any:
+    """``read(MetadataIndex)``: one stored item."""
+
+    def read(index: Any) -> Any:
+        info = opened.metadata.storage_data.get(index)
+        if info is None:
+            raise CheckpointError(
+                f"{opened.directory}: {index.fqn} has no stored bytes in the metadata.\n"
+                "HINT: the checkpoint is damaged; load an earlier one."
+            )
+        data = opened.files.get(info.relative_path)
+        if data is None:
+            raise CheckpointError(
+                f"{os.path.join(opened.directory, info.relative_path)} is not in the manifest, "
+                "but the metadata points into it.\nHINT: load an earlier checkpoint."
+            )
+        return layout.load_item(memoryview(data), info.offset, info.length)
+
+    return read

@@ -1,0 +1,245 @@
+"""Asynchronous saves: training waits only while its tensors are copied to host memory.
+
+:class:`Checkpointer` copies this rank's part into shared-memory buffers (allocated at the
+first save and reused, so later saves do not allocate), then hands them to a writer process of
+its own (a process, not a thread: serializing, hashing, sealing and writing would otherwise
+hold the GIL against the training loop), and returns. The writer writes the part; rank 0's
+writer then commits the checkpoint (:mod:`ringtrain.checkpoint.store`). One save is in flight
+at a time: a save while the previous one still writes first waits for it (that wait is
+blocked time, reported by :attr:`Checkpointer.last_blocked_s`). A write that failed is raised
+as :class:`CheckpointError` at the next :meth:`Checkpointer.save`, :meth:`~Checkpointer.check`
+or :meth:`~Checkpointer.wait`; a writer process that died is such a failure too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from ringtrain.checkpoint import api, manifest, store
+from ringtrain.errors import CheckpointError
+
+_MAIN = "from ringtrain.checkpoint.writer import main; main()"
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """A tensor in a shared-memory file: what travels to the writer instead of its bytes."""
+
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def open(self) -> torch.Tensor:
+        n = 1
+        for d in self.shape:
+            n *= d
+        dtype = getattr(torch, self.dtype)
+        if n == 0:
+            return torch.empty(self.shape, dtype=dtype)
+        return torch.from_file(self.path, shared=True, size=n, dtype=dtype).view(self.shape)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The writer process: write each part it is given; rank 0's writer also commits."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError):  # die with the training process
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    args = sys.argv[1:] if argv is None else argv
+    rx = Connection(int(args[0]), writable=False)
+    tx = Connection(int(args[1]), readable=False)
+    while True:
+        try:
+            msg = pickle.loads(rx.recv_bytes())
+        except EOFError:
+            return
+        if msg is None:
+            return
+        job, items, keys = msg
+        try:
+            for it in items:
+                if isinstance(it.value, _Shared):
+                    it.value = it.value.open()
+            store.write_part(job, items, keys)
+            if job.rank == 0:
+                store.commit(job, keys)
+            reply = ("ok", job.final)
+        except BaseException as e:  # every failure goes back to the training process
+            reply = ("error", f"{type(e).__name__}: {e}")
+        del items
+        tx.send_bytes(pickle.dumps(reply))
+
+
+class Checkpointer:
+    """Periodic asynchronous checkpoints into ``root`` (``root/step-N``), keeping the newest
+    ``keep`` (0: all). Collective like :func:`ringtrain.checkpoint.save`."""
+
+    def __init__(self, root: str | os.PathLike[str], keep: int = 0) -> None:
+        self.root = os.fspath(root)
+        self.keep = keep
+        self._buffers: dict[str, tuple[_Shared, torch.Tensor]] = {}
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tx: Any = None
+        self._rx: Any = None
+        self._shm: str | None = None  # the shared-memory files' directory
+        self._inflight: str | None = None  # the checkpoint being written
+        self._failure: str | None = None
+        self.last_blocked_s = 0.0
+        self.last_committed: str | None = None
+
+    # ---- the writer process ----------------------------------------------------------------
+
+    @property
+    def writer_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _start(self) -> None:
+        """A fresh interpreter (not multiprocessing: the training process may itself be a
+        daemonic multiprocessing child, which may not have children of its kind)."""
+        r1, w1 = os.pipe()
+        r2, w2 = os.pipe()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", _MAIN, str(r1), str(w2)],
+                pass_fds=(r1, w2),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            os.close(r1)
+            os.close(w2)
+        self._tx = Connection(w1, readable=False)
+        self._rx = Connection(r2, writable=False)
+
+    def _alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def _collect(self, block: bool) -> None:
+        """Take the in-flight save's outcome, if it is known (or wait for it)."""
+        if self._inflight is None:
+            return
+        final = self._inflight
+        if not block and not self._rx.poll() and self._alive():
+            return
+        try:
+            status, value = pickle.loads(self._rx.recv_bytes())
+        except (EOFError, OSError):
+            code = self._proc.wait() if self._proc is not None else None
+            status, value = "error", f"the writer process died (exit code {code})"
+            self._stop()
+        self._inflight = None
+        if status == "ok":
+            self.last_committed = value
+        else:
+            self._failure = f"the background save into {final} failed: {value}"
+
+    def check(self) -> None:
+        """Raise the failure of an earlier background save, if one failed (once)."""
+        self._collect(block=False)
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise CheckpointError(
+                f"{failure}\nHINT: earlier checkpoints are untouched; fix the cause (space, "
+                "permissions) and save again."
+            )
+
+    def in_flight(self) -> bool:
+        """Whether a background save is still being written (does not raise its failure)."""
+        self._collect(block=False)
+        return self._inflight is not None
+
+    def wait(self) -> str | None:
+        """Wait for the save in flight; returns the newest committed checkpoint's path."""
+        self._collect(block=True)
+        self.check()
+        return self.last_committed
+
+    def _stop(self) -> None:
+        if self._proc is None:
+            return
+        with contextlib.suppress(OSError):
+            self._tx.send_bytes(pickle.dumps(None))
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(5)
+        self._tx.close()
+        self._rx.close()
+        self._proc = None
+
+    def close(self) -> None:
+        """Wait for the save in flight, then stop the writer process and free the buffers."""
+        try:
+            self.wait()
+        finally:
+            self._stop()
+            self._buffers.clear()
+            if self._shm is not None:
+                shutil.rmtree(self._shm, ignore_errors=True)
+                self._shm = None
+
+    # ---- saving ------------------------------------------------------------------------------
+
+    def _host(self, t: torch.Tensor, key: str) -> Any:
+        """Copy into this key's shared-memory buffer (made once, reused by later saves)."""
+        src = t.detach()
+        dtype = str(src.dtype).replace("torch.", "")
+        got = self._buffers.get(key)
+        if got is None or got[1].shape != src.shape or got[1].dtype != src.dtype:
+            if self._shm is None:
+                where = "/dev/shm" if os.path.isdir("/dev/shm") else None
+                self._shm = tempfile.mkdtemp(prefix="ringtrain-ckpt-", dir=where)
+            shared = _Shared(
+                os.path.join(self._shm, str(len(self._buffers))), dtype, tuple(src.shape)
+            )
+            with open(shared.path, "wb") as f:
+                f.truncate(src.numel() * src.element_size())
+            got = self._buffers[key] = (shared, shared.open())
+        got[1].copy_(src)
+        return got[0]
+
+    def save(
+        self,
+        step: int,
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        sampler: Any = None,
+        extra: Any = None,
+    ) -> None:
+        """Start saving ``root/step-<step>``: returns once this rank's part is in host memory.
+        Raises the failure of the previous background save, if it failed."""
+        t0 = time.perf_counter()
+        self._collect(block=True)  # one save in flight: the previous one must be done
+        self.check()
+        if not self._alive():
+            self._stop()
+            self._start()
+        final = os.path.join(self.root, manifest.step_name(step))
+        job, items, keys = api.prepare(
+            final, step, self.keep, model, optimizer, sampler, extra, host=self._host
+        )
+        self._tx.send_bytes(pickle.dumps((job, items, keys)))
+        self._inflight = final
+        self.last_blocked_s = time.perf_counter() - t0
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,100 @@
+"""Asynchronous saves: written by a writer process while training goes on, from a snapshot
+taken when save() returned; one in flight; a failed write raised at the next save or wait."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ringtrain as rt
+import ringtrain.checkpoint as ckpt
+from ringtrain.checkpoint import manifest
+from ringtrain.errors import CheckpointError
+from ringtrain.testing import spawn
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+
+
+def test_background_process_writes_the_snapshot(tmp_path: Path) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    snapshots = []
+    with ckpt.Checkpointer(tmp_path, keep=2) as saver:
+        for step in range(1, 4):
+            model(torch.ones(2, 32)).sum().backward()
+            opt.step()
+            saver.save(step, model=model, optimizer=opt, extra={"step": step})
+            assert saver.writer_pid is not None and saver.writer_pid != os.getpid()
+            snapshots.append([p.detach().clone() for p in model.parameters()])
+            with torch.no_grad():  # training goes on while the write runs
+                for p in model.parameters():
+                    p.add_(1.0)
+        assert saver.wait() == os.path.join(str(tmp_path), manifest.step_name(3))
+        assert saver.last_blocked_s > 0
+    assert [s for s, _ in manifest.committed(str(tmp_path))] == [2, 3]
+    fresh = _model()
+    restored = ckpt.load(tmp_path, model=fresh)
+    assert restored.step == 3 and restored.extra == {"step": 3}
+    assert all(torch.equal(a, b) for a, b in zip(snapshots[-1], fresh.parameters()))
+
+
+def test_failed_write_is_raised_at_the_next_save(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    model = _model()
+    with ckpt.Checkpointer(blocker / "ck") as saver:
+        saver.save(1, model=model)  # returns: the write fails in the background
+        with pytest.raises(CheckpointError, match=r"background save into .*step-000000001 failed"):
+            saver.save(2, model=model)
+        saver.save(3, model=model)
+        with pytest.raises(CheckpointError, match="step-000000003 failed"):
+            saver.wait()
+
+
+def test_dead_writer_is_a_failure(tmp_path: Path) -> None:
+    model = _model()
+    with ckpt.Checkpointer(tmp_path) as saver:
+        saver.save(1, model=model)
+        pid = saver.writer_pid
+        assert pid is not None
+        os.kill(pid, 9)  # long before it has imported torch, let alone written
+        with pytest.raises(CheckpointError, match="writer process died"):
+            saver.save(2, model=model)
+        saver.save(3, model=model)  # a new writer is started for it
+        assert saver.wait() is not None
+    assert [s for s, _ in manifest.committed(str(tmp_path))] == [3]
+    assert not [n for n in os.listdir(tmp_path) if "partial" in n]
+
+
+def _async_at_two(root: str) -> list[Any]:
+    model = _model()
+    opt = rt.DistributedOptimizer(
+        torch.optim.Adam(model.parameters()),
+        named_parameters=model.named_parameters(),
+        shard_optimizer=True,
+    )
+    with ckpt.Checkpointer(root, keep=1) as saver:
+        for step in range(1, 3):
+            opt.zero_grad()
+            model(torch.ones(2, 32) * (rt.rank() + 1)).sum().backward()
+            opt.step()
+            saver.save(step, model=model, optimizer=opt)
+        saver.wait()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_async_sharded_at_two_ranks(tmp_path: Path, world2: spawn.World) -> None:
+    want = world2.run(_async_at_two, str(tmp_path))
+    assert [s for s, _ in manifest.committed(str(tmp_path))] == [2]
+    fresh = _model()
+    ckpt.load(tmp_path, model=fresh)
+    assert all(torch.equal(a, b) for a, b in zip(want[0], fresh.parameters()))

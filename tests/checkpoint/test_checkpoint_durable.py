@@ -1,0 +1,86 @@
+"""``ringtrain run --checkpoint-dir D --checkpoint-every N``, then ``kill -9`` of the launcher,
+then ``ringtrain run --resume D``: the job finishes with the weights of an uninterrupted run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from ringtrain.checkpoint import manifest
+from ringtrain.errors import ConfigError
+from ringtrain.launch import command
+
+pytestmark = pytest.mark.timeout(600)
+JOB = str(Path(__file__).with_name("durable_job.py"))
+STEPS = 12
+
+
+def _argv(*flags: str, out: Path, pause: float) -> list[str]:
+    return [
+        sys.executable, "-m", "ringtrain", "run", "-np", "2", *flags,
+        "--", sys.executable, JOB, str(out), str(STEPS), str(pause),
+    ]  # fmt: skip
+
+
+def _run(*flags: str, out: Path) -> None:
+    proc = subprocess.run(
+        _argv(*flags, out=out, pause=0.0), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_kill_9_the_launcher_then_resume(tmp_path: Path) -> None:
+    _run("--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "2", out=tmp_path / "a.pt")
+    assert [s for s, _ in manifest.committed(str(tmp_path / "a"))] == [8, 10, 12]  # keep 3
+
+    ck = tmp_path / "b"
+    launcher = subprocess.Popen(
+        _argv("--checkpoint-dir", str(ck), "--checkpoint-every", "2", out=tmp_path / "b.pt",
+              pause=0.5),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not any(s >= 4 for s, _ in manifest.committed(str(ck))):
+            assert launcher.poll() is None, "the job ended before it could be killed"
+            assert time.monotonic() < deadline, "no checkpoint at step 4 in time"
+            time.sleep(0.2)
+        family = psutil.Process(launcher.pid).children(recursive=True)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(10)
+        _, alive = psutil.wait_procs(family, timeout=60)
+        assert not alive, f"processes outlived the launcher: {alive}"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    saved = max(s for s, _ in manifest.committed(str(ck)))
+    assert saved < STEPS and not (tmp_path / "b.pt").exists()
+
+    _run("--resume", str(ck), "--checkpoint-every", "2", out=tmp_path / "b.pt")
+    want = torch.load(tmp_path / "a.pt")
+    got = torch.load(tmp_path / "b.pt")
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert max(s for s, _ in manifest.committed(str(ck))) == STEPS
+
+
+def test_bad_schedule_is_refused_by_the_launcher() -> None:
+    parser = argparse.ArgumentParser()
+    command.configure(parser)
+    args = parser.parse_args(["--checkpoint-every", "often", "-np", "1", "--", "true"])
+    with pytest.raises(ConfigError, match="neither a number of steps nor of seconds"):
+        command.options_from_args(args)
+    good = parser.parse_args(["--checkpoint-every", "300s", "--resume", "D", "-np", "1", "true"])
+    settings = command.options_from_args(good).settings
+    assert settings["checkpoint_every"] == "300s" and settings["resume"] == "D"
