@@ -32,13 +32,16 @@ their own blocking collectives; they run on one worker thread, bucket after buck
 order, so they overlap backward and keep the same collective order on every rank.
 
 Reduce-scatter (``scatter=True``, with the sharded step: :mod:`ringtrain.engine.sharded`). Each
-bucket is cut into the sharded step's N shards and reduce-scattered around a ring over the lane's
-group (:meth:`ringtrain.algorithms.sealed.Link.reduce_scatter_chunks`, on the lane's worker): rank
-r receives the sum of shard r only, so (N-1)/N of the bucket leaves each rank instead of an
-allreduce's 2(N-1)/N, and the sharded step's all-gather of the parameters brings the total back
-to an allreduce's. The sums follow the ring's order (fixed by rank, not by timing or layout),
-not Gloo's allreduce's. Outside its own shard, a rank's ``.grad`` keeps its own (scaled)
-gradient until :meth:`GradientExchange.gather_grads` all-gathers the reduced shards.
+bucket (and its 16-bit wire, if any) is cut into the sharded step's N shards and reduce-scattered
+through the lane's :mod:`ringtrain.transport` (a ring over a Gloo group on its worker, the sealed
+or tcp group's own ring, NCCL): rank r receives the sum of shard r only, so (N-1)/N of the bucket
+leaves each rank instead of an allreduce's 2(N-1)/N, and the sharded step's all-gather of the
+parameters brings the total back to an allreduce's. A 16-bit shard that overflowed on any rank
+makes every rank reduce-scatter the bucket again in full precision, inside the same operation.
+Reducers (PowerSGD, top-k), custom codecs and the hierarchical allreduce reduce whole buckets:
+the sharded step takes its shard after. The sums follow the ring's order (fixed by rank, not by
+timing or layout). Outside its own shard, a rank's ``.grad`` keeps its own (scaled) gradient
+until :meth:`GradientExchange.gather_grads` all-gathers the reduced shards.
 
 Lanes (:mod:`ringtrain.engine.streams`). Bucket ``i`` travels on lane ``i % len(lanes)``: its
 own process group, so consecutive buckets are in flight at once, and, when the lane has a
@@ -65,7 +68,7 @@ from ringtrain import compat, transport
 from ringtrain.compression.halfprec import FP16Compressor, NoneCompressor
 from ringtrain.diagnostics import timeline
 from ringtrain.engine.buckets import Bucket, Plan
-from ringtrain.engine.streams import Lane
+from ringtrain.engine.streams import Route
 from ringtrain.errors import InternalError
 from ringtrain.runtime import abort
 from ringtrain.transport.workers import WORKERS as _WORKERS
@@ -75,7 +78,7 @@ _now = time.perf_counter
 
 
 @dataclass(frozen=True)
-class Scaling:
+class Averaging:
     """How a reduction turns a sum into what the optimizer wants (Average or Sum)."""
 
     average: bool
@@ -107,7 +110,7 @@ class _Slot:
         bucket: Bucket,
         params: Sequence[torch.nn.Parameter],
         compressor: Any,
-        scaling: Scaling,
+        scaling: Averaging,
         reducer: bool,
     ) -> None:
         self.bucket = bucket
@@ -214,9 +217,9 @@ class GradientExchange:
         plan: Plan,
         params: Sequence[torch.nn.Parameter],
         names: Sequence[str],
-        lanes: Sequence[Lane] | Any,
+        lanes: Sequence[Route] | Any,
         compressor: Any,
-        scaling: Scaling,
+        scaling: Averaging,
         scatter: bool = False,
         scatter_groups: Sequence[Any] | None = None,
     ) -> None:
@@ -224,8 +227,8 @@ class GradientExchange:
         self._params = list(params)
         self._names = list(names)
         if not isinstance(lanes, (list, tuple)):
-            lanes = [Lane(lanes)]  # one process group
-        self._lanes: list[Lane] = list(lanes)
+            lanes = [Route(lanes)]  # one process group
+        self._lanes: list[Route] = list(lanes)
         self._group = self._lanes[0].group  # sparse gradients travel here
         self._compressor = compressor
         self._reducer = callable(getattr(compressor, "reduce", None))
@@ -363,7 +366,7 @@ class GradientExchange:
         """Reduce-scatter: all-gather every bucket's reduced shards, so every ``.grad`` holds the
         whole reduced gradient (what a user's ``synchronize()`` promises). (N-1)/N of the
         gradients more on the wire. On the lanes' workers, as the rings: another optimizer's
-        rings may still be queued there (see :class:`_SharedWorkers`)."""
+        rings may still be queued there (see :class:`ringtrain.transport.workers.SharedWorkers`)."""
         if not self._scatter:
             return
         gathers = [

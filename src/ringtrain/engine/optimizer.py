@@ -54,7 +54,7 @@ from ringtrain.diagnostics import engine_wait, timeline
 from ringtrain.engine import buckets, schedule, sharded
 from ringtrain.engine.auto import AutoTuner
 from ringtrain.engine.buckets import ORDERS, Observation, Plan
-from ringtrain.engine.exchange import GradientExchange, Scaling
+from ringtrain.engine.exchange import Averaging, GradientExchange
 from ringtrain.engine.overlap import (
     Overlap,
     bucket_groups,
@@ -64,7 +64,7 @@ from ringtrain.engine.overlap import (
     steps_alike_by_bucket,
     timings,
 )
-from ringtrain.engine.streams import Lane, LanePool
+from ringtrain.engine.streams import LanePool, Route
 from ringtrain.errors import CollectiveArgumentError, ConfigError, InternalError
 from ringtrain.runtime import state as runtime_state
 from ringtrain.runtime.process_sets import ProcessSet
@@ -257,7 +257,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._tuner = AutoTuner(
                 self._compression, self._comm.group("engine"), self._size, self._comm.set_rank
             )
-        self._lanes: list[Lane] | None = None
+        self._lanes: list[Route] | None = None
         self._last_sync_end = 0.0
         self._process_set = process_set
         self.backward_passes_per_step = backward_passes_per_step
@@ -597,9 +597,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ---- communication -----------------------------------------------------------------------
 
-    def _scaling(self) -> Scaling:
+    def _scaling(self) -> Averaging:
         k = self.backward_passes_per_step if self._average_aggregated else 1
-        return Scaling(self._op == "Average", self._size, self._predivide, 1.0 / k)
+        return Averaging(self._op == "Average", self._size, self._predivide, 1.0 / k)
 
     def _make_plan(self) -> None:
         """The learning step's end: agree on a plan with every rank, build its buffers."""
@@ -739,10 +739,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._overlap is not None:
             self._overlap.drain()
 
-    def _make_lanes(self) -> list[Lane]:
+    def _make_lanes(self) -> list[Route]:
         """The groups buckets travel on. Collective (it may make groups): called at the first
         plan, which every rank of the process set reaches alike."""
-        engine = [Lane(self._comm.group("engine"))]
+        engine = [Route(self._comm.group("engine"))]
         if not self._comm.is_world:
             if self._streams > 1 or self._hierarchical == "on":
                 log.info(
