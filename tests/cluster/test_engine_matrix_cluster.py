@@ -3,10 +3,12 @@
 step (plain, ``shard_optimizer``, ``shard_optimizer`` + ``reduce_scatter``) x codec (none, fp16,
 bf16, powersgd, topk) x ``overlap`` (off, on), launched by ``ringtrain run`` over ssh on Gloo,
 ``--secure`` and ``--transport tcp``. With the hierarchical allreduce, ``reduce_scatter`` reduces
-whole buckets hierarchically and the sharded step takes its shard after. Shown: nothing refused;
-every rank identical; for each step and codec the same weights with and without overlap and on
-every transport (every sum here is of two: within a host, then across the two hosts); every
-step strategy within 1e-4 of the plain step.
+whole buckets hierarchically and the sharded step takes its shard after (PowerSGD and top-k
+reduce their own way, flat). Shown: nothing refused;
+every rank identical; for each step and codec the same weights with and without overlap, and on
+every transport (bitwise where the sums are hierarchical, each of two: within a host, then
+across the two hosts; within 1e-5 for PowerSGD and top-k, whose flat rounds over 4 ranks sum in
+Gloo's order or the ring's); every step strategy within 1e-4 of the plain step.
 """
 
 from __future__ import annotations
@@ -100,8 +102,12 @@ def test_hierarchical_matrix_on_two_hosts(cluster: tc.Cluster, tmp_path: Path) -
         step, codec, overlap = key.split("/")
         for name, run in runs.items():
             other, alike, hier = run[key]
-            assert alike and hier, (name, key, alike, hier)
-            assert other == w, (name, key, "differs from Gloo")
+            # PowerSGD's and top-k's rounds are their own (flat): hierarchy is for dense codecs.
+            assert alike and hier == (codec not in ("powersgd", "topk")), (name, key, hier)
+            # Flat rounds over 4 ranks (PowerSGD, top-k) sum in Gloo's order on Gloo and in the
+            # ring's on the sealed and tcp groups: float rounding. The rest sums pairs: exact.
+            gap = max(abs(a - b) for a, b in zip(other, w))
+            assert gap <= (1e-5 if codec in ("powersgd", "topk") else 0.0), (name, key, gap)
             assert other == run[f"{step}/{codec}/False"][0], (name, key, "overlap changed it")
             plain = run[f"plain/{codec}/{overlap}"][0]
             gap = max(abs(a - b) for a, b in zip(other, plain))

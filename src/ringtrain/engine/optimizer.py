@@ -126,8 +126,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             order (not the unsharded engine's, so weights differ from it in the last bits),
             and outside this rank's shard ``.grad`` keeps this rank's own gradient after
             ``step()``; ``synchronize()`` all-gathers the reduced gradients when you call it
-            (to clip them, say). CPU, uncompressed, on Gloo groups only; not with
-            ``overlap``.
+            (to clip them, say). Combines with every codec, transport, ``overlap`` and
+            ``hierarchical`` (docs/engine.md, "One gradient path"): a codec that cannot be cut
+            (PowerSGD, top-k) and the hierarchical allreduce reduce whole buckets, and the
+            sharded step takes its shard after.
         overlap: True: ``step()`` returns once the buckets are launched, each bucket's parameters
             are updated as its reduction completes, and the next forward waits per module for
             its own parameters (:mod:`ringtrain.engine.overlap`; contract in docs/engine.md).
