@@ -315,10 +315,6 @@ def _refused(what: str) -> str:
     try:
         if what == "lbfgs":
             rt.DistributedOptimizer(torch.optim.LBFGS(model.parameters()), overlap=True)
-        elif what == "auto":
-            rt.DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=0.1), compression="auto", overlap=True
-            )
         elif what == "sharded-process-set":  # in a world of 3
             ps = rt.add_process_set([0, 1])
             try:
@@ -330,13 +326,6 @@ def _refused(what: str) -> str:
                 )
             finally:
                 rt.remove_process_set(ps)
-        elif what == "sharded-powersgd":
-            rt.DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=0.1),
-                compression="powersgd",
-                overlap=True,
-                shard_optimizer=True,
-            )
         else:
             sparse = torch.nn.Embedding(32, 16, sparse=True)
             opt = rt.DistributedOptimizer(
@@ -355,14 +344,48 @@ def _refused(what: str) -> str:
     ("what", "says"),
     [
         ("lbfgs", "LBFGS"),
-        ("auto", "compression='auto'"),
         ("sparse", "sparse_as_dense=True"),
-        ("sharded-powersgd", "compression='powersgd'"),
     ],
 )
 def test_what_overlap_does_not_support_says_so(world2: World, what: str, says: str) -> None:
     messages = world2.run(_refused, what, timeout=TIMEOUT_S)
     assert all(says in msg for msg in messages), messages
+
+
+def _auto_overlapped(steps: int) -> dict[str, Any]:
+    """compression="auto" with overlap: it measures whole steps without overlap, settles, then
+    overlaps with what it chose."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = rt.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01, foreach=False),
+        named_parameters=model.named_parameters(),
+        compression="auto",
+        overlap=True,
+        **ENGINE,
+    )
+    overlapped = 0
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(model, step).backward()
+        opt.step()
+        overlapped += bool(opt._overlap_open)
+    opt.synchronize()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    every = rt.allgather(flat.reshape(1, -1))
+    decided = opt.auto_decision is not None
+    opt.remove_hooks()
+    return {
+        "alike": bool(torch.equal(every, every[:1].expand_as(every))),
+        "decided": decided,
+        "overlapped": overlapped,
+    }
+
+
+def test_auto_compression_measures_then_overlaps(world2: World) -> None:
+    for result in world2.run(_auto_overlapped, 20, timeout=TIMEOUT_S):
+        assert result["alike"] and result["decided"], result
+        assert result["overlapped"] > 0, result
 
 
 def test_overlap_with_shards_on_a_process_set_says_so() -> None:

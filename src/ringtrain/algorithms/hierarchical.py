@@ -61,7 +61,7 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class Plan:
+class HostPlan:
     """The groups and segments of a hierarchical allreduce for one placement."""
 
     host_of_rank: tuple[Hashable, ...]
@@ -91,7 +91,7 @@ def _cut(numel: int, f: Fraction) -> int:
     return numel * f.numerator // f.denominator
 
 
-def plan(host_of_rank: Sequence[Hashable]) -> Plan:
+def plan(host_of_rank: Sequence[Hashable]) -> HostPlan:
     """The hierarchical plan for ranks placed on ``host_of_rank[r]`` (any hashable host id)."""
     if not host_of_rank:
         raise ConfigError("hierarchical allreduce needs at least one rank in host_of_rank")
@@ -103,7 +103,7 @@ def plan(host_of_rank: Sequence[Hashable]) -> Plan:
         # Owner on each host: the local rank j whose chunk [j/s, (j+1)/s) contains `start`.
         owners = tuple(local[int(start * len(local))] for local in hosts)
         segments.append(Segment(start, end, owners))
-    return Plan(tuple(host_of_rank), hosts, tuple(segments))
+    return HostPlan(tuple(host_of_rank), hosts, tuple(segments))
 
 
 @dataclass(frozen=True)

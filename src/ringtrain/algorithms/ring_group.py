@@ -325,6 +325,12 @@ class RingProcessGroup(dist.ProcessGroup):
     ) -> RingWork:
         return self._submit(lambda: self._link.alltoall(outputs, inputs), outputs)
 
+    def run_on_link(self, fn: Callable[[Link], None]) -> RingWork:
+        """Run ``fn(link)`` as one operation of this group, in call order: the engine's
+        reduce-scatter (:mod:`ringtrain.transport`), whose ring needs each step's send and
+        receive in flight at once, which separate operations of this group would not be."""
+        return self._submit(lambda: fn(self._link), None)
+
     def barrier(self, opts: Any = None) -> RingWork:
         return self._submit(self._link.barrier, None)
 

@@ -32,13 +32,16 @@ their own blocking collectives; they run on one worker thread, bucket after buck
 order, so they overlap backward and keep the same collective order on every rank.
 
 Reduce-scatter (``scatter=True``, with the sharded step: :mod:`ringtrain.engine.sharded`). Each
-bucket is cut into the sharded step's N shards and reduce-scattered around a ring over the lane's
-group (:meth:`ringtrain.algorithms.sealed.Link.reduce_scatter_chunks`, on the lane's worker): rank
-r receives the sum of shard r only, so (N-1)/N of the bucket leaves each rank instead of an
-allreduce's 2(N-1)/N, and the sharded step's all-gather of the parameters brings the total back
-to an allreduce's. The sums follow the ring's order (fixed by rank, not by timing or layout),
-not Gloo's allreduce's. Outside its own shard, a rank's ``.grad`` keeps its own (scaled)
-gradient until :meth:`GradientExchange.gather_grads` all-gathers the reduced shards.
+bucket (and its 16-bit wire, if any) is cut into the sharded step's N shards and reduce-scattered
+through the lane's :mod:`ringtrain.transport` (a ring over a Gloo group on its worker, the sealed
+or tcp group's own ring, NCCL): rank r receives the sum of shard r only, so (N-1)/N of the bucket
+leaves each rank instead of an allreduce's 2(N-1)/N, and the sharded step's all-gather of the
+parameters brings the total back to an allreduce's. A 16-bit shard that overflowed on any rank
+makes every rank reduce-scatter the bucket again in full precision, inside the same operation.
+Reducers (PowerSGD, top-k), custom codecs and the hierarchical allreduce reduce whole buckets:
+the sharded step takes its shard after. The sums follow the ring's order (fixed by rank, not by
+timing or layout). Outside its own shard, a rank's ``.grad`` keeps its own (scaled) gradient
+until :meth:`GradientExchange.gather_grads` all-gathers the reduced shards.
 
 Lanes (:mod:`ringtrain.engine.streams`). Bucket ``i`` travels on lane ``i % len(lanes)``: its
 own process group, so consecutive buckets are in flight at once, and, when the lane has a
@@ -51,7 +54,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import queue
 import threading
 import time
 import weakref
@@ -62,20 +64,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringtrain import compat
-from ringtrain.algorithms.sealed import Link, Plain
+from ringtrain import compat, transport
 from ringtrain.compression.halfprec import FP16Compressor, NoneCompressor
 from ringtrain.diagnostics import timeline
 from ringtrain.engine.buckets import Bucket, Plan
-from ringtrain.engine.streams import Lane
-from ringtrain.errors import CollectiveAbortedError, InternalError
-from ringtrain.runtime import abort, exit_guard
+from ringtrain.engine.streams import Route
+from ringtrain.errors import InternalError
+from ringtrain.runtime import abort
+from ringtrain.transport.workers import WORKERS as _WORKERS
+from ringtrain.transport.workers import Worker as _Worker
 
 _now = time.perf_counter
 
 
 @dataclass(frozen=True)
-class Scaling:
+class Averaging:
     """How a reduction turns a sum into what the optimizer wants (Average or Sum)."""
 
     average: bool
@@ -107,7 +110,7 @@ class _Slot:
         bucket: Bucket,
         params: Sequence[torch.nn.Parameter],
         compressor: Any,
-        scaling: Scaling,
+        scaling: Averaging,
         reducer: bool,
     ) -> None:
         self.bucket = bucket
@@ -140,6 +143,7 @@ class _Slot:
             self.cast = torch.zeros(bucket.numel, dtype=wire_dtype, device=first.device)
         self.lane = 0  # index of the lane this bucket travels on
         self.chunks: list[torch.Tensor] = []  # reduce-scatter: the flat buffer's N shards
+        self.wire_chunks: list[torch.Tensor] = []  # and the 16-bit wire's, cut alike
         self.reset()
 
     def reset(self) -> None:
@@ -205,85 +209,6 @@ def _finfo_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max) if dtype.is_floating_point else float("inf")
 
 
-class _Worker:
-    """One daemon thread running reducer calls in submission order."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="ringtrain-reducer", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._jobs.put((fut, fn, args))
-        return fut
-
-    def _run(self) -> None:
-        torch.set_grad_enabled(False)  # gradients are plain data here (grad mode is per thread)
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            fut, fn, args = job
-            del job
-            # Torch calls that release the GIL, freeing the job's tensors among them: the
-            # process's exit waits for the job under way and starts no other
-            # (runtime.exit_guard). Idle, the thread holds nothing.
-            with exit_guard.native_call() as ok:
-                if not ok:
-                    exit_guard.keep(fn, args)
-                    if fut.set_running_or_notify_cancel():  # nothing waits in vain
-                        fut.set_exception(CollectiveAbortedError("the process is exiting"))
-                elif fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn(*args))
-                    except BaseException as e:  # handed to the waiting thread
-                        fut.set_exception(e)
-                del fut, fn, args
-            if not ok:
-                return
-
-    def close(self) -> None:
-        self._jobs.put(None)
-
-
-class _SharedWorkers:
-    """One :class:`_Worker` per process group, shared by every exchange on that group.
-
-    The ring's sends and receives (reduce-scatter) all use tag 0, and a reducer's or a
-    hierarchical allreduce's collectives are numbered by the order they are issued in: two
-    threads issuing on one group interleave differently on each rank, and a receive then takes
-    another exchange's message. Two optimizers' exchanges (a GAN's, or an overlapped step still
-    on the wire while the next model's backward launches) must therefore queue on one thread per
-    group, in submission order, which is the main thread's and the same on every rank. The
-    worker ends when the last exchange holding it closes."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._held: dict[int, tuple[_Worker, int]] = {}  # id(group): (worker, holders)
-
-    def acquire(self, group: Any) -> _Worker:
-        with self._lock:
-            worker, holders = self._held.get(id(group), (None, 0))
-            if worker is None:
-                worker = _Worker()
-            self._held[id(group)] = (worker, holders + 1)
-            return worker
-
-    def release(self, key: int) -> None:
-        """``key`` is ``id(group)``: the group lives as long as an exchange holds it."""
-        with self._lock:
-            worker, holders = self._held[key]
-            if holders > 1:
-                self._held[key] = (worker, holders - 1)
-                return
-            del self._held[key]
-        worker.close()
-
-
-_WORKERS = _SharedWorkers()
-
-
 class GradientExchange:
     """Launches and completes the collectives of one plan on one process set's engine group."""
 
@@ -292,17 +217,18 @@ class GradientExchange:
         plan: Plan,
         params: Sequence[torch.nn.Parameter],
         names: Sequence[str],
-        lanes: Sequence[Lane] | Any,
+        lanes: Sequence[Route] | Any,
         compressor: Any,
-        scaling: Scaling,
+        scaling: Averaging,
         scatter: bool = False,
+        scatter_groups: Sequence[Any] | None = None,
     ) -> None:
         self.plan = plan
         self._params = list(params)
         self._names = list(names)
         if not isinstance(lanes, (list, tuple)):
-            lanes = [Lane(lanes)]  # one process group
-        self._lanes: list[Lane] = list(lanes)
+            lanes = [Route(lanes)]  # one process group
+        self._lanes: list[Route] = list(lanes)
         self._group = self._lanes[0].group  # sparse gradients travel here
         self._compressor = compressor
         self._reducer = callable(getattr(compressor, "reduce", None))
@@ -327,23 +253,22 @@ class GradientExchange:
         self._hierarchical = not self._reducer and any(
             lane.hierarchical is not None for lane in self._lanes
         )
-        # Reduce-scatter: a ring over each lane's group, and every bucket's shards.
-        self._scatter = scatter
-        self._links: list[Link] = []
-        if scatter:
-            if self._reducer or self._hierarchical or not isinstance(compressor, NoneCompressor):
-                raise InternalError("reduce-scatter takes uncompressed, flat buckets only")
-            for lane in self._lanes:
-                self._links.append(Link(lane.group, Plain(lane.group.rank(), lane.group.size())))
-            n = self._links[0].size
-            for slot in self._slots:
-                shard = -(-slot.flat.numel() // n)  # as the sharded step cuts (sharded.layouts)
-                slot.chunks = [
-                    slot.flat[
-                        min(r * shard, slot.flat.numel()) : min((r + 1) * shard, slot.flat.numel())
-                    ]
-                    for r in range(n)
-                ]
+        # Reduce-scatter: a transport per lane, and every bucket's shards (of its flat buffer
+        # and of its 16-bit wire). A bucket that a reducer (PowerSGD, top-k), a custom codec or
+        # the hierarchical allreduce reduces goes its own way, whole: the shard is taken after.
+        self._transports: list[transport.Transport] = []
+        if scatter and not self._reducer and not self._hierarchical:
+            groups = (
+                list(scatter_groups) if scatter_groups else [lane.group for lane in self._lanes]
+            )
+            self._transports = [transport.of(g) for g in groups]
+            n = self._transports[0].size
+            cuttable = isinstance(compressor, (NoneCompressor, FP16Compressor))
+            for slot in self._slots if cuttable else []:
+                slot.chunks = _cut(slot.flat, n)
+                if slot.cast is not None:
+                    slot.wire_chunks = _cut(slot.cast, n)
+        self._scatter = any(slot.chunks for slot in self._slots)
         self._workers: list[_Worker] = []
         self._releases: list[weakref.finalize[Any, Any]] = []
         if self._reducer:
@@ -351,7 +276,7 @@ class GradientExchange:
             if callable(plan_fn):
                 for b in plan.buckets:
                     plan_fn(b.key, b.shapes)
-        if self._reducer or self._hierarchical or scatter:
+        if self._reducer or self._hierarchical:
             used = min(len(self._lanes), len(self._slots)) or 1
             for lane in self._lanes[:used]:
                 self._workers.append(_WORKERS.acquire(lane.group))
@@ -367,7 +292,14 @@ class GradientExchange:
         """Whether buckets go through the hierarchical allreduce."""
         return self._hierarchical
 
+    @property
+    def scatters(self) -> bool:
+        """Whether buckets are reduce-scattered (each rank receives its shard's sum only)."""
+        return self._scatter
+
     def close(self) -> None:
+        for t in self._transports:
+            t.close()
         for release in self._releases:
             release()  # once: a finalizer runs at most once
         self._workers = []
@@ -434,15 +366,14 @@ class GradientExchange:
         """Reduce-scatter: all-gather every bucket's reduced shards, so every ``.grad`` holds the
         whole reduced gradient (what a user's ``synchronize()`` promises). (N-1)/N of the
         gradients more on the wire. On the lanes' workers, as the rings: another optimizer's
-        rings may still be queued there (see :class:`_SharedWorkers`)."""
+        rings may still be queued there (see :class:`ringtrain.transport.workers.SharedWorkers`)."""
         if not self._scatter:
             return
         gathers = [
-            self._workers[slot.lane].submit(self._links[slot.lane].allgather_chunks, slot.chunks)
-            for slot in self._slots
+            self._transport(slot).allgather(slot.chunks) for slot in self._slots if slot.chunks
         ]
-        for fut in gathers:
-            fut.result()
+        for handle in gathers:
+            handle.wait()
 
     def set_launch_order(self, order: Sequence[int]) -> None:
         """Launch buckets in ``order`` (a permutation of the plan's bucket indices, the same on
@@ -451,6 +382,9 @@ class GradientExchange:
         if sorted(order) != list(range(len(self._slots))):
             raise InternalError(f"launch order {list(order)} is not a permutation of the buckets")
         self._order = list(order)
+
+    def _transport(self, slot: _Slot) -> transport.Transport:
+        return self._transports[slot.lane % len(self._transports)]
 
     def members(self, s: int) -> list[torch.nn.Parameter]:
         """The parameters of bucket ``s``."""
@@ -480,14 +414,18 @@ class GradientExchange:
         flat = slot.flat
         mark = timeline.current().enabled or self.measure
         lane = self._lanes[slot.lane]
-        if self._scatter:
+        if slot.chunks:
+            slot.wire = flat
+            if slot.cast is not None:
+                slot.cast.copy_(flat)  # the 16-bit wire, cut as the flat buffer is
+                slot.wire = slot.cast
             slot.t_sent = _now()
-            fut = self._workers[slot.lane].submit(
-                self._links[slot.lane].reduce_scatter_chunks, slot.chunks, dist.ReduceOp.SUM
+            handle = self._transport(slot).reduce_scatter(
+                slot.wire_chunks or slot.chunks, slot.chunks if slot.narrow else None
             )
-            slot.work = fut
+            slot.work = handle
             if mark:
-                fut.add_done_callback(functools.partial(_mark_done, slot.done))
+                handle.add_done_callback(functools.partial(_mark_done, slot.done, None))
         elif self._reducer:
             slot.t_sent = _now()
             fut = self._workers[slot.lane].submit(
@@ -522,9 +460,12 @@ class GradientExchange:
         if not slot.launched:
             raise InternalError(f"{slot.bucket.key} was never launched before finish()")
         flat = slot.flat
-        if self._scatter:
-            slot.work.result()
-            mine = slot.chunks[self._links[slot.lane].rank]
+        if slot.chunks:
+            redone = slot.work.wait()  # True: the 16-bit sum overflowed, the full one was taken
+            rank = self._transport(slot).rank
+            mine = slot.chunks[rank]
+            if slot.wire_chunks and not redone:
+                mine.copy_(slot.wire_chunks[rank])
             if slot.post != 1.0:
                 mine.mul_(slot.post)
             result = None  # this rank's shard is reduced in place; the rest stays its own
@@ -581,7 +522,7 @@ class GradientExchange:
         rec.span(lane, "FILL", slot.t_first, slot.t_last, args)
         rec.span(lane, "PACK", slot.t_pack, slot.t_sent)
         done = slot.done[0] if slot.done else t_wait
-        wire = "reduce-scatter" if self._scatter else _wire_name(slot)
+        wire = _wire_name(slot) + (", reduce-scatter" if slot.chunks else "")
         if self._hierarchical:
             wire += ", hierarchical"
         rec.span(lane, "ALLREDUCE", slot.t_sent, done, {"wire": wire, "lane": slot.lane})
@@ -636,6 +577,14 @@ class GradientExchange:
             indices = torch.cat([t[:, :n] for t, n in zip(out_i, rows)], dim=1)
             values = torch.cat([t[:n] for t, n in zip(out_v, rows)]) * (pre * post)
             p.grad = torch.sparse_coo_tensor(indices, values, p.shape).coalesce()
+
+
+def _cut(flat: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``flat``'s n shards, as the sharded step cuts them (``sharded.layouts``)."""
+    shard = -(-flat.numel() // n)
+    return [
+        flat[min(r * shard, flat.numel()) : min((r + 1) * shard, flat.numel())] for r in range(n)
+    ]
 
 
 def _busy_s(spans: Sequence[tuple[float, float]]) -> float:

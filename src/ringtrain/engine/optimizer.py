@@ -46,17 +46,15 @@ from typing import Any
 import torch
 
 from ringtrain.algorithms.hierarchical import prefer_hierarchical
-from ringtrain.algorithms.ring_group import RingProcessGroup
 from ringtrain.collectives import ops
 from ringtrain.collectives.reduce_ops import resolve_op
 from ringtrain.compression import resolve as resolve_compression
-from ringtrain.compression.halfprec import NoneCompressor
 from ringtrain.compression.policy import AutoCompression, Decision
 from ringtrain.diagnostics import engine_wait, timeline
 from ringtrain.engine import buckets, schedule, sharded
 from ringtrain.engine.auto import AutoTuner
 from ringtrain.engine.buckets import ORDERS, Observation, Plan
-from ringtrain.engine.exchange import GradientExchange, Scaling
+from ringtrain.engine.exchange import Averaging, GradientExchange
 from ringtrain.engine.overlap import (
     Overlap,
     bucket_groups,
@@ -66,12 +64,19 @@ from ringtrain.engine.overlap import (
     steps_alike_by_bucket,
     timings,
 )
-from ringtrain.engine.streams import Lane, LanePool
+from ringtrain.engine.streams import LanePool, Route
 from ringtrain.errors import CollectiveArgumentError, ConfigError, InternalError
 from ringtrain.runtime import state as runtime_state
 from ringtrain.runtime.process_sets import ProcessSet
 
 log = logging.getLogger("ringtrain")
+
+# Horovod's words, which scripts filter on (warnings.filterwarnings): kept exactly.
+_STEP_WITHOUT_SKIP = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after "
+    "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
+    "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code."
+)
 
 # Key under which state_dict() keeps the compressor's state next to the optimizer's.
 COMPRESSOR_STATE_KEY = "ringtrain_compressor"
@@ -121,8 +126,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             order (not the unsharded engine's, so weights differ from it in the last bits),
             and outside this rank's shard ``.grad`` keeps this rank's own gradient after
             ``step()``; ``synchronize()`` all-gathers the reduced gradients when you call it
-            (to clip them, say). CPU, uncompressed, on Gloo groups only; not with
-            ``overlap``.
+            (to clip them, say). Combines with every codec, transport, ``overlap`` and
+            ``hierarchical`` (docs/engine.md, "One gradient path"): a codec that cannot be cut
+            (PowerSGD, top-k) and the hierarchical allreduce reduce whole buckets, and the
+            sharded step takes its shard after.
         overlap: True: ``step()`` returns once the buckets are launched, each bucket's parameters
             are updated as its reduction completes, and the next forward waits per module for
             its own parameters (:mod:`ringtrain.engine.overlap`; contract in docs/engine.md).
@@ -252,7 +259,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._tuner = AutoTuner(
                 self._compression, self._comm.group("engine"), self._size, self._comm.set_rank
             )
-        self._lanes: list[Lane] | None = None
+        self._lanes: list[Route] | None = None
         self._last_sync_end = 0.0
         self._process_set = process_set
         self.backward_passes_per_step = backward_passes_per_step
@@ -290,20 +297,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "need a process group of their own.\n"
                     "HINT: drop one of overlap and shard_optimizer on this process set."
                 )
-            if self._shard_mode and callable(getattr(self._compression, "reduce", None)):
-                # Its worker thread issues blocking collectives on the lanes while the updater
-                # thread steps and gathers: a combination no test covers yet, so refused.
-                raise ConfigError(
-                    f"overlap=True with shard_optimizer=True cannot use compression="
-                    f"{self._compression_arg!r}, whose reducer runs collectives of its own.\n"
-                    "HINT: use compression 'none', 'fp16' or 'bf16' here, or drop one of "
-                    "overlap and shard_optimizer."
-                )
-            if isinstance(self._compression, AutoCompression):
-                raise ConfigError(
-                    "overlap=True does not work with compression='auto', whose measurements "
-                    "time synchronize().\nHINT: pin the compression (e.g. 'fp16' or 'none')."
-                )
             check_optimizer(optimizer)
             if self._size > 1 and self._comm.included:
                 self._overlap = Overlap(optimizer, self._timeout_s)
@@ -318,32 +311,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "reduce_scatter=True needs shard_optimizer=True: each rank then steps only the "
                 "shard whose sum it receives.\nHINT: add shard_optimizer=True, or drop "
                 "reduce_scatter."
-            )
-        if not isinstance(self._compression, NoneCompressor):
-            raise ConfigError(
-                f"reduce_scatter=True cannot use compression={self._compression_arg!r}: it "
-                "reduce-scatters full-precision buckets.\nHINT: compression='none', or drop "
-                "reduce_scatter (fp16 already halves the allreduce's bytes)."
-            )
-        if self._hierarchical == "on":
-            raise ConfigError(
-                "reduce_scatter=True does not combine with hierarchical='on': the ring runs "
-                "over every rank of the set.\nHINT: hierarchical='off' (or 'auto')."
-            )
-        if any(p.device.type != "cpu" for p in self._params):
-            raise ConfigError(
-                "reduce_scatter=True works on CPU parameters only for now (the ring's buffers "
-                "are host memory).\nHINT: drop reduce_scatter for a model on the GPU; the "
-                "sharded step then allreduces."
-            )
-        engine = self._comm.optional_group("engine")
-        if isinstance(engine, RingProcessGroup):
-            # Its one worker runs a posted receive before the send posted after it: the ring's
-            # paired send and receive would wait for each other.
-            raise ConfigError(
-                f"reduce_scatter=True needs Gloo (or NCCL) engine groups, but this job's are "
-                f"{engine.getBackendName()!r} (secure mode, or transport='tcp').\nHINT: drop "
-                "reduce_scatter here; the sharded step then allreduces."
             )
 
     def rejoin(self) -> None:
@@ -471,6 +438,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def plan(self) -> Plan | None:
         """The agreed bucket plan; None until the first step."""
         return self._plan
+
+    @property
+    def _parameter_names(self) -> dict[torch.nn.Parameter, str]:
+        """Parameter -> name, as Horovod's optimizer keeps it (scripts read it): the names of
+        ``named_parameters``, else ``allreduce.noname.<group>.<position>``."""
+        return dict(zip(self._params, self._names))
 
     @property
     def compression(self) -> Any:
@@ -626,9 +599,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ---- communication -----------------------------------------------------------------------
 
-    def _scaling(self) -> Scaling:
+    def _scaling(self) -> Averaging:
         k = self.backward_passes_per_step if self._average_aggregated else 1
-        return Scaling(self._op == "Average", self._size, self._predivide, 1.0 / k)
+        return Averaging(self._op == "Average", self._size, self._predivide, 1.0 / k)
 
     def _make_plan(self) -> None:
         """The learning step's end: agree on a plan with every rank, build its buffers."""
@@ -736,10 +709,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._compressor(),
             self._scaling(),
             scatter=self._scatter and self.shards_state,
+            scatter_groups=self._scatter_groups(),
         )
         self._exchange.measure = self._tuner is not None and self._tuner.active
         if self._launch_order is not None:
             self._exchange.set_launch_order(self._launch_order)
+
+    def _scatter_groups(self) -> list[Any] | None:
+        """Where CUDA buckets are reduce-scattered: the set's CUDA group (NCCL, or host memory
+        where NCCL cannot serve: see ``Communicator.group_for``). Collective the first time,
+        at a plan every rank builds alike. None: the lanes' groups."""
+        if not (self._scatter and self.shards_state):
+            return None
+        cuda = next((p for p in self._params if p.device.type == "cuda"), None)
+        return None if cuda is None else [self._comm.group_for(cuda.detach()[:0])]
 
     def _plan_overlap(self, busy_s: float) -> None:
         """The learning step's end, with overlap: agree on the link rate (the slowest rank's)
@@ -758,10 +741,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._overlap is not None:
             self._overlap.drain()
 
-    def _make_lanes(self) -> list[Lane]:
+    def _make_lanes(self) -> list[Route]:
         """The groups buckets travel on. Collective (it may make groups): called at the first
         plan, which every rank of the process set reaches alike."""
-        engine = [Lane(self._comm.group("engine"))]
+        engine = [Route(self._comm.group("engine"))]
         if not self._comm.is_world:
             if self._streams > 1 or self._hierarchical == "on":
                 log.info(
@@ -771,7 +754,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             return engine
         hosts = runtime_state.current().topology.hosts
-        hier = not self._scatter and prefer_hierarchical(hosts, self._hierarchical)
+        # reduce_scatter with hierarchical="auto" stays flat: the ring reduce-scatters, where the
+        # hierarchical allreduce would reduce whole buckets and take the shard after ("on").
+        flat = self._scatter and self._shard_mode and self._hierarchical == "auto"
+        hier = not flat and prefer_hierarchical(hosts, self._hierarchical)
         if hier and self._comm.set_rank == 0:
             log.info(
                 "ringtrain: hierarchical allreduce (hierarchical=%s): gradients are summed within "
@@ -788,7 +774,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Wait for every gradient's reduction; parameters that got no gradient on this rank
         take part with zeros, so every rank runs the same collectives."""
         self._synchronize()
-        if self._exchange is not None and self._scatter and self.shards_state:
+        if self._exchange is not None and self._exchange.scatters:
             self._exchange.gather_grads()  # whole gradients, as synchronize() promises
 
     def _synchronize(self, then: Callable[[int], None] | None = None) -> None:
@@ -909,14 +895,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._overlap_open = False
         if self._should_sync and not self._skip_sync:
             if self._synchronized:
-                warnings.warn(
-                    "optimizer.step() called after optimizer.synchronize() without "
-                    "optimizer.skip_synchronize(): the gradients are reduced again, which costs "
-                    "time (and with op=Sum multiplies them by the set size once more).\n"
-                    "HINT: optimizer.synchronize(); with optimizer.skip_synchronize(): "
-                    "optimizer.step()",
-                    stacklevel=2,
-                )
+                warnings.warn(_STEP_WITHOUT_SKIP, stacklevel=2)
             if self._step_open and not self._any_ready:
                 raise CollectiveArgumentError(
                     f"step() after {max(self._counts)} of {self.backward_passes_per_step} "
@@ -1056,6 +1035,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._open_step()  # decides, as synchronize() would, whether this step learns
         if self._learning or self._exchange is None or self._plan is None:
             return False
+        if self._tuner is not None and self._tuner.active:
+            return False  # compression="auto" times whole steps: it measures without overlap
         if self._plan.sparse:
             raise ConfigError(
                 "overlap=True needs dense gradients, but "

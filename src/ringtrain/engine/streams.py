@@ -1,6 +1,6 @@
 """Lanes: the process groups (and hierarchical allreduces) that gradient buckets travel on.
 
-A :class:`Lane` is one Gloo group, plus a :class:`~ringtrain.algorithms.hierarchical.
+A :class:`Route` is one Gloo group, plus a :class:`~ringtrain.algorithms.hierarchical.
 HierarchicalAllreduce` when buckets go hierarchically. Bucket ``i`` of a plan travels on lane
 ``i % lanes``: a deterministic round robin, so every rank issues the same collectives on the same
 group in the same order, and consecutive buckets are in flight at once on separate connections
@@ -33,7 +33,7 @@ SERVICE = "engine_lanes"
 
 
 @dataclass(frozen=True)
-class Lane:
+class Route:
     """Where a bucket travels: a process group, and optionally a hierarchical allreduce."""
 
     group: Any
@@ -78,7 +78,7 @@ class LanePool:
             use_local_synchronization=False,
         )
 
-    def lanes(self, count: int, hosts: Sequence[Hashable] | None = None) -> list[Lane]:
+    def lanes(self, count: int, hosts: Sequence[Hashable] | None = None) -> list[Route]:
         """``count`` lanes, hierarchical over ``hosts`` (host of every world rank) if given.
 
         Collective whenever it has to make groups: every rank must ask for the same, in the same
@@ -86,7 +86,7 @@ class LanePool:
         while len(self._groups) < count:
             self._groups.append(self._new_group())
         if hosts is None:
-            return [Lane(g) for g in self._groups[:count]]
+            return [Route(g) for g in self._groups[:count]]
         hosts = tuple(hosts)
         if self._hosts is not None and self._hosts != hosts:
             raise InternalError(f"the placement changed from {self._hosts} to {hosts}")
@@ -95,7 +95,7 @@ class LanePool:
             self._hierarchical.append(
                 HierarchicalAllreduce(hosts, backend=self._backend, timeout=self._timeout)
             )
-        return [Lane(g, h) for g, h in zip(self._groups[:count], self._hierarchical)]
+        return [Route(g, h) for g, h in zip(self._groups[:count], self._hierarchical)]
 
     def close(self) -> None:
         for h in self._hierarchical:

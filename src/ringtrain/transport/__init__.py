@@ -1,0 +1,30 @@
+"""Transport: the one interface the engine moves a bucket's bytes through.
+
+Every process group the engine uses (Gloo, NCCL, the sealed group ``ringtrain_sealed``, the tcp
+group ``ringtrain_tcp``) is wrapped in a :class:`Transport` by :func:`of`, and the code above it
+never asks which. A transport offers the three in-place operations a gradient reduction is
+written with, each returning a :class:`Handle`:
+
+* ``allreduce(t)``: ``t`` becomes the sum over the group;
+* ``reduce_scatter(chunks)``: rank r's ``chunks[r]`` becomes the sum of every rank's
+  ``chunks[r]`` (the others hold partial sums afterwards);
+* ``allgather(chunks)``: every rank's ``chunks[i]`` becomes rank i's ``chunks[i]``.
+
+Chunk sizes may differ (alike on every rank). Sums follow a fixed order (the ring's, fixed by
+rank), never timing, so every rank ends with the same bits.
+
+Why a ring needs more than a process group: its every step is a *paired* send and receive that
+must be in flight at once. Gloo's point-to-point calls are asynchronous, so a Gloo group gets
+:class:`~ringtrain.algorithms.sealed.Link`'s ring over it, run on a worker thread per group.
+The sealed and tcp groups run one operation at a time on their own worker thread, which would run
+a posted receive before its paired send: there the whole ring runs as *one* operation of the
+group, on the group's own link (sealed, or plain over the tcp mesh), whose transport posts both
+at once. NCCL has the collectives itself (``reduce_scatter_tensor``, ``all_gather_into_tensor``).
+"""
+
+from __future__ import annotations
+
+from ringtrain.transport.base import Handle, Transport, of
+from ringtrain.transport.workers import SharedWorkers, Worker
+
+__all__ = ["Handle", "SharedWorkers", "Transport", "Worker", "of"]

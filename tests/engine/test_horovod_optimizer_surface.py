@@ -1,0 +1,85 @@
+"""What Horovod scripts read off the optimizer (issue 27, b and c), at 2 and 4 ranks.
+
+* ``step()`` after ``synchronize()`` without ``skip_synchronize()`` warns once, in Horovod's
+  words (scripts filter on them), and reduces again, as Horovod's does; inside
+  ``skip_synchronize()`` it does not warn.
+* ``optimizer._parameter_names`` maps each parameter to its name.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ringtrain as rt
+from ringtrain.testing import spawn
+
+pytestmark = pytest.mark.timeout(600)
+
+HOROVOD_TEXT = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after "
+    "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
+    "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code."
+)
+
+
+def _surface() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    out: dict[str, Any] = {}
+    names = opt._parameter_names
+    out["names"] = {names[p]: n for n, p in model.named_parameters()}
+    unnamed = rt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    out["unnamed"] = [unnamed._parameter_names[p] for p in model.parameters()]
+    unnamed.remove_hooks()
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rt.rank()))
+    for skip in (False, True):
+        opt.zero_grad()
+        F.mse_loss(model(x), torch.zeros(5, 2)).backward()
+        opt.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if skip:
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
+        out[f"warnings_skip={skip}"] = [str(w.message) for w in caught]
+    # A script that filters on Horovod's words silences it.
+    opt.zero_grad()
+    F.mse_loss(model(x), torch.zeros(5, 2)).backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", message="optimizer.step\\(\\) called without")
+        opt.step()
+    out["filtered"] = len(caught)
+    opt.remove_hooks()
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_horovod_warning_and_parameter_names(size: int) -> None:
+    try:
+        results = spawn.world(size).run(_surface, timeout=300)
+    finally:
+        if size == 4:
+            spawn.close(4)  # a 4-rank world only this test uses
+    for out in results:
+        assert out["names"] == {
+            "0.weight": "0.weight",
+            "0.bias": "0.bias",
+            "1.weight": "1.weight",
+            "1.bias": "1.bias",
+        }
+        assert out["unnamed"] == [f"allreduce.noname.0.{j}" for j in range(4)]
+        assert out["warnings_skip=False"] == [HOROVOD_TEXT], out
+        assert out["warnings_skip=True"] == [], out
+        assert out["filtered"] == 0
