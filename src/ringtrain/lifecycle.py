@@ -79,7 +79,7 @@ def init(
 
 def _elastic_join() -> tuple[int, int, int] | None:
     """A rank an elastic launcher started on a new host joins the world announced for it."""
-    from ringtrain.elastic import membership  # the elastic package imports this module
+    from ringtrain.runtime import membership  # the elastic package imports this module
 
     if not membership.joining():
         return None

@@ -25,7 +25,8 @@ from typing import IO, Any
 
 import psutil
 
-from ringtrain.launch import cpu_limits, network, protocol
+from ringtrain.host import cpu_limits, network
+from ringtrain.launch import protocol
 from ringtrain.launch.tuning import ALLOCATORS, LIB_DIRS
 
 TAIL_LINES = 20

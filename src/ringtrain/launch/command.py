@@ -21,7 +21,7 @@ from ringtrain.launch.options import BIND_CHOICES, MALLOC_CHOICES, LaunchOptions
 from ringtrain.launch.plan import PLACEMENTS
 from ringtrain.launch.supervisor import Supervisor
 
-SMOKE_MODULE = "ringtrain.diagnostics.smoke"
+SMOKE_MODULE = "ringtrain.doctor.smoke"
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ launcher announces a new generation in the rendezvous store (the member list fir
 generation number) and the ranks re-form the world in the same processes
 (:mod:`ringtrain.elastic`). A rank started to join a running job (``JOIN_VAR``) first sets its
 ``ready_key`` and waits for a member list that holds it. The key names here are the contract
-with :mod:`ringtrain.elastic.membership`, which imports them.
+with :mod:`ringtrain.runtime.membership`, which imports them.
 """
 
 from __future__ import annotations

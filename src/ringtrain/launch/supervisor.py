@@ -35,7 +35,8 @@ from typing import IO, Any
 
 from ringtrain.config import horovod_settings, horovod_unused, to_env
 from ringtrain.errors import LaunchError
-from ringtrain.launch import discovery, elastic, network, protocol, rank_env, transport
+from ringtrain.host import network
+from ringtrain.launch import discovery, elastic, protocol, rank_env, transport
 from ringtrain.launch.hosts import Host
 from ringtrain.launch.options import LaunchOptions
 from ringtrain.launch.plan import ProcessSpec, describe, plan

@@ -5,7 +5,7 @@ so four ranks on eight cores run 32 busy threads. Giving each rank its own cores
 ``OMP_NUM_THREADS`` to their number removes that contention. All of this is pure: it takes the
 facts an agent reports about its host and returns what each rank should get.
 
-A cgroup CPU quota (:mod:`ringtrain.launch.cpu_limits`) caps the plan too. With a quota smaller
+A cgroup CPU quota (:mod:`ringtrain.host.cpu_limits`) caps the plan too. With a quota smaller
 than the cores in the affinity mask (a pod in Kubernetes' shared CPU pool), threads are sized by
 the quota, and ``auto`` binds nothing: the cores are shared with other pods, so pinning a rank to
 some of them only takes the scheduler's freedom to use idle ones.
@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ringtrain.errors import LaunchError
-from ringtrain.launch.cpu_limits import cpu_budget, is_shared_pool
+from ringtrain.host.cpu_limits import cpu_budget, is_shared_pool
 
 ALLOCATORS = {
     "jemalloc": ("libjemalloc.so.2", "libjemalloc.so"),

@@ -2,7 +2,7 @@
 
 Open MPI tells each rank its rank and size but not where rank 0 is. When no ``MASTER_ADDR`` is
 given and ranks span hosts, every rank gathers every host's interfaces over ``MPI_COMM_WORLD``
-(mpi4py) and applies the launcher's network rules (:func:`ringtrain.launch.network.choose`, or
+(mpi4py) and applies the launcher's network rules (:func:`ringtrain.host.network.choose`, or
 ``network_interface`` when set): a subnet every host shares and routes, never loopback, never a
 ``docker0`` that every host numbers alike. All ranks compute the same choice from the same
 gathered data; rank 0 then serves the store on its chosen address (port 0 unless one is given,
@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ringtrain.errors import LaunchEnvironmentError, LaunchError
-from ringtrain.launch import network
+from ringtrain.host import network
 from ringtrain.runtime.environment import Placement
 
 log = logging.getLogger("ringtrain")

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ringtrain.config import Config
 from ringtrain.errors import ConfigError, LaunchEnvironmentError, NotInitializedError
-from ringtrain.launch import cpu_limits
+from ringtrain.host import cpu_limits
 from ringtrain.launch.elastic import ID_VAR as ELASTIC_ID_VAR
 from ringtrain.runtime import communicator, environment, topology
 from ringtrain.runtime.environment import Placement
@@ -108,7 +108,7 @@ def start(
     """Join the job described by the environment. Idempotent while already initialized.
 
     ``elastic``: ``(rank, size, generation)`` of a world the launcher announced (see
-    :mod:`ringtrain.elastic.membership`); the store prefix then comes from the launcher's
+    :mod:`ringtrain.runtime.membership`); the store prefix then comes from the launcher's
     generation, so survivors agree on it whatever each one did before.
     """
     global _runtime, _generation

@@ -1,7 +1,7 @@
-"""The doctor's per-host probe: ``python -m ringtrain.diagnostics.probe COMMAND``.
+"""The doctor's per-host probe: ``python -m ringtrain.doctor.probe COMMAND``.
 
 Run by ``ringtrain doctor`` on every host, locally or over ssh with the launcher's transport.
-Each command prints its results as marked JSON lines (:mod:`ringtrain.diagnostics.doctor.wire`):
+Each command prints its results as marked JSON lines (:mod:`ringtrain.doctor.wire`):
 
     facts       torch and its backends, cores, hyper-threading, NUMA, allocator, OMP/MKL
                 settings, interfaces. torch is imported here, never in the doctor itself, and
@@ -27,8 +27,8 @@ from typing import Any
 import psutil
 
 import ringtrain
-from ringtrain.diagnostics.doctor import linktest
-from ringtrain.diagnostics.doctor.wire import emit, parse_sizes
+from ringtrain.doctor import linktest
+from ringtrain.doctor.wire import emit, parse_sizes
 
 # Thread settings worth showing: they decide how many threads each rank starts.
 THREAD_VARS = (
@@ -92,7 +92,8 @@ def _preloaded() -> list[str]:
 
 def facts() -> dict[str, Any]:
     """Everything the doctor shows about this host."""
-    from ringtrain.launch import agent, cpu_limits, network
+    from ringtrain.host import cpu_limits, network
+    from ringtrain.launch import agent
 
     base = agent.host_facts()
     siblings = cpu_limits.smt_siblings(base["cpus"])
@@ -213,7 +214,7 @@ def _watchdog(seconds: float) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ringtrain.diagnostics.probe", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m ringtrain.doctor.probe", description=__doc__)
     p.add_argument("--deadline", type=float, default=300.0, help="exit after this many seconds")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("facts")

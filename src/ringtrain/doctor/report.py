@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ringtrain.diagnostics.doctor.findings import mbit
+from ringtrain.doctor.findings import mbit
 
 
 def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
