@@ -14,12 +14,13 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ringtrain.algorithms.backends import Backends
 from ringtrain.collectives.controller import Controller
 from ringtrain.collectives.step_timing import StepTimer
 from ringtrain.config import Config
 from ringtrain.diagnostics import engine_wait, timeline
 from ringtrain.launch import elastic as elastic_launch
-from ringtrain.runtime import state
+from ringtrain.runtime import membership, state
 from ringtrain.runtime.process_sets import ProcessSet
 
 log = logging.getLogger("ringtrain")
@@ -52,7 +53,7 @@ def init(
         config = config.replace(**settings)
     if elastic is None and rank is None:
         elastic = _elastic_join()
-    rt = state.start(config, rank=rank, size=size, elastic=elastic)
+    rt = state.start(config, backends=Backends(), rank=rank, size=size, elastic=elastic)
     try:
         _attach_controller(state.global_process_set, config)
         if config.straggler_report_steps > 0 and rt.size > 1:
@@ -79,8 +80,6 @@ def init(
 
 def _elastic_join() -> tuple[int, int, int] | None:
     """A rank an elastic launcher started on a new host joins the world announced for it."""
-    from ringtrain.runtime import membership  # the elastic package imports this module
-
     if not membership.joining():
         return None
     world = membership.join()

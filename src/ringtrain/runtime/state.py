@@ -26,8 +26,8 @@ import torch.distributed as dist
 from ringtrain.config import Config
 from ringtrain.errors import ConfigError, LaunchEnvironmentError, NotInitializedError
 from ringtrain.host import cpu_limits
-from ringtrain.launch.elastic import ID_VAR as ELASTIC_ID_VAR
 from ringtrain.runtime import communicator, environment, topology
+from ringtrain.runtime.backends import GroupBackends
 from ringtrain.runtime.environment import Placement
 from ringtrain.runtime.process_sets import ProcessSet
 from ringtrain.runtime.topology import Topology
@@ -72,6 +72,7 @@ _lock = threading.RLock()
 _runtime: Runtime | None = None
 _generation = 0
 _stores: dict[tuple[str, int, bool], Any] = {}
+_backends: GroupBackends | None = None  # the running job's, to release at stop/abandon
 global_process_set = ProcessSet(None)
 
 
@@ -101,6 +102,7 @@ def start(
     config: Config | None = None,
     env: Mapping[str, str] | None = None,
     *,
+    backends: GroupBackends,
     rank: int | None = None,
     size: int | None = None,
     elastic: tuple[int, int, int] | None = None,
@@ -109,9 +111,10 @@ def start(
 
     ``elastic``: ``(rank, size, generation)`` of a world the launcher announced (see
     :mod:`ringtrain.runtime.membership`); the store prefix then comes from the launcher's
-    generation, so survivors agree on it whatever each one did before.
+    generation, so survivors agree on it whatever each one did before. ``backends``: the
+    process-group backends to choose from (``lifecycle`` passes ringtrain's own).
     """
-    global _runtime, _generation
+    global _runtime, _generation, _backends
     with _lock:
         if _runtime is not None:
             return _runtime
@@ -137,13 +140,10 @@ def start(
             # first group is created, and never override what the user set.
             os.environ["GLOO_SOCKET_IFNAME"] = interface
         store = dist.PrefixStore(prefix, _store(placement, config))
-        backend, transport = _backend(config, env, placement)
+        backend, transport = backends.choose(config, env, placement)
+        _backends = backends
         if config.secure:  # every group is sealed; ranks first prove they hold the job key
-            from ringtrain.algorithms import sealed_backend
-
-            store = sealed_backend.join(
-                store, config, env, placement.rank, placement.size, transport
-            )
+            store = backends.seal(store, config, env, placement, transport)
         try:
             dist.init_process_group(
                 backend,
@@ -218,14 +218,8 @@ def stop() -> None:
                 # and the group's destructor would wait on Gloo threads that need the GIL.
                 gc.collect()
                 dist.destroy_process_group()
-            if rt.config.secure:  # the next job brings its own key and store
-                from ringtrain.algorithms import sealed_backend
-
-                sealed_backend.deconfigure()
-            if rt.config.transport != "gloo":
-                from ringtrain.algorithms import tcp_backend
-
-                tcp_backend.deconfigure()
+            if _backends is not None:
+                _backends.release(rt.config)
 
 
 # Groups of abandoned worlds: destroying one with an op stuck in it blocks until that op's
@@ -284,14 +278,8 @@ def abandon() -> None:
             table.clear()
         c10d._unregister_all_process_groups()
         world.group_count = 0
-        if rt.config.secure:  # the next world authenticates anew, with the same job key
-            from ringtrain.algorithms import sealed_backend
-
-            sealed_backend.deconfigure(keep_key=True)
-        if rt.config.transport != "gloo":
-            from ringtrain.algorithms import tcp_backend
-
-            tcp_backend.deconfigure()
+        if _backends is not None:  # the next world authenticates anew, with the same job key
+            _backends.release(rt.config, keep_key=True)
 
 
 def add_process_set(ranks: Sequence[int] | ProcessSet) -> ProcessSet:
@@ -334,36 +322,6 @@ def remove_process_set(ps: ProcessSet) -> bool:
     ps.communicator.close()
     ps._unbind()
     return True
-
-
-def _backend(config: Config, env: Mapping[str, str], p: Placement) -> tuple[str, str]:
-    """The backend of every group, and what carries it ("gloo" or "tcp", see
-    :mod:`ringtrain.algorithms.tcp_backend`)."""
-    if config.transport == "gloo":
-        transport = "gloo"
-    else:
-        from ringtrain.algorithms import tcp_backend
-
-        transport = tcp_backend.choose(config.transport)
-        if (
-            transport == "gloo"
-            and config.secure
-            and config.transport == "auto"
-            and ELASTIC_ID_VAR in env
-        ):
-            # An elastic job leaks the sealed groups of the worlds it abandons, and their workers
-            # may still wait in a Gloo receive; one that returns while the interpreter exits
-            # aborts the process. The TCP mesh waits in Python instead (docs/elastic.md).
-            transport = "tcp"
-        if transport == "tcp":
-            interface = env.get("GLOO_SOCKET_IFNAME") or config.network_interface
-            tcp_backend.configure(tcp_backend.local_address(interface, p.rendezvous_addr))
-            log.debug("transport: ringtrain's TCP mesh (no Gloo devices)")
-    if config.secure:
-        from ringtrain.algorithms import sealed_backend
-
-        return sealed_backend.BACKEND, transport
-    return ("gloo" if transport == "gloo" else "ringtrain_tcp"), transport
 
 
 def _reconcile(p: Placement, rank: int | None, size: int | None) -> Placement:
