@@ -13,7 +13,8 @@ The import-linter contract in pyproject.toml holds this order; the README's "Lay
     runtime                            launch environments, default group, topology, process sets
     compression | security | launch    plain tensor code, crypto, ``ringtrain run`` (never torch)
     host                               facts about this host: interfaces, CPU limits
-    config                             Config and the RINGTRAIN_* table
+    config                             Config: every setting, with its RINGTRAIN_* twin
+    environ                            the one table of environment variables
     errors | compat                    the exception tree; torch release differences
 
 This facade sits beside the layers: it names the public API and imports nothing at run time.

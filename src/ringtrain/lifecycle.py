@@ -10,10 +10,10 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
+from ringtrain import environ
 from ringtrain.algorithms.backends import Backends
 from ringtrain.collectives.controller import Controller
 from ringtrain.collectives.step_timing import StepTimer
@@ -134,7 +134,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> str:
     rank = state.current().rank
     # Elastic jobs renumber ranks: a process's file is named by its first rank (its identity),
     # so it records the whole job in one file and never overwrites another process's.
-    rank = int(os.environ.get(elastic_launch.ID_VAR, rank))
+    rank = int(environ.current().get(elastic_launch.ID_VAR, rank))
     path = timeline.rank_path(file_path, rank)
     timeline.start(path, pid=rank)
     return path

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ringtrain.config import Config
+from ringtrain.environ import Torch
 from ringtrain.launch.elastic import ID_VAR as ELASTIC_ID_VAR
 from ringtrain.runtime.environment import Placement
 
@@ -42,7 +43,7 @@ class Backends:
                 # (docs/elastic.md).
                 transport = "tcp"
             if transport == "tcp":
-                interface = env.get("GLOO_SOCKET_IFNAME") or config.network_interface
+                interface = env.get(Torch.GLOO_SOCKET_IFNAME) or config.network_interface
                 address = tcp_backend.local_address(interface, placement.rendezvous_addr)
                 tcp_backend.configure(address)
                 log.debug("transport: ringtrain's TCP mesh (no Gloo devices)")

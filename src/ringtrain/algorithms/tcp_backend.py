@@ -29,7 +29,6 @@ import contextlib
 import datetime
 import errno
 import fcntl
-import os
 import socket
 import struct
 import threading
@@ -38,9 +37,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ringtrain import environ
 from ringtrain.algorithms.ring_group import RingProcessGroup
 from ringtrain.algorithms.sealed import Link, Plain
 from ringtrain.algorithms.tcp_mesh import Mesh
+from ringtrain.config import env_var
+from ringtrain.environ import Ringtrain, Torch
 from ringtrain.errors import ConfigError
 
 BACKEND = "ringtrain_tcp"
@@ -119,9 +121,9 @@ _SIOCGIFADDR = 0x8915
 def address_from_env(env: Mapping[str, str] | None = None) -> str:
     """The address for a group made outside ``ringtrain.init``'s choice (plain DDP, or a
     ``ringtrain_tcp`` group in a Gloo job, as ``ringtrain bench allreduce --tcp`` makes)."""
-    env = os.environ if env is None else env
-    interface = env.get("GLOO_SOCKET_IFNAME") or env.get("RINGTRAIN_NETWORK_INTERFACE", "")
-    rendezvous = env.get("MASTER_ADDR") or env.get("RINGTRAIN_RENDEZVOUS_ADDR", "")
+    env = environ.current() if env is None else env
+    interface = env.get(Torch.GLOO_SOCKET_IFNAME) or env.get(env_var("network_interface"), "")
+    rendezvous = env.get(Torch.MASTER_ADDR) or env.get(Ringtrain.RENDEZVOUS_ADDR, "")
     return local_address(interface, rendezvous)
 
 

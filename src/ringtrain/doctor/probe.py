@@ -27,22 +27,12 @@ from typing import Any
 import psutil
 
 import ringtrain
+from ringtrain import environ
 from ringtrain.doctor import linktest
 from ringtrain.doctor.wire import emit, parse_sizes
 
 # Thread settings worth showing: they decide how many threads each rank starts.
-THREAD_VARS = (
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "OMP_PROC_BIND",
-    "OMP_PLACES",
-    "KMP_AFFINITY",
-    "KMP_BLOCKTIME",
-    "GOMP_CPU_AFFINITY",
-    "MALLOC_CONF",
-    "LD_PRELOAD",
-)
+THREAD_VARS = environ.THREAD_VARS
 _ALLOCATOR_LIB = re.compile(r"lib(jemalloc|tcmalloc(?:_minimal)?|mimalloc)[^/\s]*\.so")
 
 
@@ -92,6 +82,7 @@ def _preloaded() -> list[str]:
 
 def facts() -> dict[str, Any]:
     """Everything the doctor shows about this host."""
+    env = environ.current()
     from ringtrain.host import cpu_limits, network
     from ringtrain.launch import agent
 
@@ -122,7 +113,7 @@ def facts() -> dict[str, Any]:
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "load": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else [],
         "allocator": {"available": base["allocators"], "preloaded": _preloaded()},
-        "threads_env": {k: os.environ[k] for k in THREAD_VARS if k in os.environ},
+        "threads_env": {k: env[k] for k in THREAD_VARS if k in env},
     }
     try:
         out["interfaces"] = [i.to_dict() for i in network.local_interfaces()]

@@ -39,6 +39,7 @@ from typing import Any, Union
 
 import psutil
 
+from ringtrain.environ import Torch, setting_var
 from ringtrain.errors import ConfigError, LaunchError
 
 # Interfaces of container and VM runtimes: host-local bridges, never the job's network.
@@ -453,9 +454,9 @@ def _only_named(
 def interface_env(name: str) -> dict[str, str]:
     """What a rank on a host needs to use interface ``name`` (ringtrain, Gloo and NCCL)."""
     return {
-        "RINGTRAIN_NETWORK_INTERFACE": name,
-        "GLOO_SOCKET_IFNAME": name,
-        "NCCL_SOCKET_IFNAME": name,
+        setting_var("network_interface"): name,
+        Torch.GLOO_SOCKET_IFNAME: name,
+        Torch.NCCL_SOCKET_IFNAME: name,
     }
 
 

@@ -8,13 +8,14 @@ onto :class:`ringtrain.config.Config` fields (``SETTING_FLAGS``), which reach ev
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ringtrain.config import LOG_LEVELS, Config, horovod_settings
+from ringtrain import environ
+from ringtrain.config import Config, env_var
+from ringtrain.environ import LOG_LEVELS, horovod_settings
 from ringtrain.errors import ConfigError
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
 from ringtrain.launch.options import BIND_CHOICES, MALLOC_CHOICES, LaunchOptions, SshOptions
@@ -348,8 +349,15 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         settings["secure"] = True
     if args.check_consistency is not None:
         settings["check_consistency"] = False
-    asked = ("RINGTRAIN_LOG_LEVEL", "HOROVOD_LOG_LEVEL")  # a level the job set wins over -v's
-    if args.verbose and "log_level" not in settings and not any(v in os.environ for v in asked):
+    asked = (
+        env_var("log_level"),
+        *environ.horovod_vars_of("log_level"),
+    )  # a level the job set wins over -v's
+    if (
+        args.verbose
+        and "log_level" not in settings
+        and not any(v in environ.current() for v in asked)
+    ):
         settings["log_level"] = "INFO"  # the ranks say how they tuned themselves, too
     return LaunchOptions(
         np=np,
@@ -394,7 +402,7 @@ def _interface_names(value: str | None) -> tuple[str, ...]:
 def main(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     # A bad HOROVOD_* value or setting fails here once, before any rank starts.
-    horovod_settings(os.environ)
+    horovod_settings(environ.current())
     Config.from_env({}, **options.settings)
     for line in not_needed(args):
         print(f"ringtrain run: {line}", file=sys.stderr)

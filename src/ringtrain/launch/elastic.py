@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-ID_VAR = "RINGTRAIN_ELASTIC_ID"
-TIMEOUT_VAR = "RINGTRAIN_ELASTIC_TIMEOUT"
-RESET_LIMIT_VAR = "RINGTRAIN_ELASTIC_RESET_LIMIT"
-JOIN_VAR = "RINGTRAIN_ELASTIC_JOIN"
+from ringtrain.environ import Ringtrain
+
+ID_VAR = Ringtrain.ELASTIC_ID
+TIMEOUT_VAR = Ringtrain.ELASTIC_TIMEOUT
+RESET_LIMIT_VAR = Ringtrain.ELASTIC_RESET_LIMIT
+JOIN_VAR = Ringtrain.ELASTIC_JOIN
 GENERATION_KEY = "ringtrain/elastic/generation"
 # Ranks wait this much longer than --elastic-timeout for a new world: the launcher, which ends
 # the job when its own timeout passes, must decide first (a rank that gave up would be taken

@@ -33,7 +33,9 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import IO, Any
 
-from ringtrain.config import horovod_settings, horovod_unused, to_env
+from ringtrain import environ
+from ringtrain.config import env_var, to_env
+from ringtrain.environ import horovod_settings, horovod_unused
 from ringtrain.errors import LaunchError
 from ringtrain.host import network
 from ringtrain.launch import discovery, elastic, protocol, rank_env, transport
@@ -127,7 +129,7 @@ class Supervisor:
         err: IO[str] | None = None,
     ) -> None:
         self.options = options
-        self.env = dict(os.environ if env is None else env)
+        self.env = dict(environ.current() if env is None else env)
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self._hosts = list(options.hosts)
@@ -349,7 +351,9 @@ class Supervisor:
         )
         ranks = []
         # The user's own GLOO_/NCCL_ interface variables win over what ringtrain chose.
-        net = {k: v for k, v in host_net.items() if k.startswith("RINGTRAIN_") or k not in self.env}
+        net = {
+            k: v for k, v in host_net.items() if k.startswith(environ.PREFIX) or k not in self.env
+        }
         for s, ident, t in zip(specs, identities, tunings):
             env = {**base, **self._run_env["settings"], **net, **t.env}
             env.update(rank_env.placement(s, self._run_env["rdzv"]))
@@ -390,7 +394,7 @@ class Supervisor:
         """The rendezvous address every host can reach, and per-host interface variables."""
         iface = str(
             self.options.settings.get("network_interface")
-            or self.env.get("RINGTRAIN_NETWORK_INTERFACE", "")
+            or self.env.get(env_var("network_interface"), "")
             or horovod_settings(self.env).get("network_interface", "")  # HOROVOD_GLOO_IFACE
         )
         if self._is_local():

@@ -23,7 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain import environ
 from ringtrain.config import Config
+from ringtrain.environ import Ringtrain, Threads, Torch
 from ringtrain.errors import ConfigError, LaunchEnvironmentError, NotInitializedError
 from ringtrain.host import cpu_limits
 from ringtrain.runtime import communicator, environment, topology
@@ -118,7 +120,7 @@ def start(
     with _lock:
         if _runtime is not None:
             return _runtime
-        env = os.environ if env is None else env
+        env = environ.current() if env is None else env
         config = config or Config.from_env(env)
         _configure_logging(config.log_level)
         placement = _reconcile(environment.detect(env), rank, size)
@@ -135,10 +137,10 @@ def start(
                 placement, rank=elastic[0], size=elastic[1], local_rank=None, local_size=None
             )
             prefix = f"ringtrain/elastic/gen{elastic[2]}"
-        if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+        if interface:
             # HACK: torch reads Gloo's interface only from this variable; set it before the
             # first group is created, and never override what the user set.
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
+            environ.setdefault(Torch.GLOO_SOCKET_IFNAME, interface)
         store = dist.PrefixStore(prefix, _store(placement, config))
         backend, transport = backends.choose(config, env, placement)
         _backends = backends
@@ -358,7 +360,7 @@ def _mpi_rendezvous(p: Placement, config: Config, env: Mapping[str, str]) -> tup
             _stores[(addr, store.port, True)] = store
             return int(store.port)
 
-        host = env.get("RINGTRAIN_HOSTNAME") or socket.gethostname()
+        host = env.get(Ringtrain.HOSTNAME) or socket.gethostname()
         _mpi_placed = mpi_rendezvous.exchange(p, host, config.network_interface, serve)
     return _mpi_placed
 
@@ -402,7 +404,7 @@ def fit_threads_to_quota(
     torch starts one thread per core of the affinity mask: in a shared CPU pool that is every
     core of the node, far more than the quota lets run. A user's OMP_NUM_THREADS is kept.
     """
-    if "OMP_NUM_THREADS" in env:
+    if Threads.OMP_NUM_THREADS in env:
         return None
     quota = cpu_limits.cpu_quota(root)
     if quota is None:
@@ -423,7 +425,7 @@ def fit_threads_to_quota(
 
 
 def _measure_topology(p: Placement, env: Mapping[str, str]) -> Topology:
-    host = env.get("RINGTRAIN_HOSTNAME") or socket.gethostname()
+    host = env.get(Ringtrain.HOSTNAME) or socket.gethostname()
     if p.size == 1:
         return topology.from_hosts([host])
     hosts: list[Any] = [None] * p.size
