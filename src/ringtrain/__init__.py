@@ -11,7 +11,8 @@ The import-linter contract in pyproject.toml holds this order; the README's "Lay
     collectives                        negotiated collectives, fusion, handles, autograd
     algorithms | diagnostics           process groups (hierarchical, sealed, TCP); job policies
     runtime                            launch environments, default group, topology, process sets
-    compression | security | launch    plain tensor code, crypto, ``ringtrain run`` (never torch)
+    compression | launch               plain tensor code; ``ringtrain run`` (never torch)
+    security                           job keys, sealing, authenticated rendezvous (no torch)
     host                               facts about this host: interfaces, CPU limits
     config                             Config: every setting, with its RINGTRAIN_* twin
     environ                            the one table of environment variables

@@ -32,6 +32,11 @@ from ringtrain.errors import ConfigError
 
 ENV_PREFIX = environ.PREFIX
 
+# ringtrain's own compressions, by the names ringtrain.compression registers them under (a test
+# holds the two equal). Listed here, torch-free, so that `ringtrain run --compression` is checked
+# before any rank starts; a script may register more and name them itself.
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk", "auto")
+
 
 @dataclass(frozen=True)
 class Config:

@@ -8,19 +8,21 @@ onto :class:`ringtrain.config.Config` fields (``SETTING_FLAGS``), which reach ev
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ringtrain import environ
-from ringtrain.config import Config, env_var
+from ringtrain.config import COMPRESSIONS, Config, env_var
 from ringtrain.environ import LOG_LEVELS, horovod_settings
 from ringtrain.errors import ConfigError
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
 from ringtrain.launch.options import BIND_CHOICES, MALLOC_CHOICES, LaunchOptions, SshOptions
 from ringtrain.launch.plan import PLACEMENTS
 from ringtrain.launch.supervisor import Supervisor
+from ringtrain.security import keys
 
 SMOKE_MODULE = "ringtrain.doctor.smoke"
 
@@ -388,6 +390,22 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     )
 
 
+def check_settings(config: Config, compression_given: bool = True) -> None:
+    """What the launcher can check of the ranks' settings before starting them: a compression
+    name, the key file (where this host has it). The interface is checked per host by the
+    supervisor, from what each host's agent reports."""
+    if compression_given and config.compression not in COMPRESSIONS:
+        raise ConfigError(
+            f"--compression {config.compression!r} is not one of ringtrain's compressions "
+            f"({', '.join(COMPRESSIONS)}).\n"
+            "HINT: a compression your script registers (ringtrain.compression.register) is "
+            "chosen in the script: DistributedOptimizer(compression=...)."
+        )
+    if config.secure and config.key_file and os.path.exists(config.key_file):
+        # Checked again by every rank on its own host; a file only remote hosts have is theirs.
+        keys.check_key_file(config.key_file)
+
+
 def _interface_names(value: str | None) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -403,7 +421,8 @@ def main(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     # A bad HOROVOD_* value or setting fails here once, before any rank starts.
     horovod_settings(environ.current())
-    Config.from_env({}, **options.settings)
+    config = Config.from_env({}, **options.settings)
+    check_settings(config, "compression" in options.settings)
     for line in not_needed(args):
         print(f"ringtrain run: {line}", file=sys.stderr)
     return Supervisor(options).run()

@@ -398,6 +398,9 @@ class Supervisor:
             or horovod_settings(self.env).get("network_interface", "")  # HOROVOD_GLOO_IFACE
         )
         if self._is_local():
+            if iface.strip() and not self._enclave_ready():
+                # Ranks would each fail in Gloo on a name this host lacks: say so once, now.
+                network.resolve_spec(iface, self._reported_interfaces())
             return "127.0.0.1", {}
         return network.plan_network(
             {lk.host.name: lk.hello.get("interfaces", []) for lk in self._links if lk.hello},
@@ -405,6 +408,13 @@ class Supervisor:
             secure=self._enclave_ready(),
             candidates=self.options.interface_candidates,
         )
+
+    def _reported_interfaces(self) -> dict[str, list[network.Interface]]:
+        return {
+            lk.host.name: [network.Interface.from_dict(i) for i in lk.hello.get("interfaces", [])]
+            for lk in self._links
+            if lk.hello
+        }
 
     def _supervise(self) -> None:
         while not all(lk.done or lk.lost for lk in self._links):

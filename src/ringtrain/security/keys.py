@@ -154,6 +154,12 @@ def _read_fd(raw_fd: str) -> bytes:
     return key
 
 
+def check_key_file(path: str) -> None:
+    """Raise :class:`SecurityError` unless ``path`` holds a job key only its owner can access
+    (what ``ringtrain run`` checks before starting ranks)."""
+    _read_file(path)
+
+
 def _read_file(path: str) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
