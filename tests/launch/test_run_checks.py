@@ -69,9 +69,19 @@ def test_a_key_file_without_a_key_is_refused(tmp_path: Path) -> None:
         command.check_settings(Config(secure=True, key_file=str(key)))
 
 
-def test_a_missing_interface_is_named_before_ranks_start(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        ((), "host localhost has no interface named 'nosuch0'; it has: "),
+        # secure mode: the agent looks the named interface up instead of enumerating (enclaves)
+        (("--secure",), "no interface of that name has an IPv4 address on localhost"),
+    ],
+)
+def test_a_missing_interface_is_named_before_ranks_start(
+    tmp_path: Path, flags: tuple[str, ...], says: str
+) -> None:
     """On one host: the launcher's own agent reports the interfaces; no Gloo traceback."""
-    argv = [PY, "-m", "ringtrain", "run", "-np", "2", "--network-interface", "nosuch0"]
+    argv = [PY, "-m", "ringtrain", "run", "-np", "2", *flags, "--network-interface", "nosuch0"]
     proc = subprocess.run(
         [*argv, *_marker_job(tmp_path)],
         capture_output=True,
@@ -80,6 +90,6 @@ def test_a_missing_interface_is_named_before_ranks_start(tmp_path: Path) -> None
         cwd=tmp_path,
     )
     assert proc.returncode != 0
-    assert "host localhost has no interface named 'nosuch0'; it has: " in proc.stderr
+    assert says in proc.stderr
     assert "Traceback" not in proc.stderr and "enforce fail" not in proc.stderr
     assert not (tmp_path / "started").exists()

@@ -397,10 +397,9 @@ class Supervisor:
             or self.env.get(env_var("network_interface"), "")
             or horovod_settings(self.env).get("network_interface", "")  # HOROVOD_GLOO_IFACE
         )
+        if iface.strip():
+            self._check_interface(iface)
         if self._is_local():
-            if iface.strip() and not self._enclave_ready():
-                # Ranks would each fail in Gloo on a name this host lacks: say so once, now.
-                network.resolve_spec(iface, self._reported_interfaces())
             return "127.0.0.1", {}
         return network.plan_network(
             {lk.host.name: lk.hello.get("interfaces", []) for lk in self._links if lk.hello},
@@ -408,6 +407,20 @@ class Supervisor:
             secure=self._enclave_ready(),
             candidates=self.options.interface_candidates,
         )
+
+    def _check_interface(self, iface: str) -> None:
+        """A ``--network-interface`` some host lacks fails here, once, from what the agents
+        reported, rather than in every rank's Gloo. Agents of enclave jobs look the named
+        interfaces up one by one (no enumeration): one they did not report has no IPv4 address
+        on that host."""
+        chosen = network.resolve_spec(iface, self._reported_interfaces())
+        missing = sorted(h for h, i in chosen.items() if not i.address)
+        if self._enclave_ready() and missing:
+            raise LaunchError(
+                f"--network-interface {iface!r}: no interface of that name has an IPv4 address "
+                f"on {', '.join(missing)}.\nHINT: check the name with `ip -4 addr` on each "
+                "host, or pass HOST=NAME for hosts whose interface is named differently."
+            )
 
     def _reported_interfaces(self) -> dict[str, list[network.Interface]]:
         return {
