@@ -68,7 +68,7 @@ def worker_ringtrain(folder: str) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     import ringtrain.torch as hvd
-    from ringtrain.elastic import membership
+    from ringtrain.runtime import membership
 
     net, x_tr, y_tr = _data()
     hvd.init()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ringtrain.config import Config, env_var, horovod_unused, to_env
+from ringtrain.config import Config, env_var, to_env
+from ringtrain.environ import horovod_unused
 from ringtrain.errors import ConfigError
 
 

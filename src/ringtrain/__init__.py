@@ -1,15 +1,24 @@
 """ringtrain: distributed data-parallel training for PyTorch.
 
-Layers, each importing only those below it:
+Layers, each importing only those below it (``|``: side by side, neither imports the other).
+The import-linter contract in pyproject.toml holds this order; the README's "Layout" says more.
 
-    ringtrain.torch, ringtrain (this facade)   public API; Horovod names in ringtrain.torch
-    lifecycle                                   init/shutdown: joins runtime and collectives
-    bench                                       benchmarks as functions that return results
-    engine                                      DistributedOptimizer: hooks, buckets, overlap
-    collectives                                 negotiated collectives, fusion, handles
-    runtime                                     launch environments, process groups, topology
-    compression / diagnostics / security        plain tensor code, pure policies, crypto
-    launch                                      `ringtrain run`: never imports torch
+    torch | cli                        Horovod's names (``import ringtrain.torch as hvd``); the command
+    bench | doctor | testing | deploy  what drives jobs: benchmarks, pre-flight checks, test harness
+    elastic                            Horovod's elastic API: state, commit/restore, the retry loop
+    lifecycle                          init/shutdown: the composition root (picks the backends)
+    engine                             DistributedOptimizer: hooks, buckets, overlap
+    collectives                        negotiated collectives, fusion, handles, autograd
+    algorithms | diagnostics           process groups (hierarchical, sealed, TCP); job policies
+    runtime                            launch environments, default group, topology, process sets
+    compression | launch               plain tensor code; ``ringtrain run`` (never torch)
+    security                           job keys, sealing, authenticated rendezvous (no torch)
+    host                               facts about this host: interfaces, CPU limits
+    config                             Config: every setting, with its RINGTRAIN_* twin
+    environ                            the one table of environment variables
+    errors | compat                    the exception tree; torch release differences
+
+This facade sits beside the layers: it names the public API and imports nothing at run time.
 
 The public names are loaded lazily on first use, so ``ringtrain run`` (which imports this package)
 starts fast and works on a host without torch. ``tests/test_exports.py`` pins this surface.

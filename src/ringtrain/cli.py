@@ -22,7 +22,7 @@ from ringtrain.errors import RingtrainError
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("ringtrain.launch.command", "start, supervise and clean up a job's ranks"),
     "bench": ("ringtrain.bench.command", "measure collectives and training throughput"),
-    "doctor": ("ringtrain.diagnostics.doctor.command", "pre-flight check of hosts and links"),
+    "doctor": ("ringtrain.doctor.command", "pre-flight check of hosts and links"),
     "k8s": (
         "ringtrain.deploy.command",
         "write Kubernetes manifests (PyTorchJob, MPIJob, TrainJob)",

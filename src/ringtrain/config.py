@@ -1,4 +1,4 @@
-"""One typed configuration object, and the one table that maps it onto ``RINGTRAIN_*`` variables.
+"""One typed configuration object, mapped onto ``RINGTRAIN_*`` variables.
 
 Precedence, everywhere: explicit argument > launcher-provided value (env set by ``ringtrain run``
 from its flags) > the user's own env var > default. The launcher turns flags into the same
@@ -12,60 +12,30 @@ Config field, which comes from ``RINGTRAIN_*`` (set by ``ringtrain run --fusion-
 Each field has exactly one variable twin: ``RINGTRAIN_`` + the field name in upper case.
 Unknown ``RINGTRAIN_*`` variables are rejected, so a typo is an error rather than a silent default.
 
-A Horovod job's variables work too: :data:`HOROVOD_VARS` (at the end) maps each ``HOROVOD_*`` knob
-that has a meaning here onto one field, in Horovod's unit, one level below ``RINGTRAIN_*`` (the
-twin wins when both are set); :data:`HOROVOD_UNUSED` lists the ones accepted without effect,
-which ``ringtrain run -v`` names (docs/horovod.md).
+A Horovod job's variables work too: the environment table (:mod:`ringtrain.environ`, where every
+variable is named) maps each ``HOROVOD_*`` knob that has a meaning here onto one field, in
+Horovod's unit, one level below ``RINGTRAIN_*`` (the twin wins when both are set), and lists the
+ones accepted without effect, which ``ringtrain run -v`` names (docs/horovod.md).
 This module imports nothing heavy: the launcher uses it too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ringtrain import environ
+from ringtrain.environ import LOG_LEVELS, PLACEMENT_VARS, horovod_settings
 from ringtrain.errors import ConfigError
 
-ENV_PREFIX = "RINGTRAIN_"
+ENV_PREFIX = environ.PREFIX
 
-# Python logging levels, and Horovod's two extra names for the nearest one.
-LOG_LEVELS = {
-    "TRACE": "DEBUG",
-    "DEBUG": "DEBUG",
-    "INFO": "INFO",
-    "WARNING": "WARNING",
-    "ERROR": "ERROR",
-    "FATAL": "CRITICAL",
-    "CRITICAL": "CRITICAL",
-}
-
-# Variables that describe *where* a process runs (set by the launcher per rank). They are read by
-# ringtrain.runtime.environment, not by Config, and are listed so they are not taken for typos.
-PLACEMENT_VARS = frozenset(
-    {
-        "RINGTRAIN_RANK",
-        "RINGTRAIN_SIZE",
-        "RINGTRAIN_LOCAL_RANK",
-        "RINGTRAIN_LOCAL_SIZE",
-        "RINGTRAIN_CROSS_RANK",
-        "RINGTRAIN_CROSS_SIZE",
-        "RINGTRAIN_HOSTNAME",
-        "RINGTRAIN_RENDEZVOUS_ADDR",
-        "RINGTRAIN_RENDEZVOUS_PORT",
-        "RINGTRAIN_RENDEZVOUS_HOSTED",
-        "RINGTRAIN_JOB_ID",
-        "RINGTRAIN_KEY_FD",
-        # elastic jobs: the rank's stable identity and the launcher's limits (launch/elastic.py)
-        "RINGTRAIN_ELASTIC_ID",
-        "RINGTRAIN_ELASTIC_TIMEOUT",
-        "RINGTRAIN_ELASTIC_RESET_LIMIT",
-        "RINGTRAIN_ELASTIC_JOIN",
-    }
-)
+# ringtrain's own compressions, by the names ringtrain.compression registers them under (a test
+# holds the two equal). Listed here, torch-free, so that `ringtrain run --compression` is checked
+# before any rank starts; a script may register more and name them itself.
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk", "auto")
 
 
 @dataclass(frozen=True)
@@ -218,7 +188,7 @@ class Config:
 
         Raises :class:`ConfigError` for unknown variables or keys and for unparsable values.
         """
-        env = os.environ if env is None else env
+        env = environ.current() if env is None else env
         known = {f.name: f for f in _public_fields()}
         # Horovod's variables first, so that a RINGTRAIN_* twin set as well wins.
         values: dict[str, Any] = horovod_settings(env)
@@ -251,7 +221,7 @@ def _public_fields() -> list[dataclasses.Field[Any]]:
 
 def env_var(name: str) -> str:
     """The environment variable twin of a Config field."""
-    return ENV_PREFIX + name.upper()
+    return environ.setting_var(name)
 
 
 def _parse(f: dataclasses.Field[Any], raw: str, var: str) -> Any:
@@ -304,154 +274,3 @@ def to_env(**settings: Any) -> dict[str, str]:
             continue
         out[env_var(name)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
     return out
-
-
-# ---- Horovod's variables ------------------------------------------------------------------------
-# A job whose environment was written for Horovod is configured the same way: each HOROVOD_* knob
-# with a meaning here maps onto one Config field, in Horovod's unit. A RINGTRAIN_* twin set too
-# wins (see from_env). Horovod parses with strtol/strtod and reads garbage as 0; we reject it.
-
-
-def _hvd_number(kind: type, unit: str, positive: bool = False) -> Callable[[str], Any]:
-    def parse(raw: str) -> Any:
-        value = kind(raw.strip())
-        if value < 0 or (positive and value == 0):
-            raise ValueError(raw)
-        return value
-
-    what = "an integer" if kind is int else "a number"
-    parse.__doc__ = f"{what} of {unit}, {'> 0' if positive else '>= 0'}"
-    return parse
-
-
-def _hvd_bool(raw: str) -> bool:
-    """0 or 1 (Horovod's own spelling; true/false/yes/no/on/off read too)."""
-    low = raw.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(raw)
-
-
-def _hvd_onoff(raw: str) -> str:
-    """0 or 1"""
-    return "on" if _hvd_bool(raw) else "off"
-
-
-def _hvd_level(raw: str) -> str:
-    """one of TRACE, DEBUG, INFO, WARNING, ERROR, FATAL"""
-    if raw.strip().upper() not in LOG_LEVELS:
-        raise ValueError(raw)
-    return LOG_LEVELS[raw.strip().upper()]
-
-
-def _hvd_timeline(raw: str) -> str:
-    """a file name, or DYNAMIC (no file at init; hvd.start_timeline() starts one)"""
-    return "" if raw.strip().upper() == "DYNAMIC" else raw
-
-
-def _hvd_stall_disable(raw: str) -> float | None:
-    """0 or 1"""
-    return 0.0 if _hvd_bool(raw) else None  # 0 turns the inspector off; "0" changes nothing
-
-
-@dataclass(frozen=True)
-class HorovodVar:
-    field: str
-    parse: Callable[[str], Any]  # raises ValueError; None means "no change"
-
-
-# The one table of Horovod variables that carry a meaning here. Order matters only where two
-# feed one field: HOROVOD_STALL_CHECK_DISABLE=1 beats HOROVOD_STALL_CHECK_TIME_SECONDS.
-HOROVOD_VARS: dict[str, HorovodVar] = {
-    "HOROVOD_FUSION_THRESHOLD": HorovodVar("fusion_threshold_bytes", _hvd_number(int, "bytes")),
-    "HOROVOD_CYCLE_TIME": HorovodVar(
-        "cycle_time_ms", _hvd_number(float, "milliseconds", positive=True)
-    ),
-    "HOROVOD_CACHE_CAPACITY": HorovodVar("cache_capacity", _hvd_number(int, "requests")),
-    "HOROVOD_TIMELINE": HorovodVar("timeline_filename", _hvd_timeline),
-    "HOROVOD_HIERARCHICAL_ALLREDUCE": HorovodVar("hierarchical", _hvd_onoff),
-    "HOROVOD_STALL_CHECK_TIME_SECONDS": HorovodVar("stall_warning_s", _hvd_number(int, "seconds")),
-    "HOROVOD_STALL_CHECK_DISABLE": HorovodVar("stall_warning_s", _hvd_stall_disable),
-    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": HorovodVar(
-        "stall_shutdown_s", _hvd_number(int, "seconds")
-    ),
-    "HOROVOD_GLOO_IFACE": HorovodVar("network_interface", str.strip),
-    "HOROVOD_LOG_LEVEL": HorovodVar("log_level", _hvd_level),
-}
-
-# Horovod variables accepted without a meaning here, and why (``ringtrain run -v`` lists the
-# ones set). Patterns are globs.
-HOROVOD_UNUSED: dict[str, str] = {
-    "HOROVOD_MPI_THREADS_DISABLE": "no MPI inside ringtrain",
-    "HOROVOD_GLOO_TIMEOUT_SECONDS": "rendezvous waits are bounded by --start-timeout/timeout_s",
-    "HOROVOD_HIERARCHICAL_ALLGATHER": "allgather is always flat",
-    "HOROVOD_AUTOTUNE*": "no autotuner; compression='auto' measures and picks",
-    "HOROVOD_TIMELINE_MARK_CYCLES": "the timeline has no cycle marks",
-    "HOROVOD_LOG_HIDE_TIME": "Python logging formats ringtrain's log",
-    "HOROVOD_NUM_NCCL_STREAMS": "NCCL knob; engine_streams sets concurrent buckets",
-    "HOROVOD_GPU_*": "GPU operations are chosen by torch.distributed",
-    "HOROVOD_NCCL_*": "NCCL knob",
-    "HOROVOD_CCL_*": "no oneCCL",
-    "HOROVOD_MLSL_*": "no MLSL",
-    "HOROVOD_ADASUM_*": "no Adasum",
-    "HOROVOD_THREAD_AFFINITY": "ranks are pinned by ringtrain run --bind-to",
-    "HOROVOD_BATCH_D2D_MEMCOPIES": "GPU-only",
-    "HOROVOD_ENABLE_ASYNC_COMPLETION": "GPU-only",
-    "HOROVOD_DISABLE_GROUP_FUSION": "grouped collectives are fused like any others",
-    "HOROVOD_ELASTIC*": "use ringtrain run --elastic-timeout / --min-np (docs/elastic.md)",
-    "HOROVOD_START_TIMEOUT": "use ringtrain run --start-timeout",
-    "NCCL_*": "read by NCCL only: no effect on Gloo (CPU) jobs",
-}
-
-# Set by a launcher (ringtrain run writes these itself) and read as placement, not settings.
-HOROVOD_PLACEMENT = (
-    "HOROVOD_RANK",
-    "HOROVOD_SIZE",
-    "HOROVOD_LOCAL_RANK",
-    "HOROVOD_LOCAL_SIZE",
-    "HOROVOD_CROSS_RANK",
-    "HOROVOD_CROSS_SIZE",
-    "HOROVOD_HOSTNAME",
-    "HOROVOD_GLOO_*",
-    "HOROVOD_CONTROLLER",
-    "HOROVOD_CPU_OPERATIONS",
-)
-
-
-def horovod_settings(env: Mapping[str, str]) -> dict[str, Any]:
-    """Config values that ``env``'s Horovod variables ask for (Horovod's units converted)."""
-    out: dict[str, Any] = {}
-    for var, hv in HOROVOD_VARS.items():
-        raw = env.get(var)
-        if raw is None:
-            continue
-        try:
-            value = hv.parse(raw)
-        except ValueError:
-            raise ConfigError(
-                f"{var}={raw!r} is not valid: expected {hv.parse.__doc__}.\n"
-                f"HINT: it sets ringtrain's {hv.field} (also {env_var(hv.field)})."
-            ) from None
-        if value is not None:
-            out[hv.field] = value
-    return out
-
-
-def horovod_unused(env: Mapping[str, str]) -> list[tuple[str, str]]:
-    """``(variable, why)`` for every set Horovod/NCCL variable that has no effect here."""
-    out = []
-    for var in sorted(env):
-        if var in HOROVOD_VARS or _matches(var, HOROVOD_PLACEMENT):
-            continue
-        why = next((w for p, w in HOROVOD_UNUSED.items() if fnmatch.fnmatchcase(var, p)), None)
-        if why is None and var.startswith("HOROVOD_"):
-            why = "not known to ringtrain"
-        if why is not None:
-            out.append((var, why))
-    return out
-
-
-def _matches(var: str, patterns: tuple[str, ...]) -> bool:
-    return any(fnmatch.fnmatchcase(var, p) for p in patterns)

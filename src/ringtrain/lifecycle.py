@@ -10,17 +10,18 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
+from ringtrain import environ
+from ringtrain.algorithms.backends import Backends
 from ringtrain.collectives import step_timing
 from ringtrain.collectives.controller import Controller
 from ringtrain.collectives.step_timing import StepTimer
 from ringtrain.config import Config
 from ringtrain.diagnostics import engine_wait, timeline, trainjob_status
 from ringtrain.launch import elastic as elastic_launch
-from ringtrain.runtime import state
+from ringtrain.runtime import membership, state
 from ringtrain.runtime.process_sets import ProcessSet
 
 log = logging.getLogger("ringtrain")
@@ -53,7 +54,7 @@ def init(
         config = config.replace(**settings)
     if elastic is None and rank is None:
         elastic = _elastic_join()
-    rt = state.start(config, rank=rank, size=size, elastic=elastic)
+    rt = state.start(config, backends=Backends(), rank=rank, size=size, elastic=elastic)
     try:
         _attach_controller(state.global_process_set, config)
         if config.straggler_report_steps > 0 and rt.size > 1:
@@ -83,8 +84,6 @@ def init(
 
 def _elastic_join() -> tuple[int, int, int] | None:
     """A rank an elastic launcher started on a new host joins the world announced for it."""
-    from ringtrain.elastic import membership  # the elastic package imports this module
-
     if not membership.joining():
         return None
     world = membership.join()
@@ -141,7 +140,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> str:
     rank = state.current().rank
     # Elastic jobs renumber ranks: a process's file is named by its first rank (its identity),
     # so it records the whole job in one file and never overwrites another process's.
-    rank = int(os.environ.get(elastic_launch.ID_VAR, rank))
+    rank = int(environ.current().get(elastic_launch.ID_VAR, rank))
     path = timeline.rank_path(file_path, rank)
     timeline.start(path, pid=rank)
     return path
@@ -198,7 +197,7 @@ def _attach_step_timer(rt: state.Runtime, every: int) -> None:
 
 def _start_trainjob_status() -> None:
     """Rank 0 posts progress to Kubeflow Trainer where it injected its status endpoint."""
-    endpoint = trainjob_status.Endpoint.from_env(os.environ)
+    endpoint = trainjob_status.Endpoint.from_env(environ.current())
     if endpoint is None:
         return
     reporter = trainjob_status.start(endpoint, _straggler_verdict)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ringtrain.launch import network
+from ringtrain.host import network
 from ringtrain.testing import cluster as tc
 from ringtrain.testing import netns
 from ringtrain.testing.cluster import DOCKER0, HostSpec
@@ -246,7 +246,7 @@ def test_command_line_up_status_down(cluster_tools: None) -> None:
 # ---- interface discovery on real namespaces --------------------------------------------------
 
 _DISCOVER = (
-    "import json; from ringtrain.launch.network import local_interfaces; "
+    "import json; from ringtrain.host.network import local_interfaces; "
     "print(json.dumps([i.to_dict() for i in local_interfaces()]))"
 )
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import ringtrain.torch as hvd
-from ringtrain.elastic import membership
+from ringtrain.runtime import membership
 
 N, B, EPOCHS, COMMIT_EVERY = 60, 2, 2, 2
 KILL_AT = int(os.environ.get("KILL_AT", "5"))

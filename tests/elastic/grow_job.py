@@ -35,7 +35,7 @@ if os.environ.get("RINGTRAIN_ELASTIC_JOIN") == "1" and os.environ.get("FAIL_HOST
 import torch  # after the early exit, which must not wait for torch
 
 import ringtrain.torch as hvd
-from ringtrain.elastic import membership
+from ringtrain.runtime import membership
 
 N, B, EPOCHS, COMMIT_EVERY = 60, 2, 2, 2
 HOLD_AT = int(os.environ.get("HOLD_AT", "-1"))

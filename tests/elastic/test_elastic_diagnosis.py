@@ -83,9 +83,9 @@ def test_logs_timeline_and_straggler_reports_carry_over(tmp_path: Path) -> None:
 
 
 def test_a_change_names_who_left_and_joined_and_why() -> None:
-    from ringtrain.elastic import membership
     from ringtrain.elastic.run import describe_change
     from ringtrain.errors import CollectiveAbortedError
+    from ringtrain.runtime import membership
 
     world = membership.World(2, (0, 2, 3))
     assert describe_change((0, 1, 2), world, None) == (

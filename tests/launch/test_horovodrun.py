@@ -16,10 +16,10 @@ import pytest
 
 from ringtrain import cli
 from ringtrain.errors import ConfigError, LaunchError
+from ringtrain.host.network import Interface, plan_network
 from ringtrain.launch import rank_env
 from ringtrain.launch.command import not_needed, options_from_args
 from ringtrain.launch.hosts import Host
-from ringtrain.launch.network import Interface, plan_network
 
 
 def _parse(*argv: str):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from ringtrain.errors import LaunchEnvironmentError
-from ringtrain.launch.network import Interface
+from ringtrain.host.network import Interface
 from ringtrain.runtime.environment import detect
 from ringtrain.runtime.mpi_rendezvous import exchange, mpi_tcp_exclude
 

@@ -1,16 +1,17 @@
-"""Which transport carries a job's groups (``runtime.state._backend``). A secure elastic job
-takes ringtrain's TCP mesh under ``transport=auto``: the sealed groups of a world it abandons
-are leaked, and a worker left waiting in a Gloo receive aborts the process if it returns while
-the interpreter exits (docs/elastic.md); the mesh waits in Python."""
+"""Which transport carries a job's groups (``algorithms.backends.Backends.choose``, which
+``lifecycle`` hands to the runtime). A secure elastic job takes ringtrain's TCP mesh under
+``transport=auto``: the sealed groups of a world it abandons are leaked, and a worker left
+waiting in a Gloo receive aborts the process if it returns while the interpreter exits
+(docs/elastic.md); the mesh waits in Python."""
 
 from __future__ import annotations
 
 import pytest
 
 from ringtrain.algorithms import tcp_backend
+from ringtrain.algorithms.backends import Backends
 from ringtrain.config import Config
 from ringtrain.launch.elastic import ID_VAR
-from ringtrain.runtime import state
 from ringtrain.runtime.environment import Placement
 
 PLACEMENT = Placement("test", 0, 2, "127.0.0.1", 29500)
@@ -31,8 +32,7 @@ def test_secure_elastic_jobs_take_the_tcp_mesh(
 ) -> None:
     env = {ID_VAR: "0"} if elastic else {}
     try:
-        assert state._backend(Config(secure=secure, transport=transport), env, PLACEMENT) == (
-            expected
-        )
+        config = Config(secure=secure, transport=transport)
+        assert Backends().choose(config, env, PLACEMENT) == expected
     finally:
         tcp_backend.deconfigure()

@@ -42,10 +42,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ringtrain import environ
 from ringtrain.algorithms import tcp_backend
 from ringtrain.algorithms.ring_group import NOTICE_POLL_S, RingProcessGroup, RingWork
 from ringtrain.algorithms.sealed import Link
+from ringtrain.environ import Ringtrain, Torch
 from ringtrain.errors import SecurityError
+from ringtrain.host import network
 from ringtrain.runtime import exit_guard
 from ringtrain.security import keys, rendezvous, sealing
 
@@ -141,11 +144,11 @@ def join(
     """
     global _kept_key
     key, _kept_key = _kept_key or keys.load_job_key(config, env), None
-    host = env.get("RINGTRAIN_HOSTNAME") or socket.gethostname()
-    job_id = env.get("RINGTRAIN_JOB_ID", "")
+    host = env.get(Ringtrain.HOSTNAME) or socket.gethostname()
+    job_id = env.get(Ringtrain.JOB_ID, "")
     rendezvous.authenticate(store, key, job_id, rank, size, host, config.timeout_s)
     job_store = dist.PrefixStore(rendezvous.job_prefix(key, job_id), store)
-    interface = env.get("GLOO_SOCKET_IFNAME") or config.network_interface
+    interface = env.get(Torch.GLOO_SOCKET_IFNAME) or config.network_interface
     configure(key, job_id, rank, host, job_store, interface, transport)
     return job_store
 
@@ -172,10 +175,10 @@ def _context_for(store: Any, rank: int) -> Context:
 
     config = Config.from_env()
     key = keys.load_job_key(config)
-    host = os.environ.get("RINGTRAIN_HOSTNAME") or socket.gethostname()
+    host = environ.current().get(Ringtrain.HOSTNAME) or socket.gethostname()
     transport = tcp_backend.choose(config.transport)
     return configure(
-        key, os.environ.get("RINGTRAIN_JOB_ID", ""), rank, host, store, transport=transport
+        key, environ.current().get(Ringtrain.JOB_ID, ""), rank, host, store, transport=transport
     )
 
 
@@ -249,7 +252,7 @@ def _inner(store: Any, rank: int, size: int, timeout: datetime.timedelta, ctx: C
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = timeout
     opts._devices = [
-        dist.ProcessGroupGloo.create_device(hostname=tcp_backend.address_of(name.strip()))
+        dist.ProcessGroupGloo.create_device(hostname=network.address_of(name.strip()))
         for name in ctx.interface.split(",")
         if name.strip()
     ]

@@ -29,7 +29,6 @@ import contextlib
 import datetime
 import errno
 import fcntl
-import os
 import socket
 import struct
 import threading
@@ -38,10 +37,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ringtrain import environ
 from ringtrain.algorithms.ring_group import RingProcessGroup
 from ringtrain.algorithms.sealed import Link, Plain
 from ringtrain.algorithms.tcp_mesh import Mesh
+from ringtrain.config import env_var
+from ringtrain.environ import Ringtrain, Torch
 from ringtrain.errors import ConfigError
+from ringtrain.host.network import local_address
 
 BACKEND = "ringtrain_tcp"
 TRANSPORTS = ("auto", "gloo", "tcp")
@@ -83,45 +86,12 @@ def choose(transport: str) -> str:
     return transport
 
 
-def local_address(interface: str, rendezvous_addr: str = "") -> str:
-    """This host's IPv4 address for the mesh, found without netlink (see the module doc)."""
-    names = [n.strip() for n in interface.split(",") if n.strip()]
-    if names:
-        return address_of(names[0])
-    if rendezvous_addr:
-        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((rendezvous_addr, 9))  # consults the routing table; sends nothing
-            return str(s.getsockname()[0])
-    return "127.0.0.1"
-
-
-def address_of(name: str) -> str:
-    """An interface's IPv4 address by ``SIOCGIFADDR`` (an address is returned as it is)."""
-    try:
-        socket.inet_aton(name)
-        return name
-    except OSError:
-        pass
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-        return socket.inet_ntoa(packed[20:24])
-    except OSError as e:
-        raise ConfigError(
-            f"network interface {name!r} has no IPv4 address here ({e.strerror}).\n"
-            "HINT: check RINGTRAIN_NETWORK_INTERFACE / GLOO_SOCKET_IFNAME on this host."
-        ) from e
-
-
-_SIOCGIFADDR = 0x8915
-
-
 def address_from_env(env: Mapping[str, str] | None = None) -> str:
     """The address for a group made outside ``ringtrain.init``'s choice (plain DDP, or a
     ``ringtrain_tcp`` group in a Gloo job, as ``ringtrain bench allreduce --tcp`` makes)."""
-    env = os.environ if env is None else env
-    interface = env.get("GLOO_SOCKET_IFNAME") or env.get("RINGTRAIN_NETWORK_INTERFACE", "")
-    rendezvous = env.get("MASTER_ADDR") or env.get("RINGTRAIN_RENDEZVOUS_ADDR", "")
+    env = environ.current() if env is None else env
+    interface = env.get(Torch.GLOO_SOCKET_IFNAME) or env.get(env_var("network_interface"), "")
+    rendezvous = env.get(Torch.MASTER_ADDR) or env.get(Ringtrain.RENDEZVOUS_ADDR, "")
     return local_address(interface, rendezvous)
 
 

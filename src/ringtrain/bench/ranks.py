@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
+from ringtrain import environ
+from ringtrain.environ import Ringtrain, Threads
 from ringtrain.errors import ConfigError, LaunchError
 from ringtrain.runtime import environment
 
@@ -33,7 +35,7 @@ R = TypeVar("R")
 
 def placement() -> environment.Placement:
     """This process's place as its launcher describes it; launcher 'single' when there is none."""
-    return environment.detect(os.environ)
+    return environment.detect(environ.current())
 
 
 def under_launcher() -> bool:
@@ -111,14 +113,14 @@ def _child(
     # if it is SIGKILLed.
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    os.environ.update(
+    environ.update(
         {
-            "RINGTRAIN_RANK": str(rank),
-            "RINGTRAIN_SIZE": str(size),
-            "RINGTRAIN_RENDEZVOUS_ADDR": "127.0.0.1",
-            "RINGTRAIN_RENDEZVOUS_PORT": str(port),
-            "RINGTRAIN_RENDEZVOUS_HOSTED": "1",
-            "OMP_NUM_THREADS": str(threads),
+            Ringtrain.RANK: str(rank),
+            Ringtrain.SIZE: str(size),
+            Ringtrain.RENDEZVOUS_ADDR: "127.0.0.1",
+            Ringtrain.RENDEZVOUS_PORT: str(port),
+            Ringtrain.RENDEZVOUS_HOSTED: "1",
+            Threads.OMP_NUM_THREADS: str(threads),
         }
     )
     try:

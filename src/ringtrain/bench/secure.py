@@ -37,10 +37,12 @@ import torch
 import torch.distributed as dist
 
 import ringtrain
+from ringtrain import environ
 from ringtrain.bench.allreduce import SizePoint
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import Summary, bus_bandwidth, load_average, machine_info
 from ringtrain.bench.timing import seconds_per_op
+from ringtrain.config import env_var
 from ringtrain.runtime import state
 from ringtrain.security import keys
 
@@ -83,7 +85,8 @@ class SecureResult:
 def spawned_key_file(params: SecureParams) -> Iterator[SecureParams]:
     """``params`` with a key for ranks spawned on this machine: a fresh job key in a private
     temporary file, removed afterwards. Unchanged when a key is already given (or launched)."""
-    if params.key_file or os.environ.get(keys.KEY_FD_VAR) or os.environ.get("RINGTRAIN_KEY_FILE"):
+    env = environ.current()
+    if params.key_file or env.get(keys.KEY_FD_VAR) or env.get(env_var("key_file")):
         yield params
         return
     with tempfile.TemporaryDirectory(prefix="ringtrain-bench-key-") as tmp:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ringtrain.collectives import ops
+from ringtrain.collectives import async_ops
 from ringtrain.collectives.reduce_ops import resolve_op
 from ringtrain.compression import resolve as resolve_compression
 from ringtrain.runtime.process_sets import ProcessSet
@@ -42,20 +42,22 @@ def _compressed(compression: Any, tensors: Sequence[torch.Tensor]) -> tuple[Any,
 
 
 def _set_size(ps: ProcessSet | None) -> int:
-    return ops.controller_of(ps).comm.size
+    return async_ops.controller_of(ps).comm.size
 
 
 def _own_rows(
     grads: Sequence[torch.Tensor], rows: Sequence[int], scalars: Sequence[bool], name: Any, ps: Any
 ) -> list[torch.Tensor]:
     """Horovod's allgather backward: average each gradient over the set, keep this rank's rows."""
-    averaged = ops.grouped_allreduce_async(
+    averaged = async_ops.grouped_allreduce_async(
         [g.contiguous() for g in grads], name=_grad_name(name), op="Average", process_set=ps
     )
     # Every rank's row counts, one gathered row per rank (the counts may differ per rank).
-    counts = ops.allgather_async(torch.tensor([list(rows)]), _grad_name(name, "rows"), ps)
-    averaged_grads = ops.synchronize(averaged)
-    starts = ops.synchronize(counts)[: ops.controller_of(ps).comm.set_rank].sum(0).tolist()
+    counts = async_ops.allgather_async(torch.tensor([list(rows)]), _grad_name(name, "rows"), ps)
+    averaged_grads = async_ops.synchronize(averaged)
+    starts = (
+        async_ops.synchronize(counts)[: async_ops.controller_of(ps).comm.set_rank].sum(0).tolist()
+    )
     out = []
     for g, start, n, scalar in zip(averaged_grads, starts, rows, scalars):
         mine = g[start : start + n]
@@ -72,13 +74,15 @@ class _Allreduce(torch.autograd.Function):
         ctx: Any, tensor: torch.Tensor, op: str, name: Any, pre: float, post: float, ps: Any
     ) -> torch.Tensor:
         ctx.args = (op, name, pre, post, ps)
-        return ops.synchronize(ops.allreduce_async(tensor, None, name, op, pre, post, ps))
+        return async_ops.synchronize(
+            async_ops.allreduce_async(tensor, None, name, op, pre, post, ps)
+        )
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         op, name, pre, post, ps = ctx.args
-        g = ops.synchronize(
-            ops.allreduce_async(grad.contiguous(), None, _grad_name(name), op, pre, post, ps)
+        g = async_ops.synchronize(
+            async_ops.allreduce_async(grad.contiguous(), None, _grad_name(name), op, pre, post, ps)
         )
         return g, None, None, None, None, None
 
@@ -106,16 +110,16 @@ class _GroupedAllreduce(torch.autograd.Function):
     ) -> Any:
         ctx.args = (op, name, pre, post, ps)
         return tuple(
-            ops.synchronize(
-                ops.grouped_allreduce_async(list(tensors), None, name, op, pre, post, ps)
+            async_ops.synchronize(
+                async_ops.grouped_allreduce_async(list(tensors), None, name, op, pre, post, ps)
             )
         )
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         op, name, pre, post, ps = ctx.args
-        g = ops.synchronize(
-            ops.grouped_allreduce_async(
+        g = async_ops.synchronize(
+            async_ops.grouped_allreduce_async(
                 [x.contiguous() for x in grads], None, _grad_name(name), op, pre, post, ps
             )
         )
@@ -147,7 +151,9 @@ class _Allgather(torch.autograd.Function):
         ctx.args = (name, ps)
         ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
         ctx.scalars = [t.dim() == 0 for t in tensors]
-        return tuple(ops.synchronize(ops.grouped_allgather_async(list(tensors), name, ps)))
+        return tuple(
+            async_ops.synchronize(async_ops.grouped_allgather_async(list(tensors), name, ps))
+        )
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
@@ -173,17 +179,17 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root: int, name: Any, ps: Any) -> torch.Tensor:
         ctx.args = (root, name, ps)
-        return ops.synchronize(ops.broadcast_async(tensor, root, name, ps))
+        return async_ops.synchronize(async_ops.broadcast_async(tensor, root, name, ps))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         root, name, ps = ctx.args
-        averaged = ops.synchronize(
-            ops.allreduce_async(
+        averaged = async_ops.synchronize(
+            async_ops.allreduce_async(
                 grad.contiguous(), name=_grad_name(name), op="Average", process_set=ps
             )
         )
-        if ops.controller_of(ps).comm.world_rank != root:  # a global rank, as in Horovod
+        if async_ops.controller_of(ps).comm.world_rank != root:  # a global rank, as in Horovod
             averaged = torch.zeros_like(averaged)
         return averaged, None, None, None
 
@@ -200,7 +206,7 @@ def _scattered_grads(grads: Sequence[torch.Tensor], ctx: Any) -> list[torch.Tens
     # Horovod's convention: Sum's gradient is n times the slices, Average's is the slices.
     scale = pre * post * (_set_size(ps) if op == "Sum" else 1)
     scaled = [g.contiguous() * scale if scale != 1.0 else g.contiguous() for g in grads]
-    return ops.synchronize(ops.grouped_allgather_async(scaled, _grad_name(name), ps))
+    return async_ops.synchronize(async_ops.grouped_allgather_async(scaled, _grad_name(name), ps))
 
 
 class _Reducescatter(torch.autograd.Function):
@@ -210,7 +216,9 @@ class _Reducescatter(torch.autograd.Function):
     ) -> Any:
         ctx.args = (name, op, ps, pre, post)
         return tuple(
-            ops.synchronize(ops.grouped_reducescatter_async(list(tensors), name, op, ps, pre, post))
+            async_ops.synchronize(
+                async_ops.grouped_reducescatter_async(list(tensors), name, op, ps, pre, post)
+            )
         )
 
     @staticmethod
@@ -251,7 +259,7 @@ def reducescatter(
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any, ps: Any) -> Any:
-        out, received = ops.synchronize(ops.alltoall_async(tensor, splits, name, ps))
+        out, received = async_ops.synchronize(async_ops.alltoall_async(tensor, splits, name, ps))
         ctx.args = (name, ps)
         # Without splits, ranks may still send different row counts (dim 0 / n each): the
         # gradient goes back along what each rank really received, never an even split.
@@ -264,8 +272,8 @@ class _Alltoall(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> Any:
         name, ps = ctx.args
-        g, _ = ops.synchronize(
-            ops.alltoall_async(grad.contiguous(), ctx.received, _grad_name(name), ps)
+        g, _ = async_ops.synchronize(
+            async_ops.alltoall_async(grad.contiguous(), ctx.received, _grad_name(name), ps)
         )
         return g, None, None, None
 

@@ -27,9 +27,10 @@ from __future__ import annotations
 import json
 import posixpath
 
-from ringtrain.config import PLACEMENT_VARS, Config, env_var
+from ringtrain.config import Config, env_var
 from ringtrain.deploy import sizing
 from ringtrain.deploy.spec import JobSpec
+from ringtrain.environ import PLACEMENT_VARS, Kubeflow, OpenMPI, Process, Ringtrain, Threads, Torch
 
 MANIFEST_NAME = "ringtrain"  # gramine-sgx ringtrain -> ringtrain.manifest.sgx
 TEMPLATE_FILE = f"{MANIFEST_NAME}.manifest.template"
@@ -39,37 +40,37 @@ TEMPLATE_FILE = f"{MANIFEST_NAME}.manifest.template"
 # per pod) and Open MPI (MPIJob). tests/deploy checks each target's placement survives this
 # filter.
 LAUNCHER_VARS = (
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "ROLE_NAME",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-    "TORCHELASTIC_ERROR_FILE",
-    "PET_MASTER_ADDR",
-    "PET_MASTER_PORT",
-    "PET_NNODES",
-    "PET_NPROC_PER_NODE",
-    "PET_NODE_RANK",
-    "OMPI_COMM_WORLD_RANK",
-    "OMPI_COMM_WORLD_SIZE",
-    "OMPI_COMM_WORLD_LOCAL_RANK",
-    "OMPI_COMM_WORLD_LOCAL_SIZE",
-    "OMPI_MCA_ess_base_jobid",
-    "OMP_NUM_THREADS",
-    "PYTHONUNBUFFERED",
+    Torch.MASTER_ADDR,
+    Torch.MASTER_PORT,
+    Torch.RANK,
+    Torch.WORLD_SIZE,
+    Torch.LOCAL_RANK,
+    Torch.LOCAL_WORLD_SIZE,
+    Torch.GROUP_RANK,
+    Torch.GROUP_WORLD_SIZE,
+    Torch.ROLE_RANK,
+    Torch.ROLE_WORLD_SIZE,
+    Torch.ROLE_NAME,
+    Torch.TORCHELASTIC_RUN_ID,
+    Torch.TORCHELASTIC_USE_AGENT_STORE,
+    Torch.TORCHELASTIC_RESTART_COUNT,
+    Torch.TORCHELASTIC_MAX_RESTARTS,
+    Torch.TORCHELASTIC_ERROR_FILE,
+    Kubeflow.MASTER_ADDR,
+    Kubeflow.MASTER_PORT,
+    Kubeflow.NNODES,
+    Kubeflow.NPROC_PER_NODE,
+    Kubeflow.NODE_RANK,
+    OpenMPI.RANK,
+    OpenMPI.SIZE,
+    OpenMPI.LOCAL_RANK,
+    OpenMPI.LOCAL_SIZE,
+    OpenMPI.JOB_ID,
+    Threads.OMP_NUM_THREADS,
+    Process.PYTHONUNBUFFERED,
 )
 # A key pipe cannot reach into an enclave; Kubernetes jobs use the key file.
-_NOT_PASSED = {"RINGTRAIN_KEY_FD"}
+_NOT_PASSED = {Ringtrain.KEY_FD}
 
 
 def passthrough_vars(spec: JobSpec) -> list[str]:

@@ -32,6 +32,7 @@ from typing import Any
 
 from ringtrain.deploy import gramine, sizing
 from ringtrain.deploy.spec import TARGETS, JobSpec
+from ringtrain.environ import Process, Threads, Torch
 from ringtrain.errors import ConfigError
 
 Manifest = dict[str, Any]
@@ -89,7 +90,7 @@ def _resources(spec: JobSpec, cpus: int, memory: str) -> dict[str, Any]:
 
 
 def _env(spec: JobSpec) -> list[dict[str, str]]:
-    env = {"OMP_NUM_THREADS": str(spec.threads_per_rank), "PYTHONUNBUFFERED": "1"}
+    env = {Threads.OMP_NUM_THREADS: str(spec.threads_per_rank), Process.PYTHONUNBUFFERED: "1"}
     env.update(spec.ringtrain_env(KEY_FILE))
     env.update(spec.env)
     return [{"name": k, "value": v} for k, v in env.items()]
@@ -206,17 +207,17 @@ def mpi_worker_host(spec: JobSpec, index: int) -> str:
 def mpirun_command(spec: JobSpec) -> list[str]:
     """The launcher's command: mpirun over the operator's hostfile, forwarding what ranks need."""
     forwarded = {
-        "MASTER_ADDR": mpi_worker_host(spec, 0),
-        "MASTER_PORT": str(spec.port),
-        "OMP_NUM_THREADS": str(spec.threads_per_rank),
-        "PYTHONUNBUFFERED": "1",
+        Torch.MASTER_ADDR: mpi_worker_host(spec, 0),
+        Torch.MASTER_PORT: str(spec.port),
+        Threads.OMP_NUM_THREADS: str(spec.threads_per_rank),
+        Process.PYTHONUNBUFFERED: "1",
         **spec.ringtrain_env(KEY_FILE),
         **spec.env,
     }
     argv = ["mpirun", "--allow-run-as-root", "-np", str(spec.world_size)]
     # Placement on cores is the CPU manager's (the pod's cpuset): mpirun binding inside a pod
     # would pin ranks of pods sharing a node to the same cores where the policy is not static.
-    argv += ["--map-by", "slot", "--bind-to", "none", "-x", "PATH"]
+    argv += ["--map-by", "slot", "--bind-to", "none", "-x", Process.PATH]
     for name, value in forwarded.items():
         argv += ["-x", f"{name}={value}"]
     return [*argv, *rank_command(spec)]

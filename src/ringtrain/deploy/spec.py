@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ringtrain.config import Config, to_env
+from ringtrain.environ import PREFIX, Threads
 from ringtrain.errors import ConfigError
 from ringtrain.launch.tuning import HostFacts, tune
 
@@ -119,7 +120,7 @@ class JobSpec:
         for name in self.env:
             if not _ENV_NAME.match(name):
                 raise ConfigError(f"env: {name!r} is not a valid environment variable name")
-            if name.startswith("RINGTRAIN_"):
+            if name.startswith(PREFIX):
                 raise ConfigError(
                     f"env: set {name} through `settings` (the Config field), so it is checked."
                 )
@@ -153,7 +154,7 @@ class JobSpec:
         # A Guaranteed pod: a cpuset of `cpus` cores and a CFS quota of as many CPUs.
         facts = HostFacts(self.name, tuple(range(self.cpus)), cpu_quota=float(self.cpus))
         plan = tune(facts, self.slots, bind_to="auto", malloc="system", user_env={})
-        return int(plan[0].env["OMP_NUM_THREADS"])
+        return int(plan[0].env[Threads.OMP_NUM_THREADS])
 
     def ringtrain_env(self, key_file: str) -> dict[str, str]:
         """The RINGTRAIN_* variables every rank gets (settings, secure mode, interface)."""

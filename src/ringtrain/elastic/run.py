@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from ringtrain import lifecycle
 from ringtrain.diagnostics import timeline
-from ringtrain.elastic import membership
 from ringtrain.elastic.state import State
 from ringtrain.engine import optimizer
 from ringtrain.errors import (
@@ -31,7 +30,7 @@ from ringtrain.errors import (
     HostsUpdatedInterrupt,
     LaunchError,
 )
-from ringtrain.runtime import abort
+from ringtrain.runtime import abort, membership
 from ringtrain.runtime import state as runtime
 
 log = logging.getLogger("ringtrain")

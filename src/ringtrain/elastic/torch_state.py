@@ -13,11 +13,11 @@ from typing import Any
 import torch
 
 from ringtrain.collectives.objects import allgather_object, broadcast_object
-from ringtrain.elastic import membership
 from ringtrain.elastic import state as base
 from ringtrain.elastic.sampler import ElasticSampler
 from ringtrain.engine.state_sync import broadcast_optimizer_state, broadcast_parameters
 from ringtrain.errors import ConfigError
+from ringtrain.runtime import membership
 from ringtrain.runtime import state as runtime
 
 

@@ -37,7 +37,7 @@ from ringtrain.compression import policy
 from ringtrain.compression.policy import AutoCompression, Decision, Measurement
 from ringtrain.compression.powersgd import make_layout
 from ringtrain.engine.buckets import Plan
-from ringtrain.launch import cpu_limits
+from ringtrain.host import cpu_limits
 
 log = logging.getLogger("ringtrain")
 

@@ -25,7 +25,10 @@ from typing import IO, Any
 
 import psutil
 
-from ringtrain.launch import cpu_limits, network, protocol
+from ringtrain import environ
+from ringtrain.environ import Ringtrain
+from ringtrain.host import cpu_limits, network
+from ringtrain.launch import protocol
 from ringtrain.launch.tuning import ALLOCATORS, LIB_DIRS
 
 TAIL_LINES = 20
@@ -100,7 +103,7 @@ class Agent:
 
     def _spawn(self, r: dict[str, Any], cwd: str | None, key: str | None) -> None:
         rank = int(r["rank"])
-        env = dict(os.environ)
+        env = dict(environ.current())
         env.update(r["env"])
         cpus = r.get("cpus")
         pass_fds: tuple[int, ...] = ()
@@ -108,7 +111,7 @@ class Agent:
         if key:
             # The job key reaches the rank through an inherited pipe, never argv or env.
             key_r, key_w = os.pipe()
-            env["RINGTRAIN_KEY_FD"] = str(key_r)
+            env[Ringtrain.KEY_FD] = str(key_r)
             pass_fds = (key_r,)
         self._tails[rank] = collections.deque(maxlen=TAIL_LINES)
         try:

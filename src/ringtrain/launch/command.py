@@ -14,14 +14,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ringtrain.config import LOG_LEVELS, Config, checkpoint_schedule, horovod_settings
+from ringtrain import environ
+from ringtrain.config import COMPRESSIONS, Config, checkpoint_schedule, env_var
+from ringtrain.environ import LOG_LEVELS, horovod_settings
 from ringtrain.errors import ConfigError
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
 from ringtrain.launch.options import BIND_CHOICES, MALLOC_CHOICES, LaunchOptions, SshOptions
 from ringtrain.launch.plan import PLACEMENTS
 from ringtrain.launch.supervisor import Supervisor
+from ringtrain.security import keys
 
-SMOKE_MODULE = "ringtrain.diagnostics.smoke"
+SMOKE_MODULE = "ringtrain.doctor.smoke"
 
 
 @dataclass(frozen=True)
@@ -371,8 +374,15 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         settings["secure"] = True
     if args.check_consistency is not None:
         settings["check_consistency"] = False
-    asked = ("RINGTRAIN_LOG_LEVEL", "HOROVOD_LOG_LEVEL")  # a level the job set wins over -v's
-    if args.verbose and "log_level" not in settings and not any(v in os.environ for v in asked):
+    asked = (
+        env_var("log_level"),
+        *environ.horovod_vars_of("log_level"),
+    )  # a level the job set wins over -v's
+    if (
+        args.verbose
+        and "log_level" not in settings
+        and not any(v in environ.current() for v in asked)
+    ):
         settings["log_level"] = "INFO"  # the ranks say how they tuned themselves, too
     return LaunchOptions(
         np=np,
@@ -403,6 +413,22 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     )
 
 
+def check_settings(config: Config, compression_given: bool = True) -> None:
+    """What the launcher can check of the ranks' settings before starting them: a compression
+    name, the key file (where this host has it). The interface is checked per host by the
+    supervisor, from what each host's agent reports."""
+    if compression_given and config.compression not in COMPRESSIONS:
+        raise ConfigError(
+            f"--compression {config.compression!r} is not one of ringtrain's compressions "
+            f"({', '.join(COMPRESSIONS)}).\n"
+            "HINT: a compression your script registers (ringtrain.compression.register) is "
+            "chosen in the script: DistributedOptimizer(compression=...)."
+        )
+    if config.secure and config.key_file and os.path.exists(config.key_file):
+        # Checked again by every rank on its own host; a file only remote hosts have is theirs.
+        keys.check_key_file(config.key_file)
+
+
 def _interface_names(value: str | None) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -417,8 +443,9 @@ def _interface_names(value: str | None) -> tuple[str, ...]:
 def main(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     # A bad HOROVOD_* value or setting fails here once, before any rank starts.
-    horovod_settings(os.environ)
-    Config.from_env({}, **options.settings)
+    horovod_settings(environ.current())
+    config = Config.from_env({}, **options.settings)
+    check_settings(config, "compression" in options.settings)
     for line in not_needed(args):
         print(f"ringtrain run: {line}", file=sys.stderr)
     return Supervisor(options).run()

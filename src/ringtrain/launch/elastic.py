@@ -7,7 +7,7 @@ launcher announces a new generation in the rendezvous store (the member list fir
 generation number) and the ranks re-form the world in the same processes
 (:mod:`ringtrain.elastic`). A rank started to join a running job (``JOIN_VAR``) first sets its
 ``ready_key`` and waits for a member list that holds it. The key names here are the contract
-with :mod:`ringtrain.elastic.membership`, which imports them.
+with :mod:`ringtrain.runtime.membership`, which imports them.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-ID_VAR = "RINGTRAIN_ELASTIC_ID"
-TIMEOUT_VAR = "RINGTRAIN_ELASTIC_TIMEOUT"
-RESET_LIMIT_VAR = "RINGTRAIN_ELASTIC_RESET_LIMIT"
-JOIN_VAR = "RINGTRAIN_ELASTIC_JOIN"
+from ringtrain.environ import Ringtrain
+
+ID_VAR = Ringtrain.ELASTIC_ID
+TIMEOUT_VAR = Ringtrain.ELASTIC_TIMEOUT
+RESET_LIMIT_VAR = Ringtrain.ELASTIC_RESET_LIMIT
+JOIN_VAR = Ringtrain.ELASTIC_JOIN
 GENERATION_KEY = "ringtrain/elastic/generation"
 # Ranks wait this much longer than --elastic-timeout for a new world: the launcher, which ends
 # the job when its own timeout passes, must decide first (a rank that gave up would be taken

@@ -13,32 +13,12 @@ import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ringtrain import environ
+from ringtrain.environ import Horovod, Process, Ringtrain
 from ringtrain.launch.plan import ProcessSpec
 
 # Forwarded to remote hosts by default (glob patterns). Everything else needs -x.
-FORWARDED = (
-    "PATH",
-    "PYTHONPATH",
-    "PYTHONHASHSEED",
-    "PYTHONWARNINGS",
-    "PYTHONUNBUFFERED",
-    "LD_LIBRARY_PATH",
-    "VIRTUAL_ENV",
-    "CONDA_PREFIX",
-    "LANG",
-    "LC_*",
-    "TZ",
-    "OMP_*",
-    "MKL_*",
-    "KMP_*",
-    "NCCL_*",
-    "GLOO_*",
-    "TORCH_*",
-    "CUDA_VISIBLE_DEVICES",
-    "HF_*",
-    "RINGTRAIN_*",
-    "HOROVOD_*",  # a Horovod job's knobs (ringtrain.config maps them); placement is rewritten
-)
+FORWARDED = environ.FORWARDED
 
 
 @dataclass(frozen=True)
@@ -70,29 +50,28 @@ def explicit(env: Mapping[str, str], extra: Sequence[str]) -> dict[str, str]:
 def placement(spec: ProcessSpec, rdzv: Rendezvous) -> dict[str, str]:
     """Placement and rendezvous variables of one rank, in both spellings."""
     numbers = {
-        "RANK": spec.rank,
-        "SIZE": spec.size,
-        "LOCAL_RANK": spec.local_rank,
-        "LOCAL_SIZE": spec.local_size,
-        "CROSS_RANK": spec.cross_rank,
-        "CROSS_SIZE": spec.cross_size,
+        (Ringtrain.RANK, Horovod.RANK): spec.rank,
+        (Ringtrain.SIZE, Horovod.SIZE): spec.size,
+        (Ringtrain.LOCAL_RANK, Horovod.LOCAL_RANK): spec.local_rank,
+        (Ringtrain.LOCAL_SIZE, Horovod.LOCAL_SIZE): spec.local_size,
+        (Ringtrain.CROSS_RANK, Horovod.CROSS_RANK): spec.cross_rank,
+        (Ringtrain.CROSS_SIZE, Horovod.CROSS_SIZE): spec.cross_size,
     }
-    env = {f"RINGTRAIN_{k}": str(v) for k, v in numbers.items()}
-    env.update({f"HOROVOD_{k}": str(v) for k, v in numbers.items()})
+    env = {var: str(v) for names, v in numbers.items() for var in names}
     env.update(
         {
-            "RINGTRAIN_HOSTNAME": spec.host,
-            "RINGTRAIN_RENDEZVOUS_ADDR": rdzv.addr,
-            "RINGTRAIN_RENDEZVOUS_PORT": str(rdzv.port),
-            "RINGTRAIN_RENDEZVOUS_HOSTED": "1",
-            "RINGTRAIN_JOB_ID": rdzv.job_id,
-            "HOROVOD_HOSTNAME": spec.host,
-            "HOROVOD_GLOO_RENDEZVOUS_ADDR": rdzv.addr,
-            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rdzv.port),
-            "HOROVOD_CONTROLLER": "gloo",
-            "HOROVOD_CPU_OPERATIONS": "gloo",
+            Ringtrain.HOSTNAME: spec.host,
+            Ringtrain.RENDEZVOUS_ADDR: rdzv.addr,
+            Ringtrain.RENDEZVOUS_PORT: str(rdzv.port),
+            Ringtrain.RENDEZVOUS_HOSTED: "1",
+            Ringtrain.JOB_ID: rdzv.job_id,
+            Horovod.HOSTNAME: spec.host,
+            Horovod.GLOO_RENDEZVOUS_ADDR: rdzv.addr,
+            Horovod.GLOO_RENDEZVOUS_PORT: str(rdzv.port),
+            Horovod.CONTROLLER: "gloo",
+            Horovod.CPU_OPERATIONS: "gloo",
             # Output arrives line by line, prefixed with the rank, instead of in late blocks.
-            "PYTHONUNBUFFERED": "1",
+            Process.PYTHONUNBUFFERED: "1",
         }
     )
     return env

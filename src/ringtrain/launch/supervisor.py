@@ -33,9 +33,12 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import IO, Any
 
-from ringtrain.config import horovod_settings, horovod_unused, to_env
+from ringtrain import environ
+from ringtrain.config import env_var, to_env
+from ringtrain.environ import horovod_settings, horovod_unused
 from ringtrain.errors import LaunchError
-from ringtrain.launch import discovery, elastic, network, protocol, rank_env, transport
+from ringtrain.host import network
+from ringtrain.launch import discovery, elastic, protocol, rank_env, transport
 from ringtrain.launch.hosts import Host
 from ringtrain.launch.options import LaunchOptions
 from ringtrain.launch.plan import ProcessSpec, describe, plan
@@ -126,7 +129,7 @@ class Supervisor:
         err: IO[str] | None = None,
     ) -> None:
         self.options = options
-        self.env = dict(os.environ if env is None else env)
+        self.env = dict(environ.current() if env is None else env)
         self.out = out or sys.stdout
         self.err = err or sys.stderr
         self._hosts = list(options.hosts)
@@ -348,7 +351,9 @@ class Supervisor:
         )
         ranks = []
         # The user's own GLOO_/NCCL_ interface variables win over what ringtrain chose.
-        net = {k: v for k, v in host_net.items() if k.startswith("RINGTRAIN_") or k not in self.env}
+        net = {
+            k: v for k, v in host_net.items() if k.startswith(environ.PREFIX) or k not in self.env
+        }
         for s, ident, t in zip(specs, identities, tunings):
             env = {**base, **self._run_env["settings"], **net, **t.env}
             env.update(rank_env.placement(s, self._run_env["rdzv"]))
@@ -389,9 +394,11 @@ class Supervisor:
         """The rendezvous address every host can reach, and per-host interface variables."""
         iface = str(
             self.options.settings.get("network_interface")
-            or self.env.get("RINGTRAIN_NETWORK_INTERFACE", "")
+            or self.env.get(env_var("network_interface"), "")
             or horovod_settings(self.env).get("network_interface", "")  # HOROVOD_GLOO_IFACE
         )
+        if iface.strip():
+            self._check_interface(iface)
         if self._is_local():
             return "127.0.0.1", {}
         return network.plan_network(
@@ -400,6 +407,27 @@ class Supervisor:
             secure=self._enclave_ready(),
             candidates=self.options.interface_candidates,
         )
+
+    def _check_interface(self, iface: str) -> None:
+        """A ``--network-interface`` some host lacks fails here, once, from what the agents
+        reported, rather than in every rank's Gloo. Agents of enclave jobs look the named
+        interfaces up one by one (no enumeration): one they did not report has no IPv4 address
+        on that host."""
+        chosen = network.resolve_spec(iface, self._reported_interfaces())
+        missing = sorted(h for h, i in chosen.items() if not i.address)
+        if self._enclave_ready() and missing:
+            raise LaunchError(
+                f"--network-interface {iface!r}: no interface of that name has an IPv4 address "
+                f"on {', '.join(missing)}.\nHINT: check the name with `ip -4 addr` on each "
+                "host, or pass HOST=NAME for hosts whose interface is named differently."
+            )
+
+    def _reported_interfaces(self) -> dict[str, list[network.Interface]]:
+        return {
+            lk.host.name: [network.Interface.from_dict(i) for i in lk.hello.get("interfaces", [])]
+            for lk in self._links
+            if lk.hello
+        }
 
     def _supervise(self) -> None:
         while not all(lk.done or lk.lost for lk in self._links):

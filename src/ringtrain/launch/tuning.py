@@ -5,7 +5,7 @@ so four ranks on eight cores run 32 busy threads. Giving each rank its own cores
 ``OMP_NUM_THREADS`` to their number removes that contention. All of this is pure: it takes the
 facts an agent reports about its host and returns what each rank should get.
 
-A cgroup CPU quota (:mod:`ringtrain.launch.cpu_limits`) caps the plan too. With a quota smaller
+A cgroup CPU quota (:mod:`ringtrain.host.cpu_limits`) caps the plan too. With a quota smaller
 than the cores in the affinity mask (a pod in Kubernetes' shared CPU pool), threads are sized by
 the quota, and ``auto`` binds nothing: the cores are shared with other pods, so pinning a rank to
 some of them only takes the scheduler's freedom to use idle ones.
@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ringtrain.environ import Process, Threads
 from ringtrain.errors import LaunchError
-from ringtrain.launch.cpu_limits import cpu_budget, is_shared_pool
+from ringtrain.host.cpu_limits import cpu_budget, is_shared_pool
 
 ALLOCATORS = {
     "jemalloc": ("libjemalloc.so.2", "libjemalloc.so"),
@@ -74,15 +75,15 @@ def tune(
         threads = max(1, len(mine) if mine is not None else len(cpus) // local_size)
         threads = max(1, min(threads, budget // local_size))  # the quota's share, if lower
         env: dict[str, str] = {}
-        if "OMP_NUM_THREADS" not in user_env:
-            env["OMP_NUM_THREADS"] = str(threads)
+        if Threads.OMP_NUM_THREADS not in user_env:
+            env[Threads.OMP_NUM_THREADS] = str(threads)
         if preload:
-            prior = user_env.get("LD_PRELOAD", "")
-            env["LD_PRELOAD"] = f"{preload}:{prior}" if prior else preload
+            prior = user_env.get(Process.LD_PRELOAD, "")
+            env[Process.LD_PRELOAD] = f"{preload}:{prior}" if prior else preload
         shown_cpus = _ranges(mine) if mine is not None else "any"
         summary = (
             f"bind={mode} cpus={shown_cpus} "
-            f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', user_env.get('OMP_NUM_THREADS'))} "
+            f"OMP_NUM_THREADS={env.get(Threads.OMP_NUM_THREADS, user_env.get(Threads.OMP_NUM_THREADS))} "
             f"malloc={malloc if preload else 'system'}"
             + (f" cpu-quota={facts.cpu_quota:g}" if facts.cpu_quota is not None else "")
         )

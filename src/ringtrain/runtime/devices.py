@@ -18,11 +18,13 @@ rank called ``set_device``. Jobs without CUDA tensors never exchange anything.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from ringtrain import environ
+from ringtrain.environ import Torch
 
 # A rank's device: (host, an id unique on that host).
 Device = tuple[str, str]
@@ -50,7 +52,7 @@ def identity(device: torch.device, host: str) -> Device:
     if uuid is not None:
         return host, f"GPU-{uuid}"
     index = device.index if device.index is not None else torch.cuda.current_device()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<all>")
+    visible = environ.current().get(Torch.CUDA_VISIBLE_DEVICES, "<all>")
     return host, f"cuda:{index} of CUDA_VISIBLE_DEVICES={visible}"
 
 

@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from ringtrain.environ import MPICH, Kubeflow, OpenMPI, Ringtrain, Slurm, Torch
 from ringtrain.errors import LaunchEnvironmentError
 
 DEFAULT_PORT = 29500
@@ -82,8 +83,8 @@ def _opt_int(env: Mapping[str, str], var: str) -> int | None:
 def _rendezvous(
     env: Mapping[str, str], launcher: str, default_port: int | None = None
 ) -> tuple[str, int]:
-    addr = env.get("RINGTRAIN_RENDEZVOUS_ADDR") or env.get("MASTER_ADDR")
-    port_raw = env.get("RINGTRAIN_RENDEZVOUS_PORT") or env.get("MASTER_PORT")
+    addr = env.get(Ringtrain.RENDEZVOUS_ADDR) or env.get(Torch.MASTER_ADDR)
+    port_raw = env.get(Ringtrain.RENDEZVOUS_PORT) or env.get(Torch.MASTER_PORT)
     if not addr:
         raise LaunchEnvironmentError(
             f"started by {launcher}, but no rendezvous address is set.\n"
@@ -109,14 +110,14 @@ def _ringtrain(env: Mapping[str, str]) -> Placement:
     addr, port = _rendezvous(env, "ringtrain run")
     return Placement(
         "ringtrain",
-        _int(env, "RINGTRAIN_RANK", "ringtrain run"),
-        _int(env, "RINGTRAIN_SIZE", "ringtrain run"),
+        _int(env, Ringtrain.RANK, "ringtrain run"),
+        _int(env, Ringtrain.SIZE, "ringtrain run"),
         addr,
         port,
-        store_hosted=env.get("RINGTRAIN_RENDEZVOUS_HOSTED", "0") == "1",
-        local_rank=_opt_int(env, "RINGTRAIN_LOCAL_RANK"),
-        local_size=_opt_int(env, "RINGTRAIN_LOCAL_SIZE"),
-        node=env.get("RINGTRAIN_HOSTNAME") or None,
+        store_hosted=env.get(Ringtrain.RENDEZVOUS_HOSTED, "0") == "1",
+        local_rank=_opt_int(env, Ringtrain.LOCAL_RANK),
+        local_size=_opt_int(env, Ringtrain.LOCAL_SIZE),
+        node=env.get(Ringtrain.HOSTNAME) or None,
     )
 
 
@@ -124,37 +125,37 @@ def _torchrun(env: Mapping[str, str]) -> Placement:
     addr, port = _rendezvous(env, "torchrun")
     return Placement(
         "torchrun",
-        _int(env, "RANK", "torchrun"),
-        _int(env, "WORLD_SIZE", "torchrun"),
+        _int(env, Torch.RANK, "torchrun"),
+        _int(env, Torch.WORLD_SIZE, "torchrun"),
         addr,
         port,
         # torchrun's agent serves the store when it says so; older versions leave it to rank 0.
-        store_hosted=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
-        local_rank=_opt_int(env, "LOCAL_RANK"),
-        local_size=_opt_int(env, "LOCAL_WORLD_SIZE"),
+        store_hosted=env.get(Torch.TORCHELASTIC_USE_AGENT_STORE, "").lower() == "true",
+        local_rank=_opt_int(env, Torch.LOCAL_RANK),
+        local_size=_opt_int(env, Torch.LOCAL_WORLD_SIZE),
         # torchrun numbers its agents (one per node); Ray Train and Lightning say NODE_RANK.
-        node=_node(env, "GROUP_RANK") or _node(env, "NODE_RANK"),
+        node=_node(env, Torch.GROUP_RANK) or _node(env, Torch.NODE_RANK),
     )
 
 
 def _openmpi(env: Mapping[str, str]) -> Placement:
-    rank = _int(env, "OMPI_COMM_WORLD_RANK", "Open MPI")
-    size = _int(env, "OMPI_COMM_WORLD_SIZE", "Open MPI")
-    local_rank = _opt_int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
-    local_size = _opt_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
+    rank = _int(env, OpenMPI.RANK, "Open MPI")
+    size = _int(env, OpenMPI.SIZE, "Open MPI")
+    local_rank = _opt_int(env, OpenMPI.LOCAL_RANK)
+    local_size = _opt_int(env, OpenMPI.LOCAL_SIZE)
     via = None
-    if env.get("RINGTRAIN_RENDEZVOUS_ADDR") or env.get("MASTER_ADDR"):
+    if env.get(Ringtrain.RENDEZVOUS_ADDR) or env.get(Torch.MASTER_ADDR):
         addr, port = _rendezvous(env, "Open MPI (mpirun)")
     elif local_size == size:
         # A plain `mpirun -np N` on one host: every rank derives the same loopback port from
         # the job id mpirun gave them, so nothing needs exporting.
         addr = "127.0.0.1"
-        port = _opt_int(env, "RINGTRAIN_RENDEZVOUS_PORT") or _opt_int(env, "MASTER_PORT") or 0
-        port = port or _job_port(env.get("OMPI_MCA_ess_base_jobid", ""))
+        port = _opt_int(env, Ringtrain.RENDEZVOUS_PORT) or _opt_int(env, Torch.MASTER_PORT) or 0
+        port = port or _job_port(env.get(OpenMPI.JOB_ID, ""))
     else:
         # Ranks on several hosts and no address given: rank 0's address travels through MPI.
         addr, via = "", "mpi"
-        port = _opt_int(env, "RINGTRAIN_RENDEZVOUS_PORT") or _opt_int(env, "MASTER_PORT") or 0
+        port = _opt_int(env, Ringtrain.RENDEZVOUS_PORT) or _opt_int(env, Torch.MASTER_PORT) or 0
     return Placement(
         "openmpi",
         rank,
@@ -176,42 +177,42 @@ def _pmi(env: Mapping[str, str]) -> Placement:
     addr, port = _rendezvous(env, "MPICH/Intel MPI (mpiexec)")
     return Placement(
         "mpich",
-        _int(env, "PMI_RANK", "MPICH/Intel MPI"),
-        _int(env, "PMI_SIZE", "MPICH/Intel MPI"),
+        _int(env, MPICH.RANK, "MPICH/Intel MPI"),
+        _int(env, MPICH.SIZE, "MPICH/Intel MPI"),
         addr,
         port,
-        local_rank=_opt_int(env, "MPI_LOCALRANKID"),
-        local_size=_opt_int(env, "MPI_LOCALNRANKS"),
+        local_rank=_opt_int(env, MPICH.LOCAL_RANK),
+        local_size=_opt_int(env, MPICH.LOCAL_SIZE),
     )
 
 
 def _slurm(env: Mapping[str, str]) -> Placement:
     nodelist = (
-        env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        env.get(Slurm.STEP_NODELIST) or env.get(Slurm.JOB_NODELIST) or env.get(Slurm.NODELIST)
     )
     fallback_addr = expand_nodelist(nodelist)[0] if nodelist else None
     merged = dict(env)
-    if fallback_addr and not (env.get("RINGTRAIN_RENDEZVOUS_ADDR") or env.get("MASTER_ADDR")):
-        merged["MASTER_ADDR"] = fallback_addr
+    if fallback_addr and not (env.get(Ringtrain.RENDEZVOUS_ADDR) or env.get(Torch.MASTER_ADDR)):
+        merged[Torch.MASTER_ADDR] = fallback_addr
     # Every task derives the same port from the job id, so no extra variable is needed.
-    job_id = env.get("SLURM_JOB_ID", "0")
+    job_id = env.get(Slurm.JOB_ID, "0")
     default_port = 20000 + (int(job_id) % 20000 if job_id.isdigit() else 0)
     addr, port = _rendezvous(merged, "Slurm (srun)", default_port=default_port)
     return Placement(
         "slurm",
-        _int(env, "SLURM_PROCID", "Slurm"),
-        _int(env, "SLURM_NTASKS", "Slurm"),
+        _int(env, Slurm.PROCID, "Slurm"),
+        _int(env, Slurm.NTASKS, "Slurm"),
         addr,
         port,
-        local_rank=_opt_int(env, "SLURM_LOCALID"),
+        local_rank=_opt_int(env, Slurm.LOCALID),
         local_size=_slurm_local_size(env),
-        node=_node(env, "SLURM_NODEID"),
+        node=_node(env, Slurm.NODEID),
     )
 
 
 def _slurm_local_size(env: Mapping[str, str]) -> int | None:
-    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    node_id = _opt_int(env, "SLURM_NODEID")
+    per_node = env.get(Slurm.STEP_TASKS_PER_NODE) or env.get(Slurm.TASKS_PER_NODE)
+    node_id = _opt_int(env, Slurm.NODEID)
     if not per_node or node_id is None:
         return None
     counts: list[int] = []
@@ -228,20 +229,22 @@ def _kubeflow(env: Mapping[str, str]) -> Placement:
     addr, port = _rendezvous(
         {
             **env,
-            "MASTER_ADDR": env.get("MASTER_ADDR") or env.get("PET_MASTER_ADDR", ""),
-            "MASTER_PORT": env.get("MASTER_PORT") or env.get("PET_MASTER_PORT", ""),
+            Torch.MASTER_ADDR: env.get(Torch.MASTER_ADDR) or env.get(Kubeflow.MASTER_ADDR, ""),
+            Torch.MASTER_PORT: env.get(Torch.MASTER_PORT) or env.get(Kubeflow.MASTER_PORT, ""),
         },
         "a Kubeflow PyTorchJob",
     )
-    pod = _int(env, "RANK", "Kubeflow PyTorchJob")
-    nproc_raw = env.get("PET_NPROC_PER_NODE", "1")
+    pod = _int(env, Torch.RANK, "Kubeflow PyTorchJob")
+    nproc_raw = env.get(Kubeflow.NPROC_PER_NODE, "1")
     nproc = int(nproc_raw) if nproc_raw.isdigit() else 1
-    nnodes_raw = env.get("PET_NNODES", "")
+    nnodes_raw = env.get(Kubeflow.NNODES, "")
     # PET_NNODES may be a range ("1:4") for elastic jobs; the fixed size is then WORLD_SIZE pods.
     nnodes = (
-        int(nnodes_raw) if nnodes_raw.isdigit() else _int(env, "WORLD_SIZE", "Kubeflow PyTorchJob")
+        int(nnodes_raw)
+        if nnodes_raw.isdigit()
+        else _int(env, Torch.WORLD_SIZE, "Kubeflow PyTorchJob")
     )
-    local = _opt_int(env, "LOCAL_RANK") or 0
+    local = _opt_int(env, Torch.LOCAL_RANK) or 0
     return Placement(
         "kubeflow",
         pod * nproc + local,
@@ -296,18 +299,23 @@ def _validate(p: Placement) -> None:
 _ADAPTERS: list[
     tuple[Callable[[Mapping[str, str]], bool], Callable[[Mapping[str, str]], Placement]]
 ] = [
-    (lambda e: "RINGTRAIN_RANK" in e, _ringtrain),
-    (lambda e: "TORCHELASTIC_RUN_ID" in e or ("LOCAL_RANK" in e and "GROUP_RANK" in e), _torchrun),
-    (lambda e: "OMPI_COMM_WORLD_RANK" in e, _openmpi),
-    (lambda e: "PMI_RANK" in e, _pmi),
-    (lambda e: "SLURM_PROCID" in e and "SLURM_NTASKS" in e, _slurm),
+    (lambda e: Ringtrain.RANK in e, _ringtrain),
     (
         lambda e: (
-            "RANK" in e
-            and ("PET_NNODES" in e or "PET_NPROC_PER_NODE" in e or "PET_MASTER_ADDR" in e)
+            Torch.TORCHELASTIC_RUN_ID in e or (Torch.LOCAL_RANK in e and Torch.GROUP_RANK in e)
+        ),
+        _torchrun,
+    ),
+    (lambda e: OpenMPI.RANK in e, _openmpi),
+    (lambda e: MPICH.RANK in e, _pmi),
+    (lambda e: Slurm.PROCID in e and Slurm.NTASKS in e, _slurm),
+    (
+        lambda e: (
+            Torch.RANK in e
+            and (Kubeflow.NNODES in e or Kubeflow.NPROC_PER_NODE in e or Kubeflow.MASTER_ADDR in e)
         ),
         _kubeflow,
     ),
     # A bare RANK/WORLD_SIZE/MASTER_ADDR set (e.g. a hand-written script): same as torchrun's.
-    (lambda e: "RANK" in e and "WORLD_SIZE" in e and "MASTER_ADDR" in e, _torchrun),
+    (lambda e: Torch.RANK in e and Torch.WORLD_SIZE in e and Torch.MASTER_ADDR in e, _torchrun),
 ]

@@ -2,7 +2,7 @@
 
 Open MPI tells each rank its rank and size but not where rank 0 is. When no ``MASTER_ADDR`` is
 given and ranks span hosts, every rank gathers every host's interfaces over ``MPI_COMM_WORLD``
-(mpi4py) and applies the launcher's network rules (:func:`ringtrain.launch.network.choose`, or
+(mpi4py) and applies the launcher's network rules (:func:`ringtrain.host.network.choose`, or
 ``network_interface`` when set): a subnet every host shares and routes, never loopback, never a
 ``docker0`` that every host numbers alike. All ranks compute the same choice from the same
 gathered data; rank 0 then serves the store on its chosen address (port 0 unless one is given,
@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ringtrain import environ
+from ringtrain.environ import OpenMPI
 from ringtrain.errors import LaunchEnvironmentError, LaunchError
-from ringtrain.launch import network
+from ringtrain.host import network
 from ringtrain.runtime.environment import Placement
 
 log = logging.getLogger("ringtrain")
@@ -75,7 +76,7 @@ def exchange(
 
 def mpi_tcp_exclude(env: Mapping[str, str], local: Sequence[network.Interface]) -> str | None:
     """The value for ``OMPI_MCA_btl_tcp_if_exclude``, or None to leave MPI's choice alone."""
-    if "OMPI_MCA_btl_tcp_if_include" in env or "OMPI_MCA_btl_tcp_if_exclude" in env:
+    if OpenMPI.TCP_IF_INCLUDE in env or OpenMPI.TCP_IF_EXCLUDE in env:
         return None
     bridges = sorted({i.name for i in local if "docker" in i.flags})
     # Open MPI's own default, plus the bridges.
@@ -84,9 +85,9 @@ def mpi_tcp_exclude(env: Mapping[str, str], local: Sequence[network.Interface]) 
 
 def _world(local: Sequence[network.Interface]) -> Any:
     if "mpi4py.MPI" not in sys.modules:  # MPI reads its settings when it starts
-        exclude = mpi_tcp_exclude(os.environ, local)
+        exclude = mpi_tcp_exclude(environ.current(), local)
         if exclude:
-            os.environ["OMPI_MCA_btl_tcp_if_exclude"] = exclude  # noqa: SIM112 - MCA names are lower case
+            environ.set_var(OpenMPI.TCP_IF_EXCLUDE, exclude)
     try:
         from mpi4py import MPI
     except ImportError as e:

@@ -4,7 +4,7 @@ The launcher imports no torch, so it starts this module instead of hosting a ``T
 It binds a free port on every interface, prints ``PORT <n>`` on stdout, then serves until its
 stdin closes: the launcher holds that pipe, so the store lives exactly as long as the launcher.
 Lines ``SET <key> <value>`` on stdin set keys: how the launcher, which has no store client,
-announces elastic membership (:mod:`ringtrain.elastic.membership`); ``CHECK <key> ...`` answers
+announces elastic membership (:mod:`ringtrain.runtime.membership`); ``CHECK <key> ...`` answers
 ``HAVE <key> ...`` on stdout with those of the keys that are set (joining ranks' ready keys).
 Hosting the store outside the ranks means rank 0 can fail or restart without taking the
 rendezvous with it.

@@ -29,11 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain import environ
 from ringtrain.config import Config
+from ringtrain.environ import Ringtrain, Threads, Torch
 from ringtrain.errors import ConfigError, LaunchEnvironmentError, NotInitializedError
-from ringtrain.launch import cpu_limits
-from ringtrain.launch.elastic import ID_VAR as ELASTIC_ID_VAR
+from ringtrain.host import cpu_limits, network
 from ringtrain.runtime import communicator, environment, topology
+from ringtrain.runtime.backends import GroupBackends
 from ringtrain.runtime.environment import Placement
 from ringtrain.runtime.process_sets import ProcessSet
 from ringtrain.runtime.topology import Topology
@@ -82,6 +84,7 @@ _lock = threading.RLock()
 _runtime: Runtime | None = None
 _generation = 0
 _stores: dict[tuple[str, int, bool], Any] = {}
+_backends: GroupBackends | None = None  # the running job's, to release at stop/abandon
 global_process_set = ProcessSet(None)
 
 
@@ -111,6 +114,7 @@ def start(
     config: Config | None = None,
     env: Mapping[str, str] | None = None,
     *,
+    backends: GroupBackends,
     rank: int | None = None,
     size: int | None = None,
     elastic: tuple[int, int, int] | None = None,
@@ -118,14 +122,15 @@ def start(
     """Join the job described by the environment. Idempotent while already initialized.
 
     ``elastic``: ``(rank, size, generation)`` of a world the launcher announced (see
-    :mod:`ringtrain.elastic.membership`); the store prefix then comes from the launcher's
-    generation, so survivors agree on it whatever each one did before.
+    :mod:`ringtrain.runtime.membership`); the store prefix then comes from the launcher's
+    generation, so survivors agree on it whatever each one did before. ``backends``: the
+    process-group backends to choose from (``lifecycle`` passes ringtrain's own).
     """
-    global _runtime, _generation
+    global _runtime, _generation, _backends
     with _lock:
         if _runtime is not None:
             return _runtime
-        env = os.environ if env is None else env
+        env = environ.current() if env is None else env
         config = config or Config.from_env(env)
         _configure_logging(config.log_level)
         adopted = dist.is_initialized()
@@ -152,19 +157,16 @@ def start(
                 placement, rank=elastic[0], size=elastic[1], local_rank=None, local_size=None
             )
             prefix = f"ringtrain/elastic/gen{elastic[2]}"
-        if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+        if interface:
             # HACK: torch reads Gloo's interface only from this variable; set it before the
             # first group is created, and never override what the user set.
-            os.environ["GLOO_SOCKET_IFNAME"] = interface
+            environ.setdefault(Torch.GLOO_SOCKET_IFNAME, interface)
         base = _adopted_store(placement, config) if adopted else _store(placement, config)
         store = dist.PrefixStore(prefix, base)
-        backend, transport = _backend(config, env, placement)
+        backend, transport = backends.choose(config, env, placement)
+        _backends = backends
         if config.secure:  # every group is sealed; ranks first prove they hold the job key
-            from ringtrain.algorithms import sealed_backend
-
-            store = sealed_backend.join(
-                store, config, env, placement.rank, placement.size, transport
-            )
+            store = backends.seal(store, config, env, placement, transport)
         if not adopted:
             _init_default_group(backend, transport, store, placement, config)
         comm = None
@@ -263,14 +265,8 @@ def stop() -> None:
                 # and the group's destructor would wait on Gloo threads that need the GIL.
                 gc.collect()
                 dist.destroy_process_group()
-            if rt.config.secure:  # the next job brings its own key and store
-                from ringtrain.algorithms import sealed_backend
-
-                sealed_backend.deconfigure()
-            if rt.config.transport != "gloo":
-                from ringtrain.algorithms import tcp_backend
-
-                tcp_backend.deconfigure()
+            if _backends is not None:
+                _backends.release(rt.config)
 
 
 # Groups of abandoned worlds: destroying one with an op stuck in it blocks until that op's
@@ -329,14 +325,8 @@ def abandon() -> None:
             table.clear()
         c10d._unregister_all_process_groups()
         world.group_count = 0
-        if rt.config.secure:  # the next world authenticates anew, with the same job key
-            from ringtrain.algorithms import sealed_backend
-
-            sealed_backend.deconfigure(keep_key=True)
-        if rt.config.transport != "gloo":
-            from ringtrain.algorithms import tcp_backend
-
-            tcp_backend.deconfigure()
+        if _backends is not None:  # the next world authenticates anew, with the same job key
+            _backends.release(rt.config, keep_key=True)
 
 
 def add_process_set(ranks: Sequence[int] | ProcessSet) -> ProcessSet:
@@ -379,36 +369,6 @@ def remove_process_set(ps: ProcessSet) -> bool:
     ps.communicator.close()
     ps._unbind()
     return True
-
-
-def _backend(config: Config, env: Mapping[str, str], p: Placement) -> tuple[str, str]:
-    """The backend of every group, and what carries it ("gloo" or "tcp", see
-    :mod:`ringtrain.algorithms.tcp_backend`)."""
-    if config.transport == "gloo":
-        transport = "gloo"
-    else:
-        from ringtrain.algorithms import tcp_backend
-
-        transport = tcp_backend.choose(config.transport)
-        if (
-            transport == "gloo"
-            and config.secure
-            and config.transport == "auto"
-            and ELASTIC_ID_VAR in env
-        ):
-            # An elastic job leaks the sealed groups of the worlds it abandons, and their workers
-            # may still wait in a Gloo receive; one that returns while the interpreter exits
-            # aborts the process. The TCP mesh waits in Python instead (docs/elastic.md).
-            transport = "tcp"
-        if transport == "tcp":
-            interface = env.get("GLOO_SOCKET_IFNAME") or config.network_interface
-            tcp_backend.configure(tcp_backend.local_address(interface, p.rendezvous_addr))
-            log.debug("transport: ringtrain's TCP mesh (no Gloo devices)")
-    if config.secure:
-        from ringtrain.algorithms import sealed_backend
-
-        return sealed_backend.BACKEND, transport
-    return ("gloo" if transport == "gloo" else "ringtrain_tcp"), transport
 
 
 def _reconcile(p: Placement, rank: int | None, size: int | None) -> Placement:
@@ -487,12 +447,10 @@ def _adopted_store(p: Placement, config: Config) -> Any:
     store = dist.distributed_c10d._get_default_store()
     if store is not None:
         return store
-    from ringtrain.algorithms import tcp_backend
-
     where: list[Any] = [None]
     if p.rank == 0:
-        interface = os.environ.get("GLOO_SOCKET_IFNAME") or config.network_interface
-        addr = tcp_backend.local_address(interface, p.rendezvous_addr)
+        interface = environ.current().get(Torch.GLOO_SOCKET_IFNAME) or config.network_interface
+        addr = network.local_address(interface, p.rendezvous_addr)
         if addr == "127.0.0.1" and p.size > 1:
             addr = socket.gethostbyname(socket.gethostname())
         served = _new_store(p, addr, 0, True, config)
@@ -522,7 +480,7 @@ def _mpi_rendezvous(p: Placement, config: Config, env: Mapping[str, str]) -> tup
             _stores[(addr, store.port, True)] = store
             return int(store.port)
 
-        host = env.get("RINGTRAIN_HOSTNAME") or socket.gethostname()
+        host = env.get(Ringtrain.HOSTNAME) or socket.gethostname()
         _mpi_placed = mpi_rendezvous.exchange(p, host, config.network_interface, serve)
     return _mpi_placed
 
@@ -566,7 +524,7 @@ def fit_threads_to_quota(
     torch starts one thread per core of the affinity mask: in a shared CPU pool that is every
     core of the node, far more than the quota lets run. A user's OMP_NUM_THREADS is kept.
     """
-    if "OMP_NUM_THREADS" in env:
+    if Threads.OMP_NUM_THREADS in env:
         return None
     quota = cpu_limits.cpu_quota(root)
     if quota is None:
@@ -608,10 +566,8 @@ def _measure_topology(p: Placement, config: Config, env: Mapping[str, str], grou
 
 
 def _host_identity(p: Placement, config: Config, env: Mapping[str, str]) -> topology.HostIdentity:
-    name = env.get("RINGTRAIN_HOSTNAME") or socket.gethostname()
+    name = env.get(Ringtrain.HOSTNAME) or socket.gethostname()
     if p.node is not None or p.size == 1:
         return topology.HostIdentity(name, p.node or "")
-    from ringtrain.algorithms import tcp_backend
-
-    interface = env.get("GLOO_SOCKET_IFNAME") or config.network_interface
-    return topology.HostIdentity(name, tcp_backend.local_address(interface, p.rendezvous_addr))
+    interface = env.get(Torch.GLOO_SOCKET_IFNAME) or config.network_interface
+    return topology.HostIdentity(name, network.local_address(interface, p.rendezvous_addr))

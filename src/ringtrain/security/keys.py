@@ -25,10 +25,12 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
+from ringtrain import environ
+from ringtrain.environ import Ringtrain
 from ringtrain.errors import ConfigError, SecurityError
 
 KEY_BYTES = 32
-KEY_FD_VAR = "RINGTRAIN_KEY_FD"
+KEY_FD_VAR = Ringtrain.KEY_FD
 # Subkey purposes. Changing a label changes every derived key: it is part of the protocol.
 RENDEZVOUS = "rendezvous"
 SEALING = "sealing"
@@ -85,7 +87,7 @@ def load_job_key(config: Any, env: Mapping[str, str] | None = None) -> bytes:
     to EOF and closed; the key is kept for later ``init()`` calls of this process. A key file must
     not be readable by group or others. Raises :class:`SecurityError` when no key is available.
     """
-    env = os.environ if env is None else env
+    env = environ.current() if env is None else env
     raw_fd = env.get(KEY_FD_VAR, "").strip()
     if raw_fd:
         return _read_fd(raw_fd)
@@ -150,6 +152,12 @@ def _read_fd(raw_fd: str) -> bytes:
     key = decode_key(b"".join(chunks), f"the key pipe {KEY_FD_VAR}={fd}")
     _from_fd[fd] = key
     return key
+
+
+def check_key_file(path: str) -> None:
+    """Raise :class:`SecurityError` unless ``path`` holds a job key only its owner can access
+    (what ``ringtrain run`` checks before starting ranks)."""
+    _read_file(path)
 
 
 def _read_file(path: str) -> bytes:

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ringtrain import environ
+from ringtrain.environ import Slurm
 from ringtrain.testing.cluster import Cluster
 
 TOOLS = ("munged", "slurmctld", "slurmd", "srun", "sinfo", "squeue")
@@ -71,7 +73,7 @@ class MiniSlurm:
 
     def env(self) -> dict[str, str]:
         """What a process needs to use this Slurm (``srun``, ``sinfo``)."""
-        return {"SLURM_CONF": str(self.conf)}
+        return {Slurm.CONF: str(self.conf)}
 
     def up(self) -> MiniSlurm:
         missing = missing_tools()
@@ -178,7 +180,7 @@ class MiniSlurm:
                 "stdout": log,
                 "stderr": log,
                 "start_new_session": True,
-                "env": {**os.environ, **self.env()} if self.conf != Path() else None,
+                "env": {**environ.current(), **self.env()} if self.conf != Path() else None,
             }
             if host is None:
                 proc = subprocess.Popen(argv, **kwargs)
@@ -197,7 +199,7 @@ class MiniSlurm:
             ["sinfo", "-h", "-N", "-o", "%N %t"],
             capture_output=True,
             text=True,
-            env={**os.environ, **self.env()},
+            env={**environ.current(), **self.env()},
             timeout=30,
         )
         states = dict(ln.split() for ln in out.stdout.splitlines() if len(ln.split()) == 2)
@@ -226,7 +228,7 @@ class MiniSlurm:
             ["squeue", "-h"],
             capture_output=True,
             text=True,
-            env={**os.environ, **self.env()},
+            env={**environ.current(), **self.env()},
             timeout=30,
         )
         return out.returncode != 0 or not out.stdout.strip()

@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from ringtrain import environ
+from ringtrain.environ import Ringtrain, Threads
+
 DEFAULT_TIMEOUT_S = 60.0
 # Starting a rank (spawn, import torch, warm up) is not the test's time: on a loaded machine it
 # can take minutes, so it has its own deadline and a test's timeout starts once every rank is up.
@@ -65,14 +68,14 @@ def _worker(
     os.dup2(log.fileno(), 2)
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     sys.path[:] = sys_path
-    os.environ.update(
+    environ.update(
         {
-            "RINGTRAIN_RANK": str(rank),
-            "RINGTRAIN_SIZE": str(size),
-            "RINGTRAIN_RENDEZVOUS_ADDR": "127.0.0.1",
-            "RINGTRAIN_RENDEZVOUS_PORT": str(port),
-            "RINGTRAIN_RENDEZVOUS_HOSTED": "1",
-            "OMP_NUM_THREADS": "1",
+            Ringtrain.RANK: str(rank),
+            Ringtrain.SIZE: str(size),
+            Ringtrain.RENDEZVOUS_ADDR: "127.0.0.1",
+            Ringtrain.RENDEZVOUS_PORT: str(port),
+            Ringtrain.RENDEZVOUS_HOSTED: "1",
+            Threads.OMP_NUM_THREADS: "1",
         }
     )
     import torch
@@ -89,8 +92,8 @@ def _worker(
             return
         if call is None:
             return
-        saved = {k: os.environ.get(k) for k in call.env}
-        os.environ.update(call.env)
+        saved = {k: environ.current().get(k) for k in call.env}
+        environ.update(call.env)
         try:
             fn: Any = importlib.import_module(call.module)
             for part in call.qualname.split("."):
@@ -108,9 +111,9 @@ def _worker(
         finally:
             for k, v in saved.items():
                 if v is None:
-                    os.environ.pop(k, None)
+                    environ.pop(k)
                 else:
-                    os.environ[k] = v
+                    environ.set_var(k, v)
 
 
 def _warm_up(torch: Any) -> None:

@@ -1,7 +1,7 @@
-"""The doctor's per-host probe: ``python -m ringtrain.diagnostics.probe COMMAND``.
+"""The doctor's per-host probe: ``python -m ringtrain.doctor.probe COMMAND``.
 
 Run by ``ringtrain doctor`` on every host, locally or over ssh with the launcher's transport.
-Each command prints its results as marked JSON lines (:mod:`ringtrain.diagnostics.doctor.wire`):
+Each command prints its results as marked JSON lines (:mod:`ringtrain.doctor.wire`):
 
     facts       torch and its backends, cores, hyper-threading, NUMA, allocator, OMP/MKL
                 settings, interfaces. torch is imported here, never in the doctor itself, and
@@ -27,22 +27,12 @@ from typing import Any
 import psutil
 
 import ringtrain
-from ringtrain.diagnostics.doctor import linktest
-from ringtrain.diagnostics.doctor.wire import emit, parse_sizes
+from ringtrain import environ
+from ringtrain.doctor import linktest
+from ringtrain.doctor.wire import emit, parse_sizes
 
 # Thread settings worth showing: they decide how many threads each rank starts.
-THREAD_VARS = (
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
-    "OPENBLAS_NUM_THREADS",
-    "OMP_PROC_BIND",
-    "OMP_PLACES",
-    "KMP_AFFINITY",
-    "KMP_BLOCKTIME",
-    "GOMP_CPU_AFFINITY",
-    "MALLOC_CONF",
-    "LD_PRELOAD",
-)
+THREAD_VARS = environ.THREAD_VARS
 _ALLOCATOR_LIB = re.compile(r"lib(jemalloc|tcmalloc(?:_minimal)?|mimalloc)[^/\s]*\.so")
 
 
@@ -92,7 +82,9 @@ def _preloaded() -> list[str]:
 
 def facts() -> dict[str, Any]:
     """Everything the doctor shows about this host."""
-    from ringtrain.launch import agent, cpu_limits, network
+    env = environ.current()
+    from ringtrain.host import cpu_limits, network
+    from ringtrain.launch import agent
 
     base = agent.host_facts()
     siblings = cpu_limits.smt_siblings(base["cpus"])
@@ -121,7 +113,7 @@ def facts() -> dict[str, Any]:
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "load": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else [],
         "allocator": {"available": base["allocators"], "preloaded": _preloaded()},
-        "threads_env": {k: os.environ[k] for k in THREAD_VARS if k in os.environ},
+        "threads_env": {k: env[k] for k in THREAD_VARS if k in env},
     }
     try:
         out["interfaces"] = [i.to_dict() for i in network.local_interfaces()]
@@ -213,7 +205,7 @@ def _watchdog(seconds: float) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ringtrain.diagnostics.probe", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m ringtrain.doctor.probe", description=__doc__)
     p.add_argument("--deadline", type=float, default=300.0, help="exit after this many seconds")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("facts")

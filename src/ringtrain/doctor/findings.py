@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringtrain.launch.cpu_limits import is_shared_pool, shared_cores
+from ringtrain.host.cpu_limits import is_shared_pool, shared_cores
 from ringtrain.launch.tuning import HostFacts, tune
 
 # The same factor the straggler report uses for a slow host link.

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ringtrain.launch import cpu_limits
-from ringtrain.launch.cpu_limits import cpu_budget, cpu_quota, is_shared_pool, shared_cores
+from ringtrain.host import cpu_limits
+from ringtrain.host.cpu_limits import cpu_budget, cpu_quota, is_shared_pool, shared_cores
 from ringtrain.launch.tuning import HostFacts, tune
 
 V2_MOUNT = "30 23 0:27 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime - cgroup2 cgroup2 rw\n"

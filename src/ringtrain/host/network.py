@@ -39,6 +39,7 @@ from typing import Any, Union
 
 import psutil
 
+from ringtrain.environ import Torch, setting_var
 from ringtrain.errors import ConfigError, LaunchError
 
 # Interfaces of container and VM runtimes: host-local bridges, never the job's network.
@@ -398,6 +399,36 @@ def interface_address(name: str) -> str | None:
         return None
 
 
+def local_address(interface: str, rendezvous_addr: str = "") -> str:
+    """This host's IPv4 address for the mesh, found without netlink (see the module doc)."""
+    names = [n.strip() for n in interface.split(",") if n.strip()]
+    if names:
+        return address_of(names[0])
+    if rendezvous_addr:
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((rendezvous_addr, 9))  # consults the routing table; sends nothing
+            return str(s.getsockname()[0])
+    return "127.0.0.1"
+
+
+def address_of(name: str) -> str:
+    """An interface's IPv4 address by ``SIOCGIFADDR`` (an address is returned as it is)."""
+    try:
+        socket.inet_aton(name)
+        return name
+    except OSError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        return socket.inet_ntoa(packed[20:24])
+    except OSError as e:
+        raise ConfigError(
+            f"network interface {name!r} has no IPv4 address here ({e.strerror}).\n"
+            "HINT: check RINGTRAIN_NETWORK_INTERFACE / GLOO_SOCKET_IFNAME on this host."
+        ) from e
+
+
 def rendezvous_address(
     chosen: Mapping[str, Interface], local: Sequence[Interface] | None = None
 ) -> str:
@@ -453,9 +484,9 @@ def _only_named(
 def interface_env(name: str) -> dict[str, str]:
     """What a rank on a host needs to use interface ``name`` (ringtrain, Gloo and NCCL)."""
     return {
-        "RINGTRAIN_NETWORK_INTERFACE": name,
-        "GLOO_SOCKET_IFNAME": name,
-        "NCCL_SOCKET_IFNAME": name,
+        setting_var("network_interface"): name,
+        Torch.GLOO_SOCKET_IFNAME: name,
+        Torch.NCCL_SOCKET_IFNAME: name,
     }
 
 

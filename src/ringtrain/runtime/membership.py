@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ringtrain import environ
+from ringtrain.environ import Ringtrain
 from ringtrain.errors import HorovodInternalError
 from ringtrain.launch.elastic import (
     GENERATION_KEY,
@@ -49,19 +50,19 @@ _members: tuple[int, ...] | None = None  # its identities; None: the first world
 
 def active(env: Mapping[str, str] | None = None) -> bool:
     """Whether an elastic launcher started this rank."""
-    return ID_VAR in (os.environ if env is None else env)
+    return ID_VAR in (environ.current() if env is None else env)
 
 
 def identity() -> int:
-    return int(os.environ[ID_VAR])
+    return int(environ.current()[ID_VAR])
 
 
 def timeout_s() -> float:
-    return float(os.environ.get(TIMEOUT_VAR) or DEFAULT_TIMEOUT_S)
+    return float(environ.current().get(TIMEOUT_VAR) or DEFAULT_TIMEOUT_S)
 
 
 def reset_limit() -> int | None:
-    raw = os.environ.get(RESET_LIMIT_VAR)
+    raw = environ.current().get(RESET_LIMIT_VAR)
     return int(raw) if raw else None
 
 
@@ -75,8 +76,8 @@ def _store() -> Any:
         import torch.distributed as dist
 
         client = _clients.store = dist.TCPStore(
-            os.environ["RINGTRAIN_RENDEZVOUS_ADDR"],
-            int(os.environ["RINGTRAIN_RENDEZVOUS_PORT"]),
+            environ.current()[Ringtrain.RENDEZVOUS_ADDR],
+            int(environ.current()[Ringtrain.RENDEZVOUS_PORT]),
             world_size=None,
             is_master=False,
             timeout=datetime.timedelta(seconds=60),
@@ -130,7 +131,7 @@ def members(size: int) -> tuple[int, ...]:
 
 def joining() -> bool:
     """Whether the launcher started this rank to join a job that is already running."""
-    return active() and os.environ.get(JOIN_VAR) == "1"
+    return active() and environ.current().get(JOIN_VAR) == "1"
 
 
 def join(poll_s: float = 0.1) -> World:
@@ -148,7 +149,7 @@ def join(poll_s: float = 0.1) -> World:
         if generation > 0:
             ids = tuple(int(m) for m in json.loads(store.get(members_key(generation))))
             if me in ids:
-                os.environ.pop(JOIN_VAR, None)  # joined: a later init is not a join again
+                environ.pop(JOIN_VAR)  # joined: a later init is not a join again
                 world = World(generation, ids)
                 entered(world)
                 return world

@@ -11,5 +11,5 @@
     report      pure: the human-readable tables
 
 Nothing here imports torch (an import contract keeps it so): torch facts come from
-``python -m ringtrain.diagnostics.probe`` run on each host.
+``python -m ringtrain.doctor.probe`` run on each host.
 """

@@ -12,8 +12,8 @@ import json
 import sys
 from typing import Any
 
-from ringtrain.diagnostics.doctor import advice, checkup, report, wire
-from ringtrain.diagnostics.doctor.gather import Reach
+from ringtrain.doctor import advice, checkup, report, wire
+from ringtrain.doctor.gather import Reach
 from ringtrain.errors import ConfigError
 from ringtrain.launch.command import add_ssh_arguments, ssh_options
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts

@@ -1,16 +1,16 @@
 """The doctor's CPU checks: a quota without exclusive cores, SMT siblings given to one rank.
 
 Facts as the probe reports them (``cpu.cpus``, ``cpu.quota``, ``cpu.smt_groups``); the probe
-reads them with :mod:`ringtrain.launch.cpu_limits`, tested over fake cgroup and sysfs trees in
-tests/launch/test_cpu_limits.py.
+reads them with :mod:`ringtrain.host.cpu_limits`, tested over fake cgroup and sysfs trees in
+tests/host/test_cpu_limits.py.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ringtrain.diagnostics import probe
-from ringtrain.diagnostics.doctor.findings import check_cpus
+from ringtrain.doctor import probe
+from ringtrain.doctor.findings import check_cpus
 
 
 def _facts(cpus: int, quota: float | None = None, smt: list[list[int]] | None = None) -> Any:

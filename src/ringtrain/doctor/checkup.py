@@ -1,7 +1,7 @@
 """The doctor's sequence: probe hosts, pick the network, test links, allreduce, placement, advice.
 
 :func:`examine` returns one plain dict (the ``--json`` output, rendered as tables by
-:mod:`ringtrain.diagnostics.doctor.report`). Later steps run only when the earlier ones leave
+:mod:`ringtrain.doctor.report`). Later steps run only when the earlier ones leave
 something to test: links need two reachable hosts on a common subnet, the allreduce job needs
 every host healthy. Problems make the exit code 1, warnings do not.
 """
@@ -14,12 +14,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringtrain.diagnostics.doctor import advice, findings, gather, placement
-from ringtrain.diagnostics.doctor.gather import Reach
+from ringtrain.doctor import advice, findings, gather, placement
+from ringtrain.doctor.gather import Reach
 from ringtrain.errors import LaunchError
-from ringtrain.launch import network
+from ringtrain.host import network
+from ringtrain.host.network import Interface
 from ringtrain.launch.hosts import Host
-from ringtrain.launch.network import Interface
 
 KiB, MiB = 1024, 1024 * 1024
 DEFAULT_SIZES = (64 * KiB, 1 * MiB, 8 * MiB)
@@ -55,7 +55,7 @@ def common_subnets(per_host: Mapping[str, Sequence[Interface]]) -> tuple[list[st
 
     A subnet where two hosts have the same address is host-local on each (every host's
     ``docker0`` is 172.17.0.1/16), so it is not routed between them, as
-    :func:`ringtrain.launch.network.choose` also judges.
+    :func:`ringtrain.host.network.choose` also judges.
     """
     usable = {h: _usable(ifaces) for h, ifaces in per_host.items()}
     nets = [{i.network for i in ifaces} for ifaces in usable.values()]

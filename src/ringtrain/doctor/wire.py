@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import IO, Any
 
 MARKER = "RINGTRAIN_PROBE "
-PROBE_MODULE = "ringtrain.diagnostics.probe"
+PROBE_MODULE = "ringtrain.doctor.probe"
 
 
 def emit(out: IO[str], record: dict[str, Any]) -> None:

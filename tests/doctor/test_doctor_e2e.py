@@ -13,9 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ringtrain.diagnostics.doctor import gather, linktest, wire
+from ringtrain.doctor import gather, linktest, wire
+from ringtrain.host.network import Interface
 from ringtrain.launch.hosts import Host
-from ringtrain.launch.network import Interface
 
 # Runs the CLI in a fresh interpreter and says whether the doctor process imported torch.
 RUN_CLI = textwrap.dedent(

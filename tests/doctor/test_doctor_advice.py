@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from ringtrain.diagnostics.doctor import advice
-from ringtrain.diagnostics.doctor.advice import Choice, Fabric, Workload, predict, recommend
+from ringtrain.doctor import advice
+from ringtrain.doctor.advice import Choice, Fabric, Workload, predict, recommend
 from ringtrain.errors import ConfigError
 
 MiB = 1024 * 1024

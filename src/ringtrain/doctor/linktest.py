@@ -26,7 +26,7 @@ import threading
 import time
 from typing import IO, Any
 
-from ringtrain.diagnostics.doctor.wire import emit
+from ringtrain.doctor.wire import emit
 
 MSG = 64
 CHUNK = 1 << 20

@@ -8,8 +8,8 @@ import psutil
 import pytest
 
 from ringtrain.errors import ConfigError, LaunchError
-from ringtrain.launch import network
-from ringtrain.launch.network import Interface, choose, plan_network, resolve_spec
+from ringtrain.host import network
+from ringtrain.host.network import Interface, choose, plan_network, resolve_spec
 
 LO = Interface("lo", "127.0.0.1", 8, is_loopback=True)
 DOCKER0 = Interface("docker0", "172.17.0.1", 16, flags=("bridge", "docker", "virtual"))

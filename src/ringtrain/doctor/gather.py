@@ -23,11 +23,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringtrain.diagnostics.doctor import wire
-from ringtrain.diagnostics.doctor.findings import LinkSample
+from ringtrain.doctor import wire
+from ringtrain.doctor.findings import LinkSample
+from ringtrain.host.network import Interface
 from ringtrain.launch import transport
 from ringtrain.launch.hosts import Host
-from ringtrain.launch.network import Interface
 from ringtrain.launch.options import LaunchOptions, SshOptions
 from ringtrain.launch.supervisor import Supervisor
 

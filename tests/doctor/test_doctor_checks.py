@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from ringtrain.diagnostics.doctor import checkup, findings, placement, report
-from ringtrain.diagnostics.doctor.findings import LinkSample
+from ringtrain.doctor import checkup, findings, placement, report
+from ringtrain.doctor.findings import LinkSample
 from ringtrain.errors import LaunchError
+from ringtrain.host.network import Interface
 from ringtrain.launch.hosts import parse_hosts
-from ringtrain.launch.network import Interface
 
 MBIT = 1e6 / 8
 GBIT = 1e9 / 8

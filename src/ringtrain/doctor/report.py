@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ringtrain.diagnostics.doctor.findings import mbit
+from ringtrain.doctor.findings import mbit
+from ringtrain.environ import Threads
 
 
 def _table(rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
@@ -41,8 +42,8 @@ def _threads(facts: Mapping[str, Any]) -> str:
     env = facts.get("threads_env") or {}
     torch = facts.get("torch") or {}
     parts = [
-        f"OMP={env.get('OMP_NUM_THREADS', 'unset')}",
-        f"MKL={env.get('MKL_NUM_THREADS', 'unset')}",
+        f"OMP={env.get(Threads.OMP_NUM_THREADS, 'unset')}",
+        f"MKL={env.get(Threads.MKL_NUM_THREADS, 'unset')}",
     ]
     if torch.get("num_threads"):
         parts.append(f"torch={torch['num_threads']}")

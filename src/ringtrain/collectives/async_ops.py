@@ -1,0 +1,485 @@
+"""The non-blocking collectives: each returns a :class:`Handle` that ``synchronize`` waits on.
+
+Every function builds a :class:`Request` (what the other ranks compare against), finds the
+controller of the process set, and submits. Argument problems found here are not raised at once:
+they ride along in the request, so every rank raises the same error when the name is negotiated,
+instead of one rank raising while its peers wait forever. The public module is
+:mod:`ringtrain.collectives.ops`, which re-exports these and adds the blocking calls.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from ringtrain.collectives.controller import Controller
+from ringtrain.collectives.handles import CompositeHandle, Handle
+from ringtrain.collectives.reduce_ops import ReduceOpLike, resolve_op
+from ringtrain.collectives.requests import Request, TensorMeta
+from ringtrain.compression import CompressionLike
+from ringtrain.compression import resolve as resolve_compression
+from ringtrain.errors import CollectiveAbortedError, CollectiveArgumentError
+from ringtrain.runtime import abort, state
+from ringtrain.runtime.process_sets import ProcessSet
+
+T = TypeVar("T")
+
+
+def controller_of(process_set: ProcessSet | None) -> Controller:
+    ps = process_set if process_set is not None else state.global_process_set
+    state.current()
+    comm = ps.communicator
+    if not comm.included:
+        raise CollectiveArgumentError(
+            f"rank {comm.world_rank} is not a member of {ps!r}.\n"
+            "HINT: only call collectives of a process set on its member ranks (ps.included())."
+        )
+    ctl: Controller | None = comm.service("controller")
+    if ctl is None:
+        raise CollectiveAbortedError(f"{ps!r} has no running controller; was ringtrain shut down?")
+    return ctl
+
+
+def _meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tuple(t.shape), str(t.dtype), str(t.device))
+
+
+def _check_tensors(kind: str, tensors: Sequence[Any]) -> str:
+    """An error message for tensors a collective cannot take, or ''."""
+    for i, t in enumerate(tensors):
+        where = f" (item {i})" if len(tensors) > 1 else ""
+        if not isinstance(t, torch.Tensor):
+            return f"{kind} expects a torch.Tensor{where}, got {type(t).__name__}"
+        if t.is_sparse:
+            return (
+                f"{kind} got a sparse tensor{where}; convert it with .to_dense(), or use "
+                "DistributedOptimizer, which handles sparse gradients"
+            )
+        if (
+            kind in ("allgather", "reducescatter", "alltoall")
+            and t.dim() == 0
+            and kind != "allgather"
+        ):
+            return f"{kind} needs a tensor with at least one dimension{where}"
+    return ""
+
+
+def _submit(
+    kind: str,
+    tensors: Sequence[Any],
+    name: str | None,
+    process_set: ProcessSet | None,
+    finish: Callable[[Any], Any],
+    outputs: list[torch.Tensor] | None = None,
+    check: Callable[[], str] | None = None,
+    **fields: Any,
+) -> Handle[Any]:
+    ctl = controller_of(process_set)
+    name = name if name is not None else ctl.auto_name(kind)
+    error = _check_tensors(kind, tensors) or (check() if check else "")
+    if error:
+        return ctl.submit(Request(name, kind, error=error, **fields), [], [], finish)
+    return ctl.submit(
+        Request(name, kind, tuple(_meta(t) for t in tensors), **fields),
+        list(tensors),
+        outputs,
+        finish,
+    )
+
+
+def _single(result: Any) -> Any:
+    return result[0]
+
+
+def _check_handle(fn: str, handle: Any) -> None:
+    if not isinstance(handle, Handle):
+        raise CollectiveArgumentError(f"{fn} expects a handle from an *_async call, got {handle!r}")
+
+
+def synchronize(handle: Handle[T]) -> T:
+    """Wait for an asynchronous collective and return its result (raises its error). Waiting
+    again on the same handle returns the same result."""
+    _check_handle("synchronize", handle)
+    if abort.announced is None:
+        return handle.wait()
+    since = abort.generation
+    while True:  # elastic: a controller stuck on an abandoned world would never answer
+        try:
+            return handle.wait(abort.SLICE_S)
+        except CollectiveAbortedError:
+            if handle.done():
+                raise  # the op's own error, not the slice running out
+        abort.check(since)
+
+
+def poll(handle: Handle[Any]) -> bool:
+    """True once the collective finished (``synchronize`` then returns at once); never blocks."""
+    _check_handle("poll", handle)
+    return handle.done()
+
+
+# ---- allreduce -------------------------------------------------------------------------------
+
+
+def _allreduce_handle(
+    tensors: Sequence[Any],
+    *,
+    inplace: bool,
+    grouped: bool,
+    average: bool | None,
+    name: str | None,
+    op: ReduceOpLike | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet | None,
+    compression: CompressionLike | None = None,
+) -> Handle[Any]:
+    op_name = resolve_op(op, average)
+    comp = resolve_compression(compression)
+    inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors]
+    sent, ctxs = [], []
+    for d in inputs:
+        if isinstance(d, torch.Tensor):
+            c, ctx = comp.compress(d)
+        else:
+            c, ctx = d, None
+        sent.append(c)
+        ctxs.append(ctx)
+    # Uncompressed in-place ops reduce in the caller's tensors: no copy, no allocation.
+    same = all(s is d for s, d in zip(sent, inputs))
+    if inplace and same:
+        outputs = list(inputs)
+    else:
+        outputs = [torch.empty_like(s) if isinstance(s, torch.Tensor) else s for s in sent]
+
+    def finish(result: list[torch.Tensor]) -> Any:
+        outs = [comp.decompress(r, ctx) for r, ctx in zip(result, ctxs)]
+        if inplace:
+            if not same:
+                for t, o in zip(tensors, outs):
+                    t.detach().copy_(o)
+            outs = list(tensors)
+        return outs if grouped else outs[0]
+
+    return _submit(
+        "allreduce",
+        sent,
+        name,
+        process_set,
+        finish,
+        outputs,
+        op=op_name,
+        prescale=float(prescale_factor),
+        postscale=float(postscale_factor),
+    )
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOpLike | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+    compression: CompressionLike | None = None,
+) -> Handle[torch.Tensor]:
+    """Start reducing ``tensor`` over the ranks; ``synchronize`` returns a new tensor."""
+    return _allreduce_handle(
+        [tensor],
+        inplace=False,
+        grouped=False,
+        average=average,
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+        compression=compression,
+    )
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOpLike | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> Handle[torch.Tensor]:
+    """In-place version of :func:`allreduce_async`: ``tensor`` receives the result."""
+    return _allreduce_handle(
+        [tensor],
+        inplace=True,
+        grouped=False,
+        average=average,
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+    )
+
+
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOpLike | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+    compression: CompressionLike | None = None,
+) -> Handle[list[torch.Tensor]]:
+    """Reduce a list of tensors as one unit (negotiated and fused together)."""
+    return _allreduce_handle(
+        list(tensors),
+        inplace=False,
+        grouped=True,
+        average=average,
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+        compression=compression,
+    )
+
+
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOpLike | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> Handle[list[torch.Tensor]]:
+    return _allreduce_handle(
+        list(tensors),
+        inplace=True,
+        grouped=True,
+        average=average,
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+    )
+
+
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet | None = None
+) -> Handle[list[torch.Tensor]]:
+    """Concatenate each tensor's rows from all ranks (first dimensions may differ per rank)."""
+    return _submit(
+        "allgather",
+        [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors],
+        name,
+        process_set,
+        list,
+    )
+
+
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet | None = None
+) -> Handle[torch.Tensor]:
+    return _submit(
+        "allgather",
+        [tensor.detach() if isinstance(tensor, torch.Tensor) else tensor],
+        name,
+        process_set,
+        _single,
+    )
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: ReduceOpLike | None = None,
+    process_set: ProcessSet | None = None,
+) -> Handle[torch.Tensor]:
+    """Average (or Sum) a sparse COO tensor across ranks, as Horovod does: the indices and values
+    of every rank are allgathered and form one uncoalesced sparse tensor of the same shape."""
+    op_name = resolve_op(op)
+    if op_name not in ("Average", "Sum"):
+        raise CollectiveArgumentError(
+            f"sparse_allreduce_async supports Average and Sum, not {op_name}.\n"
+            "HINT: densify the tensor (tensor.to_dense()) for other reductions."
+        )
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise CollectiveArgumentError(
+            f"sparse_allreduce_async expects a sparse COO tensor, got {type(tensor).__name__}"
+            f"{' (dense)' if isinstance(tensor, torch.Tensor) else ''}.\n"
+            "HINT: use allreduce_async for dense tensors."
+        )
+    t = tensor.detach().coalesce()
+    ctl = controller_of(process_set)
+    name = name if name is not None else ctl.auto_name("sparse_allreduce")
+    size = ctl.comm.size
+    # Allgather concatenates along dim 0: indices travel transposed, one row per entry.
+    parts = [
+        allgather_async(t.indices().t().contiguous(), f"{name}.indices", process_set),
+        allgather_async(t.values(), f"{name}.values", process_set),
+    ]
+
+    def build(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        if op_name == "Average":
+            values = values / size
+        return torch.sparse_coo_tensor(indices.t(), values, t.shape)
+
+    return CompositeHandle(name, parts, build)
+
+
+# ---- broadcast -------------------------------------------------------------------------------
+
+
+def checked_root(root_rank: Any, ranks: Sequence[int]) -> tuple[int, str]:
+    """``(root, "")`` for a valid root of a broadcast over the set ``ranks``, else ``(-1, why)``.
+    As in Horovod, a root is a global rank (``rank()`` of the root), also on a process set, and
+    must be a member. Ints, numpy and 0-d torch integers are accepted."""
+    try:
+        if isinstance(root_rank, bool):
+            raise TypeError
+        root = operator.index(root_rank)
+    except TypeError:
+        return -1, f"root_rank must be an int, got {type(root_rank).__name__}"
+    if root not in ranks:
+        return -1, (
+            f"root_rank {root} is not a member of the process set (ranks {list(ranks)}).\n"
+            "HINT: root_rank is a global rank (hvd.rank() of the root), as in Horovod, and must "
+            "belong to the process set."
+        )
+    return root, ""
+
+
+def _broadcast_handle(
+    tensor: Any, root_rank: int, name: str | None, process_set: ProcessSet | None, inplace: bool
+) -> Handle[Any]:
+    t = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
+    outputs = [t if inplace else torch.empty_like(t)] if isinstance(t, torch.Tensor) else None
+    root, error = checked_root(root_rank, controller_of(process_set).comm.ranks)
+
+    def finish(result: list[torch.Tensor]) -> Any:
+        # In place, the caller's own tensor comes back (the result is a view of it), as Horovod.
+        return tensor if inplace and isinstance(tensor, torch.Tensor) else result[0]
+
+    return _submit(
+        "broadcast",
+        [t],
+        name,
+        process_set,
+        finish,
+        outputs,
+        lambda: error,
+        root=root,
+    )
+
+
+def broadcast_async(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> Handle[torch.Tensor]:
+    return _broadcast_handle(tensor, root_rank, name, process_set, inplace=False)
+
+
+def broadcast_async_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> Handle[torch.Tensor]:
+    return _broadcast_handle(tensor, root_rank, name, process_set, inplace=True)
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: ReduceOpLike | None = None,
+    process_set: ProcessSet | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle[list[torch.Tensor]]:
+    """Reduce, then give rank r its slice of dim 0 (the first ``rows % size`` ranks get one extra row)."""
+    return _submit(
+        "reducescatter",
+        [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors],
+        name,
+        process_set,
+        list,
+        op=resolve_op(op),
+        prescale=float(prescale_factor),
+        postscale=float(postscale_factor),
+    )
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: ReduceOpLike | None = None,
+    process_set: ProcessSet | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle[torch.Tensor]:
+    return _submit(
+        "reducescatter",
+        [tensor.detach() if isinstance(tensor, torch.Tensor) else tensor],
+        name,
+        process_set,
+        _single,
+        op=resolve_op(op),
+        prescale=float(prescale_factor),
+        postscale=float(postscale_factor),
+    )
+
+
+def _splits_check(tensor: Any, splits: Any, process_set: ProcessSet | None) -> Callable[[], str]:
+    def check() -> str:
+        size = controller_of(process_set).comm.size
+        rows = tensor.shape[0] if isinstance(tensor, torch.Tensor) and tensor.dim() else 0
+        if splits is None:
+            return (
+                ""
+                if rows % size == 0
+                else (
+                    f"alltoall without splits needs dim 0 ({rows}) divisible by the set size ({size}); pass splits="
+                )
+            )
+        if len(splits) != size:
+            return f"alltoall splits has {len(splits)} entries, expected one per rank ({size})"
+        if any(int(s) < 0 for s in splits) or sum(int(s) for s in splits) != rows:
+            return f"alltoall splits {list(splits)} must be >= 0 and sum to dim 0 of the tensor ({rows})"
+        return ""
+
+    return check
+
+
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None = None,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> Handle[tuple[torch.Tensor, torch.Tensor]]:
+    """Send ``splits[r]`` rows to rank r; receive each rank's rows for us, in rank order.
+    ``synchronize`` returns ``(output, received_splits)``, with or without ``splits``, as
+    Horovod's does (only the sync :func:`alltoall` drops the splits when none were given)."""
+    if isinstance(splits, torch.Tensor):
+        splits = [int(s) for s in splits.tolist()]
+    split_tuple = tuple(int(s) for s in splits) if splits is not None else ()
+    t = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
+    return _submit(
+        "alltoall",
+        [t],
+        name,
+        process_set,
+        tuple,
+        None,
+        _splits_check(t, splits, process_set),
+        splits=split_tuple,
+    )

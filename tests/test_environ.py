@@ -1,0 +1,91 @@
+"""The environment table (ringtrain.environ) is the only place that names a variable or touches
+``os.environ``: everything else in src/ takes a mapping and the table's names."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from ringtrain import environ
+
+SRC = Path(environ.__file__).parent
+TABLE = Path(environ.__file__)
+GROUPS = (
+    environ.Ringtrain,
+    environ.Horovod,
+    environ.Torch,
+    environ.OpenMPI,
+    environ.MPICH,
+    environ.Slurm,
+    environ.Kubeflow,
+    environ.Threads,
+    environ.Process,
+)
+NAMES = {v for g in GROUPS for k, v in vars(g).items() if not k.startswith("_")}
+NAMES |= set(environ.HOROVOD_VARS) | {p for p in environ.HOROVOD_UNUSED if "*" not in p}
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in SRC.rglob("*.py") if p != TABLE)
+
+
+def _not_names(tree: ast.AST) -> set[int]:
+    """ids of strings that are not variable names: docstrings (they may name variables for the
+    reader) and argparse metavars (``metavar="PATH"``)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "metavar":
+            out.add(id(node.value))
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                out.add(id(body[0].value))
+    return out
+
+
+def test_only_the_table_touches_os_environ() -> None:
+    found = []
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "os"
+                and node.attr in ("environ", "getenv", "putenv", "unsetenv", "environb")
+            ):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} os.{node.attr}")
+    assert not found, "use ringtrain.environ instead:\n" + "\n".join(found)
+
+
+def test_every_variable_is_named_once() -> None:
+    found = []
+    for path in _modules():
+        tree = ast.parse(path.read_text(), str(path))
+        docs = _not_names(tree)
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and node.value in NAMES
+                and id(node) not in docs
+            ):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} {node.value!r}")
+    assert not found, "name these through ringtrain.environ:\n" + "\n".join(found)
+
+
+def test_names_are_unique_and_placement_is_not_a_setting() -> None:
+    values = [v for g in GROUPS for k, v in vars(g).items() if not k.startswith("_")]
+    assert len(values) == len(set(values))
+    assert environ.Ringtrain.RANK in environ.PLACEMENT_VARS
+    assert all(v.startswith(environ.PREFIX) for v in environ.PLACEMENT_VARS)
+
+
+def test_writes_go_through_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RINGTRAIN_TEST_ENVIRON", raising=False)
+    environ.setdefault("RINGTRAIN_TEST_ENVIRON", "a")
+    environ.setdefault("RINGTRAIN_TEST_ENVIRON", "b")  # the first value (the user's) wins
+    assert environ.current()["RINGTRAIN_TEST_ENVIRON"] == "a"
+    environ.pop("RINGTRAIN_TEST_ENVIRON")
+    assert "RINGTRAIN_TEST_ENVIRON" not in environ.current()
