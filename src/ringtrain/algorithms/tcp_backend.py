@@ -25,12 +25,9 @@ Plain DDP can use it too::
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import errno
-import fcntl
 import socket
-import struct
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -43,7 +40,6 @@ from ringtrain.algorithms.sealed import Link, Plain
 from ringtrain.algorithms.tcp_mesh import Mesh
 from ringtrain.config import env_var
 from ringtrain.environ import Ringtrain, Torch
-from ringtrain.errors import ConfigError
 from ringtrain.host.network import local_address
 
 BACKEND = "ringtrain_tcp"
