@@ -1,0 +1,128 @@
+"""ringtrain on Spark (issue 27): ``ringtrain.spark.run`` (``horovod.spark.run``'s meaning) and
+Spark's own TorchDistributor running a ringtrain script unchanged, on a real Spark
+``local-cluster[2,1,1024]`` (2 executor JVMs of 1 core each). One Spark session serves the module:
+Spark starts slowly.
+
+Needs pyspark (``ringtrain[spark]``, installed by scripts/setup) and Java (scripts/setup installs
+Debian's headless JDK when ``java`` is missing); the module skips, saying which, without them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.timeout(600)
+pyspark = pytest.importorskip(
+    "pyspark", reason="pyspark is not installed: pip install 'ringtrain[spark]'"
+)
+if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+    pytest.skip(
+        "Spark needs Java: run scripts/setup as root to install it", allow_module_level=True
+    )
+
+from pyspark.sql import SparkSession  # noqa: E402
+
+import ringtrain.spark  # noqa: E402
+
+JOB = Path(__file__).with_name("ringtrain_job.py")
+# The ranks' processes cannot import this test module: its functions travel by value (those of
+# a user's __main__ script do so anyway).
+pyspark.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    session = (
+        SparkSession.builder.master("local-cluster[2,1,1024]")
+        .appName("ringtrain-tests")
+        .config("spark.driver.memory", "1g")
+        .config("spark.ui.enabled", "false")
+        .config("spark.executorEnv.OMP_NUM_THREADS", "1")
+        # A barrier stage larger than the cluster fails after this many checks (default 40, 15 s
+        # apart: 10 minutes, for clusters that grow).
+        .config("spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures", "1")
+        .config("spark.scheduler.barrier.maxConcurrentTasksCheck.interval", "1s")
+        .getOrCreate()
+    )
+    try:
+        yield session
+    finally:
+        session.stop()
+
+
+def _train(steps: int, lr: float = 0.1) -> dict[str, Any]:
+    import torch
+
+    import ringtrain.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    torch.manual_seed(100 + hvd.rank())
+    model = torch.nn.Linear(4, 1)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=lr), named_parameters=model.named_parameters()
+    )
+    data = torch.Generator().manual_seed(hvd.rank())
+    for _ in range(steps):
+        x = torch.randn(8, 4, generator=data)
+        opt.zero_grad()
+        (model(x) - x.sum(1, keepdim=True)).pow(2).mean().backward()
+        opt.step()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    every = hvd.allgather(weights.unsqueeze(0))
+    out = {
+        "rank": hvd.rank(),
+        "size": hvd.size(),
+        "identical": all(torch.equal(every[0], every[r]) for r in range(hvd.size())),
+        "sum": hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item(),
+    }
+    hvd.shutdown()
+    return out
+
+
+def _fail(rank_to_fail: int) -> None:
+    import ringtrain.torch as hvd
+
+    raise ValueError(f"boom in every rank (rank {rank_to_fail} asked)")
+    hvd.init()  # never reached
+
+
+def test_run_returns_the_results_by_rank(spark: Any) -> None:
+    res = ringtrain.spark.run(_train, args=(3,), kwargs={"lr": 0.05}, num_proc=2)
+    assert [r["rank"] for r in res] == [0, 1]
+    for r in res:
+        assert r["size"] == 2 and r["identical"] and r["sum"] == 3.0
+
+
+def test_a_failing_rank_fails_the_run_with_its_traceback(spark: Any) -> None:
+    with pytest.raises(Exception, match="boom in every rank"):
+        ringtrain.spark.run(_fail, args=(1,), num_proc=2)
+
+
+def test_more_ranks_than_slots_is_spark_s_error(spark: Any) -> None:
+    with pytest.raises(Exception, match=r"(?i)barrier"):
+        ringtrain.spark.run(_train, args=(1,), num_proc=3)
+
+
+def test_torch_distributor_runs_a_ringtrain_script_unchanged(spark: Any, tmp_path: Path) -> None:
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(str(JOB), str(tmp_path))
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in res:
+        assert r["size"] == 2 and r["launcher"] == "torchrun"
+        assert r["identical"] and r["trained"]
+    # TorchDistributor starts one torchrun "node" per Spark task: the launcher's answer is
+    # two nodes of one rank each, and ringtrain takes it.
+    assert {(r["local_size"], r["cross_size"]) for r in res} == {(1, 2)}
