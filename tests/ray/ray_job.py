@@ -58,6 +58,7 @@ def _dump(out_dir: str, name: str, data: dict) -> None:
 
 def trainer_fn(config: dict) -> None:
     import ray.train
+    import torch.distributed
 
     import ringtrain.torch as hvd
 
@@ -65,6 +66,7 @@ def trainer_fn(config: dict) -> None:
     out = facts(hvd)
     out["ray_world_rank"] = ray.train.get_context().get_world_rank()
     out["interface"] = os.environ.get("GLOO_SOCKET_IFNAME")
+    out["backend"] = torch.distributed.get_backend()
     out["sum"] = allreduce_check(hvd)
     _dump(config["out_dir"], f"trainer-{hvd.rank()}.json", out)
     hvd.shutdown()
@@ -79,7 +81,11 @@ def run_trainer(out_dir: str, own_group: bool) -> dict:
     kwargs = (
         {}
         if own_group
-        else {"torch_config": RingtrainConfig(network_interface="eth0", settings={"timeout_s": 60})}
+        else {
+            "torch_config": RingtrainConfig(
+                network_interface="eth0", secure=True, settings={"timeout_s": 60}
+            )
+        }
     )
     TorchTrainer(
         trainer_fn,
