@@ -59,6 +59,7 @@ PLACEMENT_VARS = frozenset(
         "RINGTRAIN_RENDEZVOUS_HOSTED",
         "RINGTRAIN_JOB_ID",
         "RINGTRAIN_KEY_FD",
+        "RINGTRAIN_HEARTBEAT_FD",  # the agent's heartbeat pipe (runtime/heartbeat.py)
         # elastic jobs: the rank's stable identity and the launcher's limits (launch/elastic.py)
         "RINGTRAIN_ELASTIC_ID",
         "RINGTRAIN_ELASTIC_TIMEOUT",

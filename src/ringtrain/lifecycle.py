@@ -19,7 +19,7 @@ from ringtrain.collectives.step_timing import StepTimer
 from ringtrain.config import Config
 from ringtrain.diagnostics import engine_wait, timeline
 from ringtrain.launch import elastic as elastic_launch
-from ringtrain.runtime import state
+from ringtrain.runtime import heartbeat, state
 from ringtrain.runtime.process_sets import ProcessSet
 
 log = logging.getLogger("ringtrain")
@@ -46,6 +46,7 @@ def init(
     global _atexit_registered
     if state.is_initialized():
         return
+    heartbeat.start()  # under `ringtrain run`: the agent finds a rank that stops responding
     if config is None:
         config = Config.from_env(**settings)
     elif settings:
