@@ -51,6 +51,7 @@ class Ringtrain:
     RENDEZVOUS_HOSTED = "RINGTRAIN_RENDEZVOUS_HOSTED"
     JOB_ID = "RINGTRAIN_JOB_ID"
     KEY_FD = "RINGTRAIN_KEY_FD"  # the job key, on an inherited file descriptor
+    HEARTBEAT_FD = "RINGTRAIN_HEARTBEAT_FD"  # the agent's heartbeat pipe (runtime/heartbeat.py)
     # elastic jobs: the rank's stable identity and the launcher's limits (launch/elastic.py)
     ELASTIC_ID = "RINGTRAIN_ELASTIC_ID"
     ELASTIC_TIMEOUT = "RINGTRAIN_ELASTIC_TIMEOUT"

@@ -21,7 +21,7 @@ from ringtrain.collectives.step_timing import StepTimer
 from ringtrain.config import Config
 from ringtrain.diagnostics import engine_wait, timeline, trainjob_status
 from ringtrain.launch import elastic as elastic_launch
-from ringtrain.runtime import membership, state
+from ringtrain.runtime import heartbeat, membership, state
 from ringtrain.runtime.process_sets import ProcessSet
 
 log = logging.getLogger("ringtrain")
@@ -48,6 +48,7 @@ def init(
     global _atexit_registered
     if state.is_initialized():
         return
+    heartbeat.start()  # under `ringtrain run`: the agent finds a rank that stops responding
     if config is None:
         config = Config.from_env(**settings)
     elif settings:

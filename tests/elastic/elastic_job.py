@@ -4,7 +4,7 @@
 undisturbed run's only if every sample of every epoch was trained on exactly once, whatever the
 world size did in between. ``MODE=optimizer`` trains ``w`` through DistributedOptimizer (op=Sum, SGD lr=1, a loss whose
 gradient is each sample's (1, x, x^2)), so ``w`` ends at minus that. ``VICTIM=<id>`` SIGKILLs that rank mid-epoch, after a commit and one
-uncommitted batch, in the job's first world (``KILL=agent``: its agent instead, so every rank
+uncommitted batch, in the job's first world (``KILL=stop``: SIGSTOPs it instead; ``KILL=agent``: its agent instead, so every rank
 of its host vanishes at once, as when a host is lost; ``KILL=cut``: it says so and stops, and
 the test cuts its host's network link, so the host falls silent).
 """
@@ -74,6 +74,8 @@ def main() -> None:
                     say(f"kill id={me} t={time.time():.3f}")
                     if os.environ.get("KILL") == "cut":  # the test cuts this host's link now
                         time.sleep(3600)
+                    if os.environ.get("KILL") == "stop":  # silent, not dead: the heartbeat
+                        os.kill(os.getpid(), signal.SIGSTOP)
                     if os.environ.get("KILL") == "agent":
                         os.kill(os.getppid(), signal.SIGKILL)
                         time.sleep(60)  # PR_SET_PDEATHSIG ends this rank with its agent

@@ -33,6 +33,10 @@ from ringtrain.launch.tuning import ALLOCATORS, LIB_DIRS
 
 TAIL_LINES = 20
 _PR_SET_PDEATHSIG = 1
+# A rank that beat once (ringtrain.init, runtime/heartbeat.py: every 0.5 s) and then stays
+# silent this long is taken for stopped (SIGSTOP, a frozen VM) and killed, so the launcher
+# handles it like a dead rank. Detection takes at most this plus the reap loop's 20 ms.
+SILENT_S = 4.0
 
 
 def host_facts() -> dict[str, Any]:
@@ -78,6 +82,8 @@ class Agent:
         self._readers: dict[int, list[threading.Thread]] = {}
         self._grace_s = 3.0
         self._stopping = False
+        self._beats: dict[int, float] = {}  # rank -> time of its last heartbeat
+        self._silent: dict[int, float] = {}  # rank -> how long it was silent when killed
 
     def send(self, kind: str, **fields: Any) -> None:
         # If the launcher is gone, the stdin watcher stops everything.
@@ -106,13 +112,15 @@ class Agent:
         env = dict(environ.current())
         env.update(r["env"])
         cpus = r.get("cpus")
-        pass_fds: tuple[int, ...] = ()
+        beat_r, beat_w = os.pipe()
+        env[Ringtrain.HEARTBEAT_FD] = str(beat_w)
+        pass_fds: tuple[int, ...] = (beat_w,)
         key_w = None
         if key:
             # The job key reaches the rank through an inherited pipe, never argv or env.
             key_r, key_w = os.pipe()
             env[Ringtrain.KEY_FD] = str(key_r)
-            pass_fds = (key_r,)
+            pass_fds = (beat_w, key_r)
         self._tails[rank] = collections.deque(maxlen=TAIL_LINES)
         try:
             proc = subprocess.Popen(
@@ -131,15 +139,50 @@ class Agent:
             line = f"cannot start {r['argv'][0]!r}: {what}"
             self._tails[rank].append(line)
             self.send("exit", rank=rank, code=127, signal=None, tail=[line])
+            os.close(beat_r)
             return
         finally:
+            os.close(beat_w)
             if key_w is not None:
                 with contextlib.suppress(OSError):
                     os.write(key_w, key.encode() + b"\n")  # type: ignore[union-attr]
                 os.close(key_w)
-                os.close(pass_fds[0])
+                os.close(pass_fds[1])
         self._procs[rank] = proc
+        threading.Thread(target=self._listen, args=(rank, beat_r), daemon=True).start()
         self.send("started", rank=rank, pid=proc.pid)
+
+    def _listen(self, rank: int, fd: int) -> None:
+        """Note each heartbeat of ``rank`` (none come from a rank that never calls init)."""
+        try:
+            while data := os.read(fd, 4096):
+                if b"!" in data:  # goodbye: exiting; the beats stop before the process does
+                    self._beats.pop(rank, None)
+                    self._silent[rank] = 0.0  # never checked again
+                    continue
+                self._beats[rank] = time.monotonic()
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def _check_silent(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        """Kill ``rank`` if it beat before and has been silent for :data:`SILENT_S`."""
+        last = self._beats.get(rank)
+        if last is None or rank in self._silent or self._stopping:
+            return
+        silent = time.monotonic() - last
+        if silent < SILENT_S:
+            return
+        self._silent[rank] = silent
+        line = (
+            f"ringtrain: rank {rank} (pid {proc.pid}) stopped responding: no heartbeat for "
+            f"{silent:.1f} s (stopped, or frozen); killing it"
+        )
+        self._tails[rank].append(line)
+        self.send("out", rank=rank, fd=2, line=line, end="\n")
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
     def _pump(self, rank: int, fd: int, stream: IO[bytes] | None) -> None:
         """Relay output as it comes, split at newlines and at carriage returns, so progress
@@ -174,6 +217,7 @@ class Agent:
             for rank, proc in list(pending.items()):
                 code = proc.poll()
                 if code is None:
+                    self._check_silent(rank, proc)
                     continue
                 del pending[rank]
                 # Let the output pumps drain so the exit report comes after the last lines.
@@ -186,6 +230,7 @@ class Agent:
                     code=code if code >= 0 else None,
                     signal=sig,
                     tail=list(self._tails[rank]),
+                    silent_s=self._silent.get(rank) or None,
                 )
             time.sleep(0.02)
         self.send("done")

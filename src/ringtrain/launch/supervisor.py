@@ -510,7 +510,10 @@ class Supervisor:
             return
         if self._failure is not None or self._interrupts:
             return  # stopped by us after the first failure, or by Ctrl-C
-        if sig is not None:
+        if msg.get("silent_s") is not None:
+            how = f"stopped responding (no heartbeat for {msg['silent_s']:.1f} s) and was killed"
+            exit_code = 128 + int(signal.SIGKILL)
+        elif sig is not None:
             signum = int(signal.Signals[sig])
             how, exit_code = f"was killed by {sig}", 128 + signum
         else:

@@ -1,0 +1,55 @@
+"""This rank's heartbeat: a byte to its agent every :data:`INTERVAL_S` (``ringtrain run`` only).
+
+The agent that started the rank passes the write end of a pipe as ``RINGTRAIN_HEARTBEAT_FD``;
+``ringtrain.init`` starts a daemon thread that writes to it. A rank that stops without dying
+(SIGSTOP, a frozen VM) stops beating, and its agent kills it once it has been silent for
+``launch.agent.SILENT_S``, so the job handles it like a dead rank (:mod:`ringtrain.launch.agent`).
+The thread only writes to a pipe, never calls into torch, so it is safe at interpreter exit;
+at exit the rank says goodbye, since the thread stops before the process ends. Limit: a rank
+whose main thread holds the GIL for longer than that (a long call into C that does not
+release it) is taken for stopped too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Mapping
+
+from ringtrain import environ
+from ringtrain.environ import Ringtrain
+
+VAR = Ringtrain.HEARTBEAT_FD
+INTERVAL_S = 0.5
+BEAT, GOODBYE = b".", b"!"  # GOODBYE: the process is exiting (its daemon threads stop soon)
+_started: set[int] = set()
+
+
+def start(env: Mapping[str, str] | None = None) -> bool:
+    """Start beating on the agent's pipe, once per process; False when there is none."""
+    raw = (environ.current() if env is None else env).get(VAR, "").strip()
+    if not raw:
+        return False
+    fd = int(raw)
+    if fd in _started:
+        return True
+    _started.add(fd)
+
+    def beat() -> None:
+        with contextlib.suppress(OSError):  # the agent is gone: nobody listens any more
+            while True:
+                os.write(fd, BEAT)
+                time.sleep(INTERVAL_S)
+
+    def goodbye() -> None:
+        with contextlib.suppress(OSError):
+            os.write(fd, GOODBYE)
+
+    threading.Thread(target=beat, name="ringtrain-heartbeat", daemon=True).start()
+    # Interpreter finalization stops daemon threads while the process may take seconds more
+    # to exit: the agent stops watching a rank that said goodbye.
+    atexit.register(goodbye)
+    return True

@@ -1,0 +1,53 @@
+"""A rank that stops without dying (SIGSTOP) is found by its heartbeat and handled like a dead
+rank: elastic, the world re-forms without it; otherwise the job ends naming it. The ranks run
+on the launcher's own host."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+JOB = Path(__file__).parents[1] / "elastic" / "elastic_job.py"
+N, EPOCHS = 60, 2  # as in elastic_job.py
+EXPECTED = [N * EPOCHS, EPOCHS * N * (N + 1) // 2, EPOCHS * N * (N + 1) * (2 * N + 1) // 6]
+
+
+def _job(*flags: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "VICTIM": "1", "KILL": "stop", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [
+            sys.executable, "-m", "ringtrain", "run", "-np", "3", "--timeout", "200", *flags,
+            sys.executable, str(JOB),
+        ],
+        capture_output=True, text=True, timeout=280, env=env,
+    )  # fmt: skip
+
+
+def _silence(stderr: str) -> float:
+    m = re.search(r"rank 1 .*stopped responding \(no heartbeat for ([\d.]+) s\)", stderr)
+    assert m, stderr
+    return float(m.group(1))
+
+
+@pytest.mark.timeout(300)
+def test_stopped_rank_ends_the_job_naming_it() -> None:
+    proc = _job()
+    assert proc.returncode != 0
+    assert _silence(proc.stderr) >= 4.0  # the agent's SILENT_S: found by silence, not earlier
+
+
+@pytest.mark.timeout(300)
+def test_stopped_rank_leaves_an_elastic_world() -> None:
+    proc = _job("--min-np", "2", "--elastic-timeout", "60")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _silence(proc.stderr) >= 4.0
+    assert "re-forming the world with the 2 remaining rank(s) [0, 2]" in proc.stderr
+    done = [line for line in proc.stdout.splitlines() if " done " in line]
+    assert len(done) == 2
+    for line in done:
+        assert f"w={EXPECTED}".replace(" ", "") in line  # every sample exactly once
