@@ -20,6 +20,8 @@ GROUPS = (
     environ.MPICH,
     environ.Slurm,
     environ.Kubeflow,
+    environ.KubeflowTrainer,
+    environ.Ray,
     environ.Threads,
     environ.Process,
 )

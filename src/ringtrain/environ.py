@@ -155,6 +155,24 @@ class Kubeflow:
     NODE_RANK = "PET_NODE_RANK"
 
 
+class KubeflowTrainer:
+    """Kubeflow Trainer's progress endpoint, injected into a TrainJob's pods
+    (:mod:`ringtrain.diagnostics.trainjob_status`)."""
+
+    SERVER_URL = "KUBEFLOW_TRAINER_SERVER_URL"
+    SERVER_CA_CERT = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
+    SERVER_TOKEN = "KUBEFLOW_TRAINER_SERVER_TOKEN"
+
+
+class Ray:
+    """Ray's own, which the Ray test cluster sets for its nodes and drivers."""
+
+    ADDRESS = "RAY_ADDRESS"
+    AUTH_MODE = "RAY_AUTH_MODE"
+    AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
+    USAGE_STATS_ENABLED = "RAY_USAGE_STATS_ENABLED"
+
+
 class Threads:
     """Thread pools' settings: how many threads each rank starts, and where."""
 

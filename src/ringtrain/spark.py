@@ -24,6 +24,8 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from ringtrain import environ
+from ringtrain.environ import Ringtrain
 from ringtrain.errors import ConfigError, LaunchEnvironmentError
 
 # How long task 0's store waits for the others (they start together: a barrier stage).
@@ -92,14 +94,16 @@ def _run_rank(ctx: Any, size: int, payload: bytes, extra: Mapping[str, str]) -> 
             use_libuv=True,
         )
     port = ctx.allGather(str(store.port) if store is not None else "")[0]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RINGTRAIN_", "HOROVOD_"))}
+    env = {
+        k: v for k, v in environ.current().items() if not k.startswith(("RINGTRAIN_", "HOROVOD_"))
+    }
     env.update(
         {
-            "RINGTRAIN_RANK": str(rank),
-            "RINGTRAIN_SIZE": str(size),
-            "RINGTRAIN_RENDEZVOUS_ADDR": host,
-            "RINGTRAIN_RENDEZVOUS_PORT": port,
-            "RINGTRAIN_RENDEZVOUS_HOSTED": "1",
+            Ringtrain.RANK: str(rank),
+            Ringtrain.SIZE: str(size),
+            Ringtrain.RENDEZVOUS_ADDR: host,
+            Ringtrain.RENDEZVOUS_PORT: port,
+            Ringtrain.RENDEZVOUS_HOSTED: "1",
             **extra,
         }
     )

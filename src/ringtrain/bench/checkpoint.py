@@ -79,7 +79,7 @@ def bench_checkpoint(params: CheckpointParams) -> CheckpointResult:
         opt.step()
         return time.perf_counter() - t0
 
-    root = params.directory or (
+    root: str = params.directory or str(
         ringtrain.broadcast_object(tempfile.mkdtemp(prefix="ringtrain-bench-ckpt-"))
         if ringtrain.rank() == 0
         else ringtrain.broadcast_object(None)

@@ -25,13 +25,19 @@ import torch.utils.data
 from ringtrain.errors import ConfigError
 
 
-def save(sampler: Any) -> dict[str, Any]:
-    from ringtrain.elastic.sampler import ElasticSampler
+def _records_indices(sampler: Any) -> bool:
+    """Whether ``sampler`` keeps the indices it processed, as ElasticSampler does (known by its
+    surface: the elastic package is built on this one, so it is not imported here)."""
+    return hasattr(sampler, "processed_indices") and callable(
+        getattr(sampler, "load_state_dict", None)
+    )
 
+
+def save(sampler: Any) -> dict[str, Any]:
     consumed = None
     if isinstance(sampler, tuple):
         sampler, consumed = sampler
-    if isinstance(sampler, ElasticSampler):
+    if _records_indices(sampler):
         return {
             "kind": "elastic",
             "epoch": sampler.epoch,
@@ -109,13 +115,11 @@ def remaining(states: list[dict[str, Any]]) -> tuple[int, list[int]]:
 def restore(sampler: Any, states: list[dict[str, Any]], rank: int, size: int) -> Any:
     """Put the saved position into ``sampler``; returns what to iterate for the rest of the
     epoch (the sampler itself, or a :class:`Remaining`)."""
-    from ringtrain.elastic.sampler import ElasticSampler
-
     if isinstance(sampler, tuple):
         sampler = sampler[0]
     epoch, indices = remaining(states)
     if states[0]["kind"] == "elastic":
-        if not isinstance(sampler, ElasticSampler):
+        if not _records_indices(sampler):
             raise ConfigError(
                 f"the checkpoint holds an ElasticSampler's position, got {type(sampler).__name__}"
             )

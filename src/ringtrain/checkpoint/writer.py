@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 
+from ringtrain import environ
 from ringtrain.checkpoint import api, manifest, store
+from ringtrain.environ import Process
 from ringtrain.errors import CheckpointError
 
 _MAIN = "from ringtrain.checkpoint.writer import main; main()"
@@ -111,7 +113,8 @@ class Checkpointer:
         daemonic multiprocessing child, which may not have children of its kind)."""
         r1, w1 = os.pipe()
         r2, w2 = os.pipe()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        env = dict(environ.current())
+        env[Process.PYTHONPATH] = os.pathsep.join(p for p in sys.path if p)
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _MAIN, str(r1), str(w2)],

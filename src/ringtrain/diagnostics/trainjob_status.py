@@ -35,11 +35,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ringtrain.environ import KubeflowTrainer
+
 log = logging.getLogger("ringtrain")
 
-URL_VAR = "KUBEFLOW_TRAINER_SERVER_URL"
-CA_CERT_VAR = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
-TOKEN_VAR = "KUBEFLOW_TRAINER_SERVER_TOKEN"
+URL_VAR = KubeflowTrainer.SERVER_URL
+CA_CERT_VAR = KubeflowTrainer.SERVER_CA_CERT
+TOKEN_VAR = KubeflowTrainer.SERVER_TOKEN
 # At most one post per this many seconds (the Kubeflow SDK throttles to the same).
 MIN_INTERVAL_S = 5.0
 # A post that takes longer is abandoned; the next one tries again.

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ringtrain.config import Config, env_var
+from ringtrain.environ import Ringtrain
 from ringtrain.errors import ConfigError
 from ringtrain.launch import rank_env
 from ringtrain.launch.plan import ProcessSpec
@@ -70,7 +71,7 @@ def rank_environment(
 ) -> dict[str, str]:
     """The variables of one rank: the ones ``ringtrain run`` gives (both spellings)."""
     env = rank_env.placement(spec, rank_env.Rendezvous(addr, port, job_id))
-    env["RINGTRAIN_RENDEZVOUS_HOSTED"] = "1" if store_hosted else "0"
+    env[Ringtrain.RENDEZVOUS_HOSTED] = "1" if store_hosted else "0"
     return env
 
 

@@ -11,6 +11,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
+from ringtrain import environ
 from ringtrain.ray.placement import WorkerFacts
 from ringtrain.security import keys
 
@@ -31,12 +32,12 @@ def set_environment(env: Mapping[str, str], key: bytes | None = None) -> int:
     """Export ``env`` in this process; with ``key``, hand the job key to ``hvd.init()`` through
     a pipe (``RINGTRAIN_KEY_FD``) as ``ringtrain run --secure`` does: never in the environment,
     argv or a file. Returns this process's pid."""
-    os.environ.update(env)
+    environ.update(env)
     if key is not None:
         read_end, write_end = os.pipe()
         os.write(write_end, keys.encode_key(key))
         os.close(write_end)
-        os.environ[keys.KEY_FD_VAR] = str(read_end)
+        environ.set_var(keys.KEY_FD_VAR, str(read_end))
     return os.getpid()
 
 

@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ringtrain import environ
+from ringtrain.environ import Process, Ray, Threads
 from ringtrain.testing.cluster import Cluster
 
 RAY_PORT = 6379
@@ -80,17 +82,17 @@ class RayCluster:
         """What every Ray process of this cluster needs: the token, and nothing sent home."""
         env = {
             k: v
-            for k, v in os.environ.items()
+            for k, v in environ.current().items()
             if not k.startswith(("RAY_", "RINGTRAIN_", "HOROVOD_", "MASTER_", "OMP_"))
         }
         env.update(
             {
-                "RAY_AUTH_MODE": "token",
-                "RAY_AUTH_TOKEN_PATH": str(self.token_path),
-                "RAY_USAGE_STATS_ENABLED": "0",
-                "PYTHONUNBUFFERED": "1",
+                Ray.AUTH_MODE: "token",
+                Ray.AUTH_TOKEN_PATH: str(self.token_path),
+                Ray.USAGE_STATS_ENABLED: "0",
+                Process.PYTHONUNBUFFERED: "1",
                 # A 2-core machine: one torch thread per process keeps the hosts responsive.
-                "OMP_NUM_THREADS": "1",
+                Threads.OMP_NUM_THREADS: "1",
             }
         )
         return env
@@ -170,7 +172,7 @@ class RayCluster:
         """Run a driver program inside ``host`` with the cluster's address and token."""
         full = {
             **self.env,
-            "RAY_ADDRESS": self.address,
+            Ray.ADDRESS: self.address,
             "RINGTRAIN_TEST_NODE_IP": self.node_ip(host),
             **(env or {}),
         }
@@ -181,7 +183,7 @@ class RayCluster:
     ) -> subprocess.Popen[Any]:
         full = {
             **self.env,
-            "RAY_ADDRESS": self.address,
+            Ray.ADDRESS: self.address,
             "RINGTRAIN_TEST_NODE_IP": self.node_ip(host),
             **(env or {}),
         }
