@@ -2,6 +2,9 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 NP ?= 4
+# pytest-xdist workers for `make unit`: 0 runs the tests serially (the default until a parallel
+# run of the whole suite is shown to pass: see the README); JOBS=auto is one worker per core.
+JOBS ?= 0
 
 .PHONY: setup demo test lint unit
 
@@ -17,7 +20,9 @@ lint: setup
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# --dist loadgroup: with JOBS > 0 the namespace-cluster tests share one worker (tests/conftest.py
+# groups them), so they never contend with each other; everything else is spread over the workers.
 unit: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(JOBS) --dist loadgroup
 
 test: lint unit

@@ -3,6 +3,10 @@
 Tests written once against ``ringtrain.rank()``/``size()`` run at every world size through the
 ``world`` fixture. The guard fails a test that leaves environment variables changed, threads
 running, or a process group initialized in the test process.
+
+Under pytest-xdist (``make unit``: ``-n auto --dist loadgroup``) every worker keeps its own
+worlds (their stores listen on port 0), and the namespace-cluster tests all go to one worker,
+in file order, so a module's cluster is made once and no two clusters' jobs share the cores.
 """
 
 from __future__ import annotations
@@ -53,6 +57,18 @@ def _no_leaks() -> Iterator[None]:
         import torch.distributed as dist
 
         assert not dist.is_initialized(), "test left the default process group initialized"
+
+
+CLUSTER_FIXTURES = {"cluster", "make_cluster", "cluster_tools"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if item.get_closest_marker("cluster") or fixtures & CLUSTER_FIXTURES:
+            item.add_marker(pytest.mark.xdist_group("cluster"))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
