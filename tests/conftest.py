@@ -62,6 +62,9 @@ def _no_leaks() -> Iterator[None]:
 CLUSTER_FIXTURES = {"cluster", "make_cluster", "cluster_tools"}
 
 
+# tryfirst: xdist's own hook turns the xdist_group marker into the scheduling group, so the
+# marker must be on the item before that hook runs.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.pluginmanager.hasplugin("xdist"):
         return
