@@ -27,10 +27,8 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import ssl
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -187,6 +185,11 @@ class Reporter:
                 return
 
     def _post(self, p: Progress) -> None:
+        # Imported here, on the reporter's thread: every rank imports this module, and only a
+        # TrainJob's rank 0 posts (some sandboxes, Gramine stand-ins among them, lack _ssl).
+        import ssl
+        import urllib.request
+
         try:
             body = json.dumps(payload(p, datetime.datetime.now(datetime.UTC))).encode()
             headers = {"Content-Type": "application/json"}
