@@ -178,10 +178,13 @@ class Reporter:
                 wait = self._last_post + self._interval_s - self._clock()
                 if wait > 0:
                     self._stop.wait(wait)
+            # Read before the snapshot: a close() that comes while this post is on its way
+            # leaves _dirty set, so the loop posts once more, with the final counts.
+            stopping = self._stop.is_set()
             self._dirty.clear()
             self._last_post = self._clock()
             self._post(self.snapshot())
-            if self._stop.is_set():
+            if stopping:
                 return
 
     def _post(self, p: Progress) -> None:
