@@ -182,7 +182,8 @@ def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
             "bench converge --task digits needs scikit-learn's digits data.\n"
             "HINT: pip install 'ringtrain[demo]' (scikit-learn), or use --task lm."
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data" / "digits.csv.gz"
+    package = Path(next(iter(spec.submodule_search_locations)))
+    path = package / "datasets" / "data" / "digits.csv.gz"
     with gzip.open(path, "rt") as f:
         rows = [[float(v) for v in line.split(",")] for line in f if line.strip()]
     data = torch.tensor(rows)
