@@ -237,6 +237,30 @@ def _one_rank() -> bool:
     return opt.local_update is None and torch.equal(_weights(a), _weights(b))
 
 
+def _clashes() -> list[str]:
+    out = []
+    for extra in ({"shard_optimizer": True}, {"overlap": True}):
+        model = Tiny()
+        try:
+            rt.DistributedOptimizer(
+                torch.optim.Adam(model.parameters()),
+                model.named_parameters(),
+                sync_every=4,
+                **extra,
+            )
+        except ConfigError as e:
+            out.append(str(e))
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_sharding_and_overlap_are_refused_with_local_updates() -> None:
+    for messages in spawn.world(2).run(_clashes, timeout=120):
+        assert len(messages) == 2
+        assert "shard_optimizer" in messages[0] and "overlap" in messages[1]
+        assert all("HINT" in m for m in messages)
+
+
 @pytest.mark.timeout(180)
 def test_one_rank_trains_as_the_plain_optimizer() -> None:
     """Nothing to exchange at world size 1: no outer step, the weights of plain training."""

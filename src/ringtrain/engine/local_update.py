@@ -252,6 +252,13 @@ def build(opt: Any, sync_every: int) -> LocalUpdate | None:
     """The local-update step for ``opt`` (a DistributedOptimizer), or None where nothing is
     exchanged (one rank, or a rank outside the process set): it then trains as the plain
     optimizer does."""
+    clash = _clash(opt)
+    if clash:
+        raise ConfigError(
+            f"sync_every={sync_every} (local updates) cannot be combined with {clash}: no "
+            "gradient is exchanged between outer steps, so there is nothing to shard or "
+            f"overlap.\nHINT: drop {clash}, or sync_every."
+        )
     comm = opt._comm
     if opt._size == 1 or not comm.included:
         return None
@@ -259,6 +266,12 @@ def build(opt: Any, sync_every: int) -> LocalUpdate | None:
     return LocalUpdate(
         opt.optimizer, opt._params, comm.group("engine"), sync_every, factory, compression
     )
+
+
+def _clash(opt: Any) -> str:
+    """The settings of ``opt`` that make no sense with local updates ("" when none)."""
+    names = [n for n, on in (("shard_optimizer", opt._shard_mode), ("overlap", opt._overlap)) if on]
+    return " and ".join(names)
 
 
 def auto_compression(compression: Any, config: Any) -> Any:
@@ -286,6 +299,8 @@ def switch_after_tuning(opt: Any, tuner: Any) -> int:
         every, why = 0, "compression=auto settled without measuring (restored), so synchronous."
     else:
         every, why = choose_sync_every(tuner.measurement, decision.predicted_step_s)
+        if every and _clash(opt):
+            every, why = 0, f"{why} But {_clash(opt)} is set, so synchronous."
     if opt._comm.set_rank == 0:
         chosen = f"local updates every {every} steps" if every else "synchronous training"
         log.warning("ringtrain sync_every=auto chose %s: %s", chosen, why)
