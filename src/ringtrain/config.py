@@ -36,6 +36,9 @@ ENV_PREFIX = environ.PREFIX
 # holds the two equal). Listed here, torch-free, so that `ringtrain run --compression` is checked
 # before any rank starts; a script may register more and name them itself.
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk", "auto")
+# The local-update step's outer exchange wires (ringtrain.engine.outer_codec.CODECS, a test
+# holds the two equal).
+OUTER_COMPRESSIONS = ("none", "fp16", "bf16", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,14 @@ class Config:
     # parameters are updated as its reduction completes and the next forward waits per module
     # (cross-iteration overlap, ringtrain.engine.overlap). Opt-in.
     overlap: bool = False
+    # DistributedOptimizer: local updates (DiLoCo, ringtrain.engine.local_update): each rank
+    # takes this many steps alone, then the averaged change of the weights takes an outer step.
+    # "0" trains synchronously; "auto" picks local updates and the number from the measured link
+    # and compute (with compression="auto"), only where synchronous training cannot reach 80%.
+    sync_every: str = "0"
+    # The local-update step's outer exchange: "none", "fp16", "bf16", "int8" or "int4" (the
+    # narrow ones with error feedback).
+    outer_compression: str = "fp16"
     # Seal every message with AES-256-GCM and authenticate the rendezvous.
     secure: bool = False
     # Path to the job key (e.g. a mounted Kubernetes Secret) when not started by ringtrain run.
@@ -169,6 +180,19 @@ class Config:
             raise ConfigError(
                 f"transport must be 'auto', 'gloo' or 'tcp', got {self.transport!r}\n"
                 "HINT: 'tcp' runs in enclaves (no netlink), 'gloo' is fastest elsewhere."
+            )
+        every = str(self.sync_every).strip().lower()
+        if every != "auto" and not (every.isdigit()):
+            raise ConfigError(
+                f"sync_every must be a number of steps >= 0 or 'auto', got {self.sync_every!r}\n"
+                "HINT: 0 trains synchronously; 100 averages the weights every 100 local steps."
+            )
+        object.__setattr__(self, "sync_every", every)
+        if self.outer_compression not in OUTER_COMPRESSIONS:
+            raise ConfigError(
+                f"outer_compression must be one of {', '.join(OUTER_COMPRESSIONS)}, got "
+                f"{self.outer_compression!r}\nHINT: fp16 halves the outer exchange; int8 and "
+                "int4 cut it 4x and 8x, with error feedback."
             )
         if self.engine_streams < 1:
             raise ConfigError(f"engine_streams must be >= 1, got {self.engine_streams}")

@@ -5,6 +5,7 @@
     ringtrain bench secure -np 2 --sizes 64K..64M --json secure.json
     ringtrain bench checks -np 2 --json checks.json
     ringtrain bench checkpoint -np 4 --model transformer-25m --json ckpt.json
+    ringtrain bench converge -np 2 --task digits --json converge.json --plot converge.png
     ringtrain run -np 2 -H h0:1,h1:1 -- python -m ringtrain.bench train --model cnn
     ringtrain run --secure -H h0:1,h1:1 -- python -m ringtrain.bench secure --link-mbps 1000
 
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ringtrain.bench import checkpoint as ckpt_bench
-from ringtrain.bench import checks, ranks, secure
+from ringtrain.bench import checks, converge, ranks, secure
 from ringtrain.bench.allreduce import DEFAULT_SIZES, AllreduceParams
 from ringtrain.bench.models import PRESETS
 from ringtrain.bench.registry import BENCHMARKS
@@ -272,6 +273,38 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     tr.add_argument("--seed", type=int, default=0)
     _common(tr)
+    _converge_parser(sub)
+
+
+def _converge_parser(sub: Any) -> None:
+    cv = sub.add_parser(
+        "converge",
+        help="wall time to a target quality: DDP, ringtrain, PowerSGD, local updates",
+        description=(
+            "Time to a target quality (digits: test accuracy; lm: held-out loss of a small "
+            "transformer on generated text), for DDP, ringtrain synchronous, PowerSGD and local "
+            "updates (sync_every), one after the other from the same seed; with the bytes the "
+            "interfaces sent per sample. Run with -np 1 for the one-host reference."
+        ),
+    )
+    cv.add_argument("--task", default="digits", choices=converge.TASKS)
+    cv.add_argument(
+        "--variants",
+        default=",".join(converge.VARIANTS),
+        help=f"comma-separated subset of {','.join(converge.VARIANTS)}",
+    )
+    cv.add_argument(
+        "--target", type=float, default=None, help="accuracy (digits, 0.95) or loss (lm)"
+    )
+    cv.add_argument("--max-steps", type=int, default=3000)
+    cv.add_argument("--batch-size", type=int, default=32, help="per rank and step")
+    cv.add_argument("--lr", type=float, default=1e-3, help="Adam's (the inner one for local)")
+    cv.add_argument("--sync-every", type=int, default=16, help="the local variant's H")
+    cv.add_argument("--outer-compression", default="fp16")
+    cv.add_argument("--eval-every", type=int, default=16)
+    cv.add_argument("--width", type=int, default=64, help="lm: the model width")
+    cv.add_argument("--seed", type=int, default=0)
+    _common(cv)
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -340,6 +373,20 @@ def _params(args: argparse.Namespace) -> Any:
             shard=not args.whole,
             directory=args.dir,
         )
+    if args.benchmark == "converge":
+        return converge.ConvergeParams(
+            task=args.task,
+            variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
+            target=args.target,
+            max_steps=args.max_steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            sync_every=args.sync_every,
+            outer_compression=args.outer_compression,
+            eval_every=args.eval_every,
+            seed=args.seed,
+            width=args.width,
+        )
     from ringtrain.compression import resolve
 
     params = TrainParams(
@@ -369,6 +416,7 @@ _PRESENT: dict[str, tuple[Callable[[Any, bool], str], Callable[[Any, str], None]
     "checks": (format_checks, plot_checks),
     "train": (format_train, plot_train),
     "checkpoint": (ckpt_bench.format_checkpoint, lambda res, path: None),  # --plot refused
+    "converge": (converge.format_converge, converge.plot_converge),
 }
 
 

@@ -24,6 +24,11 @@ A model, as simple as it can be while still saying something useful:
   once, so each pass pays ``1/k`` of the exposed communication. It multiplies the effective
   batch by k: the learning rate schedule may need retuning.
 
+- **local updates** (``sync_every`` H, DiLoCo): no gradients travel; every H steps the
+  weights are averaged in 16 bits (one fp16 allreduce of the model), so each step pays ``1/H``
+  of it and none hides. The per-rank batch stays; the weights agree only every H steps, which
+  changes the optimisation (an outer optimizer steps on the averaged change).
+
 The efficiency is ``step_time_s / predicted step``: the share of the ideal n-fold speed-up.
 These are estimates (within tens of percent when the inputs are right), meant to rank the
 options and to tell "the network will dominate" from "scaling will be fine". Pure: no I/O.
@@ -47,7 +52,11 @@ TOPK_PAIR_FACTOR = 2.0
 # Preference when several choices meet the target: lossless first, then low-rank, then sparse.
 COMPRESSION_ORDER = ("none", "fp16", "powersgd", "topk")
 ACCUMULATION_CHOICES = (1, 2, 4, 8)
+SYNC_EVERY_CHOICES = (8, 32, 128, 512)
 DEFAULT_TARGET = 0.9
+# Below this, with the best synchronous setting, data-parallel training is not worth running
+# synchronously: the doctor's verdict is not OK.
+USEFUL_EFFICIENCY = 0.5
 
 
 @dataclass(frozen=True)
@@ -145,18 +154,40 @@ class Prediction:
 
 
 @dataclass(frozen=True)
+class LocalPrediction:
+    """Local updates every ``sync_every`` steps (the outer exchange: 16-bit weights)."""
+
+    sync_every: int
+    comm_s: float  # one outer exchange
+    step_s: float  # per step, with 1/sync_every of the exchange
+    efficiency: float
+    speedup: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class Advice:
     recommended: Prediction
     baseline: Prediction
     by_compression: tuple[Prediction, ...]
     reasons: list[str] = field(default_factory=list)
     target: float = DEFAULT_TARGET
+    local_updates: tuple[LocalPrediction, ...] = ()
+
+    @property
+    def best_synchronous(self) -> float:
+        """The best efficiency of a synchronous setting that keeps the batch (no accumulation)."""
+        return max(p.efficiency for p in self.by_compression)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "recommended": self.recommended.to_dict(),
             "baseline": self.baseline.to_dict(),
             "by_compression": [p.to_dict() for p in self.by_compression],
+            "local_updates": [p.to_dict() for p in self.local_updates],
+            "best_synchronous_efficiency": self.best_synchronous,
             "reasons": list(self.reasons),
             "target_efficiency": self.target,
         }
@@ -224,6 +255,17 @@ def predict(workload: Workload, fabric: Fabric, choice: Choice | None = None) ->
     return Prediction(choice, comm, exposed, step, eff, eff * fabric.world)
 
 
+def predict_local(workload: Workload, fabric: Fabric, sync_every: int) -> LocalPrediction:
+    """Local updates every ``sync_every`` steps: one fp16 allreduce of the weights (as many
+    bytes as the gradients' fp16 exchange) per ``sync_every`` steps, none of it hidden."""
+    if sync_every < 1:
+        raise ConfigError(f"sync_every must be >= 1, got {sync_every}")
+    comm = comm_seconds(workload, fabric, Choice("fp16"))
+    step = workload.step_time_s + comm / sync_every
+    eff = workload.step_time_s / step
+    return LocalPrediction(sync_every, comm, step, eff, eff * fabric.world)
+
+
 def _hierarchical_helps(workload: Workload, fabric: Fabric) -> bool:
     if fabric.hosts < 2 or max(fabric.ranks_per_host) < 2:
         return False
@@ -252,6 +294,7 @@ def recommend(workload: Workload, fabric: Fabric, target: float = DEFAULT_TARGET
     if n <= 1:
         reasons.append("one rank: nothing to communicate.")
         return Advice(baseline, baseline, by_comp, reasons, target)
+    local = tuple(predict_local(workload, fabric, h) for h in SYNC_EVERY_CHOICES)
     reasons.append(
         f"reducing {workload.grad_bytes / 2**20:.1f} MiB of gradients over {n} ranks takes "
         f"~{_dur(baseline.comm_s)} against {_dur(workload.step_time_s)} of compute; "
@@ -293,7 +336,19 @@ def recommend(workload: Workload, fabric: Fabric, target: float = DEFAULT_TARGET
         reasons.append(
             f"backward_passes_per_step={c.backward_passes_per_step}: reduce once every "
             f"{c.backward_passes_per_step} backward passes; the effective batch grows "
-            f"{c.backward_passes_per_step}x, so revisit the learning rate."
+            f"{c.backward_passes_per_step}x (n x k x B = {n * c.backward_passes_per_step} B "
+            "for a per-rank batch B), so revisit the learning rate."
+        )
+    if chosen.efficiency < target or c.backward_passes_per_step > 1:
+        pick = next((p for p in local if p.efficiency >= target), local[-1])
+        reasons.append(
+            f"local updates: sync_every={pick.sync_every} is predicted at {pick.efficiency:.0%} "
+            f"({pick.speedup:.1f}x on {n} ranks; "
+            + ", ".join(f"sync_every={p.sync_every} {p.efficiency:.0%}" for p in local)
+            + "). The batch stays n x B = "
+            f"{n} B per step; the weights are averaged every {pick.sync_every} steps "
+            f"({n * pick.sync_every} B samples apart) and an outer optimizer steps on their "
+            "change, which changes the optimisation (docs/engine.md, 'Local updates')."
         )
     if chosen.choice == replace(Choice(), hierarchical=hier) and chosen.efficiency >= target:
         reasons.append(f"predicted efficiency {chosen.efficiency:.0%}: no change needed.")
@@ -302,4 +357,4 @@ def recommend(workload: Workload, fabric: Fabric, target: float = DEFAULT_TARGET
             f"predicted with {c.label()}: step {_dur(chosen.step_s)}, efficiency "
             f"{chosen.efficiency:.0%}, speed-up {chosen.speedup:.1f}x on {n} ranks."
         )
-    return Advice(chosen, baseline, by_comp, reasons, target)
+    return Advice(chosen, baseline, by_comp, reasons, target, local)

@@ -219,6 +219,27 @@ def _prediction(
     }
 
 
+def _too_slow(prediction: Mapping[str, Any]) -> list[str]:
+    """A problem when no synchronous setting is predicted at USEFUL_EFFICIENCY."""
+    best = float(prediction["best_synchronous_efficiency"])
+    if best >= advice.USEFUL_EFFICIENCY:
+        return []
+    local = prediction.get("local_updates") or []
+    good = next((p for p in local if p["efficiency"] >= advice.DEFAULT_TARGET), None)
+    offer = (
+        f"local updates with sync_every={good['sync_every']} are predicted at "
+        f"{good['efficiency']:.0%}"
+        if good
+        else "local updates (sync_every) send the weights once every H steps instead"
+    )
+    return [
+        f"data-parallel training of this model is predicted at {best:.0%} efficiency at best "
+        f"(under {advice.USEFUL_EFFICIENCY:.0%}): {prediction['world']} ranks would train little "
+        "faster than one, or slower.\nHINT: " + offer + " (DistributedOptimizer(sync_every=H) "
+        "or RINGTRAIN_SYNC_EVERY=auto; docs/engine.md); or use fewer, faster-linked hosts."
+    ]
+
+
 def examine(options: DoctorOptions, say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """Run every check; the result is the ``--json`` document."""
     t0 = time.monotonic()
@@ -288,6 +309,8 @@ def examine(options: DoctorOptions, say: Callable[[str], None] = lambda _m: None
     prediction = None
     if options.grad_bytes and options.step_time_s and counts:
         prediction = _prediction(options, counts, links, result_ar)
+    if prediction and prediction.get("best_synchronous_efficiency") is not None:
+        problems += _too_slow(prediction)
     code = 1 if problems else 0
     return {
         "version": REPORT_VERSION,

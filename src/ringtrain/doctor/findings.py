@@ -34,6 +34,27 @@ HIGH_RTT_FACTOR = 4.0
 HIGH_RTT_S = 0.5e-3
 
 
+# A link too slow for useful data-parallel training: at TRAINING_EFFICIENCY, with a step of
+# REFERENCE_STEP_S of compute and nothing hidden behind it, two ranks' ring allreduce over it
+# carries under USEFUL_GRAD_BYTES of gradients per step (16 MiB: 4M fp32 parameters). About
+# 500 Mbit/s; a 100 Mbit/s link carries 3 MiB, a 10 Mbit/s one 0.3 MiB.
+TRAINING_EFFICIENCY = 0.8
+REFERENCE_STEP_S = 1.0
+USEFUL_GRAD_BYTES = 16 << 20
+
+
+def carried_grad_bytes(
+    bytes_per_s: float,
+    step_s: float = REFERENCE_STEP_S,
+    efficiency: float = TRAINING_EFFICIENCY,
+    ranks: int = 2,
+) -> float:
+    """Gradient bytes per step a ring allreduce over a link of ``bytes_per_s`` moves within
+    the communication a step of ``step_s`` can add at ``efficiency`` (none of it hidden)."""
+    budget_s = step_s * (1 / efficiency - 1)
+    return budget_s * bytes_per_s * ranks / (2 * max(ranks - 1, 1))
+
+
 def mbit(bytes_per_s: float) -> str:
     v = bytes_per_s * 8 / 1e6
     return f"{v:,.0f} Mbit/s" if v >= 100 else f"{v:.3g} Mbit/s"
@@ -110,6 +131,20 @@ def analyze_links(samples: Sequence[LinkSample], factor: float = SLOW_FACTOR) ->
             f"the link from {src} to {dst} is slow: {mbit(rate)}, under {factor:.0%} of the "
             f"median host ({mbit(ref)}), although both hosts are fast with others.\n"
             "HINT: the path between them differs (another switch, a VPN, a routed hop)."
+        )
+    slowest = min(good, key=lambda s: s.bytes_per_s or 0.0)
+    carried = carried_grad_bytes(out.slowest)
+    # A slow host is named above (leave it out, and the rest is fast): this is for a slow fabric.
+    if carried < USEFUL_GRAD_BYTES and not {slowest.src, slowest.dst} & set(out.slow_hosts):
+        out.warnings.append(
+            f"the link from {slowest.src} to {slowest.dst} ({mbit(out.slowest)}) is too slow "
+            f"for useful data-parallel training: at {TRAINING_EFFICIENCY:.0%} efficiency, a "
+            f"step of {REFERENCE_STEP_S:g} s of compute can carry {carried / 2**20:.2g} MiB of "
+            f"gradients over it ({carried / 4:,.0f} fp32 parameters, twice that in 16 bits), "
+            "and proportionally more for longer steps.\nHINT: train with local updates "
+            "(DistributedOptimizer(sync_every=H), or RINGTRAIN_SYNC_EVERY=auto: the weights "
+            "travel once every H steps; docs/engine.md); `ringtrain doctor --model-params N "
+            "--step-time S` predicts each setting for your model."
         )
     rtts = [s.rtt_s for s in good if s.rtt_s is not None]
     if rtts:

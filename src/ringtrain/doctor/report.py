@@ -195,6 +195,20 @@ def _prediction(doc: Mapping[str, Any]) -> list[str]:
             ]
         )
     lines += _table(rows)
+    local = pr.get("local_updates") or []
+    if local:
+        rows = [["sync_every", "exchange", "step", "efficiency", "speed-up"]]
+        for p in local:
+            rows.append(
+                [
+                    str(p["sync_every"]),
+                    _dur(p["comm_s"]),
+                    _dur(p["step_s"]),
+                    f"{p['efficiency']:.0%}",
+                    f"{p['speedup']:.1f}x",
+                ]
+            )
+        lines += _table(rows)
     rec = pr["recommended"]["choice"]
     lines.append(
         f"  recommended: compression={rec['compression']} "

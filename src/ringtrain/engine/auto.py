@@ -249,3 +249,52 @@ def _measurement(
         on_cuda=any(b.device.startswith("cuda") for b in plan.buckets),
         spare_core=spare_core,
     )
+
+
+# ---- sync_every="auto": local updates where synchronous training cannot keep up ----------------
+
+# Synchronous training (its best compression) predicted under this share of the compute speed
+# makes local updates worth their change to the optimisation.
+SYNC_EFFICIENCY = 0.8
+# The chosen sync_every is the smallest of SYNC_EVERY_CHOICES predicted to reach this.
+LOCAL_EFFICIENCY = 0.9
+SYNC_EVERY_CHOICES = (4, 8, 16, 32, 64, 128, 256, 512)
+# The outer exchange sends 16-bit weights (outer_compression="fp16").
+OUTER_ELEMENT_BYTES = 2
+
+
+def outer_exchange_s(m: Measurement) -> float:
+    """Predicted seconds of one outer exchange: the weights in 16 bits, averaged as an
+    allreduce, plus a few collectives' overhead."""
+    wire = m.grad_numel * OUTER_ELEMENT_BYTES
+    return 2 * m.op_overhead_s + wire / m.in_step_bytes_per_s
+
+
+def choose_sync_every(m: Measurement, predicted_step_s: dict[str, float]) -> tuple[int, str]:
+    """(sync_every, why): 0 (synchronous) unless the best synchronous method is predicted under
+    :data:`SYNC_EFFICIENCY` of the compute speed; else the smallest choice whose outer exchange,
+    once every ``H`` steps, leaves :data:`LOCAL_EFFICIENCY`. Pure: equal figures, equal answer."""
+    if m.world_size <= 1 or m.compute_s <= 0:
+        return 0, "one rank or no compute measured: synchronous."
+    sync = {k: v for k, v in predicted_step_s.items() if k in ("none", "fp16", "powersgd")}
+    sync = sync or {"none": m.step_s}
+    best = min(sync, key=lambda k: sync[k])
+    efficiency = m.compute_s / max(sync[best], m.compute_s)
+    head = (
+        f"synchronous training is predicted at {efficiency:.0%} of the compute speed (best: "
+        f"{best}, {sync[best] * 1e3:.0f} ms per step for {m.compute_s * 1e3:.0f} ms of compute)"
+    )
+    if efficiency >= SYNC_EFFICIENCY:
+        return 0, f"{head}, at least {SYNC_EFFICIENCY:.0%}: synchronous."
+    outer = outer_exchange_s(m)
+    every = SYNC_EVERY_CHOICES[-1]
+    for h in SYNC_EVERY_CHOICES:
+        if h * m.compute_s / (h * m.compute_s + outer) >= LOCAL_EFFICIENCY:
+            every = h
+            break
+    local = every * m.compute_s / (every * m.compute_s + outer)
+    return every, (
+        f"{head}, under {SYNC_EFFICIENCY:.0%}: local updates averaging 16-bit weights "
+        f"({m.grad_numel * OUTER_ELEMENT_BYTES / 2**20:.1f} MiB, ~{outer:.2f} s) every {every} "
+        f"steps are predicted at {local:.0%} (this changes the optimisation: see docs/engine.md)."
+    )

@@ -51,7 +51,7 @@ from ringtrain.collectives.reduce_ops import resolve_op
 from ringtrain.compression import resolve as resolve_compression
 from ringtrain.compression.policy import AutoCompression, Decision
 from ringtrain.diagnostics import engine_wait, timeline
-from ringtrain.engine import buckets, schedule, sharded
+from ringtrain.engine import buckets, local_update, schedule, sharded
 from ringtrain.engine.auto import AutoTuner
 from ringtrain.engine.buckets import ORDERS, Observation, Plan
 from ringtrain.engine.exchange import Averaging, GradientExchange
@@ -134,6 +134,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             are updated as its reduction completes, and the next forward waits per module for
             its own parameters (:mod:`ringtrain.engine.overlap`; contract in docs/engine.md).
             Combines with ``shard_optimizer``: the all-gathers then overlap the next forward.
+        sync_every: local updates (DiLoCo, :mod:`ringtrain.engine.local_update`): each rank
+            takes this many steps on its own gradients, exchanging nothing, then the averaged
+            change of the weights takes one ``outer_optimizer`` step. 0 (default) trains
+            synchronously; ``"auto"`` measures (with ``compression="auto"``) and picks local
+            updates only where synchronous training cannot reach 80% efficiency.
+        outer_optimizer: ``params -> torch.optim.Optimizer`` for the outer step (default:
+            Nesterov SGD, lr 0.7, momentum 0.9, as arXiv 2311.08105).
+        outer_compression: the outer exchange's wire: "none", "fp16" (default), "bf16",
+            "int8", "int4" (the narrow ones with error feedback).
 
     Settings left as None come from :class:`ringtrain.config.Config` (``RINGTRAIN_*``
     variables, which ``ringtrain run`` flags set), then the defaults: arguments win.
@@ -163,6 +172,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         shard_optimizer: bool | None = None,
         overlap: bool | None = None,
         reduce_scatter: bool | None = None,
+        sync_every: int | str | None = None,
+        outer_optimizer: local_update.OuterFactory | None = None,
+        outer_compression: str | None = None,
     ) -> None:
         # Deliberately no super().__init__(): all optimizer state lives in the wrapped optimizer.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -246,6 +258,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._scatter = config.reduce_scatter if reduce_scatter is None else reduce_scatter
         self._shards: sharded.ShardedStep | None = None
         self._updater_group: Any = None  # overlap: the updater thread's own collectives
+        self._local: local_update.LocalUpdate | None = None
+        self.sync_every_reason = ""  # sync_every="auto": why it chose what it chose
+        self._sync_every = local_update.parse_sync_every(
+            config.sync_every if sync_every is None else sync_every
+        )
+        if self._sync_every == "auto":
+            compression = local_update.auto_compression(compression, config)
+        self._outer = (outer_optimizer, outer_compression or config.outer_compression)
         self._compression_arg = config.compression if compression is None else compression
         self._compression = resolve_compression(self._compression_arg, config)
         if self._scatter:
@@ -301,6 +321,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self._size > 1 and self._comm.included:
                 self._overlap = Overlap(optimizer, self._timeout_s)
                 weakref.finalize(self, self._overlap.close)
+        if isinstance(self._sync_every, int) and self._sync_every > 0:
+            self._local = local_update.build(self, self._sync_every)
         self._register_hooks()
         _live.add(self)
 
@@ -347,6 +369,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._watch is not None:
             self._watch.close()
         self._watch = self._make_watch(config.stall_warning_s)
+        if self._local is not None:
+            self._local.rejoin(self._comm.group("engine"))
         if self._size == 1:
             _remove_hooks(self._hooks)
         else:
@@ -391,13 +415,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "name": getattr(self._compression, "name", type(self._compression).__name__),
                 "state": comp_state,
             }
+        if self._local is not None:
+            sd[local_update.STATE_KEY] = self._local.state_dict()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._drain()
         sd = dict(state_dict)
         saved = sd.pop(COMPRESSOR_STATE_KEY, None)
+        local = sd.pop(local_update.STATE_KEY, None)
         self.optimizer.load_state_dict(sd)
+        if local is not None and self._local is not None:
+            self._local.load_state_dict(local)
         if self._shards is not None:
             self._absorb_full_state()
         if saved is None:
@@ -454,6 +483,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """With ``compression="auto"``: the settled decision and its reason (None until then)."""
         comp = self._compression
         return comp.decision if isinstance(comp, AutoCompression) and comp.settled else None
+
+    @property
+    def local_update(self) -> local_update.LocalUpdate | None:
+        """The local-update step (sync_every), or None while training synchronously."""
+        return self._local
 
     @property
     def hierarchical(self) -> bool:
@@ -518,7 +552,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return watch
 
     def _register_hooks(self) -> None:
-        if self._size == 1 or not self._comm.included:
+        if self._size == 1 or not self._comm.included or self._local is not None:
             # Nothing to exchange at world size 1; outside its process set the optimizer steps
             # on local gradients, as Horovod's does.
             return
@@ -772,7 +806,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Wait for every gradient's reduction; parameters that got no gradient on this rank
-        take part with zeros, so every rank runs the same collectives."""
+        take part with zeros, so every rank runs the same collectives. With local updates
+        (sync_every) gradients stay local: nothing to wait for."""
+        if self._local is not None:
+            return
         self._synchronize()
         if self._exchange is not None and self._exchange.scatters:
             self._exchange.gather_grads()  # whole gradients, as synchronize() promises
@@ -867,6 +904,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._build_exchange()
         else:
             self._exchange.measure = self._tuner.active
+        if self._sync_every == "auto" and not self._tuner.active:
+            self._sync_every = local_update.switch_after_tuning(self, self._tuner)
         self._last_sync_end = time.perf_counter()  # the decision's own collectives are not compute
 
     @contextlib.contextmanager
@@ -891,6 +930,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._should_sync = previous
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
+        if self._local is not None:
+            return self._step_done(self._local.step(closure))
         self._drain()
         self._overlap_open = False
         if self._should_sync and not self._skip_sync:

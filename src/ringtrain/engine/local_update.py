@@ -1,0 +1,313 @@
+"""The local-update step (DiLoCo, arXiv 2311.08105): ``DistributedOptimizer(sync_every=H)``.
+
+Each rank takes ``H`` steps with the wrapped (inner) optimizer on its own gradients, exchanging
+nothing. Every ``H``-th ``step()`` is an *outer* step, at the same step on every rank:
+
+1. every rank's change since the last outer step, ``anchor - weights``, is averaged over the
+   ranks through the transport, compressed (:mod:`ringtrain.engine.outer_codec`);
+2. the weights are set back to the anchor and the outer optimizer steps with that average as
+   its gradient (Nesterov SGD, lr 0.7, momentum 0.9, as the paper, unless the user gives a
+   factory ``outer_optimizer(params) -> torch.optim.Optimizer``);
+3. the result is the new anchor, the same on every rank.
+
+So the link carries one (compressed) copy of the weights per ``H`` steps instead of the
+gradients every step. The inner optimizer's state stays per rank, as in the paper. Buffers
+(BatchNorm statistics) are not exchanged.
+
+Every rank ends an outer step with the same weights, whatever it did before, provided the
+anchors and the outer optimizer's state are the same on every rank: the first outer step after
+construction, a loaded checkpoint or an elastic re-forming (:meth:`LocalUpdate.rejoin`) first
+copies rank 0's anchor and outer state to every rank. Nothing here depends on timing.
+
+The interface the optimizer calls: :meth:`~LocalUpdate.step`, :meth:`~LocalUpdate.state_dict`,
+:meth:`~LocalUpdate.load_state_dict`, :meth:`~LocalUpdate.rejoin`, :meth:`~LocalUpdate.close`.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ringtrain import transport
+from ringtrain.diagnostics import timeline
+from ringtrain.engine.outer_codec import OuterCodec
+from ringtrain.errors import ConfigError
+
+log = logging.getLogger("ringtrain")
+
+# Key under which DistributedOptimizer.state_dict() keeps this step's state.
+STATE_KEY = "ringtrain_local_update"
+# arXiv 2311.08105, section 3: Nesterov momentum outer optimizer.
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
+
+OuterFactory = Callable[[Sequence[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def nesterov(params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The paper's outer optimizer: SGD, lr 0.7, Nesterov momentum 0.9."""
+    return torch.optim.SGD(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+
+
+def parse_sync_every(value: Any) -> int | str:
+    """``sync_every`` as given (an int, a numeric string, "auto", None/"off"/0 for
+    synchronous training): an int >= 0 (0 = synchronous) or "auto"."""
+    if value is None:
+        return 0
+    if isinstance(value, bool):
+        raise _bad_sync_every(value)
+    if isinstance(value, int):
+        if value < 0:
+            raise _bad_sync_every(value)
+        return value
+    text = str(value).strip().lower()
+    if text in ("", "off", "none"):
+        return 0
+    if text == "auto":
+        return "auto"
+    try:
+        number = int(text)
+    except ValueError:
+        raise _bad_sync_every(value) from None
+    if number < 0:
+        raise _bad_sync_every(value)
+    return number
+
+
+def _bad_sync_every(value: Any) -> ConfigError:
+    return ConfigError(
+        f"sync_every must be a number of steps >= 0 or 'auto', got {value!r}\n"
+        "HINT: 0 trains synchronously; 100 averages the weights every 100 local steps; 'auto' "
+        "decides from the measured link and compute."
+    )
+
+
+class LocalUpdate:
+    """The local-update step of one DistributedOptimizer (see the module docstring)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[torch.nn.Parameter],
+        group: Any,
+        sync_every: int,
+        outer_optimizer: OuterFactory | None,
+        outer_compression: str,
+    ) -> None:
+        if sync_every < 1:
+            raise _bad_sync_every(sync_every)
+        self.optimizer = optimizer
+        self.sync_every = sync_every
+        # Floating parameters only: an integer weight has no change to average.
+        self._params = [p for p in params if p.is_floating_point()]
+        self._compression = outer_compression
+        self._factory = outer_optimizer or nesterov
+        self.outer = self._factory(self._params)
+        if not isinstance(self.outer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"outer_optimizer must return a torch.optim.Optimizer, got "
+                f"{type(self.outer).__name__}.\nHINT: outer_optimizer=lambda params: "
+                "torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)"
+            )
+        self._wire = transport.of(group)
+        self.codec = OuterCodec(outer_compression, self._wire)
+        self.anchor: list[torch.Tensor] | None = None
+        self.inner_steps = 0  # since the last outer step
+        self.outer_steps = 0
+        self._agree = True  # copy rank 0's anchor and outer state at the next outer step
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank sent for outer steps (the anchor copies after a re-form excluded)."""
+        return self.codec.bytes_sent
+
+    # ---- the optimizer's calls ------------------------------------------------------------------
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """One inner step; every ``sync_every``-th, then the outer step."""
+        if self.anchor is None:
+            self.anchor = [p.detach().clone() for p in self._params]
+        result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self.inner_steps += 1
+        if self.inner_steps >= self.sync_every:
+            self.outer_step()
+        return result
+
+    def outer_step(self) -> None:
+        """Average the change since the anchor and step the outer optimizer (collective)."""
+        rec = timeline.current()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            if self.anchor is None:
+                self.anchor = [p.detach().clone() for p in self._params]
+            if self._agree and self._wire.size > 1:
+                self._copy_from_root()
+            self._agree = False
+            change = torch.cat(
+                [
+                    (a.float() - p.detach().float()).reshape(-1)
+                    for a, p in zip(self.anchor, self._params)
+                ]
+            )
+            mean = self.codec.average(change)
+            saved = [p.grad for p in self._params]
+            offset = 0
+            for a, p in zip(self.anchor, self._params):
+                n = p.numel()
+                p.copy_(a)
+                p.grad = mean[offset : offset + n].view_as(p).to(p.dtype)
+                offset += n
+        self.outer.step()
+        with torch.no_grad():
+            for p, g in zip(self._params, saved):
+                p.grad = g
+            self.anchor = [p.detach().clone() for p in self._params]
+        self.inner_steps = 0
+        self.outer_steps += 1
+        rec.span("step", "OUTER_STEP", t0, time.perf_counter())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "sync_every": self.sync_every,
+            "inner_steps": self.inner_steps,
+            "outer_steps": self.outer_steps,
+            "anchor": None if self.anchor is None else [a.clone() for a in self.anchor],
+            "outer": self.outer.state_dict(),
+            "codec": self.codec.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != 1:
+            raise ConfigError(
+                f"this is not a local-update v1 state (keys {sorted(state)}).\n"
+                "HINT: resume with the ringtrain version that wrote the checkpoint."
+            )
+        anchor = state.get("anchor")
+        if anchor is not None and [a.shape for a in anchor] != [p.shape for p in self._params]:
+            raise ConfigError(
+                "the saved local-update anchor does not match this model's parameters.\n"
+                "HINT: load the checkpoint into the model it was saved from."
+            )
+        self.anchor = None if anchor is None else [a.clone() for a in anchor]
+        self.inner_steps = int(state.get("inner_steps", 0)) % self.sync_every
+        self.outer_steps = int(state.get("outer_steps", 0))
+        self.outer.load_state_dict(state["outer"])
+        self.codec.load_state_dict(state["codec"])
+        self._agree = True
+
+    def rejoin(self, group: Any) -> None:
+        """Elastic: the world was re-formed. Every rank starts a new round of ``sync_every``
+        inner steps; the next outer step copies rank 0's anchor and outer state first, so all
+        ranks, joined ones too, hold the same weights after it. Error feedback starts afresh."""
+        self._wire.close()
+        self._wire = transport.of(group)
+        self.codec = OuterCodec(self._compression, self._wire)
+        self.inner_steps = 0
+        self._agree = True
+
+    def close(self) -> None:
+        self._wire.close()
+
+    # ---- agreeing on the anchor -----------------------------------------------------------------
+
+    def _copy_from_root(self) -> None:
+        """Every rank takes rank 0's anchor and outer optimizer state (serialized, so a rank
+        that joined without outer state gets it whole)."""
+        assert self.anchor is not None
+        buf = io.BytesIO()
+        if self._wire.rank == 0:
+            torch.save({"anchor": self.anchor, "outer": self.outer.state_dict()}, buf)
+        blob = _broadcast_bytes(self._wire, buf.getvalue())
+        if self._wire.rank != 0:
+            got = torch.load(io.BytesIO(blob), weights_only=True)
+            self.anchor = got["anchor"]
+            self.outer.load_state_dict(got["outer"])
+
+
+def _broadcast_bytes(wire: transport.Transport, data: bytes) -> bytes:
+    """Rank 0's ``data`` on every rank, as an all-gather in which only rank 0's piece counts."""
+    n, me = wire.size, wire.rank
+    lengths = [torch.tensor([len(data) if r == me else 0], dtype=torch.int64) for r in range(n)]
+    wire.allgather(lengths).wait()
+    size = int(lengths[0].item())
+    # Equal pieces (a ring forwards every one); rare (a start, a resume, a re-form): the waste
+    # of n-1 empty copies does not matter.
+    pieces = [torch.zeros(size, dtype=torch.uint8) for _ in range(n)]
+    if me == 0:
+        pieces[0] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    wire.allgather(pieces).wait()
+    return bytes(pieces[0].numpy().tobytes())
+
+
+# ---- wiring into DistributedOptimizer (its only calls besides the strategy's methods) -----------
+
+
+def build(opt: Any, sync_every: int) -> LocalUpdate | None:
+    """The local-update step for ``opt`` (a DistributedOptimizer), or None where nothing is
+    exchanged (one rank, or a rank outside the process set): it then trains as the plain
+    optimizer does."""
+    clash = _clash(opt)
+    if clash:
+        raise ConfigError(
+            f"sync_every={sync_every} (local updates) cannot be combined with {clash}: no "
+            "gradient is exchanged between outer steps, so there is nothing to shard or "
+            f"overlap.\nHINT: drop {clash}, or sync_every."
+        )
+    comm = opt._comm
+    if opt._size == 1 or not comm.included:
+        return None
+    factory, compression = opt._outer
+    return LocalUpdate(
+        opt.optimizer, opt._params, comm.group("engine"), sync_every, factory, compression
+    )
+
+
+def _clash(opt: Any) -> str:
+    """The settings of ``opt`` that make no sense with local updates ("" when none)."""
+    names = [n for n, on in (("shard_optimizer", opt._shard_mode), ("overlap", opt._overlap)) if on]
+    return " and ".join(names)
+
+
+def auto_compression(compression: Any, config: Any) -> Any:
+    """``sync_every="auto"`` measures with ``compression="auto"``'s measurement: the
+    compression to use (an explicit other one is an error: nothing would measure)."""
+    given = config.compression if compression is None else compression
+    if given in ("auto", "none"):
+        return "auto"
+    raise ConfigError(
+        f"sync_every='auto' decides from compression='auto''s measurement, but compression is "
+        f"{given!r}.\nHINT: leave compression unset (or 'auto') with sync_every='auto', or set "
+        "sync_every to a number of steps."
+    )
+
+
+def switch_after_tuning(opt: Any, tuner: Any) -> int:
+    """``sync_every="auto"``, once the compression is settled: the policy's choice
+    (:func:`ringtrain.engine.auto.choose_sync_every`, on figures every rank holds alike); if it
+    is local updates, the optimizer takes the local-update step from its next step() on (the
+    weights are identical on every rank then: the anchor). Returns the chosen ``sync_every``."""
+    from ringtrain.engine.auto import choose_sync_every
+
+    decision = tuner.auto.decision
+    if tuner.measurement is None or decision is None:
+        every, why = 0, "compression=auto settled without measuring (restored), so synchronous."
+    else:
+        every, why = choose_sync_every(tuner.measurement, decision.predicted_step_s)
+        if every and _clash(opt):
+            every, why = 0, f"{why} But {_clash(opt)} is set, so synchronous."
+    if opt._comm.set_rank == 0:
+        chosen = f"local updates every {every} steps" if every else "synchronous training"
+        log.warning("ringtrain sync_every=auto chose %s: %s", chosen, why)
+    opt.sync_every_reason = why
+    if every:
+        opt._local = build(opt, every)
+        for hook in opt._hooks.values():
+            hook.remove()
+        opt._hooks.clear()
+    return every

@@ -1,0 +1,170 @@
+"""How the local-update step's outer change travels: averaged over ranks, compressed.
+
+One flat float32 vector per rank (the change of its weights since the last outer step) goes in;
+the same average comes out on every rank. The wire (``outer_compression``):
+
+* ``"none"``: float32, ring allreduce (reduce-scatter, then all-gather) over the transport;
+* ``"fp16"``, ``"bf16"``: the vector divided by the world size before the cast, summed in the
+  ring in 16 bits; a sum that overflows (any rank's chunk not finite) is redone in float32,
+  decided alike everywhere (the transport's ``fallback``);
+* ``"int8"``, ``"int4"``: each rank's vector quantized per block of :data:`BLOCK` values with
+  one float32 scale per block, all-gathered, and decoded and summed in rank order on every rank
+  (integers cannot be summed on the wire without overflow).
+
+Every narrow wire keeps **error feedback**: what this rank's rounding lost is added to its next
+vector, so nothing is lost for good, only late (as in streaming DiLoCo's 4-bit outer gradients).
+Sums follow a fixed order (the ring's, or rank order): every rank ends with the same bits, and
+timing never changes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ringtrain import transport
+from ringtrain.errors import ConfigError
+
+CODECS = ("none", "fp16", "bf16", "int8", "int4")
+BLOCK = 128
+_LEVELS = {"int8": 127, "int4": 7}
+_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def check(name: str) -> str:
+    if name not in CODECS:
+        raise ConfigError(
+            f"outer_compression must be one of {', '.join(CODECS)}, got {name!r}\n"
+            "HINT: fp16 halves the outer exchange; int8 and int4 cut it 4x and 8x, with error "
+            "feedback."
+        )
+    return name
+
+
+class OuterCodec:
+    """Averages one flat vector over a transport's ranks (see the module docstring)."""
+
+    def __init__(self, name: str, wire: transport.Transport) -> None:
+        self.name = check(name)
+        self._wire = wire
+        self.residual: torch.Tensor | None = None  # error feedback, this rank's own
+        self.bytes_sent = 0  # by this rank, over the whole job: what the link carried
+
+    @property
+    def size(self) -> int:
+        return self._wire.size
+
+    def wire_bytes(self, numel: int) -> int:
+        """Bytes one rank sends for one average of ``numel`` values."""
+        n = self.size
+        if n == 1:
+            return 0
+        if self.name in _DTYPES:
+            elem = 4 if self.name == "none" else 2
+            return 2 * (n - 1) * numel * elem // n
+        return (n - 1) * _payload_bytes(numel, self.name)
+
+    def average(self, flat: torch.Tensor) -> torch.Tensor:
+        """The mean over ranks of every rank's ``flat`` (float32, 1-D); the same on every rank."""
+        n = self.size
+        if n == 1:
+            return flat.clone()
+        self.bytes_sent += self.wire_bytes(flat.numel())
+        if self.name == "none":
+            out = flat.clone()
+            self._allreduce(out)
+            return out.div_(n)
+        x = flat if self.residual is None else flat + self.residual
+        if self.name in _DTYPES:
+            return self._average_16(x)
+        return self._average_quantized(x)
+
+    def _chunks(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.tensor_split(t, self.size))
+
+    def _allreduce(self, t: torch.Tensor, fallback: torch.Tensor | None = None) -> bool:
+        chunks = self._chunks(t)
+        fb = self._chunks(fallback) if fallback is not None else None
+        redone = bool(self._wire.reduce_scatter(chunks, fb).wait())
+        self._wire.allgather(fb if redone and fb is not None else chunks).wait()
+        return redone
+
+    def _average_16(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.size
+        scaled = x / n
+        narrow = scaled.to(_DTYPES[self.name])
+        self.residual = x - narrow.float() * n
+        exact = scaled.clone()
+        if self._allreduce(narrow, fallback=exact):
+            self.residual = torch.zeros_like(x)  # the sum went in float32: nothing was lost
+            return exact
+        return narrow.float()
+
+    def _average_quantized(self, x: torch.Tensor) -> torch.Tensor:
+        numel = x.numel()
+        mine = encode(x, self.name)
+        self.residual = x - decode(mine, numel, self.name)
+        pieces = [
+            mine if r == self._wire.rank else torch.empty_like(mine) for r in range(self.size)
+        ]
+        self._wire.allgather(pieces).wait()
+        total = torch.zeros(numel)
+        for piece in pieces:  # rank order: the same sum on every rank
+            total += decode(piece, numel, self.name)
+        return total.div_(self.size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "residual": self.residual}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise ConfigError(
+                f"the saved outer exchange used {state.get('name')!r}, this one {self.name!r}.\n"
+                "HINT: resume with the outer_compression you saved with."
+            )
+        residual = state.get("residual")
+        self.residual = None if residual is None else residual.clone()
+
+
+def _blocks(numel: int) -> int:
+    return -(-numel // BLOCK)
+
+
+def _payload_bytes(numel: int, name: str) -> int:
+    values = _blocks(numel) * BLOCK
+    body = values if name == "int8" else values // 2
+    return body + 4 * _blocks(numel)
+
+
+def encode(x: torch.Tensor, name: str) -> torch.Tensor:
+    """``x`` (float32, 1-D) as bytes: per block of :data:`BLOCK`, a float32 scale (its largest
+    magnitude over the level count) and the values rounded to integers in [-levels, levels]
+    (int8 as bytes; int4 two to a byte, offset by 8)."""
+    levels = _LEVELS[name]
+    blocks = _blocks(x.numel())
+    padded = torch.zeros(blocks * BLOCK)
+    padded[: x.numel()] = x
+    grid = padded.view(blocks, BLOCK)
+    scale = grid.abs().amax(dim=1) / levels
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(grid / safe[:, None]).clamp_(-levels, levels).to(torch.int8).reshape(-1)
+    if name == "int8":
+        body = q.view(torch.uint8)
+    else:
+        u = (q + 8).to(torch.uint8)
+        body = u[0::2] * 16 + u[1::2]
+    return torch.cat([body, scale.view(torch.uint8)])
+
+
+def decode(payload: torch.Tensor, numel: int, name: str) -> torch.Tensor:
+    """The float32 values :func:`encode` packed (rounded)."""
+    blocks = _blocks(numel)
+    split = payload.numel() - 4 * blocks
+    scale = payload[split:].clone().view(torch.float32)
+    body = payload[:split]
+    if name == "int8":
+        q = body.view(torch.int8).float()
+    else:
+        q = torch.stack([body // 16, body % 16], dim=1).reshape(-1).float() - 8
+    return (q.view(blocks, BLOCK) * scale[:, None]).reshape(-1)[:numel]

@@ -1,0 +1,52 @@
+"""``ringtrain bench converge`` as a smoke test: tiny settings, 2 spawned ranks, structure and
+sanity (never timings): every variant runs, the local variant's ranks agree at evaluation, the
+table, JSON and plot come out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ringtrain import cli
+from ringtrain.bench import converge
+from ringtrain.errors import ConfigError
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("task", converge.TASKS)
+def test_converge_cli(task: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json, out_png = tmp_path / "cv.json", tmp_path / "cv.png"
+    argv = ["bench", "converge", "-np", "2", "--threads", "1", "--task", task]
+    argv += ["--max-steps", "4", "--eval-every", "2", "--sync-every", "2", "--width", "16"]
+    argv += ["--batch-size", "8"]
+    argv += ["--json", str(out_json), "--plot", str(out_png)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "converge:" in printed and "local" in printed
+    assert out_png.read_bytes()[:8] == PNG_MAGIC
+    res = json.loads(out_json.read_text())["result"]
+    assert res["world_size"] == 2
+    assert [r["variant"] for r in res["runs"]] == list(converge.VARIANTS)
+    for r in res["runs"]:
+        assert 0 < r["steps"] <= 4 and r["samples"] == r["steps"] * 8 * 2
+        assert r["seconds"] > 0 and r["curve"]
+        assert r["tx_bytes_per_sample"] >= 0
+    if task == "lm":
+        _, rate = converge.markov_chain(0)
+        assert res["target"] == pytest.approx(rate + converge.LM_MARGIN)
+
+
+def test_markov_chain_is_learnable() -> None:
+    """A few likely successors per context: far below the uniform entropy."""
+    table, rate = converge.markov_chain(0)
+    assert table.sum(-1).allclose(table.new_ones(()))
+    assert 0 < rate < 0.5 * float(converge.torch.log(converge.torch.tensor(converge.LM_VOCAB)))
+
+
+def test_bad_variant_is_refused() -> None:
+    with pytest.raises(ConfigError, match="HINT"):
+        converge.ConvergeParams(variants=("sgd",))

@@ -1,0 +1,300 @@
+"""The local-update step (``DistributedOptimizer(sync_every=H)``, DiLoCo; issue 28).
+
+Shown at 2 ranks, on each transport (Gloo, sealed ``secure=True``, ``transport="tcp"``):
+
+* every rank holds identical weights after every outer step, and differs between them (the
+  inner steps really are local);
+* ``sync_every=1`` with plain SGD inside and outer SGD at lr 1.0 without momentum is synchronous
+  SGD on averaged gradients (the average of one-step changes is the step on the average);
+* the outer exchange's wires (fp16, int8, int4) keep the ranks identical;
+* ``state_dict()``/``load_state_dict()`` (anchor, outer optimizer, error feedback included)
+  resume a run to the same bits;
+* a re-formed world (``rejoin()``) with a rank whose anchor and outer state are another's (a
+  rank that joined) holds identical weights again after the next outer step.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ringtrain as rt
+from ringtrain.config import OUTER_COMPRESSIONS, Config
+from ringtrain.engine import outer_codec
+from ringtrain.engine.local_update import parse_sync_every
+from ringtrain.errors import ConfigError
+from ringtrain.security import keys
+from ringtrain.testing import spawn
+
+H = 3
+ROUNDS = 3
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 12)
+        self.b = torch.nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _weights(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _alike(w: torch.Tensor) -> bool:
+    every = rt.allgather(w.reshape(1, -1))
+    return torch.equal(every, every[:1].expand_as(every))
+
+
+def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * i + rt.rank())
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def _step(model: torch.nn.Module, opt: Any, i: int) -> None:
+    x, y = _batch(i)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def _rounds(codec: str) -> dict[str, Any]:
+    """Adam inside, the default outer optimizer: identical after each outer step, not between."""
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = rt.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        sync_every=H,
+        outer_compression=codec,
+    )
+    after_outer, between = [], []
+    for i in range(H * ROUNDS):
+        _step(model, opt, i)
+        alike = _alike(_weights(model))
+        (after_outer if (i + 1) % H == 0 else between).append(alike)
+    local = opt.local_update
+    assert local is not None
+    return {
+        "after_outer": after_outer,
+        "between": between,
+        "outer_steps": local.outer_steps,
+        "bytes": local.bytes_sent,
+        "weights": _weights(model),
+    }
+
+
+def _equals_synchronous_sgd() -> float:
+    """sync_every=1, SGD inside, outer SGD lr 1 momentum 0: the gap to synchronous SGD."""
+    runs = []
+    for local in (True, False):
+        torch.manual_seed(0)
+        model = Tiny()
+        extra: dict[str, Any] = {}
+        if local:
+            extra = {
+                "sync_every": 1,
+                "outer_compression": "none",
+                "outer_optimizer": lambda ps: torch.optim.SGD(ps, lr=1.0),
+            }
+        opt = rt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            **extra,
+        )
+        for i in range(4):
+            _step(model, opt, i)
+        if not local:
+            opt.remove_hooks()
+        runs.append(_weights(model))
+    return float((runs[0] - runs[1]).abs().max())
+
+
+def _resume() -> bool:
+    """A run saved mid-round and resumed in a fresh model and optimizer ends with the bits of
+    the run that never stopped."""
+
+    def make() -> tuple[torch.nn.Module, Any]:
+        torch.manual_seed(0)
+        model = Tiny()
+        opt = rt.DistributedOptimizer(
+            torch.optim.Adam(model.parameters(), lr=0.01),
+            named_parameters=model.named_parameters(),
+            sync_every=H,
+            outer_compression="int8",
+        )
+        return model, opt
+
+    model, opt = make()
+    for i in range(2 * H + 1):
+        _step(model, opt, i)
+    # Through bytes, as a checkpoint file: a state_dict holds references to live tensors.
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    assert "ringtrain_local_update" in opt.state_dict()
+    for i in range(2 * H + 1, 4 * H):
+        _step(model, opt, i)
+    straight = _weights(model)
+
+    model, opt = make()
+    _step(model, opt, 0)  # a different history, overwritten by the load
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    for i in range(2 * H + 1, 4 * H):
+        _step(model, opt, i)
+    return torch.equal(straight, _weights(model))
+
+
+def _rejoin() -> tuple[bool, bool]:
+    """Rank 1 plays a rank that joined between outer steps: other weights, another anchor and
+    no outer state. After rejoin() and the next outer step every rank is identical."""
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = rt.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        sync_every=H,
+    )
+    for i in range(H + 1):
+        _step(model, opt, i)
+    local = opt.local_update
+    assert local is not None
+    if rt.rank() == 1:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        local.anchor = [p.detach().clone() for p in model.parameters()]
+        local.outer.state.clear()
+    before = _alike(_weights(model))
+    opt.rejoin()
+    for i in range(H):
+        _step(model, opt, 100 + i)
+    return before, _alike(_weights(model))
+
+
+def _transports(tmp_path: Path) -> dict[str, dict[str, Any]]:
+    key_file = keys.write_key_file(tmp_path / "job.key", keys.generate_job_key())
+    return {
+        "gloo": {},
+        "secure": {"secure": True, "key_file": key_file},
+        "tcp": {"transport": "tcp"},
+    }
+
+
+@pytest.mark.timeout(600)
+def test_local_updates_on_every_transport(tmp_path: Path) -> None:
+    world = spawn.world(2)
+    for name, settings in _transports(tmp_path).items():
+        by_codec = {}
+        for codec in ("fp16", "int8", "int4"):
+            results = world.run(_rounds, codec, timeout=300, **settings)
+            for r in results:
+                assert all(r["after_outer"]), (name, codec, r["after_outer"])
+                assert not any(r["between"]), (name, codec, "inner steps exchanged something")
+                assert r["outer_steps"] == ROUNDS
+                assert r["bytes"] > 0
+            by_codec[codec] = results[0]
+        # 4 bytes of scale per 128 values: int8 about half of fp16's bytes, int4 a quarter.
+        assert by_codec["int8"]["bytes"] < 0.6 * by_codec["fp16"]["bytes"]
+        assert by_codec["int4"]["bytes"] < 0.6 * by_codec["int8"]["bytes"]
+        gaps = world.run(_equals_synchronous_sgd, timeout=300, **settings)
+        assert max(gaps) <= 1e-6, (name, gaps)
+
+
+@pytest.mark.timeout(300)
+def test_state_dict_resumes_to_the_same_bits() -> None:
+    assert all(spawn.world(2).run(_resume, timeout=240))
+
+
+@pytest.mark.timeout(300)
+def test_rejoined_world_is_identical_after_the_next_outer_step() -> None:
+    for before, after in spawn.world(2).run(_rejoin, timeout=240):
+        assert not before
+        assert after
+
+
+def _one_rank() -> bool:
+    torch.manual_seed(0)
+    a, b = Tiny(), Tiny()
+    b.load_state_dict(a.state_dict())
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(a.parameters(), lr=0.1), a.named_parameters(), sync_every=2
+    )
+    plain = torch.optim.SGD(b.parameters(), lr=0.1)
+    for i in range(3):
+        _step(a, opt, i)
+        _step(b, plain, i)
+    return opt.local_update is None and torch.equal(_weights(a), _weights(b))
+
+
+def _clashes() -> list[str]:
+    out = []
+    for extra in ({"shard_optimizer": True}, {"overlap": True}):
+        model = Tiny()
+        try:
+            rt.DistributedOptimizer(
+                torch.optim.Adam(model.parameters()),
+                model.named_parameters(),
+                sync_every=4,
+                **extra,
+            )
+        except ConfigError as e:
+            out.append(str(e))
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_sharding_and_overlap_are_refused_with_local_updates() -> None:
+    for messages in spawn.world(2).run(_clashes, timeout=120):
+        assert len(messages) == 2
+        assert "shard_optimizer" in messages[0] and "overlap" in messages[1]
+        assert all("HINT" in m for m in messages)
+
+
+@pytest.mark.timeout(180)
+def test_one_rank_trains_as_the_plain_optimizer() -> None:
+    """Nothing to exchange at world size 1: no outer step, the weights of plain training."""
+    assert spawn.world(1).run(_one_rank, timeout=120) == [True]
+
+
+# ---- units ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_quantized_wire_rounds_within_half_a_level(codec: str) -> None:
+    x = torch.randn(1000) * torch.linspace(0.01, 10, 1000)
+    back = outer_codec.decode(outer_codec.encode(x, codec), x.numel(), codec)
+    levels = {"int8": 127, "int4": 7}[codec]
+    for block in range(0, 1000, outer_codec.BLOCK):
+        part = slice(block, block + outer_codec.BLOCK)
+        step = float(x[part].abs().max()) / levels
+        assert float((back[part] - x[part]).abs().max()) <= step / 2 + 1e-6
+
+
+def test_codec_names_agree() -> None:
+    assert OUTER_COMPRESSIONS == outer_codec.CODECS
+
+
+def test_sync_every_settings() -> None:
+    assert parse_sync_every(None) == 0
+    assert parse_sync_every("16") == 16
+    assert parse_sync_every(" Auto ") == "auto"
+    assert Config.from_env({"RINGTRAIN_SYNC_EVERY": "auto"}).sync_every == "auto"
+    assert Config.from_env({"RINGTRAIN_SYNC_EVERY": "32"}).sync_every == "32"
+    for bad in (-1, "often", True):
+        with pytest.raises(ConfigError, match="sync_every"):
+            parse_sync_every(bad)
+    with pytest.raises(ConfigError, match="sync_every"):
+        Config.from_env({"RINGTRAIN_SYNC_EVERY": "-3"})
+    with pytest.raises(ConfigError, match="outer_compression"):
+        Config.from_env({"RINGTRAIN_OUTER_COMPRESSION": "int2"})

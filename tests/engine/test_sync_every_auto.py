@@ -1,0 +1,170 @@
+"""``sync_every="auto"``: local updates only where synchronous training cannot reach 80%.
+
+The policy (:func:`ringtrain.engine.auto.choose_sync_every`) on given link and compute figures
+(a 25M-parameter model, 0.8 s of compute per step as issue 28 measured, 2 ranks, the link's allreduce throughput),
+then the switch on real ranks: on loopback it stays synchronous and says why; with the policy's
+answer fixed to local updates, the optimizer switches mid-run and every rank holds the same
+weights after each outer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ringtrain as rt
+from ringtrain.compression.policy import Measurement, choose
+from ringtrain.engine import auto
+from ringtrain.engine.auto import choose_sync_every
+from ringtrain.errors import ConfigError
+from ringtrain.testing import spawn
+
+N = 25_000_000
+MBIT = 1e6 / 8  # bytes per second of one Mbit/s
+
+
+def _link(bytes_per_s: float, compute_s: float = 0.8) -> Measurement:
+    """Uncompressed steps on a link of this throughput: the allreduce of 4N bytes, a fifth of
+    it hidden behind backward."""
+    comm = 2e-4 + 4 * N / bytes_per_s
+    return Measurement(
+        world_size=2,
+        grad_bytes=4 * N,
+        grad_numel=N,
+        element_size=4,
+        buckets=4,
+        compute_s=compute_s,
+        wait_s=max(0.0, comm - 0.2 * compute_s),
+        comm_s=comm,
+        latency_s=1e-4,
+        bytes_per_s=bytes_per_s,
+        powersgd_wire_numel=N // 150,
+        powersgd_collectives=8,
+        topk_ratio=0.01,
+    )
+
+
+def _decide(m: Measurement) -> tuple[int, str]:
+    return choose_sync_every(m, choose(m).predicted_step_s)
+
+
+@pytest.mark.parametrize("link", [4e9, 1000 * MBIT])
+def test_fast_links_stay_synchronous(link: float) -> None:
+    every, why = _decide(_link(link))
+    assert every == 0
+    assert "synchronous" in why and "at least 80%" in why
+
+
+@pytest.mark.parametrize(("mbit", "compute_s"), [(10, 0.8), (100, 0.3)])
+def test_slow_links_pick_local_updates(mbit: float, compute_s: float) -> None:
+    m = _link(mbit * MBIT, compute_s)
+    every, why = _decide(m)
+    assert every in auto.SYNC_EVERY_CHOICES
+    assert "under 80%" in why and f"every {every} steps" in why
+    # The chosen H is the smallest predicted to reach 90%.
+    outer = auto.outer_exchange_s(m)
+    assert every * m.compute_s / (every * m.compute_s + outer) >= auto.LOCAL_EFFICIENCY
+    smaller = [h for h in auto.SYNC_EVERY_CHOICES if h < every]
+    for h in smaller:
+        assert h * m.compute_s / (h * m.compute_s + outer) < auto.LOCAL_EFFICIENCY
+
+
+def test_slower_link_needs_more_local_steps() -> None:
+    assert _decide(_link(10 * MBIT, 0.3))[0] > _decide(_link(100 * MBIT, 0.3))[0]
+
+
+def test_one_rank_is_synchronous() -> None:
+    m = _link(10 * MBIT)
+    one = Measurement(**{**m.__dict__, "world_size": 1})
+    assert choose_sync_every(one, {"none": 1.0})[0] == 0
+
+
+# ---- on ranks -----------------------------------------------------------------------------------
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _train(fixed: int | None, steps: int) -> dict[str, Any]:
+    original = auto.choose_sync_every
+    if fixed is not None:
+        auto.choose_sync_every = lambda m, p: (fixed, "fixed by the test")  # type: ignore[assignment]
+    try:
+        return _run(steps)
+    finally:
+        auto.choose_sync_every = original  # type: ignore[assignment]
+
+
+def _run(steps: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = rt.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        sync_every="auto",
+    )
+    alike_after_outer = []
+    for i in range(steps):
+        g = torch.Generator().manual_seed(10 * i + rt.rank())
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        local = opt.local_update
+        if local is not None and local.inner_steps == 0:
+            w = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            every = rt.allgather(w.reshape(1, -1))
+            alike_after_outer.append(torch.equal(every, every[:1].expand_as(every)))
+    local = opt.local_update
+    return {
+        "reason": opt.sync_every_reason,
+        "local": local is not None,
+        "outer_steps": local.outer_steps if local is not None else 0,
+        "alike": alike_after_outer,
+    }
+
+
+@pytest.mark.timeout(300)
+def test_loopback_stays_synchronous_and_says_why() -> None:
+    for r in spawn.world(2).run(_train, None, 16, timeout=240):
+        assert not r["local"]
+        assert "synchronous" in r["reason"]
+
+
+@pytest.mark.timeout(300)
+def test_switch_to_local_updates_keeps_ranks_identical() -> None:
+    # compression=auto settles after its warm-up and measured steps (8 here); then H=3.
+    for r in spawn.world(2).run(_train, 3, 20, timeout=240):
+        assert r["local"] and r["reason"] == "fixed by the test"
+        assert r["outer_steps"] >= 2
+        assert r["alike"] and all(r["alike"])
+
+
+def _refused() -> str:
+    model = Tiny()
+    try:
+        rt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model.named_parameters(),
+            compression="powersgd",
+            sync_every="auto",
+        )
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.timeout(120)
+def test_explicit_compression_is_refused_with_auto() -> None:
+    (msg,) = spawn.world(1).run(_refused, timeout=60)
+    assert "sync_every='auto'" in msg and "HINT" in msg
