@@ -2,9 +2,8 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 NP ?= 4
-# pytest-xdist workers for `make unit`: 0 runs the tests serially (the default until a parallel
-# run of the whole suite is shown to pass: see the README); JOBS=auto is one worker per core.
-JOBS ?= 0
+# pytest-xdist workers for `make unit`: one per core by default; JOBS=0 runs the tests serially.
+JOBS ?= auto
 
 .PHONY: setup demo test lint unit
 
@@ -20,9 +19,11 @@ lint: setup
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-# --dist loadgroup: with JOBS > 0 the namespace-cluster tests share one worker (tests/conftest.py
-# groups them), so they never contend with each other; everything else is spread over the workers.
+# --dist loadgroup: the namespace-cluster tests share one worker (tests/conftest.py groups them),
+# so they never contend with each other; everything else is spread over the workers. A worker
+# that dies is not replaced (xdist's group scheduler cannot hand a dead worker's group on): the
+# run stops with that test's failure instead of hanging.
 unit: setup
-	$(BIN)/pytest -q -n $(JOBS) --dist loadgroup
+	$(BIN)/pytest -q -n $(JOBS) --dist loadgroup --max-worker-restart 0
 
 test: lint unit

@@ -37,6 +37,34 @@ def world3() -> spawn.World:
 
 
 @pytest.fixture(autouse=True)
+def _rank_start_off_the_clock(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The per-test timeout (pyproject's ``timeout``) stops while a world's ranks start.
+
+    Starting ranks (spawn, import torch) has its own deadline (``spawn.START_TIMEOUT_S``) and can
+    take minutes on a loaded machine; a test's own budget is for what it runs on them.
+    """
+    item = request.node
+    hook = item.config.hook
+    if not hasattr(hook, "pytest_timeout_set_timer"):
+        yield
+        return
+    import pytest_timeout
+
+    def pause() -> None:
+        hook.pytest_timeout_cancel_timer(item=item)
+
+    def resume() -> None:
+        # A full timeout again, as the plugin reads it (ini, marker, command line).
+        hook.pytest_timeout_set_timer(item=item, settings=pytest_timeout._get_item_settings(item))
+
+    spawn.start_hooks.append((pause, resume))
+    try:
+        yield
+    finally:
+        spawn.start_hooks.remove((pause, resume))
+
+
+@pytest.fixture(autouse=True)
 def _no_leaks() -> Iterator[None]:
     env = dict(os.environ)
     threads = {t.ident for t in threading.enumerate()}

@@ -35,6 +35,10 @@ DEFAULT_TIMEOUT_S = 60.0
 # Starting a rank (spawn, import torch, warm up) is not the test's time: on a loaded machine it
 # can take minutes, so it has its own deadline and a test's timeout starts once every rank is up.
 START_TIMEOUT_S = 600.0
+# (pause, resume) pairs called around a world's start. The test suite stops the running test's
+# clock there (tests/conftest.py): the per-test timeout would otherwise count the start, and end
+# a test (and, under pytest-xdist, kill its worker) that only waited for torch to import.
+start_hooks: list[tuple[Callable[[], None], Callable[[], None]]] = []
 
 
 class RankFailed(AssertionError):
@@ -160,6 +164,16 @@ class World:
         self._started = False
 
     def _wait_started(self) -> None:
+        hooks = list(start_hooks)
+        for pause, _ in hooks:
+            pause()
+        try:
+            self._wait_ranks_up()
+        finally:
+            for _, resume in hooks:
+                resume()
+
+    def _wait_ranks_up(self) -> None:
         waiting = dict(enumerate(self._conns))
         deadline = time.monotonic() + START_TIMEOUT_S
         while waiting:
