@@ -19,9 +19,10 @@ from typing import Any
 
 from ringtrain.collectives import lane
 from ringtrain.collectives.control_round import Message
-from ringtrain.collectives.execute import Pending, Scaling, transport_error
+from ringtrain.collectives.execute import Pending, transport_error
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request
+from ringtrain.collectives.scaling import Scaling
 from ringtrain.diagnostics import timeline
 from ringtrain.errors import CollectiveAbortedError, CollectiveError, SecurityError
 from ringtrain.runtime import abort
