@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ringtrain.errors import LaunchError
@@ -27,8 +28,8 @@ from ringtrain.launch.rendezvous import RendezvousServer
 
 
 class ElasticHosts:
-    """The supervisor's elastic part. The state below is the supervisor's, set in its
-    ``__init__``; the methods at the end are the supervisor's, which this part calls."""
+    """The supervisor's elastic part. The state and methods declared below are the
+    supervisor's, set in its ``__init__`` and defined in its class."""
 
     options: LaunchOptions
     specs: list[ProcessSpec]
@@ -49,6 +50,13 @@ class ElasticHosts:
     _below: tuple[float, Failure] | None  # below --min-np since, and why
     _growing: bool  # until a rank finishes
     _next_check: float
+    # The supervisor's methods this part calls.
+    _say: Callable[[str], None]
+    _log: Callable[[str], None]
+    _fail: Callable[[Failure], None]
+    _is_local: Callable[[], bool]
+    _start_agent: Callable[[Host], AgentLink]
+    _launch: Callable[..., None]  # (link, specs, identities, host_net, join, bind_to)
 
     # ---- the world after a loss -----------------------------------------------------------------
 
@@ -355,34 +363,6 @@ class ElasticHosts:
             f"  the discovery script offers: {_listed(self._offered)}",
         ]
         return Failure(first.rank, first.host, first.code, "\n".join(lines), first.tail)
-
-    # ---- the supervisor's, called from here ----------------------------------------------------
-
-    def _say(self, text: str) -> None:
-        raise NotImplementedError
-
-    def _fail(self, failure: Failure) -> None:
-        raise NotImplementedError
-
-    def _is_local(self) -> bool:
-        raise NotImplementedError
-
-    def _start_agent(self, host: Host) -> AgentLink:
-        raise NotImplementedError
-
-    def _launch(
-        self,
-        link: AgentLink,
-        specs: list[ProcessSpec],
-        identities: list[int],
-        host_net: dict[str, str],
-        join: bool = False,
-        bind_to: str | None = None,
-    ) -> None:
-        raise NotImplementedError
-
-    def _log(self, text: str) -> None:
-        raise NotImplementedError
 
 
 def _listed(hosts: list[Host]) -> str:
