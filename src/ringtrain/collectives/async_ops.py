@@ -162,6 +162,7 @@ def _allreduce(
     process_set: ProcessSet | None,
     compression: CompressionLike | None = None,
 ) -> Handle[Any]:
+    tensors = list(tensors)  # read twice: sent now, handed back in place
     op_name = resolve_op(op, average)
     comp = resolve_compression(compression)
     inputs = _detached(tensors)
