@@ -70,3 +70,46 @@ def assert_same_weights(
         )
         worst = max(worst, float((got - want).abs().max()))
     return worst
+
+
+def tiny_job(steps: int = 5) -> dict[str, object]:
+    """The integration jobs' training (launchers, adoption, Spark): a tiny model, a different
+    start on every rank (the broadcast must fix that), data that differs per rank, ``steps``
+    steps through ``hvd.DistributedOptimizer``. Returns whether every rank ended with the same
+    weights (gathered, compared bit for bit), whether training moved them, and their checksum.
+    Imports ``ringtrain.torch`` only when called: scripts set up torch first."""
+    import ringtrain.torch as hvd
+
+    torch.manual_seed(100 + hvd.rank())
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    start = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    data = torch.Generator().manual_seed(7 + hvd.rank())
+
+    def loss(_: int) -> torch.Tensor:
+        x = torch.randn(16, 8, generator=data)
+        return (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+
+    train(opt, range(steps), loss)
+    end = torch.cat([p.detach().flatten() for p in model.parameters()])
+    every = hvd.allgather(end.unsqueeze(0))
+    return {
+        "identical": all(torch.equal(every[0], every[r]) for r in range(hvd.size())),
+        "trained": not torch.equal(start, end),
+        "checksum": float(end.double().sum()),
+    }
+
+
+def print_result(result: dict[str, object]) -> None:
+    """Print ``RESULT {json}`` as one write of the whole line (under PIPE_BUF, so atomic): the
+    ranks share the launcher's stdout pipe, and a line written in pieces (text, then newline)
+    can interleave with another rank's."""
+    import json
+    import os
+    import sys
+
+    sys.stdout.flush()
+    os.write(1, ("RESULT " + json.dumps(result) + "\n").encode())

@@ -6,35 +6,21 @@ whether every rank ended with the same weights (gathered, compared bit for bit) 
 training moved them. Nothing here reads a launcher's variables: that is the point.
 """
 
-import json
-import os
 import socket
 import sys
+from pathlib import Path
 
 import torch
 
 torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for _training
 
 import ringtrain.torch as hvd  # noqa: E402
+from _training import print_result, tiny_job  # noqa: E402
 from ringtrain.runtime import state  # noqa: E402
 
 hvd.init()
-torch.manual_seed(100 + hvd.rank())  # different start per rank: the broadcast must fix that
-model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
-hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-start = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-opt = hvd.DistributedOptimizer(
-    torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
-)
-data = torch.Generator().manual_seed(7 + hvd.rank())
-for _ in range(5):
-    x = torch.randn(16, 8, generator=data)
-    loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-end = torch.cat([p.detach().flatten() for p in model.parameters()])
-every = hvd.allgather(end.unsqueeze(0))
+trained = tiny_job()
 result = {
     "rank": hvd.rank(),
     "size": hvd.size(),
@@ -45,12 +31,7 @@ result = {
     "host": socket.gethostname(),
     "ringtrain_host": state.current().topology.hosts[hvd.rank()],
     "launcher": state.current().placement.launcher,
-    "identical": all(torch.equal(every[0], every[r]) for r in range(hvd.size())),
-    "trained": not torch.equal(start, end),
-    "checksum": float(end.double().sum()),
+    **trained,
 }
 hvd.shutdown()
-# One write of the whole line (under PIPE_BUF, so atomic): the ranks share the launcher's stdout
-# pipe, and a line written in pieces (text, then newline) can interleave with another rank's.
-sys.stdout.flush()
-os.write(1, ("RESULT " + json.dumps(result) + "\n").encode())
+print_result(result)

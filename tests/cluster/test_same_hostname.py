@@ -9,24 +9,18 @@ The training script is tests/cluster/launcher_job.py.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _launched import JOB, TORCHRUN, clean_env, finish_ok, start
 
 from ringtrain.testing import cluster as tc
 from ringtrain.testing.netns import ETC_NETNS
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster]
 CLUSTER = 2
-JOB = Path(__file__).with_name("launcher_job.py")
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-LIMIT = 200.0
 SAME = ["sh", "-c", 'hostname box && exec "$@"', "sh"]  # inside the host's own UTS namespace
 
 
@@ -37,33 +31,6 @@ def _box_resolves_to_each_host(cluster: tc.Cluster) -> None:
     for h in cluster.hosts:
         with open(ETC_NETNS / h.netns / "hosts", "a") as f:
             f.write(f"{h.address} box\n")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    """This process's environment without anything that could hand ranks a rendezvous."""
-    drop = ("MASTER_", "RINGTRAIN_", "GLOO_", "OMPI_", "PMIX_", "RANK", "WORLD_SIZE", "LOCAL_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env = {k: v for k, v in env.items() if not k.startswith(("TORCHELASTIC_", "PET_", "NODE_"))}
-    return {**env, **extra}
-
-
-def _finish(procs: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
-    """Wait for every process; on timeout stop them all and fail. The ranks' RESULT lines."""
-    outs: list[str] = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=LIMIT)
-            outs.append(out)
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)  # each in its own session with its children
-        tails = [p.communicate()[0][-3000:] for p in procs]
-        raise AssertionError(f"the job did not finish in {LIMIT}s:\n" + "\n".join(tails)) from None
-    text = "\n".join(outs)
-    assert [p.returncode for p in procs] == [0] * len(procs), text[-4000:]
-    found = [json.loads(ln.split("RESULT ", 1)[1]) for ln in text.splitlines() if "RESULT " in ln]
-    return sorted(found, key=lambda r: r["rank"])
 
 
 def _check(res: list[dict[str, Any]]) -> None:
@@ -83,19 +50,10 @@ def test_torchrun_two_hosts_with_one_hostname(cluster: tc.Cluster, tmp_path: Pat
     argv = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d"]
     argv += ["--rdzv-endpoint", endpoint, "--rdzv-id", "same-hostname", "--max-restarts", "0"]
     procs = [
-        cluster.popen(
-            h.name,
-            [*SAME, *argv, str(JOB)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=tmp_path,
-            env=_env(),
-            start_new_session=True,
-        )
+        start([*SAME, *argv, str(JOB)], tmp_path, clean_env(), cluster, h.name)
         for h in cluster.hosts
     ]
-    res = _finish(procs)
+    res = finish_ok(procs, "the job")
     _check(res)
     assert {r["launcher"] for r in res} == {"torchrun"}
     assert {r["ringtrain_host"] for r in res} == {"box[GROUP_RANK=0]", "box[GROUP_RANK=1]"}
@@ -106,19 +64,16 @@ def test_no_launcher_node_then_the_address_tells_hosts_apart(
 ) -> None:
     master = cluster.hosts[0].address
     procs = [
-        cluster.popen(
-            cluster.hosts[rank // 2].name,
+        start(
             [*SAME, sys.executable, str(JOB)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=tmp_path,
-            env=_env(RANK=str(rank), WORLD_SIZE="4", MASTER_ADDR=master, MASTER_PORT="29401"),
-            start_new_session=True,
+            tmp_path,
+            clean_env(RANK=str(rank), WORLD_SIZE="4", MASTER_ADDR=master, MASTER_PORT="29401"),
+            cluster,
+            cluster.hosts[rank // 2].name,
         )
         for rank in range(4)
     ]
-    res = _finish(procs)
+    res = finish_ok(procs, "the job")
     _check(res)
     hosts = {h.address for h in cluster.hosts}
     assert {r["ringtrain_host"] for r in res} == {f"box[{a}]" for a in hosts}

@@ -210,10 +210,9 @@ def test_output_filename_pads_ranks_to_one_width(tmp_path: Path) -> None:
 
     _, o = _parse("-np", "11", "--output-filename", str(tmp_path / "d"), "true")
     sup = Supervisor(o)
-    sup._output_file(3, 2).write("x\n")
-    sup._output_file(10, 1).write("y\n")
-    for f in sup._outputs.values():
-        f.close()
+    sup.output.file(3, 2).write("x\n")
+    sup.output.file(10, 1).write("y\n")
+    sup.output.close()
     assert (tmp_path / "d" / "rank.03" / "stderr").read_text() == "x\n"
     assert (tmp_path / "d" / "rank.10" / "stdout").read_text() == "y\n"
 

@@ -7,9 +7,8 @@ store is hidden, as an MPI-backend group has none: rank 0 serves one and sends i
 through the group).
 """
 
-import json
-import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,7 +16,10 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 dist.init_process_group("gloo")  # the user's group, from torchrun's variables
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for _training
+
 import ringtrain.torch as hvd  # noqa: E402
+from _training import print_result, tiny_job  # noqa: E402
 from ringtrain.runtime import state  # noqa: E402
 
 if sys.argv[1] == "nostore":
@@ -26,22 +28,7 @@ if sys.argv[1] == "nostore":
 user_group = dist.group.WORLD
 hvd.init()
 assert dist.group.WORLD is user_group, "ringtrain replaced the script's default group"
-torch.manual_seed(100 + hvd.rank())
-model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
-hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-start = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-opt = hvd.DistributedOptimizer(
-    torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
-)
-data = torch.Generator().manual_seed(7 + hvd.rank())
-for _ in range(5):
-    x = torch.randn(16, 8, generator=data)
-    loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-end = torch.cat([p.detach().flatten() for p in model.parameters()])
-every = hvd.allgather(end.unsqueeze(0))
+trained = tiny_job()
 summed = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum, name="sum")
 result = {
     "rank": hvd.rank(),
@@ -52,8 +39,7 @@ result = {
     "launcher": state.current().placement.launcher,
     "adopted": state.current().adopted,
     "sum": summed.item(),
-    "identical": all(torch.equal(every[0], every[r]) for r in range(hvd.size())),
-    "trained": not torch.equal(start, end),
+    **trained,
 }
 hvd.shutdown()
 # Horovod's shutdown leaves torch.distributed alone: the script's group still works ...
@@ -65,5 +51,4 @@ hvd.init()
 result["again"] = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="again").item()
 hvd.shutdown()
 dist.destroy_process_group()
-sys.stdout.flush()
-os.write(1, ("RESULT " + json.dumps(result) + "\n").encode())
+print_result(result)

@@ -25,6 +25,15 @@ def usage(t: torch.Tensor, model: torch.nn.Module) -> None:
     j: int = hvd.join()
     k: bool = hvd.poll(hvd.allgather_async(g)) and hvd.is_initialized()
     hvd.broadcast_parameters(model.state_dict(), root_rank=i["step"] + j + int(k))
+    # The blocking spellings made from their non-blocking twins keep the twins' parameters.
+    m: torch.Tensor = hvd.allreduce_(t, op=hvd.Sum, process_set=hvd.global_process_set)
+    n: list[torch.Tensor] = hvd.grouped_allgather([m], name="gathered")
+    o: torch.Tensor = hvd.broadcast_(hvd.broadcast(n[0], root_rank=0), 0, name="bcast")
+    p: list[torch.Tensor] = hvd.grouped_allreduce_([o], average=False, prescale_factor=0.5)
+    q: torch.Tensor = hvd.allgather(p[0], "name", hvd.global_process_set)
+    hvd.broadcast_(q, root_rank=0, nmae="typo")  # type: ignore[call-arg]
+    hvd.allgather(t, process_set=1)  # type: ignore[arg-type]
+    hvd.allreduce_(t, compression=hvd.Compression.fp16)  # type: ignore[call-arg]
     hvd.allreduce(t, op=3)  # type: ignore[arg-type]
     hvd.allreduce(t, compression=0.5)  # type: ignore[arg-type]
     hvd.grouped_allreduce_async([t], op=hvd.Sum, compression=torch.float16)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -90,10 +91,6 @@ def _submit(
     )
 
 
-def _single(result: Any) -> Any:
-    return result[0]
-
-
 def _check_handle(fn: str, handle: Any) -> None:
     if not isinstance(handle, Handle):
         raise CollectiveArgumentError(f"{fn} expects a handle from an *_async call, got {handle!r}")
@@ -121,14 +118,42 @@ def poll(handle: Handle[Any]) -> bool:
     return handle.done()
 
 
+# ---- Horovod's spellings ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How one of Horovod's spellings of a collective differs from the plain call.
+
+    ``inplace`` (``allreduce_``, ``broadcast_async_``): the result is written into the caller's
+    tensors, which come back. ``grouped`` (``grouped_allreduce``): a list of tensors negotiated
+    and fused as one unit, and a list back. The public functions below are thin typed wrappers,
+    one per spelling, over one implementation per collective that takes the variant.
+    """
+
+    inplace: bool = False
+    grouped: bool = False
+
+    def result(self, outs: list[Any]) -> Any:
+        return outs if self.grouped else outs[0]
+
+
+PLAIN = Variant()
+IN_PLACE = Variant(inplace=True)
+GROUPED = Variant(grouped=True)
+GROUPED_IN_PLACE = Variant(inplace=True, grouped=True)
+
+
+def _detached(tensors: Sequence[Any]) -> list[Any]:
+    return [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors]
+
+
 # ---- allreduce -------------------------------------------------------------------------------
 
 
-def _allreduce_handle(
+def _allreduce(
+    variant: Variant,
     tensors: Sequence[Any],
-    *,
-    inplace: bool,
-    grouped: bool,
     average: bool | None,
     name: str | None,
     op: ReduceOpLike | None,
@@ -137,9 +162,10 @@ def _allreduce_handle(
     process_set: ProcessSet | None,
     compression: CompressionLike | None = None,
 ) -> Handle[Any]:
+    tensors = list(tensors)  # read twice: sent now, handed back in place
     op_name = resolve_op(op, average)
     comp = resolve_compression(compression)
-    inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors]
+    inputs = _detached(tensors)
     sent, ctxs = [], []
     for d in inputs:
         if isinstance(d, torch.Tensor):
@@ -150,19 +176,19 @@ def _allreduce_handle(
         ctxs.append(ctx)
     # Uncompressed in-place ops reduce in the caller's tensors: no copy, no allocation.
     same = all(s is d for s, d in zip(sent, inputs))
-    if inplace and same:
+    if variant.inplace and same:
         outputs = list(inputs)
     else:
         outputs = [torch.empty_like(s) if isinstance(s, torch.Tensor) else s for s in sent]
 
     def finish(result: list[torch.Tensor]) -> Any:
         outs = [comp.decompress(r, ctx) for r, ctx in zip(result, ctxs)]
-        if inplace:
+        if variant.inplace:
             if not same:
                 for t, o in zip(tensors, outs):
                     t.detach().copy_(o)
             outs = list(tensors)
-        return outs if grouped else outs[0]
+        return variant.result(outs)
 
     return _submit(
         "allreduce",
@@ -188,18 +214,8 @@ def allreduce_async(
     compression: CompressionLike | None = None,
 ) -> Handle[torch.Tensor]:
     """Start reducing ``tensor`` over the ranks; ``synchronize`` returns a new tensor."""
-    return _allreduce_handle(
-        [tensor],
-        inplace=False,
-        grouped=False,
-        average=average,
-        name=name,
-        op=op,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-        process_set=process_set,
-        compression=compression,
-    )
+    args = (average, name, op, prescale_factor, postscale_factor, process_set, compression)
+    return _allreduce(PLAIN, [tensor], *args)
 
 
 def allreduce_async_(
@@ -212,17 +228,8 @@ def allreduce_async_(
     process_set: ProcessSet | None = None,
 ) -> Handle[torch.Tensor]:
     """In-place version of :func:`allreduce_async`: ``tensor`` receives the result."""
-    return _allreduce_handle(
-        [tensor],
-        inplace=True,
-        grouped=False,
-        average=average,
-        name=name,
-        op=op,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-        process_set=process_set,
-    )
+    args = (average, name, op, prescale_factor, postscale_factor, process_set)
+    return _allreduce(IN_PLACE, [tensor], *args)
 
 
 def grouped_allreduce_async(
@@ -236,18 +243,8 @@ def grouped_allreduce_async(
     compression: CompressionLike | None = None,
 ) -> Handle[list[torch.Tensor]]:
     """Reduce a list of tensors as one unit (negotiated and fused together)."""
-    return _allreduce_handle(
-        list(tensors),
-        inplace=False,
-        grouped=True,
-        average=average,
-        name=name,
-        op=op,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-        process_set=process_set,
-        compression=compression,
-    )
+    args = (average, name, op, prescale_factor, postscale_factor, process_set, compression)
+    return _allreduce(GROUPED, tensors, *args)
 
 
 def grouped_allreduce_async_(
@@ -259,42 +256,32 @@ def grouped_allreduce_async_(
     postscale_factor: float = 1.0,
     process_set: ProcessSet | None = None,
 ) -> Handle[list[torch.Tensor]]:
-    return _allreduce_handle(
-        list(tensors),
-        inplace=True,
-        grouped=True,
-        average=average,
-        name=name,
-        op=op,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-        process_set=process_set,
-    )
+    """In-place version of :func:`grouped_allreduce_async`: each tensor receives its result."""
+    args = (average, name, op, prescale_factor, postscale_factor, process_set)
+    return _allreduce(GROUPED_IN_PLACE, tensors, *args)
+
+
+# ---- allgather -------------------------------------------------------------------------------
+
+
+def _allgather(
+    variant: Variant, tensors: Sequence[Any], name: str | None, process_set: ProcessSet | None
+) -> Handle[Any]:
+    return _submit("allgather", _detached(tensors), name, process_set, variant.result)
 
 
 def grouped_allgather_async(
     tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet | None = None
 ) -> Handle[list[torch.Tensor]]:
     """Concatenate each tensor's rows from all ranks (first dimensions may differ per rank)."""
-    return _submit(
-        "allgather",
-        [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors],
-        name,
-        process_set,
-        list,
-    )
+    return _allgather(GROUPED, tensors, name, process_set)
 
 
 def allgather_async(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet | None = None
 ) -> Handle[torch.Tensor]:
-    return _submit(
-        "allgather",
-        [tensor.detach() if isinstance(tensor, torch.Tensor) else tensor],
-        name,
-        process_set,
-        _single,
-    )
+    """Start concatenating ``tensor``'s rows from all ranks along dim 0, in rank order."""
+    return _allgather(PLAIN, [tensor], name, process_set)
 
 
 def sparse_allreduce_async(
@@ -357,10 +344,15 @@ def checked_root(root_rank: Any, ranks: Sequence[int]) -> tuple[int, str]:
     return root, ""
 
 
-def _broadcast_handle(
-    tensor: Any, root_rank: int, name: str | None, process_set: ProcessSet | None, inplace: bool
+def _broadcast(
+    variant: Variant,
+    tensor: Any,
+    root_rank: int,
+    name: str | None,
+    process_set: ProcessSet | None,
 ) -> Handle[Any]:
-    t = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
+    [t] = _detached([tensor])
+    inplace = variant.inplace
     outputs = [t if inplace else torch.empty_like(t)] if isinstance(t, torch.Tensor) else None
     root, error = checked_root(root_rank, controller_of(process_set).comm.ranks)
 
@@ -386,7 +378,8 @@ def broadcast_async(
     name: str | None = None,
     process_set: ProcessSet | None = None,
 ) -> Handle[torch.Tensor]:
-    return _broadcast_handle(tensor, root_rank, name, process_set, inplace=False)
+    """Start copying ``root_rank``'s tensor to every rank; ``synchronize`` returns a new one."""
+    return _broadcast(PLAIN, tensor, root_rank, name, process_set)
 
 
 def broadcast_async_(
@@ -395,7 +388,32 @@ def broadcast_async_(
     name: str | None = None,
     process_set: ProcessSet | None = None,
 ) -> Handle[torch.Tensor]:
-    return _broadcast_handle(tensor, root_rank, name, process_set, inplace=True)
+    """In-place version of :func:`broadcast_async`: ``tensor`` receives the root's."""
+    return _broadcast(IN_PLACE, tensor, root_rank, name, process_set)
+
+
+# ---- reducescatter ---------------------------------------------------------------------------
+
+
+def _reducescatter(
+    variant: Variant,
+    tensors: Sequence[Any],
+    name: str | None,
+    op: ReduceOpLike | None,
+    process_set: ProcessSet | None,
+    prescale_factor: float,
+    postscale_factor: float,
+) -> Handle[Any]:
+    return _submit(
+        "reducescatter",
+        _detached(tensors),
+        name,
+        process_set,
+        variant.result,
+        op=resolve_op(op),
+        prescale=float(prescale_factor),
+        postscale=float(postscale_factor),
+    )
 
 
 def grouped_reducescatter_async(
@@ -407,16 +425,8 @@ def grouped_reducescatter_async(
     postscale_factor: float = 1.0,
 ) -> Handle[list[torch.Tensor]]:
     """Reduce, then give rank r its slice of dim 0 (the first ``rows % size`` ranks get one extra row)."""
-    return _submit(
-        "reducescatter",
-        [t.detach() if isinstance(t, torch.Tensor) else t for t in tensors],
-        name,
-        process_set,
-        list,
-        op=resolve_op(op),
-        prescale=float(prescale_factor),
-        postscale=float(postscale_factor),
-    )
+    args = (name, op, process_set, prescale_factor, postscale_factor)
+    return _reducescatter(GROUPED, tensors, *args)
 
 
 def reducescatter_async(
@@ -427,16 +437,12 @@ def reducescatter_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> Handle[torch.Tensor]:
-    return _submit(
-        "reducescatter",
-        [tensor.detach() if isinstance(tensor, torch.Tensor) else tensor],
-        name,
-        process_set,
-        _single,
-        op=resolve_op(op),
-        prescale=float(prescale_factor),
-        postscale=float(postscale_factor),
-    )
+    """Start reducing ``tensor`` over the ranks; ``synchronize`` returns this rank's slice."""
+    args = (name, op, process_set, prescale_factor, postscale_factor)
+    return _reducescatter(PLAIN, [tensor], *args)
+
+
+# ---- alltoall --------------------------------------------------------------------------------
 
 
 def _splits_check(tensor: Any, splits: Any, process_set: ProcessSet | None) -> Callable[[], str]:

@@ -22,26 +22,28 @@ next. Decisions that depend on time (stall reports, aborts, and names that ranks
 different process sets, see :mod:`ringtrain.collectives.crossset`) are made by the set's rank 0
 and travel in its next message. If a peer dies, the control exchange fails and every pending
 handle fails with :class:`CollectiveAbortedError` instead of hanging.
+
+The parts: :mod:`~ringtrain.collectives.control_round` (the message and its wire),
+:mod:`~ringtrain.collectives.lane_control` (the fast lane's share of submitting and of a round),
+:mod:`~ringtrain.collectives.execute` (running ready ops on the data groups).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import pickle
-import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ringtrain import compat
 from ringtrain.collectives import crossset, inline, lane
-from ringtrain.collectives.execute import Executor, Pending, Scaling, transport_error
+from ringtrain.collectives.control_round import ControlChannel, Message, inline_payloads
+from ringtrain.collectives.execute import Executor, Pending
 from ringtrain.collectives.handles import Handle
+from ringtrain.collectives.lane_control import LaneControl, LaneHandle
 from ringtrain.collectives.requests import Request, mismatch
 from ringtrain.config import Config
 from ringtrain.diagnostics import stall, timeline
@@ -71,8 +73,6 @@ MAX_IDLE_SLEEP_S = 0.01
 # more than the millisecond or two a doorbell adds to the next op.
 DOZE_AFTER_IDLE_CYCLES = 16
 DOORBELL_WAIT = datetime.timedelta(days=7)
-# Control messages up to this size travel in one allgather; longer ones take a second round.
-CONTROL_SLOT_BYTES = 8192
 # Requests that ran before travel as a number (Horovod's response cache, up to
 # Config.cache_capacity of them): a training step's hundreds of named collectives then cost a few
 # bytes each to negotiate, not a pickled Request.
@@ -81,48 +81,7 @@ JOIN_NAME = "__join__"
 LANE_DRAIN_S = 10.0
 
 
-@dataclass
-class _Message:
-    # A Request, or the number of one in the request cache, which every rank holds alike.
-    requests: list[Request | int] = field(default_factory=list)
-    shutdown: bool = False
-    # This rank has been idle for DOZE_AFTER_IDLE_CYCLES: when every rank says so, all doze.
-    idle: bool = False
-    # Set by the set's rank 0 only: every rank aborts with this error.
-    abort: str = ""
-    # Set by the set's rank 0 only: (name, error) of collectives submitted on other sets too.
-    mismatched: tuple[tuple[str, str], ...] = ()
-    # Small collectives' data, by position in ``requests`` (see collectives.inline).
-    inline: dict[int, inline.Payload] = field(default_factory=dict)
-    # This rank's fast lane (see collectives.lane); None without one.
-    lane: lane.Status | None = None
-
-
-class _LaneHandle(Handle):
-    """The handle of an op that claimed a lane slot: waiting on it takes the slot's verdict,
-    then gives the result, or (the slot was not valid) waits for the negotiated op."""
-
-    __slots__ = ("_ctl", "claim")
-
-    def __init__(
-        self, name: str, finish: Callable[[Any], Any] | None, ctl: Controller, claim: lane.Claim
-    ) -> None:
-        super().__init__(name, finish)
-        self._ctl = ctl
-        self.claim: lane.Claim | None = claim
-
-    def done(self) -> bool:
-        if self.claim is not None and not self._done.is_set():
-            self._ctl._lane_progress(self, block=False)
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> Any:
-        if self.claim is not None and not self._done.is_set():
-            self._ctl._lane_progress(self, block=True)
-        return super().wait(timeout)
-
-
-class Controller:
+class Controller(LaneControl):
     """Negotiates and runs the collectives of one process set on this rank."""
 
     def __init__(
@@ -179,9 +138,7 @@ class Controller:
         self._lane_peer: tuple[int, float] | None = None
         self._lane_nudged = False
         self._world = abort.generation  # elastic: this controller's waits end when it is replaced
-        self._control = comm.group("control")
-        self._slot = torch.zeros(CONTROL_SLOT_BYTES, dtype=torch.uint8)
-        self._slots = torch.zeros(comm.size * CONTROL_SLOT_BYTES, dtype=torch.uint8)
+        self._channel = ControlChannel(comm, self._world)
         self._thread = threading.Thread(
             target=self._run, name=f"ringtrain-controller-{comm.set_id}", daemon=True
         )
@@ -220,7 +177,7 @@ class Controller:
             if fast is not None and fast.reserved is not None:
                 claim = fast.try_claim(request, tensors, outputs)
                 if claim is not None:  # no negotiation: the op is on its way
-                    lane_handle = _LaneHandle(request.name, finish, self, claim)
+                    lane_handle = LaneHandle(request.name, finish, self, claim)
                     self._pending[request.name] = Pending(request, tensors, outputs, lane_handle)
                     return lane_handle
             handle: Handle[Any] = Handle(request.name, finish)
@@ -386,7 +343,7 @@ class Controller:
             new, self._new = self._new, []
             subs = [self._pending[n] for n in new]
             reqs = [p.request for p in subs]
-            mine = _Message([self._cache_ids.get(r, r) for r in reqs], self._shutdown)
+            mine = Message([self._cache_ids.get(r, r) for r in reqs], self._shutdown)
             mine.idle = (
                 not reqs
                 and not self._shutdown
@@ -398,7 +355,7 @@ class Controller:
             )
         if self._lane is not None:
             mine.lane = self._lane.status()
-        mine.inline = _inline_payloads(subs, self.comm.world_rank)
+        mine.inline = inline_payloads(subs, self.comm.world_rank)
         stuck = self._stuck()
         if self.comm.set_rank == 0:
             mine.abort = self._inspect()
@@ -406,7 +363,7 @@ class Controller:
                 mine.mismatched = self._cross_set_mismatches(stuck)
         rec = timeline.current()
         started = time.perf_counter()
-        messages = self._exchange(mine)
+        messages = self._channel.exchange(mine)
         if rec.enabled and any(m.requests for m in messages):  # idle rounds are not drawn
             rec.span(
                 f"collectives set {self.comm.set_id}",
@@ -568,210 +525,6 @@ class Controller:
             log.warning("%s", verdict.warning)
         return verdict.abort
 
-    def _exchange(self, msg: _Message) -> list[_Message]:
-        """Allgather one pickled message per rank over the control group.
-
-        Each Gloo collective costs a millisecond or more of thread hand-offs, so a cycle uses one:
-        fixed-size slots that hold a length and the message. Only when some message outgrows its
-        slot (every rank sees that in the lengths) does a second allgather carry the long ones.
-        """
-        if self.comm.size == 1:
-            return [msg]
-        payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        # Preallocated slots, filled and read through memoryviews: a round runs every cycle, and
-        # a dozen small torch ops cost as much CPU as the allgather itself.
-        size, width = self.comm.size, CONTROL_SLOT_BYTES
-        slot, slots = self._slot, self._slots
-        out = slot.numpy().data
-        struct.pack_into("<q", out, 0, len(payload))
-        if len(payload) <= width - 8:
-            out[8 : 8 + len(payload)] = payload
-        abort.wait_work(
-            compat.all_gather_single(slots, slot, group=self._control, async_op=True), self._world
-        )
-        got = slots.numpy().data
-        lengths = [struct.unpack_from("<q", got, r * width)[0] for r in range(size)]
-        longest = max(lengths)
-        if longest <= width - 8:
-            return [
-                pickle.loads(got[r * width + 8 : r * width + 8 + n]) for r, n in enumerate(lengths)
-            ]
-        big = torch.zeros(longest, dtype=torch.uint8)
-        big.numpy().data[: len(payload)] = payload
-        bigs = torch.empty(size * longest, dtype=torch.uint8)
-        abort.wait_work(
-            compat.all_gather_single(bigs, big, group=self._control, async_op=True), self._world
-        )
-        got = bigs.numpy().data
-        return [pickle.loads(got[r * longest : r * longest + n]) for r, n in enumerate(lengths)]
-
-    # ---- the fast lane (collectives.lane) ---------------------------------------------------
-
-    def _lane_progress(self, handle: _LaneHandle, block: bool) -> None:
-        """Take the verdict of ``handle``'s slot (waiting for it when ``block``) and act on it."""
-        fast, claim = self._lane, handle.claim
-        if fast is None or claim is None:
-            return
-        try:
-            while True:
-                if block:
-                    self._lane_wait(claim)
-                settled = fast.settle(claim)
-                # Not settled: still in flight, taken by another thread, or the flags' round
-                # just started (then wait for that too).
-                if settled is not None or not block or fast.claim is not claim:
-                    break
-        except Exception as e:  # the transport failed: this op fails, the controller follows
-            with self._lock:
-                self._pending.pop(handle.name, None)
-            handle.claim = None
-            handle.set_error(transport_error(e))
-            return
-        if settled is not None:
-            self._lane_finish(settled)
-
-    def _lane_wait(self, claim: lane.Claim) -> None:
-        """Wait for a claim's collectives. They complete once every rank has claimed the slot;
-        if that takes long, the peers may not know of the claim (their controllers doze), so
-        wake the controllers and keep them polling until the slot is settled."""
-        for work in list(claim.works):
-            if work.is_completed():
-                continue
-            if not lane.wait_for(work, lane.NUDGE_S):
-                self._lane_nudge()
-                abort.wait_work(work, self._world)
-
-    def _lane_nudge(self) -> None:
-        with self._lock:
-            self._lane_nudged = True
-            bell, self._bell = self._bell, None
-        self._wake.set()
-        if bell is not None:
-            self._ring(bell)
-
-    def _lane_settle(self) -> None:
-        """The controller's share: settle a slot nobody waits for (dummies, unwaited ops)."""
-        assert self._lane is not None
-        try:
-            settled = self._lane.settle()
-        except Exception:
-            return  # its waiter (if any) reports it; a dead peer fails the next round too
-        if settled is not None:
-            self._lane_finish(settled)
-
-    def _lane_finish(self, claim: lane.Claim) -> None:
-        """Complete a settled claim: a valid slot gives the result; otherwise the op is
-        negotiated as any other, from the tensor as it was submitted."""
-        self._lane_nudged = False
-        if claim.name is None:
-            return
-        with self._lock:
-            local = self._pending.get(claim.name)
-        if local is None or not isinstance(local.handle, _LaneHandle):
-            return  # failed meanwhile (shutdown, a peer's failure)
-        handle = local.handle
-        if claim.valid:
-            Scaling.of(claim.request, self.comm.size, claim.data.dtype).after(claim.data)
-            rec = timeline.current()
-            if rec.enabled:
-                rec.span(
-                    f"collectives set {self.comm.set_id}",
-                    "ALLREDUCE (lane)",
-                    claim.started,
-                    time.perf_counter(),
-                    {"tensors": [claim.name], "count": 1},
-                )
-            with self._lock:
-                self._pending.pop(claim.name, None)
-            handle.claim = None
-            handle.set_result(local.outputs or local.tensors)
-            return
-        if claim.restore is not None:
-            where, what = claim.restore
-            where.copy_(what)
-        handle.claim = None
-        with self._lock:
-            if self._failure is None and not self._closed:
-                self._new.append(claim.name)
-                bell, self._bell = self._bell, None
-            else:
-                self._pending.pop(claim.name, None)
-                bell = None
-                handle.set_error(
-                    CollectiveAbortedError("ringtrain shut down before this collective completed")
-                )
-        self._wake.set()
-        if bell is not None:
-            self._ring(bell)
-
-    def _lane_round(self, messages: list[_Message], ready: list[str]) -> None:
-        """The lane's share of a round, before the ready ops run. Releasing a slot is this
-        rank's own decision; opening and giving up the reservation are decided from what every
-        rank received alike, so every rank decides the same."""
-        fast = self._lane
-        assert fast is not None
-        statuses = [m.lane for m in messages]
-        me = self.comm.set_rank
-        # Release: a peer waits in the current slot while this rank is busy elsewhere.
-        self._lane_settle()
-        mine = fast.status()
-        peers = [
-            st
-            for r, st in enumerate(statuses)
-            if r != me and st is not None and st.claimed and st.slot == mine.slot
-        ]
-        if not peers or mine.claimed or not mine.open:
-            self._lane_peer = None
-        else:
-            now = self._clock()
-            if self._lane_peer is None or self._lane_peer[0] != mine.slot:
-                self._lane_peer = (mine.slot, now)
-            busy = (
-                self._shutdown
-                or any(st.dummy for st in peers)
-                or any(me in by for by in self._table.values())
-            )
-            if busy or now - self._lane_peer[1] >= lane.RELEASE_S:
-                fast.doom(mine.slot)
-                self._lane_peer = None
-        # Open, or give up the reservation: from the messages and the ready list only.
-        known = [st for st in statuses if st is not None]
-        if len(known) != len(statuses):
-            return
-        ran = [req for req in (self._lane_candidate(name) for name in ready) if req is not None]
-        if not ran:
-            return
-        slots = {st.slot for st in known}
-        if all(not st.open and not st.claimed for st in known) and len(slots) == 1:
-            if fast.open_at(slots.pop(), ran[-1]):
-                self._lane_request = ran[-1]
-                self._lane_misses.clear()
-        elif all(st.open for st in known):
-            # A request negotiated again and again while the reservation goes unused takes it.
-            used = min(st.next_free for st in known)
-            if used > self._lane_used or len(self._lane_misses) > 64:
-                self._lane_misses.clear()
-            self._lane_used = used
-            for req in ran:
-                if req == self._lane_request:
-                    continue
-                self._lane_misses[req] = self._lane_misses.get(req, 0) + 1
-                if self._lane_misses[req] >= lane.SWITCH_AFTER:
-                    fast.doom(max(st.next_free for st in known))
-                    self._lane_misses.clear()
-                    break
-
-    def _lane_candidate(self, name: str) -> Request | None:
-        """The request of a ready name if it may reserve the lane: every rank submitted it, alike,
-        with no rank joined."""
-        by_rank = self._table[name]
-        if len(by_rank) != self.comm.size or self._joined:
-            return None
-        req = by_rank[0]
-        if not lane.eligible(req) or any(r != req for r in by_rank.values()):
-            return None
-        return req
-
     def _fail_all(self, error: CollectiveError | SecurityError) -> None:
         with self._lock:
             if self._failure is None:
@@ -780,21 +533,6 @@ class Controller:
             self._new = []
         for p in pending.values():
             p.handle.set_error(error)
-
-
-def _inline_payloads(subs: list[Pending], rank: int) -> dict[int, inline.Payload]:
-    """The data of this message's small collectives, within the per-message budget."""
-    out: dict[int, inline.Payload] = {}
-    budget = inline.INLINE_MAX_PER_MESSAGE
-    for i, p in enumerate(subs):
-        try:
-            payload = inline.encode(p.request, p.tensors, rank)
-        except Exception:  # e.g. a tensor torch cannot read: the normal path reports it
-            payload = None
-        if payload is not None and len(payload[1]) <= budget:
-            out[i] = payload
-            budget -= len(payload[1])
-    return out
 
 
 def _local_errors(name: str, by_rank: dict[int, Request]) -> str | None:

@@ -8,8 +8,8 @@ only the tensors of one request (a grouped call) are fused: which async ops meet
 depends on timing, and with three or more ranks Gloo's ring sums an element in an order set by
 its offset in the buffer. Two ranks sum ``a + b``, which is the same in any order, so they fuse
 freely. For the same reason a small allreduce that could not travel inline is reduced as inline
-ones are (every rank's values, in rank order). Data movement (broadcast, allgather, alltoall) travels as raw bytes,
-which is exact for every dtype and lets ranks exchange tensors of any shape in one call.
+ones are (every rank's values, in rank order). The other kinds run one request at a time
+(:mod:`ringtrain.collectives.unfused`); scale factors and Average are :mod:`~ringtrain.collectives.scaling`.
 """
 
 from __future__ import annotations
@@ -24,29 +24,20 @@ import torch
 import torch.distributed as dist
 
 from ringtrain import compat
-from ringtrain.algorithms.sealed import Link, Plain
-from ringtrain.collectives import dtypes, inline
+from ringtrain.collectives import dtypes, inline, unfused
 from ringtrain.collectives.handles import Handle
-from ringtrain.collectives.requests import Request, TensorMeta
+from ringtrain.collectives.requests import Request
+from ringtrain.collectives.scaling import REDUCE_OPS, Scaling
 from ringtrain.config import Config
 from ringtrain.diagnostics import timeline
 from ringtrain.errors import (
     CollectiveAbortedError,
     CollectiveArgumentError,
     CollectiveError,
-    CollectiveMismatchError,
     SecurityError,
 )
 from ringtrain.runtime.communicator import Communicator
 
-REDUCE_OPS = {
-    "Sum": dist.ReduceOp.SUM,
-    "Average": dist.ReduceOp.SUM,
-    "Min": dist.ReduceOp.MIN,
-    "Max": dist.ReduceOp.MAX,
-    "Product": dist.ReduceOp.PRODUCT,
-}
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Fused allreduces move in chunks of this size, pipelined with packing and unpacking. Large
 # enough that Gloo's per-op cost (about a millisecond) stays small next to the transfer.
 PIPELINE_CHUNK_BYTES = 16 * 1024 * 1024
@@ -70,17 +61,6 @@ class _Item:
     outputs: list[torch.Tensor]
     handle: Handle | None  # None on a joined rank standing in with zeros
     contributors: int
-
-
-def _zeros(meta: TensorMeta) -> torch.Tensor:
-    return torch.zeros(meta.shape, dtype=dtypes.from_name(meta.dtype), device=meta.device)
-
-
-def _ring_reduces_scatter(pieces: torch.Tensor, group: Any) -> bool:
-    """Whether a reducescatter of ``pieces`` (one equal chunk per rank) goes around ringtrain's
-    ring: host memory on a Gloo group (sealed and TCP groups run their own ring already), and
-    some data to move."""
-    return not pieces.is_cuda and pieces.numel() > 0 and dist.get_backend(group) == "gloo"
 
 
 class Executor:
@@ -110,7 +90,7 @@ class Executor:
         of a small allreduce, which then reduces here without a collective of its own."""
         req = by_rank[min(by_rank)]
         if local is None:  # this rank has joined: contribute zeros shaped like the others' tensors
-            tensors = [_zeros(m) for m in req.tensors]
+            tensors = [unfused.zeros(m) for m in req.tensors]
             outputs: list[torch.Tensor] = list(tensors)
             handle = None
         else:
@@ -357,175 +337,21 @@ class Executor:
         if req.kind == "broadcast":
             root = self.comm.ranks.index(req.root)  # roots are global ranks, as in Horovod
             root_data = inline_data[root] if inline_data is not None else None
-            return self._broadcast(req, by_rank, tensors, outputs, root, me, root_data)
+            return unfused.broadcast(self.comm, req, by_rank, tensors, outputs, root, me, root_data)
         if req.kind == "allgather":
             pieces = None
             if inline_data is not None:
                 pieces = inline.split(
                     req.name, inline_data, {r: q.tensors for r, q in by_rank.items()}
                 )
-            return [self._allgather(i, t, by_rank, pieces) for i, t in enumerate(tensors)]
+            return [
+                unfused.allgather(self.comm, i, t, by_rank, pieces) for i, t in enumerate(tensors)
+            ]
         if req.kind == "reducescatter":
-            return [self._reducescatter(req, t) for t in tensors]
+            return [unfused.reducescatter(self.comm, req, t) for t in tensors]
         if req.kind == "alltoall":
-            return self._alltoall(by_rank, tensors[0], me)
+            return unfused.alltoall(self.comm, by_rank, tensors[0], me)
         raise CollectiveArgumentError(f"unknown collective kind {req.kind!r}")
-
-    def _broadcast(
-        self,
-        req: Request,
-        by_rank: Mapping[int, Request],
-        tensors: list[torch.Tensor],
-        outputs: list[torch.Tensor],
-        root: int,
-        me: int,
-        root_data: inline.Payload | None = None,
-    ) -> list[torch.Tensor]:
-        """``root``: the root's set rank; ``root_data``: its tensors, sent inline with the
-        negotiation."""
-        root_req = by_rank[root]
-        results = []
-        offset = 0
-        for i, meta in enumerate(root_req.tensors):
-            if me == root:
-                out = outputs[i] if outputs else tensors[i]
-                if out is not tensors[i]:
-                    out.copy_(tensors[i])
-            elif req.shape_from_root or not outputs:
-                out = _zeros(meta)
-            else:
-                out = outputs[i]
-            buf = dtypes.as_bytes(out)
-            if root_data is not None:
-                if me != root:
-                    inline.take(root_data, offset, buf)
-                offset += buf.numel()
-            elif self.comm.size > 1:
-                dist.broadcast(buf, group=self.comm.group_for(buf), group_src=root)
-            if buf.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
-                out.copy_(
-                    buf.view(out.dtype if out.dtype != torch.bool else torch.uint8).view(out.shape)
-                )
-            results.append(out)
-        return results
-
-    def _allgather(
-        self,
-        i: int,
-        t: torch.Tensor,
-        by_rank: Mapping[int, Request],
-        pieces: Mapping[int, list[bytes]] | None = None,
-    ) -> torch.Tensor:
-        """``pieces``: every rank's tensors as raw bytes, when they came with the negotiation."""
-        meta = by_rank[min(by_rank)].tensors[i]
-        rows = [
-            by_rank[r].tensors[i].shape[0] if by_rank[r].tensors[i].shape else 1
-            for r in range(self.comm.size)
-        ]
-        if t.dim() == 0:
-            t = t.reshape(1)
-        data = dtypes.as_bytes(t)
-        width = data.shape[1]
-        longest = max(rows)
-        if pieces is not None:
-            raw = b"".join(pieces[r][i] for r in sorted(pieces))
-            if len(raw) != sum(rows) * width:  # only with consistency checks off
-                raise CollectiveMismatchError(
-                    f"allgather {by_rank[min(by_rank)].name!r}: ranks sent rows of different "
-                    "sizes.\nHINT: every rank must pass tensors of the same dtype and trailing "
-                    "shape (only the first dimension may differ)."
-                )
-            gathered = (
-                torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(sum(rows), width)
-                if raw
-                else torch.empty((sum(rows), width), dtype=torch.uint8)
-            )
-        elif self.comm.size == 1:
-            gathered = data
-        else:
-            padded = data
-            if data.shape[0] != longest:
-                padded = torch.zeros((longest, width), dtype=torch.uint8, device=data.device)
-                padded[: data.shape[0]] = data
-            parts = [torch.empty_like(padded) for _ in range(self.comm.size)]
-            dist.all_gather(parts, padded, group=self.comm.group_for(padded))
-            gathered = torch.cat([p[:k] for p, k in zip(parts, rows)])
-        dtype = dtypes.from_name(meta.dtype)
-        tail = tuple(meta.shape[1:]) if meta.shape else ()
-        return _from_bytes(gathered, dtype, (sum(rows), *tail))
-
-    def _reducescatter(self, req: Request, t: torch.Tensor) -> torch.Tensor:
-        size, me = self.comm.size, self.comm.set_rank
-        rows = t.shape[0]
-        counts = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
-        work = dtypes.to_reducible(t, req.op).reshape(rows, -1)
-        longest = max(counts)
-        width = work.shape[1]
-        pieces = torch.zeros((size, longest, width), dtype=work.dtype, device=work.device)
-        offset = 0
-        for r, k in enumerate(counts):
-            pieces[r, :k] = work[offset : offset + k]
-            offset += k
-        pre, post = req.prescale, req.postscale
-        if req.op == "Average":  # integers as Horovod: see Scaling
-            if work.dtype in _LOW_PRECISION:
-                pre /= size
-            else:
-                post /= size
-        if pre != 1.0:
-            _scale(pieces, pre)
-        if size == 1:
-            out = pieces[0]
-        elif _ring_reduces_scatter(pieces, group := self.comm.group_for(pieces)):
-            # Gloo's reduce_scatter allreduces the whole input and keeps a chunk: twice the
-            # bytes. Around a ring each rank sends every other rank's chunk once; the sums'
-            # order is fixed by rank (not timing), as Gloo's is.
-            link = Link(group, Plain(group.rank(), group.size()))
-            link.reduce_scatter_chunks(list(pieces.view(size, -1).unbind(0)), REDUCE_OPS[req.op])
-            out = pieces[link.rank].clone()  # a view would keep every rank's chunk alive
-        else:
-            out = torch.empty((longest, width), dtype=work.dtype, device=work.device)
-            compat.reduce_scatter_single(
-                out, pieces.reshape(size * longest, width), op=REDUCE_OPS[req.op], group=group
-            )
-        out = out[: counts[me]]
-        if post != 1.0:
-            _scale(out, post)
-        result = out.reshape((counts[me], *t.shape[1:]))
-        if t.dtype == torch.uint64:
-            return result.view(torch.uint64)
-        return result.to(t.dtype)
-
-    def _alltoall(
-        self, by_rank: Mapping[int, Request], t: torch.Tensor, me: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        size = self.comm.size
-
-        def splits_of(r: int) -> list[int]:
-            req = by_rank[r]
-            if req.splits:
-                return list(req.splits)
-            rows = req.tensors[0].shape[0] if req.tensors[0].shape else 1
-            return [rows // size] * size
-
-        send = splits_of(me)
-        recv = [splits_of(r)[me] for r in range(size)]
-        if t.dim() == 0:
-            t = t.reshape(1)
-        data = dtypes.as_bytes(t)
-        out = torch.empty((sum(recv), data.shape[1]), dtype=torch.uint8, device=data.device)
-        if size > 1:
-            dist.all_to_all_single(
-                out,
-                data,
-                output_split_sizes=recv,
-                input_split_sizes=send,
-                group=self.comm.group_for(data),
-            )
-        else:
-            out.copy_(data)
-        result = _from_bytes(out, t.dtype, (sum(recv), *t.shape[1:]))
-        return result, torch.tensor(recv, dtype=torch.int32)
 
 
 def transport_error(e: Exception) -> Exception:
@@ -538,47 +364,6 @@ def transport_error(e: Exception) -> Exception:
         f"({type(e).__name__}: {str(e).strip()[:300]}).\n"
         "HINT: the launcher's message names the rank that failed first."
     )
-
-
-def _from_bytes(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    if data.numel() == 0:
-        return torch.empty(shape, dtype=dtype, device=data.device)
-    flat = data.reshape(-1)
-    if dtype == torch.bool:
-        return flat.view(torch.bool).reshape(shape)
-    return flat.view(dtype).reshape(shape)
-
-
-@dataclass(frozen=True)
-class Scaling:
-    """Scale factors of one fused allreduce, applied before and after the sum.
-
-    An Average divides by the set's size (joined ranks included) through the factor after the
-    sum, as Horovod does: integers too, so an integer average is the sum times ``post / size``
-    in double precision, truncated toward zero (Horovod's ``ScaleBuffer``: -75 / 2 gives -37,
-    not -38).
-    """
-
-    pre: float
-    post: float
-
-    @classmethod
-    def of(cls, req: Request, contributors: int, dtype: torch.dtype) -> Scaling:
-        pre, post = req.prescale, req.postscale
-        if req.op == "Average":
-            if dtype in _LOW_PRECISION:
-                pre /= contributors  # divide before summing so 16-bit sums cannot overflow
-            else:
-                post /= contributors
-        return cls(pre, post)
-
-    def before(self, flat: torch.Tensor) -> None:
-        if self.pre != 1.0:
-            _scale(flat, self.pre)
-
-    def after(self, flat: torch.Tensor) -> None:
-        if self.post != 1.0:
-            _scale(flat, self.post)
 
 
 def _chunks(numels: list[int], chunk_numel: int) -> list[range]:
@@ -627,10 +412,3 @@ def _reducible_in(out: torch.Tensor, work: torch.Tensor) -> bool:
     """Whether ``work`` can be reduced in ``out`` itself: same dtype (so no conversion is
     pending) and one dense block of memory that Gloo can address."""
     return out.dtype == work.dtype and out.shape == work.shape and out.is_contiguous()
-
-
-def _scale(t: torch.Tensor, factor: float) -> None:
-    if t.is_floating_point() or t.is_complex():
-        t.mul_(factor)
-    else:
-        t.copy_((t.double() * factor).to(t.dtype))

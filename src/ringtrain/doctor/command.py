@@ -28,6 +28,13 @@ def _sizes(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _number(group: Any, flag: str, default: float, metavar: str, what: str) -> None:
+    """A float option whose help states its default, taken from the default itself."""
+    group.add_argument(
+        flag, type=float, default=default, metavar=metavar, help=f"{what} (default {default:g})"
+    )
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.usage = "ringtrain doctor [-H HOSTS | --hostfile FILE] [-np N] [options]"
     p.description = (
@@ -48,13 +55,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     tests = p.add_argument_group("tests")
     tests.add_argument("--no-links", dest="links", action="store_false", help="skip link tests")
-    tests.add_argument(
-        "--link-seconds",
-        type=float,
-        default=1.0,
-        metavar="S",
-        help="seconds of streaming per host pair (default 1)",
-    )
+    _number(tests, "--link-seconds", 1.0, "S", "seconds of streaming per host pair")
     tests.add_argument(
         "--no-allreduce", dest="allreduce", action="store_false", help="skip the allreduce job"
     )
@@ -65,20 +66,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         metavar="SIZES",
         help="allreduce message sizes (default 64K,1M,8M); large ones stop early on slow links",
     )
-    tests.add_argument(
-        "--allreduce-budget",
-        type=float,
-        default=6.0,
-        metavar="S",
-        help="seconds for the allreduce sizes together (default 6)",
-    )
-    tests.add_argument(
-        "--start-timeout",
-        type=float,
-        default=60.0,
-        metavar="S",
-        help="seconds for the allreduce job's agents to answer (default 60)",
-    )
+    _number(tests, "--allreduce-budget", 6.0, "S", "seconds for the allreduce sizes together")
+    _number(tests, "--start-timeout", 60.0, "S", "seconds for the allreduce job's agents to answer")
     model = p.add_argument_group("prediction")
     size = model.add_mutually_exclusive_group()
     size.add_argument("--model-params", type=float, metavar="N", help="parameters (fp32 gradients)")
@@ -89,20 +78,14 @@ def configure(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="measured time of one training step on one rank, in seconds",
     )
-    model.add_argument(
+    _number(
+        model,
         "--target-efficiency",
-        type=float,
-        default=advice.DEFAULT_TARGET,
-        metavar="F",
-        help="scaling efficiency the advice aims for (default 0.9)",
+        advice.DEFAULT_TARGET,
+        "F",
+        "scaling efficiency the advice aims for",
     )
-    model.add_argument(
-        "--fusion-threshold-mb",
-        type=float,
-        default=64.0,
-        metavar="MIB",
-        help="fusion buffer size, as the job will use (default 64)",
-    )
+    _number(model, "--fusion-threshold-mb", 64.0, "MIB", "fusion buffer size, as the job will use")
     add_ssh_arguments(p)
 
 

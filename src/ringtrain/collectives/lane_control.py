@@ -1,0 +1,246 @@
+"""The controller's fast lane: ops that repeat the reserved request skip negotiation.
+
+:mod:`ringtrain.collectives.lane` holds the lane itself (slots, claims, flags); this module is
+the part of :class:`~ringtrain.collectives.controller.Controller` that drives it. A submitted op
+that matches the reservation claims a slot and gets a :class:`LaneHandle`; waiting on it takes
+the slot's verdict: a valid slot gives the result, an invalid one sends the op through the
+ordinary negotiation from the tensor as it was submitted. In each control round the lane's
+share (:meth:`LaneControl._lane_round`) releases a slot a peer waits in while this rank is busy
+elsewhere (this rank's own decision), and opens, moves or gives up the reservation from what
+every rank received alike, so every rank decides the same.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ringtrain.collectives import lane
+from ringtrain.collectives.control_round import Message
+from ringtrain.collectives.execute import Pending, transport_error
+from ringtrain.collectives.handles import Handle
+from ringtrain.collectives.requests import Request
+from ringtrain.collectives.scaling import Scaling
+from ringtrain.diagnostics import timeline
+from ringtrain.errors import CollectiveAbortedError, CollectiveError, SecurityError
+from ringtrain.runtime import abort
+from ringtrain.runtime.communicator import Communicator
+
+
+class LaneHandle(Handle):
+    """The handle of an op that claimed a lane slot: waiting on it takes the slot's verdict,
+    then gives the result, or (the slot was not valid) waits for the negotiated op."""
+
+    __slots__ = ("_ctl", "claim")
+
+    def __init__(
+        self, name: str, finish: Callable[[Any], Any] | None, ctl: LaneControl, claim: lane.Claim
+    ) -> None:
+        super().__init__(name, finish)
+        self._ctl = ctl
+        self.claim: lane.Claim | None = claim
+
+    def done(self) -> bool:
+        if self.claim is not None and not self._done.is_set():
+            self._ctl._lane_progress(self, block=False)
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if self.claim is not None and not self._done.is_set():
+            self._ctl._lane_progress(self, block=True)
+        return super().wait(timeout)
+
+
+class LaneControl:
+    """The controller's lane part. The state below is the controller's, set in its
+    ``__init__``; :meth:`_ring` is the controller's, which this part calls."""
+
+    comm: Communicator
+    _clock: Callable[[], float]
+    _lock: threading.Lock
+    _wake: threading.Event
+    _new: list[str]
+    _pending: dict[str, Pending]
+    _table: dict[str, dict[int, Request]]
+    _joined: set[int]
+    _shutdown: bool
+    _closed: bool
+    _failure: CollectiveError | SecurityError | None
+    _bell: str | None
+    _world: int
+    _lane: lane.Lane | None
+    _lane_request: Request | None
+    _lane_misses: dict[Request, int]
+    _lane_used: int
+    _lane_peer: tuple[int, float] | None
+    _lane_nudged: bool
+
+    def _ring(self, key: str) -> None:
+        raise NotImplementedError
+
+    def _lane_progress(self, handle: LaneHandle, block: bool) -> None:
+        """Take the verdict of ``handle``'s slot (waiting for it when ``block``) and act on it."""
+        fast, claim = self._lane, handle.claim
+        if fast is None or claim is None:
+            return
+        try:
+            while True:
+                if block:
+                    self._lane_wait(claim)
+                settled = fast.settle(claim)
+                # Not settled: still in flight, taken by another thread, or the flags' round
+                # just started (then wait for that too).
+                if settled is not None or not block or fast.claim is not claim:
+                    break
+        except Exception as e:  # the transport failed: this op fails, the controller follows
+            with self._lock:
+                self._pending.pop(handle.name, None)
+            handle.claim = None
+            handle.set_error(transport_error(e))
+            return
+        if settled is not None:
+            self._lane_finish(settled)
+
+    def _lane_wait(self, claim: lane.Claim) -> None:
+        """Wait for a claim's collectives. They complete once every rank has claimed the slot;
+        if that takes long, the peers may not know of the claim (their controllers doze), so
+        wake the controllers and keep them polling until the slot is settled."""
+        for work in list(claim.works):
+            if work.is_completed():
+                continue
+            if not lane.wait_for(work, lane.NUDGE_S):
+                self._lane_nudge()
+                abort.wait_work(work, self._world)
+
+    def _lane_nudge(self) -> None:
+        with self._lock:
+            self._lane_nudged = True
+            bell, self._bell = self._bell, None
+        self._wake.set()
+        if bell is not None:
+            self._ring(bell)
+
+    def _lane_settle(self) -> None:
+        """The controller's share: settle a slot nobody waits for (dummies, unwaited ops)."""
+        assert self._lane is not None
+        try:
+            settled = self._lane.settle()
+        except Exception:
+            return  # its waiter (if any) reports it; a dead peer fails the next round too
+        if settled is not None:
+            self._lane_finish(settled)
+
+    def _lane_finish(self, claim: lane.Claim) -> None:
+        """Complete a settled claim: a valid slot gives the result; otherwise the op is
+        negotiated as any other, from the tensor as it was submitted."""
+        self._lane_nudged = False
+        if claim.name is None:
+            return
+        with self._lock:
+            local = self._pending.get(claim.name)
+        if local is None or not isinstance(local.handle, LaneHandle):
+            return  # failed meanwhile (shutdown, a peer's failure)
+        handle = local.handle
+        if claim.valid:
+            Scaling.of(claim.request, self.comm.size, claim.data.dtype).after(claim.data)
+            rec = timeline.current()
+            if rec.enabled:
+                rec.span(
+                    f"collectives set {self.comm.set_id}",
+                    "ALLREDUCE (lane)",
+                    claim.started,
+                    time.perf_counter(),
+                    {"tensors": [claim.name], "count": 1},
+                )
+            with self._lock:
+                self._pending.pop(claim.name, None)
+            handle.claim = None
+            handle.set_result(local.outputs or local.tensors)
+            return
+        if claim.restore is not None:
+            where, what = claim.restore
+            where.copy_(what)
+        handle.claim = None
+        with self._lock:
+            if self._failure is None and not self._closed:
+                self._new.append(claim.name)
+                bell, self._bell = self._bell, None
+            else:
+                self._pending.pop(claim.name, None)
+                bell = None
+                handle.set_error(
+                    CollectiveAbortedError("ringtrain shut down before this collective completed")
+                )
+        self._wake.set()
+        if bell is not None:
+            self._ring(bell)
+
+    def _lane_round(self, messages: list[Message], ready: list[str]) -> None:
+        """The lane's share of a round, before the ready ops run. Releasing a slot is this
+        rank's own decision; opening and giving up the reservation are decided from what every
+        rank received alike, so every rank decides the same."""
+        fast = self._lane
+        assert fast is not None
+        statuses = [m.lane for m in messages]
+        me = self.comm.set_rank
+        # Release: a peer waits in the current slot while this rank is busy elsewhere.
+        self._lane_settle()
+        mine = fast.status()
+        peers = [
+            st
+            for r, st in enumerate(statuses)
+            if r != me and st is not None and st.claimed and st.slot == mine.slot
+        ]
+        if not peers or mine.claimed or not mine.open:
+            self._lane_peer = None
+        else:
+            now = self._clock()
+            if self._lane_peer is None or self._lane_peer[0] != mine.slot:
+                self._lane_peer = (mine.slot, now)
+            busy = (
+                self._shutdown
+                or any(st.dummy for st in peers)
+                or any(me in by for by in self._table.values())
+            )
+            if busy or now - self._lane_peer[1] >= lane.RELEASE_S:
+                fast.doom(mine.slot)
+                self._lane_peer = None
+        # Open, or give up the reservation: from the messages and the ready list only.
+        known = [st for st in statuses if st is not None]
+        if len(known) != len(statuses):
+            return
+        ran = [req for req in (self._lane_candidate(name) for name in ready) if req is not None]
+        if not ran:
+            return
+        slots = {st.slot for st in known}
+        if all(not st.open and not st.claimed for st in known) and len(slots) == 1:
+            if fast.open_at(slots.pop(), ran[-1]):
+                self._lane_request = ran[-1]
+                self._lane_misses.clear()
+        elif all(st.open for st in known):
+            # A request negotiated again and again while the reservation goes unused takes it.
+            used = min(st.next_free for st in known)
+            if used > self._lane_used or len(self._lane_misses) > 64:
+                self._lane_misses.clear()
+            self._lane_used = used
+            for req in ran:
+                if req == self._lane_request:
+                    continue
+                self._lane_misses[req] = self._lane_misses.get(req, 0) + 1
+                if self._lane_misses[req] >= lane.SWITCH_AFTER:
+                    fast.doom(max(st.next_free for st in known))
+                    self._lane_misses.clear()
+                    break
+
+    def _lane_candidate(self, name: str) -> Request | None:
+        """The request of a ready name if it may reserve the lane: every rank submitted it, alike,
+        with no rank joined."""
+        by_rank = self._table[name]
+        if len(by_rank) != self.comm.size or self._joined:
+            return None
+        req = by_rank[0]
+        if not lane.eligible(req) or any(r != req for r in by_rank.values()):
+            return None
+        return req

@@ -1,0 +1,59 @@
+"""The ranks' output as the launcher relays it: to its own stdout/stderr and, optionally, files.
+
+Agents stream each rank's lines; :class:`RankOutput` writes them to the launcher's stdout or
+stderr (prefixed ``[rank]`` with ``--prefix-output``) and, with ``--output-filename DIR``, to
+``DIR/rank.<rank>/stdout|stderr`` as horovodrun lays them out. A reader that went away (a
+closed pipe) does not end the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import IO
+
+from ringtrain.errors import LaunchError
+from ringtrain.launch.options import LaunchOptions
+
+
+class RankOutput:
+    """Relays the ranks' lines; :meth:`close` closes the files it opened."""
+
+    def __init__(self, options: LaunchOptions, out: IO[str], err: IO[str]) -> None:
+        self.options = options
+        self.out = out
+        self.err = err
+        self.files: dict[tuple[int, int], IO[str]] = {}
+
+    def print_line(self, rank: int, fd: int, line: str, end: str) -> None:
+        if self.options.output_dir:
+            self.file(rank, fd).write(line + end)
+        stream = self.out if fd == 1 else self.err
+        text = f"[{rank}] {line}" if self.options.prefix_output else line
+        with contextlib.suppress(BrokenPipeError, ValueError):
+            stream.write(text + end)
+            stream.flush()
+
+    def file(self, rank: int, fd: int) -> IO[str]:
+        """--output-filename DIR: DIR/rank.<rank>/stdout|stderr, as horovodrun lays them out
+        (ranks zero-padded to the width of the largest, so they sort in order)."""
+        f = self.files.get((rank, fd))
+        if f is None:
+            assert self.options.output_dir is not None
+            width = len(str(self.options.np - 1))
+            folder = os.path.join(self.options.output_dir, f"rank.{rank:0{width}d}")
+            try:
+                os.makedirs(folder, exist_ok=True)
+                f = open(  # noqa: SIM115 (closed when the job ends)
+                    os.path.join(folder, "stdout" if fd == 1 else "stderr"),
+                    "w",
+                    buffering=1,
+                )
+            except OSError as e:
+                raise LaunchError(f"--output-filename: cannot write {folder}: {e}") from None
+            self.files[(rank, fd)] = f
+        return f
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
