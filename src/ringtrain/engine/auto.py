@@ -31,13 +31,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ringtrain.compression import policy
 from ringtrain.compression.policy import AutoCompression, Decision, Measurement
 from ringtrain.compression.powersgd import make_layout
 from ringtrain.engine.buckets import Plan
 from ringtrain.host import cpu_limits
+from ringtrain.transport import group_ops
 
 log = logging.getLogger("ringtrain")
 
@@ -187,7 +187,7 @@ class AutoTuner:
             fastest = float("inf")
             for _ in range(times):
                 t0 = time.perf_counter()
-                dist.all_reduce(tensor, group=self._group)
+                group_ops.allreduce(tensor, self._group)
                 fastest = min(fastest, time.perf_counter() - t0)
             return fastest
 
@@ -200,7 +200,7 @@ class AutoTuner:
     def _slowest(self, values: list[float]) -> list[float]:
         """Every rank's values, MAX over ranks: identical on every rank afterwards."""
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        group_ops.allreduce(t, self._group, op="max")
         return [float(v) for v in t.tolist()]
 
 

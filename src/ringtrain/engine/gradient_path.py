@@ -110,6 +110,7 @@ class GradientPath:
         self.planner.rebind(comm, job_config)
         self.update = self._make_update()  # the old world's shards go with the old strategy
         self.progress.restart(len(self.params))
+        self.should_sync = True
         if self._watch is not None:
             self._watch.close()
         self._watch = make_watch(
