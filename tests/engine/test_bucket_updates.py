@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import ringtrain as rt
-from ringtrain.engine import optimizer as engine_optimizer
+from ringtrain.engine.steps import whole as engine_whole
 from ringtrain.testing.spawn import World
 
 pytestmark = pytest.mark.timeout(600)
@@ -56,13 +56,13 @@ def _train(kind: str, case: str, whole: bool, steps: int = 5) -> tuple[list[torc
     )
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
     counted = []
-    real = engine_optimizer._BucketUpdates.update
+    real = engine_whole.BucketUpdates.update
 
     def update(self: Any, s: int) -> None:
         counted.append(s)
         real(self, s)
 
-    engine_optimizer._BucketUpdates.update = update  # type: ignore[method-assign]
+    engine_whole.BucketUpdates.update = update  # type: ignore[method-assign]
     try:
         for step in range(steps):
             opt.zero_grad()
@@ -74,7 +74,7 @@ def _train(kind: str, case: str, whole: bool, steps: int = 5) -> tuple[list[torc
             opt.step()
             sched.step()
     finally:
-        engine_optimizer._BucketUpdates.update = real  # type: ignore[method-assign]
+        engine_whole.BucketUpdates.update = real  # type: ignore[method-assign]
     if whole:
         assert len(calls) == steps  # the hook ran once per step
     return [p.detach().clone() for p in model.parameters()], len(counted)
@@ -108,17 +108,17 @@ def _falls_back() -> dict[str, bool]:
 
     out = {}
     loss().backward()
-    out["learning step"] = opt._bucket_updates(None) is None
+    out["learning step"] = opt._path.bucket_updates(None) is None
     opt.step()
     opt.zero_grad()
     loss().backward()
-    out["closure"] = opt._bucket_updates(lambda: 0.0) is None
-    out["plain"] = opt._bucket_updates(None) is not None
+    out["closure"] = opt._path.bucket_updates(lambda: 0.0) is None
+    out["plain"] = opt._path.bucket_updates(None) is not None
     opt.step()
     lbfgs = rt.DistributedOptimizer(
         torch.optim.LBFGS(model.parameters()), named_parameters=model.named_parameters(), **ENGINE
     )
-    out["not per parameter"] = lbfgs._bucket_updates(None) is None
+    out["not per parameter"] = lbfgs._path.bucket_updates(None) is None
     return out
 
 

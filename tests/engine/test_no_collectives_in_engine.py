@@ -17,12 +17,9 @@ import ringtrain
 
 ROOT = Path(ringtrain.__file__).parent
 # Still calling torch.distributed themselves (the remaining work of issue 24).
+# The reducers run their own rounds on the group the exchange hands them; compression sits below
+# the transport layer (pyproject.toml), so moving them means handing them a transport instead.
 NOT_YET = {
-    "engine/auto.py",
-    "engine/exchange.py",
-    "engine/schedule.py",
-    "engine/sharded.py",
-    "engine/streams.py",
     "compression/powersgd.py",
     "compression/topk.py",
 }

@@ -369,7 +369,7 @@ def _auto_overlapped(steps: int) -> dict[str, Any]:
         opt.zero_grad()
         _loss(model, step).backward()
         opt.step()
-        overlapped += bool(opt._overlap_open)
+        overlapped += bool(opt._path.schedule is not None and opt._path.schedule.open)
     opt.synchronize()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     every = rt.allgather(flat.reshape(1, -1))

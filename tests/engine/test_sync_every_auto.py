@@ -72,6 +72,30 @@ def test_slow_links_pick_local_updates(mbit: float, compute_s: float) -> None:
         assert h * m.compute_s / (h * m.compute_s + outer) < auto.LOCAL_EFFICIENCY
 
 
+def test_a_latency_bound_step_stays_synchronous() -> None:
+    # A small model on a fast link: 8 ms of compute, 4 buckets at 1 ms each of fixed cost and
+    # almost no bytes. Under 80%, but local updates would change the optimisation for nothing
+    # the link's bandwidth costs.
+    m = Measurement(
+        world_size=2,
+        grad_bytes=4 * 1000,
+        grad_numel=1000,
+        element_size=4,
+        buckets=4,
+        compute_s=0.008,
+        wait_s=0.004,
+        comm_s=0.004,
+        latency_s=0.001,
+        bytes_per_s=4e9,
+        powersgd_wire_numel=100,
+        powersgd_collectives=8,
+        topk_ratio=0.01,
+    )
+    every, why = _decide(m)
+    assert every == 0
+    assert "fixed cost" in why and "synchronous" in why
+
+
 def test_slower_link_needs_more_local_steps() -> None:
     assert _decide(_link(10 * MBIT, 0.3))[0] > _decide(_link(100 * MBIT, 0.3))[0]
 

@@ -7,17 +7,20 @@ Saving asks, without any collective, which optimizer state this rank holds:
   optimizer's ``state``;
 * a sharded ``DistributedOptimizer`` (``shards_state``) after its first step: this rank's
   pieces (:class:`ringtrain.engine.sharded.Piece`: parameter, element range) and their state,
-  read from ``opt._shards`` (its ``layouts`` and ``optimizers``, one param group per piece in
-  piece order); before its first step the state is still whole in the wrapped optimizer.
+  read from what its step strategy holds (``opt.update.held()``: the shards' ``layouts`` and
+  ``optimizers``, one param group per piece in piece order); before its first step the state is
+  still whole in the wrapped optimizer.
 
 Loading hands the full per-parameter state to ``opt.load_state_dict`` (torch's format; the
 sharded optimizer keeps only its pieces of it, see ``ShardedStep.load_state``), with the
 compressor's state under ``COMPRESSOR_STATE_KEY``.
 
-What it uses of the engine, so the engine can change under it: ``DistributedOptimizer``:
-``optimizer`` (the wrapped one), ``shards_state``, ``compression``, ``_drain()`` (finish an
-overlapped step's pending updates), ``_shards``, ``load_state_dict``; ``ShardedStep``: ``layouts``, ``optimizers``;
-``Piece``: ``index``, ``start``, ``stop``; ``optimizer.COMPRESSOR_STATE_KEY``.
+What it uses of the engine, all public, so the engine can change under it:
+``DistributedOptimizer``: ``optimizer`` (the wrapped one), ``shards_state``, ``compression``,
+``drain()`` (finish an overlapped step's pending updates), ``update.held()`` (the step
+strategy's share of the state: :class:`ringtrain.engine.steps.Update`), ``load_state_dict``;
+``ShardedStep``: ``layouts``, ``optimizers``; ``Piece``: ``index``, ``start``, ``stop``;
+``optimizer.COMPRESSOR_STATE_KEY``.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ def held(opt: Any) -> Held:
     """This rank's optimizer state, as views (copy them before the optimizer steps again)."""
     dist_opt = _is_distributed(opt)
     if dist_opt:
-        opt._drain()
+        opt.drain()
     inner = opt.optimizer if dist_opt else opt
     params = params_of(opt)
     sd_groups = inner.state_dict()["param_groups"]  # shallow: the state is not copied
@@ -88,7 +91,7 @@ def held(opt: Any) -> Held:
         state = get() if callable(get) else {}
         if state:
             out.compressor = {"name": getattr(comp, "name", type(comp).__name__), "state": state}
-    shards = opt._shards if dist_opt and opt.shards_state else None
+    shards = opt.update.held() if dist_opt and opt.shards_state else None
     whole = {i: inner.state[p] for i, p in enumerate(params) if inner.state.get(p)}
     if shards is None:
         for i, st in whole.items():

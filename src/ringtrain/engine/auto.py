@@ -31,13 +31,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ringtrain.compression import policy
 from ringtrain.compression.policy import AutoCompression, Decision, Measurement
 from ringtrain.compression.powersgd import make_layout
 from ringtrain.engine.buckets import Plan
 from ringtrain.host import cpu_limits
+from ringtrain.transport import group_ops
 
 log = logging.getLogger("ringtrain")
 
@@ -187,7 +187,7 @@ class AutoTuner:
             fastest = float("inf")
             for _ in range(times):
                 t0 = time.perf_counter()
-                dist.all_reduce(tensor, group=self._group)
+                group_ops.allreduce(tensor, self._group)
                 fastest = min(fastest, time.perf_counter() - t0)
             return fastest
 
@@ -200,7 +200,7 @@ class AutoTuner:
     def _slowest(self, values: list[float]) -> list[float]:
         """Every rank's values, MAX over ranks: identical on every rank afterwards."""
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
+        group_ops.allreduce(t, self._group, op="max")
         return [float(v) for v in t.tolist()]
 
 
@@ -286,6 +286,16 @@ def choose_sync_every(m: Measurement, predicted_step_s: dict[str, float]) -> tup
     )
     if efficiency >= SYNC_EFFICIENCY:
         return 0, f"{head}, at least {SYNC_EFFICIENCY:.0%}: synchronous."
+    # Local updates trade the optimisation for bandwidth. Where the step would reach the
+    # target but for each collective's fixed cost (a small model, a busy machine), fewer and
+    # larger buckets are the fix, not another optimisation.
+    latency_s = _collectives(m, best) * m.op_overhead_s
+    if m.compute_s / max(m.compute_s, sync[best] - latency_s) >= SYNC_EFFICIENCY:
+        return 0, (
+            f"{head}, but {latency_s * 1e3:.0f} ms of it is the collectives' fixed cost, not "
+            "the link's bandwidth: synchronous (a larger fusion_threshold_bytes makes fewer "
+            "collectives)."
+        )
     outer = outer_exchange_s(m)
     every = SYNC_EVERY_CHOICES[-1]
     for h in SYNC_EVERY_CHOICES:
@@ -298,3 +308,8 @@ def choose_sync_every(m: Measurement, predicted_step_s: dict[str, float]) -> tup
         f"({m.grad_numel * OUTER_ELEMENT_BYTES / 2**20:.1f} MiB, ~{outer:.2f} s) every {every} "
         f"steps are predicted at {local:.0%} (this changes the optimisation: see docs/engine.md)."
     )
+
+
+def _collectives(m: Measurement, method: str) -> int:
+    """Collectives per step with ``method`` (none, fp16 or powersgd)."""
+    return m.powersgd_collectives if method == "powersgd" else m.buckets

@@ -62,15 +62,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ringtrain import compat, transport
+from ringtrain import transport
 from ringtrain.compression.halfprec import FP16Compressor, NoneCompressor
 from ringtrain.diagnostics import timeline
+from ringtrain.engine import sparse
 from ringtrain.engine.buckets import Bucket, Plan
 from ringtrain.engine.streams import Route
 from ringtrain.errors import InternalError
 from ringtrain.runtime import abort
+from ringtrain.transport import group_ops
 from ringtrain.transport.workers import WORKERS as _WORKERS
 from ringtrain.transport.workers import Worker as _Worker
 
@@ -100,6 +101,17 @@ class Averaging:
     def reducer_post(self) -> float:
         """Reducers return averages; Sum needs them times the world size."""
         return self.k_scale * (1.0 if self.average else self.size)
+
+
+@dataclass
+class _Times:
+    """When a bucket's first and last gradients came, it was packed, sent, and done."""
+
+    first: float = 0.0
+    last: float = 0.0
+    pack: float = 0.0
+    sent: float = 0.0
+    done: float = 0.0
 
 
 class _Slot:
@@ -153,7 +165,7 @@ class _Slot:
         self.work: Any = None
         self.wire: torch.Tensor | None = None
         self.ctx: Any = None
-        self.t_first = self.t_last = self.t_pack = self.t_sent = self.t_done = 0.0
+        self.t = _Times()
         self.done: list[float] = []  # completion time, appended by a communication thread
 
 
@@ -229,20 +241,18 @@ class GradientExchange:
         if not isinstance(lanes, (list, tuple)):
             lanes = [Route(lanes)]  # one process group
         self._lanes: list[Route] = list(lanes)
-        self._group = self._lanes[0].group  # sparse gradients travel here
         self._compressor = compressor
         self._reducer = callable(getattr(compressor, "reduce", None))
         self._scaling = scaling
         self._slots = [
             _Slot(b, self._params, compressor, scaling, self._reducer) for b in plan.buckets
         ]
-        self._slot_of = [-1] * len(self._params)
-        self._pos_of = [-1] * len(self._params)  # position within its bucket
+        # Each parameter's bucket and position in it ((-1, -1): sparse).
+        self._where = [(-1, -1)] * len(self._params)
         for s, slot in enumerate(self._slots):
             slot.lane = s % len(self._lanes)
             for pos, i in enumerate(slot.bucket.params):
-                self._slot_of[i] = s
-                self._pos_of[i] = pos
+                self._where[i] = (s, pos)
         self._next = 0  # position in _order of the first bucket not launched yet
         self._order = list(range(len(self._slots)))  # launch order (overlap: see set_launch_order)
         self._lock = threading.Lock()
@@ -268,7 +278,6 @@ class GradientExchange:
                 slot.chunks = _cut(slot.flat, n)
                 if slot.cast is not None:
                     slot.wire_chunks = _cut(slot.cast, n)
-        self._scatter = any(slot.chunks for slot in self._slots)
         self._workers: list[_Worker] = []
         self._releases: list[weakref.finalize[Any, Any]] = []
         if self._reducer:
@@ -295,7 +304,7 @@ class GradientExchange:
     @property
     def scatters(self) -> bool:
         """Whether buckets are reduce-scattered (each rank receives its shard's sum only)."""
-        return self._scatter
+        return any(slot.chunks for slot in self._slots)
 
     def close(self) -> None:
         for t in self._transports:
@@ -308,17 +317,17 @@ class GradientExchange:
 
     def ready(self, index: int) -> None:
         """Parameter ``index`` has its final gradient for this step (called from its hook)."""
-        s = self._slot_of[index]
+        s, pos = self._where[index]
         if s < 0:
             return  # sparse: exchanged at flush
         with self._lock:
             slot = self._slots[s]
             now = _now()
             if slot.missing == len(slot.members):
-                slot.t_first = now
-            _place(slot, self._pos_of[index])
+                slot.t.first = now
+            _place(slot, pos)
             slot.missing -= 1
-            slot.t_last = now
+            slot.t.last = now
             while (
                 self._next < len(self._slots) and self._slots[self._order[self._next]].missing == 0
             ):
@@ -334,16 +343,18 @@ class GradientExchange:
             now = _now()
             while self._next < len(self._slots):
                 slot = self._slots[self._order[self._next]]
-                if slot.t_first == 0.0:
-                    slot.t_first = now
-                slot.t_last = now
+                if slot.t.first == 0.0:
+                    slot.t.first = now
+                slot.t.last = now
                 self._launch(slot)
                 self._next += 1
         if self.plan.sparse:
             if self._workers:
                 for slot in self._slots:  # the workers must finish before the main thread
                     slot.work.result()  # issues more collectives on the group
-            self._sparse_work = self._launch_sparse()
+            self._sparse_work = sparse.launch(
+                self.plan.sparse, self._params, self._lanes[0].group, self._scaling.size
+            )
 
     def finish(self, then: Callable[[int], None] | None = None) -> None:
         """Wait for every bucket in plan order and write the results into ``.grad``; ``then(s)``,
@@ -356,9 +367,10 @@ class GradientExchange:
                 if then is not None:
                     then(s)
             if self.plan.sparse:
-                self._finish_sparse()
+                pre, post = self._scaling.factors()
+                sparse.finish(self.plan.sparse, self._params, self._sparse_work, pre * post)
             if self.measure:
-                self.last_comm_s = _busy_s([(s.t_sent, s.t_done) for s in self._slots])
+                self.last_comm_s = _busy_s([(s.t.sent, s.t.done) for s in self._slots])
         finally:
             self.reset()
 
@@ -367,7 +379,7 @@ class GradientExchange:
         whole reduced gradient (what a user's ``synchronize()`` promises). (N-1)/N of the
         gradients more on the wire. On the lanes' workers, as the rings: another optimizer's
         rings may still be queued there (see :class:`ringtrain.transport.workers.SharedWorkers`)."""
-        if not self._scatter:
+        if not self.scatters:
             return
         gathers = [
             self._transport(slot).allgather(slot.chunks) for slot in self._slots if slot.chunks
@@ -407,7 +419,7 @@ class GradientExchange:
     # ---- dense buckets ------------------------------------------------------------------------
 
     def _launch(self, slot: _Slot) -> None:
-        slot.t_pack = _now()
+        slot.t.pack = _now()
         for pos, placed in enumerate(slot.placed):
             if not placed:  # no hook this step: whatever .grad holds (zeros if none) goes
                 _place(slot, pos)
@@ -419,7 +431,7 @@ class GradientExchange:
             if slot.cast is not None:
                 slot.cast.copy_(flat)  # the 16-bit wire, cut as the flat buffer is
                 slot.wire = slot.cast
-            slot.t_sent = _now()
+            slot.t.sent = _now()
             handle = self._transport(slot).reduce_scatter(
                 slot.wire_chunks or slot.chunks, slot.chunks if slot.narrow else None
             )
@@ -427,7 +439,7 @@ class GradientExchange:
             if mark:
                 handle.add_done_callback(functools.partial(_mark_done, slot.done, None))
         elif self._reducer:
-            slot.t_sent = _now()
+            slot.t.sent = _now()
             fut = self._workers[slot.lane].submit(
                 self._compressor.reduce, slot.bucket.key, flat, lane.group
             )
@@ -442,14 +454,14 @@ class GradientExchange:
             else:
                 wire, ctx = self._compressor.compress(flat)
                 slot.wire, slot.ctx = wire, ctx
-            slot.t_sent = _now()
+            slot.t.sent = _now()
             if lane.hierarchical is not None:
                 fut = self._workers[slot.lane].submit(lane.hierarchical.allreduce, wire, "sum")
                 slot.work = fut
                 if mark:
                     fut.add_done_callback(functools.partial(_mark_done, slot.done))
             else:
-                work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=lane.group, async_op=True)
+                work = group_ops.allreduce(wire, lane.group, async_op=True)
                 slot.work = work
                 if mark:
                     # A fresh list per launch: a late callback cannot leak into the next step.
@@ -483,7 +495,7 @@ class GradientExchange:
                 # result, so every rank redoes this bucket in full precision here. The flat
                 # buffer still holds this rank's scaled gradients: only the wire was reduced.
                 group = self._lanes[slot.lane].group if redo_group is None else redo_group
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+                group_ops.allreduce(flat, group)
                 result = flat
             elif wire is flat:
                 result = flat
@@ -492,7 +504,7 @@ class GradientExchange:
             else:
                 result = self._compressor.decompress(wire, slot.ctx)
         t_wait = _now()
-        slot.t_done = slot.done[0] if slot.done else t_wait
+        slot.t.done = slot.done[0] if slot.done else t_wait
         # Into the flat buffer, scaled on the way: the gradients are its views.
         post = slot.post
         if result is None:
@@ -519,64 +531,14 @@ class GradientExchange:
             "bytes": b.nbytes,
             "first": self._names[b.params[0]],
         }
-        rec.span(lane, "FILL", slot.t_first, slot.t_last, args)
-        rec.span(lane, "PACK", slot.t_pack, slot.t_sent)
+        rec.span(lane, "FILL", slot.t.first, slot.t.last, args)
+        rec.span(lane, "PACK", slot.t.pack, slot.t.sent)
         done = slot.done[0] if slot.done else t_wait
         wire = _wire_name(slot) + (", reduce-scatter" if slot.chunks else "")
         if self._hierarchical:
             wire += ", hierarchical"
-        rec.span(lane, "ALLREDUCE", slot.t_sent, done, {"wire": wire, "lane": slot.lane})
+        rec.span(lane, "ALLREDUCE", slot.t.sent, done, {"wire": wire, "lane": slot.lane})
         rec.span(lane, "UNPACK", max(done, t_wait), t_end)
-
-    # ---- sparse gradients ---------------------------------------------------------------------
-
-    def _launch_sparse(self) -> list[Any]:
-        size = self._scaling.size
-        local = []
-        for i in self.plan.sparse:
-            p = self._params[i]
-            g = p.grad
-            if g is None:
-                indices = torch.zeros((1, 0), dtype=torch.int64, device=p.device)
-                values = torch.zeros((0, *p.shape[1:]), dtype=p.dtype, device=p.device)
-            else:
-                if not g.is_sparse:
-                    g = g.to_sparse(1)
-                elif g.sparse_dim() != 1:
-                    g = g.to_dense().to_sparse(1)
-                g = g.coalesce()
-                indices, values = g.indices(), g.values()
-            local.append((indices, values))
-        counts = torch.tensor([v.shape[0] for _, v in local], dtype=torch.int64)
-        every = torch.empty(size * counts.numel(), dtype=torch.int64)
-        compat.all_gather_single(every, counts, group=self._group)
-        table = every.view(size, -1)
-        works = []
-        for j, (indices, values) in enumerate(local):
-            rows = table[:, j].tolist()
-            longest = max(rows)
-            pad_i = torch.zeros((1, longest), dtype=indices.dtype, device=indices.device)
-            pad_i[:, : indices.shape[1]] = indices
-            pad_v = torch.zeros(
-                (longest, *values.shape[1:]), dtype=values.dtype, device=values.device
-            )
-            pad_v[: values.shape[0]] = values
-            out_i = [torch.empty_like(pad_i) for _ in range(size)]
-            out_v = [torch.empty_like(pad_v) for _ in range(size)]
-            wi = dist.all_gather(out_i, pad_i, group=self._group, async_op=True)
-            wv = dist.all_gather(out_v, pad_v, group=self._group, async_op=True)
-            works.append((rows, out_i, out_v, wi, wv))
-        return works
-
-    def _finish_sparse(self) -> None:
-        pre, post = self._scaling.factors()
-        for i, (rows, out_i, out_v, wi, wv) in zip(self.plan.sparse, self._sparse_work):
-            abort.wait_work(wi)
-            abort.wait_work(wv)
-            p = self._params[i]
-            indices = torch.cat([t[:, :n] for t, n in zip(out_i, rows)], dim=1)
-            values = torch.cat([t[:n] for t, n in zip(out_v, rows)]) * (pre * post)
-            p.grad = torch.sparse_coo_tensor(indices, values, p.shape).coalesce()
 
 
 def _cut(flat: torch.Tensor, n: int) -> list[torch.Tensor]:

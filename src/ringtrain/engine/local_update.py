@@ -19,8 +19,9 @@ anchors and the outer optimizer's state are the same on every rank: the first ou
 construction, a loaded checkpoint or an elastic re-forming (:meth:`LocalUpdate.rejoin`) first
 copies rank 0's anchor and outer state to every rank. Nothing here depends on timing.
 
-The interface the optimizer calls: :meth:`~LocalUpdate.step`, :meth:`~LocalUpdate.state_dict`,
-:meth:`~LocalUpdate.load_state_dict`, :meth:`~LocalUpdate.rejoin`, :meth:`~LocalUpdate.close`.
+:class:`LocalUpdate` is a step strategy (:class:`ringtrain.engine.steps.Update`) whose
+``exchanges()`` is always False: the gradient path then reduces nothing and calls its ``step()``.
+:meth:`~LocalUpdate.rejoin` keeps the anchor and the outer state across an elastic re-forming.
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ from typing import Any
 import torch
 
 from ringtrain import transport
+from ringtrain.config import Config
 from ringtrain.diagnostics import timeline
+from ringtrain.engine.buckets import Plan
 from ringtrain.engine.outer_codec import OuterCodec
+from ringtrain.engine.steps.whole import BucketUpdates, tensor_bytes
 from ringtrain.errors import ConfigError
 
 log = logging.getLogger("ringtrain")
@@ -121,6 +125,40 @@ class LocalUpdate:
         self.outer_steps = 0
         self._agree = True  # copy rank 0's anchor and outer state at the next outer step
 
+    # ---- the step strategy's interface (ringtrain.engine.steps.Update) -------------------------
+
+    def exchanges(self) -> bool:
+        return False  # gradients stay local; the weights travel at outer steps
+
+    def bucket_updates(self, exchange: Any, timer: Any) -> BucketUpdates | None:
+        return None
+
+    def bucket_update(self, group: Any) -> Callable[[int], None] | None:
+        return None
+
+    def replan(self, plan: Plan | None) -> None:
+        pass
+
+    def held(self) -> Any:
+        return None  # the wrapped optimizer holds its state whole
+
+    @property
+    def state_bytes(self) -> int:
+        return tensor_bytes(self.optimizer.state) + tensor_bytes(self.outer.state)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state_dict with this step's under :data:`STATE_KEY`."""
+        sd = self.optimizer.state_dict()
+        sd[STATE_KEY] = self.local_state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        sd = dict(state_dict)
+        local = sd.pop(STATE_KEY, None)
+        self.optimizer.load_state_dict(sd)
+        if local is not None:
+            self.load_local_state_dict(local)
+
     @property
     def bytes_sent(self) -> int:
         """Bytes this rank sent for outer steps (the anchor copies after a re-form excluded)."""
@@ -171,7 +209,7 @@ class LocalUpdate:
         self.outer_steps += 1
         rec.span("step", "OUTER_STEP", t0, time.perf_counter())
 
-    def state_dict(self) -> dict[str, Any]:
+    def local_state_dict(self) -> dict[str, Any]:
         return {
             "version": 1,
             "sync_every": self.sync_every,
@@ -182,7 +220,7 @@ class LocalUpdate:
             "codec": self.codec.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != 1:
             raise ConfigError(
                 f"this is not a local-update v1 state (keys {sorted(state)}).\n"
@@ -245,36 +283,28 @@ def _broadcast_bytes(wire: transport.Transport, data: bytes) -> bytes:
     return bytes(pieces[0].numpy().tobytes())
 
 
-# ---- wiring into DistributedOptimizer (its only calls besides the strategy's methods) -----------
+# ---- choosing it (ringtrain.engine.gradient_path) -----------------------------------------------
 
 
-def build(opt: Any, sync_every: int) -> LocalUpdate | None:
-    """The local-update step for ``opt`` (a DistributedOptimizer), or None where nothing is
-    exchanged (one rank, or a rank outside the process set): it then trains as the plain
-    optimizer does."""
-    clash = _clash(opt)
-    if clash:
+def check(config: Config) -> None:
+    """Local updates with settings that make no sense with them: a clear error."""
+    every = parse_sync_every(config.sync_every)
+    clash = clashes(config)
+    if isinstance(every, int) and every > 0 and clash:
         raise ConfigError(
-            f"sync_every={sync_every} (local updates) cannot be combined with {clash}: no "
+            f"sync_every={every} (local updates) cannot be combined with {clash}: no "
             "gradient is exchanged between outer steps, so there is nothing to shard or "
             f"overlap.\nHINT: drop {clash}, or sync_every."
         )
-    comm = opt._comm
-    if opt._size == 1 or not comm.included:
-        return None
-    factory, compression = opt._outer
-    return LocalUpdate(
-        opt.optimizer, opt._params, comm.group("engine"), sync_every, factory, compression
-    )
 
 
-def _clash(opt: Any) -> str:
-    """The settings of ``opt`` that make no sense with local updates ("" when none)."""
-    names = [n for n, on in (("shard_optimizer", opt._shard_mode), ("overlap", opt._overlap)) if on]
-    return " and ".join(names)
+def clashes(config: Config) -> str:
+    """The settings of ``config`` that make no sense with local updates ("" when none)."""
+    on = (("shard_optimizer", config.shard_optimizer), ("overlap", config.overlap))
+    return " and ".join(name for name, value in on if value)
 
 
-def auto_compression(compression: Any, config: Any) -> Any:
+def auto_compression(compression: Any, config: Config) -> Any:
     """``sync_every="auto"`` measures with ``compression="auto"``'s measurement: the
     compression to use (an explicit other one is an error: nothing would measure)."""
     given = config.compression if compression is None else compression
@@ -287,11 +317,10 @@ def auto_compression(compression: Any, config: Any) -> Any:
     )
 
 
-def switch_after_tuning(opt: Any, tuner: Any) -> int:
+def choose_after_tuning(tuner: Any, config: Config, set_rank: int) -> tuple[int, str]:
     """``sync_every="auto"``, once the compression is settled: the policy's choice
-    (:func:`ringtrain.engine.auto.choose_sync_every`, on figures every rank holds alike); if it
-    is local updates, the optimizer takes the local-update step from its next step() on (the
-    weights are identical on every rank then: the anchor). Returns the chosen ``sync_every``."""
+    (:func:`ringtrain.engine.auto.choose_sync_every`, on figures every rank holds alike) and
+    why; rank 0 logs it. The weights are identical on every rank then: the anchor."""
     from ringtrain.engine.auto import choose_sync_every
 
     decision = tuner.auto.decision
@@ -299,15 +328,9 @@ def switch_after_tuning(opt: Any, tuner: Any) -> int:
         every, why = 0, "compression=auto settled without measuring (restored), so synchronous."
     else:
         every, why = choose_sync_every(tuner.measurement, decision.predicted_step_s)
-        if every and _clash(opt):
-            every, why = 0, f"{why} But {_clash(opt)} is set, so synchronous."
-    if opt._comm.set_rank == 0:
+        if every and clashes(config):
+            every, why = 0, f"{why} But {clashes(config)} is set, so synchronous."
+    if set_rank == 0:
         chosen = f"local updates every {every} steps" if every else "synchronous training"
         log.warning("ringtrain sync_every=auto chose %s: %s", chosen, why)
-    opt.sync_every_reason = why
-    if every:
-        opt._local = build(opt, every)
-        for hook in opt._hooks.values():
-            hook.remove()
-        opt._hooks.clear()
-    return every
+    return every, why

@@ -20,11 +20,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ringtrain import compat
 from ringtrain.engine.buckets import NOT_SEEN, Observation, ParamSpec
 from ringtrain.errors import ConfigError
+from ringtrain.transport import group_ops
 
 
 def specs_of(params: Sequence[torch.Tensor], names: Sequence[str]) -> list[ParamSpec]:
@@ -88,7 +87,7 @@ def gather(local: Observation, group: Any, size: int) -> list[Observation]:
         return [local]
     n = len(local.numel)
     counts = torch.empty(size, dtype=torch.int64)
-    compat.all_gather_single(counts, torch.tensor([n], dtype=torch.int64), group=group)
+    group_ops.all_gather_into(counts, torch.tensor([n], dtype=torch.int64), group)
     if len(set(counts.tolist())) != 1:
         raise ConfigError(
             f"the optimizer holds {counts.tolist()} parameters on ranks 0..{size - 1}.\n"
@@ -96,7 +95,7 @@ def gather(local: Observation, group: Any, size: int) -> list[Observation]:
         )
     mine = torch.tensor(local.encode(), dtype=torch.int64)
     gathered = torch.empty(size * mine.numel(), dtype=torch.int64)
-    compat.all_gather_single(gathered, mine, group=group)
+    group_ops.all_gather_into(gathered, mine, group)
     return [Observation.decode(row, n) for row in gathered.view(size, -1).tolist()]
 
 
@@ -105,6 +104,6 @@ def agree_rate(nbytes: int, busy_s: float, group: Any, size: int) -> float:
     rank: one small collective, so every rank holds the same figure (0 if nothing moved)."""
     busy = torch.tensor([busy_s], dtype=torch.float64)
     if size > 1:
-        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=group)
+        group_ops.allreduce(busy, group, op="max")
     slowest = float(busy.item())
     return nbytes / slowest if slowest > 0 and nbytes > 0 else 0.0

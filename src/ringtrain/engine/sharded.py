@@ -48,12 +48,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ringtrain import compat
 from ringtrain.engine.buckets import Plan
 from ringtrain.errors import ConfigError
 from ringtrain.runtime import abort
+from ringtrain.transport import group_ops
 
 # Group keys that belong to the shard optimizers themselves, never copied from the user's groups.
 OWN_KEYS = frozenset({"params", "fused", "foreach"})
@@ -276,7 +275,7 @@ class ShardedStep:
         for a in range(0, layout.shard, step):
             z = min(layout.shard, a + step)
             out = torch.empty((z - a) * self._size, dtype=mine.dtype, device=mine.device)
-            work = compat.all_gather_single(out, mine[a:z], group=group, async_op=True)
+            work = group_ops.all_gather_into(out, mine[a:z], group, async_op=True)
             yield (layout, a, z, out, work)
 
     def _refresh(
@@ -361,7 +360,7 @@ class ShardedStep:
                 }
                 mine[piece.index] = (scalars, tensors)
         every: list[Any] = [None] * self._size
-        dist.all_gather_object(every, mine, group=self._group)
+        group_ops.all_gather_object(every, mine, self._group)
         info: dict[int, tuple[dict[str, Any], dict[str, str]]] = {}
         for part in every:
             info.update(part)
@@ -385,7 +384,7 @@ class ShardedStep:
                         a = where[piece.index] + piece.start - lo
                         shard[a : a + view.numel()].copy_(value.reshape(-1))
                 out = torch.empty(layout.shard * self._size, dtype=dtype, device=first.device)
-                compat.all_gather_single(out, shard, group=self._group)
+                group_ops.all_gather_into(out, shard, self._group)
                 for i, offset, shape in zip(b.params, b.offsets, b.shapes):
                     if i in info and key in info[i][1]:
                         n = self._params[i].numel()

@@ -21,11 +21,10 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
 from ringtrain.algorithms.hierarchical import HierarchicalAllreduce
 from ringtrain.errors import InternalError
 from ringtrain.runtime.communicator import Communicator
+from ringtrain.transport import group_ops
 
 log = logging.getLogger("ringtrain")
 
@@ -51,7 +50,7 @@ class LanePool:
         self._hosts: tuple[Hashable, ...] | None = None
         self._spares: dict[str, Any] = {}
         # Sealed jobs seal every group: the extra ones use the engine group's own backend.
-        self._backend = str(dist.get_backend(engine))
+        self._backend = group_ops.backend(engine)
         self._timeout = datetime.timedelta(seconds=timeout_s)
 
     @classmethod
@@ -71,12 +70,7 @@ class LanePool:
         return self._spares[name]
 
     def _new_group(self) -> Any:
-        return dist.new_group(
-            self._ranks,
-            timeout=self._timeout,
-            backend=self._backend,
-            use_local_synchronization=False,
-        )
+        return group_ops.new_group(self._ranks, self._backend, self._timeout)
 
     def lanes(self, count: int, hosts: Sequence[Hashable] | None = None) -> list[Route]:
         """``count`` lanes, hierarchical over ``hosts`` (host of every world rank) if given.

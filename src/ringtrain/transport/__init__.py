@@ -20,6 +20,10 @@ The sealed and tcp groups run one operation at a time on their own worker thread
 a posted receive before its paired send: there the whole ring runs as *one* operation of the
 group, on the group's own link (sealed, or plain over the tcp mesh), whose transport posts both
 at once. NCCL has the collectives itself (``reduce_scatter_tensor``, ``all_gather_into_tensor``).
+
+:mod:`ringtrain.transport.group_ops` holds the engine's other collectives on a group (small
+agreements, the sharded step's and sparse gradients' all-gathers, a bucket's allreduce, making
+groups): with :func:`of`, the engine's only door to ``torch.distributed``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,311 @@
+"""One gradient path: from a ready gradient to updated parameters (issue 24).
+
+A :class:`GradientPath` is the engine behind one ``DistributedOptimizer`` (which keeps Horovod's
+API and delegates here). A hook on every trainable parameter fires once its gradient is
+accumulated (:mod:`ringtrain.engine.parameters`); the :class:`~ringtrain.engine.planner.Planner`
+packs gradients into the buckets of the plan learned in the first step, and its
+:class:`~ringtrain.engine.exchange.GradientExchange` launches each bucket's reduction as soon as
+the bucket is complete, without negotiating. The step strategy (:mod:`ringtrain.engine.steps`)
+turns reduced gradients into updated parameters; the schedule says when: at ``step()``, or
+bucket by bucket on the updater thread (:class:`~ringtrain.engine.steps.Overlapped`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ringtrain.config import Config
+from ringtrain.diagnostics import timeline
+from ringtrain.engine import local_update
+from ringtrain.engine.exchange import Averaging
+from ringtrain.engine.parameters import Hooks, make_watch
+from ringtrain.engine.planner import Planner
+from ringtrain.engine.settings import Reduction
+from ringtrain.engine.step_phase import Phase, StepProgress
+from ringtrain.engine.steps import BucketUpdates, Overlapped, ShardedUpdate, Update, WholeStep
+from ringtrain.errors import CollectiveArgumentError
+
+# Horovod's words, which scripts filter on (warnings.filterwarnings): kept exactly.
+STEP_WITHOUT_SKIP = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after "
+    "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
+    "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code."
+)
+
+
+class GradientPath:
+    """The engine of one DistributedOptimizer: hooks, plan, exchange, schedule, step strategy."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        comm: Any,
+        config: Config,
+        reduction: Reduction,
+        compression: Any,
+        sparse_as_dense: bool,
+        params: tuple[list[torch.nn.Parameter], list[str]],
+        stall_warning_s: float,
+        outer_optimizer: local_update.OuterFactory | None = None,
+    ) -> None:
+        self.optimizer = optimizer
+        self.comm = comm
+        self.config = config
+        self.reduction = reduction
+        self.passes = reduction.passes  # backward_passes_per_step (Horovod scripts may set it)
+        self.sparse_as_dense = sparse_as_dense
+        self.params, self.names = params
+        self.schedule = Overlapped.of(optimizer, comm, config)  # None: synchronous
+        if self.schedule is not None:
+            weakref.finalize(self, self.schedule.close)
+        self.planner = Planner(comm, config, compression, self.schedule is not None)
+        # Local updates: a number of steps, 0 (synchronous) or "auto" (until the tuner decides).
+        self.sync_every = local_update.parse_sync_every(config.sync_every)
+        self.sync_every_reason = ""
+        self._outer_optimizer = outer_optimizer
+        self.update = self._make_update()
+        self.progress = StepProgress(len(self.params))
+        self.should_sync = True  # False inside no_sync()
+        self.skip_sync = False  # inside skip_synchronize()
+        self._hooks = Hooks(self)
+        self._watch = make_watch(self, comm, self.names, stall_warning_s, config.timeout_s)
+        self.register_hooks()
+
+    @property
+    def shards_state(self) -> bool:
+        """Whether this rank keeps only its shard of the optimizer state."""
+        return self.config.shard_optimizer and self.comm.size > 1 and self.comm.included
+
+    def _make_update(self) -> Update:
+        """The step strategy (see :mod:`ringtrain.engine.steps`)."""
+        update: Update
+        local = isinstance(self.sync_every, int) and self.sync_every > 0
+        if local and self.comm.size > 1 and self.comm.included:
+            update = self._local_update(int(self.sync_every))
+        elif self.shards_state:
+            update = ShardedUpdate(self.optimizer, self.comm)
+        else:
+            by_bucket = self.planner.tuner is None and not self.sparse_as_dense
+            update = WholeStep(self.optimizer, by_bucket)
+        self.planner.scatter = self.config.reduce_scatter and self.shards_state
+        self.share_params(update)
+        return update
+
+    def _local_update(self, sync_every: int) -> local_update.LocalUpdate:
+        return local_update.LocalUpdate(
+            self.optimizer,
+            self.params,
+            self.comm.group("engine"),
+            sync_every,
+            self._outer_optimizer,
+            self.config.outer_compression,
+        )
+
+    def share_params(self, update: Update) -> None:
+        self.planner.set_params(self.params, self.names)
+        if isinstance(update, ShardedUpdate):
+            update.set_params(self.params, self.names)
+
+    def set_params(self, params: list[torch.nn.Parameter], names: list[str]) -> None:
+        """A param group was added: learn the plan again."""
+        self.drain()
+        self.params, self.names = params, names
+        self.share_params(self.update)
+        self.progress.restart(len(params))
+        self.planner.drop_plan()
+        self.register_hooks()
+
+    def rejoin(self, comm: Any, job_config: Config) -> None:
+        """Elastic: start over alike on every rank on the re-formed world's ``comm``."""
+        if self.schedule is not None:
+            self.schedule.open = False
+        self.comm = comm
+        self.planner.rebind(comm, job_config)
+        if isinstance(self.update, local_update.LocalUpdate) and comm.size > 1 and comm.included:
+            self.update.rejoin(comm.group("engine"))  # the anchor and outer state carry on
+        else:
+            self.update = self._make_update()  # the old world's shards go with the old strategy
+        self.progress.restart(len(self.params))
+        self.should_sync = True
+        if self._watch is not None:
+            self._watch.close()
+        self._watch = make_watch(
+            self, comm, self.names, job_config.stall_warning_s, self.config.timeout_s
+        )
+        if comm.size == 1:
+            self._hooks.remove()
+        else:
+            self.register_hooks()
+
+    def drain(self) -> None:
+        """Overlap: wait for the pending updates, so parameters and state are final."""
+        if self.schedule is not None:
+            self.schedule.drain()
+
+    # ---- hooks -------------------------------------------------------------------------------
+
+    def register_hooks(self) -> None:
+        # Nothing to exchange at world size 1; outside its process set the optimizer steps on
+        # local gradients, as Horovod's does.
+        if self.comm.size > 1 and self.comm.included:
+            self._hooks.add(self.params)
+
+    def remove_hooks(self) -> None:
+        self.drain()
+        self._hooks.remove()
+        self.planner.drop_plan()
+
+    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        if self.schedule is not None:
+            self.schedule.gradient_came()
+        if not (self.should_sync and self.update.exchanges()):
+            return
+        progress, planner = self.progress, self.planner
+        if Phase.OPEN not in progress:
+            self._open_step()
+        progress.start_pass()
+        if not progress.count(index, self.passes, self.names[index]):
+            return
+        grad = param.grad
+        if self.sparse_as_dense and grad is not None and grad.is_sparse:
+            progress.sparse_back.add(index)
+        if planner.learner is not None:
+            planner.learner.saw(index, grad is not None and grad.is_sparse)
+        else:
+            assert planner.exchange is not None
+            planner.exchange.ready(index)
+
+    def _open_step(self) -> None:
+        """First gradient of a step: the planner decides, alike on every rank, whether this
+        step learns the plan."""
+        self.progress.set(Phase.OPEN)
+        self.planner.open_step()
+
+    def averaging(self) -> Averaging:
+        return self.reduction.averaging(self.comm.size, self.passes)
+
+    # ---- synchronize and step ----------------------------------------------------------------
+
+    def synchronize(self, then: Callable[[int], None] | None = None) -> None:
+        """Reduce every gradient; ``then(s)`` runs as soon as bucket ``s`` is reduced (when the
+        step is not a learning step: see :meth:`bucket_updates`)."""
+        self.drain()
+        progress, planner = self.progress, self.planner
+        if self.schedule is not None and self.schedule.open and Phase.OPEN not in progress:
+            self.schedule.open = False  # overlapped step(), no backward since: updates final
+            return
+        if self.comm.size == 1 or not self.comm.included:
+            self.reduction.local(self.params, self.passes, self.comm.size)
+            progress.set(Phase.SYNCHRONIZED)
+            return
+        observer = self.comm.service("step_timer")
+        t0 = time.perf_counter()
+        if observer is not None:
+            observer.wait_started()
+        learning = False
+        try:
+            if Phase.OPEN not in progress:
+                self._open_step()
+            learning = planner.learning
+            progress.syncs += 1
+            back = progress.sparse_back if self.sparse_as_dense else None
+            planner.run(
+                then, self.averaging(), back, self._watch, progress.syncs, self.register_hooks
+            )
+        finally:
+            progress.ended()
+            planner.step_ended()
+        t1 = time.perf_counter()
+        planner.observe(learning, t0, t1, self.averaging())
+        if self.sync_every == "auto" and planner.tuner is not None and not planner.tuner.active:
+            self._choose_sync_every(planner.tuner)
+        if observer is not None:
+            observer.wait_done()
+        timeline.current().span("step", "SYNCHRONIZE", t0, t1)
+        progress.set(Phase.SYNCHRONIZED)
+
+    def _choose_sync_every(self, tuner: Any) -> None:
+        """sync_every="auto": the tuner has settled; from the next step on, local updates or
+        synchronous training, alike on every rank."""
+        every, self.sync_every_reason = local_update.choose_after_tuning(
+            tuner, self.config, self.comm.set_rank
+        )
+        self.sync_every = every
+        if every:
+            self.update = self._local_update(every)
+
+    def step(self, closure: Callable[[], float] | None) -> Any:
+        self.drain()
+        progress = self.progress
+        update = self.update  # sync_every="auto" may choose another one for the next step
+        if self.schedule is not None:
+            self.schedule.open = False
+        if self.should_sync and not self.skip_sync and update.exchanges():
+            if Phase.SYNCHRONIZED in progress:
+                warnings.warn(STEP_WITHOUT_SKIP, stacklevel=3)
+            if Phase.OPEN in progress and Phase.READY not in progress:
+                raise CollectiveArgumentError(
+                    f"step() after {max(progress.counts)} of {self.passes} backward passes.\n"
+                    "HINT: call step() once every backward_passes_per_step passes."
+                )
+            if self._overlapping(closure):
+                assert self.schedule is not None
+                self.schedule.step(self.planner, update, progress)
+                return self._step_done(None)
+            updates = self.bucket_updates(closure)
+            if updates is not None:
+                self.synchronize(updates.update)
+                if updates.finish():
+                    return self._step_done(None)
+            else:
+                self.synchronize()
+        progress.set(Phase.SYNCHRONIZED, False)
+        t0 = time.perf_counter()
+        update.replan(self.planner.plan)
+        result = update.step(closure)
+        timeline.current().span("step", "OPTIMIZER_STEP", t0, time.perf_counter())
+        return self._step_done(result)
+
+    def bucket_updates(self, closure: Any) -> BucketUpdates | None:
+        """The strategy's updates bucket by bucket for a step() that synchronizes, or None
+        (a closure, the learning step, no exchange yet; see ``Update.bucket_updates``)."""
+        if closure is not None or self.comm.size == 1 or not self.comm.included:
+            return None
+        if Phase.OPEN not in self.progress:
+            self._open_step()  # decides, as synchronize() would, whether this step learns
+        planner = self.planner
+        if planner.learning or planner.exchange is None or planner.plan is None:
+            return None
+        return self.update.bucket_updates(planner.exchange, self.comm.service("step_timer"))
+
+    def _overlapping(self, closure: Any) -> bool:
+        """Whether this step() overlaps: overlap is on, there is no closure (which must see
+        the updated parameters at once), and the schedule applies (see Overlapped.applies)."""
+        if self.schedule is None or closure is not None or not self.comm.included:
+            return False
+        if Phase.OPEN not in self.progress:
+            self._open_step()  # decides, as synchronize() would, whether this step learns
+        return self.schedule.applies(self.planner, self.names)
+
+    def _step_done(self, result: Any) -> Any:
+        self.progress.set(Phase.SYNCHRONIZED, False)
+        observer = self.comm.service("step_timer")
+        if observer is not None:
+            observer.step_done()
+        return result
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        if Phase.READY in self.progress:
+            raise CollectiveArgumentError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
+                "or optimizer.synchronize().\nHINT: this is usually a missing optimizer.step()."
+            )
+        if self.schedule is not None and self.schedule.zero_grad(self.params, set_to_none):
+            return
+        self.optimizer.zero_grad(set_to_none=set_to_none)

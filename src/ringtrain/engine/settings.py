@@ -1,0 +1,130 @@
+"""The engine settings of one DistributedOptimizer: its arguments over the job's Config.
+
+Arguments left as None come from :class:`ringtrain.config.Config`; the ones given replace the
+Config's through ``Config.replace``, so they are checked once, by the Config's own rules.
+
+The engine's keyword arguments of ``DistributedOptimizer``:
+
+fusion_threshold_bytes, cycle_time_ms, bucket_order: bucket planning (see
+    :mod:`ringtrain.engine.buckets` for the tuning guide).
+hierarchical: "auto", "on" or "off": reduce buckets hierarchically (within hosts, then
+    across; world process set, plain and 16-bit buckets only).
+engine_streams: process groups the buckets use round robin (world process set only).
+reproducible: False lets timing shape the buckets (cuts at gaps in backward); see
+    docs/engine.md, "Reproducibility".
+link_class: "auto" (measured in the first step), "fast" or "slow": sets the bucket size.
+shard_optimizer: True steps the optimizer sharded (ZeRO stage 1): each rank keeps and
+    updates the optimizer state of 1/N of every bucket, then the updated parameters
+    are all-gathered (:mod:`ringtrain.engine.sharded`). ``state_dict()`` then gathers
+    the full state and is collective: every rank must call it.
+reduce_scatter: with ``shard_optimizer``, reduce-scatter the gradients instead of
+    allreducing them: each rank receives the sum of its own shard only, so a sharded
+    step moves an allreduce's bytes in all, not 1.5 times them. Sums follow a ring's
+    order (not the unsharded engine's, so weights differ from it in the last bits),
+    and outside this rank's shard ``.grad`` keeps this rank's own gradient after
+    ``step()``; ``synchronize()`` all-gathers the reduced gradients when you call it
+    (to clip them, say). Combines with every codec, transport, ``overlap`` and
+    ``hierarchical`` (docs/engine.md, "One gradient path"): a codec that cannot be cut
+    (PowerSGD, top-k) and the hierarchical allreduce reduce whole buckets, and the
+    sharded step takes its shard after.
+overlap: True: ``step()`` returns once the buckets are launched, each bucket's parameters
+    are updated as its reduction completes, and the next forward waits per module for
+    its own parameters (:mod:`ringtrain.engine.overlap`; contract in docs/engine.md).
+    Combines with ``shard_optimizer``: the all-gathers then overlap the next forward.
+sync_every: local updates (DiLoCo, :mod:`ringtrain.engine.local_update`): each rank takes
+    this many steps on its own gradients, exchanging nothing, then the averaged change of
+    the weights takes one ``outer_optimizer`` step. 0 (default) trains synchronously;
+    ``"auto"`` measures (with ``compression="auto"``) and picks local updates only where
+    synchronous training cannot reach 80% efficiency.
+outer_compression: the outer exchange's wire: "none", "fp16" (default), "bf16", "int8",
+    "int4" (the narrow ones with error feedback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ringtrain.collectives.reduce_ops import resolve_op
+from ringtrain.config import Config
+from ringtrain.engine.exchange import Averaging
+from ringtrain.errors import ConfigError
+
+# DistributedOptimizer's keyword arguments that are Config fields of the same name.
+CONFIG_ARGS = (
+    "fusion_threshold_bytes",
+    "cycle_time_ms",
+    "bucket_order",
+    "hierarchical",
+    "engine_streams",
+    "reproducible",
+    "link_class",
+    "shard_optimizer",
+    "overlap",
+    "reduce_scatter",
+    "sync_every",
+    "outer_compression",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """What the reduction makes of the sum: Horovod's ``op``, ``gradient_predivide_factor``,
+    ``backward_passes_per_step`` with ``average_aggregated_gradients``."""
+
+    op: str
+    predivide: float
+    passes: int
+    average_aggregated: bool
+
+    @classmethod
+    def of(cls, op: Any, predivide: float, passes: int, average_aggregated: bool) -> Reduction:
+        if passes < 1:
+            raise ConfigError(f"backward_passes_per_step must be >= 1, got {passes}")
+        if predivide <= 0:
+            raise ConfigError(f"gradient_predivide_factor must be > 0, got {predivide}")
+        name = resolve_op(op)
+        if name not in ("Average", "Sum"):
+            raise ConfigError(f"DistributedOptimizer supports op=Average or Sum, got {name}")
+        if predivide != 1.0 and name != "Average":
+            raise ConfigError("gradient_predivide_factor needs op=Average")
+        return cls(name, predivide, passes, average_aggregated)
+
+    def averaging(self, size: int, passes: int) -> Averaging:
+        """The one averaging rule (:class:`ringtrain.engine.exchange.Averaging`) for ``size``
+        contributors and ``passes`` backward passes per step."""
+        k = passes if self.average_aggregated else 1
+        return Averaging(self.op == "Average", size, self.predivide, 1.0 / k)
+
+    def local(self, params: list[torch.nn.Parameter], passes: int, size: int) -> None:
+        """Nothing to reduce (one rank, or outside the process set); on one rank, averaging
+        aggregated backward passes still divides by their number."""
+        if size == 1 and self.average_aggregated and passes > 1:
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.div_(passes)
+
+
+def resolve(config: Config, **args: Any) -> Config:
+    """``config`` with the given (not None) arguments in place, validated by the Config."""
+    changes = {k: v for k, v in args.items() if v is not None}
+    unknown = sorted(set(changes) - set(CONFIG_ARGS))
+    if unknown:
+        raise ConfigError(f"not engine settings: {unknown}")
+    if not changes:
+        return config
+    # log_level holds the resolved level name, which the Config's own check accepts again.
+    return config.replace(**changes)
+
+
+def check_reduce_scatter(config: Config) -> None:
+    """reduce_scatter=True: what it needs, as an error that says what to change."""
+    if config.reduce_scatter and not config.shard_optimizer:
+        raise ConfigError(
+            "reduce_scatter=True needs shard_optimizer=True: each rank then steps only the "
+            "shard whose sum it receives.\nHINT: add shard_optimizer=True, or drop "
+            "reduce_scatter."
+        )

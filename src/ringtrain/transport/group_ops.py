@@ -1,0 +1,61 @@
+"""The plain collectives the engine runs on a process group besides its buckets' reductions.
+
+Small agreements (the plan's observations, a link rate, the auto tuner's probes and verdicts),
+the sharded step's all-gathers, sparse gradients' all-gathers, a 16-bit bucket's
+full-precision redo, and making the engine's extra groups. With :func:`ringtrain.transport.of`
+this is the engine's one door to the wire: ``engine/`` never calls ``torch.distributed`` itself
+(tests/engine/test_no_collectives_in_engine.py). Each function is the ``torch.distributed``
+call of the same name (``async_op=True`` returns its ``Work``), so behaviour and numerics are
+unchanged; the sealed and tcp groups serve them as they serve any collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ringtrain import compat
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def allreduce(t: torch.Tensor, group: Any, op: str = "sum", async_op: bool = False) -> Any:
+    """``t`` becomes the ``op`` ("sum", "max") of every rank's ``t``, in place."""
+    return dist.all_reduce(t, op=_OPS[op], group=group, async_op=async_op)
+
+
+def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """``out`` (size x ``t``'s elements) becomes every rank's ``t``, in rank order."""
+    return compat.all_gather_single(out, t, group=group, async_op=async_op)
+
+
+def all_gather(
+    outs: list[torch.Tensor], t: torch.Tensor, group: Any, async_op: bool = False
+) -> Any:
+    """``outs[r]`` becomes rank r's ``t``."""
+    return dist.all_gather(outs, t, group=group, async_op=async_op)
+
+
+def all_gather_object(outs: list[Any], obj: Any, group: Any) -> None:
+    """``outs[r]`` becomes rank r's ``obj`` (pickled)."""
+    dist.all_gather_object(outs, obj, group=group)
+
+
+def size(group: Any) -> int:
+    return int(dist.get_world_size(group))
+
+
+def backend(group: Any) -> str:
+    return str(dist.get_backend(group))
+
+
+def new_group(ranks: Sequence[int], backend: str, timeout: datetime.timedelta) -> Any:
+    """A new group of ``ranks`` on ``backend``. Collective over the world: every rank makes the
+    same groups in the same order."""
+    return dist.new_group(
+        list(ranks), timeout=timeout, backend=backend, use_local_synchronization=False
+    )
