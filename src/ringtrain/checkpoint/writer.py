@@ -8,7 +8,9 @@ writer then commits the checkpoint (:mod:`ringtrain.checkpoint.store`). One save
 at a time: a save while the previous one still writes first waits for it (that wait is
 blocked time, reported by :attr:`Checkpointer.last_blocked_s`). A write that failed is raised
 as :class:`CheckpointError` at the next :meth:`Checkpointer.save`, :meth:`~Checkpointer.check`
-or :meth:`~Checkpointer.wait`; a writer process that died is such a failure too.
+or :meth:`~Checkpointer.wait`; a writer process that died is such a failure too. The writer
+runs at a lower CPU priority (nice +10) and the lowest best-effort I/O priority, on one thread,
+so that on a busy host it takes what training leaves rather than slowing its steps.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import psutil
 import torch
 
 from ringtrain import environ
@@ -33,6 +36,18 @@ from ringtrain.environ import Process
 from ringtrain.errors import CheckpointError
 
 _MAIN = "from ringtrain.checkpoint.writer import main; main()"
+# The writer's niceness above training's: on a contended core it gets about a tenth of what a
+# training process gets, so the write still progresses (a save that finds it unfinished waits).
+NICE = 10
+
+
+def _yield_to_training() -> None:
+    """Lower this (writer) process's CPU and I/O priority, and keep it to one thread."""
+    with contextlib.suppress(OSError):
+        os.nice(NICE)
+    with contextlib.suppress(OSError, AttributeError, psutil.Error):  # ionice: Linux only
+        psutil.Process().ionice(psutil.IOPRIO_CLASS_BE, 7)
+    torch.set_num_threads(1)
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with contextlib.suppress(OSError):  # die with the training process
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    _yield_to_training()
     args = sys.argv[1:] if argv is None else argv
     rx = Connection(int(args[0]), writable=False)
     tx = Connection(int(args[1]), readable=False)

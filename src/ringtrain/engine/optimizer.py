@@ -88,9 +88,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: the optimizer to wrap (its ``param_groups`` and ``state`` are shared).
         named_parameters: ``model.named_parameters()``; names label buckets in errors and in the
-            timeline. Without them, parameters get Horovod's names,
-            ``allreduce.noname.<group>.<position>`` in ``optimizer.param_groups``. Every rank must pass the same parameters in the same
-            order.
+            timeline. Without them, parameters get Horovod's names, ``allreduce.noname.<i>``,
+            ``i`` counting through ``optimizer.param_groups`` (see :meth:`_index_names`). Every
+            rank must pass the same parameters in the same order.
         compression: ``Compression.none``, ``Compression.fp16``, ``.bf16``, a registered name
             (``"powersgd"``, ``"topk"``, whose settings come from the Config: ``powersgd_rank``,
             ``powersgd_start_step``, ``topk_ratio``), ``"auto"`` (measure, then choose), or an
@@ -442,7 +442,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def _parameter_names(self) -> dict[torch.nn.Parameter, str]:
         """Parameter -> name, as Horovod's optimizer keeps it (scripts read it): the names of
-        ``named_parameters``, else ``allreduce.noname.<group>.<position>``."""
+        ``named_parameters``, else ``allreduce.noname.<i>``."""
         return dict(zip(self._params, self._names))
 
     @property
@@ -491,12 +491,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 )
             old = by_param
         self._params = params
-        # Unnamed parameters get Horovod's names: allreduce.noname.<group>.<position>.
-        unnamed = {
-            p: f"allreduce.noname.{g}.{j}"
-            for g, group in enumerate(self.optimizer.param_groups)
-            for j, p in enumerate(group["params"])
-        }
+        # Horovod's names (horovod/torch/optimizer.py): allreduce.noname.<i>. Horovod restarts
+        # i in each param group, so several groups give duplicates and its constructor raises;
+        # counting on through the groups keeps group 0's names and makes later ones unique.
+        unnamed = {p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
         self._names = [old.get(p, unnamed[p]) for p in params]
 
     def _make_watch(self, warning_s: float) -> engine_wait.WaitWatch | None:
