@@ -59,8 +59,10 @@ def _batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(1, 6, generator=g), torch.randint(0, 3, (1,), generator=g)
 
 
-def _train(model: Net, opt: Any, sampler: ElasticSampler, batches: Iterator[int]) -> None:
+def _train(model: Net, opt: Any, sampler: ElasticSampler, batches: Iterator[int]) -> list[int]:
+    """Train on the given batches of this rank's share; returns the sample indices used."""
     indices = list(sampler)
+    used: list[int] = []
     for b in batches:
         opt.zero_grad()
         mine = indices[b * BATCH : (b + 1) * BATCH]
@@ -69,6 +71,8 @@ def _train(model: Net, opt: Any, sampler: ElasticSampler, batches: Iterator[int]
         opt.step()
         model.seen += 1
         sampler.record_indices(mine)
+        used += mine
+    return used
 
 
 def _full(model: Net, opt: Any) -> dict[str, Any]:
@@ -165,18 +169,18 @@ def _uninterrupted(steps: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _resumed(path: str, first: int, steps: int) -> list[torch.Tensor]:
+def _resumed(path: str, first: int, steps: int) -> tuple[list[torch.Tensor], list[int], list[int]]:
     model, opt = _make(sharded=True)
     sampler = ElasticSampler(list(range(DATA)), shuffle=True, seed=3)
-    _train(model, opt, sampler, iter(range(first)))
+    before = _train(model, opt, sampler, iter(range(first)))
     ckpt.save(path, model=model, optimizer=opt, sampler=sampler, step=first)
     del model, opt
     model, opt = _make(sharded=True)
     sampler = ElasticSampler(list(range(DATA)), shuffle=True, seed=3)
     ckpt.load(path, model=model, optimizer=opt, sampler=sampler)
     # The sampler now deals the remaining indices afresh: batches count from 0 again.
-    _train(model, opt, sampler, iter(range(steps - first)))
-    return [p.detach().clone() for p in model.parameters()]
+    after = _train(model, opt, sampler, iter(range(steps - first)))
+    return [p.detach().clone() for p in model.parameters()], before, after
 
 
 def test_resumed_at_4_gives_the_uninterrupted_weights(tmp_path: Any) -> None:
@@ -184,5 +188,11 @@ def test_resumed_at_4_gives_the_uninterrupted_weights(tmp_path: Any) -> None:
     want = world.run(_uninterrupted, 6, timeout=300)
     got = world.run(_resumed, str(tmp_path / "step-3"), 3, 6, timeout=300)
     for r in range(4):
-        for a, b in zip(want[r], got[r]):
+        for a, b in zip(want[r], got[r][0]):
             assert torch.equal(a, b), f"rank {r}: resumed weights differ"
+    # After the resume the 4 ranks use each sample the first 3 steps left exactly once (6
+    # steps x 4 ranks x 2 samples is the whole epoch of 48).
+    before = [i for _, b, _ in got for i in b]
+    after = [i for _, _, a in got for i in a]
+    assert len(set(before)) == len(before) == 24
+    assert sorted(after) == sorted(set(range(DATA)) - set(before))

@@ -175,6 +175,14 @@ def test_endpoint_from_trainers_variables() -> None:
     assert Endpoint.from_env({}) is None
     env = {ts.URL_VAR: "https://c:8082/s", ts.CA_CERT_VAR: "/ca.crt", ts.TOKEN_VAR: "/token"}
     assert Endpoint.from_env(env) == Endpoint("https://c:8082/s", "/ca.crt", "/token")
+    # the earlier names (the plugin's first version), read where the newer ones are not set
+    old = {
+        "KUBEFLOW_TRAINER_STATUS_URL": "https://o:8082/s",
+        "KUBEFLOW_TRAINER_STATUS_CA_CERT": "/o.crt",
+        "KUBEFLOW_TRAINER_STATUS_TOKEN": "/o-token",
+    }
+    assert Endpoint.from_env(old) == Endpoint("https://o:8082/s", "/o.crt", "/o-token")
+    assert Endpoint.from_env({**old, **env}) == Endpoint("https://c:8082/s", "/ca.crt", "/token")
 
 
 # ---- the reporter against a real HTTPS server ----------------------------------------------------

@@ -79,6 +79,8 @@ def test_horovod_warning_and_parameter_names(size: int) -> None:
             "1.weight": "1.weight",
             "1.bias": "1.bias",
         }
+        # horovod/torch/optimizer.py since process sets: f"allreduce.noname.{i}.{j}", i the
+        # param group, j the position in it (older releases used "allreduce.noname.%s" % j).
         assert out["unnamed"] == [f"allreduce.noname.0.{j}" for j in range(4)]
         assert out["warnings_skip=False"] == [HOROVOD_TEXT], out
         assert out["warnings_skip=True"] == [], out

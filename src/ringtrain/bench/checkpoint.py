@@ -68,6 +68,7 @@ def bench_checkpoint(params: CheckpointParams) -> CheckpointResult:
         named_parameters=model.named_parameters(),
         shard_optimizer=params.shard,
     )
+    env = machine_info()  # its load_before: the load as the run starts
     gen = torch.Generator().manual_seed(params.seed + ringtrain.rank())
     batch = params.batch_size or preset.default_batch_size
 
@@ -115,7 +116,7 @@ def bench_checkpoint(params: CheckpointParams) -> CheckpointResult:
     if not writing:
         writing = [float("nan")]
     ratio = Summary.of(writing).median / Summary.of(idle).median
-    env = machine_info() | {"load_average": load_average()}
+    env["load_after"] = load_average()
     return CheckpointResult(
         params,
         ringtrain.size(),

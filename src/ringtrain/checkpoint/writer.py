@@ -8,12 +8,15 @@ writer then commits the checkpoint (:mod:`ringtrain.checkpoint.store`). One save
 at a time: a save while the previous one still writes first waits for it (that wait is
 blocked time, reported by :attr:`Checkpointer.last_blocked_s`). A write that failed is raised
 as :class:`CheckpointError` at the next :meth:`Checkpointer.save`, :meth:`~Checkpointer.check`
-or :meth:`~Checkpointer.wait`; a writer process that died is such a failure too.
+or :meth:`~Checkpointer.wait`; a writer process that died is such a failure too. The writer
+runs at a lower CPU priority (nice +10) and the lowest best-effort I/O priority, on one thread,
+so that on a busy host it takes what training leaves rather than slowing its steps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pickle
 import shutil
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import psutil
 import torch
 
 from ringtrain import environ
@@ -33,6 +37,58 @@ from ringtrain.environ import Process
 from ringtrain.errors import CheckpointError
 
 _MAIN = "from ringtrain.checkpoint.writer import main; main()"
+# The writer's niceness above training's: on a contended core it gets about a tenth of what a
+# training process gets, so the write still progresses (a save that finds it unfinished waits).
+NICE = 10
+
+
+_SHM_PREFIX = "ringtrain-ckpt-"
+_OWNER = ".owner"  # in each buffer directory: locked (flock) by its process while it lives
+
+
+def _buffer_dir() -> tuple[str, int]:
+    """A directory for this process's shared-memory buffers and the descriptor holding its
+    owner lock. Removes first the directories whose owner died without cleaning up (kill -9):
+    shared memory outlives its processes, and each holds a copy of a rank's checkpoint part."""
+    where = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    _sweep(where)
+    path = tempfile.mkdtemp(prefix=_SHM_PREFIX, dir=where)
+    tmp = os.path.join(path, _OWNER + ".tmp")
+    fd = os.open(tmp, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(tmp, os.path.join(path, _OWNER))  # a sweeper sees the lock only once it is held
+    return path, fd
+
+
+def _sweep(where: str) -> None:
+    """Remove the buffer directories under ``where`` whose owner lock nobody holds."""
+    try:
+        names = [n for n in os.listdir(where) if n.startswith(_SHM_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(where, name)
+        try:
+            fd = os.open(os.path.join(path, _OWNER), os.O_RDWR | os.O_CLOEXEC)
+        except OSError:  # being made now, another user's, or gone
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its owner lives
+            continue
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
+
+
+def _yield_to_training() -> None:
+    """Lower this (writer) process's CPU and I/O priority, and keep it to one thread."""
+    with contextlib.suppress(OSError):
+        os.nice(NICE)
+    with contextlib.suppress(OSError, AttributeError, psutil.Error):  # ionice: Linux only
+        psutil.Process().ionice(psutil.IOPRIO_CLASS_BE, 7)
+    torch.set_num_threads(1)
 
 
 @dataclass(frozen=True)
@@ -60,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with contextlib.suppress(OSError):  # die with the training process
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    _yield_to_training()
     args = sys.argv[1:] if argv is None else argv
     rx = Connection(int(args[0]), writable=False)
     tx = Connection(int(args[1]), readable=False)
@@ -97,12 +154,18 @@ class Checkpointer:
         self._tx: Any = None
         self._rx: Any = None
         self._shm: str | None = None  # the shared-memory files' directory
+        self._shm_lock: int | None = None  # its owner lock (see _buffer_dir)
         self._inflight: str | None = None  # the checkpoint being written
         self._failure: str | None = None
         self.last_blocked_s = 0.0
         self.last_committed: str | None = None
 
     # ---- the writer process ----------------------------------------------------------------
+
+    @property
+    def buffer_dir(self) -> str | None:
+        """The shared-memory buffers' directory (made at the first save)."""
+        return self._shm
 
     @property
     def writer_pid(self) -> int | None:
@@ -195,6 +258,9 @@ class Checkpointer:
             if self._shm is not None:
                 shutil.rmtree(self._shm, ignore_errors=True)
                 self._shm = None
+            if self._shm_lock is not None:
+                os.close(self._shm_lock)
+                self._shm_lock = None
 
     # ---- saving ------------------------------------------------------------------------------
 
@@ -205,8 +271,7 @@ class Checkpointer:
         got = self._buffers.get(key)
         if got is None or got[1].shape != src.shape or got[1].dtype != src.dtype:
             if self._shm is None:
-                where = "/dev/shm" if os.path.isdir("/dev/shm") else None
-                self._shm = tempfile.mkdtemp(prefix="ringtrain-ckpt-", dir=where)
+                self._shm, self._shm_lock = _buffer_dir()
             shared = _Shared(
                 os.path.join(self._shm, str(len(self._buffers))), dtype, tuple(src.shape)
             )

@@ -5,7 +5,9 @@ containers (pkg/runtime/framework/plugins/trainjobstatus in kubeflow/trainer):
 ``KUBEFLOW_TRAINER_SERVER_URL`` (the controller's HTTPS endpoint for this TrainJob),
 ``KUBEFLOW_TRAINER_SERVER_CA_CERT`` (the path of the CA certificate that signs it) and
 ``KUBEFLOW_TRAINER_SERVER_TOKEN`` (the path of a bearer token, a JWT that rotates: read at every
-post). Where they are set, rank 0 posts::
+post). Earlier versions of the plugin (named ``Progress``) injected the same three as
+``KUBEFLOW_TRAINER_STATUS_URL``, ``..._STATUS_CA_CERT`` and ``..._STATUS_TOKEN``; those are read
+where the ``SERVER`` ones are not set. Where they are set, rank 0 posts::
 
     {"trainerStatus": {"progressPercentage": 45, "estimatedRemainingSeconds": 120,
                        "metrics": [{"name": "steps", "value": "450"}, ...],
@@ -40,6 +42,11 @@ log = logging.getLogger("ringtrain")
 URL_VAR = KubeflowTrainer.SERVER_URL
 CA_CERT_VAR = KubeflowTrainer.SERVER_CA_CERT
 TOKEN_VAR = KubeflowTrainer.SERVER_TOKEN
+# (url, CA certificate, token) variables, newest names first.
+_NAMES = (
+    (URL_VAR, CA_CERT_VAR, TOKEN_VAR),
+    (KubeflowTrainer.STATUS_URL, KubeflowTrainer.STATUS_CA_CERT, KubeflowTrainer.STATUS_TOKEN),
+)
 # At most one post per this many seconds (the Kubeflow SDK throttles to the same).
 MIN_INTERVAL_S = 5.0
 # A post that takes longer is abandoned; the next one tries again.
@@ -58,10 +65,11 @@ class Endpoint:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Endpoint | None:
-        url = env.get(URL_VAR, "").strip()
-        if not url:
-            return None
-        return cls(url, env.get(CA_CERT_VAR, "").strip(), env.get(TOKEN_VAR, "").strip())
+        for url_var, ca_var, token_var in _NAMES:
+            url = env.get(url_var, "").strip()
+            if url:
+                return cls(url, env.get(ca_var, "").strip(), env.get(token_var, "").strip())
+        return None
 
 
 @dataclass(frozen=True)
