@@ -3,9 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 NP ?= 4
 # pytest-xdist workers for `make unit`: 0 (the default) runs the tests serially; JOBS=auto is one
-# worker per core. Not the default yet: with pytest 9, xdist 3.8's loadgroup no longer groups
-# (it renames item._nodeid, which pytest 9 ignores), so namespace-cluster tests run beside each
-# other, and two deploy tests then share /var/run/secrets/ringtrain/job.key (see the README).
+# worker per core, with the namespace-cluster tests kept on one worker (see the README).
 JOBS ?= 0
 
 .PHONY: setup demo test lint unit

@@ -12,6 +12,7 @@ in file order, so a module's cluster is made once and no two clusters' jobs shar
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from collections.abc import Iterator
 
@@ -102,6 +103,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         fixtures = set(getattr(item, "fixturenames", ()))
         if item.get_closest_marker("cluster") or fixtures & CLUSTER_FIXTURES:
             item.add_marker(pytest.mark.xdist_group("cluster"))
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A SIGTERM (CI's timeout, `kill`, xdist stopping a worker) ends the run like Ctrl-C: pytest
+    # then tears its fixtures down, so namespace clusters, sshd and Ray nodes do not outlive it.
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -221,21 +226,39 @@ def test_adasum_is_rejected_clearly(world2: World) -> None:
 
 
 def _duplicate_name() -> None:
-    # On one rank the first op may finish before the second is submitted; only a duplicate of an
-    # op that is still pending must be refused, so retry until the race is lost.
-    for _ in range(50):
-        h = rt.allreduce_async(torch.ones(1), name="dup")
-        done_before = rt.poll(h)
-        try:
-            h2 = rt.allreduce_async(torch.ones(1), name="dup")
-        except rt.CollectiveArgumentError as e:
-            assert "already in flight" in str(e)
+    if rt.size() == 1:
+        # Alone, the first op may finish before the second is submitted; only a duplicate of an
+        # op that is still pending must be refused, so retry until the race is lost.
+        for _ in range(50):
+            h = rt.allreduce_async(torch.ones(1), name="dup")
+            try:
+                h2 = rt.allreduce_async(torch.ones(1), name="dup")
+            except rt.CollectiveArgumentError as e:
+                assert "already in flight" in str(e)
+                rt.synchronize(h)
+                return
+            # Accepted: the first had already finished, so this was no duplicate.
+            rt.synchronize(h2)
             rt.synchronize(h)
-            return
-        assert done_before or rt.size() == 1, "a duplicate of a pending op was accepted"
-        rt.synchronize(h2)
+        raise AssertionError("the first op always finished before the duplicate was submitted")
+    # With peers, "dup" cannot finish before they submit it: they wait until rank 0 has tried the
+    # duplicate (a file is the signal, so no collective of the test's own is in flight meanwhile).
+    flag = Path(tempfile.gettempdir()) / f"rt-dup-{rt.broadcast_object(uuid.uuid4().hex)}"
+    if rt.rank() == 0:
+        h = rt.allreduce_async(torch.ones(1), name="dup")
+        with pytest.raises(rt.CollectiveArgumentError, match="already in flight"):
+            rt.allreduce_async(torch.ones(1), name="dup")
+        flag.touch()
         rt.synchronize(h)
-    raise AssertionError("the first op always finished before the duplicate was submitted")
+    else:
+        deadline = time.monotonic() + 120
+        while not flag.exists():
+            assert time.monotonic() < deadline, "rank 0 never tried the duplicate"
+            time.sleep(0.01)
+        rt.allreduce(torch.ones(1), name="dup")
+    rt.barrier()
+    if rt.rank() == 0:
+        flag.unlink()
 
 
 def test_duplicate_name_in_flight(world: World) -> None:
