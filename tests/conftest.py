@@ -20,6 +20,9 @@ import pytest
 
 from ringtrain.testing import spawn
 
+# cluster, make_cluster, cluster_tools: the namespace test cluster, for any folder's tests.
+pytest_plugins = ["_cluster_fixtures"]
+
 
 @pytest.fixture(params=[1, 2, 3], ids=lambda n: f"np{n}")
 def world(request: pytest.FixtureRequest) -> spawn.World:

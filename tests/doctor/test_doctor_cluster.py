@@ -8,10 +8,8 @@ The doctor must name h0's link as slow, and flag the 4-3-1 placement of ``-H h0:
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 
@@ -20,25 +18,12 @@ from ringtrain.testing import cluster as tc
 pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture(scope="module")
-def shaped() -> Iterator[tc.Cluster]:
-    if not sys.platform.startswith("linux") or os.geteuid() != 0:
-        pytest.skip("the test cluster needs root on Linux")
-    missing = tc.missing_tools()
-    if missing:
-        pytest.skip(f"the test cluster needs {', '.join(missing)}")
-    try:
-        c = tc.Cluster([tc.HostSpec(rate="10mbit"), tc.HostSpec(), tc.HostSpec()]).up()
-    except tc.ClusterError as e:
-        pytest.skip(f"cannot build the test cluster here: {e}")
-    try:
-        yield c
-    finally:
-        c.down()
+# h0's link at 10 Mbit/s; the module's ``cluster`` (tests/_cluster_fixtures.py).
+CLUSTER = [tc.HostSpec(rate="10mbit"), tc.HostSpec(), tc.HostSpec()]
 
 
 @pytest.mark.timeout(180)
-def test_doctor_flags_the_slow_host_and_the_uneven_placement(shaped: tc.Cluster) -> None:
+def test_doctor_flags_the_slow_host_and_the_uneven_placement(cluster: tc.Cluster) -> None:
     proc = subprocess.run(
         [
             sys.executable,
@@ -47,7 +32,7 @@ def test_doctor_flags_the_slow_host_and_the_uneven_placement(shaped: tc.Cluster)
             "doctor",
             "--json",
             "--ssh-config-file",
-            str(shaped.ssh_config_path),
+            str(cluster.ssh_config_path),
             "-H",
             "h0:4,h1:3,h2:1",
             "-np",
@@ -72,7 +57,9 @@ def test_doctor_flags_the_slow_host_and_the_uneven_placement(shaped: tc.Cluster)
     assert len(doc["problems"]) == 1 and "under 50%" in doc["problems"][0]
     assert [h["facts"]["hostname"] for h in doc["hosts"]] == ["h0", "h1", "h2"]
     chosen = doc["network"]["chosen"]
-    assert {h: i["address"] for h, i in chosen.items()} == {h.name: h.address for h in shaped.hosts}
+    assert {h: i["address"] for h, i in chosen.items()} == {
+        h.name: h.address for h in cluster.hosts
+    }
 
     links = doc["links"]
     assert len(links["pairs"]) == 6 and all(p["error"] is None for p in links["pairs"])

@@ -1,4 +1,5 @@
-"""Fixtures for tests on the network-namespace test cluster (:mod:`ringtrain.testing.cluster`).
+"""Fixtures for tests on the network-namespace test cluster (:mod:`ringtrain.testing.cluster`),
+for every test folder (``tests/conftest.py`` loads them as a plugin).
 
 ``cluster`` is a module-scoped cluster of 3 plain hosts. A module picks its own hosts with a
 module-level ``CLUSTER = 2`` or ``CLUSTER = [HostSpec(...), ...]``, or per test with
@@ -45,7 +46,7 @@ def skip_reason() -> str | None:
     return None
 
 
-def _require_cluster() -> None:
+def require_cluster() -> None:
     reason = skip_reason()
     if reason:
         pytest.skip(reason)
@@ -57,7 +58,7 @@ HostsArg = int | Sequence[tc.HostSpec]
 @pytest.fixture(scope="module")
 def cluster(request: pytest.FixtureRequest) -> Iterator[tc.Cluster]:
     """A running cluster: ``cluster.hosts``, ``cluster.ssh_config_path``, ``cluster.exec``."""
-    _require_cluster()
+    require_cluster()
     hosts: HostsArg = getattr(request, "param", None) or getattr(request.module, "CLUSTER", 3)
     with tc.Cluster(hosts) as c:
         yield c
@@ -66,13 +67,13 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[tc.Cluster]:
 @pytest.fixture
 def cluster_tools() -> None:
     """Skips the test where the cluster cannot run (for tests that make their own)."""
-    _require_cluster()
+    require_cluster()
 
 
 @pytest.fixture
 def make_cluster() -> Iterator[Callable[[HostsArg], tc.Cluster]]:
     """Build clusters inside one test; each is removed when the test ends, even if it failed."""
-    _require_cluster()
+    require_cluster()
     made: list[tc.Cluster] = []
 
     def make(hosts: HostsArg = 2) -> tc.Cluster:
