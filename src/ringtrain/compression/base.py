@@ -71,9 +71,16 @@ CompressionLike: TypeAlias = (
 
 
 class Stateless:
-    """Base for compressors without state; they can be used as classes, as in Horovod."""
+    """Base for compressors without state; they can be used as classes, as in Horovod. They are
+    summed codecs (:class:`ringtrain.compression.codec.SummedCodec`)."""
 
     name = "none"
+    own_rounds = False
+    elementwise = False
+
+    @classmethod
+    def wire_dtype(cls, dtype: torch.dtype) -> torch.dtype:
+        return cls.compress(torch.zeros(1, dtype=dtype))[0].dtype
 
     @staticmethod
     def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
