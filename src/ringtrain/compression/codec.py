@@ -27,7 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 
-class Pending(Protocol):
+class Round(Protocol):
     """A collective under way."""
 
     def wait(self) -> Any: ...
@@ -44,11 +44,11 @@ class Rounds(Protocol):
     size: int
     group: Any  # the process group underneath: for a reducer written against torch.distributed
 
-    def allreduce(self, t: torch.Tensor) -> Pending:
+    def allreduce(self, t: torch.Tensor) -> Round:
         """``t`` becomes the sum of every rank's ``t``, in place."""
         ...
 
-    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> Pending:
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> Round:
         """``out`` (size x ``t``'s elements) becomes every rank's ``t``, in rank order."""
         ...
 

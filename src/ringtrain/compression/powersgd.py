@@ -74,7 +74,7 @@ class _MatrixGroup:
 
 
 @dataclass(frozen=True)
-class Layout:
+class FactorLayout:
     """How one bucket's flat buffer splits into compressed matrices and plain ranges."""
 
     numel: int  # length of the flat bucket
@@ -110,15 +110,15 @@ def make_layout(
     numel: int,
     rank: int,
     min_compression_rate: float,
-) -> Layout:
+) -> FactorLayout:
     """Plan a bucket (pure). ``shapes=None`` treats the bucket as one near-square matrix."""
     if shapes is None:
         rows = max(1, math.isqrt(numel))
         cols = -(-numel // rows) if numel else 0
         r = min(rows, cols, rank)
         if numel and should_compress(rows, cols, r, min_compression_rate):
-            return Layout(numel, rows * cols, (_MatrixGroup(rows, cols, r, (0,)),), ())
-        return Layout(numel, numel, (), ((0, numel),) if numel else ())
+            return FactorLayout(numel, rows * cols, (_MatrixGroup(rows, cols, r, (0,)),), ())
+        return FactorLayout(numel, numel, (), ((0, numel),) if numel else ())
     by_shape: dict[tuple[int, int], list[int]] = {}
     plain: list[tuple[int, int]] = []
     offset = 0
@@ -146,7 +146,7 @@ def make_layout(
         _MatrixGroup(rows, cols, min(rows, cols, rank), tuple(offs))
         for (rows, cols), offs in by_shape.items()
     )
-    return Layout(numel, numel, groups, tuple(plain))
+    return FactorLayout(numel, numel, groups, tuple(plain))
 
 
 def orthogonalize(matrices: torch.Tensor, epsilon: float = 1e-8) -> torch.Tensor:
@@ -165,7 +165,7 @@ def orthogonalize(matrices: torch.Tensor, epsilon: float = 1e-8) -> torch.Tensor
 
 @dataclass
 class _BucketState:
-    layout: Layout
+    layout: FactorLayout
     signature: Any
     calls: int = 0
     error: torch.Tensor | None = None  # work-buffer sized; zero outside the matrices
@@ -232,7 +232,7 @@ class PowerSGDReducer:
         """Declare the shapes packed (in order) in bucket ``bucket_key``; call before ``reduce``."""
         self._planned[bucket_key] = tuple(tuple(int(d) for d in s) for s in shapes)
 
-    def layout(self, bucket_key: str) -> Layout | None:
+    def layout(self, bucket_key: str) -> FactorLayout | None:
         """The current plan of a bucket that has been reduced at least once."""
         st = self._buckets.get(bucket_key)
         return st.layout if st else None
@@ -328,7 +328,7 @@ class PowerSGDReducer:
         self,
         key: str,
         st: _BucketState,
-        lay: Layout,
+        lay: FactorLayout,
         x: torch.Tensor,
         out: torch.Tensor,
         first: torch.Tensor,
@@ -383,7 +383,7 @@ class PowerSGDReducer:
         st.qs = [qt.transpose(1, 2) for qt in avg] if self.warm_start else []
 
     def _initial_qts(
-        self, key: str, st: _BucketState, lay: Layout, x: torch.Tensor
+        self, key: str, st: _BucketState, lay: FactorLayout, x: torch.Tensor
     ) -> list[torch.Tensor]:
         """Each group's starting Q^T, (b, r, m) contiguous: last step's Q or a seeded one."""
         shapes = [(len(g.offsets), g.cols, g.rank) for g in lay.matrices]

@@ -74,7 +74,7 @@ from ringtrain.errors import InternalError
 from ringtrain.runtime import abort
 from ringtrain.transport import group_ops
 from ringtrain.transport.workers import WORKERS as _WORKERS
-from ringtrain.transport.workers import Worker as _Worker
+from ringtrain.transport.workers import WorkerThread
 
 _now = time.perf_counter
 
@@ -284,7 +284,7 @@ class GradientExchange:
                 slot.chunks = _cut(slot.flat, n)
                 if slot.cast is not None:
                     slot.wire_chunks = _cut(slot.cast, n)
-        self._workers: list[_Worker] = []
+        self._workers: list[WorkerThread] = []
         self._releases: list[weakref.finalize[Any, Any]] = []
         # A codec with rounds of its own runs them on the stream's group, on its worker.
         self._rounds: list[Rounds] = []

@@ -67,8 +67,8 @@ def new_group(ranks: Sequence[int], backend: str, timeout: datetime.timedelta) -
     )
 
 
-class _Pending:
-    """A collective under way (:class:`ringtrain.compression.codec.Pending`)."""
+class _Round:
+    """A round under way (:class:`ringtrain.compression.codec.Round`)."""
 
     def __init__(self, work: Any) -> None:
         self._work = work
@@ -85,11 +85,11 @@ class GroupRounds:
         self.group = group
         self.rank, self.size = rank(group), size(group)
 
-    def allreduce(self, t: torch.Tensor) -> _Pending:
-        return _Pending(allreduce(t, self.group, async_op=True))
+    def allreduce(self, t: torch.Tensor) -> _Round:
+        return _Round(allreduce(t, self.group, async_op=True))
 
-    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> _Pending:
-        return _Pending(all_gather_into(out, t, self.group, async_op=True))
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> _Round:
+        return _Round(all_gather_into(out, t, self.group, async_op=True))
 
 
 def rounds(group: Any) -> GroupRounds:
