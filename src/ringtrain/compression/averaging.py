@@ -13,6 +13,10 @@ goes is the only choice, and it is made here:
 * inside a codec that sums in its own rounds (PowerSGD's factors, top-k's scattered values, the
   outer exchange, the sealed ring's AVG): :func:`mean` divides the sum in place, integers
   truncated alike.
+
+One exception, kept for Horovod's contract: ``sparse_allreduce`` (collectives/async_ops.py)
+divides its gathered values as Horovod's does, ``values / size`` (a float division, integer
+values included).
 """
 
 from __future__ import annotations

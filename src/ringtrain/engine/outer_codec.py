@@ -25,12 +25,16 @@ import torch
 
 from ringtrain import transport
 from ringtrain.compression import averaging
+from ringtrain.compression.halfprec import BF16Compressor, FP16Compressor, NoneCompressor
 from ringtrain.errors import ConfigError
 
 CODECS = ("none", "fp16", "bf16", "int8", "int4")
 BLOCK = 128
 _LEVELS = {"int8": 127, "int4": 7}
-_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# The summed wires are the gradient codecs' own (compression.halfprec), over float32.
+_DTYPES = {
+    c.name: c.wire_dtype(torch.float32) for c in (NoneCompressor, FP16Compressor, BF16Compressor)
+}
 
 
 def check(name: str) -> str:
