@@ -13,6 +13,9 @@ Every ``compression=`` setting becomes one :class:`Codec` (:func:`as_codec`), of
   ``rounds`` (:class:`Rounds`, what :func:`ringtrain.transport.rounds` hands it) and returns the
   bucket's average. Such a bucket is reduced whole; a sharded step takes its shard after.
 
+Sparse gradients (``nn.Embedding(sparse=True)``) are not in buckets: they travel as values and
+indices (:class:`ringtrain.compression.sparse.SparseRows`), gathered in the same rounds.
+
 A codec's state (error feedback, warm starts) is ``state_dict``/``load_state_dict``, saved with
 the optimizer. Codecs never call ``torch.distributed``: their rounds go through the
 :class:`Rounds` they are handed (tests/engine/test_no_collectives_in_engine.py), a protocol
@@ -50,6 +53,10 @@ class Rounds(Protocol):
 
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> Round:
         """``out`` (size x ``t``'s elements) becomes every rank's ``t``, in rank order."""
+        ...
+
+    def all_gather(self, outs: list[torch.Tensor], t: torch.Tensor) -> Round:
+        """``outs[r]`` becomes rank r's ``t``."""
         ...
 
 

@@ -359,9 +359,7 @@ class GradientExchange:
             if self._workers:
                 for slot in self._slots:  # the workers must finish before the main thread
                     slot.work.result()  # issues more collectives on the group
-            self._sparse_work = sparse.launch(
-                self.plan.sparse, self._params, self._routes[0].group, self._scaling.size
-            )
+            self._sparse_work = sparse.launch(self.plan.sparse, self._params, self._routes[0].group)
 
     def finish(self, then: Callable[[int], None] | None = None) -> None:
         """Wait for every bucket in plan order and write the results into ``.grad``; ``then(s)``,

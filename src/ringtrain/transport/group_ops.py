@@ -91,6 +91,9 @@ class GroupRounds:
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> _Round:
         return _Round(all_gather_into(out, t, self.group, async_op=True))
 
+    def all_gather(self, outs: list[torch.Tensor], t: torch.Tensor) -> _Round:
+        return _Round(all_gather(outs, t, self.group, async_op=True))
+
 
 def rounds(group: Any) -> GroupRounds:
     """What a codec with rounds of its own (PowerSGD, top-k) runs them on, over ``group``."""
