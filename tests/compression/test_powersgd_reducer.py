@@ -15,6 +15,7 @@ from ringtrain.compression import base
 from ringtrain.compression.powersgd import PowerSGDReducer, make_layout, orthogonalize
 from ringtrain.errors import CollectiveArgumentError, ConfigError
 from ringtrain.testing.spawn import World
+from ringtrain.transport import rounds
 
 # -- pure ---------------------------------------------------------------------------------------
 
@@ -123,7 +124,7 @@ def _exact_on_low_rank() -> None:
             before = flat.clone()
             reducers = [plain, fed] if step == 0 else [plain]
             for red in reducers:
-                out = red.reduce(key, flat, g)
+                out = red.reduce(key, flat, rounds(g))
                 assert torch.equal(flat, before), "reduce must not modify its input"
                 assert out.dtype == flat.dtype and out.shape == flat.shape
                 torch.testing.assert_close(out, _mean(flat, g), atol=1e-4, rtol=1e-4)
@@ -157,7 +158,7 @@ def _run_steps(red: Any, steps: range, g: Any) -> list[torch.Tensor]:
             gen = torch.Generator().manual_seed(10_000 * dist.get_rank() + 10 * step + len(key))
             noise = torch.randn(signal.numel(), generator=gen)
             flat = signal + 0.3 * signal.norm() / signal.numel() ** 0.5 * noise
-            outs.append(red.reduce(key, flat, g, shapes=shapes))
+            outs.append(red.reduce(key, flat, rounds(g), shapes=shapes))
     return outs
 
 
@@ -167,7 +168,7 @@ def _warmup_then_compressed() -> None:
     gen = torch.Generator().manual_seed(dist.get_rank())
     flats = [torch.randn(64 * 32, generator=gen) for _ in range(3)]
     for i, flat in enumerate(flats):
-        out = red.reduce("w", flat, g, shapes=[(64, 32)])
+        out = red.reduce("w", flat, rounds(g), shapes=[(64, 32)])
         exact = torch.allclose(out, _mean(flat, g), atol=1e-6)
         assert exact == (i < 2), f"call {i}: exact={exact}, start_iter=2"
 
@@ -202,8 +203,8 @@ def _error_feedback() -> tuple[float, float]:
 class _Exact:
     """The reference: a plain averaging allreduce with the reducer's signature."""
 
-    def reduce(self, key: str, flat: torch.Tensor, group: Any, shapes: Any = None) -> torch.Tensor:
-        return _mean(flat, group)
+    def reduce(self, key: str, flat: torch.Tensor, rounds: Any, shapes: Any = None) -> torch.Tensor:
+        return _mean(flat, rounds.group)
 
 
 def test_error_feedback_tracks_the_sum_of_true_averages(world: World) -> None:
@@ -243,26 +244,26 @@ def _shapes_change_and_dtypes() -> None:
     red = PowerSGDReducer(matrix_approximation_rank=1, start_iter=0)
     for dtype in (torch.float16, torch.bfloat16, torch.float64):
         flat = _low_rank_bucket([(32, 48)], 1, 0).to(dtype)
-        out = red.reduce(f"k{dtype}", flat, g, shapes=[(32, 48)])
+        out = red.reduce(f"k{dtype}", flat, rounds(g), shapes=[(32, 48)])
         assert out.dtype == dtype
         tol = 1e-2 if dtype.itemsize == 2 else 1e-6
         torch.testing.assert_close(out, _mean(flat, g), atol=tol * 10, rtol=tol)
     # The same key with new shapes is re-planned (error and warm start reset), not misread.
-    out = red.reduce("k", torch.ones(10), g, shapes=[(10,)])
+    out = red.reduce("k", torch.ones(10), rounds(g), shapes=[(10,)])
     torch.testing.assert_close(out, torch.ones(10))
-    out = red.reduce("k", torch.ones(24 * 24), g, shapes=[(24, 24)])
+    out = red.reduce("k", torch.ones(24 * 24), rounds(g), shapes=[(24, 24)])
     torch.testing.assert_close(out, torch.ones(24 * 24), atol=1e-5, rtol=1e-5)  # rank 1 exactly
     # Without shapes: one near-square matrix, 31 x 33 here, so a constant bucket is rank 1.
     flat = torch.full((31 * 33,), float(dist.get_rank() + 1))
-    out = red.reduce("noshape", flat, g)
+    out = red.reduce("noshape", flat, rounds(g))
     assert red.layout("noshape").matrices[0].rows == 31
     torch.testing.assert_close(out, _mean(flat, g), atol=1e-5, rtol=1e-5)
     # ... zero-padded when the size does not factor (the padding never leaks out).
-    out = red.reduce("padded", torch.randn(1000), g)
+    out = red.reduce("padded", torch.randn(1000), rounds(g))
     assert out.shape == (1000,) and torch.isfinite(out).all()
     assert red.layout("padded").padded > 1000
     with pytest.raises(CollectiveArgumentError, match="flat floating-point"):
-        red.reduce("bad", torch.ones(2, 2), g)
+        red.reduce("bad", torch.ones(2, 2), rounds(g))
     st = copy.deepcopy(red.state_dict())
     assert set(st["buckets"]) >= {"k", "noshape", "padded"}
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain import transport
 from ringtrain.compression.powersgd import PowerSGDReducer
 from ringtrain.compression.topk import TopKReducer
 from ringtrain.testing.spawn import World
@@ -25,10 +26,10 @@ ACCURACY_DROP = 0.02
 
 
 class _Exact:
-    def reduce(self, key: str, flat: torch.Tensor, group: Any, shapes: Any = None) -> torch.Tensor:
+    def reduce(self, key: str, flat: torch.Tensor, rounds: Any, shapes: Any = None) -> torch.Tensor:
         out = flat.clone()
-        dist.all_reduce(out, group=group)
-        return out / dist.get_world_size(group)
+        dist.all_reduce(out, group=rounds.group)
+        return out / dist.get_world_size(rounds.group)
 
 
 def _train(method: str) -> tuple[float, float]:
@@ -59,7 +60,7 @@ def _train(method: str) -> tuple[float, float]:
         torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
         for key, ps in buckets.items():
             flat = torch.cat([p.grad.reshape(-1) for p in ps])  # type: ignore[union-attr]
-            avg = reducer.reduce(key, flat, group, shapes=[p.shape for p in ps])
+            avg = reducer.reduce(key, flat, transport.rounds(group), shapes=[p.shape for p in ps])
             pos = 0
             for p in ps:
                 p.grad.copy_(avg[pos : pos + p.numel()].view_as(p))  # type: ignore[union-attr]

@@ -14,6 +14,7 @@ from ringtrain.compression import base
 from ringtrain.compression.topk import SAMPLE_ABOVE, TopKReducer, top_indices
 from ringtrain.errors import CollectiveArgumentError, ConfigError
 from ringtrain.testing.spawn import World
+from ringtrain.transport import rounds
 
 
 def test_settings_and_k() -> None:
@@ -54,11 +55,11 @@ def _ratio_one_is_exact() -> None:
         for numel, dtype in ((1, torch.float32), (333, torch.float32), (64, torch.float64)):
             flat = _bucket(numel, step, dtype)
             before = flat.clone()
-            out = red.reduce(f"b{numel}", flat, g)
+            out = red.reduce(f"b{numel}", flat, rounds(g))
             assert torch.equal(flat, before)
             assert out.dtype == dtype
             torch.testing.assert_close(out, _mean(flat, g))
-    assert red.reduce("empty", torch.empty(0), g).numel() == 0
+    assert red.reduce("empty", torch.empty(0), rounds(g)).numel() == 0
 
 
 def test_ratio_one_equals_exact_average(world: World) -> None:
@@ -70,7 +71,7 @@ def _mean_of_each_ranks_top_k(numel: int, ratio: float) -> None:
     red = TopKReducer(ratio=ratio)
     world = dist.get_world_size(g)
     flat = _bucket(numel, 0)
-    out = red.reduce("b", flat, g)
+    out = red.reduce("b", flat, rounds(g))
     # Reference: every rank's own top-k by magnitude (torch.topk), averaged densely.
     k = red.k_for(numel)
     mine = torch.zeros_like(flat)
@@ -119,7 +120,7 @@ def _run(red: TopKReducer, steps: range, g: Any) -> tuple[list[torch.Tensor], li
     for step in steps:
         for key in ("a", "b"):
             flat = signal + 0.3 * _bucket(400, step)
-            outs.append(red.reduce(key, flat, g))
+            outs.append(red.reduce(key, flat, rounds(g)))
             truth.append(_mean(flat, g))
     return outs, truth
 
@@ -164,9 +165,9 @@ def _state_round_trip() -> None:
     cold, _ = _run(TopKReducer(ratio=0.02, value_dtype=torch.float16), range(4, 8), g)
     assert not all(torch.equal(a, b) for a, b in zip(expected, cold, strict=True))
     with pytest.raises(CollectiveArgumentError, match="flat floating-point"):
-        red.reduce("x", torch.ones(3, dtype=torch.int64), g)
+        red.reduce("x", torch.ones(3, dtype=torch.int64), rounds(g))
     # 16-bit buckets keep their dtype; the residual is kept in fp32.
-    out = red.reduce("half", torch.ones(100, dtype=torch.bfloat16), g)
+    out = red.reduce("half", torch.ones(100, dtype=torch.bfloat16), rounds(g))
     assert out.dtype == torch.bfloat16
     assert red.state_dict()["residuals"]["half"].dtype == torch.float32
 

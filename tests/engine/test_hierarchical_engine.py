@@ -1,8 +1,8 @@
-"""DistributedOptimizer over hierarchical allreduce and several engine groups ("lanes").
+"""DistributedOptimizer over hierarchical allreduce and several engine groups ("streams").
 
 Ranks pretend to run on hosts given by ``RINGTRAIN_HOSTNAME`` (the runtime measures the placement
 from it), so 3 and 4 local ranks can stand for uneven (2-1), round-robin (a, b, a, b) and
-one-host placements. Whatever the lanes, training must give the same weights as the plain
+one-host placements. Whatever the streams, training must give the same weights as the plain
 engine: same buckets, same sums, only the path differs.
 """
 
@@ -47,25 +47,25 @@ def _train(kwargs: dict[str, Any], steps: int = 4) -> tuple[torch.Tensor, bool, 
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-    assert opt.plan is not None and len(opt.plan.buckets) > 2  # several buckets, several lanes
+    assert opt.plan is not None and len(opt.plan.buckets) > 2  # several buckets, several streams
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    return flat, opt.hierarchical, opt.lanes
+    return flat, opt.hierarchical, opt.streams
 
 
 def _compare(variants: list[dict[str, Any]]) -> list[tuple[bool, int]]:
     """Train with the plain engine and with each variant; weights must agree."""
-    want, hier, lanes = _train({"hierarchical": "off", "engine_streams": 1})
-    assert not hier and lanes == 1
+    want, hier, streams = _train({"hierarchical": "off", "engine_streams": 1})
+    assert not hier and streams == 1
     seen = []
     for kwargs in variants:
-        got, hier, lanes = _train(kwargs)
+        got, hier, streams = _train(kwargs)
         tol = (
             {"rtol": 2e-3, "atol": 2e-4}
             if kwargs.get("compression")
             else {"rtol": 1e-5, "atol": 1e-6}
         )
         torch.testing.assert_close(got, want, **tol, msg=lambda m, k=kwargs: f"{k}: {m}")  # type: ignore[misc]
-        seen.append((hier, lanes))
+        seen.append((hier, streams))
     return seen
 
 
@@ -102,8 +102,8 @@ def test_auto_stays_flat_on_one_host(world2: spawn.World) -> None:
 
 
 def _env_settings() -> tuple[bool, int]:
-    _, hier, lanes = _train({}, steps=2)
-    return hier, lanes
+    _, hier, streams = _train({}, steps=2)
+    return hier, streams
 
 
 def test_settings_from_environment(world2: spawn.World) -> None:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtrain.compression import averaging
 from ringtrain.errors import CollectiveArgumentError
 from ringtrain.security import sealing
 from ringtrain.security.sealing import EVERYONE, Session, sealed_size
@@ -423,7 +424,4 @@ def _cut(numel: int, count: int, i: int) -> tuple[int, int]:
 
 
 def _divide(t: torch.Tensor, n: int) -> None:
-    if t.is_floating_point() or t.is_complex():
-        t.div_(n)
-    else:
-        t.copy_(torch.div(t, n, rounding_mode="floor"))
+    averaging.mean(t, n)  # the one averaging rule: integers truncate toward zero, as Horovod

@@ -27,7 +27,8 @@ from ringtrain import compat
 from ringtrain.collectives import dtypes, inline, unfused
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request
-from ringtrain.collectives.scaling import REDUCE_OPS, Scaling
+from ringtrain.collectives.scaling import REDUCE_OPS, scaling_of
+from ringtrain.compression.averaging import Factors
 from ringtrain.config import Config
 from ringtrain.diagnostics import timeline
 from ringtrain.errors import (
@@ -210,7 +211,7 @@ class Executor:
         self, item: _Item, payloads: Mapping[int, inline.Payload]
     ) -> list[torch.Tensor]:
         work = dtypes.to_reducible_all(item.tensors, item.request.op)
-        scaling = Scaling.of(item.request, item.contributors, work[0].dtype)
+        scaling = scaling_of(item.request, item.contributors, work[0].dtype)
         flat = inline.reduce(item.name, payloads, item.request.op, scaling.before)
         numels = [w.numel() for w in work]
         plain = _all_reducible_in(item.outputs, work)
@@ -225,7 +226,7 @@ class Executor:
         if any(w.dtype != work[0].dtype for w in work):
             self._fused_allreduce([item])  # never inline either: one path, whatever the timing
             return item.outputs
-        scaling = Scaling.of(item.request, item.contributors, work[0].dtype)
+        scaling = scaling_of(item.request, item.contributors, work[0].dtype)
         numels = [w.numel() for w in work]
         flat = torch.cat([w.reshape(-1) for w in work])
         rows = torch.empty(self.comm.size * flat.numel(), dtype=flat.dtype)
@@ -246,7 +247,7 @@ class Executor:
         if not tensors:
             return
         work = dtypes.to_reducible_all(tensors, op)
-        scaling = Scaling.of(req, n, work[0].dtype)
+        scaling = scaling_of(req, n, work[0].dtype)
         group = self.comm.group_for(work[0])
         flat = one_block(outputs, work)  # in place, back to back: reduce them where they lie
         if flat is None and len(work) == 1 and _reducible_in(outputs[0], work[0]):
@@ -291,7 +292,7 @@ class Executor:
         outputs: list[torch.Tensor],
         numels: list[int],
         plain: bool,
-        scaling: Scaling,
+        scaling: Factors,
     ) -> None:
         if pending is not None:
             pending.wait()

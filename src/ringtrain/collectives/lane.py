@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from ringtrain.collectives import dtypes, inline
 from ringtrain.collectives.requests import Request
+from ringtrain.compression import averaging
 
 # A real claim waits at most this long for a rank that is not busy elsewhere before that rank's
 # controller releases the slot (the op is then negotiated, and the stall inspector sees it).
@@ -65,7 +66,6 @@ SWITCH_AFTER = 2
 
 # Floating point only: a dummy marks its slot with a NaN, which integers cannot hold.
 _DTYPES = {"torch.float32", "torch.float64", "torch.float16", "torch.bfloat16"}
-_LOW_PRECISION = {"torch.float16", "torch.bfloat16"}
 
 
 def eligible(req: Request) -> bool:
@@ -77,9 +77,10 @@ def eligible(req: Request) -> bool:
     meta = req.tensors[0]
     if meta.device != "cpu" or meta.dtype not in _DTYPES:
         return False
-    if req.op == "Average" and meta.dtype in _LOW_PRECISION:
-        return False  # 16-bit averages divide before the sum: the tensor would change
-    nbytes = math.prod(meta.shape) * dtypes.from_name(meta.dtype).itemsize
+    dtype = dtypes.from_name(meta.dtype)
+    if req.op == "Average" and averaging.factors(True, 2, dtype).pre != 1.0:
+        return False  # the average divides before the sum (16-bit): the tensor would change
+    nbytes = math.prod(meta.shape) * dtype.itemsize
     return nbytes > inline.INLINE_MAX_BYTES
 
 

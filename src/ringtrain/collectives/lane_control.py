@@ -22,7 +22,7 @@ from ringtrain.collectives.control_round import Message
 from ringtrain.collectives.execute import Pending, transport_error
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request
-from ringtrain.collectives.scaling import Scaling
+from ringtrain.collectives.scaling import scaling_of
 from ringtrain.diagnostics import timeline
 from ringtrain.errors import CollectiveAbortedError, CollectiveError, SecurityError
 from ringtrain.runtime import abort
@@ -144,7 +144,7 @@ class LaneControl:
             return  # failed meanwhile (shutdown, a peer's failure)
         handle = local.handle
         if claim.valid:
-            Scaling.of(claim.request, self.comm.size, claim.data.dtype).after(claim.data)
+            scaling_of(claim.request, self.comm.size, claim.data.dtype).after(claim.data)
             rec = timeline.current()
             if rec.enabled:
                 rec.span(

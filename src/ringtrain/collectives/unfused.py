@@ -21,7 +21,7 @@ from ringtrain import compat
 from ringtrain.algorithms.sealed import Link, Plain
 from ringtrain.collectives import dtypes, inline
 from ringtrain.collectives.requests import Request, TensorMeta
-from ringtrain.collectives.scaling import REDUCE_OPS, Scaling
+from ringtrain.collectives.scaling import REDUCE_OPS, scaling_of
 from ringtrain.errors import CollectiveMismatchError
 from ringtrain.runtime.communicator import Communicator
 
@@ -134,7 +134,7 @@ def reducescatter(comm: Communicator, req: Request, t: torch.Tensor) -> torch.Te
     for r, k in enumerate(counts):
         pieces[r, :k] = work[offset : offset + k]
         offset += k
-    scaling = Scaling.of(req, size, work.dtype)  # integers as Horovod: see Scaling
+    scaling = scaling_of(req, size, work.dtype)  # integers as Horovod: see scaling_of
     scaling.before(pieces)
     if size == 1:
         out = pieces[0]

@@ -1,10 +1,13 @@
-"""Gradient compressors, registered by name.
+"""Gradient codecs, registered by name, and the one averaging rule.
 
-Stateless wire casts (fp16, bf16) are plain tensor code. Gradient reducers (PowerSGD, top-k) own
-their collectives: they are given a torch.distributed group and never import ringtrain's runtime.
+Every ``compression=`` setting is a codec (:mod:`ringtrain.compression.codec`): none, fp16 and
+bf16 are summed on the wire; PowerSGD and top-k run rounds of their own on the
+:class:`~ringtrain.compression.codec.Rounds` the engine hands them (never ``torch.distributed``
+itself). :mod:`ringtrain.compression.averaging` is how every path averages.
 """
 
 from ringtrain.compression.base import CompressionLike, Compressor, register, resolve
+from ringtrain.compression.codec import Codec, Rounds, RoundsCodec, SummedCodec, as_codec
 from ringtrain.compression.halfprec import (
     BF16Compressor,
     Compression,
@@ -18,13 +21,18 @@ from ringtrain.compression.topk import TopKReducer
 __all__ = [
     "AutoCompression",
     "BF16Compressor",
+    "Codec",
     "Compression",
     "CompressionLike",
     "Compressor",
     "FP16Compressor",
     "NoneCompressor",
     "PowerSGDReducer",
+    "Rounds",
+    "RoundsCodec",
+    "SummedCodec",
     "TopKReducer",
+    "as_codec",
     "register",
     "resolve",
 ]

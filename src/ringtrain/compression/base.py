@@ -7,9 +7,10 @@ collective; stateful ones (top-k with error feedback, PowerSGD) keep per-tensor 
 
 Horovod spells these ``Compression.none`` and ``Compression.fp16``; both spellings work here.
 
-Compressors whose output cannot simply be summed (top-k, PowerSGD) implement
-:class:`GradientReducer` instead: DistributedOptimizer hands them each whole fusion bucket and a
-process group, and they run whatever collectives they need.
+Every compressor is a codec (:mod:`ringtrain.compression.codec`). Those whose output cannot
+simply be summed (top-k, PowerSGD) run rounds of their own on the
+:class:`~ringtrain.compression.codec.Rounds` the engine hands them; a reducer of your own may
+instead implement :class:`GradientReducer` and receive the process group.
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ class Compressor(Protocol):
 
 @runtime_checkable
 class GradientReducer(Protocol):
-    """A compressor that reduces a whole gradient bucket itself, collectives included.
+    """A reducer of your own: reduces a whole gradient bucket itself, with torch.distributed
+    collectives on the group it is given (the built-in codecs take a
+    :class:`~ringtrain.compression.codec.Rounds` instead: :class:`~ringtrain.compression.codec.
+    RoundsCodec`).
 
     DistributedOptimizer calls, for every fusion bucket of every step::
 
@@ -71,9 +75,16 @@ CompressionLike: TypeAlias = (
 
 
 class Stateless:
-    """Base for compressors without state; they can be used as classes, as in Horovod."""
+    """Base for compressors without state; they can be used as classes, as in Horovod. They are
+    summed codecs (:class:`ringtrain.compression.codec.SummedCodec`)."""
 
     name = "none"
+    own_rounds = False
+    elementwise = False
+
+    @classmethod
+    def wire_dtype(cls, dtype: torch.dtype) -> torch.dtype:
+        return cls.compress(torch.zeros(1, dtype=dtype))[0].dtype
 
     @staticmethod
     def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:

@@ -1,4 +1,5 @@
-"""16-bit compression: send float gradients as fp16 or bf16, halving the bytes on the wire.
+"""The summed codecs: none, and 16-bit compression, sending float gradients as fp16 or bf16,
+halving the bytes on the wire.
 
 fp16 has 5 exponent bits: values above 65504 overflow to inf. Allreduce sums in the wire dtype, so
 the collectives divide by the world size *before* the sum when averaging 16-bit data, and the
@@ -18,15 +19,21 @@ from ringtrain.compression.topk import TopKReducer
 
 
 class FP16Compressor(Stateless):
-    """Casts floating-point tensors to float16 for the wire."""
+    """Casts floating-point tensors to float16 for the wire: an elementwise summed codec
+    (:mod:`ringtrain.compression.codec`)."""
 
     name = "fp16"
-    wire_dtype = torch.float16
+    elementwise = True
+    cast_to = torch.float16
+
+    @classmethod
+    def wire_dtype(cls, dtype: torch.dtype) -> torch.dtype:
+        return cls.cast_to if dtype.is_floating_point else dtype
 
     @classmethod
     def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        if tensor.is_floating_point() and tensor.dtype != cls.wire_dtype:
-            return tensor.to(cls.wire_dtype), tensor.dtype
+        if tensor.is_floating_point() and tensor.dtype != cls.cast_to:
+            return tensor.to(cls.cast_to), tensor.dtype
         return tensor, None
 
     @staticmethod
@@ -38,11 +45,18 @@ class BF16Compressor(FP16Compressor):
     """Casts floating-point tensors to bfloat16 for the wire (fp32's range, less precision)."""
 
     name = "bf16"
-    wire_dtype = torch.bfloat16
+    cast_to = torch.bfloat16
 
 
 class NoneCompressor(Stateless):
+    """The bucket travels as it is: the plain summed codec."""
+
     name = "none"
+    elementwise = True
+
+    @staticmethod
+    def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+        return dtype
 
 
 class Compression:

@@ -52,9 +52,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from ringtrain.compression import averaging
 from ringtrain.compression.base import register
+from ringtrain.compression.codec import Rounds
 from ringtrain.errors import CollectiveArgumentError, ConfigError
 
 log = logging.getLogger("ringtrain")
@@ -73,7 +74,7 @@ class _MatrixGroup:
 
 
 @dataclass(frozen=True)
-class Layout:
+class FactorLayout:
     """How one bucket's flat buffer splits into compressed matrices and plain ranges."""
 
     numel: int  # length of the flat bucket
@@ -109,15 +110,15 @@ def make_layout(
     numel: int,
     rank: int,
     min_compression_rate: float,
-) -> Layout:
+) -> FactorLayout:
     """Plan a bucket (pure). ``shapes=None`` treats the bucket as one near-square matrix."""
     if shapes is None:
         rows = max(1, math.isqrt(numel))
         cols = -(-numel // rows) if numel else 0
         r = min(rows, cols, rank)
         if numel and should_compress(rows, cols, r, min_compression_rate):
-            return Layout(numel, rows * cols, (_MatrixGroup(rows, cols, r, (0,)),), ())
-        return Layout(numel, numel, (), ((0, numel),) if numel else ())
+            return FactorLayout(numel, rows * cols, (_MatrixGroup(rows, cols, r, (0,)),), ())
+        return FactorLayout(numel, numel, (), ((0, numel),) if numel else ())
     by_shape: dict[tuple[int, int], list[int]] = {}
     plain: list[tuple[int, int]] = []
     offset = 0
@@ -145,7 +146,7 @@ def make_layout(
         _MatrixGroup(rows, cols, min(rows, cols, rank), tuple(offs))
         for (rows, cols), offs in by_shape.items()
     )
-    return Layout(numel, numel, groups, tuple(plain))
+    return FactorLayout(numel, numel, groups, tuple(plain))
 
 
 def orthogonalize(matrices: torch.Tensor, epsilon: float = 1e-8) -> torch.Tensor:
@@ -164,7 +165,7 @@ def orthogonalize(matrices: torch.Tensor, epsilon: float = 1e-8) -> torch.Tensor
 
 @dataclass
 class _BucketState:
-    layout: Layout
+    layout: FactorLayout
     signature: Any
     calls: int = 0
     error: torch.Tensor | None = None  # work-buffer sized; zero outside the matrices
@@ -174,13 +175,14 @@ class _BucketState:
 class PowerSGDReducer:
     """Averages flat gradient buckets across a process group with PowerSGD compression.
 
-    Implements the engine's gradient-reducer protocol: ``reduce(bucket_key, flat, group)`` returns
-    the average of ``flat`` over ``group`` (a new tensor; ``flat`` is not modified), plus
-    ``state_dict``/``load_state_dict``. Every rank must call ``reduce`` for the same bucket keys in
+    A codec with rounds of its own (:class:`ringtrain.compression.codec.RoundsCodec`):
+    ``reduce(bucket_key, flat, rounds)`` returns the average of ``flat`` over the ranks of
+    ``rounds`` (a new tensor; ``flat`` is not modified), plus ``state_dict``/``load_state_dict``. Every rank must call ``reduce`` for the same bucket keys in
     the same order with same-sized buckets. See the module docstring for the tuning guide.
     """
 
     name = "powersgd"
+    own_rounds = True
 
     def __init__(
         self,
@@ -230,7 +232,7 @@ class PowerSGDReducer:
         """Declare the shapes packed (in order) in bucket ``bucket_key``; call before ``reduce``."""
         self._planned[bucket_key] = tuple(tuple(int(d) for d in s) for s in shapes)
 
-    def layout(self, bucket_key: str) -> Layout | None:
+    def layout(self, bucket_key: str) -> FactorLayout | None:
         """The current plan of a bucket that has been reduced at least once."""
         st = self._buckets.get(bucket_key)
         return st.layout if st else None
@@ -268,10 +270,11 @@ class PowerSGDReducer:
         self,
         bucket_key: str,
         flat: torch.Tensor,
-        group: Any = None,
+        rounds: Rounds,
         shapes: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
-        """The average of ``flat`` over ``group`` (PowerSGD-compressed once warmed up)."""
+        """The average of ``flat`` over the ranks of ``rounds`` (PowerSGD-compressed once warmed
+        up)."""
         if flat.dim() != 1 or not flat.is_floating_point():
             raise CollectiveArgumentError(
                 f"PowerSGD reduces flat floating-point buckets, got a {flat.dim()}-D "
@@ -279,14 +282,14 @@ class PowerSGDReducer:
                 "compression."
             )
         st = self._state(bucket_key, flat, shapes)
-        world = dist.get_world_size(group)
+        world = rounds.size
         st.calls += 1
         self.numel_in += flat.numel()
         if st.calls <= self.start_iter:
             out = flat.detach().clone()
-            dist.all_reduce(out, group=group)
+            rounds.allreduce(out).wait()
             self.numel_sent += flat.numel()
-            return out.div_(world)
+            return averaging.mean(out, world)
         lay = st.layout
         self.numel_sent += lay.wire_numel
         numel = lay.numel
@@ -310,11 +313,11 @@ class PowerSGDReducer:
         first = torch.empty(lay.plain_numel + lay.p_numel, dtype=work_dtype, device=flat.device)
         if lay.plain:
             plain = first[: lay.plain_numel]
-            torch.cat([x[o : o + n] for o, n in lay.plain], out=plain).div_(world)
+            averaging.mean(torch.cat([x[o : o + n] for o, n in lay.plain], out=plain), world)
         if lay.matrices:
-            self._reduce_matrices(bucket_key, st, lay, x, out, first, world, group)
+            self._reduce_matrices(bucket_key, st, lay, x, out, first, world, rounds)
         else:
-            dist.all_reduce(first, group=group)
+            rounds.allreduce(first).wait()
         pos = 0
         for o, n in lay.plain:
             out[o : o + n] = first[pos : pos + n]
@@ -325,12 +328,12 @@ class PowerSGDReducer:
         self,
         key: str,
         st: _BucketState,
-        lay: Layout,
+        lay: FactorLayout,
         x: torch.Tensor,
         out: torch.Tensor,
         first: torch.Tensor,
         world: int,
-        group: Any,
+        rounds: Rounds,
     ) -> None:
         """Both steps for the bucket's matrices; writes their averages into ``out``. P goes
         into ``first`` behind the plain tensors already there, and is allreduced with them.
@@ -349,7 +352,7 @@ class PowerSGDReducer:
         for mats, p, qt in zip(ms, ps, qts, strict=True):
             for j, m in enumerate(mats):
                 torch.mm(m, qt[j].t(), out=p[j])
-        dist.all_reduce(first, group=group)
+        rounds.allreduce(first).wait()
         for p in ps:
             orthogonalize(p, self.epsilon)
 
@@ -360,7 +363,7 @@ class PowerSGDReducer:
             for j, m in enumerate(mats):
                 torch.mm(p[j].t(), m, out=qt[j])
         q_sum = q_flat.clone() if self.error_feedback else q_flat
-        q_work = dist.all_reduce(q_sum, group=group, async_op=True)
+        q_work = rounds.allreduce(q_sum)
         if self.error_feedback:
             # While Q travels: x becomes e = M - P^ (M^T P^)^T, in place; plain ranges were
             # sent exactly, so nothing carries over there.
@@ -371,7 +374,7 @@ class PowerSGDReducer:
                 x[o : o + n] = 0
             st.error = x
         q_work.wait()
-        q_sum /= world
+        averaging.mean(q_sum, world)
         avg = _split(q_sum, [(len(g.offsets), g.rank, g.cols) for g in lay.matrices])
         for g, p, qt in zip(lay.matrices, ps, avg, strict=True):
             for j, o in enumerate(g.offsets):
@@ -380,7 +383,7 @@ class PowerSGDReducer:
         st.qs = [qt.transpose(1, 2) for qt in avg] if self.warm_start else []
 
     def _initial_qts(
-        self, key: str, st: _BucketState, lay: Layout, x: torch.Tensor
+        self, key: str, st: _BucketState, lay: FactorLayout, x: torch.Tensor
     ) -> list[torch.Tensor]:
         """Each group's starting Q^T, (b, r, m) contiguous: last step's Q or a seeded one."""
         shapes = [(len(g.offsets), g.cols, g.rank) for g in lay.matrices]

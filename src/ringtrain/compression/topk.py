@@ -38,10 +38,10 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ringtrain import compat
+from ringtrain.compression import averaging
 from ringtrain.compression.base import register
+from ringtrain.compression.codec import Rounds
 from ringtrain.errors import CollectiveArgumentError, ConfigError
 
 # Buckets below this size, or ratios above MAX_SAMPLED_RATIO, use torch.topk directly: the
@@ -81,13 +81,14 @@ def top_indices(values: torch.Tensor, k: int, generator: torch.Generator) -> tor
 class TopKReducer:
     """Averages flat gradient buckets across a process group, sending the top-k entries only.
 
-    Implements the engine's gradient-reducer protocol: ``reduce(bucket_key, flat, group)`` returns
-    the average of ``flat`` over ``group`` (a new tensor; ``flat`` is not modified), plus
-    ``state_dict``/``load_state_dict``. Every rank must call ``reduce`` for the same bucket keys in
+    A codec with rounds of its own (:class:`ringtrain.compression.codec.RoundsCodec`):
+    ``reduce(bucket_key, flat, rounds)`` returns the average of ``flat`` over the ranks of
+    ``rounds`` (a new tensor; ``flat`` is not modified), plus ``state_dict``/``load_state_dict``. Every rank must call ``reduce`` for the same bucket keys in
     the same order with same-sized buckets.
     """
 
     name = "topk"
+    own_rounds = True
 
     def __init__(
         self,
@@ -123,16 +124,17 @@ class TopKReducer:
         """Accepted for symmetry with PowerSGD; top-k works on the flat bucket."""
 
     def reduce(
-        self, bucket_key: str, flat: torch.Tensor, group: Any = None, shapes: Any = None
+        self, bucket_key: str, flat: torch.Tensor, rounds: Rounds, shapes: Any = None
     ) -> torch.Tensor:
-        """The average over ``group`` of the top-k entries of ``flat`` plus residual, per rank."""
+        """The average over the ranks of ``rounds`` of the top-k entries of ``flat`` plus
+        residual, per rank."""
         if flat.dim() != 1 or not flat.is_floating_point():
             raise CollectiveArgumentError(
                 f"top-k reduces flat floating-point buckets, got a {flat.dim()}-D {flat.dtype} "
                 "tensor.\nHINT: flatten the bucket; integer tensors need no compression."
             )
         numel = flat.numel()
-        world = dist.get_world_size(group)
+        world = rounds.size
         work_dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32
         if numel == 0:
             return flat.detach().clone()
@@ -158,7 +160,7 @@ class TopKReducer:
         # One allgather of packed bytes (indices then values) instead of two collectives.
         packed = torch.cat([idx.to(idx_dtype).view(torch.uint8), values.view(torch.uint8)])
         gathered = torch.empty(world * packed.numel(), dtype=torch.uint8, device=flat.device)
-        compat.all_gather_single(gathered, packed, group=group)
+        rounds.all_gather_into(gathered, packed).wait()
         self.numel_in += numel
         self.bytes_sent += packed.numel()
 
@@ -167,9 +169,11 @@ class TopKReducer:
         for chunk in gathered.view(world, packed.numel()):
             r_idx = chunk[:idx_bytes].view(idx_dtype).long()
             r_val = chunk[idx_bytes:].view(value_dtype).to(work_dtype)
-            # Indices are unique within a rank, so this is deterministic; the division by the
-            # world size rides along (alpha) instead of costing a pass over the whole bucket.
-            out.index_add_(0, r_idx, r_val, alpha=1.0 / world)
+            # Indices are unique within a rank, so this is deterministic; the average's division
+            # rides along (alpha: the rule's factor after the sum, taken before it here, since
+            # each rank's values are added on their own) instead of costing a pass over the
+            # whole bucket.
+            out.index_add_(0, r_idx, r_val, alpha=_after(world))
         return out.to(flat.dtype)
 
     def state_dict(self) -> dict[str, Any]:
@@ -192,6 +196,11 @@ class TopKReducer:
     def stats(self) -> dict[str, float]:
         """Elements reduced and bytes sent by this rank since construction."""
         return {"numel_in": self.numel_in, "bytes_sent": self.bytes_sent}
+
+
+def _after(world: int) -> float:
+    """The average's factor (1 / world), from the one rule."""
+    return averaging.factors(True, world, before=False).post
 
 
 register("topk", TopKReducer)

@@ -4,7 +4,7 @@ Open the file in https://ui.perfetto.dev or chrome://tracing. Every rank writes 
 (``trace.json`` becomes ``trace.rank0.json``, ``trace.rank1.json``, ...), so writing never needs a
 collective and a crashed rank still leaves its trace behind; :func:`merge` joins them into one
 file afterwards (``python -m ringtrain.diagnostics.timeline out.json trace.rank*.json``). Each
-rank is one process (``pid`` = rank) and each activity a named lane:
+rank is one process (``pid`` = rank) and each activity a named track (a row of the trace):
 
 * ``compute``: ``BACKWARD`` (first gradient hook to the end of the backward pass);
 * ``step``: ``PLAN`` (learning the bucket order), ``SYNCHRONIZE`` (waiting for buckets) and
@@ -43,15 +43,15 @@ class NullRecorder:
 
     enabled = False
 
-    def lane(self, name: str) -> int:
+    def track(self, name: str) -> int:
         return 0
 
     def span(
-        self, lane: str, name: str, start: float, end: float, args: dict[str, Any] | None = None
+        self, track: str, name: str, start: float, end: float, args: dict[str, Any] | None = None
     ) -> None:
         return None
 
-    def instant(self, lane: str, name: str, t: float, args: dict[str, Any] | None = None) -> None:
+    def instant(self, track: str, name: str, t: float, args: dict[str, Any] | None = None) -> None:
         return None
 
     def close(self) -> None:
@@ -74,7 +74,7 @@ class Recorder(NullRecorder):
         self._perf0 = time.perf_counter()
         self._wall0_us = time.time_ns() / 1000.0
         self._lock = threading.Lock()
-        self._lanes: dict[str, int] = {}
+        self._tracks: dict[str, int] = {}
         self._events: list[dict[str, Any]] = []
         self._wrote_any = False
         directory = os.path.dirname(os.path.abspath(path))
@@ -103,15 +103,15 @@ class Recorder(NullRecorder):
     def _us(self, t: float) -> float:
         return round(self._wall0_us + (t - self._perf0) * 1e6, 3)
 
-    def lane(self, name: str) -> int:
-        """The thread id of lane ``name``, declared in the trace on first use."""
-        tid = self._lanes.get(name)
+    def track(self, name: str) -> int:
+        """The thread id of track ``name``, declared in the trace on first use."""
+        tid = self._tracks.get(name)
         if tid is not None:
             return tid
         with self._lock:
-            tid = self._lanes.get(name)
+            tid = self._tracks.get(name)
             if tid is None:
-                tid = self._lanes[name] = len(self._lanes) + 1
+                tid = self._tracks[name] = len(self._tracks) + 1
                 meta = {"ph": "M", "pid": self.pid, "tid": tid}
                 self._events.append({"name": "thread_name", **meta, "args": {"name": name}})
                 self._events.append(
@@ -120,14 +120,14 @@ class Recorder(NullRecorder):
         return tid
 
     def span(
-        self, lane: str, name: str, start: float, end: float, args: dict[str, Any] | None = None
+        self, track: str, name: str, start: float, end: float, args: dict[str, Any] | None = None
     ) -> None:
-        """A complete event ("X") from ``start`` to ``end`` on ``lane``."""
+        """A complete event ("X") from ``start`` to ``end`` on ``track``."""
         event: dict[str, Any] = {
             "name": name,
             "ph": "X",
             "pid": self.pid,
-            "tid": self.lane(lane),
+            "tid": self.track(track),
             "ts": self._us(start),
             "dur": round(max(0.0, end - start) * 1e6, 3),
         }
@@ -135,13 +135,13 @@ class Recorder(NullRecorder):
             event["args"] = args
         self._add(event)
 
-    def instant(self, lane: str, name: str, t: float, args: dict[str, Any] | None = None) -> None:
+    def instant(self, track: str, name: str, t: float, args: dict[str, Any] | None = None) -> None:
         event: dict[str, Any] = {
             "name": name,
             "ph": "i",
             "s": "t",
             "pid": self.pid,
-            "tid": self.lane(lane),
+            "tid": self.track(track),
             "ts": self._us(t),
         }
         if args:

@@ -33,7 +33,7 @@ order, so they overlap backward and keep the same collective order on every rank
 
 Reduce-scatter (``scatter=True``, with the sharded step: :mod:`ringtrain.engine.sharded`). Each
 bucket (and its 16-bit wire, if any) is cut into the sharded step's N shards and reduce-scattered
-through the lane's :mod:`ringtrain.transport` (a ring over a Gloo group on its worker, the sealed
+through the stream's :mod:`ringtrain.transport` (a ring over a Gloo group on its worker, the sealed
 or tcp group's own ring, NCCL): rank r receives the sum of shard r only, so (N-1)/N of the bucket
 leaves each rank instead of an allreduce's 2(N-1)/N, and the sharded step's all-gather of the
 parameters brings the total back to an allreduce's. A 16-bit shard that overflowed on any rank
@@ -43,10 +43,10 @@ the sharded step takes its shard after. The sums follow the ring's order (fixed 
 timing or layout). Outside its own shard, a rank's ``.grad`` keeps its own (scaled) gradient
 until :meth:`GradientExchange.gather_grads` all-gathers the reduced shards.
 
-Lanes (:mod:`ringtrain.engine.streams`). Bucket ``i`` travels on lane ``i % len(lanes)``: its
-own process group, so consecutive buckets are in flight at once, and, when the lane has a
-hierarchical allreduce, through that (blocking) algorithm on the lane's worker thread. Every
-lane has at most one worker, which runs its buckets in plan order: per group, the order of
+Streams (:mod:`ringtrain.engine.streams`). Bucket ``i`` travels on stream ``i % len(streams)``:
+its own process group, so consecutive buckets are in flight at once, and, when the stream has a
+hierarchical allreduce, through that (blocking) algorithm on the stream's worker thread. Every
+stream has at most one worker, which runs its buckets in plan order: per group, the order of
 collectives is the plan's on every rank.
 """
 
@@ -59,12 +59,13 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from ringtrain import transport
-from ringtrain.compression.halfprec import FP16Compressor, NoneCompressor
+from ringtrain.compression import averaging
+from ringtrain.compression.codec import Rounds, RoundsCodec, SummedCodec, as_codec
 from ringtrain.diagnostics import timeline
 from ringtrain.engine import sparse
 from ringtrain.engine.buckets import Bucket, Plan
@@ -73,14 +74,16 @@ from ringtrain.errors import InternalError
 from ringtrain.runtime import abort
 from ringtrain.transport import group_ops
 from ringtrain.transport.workers import WORKERS as _WORKERS
-from ringtrain.transport.workers import Worker as _Worker
+from ringtrain.transport.workers import WorkerThread
 
 _now = time.perf_counter
 
 
 @dataclass(frozen=True)
 class Averaging:
-    """How a reduction turns a sum into what the optimizer wants (Average or Sum)."""
+    """What a step's reduction asks for (Average or Sum, over how many ranks, Horovod's
+    ``gradient_predivide_factor``, 1/k for k aggregated backward passes); the factors come from
+    the one averaging rule (:mod:`ringtrain.compression.averaging`)."""
 
     average: bool
     size: int
@@ -88,18 +91,25 @@ class Averaging:
     k_scale: float = 1.0  # 1/k when averaging aggregated backward passes
 
     def factors(self) -> tuple[float, float]:
-        """(pre, post) scale factors around the sum. Averages divide before summing, as DDP
-        does: the division rides on the copy into the bucket, the result needs no pass of its
-        own, and a 16-bit sum is already the average, so it cannot overflow unless an averaged
-        value does. ``gradient_predivide_factor`` splits the division, as in Horovod."""
+        """(pre, post) scale factors around the sum. The division by the world size goes before
+        the sum whatever the dtype, as DDP's does: it rides on the copy into the bucket, the
+        result needs no pass of its own, and a 16-bit sum is already the average, so it cannot
+        overflow unless an averaged value does. ``gradient_predivide_factor`` splits it, as in
+        Horovod: 1/f before, f/size after."""
         if not self.average:
             return self.k_scale, 1.0
-        if self.predivide == 1.0:
-            return self.k_scale / self.size, 1.0
-        return self.k_scale / self.predivide, self.predivide / self.size
+        split = self.predivide != 1.0
+        f = averaging.factors(
+            True,
+            self.size,
+            pre=self.k_scale / self.predivide,
+            post=self.predivide,
+            before=not split,
+        )
+        return f.pre, f.post
 
-    def reducer_post(self) -> float:
-        """Reducers return averages; Sum needs them times the world size."""
+    def codec_post(self) -> float:
+        """A codec with rounds of its own returns the average; Sum wants it times the size."""
         return self.k_scale * (1.0 if self.average else self.size)
 
 
@@ -121,9 +131,8 @@ class _Slot:
         self,
         bucket: Bucket,
         params: Sequence[torch.nn.Parameter],
-        compressor: Any,
+        summed: SummedCodec | None,
         scaling: Averaging,
-        reducer: bool,
     ) -> None:
         self.bucket = bucket
         first = params[bucket.params[0]]
@@ -133,27 +142,24 @@ class _Slot:
         self.views = [
             self.flat[o : o + _numel(s)].view(s) for o, s in zip(bucket.offsets, bucket.shapes)
         ]
-        compress = getattr(compressor, "compress", None)
-        wire_dtype = (
-            compress(torch.zeros(1, dtype=first.dtype))[0].dtype if callable(compress) else None
-        )
+        # None: a codec with rounds of its own, which takes raw gradients and returns averages.
+        wire_dtype = None if summed is None else summed.wire_dtype(first.dtype)
         self.narrow = (
             wire_dtype is not None
             and wire_dtype != first.dtype
             and _finfo_max(wire_dtype) < _finfo_max(first.dtype)
         )
         # pre: applied as a gradient is placed in the bucket; post: to the result, in place.
-        # Reducers take raw gradients and return averages.
-        if reducer:
-            self.pre, self.post = 1.0, scaling.reducer_post()
+        if summed is None:
+            self.pre, self.post = 1.0, scaling.codec_post()
         else:
             self.pre, self.post = scaling.factors()
         # fp16/bf16: a wire buffer of its own, written by one cast and read back by one, instead
         # of two fresh tensors per step (tens of MiB each: page faults cost more than the casts).
         self.cast: torch.Tensor | None = None
-        if isinstance(compressor, FP16Compressor) and wire_dtype not in (None, first.dtype):
+        if summed is not None and summed.elementwise and wire_dtype not in (None, first.dtype):
             self.cast = torch.zeros(bucket.numel, dtype=wire_dtype, device=first.device)
-        self.lane = 0  # index of the lane this bucket travels on
+        self.stream = 0  # index of the stream (its Route) this bucket travels on
         self.chunks: list[torch.Tensor] = []  # reduce-scatter: the flat buffer's N shards
         self.wire_chunks: list[torch.Tensor] = []  # and the 16-bit wire's, cut alike
         self.reset()
@@ -229,7 +235,7 @@ class GradientExchange:
         plan: Plan,
         params: Sequence[torch.nn.Parameter],
         names: Sequence[str],
-        lanes: Sequence[Route] | Any,
+        routes: Sequence[Route] | Any,
         compressor: Any,
         scaling: Averaging,
         scatter: bool = False,
@@ -238,19 +244,19 @@ class GradientExchange:
         self.plan = plan
         self._params = list(params)
         self._names = list(names)
-        if not isinstance(lanes, (list, tuple)):
-            lanes = [Route(lanes)]  # one process group
-        self._lanes: list[Route] = list(lanes)
-        self._compressor = compressor
-        self._reducer = callable(getattr(compressor, "reduce", None))
+        if not isinstance(routes, (list, tuple)):
+            routes = [Route(routes)]  # one process group
+        self._routes: list[Route] = list(routes)
+        # How buckets travel (compression.codec): summed on the wire, or in the codec's rounds.
+        codec = as_codec(compressor)
+        self._summed = None if codec.own_rounds else cast(SummedCodec, codec)
+        self._own_rounds = cast(RoundsCodec, codec) if codec.own_rounds else None
         self._scaling = scaling
-        self._slots = [
-            _Slot(b, self._params, compressor, scaling, self._reducer) for b in plan.buckets
-        ]
+        self._slots = [_Slot(b, self._params, self._summed, scaling) for b in plan.buckets]
         # Each parameter's bucket and position in it ((-1, -1): sparse).
         self._where = [(-1, -1)] * len(self._params)
         for s, slot in enumerate(self._slots):
-            slot.lane = s % len(self._lanes)
+            slot.stream = s % len(self._routes)
             for pos, i in enumerate(slot.bucket.params):
                 self._where[i] = (s, pos)
         self._next = 0  # position in _order of the first bucket not launched yet
@@ -260,41 +266,42 @@ class GradientExchange:
         # Measuring (compression="auto"): note completion times, sum up time on the wire.
         self.measure = False
         self.last_comm_s = 0.0
-        self._hierarchical = not self._reducer and any(
-            lane.hierarchical is not None for lane in self._lanes
+        self._hierarchical = self._summed is not None and any(
+            route.hierarchical is not None for route in self._routes
         )
-        # Reduce-scatter: a transport per lane, and every bucket's shards (of its flat buffer
+        # Reduce-scatter: a transport per stream, and every bucket's shards (of its flat buffer
         # and of its 16-bit wire). A bucket that a reducer (PowerSGD, top-k), a custom codec or
         # the hierarchical allreduce reduces goes its own way, whole: the shard is taken after.
         self._transports: list[transport.Transport] = []
-        if scatter and not self._reducer and not self._hierarchical:
+        if scatter and self._summed is not None and not self._hierarchical:
             groups = (
-                list(scatter_groups) if scatter_groups else [lane.group for lane in self._lanes]
+                list(scatter_groups) if scatter_groups else [route.group for route in self._routes]
             )
             self._transports = [transport.of(g) for g in groups]
             n = self._transports[0].size
-            cuttable = isinstance(compressor, (NoneCompressor, FP16Compressor))
+            cuttable = self._summed is not None and self._summed.elementwise
             for slot in self._slots if cuttable else []:
                 slot.chunks = _cut(slot.flat, n)
                 if slot.cast is not None:
                     slot.wire_chunks = _cut(slot.cast, n)
-        self._workers: list[_Worker] = []
+        self._workers: list[WorkerThread] = []
         self._releases: list[weakref.finalize[Any, Any]] = []
-        if self._reducer:
-            plan_fn = getattr(compressor, "plan", None)
-            if callable(plan_fn):
-                for b in plan.buckets:
-                    plan_fn(b.key, b.shapes)
-        if self._reducer or self._hierarchical:
-            used = min(len(self._lanes), len(self._slots)) or 1
-            for lane in self._lanes[:used]:
-                self._workers.append(_WORKERS.acquire(lane.group))
+        # A codec with rounds of its own runs them on the stream's group, on its worker.
+        self._rounds: list[Rounds] = []
+        if self._own_rounds is not None:
+            for b in plan.buckets:
+                self._own_rounds.plan(b.key, b.shapes)
+            self._rounds = [transport.rounds(route.group) for route in self._routes]
+        if self._own_rounds is not None or self._hierarchical:
+            used = min(len(self._routes), len(self._slots)) or 1
+            for route in self._routes[:used]:
+                self._workers.append(_WORKERS.acquire(route.group))
                 # An optimizer dropped without remove_hooks() must not leave its thread behind.
-                self._releases.append(weakref.finalize(self, _WORKERS.release, id(lane.group)))
+                self._releases.append(weakref.finalize(self, _WORKERS.release, id(route.group)))
 
     @property
-    def lanes(self) -> int:
-        return len(self._lanes)
+    def streams(self) -> int:
+        return len(self._routes)
 
     @property
     def hierarchical(self) -> bool:
@@ -352,9 +359,7 @@ class GradientExchange:
             if self._workers:
                 for slot in self._slots:  # the workers must finish before the main thread
                     slot.work.result()  # issues more collectives on the group
-            self._sparse_work = sparse.launch(
-                self.plan.sparse, self._params, self._lanes[0].group, self._scaling.size
-            )
+            self._sparse_work = sparse.launch(self.plan.sparse, self._params, self._routes[0].group)
 
     def finish(self, then: Callable[[int], None] | None = None) -> None:
         """Wait for every bucket in plan order and write the results into ``.grad``; ``then(s)``,
@@ -377,7 +382,7 @@ class GradientExchange:
     def gather_grads(self) -> None:
         """Reduce-scatter: all-gather every bucket's reduced shards, so every ``.grad`` holds the
         whole reduced gradient (what a user's ``synchronize()`` promises). (N-1)/N of the
-        gradients more on the wire. On the lanes' workers, as the rings: another optimizer's
+        gradients more on the wire. On the streams' workers, as the rings: another optimizer's
         rings may still be queued there (see :class:`ringtrain.transport.workers.SharedWorkers`)."""
         if not self.scatters:
             return
@@ -396,7 +401,7 @@ class GradientExchange:
         self._order = list(order)
 
     def _transport(self, slot: _Slot) -> transport.Transport:
-        return self._transports[slot.lane % len(self._transports)]
+        return self._transports[slot.stream % len(self._transports)]
 
     def members(self, s: int) -> list[torch.nn.Parameter]:
         """The parameters of bucket ``s``."""
@@ -406,7 +411,7 @@ class GradientExchange:
         """Wait for bucket ``s`` alone and write its result into ``.grad`` (overlap: called per
         bucket from the updater thread; :meth:`reset` after the last one). ``redo_group``: where
         a 16-bit bucket that overflowed is reduced again, a group only this thread uses (on the
-        lane's group, the main thread may be launching another optimizer's buckets meanwhile, in
+        stream's group, the main thread may be launching another optimizer's buckets meanwhile, in
         an order that differs by rank)."""
         self._finish(self._slots[s], timeline.current(), redo_group)
 
@@ -425,7 +430,7 @@ class GradientExchange:
                 _place(slot, pos)
         flat = slot.flat
         mark = timeline.current().enabled or self.measure
-        lane = self._lanes[slot.lane]
+        route = self._routes[slot.stream]
         if slot.chunks:
             slot.wire = flat
             if slot.cast is not None:
@@ -438,10 +443,10 @@ class GradientExchange:
             slot.work = handle
             if mark:
                 handle.add_done_callback(functools.partial(_mark_done, slot.done, None))
-        elif self._reducer:
+        elif self._own_rounds is not None:
             slot.t.sent = _now()
-            fut = self._workers[slot.lane].submit(
-                self._compressor.reduce, slot.bucket.key, flat, lane.group
+            fut = self._workers[slot.stream].submit(
+                self._own_rounds.reduce, slot.bucket.key, flat, self._rounds[slot.stream]
             )
             slot.work = fut
             if mark:
@@ -452,16 +457,17 @@ class GradientExchange:
                 wire.copy_(flat)
                 slot.wire = wire
             else:
-                wire, ctx = self._compressor.compress(flat)
+                assert self._summed is not None
+                wire, ctx = self._summed.compress(flat)
                 slot.wire, slot.ctx = wire, ctx
             slot.t.sent = _now()
-            if lane.hierarchical is not None:
-                fut = self._workers[slot.lane].submit(lane.hierarchical.allreduce, wire, "sum")
+            if route.hierarchical is not None:
+                fut = self._workers[slot.stream].submit(route.hierarchical.allreduce, wire, "sum")
                 slot.work = fut
                 if mark:
                     fut.add_done_callback(functools.partial(_mark_done, slot.done))
             else:
-                work = group_ops.allreduce(wire, lane.group, async_op=True)
+                work = group_ops.allreduce(wire, route.group, async_op=True)
                 slot.work = work
                 if mark:
                     # A fresh list per launch: a late callback cannot leak into the next step.
@@ -481,11 +487,11 @@ class GradientExchange:
             if slot.post != 1.0:
                 mine.mul_(slot.post)
             result = None  # this rank's shard is reduced in place; the rest stays its own
-        elif self._reducer:
+        elif self._own_rounds is not None:
             result = slot.work.result()
         else:
             if isinstance(slot.work, concurrent.futures.Future):
-                slot.work.result()  # a hierarchical allreduce, on the lane's worker
+                slot.work.result()  # a hierarchical allreduce, on the stream's worker
             else:
                 abort.wait_work(slot.work)
             wire = slot.wire
@@ -494,7 +500,7 @@ class GradientExchange:
                 # The 16-bit sum overflowed (or the data holds inf/nan): every rank sees the same
                 # result, so every rank redoes this bucket in full precision here. The flat
                 # buffer still holds this rank's scaled gradients: only the wire was reduced.
-                group = self._lanes[slot.lane].group if redo_group is None else redo_group
+                group = self._routes[slot.stream].group if redo_group is None else redo_group
                 group_ops.allreduce(flat, group)
                 result = flat
             elif wire is flat:
@@ -502,7 +508,8 @@ class GradientExchange:
             elif slot.cast is not None:
                 result = wire
             else:
-                result = self._compressor.decompress(wire, slot.ctx)
+                assert self._summed is not None
+                result = self._summed.decompress(wire, slot.ctx)
         t_wait = _now()
         slot.t.done = slot.done[0] if slot.done else t_wait
         # Into the flat buffer, scaled on the way: the gradients are its views.
@@ -524,21 +531,21 @@ class GradientExchange:
 
     def _record(self, slot: _Slot, rec: timeline.NullRecorder, t_wait: float, t_end: float) -> None:
         b = slot.bucket
-        lane = f"bucket {b.index:02d}"
+        track = f"bucket {b.index:02d}"
         args = {
             "key": b.key,
             "tensors": len(b.params),
             "bytes": b.nbytes,
             "first": self._names[b.params[0]],
         }
-        rec.span(lane, "FILL", slot.t.first, slot.t.last, args)
-        rec.span(lane, "PACK", slot.t.pack, slot.t.sent)
+        rec.span(track, "FILL", slot.t.first, slot.t.last, args)
+        rec.span(track, "PACK", slot.t.pack, slot.t.sent)
         done = slot.done[0] if slot.done else t_wait
         wire = _wire_name(slot) + (", reduce-scatter" if slot.chunks else "")
         if self._hierarchical:
             wire += ", hierarchical"
-        rec.span(lane, "ALLREDUCE", slot.t.sent, done, {"wire": wire, "lane": slot.lane})
-        rec.span(lane, "UNPACK", max(done, t_wait), t_end)
+        rec.span(track, "ALLREDUCE", slot.t.sent, done, {"wire": wire, "stream": slot.stream})
+        rec.span(track, "UNPACK", max(done, t_wait), t_end)
 
 
 def _cut(flat: torch.Tensor, n: int) -> list[torch.Tensor]:

@@ -280,9 +280,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return exchange is not None and exchange.hierarchical
 
     @property
-    def lanes(self) -> int:
+    def streams(self) -> int:
         """Process groups the buckets travel on (known after the first step)."""
-        return self._path.planner.lanes
+        return self._path.planner.streams
 
     @property
     def overlap(self) -> bool:

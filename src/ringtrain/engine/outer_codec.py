@@ -24,12 +24,17 @@ from typing import Any
 import torch
 
 from ringtrain import transport
+from ringtrain.compression import averaging
+from ringtrain.compression.halfprec import BF16Compressor, FP16Compressor, NoneCompressor
 from ringtrain.errors import ConfigError
 
 CODECS = ("none", "fp16", "bf16", "int8", "int4")
 BLOCK = 128
 _LEVELS = {"int8": 127, "int4": 7}
-_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# The summed wires are the gradient codecs' own (compression.halfprec), over float32.
+_DTYPES = {
+    c.name: c.wire_dtype(torch.float32) for c in (NoneCompressor, FP16Compressor, BF16Compressor)
+}
 
 
 def check(name: str) -> str:
@@ -74,7 +79,7 @@ class OuterCodec:
         if self.name == "none":
             out = flat.clone()
             self._allreduce(out)
-            return out.div_(n)
+            return averaging.mean(out, n)
         x = flat if self.residual is None else flat + self.residual
         if self.name in _DTYPES:
             return self._average_16(x)
@@ -92,7 +97,7 @@ class OuterCodec:
 
     def _average_16(self, x: torch.Tensor) -> torch.Tensor:
         n = self.size
-        scaled = x / n
+        scaled = averaging.mean(x.clone(), n)  # divided before the 16-bit sum (the rule)
         narrow = scaled.to(_DTYPES[self.name])
         self.residual = x - narrow.float() * n
         exact = scaled.clone()
@@ -112,7 +117,7 @@ class OuterCodec:
         total = torch.zeros(numel)
         for piece in pieces:  # rank order: the same sum on every rank
             total += decode(piece, numel, self.name)
-        return total.div_(self.size)
+        return averaging.mean(total, self.size)
 
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "residual": self.residual}

@@ -29,7 +29,7 @@ from ringtrain.engine.auto import AutoTuner
 from ringtrain.engine.buckets import Observation, Plan
 from ringtrain.engine.exchange import Averaging, GradientExchange
 from ringtrain.engine.overlap import launch_order, timings
-from ringtrain.engine.streams import LanePool, Route
+from ringtrain.engine.streams import Route, StreamPool
 from ringtrain.errors import ConfigError
 from ringtrain.runtime import state as runtime_state
 
@@ -37,7 +37,7 @@ log = logging.getLogger("ringtrain")
 
 
 class Planner:
-    """Learns and keeps the bucket plan, its lanes and its :class:`GradientExchange`."""
+    """Learns and keeps the bucket plan, its streams and its :class:`GradientExchange`."""
 
     def __init__(self, comm: Any, config: Config, compression: Any, overlap: bool) -> None:
         self.comm = comm
@@ -54,7 +54,7 @@ class Planner:
         self.learner: schedule.Learner | None = None  # set while a step learns the plan
         self.updater_group: Any = None  # overlap: the updater thread's own collectives
         self._observed: list[Observation] = []  # every rank's, from the last learning step
-        self._lanes: list[Route] | None = None
+        self._routes: list[Route] | None = None
         self._launch_order: list[int] | None = None
         self._last_sync_end = 0.0
         self.compression: Any = None
@@ -73,7 +73,7 @@ class Planner:
         self.tuner = None
         if isinstance(self.compression, AutoCompression) and comm.size > 1 and comm.included:
             self.tuner = AutoTuner(self.compression, comm.group("engine"), comm.size, comm.set_rank)
-        self._lanes = None
+        self._routes = None
         self.updater_group = None
         self._observed = []
         self.learner = None
@@ -95,8 +95,8 @@ class Planner:
         return self._launch_order
 
     @property
-    def lanes(self) -> int:
-        return len(self._lanes) if self._lanes else 0
+    def streams(self) -> int:
+        return len(self._routes) if self._routes else 0
 
     def open_step(self) -> None:
         """First gradient of a step: decide whether this step learns the plan. Every rank
@@ -133,15 +133,15 @@ class Planner:
         plan = self._agree(buckets.MIN_TIMED_BUCKET_BYTES)
         self.drop_plan()
         self.plan = plan
-        if self._lanes is None:
-            self._lanes = self._make_lanes()
+        if self._routes is None:
+            self._routes = self._make_routes()
             if self._overlap and self.comm.is_world:
                 # The updater thread's collectives (the sharded step's all-gathers, a 16-bit
                 # bucket's full-precision redo) get a group of their own: on the engine groups
                 # they could interleave differently on each rank with the collectives the main
                 # thread launches there (another optimizer's buckets). One updater thread
                 # serves every optimizer, so their order on this group is the same everywhere.
-                pool = LanePool.of(self.comm, self._config.timeout_s)
+                pool = StreamPool.of(self.comm, self._config.timeout_s)
                 self.updater_group = pool.spare("overlap-updater")
         self.build_exchange(averaging)
         log.debug("ringtrain bucket plan %s: %s", plan.digest, plan.describe())
@@ -233,14 +233,14 @@ class Planner:
     # ---- the exchange --------------------------------------------------------------------------
 
     def build_exchange(self, averaging: Averaging) -> None:
-        assert self.plan is not None and self._lanes is not None
+        assert self.plan is not None and self._routes is not None
         if self.exchange is not None:
             self.exchange.close()
         self.exchange = GradientExchange(
             self.plan,
             self._params,
             self._names,
-            self._lanes,
+            self._routes,
             self.compressor(),
             averaging,
             scatter=self.scatter,
@@ -253,13 +253,13 @@ class Planner:
     def _scatter_groups(self) -> list[Any] | None:
         """Where CUDA buckets are reduce-scattered: the set's CUDA group (NCCL, or host memory
         where NCCL cannot serve: see ``Communicator.group_for``). Collective the first time,
-        at a plan every rank builds alike. None: the lanes' groups."""
+        at a plan every rank builds alike. None: the streams' groups."""
         if not self.scatter:
             return None
         cuda = next((p for p in self._params if p.device.type == "cuda"), None)
         return None if cuda is None else [self.comm.group_for(cuda.detach()[:0])]
 
-    def _make_lanes(self) -> list[Route]:
+    def _make_routes(self) -> list[Route]:
         """The groups buckets travel on. Collective (it may make groups): called at the first
         plan, which every rank of the process set reaches alike."""
         config = self._config
@@ -285,7 +285,7 @@ class Planner:
             )
         if config.engine_streams == 1 and not hier:
             return engine
-        return LanePool.of(self.comm, config.timeout_s).lanes(
+        return StreamPool.of(self.comm, config.timeout_s).streams(
             config.engine_streams, hosts if hier else None
         )
 

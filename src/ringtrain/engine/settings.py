@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from ringtrain.collectives.reduce_ops import resolve_op
+from ringtrain.compression import averaging
 from ringtrain.config import Config
 from ringtrain.engine.exchange import Averaging
 from ringtrain.errors import ConfigError
@@ -93,8 +94,9 @@ class Reduction:
         return cls(name, predivide, passes, average_aggregated)
 
     def averaging(self, size: int, passes: int) -> Averaging:
-        """The one averaging rule (:class:`ringtrain.engine.exchange.Averaging`) for ``size``
-        contributors and ``passes`` backward passes per step."""
+        """What this step's reduction asks for (:class:`ringtrain.engine.exchange.Averaging`,
+        whose factors come from the one rule, :mod:`ringtrain.compression.averaging`) for
+        ``size`` contributors and ``passes`` backward passes per step."""
         k = passes if self.average_aggregated else 1
         return Averaging(self.op == "Average", size, self.predivide, 1.0 / k)
 
@@ -105,7 +107,7 @@ class Reduction:
             with torch.no_grad():
                 for p in params:
                     if p.grad is not None:
-                        p.grad.div_(passes)
+                        averaging.mean(p.grad, passes)
 
 
 def resolve(config: Config, **args: Any) -> Config:

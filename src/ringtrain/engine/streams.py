@@ -1,12 +1,12 @@
-"""Lanes: the process groups (and hierarchical allreduces) that gradient buckets travel on.
+"""Streams: the process groups (and hierarchical allreduces) that gradient buckets travel on.
 
 A :class:`Route` is one Gloo group, plus a :class:`~ringtrain.algorithms.hierarchical.
-HierarchicalAllreduce` when buckets go hierarchically. Bucket ``i`` of a plan travels on lane
-``i % lanes``: a deterministic round robin, so every rank issues the same collectives on the same
+HierarchicalAllreduce` when buckets go hierarchically. Bucket ``i`` of a plan travels on stream
+``i % streams``: a deterministic round robin, so every rank issues the same collectives on the same
 group in the same order, and consecutive buckets are in flight at once on separate connections
 (``Config.engine_streams``).
 
-Groups are made once per process set by a :class:`LanePool` attached to the set's communicator
+Groups are made once per process set by a :class:`StreamPool` attached to the set's communicator
 (service :data:`SERVICE`) and shared by every DistributedOptimizer on it. Making a group is
 collective over the *world* (``new_group`` numbers groups by call order), so the pool serves only
 the world process set, and is asked at one point every rank reaches alike: when an optimizer
@@ -28,7 +28,7 @@ from ringtrain.transport import group_ops
 
 log = logging.getLogger("ringtrain")
 
-SERVICE = "engine_lanes"
+SERVICE = "engine_streams"
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Route:
     hierarchical: HierarchicalAllreduce | None = None
 
 
-class LanePool:
+class StreamPool:
     """The extra engine groups and hierarchical allreduces of the world process set."""
 
     def __init__(self, comm: Communicator, timeout_s: float) -> None:
@@ -54,7 +54,7 @@ class LanePool:
         self._timeout = datetime.timedelta(seconds=timeout_s)
 
     @classmethod
-    def of(cls, comm: Communicator, timeout_s: float) -> LanePool:
+    def of(cls, comm: Communicator, timeout_s: float) -> StreamPool:
         pool = comm.service(SERVICE)
         if pool is None:
             pool = cls(comm, timeout_s)
@@ -63,7 +63,7 @@ class LanePool:
 
     def spare(self, name: str) -> Any:
         """A group of its own for ``name``, made at the first ask (collective then, like
-        :meth:`lanes`): the overlap's sharded step all-gathers on one, from its updater thread,
+        :meth:`streams`): the overlap's sharded step all-gathers on one, from its updater thread,
         so no other thread's collectives share that group's order."""
         if name not in self._spares:
             self._spares[name] = self._new_group()
@@ -72,8 +72,8 @@ class LanePool:
     def _new_group(self) -> Any:
         return group_ops.new_group(self._ranks, self._backend, self._timeout)
 
-    def lanes(self, count: int, hosts: Sequence[Hashable] | None = None) -> list[Route]:
-        """``count`` lanes, hierarchical over ``hosts`` (host of every world rank) if given.
+    def streams(self, count: int, hosts: Sequence[Hashable] | None = None) -> list[Route]:
+        """``count`` streams, hierarchical over ``hosts`` (host of every world rank) if given.
 
         Collective whenever it has to make groups: every rank must ask for the same, in the same
         order relative to every other group creation."""

@@ -3,7 +3,7 @@
 Every process group the engine uses (Gloo, NCCL, the sealed group ``ringtrain_sealed``, the tcp
 group ``ringtrain_tcp``) is wrapped in a :class:`Transport` by :func:`of`, and the code above it
 never asks which. A transport offers the three in-place operations a gradient reduction is
-written with, each returning a :class:`Handle`:
+written with, each returning an :class:`InFlight`:
 
 * ``allreduce(t)``: ``t`` becomes the sum over the group;
 * ``reduce_scatter(chunks)``: rank r's ``chunks[r]`` becomes the sum of every rank's
@@ -23,12 +23,15 @@ at once. NCCL has the collectives itself (``reduce_scatter_tensor``, ``all_gathe
 
 :mod:`ringtrain.transport.group_ops` holds the engine's other collectives on a group (small
 agreements, the sharded step's and sparse gradients' all-gathers, a bucket's allreduce, making
-groups): with :func:`of`, the engine's only door to ``torch.distributed``.
+groups) and :func:`rounds`, what a codec with rounds of its own (PowerSGD, top-k) runs them on
+(:class:`ringtrain.compression.codec.Rounds`): with :func:`of`, the only door to
+``torch.distributed`` for the engine and the codecs.
 """
 
 from __future__ import annotations
 
-from ringtrain.transport.base import Handle, Transport, of
-from ringtrain.transport.workers import SharedWorkers, Worker
+from ringtrain.transport.base import InFlight, Transport, of
+from ringtrain.transport.group_ops import GroupRounds, rounds
+from ringtrain.transport.workers import SharedWorkers, WorkerThread
 
-__all__ = ["Handle", "SharedWorkers", "Transport", "Worker", "of"]
+__all__ = ["GroupRounds", "InFlight", "SharedWorkers", "Transport", "WorkerThread", "of", "rounds"]

@@ -16,7 +16,7 @@ from ringtrain.runtime import abort
 from ringtrain.transport.workers import WORKERS
 
 
-class Handle(Protocol):
+class InFlight(Protocol):
     """An operation under way."""
 
     def wait(self) -> Any:
@@ -36,7 +36,7 @@ class Transport(Protocol):
 
     def reduce_scatter(
         self, chunks: Sequence[torch.Tensor], fallback: Sequence[torch.Tensor] | None = None
-    ) -> Handle:
+    ) -> InFlight:
         """Sum ``chunks[r]`` of every rank into rank r's ``chunks[r]``, in place.
 
         ``fallback`` (a narrow wire's full-precision source, cut alike): if any rank's reduced
@@ -44,7 +44,7 @@ class Transport(Protocol):
         rank; the handle's result is then True (False otherwise)."""
         ...
 
-    def allgather(self, chunks: Sequence[torch.Tensor]) -> Handle:
+    def allgather(self, chunks: Sequence[torch.Tensor]) -> InFlight:
         """Every rank's ``chunks[i]`` becomes rank i's ``chunks[i]``, in place."""
         ...
 
@@ -54,7 +54,7 @@ class Transport(Protocol):
 
 
 class _Future:
-    """A :class:`Handle` over a ``concurrent.futures.Future``."""
+    """A :class:`InFlight` over a ``concurrent.futures.Future``."""
 
     def __init__(self, fut: concurrent.futures.Future[Any]) -> None:
         self._fut = fut
@@ -67,7 +67,7 @@ class _Future:
 
 
 class _Work:
-    """A :class:`Handle` over a torch ``Work`` whose result lands in ``box``."""
+    """A :class:`InFlight` over a torch ``Work`` whose result lands in ``box``."""
 
     def __init__(self, work: Any, box: list[Any]) -> None:
         self._work, self._box = work, box
@@ -127,12 +127,12 @@ class LinkTransport:
         self._worker = WORKERS.acquire(group)
         self._release = weakref.finalize(self, WORKERS.release, id(group))
 
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> Handle:
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> InFlight:
         return _Future(self._worker.submit(fn, *args))
 
     def reduce_scatter(
         self, chunks: Sequence[torch.Tensor], fallback: Sequence[torch.Tensor] | None = None
-    ) -> Handle:
+    ) -> InFlight:
         def run() -> bool:
             if fallback is None:
                 return bool(_staged(chunks, lambda c: _ring_reduce_scatter(self._link, c, None)))
@@ -142,7 +142,7 @@ class LinkTransport:
 
         return self._submit(run)
 
-    def allgather(self, chunks: Sequence[torch.Tensor]) -> Handle:
+    def allgather(self, chunks: Sequence[torch.Tensor]) -> InFlight:
         return self._submit(lambda: _staged(chunks, self._link.allgather_chunks))
 
     def close(self) -> None:
@@ -157,13 +157,13 @@ class RingGroupTransport:
         self.rank, self.size = group.rank(), group.size()
         self._group = group
 
-    def _submit(self, fn: Callable[[Link], Any]) -> Handle:
+    def _submit(self, fn: Callable[[Link], Any]) -> InFlight:
         box: list[Any] = []
         return _Work(self._group.run_on_link(lambda link: box.append(fn(link))), box)
 
     def reduce_scatter(
         self, chunks: Sequence[torch.Tensor], fallback: Sequence[torch.Tensor] | None = None
-    ) -> Handle:
+    ) -> InFlight:
         n = len(chunks)
         both = list(chunks) + list(fallback or [])
         return self._submit(
@@ -172,7 +172,7 @@ class RingGroupTransport:
             )
         )
 
-    def allgather(self, chunks: Sequence[torch.Tensor]) -> Handle:
+    def allgather(self, chunks: Sequence[torch.Tensor]) -> InFlight:
         return self._submit(lambda link: _staged(chunks, link.allgather_chunks))
 
     def close(self) -> None:
@@ -196,7 +196,7 @@ class NcclTransport:
 
     def reduce_scatter(
         self, chunks: Sequence[torch.Tensor], fallback: Sequence[torch.Tensor] | None = None
-    ) -> Handle:
+    ) -> InFlight:
         def once(pieces: Sequence[torch.Tensor]) -> None:
             buf, shard = self._padded(pieces)
             out = torch.empty(shard, dtype=buf.dtype, device=buf.device)
@@ -216,7 +216,7 @@ class NcclTransport:
                 redone = True
         return _Done(redone)
 
-    def allgather(self, chunks: Sequence[torch.Tensor]) -> Handle:
+    def allgather(self, chunks: Sequence[torch.Tensor]) -> InFlight:
         buf, shard = self._padded(chunks)
         mine = buf[self.rank * shard : (self.rank + 1) * shard].clone()
         dist.all_gather_into_tensor(buf, mine, group=self._group)
@@ -229,7 +229,7 @@ class NcclTransport:
 
 
 class _Done:
-    """A :class:`Handle` of an operation that completed as it was issued."""
+    """A :class:`InFlight` of an operation that completed as it was issued."""
 
     def __init__(self, result: Any) -> None:
         self._result = result

@@ -2,7 +2,8 @@
 
 Small agreements (the plan's observations, a link rate, the auto tuner's probes and verdicts),
 the sharded step's all-gathers, sparse gradients' all-gathers, a 16-bit bucket's
-full-precision redo, and making the engine's extra groups. With :func:`ringtrain.transport.of`
+full-precision redo, a codec's own rounds (:class:`GroupRounds`: PowerSGD's factors, top-k's
+values and indices), and making the engine's extra groups. With :func:`ringtrain.transport.of`
 this is the engine's one door to the wire: ``engine/`` never calls ``torch.distributed`` itself
 (tests/engine/test_no_collectives_in_engine.py). Each function is the ``torch.distributed``
 call of the same name (``async_op=True`` returns its ``Work``), so behaviour and numerics are
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain import compat
+from ringtrain.runtime import abort
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -49,6 +51,10 @@ def size(group: Any) -> int:
     return int(dist.get_world_size(group))
 
 
+def rank(group: Any) -> int:
+    return int(dist.get_rank(group))
+
+
 def backend(group: Any) -> str:
     return str(dist.get_backend(group))
 
@@ -59,3 +65,36 @@ def new_group(ranks: Sequence[int], backend: str, timeout: datetime.timedelta) -
     return dist.new_group(
         list(ranks), timeout=timeout, backend=backend, use_local_synchronization=False
     )
+
+
+class _Round:
+    """A round under way (:class:`ringtrain.compression.codec.Round`)."""
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        abort.wait_work(self._work)
+
+
+class GroupRounds:
+    """A codec's rounds (:class:`ringtrain.compression.codec.Rounds`) on a process group:
+    issued from the calling thread, each the ``torch.distributed`` call of the same name."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank, self.size = rank(group), size(group)
+
+    def allreduce(self, t: torch.Tensor) -> _Round:
+        return _Round(allreduce(t, self.group, async_op=True))
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> _Round:
+        return _Round(all_gather_into(out, t, self.group, async_op=True))
+
+    def all_gather(self, outs: list[torch.Tensor], t: torch.Tensor) -> _Round:
+        return _Round(all_gather(outs, t, self.group, async_op=True))
+
+
+def rounds(group: Any) -> GroupRounds:
+    """What a codec with rounds of its own (PowerSGD, top-k) runs them on, over ``group``."""
+    return GroupRounds(group)

@@ -1,4 +1,4 @@
-"""Worker threads: one per process group, running blocking collectives in submission order."""
+"""WorkerThread threads: one per process group, running blocking collectives in submission order."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ringtrain.errors import CollectiveAbortedError
 from ringtrain.runtime import exit_guard
 
 
-class Worker:
+class WorkerThread:
     """One daemon thread running calls in submission order."""
 
     def __init__(self) -> None:
@@ -57,7 +57,7 @@ class Worker:
 
 
 class SharedWorkers:
-    """One :class:`Worker` per process group, shared by every user of that group.
+    """One :class:`WorkerThread` per process group, shared by every user of that group.
 
     The ring's sends and receives all use tag 0, and a reducer's or a hierarchical allreduce's
     collectives are numbered by the order they are issued in: two threads issuing on one group
@@ -69,13 +69,13 @@ class SharedWorkers:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: dict[int, tuple[Worker, int]] = {}  # id(group): (worker, holders)
+        self._held: dict[int, tuple[WorkerThread, int]] = {}  # id(group): (worker, holders)
 
-    def acquire(self, group: Any) -> Worker:
+    def acquire(self, group: Any) -> WorkerThread:
         with self._lock:
             worker, holders = self._held.get(id(group), (None, 0))
             if worker is None:
-                worker = Worker()
+                worker = WorkerThread()
             self._held[id(group)] = (worker, holders + 1)
             return worker
 
