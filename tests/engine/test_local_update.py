@@ -10,7 +10,9 @@ Shown at 2 ranks, on each transport (Gloo, sealed ``secure=True``, ``transport="
 * ``state_dict()``/``load_state_dict()`` (anchor, outer optimizer, error feedback included)
   resume a run to the same bits;
 * a re-formed world (``rejoin()``) with a rank whose anchor and outer state are another's (a
-  rank that joined) holds identical weights again after the next outer step.
+  rank that joined) holds identical weights again after the next outer step;
+* ranks that start alike send no copy of the weights at the first outer step (their digests
+  agree); ranks that differ get rank 0's copy (one copy, counted).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def _rounds(codec: str) -> dict[str, Any]:
         "between": between,
         "outer_steps": local.outer_steps,
         "bytes": local.bytes_sent,
+        "copies": local.copies,
         "weights": _weights(model),
     }
 
@@ -155,7 +158,7 @@ def _resume() -> bool:
     return torch.equal(straight, _weights(model))
 
 
-def _rejoin() -> tuple[bool, bool]:
+def _rejoin() -> tuple[bool, bool, int]:
     """Rank 1 plays a rank that joined between outer steps: other weights, another anchor and
     no outer state. After rejoin() and the next outer step every rank is identical."""
     torch.manual_seed(0)
@@ -179,7 +182,7 @@ def _rejoin() -> tuple[bool, bool]:
     opt.rejoin()
     for i in range(H):
         _step(model, opt, 100 + i)
-    return before, _alike(_weights(model))
+    return before, _alike(_weights(model)), local.copies
 
 
 def _transports(tmp_path: Path) -> dict[str, dict[str, Any]]:
@@ -203,6 +206,7 @@ def test_local_updates_on_every_transport(tmp_path: Path) -> None:
                 assert not any(r["between"]), (name, codec, "inner steps exchanged something")
                 assert r["outer_steps"] == ROUNDS
                 assert r["bytes"] > 0
+                assert r["copies"] == 0  # one seed: the digests agreed, no copy was sent
             by_codec[codec] = results[0]
         # 4 bytes of scale per 128 values: int8 about half of fp16's bytes, int4 a quarter.
         assert by_codec["int8"]["bytes"] < 0.6 * by_codec["fp16"]["bytes"]
@@ -218,9 +222,10 @@ def test_state_dict_resumes_to_the_same_bits() -> None:
 
 @pytest.mark.timeout(300)
 def test_rejoined_world_is_identical_after_the_next_outer_step() -> None:
-    for before, after in spawn.world(2).run(_rejoin, timeout=240):
+    for before, after, copies in spawn.world(2).run(_rejoin, timeout=240):
         assert not before
         assert after
+        assert copies == 1  # the joined rank's digest differed: rank 0's anchor was copied
 
 
 def _one_rank() -> bool:

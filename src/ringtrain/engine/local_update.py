@@ -17,7 +17,10 @@ gradients every step. The inner optimizer's state stays per rank, as in the pape
 Every rank ends an outer step with the same weights, whatever it did before, provided the
 anchors and the outer optimizer's state are the same on every rank: the first outer step after
 construction, a loaded checkpoint or an elastic re-forming (:meth:`LocalUpdate.rejoin`) first
-copies rank 0's anchor and outer state to every rank. Nothing here depends on timing.
+compares a digest of every rank's anchor and outer state (32 bytes a rank) and, only where they
+differ, copies rank 0's to every rank. Ranks that start alike (the usual case: the same seed or
+a broadcast) so send no copy of the weights: on a slow link that copy cost as much as several
+outer steps. Nothing here depends on timing: the digest is of the bits.
 
 :class:`LocalUpdate` is a step strategy (:class:`ringtrain.engine.steps.Update`) whose
 ``exchanges()`` is always False: the gradient path then reduces nothing and calls its ``step()``.
@@ -26,6 +29,7 @@ copies rank 0's anchor and outer state to every rank. Nothing here depends on ti
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import time
@@ -124,6 +128,7 @@ class LocalUpdate:
         self.inner_steps = 0  # since the last outer step
         self.outer_steps = 0
         self._agree = True  # copy rank 0's anchor and outer state at the next outer step
+        self.copies = 0  # how often that copy was needed (the ranks' digests differed)
 
     # ---- the step strategy's interface (ringtrain.engine.steps.Update) -------------------------
 
@@ -256,8 +261,12 @@ class LocalUpdate:
 
     def _copy_from_root(self) -> None:
         """Every rank takes rank 0's anchor and outer optimizer state (serialized, so a rank
-        that joined without outer state gets it whole)."""
+        that joined without outer state gets it whole), unless every rank's digest of them is
+        already rank 0's."""
         assert self.anchor is not None
+        if _all_alike(self._wire, self._digest()):
+            return
+        self.copies += 1
         buf = io.BytesIO()
         if self._wire.rank == 0:
             torch.save({"anchor": self.anchor, "outer": self.outer.state_dict()}, buf)
@@ -266,6 +275,33 @@ class LocalUpdate:
             got = torch.load(io.BytesIO(blob), weights_only=True)
             self.anchor = got["anchor"]
             self.outer.load_state_dict(got["outer"])
+
+    def _digest(self) -> bytes:
+        """SHA-256 of the anchor's and the outer optimizer state's bits (32 bytes)."""
+        assert self.anchor is not None
+        h = hashlib.sha256()
+        tensors = list(self.anchor)
+        state = self.outer.state_dict()["state"]  # keyed by parameter index
+        for pid in sorted(state):
+            for key in sorted(state[pid]):
+                value = state[pid][key]
+                h.update(f"{pid}:{key}".encode())
+                if isinstance(value, torch.Tensor):
+                    tensors.append(value)
+                else:
+                    h.update(repr(value).encode())
+        for t in tensors:
+            h.update(str((t.dtype, tuple(t.shape))).encode())
+            h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.digest()
+
+
+def _all_alike(wire: transport.Transport, digest: bytes) -> bool:
+    """Whether every rank's ``digest`` is the same (an all-gather of 32 bytes a rank)."""
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+    pieces = [mine if r == wire.rank else torch.empty_like(mine) for r in range(wire.size)]
+    wire.allgather(pieces).wait()
+    return all(torch.equal(p, pieces[0]) for p in pieces)
 
 
 def _broadcast_bytes(wire: transport.Transport, data: bytes) -> bytes:
