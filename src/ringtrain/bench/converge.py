@@ -103,6 +103,8 @@ class ConvergeRun:
     quality: float  # at the end
     tx_bytes_per_sample: float
     outer_copies: int = 0  # local: times the ranks' anchors differed and rank 0's was copied
+    outer_seconds: float = 0.0  # local: of ``seconds``, the time in outer steps (exchange)
+    first_outer_seconds: float = 0.0  # local: of those, the first (digests, link set-up)
     curve: list[tuple[float, float]] = field(default_factory=list)  # (seconds, quality)
 
 
@@ -329,7 +331,7 @@ def _train(variant: str, task: Task, params: ConvergeParams) -> ConvergeRun:
     if variant == "local" and n > 1:
         every = -(-every // params.sync_every) * params.sync_every
     dist.barrier()
-    tx0, clock, steps, curve = tx_bytes(), 0.0, 0, []
+    tx0, clock, steps, curve, first = tx_bytes(), 0.0, 0, [], 0.0
     quality = task.quality(model)
     reached = False
     while steps < params.max_steps and not reached:
@@ -340,6 +342,9 @@ def _train(variant: str, task: Task, params: ConvergeParams) -> ConvergeRun:
             task.loss(net(task.train_x[idx]), task.train_y[idx]).backward()
             opt.step()
             steps += 1
+            local = getattr(opt, "local_update", None)
+            if local is not None and local.outer_steps == 1 and not first:
+                first = local.outer_seconds
         clock += time.perf_counter() - t0
         quality = task.quality(model)
         curve.append((clock, quality))
@@ -347,11 +352,22 @@ def _train(variant: str, task: Task, params: ConvergeParams) -> ConvergeRun:
     sent = tx_bytes() - tx0
     local = getattr(opt, "local_update", None)
     copies = local.copies if local is not None else 0
+    outer = local.outer_seconds if local is not None else 0.0
     if hasattr(opt, "remove_hooks"):
         opt.remove_hooks()
     samples = steps * params.batch_size * n
     return ConvergeRun(
-        variant, reached, clock, steps, samples, quality, sent / samples, copies, curve
+        variant,
+        reached,
+        clock,
+        steps,
+        samples,
+        quality,
+        sent / samples,
+        copies,
+        outer,
+        first,
+        curve,
     )
 
 
@@ -381,11 +397,15 @@ def format_converge(res: ConvergeResult, markdown: bool = False) -> str:
         f"{res.params.outer_compression}, outer lr {res.params.outer_lr} momentum "
         f"{res.params.outer_momentum}"
     )
-    alone = next((r for r in res.runs if r.variant == "alone" and r.reached), None)
-    header = ["variant", "reached", "seconds", "vs alone", "ms/step", "steps", "samples"]
-    rows = [[*header, res.metric, "tx B/sample"]]
+    # Each run against the alone run nearest before it (the first: the first), which ran
+    # under the most similar load.
+    alone = next((r for r in res.runs if r.variant == "alone"), None)
+    header = ["variant", "reached", "seconds", "vs alone", "ms/step", "outer s", "steps"]
+    rows = [[*header, "samples", res.metric, "tx B/sample"]]
     for r in res.runs:
-        ratio = f"{r.seconds / alone.seconds:.2f}x" if alone and r.reached else "-"
+        alone = r if r.variant == "alone" else alone
+        ok = alone is not None and alone.reached and r.reached
+        ratio = f"{r.seconds / alone.seconds:.2f}x" if ok and alone else "-"
         rows.append(
             [
                 r.variant if res.world_size > 1 else "one rank",
@@ -393,6 +413,7 @@ def format_converge(res: ConvergeResult, markdown: bool = False) -> str:
                 f"{r.seconds:.1f}",
                 ratio,
                 f"{1000 * r.seconds / max(1, r.steps):.0f}",
+                f"{r.outer_seconds:.1f} ({r.first_outer_seconds:.1f})" if r.outer_seconds else "-",
                 str(r.steps),
                 str(r.samples),
                 f"{r.quality:.4f}",

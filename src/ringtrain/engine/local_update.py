@@ -129,6 +129,7 @@ class LocalUpdate:
         self.outer_steps = 0
         self._agree = True  # copy rank 0's anchor and outer state at the next outer step
         self.copies = 0  # how often that copy was needed (the ranks' digests differed)
+        self.outer_seconds = 0.0  # wall time spent in outer steps (exchange included)
 
     # ---- the step strategy's interface (ringtrain.engine.steps.Update) -------------------------
 
@@ -212,7 +213,9 @@ class LocalUpdate:
             self.anchor = [p.detach().clone() for p in self._params]
         self.inner_steps = 0
         self.outer_steps += 1
-        rec.span("step", "OUTER_STEP", t0, time.perf_counter())
+        t1 = time.perf_counter()
+        self.outer_seconds += t1 - t0
+        rec.span("step", "OUTER_STEP", t0, t1)
 
     def local_state_dict(self) -> dict[str, Any]:
         return {
