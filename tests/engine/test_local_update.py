@@ -11,6 +11,10 @@ Shown at 2 ranks, on each transport (Gloo, sealed ``secure=True``, ``transport="
   resume a run to the same bits;
 * a re-formed world (``rejoin()``) with a rank whose anchor and outer state are another's (a
   rank that joined) holds identical weights again after the next outer step;
+* the overlapped outer exchange (``outer_overlap=True``, applied one round late) keeps every
+  rank's anchor identical, and its bits do not depend on timing (a rank slowed down at random
+  gives the same anchor); it resumes from ``state_dict()`` to the same bits, the exchange in
+  flight included;
 * ranks that start alike send no copy of the weights at the first outer step (their digests
   agree); ranks that differ get rank 0's copy (one copy, counted).
 """
@@ -121,7 +125,38 @@ def _equals_synchronous_sgd() -> float:
     return float((runs[0] - runs[1]).abs().max())
 
 
-def _resume() -> bool:
+def _overlapped(delay: float) -> dict[str, Any]:
+    """Overlapped outer exchange: the anchors after each outer step, with rank 1 sleeping up to
+    ``delay`` s at random before its steps (another timing every call)."""
+    import random
+    import time
+
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = rt.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        sync_every=H,
+        outer_compression="int8",
+        outer_overlap=True,
+    )
+    local = opt.local_update
+    assert local is not None and local.overlap
+    anchors_alike, weights_alike = [], []
+    for i in range(H * (ROUNDS + 1)):
+        if rt.rank() == 1 and delay:
+            time.sleep(random.uniform(0, delay))
+        _step(model, opt, i)
+        if (i + 1) % H == 0:
+            assert local.anchor is not None
+            anchors_alike.append(_alike(torch.cat([a.reshape(-1) for a in local.anchor])))
+            weights_alike.append(_alike(_weights(model)))
+    with local.anchored():
+        anchor = _weights(model)
+    return {"anchors": anchors_alike, "weights": weights_alike, "anchor": anchor}
+
+
+def _resume(overlap: bool = False) -> bool:
     """A run saved mid-round and resumed in a fresh model and optimizer ends with the bits of
     the run that never stopped."""
 
@@ -133,6 +168,7 @@ def _resume() -> bool:
             named_parameters=model.named_parameters(),
             sync_every=H,
             outer_compression="int8",
+            outer_overlap=overlap,
         )
         return model, opt
 
@@ -218,6 +254,19 @@ def test_local_updates_on_every_transport(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_state_dict_resumes_to_the_same_bits() -> None:
     assert all(spawn.world(2).run(_resume, timeout=240))
+
+
+@pytest.mark.timeout(300)
+def test_overlapped_exchange_is_alike_everywhere_and_independent_of_timing() -> None:
+    world = spawn.world(2)
+    quick = world.run(_overlapped, 0.0, timeout=240)
+    slowed = world.run(_overlapped, 0.02, timeout=240)
+    for r in quick + slowed:
+        assert all(r["anchors"])  # the anchor: the same bits on every rank
+        assert not all(r["weights"])  # each rank keeps its own round's change on top
+    assert torch.equal(quick[0]["anchor"], slowed[0]["anchor"])
+    assert torch.equal(quick[0]["anchor"], quick[1]["anchor"])
+    assert all(world.run(_resume, True, timeout=240))
 
 
 @pytest.mark.timeout(300)

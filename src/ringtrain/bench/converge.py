@@ -21,7 +21,9 @@ batches of ``batch_size`` per step (so n ranks see n times the samples per step)
 * ``ddp``: torch DistributedDataParallel (Gloo);
 * ``ringtrain``: DistributedOptimizer, synchronous;
 * ``ringtrain:powersgd``: the same with PowerSGD;
-* ``local``: DistributedOptimizer(sync_every=H): local updates (DiLoCo).
+* ``local``: DistributedOptimizer(sync_every=H): local updates (DiLoCo);
+* ``local:overlap``: the same with ``outer_overlap=True`` (the outer exchange runs during the
+  next round, applied one round late); evaluated on the anchor, the weights every rank agrees on.
 
 All use Adam. Quality is evaluated every ``eval_every`` steps (for ``local``, right after the
 first outer step at or after it, when every rank holds the same weights: the model exists only
@@ -53,7 +55,7 @@ from ringtrain.bench.stats import machine_info
 from ringtrain.errors import ConfigError
 
 TASKS = ("digits", "lm")
-VARIANTS = ("alone", "ddp", "ringtrain", "ringtrain:powersgd", "local")
+VARIANTS = ("alone", "ddp", "ringtrain", "ringtrain:powersgd", "local", "local:overlap")
 LM_VOCAB = 32
 LM_CONTEXT = 32
 LM_SUCCESSORS = 3  # likely next tokens per context: a learnable, far-from-uniform chain
@@ -298,7 +300,7 @@ def _wrap(variant: str, model: nn.Module, params: ConvergeParams) -> tuple[Any, 
     extra: dict[str, Any] = {}
     if variant == "ringtrain:powersgd":
         extra["compression"] = "powersgd"
-    if variant == "local":
+    if variant.startswith("local"):
         lr, momentum = params.outer_lr, params.outer_momentum
         extra = {
             "sync_every": params.sync_every,
@@ -306,9 +308,19 @@ def _wrap(variant: str, model: nn.Module, params: ConvergeParams) -> tuple[Any, 
             "outer_optimizer": lambda ps: torch.optim.SGD(
                 ps, lr=lr, momentum=momentum, nesterov=momentum > 0
             ),
+            "outer_overlap": variant == "local:overlap",
         }
     opt = ringtrain.DistributedOptimizer(base, named_parameters=model.named_parameters(), **extra)
     return opt, model
+
+
+def _quality(task: Task, model: nn.Module, opt: Any) -> float:
+    """The quality of the weights every rank agrees on (overlapped local updates: the anchor)."""
+    local = getattr(opt, "local_update", None)
+    if local is None or not local.overlap:
+        return task.quality(model)
+    with local.anchored():
+        return task.quality(model)
 
 
 def _agree(flag: bool) -> bool:
@@ -328,7 +340,7 @@ def _train(variant: str, task: Task, params: ConvergeParams) -> ConvergeRun:
     shard = torch.arange(rank, task.train_x.shape[0], n)
     g = torch.Generator().manual_seed(params.seed + 1000 * rank)
     every = params.eval_every
-    if variant == "local" and n > 1:
+    if variant.startswith("local") and n > 1:
         every = -(-every // params.sync_every) * params.sync_every
     dist.barrier()
     tx0, clock, steps, curve, first = tx_bytes(), 0.0, 0, [], 0.0
@@ -346,7 +358,7 @@ def _train(variant: str, task: Task, params: ConvergeParams) -> ConvergeRun:
             if local is not None and local.outer_steps == 1 and not first:
                 first = local.outer_seconds
         clock += time.perf_counter() - t0
-        quality = task.quality(model)
+        quality = _quality(task, model, opt)
         curve.append((clock, quality))
         reached = _agree(task.good(quality))
     sent = tx_bytes() - tx0

@@ -29,11 +29,13 @@ outer steps. Nothing here depends on timing: the digest is of the bits.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import hashlib
 import io
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -106,6 +108,7 @@ class LocalUpdate:
         sync_every: int,
         outer_optimizer: OuterFactory | None,
         outer_compression: str,
+        overlap: bool = False,
     ) -> None:
         if sync_every < 1:
             raise _bad_sync_every(sync_every)
@@ -124,6 +127,11 @@ class LocalUpdate:
             )
         self._wire = transport.of(group)
         self.codec = OuterCodec(outer_compression, self._wire)
+        # Overlapped outer exchange (streaming DiLoCo's, one round late): see _overlapped_step.
+        self.overlap = overlap
+        self._ref: list[torch.Tensor] | None = None  # this rank's weights at the round's start
+        self._pending: concurrent.futures.Future[torch.Tensor] | None = None
+        self._exchanger: concurrent.futures.ThreadPoolExecutor | None = None
         self.anchor: list[torch.Tensor] | None = None
         self.inner_steps = 0  # since the last outer step
         self.outer_steps = 0
@@ -186,6 +194,12 @@ class LocalUpdate:
         """Average the change since the anchor and step the outer optimizer (collective)."""
         rec = timeline.current()
         t0 = time.perf_counter()
+        if self.overlap and self._wire.size > 1:
+            self._overlapped_step()
+            t1 = time.perf_counter()
+            self.outer_seconds += t1 - t0
+            rec.span("step", "OUTER_STEP", t0, t1)
+            return
         with torch.no_grad():
             if self.anchor is None:
                 self.anchor = [p.detach().clone() for p in self._params]
@@ -217,7 +231,89 @@ class LocalUpdate:
         self.outer_seconds += t1 - t0
         rec.span("step", "OUTER_STEP", t0, t1)
 
+    def _overlapped_step(self) -> None:
+        """The outer step with the exchange overlapped: this round's change starts travelling
+        in the background and the next round's inner steps run meanwhile; the *previous*
+        round's average, waited for here, steps the anchor. Every rank then continues from the
+        new anchor plus its own change of this round (which reaches the anchor, averaged, one
+        round later). What is applied never depends on when an exchange finished: always the
+        previous round's, waited for in full."""
+        with torch.no_grad():
+            if self.anchor is None:
+                self.anchor = [p.detach().clone() for p in self._params]
+            if self._ref is None:
+                self._ref = [a.clone() for a in self.anchor]
+            change = torch.cat(
+                [
+                    (r.float() - p.detach().float()).reshape(-1)
+                    for r, p in zip(self._ref, self._params)
+                ]
+            )
+            if self._pending is not None:
+                mean = self._pending.result()
+                self._pending = None
+                self._step_anchor(mean)
+            if self._agree:
+                self._copy_from_root()
+            self._agree = False
+            if self._exchanger is None:
+                self._exchanger = concurrent.futures.ThreadPoolExecutor(1, "ringtrain-outer")
+            self._pending = self._exchanger.submit(self.codec.average, change)
+            offset = 0
+            for a, p in zip(self.anchor, self._params):
+                n = p.numel()
+                p.copy_(a - change[offset : offset + n].view_as(p).to(p.dtype))
+                offset += n
+            self._ref = [p.detach().clone() for p in self._params]
+        self.inner_steps = 0
+        self.outer_steps += 1
+
+    def _step_anchor(self, mean: torch.Tensor) -> None:
+        """The outer optimizer steps the anchor with ``mean`` as its gradient (leaves the
+        parameters holding the new anchor)."""
+        assert self.anchor is not None
+        saved = [p.grad for p in self._params]
+        offset = 0
+        for a, p in zip(self.anchor, self._params):
+            n = p.numel()
+            p.copy_(a)
+            p.grad = mean[offset : offset + n].view_as(p).to(p.dtype)
+            offset += n
+        with torch.enable_grad():
+            self.outer.step()
+        for p, g in zip(self._params, saved):
+            p.grad = g
+        self.anchor = [p.detach().clone() for p in self._params]
+
+    def _wait_pending(self) -> torch.Tensor | None:
+        """The exchange in flight, waited for (a checkpoint holds its result)."""
+        if self._pending is None:
+            return None
+        mean = self._pending.result()
+        self._pending = concurrent.futures.Future()
+        self._pending.set_result(mean)
+        return mean
+
+    @contextlib.contextmanager
+    def anchored(self) -> Iterator[None]:
+        """The parameters hold the anchor (the weights every rank agrees on) inside the block,
+        their own values again after it: to evaluate an overlapped run's model."""
+        if self.anchor is None:
+            yield
+            return
+        with torch.no_grad():
+            own = [p.detach().clone() for p in self._params]
+            for a, p in zip(self.anchor, self._params):
+                p.copy_(a)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for o, p in zip(own, self._params):
+                    p.copy_(o)
+
     def local_state_dict(self) -> dict[str, Any]:
+        pending = self._wait_pending()
         return {
             "version": 1,
             "sync_every": self.sync_every,
@@ -226,6 +322,10 @@ class LocalUpdate:
             "anchor": None if self.anchor is None else [a.clone() for a in self.anchor],
             "outer": self.outer.state_dict(),
             "codec": self.codec.state_dict(),
+            "overlap": {
+                "ref": None if self._ref is None else [r.clone() for r in self._ref],
+                "pending": None if pending is None else pending.clone(),
+            },
         }
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
@@ -246,11 +346,19 @@ class LocalUpdate:
         self.outer.load_state_dict(state["outer"])
         self.codec.load_state_dict(state["codec"])
         self._agree = True
+        saved = state.get("overlap") or {}
+        ref, pending = saved.get("ref"), saved.get("pending")
+        self._ref = None if ref is None else [r.clone() for r in ref]
+        self._pending = None
+        if pending is not None:
+            self._pending = concurrent.futures.Future()
+            self._pending.set_result(pending.clone())
 
     def rejoin(self, group: Any) -> None:
         """Elastic: the world was re-formed. Every rank starts a new round of ``sync_every``
         inner steps; the next outer step copies rank 0's anchor and outer state first, so all
         ranks, joined ones too, hold the same weights after it. Error feedback starts afresh."""
+        self._drop_pending()
         self._wire.close()
         self._wire = transport.of(group)
         self.codec = OuterCodec(self._compression, self._wire)
@@ -258,7 +366,16 @@ class LocalUpdate:
         self._agree = True
 
     def close(self) -> None:
+        self._drop_pending()
         self._wire.close()
+        if self._exchanger is not None:
+            self._exchanger.shutdown(wait=False)
+
+    def _drop_pending(self) -> None:
+        """Elastic or closing: the exchange in flight on the old world is given up on every
+        rank alike (its round's changes are lost, not applied on some ranks only)."""
+        self._pending = None
+        self._ref = None
 
     # ---- agreeing on the anchor -----------------------------------------------------------------
 
