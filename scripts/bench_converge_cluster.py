@@ -1,12 +1,18 @@
-"""``ringtrain bench converge`` on one host and on 2 namespace hosts at several link rates.
+"""``ringtrain bench converge`` on 2 namespace hosts at several link rates, interleaved, repeated.
 
-One rank per host, one torch thread each (OMP_NUM_THREADS=1). The one-host reference is
-``-np 1`` in a namespace host of its own (no link to cross); each pair is a fresh 2-host cluster
-whose h0 link is shaped with ``tc tbf`` to the rate (both directions). Every run writes its JSON
-next to the others in ``--out``; the summary table (time to target relative to one host) is
-printed at the end. Needs root (network namespaces). Run::
+One rank per host, one torch thread each (OMP_NUM_THREADS=1). Each pair is a fresh 2-host
+cluster whose h0 link is shaped with ``tc tbf`` to the rate (both directions). The one-host
+reference is the ``alone`` variant of the same job (every rank trains alone, as one host would:
+the same per-step compute, threads and machine load, counted from the same point), so each
+ratio compares runs that shared the machine's load. ``--rounds`` repeats every rate in turn
+(rate A, rate B, rate A, ...) and the summary gives, per rate and variant, the median and the
+spread (min-max) of the time to target relative to ``alone``, of the time per step relative to
+``alone`` (throughput), and of the bytes per sample relative to DDP, with the 1-minute load
+average before each run. Every run writes its JSON to ``--out``. Needs root (network
+namespaces). Run::
 
-    .venv/bin/python scripts/bench_converge_cluster.py --task digits --rates 10mbit,100mbit,1gbit
+    .venv/bin/python scripts/bench_converge_cluster.py --task digits --rates 10mbit,100mbit \\
+        --rounds 3 -- --variants alone,ddp,local
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -24,9 +31,9 @@ from ringtrain.testing import cluster as tc
 PY = sys.executable
 
 
-def _run(c: tc.Cluster, hosts: str, np: int, out: Path, extra: list[str], timeout: float) -> Any:
+def _run(c: tc.Cluster, out: Path, extra: list[str], timeout: float) -> Any:
     argv = [PY, "-m", "ringtrain", "run", "--ssh-config-file", str(c.ssh_config_path)]
-    argv += ["-H", hosts, "-np", str(np), "--start-timeout", "60", "-x", "OMP_NUM_THREADS=1"]
+    argv += ["-H", "h0:1,h1:1", "-np", "2", "--start-timeout", "60", "-x", "OMP_NUM_THREADS=1"]
     argv += ["--", PY, "-m", "ringtrain.bench", "converge", "--threads", "1"]
     argv += ["--json", str(out), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -38,34 +45,81 @@ def _run(c: tc.Cluster, hosts: str, np: int, out: Path, extra: list[str], timeou
     return json.loads(out.read_text())["result"]
 
 
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def _spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    return f"{med:.2f}x ({min(values):.2f}-{max(values):.2f}, n={len(values)})"
+
+
+def summarize(runs: list[tuple[str, float, Any]]) -> list[str]:
+    """Per rate and variant: time to target / alone's, ms per step / alone's, DDP's bytes per
+    sample / the variant's (each the median and range over the rounds). A variant listed more
+    than once in a job (``alone,local,alone,local``) is compared with the ``alone`` run just
+    before it (the first, with the first ``alone``): the nearest in time, so the same load."""
+    table: dict[tuple[str, str], dict[str, list[float]]] = {}
+    loads: dict[str, list[float]] = {}
+    for rate, load, res in runs:
+        loads.setdefault(rate, []).append(load)
+        if not res:
+            continue
+        alones = [r for r in res["runs"] if r["variant"] == "alone"]
+        ddp = next((r for r in res["runs"] if r["variant"] == "ddp"), None)
+        alone = alones[0] if alones else None
+        for r in res["runs"]:
+            if r["variant"] == "alone":
+                alone = r
+            row = table.setdefault(
+                (rate, r["variant"]), {"time": [], "step": [], "bytes": [], "no": []}
+            )
+            if alone and alone["reached"] and r["reached"]:
+                row["time"].append(r["seconds"] / alone["seconds"])
+            elif not r["reached"]:
+                row["no"].append(1.0)
+            if alone:
+                per = r["seconds"] / max(1, r["steps"])
+                row["step"].append(per / (alone["seconds"] / max(1, alone["steps"])))
+            if ddp and r["tx_bytes_per_sample"] > 0:
+                row["bytes"].append(ddp["tx_bytes_per_sample"] / r["tx_bytes_per_sample"])
+    lines = ["rate | variant | time to target vs alone | time per step vs alone | DDP B / its B"]
+    for (rate, name), row in table.items():
+        missed = f" [{len(row['no'])} not reached]" if row["no"] else ""
+        lines.append(
+            f"{rate} | {name} | {_spread(row['time'])}{missed} | {_spread(row['step'])} | "
+            f"{_spread(row['bytes'])}"
+        )
+    for rate, values in loads.items():
+        lines.append(
+            f"{rate}: 1-minute load before the runs {', '.join(f'{v:.1f}' for v in values)}"
+        )
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--task", default="digits")
-    ap.add_argument("--rates", default="10mbit,100mbit,1gbit")
+    ap.add_argument("--rates", default="10mbit,100mbit")
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--out", default="/tmp/ringtrain-converge")
-    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("extra", nargs="*", help="more `bench converge` flags (after --)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     extra = ["--task", args.task, *args.extra]
-    results: dict[str, Any] = {}
-    with tc.Cluster(1) as c:
-        results["one host"] = _run(c, "h0:1", 1, out / "one.json", extra, args.timeout)
-    for rate in [r for r in args.rates.split(",") if r]:
-        with tc.Cluster([tc.HostSpec(rate=rate), tc.HostSpec()]) as c:
-            results[rate] = _run(c, "h0:1,h1:1", 2, out / f"{rate}.json", extra, args.timeout)
-    one = results["one host"]
-    base = one["runs"][0]["seconds"] if one and one["runs"][0]["reached"] else None
-    print("setting | variant | reached | seconds | vs one host | steps | quality | tx B/sample")
-    for name, res in results.items():
-        for r in (res or {}).get("runs", []):
-            ratio = f"{r['seconds'] / base:.2f}x" if base and r["reached"] else "-"
-            print(
-                f"{name} | {r['variant'] if name != 'one host' else '-'} | {r['reached']} | "
-                f"{r['seconds']:.1f} | {ratio} | {r['steps']} | {r['quality']:.4f} | "
-                f"{r['tx_bytes_per_sample']:,.0f}"
-            )
+    runs: list[tuple[str, float, Any]] = []
+    for i in range(args.rounds):
+        for rate in [r for r in args.rates.split(",") if r]:
+            load = _load()
+            print(f"== round {i + 1}, {rate}, load {load:.1f}", flush=True)
+            with tc.Cluster([tc.HostSpec(rate=rate), tc.HostSpec()]) as c:
+                res = _run(c, out / f"{args.task}-{rate}-{i}.json", extra, args.timeout)
+            runs.append((rate, load, res))
+    print("\n".join(summarize(runs)))
     return 0
 
 

@@ -107,6 +107,9 @@ class Config:
     # The local-update step's outer exchange: "none", "fp16", "bf16", "int8" or "int4" (the
     # narrow ones with error feedback).
     outer_compression: str = "fp16"
+    # The local-update step's outer exchange overlapped with the next round's inner steps, its
+    # average applied one round late (streaming DiLoCo). Opt-in: it changes the optimisation.
+    outer_overlap: bool = False
     # Seal every message with AES-256-GCM and authenticate the rendezvous.
     secure: bool = False
     # Path to the job key (e.g. a mounted Kubernetes Secret) when not started by ringtrain run.

@@ -32,9 +32,13 @@ def test_converge_cli(task: str, tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert res["world_size"] == 2
     assert [r["variant"] for r in res["runs"]] == list(converge.VARIANTS)
     for r in res["runs"]:
-        assert 0 < r["steps"] <= 4 and r["samples"] == r["steps"] * 8 * 2
+        ranks = 1 if r["variant"] == "alone" else 2  # alone: every rank is the one host
+        assert 0 < r["steps"] <= 4 and r["samples"] == r["steps"] * 8 * ranks
         assert r["seconds"] > 0 and r["curve"]
         assert r["tx_bytes_per_sample"] >= 0
+    # The ranks start alike (one seed): the first outer step compares digests, copies nothing.
+    assert next(r for r in res["runs"] if r["variant"] == "local")["outer_copies"] == 0
+    assert "vs alone" in printed
     if task == "lm":
         _, rate = converge.markov_chain(0)
         assert res["target"] == pytest.approx(rate + converge.LM_MARGIN)

@@ -10,7 +10,13 @@ Shown at 2 ranks, on each transport (Gloo, sealed ``secure=True``, ``transport="
 * ``state_dict()``/``load_state_dict()`` (anchor, outer optimizer, error feedback included)
   resume a run to the same bits;
 * a re-formed world (``rejoin()``) with a rank whose anchor and outer state are another's (a
-  rank that joined) holds identical weights again after the next outer step.
+  rank that joined) holds identical weights again after the next outer step;
+* the overlapped outer exchange (``outer_overlap=True``, applied one round late) keeps every
+  rank's anchor identical, and its bits do not depend on timing (a rank slowed down at random
+  gives the same anchor); it resumes from ``state_dict()`` to the same bits, the exchange in
+  flight included;
+* ranks that start alike send no copy of the weights at the first outer step (their digests
+  agree); ranks that differ get rank 0's copy (one copy, counted).
 """
 
 from __future__ import annotations
@@ -88,6 +94,7 @@ def _rounds(codec: str) -> dict[str, Any]:
         "between": between,
         "outer_steps": local.outer_steps,
         "bytes": local.bytes_sent,
+        "copies": local.copies,
         "weights": _weights(model),
     }
 
@@ -118,7 +125,38 @@ def _equals_synchronous_sgd() -> float:
     return float((runs[0] - runs[1]).abs().max())
 
 
-def _resume() -> bool:
+def _overlapped(delay: float) -> dict[str, Any]:
+    """Overlapped outer exchange: the anchors after each outer step, with rank 1 sleeping up to
+    ``delay`` s at random before its steps (another timing every call)."""
+    import random
+    import time
+
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = rt.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        sync_every=H,
+        outer_compression="int8",
+        outer_overlap=True,
+    )
+    local = opt.local_update
+    assert local is not None and local.overlap
+    anchors_alike, weights_alike = [], []
+    for i in range(H * (ROUNDS + 1)):
+        if rt.rank() == 1 and delay:
+            time.sleep(random.uniform(0, delay))
+        _step(model, opt, i)
+        if (i + 1) % H == 0:
+            assert local.anchor is not None
+            anchors_alike.append(_alike(torch.cat([a.reshape(-1) for a in local.anchor])))
+            weights_alike.append(_alike(_weights(model)))
+    with local.anchored():
+        anchor = _weights(model)
+    return {"anchors": anchors_alike, "weights": weights_alike, "anchor": anchor}
+
+
+def _resume(overlap: bool = False) -> bool:
     """A run saved mid-round and resumed in a fresh model and optimizer ends with the bits of
     the run that never stopped."""
 
@@ -130,6 +168,7 @@ def _resume() -> bool:
             named_parameters=model.named_parameters(),
             sync_every=H,
             outer_compression="int8",
+            outer_overlap=overlap,
         )
         return model, opt
 
@@ -155,7 +194,7 @@ def _resume() -> bool:
     return torch.equal(straight, _weights(model))
 
 
-def _rejoin() -> tuple[bool, bool]:
+def _rejoin() -> tuple[bool, bool, int]:
     """Rank 1 plays a rank that joined between outer steps: other weights, another anchor and
     no outer state. After rejoin() and the next outer step every rank is identical."""
     torch.manual_seed(0)
@@ -179,7 +218,7 @@ def _rejoin() -> tuple[bool, bool]:
     opt.rejoin()
     for i in range(H):
         _step(model, opt, 100 + i)
-    return before, _alike(_weights(model))
+    return before, _alike(_weights(model)), local.copies
 
 
 def _transports(tmp_path: Path) -> dict[str, dict[str, Any]]:
@@ -203,6 +242,7 @@ def test_local_updates_on_every_transport(tmp_path: Path) -> None:
                 assert not any(r["between"]), (name, codec, "inner steps exchanged something")
                 assert r["outer_steps"] == ROUNDS
                 assert r["bytes"] > 0
+                assert r["copies"] == 0  # one seed: the digests agreed, no copy was sent
             by_codec[codec] = results[0]
         # 4 bytes of scale per 128 values: int8 about half of fp16's bytes, int4 a quarter.
         assert by_codec["int8"]["bytes"] < 0.6 * by_codec["fp16"]["bytes"]
@@ -217,10 +257,24 @@ def test_state_dict_resumes_to_the_same_bits() -> None:
 
 
 @pytest.mark.timeout(300)
+def test_overlapped_exchange_is_alike_everywhere_and_independent_of_timing() -> None:
+    world = spawn.world(2)
+    quick = world.run(_overlapped, 0.0, timeout=240)
+    slowed = world.run(_overlapped, 0.02, timeout=240)
+    for r in quick + slowed:
+        assert all(r["anchors"])  # the anchor: the same bits on every rank
+        assert not all(r["weights"])  # each rank keeps its own round's change on top
+    assert torch.equal(quick[0]["anchor"], slowed[0]["anchor"])
+    assert torch.equal(quick[0]["anchor"], quick[1]["anchor"])
+    assert all(world.run(_resume, True, timeout=240))
+
+
+@pytest.mark.timeout(300)
 def test_rejoined_world_is_identical_after_the_next_outer_step() -> None:
-    for before, after in spawn.world(2).run(_rejoin, timeout=240):
+    for before, after, copies in spawn.world(2).run(_rejoin, timeout=240):
         assert not before
         assert after
+        assert copies == 1  # the joined rank's digest differed: rank 0's anchor was copied
 
 
 def _one_rank() -> bool:

@@ -284,7 +284,8 @@ def _converge_parser(sub: Any) -> None:
             "Time to a target quality (digits: test accuracy; lm: held-out loss of a small "
             "transformer on generated text), for DDP, ringtrain synchronous, PowerSGD and local "
             "updates (sync_every), one after the other from the same seed; with the bytes the "
-            "interfaces sent per sample. Run with -np 1 for the one-host reference."
+            "interfaces sent per sample. 'alone' is the one-host reference run inside the same "
+            "job (every rank trains alone on the whole data set), under the same load."
         ),
     )
     cv.add_argument("--task", default="digits", choices=converge.TASKS)
@@ -300,8 +301,10 @@ def _converge_parser(sub: Any) -> None:
     cv.add_argument("--batch-size", type=int, default=32, help="per rank and step")
     cv.add_argument("--lr", type=float, default=1e-3, help="Adam's (the inner one for local)")
     cv.add_argument("--sync-every", type=int, default=16, help="the local variant's H")
-    cv.add_argument("--outer-compression", default="fp16")
-    cv.add_argument("--eval-every", type=int, default=16)
+    cv.add_argument("--outer-compression", default="int4")
+    cv.add_argument("--outer-lr", type=float, default=0.7, help="local: outer Nesterov SGD's lr")
+    cv.add_argument("--outer-momentum", type=float, default=0.9, help="local: its momentum")
+    cv.add_argument("--eval-every", type=int, default=4)
     cv.add_argument("--width", type=int, default=64, help="lm: the model width")
     cv.add_argument("--seed", type=int, default=0)
     _common(cv)
@@ -383,6 +386,8 @@ def _params(args: argparse.Namespace) -> Any:
             lr=args.lr,
             sync_every=args.sync_every,
             outer_compression=args.outer_compression,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
             eval_every=args.eval_every,
             seed=args.seed,
             width=args.width,

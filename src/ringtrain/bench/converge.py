@@ -14,13 +14,21 @@ model is good enough. Tasks, on data that ships with a package or is generated:
 Variants, trained one after the other from the same seed, each rank on its own shard and its own
 batches of ``batch_size`` per step (so n ranks see n times the samples per step):
 
+* ``alone``: the one-host reference, measured inside the same job: every rank trains as one
+  host would (the whole training set, ``batch_size`` per step, no exchange; every rank the same
+  run), so its time carries the same per-step compute, threads and machine load as the other
+  variants. On a shared machine a separate one-host run, under another load, is not comparable;
 * ``ddp``: torch DistributedDataParallel (Gloo);
 * ``ringtrain``: DistributedOptimizer, synchronous;
 * ``ringtrain:powersgd``: the same with PowerSGD;
-* ``local``: DistributedOptimizer(sync_every=H): local updates (DiLoCo).
+* ``local``: DistributedOptimizer(sync_every=H): local updates (DiLoCo);
+* ``local:overlap``: the same with ``outer_overlap=True`` (the outer exchange runs during the
+  next round, applied one round late); evaluated on the anchor, the weights every rank agrees on.
 
-All use Adam. Quality is evaluated every ``eval_every`` steps (for ``local``, right after an
-outer step, when every rank holds the same weights); evaluation time is not counted. A variant
+All use Adam. Quality is evaluated every ``eval_every`` steps (for ``local``, right after the
+first outer step at or after it, when every rank holds the same weights: the model exists only
+there); evaluation time is not counted, the clock starts after a barrier when every variant's
+optimizer is built. A variant
 stops at the target or at ``max_steps``. Reported: wall time to target, steps and samples to it,
 final quality, and the bytes this rank's network interfaces sent per training sample (the
 kernel's counters, so on a shared host they include other traffic; in a namespace host, only
@@ -47,7 +55,7 @@ from ringtrain.bench.stats import machine_info
 from ringtrain.errors import ConfigError
 
 TASKS = ("digits", "lm")
-VARIANTS = ("ddp", "ringtrain", "ringtrain:powersgd", "local")
+VARIANTS = ("alone", "ddp", "ringtrain", "ringtrain:powersgd", "local", "local:overlap")
 LM_VOCAB = 32
 LM_CONTEXT = 32
 LM_SUCCESSORS = 3  # likely next tokens per context: a learnable, far-from-uniform chain
@@ -63,8 +71,10 @@ class ConvergeParams:
     batch_size: int = 32  # per rank and step
     lr: float = 1e-3
     sync_every: int = 16
-    outer_compression: str = "fp16"
-    eval_every: int = 16
+    outer_compression: str = "int4"
+    outer_lr: float = 0.7  # the local variant's outer Nesterov SGD (DiLoCo's defaults)
+    outer_momentum: float = 0.9
+    eval_every: int = 4
     seed: int = 0
     width: int = 64  # lm: model width (the smoke test shrinks it)
 
@@ -78,6 +88,11 @@ class ConvergeParams:
         for name in ("max_steps", "batch_size", "sync_every", "eval_every", "width"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
+            raise ConfigError(
+                f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got {self.outer_lr} "
+                f"and {self.outer_momentum}\nHINT: DiLoCo's are 0.7 and 0.9."
+            )
 
 
 @dataclass
@@ -86,9 +101,12 @@ class ConvergeRun:
     reached: bool
     seconds: float  # training wall time until the target (or max_steps), evaluation excluded
     steps: int
-    samples: int  # over all ranks
+    samples: int  # over all ranks (alone: one rank's, as one host)
     quality: float  # at the end
     tx_bytes_per_sample: float
+    outer_copies: int = 0  # local: times the ranks' anchors differed and rank 0's was copied
+    outer_seconds: float = 0.0  # local: of ``seconds``, the time in outer steps (exchange)
+    first_outer_seconds: float = 0.0  # local: of those, the first (digests, link set-up)
     curve: list[tuple[float, float]] = field(default_factory=list)  # (seconds, quality)
 
 
@@ -275,17 +293,34 @@ def _ranks_share_host() -> bool:
 def _wrap(variant: str, model: nn.Module, params: ConvergeParams) -> tuple[Any, nn.Module]:
     """(optimizer, the module to call) for ``variant``."""
     base = torch.optim.Adam(model.parameters(), lr=params.lr)
-    if ringtrain.size() == 1:
+    if ringtrain.size() == 1 or variant == "alone":
         return base, model  # one rank: every variant is plain training
     if variant == "ddp":
         return base, nn.parallel.DistributedDataParallel(model)
     extra: dict[str, Any] = {}
     if variant == "ringtrain:powersgd":
         extra["compression"] = "powersgd"
-    if variant == "local":
-        extra = {"sync_every": params.sync_every, "outer_compression": params.outer_compression}
+    if variant.startswith("local"):
+        lr, momentum = params.outer_lr, params.outer_momentum
+        extra = {
+            "sync_every": params.sync_every,
+            "outer_compression": params.outer_compression,
+            "outer_optimizer": lambda ps: torch.optim.SGD(
+                ps, lr=lr, momentum=momentum, nesterov=momentum > 0
+            ),
+            "outer_overlap": variant == "local:overlap",
+        }
     opt = ringtrain.DistributedOptimizer(base, named_parameters=model.named_parameters(), **extra)
     return opt, model
+
+
+def _quality(task: Task, model: nn.Module, opt: Any) -> float:
+    """The quality of the weights every rank agrees on (overlapped local updates: the anchor)."""
+    local = getattr(opt, "local_update", None)
+    if local is None or not local.overlap:
+        return task.quality(model)
+    with local.anchored():
+        return task.quality(model)
 
 
 def _agree(flag: bool) -> bool:
@@ -297,16 +332,18 @@ def _agree(flag: bool) -> bool:
 
 def _train(variant: str, task: Task, params: ConvergeParams) -> ConvergeRun:
     n, rank = ringtrain.size(), ringtrain.rank()
+    if variant == "alone":
+        n, rank = 1, 0  # every rank is the one host
     torch.manual_seed(params.seed)
     model = task.build()
     opt, net = _wrap(variant, model, params)
     shard = torch.arange(rank, task.train_x.shape[0], n)
     g = torch.Generator().manual_seed(params.seed + 1000 * rank)
     every = params.eval_every
-    if variant == "local" and n > 1:
-        every = max(1, round(every / params.sync_every)) * params.sync_every
+    if variant.startswith("local") and n > 1:
+        every = -(-every // params.sync_every) * params.sync_every
     dist.barrier()
-    tx0, clock, steps, curve = tx_bytes(), 0.0, 0, []
+    tx0, clock, steps, curve, first = tx_bytes(), 0.0, 0, [], 0.0
     quality = task.quality(model)
     reached = False
     while steps < params.max_steps and not reached:
@@ -317,15 +354,33 @@ def _train(variant: str, task: Task, params: ConvergeParams) -> ConvergeRun:
             task.loss(net(task.train_x[idx]), task.train_y[idx]).backward()
             opt.step()
             steps += 1
+            local = getattr(opt, "local_update", None)
+            if local is not None and local.outer_steps == 1 and not first:
+                first = local.outer_seconds
         clock += time.perf_counter() - t0
-        quality = task.quality(model)
+        quality = _quality(task, model, opt)
         curve.append((clock, quality))
         reached = _agree(task.good(quality))
     sent = tx_bytes() - tx0
+    local = getattr(opt, "local_update", None)
+    copies = local.copies if local is not None else 0
+    outer = local.outer_seconds if local is not None else 0.0
     if hasattr(opt, "remove_hooks"):
         opt.remove_hooks()
     samples = steps * params.batch_size * n
-    return ConvergeRun(variant, reached, clock, steps, samples, quality, sent / samples, curve)
+    return ConvergeRun(
+        variant,
+        reached,
+        clock,
+        steps,
+        samples,
+        quality,
+        sent / samples,
+        copies,
+        outer,
+        first,
+        curve,
+    )
 
 
 @register("converge")
@@ -350,15 +405,27 @@ def format_converge(res: ConvergeResult, markdown: bool = False) -> str:
     head = (
         f"converge: {res.params.task}, {res.parameters:,} parameters, {res.world_size} rank(s), "
         f"batch {res.params.batch_size} per rank, target {res.metric} {res.target:.3f} "
-        f"({better} is better), sync_every={res.params.sync_every} for local"
+        f"({better} is better), local: sync_every={res.params.sync_every}, "
+        f"{res.params.outer_compression}, outer lr {res.params.outer_lr} momentum "
+        f"{res.params.outer_momentum}"
     )
-    rows = [["variant", "reached", "seconds", "steps", "samples", res.metric, "tx B/sample"]]
+    # Each run against the alone run nearest before it (the first: the first), which ran
+    # under the most similar load.
+    alone = next((r for r in res.runs if r.variant == "alone"), None)
+    header = ["variant", "reached", "seconds", "vs alone", "ms/step", "outer s", "steps"]
+    rows = [[*header, "samples", res.metric, "tx B/sample"]]
     for r in res.runs:
+        alone = r if r.variant == "alone" else alone
+        ok = alone is not None and alone.reached and r.reached
+        ratio = f"{r.seconds / alone.seconds:.2f}x" if ok and alone else "-"
         rows.append(
             [
                 r.variant if res.world_size > 1 else "one rank",
                 "yes" if r.reached else "no",
                 f"{r.seconds:.1f}",
+                ratio,
+                f"{1000 * r.seconds / max(1, r.steps):.0f}",
+                f"{r.outer_seconds:.1f} ({r.first_outer_seconds:.1f})" if r.outer_seconds else "-",
                 str(r.steps),
                 str(r.samples),
                 f"{r.quality:.4f}",

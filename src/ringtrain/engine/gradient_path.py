@@ -105,6 +105,7 @@ class GradientPath:
             sync_every,
             self._outer_optimizer,
             self.config.outer_compression,
+            self.config.outer_overlap,
         )
 
     def share_params(self, update: Update) -> None:

@@ -17,7 +17,10 @@ gradients every step. The inner optimizer's state stays per rank, as in the pape
 Every rank ends an outer step with the same weights, whatever it did before, provided the
 anchors and the outer optimizer's state are the same on every rank: the first outer step after
 construction, a loaded checkpoint or an elastic re-forming (:meth:`LocalUpdate.rejoin`) first
-copies rank 0's anchor and outer state to every rank. Nothing here depends on timing.
+compares a digest of every rank's anchor and outer state (32 bytes a rank) and, only where they
+differ, copies rank 0's to every rank. Ranks that start alike (the usual case: the same seed or
+a broadcast) so send no copy of the weights: on a slow link that copy cost as much as several
+outer steps. Nothing here depends on timing: the digest is of the bits.
 
 :class:`LocalUpdate` is a step strategy (:class:`ringtrain.engine.steps.Update`) whose
 ``exchanges()`` is always False: the gradient path then reduces nothing and calls its ``step()``.
@@ -26,10 +29,13 @@ copies rank 0's anchor and outer state to every rank. Nothing here depends on ti
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import hashlib
 import io
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -102,6 +108,7 @@ class LocalUpdate:
         sync_every: int,
         outer_optimizer: OuterFactory | None,
         outer_compression: str,
+        overlap: bool = False,
     ) -> None:
         if sync_every < 1:
             raise _bad_sync_every(sync_every)
@@ -120,10 +127,17 @@ class LocalUpdate:
             )
         self._wire = transport.of(group)
         self.codec = OuterCodec(outer_compression, self._wire)
+        # Overlapped outer exchange (streaming DiLoCo's, one round late): see _overlapped_step.
+        self.overlap = overlap
+        self._ref: list[torch.Tensor] | None = None  # this rank's weights at the round's start
+        self._pending: concurrent.futures.Future[torch.Tensor] | None = None
+        self._exchanger: concurrent.futures.ThreadPoolExecutor | None = None
         self.anchor: list[torch.Tensor] | None = None
         self.inner_steps = 0  # since the last outer step
         self.outer_steps = 0
         self._agree = True  # copy rank 0's anchor and outer state at the next outer step
+        self.copies = 0  # how often that copy was needed (the ranks' digests differed)
+        self.outer_seconds = 0.0  # wall time spent in outer steps (exchange included)
 
     # ---- the step strategy's interface (ringtrain.engine.steps.Update) -------------------------
 
@@ -180,6 +194,12 @@ class LocalUpdate:
         """Average the change since the anchor and step the outer optimizer (collective)."""
         rec = timeline.current()
         t0 = time.perf_counter()
+        if self.overlap and self._wire.size > 1:
+            self._overlapped_step()
+            t1 = time.perf_counter()
+            self.outer_seconds += t1 - t0
+            rec.span("step", "OUTER_STEP", t0, t1)
+            return
         with torch.no_grad():
             if self.anchor is None:
                 self.anchor = [p.detach().clone() for p in self._params]
@@ -207,9 +227,93 @@ class LocalUpdate:
             self.anchor = [p.detach().clone() for p in self._params]
         self.inner_steps = 0
         self.outer_steps += 1
-        rec.span("step", "OUTER_STEP", t0, time.perf_counter())
+        t1 = time.perf_counter()
+        self.outer_seconds += t1 - t0
+        rec.span("step", "OUTER_STEP", t0, t1)
+
+    def _overlapped_step(self) -> None:
+        """The outer step with the exchange overlapped: this round's change starts travelling
+        in the background and the next round's inner steps run meanwhile; the *previous*
+        round's average, waited for here, steps the anchor. Every rank then continues from the
+        new anchor plus its own change of this round (which reaches the anchor, averaged, one
+        round later). What is applied never depends on when an exchange finished: always the
+        previous round's, waited for in full."""
+        with torch.no_grad():
+            if self.anchor is None:
+                self.anchor = [p.detach().clone() for p in self._params]
+            if self._ref is None:
+                self._ref = [a.clone() for a in self.anchor]
+            change = torch.cat(
+                [
+                    (r.float() - p.detach().float()).reshape(-1)
+                    for r, p in zip(self._ref, self._params)
+                ]
+            )
+            if self._pending is not None:
+                mean = self._pending.result()
+                self._pending = None
+                self._step_anchor(mean)
+            if self._agree:
+                self._copy_from_root()
+            self._agree = False
+            if self._exchanger is None:
+                self._exchanger = concurrent.futures.ThreadPoolExecutor(1, "ringtrain-outer")
+            self._pending = self._exchanger.submit(self.codec.average, change)
+            offset = 0
+            for a, p in zip(self.anchor, self._params):
+                n = p.numel()
+                p.copy_(a - change[offset : offset + n].view_as(p).to(p.dtype))
+                offset += n
+            self._ref = [p.detach().clone() for p in self._params]
+        self.inner_steps = 0
+        self.outer_steps += 1
+
+    def _step_anchor(self, mean: torch.Tensor) -> None:
+        """The outer optimizer steps the anchor with ``mean`` as its gradient (leaves the
+        parameters holding the new anchor)."""
+        assert self.anchor is not None
+        saved = [p.grad for p in self._params]
+        offset = 0
+        for a, p in zip(self.anchor, self._params):
+            n = p.numel()
+            p.copy_(a)
+            p.grad = mean[offset : offset + n].view_as(p).to(p.dtype)
+            offset += n
+        with torch.enable_grad():
+            self.outer.step()
+        for p, g in zip(self._params, saved):
+            p.grad = g
+        self.anchor = [p.detach().clone() for p in self._params]
+
+    def _wait_pending(self) -> torch.Tensor | None:
+        """The exchange in flight, waited for (a checkpoint holds its result)."""
+        if self._pending is None:
+            return None
+        mean = self._pending.result()
+        self._pending = concurrent.futures.Future()
+        self._pending.set_result(mean)
+        return mean
+
+    @contextlib.contextmanager
+    def anchored(self) -> Iterator[None]:
+        """The parameters hold the anchor (the weights every rank agrees on) inside the block,
+        their own values again after it: to evaluate an overlapped run's model."""
+        if self.anchor is None:
+            yield
+            return
+        with torch.no_grad():
+            own = [p.detach().clone() for p in self._params]
+            for a, p in zip(self.anchor, self._params):
+                p.copy_(a)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for o, p in zip(own, self._params):
+                    p.copy_(o)
 
     def local_state_dict(self) -> dict[str, Any]:
+        pending = self._wait_pending()
         return {
             "version": 1,
             "sync_every": self.sync_every,
@@ -218,6 +322,10 @@ class LocalUpdate:
             "anchor": None if self.anchor is None else [a.clone() for a in self.anchor],
             "outer": self.outer.state_dict(),
             "codec": self.codec.state_dict(),
+            "overlap": {
+                "ref": None if self._ref is None else [r.clone() for r in self._ref],
+                "pending": None if pending is None else pending.clone(),
+            },
         }
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
@@ -238,11 +346,19 @@ class LocalUpdate:
         self.outer.load_state_dict(state["outer"])
         self.codec.load_state_dict(state["codec"])
         self._agree = True
+        saved = state.get("overlap") or {}
+        ref, pending = saved.get("ref"), saved.get("pending")
+        self._ref = None if ref is None else [r.clone() for r in ref]
+        self._pending = None
+        if pending is not None:
+            self._pending = concurrent.futures.Future()
+            self._pending.set_result(pending.clone())
 
     def rejoin(self, group: Any) -> None:
         """Elastic: the world was re-formed. Every rank starts a new round of ``sync_every``
         inner steps; the next outer step copies rank 0's anchor and outer state first, so all
         ranks, joined ones too, hold the same weights after it. Error feedback starts afresh."""
+        self._drop_pending()
         self._wire.close()
         self._wire = transport.of(group)
         self.codec = OuterCodec(self._compression, self._wire)
@@ -250,14 +366,27 @@ class LocalUpdate:
         self._agree = True
 
     def close(self) -> None:
+        self._drop_pending()
         self._wire.close()
+        if self._exchanger is not None:
+            self._exchanger.shutdown(wait=False)
+
+    def _drop_pending(self) -> None:
+        """Elastic or closing: the exchange in flight on the old world is given up on every
+        rank alike (its round's changes are lost, not applied on some ranks only)."""
+        self._pending = None
+        self._ref = None
 
     # ---- agreeing on the anchor -----------------------------------------------------------------
 
     def _copy_from_root(self) -> None:
         """Every rank takes rank 0's anchor and outer optimizer state (serialized, so a rank
-        that joined without outer state gets it whole)."""
+        that joined without outer state gets it whole), unless every rank's digest of them is
+        already rank 0's."""
         assert self.anchor is not None
+        if _all_alike(self._wire, self._digest()):
+            return
+        self.copies += 1
         buf = io.BytesIO()
         if self._wire.rank == 0:
             torch.save({"anchor": self.anchor, "outer": self.outer.state_dict()}, buf)
@@ -266,6 +395,33 @@ class LocalUpdate:
             got = torch.load(io.BytesIO(blob), weights_only=True)
             self.anchor = got["anchor"]
             self.outer.load_state_dict(got["outer"])
+
+    def _digest(self) -> bytes:
+        """SHA-256 of the anchor's and the outer optimizer state's bits (32 bytes)."""
+        assert self.anchor is not None
+        h = hashlib.sha256()
+        tensors = list(self.anchor)
+        state = self.outer.state_dict()["state"]  # keyed by parameter index
+        for pid in sorted(state):
+            for key in sorted(state[pid]):
+                value = state[pid][key]
+                h.update(f"{pid}:{key}".encode())
+                if isinstance(value, torch.Tensor):
+                    tensors.append(value)
+                else:
+                    h.update(repr(value).encode())
+        for t in tensors:
+            h.update(str((t.dtype, tuple(t.shape))).encode())
+            h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.digest()
+
+
+def _all_alike(wire: transport.Transport, digest: bytes) -> bool:
+    """Whether every rank's ``digest`` is the same (an all-gather of 32 bytes a rank)."""
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+    pieces = [mine if r == wire.rank else torch.empty_like(mine) for r in range(wire.size)]
+    wire.allgather(pieces).wait()
+    return all(torch.equal(p, pieces[0]) for p in pieces)
 
 
 def _broadcast_bytes(wire: transport.Transport, data: bytes) -> bytes:

@@ -112,6 +112,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sync_every: int | str | None = None,
         outer_optimizer: local_update.OuterFactory | None = None,
         outer_compression: str | None = None,
+        outer_overlap: bool | None = None,
     ) -> None:
         # Deliberately no super().__init__(): all optimizer state lives in the wrapped optimizer.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -156,6 +157,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             reduce_scatter=reduce_scatter,
             sync_every=sync_every,
             outer_compression=outer_compression,
+            outer_overlap=outer_overlap,
         )
         if config.sync_every == "auto":
             compression = local_update.auto_compression(compression, config)

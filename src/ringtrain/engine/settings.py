@@ -38,6 +38,8 @@ sync_every: local updates (DiLoCo, :mod:`ringtrain.engine.local_update`): each r
     synchronous training cannot reach 80% efficiency.
 outer_compression: the outer exchange's wire: "none", "fp16" (default), "bf16", "int8",
     "int4" (the narrow ones with error feedback).
+outer_overlap: True: the outer exchange runs in the background during the next round's inner
+    steps and its average is applied one round late (streaming DiLoCo).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ CONFIG_ARGS = (
     "reduce_scatter",
     "sync_every",
     "outer_compression",
+    "outer_overlap",
 )
 
 
