@@ -8,8 +8,9 @@ step counts as *writing* when rank 0's write was in flight both when it started 
 ended, and as *idle* when taken after the wait; rounds interleave the two, so both see the same
 machine load. An untimed first save starts the writer process and makes the shared-memory
 buffers. Reported: blocked time per save (the host copy, plus waiting for the previous
-save, which never happens here since each round waits), the write's duration (save to commit),
-and step time writing vs idle, median [min-max], with their ratio. Figures are rank 0's.
+save, which never happens here since each round waits; also the slowest rank's per save), the
+write's duration (save to commit), and step time writing vs idle, median [min-max], with their
+ratio. Figures are rank 0's unless named otherwise.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class CheckpointResult:
     world_size: int
     checkpoint_bytes: int  # the committed checkpoint's files, all ranks
     blocked_s: Summary
+    blocked_slowest_s: Summary  # per save, the most any rank was blocked
+    copy_s: Summary  # of rank 0's blocked time, the copy into host memory
     write_s: Summary
     step_idle_s: Summary
     step_writing_s: Summary
@@ -85,7 +88,7 @@ def bench_checkpoint(params: CheckpointParams) -> CheckpointResult:
         if ringtrain.rank() == 0
         else ringtrain.broadcast_object(None)
     )
-    blocked, writes, idle, writing = [], [], [], []
+    blocked, copies, writes, idle, writing = [], [], [], [], []
     try:
         for _ in range(2):
             step()  # the plan is learned, shards made
@@ -96,6 +99,7 @@ def bench_checkpoint(params: CheckpointParams) -> CheckpointResult:
                 saver.save(r + 1, model=model, optimizer=opt)
                 started = time.perf_counter()
                 blocked.append(saver.last_blocked_s)
+                copies.append(saver.last_phases["copy"])
                 done_at = None
                 for _ in range(params.steps):
                     before = saver.in_flight()
@@ -109,6 +113,8 @@ def bench_checkpoint(params: CheckpointParams) -> CheckpointResult:
                 ringtrain.barrier()
                 idle += [step() for _ in range(params.steps)]
         size = _size(ringtrain.checkpoint.latest(root) or root)
+        every = ringtrain.allgather_object(blocked)
+        slowest = [max(b[i] for b in every) for i in range(len(blocked))]
     finally:
         ringtrain.barrier()
         if not params.directory and ringtrain.rank() == 0:
@@ -122,6 +128,8 @@ def bench_checkpoint(params: CheckpointParams) -> CheckpointResult:
         ringtrain.size(),
         size,
         Summary.of(blocked),
+        Summary.of(slowest),
+        Summary.of(copies),
         Summary.of(writes),
         Summary.of(idle),
         Summary.of(writing),
@@ -139,6 +147,12 @@ def format_checkpoint(res: CheckpointResult, markdown: bool = False) -> str:
     p = res.params
     rows = [
         ["blocked per save (ms)", ms(res.blocked_s), str(res.blocked_s.n)],
+        ["  of which copying (ms)", ms(res.copy_s), str(res.copy_s.n)],
+        [
+            "blocked per save, slowest rank (ms)",
+            ms(res.blocked_slowest_s),
+            str(res.blocked_slowest_s.n),
+        ],
         ["write, save to commit (ms, <=)", ms(res.write_s), str(res.write_s.n)],
         ["step, idle (ms)", ms(res.step_idle_s), str(res.step_idle_s.n)],
         ["step, write in flight (ms)", ms(res.step_writing_s), str(res.step_writing_s.n)],
