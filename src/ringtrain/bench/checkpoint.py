@@ -8,14 +8,18 @@ step counts as *writing* when rank 0's write was in flight both when it started 
 ended, and as *idle* when taken after the wait; rounds interleave the two, so both see the same
 machine load. An untimed first save starts the writer process and makes the shared-memory
 buffers. Reported: blocked time per save (the host copy, plus waiting for the previous
-save, which never happens here since each round waits), the write's duration (save to commit),
-and step time writing vs idle, median [min-max], with their ratio. Figures are rank 0's.
+save, which never happens here since each round waits; also the slowest rank's per save), the
+write's duration (save to commit), and step time writing vs idle, median [min-max], with their
+ratio; and that ratio per round (each round's writing steps against its own idle steps, so a
+change of the machine's load between rounds cancels), median [min-max] over rounds. Figures
+are rank 0's unless named otherwise.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -47,10 +51,14 @@ class CheckpointResult:
     world_size: int
     checkpoint_bytes: int  # the committed checkpoint's files, all ranks
     blocked_s: Summary
+    blocked_slowest_s: Summary  # per save, the most any rank was blocked
+    copy_s: Summary  # of rank 0's blocked time, the copy into host memory
+    copy_cpu_s: Summary  # the CPU time rank 0's process spent in it
     write_s: Summary
     step_idle_s: Summary
     step_writing_s: Summary
     slowdown: float  # median writing / median idle
+    slowdown_rounds: Summary  # per round: its writing steps' median / its idle steps' median
     environment: dict[str, Any] = field(default_factory=dict)
 
 
@@ -85,7 +93,7 @@ def bench_checkpoint(params: CheckpointParams) -> CheckpointResult:
         if ringtrain.rank() == 0
         else ringtrain.broadcast_object(None)
     )
-    blocked, writes, idle, writing = [], [], [], []
+    blocked, copies, copies_cpu, writes, idle, writing, rounds = [], [], [], [], [], [], []
     try:
         for _ in range(2):
             step()  # the plan is learned, shards made
@@ -96,25 +104,34 @@ def bench_checkpoint(params: CheckpointParams) -> CheckpointResult:
                 saver.save(r + 1, model=model, optimizer=opt)
                 started = time.perf_counter()
                 blocked.append(saver.last_blocked_s)
+                copies.append(saver.last_phases["copy"])
+                copies_cpu.append(saver.last_phases["copy_cpu"])
                 done_at = None
+                mine: list[float] = []  # this round's steps taken while the write ran
                 for _ in range(params.steps):
                     before = saver.in_flight()
                     s = step()
                     if before and saver.in_flight():
-                        writing.append(s)
+                        mine.append(s)
                     elif done_at is None and not saver.in_flight():
                         done_at = time.perf_counter()
                 saver.wait()
                 writes.append((done_at or time.perf_counter()) - started)
                 ringtrain.barrier()
-                idle += [step() for _ in range(params.steps)]
+                calm = [step() for _ in range(params.steps)]
+                if mine:
+                    rounds.append(statistics.median(mine) / statistics.median(calm))
+                writing += mine
+                idle += calm
         size = _size(ringtrain.checkpoint.latest(root) or root)
+        every = ringtrain.allgather_object(blocked)
+        slowest = [max(b[i] for b in every) for i in range(len(blocked))]
     finally:
         ringtrain.barrier()
         if not params.directory and ringtrain.rank() == 0:
             shutil.rmtree(root, ignore_errors=True)
     if not writing:
-        writing = [float("nan")]
+        writing = rounds = [float("nan")]
     ratio = Summary.of(writing).median / Summary.of(idle).median
     env["load_after"] = load_average()
     return CheckpointResult(
@@ -122,10 +139,14 @@ def bench_checkpoint(params: CheckpointParams) -> CheckpointResult:
         ringtrain.size(),
         size,
         Summary.of(blocked),
+        Summary.of(slowest),
+        Summary.of(copies),
+        Summary.of(copies_cpu),
         Summary.of(writes),
         Summary.of(idle),
         Summary.of(writing),
         ratio,
+        Summary.of(rounds),
         env,
     )
 
@@ -136,13 +157,21 @@ def format_checkpoint(res: CheckpointResult, markdown: bool = False) -> str:
     def ms(s: Summary) -> str:
         return f"{s.median * 1e3:.0f} [{s.min * 1e3:.0f}-{s.max * 1e3:.0f}]"
 
-    p = res.params
+    p, r = res.params, res.slowdown_rounds
     rows = [
         ["blocked per save (ms)", ms(res.blocked_s), str(res.blocked_s.n)],
+        ["  of which copying (ms)", ms(res.copy_s), str(res.copy_s.n)],
+        ["  the copy's CPU time (ms)", ms(res.copy_cpu_s), str(res.copy_cpu_s.n)],
+        [
+            "blocked per save, slowest rank (ms)",
+            ms(res.blocked_slowest_s),
+            str(res.blocked_slowest_s.n),
+        ],
         ["write, save to commit (ms, <=)", ms(res.write_s), str(res.write_s.n)],
         ["step, idle (ms)", ms(res.step_idle_s), str(res.step_idle_s.n)],
         ["step, write in flight (ms)", ms(res.step_writing_s), str(res.step_writing_s.n)],
         ["slowdown (writing / idle)", f"{res.slowdown:.2f}x", ""],
+        ["slowdown per round", f"{r.median:.2f}x [{r.min:.2f}-{r.max:.2f}]", str(r.n)],
     ]
     return "\n".join(
         [

@@ -49,6 +49,21 @@ def _agree(value: Any, size: int) -> Any:
     return broadcast_object(value, root_rank=0)
 
 
+def world() -> tuple[int, int]:
+    """Which world this process is in: (generation, size); a new elastic world is another."""
+    from ringtrain.runtime import state as runtime
+
+    if runtime.is_initialized():
+        rt = runtime.current()
+        return rt.generation, rt.size
+    return 0, 1
+
+
+def new_token() -> str:
+    """A random id, the same on every rank (collective)."""
+    return str(_agree(uuid.uuid4().hex, world()[1]))
+
+
 def _all_ok(error: BaseException | None, size: int, what: str) -> None:
     """Raise on every rank if any rank failed: a failed rank its own error, the others the
     same kind of error naming it."""
@@ -77,11 +92,14 @@ def prepare(
     sampler: Any,
     extra: Any,
     host: Any = None,
+    save_id: str | None = None,
 ) -> tuple[store.Job, list[Any], sealed.Keys | None]:
-    """The blocking half of a save (collective): agree on an id, copy this rank's part to host
-    memory. What is left (writing, committing) needs no collective."""
+    """The blocking half of a save: agree on an id (a collective, unless ``save_id`` is given,
+    the same on every rank), copy this rank's part to host memory. What is left (writing,
+    committing) needs no collective."""
     rank, size, config = _where()
-    save_id = _agree(uuid.uuid4().hex, size)
+    if save_id is None:
+        save_id = _agree(uuid.uuid4().hex, size)
     final = os.path.abspath(path)
     parent, base = os.path.split(final)
     job = store.Job(

@@ -20,7 +20,7 @@ import io
 import os
 import pickle
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO, Protocol
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -70,15 +70,66 @@ class Record:
     entries: list[Entry] = field(default_factory=list)
 
 
-def serialize(items: list[Item]) -> tuple[bytes, list[Entry]]:
-    """The part's file contents (DCP's per-item ``torch.save``), and each item's entry."""
-    buf = io.BytesIO()
+class Transform(Protocol):
+    """What a file's bytes pass through on their way to disk (sealing: header, body, tag)."""
+
+    def begin(self) -> bytes: ...
+
+    def update(self, data: memoryview) -> bytes: ...
+
+    def end(self) -> bytes: ...
+
+
+class _Sink:
+    """A part file being written: what passes is transformed (sealed) if asked, hashed
+    (SHA-256) and written, a chunk at a time, so each chunk is hashed while still in cache and
+    no copy of the whole file is ever held in memory. ``tell()`` counts the plaintext."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, f: BinaryIO, transform: Transform | None) -> None:
+        self._f = f
+        self._transform = transform
+        self._hash = hashlib.sha256()
+        self._pos = 0
+        self.nbytes = 0
+        if transform is not None:
+            self._out(memoryview(transform.begin()))
+
+    def _out(self, data: memoryview | bytes) -> None:
+        self._hash.update(data)
+        self._f.write(data)
+        self.nbytes += len(data)
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for i in range(0, len(view), self.CHUNK):
+            chunk = view[i : i + self.CHUNK]
+            self._out(chunk if self._transform is None else self._transform.update(chunk))
+        self._pos += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:  # torch.save flushes after each item; durability comes at close
+        pass
+
+    def finish(self) -> str:
+        if self._transform is not None:
+            self._out(self._transform.end())
+        return self._hash.hexdigest()
+
+
+def serialize_into(out: Any, items: list[Item]) -> list[Entry]:
+    """Write the part's contents (DCP's per-item ``torch.save``) to ``out`` (``write`` and
+    ``tell``); returns each item's entry."""
     entries: list[Entry] = []
     for it in items:
-        start = buf.tell()
+        start = out.tell()
         if it.size is not None:  # a chunk of a tensor (a tensor given as an object has no size)
             t = it.value
-            torch.save(t if t.is_contiguous() else t.contiguous(), buf)
+            torch.save(t if t.is_contiguous() else t.contiguous(), out)
             dtype = str(t.dtype).replace("torch.", "")
             entries.append(
                 (
@@ -88,13 +139,34 @@ def serialize(items: list[Item]) -> tuple[bytes, list[Entry]]:
                     dtype,
                     tuple(t.shape),
                     start,
-                    buf.tell() - start,
+                    out.tell() - start,
                 )
             )
         else:
-            torch.save(it.value, buf)
-            entries.append((it.fqn, None, None, "", None, start, buf.tell() - start))
+            torch.save(it.value, out)
+            entries.append((it.fqn, None, None, "", None, start, out.tell() - start))
+    return entries
+
+
+def serialize(items: list[Item]) -> tuple[bytes, list[Entry]]:
+    """The part's file contents in memory, and each item's entry."""
+    buf = io.BytesIO()
+    entries = serialize_into(buf, items)
     return buf.getvalue(), entries
+
+
+def write_part_file(
+    path: str, items: list[Item], transform: Transform | None = None
+) -> tuple[str, int, list[Entry]]:
+    """Write a part file durably (fsync), streaming: returns its SHA-256 (hex), its size on
+    disk and each item's entry (offsets in the plaintext)."""
+    with open(path, "wb") as f:
+        sink = _Sink(f, transform)
+        entries = serialize_into(sink, items)
+        digest = sink.finish()
+        f.flush()
+        os.fsync(f.fileno())
+    return digest, sink.nbytes, entries
 
 
 def write_file(path: str, data: bytes) -> str:

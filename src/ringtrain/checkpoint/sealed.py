@@ -59,6 +59,28 @@ def seal(key: bytes, name: str, data: bytes) -> bytes:
     return MAGIC + nonce + AESGCM(key).encrypt(nonce, data, _aad(name))
 
 
+class Sealer:
+    """:func:`seal` a file as it streams to disk (:class:`ringtrain.checkpoint.layout.Transform`):
+    the same bytes as the one-shot form (GCM's ciphertext, then its tag), without the whole file
+    in memory twice, and without the one-shot form's 2 GiB limit."""
+
+    def __init__(self, key: bytes, name: str) -> None:
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+        self._nonce = os.urandom(NONCE)
+        self._enc = Cipher(algorithms.AES(key), modes.GCM(self._nonce)).encryptor()
+        self._enc.authenticate_additional_data(_aad(name))
+
+    def begin(self) -> bytes:
+        return MAGIC + self._nonce
+
+    def update(self, data: memoryview) -> bytes:
+        return self._enc.update(data)
+
+    def end(self) -> bytes:
+        return self._enc.finalize() + self._enc.tag
+
+
 def open_sealed(key: bytes, name: str, path: str, blob: bytes) -> bytes:
     from cryptography.exceptions import InvalidTag
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM

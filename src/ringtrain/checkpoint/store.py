@@ -19,7 +19,7 @@ from typing import Any
 
 from ringtrain.checkpoint import layout, manifest
 from ringtrain.checkpoint.layout import Item, Record
-from ringtrain.checkpoint.sealed import Keys, open_sealed, seal
+from ringtrain.checkpoint.sealed import Keys, Sealer, open_sealed, seal
 from ringtrain.errors import CheckpointError
 
 
@@ -40,12 +40,10 @@ class Job:
 
 def write_part(job: Job, items: list[Item], keys: Keys | None) -> Record:
     os.makedirs(job.partial, exist_ok=True)
-    data, entries = layout.serialize(items)
     name = layout.data_file(job.rank)
-    if keys is not None:
-        data = seal(keys.files, name, data)
-    digest = layout.write_file(os.path.join(job.partial, name), data)
-    record = Record(job.rank, name, digest, len(data), entries)
+    sealer = Sealer(keys.files, name) if keys is not None else None
+    digest, nbytes, entries = layout.write_part_file(os.path.join(job.partial, name), items, sealer)
+    record = Record(job.rank, name, digest, nbytes, entries)
     tmp = os.path.join(job.partial, layout.part_file(job.rank) + ".tmp")
     with open(tmp, "w") as f:
         json.dump({"save_id": job.save_id, "record": asdict(record)}, f)
@@ -59,6 +57,7 @@ def _records(job: Job) -> list[Record]:
     """Every rank's part record of this save (rank 0's writer waits for them)."""
     deadline = time.monotonic() + job.timeout_s
     found: dict[int, Record] = {}
+    pause = 0.02
     while True:
         for r in range(job.size):
             if r in found:
@@ -82,7 +81,8 @@ def _records(job: Job) -> list[Record]:
                 f"into {job.partial} within {job.timeout_s:g} s.\nHINT: those ranks failed or "
                 "cannot reach this directory (ranks on several hosts need a shared file system)."
             )
-        time.sleep(0.02)
+        time.sleep(pause)
+        pause = min(0.25, pause * 1.5)  # ranks still writing: poll less, wake training less
 
 
 def commit(job: Job, keys: Keys | None) -> None:
@@ -138,10 +138,25 @@ def place(job: Job) -> None:
         shutil.rmtree(old, ignore_errors=True)
     base = os.path.basename(job.final)
     for name in os.listdir(parent):  # saves of this name, or of steps, that never finished
-        if ".partial-" in name and name.startswith((f".{base}.", ".step-")):
+        stale = ".partial-" in name and name.startswith((f".{base}.", ".step-"))
+        if stale and not _later(name.split(".partial-", 1)[1], job.save_id):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
     if job.keep > 0:
         manifest.prune(parent, job.keep)
+
+
+def _later(save_id: str, than: str) -> bool:
+    """Whether ``save_id`` is a later save of the same series as ``than`` (``<prefix>-<count>``,
+    see :class:`ringtrain.checkpoint.Checkpointer`): other ranks may be writing it already."""
+    prefix, _, count = than.rpartition("-")
+    other, _, later = save_id.rpartition("-")
+    return (
+        bool(prefix)
+        and other == prefix
+        and count.isdigit()
+        and later.isdigit()
+        and (int(later) > int(count))
+    )
 
 
 @dataclass

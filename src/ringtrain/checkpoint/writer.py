@@ -3,8 +3,11 @@
 :class:`Checkpointer` copies this rank's part into shared-memory buffers (allocated at the
 first save and reused, so later saves do not allocate), then hands them to a writer process of
 its own (a process, not a thread: serializing, hashing, sealing and writing would otherwise
-hold the GIL against the training loop), and returns. The writer writes the part; rank 0's
-writer then commits the checkpoint (:mod:`ringtrain.checkpoint.store`). One save is in flight
+hold the GIL against the training loop), and returns. Nothing in that blocking part waits for
+other ranks after a world's first save: the save id is a prefix agreed at that first save and a
+count of saves. The writer streams the part to disk (hashing, and sealing, as it goes) from
+buffers it keeps mapped between saves; rank 0's writer then commits the checkpoint
+(:mod:`ringtrain.checkpoint.store`). One save is in flight
 at a time: a save while the previous one still writes first waits for it (that wait is
 blocked time, reported by :attr:`Checkpointer.last_blocked_s`). A write that failed is raised
 as :class:`CheckpointError` at the next :meth:`Checkpointer.save`, :meth:`~Checkpointer.check`
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import os
 import pickle
 import shutil
@@ -40,6 +44,7 @@ _MAIN = "from ringtrain.checkpoint.writer import main; main()"
 # The writer's niceness above training's: on a contended core it gets about a tenth of what a
 # training process gets, so the write still progresses (a save that finds it unfinished waits).
 NICE = 10
+_PIPE_BYTES = 1 << 20
 
 
 _SHM_PREFIX = "ringtrain-ckpt-"
@@ -109,6 +114,46 @@ class _Shared:
         return torch.from_file(self.path, shared=True, size=n, dtype=dtype).view(self.shape)
 
 
+def _tensor_from(dtype: str, shape: tuple[int, ...], data: bytes) -> torch.Tensor:
+    """A tensor back from :class:`_Pickler`'s bytes (writable: the bytes are its own)."""
+    if not data:
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype)).reshape(shape)
+
+
+class _Pickler(pickle.Pickler):
+    """Plain CPU tensors (the optimizer's ``step`` values, RNG states) as their raw bytes:
+    torch's own pickling goes through ``torch.save`` per tensor, a third of a millisecond each,
+    which the training process would pay for every parameter at every save."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (
+            type(obj) is torch.Tensor
+            and obj.device.type == "cpu"
+            and obj.layout == torch.strided
+            and not obj.requires_grad
+            and not obj.is_quantized
+        ):
+            t = obj.resolve_conj().resolve_neg().contiguous().reshape(-1)
+            data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            return _tensor_from, (str(obj.dtype).replace("torch.", ""), tuple(obj.shape), data)
+        return NotImplemented
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def _widen(fd: int) -> None:
+    """Let the pipe to the writer hold a whole save's message, so handing it over never waits
+    for the (low-priority) writer to be scheduled and read."""
+    with contextlib.suppress(OSError, AttributeError):  # Linux only; capped by pipe-max-size
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+
+
 def main(argv: list[str] | None = None) -> None:
     """The writer process: write each part it is given; rank 0's writer also commits."""
     import ctypes
@@ -120,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     rx = Connection(int(args[0]), writable=False)
     tx = Connection(int(args[1]), readable=False)
+    mapped: dict[_Shared, torch.Tensor] = {}  # buffers stay mapped from one save to the next
     while True:
         try:
             msg = pickle.loads(rx.recv_bytes())
@@ -129,9 +175,13 @@ def main(argv: list[str] | None = None) -> None:
             return
         job, items, keys = msg
         try:
+            used = {}
             for it in items:
                 if isinstance(it.value, _Shared):
-                    it.value = it.value.open()
+                    got = mapped.get(it.value)
+                    used[it.value] = it.value.open() if got is None else got
+                    it.value = used[it.value]
+            mapped = used  # a buffer the training process replaced is let go
             store.write_part(job, items, keys)
             if job.rank == 0:
                 store.commit(job, keys)
@@ -150,6 +200,10 @@ class Checkpointer:
         self.root = os.fspath(root)
         self.keep = keep
         self._buffers: dict[str, tuple[_Shared, torch.Tensor]] = {}
+        self._made = 0  # buffer files made: each a new name, so the writer's mappings stay true
+        self._token: str | None = None  # this world's save-id prefix (agreed once per world)
+        self._world: tuple[int, int] | None = None
+        self._saves = 0  # saves in this world: the same count on every rank
         self._proc: subprocess.Popen[bytes] | None = None
         self._tx: Any = None
         self._rx: Any = None
@@ -158,6 +212,7 @@ class Checkpointer:
         self._inflight: str | None = None  # the checkpoint being written
         self._failure: str | None = None
         self.last_blocked_s = 0.0
+        self.last_phases: dict[str, float] = {}  # where last_blocked_s went (seconds)
         self.last_committed: str | None = None
 
     # ---- the writer process ----------------------------------------------------------------
@@ -188,6 +243,7 @@ class Checkpointer:
         finally:
             os.close(r1)
             os.close(w2)
+        _widen(w1)
         self._tx = Connection(w1, readable=False)
         self._rx = Connection(r2, writable=False)
 
@@ -272,14 +328,27 @@ class Checkpointer:
         if got is None or got[1].shape != src.shape or got[1].dtype != src.dtype:
             if self._shm is None:
                 self._shm, self._shm_lock = _buffer_dir()
-            shared = _Shared(
-                os.path.join(self._shm, str(len(self._buffers))), dtype, tuple(src.shape)
-            )
+            if got is not None:  # the writer maps it until its next save: unlinking is safe
+                with contextlib.suppress(OSError):
+                    os.remove(got[0].path)
+            shared = _Shared(os.path.join(self._shm, str(self._made)), dtype, tuple(src.shape))
+            self._made += 1
             with open(shared.path, "wb") as f:
                 f.truncate(src.numel() * src.element_size())
             got = self._buffers[key] = (shared, shared.open())
         got[1].copy_(src)
         return got[0]
+
+    def _save_id(self) -> str:
+        """This save's id, the same on every rank without a collective in the blocking part:
+        a random prefix agreed once per world (at its first save), then a count of saves.
+        Ranks that disagree (one skipped a save) write parts under different ids, which the
+        committing writer never mixes: the save fails, named, at the next save."""
+        world = api.world()
+        if self._token is None or self._world != world:
+            self._token, self._world, self._saves = api.new_token(), world, 0
+        self._saves += 1
+        return f"{self._token}-{self._saves}"
 
     def save(
         self,
@@ -298,13 +367,23 @@ class Checkpointer:
         if not self._alive():
             self._stop()
             self._start()
+        t1, c1 = time.perf_counter(), time.process_time()
+        save_id = self._save_id()
         final = os.path.join(self.root, manifest.step_name(step))
         job, items, keys = api.prepare(
-            final, step, self.keep, model, optimizer, sampler, extra, host=self._host
+            final, step, self.keep, model, optimizer, sampler, extra, self._host, save_id
         )
-        self._tx.send_bytes(pickle.dumps((job, items, keys)))
+        t2, c2 = time.perf_counter(), time.process_time()
+        self._tx.send_bytes(_dumps((job, items, keys)))
         self._inflight = final
-        self.last_blocked_s = time.perf_counter() - t0
+        t3 = time.perf_counter()
+        self.last_blocked_s = t3 - t0
+        self.last_phases = {
+            "previous": t1 - t0,
+            "copy": t2 - t1,
+            "copy_cpu": c2 - c1,  # CPU time (all threads): the work, not the load
+            "handoff": t3 - t2,
+        }
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -1,0 +1,146 @@
+"""What keeps a save's blocking part short and its write light: no collective per save, the
+part streamed to disk (hashed and sealed on the way), buffers and the writer's mappings reused,
+small tensors handed over as raw bytes, a later save's directory never swept early."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ringtrain.checkpoint as ckpt
+from ringtrain.checkpoint import api, layout, manifest, sealed, store, writer
+from ringtrain.checkpoint.layout import Item
+from ringtrain.errors import SecurityError
+from ringtrain.testing import spawn
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _items() -> list[Item]:
+    big = torch.arange(800_000, dtype=torch.float32)  # 3.2 MB: several of the sink's chunks
+    return [
+        Item("model.w", big, tuple(big.shape), (0,)),
+        Item("meta.extra", {"step": 7, "t": torch.tensor([1, 2, 3])}),
+    ]
+
+
+def test_streamed_part_is_the_serialized_bytes(tmp_path: Path) -> None:
+    data, want = layout.serialize(_items())
+    path = str(tmp_path / "p")
+    digest, nbytes, entries = layout.write_part_file(path, _items())
+    on_disk = Path(path).read_bytes()
+    assert on_disk == data and nbytes == len(data) and entries == want
+    assert digest == hashlib.sha256(on_disk).hexdigest()
+
+
+def test_streamed_sealed_part_opens_to_the_serialized_bytes(tmp_path: Path) -> None:
+    key = os.urandom(32)
+    data, want = layout.serialize(_items())
+    path = str(tmp_path / "__0_0.distcp")
+    digest, nbytes, entries = layout.write_part_file(
+        path, _items(), sealed.Sealer(key, "__0_0.distcp")
+    )
+    blob = Path(path).read_bytes()
+    assert nbytes == len(blob) and digest == hashlib.sha256(blob).hexdigest()
+    assert entries == want and data not in blob
+    assert sealed.open_sealed(key, "__0_0.distcp", path, blob) == data
+    with pytest.raises(SecurityError):
+        sealed.open_sealed(key, "__1_0.distcp", path, blob)  # another name: another file
+
+
+@pytest.mark.parametrize(
+    "t",
+    [
+        torch.tensor(3.0),
+        torch.arange(10).reshape(2, 5),
+        torch.empty(0, 3),
+        torch.randn(4, 4).t(),
+        torch.tensor([True, False]),
+        torch.randn(3, dtype=torch.bfloat16),
+        torch.randn(2, dtype=torch.complex64).conj(),
+        torch.get_rng_state(),
+    ],
+)
+def test_handover_keeps_tensors_bitwise(t: torch.Tensor) -> None:
+    back = pickle.loads(writer._dumps({"a": [t]}))["a"][0]
+    assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+    if back.numel() and back.dtype != torch.bool:
+        back.add_(1)  # writable: its memory is its own
+
+
+def test_later_saves_directory_is_kept(tmp_path: Path) -> None:
+    """Without a collective per save, other ranks may already write save n+1 while rank 0's
+    writer commits save n: committing n sweeps unfinished saves, but never a later one."""
+    root = tmp_path
+    later = root / ".step-2.partial-tok-2"
+    stale = [root / ".step-1.partial-0123abcd", root / ".step-9.partial-old-5"]
+    for d in [later, *stale]:
+        d.mkdir()
+    job = store.Job(
+        final=str(root / "step-1"),
+        partial=str(root / ".step-1.partial-tok-1"),
+        save_id="tok-1",
+        rank=0,
+        size=1,
+        step=1,
+        keep=0,
+        timeout_s=5.0,
+        facts={},
+    )
+    os.mkdir(job.partial)
+    store.place(job)
+    assert (root / "step-1").is_dir() and later.is_dir()
+    assert not any(d.exists() for d in stale)
+
+
+def test_buffers_replaced_when_shapes_change(tmp_path: Path) -> None:
+    """A tensor whose shape changed gets a new buffer under a new name (the old one removed),
+    and the writer, which keeps its mappings between saves, writes the new values."""
+    with ckpt.Checkpointer(tmp_path) as saver:
+        saver.save(1, model=torch.nn.Linear(64, 64))
+        saver.wait()
+        assert saver.buffer_dir is not None
+        before = set(os.listdir(saver.buffer_dir))
+        small = torch.nn.Linear(8, 8)  # same keys, other shapes
+        saver.save(2, model=small)
+        saver.wait()
+        after = set(os.listdir(saver.buffer_dir))
+        assert len(after) == len(before) and not (after - {".owner"}) & before
+        big = torch.nn.Linear(64, 64)
+        saver.save(3, model=big)
+        saver.wait()
+    fresh = torch.nn.Linear(64, 64)
+    assert ckpt.load(tmp_path, model=fresh).step == 3
+    assert torch.equal(fresh.weight, big.weight) and torch.equal(fresh.bias, big.bias)
+
+
+def _saves_without_collectives(root: str) -> tuple[int, list[str]]:
+    calls = []
+    agree = api._agree
+
+    def counting(value: Any, size: int) -> Any:
+        calls.append(value)
+        return agree(value, size)
+
+    api._agree = counting  # type: ignore[assignment]
+    try:
+        model = torch.nn.Linear(16, 16)
+        with ckpt.Checkpointer(root, keep=0) as saver:
+            for step in range(1, 4):
+                saver.save(step, model=model)
+                saver.wait()
+    finally:
+        api._agree = agree  # type: ignore[assignment]
+    return len(calls), [step for step, _ in manifest.committed(root)]
+
+
+def test_one_agreement_per_world_not_per_save(tmp_path: Path, world2: spawn.World) -> None:
+    got = world2.run(_saves_without_collectives, str(tmp_path))
+    assert [n for n, _ in got] == [1, 1]  # the first save agrees on a prefix; then none
+    assert got[0][1] == [1, 2, 3]
