@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from ringtrain.errors import ConfigError
+
 
 @dataclass
 class Piece:
@@ -59,6 +61,20 @@ def _is_distributed(opt: Any) -> bool:
     return isinstance(opt, DistributedOptimizer)
 
 
+def refuse_local_updates(opt: Any) -> None:
+    """Local updates (``sync_every`` set) are not checkpointed yet: between outer steps every
+    rank's inner optimizer state differs, and the anchor, outer momentum and error feedback are
+    kept beside it; saving one replicated copy would resume to other weights, so it is refused."""
+    if _is_distributed(opt) and opt.local_update is not None:
+        raise ConfigError(
+            "ringtrain.checkpoint cannot save or load a local-update optimizer (sync_every set) "
+            "yet: each rank's inner state differs between outer steps.\n"
+            "HINT: save each rank's opt.state_dict() (it holds the anchor, outer state and "
+            "error feedback) with torch.save, one file per rank, and load it at the same world "
+            "size; or train without sync_every."
+        )
+
+
 def params_of(opt: Any) -> list[torch.Tensor]:
     inner = opt.optimizer if _is_distributed(opt) else opt
     return [p for g in inner.param_groups for p in g["params"]]
@@ -78,6 +94,7 @@ def _split(st: dict[str, Any], shape: torch.Size) -> tuple[dict[str, torch.Tenso
 
 def held(opt: Any) -> Held:
     """This rank's optimizer state, as views (copy them before the optimizer steps again)."""
+    refuse_local_updates(opt)
     dist_opt = _is_distributed(opt)
     if dist_opt:
         opt.drain()
@@ -132,6 +149,7 @@ def load(
     compressor: dict[str, Any] | None,
 ) -> None:
     """Load the full per-parameter ``state`` (torch's format) into ``opt``."""
+    refuse_local_updates(opt)
     sd: dict[str, Any] = {"state": state, "param_groups": param_groups}
     if compressor is not None and _is_distributed(opt):
         from ringtrain.engine.optimizer import COMPRESSOR_STATE_KEY
