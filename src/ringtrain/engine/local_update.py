@@ -196,10 +196,14 @@ class LocalUpdate:
         t0 = time.perf_counter()
         if self.overlap and self._wire.size > 1:
             self._overlapped_step()
-            t1 = time.perf_counter()
-            self.outer_seconds += t1 - t0
-            rec.span("step", "OUTER_STEP", t0, t1)
-            return
+        else:
+            self._synchronous_step()
+        t1 = time.perf_counter()
+        self.outer_seconds += t1 - t0
+        rec.span("step", "OUTER_STEP", t0, t1)
+
+    def _synchronous_step(self) -> None:
+        """This round's change averaged now, and the anchor stepped with it."""
         with torch.no_grad():
             if self.anchor is None:
                 self.anchor = [p.detach().clone() for p in self._params]
@@ -212,24 +216,9 @@ class LocalUpdate:
                     for a, p in zip(self.anchor, self._params)
                 ]
             )
-            mean = self.codec.average(change)
-            saved = [p.grad for p in self._params]
-            offset = 0
-            for a, p in zip(self.anchor, self._params):
-                n = p.numel()
-                p.copy_(a)
-                p.grad = mean[offset : offset + n].view_as(p).to(p.dtype)
-                offset += n
-        self.outer.step()
-        with torch.no_grad():
-            for p, g in zip(self._params, saved):
-                p.grad = g
-            self.anchor = [p.detach().clone() for p in self._params]
+            self._step_anchor(self.codec.average(change))
         self.inner_steps = 0
         self.outer_steps += 1
-        t1 = time.perf_counter()
-        self.outer_seconds += t1 - t0
-        rec.span("step", "OUTER_STEP", t0, t1)
 
     def _overlapped_step(self) -> None:
         """The outer step with the exchange overlapped: this round's change starts travelling
