@@ -57,8 +57,9 @@ def test_engine_modules_stay_small_and_the_optimizer_thin() -> None:
     assert lines["optimizer.py"] <= MAX_OPTIMIZER_LINES
 
 
-# The packages of the gradient path: from a ready bucket to updated parameters.
-GRADIENT_PATH = ("engine", "compression", "transport", "collectives", "algorithms")
+# The packages of the gradient path, from a ready bucket to updated parameters, and the
+# checkpoint, which reads the path's state (its pieces were a second ``Piece``).
+GRADIENT_PATH = ("engine", "compression", "transport", "collectives", "algorithms", "checkpoint")
 
 
 def test_one_meaning_per_class_name_on_the_gradient_path() -> None:

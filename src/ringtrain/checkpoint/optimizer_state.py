@@ -34,7 +34,7 @@ from ringtrain.errors import ConfigError
 
 
 @dataclass
-class Piece:
+class PieceState:
     """The state of elements ``[start, stop)`` of parameter ``index`` (flattened)."""
 
     index: int
@@ -51,7 +51,7 @@ class Held:
     shapes: list[tuple[int, ...]]  # every parameter's shape, in the optimizer's order
     param_groups: list[dict[str, Any]]  # torch's state_dict()["param_groups"]
     replicated: bool  # True: every rank holds the same, whole state
-    pieces: list[Piece] = field(default_factory=list)
+    pieces: list[PieceState] = field(default_factory=list)
     compressor: dict[str, Any] | None = None  # {"name", "state"} of a stateful compressor
 
 
@@ -113,7 +113,7 @@ def held(opt: Any) -> Held:
     if shards is None:
         for i, st in whole.items():
             elements, scalars = _split(st, params[i].shape)
-            out.pieces.append(Piece(i, 0, params[i].numel(), elements, scalars))
+            out.pieces.append(PieceState(i, 0, params[i].numel(), elements, scalars))
         return out
     # Sharded: state loaded but not yet absorbed into the shards is whole (and newer) on every
     # rank; this rank writes its own range of it, as if it were sharded.
@@ -131,7 +131,7 @@ def held(opt: Any) -> Held:
                 view = group["params"][0]
                 elements, scalars = _split(sopt.state.get(view, {}), view.shape)
             out.pieces.append(
-                Piece(
+                PieceState(
                     piece.index,
                     piece.start,
                     piece.stop,

@@ -134,7 +134,7 @@ def snapshot(
     return items, layout
 
 
-def _first(owner: dict[str, int], piece: optimizer_state.Piece, rank: int) -> bool:
+def _first(owner: dict[str, int], piece: optimizer_state.PieceState, rank: int) -> bool:
     """Replicated state: a parameter's per-parameter values go with its first per-element key
     (to rank 0 for a parameter without per-element state)."""
     keys = sorted(piece.elements)
