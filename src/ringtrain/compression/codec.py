@@ -103,15 +103,28 @@ def as_codec(compressor: Any) -> SummedCodec | RoundsCodec:
     return _Compressor(compressor)
 
 
-class _Compressor:
-    """A summed codec over a Horovod-style compressor: its wire is whatever it makes."""
-
-    own_rounds = False
-    elementwise = False  # unknown: never cut into shards, never cast into a kept buffer
+class _Wrapped:
+    """A user's compressor or reducer seen as a codec: its name, and its state where it has one."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.name = str(getattr(inner, "name", type(inner).__name__))
+
+    def state_dict(self) -> dict[str, Any]:
+        fn = getattr(self._inner, "state_dict", None)
+        return dict(fn()) if callable(fn) else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        fn = getattr(self._inner, "load_state_dict", None)
+        if callable(fn):
+            fn(state)
+
+
+class _Compressor(_Wrapped):
+    """A summed codec over a Horovod-style compressor: its wire is whatever it makes."""
+
+    own_rounds = False
+    elementwise = False  # unknown: never cut into shards, never cast into a kept buffer
 
     def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         wire: torch.Tensor = self._inner.compress(torch.zeros(1, dtype=dtype))[0]
@@ -125,24 +138,11 @@ class _Compressor:
         out: torch.Tensor = self._inner.decompress(tensor, ctx)
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        fn = getattr(self._inner, "state_dict", None)
-        return dict(fn()) if callable(fn) else {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        fn = getattr(self._inner, "load_state_dict", None)
-        if callable(fn):
-            fn(state)
-
-
-class _GroupReducer:
+class _GroupReducer(_Wrapped):
     """A rounds codec over a reducer written against torch.distributed: it gets the group."""
 
     own_rounds = True
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.name = str(getattr(inner, "name", type(inner).__name__))
 
     def plan(self, bucket_key: str, shapes: Sequence[Sequence[int]]) -> None:
         fn = getattr(self._inner, "plan", None)
@@ -152,12 +152,3 @@ class _GroupReducer:
     def reduce(self, bucket_key: str, flat: torch.Tensor, rounds: Rounds) -> torch.Tensor:
         out: torch.Tensor = self._inner.reduce(bucket_key, flat, rounds.group)
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        fn = getattr(self._inner, "state_dict", None)
-        return dict(fn()) if callable(fn) else {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        fn = getattr(self._inner, "load_state_dict", None)
-        if callable(fn):
-            fn(state)
