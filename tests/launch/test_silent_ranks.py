@@ -56,3 +56,21 @@ def test_stopped_rank_leaves_an_elastic_world() -> None:
     assert len(done) == 2
     for line in done:
         assert f"w={EXPECTED}".replace(" ", "") in line  # every sample exactly once
+
+
+@pytest.mark.timeout(300)
+def test_a_silent_rank_that_works_lives_and_one_doing_nothing_is_killed_as_frozen() -> None:
+    """Silence alone kills nobody (on a loaded host a running rank misses beats): a rank holding
+    the GIL in C while it computes lives; one holding it asleep, doing no work for the agent's
+    FROZEN_S (30 s), is killed."""
+    job = Path(__file__).with_name("gil_job.py")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringtrain", "run", "-np", "2", sys.executable, str(job)],
+        capture_output=True, text=True, timeout=280, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    held = re.search(r"rank 0 held the GIL for ([\d.]+) s and lives", proc.stdout)
+    assert held and float(held[1]) > 4.5, out  # longer than the agent's SILENT_S
+    assert re.search(r"rank 1 .*frozen: no work for (3\d|[4-9]\d) s\); killing it", out), out
+    assert not re.search(r"rank 0 \(pid \d+\) stopped responding", out), out
+    assert "job failed: rank 1" in proc.stderr, out

@@ -34,9 +34,17 @@ from ringtrain.launch.tuning import ALLOCATORS, LIB_DIRS
 TAIL_LINES = 20
 _PR_SET_PDEATHSIG = 1
 # A rank that beat once (ringtrain.init, runtime/heartbeat.py: every 0.5 s) and then stays
-# silent this long is taken for stopped (SIGSTOP, a frozen VM) and killed, so the launcher
-# handles it like a dead rank. Detection takes at most this plus the reap loop's 20 ms.
+# silent SILENT_S is looked at: stopped (SIGSTOP, a debugger: its state says so) it is killed at
+# once, and the launcher handles it like a dead rank. Silence alone is not enough: on a loaded
+# host a running rank can miss its beats for seconds, and a main thread holding the GIL in C
+# blocks them while the rank works; such a rank is killed only once it has also done no work for
+# FROZEN_S (stuck in the kernel or a driver): its main thread used no CPU time and no other
+# thread more than torch's idle background threads do (about 0.01 s a second).
 SILENT_S = 4.0
+FROZEN_S = 30.0
+_MAIN_WORK_S, _THREAD_WORK_S = 0.05, 0.5
+LOOK_S = 0.25  # how often a silent rank's state is read
+_STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 
 
 def host_facts() -> dict[str, Any]:
@@ -84,6 +92,8 @@ class Agent:
         self._stopping = False
         self._beats: dict[int, float] = {}  # rank -> time of its last heartbeat
         self._silent: dict[int, float] = {}  # rank -> how long it was silent when killed
+        # silent rank -> (since when it did no work, last look, its threads' CPU seconds then)
+        self._idle: dict[int, tuple[float, float, dict[tuple[int, int], float]]] = {}
 
     def send(self, kind: str, **fields: Any) -> None:
         # If the launcher is gone, the stdin watcher stops everything.
@@ -167,17 +177,34 @@ class Agent:
             os.close(fd)
 
     def _check_silent(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
-        """Kill ``rank`` if it beat before and has been silent for :data:`SILENT_S`."""
+        """Kill ``rank`` if it beat before, has been silent for :data:`SILENT_S`, and is stopped
+        or has done no work for :data:`FROZEN_S`."""
         last = self._beats.get(rank)
         if last is None or rank in self._silent or self._stopping:
             return
-        silent = time.monotonic() - last
+        now = time.monotonic()
+        silent = now - last
         if silent < SILENT_S:
+            self._idle.pop(rank, None)
             return
+        since, looked, cpu = self._idle.get(rank, (now, 0.0, {}))
+        if now - looked < LOOK_S:
+            return
+        tree = _process_tree(proc.pid)
+        if any(_status(p) in _STOPPED for p in tree):
+            why = "stopped"
+        else:
+            if rank not in self._idle or _worked(cpu, _thread_cpu(tree)):
+                self._idle[rank] = (now, now, _thread_cpu(tree))  # working, or starved: wait
+                return
+            self._idle[rank] = (since, now, cpu)
+            if now - since < FROZEN_S:
+                return
+            why = f"frozen: no work for {now - since:.0f} s"
         self._silent[rank] = silent
         line = (
             f"ringtrain: rank {rank} (pid {proc.pid}) stopped responding: no heartbeat for "
-            f"{silent:.1f} s (stopped, or frozen); killing it"
+            f"{silent:.1f} s ({why}); killing it"
         )
         self._tails[rank].append(line)
         self.send("out", rank=rank, fd=2, line=line, end="\n")
@@ -271,6 +298,41 @@ class Agent:
         for proc in self._procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(max(0.0, deadline - time.monotonic()))
+
+
+def _process_tree(pid: int) -> list[psutil.Process]:
+    """The rank's process and its descendants (a wrapper script's child may be the rank)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _status(p: psutil.Process) -> str:
+    try:
+        return str(p.status())
+    except psutil.Error:
+        return ""
+
+
+def _thread_cpu(tree: list[psutil.Process]) -> dict[tuple[int, int], float]:
+    """CPU seconds of every thread of ``tree``, by (process, thread)."""
+    cpu = {}
+    for p in tree:
+        with contextlib.suppress(psutil.Error):
+            for t in p.threads():
+                cpu[(p.pid, t.id)] = float(t.user_time + t.system_time)
+    return cpu
+
+
+def _worked(before: dict[tuple[int, int], float], now: dict[tuple[int, int], float]) -> bool:
+    """Whether a main thread ran, or another thread did more than idle background work."""
+    for (pid, tid), t in now.items():
+        gained = t - before.get((pid, tid), t)
+        if gained > (_MAIN_WORK_S if tid == pid else _THREAD_WORK_S):
+            return True
+    return False
 
 
 def _child_setup(cpus: list[int] | None) -> Callable[[], None]:

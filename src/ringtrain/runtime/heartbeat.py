@@ -2,12 +2,13 @@
 
 The agent that started the rank passes the write end of a pipe as ``RINGTRAIN_HEARTBEAT_FD``;
 ``ringtrain.init`` starts a daemon thread that writes to it. A rank that stops without dying
-(SIGSTOP, a frozen VM) stops beating, and its agent kills it once it has been silent for
-``launch.agent.SILENT_S``, so the job handles it like a dead rank (:mod:`ringtrain.launch.agent`).
+(SIGSTOP, stuck in a driver) stops beating, and its agent kills it once it has been silent for
+``launch.agent.SILENT_S`` and is stopped, or does no work (:mod:`ringtrain.launch.agent`), so the
+job handles it like a dead rank.
 The thread only writes to a pipe, never calls into torch, so it is safe at interpreter exit;
-at exit the rank says goodbye, since the thread stops before the process ends. Limit: a rank
-whose main thread holds the GIL for longer than that (a long call into C that does not
-release it) is taken for stopped too.
+at exit the rank says goodbye, since the thread stops before the process ends. A main thread
+holding the GIL in C silences the beats too; the agent tells that from a stop by the CPU time
+the rank still uses.
 """
 
 from __future__ import annotations
