@@ -14,7 +14,15 @@ from typing import Any
 
 import torch
 
-from ringtrain.checkpoint import manifest, optimizer_state, parts, samplers, sealed, store
+from ringtrain.checkpoint import (
+    local_state,
+    manifest,
+    optimizer_state,
+    parts,
+    samplers,
+    sealed,
+    store,
+)
 from ringtrain.errors import CheckpointError, ConfigError, RingtrainError, SecurityError
 
 
@@ -200,6 +208,7 @@ def load(
 class _Prepared:
     opened: store.Opened
     asm: parts.Assembled
+    local: local_state.Plan | None = None  # a local-update checkpoint's, for the optimizer
 
 
 def _read(
@@ -236,6 +245,11 @@ def _read(
                 f"{where} was saved with compression {saved_comp!r}, this optimizer uses "
                 f"{mine!r}.\nHINT: resume with the compression it was saved with."
             )
+        if local_state.is_local(asm.objects):
+            saved_size = int(opened.manifest["world_size"])
+            local_state.check(asm.objects, optimizer, where, size == saved_size)
+            plan = local_state.plan(asm.tensors, asm.objects, optimizer, rank, size, saved_size)
+            return _Prepared(opened, asm, plan)
     return _Prepared(opened, asm)
 
 
@@ -251,7 +265,10 @@ def _apply(
             if f"model.{k}" in asm.tensors:
                 sd[k] = asm.tensors[f"model.{k}"]
         model.load_state_dict(sd, strict=strict)
-    if optimizer is not None:
+    if optimizer is not None and prep.local is not None:
+        compressor = _compressor(asm, rank, size, saved_size)
+        local_state.apply(prep.local, asm.objects, asm.tensors, model, optimizer, compressor, rank)
+    elif optimizer is not None:
         meta = asm.objects["meta.optim"]
         state: dict[int, dict[str, Any]] = {}
         for fqn, t in asm.tensors.items():
