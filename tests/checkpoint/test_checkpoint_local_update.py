@@ -196,6 +196,14 @@ def test_load_at_another_size_resumes_from_the_anchor(
             assert "without local updates" in message[0]
         else:
             assert "reset:" in message[0] and "r mod 2's inner optimizer state" in message[0]
+    # torch's tools read the checkpoint's model as the anchor, and each rank's own weights.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert torch.equal(whole["model"]["a.weight"], before[0]["anchor"][0])
+    for r in range(2):
+        assert torch.equal(whole[f"rank{r}"]["local.param.0"], before[r]["weights"]["a.weight"])
     if size > 1:  # after the next outer step every rank holds the same weights again
         for got in after[1:]:
             for a, b in zip(after[0]["after_round"], got["after_round"]):

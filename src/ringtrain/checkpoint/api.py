@@ -140,7 +140,9 @@ def save(
 
     Every rank writes its own part: its share of the model's tensors (whole tensors, dealt by
     size), its ZeRO-1 shard of the optimizer state (or its share of the whole state), its RNG
-    state, its sampler position and its compressor state. ``extra`` (any picklable object, the
+    state, its sampler position and its compressor state; with local updates (``sync_every``)
+    also its own weights, inner optimizer state and error feedback, beside the shared anchor and
+    outer optimizer state (docs/checkpoint.md). ``extra`` (any picklable object, the
     same on every rank) is stored once. The checkpoint exists once its manifest is committed;
     an interrupted save leaves earlier checkpoints as they were. ``keep`` > 0 keeps only the
     newest ``keep`` ``step-N`` checkpoints beside ``path``.
@@ -190,7 +192,9 @@ def load(
     optimizer keeps its own shard (sharded or not, any world size). The RNG states are
     restored per rank (rank r takes saved rank r mod N's). Compressor state (PowerSGD/top-k
     error feedback) is restored at the same world size and reset at another; ``auto``'s
-    decision is kept at any size.
+    decision is kept at any size. A local-update optimizer (``sync_every``) continues bit for
+    bit at the same world size; at another every rank starts a new round from the anchor (rank
+    0 logs what was reset; :mod:`ringtrain.checkpoint.local_state`).
     """
     rank, size, config = _where()
     keys = sealed.job_keys(config)
