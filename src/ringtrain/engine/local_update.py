@@ -351,19 +351,29 @@ class LocalUpdate:
                 "the saved local-update anchor does not match this model's parameters.\n"
                 "HINT: load the checkpoint into the model it was saved from."
             )
-        self.anchor = None if anchor is None else [a.clone() for a in anchor]
+        # Own copies on the parameters' device (a checkpoint's tensors come from host memory).
+        device = self._params[0].device if self._params else torch.device("cpu")
+
+        def here(ts: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+            return (
+                None
+                if ts is None
+                else [t.to(p.device, copy=True) for t, p in zip(ts, self._params)]
+            )
+
+        self.anchor = here(anchor)
         self.inner_steps = int(state.get("inner_steps", 0)) % self.sync_every
         self.outer_steps = int(state.get("outer_steps", 0))
         self.outer.load_state_dict(state["outer"])
-        self.codec.load_state_dict(state["codec"])
+        self.codec.load_state_dict(state["codec"], device)
         self._agree = True
         saved = state.get("overlap") or {}
         ref, pending = saved.get("ref"), saved.get("pending")
-        self._ref = None if ref is None else [r.clone() for r in ref]
+        self._ref = here(ref)
         self._pending = None
         if pending is not None:
             self._pending = concurrent.futures.Future()
-            self._pending.set_result(pending.clone())
+            self._pending.set_result(pending.to(device, copy=True))
 
     def restart(self) -> None:
         """Start afresh from the current weights (a checkpoint without local-update state was
