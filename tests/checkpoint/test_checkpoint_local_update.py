@@ -1,7 +1,8 @@
 """A local-update optimizer (``sync_every``) in ringtrain.checkpoint.
 
 Saved at 2 ranks mid-round (each rank's weights, inner Adam state, int8 error feedback and buffers
-its own), at an outer-step boundary, and overlapped (an exchange in flight): loaded into fresh
+its own), at an outer-step boundary, overlapped (an exchange in flight), and before the first
+outer step from other weights on each rank (each rank's anchor its own): loaded into fresh
 objects and trained on, every rank ends bitwise where the run that never stopped ends. Loaded at
 1 and 3 ranks: every rank starts from the anchor and the outer optimizer's state, takes saved
 rank ``r mod 2``'s inner state, the rest is reset and a log line says so; at 3 the ranks agree
@@ -76,15 +77,19 @@ def _inner(opt: Any) -> dict[int, dict[str, Any]]:
     }
 
 
-def _save_and_go_on(path: str, k: int, overlap: bool, codec: str) -> dict[str, Any]:
-    """The run that never stops: k steps, a save, the rest."""
-    model, opt = _make(3, overlap, codec)
+def _save_and_go_on(
+    path: str, k: int, overlap: bool, codec: str, spread: int = 0
+) -> dict[str, Any]:
+    """The run that never stops: k steps, a save, the rest. ``spread``: the ranks start from
+    other weights (until the first outer step each rank's anchor is its own)."""
+    model, opt = _make(3 + spread * rt.rank(), overlap, codec)
     _train(model, opt, range(k))
     lu = opt.local_update
     ckpt.save(path, model=model, optimizer=opt, step=k)
     saved = {
         "weights": _weights(model),
         "anchor": [a.clone() for a in lu.anchor],
+        "agreed": lu.agreed,
         "outer": [s["momentum_buffer"].clone() for s in lu.outer.state_dict()["state"].values()],
         "outer_steps": lu.outer_steps,
         "inner": _inner(opt),
@@ -93,7 +98,9 @@ def _save_and_go_on(path: str, k: int, overlap: bool, codec: str) -> dict[str, A
     return {"saved": saved, "final": _weights(model)}
 
 
-def _load_and_go_on(path: str, k: int, overlap: bool, codec: str) -> dict[str, Any]:
+def _load_and_go_on(
+    path: str, k: int, overlap: bool, codec: str, spread: int = 0
+) -> dict[str, Any]:
     model, opt = _make(99, overlap, codec)  # other weights: the load must replace them
     restored = ckpt.load(path, model=model, optimizer=opt)
     assert restored.step == k and restored.saved_world_size == 2
@@ -109,16 +116,20 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], where: str) ->
 
 
 @pytest.mark.parametrize(
-    ("k", "overlap", "codec"),
-    [(7, False, "int8"), (6, False, "int8"), (7, True, "fp16")],
-    ids=["mid-round", "boundary", "overlapped-mid-round"],
+    ("k", "overlap", "codec", "spread"),
+    [(7, False, "int8", 0), (6, False, "int8", 0), (7, True, "fp16", 0), (2, True, "int4", 1)],
+    ids=["mid-round", "boundary", "overlapped-mid-round", "overlapped-before-the-first-outer-step"],
 )
 def test_resume_at_the_same_size_is_bit_exact(
-    tmp_path: Path, world2: spawn.World, k: int, overlap: bool, codec: str
+    tmp_path: Path, world2: spawn.World, k: int, overlap: bool, codec: str, spread: int
 ) -> None:
     path = str(tmp_path / f"step-{k}")
-    want = world2.run(_save_and_go_on, path, k, overlap, codec)
-    got = world2.run(_load_and_go_on, path, k, overlap, codec)
+    want = world2.run(_save_and_go_on, path, k, overlap, codec, spread)
+    got = world2.run(_load_and_go_on, path, k, overlap, codec, spread)
+    # Before the first outer step the ranks' anchors differ: each rank's own is saved.
+    assert want[0]["saved"]["agreed"] == (k >= H)
+    if spread:
+        assert not torch.equal(want[0]["saved"]["anchor"][0], want[1]["saved"]["anchor"][0])
     for r in range(2):
         _same(want[r]["saved"]["weights"], got[r]["loaded"], f"rank {r} as loaded")
         _same(want[r]["final"], got[r]["final"], f"rank {r} at the end")
