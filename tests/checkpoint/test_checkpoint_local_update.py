@@ -1,48 +1,288 @@
-"""A local-update optimizer (``sync_every``) is refused by ringtrain.checkpoint, on save and on
-load, with what to do instead: its ranks' inner states differ between outer steps, and a
-replicated copy would resume to other weights (see docs/checkpoint.md)."""
+"""A local-update optimizer (``sync_every``) in ringtrain.checkpoint.
+
+Saved at 2 ranks mid-round (each rank's weights, inner Adam state, int8 error feedback and buffers
+its own), at an outer-step boundary, overlapped (an exchange in flight), and before the first
+outer step from other weights on each rank (each rank's anchor its own): loaded into fresh
+objects and trained on, every rank ends bitwise where the run that never stopped ends. Loaded at
+1 and 3 ranks: every rank starts from the anchor and the outer optimizer's state, takes saved
+rank ``r mod 2``'s inner state, the rest is reset and a log line says so; at 3 the ranks agree
+after the next outer step. Sealed (secure mode): the same, with no plaintext weights on disk.
+``hvd.elastic.TorchState`` saves and loads it too.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 import ringtrain as rt
 import ringtrain.checkpoint as ckpt
-from ringtrain.errors import ConfigError
+import ringtrain.torch as hvd
+from ringtrain.security import keys
 from ringtrain.testing import spawn
 
+pytestmark = pytest.mark.timeout(600)
+H = 3  # sync_every
+TOTAL = 11
 
-def _local_update_job(root: str) -> list[str]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
+
+class Net(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = torch.nn.Linear(6, 16)
+        self.b = torch.nn.Linear(16, 3)
+        self.register_buffer("seen", torch.zeros(2))  # per rank: not exchanged
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _make(seed: int, overlap: bool = False, codec: str = "int8") -> tuple[Net, Any]:
+    model = Net(seed)
     opt = rt.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.optim.Adam(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
-        sync_every=2,
+        sync_every=H,
+        outer_compression=codec,
+        outer_overlap=overlap,
     )
-    for _ in range(3):
+    return model, opt
+
+
+def _train(model: Net, opt: Any, steps: range) -> None:
+    for s in steps:
+        g = torch.Generator().manual_seed(1000 * s + rt.rank())  # each rank its own data
+        x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
         opt.zero_grad()
-        model(torch.randn(8, 4)).sum().backward()
+        F.cross_entropy(model(x), y).backward()
         opt.step()
-    errors = []
-    try:
-        ckpt.save(Path(root) / "local", model=model, optimizer=opt)
-    except ConfigError as e:
-        errors.append(str(e))
-    plain = torch.optim.SGD(model.parameters(), lr=0.1)
-    saved = ckpt.save(Path(root) / "plain", model=model, optimizer=plain)
-    try:
-        ckpt.load(saved, model=model, optimizer=opt)
-    except ConfigError as e:
-        errors.append(str(e))
-    return errors
+        model.seen += rt.rank() + 1
 
 
-def test_save_and_load_refuse_a_local_update_optimizer(tmp_path: Path, world2: spawn.World) -> None:
-    for errors in world2.run(_local_update_job, str(tmp_path)):
-        assert len(errors) == 2, errors
-        for e in errors:
-            assert "local-update optimizer (sync_every set)" in e and "HINT:" in e, e
-    assert not (tmp_path / "local").exists()  # nothing half-written
+def _weights(model: Net) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _inner(opt: Any) -> dict[int, dict[str, Any]]:
+    return {
+        i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+        for i, st in opt.optimizer.state_dict()["state"].items()
+    }
+
+
+def _save_and_go_on(
+    path: str, k: int, overlap: bool, codec: str, spread: int = 0
+) -> dict[str, Any]:
+    """The run that never stops: k steps, a save, the rest. ``spread``: the ranks start from
+    other weights (until the first outer step each rank's anchor is its own)."""
+    model, opt = _make(3 + spread * rt.rank(), overlap, codec)
+    _train(model, opt, range(k))
+    lu = opt.local_update
+    ckpt.save(path, model=model, optimizer=opt, step=k)
+    saved = {
+        "weights": _weights(model),
+        "anchor": [a.clone() for a in lu.anchor],
+        "agreed": lu.agreed,
+        "outer": [s["momentum_buffer"].clone() for s in lu.outer.state_dict()["state"].values()],
+        "outer_steps": lu.outer_steps,
+        "inner": _inner(opt),
+    }
+    _train(model, opt, range(k, TOTAL))
+    return {"saved": saved, "final": _weights(model)}
+
+
+def _load_and_go_on(
+    path: str, k: int, overlap: bool, codec: str, spread: int = 0
+) -> dict[str, Any]:
+    model, opt = _make(99, overlap, codec)  # other weights: the load must replace them
+    restored = ckpt.load(path, model=model, optimizer=opt)
+    assert restored.step == k and restored.saved_world_size == 2
+    loaded = _weights(model)
+    _train(model, opt, range(k, TOTAL))
+    return {"loaded": loaded, "final": _weights(model)}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], where: str) -> None:
+    assert a.keys() == b.keys(), where
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{where}: {key} differs"
+
+
+@pytest.mark.parametrize(
+    ("k", "overlap", "codec", "spread"),
+    [(7, False, "int8", 0), (6, False, "int8", 0), (7, True, "fp16", 0), (2, True, "int4", 1)],
+    ids=["mid-round", "boundary", "overlapped-mid-round", "overlapped-before-the-first-outer-step"],
+)
+def test_resume_at_the_same_size_is_bit_exact(
+    tmp_path: Path, world2: spawn.World, k: int, overlap: bool, codec: str, spread: int
+) -> None:
+    path = str(tmp_path / f"step-{k}")
+    want = world2.run(_save_and_go_on, path, k, overlap, codec, spread)
+    got = world2.run(_load_and_go_on, path, k, overlap, codec, spread)
+    # Before the first outer step the ranks' anchors differ: each rank's own is saved.
+    assert want[0]["saved"]["agreed"] == (k >= H)
+    if spread:
+        assert not torch.equal(want[0]["saved"]["anchor"][0], want[1]["saved"]["anchor"][0])
+    for r in range(2):
+        _same(want[r]["saved"]["weights"], got[r]["loaded"], f"rank {r} as loaded")
+        _same(want[r]["final"], got[r]["final"], f"rank {r} at the end")
+    ranks_differ = not torch.equal(
+        want[0]["saved"]["weights"]["a.weight"], want[1]["saved"]["weights"]["a.weight"]
+    )
+    assert ranks_differ == (overlap or k % H != 0)  # mid-round each rank holds its own weights
+    assert not torch.equal(want[0]["saved"]["weights"]["seen"], want[1]["saved"]["weights"]["seen"])
+
+
+# ---- another world size ------------------------------------------------------------------------
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _load_elsewhere(path: str) -> dict[str, Any]:
+    model, opt = _make(99)
+    lines = _Lines()
+    logging.getLogger("ringtrain").addHandler(lines)
+    try:
+        ckpt.load(path, model=model, optimizer=opt)
+    finally:
+        logging.getLogger("ringtrain").removeHandler(lines)
+    lu = opt.local_update
+    got: dict[str, Any] = {
+        "weights": [p.detach().clone() for p in model.parameters()],
+        "inner": _inner(opt),
+        "lines": lines.lines,
+        "local": lu is not None,
+    }
+    if lu is not None:
+        got["outer"] = [
+            s["momentum_buffer"].clone() for s in lu.outer.state_dict()["state"].values()
+        ]
+        got["position"] = (lu.inner_steps, lu.outer_steps, lu.codec.residual)
+        _train(model, opt, range(7, 7 + H))  # one round: the next outer step
+        got["after_round"] = [p.detach().clone() for p in model.parameters()]
+    return got
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_load_at_another_size_resumes_from_the_anchor(
+    tmp_path: Path, world2: spawn.World, size: int
+) -> None:
+    path = str(tmp_path / "step-7")
+    before = [b["saved"] for b in world2.run(_save_and_go_on, path, 7, False, "int8")]
+    after = spawn.world(size).run(_load_elsewhere, path, timeout=300)
+    for r, got in enumerate(after):
+        for a, w in zip(before[0]["anchor"], got["weights"]):
+            assert torch.equal(a, w), f"rank {r}: not the anchor"
+        source = r % 2 if size > 1 else 0
+        for i, st in before[source]["inner"].items():
+            for key, v in st.items():
+                assert torch.equal(torch.as_tensor(v), torch.as_tensor(got["inner"][i][key]))
+        assert got["local"] == (size > 1)  # at 1 rank a DistributedOptimizer has no local step
+        if size > 1:
+            for a, b in zip(before[0]["outer"], got["outer"]):
+                assert torch.equal(a, b), f"rank {r}: outer momentum"
+            assert got["position"] == (0, before[0]["outer_steps"], None)
+        message = got["lines"]
+        if r != 0:
+            assert message == []
+            continue
+        assert len(message) == 1, message
+        assert "saved with local updates (sync_every=3) at 2 ranks" in message[0]
+        assert f"outer step {before[0]['outer_steps']}" in message[0]
+        if size == 1:
+            assert "without local updates" in message[0]
+        else:
+            assert "reset:" in message[0] and "r mod 2's inner optimizer state" in message[0]
+    # torch's tools read the checkpoint's model as the anchor, and each rank's own weights.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert torch.equal(whole["model"]["a.weight"], before[0]["anchor"][0])
+    for r in range(2):
+        assert torch.equal(whole[f"rank{r}"]["local.param.0"], before[r]["weights"]["a.weight"])
+    if size > 1:  # after the next outer step every rank holds the same weights again
+        for got in after[1:]:
+            for a, b in zip(after[0]["after_round"], got["after_round"]):
+                assert torch.equal(a, b)
+        spawn.close(size)
+
+
+# ---- sealed ----------------------------------------------------------------------------------
+
+
+def _sealed_save(path: str, k: int) -> dict[str, Any]:
+    out = _save_and_go_on(path, k, False, "int8")
+    needles = [
+        out["saved"]["weights"]["a.weight"].numpy().tobytes()[:64],  # this rank's own weights
+        out["saved"]["anchor"][0].numpy().tobytes()[:64],
+        out["saved"]["inner"][0]["exp_avg_sq"].numpy().tobytes()[:64],
+    ]
+    return {**out, "needles": needles}
+
+
+def test_sealed_mid_round_resume(tmp_path: Path, world2: spawn.World) -> None:
+    key_file = keys.write_key_file(tmp_path / "key", keys.generate_job_key())
+    secure = {"secure": True, "key_file": key_file}
+    path = str(tmp_path / "step-5")
+    want = world2.run(_sealed_save, path, 5, timeout=300, **secure)
+    blobs = [Path(path, n).read_bytes() for n in os.listdir(path)]
+    for r in range(2):
+        for needle in want[r]["needles"]:
+            assert not any(needle in b for b in blobs), f"rank {r}: plaintext on disk"
+    got = world2.run(_load_and_go_on, path, 5, False, "int8", timeout=300, **secure)
+    for r in range(2):
+        _same(want[r]["saved"]["weights"], got[r]["loaded"], f"rank {r} as loaded")
+        _same(want[r]["final"], got[r]["final"], f"rank {r} at the end")
+
+
+# ---- elastic TorchState ------------------------------------------------------------------------
+
+
+def _torch_state(seed: int) -> Any:
+    model, opt = _make(seed)
+    return hvd.elastic.TorchState(model=model, optimizer=opt, batch=0)
+
+
+def _state_save(path: str) -> dict[str, Any]:
+    state = _torch_state(3)
+    _train(state.model, state.optimizer, range(4))
+    state.batch = 4
+    state.commit()
+    state.save_checkpoint(path, step=4)
+    at_save = _weights(state.model)
+    _train(state.model, state.optimizer, range(4, TOTAL))
+    return {"saved": at_save, "final": _weights(state.model)}
+
+
+def _state_load(path: str) -> dict[str, Any]:
+    state = _torch_state(99)
+    state.load_checkpoint(path)
+    _train(state.model, state.optimizer, range(4, 6))
+    state.restore()  # back to what load_checkpoint committed: the loaded state, per rank
+    loaded = _weights(state.model)
+    _train(state.model, state.optimizer, range(state.batch, TOTAL))
+    return {"loaded": loaded, "final": _weights(state.model)}
+
+
+def test_torch_state_saves_and_loads_local_updates(tmp_path: Path, world2: spawn.World) -> None:
+    path = str(tmp_path / "step-4")
+    want = world2.run(_state_save, path)
+    got = world2.run(_state_load, path)
+    for r in range(2):
+        _same(want[r]["saved"], got[r]["loaded"], f"rank {r} as loaded")
+        _same(want[r]["final"], got[r]["final"], f"rank {r} at the end")

@@ -6,7 +6,8 @@
 
 Layering: ``manifest`` (plain Python: commit by rename, verification) < ``layout`` (DCP's
 file format) < ``sealed`` < ``store`` (write a part, commit, open) < ``optimizer_state`` (the
-one adapter onto the engine) < ``parts`` (what each rank writes, reassembly) < ``api``
+one adapter onto the engine) < ``local_state`` (a local-update optimizer's shared and per-rank
+state) < ``parts`` (what each rank writes, reassembly) < ``api``
 (``save``/``load``, collective) < ``writer`` (asynchronous saves in a writer process) < ``durable`` (saves on the job's
 schedule, ``--resume``). See docs/checkpoint.md.
 """

@@ -14,7 +14,15 @@ from typing import Any
 
 import torch
 
-from ringtrain.checkpoint import manifest, optimizer_state, parts, samplers, sealed, store
+from ringtrain.checkpoint import (
+    local_state,
+    manifest,
+    optimizer_state,
+    parts,
+    samplers,
+    sealed,
+    store,
+)
 from ringtrain.errors import CheckpointError, ConfigError, RingtrainError, SecurityError
 
 
@@ -132,7 +140,9 @@ def save(
 
     Every rank writes its own part: its share of the model's tensors (whole tensors, dealt by
     size), its ZeRO-1 shard of the optimizer state (or its share of the whole state), its RNG
-    state, its sampler position and its compressor state. ``extra`` (any picklable object, the
+    state, its sampler position and its compressor state; with local updates (``sync_every``)
+    also its own weights, inner optimizer state and error feedback, beside the shared anchor and
+    outer optimizer state (docs/checkpoint.md). ``extra`` (any picklable object, the
     same on every rank) is stored once. The checkpoint exists once its manifest is committed;
     an interrupted save leaves earlier checkpoints as they were. ``keep`` > 0 keeps only the
     newest ``keep`` ``step-N`` checkpoints beside ``path``.
@@ -182,7 +192,9 @@ def load(
     optimizer keeps its own shard (sharded or not, any world size). The RNG states are
     restored per rank (rank r takes saved rank r mod N's). Compressor state (PowerSGD/top-k
     error feedback) is restored at the same world size and reset at another; ``auto``'s
-    decision is kept at any size.
+    decision is kept at any size. A local-update optimizer (``sync_every``) continues bit for
+    bit at the same world size; at another every rank starts a new round from the anchor (rank
+    0 logs what was reset; :mod:`ringtrain.checkpoint.local_state`).
     """
     rank, size, config = _where()
     keys = sealed.job_keys(config)
@@ -200,6 +212,7 @@ def load(
 class _Prepared:
     opened: store.Opened
     asm: parts.Assembled
+    local: local_state.Plan | None = None  # a local-update checkpoint's, for the optimizer
 
 
 def _read(
@@ -236,6 +249,11 @@ def _read(
                 f"{where} was saved with compression {saved_comp!r}, this optimizer uses "
                 f"{mine!r}.\nHINT: resume with the compression it was saved with."
             )
+        if local_state.is_local(asm.objects):
+            saved_size = int(opened.manifest["world_size"])
+            local_state.check(asm.objects, optimizer, where, size == saved_size)
+            plan = local_state.plan(asm.tensors, asm.objects, optimizer, rank, size, saved_size)
+            return _Prepared(opened, asm, plan)
     return _Prepared(opened, asm)
 
 
@@ -251,7 +269,10 @@ def _apply(
             if f"model.{k}" in asm.tensors:
                 sd[k] = asm.tensors[f"model.{k}"]
         model.load_state_dict(sd, strict=strict)
-    if optimizer is not None:
+    if optimizer is not None and prep.local is not None:
+        compressor = _compressor(asm, rank, size, saved_size)
+        local_state.apply(prep.local, asm.objects, asm.tensors, model, optimizer, compressor, rank)
+    elif optimizer is not None:
         meta = asm.objects["meta.optim"]
         state: dict[int, dict[str, Any]] = {}
         for fqn, t in asm.tensors.items():

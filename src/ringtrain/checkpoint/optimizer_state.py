@@ -9,7 +9,10 @@ Saving asks, without any collective, which optimizer state this rank holds:
   pieces (:class:`ringtrain.engine.sharded.Piece`: parameter, element range) and their state,
   read from what its step strategy holds (``opt.update.held()``: the shards' ``layouts`` and
   ``optimizers``, one param group per piece in piece order); before its first step the state is
-  still whole in the wrapped optimizer.
+  still whole in the wrapped optimizer;
+* a local-update ``DistributedOptimizer`` (``sync_every``): the whole inner state, this rank's
+  own, and the step's anchor, outer state and place in the round (:attr:`Held.local`; written by
+  :mod:`ringtrain.checkpoint.local_state`).
 
 Loading hands the full per-parameter state to ``opt.load_state_dict`` (torch's format; the
 sharded optimizer keeps only its pieces of it, see ``ShardedStep.load_state``), with the
@@ -20,7 +23,9 @@ What it uses of the engine, all public, so the engine can change under it:
 ``drain()`` (finish an overlapped step's pending updates), ``update.held()`` (the step
 strategy's share of the state: :class:`ringtrain.engine.steps.Update`), ``load_state_dict``;
 ``ShardedStep``: ``layouts``, ``optimizers``; ``Piece``: ``index``, ``start``, ``stop``;
-``optimizer.COMPRESSOR_STATE_KEY``.
+``optimizer.COMPRESSOR_STATE_KEY``; with local updates (``sync_every``), ``local_update``
+(:class:`ringtrain.engine.local_update.LocalUpdate`: ``params``, ``local_state_dict``,
+``restart``, ``codec.name``) and ``local_update.STATE_KEY``.
 """
 
 from __future__ import annotations
@@ -29,8 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from ringtrain.errors import ConfigError
 
 
 @dataclass
@@ -53,6 +56,16 @@ class Held:
     replicated: bool  # True: every rank holds the same, whole state
     pieces: list[PieceState] = field(default_factory=list)
     compressor: dict[str, Any] | None = None  # {"name", "state"} of a stateful compressor
+    local: LocalHeld | None = None  # local updates: every rank's state differs (pieces whole)
+
+
+@dataclass
+class LocalHeld:
+    """A local-update step's state (``sync_every``): see :mod:`ringtrain.checkpoint.local_state`."""
+
+    params: list[torch.Tensor]  # its parameters (this rank's weights), in its order
+    optim_index: list[int]  # each one's index in the optimizer's parameters
+    state: dict[str, Any]  # LocalUpdate.local_state_dict(copy=False): views
 
 
 def _is_distributed(opt: Any) -> bool:
@@ -61,18 +74,9 @@ def _is_distributed(opt: Any) -> bool:
     return isinstance(opt, DistributedOptimizer)
 
 
-def refuse_local_updates(opt: Any) -> None:
-    """Local updates (``sync_every`` set) are not checkpointed yet: between outer steps every
-    rank's inner optimizer state differs, and the anchor, outer momentum and error feedback are
-    kept beside it; saving one replicated copy would resume to other weights, so it is refused."""
-    if _is_distributed(opt) and opt.local_update is not None:
-        raise ConfigError(
-            "ringtrain.checkpoint cannot save or load a local-update optimizer (sync_every set) "
-            "yet: each rank's inner state differs between outer steps.\n"
-            "HINT: save each rank's opt.state_dict() (it holds the anchor, outer state and "
-            "error feedback) with torch.save, one file per rank, and load it at the same world "
-            "size; or train without sync_every."
-        )
+def local_of(opt: Any) -> Any:
+    """The optimizer's local-update step (``sync_every``, :class:`LocalUpdate`), or None."""
+    return opt.local_update if _is_distributed(opt) else None
 
 
 def params_of(opt: Any) -> list[torch.Tensor]:
@@ -94,7 +98,6 @@ def _split(st: dict[str, Any], shape: torch.Size) -> tuple[dict[str, torch.Tenso
 
 def held(opt: Any) -> Held:
     """This rank's optimizer state, as views (copy them before the optimizer steps again)."""
-    refuse_local_updates(opt)
     dist_opt = _is_distributed(opt)
     if dist_opt:
         opt.drain()
@@ -108,6 +111,12 @@ def held(opt: Any) -> Held:
         state = get() if callable(get) else {}
         if state:
             out.compressor = {"name": getattr(comp, "name", type(comp).__name__), "state": state}
+    lu = local_of(opt)
+    if lu is not None:
+        index = {id(p): i for i, p in enumerate(params)}
+        out.local = LocalHeld(
+            list(lu.params), [index[id(p)] for p in lu.params], lu.local_state_dict(copy=False)
+        )
     shards = opt.update.held() if dist_opt and opt.shards_state else None
     whole = {i: inner.state[p] for i, p in enumerate(params) if inner.state.get(p)}
     if shards is None:
@@ -147,15 +156,25 @@ def load(
     state: dict[int, dict[str, Any]],
     param_groups: list[dict[str, Any]],
     compressor: dict[str, Any] | None,
+    local: dict[str, Any] | None = None,
 ) -> None:
-    """Load the full per-parameter ``state`` (torch's format) into ``opt``."""
-    refuse_local_updates(opt)
+    """Load the full per-parameter ``state`` (torch's format) into ``opt``; ``local``: a
+    local-update step's state (:meth:`LocalUpdate.local_state_dict`'s format), or None. A
+    local-update optimizer given no ``local`` starts afresh from its weights
+    (:meth:`LocalUpdate.restart`)."""
     sd: dict[str, Any] = {"state": state, "param_groups": param_groups}
+    lu = local_of(opt)
     if compressor is not None and _is_distributed(opt):
         from ringtrain.engine.optimizer import COMPRESSOR_STATE_KEY
 
         sd[COMPRESSOR_STATE_KEY] = compressor
+    if local is not None and lu is not None:
+        from ringtrain.engine.local_update import STATE_KEY
+
+        sd[STATE_KEY] = local
     opt.load_state_dict(sd)
+    if lu is not None and local is None:
+        lu.restart()
 
 
 def compressor_name(opt: Any) -> str | None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ringtrain.checkpoint import optimizer_state
+from ringtrain.checkpoint import local_state, optimizer_state
 from ringtrain.checkpoint.layout import Item
 from ringtrain.errors import CheckpointError
 
@@ -93,21 +93,40 @@ def snapshot(
     tensors = {k: v for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
     sizes = {f"model.{k}": _nbytes(v) for k, v in tensors.items()}
     held = optimizer_state.held(optimizer) if optimizer is not None else None
-    if held is not None and held.replicated:
+    local = None
+    if held is not None and held.local is not None:
+        local = local_state.cut(rank, model, tensors, held)
+        tensors = local.model  # the parameters as the anchor
+        shared = {**{f"model.{k}": v for k, v in tensors.items()}, **local.shared}
+        sizes.update({k: _nbytes(v) for k, v in local.shared.items()})
+    else:
+        shared = {f"model.{k}": v for k, v in tensors.items()}
+    if held is not None and held.replicated and local is None:
         for piece in held.pieces:
             for key, v in piece.elements.items():
                 sizes[f"optim.{piece.index}.{key}"] = _nbytes(v)
     owner = deal(sizes, size)
-    for k, v in tensors.items():
-        if owner[f"model.{k}"] == rank:
-            items.append(Item(f"model.{k}", copy(v, f"model.{k}"), tuple(v.shape), (0,) * v.dim()))
+    for k, v in shared.items():
+        if owner[k] == rank:
+            items.append(Item(k, copy(v, k), tuple(v.shape), (0,) * v.dim()))
     others = {k: v for k, v in model_sd.items() if not isinstance(v, torch.Tensor)}
     if model is not None and rank == 0:
         items.append(Item("meta.model", {"keys": list(model_sd), "objects": others}))
+    if local is not None:
+        assert held is not None
+        layout["optimizer"] = "local"
+        layout["sync_every"] = local.meta["sync_every"]
+        for fqn, v, as_tensor in local.own:
+            if as_tensor:
+                items.append(Item(fqn, copy(v, fqn), tuple(v.shape), (0,) * v.dim()))
+            else:
+                items.append(Item(fqn, _to_host(v)))
+        if rank == 0:
+            items.append(Item("meta.local", _to_host(local.meta)))
     if held is not None:
-        layout["optimizer"] = "sharded" if not held.replicated else "whole"
+        layout.setdefault("optimizer", "sharded" if not held.replicated else "whole")
         layout["compressor"] = optimizer_state.compressor_name(optimizer)
-        for piece in held.pieces:
+        for piece in held.pieces if local is None else []:
             numel = 1
             for d in held.shapes[piece.index]:
                 numel *= d

@@ -301,19 +301,41 @@ class LocalUpdate:
                 for o, p in zip(own, self._params):
                     p.copy_(o)
 
-    def local_state_dict(self) -> dict[str, Any]:
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The parameters it averages (the floating ones, in the optimizer's order); the
+        anchor's tensors and a checkpoint's per-rank weights follow this order."""
+        return self._params
+
+    @property
+    def agreed(self) -> bool:
+        """Whether every rank holds the same anchor and outer state (after an outer step); False
+        before the first outer step, after a load or an elastic re-forming, until the next."""
+        return not self._agree
+
+    def local_state_dict(self, copy: bool = True) -> dict[str, Any]:
+        """This step's state; ``copy=False``: views (a checkpoint copies them to host memory
+        itself; copy them before the next step). ``agreed``: see :attr:`agreed`."""
         pending = self._wait_pending()
+
+        def own(ts: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+            return None if ts is None else [t.clone() if copy else t for t in ts]
+
+        codec = self.codec.state_dict()
+        if copy and codec["residual"] is not None:
+            codec["residual"] = codec["residual"].clone()
         return {
             "version": 1,
             "sync_every": self.sync_every,
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
-            "anchor": None if self.anchor is None else [a.clone() for a in self.anchor],
+            "agreed": self.agreed,
+            "anchor": own(self.anchor),
             "outer": self.outer.state_dict(),
-            "codec": self.codec.state_dict(),
+            "codec": codec,
             "overlap": {
-                "ref": None if self._ref is None else [r.clone() for r in self._ref],
-                "pending": None if pending is None else pending.clone(),
+                "ref": own(self._ref),
+                "pending": None if pending is None else pending.clone() if copy else pending,
             },
         }
 
@@ -329,19 +351,40 @@ class LocalUpdate:
                 "the saved local-update anchor does not match this model's parameters.\n"
                 "HINT: load the checkpoint into the model it was saved from."
             )
-        self.anchor = None if anchor is None else [a.clone() for a in anchor]
+        # Own copies on the parameters' device (a checkpoint's tensors come from host memory).
+        device = self._params[0].device if self._params else torch.device("cpu")
+
+        def here(ts: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+            return (
+                None
+                if ts is None
+                else [t.to(p.device, copy=True) for t, p in zip(ts, self._params)]
+            )
+
+        self.anchor = here(anchor)
         self.inner_steps = int(state.get("inner_steps", 0)) % self.sync_every
         self.outer_steps = int(state.get("outer_steps", 0))
         self.outer.load_state_dict(state["outer"])
-        self.codec.load_state_dict(state["codec"])
+        self.codec.load_state_dict(state["codec"], device)
         self._agree = True
         saved = state.get("overlap") or {}
         ref, pending = saved.get("ref"), saved.get("pending")
-        self._ref = None if ref is None else [r.clone() for r in ref]
+        self._ref = here(ref)
         self._pending = None
         if pending is not None:
             self._pending = concurrent.futures.Future()
-            self._pending.set_result(pending.clone())
+            self._pending.set_result(pending.to(device, copy=True))
+
+    def restart(self) -> None:
+        """Start afresh from the current weights (a checkpoint without local-update state was
+        loaded): the next step takes them as the anchor; fresh outer optimizer and error
+        feedback; the next outer step agrees on the anchor."""
+        self._drop_pending()
+        self.anchor = None
+        self.inner_steps = 0
+        self.outer = self._factory(self._params)
+        self.codec.residual = None
+        self._agree = True
 
     def rejoin(self, group: Any) -> None:
         """Elastic: the world was re-formed. Every rank starts a new round of ``sync_every``

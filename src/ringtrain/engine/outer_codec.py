@@ -122,14 +122,15 @@ class OuterCodec:
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "residual": self.residual}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        """``device``: where the vectors it averages live (the parameters'); default: as saved."""
         if state.get("name") != self.name:
             raise ConfigError(
                 f"the saved outer exchange used {state.get('name')!r}, this one {self.name!r}.\n"
                 "HINT: resume with the outer_compression you saved with."
             )
         residual = state.get("residual")
-        self.residual = None if residual is None else residual.clone()
+        self.residual = None if residual is None else residual.to(device, copy=True)
 
 
 def _blocks(numel: int) -> int:
