@@ -6,7 +6,9 @@ running, or a process group initialized in the test process.
 
 Under pytest-xdist (``make unit``: ``-n auto --dist loadgroup``) every worker keeps its own
 worlds (their stores listen on port 0), and the namespace-cluster tests all go to one worker,
-in file order, so a module's cluster is made once and no two clusters' jobs share the cores.
+in file order, so a module's cluster is made once and no two clusters' jobs share the cores
+(the deploy tests, which make their own clusters and share only the key's mount point among
+themselves, are a group of their own).
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
+        if item.get_closest_marker("xdist_group"):
+            continue  # a module that names its own group (tests/deploy/test_execute.py)
         if item.get_closest_marker("cluster") or fixtures & CLUSTER_FIXTURES:
             item.add_marker(pytest.mark.xdist_group("cluster"))
 

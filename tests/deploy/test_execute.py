@@ -34,8 +34,11 @@ from ringtrain.testing.netns import ETC_NETNS
 
 from . import operators, train_tiny
 
-# A job's own limit, and the test's above it (cluster set-up and checks included).
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+# A job's own limit, and the test's above it (cluster set-up and checks included). Under
+# pytest-xdist these tests run one after another in their own group, beside the other cluster
+# tests' worker, not on it: each makes its own cluster, and only they share the key's mount
+# point (manifests.KEY_DIR) on this machine.
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300), pytest.mark.xdist_group("deploy")]
 PY = sys.executable
 SCRIPT = Path(__file__).with_name("train_tiny.py")
 STEPS = 4

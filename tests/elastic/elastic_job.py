@@ -2,11 +2,13 @@
 
 ``w`` = (count, sum, sum of squares) of the samples trained on, so the final value equals an
 undisturbed run's only if every sample of every epoch was trained on exactly once, whatever the
-world size did in between. ``MODE=optimizer`` trains ``w`` through DistributedOptimizer (op=Sum, SGD lr=1, a loss whose
-gradient is each sample's (1, x, x^2)), so ``w`` ends at minus that. ``VICTIM=<id>`` SIGKILLs that rank mid-epoch, after a commit and one
-uncommitted batch, in the job's first world (``KILL=stop``: SIGSTOPs it instead; ``KILL=agent``: its agent instead, so every rank
-of its host vanishes at once, as when a host is lost; ``KILL=cut``: it says so and stops, and
-the test cuts its host's network link, so the host falls silent).
+world size did in between. ``MODE=optimizer`` trains ``w`` through DistributedOptimizer (op=Sum,
+SGD lr=1, a loss whose gradient is each sample's (1, x, x^2)), so ``w`` ends at minus that;
+``MODE=both`` does both each batch and reports the allreduce's sums as ``sums``. ``VICTIM=<id>``
+SIGKILLs that rank mid-epoch, after a commit and one uncommitted batch, in the job's first world
+(``KILL=stop``: SIGSTOPs it instead; ``KILL=agent``: its agent instead, so every rank of its host
+vanishes at once, as when a host is lost; ``KILL=cut``: it says so and stops, and the test cuts
+its host's network link, so the host falls silent).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ def main() -> None:
     victim = int(os.environ.get("VICTIM", "-1"))
     data = torch.arange(1, N + 1, dtype=torch.float64)
     sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=3)
-    use_optimizer = os.environ.get("MODE") == "optimizer"
+    mode = os.environ.get("MODE", "allreduce")
+    use_optimizer = mode in ("optimizer", "both")
+    use_allreduce = mode in ("allreduce", "both")
     model = torch.nn.Linear(3, 1, bias=False).double()
     torch.nn.init.zeros_(model.weight)
     opt = hvd.DistributedOptimizer(
@@ -89,7 +93,7 @@ def main() -> None:
                     feats = torch.stack([torch.ones_like(x), x, x * x], dim=1)
                     model(feats).sum().backward()
                     opt.step()
-                else:
+                if use_allreduce:
                     state.w += hvd.allreduce(local, op=hvd.Sum, name=f"w.{state.epoch}.{idx}")
                 state.sampler.record_batch(idx, B)
                 if (idx + 1) % COMMIT_EVERY == 0:
@@ -101,8 +105,9 @@ def main() -> None:
     train(state)
     final = -model.weight.detach()[0] if use_optimizer else state.w
     w = [int(v) for v in final.tolist()]
+    sums = f" sums={[int(v) for v in state.w.tolist()]}" if mode == "both" else ""
     say(
-        f"done id={me} pid={os.getpid()} rank={hvd.rank()} size={hvd.size()} w={w}".replace(
+        f"done id={me} pid={os.getpid()} rank={hvd.rank()} size={hvd.size()} w={w}{sums}".replace(
             ", ", ","
         )
     )

@@ -62,6 +62,17 @@ def _write_digits(root: Path, n_train: int, n_test: int) -> None:
     subprocess.run([sys.executable, "-c", code], cwd=HERE, check=True, timeout=120)
 
 
+N_TRAIN, N_TEST = 256, 128
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The MNIST files, written once for the module (scikit-learn takes seconds to import)."""
+    root = tmp_path_factory.mktemp("digits")
+    _write_digits(root, N_TRAIN, N_TEST)
+    return root
+
+
 def _by_rank(stdout: str, pattern: str) -> dict[int, tuple[str, ...]]:
     """The pattern's groups on each rank's line (the launcher prefixes lines with [rank])."""
     found = {}
@@ -96,8 +107,8 @@ def test_synthetic_benchmark(tmp_path: Path, np_: int) -> None:
 
 
 @pytest.mark.parametrize("np_", [2, 4])
-def test_mnist(tmp_path: Path, np_: int) -> None:
-    _write_digits(tmp_path / "data", 256, 128)
+def test_mnist(tmp_path: Path, digits: Path, np_: int) -> None:
+    shutil.copytree(digits, tmp_path / "data")  # the script writes its lock file there
     script = _prepare(tmp_path, "horovod_mnist.py")
     proc = _run(
         np_,
@@ -126,16 +137,15 @@ def test_mnist(tmp_path: Path, np_: int) -> None:
         assert float(final[0][k]) == pytest.approx(mean, rel=1e-6)
 
 
-def test_digits_files_read_back(tmp_path: Path) -> None:
-    _write_digits(tmp_path, 10, 5)
+def test_digits_files_read_back(digits: Path) -> None:
     sys.path.insert(0, str(HERE))
     try:
         import digits_mnist
     finally:
         sys.path.remove(str(HERE))
-    train = digits_mnist.MNIST(str(tmp_path), train=True)
-    test = digits_mnist.MNIST(str(tmp_path), train=False)
-    assert len(train) == 10 and len(test) == 5
+    train = digits_mnist.MNIST(str(digits), train=True)
+    test = digits_mnist.MNIST(str(digits), train=False)
+    assert len(train) == N_TRAIN and len(test) == N_TEST
     img, label = train[0]
     assert img.shape == (28, 28) and img.dtype.is_floating_point is False and label == 0
     assert 0 < int(img.max()) <= 255

@@ -1,12 +1,14 @@
 """Run a function on N ranks: the test harness for everything distributed.
 
 A :class:`World` keeps N worker processes alive across tests (importing torch costs seconds, a
-test should not pay it), all attached to a TCPStore that this process serves on port 0, so
-parallel test runs never collide on a port. :meth:`World.run` sends a module-level function to
-every rank, which runs it between ``ringtrain.init()`` and ``ringtrain.shutdown()`` and sends back
-the result or the traceback. If the ranks do not answer in time, every rank's threads are dumped
-(faulthandler on SIGUSR1) into the error, and the world is torn down, so a hang becomes a
-readable failure instead of a stuck CI job. Workers die with their parent (PR_SET_PDEATHSIG).
+test should not pay it), forked from a fork server that imported torch once for the session (a
+world of 6 starts in well under a second, not six imports), all attached to a TCPStore that this
+process serves on port 0, so parallel test runs never collide on a port. :meth:`World.run` sends
+a module-level function to every rank, which runs it between ``ringtrain.init()`` and
+``ringtrain.shutdown()`` and sends back the result or the traceback. If the ranks do not answer
+in time, every rank's threads are dumped (faulthandler on SIGUSR1) into the error, and the world
+is torn down, so a hang becomes a readable failure instead of a stuck CI job. Workers die with
+their parent, the fork server (PR_SET_PDEATHSIG), which ends when this process does.
 
 Write tests against ``ringtrain.rank()``/``size()`` so the same function passes at any size.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import importlib
 import multiprocessing as mp
 import os
@@ -59,19 +62,37 @@ class _Call:
     settings: dict[str, Any]
 
 
+# What the fork server imports once; every rank is forked from it with these already loaded
+# (torch._dynamo is what the first optimizer step would import: see _warm_up).
+PRELOAD = ["torch", "torch._dynamo", "ringtrain", "ringtrain.torch"]
+
+
 def _worker(
-    rank: int, size: int, port: int, conn: Connection, sys_path: list[str], log_path: str
+    rank: int,
+    size: int,
+    port: int,
+    conn: Connection,
+    sys_path: list[str],
+    log_path: str,
+    env: dict[str, str],
 ) -> None:
     import ctypes
     import faulthandler
 
-    with contextlib.suppress(OSError):  # die with the parent, even if it is SIGKILLed
+    # Die with the parent (the fork server, which exits when the test process is gone), even if
+    # it is SIGKILLed.
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     log = open(log_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     sys.path[:] = sys_path
+    # The environment of the process that made the world, as a spawned child would have it (the
+    # fork server's own is that of whoever started it, perhaps long before).
+    current = environ.mutable()
+    current.clear()
+    current.update(env)
     environ.update(
         {
             Ringtrain.RANK: str(rank),
@@ -88,6 +109,9 @@ def _worker(
     import ringtrain
 
     _warm_up(torch)
+    # What torch and its imports made lives as long as the rank: out of the collector's sight,
+    # a test's gc.collect() (ringtrain.shutdown() runs one) takes milliseconds, not half a second.
+    gc.freeze()
     conn.send(("ready", None))
     while True:
         try:
@@ -128,6 +152,16 @@ def _warm_up(torch: Any) -> None:
     torch.optim.Adam([p]).step()
 
 
+def _context() -> Any:
+    """Ranks are forked from a fork server: a clean single-threaded process that imported torch
+    once (PRELOAD), so each rank starts in milliseconds instead of importing torch itself. The
+    server is this process's one (``ringtrain.bench`` uses it too; whichever starts it first
+    chooses its preload, and a rank imports whatever is missing itself)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 class World:
     """N long-lived ranks that run test functions on demand."""
 
@@ -145,7 +179,7 @@ class World:
         )
         self.port = self._store.port
         self._dir = tempfile.TemporaryDirectory(prefix=f"ringtrain-world{size}-")
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         self.logs = [os.path.join(self._dir.name, f"rank{r}.log") for r in range(size)]
@@ -153,7 +187,15 @@ class World:
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker,
-                args=(r, size, self.port, child, list(sys.path), self.logs[r]),
+                args=(
+                    r,
+                    size,
+                    self.port,
+                    child,
+                    list(sys.path),
+                    self.logs[r],
+                    dict(environ.current()),
+                ),
                 name=f"ringtrain-test-rank{r}",
                 daemon=True,
             )
