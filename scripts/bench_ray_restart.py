@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ringtrain.testing import cluster as tc
-from ringtrain.testing.ray_cluster import RayCluster
+from ringtrain.testing.ray_cluster import RayCluster, RayClusterError
 
 JOB = Path(__file__).resolve().parents[1] / "tests" / "ray" / "ray_job.py"
 STEPS, KILL_STEP = 24, 12  # as in ray_job.py
@@ -66,6 +66,18 @@ def restart(rt: dict[str, Any]) -> tuple[float, int, int]:
     return seconds, len(new), KILL_STEP - min(log[0][0] for log in new) + 1
 
 
+def _start(cluster: tc.Cluster, tries: int = 3) -> RayCluster:
+    """A started Ray cluster; on a loaded machine ``ray start`` can time out, so try again."""
+    for attempt in range(1, tries + 1):
+        try:
+            return RayCluster(cluster, num_cpus=2).start()
+        except RayClusterError as e:
+            if attempt == tries:
+                raise
+            print(f"ray start failed (try {attempt} of {tries}), again: {str(e)[-300:]}")
+    raise AssertionError("unreachable")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -77,9 +89,12 @@ def main() -> int:
     print(f"load average at start: {os.getloadavg()[0]:.1f}", flush=True)
     with tc.Cluster(2) as cluster:
         for r in range(args.rounds):
-            with RayCluster(cluster, num_cpus=2) as rc:
+            rc = _start(cluster)
+            try:
                 a, a_restarted, a_redone = in_place(_job(rc, "elastic", args.timeout))
                 b, b_new, b_redone = restart(_job(rc, "raytrain-restart", args.timeout))
+            finally:
+                rc.stop()
             rows.append((a, b))
             print(
                 f"round {r + 1}: in place {a:.2f} s ({a_restarted} restarted, {a_redone} redone)"
