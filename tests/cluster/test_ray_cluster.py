@@ -1,10 +1,9 @@
 """ringtrain on a real 2-node Ray cluster: ``ray start --head`` in namespace host h0,
 ``ray start --address`` in h1, token authentication on (ringtrain.testing.ray_cluster).
 
-Drivers run inside h0 (tests/ray/ray_job.py), as users run them on a head node: one driver runs
-every job the tests check, one after the other, and each test checks what the ranks of its job
-saw. The module stops every Ray process of both hosts afterwards and checks that no raylet or
-gcs_server is left.
+Drivers run inside h0 (tests/ray/ray_job.py), as users run them on a head node. Each test checks
+what the ranks saw; the module stops every Ray process of both hosts afterwards and checks that
+no raylet or gcs_server is left.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ from ringtrain.testing import cluster as tc
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'ringtrain[ray]'")
 from ringtrain.testing.ray_cluster import RayCluster  # noqa: E402
 
-# Whichever test comes first also starts the cluster (about a minute here) and runs the driver.
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1200)]
+pytestmark = pytest.mark.cluster
 CLUSTER = 2
 JOB = Path(__file__).parent.parent / "ray" / "ray_job.py"
 STEPS, KILL_STEP, COMMIT_EVERY = 24, 12, 5  # as in ray_job.py
@@ -40,23 +38,14 @@ def ray_cluster(cluster: tc.Cluster) -> Iterator[RayCluster]:
         assert rc.daemons() == {}, "Ray daemons outlived the cluster"
 
 
-# Every driver mode the tests check, run by one driver one after the other (one ray.init for
-# all of them): starting a driver takes 10-20 s on the loaded 2-core machine.
-MODES = ("trainer", "trainer-torch", "executor", "elastic")
-
-
-@pytest.fixture(scope="module")
-def results(ray_cluster: RayCluster) -> dict[str, dict]:
-    """What each mode of tests/ray/ray_job.py returned, by mode."""
-    out_dir = tempfile.mkdtemp(prefix="ringtrain-ray-")
-    argv = [sys.executable, str(JOB), ",".join(MODES), out_dir]
-    done = ray_cluster.run_driver("h0", argv, timeout=900)
+def _job(rc: RayCluster, mode: str, timeout: float = 500) -> dict:
+    out_dir = tempfile.mkdtemp(prefix=f"ringtrain-ray-{mode}-")
+    done = rc.run_driver("h0", [sys.executable, str(JOB), mode, out_dir], timeout=timeout)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert done.returncode == 0 and len(lines) == len(MODES), (
-        f"the driver failed ({done.returncode}) after {len(lines)} of the modes {MODES}:\n"
-        f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    assert done.returncode == 0 and lines, (
+        f"{mode} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     )
-    return {mode: json.loads(ln[len("RESULT ") :]) for mode, ln in zip(MODES, lines)}
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def _two_hosts(ranks: list[dict]) -> None:
@@ -68,23 +57,26 @@ def _two_hosts(ranks: list[dict]) -> None:
     assert all(r["sum"] == 3.0 for r in ranks)  # 1 + 2: a real allreduce across the hosts
 
 
-def test_torch_trainer_with_ringtrain_config_secure_on_eth0(results: dict[str, dict]) -> None:
-    result = results["trainer"]
+@pytest.mark.timeout(900)  # the first test also starts the cluster (about a minute here)
+def test_torch_trainer_with_ringtrain_config_secure_on_eth0(ray_cluster: RayCluster) -> None:
+    result = _job(ray_cluster, "trainer")
     _two_hosts(result["ranks"])
     assert all(r["ray_world_rank"] == r["rank"] for r in result["ranks"])
     assert all(r["interface"] == "eth0" for r in result["ranks"])
     assert all(r["backend"] == "ringtrain_sealed" for r in result["ranks"])  # secure=True
 
 
-def test_torch_trainer_with_rays_own_process_group(results: dict[str, dict]) -> None:
+@pytest.mark.timeout(600)
+def test_torch_trainer_with_rays_own_process_group(ray_cluster: RayCluster) -> None:
     """Ray's torch backend calls init_process_group; hvd.init() adopts that group."""
-    result = results["trainer-torch"]
+    result = _job(ray_cluster, "trainer-torch")
     _two_hosts(result["ranks"])
     assert all(r["ray_world_rank"] == r["rank"] for r in result["ranks"])
 
 
-def test_ray_executor_secure_one_worker_per_host(results: dict[str, dict]) -> None:
-    result = results["executor"]
+@pytest.mark.timeout(600)
+def test_ray_executor_secure_one_worker_per_host(ray_cluster: RayCluster) -> None:
+    result = _job(ray_cluster, "executor")
     _two_hosts(result["ranks"])
     assert all(r["backend"] == "ringtrain_sealed" for r in result["ranks"])
     assert result["tags"] == ["made", "made"]  # executable_cls built in every worker
@@ -92,6 +84,7 @@ def test_ray_executor_secure_one_worker_per_host(results: dict[str, dict]) -> No
     assert result["remote"] == [42, 42]
 
 
+@pytest.mark.timeout(600)
 def test_driver_without_the_token_is_refused(ray_cluster: RayCluster) -> None:
     probe = "import os, ray; ray.init(_node_ip_address=os.environ['RINGTRAIN_TEST_NODE_IP'])"
     env = {"RAY_AUTH_TOKEN_PATH": "", "RAY_AUTH_TOKEN": "0" * 64}
@@ -100,13 +93,14 @@ def test_driver_without_the_token_is_refused(ray_cluster: RayCluster) -> None:
     assert "authentication token" in (done.stdout + done.stderr).lower()
 
 
-def test_killed_worker_survivors_go_on_in_place(results: dict[str, dict]) -> None:
+@pytest.mark.timeout(600)
+def test_killed_worker_survivors_go_on_in_place(ray_cluster: RayCluster) -> None:
     """A worker SIGKILLs itself at step 12 (commits every 5 steps). With RayExecutor
     (min_workers=2, 3 workers on 2 hosts) the two others go on in the same processes, still on
     two hosts, from their last commit (step 10) to the end, without waiting out the transport's
     60 s timeout. How long that takes beside Ray Train's elastic restart of the same job is a
     benchmark, not a test: scripts/bench_ray_restart.py prints the two side by side."""
-    el = results["elastic"]
+    el = _job(ray_cluster, "elastic")
     t_kill = el["killed"]["time"]
     start_pids = set(el["pids"])
     assert len(start_pids) == 3 and el["killed"]["pid"] in start_pids

@@ -1,6 +1,6 @@
 """Driver programs for tests/ray: run inside a namespace host of a real Ray cluster.
 
-    python ray_job.py MODE[,MODE...] OUT_DIR     # prints one line per mode: RESULT <json>
+    python ray_job.py MODE OUT_DIR     # prints one line: RESULT <json>
 
 Modes: ``trainer`` (TorchTrainer + RingtrainConfig), ``trainer-torch`` (TorchTrainer with Ray's
 own process group; hvd.init() adopts it), ``executor`` (RayExecutor, one worker per host),
@@ -302,25 +302,22 @@ def _restart_logs(out_dir: str) -> dict | None:
 
 
 def main() -> None:
-    modes, out_dir = sys.argv[1].split(","), sys.argv[2]
+    mode, out_dir = sys.argv[1], sys.argv[2]
     ray.init(_node_ip_address=os.environ["RINGTRAIN_TEST_NODE_IP"], logging_level="WARNING")
-    runs = {
-        "trainer": lambda d: run_trainer(d, own_group=False),
-        "trainer-torch": lambda d: run_trainer(d, own_group=True),
-        "executor": run_executor,
-        "elastic": run_elastic,
-        "raytrain-restart": run_raytrain_restart,
-    }
-    unknown = [m for m in modes if m not in runs]
-    if unknown:
-        raise SystemExit(f"unknown mode(s) {unknown}; known: {', '.join(runs)}")
-    # Several modes run one after the other in this one driver (one ray.init for all); each
-    # prints its own RESULT line, in order, into a folder of its own.
-    for mode in modes:
-        folder = os.path.join(out_dir, mode)
-        os.makedirs(folder, exist_ok=True)
-        print("RESULT " + json.dumps(runs[mode](folder)), flush=True)
-    if "raytrain-restart" in modes:
+    if mode == "trainer":
+        result = run_trainer(out_dir, own_group=False)
+    elif mode == "trainer-torch":
+        result = run_trainer(out_dir, own_group=True)
+    elif mode == "executor":
+        result = run_executor(out_dir)
+    elif mode == "elastic":
+        result = run_elastic(out_dir)
+    elif mode == "raytrain-restart":
+        result = run_raytrain_restart(out_dir)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    print("RESULT " + json.dumps(result), flush=True)
+    if mode == "raytrain-restart":
         os._exit(0)  # not waiting for Ray Train's finalization (see run_raytrain_restart)
 
 
