@@ -4,8 +4,9 @@ Two placements the flat ring handles badly: 4-3-1 over three hosts (uneven) and 
 rank order (``--placement round-robin``: h0, h1, h0, h1, ...). In both, every rank trains a small
 model with ``DistributedOptimizer`` and checks, after a few steps, that its weights are what plain
 gradient averaging gives: it computes every rank's gradient itself (the data are seeded by rank)
-and applies their mean. The placement is read back from the runtime (measured host names), not
-from the launcher's plan.
+and applies their mean. The round-robin job trains twice in one launch (hierarchical on, then
+off). The placement is read back from the runtime (measured host names), not from the
+launcher's plan.
 """
 
 from __future__ import annotations
@@ -46,30 +47,36 @@ RANK = textwrap.dedent(
         g = torch.Generator().manual_seed(1000 * step + r)
         return torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
 
-    model, ref = net(), net()
-    # Every tensor in its own bucket: several buckets go through the hierarchical path.
-    opt = rt.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        named_parameters=model.named_parameters(),
-        hierarchical=sys.argv[1],
-        fusion_threshold_bytes=0,
-    )
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(4):
-        opt.zero_grad()
-        F.cross_entropy(model(batch(step, rank)[0]), batch(step, rank)[1]).backward()
-        opt.step()
-        # The reference: the mean of every rank's gradient, computed here.
-        ref_opt.zero_grad()
-        for r in range(size):
-            x, y = batch(step, r)
-            (F.cross_entropy(ref(x), y) / size).backward()
-        ref_opt.step()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
-    hosts = "".join(h[-1] for h in state.current().topology.hosts)
-    print(f"OK rank {rank} host {socket.gethostname()} hier {opt.hierarchical} hosts {hosts}",
-          flush=True)
+    def check(hierarchical):
+        model, ref = net(), net()
+        # Every tensor in its own bucket: several buckets go through the hierarchical path.
+        opt = rt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            hierarchical=hierarchical,
+            fusion_threshold_bytes=0,
+        )
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(4):
+            opt.zero_grad()
+            F.cross_entropy(model(batch(step, rank)[0]), batch(step, rank)[1]).backward()
+            opt.step()
+            # The reference: the mean of every rank's gradient, computed here.
+            ref_opt.zero_grad()
+            for r in range(size):
+                x, y = batch(step, r)
+                (F.cross_entropy(ref(x), y) / size).backward()
+            ref_opt.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+        hosts = "".join(h[-1] for h in state.current().topology.hosts)
+        print(f"OK rank {rank} host {socket.gethostname()} hier {opt.hierarchical} "
+              f"hosts {hosts} asked {hierarchical}", flush=True)
+        opt.remove_hooks()
+
+    # One launch checks each setting asked for, one after the other, in the same world.
+    for hierarchical in sys.argv[1].split(","):
+        check(hierarchical)
     rt.shutdown()
     """
 )
@@ -87,19 +94,21 @@ def _run(cluster: tc.Cluster, tmp_path: Path, hosts: str, hierarchical: str, *fl
     return proc.stdout
 
 
-def _ok_lines(out: str) -> dict[int, tuple[str, str, str]]:
-    """rank -> (host, hierarchical, placement string) from the ranks' OK lines."""
+def _ok_lines(out: str, asked: str) -> dict[int, tuple[str, str, str]]:
+    """rank -> (host, hierarchical, placement string) from the ranks' OK lines for the
+    ``hierarchical=asked`` model."""
     found = {}
     for line in out.splitlines():
         words = line.split()
         if "OK" in words:
             i = words.index("OK")
-            found[int(words[i + 2])] = (words[i + 4], words[i + 6], words[i + 8])
+            if words[i + 10] == asked:
+                found[int(words[i + 2])] = (words[i + 4], words[i + 6], words[i + 8])
     return found
 
 
 def test_uneven_4_3_1_trains_like_plain_averaging(cluster: tc.Cluster, tmp_path: Path) -> None:
-    found = _ok_lines(_run(cluster, tmp_path, "h0:4,h1:3,h2:1", "auto"))
+    found = _ok_lines(_run(cluster, tmp_path, "h0:4,h1:3,h2:1", "auto"), "auto")
     assert sorted(found) == list(range(8))
     assert {found[r][0] for r in range(8)} == {"h0", "h1", "h2"}
     # "auto" picks the hierarchical allreduce for an uneven placement; all agree on it.
@@ -107,8 +116,9 @@ def test_uneven_4_3_1_trains_like_plain_averaging(cluster: tc.Cluster, tmp_path:
 
 
 def test_round_robin_order_with_and_without_hierarchy(cluster: tc.Cluster, tmp_path: Path) -> None:
+    # One job trains a model with the hierarchical allreduce, then one without.
+    out = _run(cluster, tmp_path, "h0:2,h1:2", "on,off", "--placement", "round-robin")
     for hierarchical, expect in (("on", "True"), ("off", "False")):
-        out = _run(cluster, tmp_path, "h0:2,h1:2", hierarchical, "--placement", "round-robin")
-        found = _ok_lines(out)
+        found = _ok_lines(out, hierarchical)
         assert [found[r][0] for r in range(4)] == ["h0", "h1", "h0", "h1"], out
         assert {v[1:] for v in found.values()} == {(expect, "0101")}

@@ -24,7 +24,7 @@ from ringtrain.testing.ray_cluster import RayCluster  # noqa: E402
 pytestmark = pytest.mark.cluster
 CLUSTER = 2
 JOB = Path(__file__).parent.parent / "ray" / "ray_job.py"
-KILL_STEP = 12  # as in ray_job.py
+STEPS, KILL_STEP, COMMIT_EVERY = 24, 12, 5  # as in ray_job.py
 
 
 @pytest.fixture(scope="module")
@@ -93,15 +93,13 @@ def test_driver_without_the_token_is_refused(ray_cluster: RayCluster) -> None:
     assert "authentication token" in (done.stdout + done.stderr).lower()
 
 
-@pytest.mark.timeout(1500)
-def test_killed_worker_survivors_go_on_in_place_vs_ray_train_restart(
-    ray_cluster: RayCluster,
-) -> None:
+@pytest.mark.timeout(600)
+def test_killed_worker_survivors_go_on_in_place(ray_cluster: RayCluster) -> None:
     """A worker SIGKILLs itself at step 12 (commits every 5 steps). With RayExecutor
-    (min_workers=2, 3 workers on 2 hosts) the two others reach their next step in the same
-    processes, within 2 s on a quiet machine (docs/engines.md). Ray Train's elastic restart of
-    the same job is measured beside it: on a loaded machine (CI beside stress-ng: 3.1 s) the test
-    holds the in-place recovery to 2 s or a tenth of that restart, whichever is longer."""
+    (min_workers=2, 3 workers on 2 hosts) the two others go on in the same processes, still on
+    two hosts, from their last commit (step 10) to the end, without waiting out the transport's
+    60 s timeout. How long that takes beside Ray Train's elastic restart of the same job is a
+    benchmark, not a test: scripts/bench_ray_restart.py prints the two side by side."""
     el = _job(ray_cluster, "elastic")
     t_kill = el["killed"]["time"]
     start_pids = set(el["pids"])
@@ -112,34 +110,19 @@ def test_killed_worker_survivors_go_on_in_place_vs_ray_train_restart(
         pids = {p for *_, p in s["log"]}
         assert pids == {s["start"]["pid"]} and s["start"]["pid"] in start_pids  # not restarted
         assert s["end"]["size"] == 2 and s["end"]["cross_size"] == 2  # still two hosts
-        assert s["log"][-1][0] == 24
+        assert s["log"][-1][0] == STEPS
     # The survivors' next step is their first in the re-formed world of 2 (a step that was
     # already under way when the victim died may complete just after its kill).
     reformed = [next(e for e in s["log"] if e[2] == 2) for s in survivors]
+    last_commit = KILL_STEP // COMMIT_EVERY * COMMIT_EVERY
+    for s, first in zip(survivors, reformed):
+        # Rolled back to the last commit, not to the start: only the steps since it are redone,
+        # and from there every step once, in order.
+        assert last_commit < first[0] <= KILL_STEP + 1, (first, s["log"])
+        after = [e[0] for e in s["log"][s["log"].index(first) :]]
+        assert after == list(range(first[0], STEPS + 1)), s["log"]
     in_place = max(e[1] for e in reformed) - t_kill
-    redone = KILL_STEP - min(e[0] for e in reformed) + 1
-    print(
-        f"\nkilled worker at step {KILL_STEP} (commit/checkpoint every 5 steps), shared 2-core "
-        f"machine:\n  ringtrain RayExecutor in place: survivors' next step after {in_place:.2f} s, "
-        f"0 processes restarted, {redone} step(s) redone",
-        flush=True,
-    )
-
-    rt = _job(ray_cluster, "raytrain-restart", timeout=900)
-    rt_kill = rt["killed"]["time"]
-    logs = [log for log in rt["logs"].values() if log]
-    old = [log for log in logs if log[0][1] <= rt_kill]
-    new = [log for log in logs if log[0][1] > rt_kill]  # processes Ray Train started anew
-    restart = min(log[0][1] for log in new) - rt_kill
-    rt_redone = KILL_STEP - min(log[0][0] for log in new) + 1
-    print(
-        f"  Ray Train elastic restart (same harness): first step after {restart:.2f} s, "
-        f"{len(old)} processes replaced by {len(new)} new ones, {rt_redone} step(s) redone"
-    )
-    assert rt["killed"]["pid"] in {log[0][3] for log in old}
-    assert all(log[-1][0] == 24 for log in new)
-    bound = max(2.0, restart / 10)
-    assert in_place <= bound, (
-        f"survivors took {in_place:.2f} s to reach their next step (bound {bound:.2f} s; "
-        f"Ray Train's restart: {restart:.2f} s)"
-    )
+    print(f"\nkilled worker at step {KILL_STEP}: survivors' next step after {in_place:.2f} s")
+    # Not a timing bound (scripts/bench_ray_restart.py measures that): a survivor that waited
+    # for the dead worker until the 60 s transport timeout would take more than this.
+    assert in_place < 45.0, f"survivors took {in_place:.2f} s to go on (transport timeout 60 s)"
