@@ -2,9 +2,10 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 NP ?= 4
-# pytest-xdist workers for `make unit`: 0 (the default) runs the tests serially; JOBS=auto is one
-# worker per core, with the namespace-cluster tests kept on one worker (see the README).
-JOBS ?= 0
+# pytest-xdist workers for `make unit`: by default one per usable core (the CPU quota of a
+# container counts, not the host's cores), the namespace-cluster tests kept on one worker (see
+# the README); JOBS=0 runs the tests serially.
+JOBS ?= $(shell $(BIN)/python -c 'from ringtrain.host.cpu_limits import usable_cpus; print(usable_cpus())')
 
 .PHONY: setup demo test lint unit
 
