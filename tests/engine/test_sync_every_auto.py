@@ -192,3 +192,53 @@ def _refused() -> str:
 def test_explicit_compression_is_refused_with_auto() -> None:
     (msg,) = spawn.world(1).run(_refused, timeout=60)
     assert "sync_every='auto'" in msg and "HINT" in msg
+
+
+def _save_then_resume(root: str) -> dict[str, Any]:
+    """Train until sync_every="auto" has chosen local updates (fixed at H=3), checkpoint, and
+    resume into a fresh optimizer whose policy would now say synchronous: the saved choice wins."""
+    import ringtrain.checkpoint as ckpt
+
+    original = auto.choose_sync_every
+    auto.choose_sync_every = lambda m, p: (3, "fixed by the test")  # type: ignore[assignment]
+    try:
+        torch.manual_seed(0)
+        model = Tiny()
+        opt = rt.DistributedOptimizer(
+            torch.optim.Adam(model.parameters(), lr=0.01),
+            named_parameters=model.named_parameters(),
+            sync_every="auto",
+        )
+        for i in range(12):
+            g = torch.Generator().manual_seed(10 * i + rt.rank())
+            opt.zero_grad()
+            F.cross_entropy(model(torch.randn(8, 16, generator=g)), torch.arange(8) % 4).backward()
+            opt.step()
+        assert opt.local_update is not None
+        saved = ckpt.save(f"{root}/auto", model=model, optimizer=opt)
+    finally:
+        auto.choose_sync_every = lambda m, p: (0, "would be synchronous")  # type: ignore[assignment]
+    try:
+        model2 = Tiny()
+        opt2 = rt.DistributedOptimizer(
+            torch.optim.Adam(model2.parameters(), lr=0.01),
+            named_parameters=model2.named_parameters(),
+            sync_every="auto",
+        )
+        ckpt.load(saved, model=model2, optimizer=opt2)
+        for i in range(4):
+            g = torch.Generator().manual_seed(100 + i + rt.rank())
+            opt2.zero_grad()
+            F.cross_entropy(model2(torch.randn(8, 16, generator=g)), torch.arange(8) % 4).backward()
+            opt2.step()
+        return {"local": opt2.local_update is not None, "reason": opt2.sync_every_reason,
+                "every": opt2.local_update.sync_every if opt2.local_update else 0}  # fmt: skip
+    finally:
+        auto.choose_sync_every = original  # type: ignore[assignment]
+
+
+@pytest.mark.timeout(300)
+def test_a_resumed_job_keeps_the_local_update_choice(tmp_path: Any) -> None:
+    for r in spawn.world(2).run(_save_then_resume, str(tmp_path), timeout=240):
+        assert r["local"] and r["every"] == 3, r
+        assert "restored from a checkpoint" in r["reason"], r

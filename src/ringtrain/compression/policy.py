@@ -257,8 +257,9 @@ class AutoCompression:
     The engine (:mod:`ringtrain.engine.auto`) measures, decides, tries and then calls
     :meth:`settle`; until then gradients travel uncompressed. Outside DistributedOptimizer (e.g.
     ``ringtrain.allreduce(..., compression="auto")``) it sends tensors as they are.
-    ``state_dict`` keeps a settled choice, and the chosen compressor's state, so a resumed job
-    skips the measurement.
+    ``state_dict`` keeps a settled choice, the chosen compressor's state and, with
+    ``sync_every="auto"``, the local-update choice made from the same measurement, so a resumed
+    job skips the measurement and trains as before.
     """
 
     name = "auto"
@@ -269,6 +270,7 @@ class AutoCompression:
         self.settled = False
         self.decision: Decision | None = None
         self.inner: Any = resolve("none")
+        self.sync_every: int | None = None  # sync_every="auto"'s choice (0: synchronous), once made
 
     @classmethod
     def from_config(cls, config: Any) -> AutoCompression:
@@ -305,6 +307,7 @@ class AutoCompression:
             "choice": self.choice,
             "reason": self.decision.reason if self.decision else "",
             "inner": get() if callable(get) else {},
+            **({} if self.sync_every is None else {"sync_every": self.sync_every}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -320,6 +323,7 @@ class AutoCompression:
         self.settle(
             Decision(state["choice"], 1, f"restored from a checkpoint: {state.get('reason', '')}")
         )
+        self.sync_every = state.get("sync_every")
 
 
 register("auto", AutoCompression)

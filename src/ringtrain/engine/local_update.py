@@ -512,12 +512,16 @@ def choose_after_tuning(tuner: Any, config: Config, set_rank: int) -> tuple[int,
     from ringtrain.engine.auto import choose_sync_every
 
     decision = tuner.auto.decision
-    if tuner.measurement is None or decision is None:
+    if tuner.measurement is None and tuner.auto.sync_every is not None:
+        every = tuner.auto.sync_every  # restored from a checkpoint with the compression choice
+        why = "restored from a checkpoint, as chosen when the job measured its link."
+    elif tuner.measurement is None or decision is None:
         every, why = 0, "compression=auto settled without measuring (restored), so synchronous."
     else:
         every, why = choose_sync_every(tuner.measurement, decision.predicted_step_s)
         if every and clashes(config):
             every, why = 0, f"{why} But {clashes(config)} is set, so synchronous."
+    tuner.auto.sync_every = every  # a checkpoint keeps it (AutoCompression.state_dict)
     if set_rank == 0:
         chosen = f"local updates every {every} steps" if every else "synchronous training"
         log.warning("ringtrain sync_every=auto chose %s: %s", chosen, why)
