@@ -212,7 +212,7 @@ def load(
 class _Prepared:
     opened: store.Opened
     asm: parts.Assembled
-    local: local_state.Plan | None = None  # a local-update checkpoint's, for the optimizer
+    local: local_state.LoadPlan | None = None  # a local-update checkpoint's, for the optimizer
 
 
 def _read(

@@ -216,7 +216,7 @@ def inner_state(
 
 
 @dataclass
-class Plan:
+class LoadPlan:
     """How a local-update checkpoint goes into this rank's objects."""
 
     exact: bool  # same world size, local-update optimizer: every rank its own state
@@ -234,7 +234,7 @@ def plan(
     rank: int,
     size: int,
     saved_size: int,
-) -> Plan:
+) -> LoadPlan:
     meta = objects["meta.local"]
     lu = optimizer_state.local_of(optimizer)
     exact = lu is not None and size == saved_size
@@ -271,7 +271,7 @@ def plan(
                 "pending": tensors.get("local.pending"),
             },
         }
-        return Plan(True, rank, local, weights, buffers, "")
+        return LoadPlan(True, rank, local, weights, buffers, "")
     if lu is not None:
         local = {
             "version": 1,
@@ -286,7 +286,7 @@ def plan(
         inner_from = rank % saved_size
     else:
         local, inner_from = None, 0
-    return Plan(
+    return LoadPlan(
         False,
         inner_from,
         local,
@@ -321,7 +321,7 @@ def describe_reset(objects: dict[str, Any], saved_size: int, size: int, local: b
 
 
 def apply(
-    plan_: Plan,
+    plan_: LoadPlan,
     objects: dict[str, Any],
     tensors: dict[str, torch.Tensor],
     model: Any,

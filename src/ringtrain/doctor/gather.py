@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringtrain.doctor import wire
+from ringtrain.doctor import findings, wire
 from ringtrain.doctor.findings import LinkSample
 from ringtrain.host.network import Interface
 from ringtrain.launch import transport
@@ -241,11 +241,13 @@ def measure_links(
     """Latency and bandwidth for every ordered pair of ``hosts``, one sender at a time.
 
     A receiver listens on each host's chosen address; then each host in turn runs one sender
-    that measures to every other host, so no two measurements share a link.
+    that measures to every other host, so no two measurements share a link. Pairs that came out
+    slow are measured once more and keep their better figure: on a busy host one test can come
+    out slow for want of CPU, and noise only ever lowers a throughput.
     """
     receivers: dict[str, _Receiver] = {}
     samples: list[LinkSample] = []
-    deadline = timeout_s + len(hosts) ** 2 * (seconds + 5)
+    deadline = timeout_s + 2 * len(hosts) ** 2 * (seconds + 5)  # each pair at most twice
     try:
         for h in hosts:
             receivers[h.name] = _Receiver(h, chosen[h.name].address, reach, deadline)
@@ -261,6 +263,15 @@ def measure_links(
                     samples.append(LinkSample(src.name, d.name, error=rec.error))
             if targets:
                 samples.extend(_send(src, targets, reach, seconds, rtts, timeout_s))
+        slow = set(findings.analyze_links(samples).slow_pairs)
+        for src in hosts:
+            again = [receivers[d] for s, d in sorted(slow) if s == src.name]
+            for retest in _send(src, again, reach, seconds, rtts, timeout_s) if again else []:
+                i = next(
+                    i for i, s in enumerate(samples) if (s.src, s.dst) == (retest.src, retest.dst)
+                )
+                if (retest.bytes_per_s or 0.0) > (samples[i].bytes_per_s or 0.0):
+                    samples[i] = retest
     finally:
         for r in receivers.values():
             r.close()
