@@ -244,7 +244,12 @@ class Agent:
             for rank, proc in list(pending.items()):
                 code = proc.poll()
                 if code is None:
-                    self._check_silent(rank, proc)
+                    try:
+                        self._check_silent(rank, proc)
+                    except Exception as e:  # the check must never stop the reaping of exits
+                        self._silent[rank] = 0.0  # never checked again
+                        line = f"ringtrain: cannot watch rank {rank}'s heartbeat any more: {e!r}"
+                        self.send("out", rank=rank, fd=2, line=line, end="\n")
                     continue
                 del pending[rank]
                 # Let the output pumps drain so the exit report comes after the last lines.
