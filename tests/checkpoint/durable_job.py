@@ -1,9 +1,11 @@
 """A durable training job for ``ringtrain run --checkpoint-dir/--resume`` tests.
 
-    durable_job.py OUT STEPS PAUSE_S
+    durable_job.py OUT STEPS PAUSE_S [sharded|local]
 
-Trains a small model sharded on every rank (data fixed by step and rank), saving on the job's
-schedule; rank 0 writes the final weights to OUT.
+Trains a small model (data fixed by step and rank), saving on the job's schedule: ``sharded``
+(the default) with the optimizer state sharded, rank 0 writing the final weights to OUT;
+``local`` with local updates (``sync_every=4``, a 4-bit outer exchange), whose ranks' weights
+differ mid-round, so each rank writes its own to OUT.<rank>.
 """
 
 from __future__ import annotations
@@ -19,13 +21,17 @@ import ringtrain.checkpoint as ckpt
 
 def main() -> None:
     out, total, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    local = sys.argv[4:] == ["local"]
+    step_kind = (
+        {"sync_every": 4, "outer_compression": "int4"} if local else {"shard_optimizer": True}
+    )
     rt.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     opt = rt.DistributedOptimizer(
         torch.optim.Adam(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
-        shard_optimizer=True,
+        **step_kind,
     )
     with ckpt.Durable(model=model, optimizer=opt) as job:
         print(f"rank {rt.rank()} starts at step {job.start_step}", flush=True)
@@ -36,8 +42,9 @@ def main() -> None:
             opt.step()
             job.step(step + 1)
             time.sleep(pause)
-    if rt.rank() == 0:
-        torch.save([p.detach().clone() for p in model.parameters()], out)
+    if local or rt.rank() == 0:
+        weights = [p.detach().clone() for p in model.parameters()]
+        torch.save(weights, f"{out}.{rt.rank()}" if local else out)
     rt.shutdown()
 
 

@@ -3,8 +3,7 @@ with ``sync_every=4`` saves mid-round; a job stopped after step 7 (its last chec
 mid-round) and continued with ``ringtrain run --resume D`` ends with every rank's weights those
 of the uninterrupted run, bit for bit.
 
-Run as a script, this file is the job: ``python THIS OUT STEPS`` (each rank writes
-``OUT.<rank>``).
+The job is tests/checkpoint/durable_job.py in its ``local`` mode (each rank writes OUT.<rank>).
 """
 
 from __future__ import annotations
@@ -17,39 +16,13 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.timeout(600)
-JOB = str(Path(__file__).resolve())
-
-
-def main() -> None:
-    import ringtrain as rt
-    import ringtrain.checkpoint as ckpt
-
-    out, total = sys.argv[1], int(sys.argv[2])
-    rt.init()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-    opt = rt.DistributedOptimizer(
-        torch.optim.Adam(model.parameters(), lr=0.01),
-        named_parameters=model.named_parameters(),
-        sync_every=4,
-        outer_compression="int4",
-    )
-    with ckpt.Durable(model=model, optimizer=opt) as job:
-        print(f"rank {rt.rank()} starts at step {job.start_step}", flush=True)
-        for step in range(job.start_step, total):
-            g = torch.Generator().manual_seed(step * 100 + rt.rank())
-            opt.zero_grad()
-            model(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
-            opt.step()
-            job.step(step + 1)
-    torch.save([p.detach().clone() for p in model.parameters()], f"{out}.{rt.rank()}")
-    rt.shutdown()
+JOB = str(Path(__file__).with_name("durable_job.py"))
 
 
 def _run(*flags: str, out: Path, steps: int) -> str:
     argv = [
         sys.executable, "-m", "ringtrain", "run", "-np", "2", *flags,
-        "--", sys.executable, JOB, str(out), str(steps),
+        "--", sys.executable, JOB, str(out), str(steps), "0", "local",
     ]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -73,7 +46,3 @@ def test_durable_local_update_job_resumes_mid_round(tmp_path: Path) -> None:
             assert torch.equal(a, b), f"rank {r}: resumed weights differ"
     first = torch.load(f"{tmp_path / 'a'}.0")[0]
     assert not torch.equal(first, torch.load(f"{tmp_path / 'a'}.1")[0])  # 10 % 4: mid-round
-
-
-if __name__ == "__main__":
-    main()

@@ -9,6 +9,8 @@ weights after each outer step.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -119,17 +121,19 @@ class Tiny(torch.nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def _train(fixed: int | None, steps: int) -> dict[str, Any]:
+@contextlib.contextmanager
+def _policy(every: int | None) -> Iterator[None]:
+    """choose_sync_every answers ``every`` ("fixed by the test") inside; None: the real one."""
     original = auto.choose_sync_every
-    if fixed is not None:
-        auto.choose_sync_every = lambda m, p: (fixed, "fixed by the test")  # type: ignore[assignment]
+    if every is not None:
+        auto.choose_sync_every = lambda m, p: (every, "fixed by the test")  # type: ignore[assignment]
     try:
-        return _run(steps)
+        yield
     finally:
         auto.choose_sync_every = original  # type: ignore[assignment]
 
 
-def _run(steps: int) -> dict[str, Any]:
+def _auto_job() -> tuple[Tiny, Any]:
     torch.manual_seed(0)
     model = Tiny()
     opt = rt.DistributedOptimizer(
@@ -137,18 +141,28 @@ def _run(steps: int) -> dict[str, Any]:
         named_parameters=model.named_parameters(),
         sync_every="auto",
     )
-    alike_after_outer = []
-    for i in range(steps):
-        g = torch.Generator().manual_seed(10 * i + rt.rank())
-        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        local = opt.local_update
-        if local is not None and local.inner_steps == 0:
-            w = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-            every = rt.allgather(w.reshape(1, -1))
-            alike_after_outer.append(torch.equal(every, every[:1].expand_as(every)))
+    return model, opt
+
+
+def _step(model: Tiny, opt: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed + rt.rank())
+    x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def _train(fixed: int | None, steps: int) -> dict[str, Any]:
+    with _policy(fixed):
+        model, opt = _auto_job()
+        alike_after_outer = []
+        for i in range(steps):
+            _step(model, opt, 10 * i)
+            local = opt.local_update
+            if local is not None and local.inner_steps == 0:
+                w = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                every = rt.allgather(w.reshape(1, -1))
+                alike_after_outer.append(torch.equal(every, every[:1].expand_as(every)))
     local = opt.local_update
     return {
         "reason": opt.sync_every_reason,
@@ -199,42 +213,20 @@ def _save_then_resume(root: str) -> dict[str, Any]:
     resume into a fresh optimizer whose policy would now say synchronous: the saved choice wins."""
     import ringtrain.checkpoint as ckpt
 
-    original = auto.choose_sync_every
-    auto.choose_sync_every = lambda m, p: (3, "fixed by the test")  # type: ignore[assignment]
-    try:
-        torch.manual_seed(0)
-        model = Tiny()
-        opt = rt.DistributedOptimizer(
-            torch.optim.Adam(model.parameters(), lr=0.01),
-            named_parameters=model.named_parameters(),
-            sync_every="auto",
-        )
+    with _policy(3):
+        model, opt = _auto_job()
         for i in range(12):
-            g = torch.Generator().manual_seed(10 * i + rt.rank())
-            opt.zero_grad()
-            F.cross_entropy(model(torch.randn(8, 16, generator=g)), torch.arange(8) % 4).backward()
-            opt.step()
+            _step(model, opt, 10 * i)
         assert opt.local_update is not None
         saved = ckpt.save(f"{root}/auto", model=model, optimizer=opt)
-    finally:
-        auto.choose_sync_every = lambda m, p: (0, "would be synchronous")  # type: ignore[assignment]
-    try:
-        model2 = Tiny()
-        opt2 = rt.DistributedOptimizer(
-            torch.optim.Adam(model2.parameters(), lr=0.01),
-            named_parameters=model2.named_parameters(),
-            sync_every="auto",
-        )
-        ckpt.load(saved, model=model2, optimizer=opt2)
+    with _policy(0):
+        model, opt = _auto_job()
+        ckpt.load(saved, model=model, optimizer=opt)
         for i in range(4):
-            g = torch.Generator().manual_seed(100 + i + rt.rank())
-            opt2.zero_grad()
-            F.cross_entropy(model2(torch.randn(8, 16, generator=g)), torch.arange(8) % 4).backward()
-            opt2.step()
-        return {"local": opt2.local_update is not None, "reason": opt2.sync_every_reason,
-                "every": opt2.local_update.sync_every if opt2.local_update else 0}  # fmt: skip
-    finally:
-        auto.choose_sync_every = original  # type: ignore[assignment]
+            _step(model, opt, 100 + 10 * i)
+    local = opt.local_update
+    return {"local": local is not None, "reason": opt.sync_every_reason,
+            "every": local.sync_every if local is not None else 0}  # fmt: skip
 
 
 @pytest.mark.timeout(300)
