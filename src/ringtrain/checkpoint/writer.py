@@ -42,9 +42,9 @@ from ringtrain.errors import CheckpointError
 
 _MAIN = "from ringtrain.checkpoint.writer import main; main()"
 # The writer's niceness above training's: the weakest share of a contended core (about 1.5% of
-# what a training process gets), so the write mostly uses the moments ranks wait for each other
-# and still progresses when they do not (a save that finds it unfinished waits). At +10 the
-# steps during a write were 1.17-1.21x slower on a quiet 2-core host, at +19 1.05-1.09x.
+# what a training process gets), yet it still progresses (a save that finds it unfinished
+# waits). On a quiet 2-core host, steps during a write were 1.21x slower at +10 and 1.05-1.15x
+# (four runs, median 1.06x) at +19 (docs/checkpoint.md, "Costs").
 NICE = 19
 _PIPE_BYTES = 1 << 20
 
