@@ -296,6 +296,16 @@ def choose_sync_every(m: Measurement, predicted_step_s: dict[str, float]) -> tup
             "the link's bandwidth: synchronous (a larger fusion_threshold_bytes makes fewer "
             "collectives)."
         )
+    # Local updates save bytes. Where the probe's rate carries the step's bytes within the
+    # target, the shortfall is something else (a busy core, a preempted rank): stay put.
+    wire_s = m.grad_bytes / m.bytes_per_s
+    if m.compute_s / (m.compute_s + wire_s) >= SYNC_EFFICIENCY:
+        return 0, (
+            f"{head}, but the link's measured rate carries the step's "
+            f"{m.grad_bytes / 2**10:.0f} KiB in {wire_s * 1e3:.1f} ms: the shortfall is not the "
+            "link's bandwidth (a busy machine or the collectives' fixed cost), which local "
+            "updates would not fix: synchronous."
+        )
     outer = outer_exchange_s(m)
     every = SYNC_EVERY_CHOICES[-1]
     for h in SYNC_EVERY_CHOICES:
