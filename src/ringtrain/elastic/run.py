@@ -143,7 +143,7 @@ def _reset(state: State, failure: BaseException | None) -> None:
 
 
 def describe_change(
-    before: tuple[int, ...], world: membership.World, failure: BaseException | None
+    before: tuple[int, ...], world: membership.Roster, failure: BaseException | None
 ) -> str:
     """Who left and who joined (by the rank each started as), and why, in one phrase."""
     left = [m for m in before if m not in world.members]

@@ -38,7 +38,9 @@ DEFAULT_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
-class World:
+class Roster:
+    """One generation of the elastic world: its number and its members."""
+
     generation: int
     members: tuple[int, ...]  # identities, in new-rank order
 
@@ -102,7 +104,7 @@ def newest() -> int:
     return announced() or 0
 
 
-def next_world(wait_s: float | None = None) -> World:
+def next_world(wait_s: float | None = None) -> Roster:
     """Wait (at most ``wait_s``, default the elastic timeout) for a world newer than ours.
 
     Raises :class:`HorovodInternalError` when none is announced in time: the failure was not one
@@ -121,7 +123,7 @@ def next_world(wait_s: float | None = None) -> World:
         ) from e
     generation = int(store.get(GENERATION_KEY))
     members = json.loads(store.get(members_key(generation)))
-    return World(generation, tuple(int(m) for m in members))
+    return Roster(generation, tuple(int(m) for m in members))
 
 
 def members(size: int) -> tuple[int, ...]:
@@ -134,7 +136,7 @@ def joining() -> bool:
     return active() and environ.current().get(JOIN_VAR) == "1"
 
 
-def join(poll_s: float = 0.1) -> World:
+def join(poll_s: float = 0.1) -> Roster:
     """A joining rank: say it is ready, then wait for the first world that holds it.
 
     The launcher announces the world only once every new rank of a host is ready, so the
@@ -150,7 +152,7 @@ def join(poll_s: float = 0.1) -> World:
             ids = tuple(int(m) for m in json.loads(store.get(members_key(generation))))
             if me in ids:
                 environ.pop(JOIN_VAR)  # joined: a later init is not a join again
-                world = World(generation, ids)
+                world = Roster(generation, ids)
                 entered(world)
                 return world
         if time.monotonic() > deadline:
@@ -161,7 +163,7 @@ def join(poll_s: float = 0.1) -> World:
         time.sleep(poll_s)
 
 
-def entered(world: World) -> None:
+def entered(world: Roster) -> None:
     """Record that this process now runs in ``world``."""
     global _current, _members
     _current = world.generation
