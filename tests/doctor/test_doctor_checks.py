@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ringtrain.doctor import checkup, findings, placement, report
+from ringtrain.doctor import checkup, findings, gather, placement, report
 from ringtrain.doctor.findings import LinkSample
 from ringtrain.errors import LaunchError
 from ringtrain.host.network import Interface
@@ -115,6 +115,20 @@ def test_a_failed_link_test_is_a_problem_naming_the_pair() -> None:
     a = findings.analyze_links([LinkSample("a", "b", error="10.0.0.2:5000: Connection refused")])
     (problem,) = a.problems
     assert "from a to b failed" in problem and "Connection refused" in problem
+
+
+def test_a_retest_replaces_a_figure_only_when_it_is_better() -> None:
+    first = [LinkSample("a", "b", GBIT / 10, 1e-4), LinkSample("b", "a", GBIT / 10, 1e-4)]
+    kept = gather.keep_better(
+        first,
+        [
+            LinkSample("a", "b", GBIT, 1e-4),  # better: replaces
+            LinkSample("b", "a", GBIT / 20, 1e-4),  # worse: the first figure stays
+        ],
+    )
+    assert kept == [LinkSample("a", "b", GBIT, 1e-4), first[1]]
+    failed = gather.keep_better(first, [LinkSample("a", "b", error="timed out")])
+    assert failed == first
 
 
 def test_docker0_on_every_host_is_not_a_routed_subnet() -> None:

@@ -266,16 +266,25 @@ def measure_links(
         slow = set(findings.analyze_links(samples).slow_pairs)
         for src in hosts:
             again = [receivers[d] for s, d in sorted(slow) if s == src.name]
-            for retest in _send(src, again, reach, seconds, rtts, timeout_s) if again else []:
-                i = next(
-                    i for i, s in enumerate(samples) if (s.src, s.dst) == (retest.src, retest.dst)
-                )
-                if (retest.bytes_per_s or 0.0) > (samples[i].bytes_per_s or 0.0):
-                    samples[i] = retest
+            if again:
+                samples = keep_better(samples, _send(src, again, reach, seconds, rtts, timeout_s))
     finally:
         for r in receivers.values():
             r.close()
     return samples
+
+
+def keep_better(samples: Sequence[LinkSample], retests: Sequence[LinkSample]) -> list[LinkSample]:
+    """``samples`` with each pair's retest in place of its first figure where the retest moved
+    more bytes per second (a failed retest, no throughput, never replaces a figure)."""
+    out = list(samples)
+    for retest in retests:
+        for i, s in enumerate(out):
+            if (s.src, s.dst) == (retest.src, retest.dst):
+                if (retest.bytes_per_s or 0.0) > (s.bytes_per_s or 0.0):
+                    out[i] = retest
+                break
+    return out
 
 
 def _send(
