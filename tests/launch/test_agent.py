@@ -1,0 +1,49 @@
+"""The agent in this process: a rank's exit is reported even when watching its heartbeat fails."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from ringtrain.environ import Ringtrain
+from ringtrain.launch import agent
+
+
+def _messages(out: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.getvalue().splitlines() if line.startswith("{")]
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_silence_check_does_not_stop_the_exit_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(pid: int) -> list[Any]:
+        raise RuntimeError("psutil cannot read /proc")
+
+    # Every beat is late at once, and reading the rank's process tree fails.
+    monkeypatch.setattr(agent, "SILENT_S", 0.0)
+    monkeypatch.setattr(agent, "_process_tree", broken)
+    out = io.StringIO()
+    a = agent.Agent(out)
+    beat_once = (
+        f"import os, sys, time; os.write(int(os.environ[{Ringtrain.HEARTBEAT_FD!r}]), b'.'); "
+        "time.sleep(1.0); sys.exit(3)"
+    )
+    argv = [sys.executable, "-c", beat_once]
+    a.start({"ranks": [{"rank": 0, "env": {}, "argv": argv}], "grace_s": 1.0})
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(m["t"] == "done" for m in _messages(out)):
+        time.sleep(0.05)
+    msgs = _messages(out)
+    (exit_,) = [m for m in msgs if m["t"] == "exit"]
+    assert exit_["rank"] == 0 and exit_["code"] == 3
+    warned = [m["line"] for m in msgs if m["t"] == "out" and m["fd"] == 2]
+    assert warned == [
+        "ringtrain: cannot watch rank 0's heartbeat any more: "
+        "RuntimeError('psutil cannot read /proc')"
+    ]
