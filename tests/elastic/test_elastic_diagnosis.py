@@ -87,7 +87,7 @@ def test_a_change_names_who_left_and_joined_and_why() -> None:
     from ringtrain.errors import CollectiveAbortedError
     from ringtrain.runtime import membership
 
-    world = membership.World(2, (0, 2, 3))
+    world = membership.Roster(2, (0, 2, 3))
     assert describe_change((0, 1, 2), world, None) == (
         "rank(s) [1] left and rank(s) [3] joined (the launcher announced new hosts)"
     )
