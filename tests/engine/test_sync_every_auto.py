@@ -74,26 +74,32 @@ def test_slow_links_pick_local_updates(mbit: float, compute_s: float) -> None:
         assert h * m.compute_s / (h * m.compute_s + outer) < auto.LOCAL_EFFICIENCY
 
 
+def _small(
+    numel: int, buckets: int, compute_s: float, wait_s: float, latency_s: float, rate: float
+) -> Measurement:
+    """A small model's step: the exchange in flight for all of the wait."""
+    return Measurement(
+        world_size=2,
+        grad_bytes=4 * numel,
+        grad_numel=numel,
+        element_size=4,
+        buckets=buckets,
+        compute_s=compute_s,
+        wait_s=wait_s,
+        comm_s=wait_s,
+        latency_s=latency_s,
+        bytes_per_s=rate,
+        powersgd_wire_numel=numel // 10,
+        powersgd_collectives=2 * buckets,
+        topk_ratio=0.01,
+    )
+
+
 def test_a_latency_bound_step_stays_synchronous() -> None:
     # A small model on a fast link: 8 ms of compute, 4 buckets at 1 ms each of fixed cost and
     # almost no bytes. Under 80%, but local updates would change the optimisation for nothing
     # the link's bandwidth costs.
-    m = Measurement(
-        world_size=2,
-        grad_bytes=4 * 1000,
-        grad_numel=1000,
-        element_size=4,
-        buckets=4,
-        compute_s=0.008,
-        wait_s=0.004,
-        comm_s=0.004,
-        latency_s=0.001,
-        bytes_per_s=4e9,
-        powersgd_wire_numel=100,
-        powersgd_collectives=8,
-        topk_ratio=0.01,
-    )
-    every, why = _decide(m)
+    every, why = _decide(_small(1000, 4, 0.008, 0.004, 0.001, 4e9))
     assert every == 0
     assert "fixed cost" in why and "synchronous" in why
 
@@ -102,22 +108,7 @@ def test_a_busy_machine_is_not_a_slow_link() -> None:
     # The tiny model of the on-rank tests on loopback, measured on a loaded host: the step
     # waited 5x its compute (a preempted rank), but the probe's rate moves its 3 KiB in
     # microseconds. Local updates would change the optimisation and save nothing.
-    m = Measurement(
-        world_size=2,
-        grad_bytes=2704,
-        grad_numel=676,
-        element_size=4,
-        buckets=1,
-        compute_s=0.001,
-        wait_s=0.005,
-        comm_s=0.005,
-        latency_s=0.0001,
-        bytes_per_s=2e8,
-        powersgd_wire_numel=676,
-        powersgd_collectives=1,
-        topk_ratio=0.01,
-    )
-    every, why = _decide(m)
+    every, why = _decide(_small(676, 1, 0.001, 0.005, 0.0001, 2e8))
     assert every == 0
     assert "not the link's bandwidth" in why and "synchronous" in why
 
