@@ -108,8 +108,12 @@ class Config:
     # narrow ones with error feedback).
     outer_compression: str = "fp16"
     # The local-update step's outer exchange overlapped with the next round's inner steps, its
-    # average applied one round late (streaming DiLoCo). Opt-in: it changes the optimisation.
+    # average applied outer_delay inner steps late (streaming DiLoCo). Opt-in: it changes the
+    # optimisation.
     outer_overlap: bool = False
+    # With outer_overlap: inner steps between sending a round's change and applying its average
+    # (1 to sync_every); 0: a quarter of the round, at least 1.
+    outer_delay: int = 0
     # Seal every message with AES-256-GCM and authenticate the rendezvous.
     secure: bool = False
     # Path to the job key (e.g. a mounted Kubernetes Secret) when not started by ringtrain run.
@@ -196,6 +200,11 @@ class Config:
                 f"outer_compression must be one of {', '.join(OUTER_COMPRESSIONS)}, got "
                 f"{self.outer_compression!r}\nHINT: fp16 halves the outer exchange; int8 and "
                 "int4 cut it 4x and 8x, with error feedback."
+            )
+        if self.outer_delay < 0:
+            raise ConfigError(
+                f"outer_delay must be a number of inner steps >= 0, got {self.outer_delay}\n"
+                "HINT: 0 lets the overlapped exchange take a quarter of the round."
             )
         if self.engine_streams < 1:
             raise ConfigError(f"engine_streams must be >= 1, got {self.engine_streams}")

@@ -1,8 +1,8 @@
 """A local-update optimizer (``sync_every``) in ringtrain.checkpoint.
 
 Saved at 2 ranks mid-round (each rank's weights, inner Adam state, int8 error feedback and buffers
-its own), at an outer-step boundary, overlapped (an exchange in flight), and before the first
-outer step from other weights on each rank (each rank's anchor its own): loaded into fresh
+its own), at an outer-step boundary, overlapped (an exchange in flight: sent one step before the
+save, applied one step after it), and before the first outer step from other weights on each rank (each rank's anchor its own): loaded into fresh
 objects and trained on, every rank ends bitwise where the run that never stopped ends. Loaded at
 1 and 3 ranks: every rank starts from the anchor and the outer optimizer's state, takes saved
 rank ``r mod 2``'s inner state, the rest is reset and a log line says so; at 3 the ranks agree
@@ -44,14 +44,16 @@ class Net(torch.nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def _make(seed: int, overlap: bool = False, codec: str = "int8") -> tuple[Net, Any]:
+def _make(seed: int, overlap: int = 0, codec: str = "int8") -> tuple[Net, Any]:
+    """``overlap``: 0 off, else the overlapped exchange's ``outer_delay``."""
     model = Net(seed)
     opt = rt.DistributedOptimizer(
         torch.optim.Adam(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
         sync_every=H,
         outer_compression=codec,
-        outer_overlap=overlap,
+        outer_overlap=overlap > 0,
+        outer_delay=overlap,
     )
     return model, opt
 
@@ -77,9 +79,7 @@ def _inner(opt: Any) -> dict[int, dict[str, Any]]:
     }
 
 
-def _save_and_go_on(
-    path: str, k: int, overlap: bool, codec: str, spread: int = 0
-) -> dict[str, Any]:
+def _save_and_go_on(path: str, k: int, overlap: int, codec: str, spread: int = 0) -> dict[str, Any]:
     """The run that never stops: k steps, a save, the rest. ``spread``: the ranks start from
     other weights (until the first outer step each rank's anchor is its own)."""
     model, opt = _make(3 + spread * rt.rank(), overlap, codec)
@@ -98,9 +98,7 @@ def _save_and_go_on(
     return {"saved": saved, "final": _weights(model)}
 
 
-def _load_and_go_on(
-    path: str, k: int, overlap: bool, codec: str, spread: int = 0
-) -> dict[str, Any]:
+def _load_and_go_on(path: str, k: int, overlap: int, codec: str, spread: int = 0) -> dict[str, Any]:
     model, opt = _make(99, overlap, codec)  # other weights: the load must replace them
     restored = ckpt.load(path, model=model, optimizer=opt)
     assert restored.step == k and restored.saved_world_size == 2
@@ -117,11 +115,11 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], where: str) ->
 
 @pytest.mark.parametrize(
     ("k", "overlap", "codec", "spread"),
-    [(7, False, "int8", 0), (6, False, "int8", 0), (7, True, "fp16", 0), (2, True, "int4", 1)],
-    ids=["mid-round", "boundary", "overlapped-mid-round", "overlapped-before-the-first-outer-step"],
+    [(7, 0, "int8", 0), (6, 0, "int8", 0), (7, 2, "fp16", 0), (2, 1, "int4", 1)],
+    ids=["mid-round", "boundary", "overlapped-in-flight", "overlapped-before-the-first-outer-step"],
 )
 def test_resume_at_the_same_size_is_bit_exact(
-    tmp_path: Path, world2: spawn.World, k: int, overlap: bool, codec: str, spread: int
+    tmp_path: Path, world2: spawn.World, k: int, overlap: int, codec: str, spread: int
 ) -> None:
     path = str(tmp_path / f"step-{k}")
     want = world2.run(_save_and_go_on, path, k, overlap, codec, spread)
@@ -136,7 +134,7 @@ def test_resume_at_the_same_size_is_bit_exact(
     ranks_differ = not torch.equal(
         want[0]["saved"]["weights"]["a.weight"], want[1]["saved"]["weights"]["a.weight"]
     )
-    assert ranks_differ == (overlap or k % H != 0)  # mid-round each rank holds its own weights
+    assert ranks_differ == (overlap > 0 or k % H != 0)  # mid-round each rank holds its own weights
     assert not torch.equal(want[0]["saved"]["weights"]["seen"], want[1]["saved"]["weights"]["seen"])
 
 

@@ -11,10 +11,12 @@ Shown at 2 ranks, on each transport (Gloo, sealed ``secure=True``, ``transport="
   resume a run to the same bits;
 * a re-formed world (``rejoin()``) with a rank whose anchor and outer state are another's (a
   rank that joined) holds identical weights again after the next outer step;
-* the overlapped outer exchange (``outer_overlap=True``, applied one round late) keeps every
-  rank's anchor identical, and its bits do not depend on timing (a rank slowed down at random
-  gives the same anchor); it resumes from ``state_dict()`` to the same bits, the exchange in
-  flight included;
+* the overlapped outer exchange (``outer_overlap=True``, its average applied ``outer_delay``
+  inner steps after it was sent, one step to a whole round) keeps every rank's anchor
+  identical, and its bits do not depend on timing (a rank slowed down at random gives the same
+  anchor); it resumes from ``state_dict()`` to the same bits, the exchange in flight included;
+  where applied, the anchor is the outer step on the weights as sent and each rank goes on
+  from it plus its own inner steps since it sent;
 * ranks that start alike send no copy of the weights at the first outer step (their digests
   agree); ranks that differ get rank 0's copy (one copy, counted).
 """
@@ -31,8 +33,8 @@ import torch.nn.functional as F
 
 import ringtrain as rt
 from ringtrain.config import OUTER_COMPRESSIONS, Config
-from ringtrain.engine import outer_codec
-from ringtrain.engine.local_update import parse_sync_every
+from ringtrain.engine import local_update, outer_codec
+from ringtrain.engine.local_update import outer_delay, parse_sync_every
 from ringtrain.errors import ConfigError
 from ringtrain.security import keys
 from ringtrain.testing import spawn
@@ -125,7 +127,7 @@ def _equals_synchronous_sgd() -> float:
     return float((runs[0] - runs[1]).abs().max())
 
 
-def _overlapped(delay: float) -> dict[str, Any]:
+def _overlapped(delay: float, outer_delay: int) -> dict[str, Any]:
     """Overlapped outer exchange: the anchors after each outer step, with rank 1 sleeping up to
     ``delay`` s at random before its steps (another timing every call)."""
     import random
@@ -139,9 +141,10 @@ def _overlapped(delay: float) -> dict[str, Any]:
         sync_every=H,
         outer_compression="int8",
         outer_overlap=True,
+        outer_delay=outer_delay,
     )
     local = opt.local_update
-    assert local is not None and local.overlap
+    assert local is not None and local.overlap and local.delay == (outer_delay or 1)
     anchors_alike, weights_alike = [], []
     for i in range(H * (ROUNDS + 1)):
         if rt.rank() == 1 and delay:
@@ -154,6 +157,47 @@ def _overlapped(delay: float) -> dict[str, Any]:
     with local.anchored():
         anchor = _weights(model)
     return {"anchors": anchors_alike, "weights": weights_alike, "anchor": anchor}
+
+
+def _merge_arithmetic() -> list[float]:
+    """Plain SGD inside, outer SGD lr 1 without momentum, no compression, sync_every 3, delay
+    2: where the average is applied the anchor is the mean of the weights as sent, and each
+    rank's weights are that plus its own inner steps since (the gaps, float rounding only)."""
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:  # the weights after each inner step
+            out = super().step(closure)
+            self.after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            return out
+
+    torch.manual_seed(0)
+    model = Tiny()
+    inner = Recording(model.parameters(), lr=0.1)
+    opt = rt.DistributedOptimizer(
+        inner,
+        named_parameters=model.named_parameters(),
+        sync_every=H,
+        outer_compression="none",
+        outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0),
+        outer_overlap=True,
+        outer_delay=2,
+    )
+    local = opt.local_update
+    assert local is not None
+    gaps: list[float] = []
+    sent = mean = torch.empty(0)
+    for i in range(1, 3 * H + 1):
+        _step(model, opt, i)
+        if i % H == 0:  # sent: the weights go on unchanged
+            sent = _weights(model)
+            mean = rt.allgather(sent.reshape(1, -1)).mean(0)
+            gaps.append(float((sent - inner.after).abs().max()))
+        elif i % H == 2 and i > H:  # applied two inner steps after it was sent
+            anchor = torch.cat([a.reshape(-1) for a in local.anchor or []])
+            gaps.append(float((anchor - mean).abs().max()))
+            gaps.append(float((_weights(model) - (mean + inner.after - sent)).abs().max()))
+    assert len(gaps) == 3 + 2 * 2 and local.outer_steps == 3
+    return gaps
 
 
 def _resume(overlap: bool = False) -> bool:
@@ -259,14 +303,24 @@ def test_state_dict_resumes_to_the_same_bits() -> None:
 @pytest.mark.timeout(300)
 def test_overlapped_exchange_is_alike_everywhere_and_independent_of_timing() -> None:
     world = spawn.world(2)
-    quick = world.run(_overlapped, 0.0, timeout=240)
-    slowed = world.run(_overlapped, 0.02, timeout=240)
+    quick = world.run(_overlapped, 0.0, 0, timeout=240)
+    slowed = world.run(_overlapped, 0.02, 0, timeout=240)
     for r in quick + slowed:
         assert all(r["anchors"])  # the anchor: the same bits on every rank
         assert not all(r["weights"])  # each rank keeps its own round's change on top
     assert torch.equal(quick[0]["anchor"], slowed[0]["anchor"])
     assert torch.equal(quick[0]["anchor"], quick[1]["anchor"])
     assert all(world.run(_resume, True, timeout=240))
+    # A whole round late (applied as the next round's change is sent): the same properties.
+    late = world.run(_overlapped, 0.0, H, timeout=240)
+    assert all(late[0]["anchors"]) and torch.equal(late[0]["anchor"], late[1]["anchor"])
+    assert not torch.equal(late[0]["anchor"], quick[0]["anchor"])
+
+
+@pytest.mark.timeout(300)
+def test_overlapped_merge_is_the_outer_step_plus_own_progress() -> None:
+    for gaps in spawn.world(2).run(_merge_arithmetic, timeout=240):
+        assert max(gaps) < 1e-6, gaps
 
 
 @pytest.mark.timeout(300)
@@ -275,6 +329,41 @@ def test_rejoined_world_is_identical_after_the_next_outer_step() -> None:
         assert not before
         assert after
         assert copies == 1  # the joined rank's digest differed: rank 0's anchor was copied
+
+
+def _rejoin_overlapped() -> tuple[bool, bool, bool, int]:
+    """Overlapped: a re-forming while an exchange is in flight gives it up on every rank; the
+    next round agrees the anchor (rank 1's differs, as a joined rank's) and applies its average
+    on every rank alike."""
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = rt.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        sync_every=H,
+        outer_overlap=True,
+        outer_delay=2,
+    )
+    local = opt.local_update
+    assert local is not None
+    for i in range(H):
+        _step(model, opt, i)
+    in_flight = local._pending is not None
+    if rt.rank() == 1:
+        local.anchor = [a + 1.0 for a in local.anchor or []]
+    opt.rejoin()
+    given_up = local._pending is None
+    for i in range(H + 2):  # a round, then the two steps until its average is applied
+        _step(model, opt, 100 + i)
+    anchor = torch.cat([a.reshape(-1) for a in local.anchor or []])
+    return in_flight, given_up, _alike(anchor), local.copies
+
+
+@pytest.mark.timeout(300)
+def test_rejoin_gives_up_the_overlapped_exchange_in_flight() -> None:
+    for in_flight, given_up, alike, copies in spawn.world(2).run(_rejoin_overlapped, timeout=240):
+        assert in_flight and given_up and alike
+        assert copies == 1
 
 
 def _one_rank() -> bool:
@@ -352,3 +441,19 @@ def test_sync_every_settings() -> None:
         Config.from_env({"RINGTRAIN_SYNC_EVERY": "-3"})
     with pytest.raises(ConfigError, match="outer_compression"):
         Config.from_env({"RINGTRAIN_OUTER_COMPRESSION": "int2"})
+
+
+def test_outer_delay_settings() -> None:
+    assert [outer_delay(0, h) for h in (1, 3, 16, 100)] == [1, 1, 4, 25]  # a quarter round
+    assert outer_delay(5, 16) == 5 and outer_delay(40, 16) == 16  # auto's H may be shorter
+    config = Config.from_env(
+        {"RINGTRAIN_OUTER_OVERLAP": "1", "RINGTRAIN_OUTER_DELAY": "2", "RINGTRAIN_SYNC_EVERY": "8"}
+    )
+    assert config.outer_overlap and config.outer_delay == 2
+    local_update.check(config)
+    with pytest.raises(ConfigError, match="outer_delay must be"):
+        Config.from_env({"RINGTRAIN_OUTER_DELAY": "-1"})
+    with pytest.raises(ConfigError, match="outer_overlap is off"):
+        local_update.check(Config(sync_every="8", outer_delay=2))
+    with pytest.raises(ConfigError, match="longer than a round"):
+        local_update.check(Config(sync_every="8", outer_overlap=True, outer_delay=9))

@@ -304,6 +304,12 @@ def _converge_parser(sub: Any) -> None:
     cv.add_argument("--outer-compression", default="int4")
     cv.add_argument("--outer-lr", type=float, default=0.7, help="local: outer Nesterov SGD's lr")
     cv.add_argument("--outer-momentum", type=float, default=0.9, help="local: its momentum")
+    cv.add_argument(
+        "--outer-delay",
+        type=int,
+        default=0,
+        help="local:overlap: inner steps before the average is applied (0: a quarter round)",
+    )
     cv.add_argument("--eval-every", type=int, default=4)
     cv.add_argument("--width", type=int, default=64, help="lm: the model width")
     cv.add_argument("--seed", type=int, default=0)
@@ -388,6 +394,7 @@ def _params(args: argparse.Namespace) -> Any:
             outer_compression=args.outer_compression,
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
+            outer_delay=args.outer_delay,
             eval_every=args.eval_every,
             seed=args.seed,
             width=args.width,

@@ -23,7 +23,8 @@ batches of ``batch_size`` per step (so n ranks see n times the samples per step)
 * ``ringtrain:powersgd``: the same with PowerSGD;
 * ``local``: DistributedOptimizer(sync_every=H): local updates (DiLoCo);
 * ``local:overlap``: the same with ``outer_overlap=True`` (the outer exchange runs during the
-  next round, applied one round late); evaluated on the anchor, the weights every rank agrees on.
+  next inner steps, its average applied ``outer_delay`` steps late); evaluated on the anchor,
+  the weights every rank agrees on, right after that average is applied.
 
 All use Adam. Quality is evaluated every ``eval_every`` steps (for ``local``, right after the
 first outer step at or after it, when every rank holds the same weights: the model exists only
@@ -52,6 +53,7 @@ import ringtrain
 from ringtrain import environ
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import machine_info
+from ringtrain.engine.local_update import outer_delay
 from ringtrain.errors import ConfigError
 
 TASKS = ("digits", "lm")
@@ -74,6 +76,7 @@ class ConvergeParams:
     outer_compression: str = "int4"
     outer_lr: float = 0.7  # the local variant's outer Nesterov SGD (DiLoCo's defaults)
     outer_momentum: float = 0.9
+    outer_delay: int = 0  # local:overlap: 0 is the engine's default (a quarter of the round)
     eval_every: int = 4
     seed: int = 0
     width: int = 64  # lm: model width (the smoke test shrinks it)
@@ -88,6 +91,11 @@ class ConvergeParams:
         for name in ("max_steps", "batch_size", "sync_every", "eval_every", "width"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+        if not 0 <= self.outer_delay <= self.sync_every:
+            raise ConfigError(
+                f"--outer-delay must be in [0, --sync-every={self.sync_every}], got "
+                f"{self.outer_delay}\nHINT: 0 lets the engine pick a quarter of the round."
+            )
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
             raise ConfigError(
                 f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got {self.outer_lr} "
@@ -310,6 +318,8 @@ def _wrap(variant: str, model: nn.Module, params: ConvergeParams) -> tuple[Any, 
             ),
             "outer_overlap": variant == "local:overlap",
         }
+        if variant == "local:overlap":
+            extra["outer_delay"] = params.outer_delay
     opt = ringtrain.DistributedOptimizer(base, named_parameters=model.named_parameters(), **extra)
     return opt, model
 
@@ -321,6 +331,13 @@ def _quality(task: Task, model: nn.Module, opt: Any) -> float:
         return task.quality(model)
     with local.anchored():
         return task.quality(model)
+
+
+def _merge_offset(opt: Any) -> int:
+    """Overlapped local updates: the inner steps from a round's end to its average's merge (the
+    anchor is evaluated there, when it holds that round's average); 0 otherwise."""
+    local = getattr(opt, "local_update", None)
+    return local.delay if local is not None and local.overlap else 0
 
 
 def _agree(flag: bool) -> bool:
@@ -340,15 +357,17 @@ def _train(variant: str, task: Task, params: ConvergeParams) -> ConvergeRun:
     shard = torch.arange(rank, task.train_x.shape[0], n)
     g = torch.Generator().manual_seed(params.seed + 1000 * rank)
     every = params.eval_every
+    chunk = every  # steps before the next evaluation
     if variant.startswith("local") and n > 1:
         every = -(-every // params.sync_every) * params.sync_every
+        chunk = every + _merge_offset(opt)
     dist.barrier()
     tx0, clock, steps, curve, first = tx_bytes(), 0.0, 0, [], 0.0
     quality = task.quality(model)
     reached = False
     while steps < params.max_steps and not reached:
         t0 = time.perf_counter()
-        for _ in range(every):
+        for _ in range(min(chunk, params.max_steps - steps)):
             idx = shard[torch.randint(0, shard.numel(), (params.batch_size,), generator=g)]
             opt.zero_grad(set_to_none=True)
             task.loss(net(task.train_x[idx]), task.train_y[idx]).backward()
@@ -358,6 +377,7 @@ def _train(variant: str, task: Task, params: ConvergeParams) -> ConvergeRun:
             if local is not None and local.outer_steps == 1 and not first:
                 first = local.outer_seconds
         clock += time.perf_counter() - t0
+        chunk = every
         quality = _quality(task, model, opt)
         curve.append((clock, quality))
         reached = _agree(task.good(quality))
@@ -409,6 +429,9 @@ def format_converge(res: ConvergeResult, markdown: bool = False) -> str:
         f"{res.params.outer_compression}, outer lr {res.params.outer_lr} momentum "
         f"{res.params.outer_momentum}"
     )
+    if "local:overlap" in res.params.variants:
+        delay = outer_delay(res.params.outer_delay, res.params.sync_every)
+        head += f", overlapped: applied {delay} inner step(s) late"
     # Each run against the alone run nearest before it (the first: the first), which ran
     # under the most similar load.
     alone = next((r for r in res.runs if r.variant == "alone"), None)

@@ -16,8 +16,9 @@ Shared, each tensor written by one rank (dealt with the model's tensors, largest
 
 Per rank ``r`` (``rank<r>.``): ``local.param.<i>`` its weights where they differ from the anchor
 (mid-round), ``optim.<i>.<key>`` / ``optim_scalar.<i>.<key>`` its inner optimizer's state (whole),
-``local.residual`` its outer codec's error feedback, ``local.ref.<i>`` (overlapped) its round's
-start, ``model.<name>`` its buffers (not exchanged by local updates), and ``local``: its place in
+``local.residual`` its outer codec's error feedback, ``local.base.<i>`` (overlapped, an exchange in
+flight) its weights when it sent (``local.ref.<i>`` in files written before the delay),
+``model.<name>`` its buffers (not exchanged by local updates), and ``local``: its place in
 the round and, while the ranks do not yet agree (before the first outer step, after a load or a
 re-forming), its own anchor (``local.anchor.<i>``) and outer state.
 
@@ -86,7 +87,8 @@ def cut(rank: int, model: Any, tensors: dict[str, torch.Tensor], held: Any) -> C
         "inner_steps": st["inner_steps"],
         "codec": st["codec"]["name"],
         "params": [],
-        "ref": st["overlap"]["ref"] is not None,
+        "base": st["overlap"]["base"] is not None,
+        "since_sent": st["overlap"]["since_sent"],
         "residual": st["codec"]["residual"] is not None,
         "outer": None,
     }
@@ -98,8 +100,8 @@ def cut(rank: int, model: Any, tensors: dict[str, torch.Tensor], held: Any) -> C
         own["outer"] = st["outer"]
         for i, a in enumerate(anchor or []):
             out.own.append((f"{mine}local.anchor.{i}", a, True))
-    for i, r in enumerate(st["overlap"]["ref"] or []):
-        out.own.append((f"{mine}local.ref.{i}", r, True))
+    for i, b in enumerate(st["overlap"]["base"] or []):
+        out.own.append((f"{mine}local.base.{i}", b, True))
     if st["codec"]["residual"] is not None:
         out.own.append((f"{mine}local.residual", st["codec"]["residual"], True))
     for name in sorted(buffers):
@@ -252,9 +254,10 @@ def plan(
     if exact:
         for i in own["params"]:
             weights[i] = tensors[f"rank{rank}.local.param.{i}"]
-        ref = own["ref"]
+        # Files written before the delay (the average applied a round late) call it "ref".
+        base = "base" if "base" in own else "ref"
         local: dict[str, Any] | None = {
-            "version": 1,
+            "version": 2,
             "sync_every": meta["sync_every"],
             "inner_steps": own["inner_steps"],
             "outer_steps": meta["outer_steps"],
@@ -265,23 +268,24 @@ def plan(
                 "residual": tensors.get(f"rank{rank}.local.residual") if own["residual"] else None,
             },
             "overlap": {
-                "ref": [tensors[f"rank{rank}.local.ref.{i}"] for i in range(len(weights))]
-                if ref
+                "base": [tensors[f"rank{rank}.local.{base}.{i}"] for i in range(len(weights))]
+                if own[base]
                 else None,
                 "pending": tensors.get("local.pending"),
+                "since_sent": own.get("since_sent", own["inner_steps"]),
             },
         }
         return LoadPlan(True, rank, local, weights, buffers, "")
     if lu is not None:
         local = {
-            "version": 1,
+            "version": 2,
             "sync_every": meta["sync_every"],
             "inner_steps": 0,
             "outer_steps": meta["outer_steps"],
             "anchor": anchor,
             "outer": _outer(tensors, objects, meta, 0),
             "codec": {"name": lu.codec.name, "residual": None},
-            "overlap": {"ref": None, "pending": None},
+            "overlap": {"base": None, "pending": None, "since_sent": 0},
         }
         inner_from = rank % saved_size
     else:
@@ -311,7 +315,7 @@ def describe_reset(objects: dict[str, Any], saved_size: int, size: int, local: b
         )
     dropped = "each rank's weights since the anchor"
     if meta["pending"]:
-        dropped += " and the overlapped exchange in flight (a round of changes)"
+        dropped += " and the overlapped exchange in flight"
     return (
         f"ringtrain.checkpoint: {what}, loaded at {size}: every rank starts a new round from "
         f"{start} and the outer optimizer's state; reset: {dropped} ({inner[-1]} inner step(s) "

@@ -106,6 +106,7 @@ class GradientPath:
             self._outer_optimizer,
             self.config.outer_compression,
             self.config.outer_overlap,
+            self.config.outer_delay,
         )
 
     def share_params(self, update: Update) -> None:

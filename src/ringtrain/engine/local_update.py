@@ -89,6 +89,13 @@ def parse_sync_every(value: Any) -> int | str:
     return number
 
 
+def outer_delay(delay: int, sync_every: int) -> int:
+    """The overlapped exchange's delay in inner steps: ``delay`` (at most a round), or for 0 a
+    quarter of the round, at least one step (streaming DiLoCo's few steps: about 3% more steps
+    to the tiny LM's target than applying it at once, against twice for a whole round)."""
+    return min(delay, sync_every) if delay > 0 else max(1, sync_every // 4)
+
+
 def _bad_sync_every(value: Any) -> ConfigError:
     return ConfigError(
         f"sync_every must be a number of steps >= 0 or 'auto', got {value!r}\n"
@@ -109,6 +116,7 @@ class LocalUpdate:
         outer_optimizer: OuterFactory | None,
         outer_compression: str,
         overlap: bool = False,
+        delay: int = 0,
     ) -> None:
         if sync_every < 1:
             raise _bad_sync_every(sync_every)
@@ -127,10 +135,12 @@ class LocalUpdate:
             )
         self._wire = transport.of(group)
         self.codec = OuterCodec(outer_compression, self._wire)
-        # Overlapped outer exchange (streaming DiLoCo's, one round late): see _overlapped_step.
+        # Overlapped outer exchange (streaming DiLoCo's): see _start_exchange and _merge.
         self.overlap = overlap
-        self._ref: list[torch.Tensor] | None = None  # this rank's weights at the round's start
+        self.delay = outer_delay(delay, sync_every)
+        self._base: list[torch.Tensor] | None = None  # this rank's weights when it was sent
         self._pending: concurrent.futures.Future[torch.Tensor] | None = None
+        self._since_sent = 0  # inner steps taken since the exchange in flight started
         self._exchanger: concurrent.futures.ThreadPoolExecutor | None = None
         self.anchor: list[torch.Tensor] | None = None
         self.inner_steps = 0  # since the last outer step
@@ -186,21 +196,28 @@ class LocalUpdate:
             self.anchor = [p.detach().clone() for p in self._params]
         result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.inner_steps += 1
+        if self._pending is not None:
+            self._since_sent += 1
+            if self._since_sent >= self.delay:
+                self._timed("OUTER_MERGE", self._merge)
         if self.inner_steps >= self.sync_every:
             self.outer_step()
         return result
 
     def outer_step(self) -> None:
-        """Average the change since the anchor and step the outer optimizer (collective)."""
-        rec = timeline.current()
-        t0 = time.perf_counter()
+        """Average the change since the anchor and step the outer optimizer (collective);
+        overlapped: start that average, applied ``delay`` inner steps later."""
         if self.overlap and self._wire.size > 1:
-            self._overlapped_step()
+            self._timed("OUTER_STEP", self._start_exchange)
         else:
-            self._synchronous_step()
+            self._timed("OUTER_STEP", self._synchronous_step)
+
+    def _timed(self, name: str, part: Callable[[], None]) -> None:
+        t0 = time.perf_counter()
+        part()
         t1 = time.perf_counter()
         self.outer_seconds += t1 - t0
-        rec.span("step", "OUTER_STEP", t0, t1)
+        timeline.current().span("step", name, t0, t1)
 
     def _synchronous_step(self) -> None:
         """This round's change averaged now, and the anchor stepped with it."""
@@ -210,52 +227,58 @@ class LocalUpdate:
             if self._agree and self._wire.size > 1:
                 self._copy_from_root()
             self._agree = False
-            change = torch.cat(
-                [
-                    (a.float() - p.detach().float()).reshape(-1)
-                    for a, p in zip(self.anchor, self._params)
-                ]
-            )
-            self._step_anchor(self.codec.average(change))
+            self._step_anchor(self.codec.average(self._change()))
         self.inner_steps = 0
         self.outer_steps += 1
 
-    def _overlapped_step(self) -> None:
-        """The outer step with the exchange overlapped: this round's change starts travelling
-        in the background and the next round's inner steps run meanwhile; the *previous*
-        round's average, waited for here, steps the anchor. Every rank then continues from the
-        new anchor plus its own change of this round (which reaches the anchor, averaged, one
-        round later). What is applied never depends on when an exchange finished: always the
-        previous round's, waited for in full."""
+    def _start_exchange(self) -> None:
+        """The overlapped outer step's first half: this round's change, ``anchor - weights``,
+        starts travelling in the background and the inner steps go on from these weights;
+        :meth:`_merge` applies its average ``delay`` inner steps later."""
         with torch.no_grad():
+            if self._pending is not None:  # delay == sync_every after a load: due now
+                self._merge()
             if self.anchor is None:
                 self.anchor = [p.detach().clone() for p in self._params]
-            if self._ref is None:
-                self._ref = [a.clone() for a in self.anchor]
-            change = torch.cat(
-                [
-                    (r.float() - p.detach().float()).reshape(-1)
-                    for r, p in zip(self._ref, self._params)
-                ]
-            )
-            if self._pending is not None:
-                mean = self._pending.result()
-                self._pending = None
-                self._step_anchor(mean)
             if self._agree:
-                self._copy_from_root()
+                self._copy_from_root()  # nothing in flight: the wire is free
             self._agree = False
+            change = self._change()
+            self._base = [p.detach().clone() for p in self._params]
             if self._exchanger is None:
                 self._exchanger = concurrent.futures.ThreadPoolExecutor(1, "ringtrain-outer")
             self._pending = self._exchanger.submit(self.codec.average, change)
-            offset = 0
-            for a, p in zip(self.anchor, self._params):
-                n = p.numel()
-                p.copy_(a - change[offset : offset + n].view_as(p).to(p.dtype))
-                offset += n
-            self._ref = [p.detach().clone() for p in self._params]
+            self._since_sent = 0
         self.inner_steps = 0
         self.outer_steps += 1
+
+    def _merge(self) -> None:
+        """The overlapped outer step's second half, ``delay`` inner steps after the first, at
+        the same step on every rank: the average, waited for in full, steps the anchor, and
+        each rank continues from the new anchor plus its own progress since it sent (which
+        belongs to the next round's change). What is applied never depends on when the
+        exchange finished."""
+        assert self._pending is not None and self._base is not None
+        mean = self._pending.result()
+        self._pending = None
+        with torch.no_grad():
+            progress = [p.detach() - b for p, b in zip(self._params, self._base)]
+            self._base = None
+            self._step_anchor(mean)
+            for p, d in zip(self._params, progress):
+                p.add_(d)
+
+    def _change(self) -> torch.Tensor:
+        """``anchor - weights`` of every averaged parameter, flat, float32, in host memory: the
+        outer exchange goes over the engine's Gloo group, and its codec, its error feedback
+        and the background exchange then never touch a GPU stream."""
+        assert self.anchor is not None
+        return torch.cat(
+            [
+                (a.float() - p.detach().float()).reshape(-1)
+                for a, p in zip(self.anchor, self._params)
+            ]
+        ).cpu()
 
     def _step_anchor(self, mean: torch.Tensor) -> None:
         """The outer optimizer steps the anchor with ``mean`` as its gradient (leaves the
@@ -266,7 +289,7 @@ class LocalUpdate:
         for a, p in zip(self.anchor, self._params):
             n = p.numel()
             p.copy_(a)
-            p.grad = mean[offset : offset + n].view_as(p).to(p.dtype)
+            p.grad = mean[offset : offset + n].view_as(p).to(p.device, p.dtype)
             offset += n
         with torch.enable_grad():
             self.outer.step()
@@ -325,7 +348,7 @@ class LocalUpdate:
         if copy and codec["residual"] is not None:
             codec["residual"] = codec["residual"].clone()
         return {
-            "version": 1,
+            "version": 2,
             "sync_every": self.sync_every,
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
@@ -334,15 +357,16 @@ class LocalUpdate:
             "outer": self.outer.state_dict(),
             "codec": codec,
             "overlap": {
-                "ref": own(self._ref),
+                "base": own(self._base),
                 "pending": None if pending is None else pending.clone() if copy else pending,
+                "since_sent": self._since_sent,
             },
         }
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != 1:
+        if state.get("version") not in (1, 2):
             raise ConfigError(
-                f"this is not a local-update v1 state (keys {sorted(state)}).\n"
+                f"this is not a local-update v1 or v2 state (keys {sorted(state)}).\n"
                 "HINT: resume with the ringtrain version that wrote the checkpoint."
             )
         anchor = state.get("anchor")
@@ -352,7 +376,6 @@ class LocalUpdate:
                 "HINT: load the checkpoint into the model it was saved from."
             )
         # Own copies on the parameters' device (a checkpoint's tensors come from host memory).
-        device = self._params[0].device if self._params else torch.device("cpu")
 
         def here(ts: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
             return (
@@ -365,15 +388,17 @@ class LocalUpdate:
         self.inner_steps = int(state.get("inner_steps", 0)) % self.sync_every
         self.outer_steps = int(state.get("outer_steps", 0))
         self.outer.load_state_dict(state["outer"])
-        self.codec.load_state_dict(state["codec"], device)
+        self.codec.load_state_dict(state["codec"], torch.device("cpu"))  # see _change
         self._agree = True
         saved = state.get("overlap") or {}
-        ref, pending = saved.get("ref"), saved.get("pending")
-        self._ref = here(ref)
+        pending = saved.get("pending")
+        # v1 applied the average one round late: its "ref" is the weights when it was sent.
+        self._base = here(saved.get("base", saved.get("ref")))
+        self._since_sent = int(saved.get("since_sent", self.inner_steps))
         self._pending = None
         if pending is not None:
             self._pending = concurrent.futures.Future()
-            self._pending.set_result(pending.to(device, copy=True))
+            self._pending.set_result(pending.to("cpu", copy=True))
 
     def restart(self) -> None:
         """Start afresh from the current weights (a checkpoint without local-update state was
@@ -405,9 +430,15 @@ class LocalUpdate:
 
     def _drop_pending(self) -> None:
         """Elastic or closing: the exchange in flight on the old world is given up on every
-        rank alike (its round's changes are lost, not applied on some ranks only)."""
+        rank alike (not applied on some ranks only); its change is still in each rank's
+        weights, and travels with the next outer step's. It may still be using the wire, so
+        it is let end first: on a whole world it completes; where a rank is gone, the wire
+        fails it (at once, or at the group's timeout)."""
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending])
         self._pending = None
-        self._ref = None
+        self._base = None
+        self._since_sent = 0
 
     # ---- agreeing on the anchor -----------------------------------------------------------------
 
@@ -424,8 +455,8 @@ class LocalUpdate:
             torch.save({"anchor": self.anchor, "outer": self.outer.state_dict()}, buf)
         blob = _broadcast_bytes(self._wire, buf.getvalue())
         if self._wire.rank != 0:
-            got = torch.load(io.BytesIO(blob), weights_only=True)
-            self.anchor = got["anchor"]
+            got = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+            self.anchor = [a.to(p.device) for a, p in zip(got["anchor"], self._params)]
             self.outer.load_state_dict(got["outer"])
 
     def _digest(self) -> bytes:
@@ -444,7 +475,7 @@ class LocalUpdate:
                     h.update(repr(value).encode())
         for t in tensors:
             h.update(str((t.dtype, tuple(t.shape))).encode())
-            h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         return h.digest()
 
 
@@ -477,6 +508,18 @@ def _broadcast_bytes(wire: transport.Transport, data: bytes) -> bytes:
 def check(config: Config) -> None:
     """Local updates with settings that make no sense with them: a clear error."""
     every = parse_sync_every(config.sync_every)
+    if config.outer_delay and not config.outer_overlap:
+        raise ConfigError(
+            f"outer_delay={config.outer_delay} says how many inner steps the overlapped outer "
+            "exchange may take, but outer_overlap is off.\nHINT: add outer_overlap=True, or "
+            "drop outer_delay."
+        )
+    if isinstance(every, int) and every > 0 and config.outer_delay > every:
+        raise ConfigError(
+            f"outer_delay={config.outer_delay} is longer than a round (sync_every={every}): "
+            "each average must be applied before the next round's exchange starts.\nHINT: "
+            f"outer_delay={every} at most (or 0: a quarter of the round)."
+        )
     clash = clashes(config)
     if isinstance(every, int) and every > 0 and clash:
         raise ConfigError(

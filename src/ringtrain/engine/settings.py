@@ -39,7 +39,9 @@ sync_every: local updates (DiLoCo, :mod:`ringtrain.engine.local_update`): each r
 outer_compression: the outer exchange's wire: "none", "fp16" (default), "bf16", "int8",
     "int4" (the narrow ones with error feedback).
 outer_overlap: True: the outer exchange runs in the background during the next round's inner
-    steps and its average is applied one round late (streaming DiLoCo).
+    steps and its average is applied ``outer_delay`` inner steps later (streaming DiLoCo).
+outer_delay: with ``outer_overlap``, how many inner steps the exchange may take (1 to
+    ``sync_every``); 0 (default): a quarter of the round, at least 1.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ CONFIG_ARGS = (
     "sync_every",
     "outer_compression",
     "outer_overlap",
+    "outer_delay",
 )
 
 
