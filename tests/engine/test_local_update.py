@@ -159,10 +159,12 @@ def _overlapped(delay: float, outer_delay: int) -> dict[str, Any]:
     return {"anchors": anchors_alike, "weights": weights_alike, "anchor": anchor}
 
 
-def _merge_arithmetic() -> list[float]:
+def _merge_arithmetic(path: str) -> tuple[list[float], dict[str, int], float]:
     """Plain SGD inside, outer SGD lr 1 without momentum, no compression, sync_every 3, delay
     2: where the average is applied the anchor is the mean of the weights as sent, and each
-    rank's weights are that plus its own inner steps since (the gaps, float rounding only)."""
+    rank's weights are that plus its own inner steps since (the gaps, float rounding only).
+    Also: the timeline's OUTER_STEP and OUTER_MERGE spans, and the time counted in them."""
+    from ringtrain.diagnostics import timeline
 
     class Recording(torch.optim.SGD):
         def step(self, closure: Any = None) -> Any:  # the weights after each inner step
@@ -186,6 +188,7 @@ def _merge_arithmetic() -> list[float]:
     assert local is not None
     gaps: list[float] = []
     sent = mean = torch.empty(0)
+    name = rt.start_timeline(path)
     for i in range(1, 3 * H + 1):
         _step(model, opt, i)
         if i % H == 0:  # sent: the weights go on unchanged
@@ -196,8 +199,11 @@ def _merge_arithmetic() -> list[float]:
             anchor = torch.cat([a.reshape(-1) for a in local.anchor or []])
             gaps.append(float((anchor - mean).abs().max()))
             gaps.append(float((_weights(model) - (mean + inner.after - sent)).abs().max()))
+    rt.stop_timeline()
     assert len(gaps) == 3 + 2 * 2 and local.outer_steps == 3
-    return gaps
+    spans = [e["name"] for e in timeline.load(name) if e.get("ph") == "X"]
+    counts = {k: spans.count(k) for k in ("OUTER_STEP", "OUTER_MERGE")}
+    return gaps, counts, local.outer_seconds
 
 
 def _resume(overlap: bool = False) -> bool:
@@ -318,9 +324,11 @@ def test_overlapped_exchange_is_alike_everywhere_and_independent_of_timing() -> 
 
 
 @pytest.mark.timeout(300)
-def test_overlapped_merge_is_the_outer_step_plus_own_progress() -> None:
-    for gaps in spawn.world(2).run(_merge_arithmetic, timeout=240):
+def test_overlapped_merge_is_the_outer_step_plus_own_progress(tmp_path: Path) -> None:
+    trace = str(tmp_path / "trace.json")
+    for gaps, spans, seconds in spawn.world(2).run(_merge_arithmetic, trace, timeout=240):
         assert max(gaps) < 1e-6, gaps
+        assert spans == {"OUTER_STEP": 3, "OUTER_MERGE": 2} and seconds > 0, (spans, seconds)
 
 
 @pytest.mark.timeout(300)
