@@ -74,16 +74,22 @@ def _step(model: torch.nn.Module, opt: Any, i: int) -> None:
     opt.step()
 
 
-def _rounds(codec: str) -> dict[str, Any]:
-    """Adam inside, the default outer optimizer: identical after each outer step, not between."""
+def _adam_local(**settings: Any) -> tuple[torch.nn.Module, Any]:
+    """Tiny from seed 0 and a local-update optimizer (Adam lr 0.01 inside, ``sync_every=H``)."""
     torch.manual_seed(0)
     model = Tiny()
     opt = rt.DistributedOptimizer(
         torch.optim.Adam(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
         sync_every=H,
-        outer_compression=codec,
+        **settings,
     )
+    return model, opt
+
+
+def _rounds(codec: str) -> dict[str, Any]:
+    """Adam inside, the default outer optimizer: identical after each outer step, not between."""
+    model, opt = _adam_local(outer_compression=codec)
     after_outer, between = [], []
     for i in range(H * ROUNDS):
         _step(model, opt, i)
@@ -133,16 +139,7 @@ def _overlapped(delay: float, outer_delay: int) -> dict[str, Any]:
     import random
     import time
 
-    torch.manual_seed(0)
-    model = Tiny()
-    opt = rt.DistributedOptimizer(
-        torch.optim.Adam(model.parameters(), lr=0.01),
-        named_parameters=model.named_parameters(),
-        sync_every=H,
-        outer_compression="int8",
-        outer_overlap=True,
-        outer_delay=outer_delay,
-    )
+    model, opt = _adam_local(outer_compression="int8", outer_overlap=True, outer_delay=outer_delay)
     local = opt.local_update
     assert local is not None and local.overlap and local.delay == (outer_delay or 1)
     anchors_alike, weights_alike = [], []
@@ -206,21 +203,14 @@ def _merge_arithmetic(path: str) -> tuple[list[float], dict[str, int], float]:
     return gaps, counts, local.outer_seconds
 
 
-def _resume(overlap: bool = False) -> bool:
+def _resume(overlap: bool = False, v1: bool = False) -> bool:
     """A run saved mid-round and resumed in a fresh model and optimizer ends with the bits of
-    the run that never stopped."""
+    the run that never stopped. ``v1``: overlapped a whole round late, the state rewritten as
+    ringtrain wrote it before ``outer_delay`` (version 1, the weights as sent called "ref")."""
 
     def make() -> tuple[torch.nn.Module, Any]:
-        torch.manual_seed(0)
-        model = Tiny()
-        opt = rt.DistributedOptimizer(
-            torch.optim.Adam(model.parameters(), lr=0.01),
-            named_parameters=model.named_parameters(),
-            sync_every=H,
-            outer_compression="int8",
-            outer_overlap=overlap,
-        )
-        return model, opt
+        late = {"outer_delay": H} if v1 else {}
+        return _adam_local(outer_compression="int8", outer_overlap=overlap or v1, **late)
 
     model, opt = make()
     for i in range(2 * H + 1):
@@ -237,6 +227,13 @@ def _resume(overlap: bool = False) -> bool:
     _step(model, opt, 0)  # a different history, overwritten by the load
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
+    if v1:
+        state = saved["opt"]["ringtrain_local_update"]
+        flight = state.pop("overlap")
+        state["version"], state["overlap"] = (
+            1,
+            {"ref": flight["base"], "pending": flight["pending"]},
+        )
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     for i in range(2 * H + 1, 4 * H):
@@ -247,13 +244,7 @@ def _resume(overlap: bool = False) -> bool:
 def _rejoin() -> tuple[bool, bool, int]:
     """Rank 1 plays a rank that joined between outer steps: other weights, another anchor and
     no outer state. After rejoin() and the next outer step every rank is identical."""
-    torch.manual_seed(0)
-    model = Tiny()
-    opt = rt.DistributedOptimizer(
-        torch.optim.Adam(model.parameters(), lr=0.01),
-        named_parameters=model.named_parameters(),
-        sync_every=H,
-    )
+    model, opt = _adam_local()
     for i in range(H + 1):
         _step(model, opt, i)
     local = opt.local_update
@@ -303,7 +294,9 @@ def test_local_updates_on_every_transport(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_state_dict_resumes_to_the_same_bits() -> None:
-    assert all(spawn.world(2).run(_resume, timeout=240))
+    world = spawn.world(2)
+    assert all(world.run(_resume, timeout=240))
+    assert all(world.run(_resume, False, True, timeout=240))  # a state from before the delay
 
 
 @pytest.mark.timeout(300)
@@ -343,15 +336,7 @@ def _rejoin_overlapped() -> tuple[bool, bool, bool, int]:
     """Overlapped: a re-forming while an exchange is in flight gives it up on every rank; the
     next round agrees the anchor (rank 1's differs, as a joined rank's) and applies its average
     on every rank alike."""
-    torch.manual_seed(0)
-    model = Tiny()
-    opt = rt.DistributedOptimizer(
-        torch.optim.Adam(model.parameters(), lr=0.01),
-        named_parameters=model.named_parameters(),
-        sync_every=H,
-        outer_overlap=True,
-        outer_delay=2,
-    )
+    model, opt = _adam_local(outer_overlap=True, outer_delay=2)
     local = opt.local_update
     assert local is not None
     for i in range(H):

@@ -317,9 +317,8 @@ def _wrap(variant: str, model: nn.Module, params: ConvergeParams) -> tuple[Any, 
                 ps, lr=lr, momentum=momentum, nesterov=momentum > 0
             ),
             "outer_overlap": variant == "local:overlap",
+            "outer_delay": params.outer_delay if variant == "local:overlap" else 0,
         }
-        if variant == "local:overlap":
-            extra["outer_delay"] = params.outer_delay
     opt = ringtrain.DistributedOptimizer(base, named_parameters=model.named_parameters(), **extra)
     return opt, model
 

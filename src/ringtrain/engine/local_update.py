@@ -375,8 +375,8 @@ class LocalUpdate:
                 "the saved local-update anchor does not match this model's parameters.\n"
                 "HINT: load the checkpoint into the model it was saved from."
             )
-        # Own copies on the parameters' device (a checkpoint's tensors come from host memory).
 
+        # Own copies on the parameters' device (a checkpoint's tensors come from host memory).
         def here(ts: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
             return (
                 None
@@ -423,18 +423,19 @@ class LocalUpdate:
         self._agree = True
 
     def close(self) -> None:
-        self._drop_pending()
+        self._drop_pending(settle=False)  # the wire closes: nothing uses it after
         self._wire.close()
         if self._exchanger is not None:
             self._exchanger.shutdown(wait=False)
 
-    def _drop_pending(self) -> None:
-        """Elastic or closing: the exchange in flight on the old world is given up on every
-        rank alike (not applied on some ranks only); its change is still in each rank's
-        weights, and travels with the next outer step's. It may still be using the wire, so
-        it is let end first: on a whole world it completes; where a rank is gone, the wire
-        fails it (at once, or at the group's timeout)."""
-        if self._pending is not None:
+    def _drop_pending(self, settle: bool = True) -> None:
+        """Elastic, a restart or closing: the exchange in flight is given up on every rank
+        alike (not applied on some ranks only); its change is still in each rank's weights,
+        and travels with the next outer step's. ``settle``: it may still be using the wire,
+        which stays in use, so it is let end first (on a whole world it completes; where a
+        rank is gone, the wire fails it at once or at the group's timeout); closing does not
+        wait, the wire closes under it."""
+        if settle and self._pending is not None:
             concurrent.futures.wait([self._pending])
         self._pending = None
         self._base = None
