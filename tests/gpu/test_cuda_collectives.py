@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _cuda import rank_gpu
 
 import ringtrain as rt
 import ringtrain.torch as hvd
@@ -38,13 +39,6 @@ def gpu_world(request: pytest.FixtureRequest) -> spawn.World:
     return spawn.world(request.param)
 
 
-def _dev() -> torch.device:
-    """This rank's GPU, as a Horovod script picks it after ``hvd.init()``."""
-    dev = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
-    return dev
-
-
 def _check(got: torch.Tensor, expected: torch.Tensor, dev: torch.device, what: str) -> None:
     """``got`` is on ``dev``, in ``expected``'s dtype, and equal to it (exact for integers)."""
     assert got.device == dev, f"{what}: on {got.device}, expected {dev}"
@@ -56,7 +50,7 @@ def _check(got: torch.Tensor, expected: torch.Tensor, dev: torch.device, what: s
 
 
 def _allreduce_ops(numel: int) -> None:
-    dev, r, n = _dev(), hvd.rank(), hvd.size()
+    dev, r, n = rank_gpu(), hvd.rank(), hvd.size()
     ranks_sum = n * (n - 1) // 2
     for dtype in DTYPES:
         # Small integers: exact in every dtype here, halves included (fp16 Average divides first).
@@ -86,7 +80,7 @@ def test_allreduce_ops_and_dtypes(gpu_world: spawn.World, numel: int) -> None:
 
 
 def _allreduce_variants(numel: int) -> None:
-    dev, r, n = _dev(), hvd.rank(), hvd.size()
+    dev, r, n = rank_gpu(), hvd.rank(), hvd.size()
     total = n * (n + 1) / 2
     h = hvd.allreduce_async(torch.full((numel,), r + 1.0, device=dev), op=hvd.Sum, name="a.async")
     _check(hvd.synchronize(h), torch.full((numel,), total), dev, "allreduce_async")
@@ -123,7 +117,7 @@ def test_allreduce_variants(gpu_world: spawn.World, numel: int) -> None:
 
 
 def _movement(width: int) -> None:
-    dev, r, n = _dev(), hvd.rank(), hvd.size()
+    dev, r, n = rank_gpu(), hvd.rank(), hvd.size()
     # allgather: rank k sends k+1 rows
     for dtype in (torch.float32, torch.int64, torch.bfloat16):
         got = hvd.allgather(torch.full((r + 1, width), r, dtype=dtype, device=dev))
@@ -183,7 +177,7 @@ def test_allgather_broadcast_alltoall_reducescatter(gpu_world: spawn.World, widt
 
 
 def _objects(numel: int) -> None:
-    dev, r, n = _dev(), hvd.rank(), hvd.size()
+    dev, r, n = rank_gpu(), hvd.rank(), hvd.size()
     obj = {"step": 7, "weights": torch.full((numel,), 3.0, device=dev)} if r == 0 else None
     got = hvd.broadcast_object(obj, root_rank=0)
     assert got["step"] == 7
@@ -204,7 +198,7 @@ def test_objects_holding_cuda_tensors(gpu_world: spawn.World, numel: int) -> Non
 
 
 def _autograd() -> None:
-    dev, r, n = _dev(), hvd.rank(), hvd.size()
+    dev, r, n = rank_gpu(), hvd.rank(), hvd.size()
     # As Horovod: the gradient of an allreduce is the allreduce (same op) of the gradients.
     x = torch.full((2, 3), r + 1.0, device=dev, requires_grad=True)
     y = hvd.allreduce(x, op=hvd.Sum)
@@ -243,7 +237,7 @@ def _train(compression: str) -> list[torch.Tensor]:
     """Train on this rank's slice of each global batch; check against one process training on
     the whole global batch on the same GPU (float tolerance: the kernels differ). In float64,
     which no TF32 setting touches."""
-    dev, r, n = _dev(), hvd.rank(), hvd.size()
+    dev, r, n = rank_gpu(), hvd.rank(), hvd.size()
     model = _model(dev)
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -281,7 +275,7 @@ def test_distributed_optimizer(gpu_world: spawn.World, compression: str) -> None
 
 
 def _sync_batch_norm() -> None:
-    dev, r, n = _dev(), hvd.rank(), hvd.size()
+    dev, r, n = rank_gpu(), hvd.rank(), hvd.size()
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5)).to(dev)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), hvd.SyncBatchNorm(5)).to(dev)
@@ -313,7 +307,7 @@ def test_sync_batch_norm(gpu_world: spawn.World) -> None:
 
 
 def _route(own_gpus: bool) -> tuple[bool, str, list[str]]:
-    dev = _dev() if own_gpus else torch.device("cuda", 0)
+    dev = rank_gpu() if own_gpus else torch.device("cuda", 0)
     warnings: list[str] = []
 
     class Keep(logging.Handler):
@@ -352,7 +346,7 @@ def test_ranks_with_their_own_gpus_use_nccl(gpu_world: spawn.World) -> None:
 
 
 def _process_set_route() -> tuple[bool, str]:
-    dev, r, n = _dev(), hvd.rank(), hvd.size()
+    dev, r, n = rank_gpu(), hvd.rank(), hvd.size()
     ps = rt.add_process_set(list(range(n)))
     try:
         t = torch.full((8,), float(r), device=dev)
@@ -382,7 +376,7 @@ def _train_mode(overlap: bool, shard: bool, whole: bool = False) -> list[torch.T
     """Adam (torch's CUDA kernels; fused on the shards) with or without cross-iteration overlap
     and the sharded step, several buckets; every parameter read after synchronize(). ``whole``:
     a step hook makes the engine step the optimizer whole instead of bucket by bucket."""
-    dev, r, n = _dev(), hvd.rank(), hvd.size()
+    dev, r, n = rank_gpu(), hvd.rank(), hvd.size()
     model = _model(dev)
     inner = torch.optim.Adam(model.parameters(), lr=1e-2)
     if whole:
@@ -439,7 +433,7 @@ def test_overlap_and_the_sharded_step_on_cuda(gpu_world: spawn.World) -> None:
 
 
 def _sealed_cuda() -> list[torch.Tensor]:
-    dev, r, n = _dev(), hvd.rank(), hvd.size()
+    dev, r, n = rank_gpu(), hvd.rank(), hvd.size()
     x = torch.arange(1 << 16, dtype=torch.float32, device=dev) + r
     out = [hvd.allreduce(x, op=hvd.Sum), hvd.broadcast(x, n - 1), hvd.allgather(x[:5])]
     for t in out:

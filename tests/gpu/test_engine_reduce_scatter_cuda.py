@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from _cuda import classifier, train
 
 import ringtrain as rt
-import ringtrain.torch as hvd
 from ringtrain.testing import spawn
 
 pytestmark = [
@@ -27,12 +26,7 @@ pytestmark = [
 
 
 def _train(scatter: bool, codec: str) -> torch.Tensor:
-    dev = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5)
-    ).to(dev)
+    model = classifier(0)
     opt = rt.DistributedOptimizer(
         torch.optim.Adam(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
@@ -42,12 +36,7 @@ def _train(scatter: bool, codec: str) -> torch.Tensor:
         fusion_threshold_bytes=2048,
         link_class="slow",
     )
-    for step in range(4):
-        g = torch.Generator().manual_seed(100 * step + rt.rank())
-        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
-        opt.zero_grad()
-        F.cross_entropy(model(x.to(dev)), y.to(dev)).backward()
-        opt.step()
+    train(model, opt, range(4))
     assert opt._exchange is not None and opt._exchange.scatters == scatter
     opt.remove_hooks()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()

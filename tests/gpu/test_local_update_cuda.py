@@ -19,11 +19,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+from _cuda import classifier, train
 
 import ringtrain as rt
 import ringtrain.checkpoint as ckpt
-import ringtrain.torch as hvd
 from ringtrain.testing import spawn
 
 pytestmark = [
@@ -36,17 +35,8 @@ pytestmark = [
 H = 2
 
 
-def _dev() -> torch.device:
-    dev = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
-    return dev
-
-
 def _make(seed: int, codec: str, overlap: bool) -> tuple[torch.nn.Module, Any]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5)
-    ).to(_dev())
+    model = classifier(seed)
     opt = rt.DistributedOptimizer(
         torch.optim.Adam(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
@@ -56,16 +46,6 @@ def _make(seed: int, codec: str, overlap: bool) -> tuple[torch.nn.Module, Any]:
         outer_delay=1 if overlap else 0,
     )
     return model, opt
-
-
-def _steps(model: torch.nn.Module, opt: Any, steps: range) -> None:
-    dev = next(model.parameters()).device
-    for step in steps:
-        g = torch.Generator().manual_seed(100 * step + rt.rank())
-        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
-        opt.zero_grad()
-        F.cross_entropy(model(x.to(dev)), y.to(dev)).backward()
-        opt.step()
 
 
 def _flat(ts: Any) -> torch.Tensor:
@@ -83,7 +63,7 @@ def _rounds(codec: str, overlap: bool) -> dict[str, Any]:
     assert local is not None
     anchors = []
     for step in range(3 * H):
-        _steps(model, opt, range(step, step + 1))
+        train(model, opt, range(step, step + 1))
         if (step + 1) % H == 0:
             anchors.append(_alike(_flat(local.anchor)))
     on_gpu = all(p.is_cuda for p in model.parameters()) and all(a.is_cuda for a in local.anchor)
@@ -103,10 +83,10 @@ def test_local_updates_agree_on_the_gpu(codec: str, overlap: bool) -> None:
 
 def _save_and_go_on(path: str) -> dict[str, torch.Tensor]:
     model, opt = _make(3, "int4", True)
-    _steps(model, opt, range(H + 1))  # sent at H, applied at H + 1: then mid-round
-    _steps(model, opt, range(H + 1, 2 * H))  # the next exchange is in flight at the save
+    train(model, opt, range(H + 1))  # sent at H, applied at H + 1: then mid-round
+    train(model, opt, range(H + 1, 2 * H))  # the next exchange is in flight at the save
     ckpt.save(path, model=model, optimizer=opt, step=2 * H)
-    _steps(model, opt, range(2 * H, 4 * H + 1))
+    train(model, opt, range(2 * H, 4 * H + 1))
     return {"weights": _flat(model.parameters()).cpu()}
 
 
@@ -115,7 +95,7 @@ def _load_and_go_on(path: str) -> dict[str, torch.Tensor]:
     restored = ckpt.load(path, model=model, optimizer=opt)
     assert restored.step == 2 * H
     assert all(p.is_cuda for p in model.parameters())
-    _steps(model, opt, range(2 * H, 4 * H + 1))
+    train(model, opt, range(2 * H, 4 * H + 1))
     return {"weights": _flat(model.parameters()).cpu()}
 
 

@@ -236,7 +236,7 @@ class LocalUpdate:
         starts travelling in the background and the inner steps go on from these weights;
         :meth:`_merge` applies its average ``delay`` inner steps later."""
         with torch.no_grad():
-            if self._pending is not None:  # delay == sync_every after a load: due now
+            if self._pending is not None:  # outer_step() called before the average was due
                 self._merge()
             if self.anchor is None:
                 self.anchor = [p.detach().clone() for p in self._params]
