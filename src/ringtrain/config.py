@@ -114,6 +114,9 @@ class Config:
     # With outer_overlap: inner steps between sending a round's change and applying its average
     # (1 to sync_every); 0: a quarter of the round, at least 1.
     outer_delay: int = 0
+    # The local-update step's parameters cut into this many fragments, each exchanged at its own
+    # step of the round (streaming DiLoCo): 1/P of the model on the link at a time.
+    outer_fragments: int = 1
     # Seal every message with AES-256-GCM and authenticate the rendezvous.
     secure: bool = False
     # Path to the job key (e.g. a mounted Kubernetes Secret) when not started by ringtrain run.
@@ -205,6 +208,12 @@ class Config:
             raise ConfigError(
                 f"outer_delay must be a number of inner steps >= 0, got {self.outer_delay}\n"
                 "HINT: 0 lets the overlapped exchange take a quarter of the round."
+            )
+        if self.outer_fragments < 1:
+            raise ConfigError(
+                f"outer_fragments must be a number of fragments >= 1, got {self.outer_fragments}\n"
+                "HINT: 1 exchanges the whole model at the round's end; 4 exchanges a quarter of "
+                "it every quarter round."
             )
         if self.engine_streams < 1:
             raise ConfigError(f"engine_streams must be >= 1, got {self.engine_streams}")

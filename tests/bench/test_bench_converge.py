@@ -23,6 +23,8 @@ def test_converge_cli(task: str, tmp_path: Path, capsys: pytest.CaptureFixture[s
     argv = ["bench", "converge", "-np", "2", "--threads", "1", "--task", task]
     argv += ["--max-steps", "4", "--eval-every", "2", "--sync-every", "2", "--width", "16"]
     argv += ["--batch-size", "8"]
+    if task == "lm":  # the local variants in two fragments, one exchanged every inner step
+        argv += ["--outer-fragments", "2"]
     argv += ["--json", str(out_json), "--plot", str(out_png)]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
@@ -40,6 +42,7 @@ def test_converge_cli(task: str, tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert next(r for r in res["runs"] if r["variant"] == "local")["outer_copies"] == 0
     assert "vs alone" in printed
     if task == "lm":
+        assert "in 2 fragments" in printed
         _, rate = converge.markov_chain(0)
         assert res["target"] == pytest.approx(rate + converge.LM_MARGIN)
 
@@ -54,3 +57,5 @@ def test_markov_chain_is_learnable() -> None:
 def test_bad_variant_is_refused() -> None:
     with pytest.raises(ConfigError, match="HINT"):
         converge.ConvergeParams(variants=("sgd",))
+    with pytest.raises(ConfigError, match="--outer-fragments"):
+        converge.ConvergeParams(sync_every=4, outer_fragments=5)

@@ -2,7 +2,8 @@
 
 Saved at 2 ranks mid-round (each rank's weights, inner Adam state, int8 error feedback and buffers
 its own), at an outer-step boundary, overlapped (an exchange in flight: sent one step before the
-save, applied one step after it), and before the first outer step from other weights on each rank (each rank's anchor its own): loaded into fresh
+save, applied one step after it), in 3 fragments with two exchanges in flight, and before the
+first outer step from other weights on each rank (each rank's anchor its own): loaded into fresh
 objects and trained on, every rank ends bitwise where the run that never stopped ends. Loaded at
 1 and 3 ranks: every rank starts from the anchor and the outer optimizer's state, takes saved
 rank ``r mod 2``'s inner state, the rest is reset and a log line says so; at 3 the ranks agree
@@ -44,7 +45,7 @@ class Net(torch.nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def _make(seed: int, overlap: int = 0, codec: str = "int8") -> tuple[Net, Any]:
+def _make(seed: int, overlap: int = 0, codec: str = "int8", fragments: int = 1) -> tuple[Net, Any]:
     """``overlap``: 0 off, else the overlapped exchange's ``outer_delay``."""
     model = Net(seed)
     opt = rt.DistributedOptimizer(
@@ -54,6 +55,7 @@ def _make(seed: int, overlap: int = 0, codec: str = "int8") -> tuple[Net, Any]:
         outer_compression=codec,
         outer_overlap=overlap > 0,
         outer_delay=overlap,
+        outer_fragments=fragments,
     )
     return model, opt
 
@@ -79,10 +81,12 @@ def _inner(opt: Any) -> dict[int, dict[str, Any]]:
     }
 
 
-def _save_and_go_on(path: str, k: int, overlap: int, codec: str, spread: int = 0) -> dict[str, Any]:
+def _save_and_go_on(
+    path: str, k: int, overlap: int, codec: str, spread: int = 0, fragments: int = 1
+) -> dict[str, Any]:
     """The run that never stops: k steps, a save, the rest. ``spread``: the ranks start from
     other weights (until the first outer step each rank's anchor is its own)."""
-    model, opt = _make(3 + spread * rt.rank(), overlap, codec)
+    model, opt = _make(3 + spread * rt.rank(), overlap, codec, fragments)
     _train(model, opt, range(k))
     lu = opt.local_update
     ckpt.save(path, model=model, optimizer=opt, step=k)
@@ -93,18 +97,30 @@ def _save_and_go_on(path: str, k: int, overlap: int, codec: str, spread: int = 0
         "outer": [s["momentum_buffer"].clone() for s in lu.outer.state_dict()["state"].values()],
         "outer_steps": lu.outer_steps,
         "inner": _inner(opt),
+        "in_flight": sum(f.pending is not None for f in lu.fragments),
     }
     _train(model, opt, range(k, TOTAL))
     return {"saved": saved, "final": _weights(model)}
 
 
-def _load_and_go_on(path: str, k: int, overlap: int, codec: str, spread: int = 0) -> dict[str, Any]:
-    model, opt = _make(99, overlap, codec)  # other weights: the load must replace them
+def _load_and_go_on(
+    path: str, k: int, overlap: int, codec: str, spread: int = 0, fragments: int = 1
+) -> dict[str, Any]:
+    model, opt = _make(99, overlap, codec, fragments)  # other weights: the load must replace them
     restored = ckpt.load(path, model=model, optimizer=opt)
     assert restored.step == k and restored.saved_world_size == 2
     loaded = _weights(model)
     _train(model, opt, range(k, TOTAL))
     return {"loaded": loaded, "final": _weights(model)}
+
+
+def _other_fragments(path: str) -> str:
+    model, opt = _make(99, 2, "int4", 1)
+    try:
+        ckpt.load(path, model=model, optimizer=opt)
+    except Exception as e:  # the checkpoint's error type
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], where: str) -> None:
@@ -114,16 +130,39 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], where: str) ->
 
 
 @pytest.mark.parametrize(
-    ("k", "overlap", "codec", "spread"),
-    [(7, 0, "int8", 0), (6, 0, "int8", 0), (7, 2, "fp16", 0), (2, 1, "int4", 1)],
-    ids=["mid-round", "boundary", "overlapped-in-flight", "overlapped-before-the-first-outer-step"],
+    ("k", "overlap", "codec", "spread", "fragments"),
+    [
+        (7, 0, "int8", 0, 1),
+        (6, 0, "int8", 0, 1),
+        (7, 2, "fp16", 0, 1),
+        (2, 1, "int4", 1, 1),
+        (7, 2, "int4", 0, 3),
+    ],
+    ids=[
+        "mid-round",
+        "boundary",
+        "overlapped-in-flight",
+        "overlapped-before-the-first-outer-step",
+        "fragments-two-in-flight",
+    ],
 )
 def test_resume_at_the_same_size_is_bit_exact(
-    tmp_path: Path, world2: spawn.World, k: int, overlap: int, codec: str, spread: int
+    tmp_path: Path,
+    world2: spawn.World,
+    k: int,
+    overlap: int,
+    codec: str,
+    spread: int,
+    fragments: int,
 ) -> None:
     path = str(tmp_path / f"step-{k}")
-    want = world2.run(_save_and_go_on, path, k, overlap, codec, spread)
-    got = world2.run(_load_and_go_on, path, k, overlap, codec, spread)
+    want = world2.run(_save_and_go_on, path, k, overlap, codec, spread, fragments)
+    got = world2.run(_load_and_go_on, path, k, overlap, codec, spread, fragments)
+    # 3 fragments, delay 2, saved at step 7: fragments 0 (sent at 7) and 2 (at 6) in flight.
+    if fragments > 1:
+        assert want[0]["saved"]["in_flight"] == 2
+        for message in world2.run(_other_fragments, path):
+            assert message.startswith("CheckpointError") and "outer_fragments=3" in message
     # Before the first outer step the ranks' anchors differ: each rank's own is saved.
     assert want[0]["saved"]["agreed"] == (k >= H)
     if spread:
@@ -169,7 +208,7 @@ def _load_elsewhere(path: str) -> dict[str, Any]:
         got["outer"] = [
             s["momentum_buffer"].clone() for s in lu.outer.state_dict()["state"].values()
         ]
-        got["position"] = (lu.inner_steps, lu.outer_steps, lu.codec.residual)
+        got["position"] = (lu.inner_steps, lu.outer_steps, [f.codec.residual for f in lu.fragments])
         _train(model, opt, range(7, 7 + H))  # one round: the next outer step
         got["after_round"] = [p.detach().clone() for p in model.parameters()]
     return got
@@ -193,7 +232,7 @@ def test_load_at_another_size_resumes_from_the_anchor(
         if size > 1:
             for a, b in zip(before[0]["outer"], got["outer"]):
                 assert torch.equal(a, b), f"rank {r}: outer momentum"
-            assert got["position"] == (0, before[0]["outer_steps"], None)
+            assert got["position"] == (0, before[0]["outer_steps"], [None])
         message = got["lines"]
         if r != 0:
             assert message == []
@@ -284,3 +323,31 @@ def test_torch_state_saves_and_loads_local_updates(tmp_path: Path, world2: spawn
     for r in range(2):
         _same(want[r]["saved"], got[r]["loaded"], f"rank {r} as loaded")
         _same(want[r]["final"], got[r]["final"], f"rank {r} at the end")
+
+
+# ---- files written before fragments ------------------------------------------------------------
+
+
+def test_files_written_before_fragments_give_the_whole_model_state() -> None:
+    """A file written before ``outer_fragments`` keeps one error feedback (``local.residual``),
+    one average in flight (``local.pending``) and a flag for the weights as sent: the loader
+    hands them on as the whole model's state (version 2), which LocalUpdate cuts into its
+    fragments (tests/engine/test_local_update_fragments.py resumes such a state bitwise)."""
+    from ringtrain.checkpoint import local_state
+
+    residual, pending = torch.arange(5.0), torch.ones(5)
+    base = [torch.zeros(2), torch.zeros(3)]
+    tensors = {
+        "rank1.local.residual": residual,
+        "local.pending": pending,
+        **{f"rank1.local.ref.{i}": b for i, b in enumerate(base)},
+    }
+    own = {"codec": "int4", "residual": True, "ref": True, "inner_steps": 1}
+    got = local_state._in_flight(tensors, own, {"sync_every": 3}, 1, 2)
+    assert got["codec"] == {"name": "int4", "residual": residual}
+    assert got["overlap"]["pending"] is pending and got["overlap"]["since_sent"] == 1
+    assert got["overlap"]["base"] == base
+    own = {"codec": "fp16", "residual": False, "base": False, "since_sent": 2, "inner_steps": 2}
+    got = local_state._in_flight({}, own, {"sync_every": 3}, 0, 2)
+    assert got["codec"]["residual"] is None and got["overlap"]["base"] is None
+    assert got["overlap"]["pending"] is None and got["overlap"]["since_sent"] == 2

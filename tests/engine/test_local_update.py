@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+from _local import H, Tiny, _adam_local, _alike, _step, _weights
 
 import ringtrain as rt
 from ringtrain.config import OUTER_COMPRESSIONS, Config
@@ -39,52 +39,7 @@ from ringtrain.errors import ConfigError
 from ringtrain.security import keys
 from ringtrain.testing import spawn
 
-H = 3
 ROUNDS = 3
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = torch.nn.Linear(6, 12)
-        self.b = torch.nn.Linear(12, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
-
-
-def _weights(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def _alike(w: torch.Tensor) -> bool:
-    every = rt.allgather(w.reshape(1, -1))
-    return torch.equal(every, every[:1].expand_as(every))
-
-
-def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * i + rt.rank())
-    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
-
-
-def _step(model: torch.nn.Module, opt: Any, i: int) -> None:
-    x, y = _batch(i)
-    opt.zero_grad()
-    F.cross_entropy(model(x), y).backward()
-    opt.step()
-
-
-def _adam_local(**settings: Any) -> tuple[torch.nn.Module, Any]:
-    """Tiny from seed 0 and a local-update optimizer (Adam lr 0.01 inside, ``sync_every=H``)."""
-    torch.manual_seed(0)
-    model = Tiny()
-    opt = rt.DistributedOptimizer(
-        torch.optim.Adam(model.parameters(), lr=0.01),
-        named_parameters=model.named_parameters(),
-        sync_every=H,
-        **settings,
-    )
-    return model, opt
 
 
 def _rounds(codec: str) -> dict[str, Any]:
@@ -133,13 +88,18 @@ def _equals_synchronous_sgd() -> float:
     return float((runs[0] - runs[1]).abs().max())
 
 
-def _overlapped(delay: float, outer_delay: int) -> dict[str, Any]:
+def _overlapped(delay: float, outer_delay: int, fragments: int = 1) -> dict[str, Any]:
     """Overlapped outer exchange: the anchors after each outer step, with rank 1 sleeping up to
     ``delay`` s at random before its steps (another timing every call)."""
     import random
     import time
 
-    model, opt = _adam_local(outer_compression="int8", outer_overlap=True, outer_delay=outer_delay)
+    model, opt = _adam_local(
+        outer_compression="int8",
+        outer_overlap=True,
+        outer_delay=outer_delay,
+        outer_fragments=fragments,
+    )
     local = opt.local_update
     assert local is not None and local.overlap and local.delay == (outer_delay or 1)
     anchors_alike, weights_alike = [], []
@@ -230,9 +190,10 @@ def _resume(overlap: bool = False, v1: bool = False) -> bool:
     if v1:
         state = saved["opt"]["ringtrain_local_update"]
         flight = state.pop("overlap")
+        state["codec"]["residual"] = state["codec"]["residual"][0]  # one fragment: the model
         state["version"], state["overlap"] = (
             1,
-            {"ref": flight["base"], "pending": flight["pending"]},
+            {"ref": flight["base"], "pending": flight["pending"][0]},
         )
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
@@ -332,20 +293,20 @@ def test_rejoined_world_is_identical_after_the_next_outer_step() -> None:
         assert copies == 1  # the joined rank's digest differed: rank 0's anchor was copied
 
 
-def _rejoin_overlapped() -> tuple[bool, bool, bool, int]:
+def _rejoin_overlapped(fragments: int = 1) -> tuple[bool, bool, bool, int]:
     """Overlapped: a re-forming while an exchange is in flight gives it up on every rank; the
     next round agrees the anchor (rank 1's differs, as a joined rank's) and applies its average
     on every rank alike."""
-    model, opt = _adam_local(outer_overlap=True, outer_delay=2)
+    model, opt = _adam_local(outer_overlap=True, outer_delay=2, outer_fragments=fragments)
     local = opt.local_update
     assert local is not None
     for i in range(H):
         _step(model, opt, i)
-    in_flight = local._pending is not None
+    in_flight = any(f.pending is not None for f in local.fragments)
     if rt.rank() == 1:
         local.anchor = [a + 1.0 for a in local.anchor or []]
     opt.rejoin()
-    given_up = local._pending is None
+    given_up = all(f.pending is None for f in local.fragments)
     for i in range(H + 2):  # a round, then the two steps until its average is applied
         _step(model, opt, 100 + i)
     anchor = torch.cat([a.reshape(-1) for a in local.anchor or []])

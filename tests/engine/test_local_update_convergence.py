@@ -8,13 +8,15 @@ The demo's CNN on scikit-learn's digits (ringtrain.bench.converge's data and spl
   16-bit outer exchange;
 * ``local-8-int4``: the same with a 4-bit outer exchange (error feedback);
 * ``local-8-int4-overlap``: the same with the exchange overlapped, its average applied 2 inner
-  steps late (``outer_overlap=True``, the default delay).
+  steps late (``outer_overlap=True``, the default delay);
+* ``local-8-int4-overlap-4-fragments``: the same in 4 fragments, one exchanged every 2 inner
+  steps, each applied 2 steps late (``outer_fragments=4``, streaming DiLoCo).
 
 Held-out accuracy is averaged over the last evaluations (every 16 steps, right after an outer
 step, where the ranks hold identical weights; overlapped: right after the average is applied,
 of the anchor, which then holds the same samples as synchronous training's weights two steps
 before). Stated tolerance: each local setting's accuracy at most ``ACCURACY_DROP`` below
-synchronous, issue 28's half a point; the overlapped one (an opt-in trade) at most
+synchronous, issue 28's half a point; the whole model overlapped (an opt-in trade) at most
 ``OVERLAP_DROP`` (measured figures in their comment).
 """
 
@@ -38,9 +40,16 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "local-8": {"sync_every": 8},
     "local-8-int4": {"sync_every": 8, "outer_compression": "int4"},
     "local-8-int4-overlap": {"sync_every": 8, "outer_compression": "int4", "outer_overlap": True},
+    "local-8-int4-overlap-4-fragments": {
+        "sync_every": 8,
+        "outer_compression": "int4",
+        "outer_overlap": True,
+        "outer_fragments": 4,
+    },
 }
 # Measured (2 ranks, 320 steps, torch 2.13 CPU; deterministic): sync 0.9847, local-8 0.9838,
-# local-8-int4 0.9828, local-8-int4-overlap 0.9791 (0.56 points below synchronous).
+# local-8-int4 0.9828, local-8-int4-overlap 0.9791 (0.56 points below synchronous),
+# local-8-int4-overlap-4-fragments 0.9819.
 ACCURACY_DROP = 0.005
 OVERLAP_DROP = 0.01
 
@@ -85,4 +94,5 @@ def test_local_updates_reach_synchronous_accuracy(world2: World) -> None:
     assert sync > 0.9, report
     for name, (acc, same) in results.items():
         assert same, f"{name}: ranks differ after an outer step"
-        assert acc >= sync - (OVERLAP_DROP if "overlap" in name else ACCURACY_DROP), report
+        drop = OVERLAP_DROP if name == "local-8-int4-overlap" else ACCURACY_DROP
+        assert acc >= sync - drop, report

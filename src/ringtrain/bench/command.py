@@ -310,6 +310,13 @@ def _converge_parser(sub: Any) -> None:
         default=0,
         help="local:overlap: inner steps before the average is applied (0: a quarter round)",
     )
+    cv.add_argument(
+        "--outer-fragments",
+        type=int,
+        default=1,
+        help="local variants: the parameters in this many fragments, each exchanged at its own "
+        "step of the round (streaming DiLoCo)",
+    )
     cv.add_argument("--eval-every", type=int, default=4)
     cv.add_argument("--width", type=int, default=64, help="lm: the model width")
     cv.add_argument("--seed", type=int, default=0)
@@ -395,6 +402,7 @@ def _params(args: argparse.Namespace) -> Any:
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
             outer_delay=args.outer_delay,
+            outer_fragments=args.outer_fragments,
             eval_every=args.eval_every,
             seed=args.seed,
             width=args.width,

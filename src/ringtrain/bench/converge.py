@@ -26,6 +26,9 @@ batches of ``batch_size`` per step (so n ranks see n times the samples per step)
   next inner steps, its average applied ``outer_delay`` steps late); evaluated on the anchor,
   the weights every rank agrees on, right after that average is applied.
 
+``--outer-fragments P`` runs both local variants in ``P`` fragments (streaming DiLoCo: fragment
+``f`` exchanged at inner step ``(f+1) * H // P`` of each round, :mod:`ringtrain.engine.outer_fragment`).
+
 All use Adam. Quality is evaluated every ``eval_every`` steps (for ``local``, right after the
 first outer step at or after it, when every rank holds the same weights: the model exists only
 there); evaluation time is not counted, the clock starts after a barrier when every variant's
@@ -77,6 +80,7 @@ class ConvergeParams:
     outer_lr: float = 0.7  # the local variant's outer Nesterov SGD (DiLoCo's defaults)
     outer_momentum: float = 0.9
     outer_delay: int = 0  # local:overlap: 0 is the engine's default (a quarter of the round)
+    outer_fragments: int = 1  # local variants: the parameters in this many fragments
     eval_every: int = 4
     seed: int = 0
     width: int = 64  # lm: model width (the smoke test shrinks it)
@@ -95,6 +99,11 @@ class ConvergeParams:
             raise ConfigError(
                 f"--outer-delay must be in [0, --sync-every={self.sync_every}], got "
                 f"{self.outer_delay}\nHINT: 0 lets the engine pick a quarter of the round."
+            )
+        if not 1 <= self.outer_fragments <= self.sync_every:
+            raise ConfigError(
+                f"--outer-fragments must be in [1, --sync-every={self.sync_every}], got "
+                f"{self.outer_fragments}\nHINT: 1 exchanges the whole model at the round's end."
             )
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
             raise ConfigError(
@@ -318,6 +327,7 @@ def _wrap(variant: str, model: nn.Module, params: ConvergeParams) -> tuple[Any, 
             ),
             "outer_overlap": variant == "local:overlap",
             "outer_delay": params.outer_delay if variant == "local:overlap" else 0,
+            "outer_fragments": params.outer_fragments,
         }
     opt = ringtrain.DistributedOptimizer(base, named_parameters=model.named_parameters(), **extra)
     return opt, model
@@ -431,6 +441,8 @@ def format_converge(res: ConvergeResult, markdown: bool = False) -> str:
     if "local:overlap" in res.params.variants:
         delay = outer_delay(res.params.outer_delay, res.params.sync_every)
         head += f", overlapped: applied {delay} inner step(s) late"
+    if res.params.outer_fragments > 1:
+        head += f", in {res.params.outer_fragments} fragments"
     # Each run against the alone run nearest before it (the first: the first), which ran
     # under the most similar load.
     alone = next((r for r in res.runs if r.variant == "alone"), None)

@@ -10,14 +10,17 @@ Shared, each tensor written by one rank (dealt with the model's tensors, largest
 * the anchor: as ``model.<name>`` when the model is saved (the checkpoint's model is then the
   weights every rank agrees on, and torch's tools read that), else ``local.anchor.<i>``;
 * ``local.outer.<j>.<key>``: the outer optimizer's tensors (Nesterov momentum);
-* ``local.pending``: the overlapped exchange's average, waited for (the same on every rank);
-* ``meta.local`` (rank 0): ``sync_every``, the outer step count, where the anchor lies, the
-  outer optimizer's param groups and plain values, the parameters' shapes.
+* ``local.pending.<f>``: fragment ``f``'s overlapped exchange's average, waited for (the same
+  on every rank; ``outer_fragments``, :mod:`ringtrain.engine.outer_fragment`; the whole
+  model's ``local.pending`` in files written before fragments);
+* ``meta.local`` (rank 0): ``sync_every``, the number of fragments, the outer step count, where
+  the anchor lies, the outer optimizer's param groups and plain values, the parameters' shapes.
 
 Per rank ``r`` (``rank<r>.``): ``local.param.<i>`` its weights where they differ from the anchor
 (mid-round), ``optim.<i>.<key>`` / ``optim_scalar.<i>.<key>`` its inner optimizer's state (whole),
-``local.residual`` its outer codec's error feedback, ``local.base.<i>`` (overlapped, an exchange in
-flight) its weights when it sent (``local.ref.<i>`` in files written before the delay),
+``local.residual.<f>`` fragment ``f``'s error feedback (``local.residual``: the whole model's,
+before fragments), ``local.base.<i>`` (overlapped, its fragment's exchange in flight) its weights
+when it sent (``local.ref.<i>`` in files written before the delay),
 ``model.<name>`` its buffers (not exchanged by local updates), and ``local``: its place in
 the round and, while the ranks do not yet agree (before the first outer step, after a load or a
 re-forming), its own anchor (``local.anchor.<i>``) and outer state.
@@ -83,13 +86,16 @@ def cut(rank: int, model: Any, tensors: dict[str, torch.Tensor], held: Any) -> C
             where.append(f"local.anchor.{i}")
             out.shared[where[-1]] = a
     mine = f"rank{rank}."
+    flight = st["overlap"]
+    base = flight["base"] or []
+    residuals = st["codec"]["residual"]
     own: dict[str, Any] = {
         "inner_steps": st["inner_steps"],
         "codec": st["codec"]["name"],
         "params": [],
-        "base": st["overlap"]["base"] is not None,
-        "since_sent": st["overlap"]["since_sent"],
-        "residual": st["codec"]["residual"] is not None,
+        "bases": [i for i, b in enumerate(base) if b is not None],
+        "since_sent": flight["since_sent"],
+        "residuals": [f for f, r in enumerate(residuals) if r is not None],
         "outer": None,
     }
     for i, p in enumerate(local.params):
@@ -100,10 +106,10 @@ def cut(rank: int, model: Any, tensors: dict[str, torch.Tensor], held: Any) -> C
         own["outer"] = st["outer"]
         for i, a in enumerate(anchor or []):
             out.own.append((f"{mine}local.anchor.{i}", a, True))
-    for i, b in enumerate(st["overlap"]["base"] or []):
-        out.own.append((f"{mine}local.base.{i}", b, True))
-    if st["codec"]["residual"] is not None:
-        out.own.append((f"{mine}local.residual", st["codec"]["residual"], True))
+    for i in own["bases"]:
+        out.own.append((f"{mine}local.base.{i}", base[i], True))
+    for f in own["residuals"]:
+        out.own.append((f"{mine}local.residual.{f}", residuals[f], True))
     for name in sorted(buffers):
         v = tensors.get(name)
         if v is not None:
@@ -127,19 +133,20 @@ def cut(rank: int, model: Any, tensors: dict[str, torch.Tensor], held: Any) -> C
                 else:
                     plain[j][key] = v
         outer_meta = {"state": plain, "param_groups": outer_sd["param_groups"]}
-    pending = st["overlap"]["pending"]
-    if pending is not None:
-        out.shared["local.pending"] = pending
+    pendings = [f for f, m in enumerate(flight["pending"]) if m is not None]
+    for f in pendings:
+        out.shared[f"local.pending.{f}"] = flight["pending"][f]
     out.meta = {
         "version": 1,
         "sync_every": st["sync_every"],
+        "fragments": st["fragments"],
         "outer_steps": st["outer_steps"],
         "agreed": agreed,
         "anchor": None if anchor is None else where,
         "shapes": [tuple(p.shape) for p in local.params],
         "optim_index": local.optim_index,
         "outer": outer_meta,
-        "pending": pending is not None,
+        "pendings": pendings,
     }
     return out
 
@@ -164,11 +171,17 @@ def check(objects: dict[str, Any], optimizer: Any, where: str, same_size: bool) 
             f"checkpoint's {len(meta['shapes'])} (number or shapes).\n"
             "HINT: build the model and optimizer as they were saved."
         )
+    fragments = meta.get("fragments")
+    if same_size and fragments is not None and fragments != len(lu.fragments):
+        raise CheckpointError(
+            f"{where} was saved with outer_fragments={fragments}, this optimizer has "
+            f"{len(lu.fragments)}.\nHINT: resume with outer_fragments={fragments}."
+        )
     saved = objects.get("rank0.local", {}).get("codec")
-    if same_size and saved is not None and saved != lu.codec.name:
+    if same_size and saved is not None and saved != lu.codec_name:
         raise CheckpointError(
             f"{where} was saved with outer_compression {saved!r}, this optimizer uses "
-            f"{lu.codec.name!r}.\nHINT: resume with the outer_compression it was saved with."
+            f"{lu.codec_name!r}.\nHINT: resume with the outer_compression it was saved with."
         )
 
 
@@ -254,26 +267,15 @@ def plan(
     if exact:
         for i in own["params"]:
             weights[i] = tensors[f"rank{rank}.local.param.{i}"]
-        # Files written before the delay (the average applied a round late) call it "ref".
-        base = "base" if "base" in own else "ref"
         local: dict[str, Any] | None = {
-            "version": 2,
+            "version": 3 if "fragments" in meta else 2,
+            "fragments": meta.get("fragments", 1),
             "sync_every": meta["sync_every"],
             "inner_steps": own["inner_steps"],
             "outer_steps": meta["outer_steps"],
             "anchor": anchor,
             "outer": _outer(tensors, objects, meta, src),
-            "codec": {
-                "name": own["codec"],
-                "residual": tensors.get(f"rank{rank}.local.residual") if own["residual"] else None,
-            },
-            "overlap": {
-                "base": [tensors[f"rank{rank}.local.{base}.{i}"] for i in range(len(weights))]
-                if own[base]
-                else None,
-                "pending": tensors.get("local.pending"),
-                "since_sent": own.get("since_sent", own["inner_steps"]),
-            },
+            **_in_flight(tensors, own, meta, rank, len(weights)),
         }
         return LoadPlan(True, rank, local, weights, buffers, "")
     if lu is not None:
@@ -284,7 +286,7 @@ def plan(
             "outer_steps": meta["outer_steps"],
             "anchor": anchor,
             "outer": _outer(tensors, objects, meta, 0),
-            "codec": {"name": lu.codec.name, "residual": None},
+            "codec": {"name": lu.codec_name, "residual": None},
             "overlap": {"base": None, "pending": None, "since_sent": 0},
         }
         inner_from = rank % saved_size
@@ -298,6 +300,43 @@ def plan(
         buffers,
         describe_reset(objects, saved_size, size, lu is not None),
     )
+
+
+def _in_flight(
+    tensors: dict[str, torch.Tensor], own: dict[str, Any], meta: dict[str, Any], rank: int, n: int
+) -> dict[str, Any]:
+    """Rank ``rank``'s error feedback and exchanges in flight, in LocalUpdate's format: per
+    fragment (version 3), or whole-model (files written before fragments: one residual, one
+    pending average, all of the weights as sent, called "ref" before the delay)."""
+    mine = f"rank{rank}.local"
+    if "fragments" in meta:
+        count = meta["fragments"]
+        bases = set(own["bases"])
+        return {
+            "codec": {
+                "name": own["codec"],
+                "residual": [tensors.get(f"{mine}.residual.{f}") for f in range(count)],
+            },
+            "overlap": {
+                "base": [tensors.get(f"{mine}.base.{i}") if i in bases else None for i in range(n)]
+                if bases
+                else None,
+                "pending": [tensors.get(f"local.pending.{f}") for f in range(count)],
+                "since_sent": own["since_sent"],
+            },
+        }
+    base = "base" if "base" in own else "ref"
+    return {
+        "codec": {
+            "name": own["codec"],
+            "residual": tensors.get(f"{mine}.residual") if own["residual"] else None,
+        },
+        "overlap": {
+            "base": [tensors[f"{mine}.{base}.{i}"] for i in range(n)] if own[base] else None,
+            "pending": tensors.get("local.pending"),
+            "since_sent": own.get("since_sent", own["inner_steps"]),
+        },
+    }
 
 
 def describe_reset(objects: dict[str, Any], saved_size: int, size: int, local: bool) -> str:
@@ -314,7 +353,7 @@ def describe_reset(objects: dict[str, Any], saved_size: int, size: int, local: b
             f"({inner[-1]} inner step(s) at most) and its error feedback are not used."
         )
     dropped = "each rank's weights since the anchor"
-    if meta["pending"]:
+    if meta.get("pendings", meta.get("pending")):
         dropped += " and the overlapped exchange in flight"
     return (
         f"ringtrain.checkpoint: {what}, loaded at {size}: every rank starts a new round from "

@@ -107,6 +107,7 @@ class GradientPath:
             self.config.outer_compression,
             self.config.outer_overlap,
             self.config.outer_delay,
+            self.config.outer_fragments,
         )
 
     def share_params(self, update: Update) -> None:

@@ -11,16 +11,16 @@ nothing. Every ``H``-th ``step()`` is an *outer* step, at the same step on every
 3. the result is the new anchor, the same on every rank.
 
 So the link carries one (compressed) copy of the weights per ``H`` steps instead of the
-gradients every step. The inner optimizer's state stays per rank, as in the paper. Buffers
+gradients every step. With ``outer_fragments=P`` the parameters are cut into ``P`` fragments,
+each averaged (steps 1-3 on its parameters) at its own step of the round
+(:mod:`ringtrain.engine.outer_fragment`): the same bytes a round, ``1/P`` of them at a time. The inner optimizer's state stays per rank, as in the paper. Buffers
 (BatchNorm statistics) are not exchanged.
 
 Every rank ends an outer step with the same weights, whatever it did before, provided the
 anchors and the outer optimizer's state are the same on every rank: the first outer step after
 construction, a loaded checkpoint or an elastic re-forming (:meth:`LocalUpdate.rejoin`) first
-compares a digest of every rank's anchor and outer state (32 bytes a rank) and, only where they
-differ, copies rank 0's to every rank. Ranks that start alike (the usual case: the same seed or
-a broadcast) so send no copy of the weights: on a slow link that copy cost as much as several
-outer steps. Nothing here depends on timing: the digest is of the bits.
+agrees them (:mod:`ringtrain.engine.anchor_agreement`: a digest, and rank 0's copy only where
+the ranks' differ).
 
 :class:`LocalUpdate` is a step strategy (:class:`ringtrain.engine.steps.Update`) whose
 ``exchanges()`` is always False: the gradient path then reduces nothing and calls its ``step()``.
@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import hashlib
-import io
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -43,8 +41,10 @@ import torch
 from ringtrain import transport
 from ringtrain.config import Config
 from ringtrain.diagnostics import timeline
+from ringtrain.engine import anchor_agreement, outer_fragment
 from ringtrain.engine.buckets import Plan
 from ringtrain.engine.outer_codec import OuterCodec
+from ringtrain.engine.outer_fragment import Fragment
 from ringtrain.engine.steps.whole import BucketUpdates, tensor_bytes
 from ringtrain.errors import ConfigError
 
@@ -117,6 +117,7 @@ class LocalUpdate:
         outer_compression: str,
         overlap: bool = False,
         delay: int = 0,
+        fragments: int = 1,
     ) -> None:
         if sync_every < 1:
             raise _bad_sync_every(sync_every)
@@ -134,17 +135,17 @@ class LocalUpdate:
                 "torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)"
             )
         self._wire = transport.of(group)
-        self.codec = OuterCodec(outer_compression, self._wire)
+        # Each fragment: its parameters, its step of the round, error feedback, exchange in flight.
+        self.fragments = outer_fragment.split(  # auto's H may be shorter than asked for
+            self._params, min(fragments, sync_every), sync_every, outer_compression, self._wire
+        )
         # Overlapped outer exchange (streaming DiLoCo's): see _start_exchange and _merge.
         self.overlap = overlap
         self.delay = outer_delay(delay, sync_every)
-        self._base: list[torch.Tensor] | None = None  # this rank's weights when it was sent
-        self._pending: concurrent.futures.Future[torch.Tensor] | None = None
-        self._since_sent = 0  # inner steps taken since the exchange in flight started
         self._exchanger: concurrent.futures.ThreadPoolExecutor | None = None
         self.anchor: list[torch.Tensor] | None = None
-        self.inner_steps = 0  # since the last outer step
-        self.outer_steps = 0
+        self.inner_steps = 0  # since the round began
+        self.outer_steps = 0  # rounds ended
         self._agree = True  # copy rank 0's anchor and outer state at the next outer step
         self.copies = 0  # how often that copy was needed (the ranks' digests differed)
         self.outer_seconds = 0.0  # wall time spent in outer steps (exchange included)
@@ -186,125 +187,146 @@ class LocalUpdate:
     @property
     def bytes_sent(self) -> int:
         """Bytes this rank sent for outer steps (the anchor copies after a re-form excluded)."""
-        return self.codec.bytes_sent
+        return sum(f.codec.bytes_sent for f in self.fragments)
+
+    @property
+    def codec_name(self) -> str:
+        return self._compression
 
     # ---- the optimizer's calls ------------------------------------------------------------------
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
-        """One inner step; every ``sync_every``-th, then the outer step."""
+        """One inner step; then each fragment's average that is due is applied, and the fragment
+        whose step of the round this is is exchanged (at the round's end: the whole model, or
+        the last fragment)."""
         if self.anchor is None:
             self.anchor = [p.detach().clone() for p in self._params]
         result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.inner_steps += 1
-        if self._pending is not None:
-            self._since_sent += 1
-            if self._since_sent >= self.delay:
-                self._timed("OUTER_MERGE", self._merge)
+        for frag in self.fragments:
+            if frag.pending is not None:
+                frag.since_sent += 1
+                if frag.since_sent >= self.delay:
+                    self._timed("OUTER_MERGE", frag, self._merge)
+        for frag in self.fragments:
+            if frag.end == self.inner_steps:
+                self._timed("OUTER_STEP", frag, self._exchange)
         if self.inner_steps >= self.sync_every:
-            self.outer_step()
+            self._end_round()
         return result
 
     def outer_step(self) -> None:
-        """Average the change since the anchor and step the outer optimizer (collective);
-        overlapped: start that average, applied ``delay`` inner steps later."""
-        if self.overlap and self._wire.size > 1:
-            self._timed("OUTER_STEP", self._start_exchange)
-        else:
-            self._timed("OUTER_STEP", self._synchronous_step)
+        """Every fragment's outer step now (collective), and a new round; overlapped: their
+        averages are applied ``delay`` inner steps later."""
+        for frag in self.fragments:
+            self._timed("OUTER_STEP", frag, self._exchange)
+        self._end_round()
 
-    def _timed(self, name: str, part: Callable[[], None]) -> None:
+    def _end_round(self) -> None:
+        self.inner_steps = 0
+        self.outer_steps += 1
+
+    def _timed(self, name: str, frag: Fragment, part: Callable[[Fragment], None]) -> None:
         t0 = time.perf_counter()
-        part()
+        part(frag)
         t1 = time.perf_counter()
         self.outer_seconds += t1 - t0
-        timeline.current().span("step", name, t0, t1)
+        args = {"fragment": frag.index} if len(self.fragments) > 1 else None
+        timeline.current().span("step", name, t0, t1, args)
 
-    def _synchronous_step(self) -> None:
-        """This round's change averaged now, and the anchor stepped with it."""
+    def _exchange(self, frag: Fragment) -> None:
+        if self.overlap and self._wire.size > 1:
+            self._start_exchange(frag)
+        else:
+            self._synchronous_step(frag)
+
+    def _agree_first(self) -> None:
+        """The first outer step after a start, a load or a re-forming: every rank takes rank 0's
+        anchor and outer state where they differ (the wire is free: nothing is in flight)."""
+        if self._agree and self._wire.size > 1:
+            concurrent.futures.wait([f.pending for f in self.fragments if f.pending])
+            assert self.anchor is not None
+            got = anchor_agreement.from_root(self._wire, self.anchor, self.outer)
+            if got is not None:  # the digests differed: rank 0's copy
+                self.copies += 1
+                self.anchor = [a.to(p.device) for a, p in zip(got, self._params)]
+        self._agree = False
+
+    def _synchronous_step(self, frag: Fragment) -> None:
+        """The fragment's change averaged now, and its anchor stepped with it."""
         with torch.no_grad():
             if self.anchor is None:
                 self.anchor = [p.detach().clone() for p in self._params]
-            if self._agree and self._wire.size > 1:
-                self._copy_from_root()
-            self._agree = False
-            self._step_anchor(self.codec.average(self._change()))
-        self.inner_steps = 0
-        self.outer_steps += 1
+            self._agree_first()
+            self._step_anchor(frag, frag.codec.average(self._change(frag)))
 
-    def _start_exchange(self) -> None:
-        """The overlapped outer step's first half: this round's change, ``anchor - weights``,
+    def _start_exchange(self, frag: Fragment) -> None:
+        """The overlapped outer step's first half: the fragment's change, ``anchor - weights``,
         starts travelling in the background and the inner steps go on from these weights;
-        :meth:`_merge` applies its average ``delay`` inner steps later."""
+        :meth:`_merge` applies its average ``delay`` inner steps later. One thread carries every
+        exchange, in the order they were started: the same order on every rank."""
         with torch.no_grad():
-            if self._pending is not None:  # outer_step() called before the average was due
-                self._merge()
+            if frag.pending is not None:  # outer_step() called before the average was due
+                self._merge(frag)
             if self.anchor is None:
                 self.anchor = [p.detach().clone() for p in self._params]
-            if self._agree:
-                self._copy_from_root()  # nothing in flight: the wire is free
-            self._agree = False
-            change = self._change()
-            self._base = [p.detach().clone() for p in self._params]
+            self._agree_first()
+            change = self._change(frag)
+            frag.base = [self._params[i].detach().clone() for i in frag.indices]
             if self._exchanger is None:
                 self._exchanger = concurrent.futures.ThreadPoolExecutor(1, "ringtrain-outer")
-            self._pending = self._exchanger.submit(self.codec.average, change)
-            self._since_sent = 0
-        self.inner_steps = 0
-        self.outer_steps += 1
+            frag.pending = self._exchanger.submit(frag.codec.average, change)
+            frag.since_sent = 0
 
-    def _merge(self) -> None:
+    def _merge(self, frag: Fragment) -> None:
         """The overlapped outer step's second half, ``delay`` inner steps after the first, at
-        the same step on every rank: the average, waited for in full, steps the anchor, and
-        each rank continues from the new anchor plus its own progress since it sent (which
+        the same step on every rank: the average, waited for in full, steps the fragment's
+        anchor, and each rank continues from it plus its own progress since it sent (which
         belongs to the next round's change). What is applied never depends on when the
         exchange finished."""
-        assert self._pending is not None and self._base is not None
-        mean = self._pending.result()
-        self._pending = None
+        assert frag.pending is not None and frag.base is not None
+        mean = frag.pending.result()
+        frag.pending = None
         with torch.no_grad():
-            progress = [p.detach() - b for p, b in zip(self._params, self._base)]
-            self._base = None
-            self._step_anchor(mean)
-            for p, d in zip(self._params, progress):
-                p.add_(d)
+            progress = [self._params[i].detach() - b for i, b in zip(frag.indices, frag.base)]
+            frag.base = None
+            self._step_anchor(frag, mean)
+            for i, d in zip(frag.indices, progress):
+                self._params[i].add_(d)
 
-    def _change(self) -> torch.Tensor:
-        """``anchor - weights`` of every averaged parameter, flat, float32, in host memory: the
+    def _change(self, frag: Fragment) -> torch.Tensor:
+        """``anchor - weights`` of the fragment's parameters, flat, float32, in host memory: the
         outer exchange goes over the engine's Gloo group, and its codec, its error feedback
         and the background exchange then never touch a GPU stream."""
         assert self.anchor is not None
         return torch.cat(
             [
-                (a.float() - p.detach().float()).reshape(-1)
-                for a, p in zip(self.anchor, self._params)
+                (self.anchor[i].float() - self._params[i].detach().float()).reshape(-1)
+                for i in frag.indices
             ]
         ).cpu()
 
-    def _step_anchor(self, mean: torch.Tensor) -> None:
-        """The outer optimizer steps the anchor with ``mean`` as its gradient (leaves the
-        parameters holding the new anchor)."""
+    def _step_anchor(self, frag: Fragment, mean: torch.Tensor) -> None:
+        """The outer optimizer steps the fragment's anchor with ``mean`` as its gradient (leaves
+        its parameters holding the new anchor). The other parameters have no gradient for this
+        step: the outer optimizer leaves them and their state as they are."""
         assert self.anchor is not None
         saved = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
         offset = 0
-        for a, p in zip(self.anchor, self._params):
+        for i in frag.indices:
+            p = self._params[i]
             n = p.numel()
-            p.copy_(a)
+            p.copy_(self.anchor[i])
             p.grad = mean[offset : offset + n].view_as(p).to(p.device, p.dtype)
             offset += n
         with torch.enable_grad():
             self.outer.step()
         for p, g in zip(self._params, saved):
             p.grad = g
-        self.anchor = [p.detach().clone() for p in self._params]
-
-    def _wait_pending(self) -> torch.Tensor | None:
-        """The exchange in flight, waited for (a checkpoint holds its result)."""
-        if self._pending is None:
-            return None
-        mean = self._pending.result()
-        self._pending = concurrent.futures.Future()
-        self._pending.set_result(mean)
-        return mean
+        for i in frag.indices:
+            self.anchor[i] = self._params[i].detach().clone()
 
     @contextlib.contextmanager
     def anchored(self) -> Iterator[None]:
@@ -338,36 +360,56 @@ class LocalUpdate:
 
     def local_state_dict(self, copy: bool = True) -> dict[str, Any]:
         """This step's state; ``copy=False``: views (a checkpoint copies them to host memory
-        itself; copy them before the next step). ``agreed``: see :attr:`agreed`."""
-        pending = self._wait_pending()
+        itself; copy them before the next step). ``agreed``: see :attr:`agreed`. Per fragment:
+        ``codec.residual``, ``overlap.pending`` and ``overlap.since_sent`` are lists, one entry a
+        fragment; ``overlap.base`` is per parameter (None where its fragment has nothing in
+        flight)."""
 
-        def own(ts: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
-            return None if ts is None else [t.clone() if copy else t for t in ts]
+        # First: an exchange in flight sets its fragment's error feedback as it runs.
+        pending = [f.finished() for f in self.fragments]
 
-        codec = self.codec.state_dict()
-        if copy and codec["residual"] is not None:
-            codec["residual"] = codec["residual"].clone()
+        def own(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.clone() if copy else t
+
+        base: list[torch.Tensor | None] = [None] * len(self._params)
+        for frag in self.fragments:
+            for i, b in zip(frag.indices, frag.base or []):
+                base[i] = own(b)
         return {
-            "version": 2,
+            "version": 3,
             "sync_every": self.sync_every,
+            "fragments": len(self.fragments),
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
             "agreed": self.agreed,
-            "anchor": own(self.anchor),
+            "anchor": None if self.anchor is None else [own(a) for a in self.anchor],
             "outer": self.outer.state_dict(),
-            "codec": codec,
+            "codec": {
+                "name": self._compression,
+                "residual": [own(f.codec.residual) for f in self.fragments],
+            },
             "overlap": {
-                "base": own(self._base),
-                "pending": None if pending is None else pending.clone() if copy else pending,
-                "since_sent": self._since_sent,
+                "base": base if any(b is not None for b in base) else None,
+                "pending": [own(m) for m in pending],
+                "since_sent": [f.since_sent for f in self.fragments],
             },
         }
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") not in (1, 2):
+        """A state of :meth:`local_state_dict`; one written before fragments (versions 1 and
+        2: the whole model in one exchange) loads into any number of fragments."""
+        version = state.get("version")
+        if version not in (1, 2, 3):
             raise ConfigError(
-                f"this is not a local-update v1 or v2 state (keys {sorted(state)}).\n"
+                f"this is not a local-update v1, v2 or v3 state (keys {sorted(state)}).\n"
                 "HINT: resume with the ringtrain version that wrote the checkpoint."
+            )
+        saved_fragments = int(state.get("fragments", 1))
+        if version == 3 and saved_fragments != len(self.fragments):
+            raise ConfigError(
+                f"the local-update state was saved with outer_fragments={saved_fragments}, this "
+                f"optimizer has {len(self.fragments)}.\nHINT: resume with outer_fragments="
+                f"{saved_fragments}."
             )
         anchor = state.get("anchor")
         if anchor is not None and [a.shape for a in anchor] != [p.shape for p in self._params]:
@@ -377,28 +419,35 @@ class LocalUpdate:
             )
 
         # Own copies on the parameters' device (a checkpoint's tensors come from host memory).
-        def here(ts: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
-            return (
-                None
-                if ts is None
-                else [t.to(p.device, copy=True) for t, p in zip(ts, self._params)]
-            )
+        def here(t: torch.Tensor, i: int) -> torch.Tensor:
+            return t.to(self._params[i].device, copy=True)
 
-        self.anchor = here(anchor)
+        # An exchange still in flight from before the load would overwrite the loaded error
+        # feedback as it ends, and share the wire with the next: let it end, then drop it.
+        self._drop_pending()
+        self.anchor = None if anchor is None else [here(a, i) for i, a in enumerate(anchor)]
         self.inner_steps = int(state.get("inner_steps", 0)) % self.sync_every
         self.outer_steps = int(state.get("outer_steps", 0))
         self.outer.load_state_dict(state["outer"])
-        self.codec.load_state_dict(state["codec"], torch.device("cpu"))  # see _change
         self._agree = True
-        saved = state.get("overlap") or {}
-        pending = saved.get("pending")
+        codec, saved = state["codec"], state.get("overlap") or {}
         # v1 applied the average one round late: its "ref" is the weights when it was sent.
-        self._base = here(saved.get("base", saved.get("ref")))
-        self._since_sent = int(saved.get("since_sent", self.inner_steps))
-        self._pending = None
-        if pending is not None:
-            self._pending = concurrent.futures.Future()
-            self._pending.set_result(pending.to("cpu", copy=True))
+        base = saved.get("base", saved.get("ref"))
+        residuals: Any = codec["residual"]
+        pendings: Any = saved.get("pending")
+        since: Any = saved.get("since_sent")
+        if version < 3:  # the whole model's vectors, cut into the fragments'
+            residuals = outer_fragment.cut_flat(residuals, self.fragments)
+            pendings = outer_fragment.cut_flat(pendings, self.fragments)
+            since = [int(since if since is not None else self.inner_steps)] * len(self.fragments)
+        cpu = torch.device("cpu")  # see _change
+        for frag, residual, pending, sent in zip(self.fragments, residuals, pendings, since):
+            frag.codec.load_state_dict({"name": codec["name"], "residual": residual}, cpu)
+            frag.restore(pending)
+            frag.since_sent = int(sent)
+            frag.base = None
+            if pending is not None and base is not None:
+                frag.base = [here(base[i], i) for i in frag.indices]
 
     def restart(self) -> None:
         """Start afresh from the current weights (a checkpoint without local-update state was
@@ -408,7 +457,8 @@ class LocalUpdate:
         self.anchor = None
         self.inner_steps = 0
         self.outer = self._factory(self._params)
-        self.codec.residual = None
+        for frag in self.fragments:
+            frag.codec.residual = None
         self._agree = True
 
     def rejoin(self, group: Any) -> None:
@@ -418,7 +468,8 @@ class LocalUpdate:
         self._drop_pending()
         self._wire.close()
         self._wire = transport.of(group)
-        self.codec = OuterCodec(self._compression, self._wire)
+        for frag in self.fragments:
+            frag.codec = OuterCodec(self._compression, self._wire)
         self.inner_steps = 0
         self._agree = True
 
@@ -429,78 +480,14 @@ class LocalUpdate:
             self._exchanger.shutdown(wait=False)
 
     def _drop_pending(self, settle: bool = True) -> None:
-        """Elastic, a restart or closing: the exchange in flight is given up on every rank
-        alike (not applied on some ranks only); its change is still in each rank's weights,
-        and travels with the next outer step's. ``settle``: it may still be using the wire,
-        which stays in use, so it is let end first (on a whole world it completes; where a
-        rank is gone, the wire fails it at once or at the group's timeout); closing does not
-        wait, the wire closes under it."""
-        if settle and self._pending is not None:
-            concurrent.futures.wait([self._pending])
-        self._pending = None
-        self._base = None
-        self._since_sent = 0
-
-    # ---- agreeing on the anchor -----------------------------------------------------------------
-
-    def _copy_from_root(self) -> None:
-        """Every rank takes rank 0's anchor and outer optimizer state (serialized, so a rank
-        that joined without outer state gets it whole), unless every rank's digest of them is
-        already rank 0's."""
-        assert self.anchor is not None
-        if _all_alike(self._wire, self._digest()):
-            return
-        self.copies += 1
-        buf = io.BytesIO()
-        if self._wire.rank == 0:
-            torch.save({"anchor": self.anchor, "outer": self.outer.state_dict()}, buf)
-        blob = _broadcast_bytes(self._wire, buf.getvalue())
-        if self._wire.rank != 0:
-            got = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-            self.anchor = [a.to(p.device) for a, p in zip(got["anchor"], self._params)]
-            self.outer.load_state_dict(got["outer"])
-
-    def _digest(self) -> bytes:
-        """SHA-256 of the anchor's and the outer optimizer state's bits (32 bytes)."""
-        assert self.anchor is not None
-        h = hashlib.sha256()
-        tensors = list(self.anchor)
-        state = self.outer.state_dict()["state"]  # keyed by parameter index
-        for pid in sorted(state):
-            for key in sorted(state[pid]):
-                value = state[pid][key]
-                h.update(f"{pid}:{key}".encode())
-                if isinstance(value, torch.Tensor):
-                    tensors.append(value)
-                else:
-                    h.update(repr(value).encode())
-        for t in tensors:
-            h.update(str((t.dtype, tuple(t.shape))).encode())
-            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        return h.digest()
-
-
-def _all_alike(wire: transport.Transport, digest: bytes) -> bool:
-    """Whether every rank's ``digest`` is the same (an all-gather of 32 bytes a rank)."""
-    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
-    pieces = [mine if r == wire.rank else torch.empty_like(mine) for r in range(wire.size)]
-    wire.allgather(pieces).wait()
-    return all(torch.equal(p, pieces[0]) for p in pieces)
-
-
-def _broadcast_bytes(wire: transport.Transport, data: bytes) -> bytes:
-    """Rank 0's ``data`` on every rank, as an all-gather in which only rank 0's piece counts."""
-    n, me = wire.size, wire.rank
-    lengths = [torch.tensor([len(data) if r == me else 0], dtype=torch.int64) for r in range(n)]
-    wire.allgather(lengths).wait()
-    size = int(lengths[0].item())
-    # Equal pieces (a ring forwards every one); rare (a start, a resume, a re-form): the waste
-    # of n-1 empty copies does not matter.
-    pieces = [torch.zeros(size, dtype=torch.uint8) for _ in range(n)]
-    if me == 0:
-        pieces[0] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    wire.allgather(pieces).wait()
-    return bytes(pieces[0].numpy().tobytes())
+        """Elastic, a restart or closing: the exchanges in flight are given up on every rank
+        alike (not applied on some ranks only); their change is still in each rank's weights,
+        and travels with the next outer step's. ``settle``: they may still be using the wire,
+        which stays in use, so they are let end first (on a whole world they complete; where a
+        rank is gone, the wire fails them at once or at the group's timeout); closing does not
+        wait, the wire closes under them."""
+        for frag in self.fragments:
+            frag.drop(settle)
 
 
 # ---- choosing it (ringtrain.engine.gradient_path) -----------------------------------------------
@@ -520,6 +507,17 @@ def check(config: Config) -> None:
             f"outer_delay={config.outer_delay} is longer than a round (sync_every={every}): "
             "each average must be applied before the next round's exchange starts.\nHINT: "
             f"outer_delay={every} at most (or 0: a quarter of the round)."
+        )
+    if isinstance(every, int) and config.outer_fragments > max(every, 1):
+        raise ConfigError(
+            f"outer_fragments={config.outer_fragments} "
+            + (
+                f"is more than the round's {every} inner steps: each fragment is exchanged at "
+                f"its own step.\nHINT: outer_fragments={every} at most."
+                if every
+                else "cuts local updates' outer exchange, but sync_every is off (synchronous)."
+                "\nHINT: set sync_every (e.g. 16), or drop outer_fragments."
+            )
         )
     clash = clashes(config)
     if isinstance(every, int) and every > 0 and clash:

@@ -77,7 +77,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             groups gradients into buckets itself.
         fusion_threshold_bytes, cycle_time_ms, bucket_order, hierarchical, engine_streams,
             reproducible, link_class, shard_optimizer, reduce_scatter, overlap, sync_every,
-            outer_compression, outer_overlap, outer_delay: the engine's settings, keyword-only, described in
+            outer_compression, outer_overlap, outer_delay, outer_fragments: the engine's settings,
+            keyword-only, described in
             :mod:`ringtrain.engine.settings`. Left as None
             they come from :class:`ringtrain.config.Config` (``RINGTRAIN_*`` variables, which
             ``ringtrain run`` flags set), then the defaults: arguments win.
@@ -114,6 +115,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         outer_compression: str | None = None,
         outer_overlap: bool | None = None,
         outer_delay: int | None = None,
+        outer_fragments: int | None = None,
     ) -> None:
         # Deliberately no super().__init__(): all optimizer state lives in the wrapped optimizer.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -160,6 +162,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             outer_compression=outer_compression,
             outer_overlap=outer_overlap,
             outer_delay=outer_delay,
+            outer_fragments=outer_fragments,
         )
         if config.sync_every == "auto":
             compression = local_update.auto_compression(compression, config)

@@ -40,6 +40,9 @@ outer_compression: the outer exchange's wire: "none", "fp16" (default), "bf16", 
     "int4" (the narrow ones with error feedback).
 outer_overlap: True: the outer exchange runs in the background during the next round's inner
     steps and its average is applied ``outer_delay`` inner steps later (streaming DiLoCo).
+outer_fragments: local updates' parameters cut into this many fragments (1 to ``sync_every``),
+    fragment ``f`` exchanged at inner step ``(f + 1) * sync_every // outer_fragments`` of each
+    round (streaming DiLoCo); 1 (default): the whole model at the round's end.
 outer_delay: with ``outer_overlap``, how many inner steps the exchange may take (1 to
     ``sync_every``); 0 (default): a quarter of the round, at least 1.
 """
@@ -73,6 +76,7 @@ CONFIG_ARGS = (
     "outer_compression",
     "outer_overlap",
     "outer_delay",
+    "outer_fragments",
 )
 
 

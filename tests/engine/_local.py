@@ -1,0 +1,56 @@
+"""What the local-update tests share: a tiny model, each rank's own batches, an optimizer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import ringtrain as rt
+
+H = 3  # sync_every
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(6, 12)
+        self.b = torch.nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _weights(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _alike(w: torch.Tensor) -> bool:
+    every = rt.allgather(w.reshape(1, -1))
+    return torch.equal(every, every[:1].expand_as(every))
+
+
+def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * i + rt.rank())
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def _step(model: torch.nn.Module, opt: Any, i: int) -> None:
+    x, y = _batch(i)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def _adam_local(**settings: Any) -> tuple[torch.nn.Module, Any]:
+    """Tiny from seed 0 and a local-update optimizer (Adam lr 0.01 inside, ``sync_every=H``)."""
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = rt.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        sync_every=H,
+        **settings,
+    )
+    return model, opt
