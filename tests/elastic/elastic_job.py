@@ -4,7 +4,9 @@
 undisturbed run's only if every sample of every epoch was trained on exactly once, whatever the
 world size did in between. ``MODE=optimizer`` trains ``w`` through DistributedOptimizer (op=Sum,
 SGD lr=1, a loss whose gradient is each sample's (1, x, x^2)), so ``w`` ends at minus that;
-``MODE=both`` does both each batch and reports the allreduce's sums as ``sums``. ``VICTIM=<id>``
+``MODE=both`` does both each batch and reports the allreduce's sums as ``sums``. ``MODE=local``
+sums through the allreduce and trains a small linear model with local updates (``sync_every=3``,
+int8, overlapped, in 2 fragments), reporting a digest of its anchor as ``anchor``. ``VICTIM=<id>``
 SIGKILLs that rank mid-epoch, after a commit and one uncommitted batch, in the job's first world
 (``KILL=stop``: SIGSTOPs it instead; ``KILL=agent``: its agent instead, so every rank of its host
 vanishes at once, as when a host is lost; ``KILL=cut``: it says so and stops, and the test cuts
@@ -13,6 +15,7 @@ its host's network link, so the host falls silent).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import time
@@ -39,15 +42,27 @@ def main() -> None:
     data = torch.arange(1, N + 1, dtype=torch.float64)
     sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=3)
     mode = os.environ.get("MODE", "allreduce")
-    use_optimizer = mode in ("optimizer", "both")
-    use_allreduce = mode in ("allreduce", "both")
-    model = torch.nn.Linear(3, 1, bias=False).double()
+    use_optimizer = mode in ("optimizer", "both", "local")
+    use_allreduce = mode in ("allreduce", "both", "local")
+    local_updates = mode == "local"
+    model = torch.nn.Linear(3, 1, bias=local_updates).double()
     torch.nn.init.zeros_(model.weight)
-    opt = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=1.0),
-        named_parameters=model.named_parameters(),
-        op=hvd.Sum,
-    )
+    if local_updates:  # the weights averaged at outer steps; the re-formed world agrees them again
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            named_parameters=model.named_parameters(),
+            sync_every=3,
+            outer_compression="int8",
+            outer_overlap=True,
+            outer_delay=1,
+            outer_fragments=2,
+        )
+    else:
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1.0),
+            named_parameters=model.named_parameters(),
+            op=hvd.Sum,
+        )
     state = hvd.elastic.TorchState(
         model=model,
         optimizer=opt,
@@ -91,7 +106,10 @@ def main() -> None:
                 if use_optimizer:
                     opt.zero_grad()
                     feats = torch.stack([torch.ones_like(x), x, x * x], dim=1)
-                    model(feats).sum().backward()
+                    if local_updates:  # a loss whose minimum the ranks' different data pull apart
+                        (model(feats / (N * N)) - 1.0).pow(2).mean().backward()
+                    else:
+                        model(feats).sum().backward()
                     opt.step()
                 if use_allreduce:
                     state.w += hvd.allreduce(local, op=hvd.Sum, name=f"w.{state.epoch}.{idx}")
@@ -103,9 +121,13 @@ def main() -> None:
             state.commit()
 
     train(state)
-    final = -model.weight.detach()[0] if use_optimizer else state.w
+    final = -model.weight.detach()[0] if use_optimizer and not local_updates else state.w
     w = [int(v) for v in final.tolist()]
     sums = f" sums={[int(v) for v in state.w.tolist()]}" if mode == "both" else ""
+    if local_updates:
+        lu = opt.local_update
+        anchor = torch.cat([a.reshape(-1) for a in lu.anchor]).numpy().tobytes()
+        sums += f" anchor={hashlib.sha256(anchor).hexdigest()[:16]} copies={lu.copies}"
     say(
         f"done id={me} pid={os.getpid()} rank={hvd.rank()} size={hvd.size()} w={w}{sums}".replace(
             ", ", ","

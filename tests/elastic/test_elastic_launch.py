@@ -88,6 +88,20 @@ def test_secure_mode_survives_a_membership_change(victim: int) -> None:
 
 
 @pytest.mark.timeout(300)
+def test_local_updates_survive_a_membership_change() -> None:
+    """Local updates (overlapped, in 2 fragments, exchanges in flight when rank 1 is killed):
+    the survivors restore the committed state, start a new round on the new world, and end with
+    the same anchor; the samples are each trained on once (the allreduce's sums)."""
+    proc = _job("--min-np", "2", "--elastic-timeout", "60", victim=1, mode="local")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    done = _fields(proc.stdout, "done")
+    assert sorted(d["id"] for d in done) == ["0", "2"]
+    assert all(d["size"] == "2" and d["w"] == str(EXPECTED).replace(" ", "") for d in done)
+    assert done[0]["anchor"] == done[1]["anchor"], done
+    assert len(_fields(proc.stdout, "reset")) == 2
+
+
+@pytest.mark.timeout(300)
 def test_below_min_np_the_job_ends_naming_what_is_missing() -> None:
     proc = _job("--min-np", "3", "--elastic-timeout", "60", victim=1)
     assert proc.returncode == 137, proc.stdout + proc.stderr
