@@ -54,3 +54,28 @@ def _adam_local(**settings: Any) -> tuple[torch.nn.Module, Any]:
         **settings,
     )
     return model, opt
+
+
+def _sgd_local(**settings: Any) -> tuple[torch.nn.Module, Any, Any]:
+    """Tiny from seed 0, plain SGD inside (lr 0.1) whose ``after`` holds the weights after each
+    inner step, outer SGD lr 1 without momentum, no compression: the arithmetic is exact but
+    for float rounding. Returns (model, the inner optimizer, the DistributedOptimizer)."""
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure: Any = None) -> Any:
+            out = super().step(closure)
+            self.after = _weights(model)
+            return out
+
+    torch.manual_seed(0)
+    model = Tiny()
+    inner = Recording(model.parameters(), lr=0.1)
+    opt = rt.DistributedOptimizer(
+        inner,
+        named_parameters=model.named_parameters(),
+        sync_every=H,
+        outer_compression="none",
+        outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0),
+        **settings,
+    )
+    return model, inner, opt

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from _local import H, Tiny, _adam_local, _alike, _step, _weights
+from _local import H, Tiny, _adam_local, _alike, _sgd_local, _step, _weights
 
 import ringtrain as rt
 from ringtrain.config import OUTER_COMPRESSIONS, Config
@@ -123,24 +123,7 @@ def _merge_arithmetic(path: str) -> tuple[list[float], dict[str, int], float]:
     Also: the timeline's OUTER_STEP and OUTER_MERGE spans, and the time counted in them."""
     from ringtrain.diagnostics import timeline
 
-    class Recording(torch.optim.SGD):
-        def step(self, closure: Any = None) -> Any:  # the weights after each inner step
-            out = super().step(closure)
-            self.after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-            return out
-
-    torch.manual_seed(0)
-    model = Tiny()
-    inner = Recording(model.parameters(), lr=0.1)
-    opt = rt.DistributedOptimizer(
-        inner,
-        named_parameters=model.named_parameters(),
-        sync_every=H,
-        outer_compression="none",
-        outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0),
-        outer_overlap=True,
-        outer_delay=2,
-    )
+    model, inner, opt = _sgd_local(outer_overlap=True, outer_delay=2)
     local = opt.local_update
     assert local is not None
     gaps: list[float] = []

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from _local import H, Tiny, _adam_local, _alike, _step, _weights
+from _local import H, _adam_local, _alike, _sgd_local, _step, _weights
 from test_local_update import _overlapped, _rejoin_overlapped, _transports
 
 import ringtrain as rt
@@ -54,25 +54,8 @@ def _slices(local: Any) -> list[slice]:
 def _arithmetic(overlap: bool) -> list[float]:
     """Plain SGD inside, outer SGD lr 1 without momentum, no compression, 3 fragments. The gaps
     (float rounding only) between what each fragment holds and what it should."""
-
-    class Recording(torch.optim.SGD):
-        def step(self, closure: Any = None) -> Any:  # the weights after each inner step
-            out = super().step(closure)
-            self.after = _weights(model)
-            return out
-
-    torch.manual_seed(0)
-    model = Tiny()
-    inner = Recording(model.parameters(), lr=0.1)
-    opt = rt.DistributedOptimizer(
-        inner,
-        named_parameters=model.named_parameters(),
-        sync_every=H,
-        outer_compression="none",
-        outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0),
-        outer_overlap=overlap,
-        outer_delay=2 if overlap else 0,
-        outer_fragments=P,
+    model, inner, opt = _sgd_local(
+        outer_overlap=overlap, outer_delay=2 if overlap else 0, outer_fragments=P
     )
     local = opt.local_update
     assert local is not None and [f.end for f in local.fragments] == [1, 2, 3]
