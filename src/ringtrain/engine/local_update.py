@@ -13,8 +13,9 @@ nothing. Every ``H``-th ``step()`` is an *outer* step, at the same step on every
 So the link carries one (compressed) copy of the weights per ``H`` steps instead of the
 gradients every step. With ``outer_fragments=P`` the parameters are cut into ``P`` fragments,
 each averaged (steps 1-3 on its parameters) at its own step of the round
-(:mod:`ringtrain.engine.outer_fragment`): the same bytes a round, ``1/P`` of them at a time. The inner optimizer's state stays per rank, as in the paper. Buffers
-(BatchNorm statistics) are not exchanged.
+(:mod:`ringtrain.engine.outer_fragment`): the same bytes a round, ``1/P`` of them at a time.
+The inner optimizer's state stays per rank, as in the paper. Buffers (BatchNorm statistics) are
+not exchanged.
 
 Every rank ends an outer step with the same weights, whatever it did before, provided the
 anchors and the outer optimizer's state are the same on every rank: the first outer step after
