@@ -1,9 +1,11 @@
 """Two ranks that stop beating without being stopped (tests/launch/test_silent_ranks.py).
 
-Rank 0 works for about 10 s inside one C call that holds the GIL (``sum`` over a range), so its
-heartbeat thread cannot run: silent but busy, it must live. Rank 1 sleeps inside a C call that
-holds the GIL (libc ``sleep`` through ``ctypes.PyDLL``): silent and using no CPU, as a rank stuck
-in a driver would be, it must be killed as frozen.
+Rank 0 works for about 10 s of CPU time inside one C call that holds the GIL (``sum`` over a
+range), so its heartbeat thread cannot run: silent but busy, it must live. Then, after a barrier
+(so that on a loaded host, where those 10 s of CPU take far longer, rank 1 is not killed and the
+job stopped before rank 0 has shown it lives), rank 1 sleeps inside a C call that holds the GIL
+(libc ``sleep`` through ``ctypes.PyDLL``): silent and using no CPU, as a rank stuck in a driver
+would be, it must be killed as frozen.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ if rt.rank() == 0:
     t = time.monotonic()
     sum(range(int(10.0 / per_item)))  # one call: the GIL is not let go until it returns
     print(f"rank 0 held the GIL for {time.monotonic() - t:.1f} s and lives", flush=True)
+    rt.barrier()
     time.sleep(300)  # until the launcher stops the job for rank 1
 else:
+    rt.barrier()  # waiting here lets the heartbeat thread run: not silent
     ctypes.PyDLL(None).sleep(300)
     sys.exit("rank 1 was not killed")
