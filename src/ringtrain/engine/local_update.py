@@ -243,9 +243,9 @@ class LocalUpdate:
 
     def _agree_first(self) -> None:
         """The first outer step after a start, a load or a re-forming: every rank takes rank 0's
-        anchor and outer state where they differ (the wire is free: nothing is in flight)."""
+        anchor and outer state where they differ. The wire is free: every path that sets
+        ``_agree`` (a load, a re-forming, a restart) first lets the exchanges in flight end."""
         if self._agree and self._wire.size > 1:
-            concurrent.futures.wait([f.pending for f in self.fragments if f.pending])
             assert self.anchor is not None
             got = anchor_agreement.from_root(self._wire, self.anchor, self.outer)
             if got is not None:  # the digests differed: rank 0's copy
