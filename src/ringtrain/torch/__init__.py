@@ -5,14 +5,38 @@ Names Horovod has that ringtrain does not support (Adasum, MPI-specific queries)
 error or answer truthfully (``mpi_enabled() -> False``). ``HorovodInternalError`` is,
 as in Horovod, the ``RuntimeError`` a failed collective raises (a mismatch across ranks, a
 stall, a peer gone): the base of :class:`ringtrain.errors.CollectiveError`.
+
+The package has Horovod's module paths too, so ``from horovod.torch.X import Y`` becomes
+``from ringtrain.torch.X import Y``: ``mpi_ops`` (collectives, queries, reduce ops),
+``functions`` (state and object broadcasts), ``optimizer``, ``compression``,
+``sync_batch_norm``, ``elastic`` with ``elastic.sampler`` and ``elastic.state``. Each only
+re-exports ringtrain's objects (``hvd.X is ringtrain.torch.<module>.X``); this module is their
+union, plus ringtrain's ``Handle``, ``ReduceOp`` and ``HostsUpdatedInterrupt``.
 """
 
 from __future__ import annotations
 
-from ringtrain import elastic
 from ringtrain.collectives.handles import Handle
-from ringtrain.collectives.objects import allgather_object, barrier, broadcast_object, join
-from ringtrain.collectives.ops import (
+from ringtrain.collectives.reduce_ops import ReduceOp
+from ringtrain.errors import HostsUpdatedInterrupt
+from ringtrain.torch import elastic
+from ringtrain.torch.compression import Compression
+from ringtrain.torch.functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+)
+from ringtrain.torch.mpi_ops import (
+    Adasum,
+    Average,
+    HorovodInternalError,
+    Max,
+    Min,
+    ProcessSet,
+    Product,
+    Sum,
+    add_process_set,
     allgather,
     allgather_async,
     allreduce,
@@ -21,10 +45,19 @@ from ringtrain.collectives.ops import (
     allreduce_async_,
     alltoall,
     alltoall_async,
+    barrier,
     broadcast,
     broadcast_,
     broadcast_async,
     broadcast_async_,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
     grouped_allgather,
     grouped_allgather_async,
     grouped_allreduce,
@@ -33,48 +66,31 @@ from ringtrain.collectives.ops import (
     grouped_allreduce_async_,
     grouped_reducescatter,
     grouped_reducescatter_async,
-    poll,
-    reducescatter,
-    reducescatter_async,
-    sparse_allreduce_async,
-    synchronize,
-)
-from ringtrain.collectives.reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from ringtrain.compression import Compression
-from ringtrain.engine.optimizer import DistributedOptimizer
-from ringtrain.engine.state_sync import broadcast_optimizer_state, broadcast_parameters
-from ringtrain.engine.sync_batch_norm import SyncBatchNorm
-from ringtrain.errors import HorovodInternalError, HostsUpdatedInterrupt
-from ringtrain.lifecycle import (
-    add_process_set,
     init,
-    remove_process_set,
-    shutdown,
-    start_timeline,
-    stop_timeline,
-)
-from ringtrain.runtime.process_sets import ProcessSet
-from ringtrain.runtime.queries import (
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
     is_homogeneous,
     is_initialized,
+    join,
     local_rank,
     local_size,
     mpi_built,
     mpi_enabled,
     mpi_threads_supported,
     nccl_built,
+    poll,
     rank,
+    reducescatter,
+    reducescatter_async,
+    remove_process_set,
     rocm_built,
+    shutdown,
     size,
+    sparse_allreduce_async,
+    start_timeline,
+    stop_timeline,
+    synchronize,
 )
-from ringtrain.runtime.state import global_process_set
+from ringtrain.torch.optimizer import DistributedOptimizer
+from ringtrain.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "Adasum",
