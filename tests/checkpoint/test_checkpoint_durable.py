@@ -1,5 +1,7 @@
 """``ringtrain run --checkpoint-dir D --checkpoint-every N``, then ``kill -9`` of the launcher,
-then ``ringtrain run --resume D``: the job finishes with the weights of an uninterrupted run."""
+then ``ringtrain run --resume D``: the job finishes with the weights of an uninterrupted run.
+A new job (no ``--resume``) pointed at D, which holds that run's checkpoints, refuses to start
+and changes nothing in D."""
 
 from __future__ import annotations
 
@@ -31,11 +33,17 @@ def _argv(*flags: str, out: Path, pause: float) -> list[str]:
     ]  # fmt: skip
 
 
-def _run(*flags: str, out: Path) -> None:
+def _run(*flags: str, out: Path) -> str:
     proc = subprocess.run(
         _argv(*flags, out=out, pause=0.0), capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file under ``root``, by relative path."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 def test_kill_9_the_launcher_then_resume(tmp_path: Path) -> None:
@@ -72,7 +80,34 @@ def test_kill_9_the_launcher_then_resume(tmp_path: Path) -> None:
     got = torch.load(tmp_path / "b.pt")
     for a, b in zip(want, got):
         assert torch.equal(a, b)
-    assert max(s for s, _ in manifest.committed(str(ck))) == STEPS
+    # The resumed job continues the killed run: keep 3 counts the checkpoints it resumed from.
+    assert [s for s, _ in manifest.committed(str(ck))] == [8, 10, 12]
+
+
+def test_a_new_job_in_a_used_directory_loses_nothing(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    _run("--checkpoint-dir", str(ck), "--checkpoint-every", "2", out=tmp_path / "a.pt")
+    before = _files(ck)
+    assert [s for s, _ in manifest.committed(str(ck))] == [8, 10, 12]
+
+    new_job = _argv("--checkpoint-dir", str(ck), "--checkpoint-every", "2",
+                    out=tmp_path / "b.pt", pause=0.0)  # fmt: skip
+    proc = subprocess.run(new_job, capture_output=True, text=True, timeout=300)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0, said
+    refusal = (
+        f"ConfigError: {ck} holds 3 checkpoint(s) of another run (step 8, 10, 12), and this "
+        "new job (no --resume) would delete or overwrite them."
+    )
+    assert refusal in said, said
+    assert f"HINT: continue that run with --resume {ck}" in said and "fresh directory" in said
+    assert "starts at step" not in said  # refused before the first step
+    assert _files(ck) == before and not (tmp_path / "b.pt").exists()
+
+    # What the error suggests: --resume continues that run, at its step 12 (a fresh directory,
+    # the other way out, is what the test above starts each run in).
+    assert "rank 0 starts at step 12" in _run("--resume", str(ck), out=tmp_path / "c.pt")
+    assert _files(ck) == before
 
 
 def test_bad_schedule_is_refused_by_the_launcher() -> None:

@@ -37,6 +37,14 @@ class Restored:
     data: Any = None  # what to iterate for the rest of the epoch (sampler, or Remaining)
     manifest: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def run(self) -> str:
+        """The run the checkpoint belongs to ("" if it records none): give it to
+        :class:`ringtrain.checkpoint.Checkpointer` (``run=``) to continue that run's series,
+        whose keep-last then counts the checkpoints it continues from."""
+        run = self.manifest.get("run")
+        return run if isinstance(run, str) else ""
+
 
 def _where() -> tuple[int, int, Any]:
     from ringtrain.config import Config
@@ -101,6 +109,7 @@ def prepare(
     extra: Any,
     host: Any = None,
     save_id: str | None = None,
+    run: str | None = None,
 ) -> tuple[store.Job, list[Any], sealed.Keys | None]:
     """The blocking half of a save: agree on an id (a collective, unless ``save_id`` is given,
     the same on every rank), copy this rank's part to host memory. What is left (writing,
@@ -120,6 +129,7 @@ def prepare(
         keep=int(keep),
         timeout_s=float(config.timeout_s),
         facts={},
+        run=run,
     )
     items, facts = parts.snapshot(rank, size, model, optimizer, sampler, extra, host)
     job.facts = facts

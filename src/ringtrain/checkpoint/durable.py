@@ -12,6 +12,13 @@ newest complete checkpoint of ``D`` when the object is made (``start_step`` is t
 and keeps saving into ``D`` unless ``--checkpoint-dir`` says otherwise. Saves are asynchronous
 (:class:`ringtrain.checkpoint.Checkpointer`). A schedule in seconds is decided by rank 0's
 clock and broadcast, so every rank saves at the same step.
+
+One directory holds one run: a job's checkpoints record its run id (``ringtrain run``'s job id,
+or an id agreed at the first save; a resumed job takes over the id of the run it continues).
+A new job whose checkpoint directory holds another run's checkpoints refuses to start
+(:class:`ConfigError` on every rank, before any step): saving beside them, its keep-last would
+remove them (or they its own), its steps would replace theirs, and a later ``--resume`` could
+continue either run. Keep-last counts only this run's checkpoints.
 """
 
 from __future__ import annotations
@@ -19,9 +26,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ringtrain.checkpoint import api
+from ringtrain import environ
+from ringtrain.checkpoint import api, manifest
 from ringtrain.checkpoint.writer import Checkpointer
 from ringtrain.config import checkpoint_schedule
+from ringtrain.environ import Ringtrain
 from ringtrain.errors import ConfigError
 
 
@@ -48,11 +57,19 @@ class Durable:
         self._objects = {"model": model, "optimizer": optimizer, "sampler": sampler}
         self.start_step = 0
         self.restored: api.Restored | None = None
+        # The launcher's job id is the same on every rank, and on ranks that join an elastic job
+        # later, which must find the checkpoints already saved to be this run's own.
+        self.run: str | None = environ.current().get(Ringtrain.JOB_ID) or None
         if cfg.resume:
             self.restored = api.load(cfg.resume, model=model, optimizer=optimizer, sampler=sampler)
             self.start_step = self.restored.step
+            self.run = self.restored.run  # that run goes on: its checkpoints are this job's
+        if self.directory:
+            _refuse_other_runs(self.directory, self.run, cfg.resume)
         self._saver = (
-            Checkpointer(self.directory, keep=cfg.checkpoint_keep) if self.directory else None
+            Checkpointer(self.directory, keep=cfg.checkpoint_keep, run=self.run)
+            if self.directory
+            else None
         )
         self._last_step = self.start_step
         self._last_time = time.monotonic()
@@ -93,3 +110,25 @@ class Durable:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _refuse_other_runs(directory: str, run: str | None, resumed_from: str) -> None:
+    """Raise :class:`ConfigError` if ``directory`` holds committed checkpoints of a run other
+    than ``run`` (None: a new run, which has saved nothing yet). Every rank reads the same
+    directory before any of them can have saved, so every rank decides alike."""
+    theirs = [step for step, _ in manifest.of_other_runs(directory, run)]
+    if not theirs:
+        return
+    steps = ", ".join(map(str, theirs)) if len(theirs) <= 4 else f"{theirs[0]} to {theirs[-1]}"
+    held = f"{directory} holds {len(theirs)} checkpoint(s) of another run (step {steps})"
+    if not resumed_from:
+        raise ConfigError(
+            f"{held}, and this new job (no --resume) would delete or overwrite them.\n"
+            f"HINT: continue that run with --resume {directory} (RINGTRAIN_RESUME), or give this "
+            "job a fresh directory: --checkpoint-dir NEW_DIR (RINGTRAIN_CHECKPOINT_DIR)."
+        )
+    raise ConfigError(
+        f"{held} than the one resumed from {resumed_from}, which this job would delete or "
+        f"overwrite.\nHINT: save into the directory resumed from (leave out --checkpoint-dir), "
+        "or give --checkpoint-dir a fresh directory."
+    )

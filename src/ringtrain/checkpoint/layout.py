@@ -15,10 +15,12 @@ file in AES-GCM and are not readable by torch's tools (:mod:`ringtrain.checkpoin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
 import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol
 
@@ -93,12 +95,19 @@ class _Sink:
         self._hash = hashlib.sha256()
         self._pos = 0
         self.nbytes = 0
+        self.error: OSError | None = None  # the write that failed, if one did
         if transform is not None:
             self._out(memoryview(transform.begin()))
 
     def _out(self, data: memoryview | bytes) -> None:
         self._hash.update(data)
-        self._f.write(data)
+        try:
+            self._f.write(data)
+        except OSError as e:
+            # torch.save reports a failed write as its own "unexpected pos N vs M", which says
+            # nothing of the cause: keep the OSError (a full disk: ENOSPC) to raise instead.
+            self.error = e
+            raise
         self.nbytes += len(data)
 
     def write(self, data: Any) -> int:
@@ -155,14 +164,34 @@ def serialize(items: list[Item]) -> tuple[bytes, list[Entry]]:
     return buf.getvalue(), entries
 
 
+@contextlib.contextmanager
+def open_for_writing(path: str) -> Iterator[BinaryIO]:
+    """``open(path, "wb")``, whose failures (opening, writing, flushing, closing) are an
+    :class:`OSError` that names ``path``: a full disk reads ``[Errno 28] No space left on
+    device: '<path>'``, not a bare errno from deep inside a write."""
+    try:
+        with open(path, "wb") as f:
+            yield f
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, path) from e
+
+
 def write_part_file(
     path: str, items: list[Item], transform: Transform | None = None
 ) -> tuple[str, int, list[Entry]]:
     """Write a part file durably (fsync), streaming: returns its SHA-256 (hex), its size on
-    disk and each item's entry (offsets in the plaintext)."""
-    with open(path, "wb") as f:
+    disk and each item's entry (offsets in the plaintext). A failed write (a full disk) is an
+    :class:`OSError` naming ``path``, whatever torch.save made of it."""
+    with open_for_writing(path) as f:
         sink = _Sink(f, transform)
-        entries = serialize_into(sink, items)
+        try:
+            entries = serialize_into(sink, items)
+        except RuntimeError as e:
+            if sink.error is None:
+                raise
+            raise sink.error from e
         digest = sink.finish()
         f.flush()
         os.fsync(f.fileno())
@@ -170,8 +199,9 @@ def write_part_file(
 
 
 def write_file(path: str, data: bytes) -> str:
-    """Write ``data`` to ``path`` durably (fsync); returns its SHA-256 (hex)."""
-    with open(path, "wb") as f:
+    """Write ``data`` to ``path`` durably (fsync); returns its SHA-256 (hex). A failed write is
+    an :class:`OSError` naming ``path``."""
+    with open_for_writing(path) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -193,12 +193,35 @@ def resolve(path: str) -> str:
     )
 
 
-def prune(root: str, keep: int, remove: Callable[[str], None] = shutil.rmtree) -> list[str]:
-    """Remove all but the newest ``keep`` committed checkpoints, and stale partial ones."""
+def run_of(directory: str) -> str:
+    """The run a committed checkpoint belongs to: the id its manifest records ("" when it
+    records none: a plain :func:`ringtrain.checkpoint.save`, or a checkpoint written before
+    runs were recorded; also when the manifest cannot be read)."""
+    try:
+        with open(os.path.join(directory, MANIFEST)) as f:
+            run = json.load(f).get("run")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return run if isinstance(run, str) else ""
+
+
+def of_other_runs(root: str, run: str | None) -> list[tuple[int, str]]:
+    """``(step, directory)`` of the committed checkpoints under ``root`` that belong to a run
+    other than ``run`` (None: a run that has saved nothing yet, so every one), oldest first."""
+    return [(s, path) for s, path in committed(root) if run is None or run_of(path) != run]
+
+
+def prune(
+    root: str, keep: int, remove: Callable[[str], None] = shutil.rmtree, run: str | None = None
+) -> list[str]:
+    """Remove all but the newest ``keep`` committed checkpoints of ``run`` (None: of every
+    run, as a plain ``save(..., keep=K)`` does). Another run's checkpoints are never counted
+    or removed: a new job in a used directory must not delete them, nor its own for them."""
     if keep <= 0:
         return []
+    mine = [(s, path) for s, path in committed(root) if run is None or run_of(path) == run]
     gone = []
-    for _, path in committed(root)[:-keep]:
+    for _, path in mine[:-keep]:
         remove(path)
         gone.append(path)
     return gone

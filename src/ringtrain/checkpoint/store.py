@@ -5,11 +5,15 @@ writer process (:mod:`ringtrain.checkpoint.writer`). Every rank writes its data 
 record (JSON: what it wrote where, and the file's SHA-256) into the save's partial directory;
 rank 0's writer waits for all the records of this save (by its save id), writes DCP's
 ``.metadata`` and the manifest (last, by rename), renames the directory into place, and prunes
-old checkpoints. A shared file system is assumed (as DCP assumes) when ranks span hosts.
+old checkpoints of its run (never another run's). A write that fails (a full disk) is a
+:class:`CheckpointError` naming the file, and the failed save's files are removed. A shared file
+system is assumed (as DCP assumes) when ranks span hosts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -36,21 +40,54 @@ class Job:
     keep: int  # keep-last-K under the parent directory (0: keep all)
     timeout_s: float
     facts: dict[str, Any]  # layout facts for the manifest
+    # The run this save belongs to (see manifest.run_of): keep-last counts only its checkpoints,
+    # and a checkpoint of another run is never replaced. None: a plain save, which counts every
+    # checkpoint beside it and replaces one of its own name.
+    run: str | None = None
 
 
 def write_part(job: Job, items: list[Item], keys: Keys | None) -> Record:
-    os.makedirs(job.partial, exist_ok=True)
+    """Write this rank's data file and part record into the save's partial directory. A write
+    that fails (a full disk) is a :class:`CheckpointError` naming the file; this rank's files of
+    the save are removed, so the space they took is free again and earlier checkpoints stay."""
     name = layout.data_file(job.rank)
-    sealer = Sealer(keys.files, name) if keys is not None else None
-    digest, nbytes, entries = layout.write_part_file(os.path.join(job.partial, name), items, sealer)
-    record = Record(job.rank, name, digest, nbytes, entries)
+    data = os.path.join(job.partial, name)
     tmp = os.path.join(job.partial, layout.part_file(job.rank) + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"save_id": job.save_id, "record": asdict(record)}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(job.partial, layout.part_file(job.rank)))
+    try:
+        os.makedirs(job.partial, exist_ok=True)
+        sealer = Sealer(keys.files, name) if keys is not None else None
+        digest, nbytes, entries = layout.write_part_file(data, items, sealer)
+        record = Record(job.rank, name, digest, nbytes, entries)
+        with layout.open_for_writing(tmp) as f:
+            f.write(json.dumps({"save_id": job.save_id, "record": asdict(record)}).encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(job.partial, layout.part_file(job.rank)))
+    except OSError as e:
+        for path in (data, tmp):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        raise unwritable(e, job.final) from e
     return record
+
+
+def unwritable(e: OSError, final: str) -> CheckpointError:
+    """A failed write, as an error that names the file, the cause (a full disk says "no space
+    left on device", errno ENOSPC) and what to do."""
+    path = e.filename or final
+    code = errno.errorcode.get(e.errno or 0, str(e.errno))
+    if e.errno == errno.ENOSPC:
+        hint = (
+            "free space there, or save to a file system with room for a whole checkpoint; "
+            "earlier checkpoints are untouched."
+        )
+        cause = "no space left on device"
+    else:
+        hint = "check the directory's permissions and space; earlier checkpoints are untouched."
+        cause = (e.strerror or str(e)).lower()
+    return CheckpointError(
+        f"could not write {path} (saving {final}): {cause} ({code}).\nHINT: {hint}"
+    )
 
 
 def _records(job: Job) -> list[Record]:
@@ -99,15 +136,14 @@ def commit(job: Job, keys: Keys | None) -> None:
     if keys is not None:
         data = seal(keys.files, layout.METADATA_FILE, data)
     files = {rec.file: {"sha256": rec.sha256, "bytes": rec.nbytes} for rec in records}
-    files[layout.METADATA_FILE] = {
-        "sha256": layout.write_file(os.path.join(job.partial, layout.METADATA_FILE), data),
-        "bytes": len(data),
-    }
-    for r in range(job.size):
-        os.remove(os.path.join(job.partial, layout.part_file(r)))
-    manifest.write(
-        job.partial,
-        {
+    try:
+        files[layout.METADATA_FILE] = {
+            "sha256": layout.write_file(os.path.join(job.partial, layout.METADATA_FILE), data),
+            "bytes": len(data),
+        }
+        for r in range(job.size):
+            os.remove(os.path.join(job.partial, layout.part_file(r)))
+        contents = {
             "format": manifest.FORMAT,
             "format_version": manifest.FORMAT_VERSION,
             "save_id": job.save_id,
@@ -119,17 +155,34 @@ def commit(job: Job, keys: Keys | None) -> None:
             "sealed": keys is not None,
             "created_unix": time.time(),
             "files": files,
-        },
-        keys.manifest if keys is not None else None,
-    )
+        }
+        if job.run is not None:
+            contents["run"] = job.run
+        manifest.write(job.partial, contents, keys.manifest if keys is not None else None)
+    except OSError as e:
+        # Nothing will use this save's files: free their space for the next save.
+        shutil.rmtree(job.partial, ignore_errors=True)
+        if e.filename is None:  # the manifest's json.dump says no more than the errno
+            e = OSError(e.errno, e.strerror, os.path.join(job.partial, manifest.MANIFEST))
+        raise unwritable(e, job.final) from e
     place(job)
 
 
 def place(job: Job) -> None:
-    """Rename the finished directory into place; an older one of the same name goes after."""
+    """Rename the finished directory into place; an older one of the same name goes after,
+    unless it belongs to another run (then the save fails and the older one stays)."""
     parent = os.path.dirname(os.path.abspath(job.final)) or "."
     old = None
     if os.path.exists(job.final):
+        theirs = manifest.run_of(job.final)
+        if job.run is not None and theirs != job.run:
+            shutil.rmtree(job.partial, ignore_errors=True)
+            raise CheckpointError(
+                f"{job.final} already holds a checkpoint of another run "
+                f"({theirs or 'no run recorded'}; this run is {job.run}): it was left as it "
+                "was, and this save was dropped.\nHINT: give each new run a fresh checkpoint "
+                "directory, or continue that run with --resume."
+            )
         old = f"{job.final}.old-{job.save_id}"
         os.replace(job.final, old)
     os.replace(job.partial, job.final)
@@ -142,7 +195,7 @@ def place(job: Job) -> None:
         if stale and not _later(name.split(".partial-", 1)[1], job.save_id):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
     if job.keep > 0:
-        manifest.prune(parent, job.keep)
+        manifest.prune(parent, job.keep, run=job.run)
 
 
 def _later(save_id: str, than: str) -> bool:

@@ -191,18 +191,25 @@ def main(argv: list[str] | None = None) -> None:
                 store.commit(job, keys)
             reply = ("ok", job.final)
         except BaseException as e:  # every failure goes back to the training process
-            reply = ("error", f"{type(e).__name__}: {e}")
+            said = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+            reply = ("error", said)
         del items
         tx.send_bytes(pickle.dumps(reply))
 
 
 class Checkpointer:
     """Periodic asynchronous checkpoints into ``root`` (``root/step-N``), keeping the newest
-    ``keep`` (0: all). Collective like :func:`ringtrain.checkpoint.save`."""
+    ``keep`` (0: all) of its run. Collective like :func:`ringtrain.checkpoint.save`.
 
-    def __init__(self, root: str | os.PathLike[str], keep: int = 0) -> None:
+    Its checkpoints record a run id: ``run``, or else the id agreed at its first save. Keep-last
+    counts and removes only that run's checkpoints, and a save never replaces another run's
+    checkpoint of the same step (it fails instead): other checkpoints in ``root`` are left as
+    they are. To continue a run loaded from ``root``, pass ``run=restored.run``."""
+
+    def __init__(self, root: str | os.PathLike[str], keep: int = 0, run: str | None = None) -> None:
         self.root = os.fspath(root)
         self.keep = keep
+        self.run = run
         self._buffers: dict[str, tuple[_Shared, torch.Tensor]] = {}
         self._made = 0  # buffer files made: each a new name, so the writer's mappings stay true
         self._token: str | None = None  # this world's save-id prefix (agreed once per world)
@@ -278,6 +285,8 @@ class Checkpointer:
         self._collect(block=False)
         if self._failure is not None:
             failure, self._failure = self._failure, None
+            if "\nHINT:" in failure:  # the writer's own error says what to do
+                raise CheckpointError(failure)
             raise CheckpointError(
                 f"{failure}\nHINT: earlier checkpoints are untouched; fix the cause (space, "
                 "permissions) and save again."
@@ -354,6 +363,8 @@ class Checkpointer:
         world = api.world()
         if self._token is None or self._world != world:
             self._token, self._world, self._saves = api.new_token(), world, 0
+            if self.run is None:  # the run is this object's, across elastic re-formings
+                self.run = self._token
         self._saves += 1
         return f"{self._token}-{self._saves}"
 
@@ -378,7 +389,7 @@ class Checkpointer:
         save_id = self._save_id()
         final = os.path.join(self.root, manifest.step_name(step))
         job, items, keys = api.prepare(
-            final, step, self.keep, model, optimizer, sampler, extra, self._host, save_id
+            final, step, self.keep, model, optimizer, sampler, extra, self._host, save_id, self.run
         )
         t2, c2 = time.perf_counter(), time.process_time()
         self._tx.send_bytes(_dumps((job, items, keys)))
