@@ -2,6 +2,8 @@
 
 * ``allreduce`` (:mod:`.allreduce`): bus bandwidth vs message size, ringtrain vs raw
   torch.distributed in the same run, and the cost of many small tensors (fusion).
+* ``cpu`` (:mod:`.cpu`): CPU time per allreduce per rank (all threads, idle tail included),
+  ringtrain vs raw torch.distributed in the same run, and a burst of async ops.
 * ``train`` (:mod:`.train`): steps/s of ringtrain's DistributedOptimizer, torch DDP and a
   no-communication reference, interleaved, on model presets (:mod:`.models`) of 1M-100M params.
 * ``secure`` (:mod:`.secure`): what secure mode costs, allreduce bus bandwidth of raw Gloo,

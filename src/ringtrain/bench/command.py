@@ -4,6 +4,7 @@
     ringtrain bench train -np 2 --model transformer-25m --steps 30 --json train.json
     ringtrain bench secure -np 2 --sizes 64K..64M --json secure.json
     ringtrain bench checks -np 2 --json checks.json
+    ringtrain bench cpu -np 3 --threads 2 --sizes 64K..16M --json cpu.json
     ringtrain bench checkpoint -np 4 --model transformer-25m --json ckpt.json
     ringtrain bench converge -np 2 --task digits --json converge.json --plot converge.png
     ringtrain run -np 2 -H h0:1,h1:1 -- python -m ringtrain.bench train --model cnn
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ringtrain.bench import checkpoint as ckpt_bench
-from ringtrain.bench import checks, converge, ranks, secure
+from ringtrain.bench import checks, converge, cpu, ranks, secure
 from ringtrain.bench.allreduce import DEFAULT_SIZES, AllreduceParams
 from ringtrain.bench.models import PRESETS
 from ringtrain.bench.registry import BENCHMARKS
@@ -217,6 +218,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
     ck.add_argument("--step-iters", type=int, default=5, help="steps per sample")
     _common(ck)
 
+    cu = sub.add_parser(
+        "cpu",
+        help="CPU time per allreduce per rank, ringtrain vs raw torch.distributed; a burst",
+        description=(
+            "CPU time per allreduce per rank (every thread, an idle tail after each sample "
+            "included) for ringtrain.allreduce_ and raw torch.distributed.all_reduce, "
+            "interleaved in the same processes: a measure that load does not inflate as it "
+            "does wall time. Plus a burst of async allreduces against one tensor of its bytes."
+        ),
+    )
+    cpu_sizes = f"{fmt_bytes(cpu.DEFAULT_SIZES[0])}..{fmt_bytes(cpu.DEFAULT_SIZES[-1])}"
+    _sweep(
+        cu,
+        cpu.DEFAULT_SIZES,
+        f"message sizes: 64K,1M or 64K..16M[:factor] (default {cpu_sizes} x4)",
+        "samples per size and impl",
+        link=False,
+    )
+    cu.add_argument(
+        "--tail-ms", type=float, default=100.0, help="idle time measured after each sample"
+    )
+    cu.add_argument("--burst-count", type=int, default=256, help="async ops per burst (0 skips)")
+    cu.add_argument("--burst-size", type=parse_bytes, default=64 << 10, help="bytes per burst op")
+    _common(cu)
+
     cp = sub.add_parser(
         "checkpoint",
         help="checkpoints: training blocked per save, step slowdown while a write runs",
@@ -339,7 +365,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 def _params(args: argparse.Namespace) -> Any:
     """The benchmark's parameters from its command line; bad values fail here, not on ranks."""
-    if args.benchmark in ("allreduce", "secure", "checks") and args.repeats < 1:
+    if args.benchmark in ("allreduce", "secure", "checks", "cpu") and args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     if args.benchmark == "allreduce":
         return AllreduceParams(
@@ -375,6 +401,22 @@ def _params(args: argparse.Namespace) -> Any:
             step_tensors=args.step_tensors,
             step_each_bytes=args.step_size,
             step_iters=args.step_iters,
+        )
+    if args.benchmark == "cpu":
+        if args.tail_ms < 0 or args.burst_count < 0:
+            raise ConfigError(
+                f"--tail-ms and --burst-count must be >= 0, got {args.tail_ms} and "
+                f"{args.burst_count}"
+            )
+        if args.plot:
+            raise ConfigError("bench cpu draws no plot.\nHINT: use --json for the numbers.")
+        return cpu.CpuParams(
+            sizes=tuple(args.sizes),
+            repeats=args.repeats,
+            iters=args.iters,
+            tail_s=args.tail_ms / 1e3,
+            burst_count=args.burst_count,
+            burst_each_bytes=args.burst_size,
         )
     if args.benchmark == "checkpoint":
         if args.rounds < 1 or args.steps < 1:
@@ -434,6 +476,7 @@ _PRESENT: dict[str, tuple[Callable[[Any, bool], str], Callable[[Any, str], None]
     "allreduce": (format_allreduce, plot_allreduce),
     "secure": (format_secure, plot_secure),
     "checks": (format_checks, plot_checks),
+    "cpu": (cpu.format_cpu, lambda res, path: None),  # --plot refused
     "train": (format_train, plot_train),
     "checkpoint": (ckpt_bench.format_checkpoint, lambda res, path: None),  # --plot refused
     "converge": (converge.format_converge, converge.plot_converge),

@@ -150,7 +150,12 @@ def _spawn(
     # clean single-threaded process, so forking it is safe where forking this one might not be.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(
-        ["ringtrain.bench.allreduce", "ringtrain.bench.secure", "ringtrain.bench.train"]
+        [
+            "ringtrain.bench.allreduce",
+            "ringtrain.bench.cpu",
+            "ringtrain.bench.secure",
+            "ringtrain.bench.train",
+        ]
     )
     conns: list[Connection] = []
     procs: list[Any] = []

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain import compat
-from ringtrain.collectives import dtypes, inline, unfused
+from ringtrain.collectives import copies, dtypes, inline, unfused
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request
 from ringtrain.collectives.scaling import REDUCE_OPS, scaling_of
@@ -77,6 +77,7 @@ class Executor:
         self._batch_bytes = 0
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.inline_ops = 0  # ops whose data came with the negotiation, for tests and stats
+        self.fused_ops = 0  # fused allreduces run (one per batch, however many chunks)
 
     def add(
         self,
@@ -246,6 +247,7 @@ class Executor:
         outputs = [o for item in batch for o in item.outputs]
         if not tensors:
             return
+        self.fused_ops += 1
         work = dtypes.to_reducible_all(tensors, op)
         scaling = scaling_of(req, n, work[0].dtype)
         group = self.comm.group_for(work[0])
@@ -253,16 +255,17 @@ class Executor:
         if flat is None and len(work) == 1 and _reducible_in(outputs[0], work[0]):
             flat = outputs[0]  # one tensor: reduce in its output, no packing
             if flat.data_ptr() != work[0].data_ptr():
-                flat.copy_(work[0])
+                copies.copy_(flat, work[0])
         if flat is not None:
-            scaling.before(flat)
+            copies.scale_(flat, scaling.pre)
             if self.comm.size > 1:
                 dist.all_reduce(flat, op=REDUCE_OPS[op], group=group)
-            scaling.after(flat)
+            copies.scale_(flat, scaling.post)
             return
         # Pack, reduce and unpack in chunks, pipelined: while Gloo moves one chunk, this thread
         # packs the next and unpacks the previous, so the copies hide behind the transfer.
         # Per-tensor facts are read once per batch: a grouped call may hold a thousand tensors.
+        # Every copy and scaling runs on this thread alone (:mod:`~ringtrain.collectives.copies`).
         numels = [w.numel() for w in work]
         buf = self._fusion_buffer(work[0], sum(numels))
         plain = _all_reducible_in(outputs, work)
@@ -272,8 +275,11 @@ class Executor:
             k = sum(numels[chunk.start : chunk.stop])
             flat = buf[offset : offset + k]
             offset += k
-            torch.cat([work[i].reshape(-1) for i in chunk], out=flat)
-            scaling.before(flat)
+            pieces = flat.split_with_sizes(numels[chunk.start : chunk.stop])
+            copies.copy_all_(
+                [p.view(work[i].shape) for i, p in zip(chunk, pieces)], [work[i] for i in chunk]
+            )
+            copies.scale_(flat, scaling.pre)
             pending = None
             if self.comm.size > 1:
                 pending = dist.all_reduce(flat, op=REDUCE_OPS[op], group=group, async_op=True)
@@ -296,15 +302,15 @@ class Executor:
     ) -> None:
         if pending is not None:
             pending.wait()
-        scaling.after(flat)
+        copies.scale_(flat, scaling.post)
         pieces = torch.split_with_sizes(flat, numels[chunk.start : chunk.stop])
         if plain:  # the common case, in one call: no per-tensor overhead
-            torch._foreach_copy_([outputs[i].view(-1) for i in chunk], list(pieces))
+            copies.copy_all_([outputs[i].view(-1) for i in chunk], list(pieces))
             return
         for i, piece in zip(chunk, pieces):
             out = outputs[i]
             piece = piece.view(work[i].shape)
-            out.copy_(piece.view(torch.uint64) if out.dtype == torch.uint64 else piece)
+            copies.copy_(out, piece.view(torch.uint64) if out.dtype == torch.uint64 else piece)
 
     def _fusion_buffer(self, like: torch.Tensor, numel: int) -> torch.Tensor:
         """``numel`` elements of this executor's fusion buffer for ``like``'s dtype and device.

@@ -20,8 +20,9 @@ NaN (a dummy's, or one in the data itself) makes every rank allreduce a one-elem
 real claim) to tell. A valid slot's result is exactly the normal path's (the same Gloo ring over
 a buffer of the same size; 2 ranks sum ``a + b`` in either order). Otherwise the lane closes on
 every rank, each real claimant gets its tensor back as it was (2 ranks: only the first value
-changed; 3 or more: from a copy taken at the claim, as partial sums would remain) and the op is
-negotiated as any other, so name matching, mismatch reports (which list every rank's
+changed; 3 or more: from a copy taken at the claim, as partial sums would remain; the copy goes
+to a backup buffer the lane keeps, on the caller's thread alone: :mod:`~ringtrain.collectives.copies`)
+and the op is negotiated as any other, so name matching, mismatch reports (which list every rank's
 submission) and stall reports work as before.
 
 The lane opens, deterministically, at a controller round that ran an eligible request on every
@@ -50,7 +51,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ringtrain.collectives import dtypes, inline
+from ringtrain.collectives import copies, dtypes, inline
 from ringtrain.collectives.requests import Request
 from ringtrain.compression import averaging
 
@@ -130,6 +131,7 @@ class Lane:
         self.slots_valid = 0  # for tests and statistics
         self.slots_invalid = 0
         self.flag_rounds = 0  # slots whose first value came out NaN: flags decided
+        self._backup: torch.Tensor | None = None  # bytes; see _backup_of
 
     def status(self) -> Status:
         with self._lock:
@@ -160,16 +162,27 @@ class Lane:
                 return None
             assert t is not None and out is not None
             if out is not t:
-                out.copy_(t)
+                copies.copy_(out, t)
                 restore = None  # the op's own output: a lost slot is simply filled again
-            elif self.size > 2:
-                restore = (t, t.clone())  # the real claimants' partial sums would remain
             else:
-                first = t.view(-1)[:1]  # two ranks: only the first value can change (to NaN)
-                restore = (first, first.clone())
+                # Three ranks or more: the real claimants' partial sums would remain. Two: only
+                # the first value can change (to NaN).
+                where = t.view(-1) if self.size > 2 else t.view(-1)[:1]
+                restore = (where, self._backup_of(where))
             self.claim = self._launch(request, request.name, out)
             self.claim.restore = restore
             return self.claim
+
+    def _backup_of(self, where: torch.Tensor) -> torch.Tensor:
+        """A copy of ``where`` in the lane's backup buffer, kept for the next claims: a fresh
+        clone per op is a fresh allocation (an mmap, with its page faults, from 128 KiB on).
+        One claim at a time uses it; a lost slot restores from it before the lane can reopen."""
+        nbytes = where.numel() * where.element_size()
+        if self._backup is None or self._backup.numel() < nbytes:
+            self._backup = torch.empty(nbytes, dtype=torch.uint8)
+        backup = self._backup[:nbytes].view(where.dtype)
+        copies.copy_(backup, where)
+        return backup
 
     def _claim_dummy(self) -> None:
         req = self.reserved
@@ -238,6 +251,11 @@ class Lane:
         else:
             self.slots_invalid += 1
             self.reserved = None
+            if c.restore is not None:
+                # Now, under the lock: once the lane reopens, the next claim reuses the backup.
+                where, what = c.restore
+                copies.copy_(where, what)
+                c.restore = None
         if self._doom_at == self.slot and self.reserved is not None:
             self._claim_dummy()
         return c
