@@ -7,7 +7,7 @@ NP ?= 4
 # the README); JOBS=0 runs the tests serially.
 JOBS ?= $(shell $(BIN)/python -c 'from ringtrain.host.cpu_limits import usable_cpus; print(usable_cpus())')
 
-.PHONY: setup demo test lint unit
+.PHONY: setup demo test lint unit check
 
 setup:
 	@./scripts/setup
@@ -29,3 +29,9 @@ unit: setup
 	$(BIN)/pytest -q -n $(JOBS) --dist loadgroup --max-worker-restart 0 --durations=30
 
 test: lint unit
+
+# The quick tier for the inner loop: lint, then the tests that start no process (no test world,
+# cluster, launcher or command: tests/conftest.py marks those `processes` by rule). About 3
+# minutes on 2 cores; `make test` (everything) stays what CI runs.
+check: lint
+	$(BIN)/pytest -q -n $(JOBS) -m "not processes" --durations=10

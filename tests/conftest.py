@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
+import types
 from collections.abc import Iterator
 
 import pytest
@@ -40,6 +42,19 @@ def world2() -> spawn.World:
 @pytest.fixture
 def world3() -> spawn.World:
     return spawn.world(3)
+
+
+# The numerics tests that use `capability_world2` run under each ATen CPU capability this CPU
+# has: float kernels (and so the last bits of sums) differ between them.
+@pytest.fixture(params=spawn.CAPABILITIES)
+def capability_world2(request: pytest.FixtureRequest) -> spawn.World:
+    """Two ranks running one ATen CPU capability's kernels (``ATEN_CPU_CAPABILITY``), each of
+    :data:`spawn.CAPABILITIES` in turn; skipped for one this CPU lacks. The CPU's own choice is the
+    shared ``world2``, so only the others start ranks of their own."""
+    w = spawn.capability_world(2, request.param)
+    if w is None:
+        pytest.skip(f"this CPU has no {request.param} kernels")
+    return w
 
 
 @pytest.fixture(autouse=True)
@@ -95,6 +110,56 @@ def _no_leaks() -> Iterator[None]:
 
 CLUSTER_FIXTURES = {"cluster", "make_cluster", "cluster_tools"}
 
+# The `processes` marker, by rule (`make check` runs the tests without it): a test starts
+# processes when it uses a fixture that starts them, or when its module (or a tests/ helper
+# module it imports from) uses one of these modules: a test world's ranks, a cluster, a
+# launcher's job (`ringtrain run`/`bench` through the CLI, Ray, Spark) or any command.
+PROCESS_FIXTURES = {"world", "world2", "world3", "capability_world2"} | CLUSTER_FIXTURES
+PROCESS_MODULES = (
+    "subprocess",
+    "multiprocessing",
+    "ringtrain.testing",
+    "ringtrain.cli",
+    "ringtrain.launch.supervisor",
+    "ringtrain.ray",
+    "ringtrain.spark",
+    "ray",
+    "pyspark",
+)
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _uses_process_modules(module: types.ModuleType, depth: int = 1) -> bool:
+    """Whether ``module`` binds a process-starting module or anything defined in one; a helper
+    module of tests/ it binds from (``_elastic_grow.run_job``) is looked into ``depth`` deep."""
+    for value in vars(module).values():
+        name = value.__name__ if isinstance(value, types.ModuleType) else None
+        name = name or getattr(value, "__module__", None)
+        if not isinstance(name, str) or name == module.__name__:
+            continue
+        if any(name == m or name.startswith(m + ".") for m in PROCESS_MODULES):
+            return True
+        helper = sys.modules.get(name)
+        if helper is None or not depth or not _in_tests(helper):
+            continue
+        if _uses_process_modules(helper, depth - 1):
+            return True
+    return False
+
+
+def _in_tests(module: types.ModuleType) -> bool:
+    path = getattr(module, "__file__", None)
+    return path is not None and os.path.abspath(path).startswith(TESTS + os.sep)
+
+
+def _starts_processes(item: pytest.Item) -> bool:
+    if item.get_closest_marker("cluster"):
+        return True
+    if set(getattr(item, "fixturenames", ())) & PROCESS_FIXTURES:
+        return True
+    module = getattr(item, "module", None)
+    return module is not None and _uses_process_modules(module)
+
 
 # tryfirst: xdist's own hook turns the xdist_group marker into the scheduling group, so the
 # marker must be on the item before that hook runs. Known gap: under pytest 9, xdist 3.8's hook
@@ -102,6 +167,9 @@ CLUSTER_FIXTURES = {"cluster", "make_cluster", "cluster_tools"}
 # Makefile runs serially by default for that reason).
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _starts_processes(item):
+            item.add_marker(pytest.mark.processes)
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:

@@ -105,6 +105,8 @@ class Torch:
     GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
     NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
     CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+    # Which ATen CPU kernels (default, avx2, avx512) a process runs: read once, at its first kernel.
+    ATEN_CPU_CAPABILITY = "ATEN_CPU_CAPABILITY"
 
 
 class OpenMPI:

@@ -65,6 +65,14 @@ def test_same_weights_as_global_batch(world: World) -> None:
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_same_weights_as_global_batch_under_every_cpu_capability(
+    capability_world2: World,
+) -> None:
+    """The same, with the ranks on another CPU capability's kernels than this process's
+    reference: the tolerance is for summation order, whichever kernels sum."""
+    test_same_weights_as_global_batch(capability_world2)
+
+
 def _broadcast_state() -> None:
     r = rt.rank()
     torch.manual_seed(r)  # different initial weights on every rank

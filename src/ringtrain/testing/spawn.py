@@ -11,6 +11,11 @@ is torn down, so a hang becomes a readable failure instead of a stuck CI job. Wo
 their parent, the fork server (PR_SET_PDEATHSIG), which ends when this process does.
 
 Write tests against ``ringtrain.rank()``/``size()`` so the same function passes at any size.
+
+Float kernels differ by CPU (torch picks AVX-512, AVX2 or plain code at a process's first
+kernel), so a numerical result can hold on one machine only. ``world(size, capability="avx2")``
+is a world whose ranks run the kernels of that ``ATEN_CPU_CAPABILITY`` (:func:`cpu_capability`
+says which they got: a CPU without AVX-512 runs AVX2's), so one machine can check several.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ringtrain import environ
-from ringtrain.environ import Ringtrain, Threads
+from ringtrain.environ import Ringtrain, Threads, Torch
 
 DEFAULT_TIMEOUT_S = 60.0
 # Starting a rank (spawn, import torch, warm up) is not the test's time: on a loaded machine it
@@ -163,9 +168,14 @@ def _context() -> Any:
 
 
 class World:
-    """N long-lived ranks that run test functions on demand."""
+    """N long-lived ranks that run test functions on demand.
 
-    def __init__(self, size: int) -> None:
+    ``env``: variables every rank starts with, set before its first torch kernel runs (the
+    ranks' warm-up runs one), such as ``ATEN_CPU_CAPABILITY``; ``run(env=...)`` comes too late
+    for those.
+    """
+
+    def __init__(self, size: int, env: Mapping[str, str] | None = None) -> None:
         import torch.distributed as dist
 
         self.size = size
@@ -194,7 +204,7 @@ class World:
                     child,
                     list(sys.path),
                     self.logs[r],
-                    dict(environ.current()),
+                    {**environ.current(), **(env or {})},
                 ),
                 name=f"ringtrain-test-rank{r}",
                 daemon=True,
@@ -319,17 +329,43 @@ class World:
         self._dir.cleanup()
 
 
-_worlds: dict[int, World] = {}
+# ATen's CPU capabilities on x86 (ATEN_CPU_CAPABILITY's values), plainest first.
+CAPABILITIES = ("default", "avx2", "avx512")
+# Shared worlds by (size, ATEN_CPU_CAPABILITY; None: the CPU's own choice).
+_worlds: dict[tuple[int, str | None], World] = {}
 
 
-def world(size: int) -> World:
-    """A shared world of ``size`` ranks, (re)started on demand."""
-    w = _worlds.get(size)
+def world(size: int, capability: str | None = None) -> World:
+    """A shared world of ``size`` ranks, (re)started on demand; ``capability`` (``"default"``,
+    ``"avx2"``, ``"avx512"``): one whose ranks run that ATen CPU capability's kernels."""
+    key = (size, capability)
+    w = _worlds.get(key)
     if w is None or not w.alive:
         if w is not None:
             w.close()
-        w = _worlds[size] = World(size)
+        env = {} if capability is None else {Torch.ATEN_CPU_CAPABILITY: capability}
+        w = _worlds[key] = World(size, env)
     return w
+
+
+def capability_world(size: int, capability: str) -> World | None:
+    """A shared world of ``size`` ranks running ``capability``'s kernels: the plain one where
+    that is the CPU's own choice, else one of its own; None where this CPU lacks it (torch would
+    run another's kernels)."""
+    wanted = [capability.upper()] * size
+    plain = world(size)
+    if plain.run(cpu_capability, init=False) == wanted:
+        return plain
+    w = world(size, capability)
+    return w if w.run(cpu_capability, init=False) == wanted else None
+
+
+def cpu_capability() -> str:
+    """The ATen CPU capability this process's kernels use (``"AVX512"``, ``"AVX2"``,
+    ``"DEFAULT"``...): run it on a world's ranks with ``init=False``."""
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
 
 
 def close_all() -> None:
@@ -339,8 +375,7 @@ def close_all() -> None:
 
 
 def close(size: int) -> None:
-    """Stop the shared world of ``size`` ranks if it runs: a module that alone needs a larger
+    """Stop the shared worlds of ``size`` ranks if they run: a module that alone needs a larger
     world frees its processes when done instead of holding them for the rest of the session."""
-    w = _worlds.pop(size, None)
-    if w is not None:
-        w.close()
+    for key in [k for k in _worlds if k[0] == size]:
+        _worlds.pop(key).close()
