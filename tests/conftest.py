@@ -120,6 +120,7 @@ PROCESS_MODULES = (
     "multiprocessing",
     "ringtrain.testing",
     "ringtrain.cli",
+    "ringtrain.launch.agent",
     "ringtrain.launch.supervisor",
     "ringtrain.ray",
     "ringtrain.spark",
