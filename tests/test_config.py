@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import math
+import re
+from dataclasses import fields
+from pathlib import Path
+
 import pytest
 
-from ringtrain.config import Config, env_var, to_env
+from ringtrain.config import (
+    NUMBERS,
+    Config,
+    check_launch_settings,
+    check_path,
+    env_var,
+    settings_from,
+    to_env,
+)
 from ringtrain.environ import horovod_unused
 from ringtrain.errors import ConfigError
 
@@ -142,3 +155,85 @@ def test_log_level_is_checked_and_normalized() -> None:
     assert Config(log_level="info").log_level == "INFO"
     with pytest.raises(ConfigError, match="log_level must be one of"):
         Config(log_level="chatty")
+
+
+# ---- every value checked: numbers, types, paths -------------------------------------------------
+
+NUMERIC = [f.name for f in fields(Config) if f.type in ("int", "float")]
+
+
+def test_every_numeric_field_has_one_rule() -> None:
+    assert set(NUMBERS) == set(NUMERIC)
+
+
+@pytest.mark.parametrize("name", NUMERIC)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, -1])
+def test_nan_inf_and_negative_numbers_are_refused_naming_the_field(name: str, bad: float) -> None:
+    with pytest.raises(ConfigError) as e:
+        Config(**{name: bad})
+    first, *rest = str(e.value).splitlines()
+    assert first.startswith(f"{name} must be ") and first.endswith(f"got {bad!r}")
+    assert [line for line in rest if line.startswith("HINT: ")] == rest and len(rest) == 1
+    # Its variable twin: the same rule (or, for a whole number, the parser), the variable first.
+    with pytest.raises(ConfigError, match="^" + re.escape(f"{env_var(name)}='{bad}'")):
+        Config.from_env({env_var(name): str(bad)})
+
+
+def test_horovods_variables_meet_the_same_rules() -> None:
+    with pytest.raises(ConfigError, match=r"^HOROVOD_CYCLE_TIME='nan': cycle_time_ms must be > 0"):
+        Config.from_env({"HOROVOD_CYCLE_TIME": "nan"})
+    with pytest.raises(ConfigError, match="RINGTRAIN_CACHE_CAPACITY='1e400' is not a valid int"):
+        Config.from_env({"RINGTRAIN_CACHE_CAPACITY": "1e400"})
+
+
+def test_types_are_checked_and_numbers_converted() -> None:
+    with pytest.raises(ConfigError, match=r"timeout_s must be > 0 .*got '30s'"):
+        Config(timeout_s="30s")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"fusion_threshold_bytes must be >= 0 .*whole.*got 1.5"):
+        Config(fusion_threshold_bytes=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="overlap must be true or false, got 'yes'"):
+        Config(overlap="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="compression must be text"):
+        Config(compression=2.5)  # type: ignore[arg-type]
+    c = Config(timeout_s=30, fusion_threshold_bytes=2.0**20, sync_every=8, secure=1)  # type: ignore[arg-type]
+    assert (c.timeout_s, c.fusion_threshold_bytes, c.sync_every, c.secure) == (
+        30.0,
+        2**20,
+        "8",
+        True,
+    )
+    assert isinstance(c.timeout_s, float) and isinstance(c.fusion_threshold_bytes, int)
+
+
+def test_settings_from_a_file_take_text_as_the_variables_do() -> None:
+    got = settings_from({"timeout_s": "30", "overlap": "yes", "checkpoint_every": 100})
+    assert got == {"timeout_s": 30.0, "overlap": True, "checkpoint_every": "100"}
+    with pytest.raises(ConfigError, match=r"^settings: timeout_s='30s' is not a valid float\nHINT"):
+        settings_from({"timeout_s": "30s"})
+    with pytest.raises(ConfigError, match=r"^--set timeout_s=nan: timeout_s must be > 0"):
+        settings_from({"timeout_s": "nan"}, "--set")
+    with pytest.raises(ConfigError, match=r"^settings: compresion: unknown ringtrain setting"):
+        settings_from({"compresion": "fp16"})
+
+
+def test_a_launchers_compression_must_be_ringtrains() -> None:
+    check_launch_settings(Config(compression="fp16"), {"compression": "--compression"})
+    check_launch_settings(Config(compression="mine"), {})  # set by the script: its own
+    with pytest.raises(ConfigError, match=r"^settings: compression 'zstd' is not one of"):
+        check_launch_settings(Config(compression="zstd"), {"compression": "settings: compression"})
+
+
+def test_paths_whose_parent_is_a_file_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("")
+    check_path("--x", str(tmp_path / "new" / "deeper"), directory=True)  # creatable
+    check_path("--x", str(tmp_path / "new.json"))
+    with pytest.raises(
+        ConfigError, match=re.escape(f"--x 'v': {tmp_path / 'f'} is a file, not a directory")
+    ):
+        check_path("--x 'v'", str(tmp_path / "f" / "sub" / "t.json"))
+    with pytest.raises(
+        ConfigError, match=re.escape(f"--x: {tmp_path / 'f'} is a file, not a directory")
+    ):
+        check_path("--x", str(tmp_path / "f"), directory=True)
+    with pytest.raises(ConfigError, match=re.escape(f"--x: {tmp_path} is a directory, not a file")):
+        check_path("--x", str(tmp_path))

@@ -22,6 +22,11 @@ This module imports nothing heavy: the launcher uses it too.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import getpass
+import math
+import numbers
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -147,18 +152,12 @@ class Config:
     resume: str = ""
 
     def __post_init__(self) -> None:
-        if self.fusion_threshold_bytes < 0:
-            raise ConfigError(
-                f"fusion_threshold_bytes must be >= 0, got {self.fusion_threshold_bytes}"
-            )
-        if self.cycle_time_ms <= 0:
-            raise ConfigError(f"cycle_time_ms must be > 0, got {self.cycle_time_ms}")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        # Types and numbers first, field by field (one rule each, in NUMBERS), so that the
+        # rules below compare values of the right type.
+        for f in _public_fields():
+            object.__setattr__(self, f.name, check_setting(f.name, getattr(self, f.name)))
         if self.checkpoint_every:
             checkpoint_schedule(self.checkpoint_every)
-        if self.checkpoint_keep < 0:
-            raise ConfigError(f"checkpoint_keep must be >= 0, got {self.checkpoint_keep}")
         if self.bucket_order not in ("auto", "registration", "reverse"):
             raise ConfigError(
                 "bucket_order must be 'auto', 'registration' or 'reverse', got "
@@ -172,19 +171,6 @@ class Config:
             raise ConfigError(
                 f"link_class must be 'auto', 'fast' or 'slow', got {self.link_class!r}\n"
                 "HINT: pin the class that a run with -v logged."
-            )
-        if self.stall_warning_s < 0 or self.stall_shutdown_s < 0:
-            raise ConfigError("stall_warning_s and stall_shutdown_s must be >= 0")
-        if self.powersgd_rank < 1 or self.powersgd_start_step < 0:
-            raise ConfigError(
-                f"powersgd_rank must be >= 1 and powersgd_start_step >= 0, got "
-                f"{self.powersgd_rank} and {self.powersgd_start_step}\n"
-                "HINT: rank 1 for fine-tuning, 2-4 for training from scratch."
-            )
-        if not 0.0 < self.topk_ratio <= 1.0:
-            raise ConfigError(
-                f"topk_ratio must be in (0, 1], got {self.topk_ratio}\n"
-                "HINT: 0.01 sends 1% of the gradient entries."
             )
         if self.transport not in ("auto", "gloo", "tcp"):
             raise ConfigError(
@@ -204,21 +190,6 @@ class Config:
                 f"{self.outer_compression!r}\nHINT: fp16 halves the outer exchange; int8 and "
                 "int4 cut it 4x and 8x, with error feedback."
             )
-        if self.outer_delay < 0:
-            raise ConfigError(
-                f"outer_delay must be a number of inner steps >= 0, got {self.outer_delay}\n"
-                "HINT: 0 lets the overlapped exchange take a quarter of the round."
-            )
-        if self.outer_fragments < 1:
-            raise ConfigError(
-                f"outer_fragments must be a number of fragments >= 1, got {self.outer_fragments}\n"
-                "HINT: 1 exchanges the whole model at the round's end; 4 exchanges a quarter of "
-                "it every quarter round."
-            )
-        if self.engine_streams < 1:
-            raise ConfigError(f"engine_streams must be >= 1, got {self.engine_streams}")
-        if self.cache_capacity < 0:
-            raise ConfigError(f"cache_capacity must be >= 0, got {self.cache_capacity}")
         level = LOG_LEVELS.get(self.log_level.strip().upper())
         if level is None:
             raise ConfigError(
@@ -236,7 +207,10 @@ class Config:
         env = environ.current() if env is None else env
         known = {f.name: f for f in _public_fields()}
         # Horovod's variables first, so that a RINGTRAIN_* twin set as well wins.
-        values: dict[str, Any] = horovod_settings(env)
+        values: dict[str, Any] = {}
+        for name, value in horovod_settings(env).items():
+            given = [v for v in environ.horovod_vars_of(name) if v in env]
+            values[name] = _checked(name, value, " and ".join(f"{v}={env[v]!r}" for v in given))
         for var, raw in env.items():
             if not var.startswith(ENV_PREFIX) or var in PLACEMENT_VARS:
                 continue
@@ -246,7 +220,7 @@ class Config:
                     f"unknown variable {var}={raw!r}.\n"
                     f"HINT: known ones are {', '.join(sorted(env_var(n) for n in known))}."
                 )
-            values[name] = _parse(known[name], raw, var)
+            values[name] = _checked(name, _parse(known[name], raw, var), f"{var}={raw!r}")
         for name, value in overrides.items():
             if name not in known:
                 raise ConfigError(
@@ -264,13 +238,133 @@ def _public_fields() -> list[dataclasses.Field[Any]]:
     return [f for f in fields(Config) if not f.name.startswith("_")]
 
 
+@functools.cache
+def _field_map() -> dict[str, dataclasses.Field[Any]]:
+    return {f.name: f for f in _public_fields()}
+
+
+def _kind(f: dataclasses.Field[Any]) -> str:
+    """The field's type by name: "int", "float", "bool" or "str"."""
+    return f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The numbers a numeric setting or option accepts: finite, at least ``low`` (above it when
+    ``above``), at most ``high``, whole when ``whole``. NaN compares false with everything, and
+    inf passes every lower bound, so both are refused here explicitly, once for every number
+    ringtrain takes (Config fields, launcher and doctor options)."""
+
+    low: float
+    above: bool = False
+    high: float | None = None
+    whole: bool = False
+    unit: str = ""
+    hint: str = ""
+
+    def expected(self) -> str:
+        """``> 0 (a finite number of seconds)``: what a message says the value must be."""
+        text = f"{'>' if self.above else '>='} {self.low:g}"
+        if self.high is not None:
+            text += f" and <= {self.high:g}"
+        what = "a whole number" if self.whole else "a finite number"
+        return f"{text} ({what}{' of ' + self.unit if self.unit else ''})"
+
+    def check(self, label: str, value: Any, default: Any = None) -> Any:
+        """``value`` as an int (``whole``) or float, or :class:`ConfigError` naming ``label``."""
+        number: int | float | None = None
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            number = float(value)
+            if not math.isfinite(number) or (self.whole and not number.is_integer()):
+                number = None
+            elif self.whole:
+                number = int(number)
+        if (
+            number is not None
+            and (number > self.low if self.above else number >= self.low)
+            and (self.high is None or number <= self.high)
+        ):
+            return number
+        hint = self.hint or (
+            f"leave it unset for the default, {default!r}." if default is not None else ""
+        )
+        raise ConfigError(
+            f"{label} must be {self.expected()}, got {value!r}"
+            + (f"\nHINT: {hint}" if hint else "")
+        )
+
+
+# The one rule of each numeric Config field (a test holds this table to the fields).
+NUMBERS: dict[str, Bounds] = {
+    "fusion_threshold_bytes": Bounds(0, whole=True, unit="bytes", hint="0 disables fusion."),
+    "cycle_time_ms": Bounds(0, above=True, unit="milliseconds"),
+    "timeout_s": Bounds(0, above=True, unit="seconds"),
+    "stall_warning_s": Bounds(0, unit="seconds", hint="0 turns the stall inspector off."),
+    "stall_shutdown_s": Bounds(0, unit="seconds", hint="0 never ends the job for a stall."),
+    "powersgd_rank": Bounds(
+        1, whole=True, hint="rank 1 for fine-tuning, 2-4 for training from scratch."
+    ),
+    "powersgd_start_step": Bounds(0, whole=True, unit="steps"),
+    "topk_ratio": Bounds(0, above=True, high=1, hint="0.01 sends 1% of the gradient entries."),
+    "engine_streams": Bounds(1, whole=True, unit="process groups"),
+    "outer_delay": Bounds(
+        0,
+        whole=True,
+        unit="inner steps",
+        hint="0 lets the overlapped exchange take a quarter of the round.",
+    ),
+    "outer_fragments": Bounds(
+        1,
+        whole=True,
+        unit="fragments",
+        hint="1 exchanges the whole model at the round's end; 4 exchanges a quarter of it "
+        "every quarter round.",
+    ),
+    "straggler_report_steps": Bounds(0, whole=True, unit="steps", hint="0 turns reports off."),
+    "cache_capacity": Bounds(0, whole=True, unit="requests", hint="0 turns the cache off."),
+    "checkpoint_keep": Bounds(0, whole=True, unit="checkpoints", hint="0 keeps them all."),
+}
+
+
+def check_setting(name: str, value: Any) -> Any:
+    """``value`` checked as Config field ``name`` takes it (and converted: an int where a
+    float is expected, a whole float where an int is, a number where text is), or
+    :class:`ConfigError`. The type and number rules of every field, in one place."""
+    f = _field_map()[name]
+    kind = _kind(f)
+    if kind in ("int", "float"):
+        return NUMBERS[name].check(name, value, f.default)
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, numbers.Integral) and value in (0, 1):
+            return bool(value)
+        raise ConfigError(
+            f"{name} must be true or false, got {value!r}\n"
+            f"HINT: as a variable, {env_var(name)}=1 or 0."
+        )
+    if isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return str(value)  # as its variable twin would carry it (sync_every: 100)
+    raise ConfigError(f"{name} must be text, got {value!r}")
+
+
 def env_var(name: str) -> str:
     """The environment variable twin of a Config field."""
     return environ.setting_var(name)
 
 
+def _checked(name: str, value: Any, source: str) -> Any:
+    """:func:`check_setting`, its error prefixed with where the value came from."""
+    try:
+        return check_setting(name, value)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}" if source else str(e)) from None
+
+
 def _parse(f: dataclasses.Field[Any], raw: str, var: str) -> Any:
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    kind = _kind(f)
     try:
         if kind == "bool":
             low = raw.strip().lower()
@@ -284,8 +378,89 @@ def _parse(f: dataclasses.Field[Any], raw: str, var: str) -> Any:
         if kind == "float":
             return float(raw)
         return raw
-    except ValueError:
-        raise ConfigError(f"{var}={raw!r} is not a valid {kind}") from None
+    except (ValueError, OverflowError):  # OverflowError: int(float("1e400"))
+        raise ConfigError(f"{var}={raw!r} is not a valid {kind}\nHINT: {_EXAMPLES[kind]}") from None
+
+
+_EXAMPLES = {
+    "bool": "1 or 0 (true/false, yes/no and on/off read too).",
+    "int": "a whole number, digits only (e.g. 100).",
+    "float": "a plain number, without units (e.g. 2.5).",
+}
+
+
+def settings_from(values: Mapping[str, Any], where: str = "settings:") -> dict[str, Any]:
+    """Config settings given as a mapping (a file's ``settings:``, ``--set`` pairs): each value
+    of its field's type, or text its ``RINGTRAIN_*`` twin would accept (``"30"``, ``"true"``).
+    Returns them checked and converted, as :class:`Config` holds them; errors name ``where``
+    and the key. Together with :func:`check_launch_settings`, the rules ``ringtrain run``
+    applies to its flags."""
+    known = {f.name: f for f in _public_fields()}
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        if name not in known:
+            raise ConfigError(
+                f"{where} {name}: unknown ringtrain setting.\n"
+                f"HINT: known ones are {', '.join(sorted(known))}."
+            )
+        if isinstance(value, str) and _kind(known[name]) != "str":
+            value = _parse(known[name], value, f"{where} {name}")
+        out[name] = _checked(name, value, f"{where} {name}={value!r}")
+    config = Config.from_env({}, **out)  # the rules between fields
+    return {name: getattr(config, name) for name in out}
+
+
+def check_launch_settings(config: Config, given: Mapping[str, str]) -> None:
+    """The rules for settings a launcher hands every rank, beyond each field's own: ``given``
+    maps each setting the user gave the launcher (``ringtrain run``'s flags, ``ringtrain k8s``'s
+    ``settings``) to how it was given (``--compression``). A compression given there must be
+    one of ringtrain's: a script that registers its own names it in the script."""
+    if "compression" in given and config.compression not in COMPRESSIONS:
+        raise ConfigError(
+            f"{given['compression']} {config.compression!r} is not one of ringtrain's "
+            f"compressions ({', '.join(COMPRESSIONS)}).\n"
+            "HINT: a compression your script registers (ringtrain.compression.register) is "
+            "chosen in the script: DistributedOptimizer(compression=...)."
+        )
+
+
+def check_path(label: str, path: str, *, directory: bool = False, writable: bool = True) -> None:
+    """A file (or ``directory``) ``path`` that ranks or the launcher will create can be created
+    on this host: no ancestor is a file, the nearest existing one is writable (unless not
+    ``writable``: a path only read), and an existing ``path`` is of the kind wanted. Raises :class:`ConfigError` starting with ``label`` (the
+    flag or setting and the value given), naming the obstacle; checked before any rank starts,
+    instead of one ``FileExistsError`` per rank."""
+    full = os.path.abspath(path)
+    want = "a directory" if directory else "a file"
+    if os.path.exists(full):
+        if os.path.isdir(full) != directory:
+            raise ConfigError(
+                f"{label}: {full} is {'a directory' if os.path.isdir(full) else 'a file'}, "
+                f"not {want}.\nHINT: give another path, or move {full} away."
+            )
+        existing = full if directory else os.path.dirname(full)
+    else:
+        existing = os.path.dirname(full)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise ConfigError(
+                f"{label}: {existing} is a file, not a directory, so nothing can be created "
+                f"under it.\nHINT: give a path whose parents are directories, or move "
+                f"{existing} away."
+            )
+    if writable and not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{label}: this user ({_user()}) cannot write in {existing}.\n"
+            "HINT: give a path in a directory you can write to."
+        )
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (a container's arbitrary uid)
+        return f"uid {os.getuid()}"
 
 
 def checkpoint_schedule(every: str) -> tuple[str, float]:

@@ -430,6 +430,58 @@ def test_cli_names_an_unknown_setting(capsys: Any) -> None:
     assert "--set compresion: unknown ringtrain setting" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"port": "23456"}, "port must be >= 1 and <= 65535 (a whole number), got '23456'"),
+        ({"port": 2.5}, "port must be >= 1 and <= 65535 (a whole number), got 2.5"),
+        ({"settings": {"timeout_s": "30s"}}, "settings: timeout_s='30s' is not a valid float"),
+        ({"settings": {"timeout_s": float("nan")}}, "timeout_s must be > 0"),
+        ({"settings": {"fusion_threshold_bytes": -1}}, "fusion_threshold_bytes must be >= 0"),
+        # ringtrain run's own rule for a launcher's --compression (docs/deploy.md promises it)
+        ({"settings": {"compression": "zstd"}}, "settings: compression 'zstd' is not one of"),
+    ],
+)
+@pytest.mark.timeout(60)
+def test_cli_refuses_bad_values_in_one_line_and_writes_nothing(
+    tmp_path: Path, capsys: Any, change: dict[str, Any], says: str
+) -> None:
+    desc = tmp_path / "job.yaml"
+    desc.write_text(yaml.safe_dump({**BASE, **change}))
+    assert cli(["k8s", str(desc), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    [line] = [x for x in err.splitlines() if x.startswith("ringtrain k8s: error:")]
+    assert says in line, err
+    assert "HINT:" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(60)
+def test_settings_meet_the_rules_of_ringtrain_run(capsys: Any) -> None:
+    """--set and the file's settings: one rule book (ringtrain.config), text read as the
+    RINGTRAIN_* twin would read it."""
+    argv = ["k8s", "--name", "demo", "--image", "img", "--command", "python t.py"]
+    assert cli([*argv, "--set", "compression=zstd"]) == 2
+    assert "compression 'zstd' is not one of ringtrain's compressions" in capsys.readouterr().err
+    assert cli([*argv, "--set", "cycle_time_ms=inf"]) == 2
+    assert "--set cycle_time_ms=inf: cycle_time_ms must be > 0" in capsys.readouterr().err
+    spec = JobSpec.from_mapping(
+        {**BASE, "settings": {"timeout_s": "30", "overlap": "yes", "checkpoint_every": 100}}
+    )
+    assert dict(spec.settings) == {"timeout_s": 30.0, "overlap": True, "checkpoint_every": "100"}
+
+
+@pytest.mark.timeout(60)
+def test_cli_out_under_a_regular_file_is_one_error(tmp_path: Path, capsys: Any) -> None:
+    (tmp_path / "plain").write_text("")
+    out = tmp_path / "plain" / "deploy"
+    argv = ["k8s", "--name", "demo", "--image", "img", "--command", "python t.py"]
+    assert cli([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"ringtrain k8s: error: --out {str(out)!r}: {tmp_path / 'plain'} is a file" in err
+    assert "HINT:" in err and "Traceback" not in err
+
+
 def test_numbers_in_the_command_become_arguments() -> None:
     spec = JobSpec.from_mapping(
         {**BASE, "command": ["python", "t.py", "--epochs", 10, "--lr", 0.5]}

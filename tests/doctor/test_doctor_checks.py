@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from ringtrain import cli
 from ringtrain.doctor import checkup, findings, gather, placement, report
 from ringtrain.doctor.findings import LinkSample
 from ringtrain.errors import LaunchError
 from ringtrain.host.network import Interface
+from ringtrain.launch import job_network
 from ringtrain.launch.hosts import parse_hosts
 
 MBIT = 1e6 / 8
@@ -271,3 +273,52 @@ def test_report_renders_every_section() -> None:
         "verdict: OK",
     ):
         assert needle in text
+
+
+# ---- the launcher's own checks -----------------------------------------------------------------
+
+
+def _probe(name: str, *ifaces: Interface) -> gather.HostProbe:
+    return gather.HostProbe(name, True, facts={"interfaces": [i.to_dict() for i in ifaces]})
+
+
+@pytest.mark.parametrize("hosts", [("localhost",), ("a", "b")])
+def test_an_interface_ringtrain_run_refuses_is_a_problem(hosts: tuple[str, ...]) -> None:
+    """The doctor asks the launcher's own check (job_network), on one host as on several."""
+    ifaces = [Interface("lo", "127.0.0.1", 8, True, True), Interface("eth0", "10.0.0.1", 24)]
+    probes = [_probe(h, *ifaces) for h in hosts]
+    per_host = {h: ifaces for h in hosts}
+    with pytest.raises(LaunchError) as refused:
+        job_network.check_interface_on("eth9", per_host, {})
+    section, chosen, problem = checkup._network(probes, "eth9")
+    assert chosen is None and problem is not None
+    assert str(refused.value).splitlines()[0] in problem  # ringtrain run's words
+    assert "has no interface named 'eth9'" in problem and section["error"]
+    _, _, fine = checkup._network(probes, "eth0")
+    assert fine is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--link-seconds", "nan"], "--link-seconds must be > 0"),
+        (["--allreduce-budget", "-1"], "--allreduce-budget must be > 0"),
+        (["--start-timeout", "inf"], "--start-timeout must be > 0"),
+        (["--model-params", "nan", "--step-time", "1"], "--model-params must be > 0"),
+        (["--model-mb", "inf", "--step-time", "1"], "--model-mb must be > 0"),
+        (["--model-mb", "10", "--step-time", "nan"], "--step-time must be > 0"),
+        (["--target-efficiency", "5"], "--target-efficiency must be > 0 and <= 1"),
+        (["--fusion-threshold-mb", "nan"], "--fusion-threshold-mb must be >= 0"),
+        (["-np", "0"], "-np must be >= 1"),
+        (["--ssh-connect-timeout", "-1"], "--ssh-connect-timeout must be >= 1"),
+    ],
+)
+@pytest.mark.timeout(60)
+def test_bad_numbers_are_one_error_before_any_host_is_probed(
+    capsys: pytest.CaptureFixture[str], flags: list[str], says: str
+) -> None:
+    assert cli.main(["doctor", *flags]) == 2
+    err = capsys.readouterr().err
+    [line] = [x for x in err.splitlines() if x.startswith("ringtrain doctor: error:")]
+    assert says in line, err
+    assert "HINT:" in err and "Traceback" not in err and "probing" not in err

@@ -93,3 +93,104 @@ def test_a_missing_interface_is_named_before_ranks_start(
     assert says in proc.stderr
     assert "Traceback" not in proc.stderr and "enforce fail" not in proc.stderr
     assert not (tmp_path / "started").exists()
+
+
+# ---- every value checked before any rank starts (issue 37) --------------------------------------
+
+
+def _refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> str:
+    """Runs ``ringtrain run`` in-process; returns its one error line, after checking that it
+    came with a HINT, without a traceback, and before any rank started."""
+    rc = cli.main(["run", "-np", "1", *flags, *_marker_job(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    [line] = _error_lines(err)
+    assert "HINT:" in err and "Traceback" not in err
+    assert not (tmp_path / "started").exists()
+    return line
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (("--fusion-threshold-mb", "nan"), "--fusion-threshold-mb nan: fusion_threshold_bytes"),
+        (("--fusion-threshold-mb", "inf"), "--fusion-threshold-mb inf: fusion_threshold_bytes"),
+        (("--timeout", "nan"), "--timeout nan: timeout_s must be > 0"),
+        (("--start-timeout", "nan"), "--start-timeout must be > 0 (a finite number of seconds)"),
+        (("--ssh-connect-timeout", "-1"), "--ssh-connect-timeout must be >= 1"),
+        (("-p", "70000"), "--ssh-port must be >= 1 and <= 65535"),
+        (("--elastic-timeout", "inf", "--min-np", "1"), "--elastic-timeout must be > 0"),
+        (("--reset-limit", "-1", "--min-np", "1"), "--reset-limit must be >= 0"),
+    ],
+)
+@pytest.mark.timeout(60)
+def test_the_reported_bad_numbers_are_one_error_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], says: str
+) -> None:
+    line = _refused(tmp_path, capsys, *flags)
+    assert says in line, line
+
+
+@pytest.mark.parametrize(
+    ("flag", "bad"),
+    [
+        pytest.param(f, bad, id=f"{f.flag}={bad}")
+        for f in command.SETTING_FLAGS
+        if f.type in (int, float)
+        # argparse itself refuses "nan" for an int flag (with the usage line)
+        for bad in (["nan", "inf", "-inf", "-1"] if f.type is float else ["-1"])
+    ],
+)
+@pytest.mark.timeout(60)
+def test_every_numeric_setting_flag_refuses_nan_inf_and_negatives(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: command.SettingFlag, bad: str
+) -> None:
+    line = _refused(tmp_path, capsys, f"{flag.flag}={bad}")
+    assert f"{flag.flag} {bad}: {flag.field} must be " in line
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_ringtrain_variable_in_the_launchers_environment_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RINGTRAIN_TIMEOUT_S", "nan")
+    line = _refused(tmp_path, capsys)
+    assert "RINGTRAIN_TIMEOUT_S='nan': timeout_s must be > 0" in line
+
+
+@pytest.mark.parametrize(
+    "flag", ["--timeline-filename", "--checkpoint-dir", "--resume", "--output-filename"]
+)
+@pytest.mark.timeout(60)
+def test_a_path_under_a_regular_file_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    (tmp_path / "plain").write_text("")
+    given = str(tmp_path / "plain" / "sub" / "t.json")
+    line = _refused(tmp_path, capsys, flag, given)
+    assert f"{flag} {given!r}: {tmp_path / 'plain'} is a file, not a directory" in line
+
+
+@pytest.mark.timeout(120)
+def test_a_timeline_under_a_regular_file_fails_init_clearly_without_the_launcher(
+    tmp_path: Path,
+) -> None:
+    """Ranks started by hand (no launcher to check first): init() names the path."""
+    (tmp_path / "plain").write_text("")
+    env = {**os.environ, "RINGTRAIN_TIMELINE_FILENAME": str(tmp_path / "plain" / "t.json")}
+    script = (
+        "import ringtrain.torch as hvd\n"
+        "from ringtrain.errors import ConfigError\n"
+        "try:\n"
+        "    hvd.init()\n"
+        "except ConfigError as e:\n"
+        "    print(e)\n"
+        "    raise SystemExit(3)\n"
+    )
+    proc = subprocess.run(
+        [PY, "-c", script], env=env, capture_output=True, text=True, timeout=110, cwd=tmp_path
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert f"timeline {str(tmp_path / 'plain' / 't.rank0.json')!r}" in proc.stdout
+    assert f"{tmp_path / 'plain'} is a file, not a directory" in proc.stdout
+    assert "HINT:" in proc.stdout

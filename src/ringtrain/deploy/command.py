@@ -20,6 +20,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+from ringtrain.config import check_path, settings_from
 from ringtrain.deploy import gramine, manifests, render, sizing
 from ringtrain.deploy.spec import TARGETS, JobSpec
 from ringtrain.errors import ConfigError
@@ -109,17 +110,8 @@ def description(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _typed(settings: dict[str, str]) -> dict[str, Any]:
-    """``--set`` values parsed as their Config field's type (via the RINGTRAIN_* parser)."""
-    from ringtrain.config import Config, env_var
-
-    known = set(Config.__dataclass_fields__)
-    for name in settings:
-        if name not in known:
-            raise ConfigError(
-                f"--set {name}: unknown ringtrain setting.\nHINT: known: {', '.join(sorted(known))}."
-            )
-    parsed = Config.from_env({env_var(k): v for k, v in settings.items()})
-    return {k: getattr(parsed, k) for k in settings}
+    """``--set`` values parsed as their Config field's type (as its RINGTRAIN_* twin)."""
+    return settings_from(settings, "--set")
 
 
 def _key(args: argparse.Namespace, spec: JobSpec) -> bytes | None:
@@ -150,7 +142,14 @@ def main(args: argparse.Namespace) -> int:
             )
         return 0
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_path(f"--out {args.out!r}", args.out, directory=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # what check_path cannot foresee (a read-only file system, ...)
+        raise ConfigError(
+            f"--out {args.out!r}: cannot create {e.filename or out}: {e.strerror}.\n"
+            "HINT: give a directory you can write to."
+        ) from None
     files = []
     if secret:
         _write(out / "secret.yaml", render.to_yaml(secret), 0o600)
@@ -176,9 +175,15 @@ def main(args: argparse.Namespace) -> int:
 
 def _write(path: Path, text: str, mode: int) -> None:
     # Created with its final mode: the Secret's file is never readable by others, even briefly.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
-        os.fchmod(fd, mode)
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        try:
+            os.fchmod(fd, mode)
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise ConfigError(
+            f"--out: cannot write {path}: {e.strerror}.\n"
+            "HINT: give a directory you can write to, with no directory named like the files."
+        ) from None

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ringtrain.config import Config, to_env
+from ringtrain.config import Bounds, Config, check_launch_settings, settings_from, to_env
 from ringtrain.environ import PREFIX, Threads
 from ringtrain.errors import ConfigError
 from ringtrain.launch.tuning import HostFacts, tune
@@ -38,6 +38,7 @@ _MEMORY_FACTOR = {
     "T": 10**12,
 }
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_PORT = Bounds(1, high=65535, whole=True, hint="a TCP port, as a number: port: 23456.")
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,7 @@ class JobSpec:
                 f"or {self.slots * (self.cpus // self.slots + 1)}."
             )
         memory_bytes(self.memory)
-        if not 1 <= self.port <= 65535:
-            raise ConfigError(f"port must be in 1..65535, got {self.port}")
+        object.__setattr__(self, "port", _PORT.check("port", self.port))
         if not self.interface or any(c.isspace() or c == "/" for c in self.interface):
             raise ConfigError(f"interface {self.interface!r} is not an interface name")
         for key in ("model_params", "batch_size", "sample_bytes"):
@@ -124,8 +124,12 @@ class JobSpec:
                 raise ConfigError(
                     f"env: set {name} through `settings` (the Config field), so it is checked."
                 )
-        # Unknown settings and bad values fail here, as they would on every rank.
-        Config.from_env({}, **dict(self.settings))
+        # Unknown settings and bad values fail here, as they would on every rank, by the rules
+        # `ringtrain run` applies to its flags (a compression must be ringtrain's, ...).
+        settings = settings_from(self.settings, "settings:")
+        given = {name: f"settings: {name}" for name in settings}
+        check_launch_settings(Config.from_env({}, **settings), given)
+        object.__setattr__(self, "settings", settings)
         reserved = {"secure", "key_file", "network_interface"} & set(self.settings)
         if reserved:
             raise ConfigError(

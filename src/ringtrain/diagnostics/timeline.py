@@ -34,6 +34,9 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
+from ringtrain.config import check_path
+from ringtrain.errors import ConfigError
+
 # Events held in memory before they are appended to the file.
 FLUSH_EVERY = 4096
 
@@ -77,9 +80,7 @@ class Recorder(NullRecorder):
         self._tracks: dict[str, int] = {}
         self._events: list[dict[str, Any]] = []
         self._wrote_any = False
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        self._file: IO[str] | None = open(path, "w", encoding="utf-8")  # noqa: SIM115
+        self._file: IO[str] | None = _create(path)
         self._file.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
         self._events.append(
             {
@@ -172,6 +173,21 @@ class Recorder(NullRecorder):
             self._file.write("\n]}\n")
             self._file.close()
             self._file = None
+
+
+def _create(path: str) -> IO[str]:
+    """``path`` opened for writing, its directories made; a path that cannot be (a parent that
+    is a file, no permission) is a :class:`ConfigError` naming it, not an ``OSError``."""
+    label = f"timeline {path!r} (timeline_filename, --timeline-filename, start_timeline)"
+    check_path(label, path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return open(path, "w", encoding="utf-8")  # closed by Recorder.close
+    except OSError as e:
+        raise ConfigError(
+            f"{label}: cannot be written: {e.strerror}.\n"
+            "HINT: give a timeline path in a directory this process can write to."
+        ) from None
 
 
 NULL = NullRecorder()

@@ -19,6 +19,7 @@ from ringtrain.doctor.gather import Reach
 from ringtrain.errors import LaunchError
 from ringtrain.host import network
 from ringtrain.host.network import Interface
+from ringtrain.launch import job_network
 from ringtrain.launch.hosts import Host
 
 KiB, MiB = 1024, 1024 * 1024
@@ -88,6 +89,16 @@ def _network(
     routable, unrouted = common_subnets(per_host)
     section: dict[str, Any] = {"routable_subnets": routable, "unrouted_subnets": unrouted}
     section["chosen"] = None
+    if spec.strip():
+        # ringtrain run's own check, whatever the host count: what it refuses, this reports.
+        # Hosts that did not answer are taken on trust (they are a problem of their own).
+        try:
+            job_network.check_interface_on(
+                spec, {p.name: per_host.get(p.name, []) for p in probes}, {}
+            )
+        except LaunchError as e:
+            section["error"] = str(e)
+            return section, None, f"ringtrain run would refuse the network interface: {e}"
     if len(probes) < 2:
         section["note"] = "one host: its ranks talk over loopback"
         return section, None, None

@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Any
 
+from ringtrain.config import Bounds
 from ringtrain.doctor import advice, checkup, report, wire
 from ringtrain.doctor.gather import Reach
 from ringtrain.errors import ConfigError
@@ -19,6 +20,33 @@ from ringtrain.launch.command import add_ssh_arguments, ssh_options
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
 
 MiB = 1024 * 1024
+# Every number the doctor takes, checked before any host is probed: dest -> (flag, rule).
+NUMBERS: dict[str, tuple[str, Bounds]] = {
+    "np": ("-np", Bounds(1, whole=True, unit="ranks", hint="e.g. -np 8 for 8 ranks.")),
+    "link_seconds": (
+        "--link-seconds",
+        Bounds(0, above=True, unit="seconds", hint="1 streams for a second per host pair."),
+    ),
+    "allreduce_budget": (
+        "--allreduce-budget",
+        Bounds(0, above=True, unit="seconds", hint="6 gives the allreduce sizes 6 s in all."),
+    ),
+    "start_timeout": (
+        "--start-timeout",
+        Bounds(0, above=True, unit="seconds", hint="60 gives the agents a minute to answer."),
+    ),
+    "model_params": ("--model-params", Bounds(0, above=True, unit="parameters", hint="e.g. 25e6")),
+    "model_mb": ("--model-mb", Bounds(0, above=True, unit="MiB", hint="e.g. 100")),
+    "step_time": ("--step-time", Bounds(0, above=True, unit="seconds", hint="e.g. 0.2")),
+    "target_efficiency": (
+        "--target-efficiency",
+        Bounds(0, above=True, high=1, hint="0.9 aims for 90% scaling efficiency."),
+    ),
+    "fusion_threshold_mb": (
+        "--fusion-threshold-mb",
+        Bounds(0, unit="MiB", hint="the job's own value (ringtrain run --fusion-threshold-mb)."),
+    ),
+}
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -90,6 +118,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> checkup.DoctorOptions:
+    for dest, (flag, bounds) in NUMBERS.items():
+        if getattr(args, dest) is not None:
+            setattr(args, dest, bounds.check(flag, getattr(args, dest)))
     hosts: list[Host]
     if args.hosts:
         hosts = parse_hosts(args.hosts)
@@ -97,8 +128,6 @@ def options_from_args(args: argparse.Namespace) -> checkup.DoctorOptions:
         hosts = parse_hostfile(args.hostfile)
     else:
         hosts = [Host("localhost", max(1, args.np or 1))]
-    if args.np is not None and args.np < 1:
-        raise ConfigError(f"-np must be at least 1, got {args.np}")
     grad_bytes = None
     if args.model_params is not None:
         grad_bytes = int(args.model_params * 4)
@@ -109,8 +138,6 @@ def options_from_args(args: argparse.Namespace) -> checkup.DoctorOptions:
             "a prediction needs both the model size and the step time.\n"
             "HINT: --model-params 25e6 --step-time 0.2 (or --model-mb 100 --step-time 0.2)"
         )
-    if args.link_seconds <= 0:
-        raise ConfigError(f"--link-seconds must be > 0, got {args.link_seconds}")
     return checkup.DoctorOptions(
         hosts=tuple(hosts),
         np=args.np,

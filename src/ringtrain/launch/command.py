@@ -8,15 +8,23 @@ onto :class:`ringtrain.config.Config` fields (``SETTING_FLAGS``), which reach ev
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from ringtrain import environ
-from ringtrain.config import COMPRESSIONS, Config, checkpoint_schedule, env_var
-from ringtrain.environ import LOG_LEVELS, horovod_settings
+from ringtrain.config import (
+    Config,
+    check_launch_settings,
+    check_path,
+    check_setting,
+    checkpoint_schedule,
+    env_var,
+)
+from ringtrain.environ import LOG_LEVELS
 from ringtrain.errors import ConfigError
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
 from ringtrain.launch.options import BIND_CHOICES, MALLOC_CHOICES, LaunchOptions, SshOptions
@@ -25,6 +33,7 @@ from ringtrain.launch.supervisor import Supervisor
 from ringtrain.security import keys
 
 SMOKE_MODULE = "ringtrain.doctor.smoke"
+MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -42,7 +51,7 @@ SETTING_FLAGS = (
         "fusion_threshold_bytes",
         float,
         "tensor fusion buffer size in MiB (0 disables fusion)",
-        lambda mb: int(mb * 1024 * 1024),
+        lambda mb: int(mb * MiB) if math.isfinite(mb) else mb,  # Config says why nan is bad
     ),
     SettingFlag(
         "--cycle-time-ms",
@@ -357,9 +366,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     for f in SETTING_FLAGS:
         value = getattr(args, f.field)
         if value is not None:
-            settings[f.field] = f.to_setting(value)
-    if "checkpoint_every" in settings:
-        checkpoint_schedule(settings["checkpoint_every"])  # a bad value fails here, not per rank
+            settings[f.field] = _setting(f, value)
     candidates = _interface_names(args.network_interfaces)
     if candidates and "network_interface" in settings:
         raise ConfigError(
@@ -413,17 +420,39 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     )
 
 
-def check_settings(config: Config, compression_given: bool = True) -> None:
-    """What the launcher can check of the ranks' settings before starting them: a compression
-    name, the key file (where this host has it). The interface is checked per host by the
-    supervisor, from what each host's agent reports."""
-    if compression_given and config.compression not in COMPRESSIONS:
-        raise ConfigError(
-            f"--compression {config.compression!r} is not one of ringtrain's compressions "
-            f"({', '.join(COMPRESSIONS)}).\n"
-            "HINT: a compression your script registers (ringtrain.compression.register) is "
-            "chosen in the script: DistributedOptimizer(compression=...)."
-        )
+def _setting(f: SettingFlag, value: Any) -> Any:
+    """A flag's value as its Config field takes it, checked by the field's own rule; the error
+    names the flag as given (``--timeout nan: timeout_s must be > 0 ...``)."""
+    try:
+        setting = f.to_setting(value)
+        if f.field == "checkpoint_every":
+            checkpoint_schedule(setting)
+        return check_setting(f.field, setting)
+    except ConfigError as e:
+        shown = f"{value:g}" if isinstance(value, float) else str(value)
+        raise ConfigError(f"{f.flag} {shown}: {e}") from None
+
+
+def check_settings(
+    config: Config, given: Collection[str] = ("compression",), *, ranks_here: bool = True
+) -> None:
+    """What the launcher can check of the ranks' settings before starting them, beyond each
+    field's own rule (:class:`Config` checks those): the rules for settings given to a
+    launcher (``given``: the Config fields set by flags), paths the ranks will create (where
+    ranks run on this host: ``ranks_here``), the key file (where this host has it). The
+    interface is checked per host by the supervisor, from what each host's agent reports."""
+    flags = {f.field: f.flag for f in SETTING_FLAGS}
+    check_launch_settings(config, {name: flags.get(name, name) for name in given})
+    if ranks_here:
+        # Checked again where ranks create them; paths on other hosts are theirs.
+        if config.timeline_filename:  # each rank writes its own file beside the name given
+            folder = os.path.dirname(os.path.abspath(config.timeline_filename))
+            label = f"--timeline-filename {config.timeline_filename!r}"
+            check_path(label, folder, directory=True)
+        for name in ("checkpoint_dir", "resume"):  # a resumed job's checkpoints are only read
+            if getattr(config, name):
+                label = f"{flags[name]} {getattr(config, name)!r}"
+                check_path(label, getattr(config, name), directory=True, writable=name != "resume")
     if config.secure and config.key_file and os.path.exists(config.key_file):
         # Checked again by every rank on its own host; a file only remote hosts have is theirs.
         keys.check_key_file(config.key_file)
@@ -442,10 +471,14 @@ def _interface_names(value: str | None) -> tuple[str, ...]:
 
 def main(args: argparse.Namespace) -> int:
     options = options_from_args(args)
-    # A bad HOROVOD_* value or setting fails here once, before any rank starts.
-    horovod_settings(environ.current())
-    config = Config.from_env({}, **options.settings)
-    check_settings(config, "compression" in options.settings)
+    # A bad RINGTRAIN_*/HOROVOD_* value or setting fails here once, before any rank starts:
+    # the ranks compute this same Config from the variables the launcher hands them.
+    config = Config.from_env(environ.current(), **options.settings)
+    here = options.discovery_script is not None or any(h.is_local for h in options.hosts)
+    check_settings(config, options.settings, ranks_here=here)
+    if options.output_dir:  # the launcher itself writes there
+        label = f"--output-filename {options.output_dir!r}"
+        check_path(label, options.output_dir, directory=True)
     for line in not_needed(args):
         print(f"ringtrain run: {line}", file=sys.stderr)
     return Supervisor(options).run()

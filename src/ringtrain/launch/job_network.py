@@ -48,10 +48,21 @@ def reported_interfaces(links: Sequence[AgentLink]) -> dict[str, list[network.In
 
 def check_interface(iface: str, links: Sequence[AgentLink], settings: Mapping[str, Any]) -> None:
     """A ``--network-interface`` some host lacks fails here, once, from what the agents
-    reported, rather than in every rank's Gloo. Agents of enclave jobs look the named
-    interfaces up one by one (no enumeration): one they did not report has no IPv4 address
-    on that host."""
-    chosen = network.resolve_spec(iface, reported_interfaces(links))
+    reported, rather than in every rank's Gloo (:func:`check_interface_on`)."""
+    check_interface_on(iface, reported_interfaces(links), settings)
+
+
+def check_interface_on(
+    iface: str,
+    per_host: Mapping[str, Sequence[network.Interface]],
+    settings: Mapping[str, Any],
+) -> dict[str, network.Interface]:
+    """The launcher's check of a named interface against each host's reported interfaces
+    (an empty list: not enumerated, the name taken on trust), also the doctor's, so the two
+    never disagree. Agents of enclave jobs look the named interfaces up one by one (no
+    enumeration): one they did not report has no IPv4 address on that host. Returns the
+    interface each host would use; :class:`LaunchError` names the host that lacks it."""
+    chosen = network.resolve_spec(iface, per_host)
     missing = sorted(h for h, i in chosen.items() if not i.address)
     if enclave_ready(settings) and missing:
         raise LaunchError(
@@ -59,6 +70,7 @@ def check_interface(iface: str, links: Sequence[AgentLink], settings: Mapping[st
             f"on {', '.join(missing)}.\nHINT: check the name with `ip -4 addr` on each "
             "host, or pass HOST=NAME for hosts whose interface is named differently."
         )
+    return chosen
 
 
 def plan(

@@ -9,14 +9,17 @@ Slurm is configured the same way. This object holds only what the launcher itsel
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from ringtrain.config import Bounds
 from ringtrain.errors import ConfigError
 from ringtrain.launch.hosts import Host
 from ringtrain.launch.plan import PLACEMENTS
 
 BIND_CHOICES = ("auto", "none", "core", "numa")
+PORT = Bounds(1, high=65535, whole=True, hint="a TCP port number, 1 to 65535.")
+SECONDS = Bounds(0, above=True, unit="seconds")
 MALLOC_CHOICES = ("system", "jemalloc", "tcmalloc")
 
 
@@ -30,6 +33,15 @@ class SshOptions:
     # Only an explicit flag relaxes host-key checking, and only to trust-on-first-use.
     accept_new_host_keys: bool = False
     connect_timeout_s: int = 10
+
+    def __post_init__(self) -> None:
+        if self.port is not None:
+            object.__setattr__(self, "port", PORT.check("--ssh-port", self.port))
+        # ssh's ConnectTimeout takes whole seconds; 0 or less would wait for the system's.
+        timeout = Bounds(1, whole=True, unit="seconds").check(
+            "--ssh-connect-timeout", self.connect_timeout_s, 10
+        )
+        object.__setattr__(self, "connect_timeout_s", timeout)
 
 
 @dataclass(frozen=True)
@@ -67,8 +79,26 @@ class LaunchOptions:
     cooldown_range: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
-        if self.np < 1:
-            raise ConfigError(f"-np must be at least 1, got {self.np}")
+        # Every number first: NaN, inf and negatives end here, before any host is reached.
+        ranks = Bounds(1, whole=True, unit="ranks", hint="e.g. -np 4 --min-np 2 --max-np 8.")
+        numbers = {
+            "np": ("-np", ranks),
+            "min_np": ("--min-np", ranks),
+            "max_np": ("--max-np", ranks),
+            "reset_limit": (
+                "--reset-limit",
+                Bounds(0, whole=True, unit="re-formations", hint="leave it unset for no limit."),
+            ),
+            "slots_per_host": ("--slots-per-host", Bounds(1, whole=True, unit="slots")),
+            "start_timeout_s": ("--start-timeout", SECONDS),
+            "grace_s": ("grace_s", Bounds(0, unit="seconds")),
+            "elastic_timeout_s": ("--elastic-timeout", SECONDS),
+        }
+        defaults = {f.name: None if f.default is MISSING else f.default for f in fields(self)}
+        for name, (flag, bounds) in numbers.items():
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, bounds.check(flag, value, defaults[name]))
         if not self.command:
             raise ConfigError(
                 "no command to run.\nHINT: ringtrain run -np 2 -- python train.py [args]"
@@ -79,8 +109,6 @@ class LaunchOptions:
             raise ConfigError(f"--malloc must be one of {', '.join(MALLOC_CHOICES)}")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"--placement must be one of {', '.join(PLACEMENTS)}")
-        if self.start_timeout_s <= 0:
-            raise ConfigError(f"--start-timeout must be > 0, got {self.start_timeout_s}")
         if self.elastic:
             lo = self.min_np if self.min_np is not None else self.np
             hi = self.max_np if self.max_np is not None else self.np
@@ -89,10 +117,6 @@ class LaunchOptions:
                     f"elastic jobs need 1 <= --min-np <= -np <= --max-np; got --min-np {lo}, "
                     f"-np {self.np}, --max-np {hi}"
                 )
-            if self.elastic_timeout_s <= 0:
-                raise ConfigError(f"--elastic-timeout must be > 0, got {self.elastic_timeout_s}")
-            if self.reset_limit is not None and self.reset_limit < 0:
-                raise ConfigError(f"--reset-limit must be >= 0, got {self.reset_limit}")
         if self.discovery_script is not None:
             if self.hosts:
                 raise ConfigError(
@@ -105,8 +129,6 @@ class LaunchOptions:
                     "HINT: ringtrain run -np 2 --min-np 2 --max-np 4 "
                     "--host-discovery-script ./hosts.sh -- python train.py"
                 )
-        if self.slots_per_host < 1:
-            raise ConfigError(f"--slots-per-host must be at least 1, got {self.slots_per_host}")
         if self.cooldown_range is not None:
             cmin, cmax = self.cooldown_range
             if not 1.0 <= cmin <= cmax <= 3600.0:
