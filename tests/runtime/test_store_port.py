@@ -1,0 +1,63 @@
+"""A torchrun-style launch (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE, no launcher to check
+first) whose MASTER_PORT another program holds: rank 0 fails at once naming the port, and
+rank 1, which finds a listener that never answers as a store, fails within seconds naming it
+too, instead of waiting (TCPStore alone waits for ever there)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RANK = """
+import ringtrain.torch as hvd
+from ringtrain.errors import LaunchEnvironmentError
+t = time.monotonic()
+try:
+    hvd.init()
+except LaunchEnvironmentError as e:
+    print(f"after {time.monotonic() - t:.1f} s: {e}", flush=True)
+    raise SystemExit(3)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_taken_master_port_is_named_by_both_ranks_within_seconds(tmp_path: Path) -> None:
+    holder = socket.socket()  # another program's port: it accepts, it never answers
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(8)
+    port = holder.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RINGTRAIN_", "HOROVOD_"))}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    env["RINGTRAIN_TIMEOUT_S"] = "300"  # the store's whole wait: not what rank 1 waits
+    procs = []
+    try:
+        for rank in (0, 1):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", RANK],
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    cwd=tmp_path,
+                )
+            )
+        outs = [p.communicate(timeout=200) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        holder.close()
+    (out0, err0), (out1, err1) = outs
+    assert [p.returncode for p in procs] == [3, 3], (err0[-2000:], err1[-2000:])
+    assert f"port {port} on 127.0.0.1 is already in use by another program" in out0
+    assert f"what listens at 127.0.0.1:{port} does not answer as a rendezvous store" in out1
+    for out in (out0, out1):
+        assert "HINT: choose a free port (MASTER_PORT, torchrun --master-port)" in out
+        assert float(out.split()[1]) < 40, out  # "after 17.2 s: ..."; not timeout_s's 300
