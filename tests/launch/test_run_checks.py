@@ -121,6 +121,10 @@ def _refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: str) ->
         (("-p", "70000"), "--ssh-port must be >= 1 and <= 65535"),
         (("--elastic-timeout", "inf", "--min-np", "1"), "--elastic-timeout must be > 0"),
         (("--reset-limit", "-1", "--min-np", "1"), "--reset-limit must be >= 0"),
+        (
+            ("--blacklist-cooldown-range", "nan", "5", "--min-np", "1"),
+            "--blacklist-cooldown-range nan 5: expected 1 <= MIN <= MAX <= 3600",
+        ),
     ],
 )
 @pytest.mark.timeout(60)

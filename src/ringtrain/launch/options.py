@@ -134,7 +134,9 @@ class LaunchOptions:
             if not 1.0 <= cmin <= cmax <= 3600.0:
                 raise ConfigError(
                     f"--blacklist-cooldown-range {cmin:g} {cmax:g}: expected "
-                    "1 <= MIN <= MAX <= 3600 seconds"
+                    "1 <= MIN <= MAX <= 3600 seconds (finite numbers)\n"
+                    "HINT: e.g. --blacklist-cooldown-range 10 300; leave it out to exclude a "
+                    "failing host for the rest of the job."
                 )
         for item in self.forward_env:
             name = item.split("=", 1)[0]
