@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 RANK = """
+import time
 import ringtrain.torch as hvd
 from ringtrain.errors import LaunchEnvironmentError
 t = time.monotonic()
