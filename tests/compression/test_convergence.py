@@ -43,11 +43,16 @@ METHODS: dict[str, dict[str, Any]] = {
     "hierarchical": {"hierarchical": "on"},
 }
 ONE_HOST = [{"RINGTRAIN_HOSTNAME": "host-a"}] * 2
-# Digits, 300 steps (loss / accuracy): none 0.088 / 97.5%, PowerSGD 0.095 / 97.5%,
-# top-k 0.117 / 96.4%; fp16 and hierarchical as none.
+# Digits, 300 steps (loss / accuracy): none 0.088 / 97.5%, PowerSGD 0.089-0.095 / 97.4-97.5%,
+# top-k 0.110-0.119 / 96.3-96.6%; fp16 within 0.002 / 0.2 points of none, hierarchical as none.
+# The ranges: under ATEN_CPU_CAPABILITY default, avx2 and avx512 on an AMD EPYC, whose kernels'
+# rounding moves the compressed runs. Top-k's drop, the largest, stays 1.3 points inside the
+# bound, over 3 standard deviations of a one-seed drop on these 360 held-out images (about 0.4
+# points: tests/engine/test_local_update_convergence.py); its loss 0.03 inside.
 LOSS_FACTOR, LOSS_SLACK = 1.5, 0.02
 ACCURACY_DROP = 0.025
-# LM, 120 steps: none 1.434, fp16 1.434, hierarchical 1.434, PowerSGD 1.443, top-k 1.489.
+# LM, 120 steps: none 1.434, fp16 1.434, hierarchical 1.434, PowerSGD 1.443, top-k 1.489, the
+# same to 3 decimals under each of the three capabilities.
 LM_SLACK = 0.1
 
 
