@@ -12,6 +12,7 @@
     │       ├── CollectiveMismatchError     ranks submitted the same name with different arguments
     │       ├── StallError                  ranks stopped submitting what others wait for
     │       └── CollectiveAbortedError      the job shut down while the op was in flight
+    │           └── PeerFailedError         a named peer failed or left while this rank waited
     ├── HostsUpdatedInterrupt (RuntimeError)  elastic: hosts joined or left; re-form the world
     ├── SecurityError                   a message failed authentication or a peer lacks the key
     ├── CheckpointError                 a checkpoint is incomplete, damaged, or cannot be written
@@ -81,6 +82,15 @@ class StallError(CollectiveError):
 
 class CollectiveAbortedError(CollectiveError):
     """The operation could not finish because ringtrain shut down or a peer failed."""
+
+
+class PeerFailedError(CollectiveAbortedError):
+    """A peer that this rank waited for failed or left the job; ``ranks`` names them (their
+    own words are in the message: see :mod:`ringtrain.runtime.departures`)."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 class SecurityError(RingtrainError):

@@ -8,8 +8,11 @@ reverse, so neither layer needs to know about the other's lifecycle.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import logging
+import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,13 +24,16 @@ from ringtrain.collectives.step_timing import StepTimer
 from ringtrain.config import Config
 from ringtrain.diagnostics import engine_wait, timeline, trainjob_status
 from ringtrain.launch import elastic as elastic_launch
-from ringtrain.runtime import heartbeat, membership, state
+from ringtrain.runtime import departures, exit_guard, heartbeat, membership, state
 from ringtrain.runtime.process_sets import ProcessSet
 
 log = logging.getLogger("ringtrain")
 
-# How long shutdown waits for peers to shut down too before giving up on a clean stop.
+# How long shutdown waits for the round that tells the peers this rank leaves (one round while
+# their controllers run; longer only when a peer is stopped or holds its GIL), and for a rank
+# that fails, which must leave whatever its peers do.
 SHUTDOWN_WAIT_S = 30.0
+FAILED_SHUTDOWN_WAIT_S = 3.0
 _atexit_registered = False
 
 
@@ -56,6 +62,10 @@ def init(
     if elastic is None and rank is None:
         elastic = _elastic_join()
     rt = state.start(config, backends=Backends(), rank=rank, size=size, elastic=elastic)
+    # From here on, an uncaught exception is posted where the peers look (runtime.departures).
+    departures.bind(
+        state.global_process_set.communicator.store, rt.rank, rt.topology.hosts[rt.rank]
+    )
     try:
         _attach_controller(state.global_process_set, config)
         if config.straggler_report_steps > 0 and rt.size > 1:
@@ -70,6 +80,7 @@ def init(
     except BaseException:
         timeline.stop()
         trainjob_status.stop()
+        departures.unbind()
         state.stop()
         raise
     if not _atexit_registered:
@@ -92,23 +103,60 @@ def _elastic_join() -> tuple[int, int, int] | None:
 
 
 def shutdown() -> None:
-    """Leave the job: waits for the other ranks to shut down too, then frees every resource."""
+    """Leave the job, then free every resource.
+
+    Horovod's rule: the ranks' collectives end with the first rank that shuts down; what the
+    others still wait for fails, naming it. The peers hear of it in one control round, which
+    this waits for (at most :data:`SHUTDOWN_WAIT_S`). A rank that is failing (an uncaught
+    exception: see :mod:`ringtrain.runtime.departures`) waits at most
+    :data:`FAILED_SHUTDOWN_WAIT_S` and leaves its process groups undestroyed, so that nothing
+    its peers will never answer can hold its exit.
+    """
     if not state.is_initialized():
         return
+    _leave(departures.failure())
+
+
+def _leave(failure: str | None) -> bool:
+    """Shut down; ``failure``: this rank's uncaught exception. Returns whether every
+    controller told its peers in time (else the groups were abandoned, not destroyed)."""
     rt = state.current()
+    told = True
+    heartbeat.say(heartbeat.LEAVING)
     try:
         timeline.stop()
         timer = state.global_process_set.communicator.service("step_timer")
-        if timer is not None:
+        if timer is not None and failure is None:  # a collective: not with peers in doubt
             timer.final_report()
         trainjob_status.stop()  # its last post, bounded by the post timeout
         _post_finished(rt.rank)
+        if failure is None:  # a failure was posted by the except hook, before the traceback
+            departures.post(departures.FINISHED)
+        wait = SHUTDOWN_WAIT_S if failure is None else FAILED_SHUTDOWN_WAIT_S
         for ps in sorted(rt.process_sets.values(), key=lambda p: -(p.process_set_id or 0)):
             ctl = ps.communicator.service("controller")
             if ctl is not None:
-                ctl.request_shutdown(SHUTDOWN_WAIT_S)
+                told = ctl.request_shutdown(wait, failure or "") and told
     finally:
-        state.stop()
+        departures.unbind()
+        if told and failure is None:
+            state.stop()
+        else:
+            # Destroying a group waits for its ops in flight, which peers that are gone or
+            # stuck never finish: leave them, as an elastic re-forming does.
+            _abandon(rt)
+    return told
+
+
+def _abandon(rt: state.Runtime) -> None:
+    for ps in rt.process_sets.values():
+        ctl = ps.communicator.service("controller")
+        if ctl is not None:
+            ctl.abandon()
+    timer = state.global_process_set.communicator.service("step_timer")
+    if timer is not None:
+        timer.close()
+    state.abandon()
 
 
 def reform(rank: int, size: int, generation: int) -> None:
@@ -222,7 +270,24 @@ def _straggler_verdict() -> str | None:
 
 
 def _shutdown_at_exit() -> None:
+    if not state.is_initialized():
+        return
+    failure = departures.failure()
     try:
-        shutdown()
+        _leave(failure)
     except Exception as e:  # at exit there is nobody left to raise to
         log.warning("ringtrain shutdown at exit failed: %s", e)
+    if failure is not None and exit_guard.settle(warn=False):
+        # A thread is still inside a Gloo wait for a peer that will not answer: the
+        # interpreter's finalization would abort the process (SIGABRT) when it returns, and the
+        # launcher would report a signal instead of this rank's exit code (Python's 1 for an
+        # uncaught exception). Leave with that code now.
+        _exit_now(1)
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

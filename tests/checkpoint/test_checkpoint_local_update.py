@@ -219,7 +219,7 @@ def test_load_at_another_size_resumes_from_the_anchor(
     tmp_path: Path, world2: spawn.World, size: int
 ) -> None:
     path = str(tmp_path / "step-7")
-    before = [b["saved"] for b in world2.run(_save_and_go_on, path, 7, False, "int8")]
+    before = [b["saved"] for b in world2.run(_save_and_go_on, path, 7, 0, "int8")]
     after = spawn.world(size).run(_load_elsewhere, path, timeout=300)
     for r, got in enumerate(after):
         for a, w in zip(before[0]["anchor"], got["weights"]):
@@ -263,7 +263,7 @@ def test_load_at_another_size_resumes_from_the_anchor(
 
 
 def _sealed_save(path: str, k: int) -> dict[str, Any]:
-    out = _save_and_go_on(path, k, False, "int8")
+    out = _save_and_go_on(path, k, 0, "int8")
     needles = [
         out["saved"]["weights"]["a.weight"].numpy().tobytes()[:64],  # this rank's own weights
         out["saved"]["anchor"][0].numpy().tobytes()[:64],
@@ -281,7 +281,7 @@ def test_sealed_mid_round_resume(tmp_path: Path, world2: spawn.World) -> None:
     for r in range(2):
         for needle in want[r]["needles"]:
             assert not any(needle in b for b in blobs), f"rank {r}: plaintext on disk"
-    got = world2.run(_load_and_go_on, path, 5, False, "int8", timeout=300, **secure)
+    got = world2.run(_load_and_go_on, path, 5, 0, "int8", timeout=300, **secure)
     for r in range(2):
         _same(want[r]["saved"]["weights"], got[r]["loaded"], f"rank {r} as loaded")
         _same(want[r]["final"], got[r]["final"], f"rank {r} at the end")

@@ -2,8 +2,8 @@
 
 The controller (:mod:`ringtrain.collectives.controller`) negotiates by exchanging one
 :class:`Message` per rank and cycle over the set's ``control`` group: the requests submitted
-since the last round (or their numbers in the request cache), shutdown and doze votes, rank 0's
-abort and cross-set verdicts, the fast lane's status, and the data of small collectives
+since the last round (or their numbers in the request cache), shutdown (and why) and doze votes,
+rank 0's abort and cross-set verdicts, the fast lane's status, and the data of small collectives
 (:func:`inline_payloads`). :class:`ControlChannel` is the wire: one allgather of fixed-size
 slots per round, a second only when a message outgrows its slot.
 """
@@ -34,6 +34,12 @@ class Message:
     # A Request, or the number of one in the request cache, which every rank holds alike.
     requests: list[Request | int] = field(default_factory=list)
     shutdown: bool = False
+    # With ``shutdown``: why this rank leaves, "" when its script ended or called shutdown();
+    # a failure's summary ("ValueError: boom") when an uncaught exception ends it.
+    leaving: str = ""
+    # This rank has collectives in flight (negotiated or on the fast lane): a finished peer
+    # keeps taking part in rounds until no rank has (see the controller's shutdown rules).
+    busy: bool = False
     # This rank has been idle for DOZE_AFTER_IDLE_CYCLES: when every rank says so, all doze.
     idle: bool = False
     # Set by the set's rank 0 only: every rank aborts with this error.

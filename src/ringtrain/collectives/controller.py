@@ -23,6 +23,21 @@ different process sets, see :mod:`ringtrain.collectives.crossset`) are made by t
 and travel in its next message. If a peer dies, the control exchange fails and every pending
 handle fails with :class:`CollectiveAbortedError` instead of hanging.
 
+Shutdown: a rank that shuts down votes so in its rounds, and every rank then decides alike,
+from the round's messages:
+
+* a rank that *fails* (an uncaught exception, :mod:`ringtrain.runtime.departures`) ends the set
+  in the round that carries its vote: what that round made ready still runs, everything still
+  pending fails with :class:`~ringtrain.errors.PeerFailedError` naming the rank and quoting its
+  exception, and so do later submissions. It leaves in one round, whatever its peers wait for;
+* a rank that *finishes* keeps taking part until nothing is pending on any rank (its peers'
+  last ops may still need rounds: the fast lane decides slots there), then the set ends
+  (Horovod's rule: the ranks' collectives end with the first that shuts down). A name it never
+  submitted can never run: it fails on the ranks that wait for it, naming the rank that left.
+  So a peer waiting elsewhere (in ``step()``) does not hold the finished rank back, and that
+  peer's wait then ends with the rank's departure, named (:mod:`ringtrain.runtime.departures`);
+* when every rank has voted, the set ends at once, as before.
+
 The parts: :mod:`~ringtrain.collectives.control_round` (the message and its wire),
 :mod:`~ringtrain.collectives.lane_control` (the fast lane's share of submitting and of a round),
 :mod:`~ringtrain.collectives.execute` (running ready ops on the data groups).
@@ -52,6 +67,7 @@ from ringtrain.errors import (
     CollectiveArgumentError,
     CollectiveError,
     CollectiveMismatchError,
+    PeerFailedError,
     SecurityError,
     StallError,
 )
@@ -105,6 +121,7 @@ class Controller(LaneControl):
         self._last_joined = -1
         self._stall = stall.StallInspector(config.stall_warning_s, config.stall_shutdown_s)
         self._shutdown = False
+        self._leaving = ""  # why this rank shuts down: "" (finished) or its failure
         self._closed = False
         self._failure: CollectiveError | SecurityError | None = None
         self._counters: dict[str, int] = {}
@@ -129,7 +146,7 @@ class Controller(LaneControl):
         self._lane: lane.Lane | None = None
         lane_group = comm.optional_group("lane")
         if config.fast_lane and comm.size > 1 and lane_group is not None:
-            self._lane = lane.Lane(comm.size, lane_group)
+            self._lane = lane.Lane(comm.size, lane_group, config.reproducible)
         self._lane_request: Request | None = None
         self._lane_misses: dict[Request, int] = {}
         self._lane_used = 0  # the lowest next slot of the ranks, at the last round
@@ -189,10 +206,13 @@ class Controller(LaneControl):
             self._ring(bell)
         return handle
 
-    def request_shutdown(self, timeout: float | None = None) -> None:
-        """Stop once every rank of the set has asked to; fail what is still pending."""
+    def request_shutdown(self, timeout: float | None = None, failure: str = "") -> bool:
+        """Leave the set: the next round tells every rank, and the set ends there on all of
+        them (pending ops fail, naming this rank; ``failure``: this rank's uncaught exception,
+        quoted to them). Waits at most ``timeout`` for that round; returns whether it ran."""
         with self._lock:
             self._shutdown = True
+            self._leaving = failure
             bell, self._bell = self._bell, None
         self._wake.set()
         if bell is not None:
@@ -200,11 +220,17 @@ class Controller(LaneControl):
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning(
-                "ringtrain controller of set %d did not stop within %s s", self.comm.set_id, timeout
+                "ringtrain controller of set %d did not stop within %s s: a peer's controller "
+                "does not answer (stopped, or holding its GIL); leaving without it",
+                self.comm.set_id,
+                timeout,
             )
             exit_guard.leave_behind(self._thread)  # still in torch calls: the exit waits for it
+            return False
+        return True
 
-    close = request_shutdown
+    def close(self) -> None:
+        self.request_shutdown()
 
     def abandon(self) -> None:
         """Stop at once, without the peers (elastic: one of them failed). Pending ops fail. The
@@ -289,7 +315,9 @@ class Controller(LaneControl):
         finally:
             self._closed = True
             if self._lane is not None:
-                self._lane.drain(LANE_DRAIN_S if self._failure is None else 0.0)
+                # A rank that fails cannot count on its peers to match its claims.
+                failing = self._failure is not None or bool(self._leaving)
+                self._lane.drain(0.0 if failing else LANE_DRAIN_S)
             if self.board is not None:
                 self.board.update(self.comm.set_id, ())  # never raises: a diagnostic
 
@@ -344,6 +372,8 @@ class Controller(LaneControl):
             subs = [self._pending[n] for n in new]
             reqs = [p.request for p in subs]
             mine = Message([self._cache_ids.get(r, r) for r in reqs], self._shutdown)
+            mine.leaving = self._leaving
+            mine.busy = bool(self._pending)
             mine.idle = (
                 not reqs
                 and not self._shutdown
@@ -399,12 +429,59 @@ class Controller(LaneControl):
         self._executor.flush()
         self._active = any(m.requests for m in messages)
         self._doze = self.comm.size > 1 and all(m.idle for m in messages) and not self._table
-        if all(m.shutdown for m in messages):
-            self._closed = True
-            self._fail_all(
-                CollectiveAbortedError("ringtrain shut down before this collective completed")
-            )
+        if any(m.shutdown for m in messages):
+            self._after_votes(messages)
         return bool(self._table)
+
+    def _after_votes(self, messages: list[Message]) -> None:
+        """Some rank voted to shut down in this round: end the set, or fail what cannot run
+        (see the module docstring). Every rank decides alike: from the round's messages and the
+        table, which every rank holds alike."""
+        failing = any(m.shutdown and m.leaving for m in messages)
+        quiet = not self._table and not any(m.busy for m in messages if not m.shutdown)
+        if failing or quiet or all(m.shutdown for m in messages):
+            self._closed = True
+            self._fail_all(self._shutdown_error(messages))
+            return
+        gone = {r for r, m in enumerate(messages) if m.shutdown}
+        for name in list(self._table):
+            missing = gone - set(self._table[name]) - self._joined
+            if missing and name != JOIN_NAME:
+                self._fail_name(name, self._shutdown_error(messages, sorted(missing)))
+
+    def _shutdown_error(
+        self, messages: list[Message], only: list[int] | None = None
+    ) -> CollectiveError:
+        """What ops still pending when the set ends fail with: the peers that left, named
+        (``only``: those set ranks)."""
+        me = self.comm.set_rank
+        gone = [
+            (r, m)
+            for r, m in enumerate(messages)
+            if m.shutdown and r != me and (only is None or r in only)
+        ]
+        if not gone or (self._shutdown and not self._leaving):
+            return CollectiveAbortedError("ringtrain shut down before this collective completed")
+        gone.sort(key=lambda rm: not rm[1].leaving)  # failures first
+        ranks = tuple(self.comm.ranks[r] for r, _ in gone)
+        lines = []
+        for rank, (_, m) in zip(ranks, gone):
+            if m.leaving:
+                lines.append(f"rank {rank} failed ({m.leaving}) and left the job")
+            else:
+                lines.append(f"rank {rank} shut down (its script ended or called shutdown())")
+        return PeerFailedError(
+            f"ringtrain has been shut down on process set {self.comm.set_id}: "
+            + "; ".join(lines)
+            + ", before this collective completed.\nHINT: "
+            + (
+                "the failure above is the cause; fix it and start the job again."
+                if gone[0][1].leaving
+                else "every rank must submit the same collectives; a rank that ran fewer "
+                "ends the others' (Horovod's rule). For uneven data see ringtrain.join()."
+            ),
+            ranks,
+        )
 
     def _is_ready(self, name: str) -> bool:
         submitted = self._table[name]

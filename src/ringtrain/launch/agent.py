@@ -42,6 +42,11 @@ _PR_SET_PDEATHSIG = 1
 # thread more than torch's idle background threads do (about 0.01 s a second).
 SILENT_S = 4.0
 FROZEN_S = 30.0
+# A rank that said it is failing leaves by itself: its shutdown is bounded (runtime/lifecycle:
+# 3 s at most, milliseconds usually), then the interpreter's finalization, which takes seconds
+# with torch on a loaded host. It gets this long past the grace period before SIGKILL, so that
+# its exit code and last words are its own.
+FAILING_GRACE_S = 7.0
 _MAIN_WORK_S, _THREAD_WORK_S = 0.05, 0.5
 LOOK_S = 0.25  # how often a silent rank's state is read
 _STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
@@ -92,6 +97,11 @@ class Agent:
         self._stopping = False
         self._beats: dict[int, float] = {}  # rank -> time of its last heartbeat
         self._silent: dict[int, float] = {}  # rank -> how long it was silent when killed
+        # rank -> when it said it fails or leaves (runtime/heartbeat.py), on this host's clock
+        self._left_at: dict[int, float] = {}
+        self._failing: set[int] = set()  # ranks that said an uncaught exception ends them
+        self._after_peer: set[int] = set()  # ... one that says a peer left first
+        self._signalled: set[int] = set()  # ranks this agent sent a signal (stop, Ctrl-C)
         # silent rank -> (since when it did no work, last look, its threads' CPU seconds then)
         self._idle: dict[int, tuple[float, float, dict[tuple[int, int], float]]] = {}
 
@@ -166,6 +176,12 @@ class Agent:
         """Note each heartbeat of ``rank`` (none come from a rank that never calls init)."""
         try:
             while data := os.read(fd, 4096):
+                if b"F" in data or b"P" in data or b"L" in data:
+                    self._left_at.setdefault(rank, time.time())
+                    if b"F" in data or b"P" in data:
+                        self._failing.add(rank)
+                    if b"P" in data:
+                        self._after_peer.add(rank)
                 if b"!" in data:  # goodbye: exiting; the beats stop before the process does
                     self._beats.pop(rank, None)
                     self._silent[rank] = 0.0  # never checked again
@@ -252,6 +268,7 @@ class Agent:
                         self.send("out", rank=rank, fd=2, line=line, end="\n")
                     continue
                 del pending[rank]
+                exited_at = time.time()  # before the pumps drain, which can take a second
                 # Let the output pumps drain so the exit report comes after the last lines.
                 for t in self._readers.get(rank, []):
                     t.join(1.0)
@@ -263,26 +280,42 @@ class Agent:
                     signal=sig,
                     tail=list(self._tails[rank]),
                     silent_s=self._silent.get(rank) or None,
+                    # When it failed or began to leave (else exited), on this host's clock:
+                    # the launcher names the earliest as the root cause.
+                    at=self._left_at.get(rank, exited_at),
+                    failing=rank in self._failing,
+                    after_peer=rank in self._after_peer,
+                    stopped=rank in self._signalled,  # its end was ours, not its own
                 )
             time.sleep(0.02)
         self.send("done")
 
     # ---- stopping ----------------------------------------------------------------------------
 
-    def signal_all(self, sig: signal.Signals) -> None:
-        for proc in self._procs.values():
-            if proc.poll() is None:
+    def signal_all(
+        self, sig: signal.Signals, spare: set[int] | frozenset[int] = frozenset()
+    ) -> None:
+        for rank, proc in self._procs.items():
+            if proc.poll() is None and rank not in spare:
+                self._signalled.add(rank)
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, sig)
 
     def stop_all(self) -> None:
-        """SIGTERM every rank's process group, SIGKILL what is left after the grace period."""
+        """SIGTERM every rank's process group, SIGKILL what is left after the grace period.
+        A rank that said it is failing is left to end by itself (it leaves within seconds,
+        runtime/lifecycle) until then, so that its exit code and last words are its own."""
         if self._stopping:
             return
         self._stopping = True
         tree = self._descendants()
-        self.signal_all(signal.SIGTERM)
-        deadline = time.monotonic() + self._grace_s
+        self.signal_all(signal.SIGTERM, spare=self._failing)
+        start = time.monotonic()
+        deadline = start + self._grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in self._procs.values()):
+            time.sleep(0.05)
+        self.signal_all(signal.SIGKILL, spare=self._failing)
+        deadline = start + self._grace_s + FAILING_GRACE_S
         while time.monotonic() < deadline and any(p.poll() is None for p in self._procs.values()):
             time.sleep(0.05)
         self.signal_all(signal.SIGKILL)

@@ -2,15 +2,21 @@
 
 An agent reports each rank's exit with its code, the signal that killed it, or, for a rank
 that stopped sending heartbeats, how long it was silent before the agent killed it
-(:func:`how_it_ended`). The first failure the supervisor acts on is kept as a
-:class:`Failure`; :func:`report` is the launcher's last message, naming the rank, its host, how
-it ended and the last lines of its error output. The launcher exits with ``Failure.code``
-(128 + the signal number for a signal, as a shell does).
+(:func:`how_it_ended`), stamped with the time on its host. The supervisor acts on the first
+failure it hears of, and keeps every failure it hears of until the job has stopped (not the
+ranks it stopped itself). :func:`report` is the launcher's last message: the **root cause**
+first, the failure that happened earliest (not the first whose news arrived: agents on other
+hosts report later), with its rank, host, how it ended and the last lines of its error output;
+then the others, those with the same last words grouped in one entry (typically every peer
+saying that the first rank left). The launcher exits with the root cause's ``code`` (128 + the
+signal number for a signal, as a shell does).
 """
 
 from __future__ import annotations
 
+import re
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +28,11 @@ class Failure:
     code: int
     description: str
     tail: list[str]
+    # When it happened: the agent's wall clock at the exit (the launcher's where none came).
+    at: float = 0.0
+    # The rank's error only says a peer left first (runtime/departures): never the cause
+    # while another failure is known.
+    after_peer: bool = False
 
 
 def how_it_ended(msg: dict[str, Any]) -> tuple[str, int]:
@@ -36,11 +47,45 @@ def how_it_ended(msg: dict[str, Any]) -> tuple[str, int]:
     return f"exited with code {code}", int(code or 1)
 
 
-def report(f: Failure) -> str:
-    """The launcher's closing message for a failed job."""
-    lines = [f"job failed: {f.description}"]
-    if f.tail:
-        who = f"rank {f.rank}" if f.rank is not None else f"host {f.host}"
+def root_cause(failures: Sequence[Failure]) -> Failure:
+    """The failure that happened first (the earliest stamp; the first heard of on a tie),
+    among those that are not only a peer's news (unless all are)."""
+    return min(enumerate(failures), key=lambda i_f: (i_f[1].after_peer, i_f[1].at, i_f[0]))[1]
+
+
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+
+
+def _last_words(f: Failure) -> tuple[str, ...]:
+    """A failure's tail without the rank prefixes torch adds, to group identical ends."""
+    return tuple(_RANK_PREFIX.sub("", line) for line in f.tail[-3:])
+
+
+def report(failures: Failure | Sequence[Failure]) -> str:
+    """The launcher's closing message for a failed job: the root cause first, then the
+    other failures, grouped where their last words are the same."""
+    every = [failures] if isinstance(failures, Failure) else list(failures)
+    cause = root_cause(every)
+    lines = [f"job failed: {cause.description}"]
+    if len(every) > 1:
+        lines[0] = f"job failed; root cause (first observed failure): {cause.description}"
+    if cause.tail:
+        who = f"rank {cause.rank}" if cause.rank is not None else f"host {cause.host}"
         lines.append(f"last lines of {who}'s error output:")
-        lines.extend(f"  | {t}" for t in f.tail)
+        lines.extend(f"  | {t}" for t in cause.tail)
+    others = sorted((f for f in every if f is not cause), key=lambda f: f.at)
+    groups: dict[tuple[str, ...], list[Failure]] = {}
+    for f in others:
+        groups.setdefault(_last_words(f), []).append(f)
+    if groups:
+        lines.append(f"{len(others)} other rank(s) failed after it:")
+    for words, group in groups.items():
+        first = group[0]
+        later = f" {first.at - cause.at:.1f} s later" if first.at and cause.at else ""
+        if len(group) == 1:
+            lines.append(f"  - {first.description}{later}")
+        else:
+            ranks = ", ".join(str(f.rank) for f in group if f.rank is not None)
+            lines.append(f"  - ranks {ranks} ended alike, the first{later}: {first.description}")
+        lines.extend(f"      | {w}" for w in words)
     return "\n".join(lines)

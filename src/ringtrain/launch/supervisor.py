@@ -40,9 +40,10 @@ from ringtrain.environ import horovod_unused
 from ringtrain.errors import LaunchError
 from ringtrain.host import network
 from ringtrain.launch import discovery, elastic, job_network, rank_env, transport
+from ringtrain.launch.agent import FAILING_GRACE_S
 from ringtrain.launch.agent_link import AgentLink, unreachable
 from ringtrain.launch.elastic_hosts import ElasticHosts
-from ringtrain.launch.failures import Failure, how_it_ended, report
+from ringtrain.launch.failures import Failure, how_it_ended, report, root_cause
 from ringtrain.launch.hosts import Host
 from ringtrain.launch.options import LaunchOptions
 from ringtrain.launch.plan import ProcessSpec, describe, plan
@@ -79,7 +80,8 @@ class Supervisor(ElasticHosts):
         self._links: list[AgentLink] = []
         self._pids: dict[int, int] = {}
         self._exits: dict[int, dict[str, Any]] = {}
-        self._failure: Failure | None = None
+        self._failure: Failure | None = None  # the first heard of: what the launcher acted on
+        self._failures: list[Failure] = []  # every failure heard of (report: earliest first)
         self._interrupts = 0
         self._stop_deadline: float | None = None
         self._started_at = time.monotonic()
@@ -391,8 +393,10 @@ class Supervisor(ElasticHosts):
                 self._retire_joiners("a rank finished")
             self._growing = False  # the job is finishing: no new ranks
             return
-        if self._failure is not None or self._interrupts:
-            return  # stopped by us after the first failure, or by Ctrl-C
+        if self._interrupts:
+            return  # stopped by Ctrl-C
+        if self._failure is not None and msg.get("stopped") and not msg.get("failing"):
+            return  # stopped by us after the first failure
         how, exit_code = how_it_ended(msg)
         pid = self._pids.get(rank)
         tail = list(msg.get("tail") or [])
@@ -403,6 +407,13 @@ class Supervisor(ElasticHosts):
         else:
             elapsed = time.monotonic() - self._started_at
             desc = f"rank {rank} (host {link.host.name}, pid {pid}) {how} after {elapsed:.1f} s"
+        at = float(msg.get("at") or time.time())
+        after_peer = bool(msg.get("after_peer"))
+        if self._failure is not None:  # a later failure of its own: listed under the cause
+            self._failures.append(
+                Failure(rank, link.host.name, exit_code, desc, tail, at, after_peer)
+            )
+            return
         if rank in self._joiners:
             self._joiner_failed(link, [rank], desc)
             return
@@ -410,14 +421,17 @@ class Supervisor(ElasticHosts):
             self._exclude(link.host.name, desc)
             if self._reform(desc, rank):
                 return
-            failure = Failure(rank, link.host.name, exit_code, desc, tail)
+            failure = Failure(rank, link.host.name, exit_code, desc, tail, at, after_peer)
             if self._await_hosts(desc, failure):
                 return
             desc += self._shortfall()
-        self._fail(Failure(rank, link.host.name, exit_code, desc, tail))
+        self._fail(Failure(rank, link.host.name, exit_code, desc, tail, at, after_peer))
 
     def _fail(self, failure: Failure) -> None:
+        if not failure.at:
+            failure.at = time.time()
         self._failure = failure
+        self._failures.append(failure)
         others = len(
             [r for r in self._rank_host if r not in self._exits and r not in self._retired]
         )
@@ -430,7 +444,8 @@ class Supervisor(ElasticHosts):
 
     def _stop_all(self, hard: bool) -> None:
         self._send_stop()
-        grace = 0.0 if hard else self.options.grace_s
+        # The agents give ranks that said they are failing FAILING_GRACE_S more to end alone.
+        grace = 0.0 if hard else self.options.grace_s + FAILING_GRACE_S
         self._stop_deadline = time.monotonic() + grace + 3.0
 
     def _on_sigint(self, signum: int, _frame: FrameType | None) -> None:
@@ -473,5 +488,6 @@ class Supervisor(ElasticHosts):
                 f"{time.monotonic() - self._started_at:.1f} s"
             )
             return 0
-        self._say(report(f))
-        return f.code
+        every = self._failures or [f]
+        self._say(report(every))
+        return root_cause(every).code

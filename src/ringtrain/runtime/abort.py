@@ -17,9 +17,10 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from ringtrain.errors import CollectiveAbortedError
+from ringtrain.runtime import departures
 
 SLICE_S = 1.0
 announced: Callable[[], int] | None = None
@@ -43,7 +44,10 @@ def wait_work(work: Any, since: int | None = None) -> None:
     job's transport timeout the last error is raised, as an unsliced wait would have.
     """
     if announced is None:
-        work.wait()
+        try:
+            work.wait()
+        except RuntimeError as e:  # a peer left: name it where it said why (runtime.departures)
+            _raise_named(e)
         return
     from ringtrain.runtime import state
 
@@ -56,5 +60,14 @@ def wait_work(work: Any, since: int | None = None) -> None:
             return
         except RuntimeError as e:
             if "timed out" not in str(e).lower() or time.monotonic() > deadline:
-                raise
+                _raise_named(e)
         check(since)
+
+
+def _raise_named(e: RuntimeError) -> NoReturn:
+    """Raise ``e``, or the :class:`~ringtrain.errors.PeerFailedError` that names the peer whose
+    departure broke it (see :mod:`ringtrain.runtime.departures`)."""
+    named = departures.peer_error(e)
+    if named is e:
+        raise e
+    raise named from e

@@ -78,9 +78,23 @@ def keep(*objects: object) -> None:
         _kept.append(objects)
 
 
-def _settle_at_exit() -> None:
-    """atexit: no new native calls from daemon threads, then wait for those under way and for
-    left-behind threads, within :data:`EXIT_WAIT_S`."""
+def settle(warn: bool = True) -> list[str]:
+    """No new native calls from daemon threads, then wait for those under way and for
+    left-behind threads, within :data:`EXIT_WAIT_S` (once: later calls return the first
+    answer). Returns the threads still busy; ``warn``: name them on stderr (a process that
+    then leaves with ``os._exit`` cannot abort there, and says nothing)."""
+    global _settled
+    with _gate:
+        if _settled is not None:
+            return _settled
+    _settled = _settle(warn)
+    return _settled
+
+
+_settled: list[str] | None = None
+
+
+def _settle(warn: bool) -> list[str]:
     global _exiting
     deadline = time.monotonic() + EXIT_WAIT_S
     with _gate:
@@ -97,7 +111,7 @@ def _settle_at_exit() -> None:
     names = {t.ident: t.name for t in threading.enumerate()}
     stuck = sorted({names.get(i, f"thread {i}") for i in busy})
     stuck += sorted({t.name for t in left if t is not me and t.is_alive()} - set(stuck))
-    if stuck:
+    if stuck and warn:
         # What a rank's last words should say if the interpreter's exit now aborts it.
         sys.stderr.write(
             f"ringtrain: exiting after {EXIT_WAIT_S:g} s while {', '.join(stuck)} may still be "
@@ -105,6 +119,12 @@ def _settle_at_exit() -> None:
             "exception\") comes from there, after this process's work was done.\n"
         )
         sys.stderr.flush()
+    return stuck
+
+
+def _settle_at_exit() -> None:
+    """atexit: :func:`settle`, unless the process's last words already did."""
+    settle()
 
 
 atexit.register(_settle_at_exit)

@@ -9,6 +9,13 @@ The thread only writes to a pipe, never calls into torch, so it is safe at inter
 at exit the rank says goodbye, since the thread stops before the process ends. A main thread
 holding the GIL in C silences the beats too; the agent tells that from a stop by the CPU time
 the rank still uses.
+
+More words travel on the same pipe, each when it happens: :data:`FAILING` (an uncaught
+exception, said before the traceback is printed; :data:`FAILING_AFTER_PEER` for one that only
+says a peer left first) and :data:`LEAVING` (shutdown begins). The
+agent stamps them with its clock, so the launcher can name the rank that failed *first*
+(its peers fail after it, when they hear), and it lets a failing rank end by itself, with
+its own exit code, instead of stopping it with the others.
 """
 
 from __future__ import annotations
@@ -26,7 +33,16 @@ from ringtrain.environ import Ringtrain
 VAR = Ringtrain.HEARTBEAT_FD
 INTERVAL_S = 0.5
 BEAT, GOODBYE = b".", b"!"  # GOODBYE: the process is exiting (its daemon threads stop soon)
+FAILING, LEAVING = b"F", b"L"  # an uncaught exception; shutdown begins
+FAILING_AFTER_PEER = b"P"  # an uncaught exception that says a peer left first: not a cause
 _started: set[int] = set()
+
+
+def say(word: bytes) -> None:
+    """Tell the agent ``word`` (:data:`FAILING`, :data:`LEAVING`) now; nothing without one."""
+    for fd in _started:
+        with contextlib.suppress(OSError):
+            os.write(fd, word)
 
 
 def start(env: Mapping[str, str] | None = None) -> bool:

@@ -1,0 +1,199 @@
+"""How ranks leave the job, posted where their peers look: a rank that failed is named, not guessed.
+
+A rank that leaves posts one record under ``ringtrain/departed/<world rank>`` in the job's store
+(the launcher's, torchrun's, or rank 0's): whether it failed (an uncaught exception: its type and
+message) or finished (its script ended, ``ringtrain.shutdown()``), its host and the time. The
+post is made as early as the rank knows: a failure from ``sys.excepthook``, before the traceback
+is printed and before any at-exit work that could block; a finish at shutdown.
+
+A peer that was waiting for it then sees its wait break (Gloo: "Connection closed by peer" once
+the departed process is gone, or the controller's shutdown vote, see
+:mod:`ringtrain.collectives.controller`) and calls :func:`peer_error`, which reads the posts and
+raises :class:`~ringtrain.errors.PeerFailedError` naming the rank and its own words, failures
+first. Where no post can be read (the store left with the rank that served it, as under plain
+mpirun when rank 0 fails), the error says what the transport said.
+
+The record is the rank's last word, not a protocol: nothing waits for it, every read is bounded
+by :data:`READ_TIMEOUT_S`, and a store that is gone makes every call here a no-op.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from ringtrain.errors import CollectiveAbortedError, PeerFailedError
+from ringtrain.runtime import heartbeat
+
+log = logging.getLogger("ringtrain")
+
+PREFIX = "ringtrain/departed/"
+READ_TIMEOUT_S = 2.0  # a peer reading the posts after its wait broke; the store may be gone
+FAILED, FINISHED = "failed", "finished"
+
+
+@dataclass(frozen=True)
+class Departure:
+    """One rank's record of how it left."""
+
+    rank: int
+    how: str  # FAILED or FINISHED
+    why: str  # "ValueError: boom" for a failure; "" for a finish
+    host: str
+    at: float  # time.time() on the departed rank's host
+
+    def describe(self) -> str:
+        if self.how == FAILED:
+            return f"rank {self.rank} (host {self.host}) failed: {self.why}"
+        return (
+            f"rank {self.rank} (host {self.host}) finished: its script ended or called "
+            "ringtrain.shutdown() while this rank still waited for it"
+        )
+
+    def encode(self) -> str:
+        return json.dumps(
+            {"rank": self.rank, "how": self.how, "why": self.why, "host": self.host, "at": self.at}
+        )
+
+    @staticmethod
+    def decode(raw: bytes | str) -> Departure:
+        d = json.loads(raw)
+        return Departure(
+            int(d["rank"]), str(d["how"]), str(d["why"]), str(d["host"]), float(d["at"])
+        )
+
+
+class _Where:
+    """Where this process posts: the running world's store and this rank's number in it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.store: Any = None
+        self.rank = -1
+        self.host = ""
+        self.failure: str | None = None  # set by the except hook: this process is failing
+        self.posted = False
+
+
+_here = _Where()
+_previous_hook: Any = None
+
+
+def bind(store: Any, rank: int, host: str) -> None:
+    """Post to ``store`` as world ``rank`` from now on (``ringtrain.init``); installs the hook
+    that records an uncaught exception, once per process."""
+    global _previous_hook
+    with _here.lock:
+        _here.store, _here.rank, _here.host, _here.posted = store, rank, host, False
+    if _previous_hook is None:
+        _previous_hook = sys.excepthook
+        sys.excepthook = _on_uncaught
+
+
+def unbind() -> None:
+    """The world is gone (shutdown, elastic re-forming): nothing more to post to it."""
+    with _here.lock:
+        _here.store = None
+
+
+def failure() -> str | None:
+    """This process's uncaught exception, as posted (``"ValueError: boom"``); None if none."""
+    return _here.failure
+
+
+def summary(exc: BaseException) -> str:
+    """``Type: message`` on one line, at most 300 characters: what a peer's error quotes."""
+    text = " ".join(str(exc).split())
+    line = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def _on_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    """sys.excepthook: post the failure first (the traceback printing and the at-exit work come
+    after, and the peers are waiting now), then let the previous hook print as usual."""
+    try:
+        if not issubclass(kind, KeyboardInterrupt):
+            _here.failure = summary(exc)
+            if _after_a_peer(exc):  # not a cause: the peer that left posted its own words
+                heartbeat.say(heartbeat.FAILING_AFTER_PEER)
+            else:
+                heartbeat.say(heartbeat.FAILING)  # the launcher's root cause goes by this time
+                post(FAILED, _here.failure)
+    except Exception:  # the hook must print the user's traceback whatever happens here
+        log.debug("could not post this rank's failure", exc_info=True)
+    hook = _previous_hook if _previous_hook is not None else sys.__excepthook__
+    hook(kind, exc, tb)
+
+
+def _after_a_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` says a peer left first (a wait that broke on its departure)."""
+    if isinstance(exc, CollectiveAbortedError):
+        return True
+    # Raw Gloo errors from waits outside ringtrain's (a script's own torch.distributed calls).
+    return isinstance(exc, RuntimeError) and "gloo/transport" in str(exc)
+
+
+def post(how: str, why: str = "") -> None:
+    """Post this rank's departure, once per world; never raises (the store may be gone)."""
+    with _here.lock:
+        store, rank = _here.store, _here.rank
+        if store is None or _here.posted:
+            return
+        _here.posted = True
+    host = _here.host or socket.gethostname()
+    record = Departure(rank, how, why, host, time.time())
+    try:
+        store.set(PREFIX + str(rank), record.encode())
+    except Exception as e:
+        log.debug("could not post that rank %d %s: %s", rank, how, e)
+
+
+def read(store: Any, ranks: Sequence[int], timeout_s: float = READ_TIMEOUT_S) -> list[Departure]:
+    """The posts of ``ranks`` that exist now, failures first, then by time."""
+    if store is None:
+        return []
+    keys = [PREFIX + str(r) for r in ranks]
+    found: list[Departure] = []
+    try:
+        client = store.clone() if hasattr(store, "clone") else store
+        client.set_timeout(datetime.timedelta(seconds=timeout_s))
+        for key in keys:
+            if client.check([key]):
+                found.append(Departure.decode(client.get(key)))
+    except Exception as e:  # the store left with a failed rank: the caller says what it has
+        log.debug("could not read the departures: %s", e)
+    return sorted(found, key=lambda d: (d.how != FAILED, d.at))
+
+
+def peer_error(cause: BaseException, waited_for: str = "") -> BaseException:
+    """The error to raise for ``cause``, a wait on peers that broke: a :class:`PeerFailedError`
+    naming the ranks that posted a departure (failures first), else ``cause`` itself."""
+    from ringtrain.runtime import state
+
+    if isinstance(cause, PeerFailedError) or not state.is_initialized():
+        return cause
+    rt = state.current()
+    if rt.size <= 1:
+        return cause
+    store = state.global_process_set.communicator.store
+    gone = read(store, [r for r in range(rt.size) if r != rt.rank])
+    if not gone:
+        return cause
+    where = f" while this rank waited for it in {waited_for}" if waited_for else ""
+    lines = [f"rank {rt.rank}: a peer left the job{where}: {gone[0].describe()}"]
+    lines += [f"  also: {d.describe()}" for d in gone[1:]]
+    lines.append(
+        f"  (this rank's wait ended with {type(cause).__name__}: "
+        f"{' '.join(str(cause).split())[:200]})"
+    )
+    lines.append("HINT: the first failure above is the cause; fix it and start the job again.")
+    return PeerFailedError("\n".join(lines), tuple(d.rank for d in gone))

@@ -1,0 +1,65 @@
+"""A training script whose rank 1 fails after ``init()`` while rank 0 waits for it somewhere.
+
+    python failing_job.py OUT_DIR HOW WHERE
+
+HOW: ``raise`` (an uncaught ValueError), ``exit3`` (``sys.exit(3)``), ``checkpoint`` (a
+CheckpointError, as a failed load raises it). WHERE rank 0 waits when rank 1 fails: ``allreduce``
+(a negotiated collective), ``lane`` (an allreduce repeated until the fast lane carries it),
+``step`` (``DistributedOptimizer.step()``), ``save`` (``ringtrain.checkpoint.save``). Rank 1
+writes the time it failed to ``OUT_DIR/failed_at``, and each rank the last words it got from
+ringtrain, with the time, to ``OUT_DIR/error.0`` before it exits.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import ringtrain.checkpoint
+import ringtrain.torch as hvd
+from ringtrain.errors import CheckpointError
+from ringtrain.runtime.state import global_process_set
+
+out, how, where = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+FAIL_AT = 6
+
+hvd.init()
+model = torch.nn.Linear(8, 2)
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+)
+
+
+def fail() -> None:
+    (out / "failed_at").write_text(repr(time.time()))
+    if how == "exit3":
+        sys.exit(3)
+    if how == "checkpoint":
+        raise CheckpointError(f"checkpoint {out / 'missing'} has no manifest (a test's failure)")
+    raise ValueError("boom at step 6")
+
+
+try:
+    for step in range(1, 1000):
+        if hvd.rank() == 1 and step == FAIL_AT:
+            fail()
+        if where == "allreduce":
+            hvd.allreduce(torch.ones(4), name=f"metric.{step}")
+        elif where == "lane":
+            hvd.allreduce(torch.ones(4096), name="metric")  # above inline size: lane-eligible
+            if step == FAIL_AT - 1:  # the test checks the lane carried the repeats by then
+                ctl = global_process_set.communicator.service("controller")
+                (out / f"lane.{hvd.rank()}").write_text(repr(ctl.lane_slots))
+        elif where == "save" and step >= FAIL_AT:
+            ringtrain.checkpoint.save(out / f"step-{step}", model=model, optimizer=opt, step=step)
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+except Exception as e:
+    if hvd.rank() == 0:  # when and what: the torchrun test times the peer's own end
+        (out / "error.0").write_text(json.dumps([time.time(), f"{type(e).__name__}: {e}"]))
+    raise

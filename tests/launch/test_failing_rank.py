@@ -1,0 +1,104 @@
+"""A rank that fails after ``init()`` ends the job within seconds, named first (issue 37).
+
+The most common failure of all: a training script raises, calls ``sys.exit(3)`` or hits a
+CheckpointError on one rank while its peer waits for it (in a negotiated allreduce, the fast
+lane, ``step()`` or a checkpoint save). The failing rank must leave with its own exit code
+(its shutdown does not wait for peers that will not come), the peer's wait must end with an
+error naming the failed rank, and the launcher must name the failing rank first. Also under
+torchrun, where ringtrain's launcher is absent.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+HERE = Path(__file__).parent
+JOB = HERE / "failing_job.py"
+# From the failure to the launcher's exit. Ranks reach the failure after importing torch and
+# init(), which is why the whole job gets more time than this.
+ENDS_WITHIN_S = 10.0
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _run(argv: list[str], out: Path) -> tuple[subprocess.CompletedProcess[str], float]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"the job did not end:\n{stdout}\n{stderr}") from None
+    ended = time.time()
+    done = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+    failed_at = float((out / "failed_at").read_text())
+    return done, ended - failed_at
+
+
+@pytest.mark.parametrize(
+    ("how", "where", "code"),
+    [
+        ("raise", "allreduce", 1),
+        ("exit3", "step", 3),
+        ("checkpoint", "save", 1),
+        ("raise", "lane", 1),
+    ],
+)
+def test_the_job_ends_naming_the_failed_rank(
+    tmp_path: Path, how: str, where: str, code: int
+) -> None:
+    argv = [sys.executable, "-m", "ringtrain", "run", "-np", "2", "--"]
+    argv += [sys.executable, str(JOB), str(tmp_path), how, where]
+    done, took = _run(argv, tmp_path)
+    report = done.stderr[done.stderr.index("ringtrain run: job failed") :]
+    assert done.returncode == code, done.stdout + done.stderr
+    assert took < ENDS_WITHIN_S, f"the job ended {took:.1f} s after rank 1 failed"
+    # The root cause first: rank 1, its exit code and its own last words.
+    assert report.startswith("ringtrain run: job failed"), report
+    first = report.splitlines()[0]
+    assert "rank 1 " in first and f"exited with code {code}" in first, report
+    if how == "raise":
+        assert "ValueError: boom at step 6" in report
+    if how == "checkpoint":
+        assert "CheckpointError" in report
+    # Where rank 0 lived to say so, it named rank 1 too.
+    if where == "lane":  # the peer waited in the fast lane, not a negotiated round
+        valid, _ = ast.literal_eval((tmp_path / "lane.0").read_text())
+        assert valid > 0
+    said = tmp_path / "error.0"
+    if said.exists():
+        _, error = json.loads(said.read_text())
+        assert "rank 1" in error, error
+
+
+@pytest.mark.skipif(
+    shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
+    reason="no torchrun",
+)
+def test_under_torchrun_the_peer_ends_naming_the_failed_rank(tmp_path: Path) -> None:
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    argv = [torchrun, "--nproc-per-node", "2", "--monitor-interval", "0.5"]
+    argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]
+    argv += [str(JOB), str(tmp_path), "raise", "allreduce"]
+    done, _ = _run(argv, tmp_path)
+    assert done.returncode != 0
+    # The peer's own end: torchrun's teardown after it is torchrun's.
+    at, error = json.loads((tmp_path / "error.0").read_text())
+    took = at - float((tmp_path / "failed_at").read_text())
+    assert took < ENDS_WITHIN_S, f"the peer's wait ended {took:.1f} s after rank 1 failed"
+    assert "PeerFailedError" in error and "rank 1 failed (ValueError: boom at step 6)" in error

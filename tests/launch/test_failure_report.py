@@ -1,0 +1,87 @@
+"""The launcher's failure report: the root cause first, by when it happened, not when heard.
+
+Pure tests of :mod:`ringtrain.launch.failures`, then one real ``ringtrain run`` job (torch-free
+ranks) in which three ranks fail at nearly the same time and the first to fail is named first.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ringtrain.launch.failures import Failure, report, root_cause
+
+
+def _failure(rank: int, at: float, code: int = 1, tail: list[str] | None = None) -> Failure:
+    desc = f"rank {rank} (host h, pid {100 + rank}) exited with code {code} after 1.0 s"
+    return Failure(rank, "h", code, desc, tail or [f"[rank{rank}]: ValueError: {rank}"], at)
+
+
+def test_the_earliest_failure_is_the_root_cause_whatever_arrived_first() -> None:
+    heard = [_failure(0, at=10.5), _failure(2, at=10.1, code=7), _failure(1, at=10.3)]
+    cause = root_cause(heard)
+    assert cause.rank == 2 and cause.code == 7
+    text = report(heard)
+    first = text.splitlines()[0]
+    assert first.startswith("job failed; root cause (first observed failure): rank 2 ")
+    assert text.index("rank 1 ") < text.index("rank 0 ")  # the others in the order they failed
+    assert "2 other rank(s) failed after it" in text
+
+
+def test_peers_that_ended_alike_are_one_entry() -> None:
+    same = ["[rank{}]: ringtrain.errors.PeerFailedError: rank 3 failed (ValueError: x)"]
+    peers = [_failure(r, at=5.0 + r, tail=[same[0].format(r)]) for r in range(3)]
+    text = report([_failure(3, at=4.0), *peers])
+    assert "ranks 0, 1, 2 ended alike" in text
+    assert text.count("PeerFailedError") == 1
+
+
+def test_one_failure_reads_as_before() -> None:
+    text = report(_failure(1, at=1.0))
+    assert (
+        text.splitlines()[0]
+        == "job failed: rank 1 (host h, pid 101) exited with code 1 after 1.0 s"
+    )
+    assert "other rank" not in text
+
+
+# Each rank says it fails on the heartbeat pipe, as ringtrain's except hook does
+# (runtime/heartbeat.py), then exits later, in another order: rank 2 fails first and exits
+# last, rank 0 fails second and exits first, so the news of rank 0 reaches the launcher first.
+RANKS_FAIL_TOGETHER = textwrap.dedent(
+    """
+    import os, sys, time
+    rank = int(os.environ["RINGTRAIN_RANK"])
+    start = float(sys.argv[1])
+    fails, exits = {2: (0.0, 0.9), 0: (0.05, 0.3), 1: (0.1, 0.6)}[rank]
+    time.sleep(max(0.0, start - time.time()) + fails)
+    os.write(int(os.environ["RINGTRAIN_HEARTBEAT_FD"]), b"F")
+    print(f"rank {rank} gives up", file=sys.stderr, flush=True)
+    time.sleep(exits - fails)
+    sys.exit(10 + rank)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_three_ranks_fail_together_and_the_first_is_named_first(tmp_path: Path) -> None:
+    import time
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANKS_FAIL_TOGETHER)
+    # A start far enough ahead that every rank is running by then, even on a loaded machine.
+    start = time.time() + 8.0
+    argv = [sys.executable, "-m", "ringtrain", "run", "-np", "3", "--"]
+    argv += [sys.executable, str(script), repr(start)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 12, proc.stderr  # the root cause's code
+    report_text = proc.stderr[proc.stderr.index("ringtrain run: job failed") :]
+    assert "root cause (first observed failure): rank 2 " in report_text.splitlines()[0]
+    assert "rank 2 gives up" in report_text
+    # The others failed on their own (they said so), and are listed under it in that order.
+    assert report_text.index("rank 0 (") < report_text.index("rank 1 (")
+    assert "exited with code 10" in report_text and "exited with code 11" in report_text

@@ -1,0 +1,54 @@
+"""Departure posts: what a rank that leaves tells its peers, and how they read it (one process)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from ringtrain.runtime import departures
+from ringtrain.runtime.departures import FAILED, FINISHED, Departure
+
+
+def test_posts_are_read_failures_first_then_by_time() -> None:
+    store = dist.HashStore()
+    store.set(departures.PREFIX + "3", Departure(3, FINISHED, "", "b", 5.0).encode())
+    store.set(departures.PREFIX + "2", Departure(2, FAILED, "OSError: disk", "a", 9.0).encode())
+    store.set(departures.PREFIX + "1", Departure(1, FAILED, "ValueError: x", "a", 7.0).encode())
+    got = departures.read(store, [0, 1, 2, 3])
+    assert [d.rank for d in got] == [1, 2, 3]  # rank 0 posted nothing
+    assert got[0].describe() == "rank 1 (host a) failed: ValueError: x"
+    assert got[2].describe().startswith("rank 3 (host b) finished: its script ended")
+
+
+def test_a_rank_posts_once_per_world_and_not_after_unbind(monkeypatch: pytest.MonkeyPatch) -> None:
+    # bind() installs ringtrain's except hook once per process: keep this process's own.
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(departures, "_previous_hook", None)
+    store = dist.HashStore()
+    departures.bind(store, 4, "h")
+    try:
+        departures.post(FAILED, "RuntimeError: first")
+        departures.post(FINISHED)  # the at-exit shutdown after a failure: the failure stands
+        (only,) = departures.read(store, [4])
+        assert (only.how, only.why, only.host) == (FAILED, "RuntimeError: first", "h")
+    finally:
+        departures.unbind()
+    departures.post(FAILED, "after unbind")  # no store: nothing happens, nothing raises
+    assert departures.read(store, [4])[0].why == "RuntimeError: first"
+
+
+def test_a_store_that_is_gone_reads_as_no_posts() -> None:
+    class Gone:
+        def clone(self) -> Gone:
+            raise RuntimeError("Connection refused")
+
+    assert departures.read(Gone(), [0, 1]) == []
+    assert departures.read(None, [0, 1]) == []
+
+
+def test_summary_is_one_short_line() -> None:
+    assert departures.summary(ValueError("boom\n  at step 6")) == "ValueError: boom at step 6"
+    assert departures.summary(KeyError()) == "KeyError"
+    assert len(departures.summary(RuntimeError("x" * 1000))) == 300
