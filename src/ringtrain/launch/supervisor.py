@@ -43,6 +43,7 @@ from ringtrain.launch import discovery, elastic, job_network, rank_env, transpor
 from ringtrain.launch.agent import FAILING_GRACE_S
 from ringtrain.launch.agent_link import AgentLink, unreachable
 from ringtrain.launch.elastic_hosts import ElasticHosts
+from ringtrain.launch.exit_policy import Next, RankExit, decide
 from ringtrain.launch.failures import Failure, how_it_ended, report, root_cause
 from ringtrain.launch.hosts import Host
 from ringtrain.launch.options import LaunchOptions
@@ -384,48 +385,58 @@ class Supervisor(ElasticHosts):
     def _on_exit(self, link: AgentLink, msg: dict[str, Any]) -> None:
         rank = msg["rank"]
         self._exits[rank] = msg
-        code, sig = msg.get("code"), msg.get("signal")
-        if rank in self._retired:
+        pid = self._pids.get(rank)
+        step = decide(
+            RankExit(
+                succeeded=msg.get("code") == 0 and msg.get("signal") is None,
+                retired=rank in self._retired,
+                interrupted=bool(self._interrupts),
+                job_failed=self._failure is not None,
+                stopped_by_launcher=bool(msg.get("stopped")),
+                said_failing=bool(msg.get("failing")),
+                joining=rank in self._joiners,
+                elastic=self._membership is not None,
+                started=pid is not None,
+            )
+        )
+        if step is Next.STOPPED:
             self._log(f"rank {rank} (host {link.host.name}) stopped")
             return
-        if code == 0 and sig is None:
+        if step is Next.FINISHED:
             if self._growing and self._membership is not None and self._joiners:
                 self._retire_joiners("a rank finished")
             self._growing = False  # the job is finishing: no new ranks
             return
-        if self._interrupts:
-            return  # stopped by Ctrl-C
-        if self._failure is not None and msg.get("stopped") and not msg.get("failing"):
-            return  # stopped by us after the first failure
+        if step is Next.IGNORE:
+            return
+        failure = self._exit_failure(link.host.name, msg, pid)
+        if step is Next.ALSO_FAILED:
+            self._failures.append(failure)
+        elif step is Next.JOINER_FAILED:
+            self._joiner_failed(link, [rank], failure.description)
+        elif step is Next.REFORM:
+            self._exclude(link.host.name, failure.description)
+            if self._reform(failure.description, rank) or self._await_hosts(
+                failure.description, failure
+            ):
+                return
+            failure.description += self._shortfall()
+            self._fail(failure)
+        else:
+            self._fail(failure)
+
+    def _exit_failure(self, host: str, msg: dict[str, Any], pid: int | None) -> Failure:
+        """How a failed rank's exit is reported (see :mod:`ringtrain.launch.failures`)."""
+        rank = msg["rank"]
         how, exit_code = how_it_ended(msg)
-        pid = self._pids.get(rank)
         tail = list(msg.get("tail") or [])
         if pid is None:  # the agent could not even start the command
-            desc = (
-                f"rank {rank} (host {link.host.name}) could not start: {tail[-1] if tail else how}"
-            )
+            desc = f"rank {rank} (host {host}) could not start: {tail[-1] if tail else how}"
         else:
             elapsed = time.monotonic() - self._started_at
-            desc = f"rank {rank} (host {link.host.name}, pid {pid}) {how} after {elapsed:.1f} s"
+            desc = f"rank {rank} (host {host}, pid {pid}) {how} after {elapsed:.1f} s"
         at = float(msg.get("at") or time.time())
-        after_peer = bool(msg.get("after_peer"))
-        if self._failure is not None:  # a later failure of its own: listed under the cause
-            self._failures.append(
-                Failure(rank, link.host.name, exit_code, desc, tail, at, after_peer)
-            )
-            return
-        if rank in self._joiners:
-            self._joiner_failed(link, [rank], desc)
-            return
-        if self._membership is not None and pid is not None:
-            self._exclude(link.host.name, desc)
-            if self._reform(desc, rank):
-                return
-            failure = Failure(rank, link.host.name, exit_code, desc, tail, at, after_peer)
-            if self._await_hosts(desc, failure):
-                return
-            desc += self._shortfall()
-        self._fail(Failure(rank, link.host.name, exit_code, desc, tail, at, after_peer))
+        return Failure(rank, host, exit_code, desc, tail, at, bool(msg.get("after_peer")))
 
     def _fail(self, failure: Failure) -> None:
         if not failure.at:
