@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from ringtrain import environ
-from ringtrain.environ import Ringtrain
 from ringtrain.errors import ConfigError, LaunchEnvironmentError
+from ringtrain.launch import rank_env
 
 # How long task 0's store waits for the others (they start together: a barrier stage).
 STORE_TIMEOUT_S = 600.0
@@ -97,16 +97,8 @@ def _run_rank(ctx: Any, size: int, payload: bytes, extra: Mapping[str, str]) -> 
     env = {
         k: v for k, v in environ.current().items() if not k.startswith(("RINGTRAIN_", "HOROVOD_"))
     }
-    env.update(
-        {
-            Ringtrain.RANK: str(rank),
-            Ringtrain.SIZE: str(size),
-            Ringtrain.RENDEZVOUS_ADDR: host,
-            Ringtrain.RENDEZVOUS_PORT: port,
-            Ringtrain.RENDEZVOUS_HOSTED: "1",
-            **extra,
-        }
-    )
+    env.update(rank_env.variables(rank, size, host, port))
+    env.update(extra)
     with tempfile.TemporaryDirectory(prefix="ringtrain-spark-") as tmp:
         result, errors = os.path.join(tmp, "result"), os.path.join(tmp, "stderr")
         code = "import sys, ringtrain.spark as s; s._child(sys.argv[1])"

@@ -25,8 +25,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
 
 from ringtrain import environ
-from ringtrain.environ import Ringtrain, Threads
+from ringtrain.environ import Threads
 from ringtrain.errors import ConfigError, LaunchError
+from ringtrain.launch import rank_env
 from ringtrain.runtime import environment
 
 P = TypeVar("P")
@@ -113,16 +114,8 @@ def _child(
     # if it is SIGKILLed.
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    environ.update(
-        {
-            Ringtrain.RANK: str(rank),
-            Ringtrain.SIZE: str(size),
-            Ringtrain.RENDEZVOUS_ADDR: "127.0.0.1",
-            Ringtrain.RENDEZVOUS_PORT: str(port),
-            Ringtrain.RENDEZVOUS_HOSTED: "1",
-            Threads.OMP_NUM_THREADS: str(threads),
-        }
-    )
+    environ.update(rank_env.variables(rank, size, "127.0.0.1", port))
+    environ.set_var(Threads.OMP_NUM_THREADS, str(threads))
     try:
         result = _run_in_place(fn, params, threads, settings)
         conn.send(("ok", result))

@@ -47,31 +47,69 @@ def explicit(env: Mapping[str, str], extra: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def placement(spec: ProcessSpec, rdzv: Rendezvous) -> dict[str, str]:
-    """Placement and rendezvous variables of one rank, in both spellings."""
-    numbers = {
-        (Ringtrain.RANK, Horovod.RANK): spec.rank,
-        (Ringtrain.SIZE, Horovod.SIZE): spec.size,
-        (Ringtrain.LOCAL_RANK, Horovod.LOCAL_RANK): spec.local_rank,
-        (Ringtrain.LOCAL_SIZE, Horovod.LOCAL_SIZE): spec.local_size,
-        (Ringtrain.CROSS_RANK, Horovod.CROSS_RANK): spec.cross_rank,
-        (Ringtrain.CROSS_SIZE, Horovod.CROSS_SIZE): spec.cross_size,
-    }
-    env = {var: str(v) for names, v in numbers.items() for var in names}
+def placement(spec: ProcessSpec, rdzv: Rendezvous, hosted: bool = True) -> dict[str, str]:
+    """Placement and rendezvous variables of one rank, in both spellings. ``hosted``: the
+    store at the rendezvous address is served by the launcher (else rank 0 serves it)."""
+    env = variables(
+        spec.rank,
+        spec.size,
+        rdzv.addr,
+        rdzv.port,
+        hosted=hosted,
+        local=(spec.local_rank, spec.local_size),
+        cross=(spec.cross_rank, spec.cross_size),
+        host=spec.host,
+        horovod=True,
+    )
     env.update(
         {
-            Ringtrain.HOSTNAME: spec.host,
-            Ringtrain.RENDEZVOUS_ADDR: rdzv.addr,
-            Ringtrain.RENDEZVOUS_PORT: str(rdzv.port),
-            Ringtrain.RENDEZVOUS_HOSTED: "1",
             Ringtrain.JOB_ID: rdzv.job_id,
-            Horovod.HOSTNAME: spec.host,
-            Horovod.GLOO_RENDEZVOUS_ADDR: rdzv.addr,
-            Horovod.GLOO_RENDEZVOUS_PORT: str(rdzv.port),
             Horovod.CONTROLLER: "gloo",
             Horovod.CPU_OPERATIONS: "gloo",
             # Output arrives line by line, prefixed with the rank, instead of in late blocks.
             Process.PYTHONUNBUFFERED: "1",
         }
     )
+    return env
+
+
+def variables(
+    rank: int,
+    size: int,
+    addr: str,
+    port: int | str,
+    *,
+    hosted: bool = True,
+    local: tuple[int, int] | None = None,
+    cross: tuple[int, int] | None = None,
+    host: str | None = None,
+    horovod: bool = False,
+) -> dict[str, str]:
+    """The placement variables of one rank: the one function that writes them, for every
+    front end that starts ranks (``ringtrain run``, Ray, Spark, the test harness, the
+    benchmarks; ``tests/launch/test_rank_env.py`` holds that). ``local``/``cross``: (rank,
+    size) where the front end knows them (else ringtrain measures the placement);
+    ``horovod``: also horovodrun's spellings, for scripts that read ``HOROVOD_RANK``."""
+    numbers: dict[tuple[str, str], int] = {
+        (Ringtrain.RANK, Horovod.RANK): rank,
+        (Ringtrain.SIZE, Horovod.SIZE): size,
+    }
+    if local is not None:
+        numbers[(Ringtrain.LOCAL_RANK, Horovod.LOCAL_RANK)] = local[0]
+        numbers[(Ringtrain.LOCAL_SIZE, Horovod.LOCAL_SIZE)] = local[1]
+    if cross is not None:
+        numbers[(Ringtrain.CROSS_RANK, Horovod.CROSS_RANK)] = cross[0]
+        numbers[(Ringtrain.CROSS_SIZE, Horovod.CROSS_SIZE)] = cross[1]
+    env = {ours: str(v) for (ours, _), v in numbers.items()}
+    env[Ringtrain.RENDEZVOUS_ADDR] = addr
+    env[Ringtrain.RENDEZVOUS_PORT] = str(port)
+    env[Ringtrain.RENDEZVOUS_HOSTED] = "1" if hosted else "0"
+    if host is not None:
+        env[Ringtrain.HOSTNAME] = host
+    if horovod:
+        env.update({theirs: str(v) for (_, theirs), v in numbers.items()})
+        env[Horovod.GLOO_RENDEZVOUS_ADDR] = addr
+        env[Horovod.GLOO_RENDEZVOUS_PORT] = str(port)
+        if host is not None:
+            env[Horovod.HOSTNAME] = host
     return env

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ringtrain.config import Config, env_var
-from ringtrain.environ import Ringtrain
 from ringtrain.errors import ConfigError
 from ringtrain.launch import rank_env
 from ringtrain.launch.plan import ProcessSpec
@@ -70,9 +69,7 @@ def rank_environment(
     spec: ProcessSpec, addr: str, port: int, job_id: str, *, store_hosted: bool
 ) -> dict[str, str]:
     """The variables of one rank: the ones ``ringtrain run`` gives (both spellings)."""
-    env = rank_env.placement(spec, rank_env.Rendezvous(addr, port, job_id))
-    env[Ringtrain.RENDEZVOUS_HOSTED] = "1" if store_hosted else "0"
-    return env
+    return rank_env.placement(spec, rank_env.Rendezvous(addr, port, job_id), hosted=store_hosted)
 
 
 def settings_environment(settings: Mapping[str, Any]) -> dict[str, str]:

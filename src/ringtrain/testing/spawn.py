@@ -37,7 +37,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ringtrain import environ
-from ringtrain.environ import Ringtrain, Threads, Torch
+from ringtrain.environ import Threads, Torch
+from ringtrain.launch import rank_env
 
 DEFAULT_TIMEOUT_S = 60.0
 # Starting a rank (spawn, import torch, warm up) is not the test's time: on a loaded machine it
@@ -98,16 +99,8 @@ def _worker(
     current = environ.mutable()
     current.clear()
     current.update(env)
-    environ.update(
-        {
-            Ringtrain.RANK: str(rank),
-            Ringtrain.SIZE: str(size),
-            Ringtrain.RENDEZVOUS_ADDR: "127.0.0.1",
-            Ringtrain.RENDEZVOUS_PORT: str(port),
-            Ringtrain.RENDEZVOUS_HOSTED: "1",
-            Threads.OMP_NUM_THREADS: "1",
-        }
-    )
+    environ.update(rank_env.variables(rank, size, "127.0.0.1", port))
+    environ.set_var(Threads.OMP_NUM_THREADS, "1")
     import torch
 
     torch.set_num_threads(1)
