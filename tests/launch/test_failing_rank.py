@@ -24,9 +24,11 @@ import pytest
 
 HERE = Path(__file__).parent
 JOB = HERE / "failing_job.py"
-# From the failure to the launcher's exit. Ranks reach the failure after importing torch and
-# init(), which is why the whole job gets more time than this.
-ENDS_WITHIN_S = 10.0
+# From the failure to the launcher's exit: the 10 s, doubled for a loaded machine (the
+# failing rank's interpreter takes seconds to finalize under load; quiet, the whole end takes
+# one to two seconds). The hang this guards against lasted minutes. Ranks reach the failure
+# after importing torch and init(), which is why the whole job gets more time than this.
+ENDS_WITHIN_S = 20.0
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -67,6 +69,7 @@ def test_the_job_ends_naming_the_failed_rank(
     done, took = _run(argv, tmp_path)
     report = done.stderr[done.stderr.index("ringtrain run: job failed") :]
     assert done.returncode == code, done.stdout + done.stderr
+    print(f"{how}/{where}: the job ended {took:.1f} s after rank 1 failed")
     assert took < ENDS_WITHIN_S, f"the job ended {took:.1f} s after rank 1 failed"
     # The root cause first: rank 1, its exit code and its own last words.
     assert report.startswith("ringtrain run: job failed"), report
@@ -100,5 +103,6 @@ def test_under_torchrun_the_peer_ends_naming_the_failed_rank(tmp_path: Path) -> 
     # The peer's own end: torchrun's teardown after it is torchrun's.
     at, error = json.loads((tmp_path / "error.0").read_text())
     took = at - float((tmp_path / "failed_at").read_text())
+    print(f"torchrun: the peer's wait ended {took:.1f} s after rank 1 failed")
     assert took < ENDS_WITHIN_S, f"the peer's wait ended {took:.1f} s after rank 1 failed"
     assert "PeerFailedError" in error and "rank 1 failed (ValueError: boom at step 6)" in error
