@@ -207,9 +207,9 @@ class Controller(LaneControl):
         return handle
 
     def request_shutdown(self, timeout: float | None = None, failure: str = "") -> bool:
-        """Leave the set: the next round tells every rank, and the set ends there on all of
-        them (pending ops fail, naming this rank; ``failure``: this rank's uncaught exception,
-        quoted to them). Waits at most ``timeout`` for that round; returns whether it ran."""
+        """Leave the set: the next round tells every rank, which then end the set alike (the
+        module docstring's shutdown rules; ``failure``: this rank's uncaught exception, quoted
+        to them). Waits at most ``timeout`` for the set to end here; returns whether it did."""
         with self._lock:
             self._shutdown = True
             self._leaving = failure
