@@ -35,6 +35,8 @@ _EXPORTS: dict[str, str] = {
     # lifecycle and queries
     "init": "ringtrain.lifecycle",
     "shutdown": "ringtrain.lifecycle",
+    # horovod.run: a function on every rank of a job that ringtrain's launcher starts
+    "run": "ringtrain.launch.python_run",
     "add_process_set": "ringtrain.lifecycle",
     "remove_process_set": "ringtrain.lifecycle",
     "start_timeline": "ringtrain.lifecycle",
@@ -100,6 +102,8 @@ _EXPORTS: dict[str, str] = {
     "CollectiveMismatchError": "ringtrain.errors",
     "CollectiveArgumentError": "ringtrain.errors",
     "StallError": "ringtrain.errors",
+    "PeerFailedError": "ringtrain.errors",
+    "JobFailedError": "ringtrain.errors",
     "ConfigError": "ringtrain.errors",
 }
 
@@ -167,8 +171,11 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real objects ("X as X": re-e
     from ringtrain.errors import CollectiveError as CollectiveError
     from ringtrain.errors import CollectiveMismatchError as CollectiveMismatchError
     from ringtrain.errors import ConfigError as ConfigError
+    from ringtrain.errors import JobFailedError as JobFailedError
+    from ringtrain.errors import PeerFailedError as PeerFailedError
     from ringtrain.errors import RingtrainError as RingtrainError
     from ringtrain.errors import StallError as StallError
+    from ringtrain.launch.python_run import run as run
     from ringtrain.lifecycle import add_process_set as add_process_set
     from ringtrain.lifecycle import init as init
     from ringtrain.lifecycle import remove_process_set as remove_process_set

@@ -17,7 +17,8 @@
     ├── SecurityError                   a message failed authentication or a peer lacks the key
     ├── CheckpointError                 a checkpoint is incomplete, damaged, or cannot be written
     ├── LaunchError                     the launcher could not start or keep the job running
-    │   └── HostSpecError (ValueError)  a -H / --hostfile entry could not be parsed
+    │   ├── HostSpecError (ValueError)  a -H / --hostfile entry could not be parsed
+    │   └── JobFailedError (RuntimeError)  ringtrain.run's job failed (horovod.run raises so)
     └── InternalError                   a bug in ringtrain itself: please report it
 
 Messages say what was given, what was expected, and what to do (``HINT:``).
@@ -118,6 +119,14 @@ class LaunchError(RingtrainError):
 
 class HostSpecError(LaunchError, ValueError):
     """A host specification could not be parsed."""
+
+
+class JobFailedError(LaunchError, RuntimeError):
+    """The job that ``ringtrain.run`` started failed; ``exit_code`` is the launcher's."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class InternalError(RingtrainError):

@@ -470,6 +470,11 @@ def _interface_names(value: str | None) -> tuple[str, ...]:
 
 
 def main(args: argparse.Namespace) -> int:
+    return Supervisor(checked_options(args)).run()
+
+
+def checked_options(args: argparse.Namespace) -> LaunchOptions:
+    """The launch options the flags describe, every value checked before any rank starts."""
     options = options_from_args(args)
     # A bad RINGTRAIN_*/HOROVOD_* value or setting fails here once, before any rank starts:
     # the ranks compute this same Config from the variables the launcher hands them.
@@ -481,7 +486,7 @@ def main(args: argparse.Namespace) -> int:
         check_path(label, options.output_dir, directory=True)
     for line in not_needed(args):
         print(f"ringtrain run: {line}", file=sys.stderr)
-    return Supervisor(options).run()
+    return options
 
 
 def add_ssh_arguments(p: argparse.ArgumentParser) -> None:

@@ -10,22 +10,38 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from typing import IO
 
 from ringtrain.errors import LaunchError
 from ringtrain.launch.options import LaunchOptions
 
+# Starts the stdout line that carries a rank's return value for ringtrain.run (base64 of its
+# cloudpickle): a record separator, which no one prints by chance, then a name.
+RESULT_PREFIX = "\x1eringtrain-result:"
+
 
 class RankOutput:
     """Relays the ranks' lines; :meth:`close` closes the files it opened."""
 
-    def __init__(self, options: LaunchOptions, out: IO[str], err: IO[str]) -> None:
+    def __init__(
+        self,
+        options: LaunchOptions,
+        out: IO[str],
+        err: IO[str],
+        on_result: Callable[[int, str], None] | None = None,
+    ) -> None:
         self.options = options
         self.out = out
         self.err = err
         self.files: dict[tuple[int, int], IO[str]] = {}
+        # ringtrain.run: a rank's return value arrives as one marked stdout line (run_func.py).
+        self.on_result = on_result
 
     def print_line(self, rank: int, fd: int, line: str, end: str) -> None:
+        if self.on_result is not None and fd == 1 and line.startswith(RESULT_PREFIX):
+            self.on_result(rank, line[len(RESULT_PREFIX) :])
+            return
         if self.options.output_dir:
             self.file(rank, fd).write(line + end)
         stream = self.out if fd == 1 else self.err

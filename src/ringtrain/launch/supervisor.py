@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import IO, Any
 
@@ -64,6 +64,7 @@ class Supervisor(ElasticHosts):
         env: Mapping[str, str] | None = None,
         out: IO[str] | None = None,
         err: IO[str] | None = None,
+        on_result: Callable[[int, str], None] | None = None,
     ) -> None:
         self.options = options
         self.env = dict(environ.current() if env is None else env)
@@ -86,7 +87,7 @@ class Supervisor(ElasticHosts):
         self._interrupts = 0
         self._stop_deadline: float | None = None
         self._started_at = time.monotonic()
-        self.output = RankOutput(options, self.out, self.err)
+        self.output = RankOutput(options, self.out, self.err, on_result)
         self._server: RendezvousServer | None = None
         self._membership: elastic.Membership | None = None
         # Elastic growth (--host-discovery-script): see the "elastic hosts" section.

@@ -1,0 +1,85 @@
+"""``ringtrain.run(func, ...)``: Horovod's ``horovod.run`` on ringtrain's launcher."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import ringtrain
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_each_rank_returns_its_result() -> None:
+    def train(scale: int, *, offset: int = 0) -> tuple[int, int, float]:
+        import torch
+
+        import ringtrain.torch as hvd
+
+        hvd.init()
+        total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum)
+        return hvd.rank() * scale + offset, hvd.size(), float(total)
+
+    got = ringtrain.run(train, args=(10,), kwargs={"offset": 1}, np=2)
+    assert got == [(1, 2, 1.0), (11, 2, 1.0)]
+
+
+def test_a_rank_that_raises_fails_the_call_as_horovod_run_does() -> None:
+    def train() -> None:
+        import os
+
+        if os.environ["RINGTRAIN_RANK"] == "1":
+            raise ValueError("no data on rank 1")
+
+    with pytest.raises(RuntimeError, match="failed with exit code 1") as caught:
+        ringtrain.run(train, num_proc=2)
+    assert isinstance(caught.value, ringtrain.JobFailedError)
+
+
+def test_arguments_horovod_run_refuses_or_ringtrain_cannot_honour() -> None:
+    with pytest.raises(ringtrain.ConfigError, match="hosts or hostfile"):
+        ringtrain.run(print, hosts="localhost:2", hostfile="hosts.txt")
+    with pytest.raises(ringtrain.ConfigError, match="use_mpi"):
+        ringtrain.run(print, np=2, use_mpi=True)
+
+
+# pytorch_mnist.py's shape: a main() in the script's __main__, started with --num-proc.
+SCRIPT = textwrap.dedent(
+    """
+    import argparse
+    import ringtrain
+
+    def main(args):
+        import ringtrain.torch as hvd
+        hvd.init()
+        print(f"training on rank {hvd.rank()}", flush=True)
+        return hvd.rank() + args.base
+
+    if __name__ == "__main__":
+        p = argparse.ArgumentParser()
+        p.add_argument("--num-proc", type=int)
+        p.add_argument("--base", type=int, default=100)
+        args = p.parse_args()
+        print("results", ringtrain.run(main, args=(args,), np=args.num_proc))
+    """
+)
+
+
+def test_a_script_runs_its_main_on_num_proc_ranks(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), "--num-proc", "2"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "results [100, 101]" in done.stdout
+    assert "[1] training on rank 1" in done.stdout  # the ranks' own output, prefixed
+    assert "ringtrain-result" not in done.stdout  # the results' lines are not printed
