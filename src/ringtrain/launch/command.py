@@ -26,6 +26,7 @@ from ringtrain.config import (
 )
 from ringtrain.environ import LOG_LEVELS
 from ringtrain.errors import ConfigError
+from ringtrain.launch import horovodrun
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
 from ringtrain.launch.options import BIND_CHOICES, MALLOC_CHOICES, LaunchOptions, SshOptions
 from ringtrain.launch.plan import PLACEMENTS
@@ -147,22 +148,13 @@ SETTING_FLAGS = (
     ),
 )
 
-# horovodrun's flags that are not needed here: accepted, each with one line saying why.
-NOT_NEEDED = {
-    "gloo": "--gloo is not needed: ranks always talk over torch.distributed (Gloo on CPU)",
-    "mpi": "--mpi is not needed: ringtrain run starts the ranks itself; to start them with "
-    "mpirun instead, run `mpirun ... python train.py` (ringtrain reads Open MPI's variables)",
-    "disable_cache": "--disable-cache is not needed: ringtrain run keeps no cache of host checks "
-    "and checks every host on every start",
-}
-
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.usage = "ringtrain run [-np N] [-H HOSTS | --hostfile FILE] [options] [--] COMMAND ..."
     p.add_argument("-np", "--num-proc", dest="np", type=int, help="number of ranks")
     where = p.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", help="hosts and slots: a:4,b:4 (default: localhost)")
-    where.add_argument("--hostfile", help="file with one 'host slots=N' per line")
+    where.add_argument("--hostfile", "-hostfile", help="file with one 'host slots=N' per line")
     p.add_argument(
         "--check", action="store_true", help="run a tiny allreduce smoke job instead of COMMAND"
     )
@@ -223,9 +215,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     elastic = p.add_argument_group("elastic (see docs/elastic.md)")
     elastic.add_argument(
-        "--min-np", type=int, help="keep the job running while at least this many ranks remain"
+        "--min-np",
+        "--min-num-proc",
+        type=int,
+        help="keep the job running while at least this many ranks remain",
     )
-    elastic.add_argument("--max-np", type=int, help="the most ranks the job may grow to")
+    elastic.add_argument(
+        "--max-np", "--max-num-proc", type=int, help="the most ranks the job may grow to"
+    )
     elastic.add_argument(
         "--elastic-timeout",
         type=float,
@@ -262,7 +259,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     add_ssh_arguments(p)
     knobs = p.add_argument_group("job settings (each also a RINGTRAIN_* variable)")
     for f in SETTING_FLAGS:
-        knobs.add_argument(f.flag, dest=f.field, type=f.type, help=f.help, metavar=_metavar(f))
+        also = ("--gloo-timeout-seconds",) if f.flag == "--timeout" else ()  # horovodrun's name
+        knobs.add_argument(
+            f.flag, *also, dest=f.field, type=f.type, help=f.help, metavar=_metavar(f)
+        )
     _add_horovodrun_arguments(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command every rank runs")
 
@@ -311,18 +311,8 @@ def _add_horovodrun_arguments(p: argparse.ArgumentParser) -> None:
         const=0.0,
         help="same as --stall-warning-time 0",
     )
-    for name in NOT_NEEDED:
-        hvd.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=name,
-            action="store_true",
-            help="accepted; not needed (a note says why)",
-        )
-
-
-def not_needed(args: argparse.Namespace) -> list[str]:
-    """One line for each horovodrun flag given that ringtrain does not need."""
-    return [line for name, line in NOT_NEEDED.items() if getattr(args, name, False)]
+    horovodrun.add_not_needed(hvd)
+    horovodrun.add_refused(p)
 
 
 def _metavar(f: SettingFlag) -> str:
@@ -484,7 +474,7 @@ def checked_options(args: argparse.Namespace) -> LaunchOptions:
     if options.output_dir:  # the launcher itself writes there
         label = f"--output-filename {options.output_dir!r}"
         check_path(label, options.output_dir, directory=True)
-    for line in not_needed(args):
+    for line in horovodrun.not_needed(args):
         print(f"ringtrain run: {line}", file=sys.stderr)
     return options
 
