@@ -182,3 +182,11 @@ def test_calls_before_init_explain_what_to_do() -> None:
         hvd.rank()
     with pytest.raises(ringtrain.RingtrainError, match=r"ringtrain.init\(\)"):
         hvd.allreduce(torch.ones(1))
+
+
+def test_horovods_spark_estimator_path_says_what_to_use_instead() -> None:
+    import pytest
+
+    with pytest.raises(ImportError, match="no Spark Estimator") as e:
+        import ringtrain.spark.torch  # noqa: F401
+    assert "ringtrain.spark.run" in str(e.value) and "TorchDistributor" in str(e.value)
