@@ -57,7 +57,7 @@ def _reference(opt_name: str, n: int) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def test_same_weights_as_global_batch(world: World) -> None:
+def _same_weights_as_global_batch(world: World) -> None:
     for opt_name in ("sgd", "adam"):
         expected = _reference(opt_name, world.size)
         for weights in world.run(_train, opt_name):
@@ -65,12 +65,16 @@ def test_same_weights_as_global_batch(world: World) -> None:
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_same_weights_as_global_batch(world: World) -> None:
+    _same_weights_as_global_batch(world)
+
+
 def test_same_weights_as_global_batch_under_every_cpu_capability(
     capability_world2: World,
 ) -> None:
-    """The same, with the ranks on another CPU capability's kernels than this process's
-    reference: the tolerance is for summation order, whichever kernels sum."""
-    test_same_weights_as_global_batch(capability_world2)
+    """The same, with the ranks on each CPU capability's kernels (this process's reference on
+    its own): the tolerance is for summation order, whichever kernels sum."""
+    _same_weights_as_global_batch(capability_world2)
 
 
 def _broadcast_state() -> None:
