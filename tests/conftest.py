@@ -96,8 +96,15 @@ def _no_leaks() -> Iterator[None]:
     # torch sets TORCHINDUCTOR_* itself on first use of torch.optim (its dynamo import).
     leaked_env = {k for k in leaked_env if not k.startswith(("PYTEST_", "TORCHINDUCTOR_"))}
     assert not leaked_env, f"test changed environment variables: {sorted(leaked_env)}"
+    # pytest-timeout's own timer is not the test's: a world's start replaces it with a new one
+    # (_rank_start_off_the_clock), whose thread id may be new.
     new_threads = [
-        t for t in threading.enumerate() if t.ident not in threads and t.is_alive() and not t.daemon
+        t
+        for t in threading.enumerate()
+        if t.ident not in threads
+        and t.is_alive()
+        and not t.daemon
+        and not t.name.startswith("pytest_timeout ")
     ]
     assert not new_threads, f"test left threads running: {[t.name for t in new_threads]}"
     import sys
