@@ -1,7 +1,8 @@
 """Copies and scalings on the collective path, on the calling thread alone (no OpenMP team).
 
 Packing tensors into a fusion buffer, unpacking them, the fast lane's backup of a tensor and
-its restoration, and an Average's scaling all run while Gloo's threads move data. A torch op
+its restoration, an Average's scaling and the rank-ordered sums
+(:mod:`~ringtrain.collectives.ordered`) all run while Gloo's threads move data. A torch op
 over more than ``GRAIN`` elements of a CPU tensor runs as an OpenMP parallel region, and after
 a region libgomp's workers spin (its default wait policy) for milliseconds on the cores that
 Gloo's threads need: at 8 ranks a 1 MiB allreduce whose lane took one parallel clone per op
@@ -67,6 +68,16 @@ def scale_(t: torch.Tensor, factor: float) -> None:
         averaging.scale(t, factor)
         return
     torch._foreach_mul_(list(t.view(-1).split(GRAIN)), factor)
+
+
+def add_(acc: torch.Tensor, other: torch.Tensor) -> None:
+    """``acc += other`` elementwise (both 1-D, dense, alike), on this thread alone."""
+    torch._foreach_add_(list(acc.split(GRAIN)), list(other.split(GRAIN)))
+
+
+def mul_(acc: torch.Tensor, other: torch.Tensor) -> None:
+    """``acc *= other`` elementwise (both 1-D, dense, alike), on this thread alone."""
+    torch._foreach_mul_(list(acc.split(GRAIN)), list(other.split(GRAIN)))
 
 
 def _pieces(

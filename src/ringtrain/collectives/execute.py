@@ -3,12 +3,15 @@
 The controller hands over requests that every rank agreed to run now, in the same order on every
 rank. Consecutive allreduces with the same reduce op, dtype, device and scale factors are packed
 into one buffer (tensor fusion) up to the fusion threshold, because one large Gloo allreduce is far
-cheaper than many small ones. With ``Config.reproducible`` (the default) and three or more ranks,
-only the tensors of one request (a grouped call) are fused: which async ops meet in one buffer
-depends on timing, and with three or more ranks Gloo's ring sums an element in an order set by
-its offset in the buffer. Two ranks sum ``a + b``, which is the same in any order, so they fuse
-freely. For the same reason a small allreduce that could not travel inline is reduced as inline
-ones are (every rank's values, in rank order). The other kinds run one request at a time
+cheaper than many small ones. Which async ops meet in one buffer depends on timing, and with
+three or more ranks Gloo's ring sums an element in an order set by its offset in the buffer; so
+with ``Config.reproducible`` (the default) and three or more ranks, floating-point sums and
+products run through :mod:`~ringtrain.collectives.ordered` instead, which adds every element in
+rank order wherever it lies: they fuse as freely as at two ranks (which sum ``a + b``, the same
+either way round) and keep their bits. A small allreduce that could not travel inline is reduced
+as inline ones are (every rank's values, in rank order), so that the round it fell into cannot
+change it either. Packing, unpacking and scaling run on this thread alone
+(:mod:`~ringtrain.collectives.copies`). The other kinds run one request at a time
 (:mod:`ringtrain.collectives.unfused`); scale factors and Average are :mod:`~ringtrain.collectives.scaling`.
 """
 
@@ -24,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain import compat
-from ringtrain.collectives import copies, dtypes, inline, unfused
+from ringtrain.collectives import copies, dtypes, inline, ordered, unfused
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request
 from ringtrain.collectives.scaling import REDUCE_OPS, scaling_of
@@ -72,6 +75,7 @@ class Executor:
         self.threshold = config.fusion_threshold_bytes
         # Whether arrival decides what is summed in which order (see the module docstring).
         self.order_free = not config.reproducible or comm.size <= 2
+        self._scratch = ordered.Scratch()
         self._batch: list[_Item] = []
         self._batch_key: tuple[Any, ...] | None = None
         self._batch_bytes = 0
@@ -167,12 +171,24 @@ class Executor:
         if self._batch and (
             key != self._batch_key
             or self._batch_bytes + nbytes > self.threshold
-            or not self.order_free
+            or not self._fuses_freely(item)
         ):
             self.flush()
         self._batch.append(item)
         self._batch_key = key
         self._batch_bytes += nbytes
+
+    def _fuses_freely(self, item: _Item) -> bool:
+        """Whether ``item`` may share a buffer with ops that arrived with it, its bits the same:
+        at two ranks, when reproducibility was waived, for reductions exact in any order, and
+        in host memory (summed in rank order). Device tensors on 3+ ranks, reproducibly, still
+        go one request per buffer: NCCL's ring orders a sum by offset, as Gloo's does."""
+        if self.order_free or not item.tensors:
+            return True
+        dtype = dtypes.from_name(item.request.tensors[0].dtype)
+        if not ordered.needed(item.request.op, dtype, self.comm.size):
+            return True
+        return item.tensors[0].device.type == "cpu"
 
     def flush(self) -> None:
         """Run the allreduces batched so far as one fused operation."""
@@ -251,6 +267,13 @@ class Executor:
         work = dtypes.to_reducible_all(tensors, op)
         scaling = scaling_of(req, n, work[0].dtype)
         group = self.comm.group_for(work[0])
+        # Reproducible from three ranks: floating-point sums in rank order, so that no element's
+        # bits depend on where it lies in the buffer (ringtrain.collectives.ordered).
+        in_order = (
+            not self.order_free
+            and work[0].device.type == "cpu"
+            and ordered.needed(op, work[0].dtype, self.comm.size)
+        )
         flat = one_block(outputs, work)  # in place, back to back: reduce them where they lie
         if flat is None and len(work) == 1 and _reducible_in(outputs[0], work[0]):
             flat = outputs[0]  # one tensor: reduce in its output, no packing
@@ -258,7 +281,9 @@ class Executor:
                 copies.copy_(flat, work[0])
         if flat is not None:
             copies.scale_(flat, scaling.pre)
-            if self.comm.size > 1:
+            if in_order:
+                ordered.allreduce(flat.view(-1), op, group, self._scratch)
+            elif self.comm.size > 1:
                 dist.all_reduce(flat, op=REDUCE_OPS[op], group=group)
             copies.scale_(flat, scaling.post)
             return
@@ -281,7 +306,9 @@ class Executor:
             )
             copies.scale_(flat, scaling.pre)
             pending = None
-            if self.comm.size > 1:
+            if in_order:  # one at a time: the chunks share the scratch
+                ordered.allreduce(flat, op, group, self._scratch)
+            elif self.comm.size > 1:
                 pending = dist.all_reduce(flat, op=REDUCE_OPS[op], group=group, async_op=True)
             in_flight.append((chunk, flat, pending))
             if len(in_flight) > 1:

@@ -17,8 +17,10 @@ waits on other collectives, it joined or is shutting down, a peer claimed a dumm
 waited :data:`RELEASE_S`. Every rank then sees the same result, so it decides alike: a first
 value that is not NaN means every rank claimed the slot for real, and the slot is *valid*; a
 NaN (a dummy's, or one in the data itself) makes every rank allreduce a one-element flag (1: a
-real claim) to tell. A valid slot's result is exactly the normal path's (the same Gloo ring over
-a buffer of the same size; 2 ranks sum ``a + b`` in either order). Otherwise the lane closes on
+real claim) to tell. A valid slot's result is exactly the normal path's: 2 ranks sum ``a + b``
+in either order; from 3 the slot reduces as the executor does, in rank order
+(:mod:`~ringtrain.collectives.ordered`) when reproducible, else on the same Gloo ring over a
+buffer of the same size. Otherwise the lane closes on
 every rank, each real claimant gets its tensor back as it was (2 ranks: only the first value
 changed; 3 or more: from a copy taken at the claim, as partial sums would remain; the copy goes
 to a backup buffer the lane keeps, on the caller's thread alone: :mod:`~ringtrain.collectives.copies`)
@@ -51,7 +53,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ringtrain.collectives import copies, dtypes, inline
+from ringtrain.collectives import copies, dtypes, inline, ordered
 from ringtrain.collectives.requests import Request
 from ringtrain.compression import averaging
 
@@ -120,9 +122,13 @@ class Lane:
     """One process set's lane on this rank. Users claim slots on their own threads; the
     controller thread opens the lane, dooms slots and settles claims nobody waits for."""
 
-    def __init__(self, size: int, group: Any) -> None:
+    def __init__(self, size: int, group: Any, reproducible: bool = True) -> None:
         self.size = size
         self._group = group
+        # As the executor: floating-point sums in rank order from three ranks (reproducible),
+        # so that a slot's result is the negotiated path's, bit for bit.
+        self._in_order = reproducible and size > 2
+        self._scratch = ordered.Scratch()
         self._lock = threading.Lock()
         self.slot = 0
         self.reserved: Request | None = None
@@ -193,7 +199,11 @@ class Lane:
         self.claim = self._launch(req, None, data)
 
     def _launch(self, req: Request, name: str | None, data: torch.Tensor) -> Claim:
-        work = dist.all_reduce(data, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+        work: Any
+        if self._in_order:  # Sum or Average of floats: see eligible()
+            work = ordered.OrderedWork(data.view(-1), "Sum", self._group, self._scratch)
+        else:
+            work = dist.all_reduce(data, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
         return Claim(self.slot, req, name, data, [work], time.perf_counter())
 
     def doom(self, slot: int) -> None:

@@ -1,0 +1,145 @@
+"""An allreduce whose floating-point sum adds every rank's value in rank order, wherever it lies.
+
+Why: with three or more ranks, Gloo's ring sums an element in an order set by its offset in the
+buffer (each chunk of the ring starts at another rank), so the bits of a fused op depend on
+which other ops share its buffer and where it lands. Which async ops meet in one buffer depends
+on timing, so a reproducible job could not fuse them (every async op was a Gloo call of its
+own). Here every element is ``((x0 + x1) + x2) + ...`` whatever the buffer's layout, so ops fuse
+in any grouping the negotiation happens to give and still sum to the same bits, run to run, on
+a busy machine or a quiet one, fused, pipelined in chunks, or alone, and in the fast lane alike.
+
+How: a direct reduce-scatter (one ``all_to_all_single``: rank r receives every rank's piece of
+the r-th chunk of the buffer, as rows in rank order), the rows summed in rank order with
+elementwise adds (an add is an add wherever it lies; ``stack.sum(0)`` is not: from 5 rows torch
+reorders it by width), then the sums sent back to every rank by a second alltoall, straight into
+the buffer. Wire bytes are a ring allreduce's, 2(N-1)/N of the buffer per rank; each exchange is
+one step with its N-1 pieces in flight at once (the ring takes 2(N-1) steps); the adds are the
+ring's adds. The costs: a scratch of the buffer's size, kept and reused; a copy of the sum into
+the rows (N-1)/N of the buffer, so that the second alltoall has a piece for every rank; and no
+overlap of the adds with the transfer, which Gloo's ring pipelines. Measured at 3 ranks, 16 MiB,
+on a loaded 2-core machine: 1.06-1.17x the CPU of Gloo's allreduce, and longer in wall time.
+
+The other choice was fusion buckets fixed the first time a set of requests is seen (DDP, the
+engine's planner). It would keep Gloo's ring, its bytes, latency and CPU; but it needs every member of a bucket to come again before the bucket can
+run; Horovod's async API promises no such thing (a program may synchronize one op before it
+submits the next), and the moment to give up waiting for a member would be a matter of timing
+again. This way any grouping is right, with no state to keep or to invalidate.
+
+Only floating-point (and complex) Sum, Average and Product go this way, and only from three
+ranks: two ranks sum ``a + b``, the same either way round; integer sums and products wrap
+alike in any order, and Min and Max pick a value: all of those take Gloo's ring as they are.
+Host memory only (the scratch is): device tensors on 3+ ranks are still reduced one request
+per buffer, on NCCL's ring.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ringtrain.collectives import copies
+
+ORDERED_OPS = ("Sum", "Average", "Product")
+
+
+def needed(op: str, dtype: torch.dtype, size: int) -> bool:
+    """Whether an allreduce of ``op`` over ``dtype`` on ``size`` ranks needs the rank order."""
+    return size > 2 and op in ORDERED_OPS and (dtype.is_floating_point or dtype.is_complex)
+
+
+class Scratch:
+    """The bytes an ordered allreduce works in, kept for the next: a fresh buffer of tens of
+    MiB is a fresh mmap whose page faults cost more than the copy. One op at a time."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if self._buf is None or self._buf.numel() < nbytes:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buf[:nbytes].view(dtype)
+
+
+class OrderedWork:
+    """One ordered allreduce of ``flat`` (1-D, dense, host memory) in flight, in place. Like a
+    torch work: ``is_completed()`` and ``wait(timeout=None)`` (a timeout raises the transport's
+    error, and the work can be waited on again). Whichever thread finds the exchange done sums
+    the rows and starts the second exchange."""
+
+    def __init__(self, flat: torch.Tensor, op: str, group: Any, scratch: Scratch) -> None:
+        self._flat, self._op, self._group = flat, op, group
+        n, size, me = flat.numel(), group.size(), group.rank()
+        chunk = -(-n // size)
+        self._sizes = [max(0, min(n, (r + 1) * chunk) - r * chunk) for r in range(size)]
+        self._mine = self._sizes[me]
+        # Every rank's piece of my chunk, one row per rank, in rank order.
+        self._rows = scratch.take(size * self._mine, flat.dtype).view(size, self._mine)
+        self._lock = threading.Lock()
+        self._back: Any = None
+        # The data moves as bytes, which every group moves for every dtype (complex, bfloat16).
+        self._width = flat.element_size()
+        self._exchange = dist.all_to_all_single(
+            self._rows.view(-1).view(torch.uint8),
+            flat.view(torch.uint8),
+            output_split_sizes=[self._mine * self._width] * size,
+            input_split_sizes=[k * self._width for k in self._sizes],
+            group=group,
+            async_op=True,
+        )
+
+    def _send_back(self) -> None:
+        """Sum the rows in rank order, then send the sum to every rank, straight into ``flat``.
+        An alltoall again, not an allgather: Gloo's allgather gathers into a buffer of its own,
+        allocated per call, and copies out of it; this one takes uneven pieces as they are, for
+        the price of copying the sum into the rows that are done with."""
+        with self._lock:
+            if self._back is not None:
+                return
+            self._exchange.wait()
+            rows = list(self._rows.unbind(0))
+            acc = rows[0]
+            for row in rows[1:]:  # rank order, elementwise: the layout cannot change a bit
+                if self._op == "Product":
+                    copies.mul_(acc, row)
+                else:
+                    copies.add_(acc, row)
+            copies.copy_all_(rows[1:], [acc] * (len(rows) - 1))
+            self._back = dist.all_to_all_single(
+                self._flat.view(torch.uint8),
+                self._rows.view(-1).view(torch.uint8),
+                output_split_sizes=[k * self._width for k in self._sizes],
+                input_split_sizes=[self._mine * self._width] * len(rows),
+                group=self._group,
+                async_op=True,
+            )
+
+    def is_completed(self) -> bool:
+        if self._back is None:
+            if not self._exchange.is_completed():
+                return False
+            self._send_back()
+        return bool(self._back.is_completed())
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        if self._back is None:
+            if timeout is not None:
+                self._exchange.wait(timeout=timeout)
+            self._send_back()
+        if deadline is None:
+            self._back.wait()
+        else:
+            left = max(deadline - time.monotonic(), 0.001)
+            self._back.wait(timeout=datetime.timedelta(seconds=left))
+        return True
+
+
+def allreduce(flat: torch.Tensor, op: str, group: Any, scratch: Scratch) -> None:
+    """``flat`` (1-D, dense) summed (or multiplied) over ``group`` in rank order, in place."""
+    OrderedWork(flat, op, group, scratch).wait()
