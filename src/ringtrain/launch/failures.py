@@ -68,7 +68,7 @@ def report(failures: Failure | Sequence[Failure]) -> str:
     cause = root_cause(every)
     lines = [f"job failed: {cause.description}"]
     if len(every) > 1:
-        lines[0] = f"job failed; root cause (first observed failure): {cause.description}"
+        lines.append("(the root cause: the first observed failure; others are listed below)")
     if cause.tail:
         who = f"rank {cause.rank}" if cause.rank is not None else f"host {cause.host}"
         lines.append(f"last lines of {who}'s error output:")
