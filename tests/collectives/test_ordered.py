@@ -114,3 +114,44 @@ def test_which_reductions_take_the_rank_order() -> None:
     assert not ordered.needed("Sum", torch.float32, 2)  # a + b == b + a
     assert not ordered.needed("Sum", torch.int64, 3)  # integer sums are exact in any order
     assert not ordered.needed("Max", torch.float32, 3)  # picks a value
+
+
+LARGE = (ordered.ALONE_ABOVE_BYTES // 4) + 1  # float32 elements: just above the limit
+
+
+def _large_ops_alone_on_the_ring() -> tuple[bool, bool, int]:
+    """Above ALONE_ABOVE_BYTES an op reduces alone on Gloo's ring (the rank-ordered sum costs
+    2-3x its wall time there): its bits are torch's all_reduce of the same tensor, every time,
+    async or not, and it shares no buffer with the small ops around it."""
+    import torch.distributed as dist
+
+    r = rt.rank()
+    ring = _data(1, r, LARGE)
+    dist.all_reduce(ring, group=rt.global_process_set.communicator.group("cpu"))
+    before = _fused_ops()
+    big = _data(1, r, LARGE)
+    small = [_data(2 + i, r) for i in range(4)]
+    handles = [rt.allreduce_async_(t, name=f"small.{i}", op=rt.Sum) for i, t in enumerate(small)]
+    handles.insert(2, rt.allreduce_async_(big, name="large", op=rt.Sum))
+    for h in handles:
+        rt.synchronize(h)
+    sync = rt.allreduce(_data(1, r, LARGE), name="large.sync", op=rt.Sum)
+    smalls_in_order = all(torch.equal(s, _in_rank_order(2 + i)) for i, s in enumerate(small))
+    return (
+        torch.equal(big, ring) and torch.equal(sync, ring),
+        smalls_in_order,
+        _fused_ops() - before,
+    )
+
+
+def test_a_large_op_reduces_alone_on_the_ring(world3: spawn.World) -> None:
+    for same_as_ring, smalls_in_order, ops in world3.run(
+        _large_ops_alone_on_the_ring, timeout=TIMEOUT
+    ):
+        assert same_as_ring and smalls_in_order
+        assert ops >= 3  # the large ones alone; the small ones before and after it apart
+
+
+def test_large_ops_go_alone() -> None:
+    assert not ordered.alone(ordered.ALONE_ABOVE_BYTES)
+    assert ordered.alone(ordered.ALONE_ABOVE_BYTES + 1)

@@ -79,6 +79,7 @@ class Executor:
         self._batch: list[_Item] = []
         self._batch_key: tuple[Any, ...] | None = None
         self._batch_bytes = 0
+        self._batch_alone = False  # the batch holds an op that shares no buffer
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.inline_ops = 0  # ops whose data came with the negotiation, for tests and stats
         self.fused_ops = 0  # fused allreduces run (one per batch, however many chunks)
@@ -168,31 +169,37 @@ class Executor:
             item.contributors,
         )
         nbytes = sum(t.nbytes for t in item.tensors)
+        alone = not self._fuses_freely(item, nbytes)
         if self._batch and (
             key != self._batch_key
             or self._batch_bytes + nbytes > self.threshold
-            or not self._fuses_freely(item)
+            or alone
+            or self._batch_alone
         ):
             self.flush()
         self._batch.append(item)
         self._batch_key = key
         self._batch_bytes += nbytes
+        self._batch_alone = alone
 
-    def _fuses_freely(self, item: _Item) -> bool:
+    def _fuses_freely(self, item: _Item, nbytes: int) -> bool:
         """Whether ``item`` may share a buffer with ops that arrived with it, its bits the same:
         at two ranks, when reproducibility was waived, for reductions exact in any order, and
-        in host memory (summed in rank order). Device tensors on 3+ ranks, reproducibly, still
-        go one request per buffer: NCCL's ring orders a sum by offset, as Gloo's does."""
+        in host memory up to :data:`~ringtrain.collectives.ordered.ALONE_ABOVE_BYTES` (summed
+        in rank order). Device tensors on 3+ ranks, reproducibly, still go one request per
+        buffer (NCCL's ring orders a sum by offset, as Gloo's does), and so do larger ops,
+        on Gloo's ring."""
         if self.order_free or not item.tensors:
             return True
         dtype = dtypes.from_name(item.request.tensors[0].dtype)
         if not ordered.needed(item.request.op, dtype, self.comm.size):
             return True
-        return item.tensors[0].device.type == "cpu"
+        return item.tensors[0].device.type == "cpu" and not ordered.alone(nbytes)
 
     def flush(self) -> None:
         """Run the allreduces batched so far as one fused operation."""
         batch, self._batch, self._batch_bytes, self._batch_key = self._batch, [], 0, None
+        self._batch_alone = False
         if not batch:
             return
         try:
@@ -273,6 +280,7 @@ class Executor:
             not self.order_free
             and work[0].device.type == "cpu"
             and ordered.needed(op, work[0].dtype, self.comm.size)
+            and not (len(batch) == 1 and ordered.alone(sum(t.nbytes for t in tensors)))
         )
         flat = one_block(outputs, work)  # in place, back to back: reduce them where they lie
         if flat is None and len(work) == 1 and _reducible_in(outputs[0], work[0]):

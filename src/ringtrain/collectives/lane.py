@@ -200,7 +200,9 @@ class Lane:
 
     def _launch(self, req: Request, name: str | None, data: torch.Tensor) -> Claim:
         work: Any
-        if self._in_order:  # Sum or Average of floats: see eligible()
+        # Sum or Average of floats (see eligible()): in rank order as the executor would, or,
+        # above ordered.ALONE_ABOVE_BYTES, on the ring, where the executor runs it alone too.
+        if self._in_order and not ordered.alone(data.nbytes):
             work = ordered.OrderedWork(data.view(-1), "Sum", self._group, self._scratch)
         else:
             work = dist.all_reduce(data, op=dist.ReduceOp.SUM, group=self._group, async_op=True)

@@ -47,6 +47,19 @@ from ringtrain.collectives import copies
 ORDERED_OPS = ("Sum", "Average", "Product")
 
 
+# Above this size an op reduces alone, on Gloo's ring, as before fused ops reduced in rank order:
+# fusion saves little per byte there, and the rank-ordered sum costs about twice the ring's CPU
+# and 2-3x its wall time at 1-16 MiB (its adds do not overlap the transfer:
+# docs/benchmarks/log/2026-11-28-ordered-fusion.md). Alone, an op's bits depend on its own size
+# only, so this keeps reproducibility: the choice is a function of the op, never of timing.
+ALONE_ABOVE_BYTES = 1 << 20
+
+
+def alone(nbytes: int) -> bool:
+    """Whether an op of ``nbytes`` reduces alone on the ring instead of in rank order."""
+    return nbytes > ALONE_ABOVE_BYTES
+
+
 def needed(op: str, dtype: torch.dtype, size: int) -> bool:
     """Whether an allreduce of ``op`` over ``dtype`` on ``size`` ranks needs the rank order."""
     return size > 2 and op in ORDERED_OPS and (dtype.is_floating_point or dtype.is_complex)
