@@ -12,16 +12,26 @@ import pytest
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_bench_checkpoint_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "ckpt.json"
-    proc = subprocess.run(
+def _bench(*flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [
             sys.executable, "-m", "ringtrain", "bench", "checkpoint", "-np", "2",
-            "--model", "mlp-1m", "--rounds", "2", "--steps", "2", "--json", str(out),
+            "--model", "mlp-1m", "--steps", "2", *flags,
         ],
-        capture_output=True, text=True, timeout=550,
+        capture_output=True, text=True, timeout=270,
     )  # fmt: skip
+
+
+def test_bench_checkpoint_smoke(tmp_path: Path) -> None:
+    out, where = tmp_path / "ckpt.json", tmp_path / "saves"
+    where.mkdir()
+    proc = _bench("--rounds", "2", "--json", str(out), "--dir", str(where))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Again into the same --dir: each run saves into a folder of its own (a checkpoint
+    # directory holds one run, and the first run's steps would be refused to the second).
+    again = _bench("--rounds", "1", "--dir", str(where))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert len([p for p in where.iterdir() if p.is_dir()]) == 2
     assert "blocked per save (ms)" in proc.stdout and "slowdown (writing / idle)" in proc.stdout
     result = json.loads(out.read_text())["result"]
     assert result["world_size"] == 2 and result["checkpoint_bytes"] > 4_000_000

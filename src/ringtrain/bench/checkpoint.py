@@ -41,7 +41,7 @@ class CheckpointParams:
     steps: int = 6  # steps after each save, and again after its write finished
     batch_size: int | None = None
     shard: bool = True
-    directory: str = ""  # default: a temporary directory, removed afterwards
+    directory: str = ""  # a folder per run is made (and kept) inside it; default: a temporary one
     seed: int = 0
 
 
@@ -88,8 +88,13 @@ def bench_checkpoint(params: CheckpointParams) -> CheckpointResult:
         opt.step()
         return time.perf_counter() - t0
 
-    root: str = params.directory or str(
-        ringtrain.broadcast_object(tempfile.mkdtemp(prefix="ringtrain-bench-ckpt-"))
+    # A folder of its own for every run, also inside a --dir the user gave: a checkpoint
+    # directory holds one run (docs/checkpoint.md), so a second benchmark run there would be
+    # refused the steps the first one saved.
+    root: str = str(
+        ringtrain.broadcast_object(
+            tempfile.mkdtemp(prefix="ringtrain-bench-ckpt-", dir=params.directory or None)
+        )
         if ringtrain.rank() == 0
         else ringtrain.broadcast_object(None)
     )

@@ -257,7 +257,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     cp.add_argument("--steps", type=int, default=6, help="steps after each save, and idle")
     cp.add_argument("--batch-size", type=int, default=None, help="per rank (default: preset's)")
     cp.add_argument("--whole", action="store_true", help="unsharded optimizer (default sharded)")
-    cp.add_argument("--dir", default="", help="checkpoint directory (default: a temporary one)")
+    cp.add_argument(
+        "--dir",
+        default="",
+        help="where to save (each run in a new folder inside it; default: a temporary one)",
+    )
     _common(cp)
 
     tr = sub.add_parser(
