@@ -23,20 +23,9 @@ different process sets, see :mod:`ringtrain.collectives.crossset`) are made by t
 and travel in its next message. If a peer dies, the control exchange fails and every pending
 handle fails with :class:`CollectiveAbortedError` instead of hanging.
 
-Shutdown: a rank that shuts down votes so in its rounds, and every rank then decides alike,
-from the round's messages:
-
-* a rank that *fails* (an uncaught exception, :mod:`ringtrain.runtime.departures`) ends the set
-  in the round that carries its vote: what that round made ready still runs, everything still
-  pending fails with :class:`~ringtrain.errors.PeerFailedError` naming the rank and quoting its
-  exception, and so do later submissions. It leaves in one round, whatever its peers wait for;
-* a rank that *finishes* keeps taking part until nothing is pending on any rank (its peers'
-  last ops may still need rounds: the fast lane decides slots there), then the set ends
-  (Horovod's rule: the ranks' collectives end with the first that shuts down). A name it never
-  submitted can never run: it fails on the ranks that wait for it, naming the rank that left.
-  So a peer waiting elsewhere (in ``step()``) does not hold the finished rank back, and that
-  peer's wait then ends with the rank's departure, named (:mod:`ringtrain.runtime.departures`);
-* when every rank has voted, the set ends at once, as before.
+Shutdown: a rank that shuts down votes so in its rounds; what then happens (at once for a rank
+that fails, once nothing is pending for one that finished) is
+:mod:`~ringtrain.collectives.shutdown_rules`.
 
 The parts: :mod:`~ringtrain.collectives.control_round` (the message and its wire),
 :mod:`~ringtrain.collectives.lane_control` (the fast lane's share of submitting and of a round),
@@ -54,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ringtrain.collectives import crossset, inline, lane
+from ringtrain.collectives import crossset, inline, lane, shutdown_rules
 from ringtrain.collectives.control_round import ControlChannel, Message, inline_payloads
 from ringtrain.collectives.execute import Executor, Pending
 from ringtrain.collectives.handles import Handle
@@ -67,7 +56,6 @@ from ringtrain.errors import (
     CollectiveArgumentError,
     CollectiveError,
     CollectiveMismatchError,
-    PeerFailedError,
     SecurityError,
     StallError,
 )
@@ -435,53 +423,16 @@ class Controller(LaneControl):
 
     def _after_votes(self, messages: list[Message]) -> None:
         """Some rank voted to shut down in this round: end the set, or fail what cannot run
-        (see the module docstring). Every rank decides alike: from the round's messages and the
-        table, which every rank holds alike."""
-        failing = any(m.shutdown and m.leaving for m in messages)
-        quiet = not self._table and not any(m.busy for m in messages if not m.shutdown)
-        if failing or quiet or all(m.shutdown for m in messages):
+        (:mod:`~ringtrain.collectives.shutdown_rules`; every rank decides alike)."""
+        votes = [shutdown_rules.Vote(m.shutdown, m.leaving, m.busy) for m in messages]
+        me, ranks, set_id = self.comm.set_rank, self.comm.ranks, self.comm.set_id
+        if shutdown_rules.set_ends(votes, self._table):
             self._closed = True
-            self._fail_all(self._shutdown_error(messages))
+            self._fail_all(shutdown_rules.error(votes, me, ranks, set_id))
             return
-        gone = {r for r, m in enumerate(messages) if m.shutdown}
-        for name in list(self._table):
-            missing = gone - set(self._table[name]) - self._joined
-            if missing and name != JOIN_NAME:
-                self._fail_name(name, self._shutdown_error(messages, sorted(missing)))
-
-    def _shutdown_error(
-        self, messages: list[Message], only: list[int] | None = None
-    ) -> CollectiveError:
-        """What ops still pending when the set ends fail with: the peers that left, named
-        (``only``: those set ranks)."""
-        me = self.comm.set_rank
-        gone = [
-            (r, m)
-            for r, m in enumerate(messages)
-            if m.shutdown and r != me and (only is None or r in only)
-        ]
-        if not gone or (self._shutdown and not self._leaving):
-            return CollectiveAbortedError("ringtrain shut down before this collective completed")
-        gone.sort(key=lambda rm: not rm[1].leaving)  # failures first
-        ranks = tuple(self.comm.ranks[r] for r, _ in gone)
-        lines = []
-        for rank, (_, m) in zip(ranks, gone):
-            if m.leaving:
-                lines.append(f"rank {rank} failed ({m.leaving}) and left the job")
-            else:
-                lines.append(f"rank {rank} shut down (its script ended or called shutdown())")
-        return PeerFailedError(
-            f"ringtrain has been shut down on process set {self.comm.set_id}: "
-            + "; ".join(lines)
-            + ", before this collective completed.\nHINT: "
-            + (
-                "the failure above is the cause; fix it and start the job again."
-                if gone[0][1].leaving
-                else "every rank must submit the same collectives; a rank that ran fewer "
-                "ends the others' (Horovod's rule). For uneven data see ringtrain.join()."
-            ),
-            ranks,
-        )
+        for name, missing in shutdown_rules.doomed(votes, self._table, self._joined).items():
+            if name != JOIN_NAME:
+                self._fail_name(name, shutdown_rules.error(votes, me, ranks, set_id, missing))
 
     def _is_ready(self, name: str) -> bool:
         submitted = self._table[name]
