@@ -129,6 +129,8 @@ def test_demo_gives_the_same_weights_on_one_host_loaded_or_not_and_on_two(
     assert "link class '" in remote_err and "RINGTRAIN_LINK_CLASS=" in remote_err, remote_err
 
 
+# In the cluster group with the test above, so the module's reference run is made once.
+@pytest.mark.xdist_group("cluster")
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S)
 def test_demo_gives_the_same_weights_under_torchrun_and_ringtrain_run(
     quiet: tuple[Path, str], tmp_path: Path

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+# One worker runs the module, so the digits files (the module fixture) are written once.
+pytestmark = pytest.mark.xdist_group("horovod-examples")
 HERE = Path(__file__).parent
 SWAP = ("import horovod.torch as hvd", "import ringtrain.torch as hvd")
 HELPERS = ("local_models.py", "digits_mnist.py")

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.timeout(600)
+# One worker runs the module, so its Spark session (the module fixture, ~20 s) starts once.
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("spark")]
 pyspark = pytest.importorskip(
     "pyspark", reason="pyspark is not installed: pip install 'ringtrain[spark]'"
 )
