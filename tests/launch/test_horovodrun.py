@@ -240,7 +240,7 @@ def test_horovod_gloo_iface_picks_the_interface_on_remote_hosts() -> None:
     _, o = _parse("-np", "2", "-H", "h0:1,h1:1", "true")
     sup = Supervisor(o, env={"HOROVOD_GLOO_IFACE": "ib0"})
     ifaces = {"h0": "198.19.0.10", "h1": "198.19.0.11"}  # test-cluster space
-    sup._links = [
+    sup.links = [
         SimpleNamespace(
             host=Host(h, 1),
             hello={

@@ -52,3 +52,26 @@ def test_summary_is_one_short_line() -> None:
     assert departures.summary(ValueError("boom\n  at step 6")) == "ValueError: boom at step 6"
     assert departures.summary(KeyError()) == "KeyError"
     assert len(departures.summary(RuntimeError("x" * 1000))) == 300
+
+
+def test_a_finished_post_takes_the_exit_code_the_launcher_recorded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """sys.exit(3) reaches no at-exit hook with its code: the rank posts that it finished, and
+    ``ringtrain run`` records the code its agent saw (launch/supervisor.py); the peer reads
+    both, through the job's prefixes, waiting a moment for the launcher's record."""
+    from ringtrain.launch.failures import exited_key
+
+    base = dist.HashStore()
+    store = dist.PrefixStore("ringtrain/world", base)  # the ranks' store: prefixed
+    for rank in (1, 2, 3):
+        store.set(departures.PREFIX + str(rank), Departure(rank, FINISHED, "", "a", 1.0).encode())
+    base.set(exited_key(1), "exited with code 3")  # the launcher writes under no prefix
+    base.set(exited_key(2), "exited with code 0")
+    monkeypatch.setattr(departures, "EXIT_WAIT_S", 0.2)
+    monkeypatch.setattr(departures, "_launcher_records_exits", lambda: True)
+    got = {d.rank: d for d in departures.read(store, [1, 2, 3])}
+    assert got[1].how == FAILED and got[1].describe().startswith(
+        "rank 1 (host a) failed: exited with code 3 without an exception (sys.exit"
+    )
+    assert got[2].how == FINISHED and got[3].how == FINISHED  # 3: no record within the wait

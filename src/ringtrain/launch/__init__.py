@@ -11,9 +11,11 @@
     protocol     the JSON-lines messages between launcher and agent
     agent        the per-host process that starts, streams and stops that host's ranks
     supervisor   the launcher side: agents up, ranks started, the first failure, Ctrl-C
+    job_state    the job's one state (starting ... done) and pure decisions on events
+    exit_policy  what one rank's exit means (pure)
     agent_link   one host's agent as the supervisor sees it: process, messages, error tail
     job_network  the job's interface choice from the agents' reports, checked before ranks start
-    elastic_hosts  the supervisor's elastic part: re-forming worlds, discovery-script hosts
+    elastic_hosts  the elastic host pool the supervisor owns: re-formed worlds, offered hosts
     failures     how a rank's end is worded (code, signal, missed heartbeats); the final report
     rank_output  the ranks' lines relayed to the launcher's stdout/stderr and output files
     rendezvous   the job's store server, started as a child process

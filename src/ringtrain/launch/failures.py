@@ -20,6 +20,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+# The launcher's record of how each rank's process ended, in the job's store (non-elastic jobs
+# under ``ringtrain run``): ``exited with code 3``. Python tells no at-exit hook the code that
+# ``sys.exit(n)`` gives, so a rank cannot post it; its agent sees it, and peers that found only a
+# "finished" post read it here (:mod:`ringtrain.runtime.departures`, which imports this).
+EXITED_PREFIX = "ringtrain/exited/"
+
+
+def exited_key(rank: int) -> str:
+    return f"{EXITED_PREFIX}{rank}"
+
 
 @dataclass
 class Failure:

@@ -5,8 +5,12 @@ rank that fails is dropped and the others told to re-form the world, while at le
 remain. With ``--host-discovery-script`` (:mod:`ringtrain.launch.discovery`) the launcher also
 starts ranks on hosts the script offers (up to ``--max-np``), retires those of hosts it no
 longer offers, excludes hosts whose ranks failed, and below ``--min-np`` waits up to
-``--elastic-timeout`` for new hosts (that part is :mod:`ringtrain.launch.elastic_hosts`); below
-that, or without those flags, the policy below applies.
+``--elastic-timeout`` for new hosts (the pool of :mod:`ringtrain.launch.elastic_hosts`, which
+the supervisor owns); below that, or without those flags, the policy below applies.
+
+The job is in one state (:mod:`ringtrain.launch.job_state`: starting, running, re-forming,
+waiting for hosts, stopping, done); every event goes through that module's pure
+:func:`~ringtrain.launch.job_state.on`, and this class carries out the actions it returns.
 
 Failure policy: the first rank that exits non-zero (or is killed by a signal) ends the job. The
 others get SIGTERM, then SIGKILL after a grace period; the launcher exits with that rank's code
@@ -39,12 +43,12 @@ from ringtrain.config import to_env
 from ringtrain.environ import horovod_unused
 from ringtrain.errors import LaunchError
 from ringtrain.host import network
-from ringtrain.launch import discovery, elastic, job_network, rank_env, transport
+from ringtrain.launch import discovery, elastic, job_network, job_state, rank_env, transport
 from ringtrain.launch.agent import FAILING_GRACE_S
 from ringtrain.launch.agent_link import AgentLink, unreachable
-from ringtrain.launch.elastic_hosts import ElasticHosts
+from ringtrain.launch.elastic_hosts import Change, ElasticPool
 from ringtrain.launch.exit_policy import Next, RankExit, decide
-from ringtrain.launch.failures import Failure, how_it_ended, report, root_cause
+from ringtrain.launch.failures import Failure, exited_key, how_it_ended, report, root_cause
 from ringtrain.launch.hosts import Host
 from ringtrain.launch.options import LaunchOptions
 from ringtrain.launch.plan import ProcessSpec, describe, plan
@@ -54,8 +58,11 @@ from ringtrain.launch.tuning import HostFacts, tune
 
 __all__ = ["AgentLink", "Failure", "Supervisor"]
 
+# The phases in which the world is changing until no rank waits to join and --min-np are in.
+WORLD_CHANGING = (job_state.Reforming, job_state.WaitingForHosts)
 
-class Supervisor(ElasticHosts):
+
+class Supervisor:
     """Runs one job to completion; :meth:`run` returns the launcher's exit code."""
 
     def __init__(
@@ -79,29 +86,66 @@ class Supervisor(ElasticHosts):
         )
         self.job_id = uuid.uuid4().hex[:12]
         self._events: queue.Queue[Any] = queue.Queue()
-        self._links: list[AgentLink] = []
+        self.links: list[AgentLink] = []
         self._pids: dict[int, int] = {}
         self._exits: dict[int, dict[str, Any]] = {}
-        self._failure: Failure | None = None  # the first heard of: what the launcher acted on
+        self.state: job_state.State = job_state.Starting()
         self._failures: list[Failure] = []  # every failure heard of (report: earliest first)
-        self._interrupts = 0
-        self._stop_deadline: float | None = None
+        self._interrupts = 0  # Ctrl-Cs received (the signal handler only counts)
         self._started_at = time.monotonic()
         self.output = RankOutput(options, self.out, self.err, on_result)
-        self._server: RendezvousServer | None = None
-        self._membership: elastic.Membership | None = None
-        # Elastic growth (--host-discovery-script): see the "elastic hosts" section.
-        self._exclusions = discovery.Exclusions(options.cooldown_range)
+        self.pool = ElasticPool(options, self)
         self._poller: discovery.Poller | None = None
-        self._offered: list[Host] = []
-        self._rank_host: dict[int, str] = {}  # every rank ever started: identity -> host
-        self._joiners: dict[int, float] = {}  # started, not yet in a world: id -> ready by
-        self._retired: set[int] = set()  # stopped on purpose (host no longer offered)
-        self._left: list[str] = []  # how each rank that left the world went
-        self._below: tuple[float, Failure] | None = None  # below --min-np since, and why
-        self._growing = True  # until a rank finishes
-        self._next_check = 0.0
         self._run_env: dict[str, Any] = {}
+
+    # ---- what the pool asks of the job (elastic_hosts.Job) -----------------------------------
+
+    def ending(self) -> bool:
+        return job_state.stopping(self.state) or self._interrupts > 0
+
+    def started(self, rank: int) -> bool:
+        return rank in self._pids
+
+    def exited(self, rank: int) -> bool:
+        return rank in self._exits
+
+    def _failure(self) -> Failure | None:
+        """The failure acted on (the first heard of); None while none was."""
+        return self.state.failure if isinstance(self.state, job_state.Stopping) else None
+
+    def _apply(self, event: job_state.Event) -> None:
+        """Move the job's state by ``event`` and carry out what the decision says."""
+        decision = job_state.on(self.state, event)
+        self.state = decision.state
+        for action in decision.actions:
+            if action is job_state.Action.STOP_RANKS:
+                for lk in self.links:
+                    lk.send("stop")
+            elif action is job_state.Action.FORWARD_SIGINT:
+                self.say("interrupted: forwarding SIGINT to every rank (again to stop at once)")
+                for lk in self.links:
+                    lk.send("signal", sig="SIGINT")
+                # Ranks that ignore SIGINT still end: the agents escalate after the grace period.
+                timer = threading.Timer(self.options.grace_s, self._send_stop)
+                timer.daemon = True
+                timer.start()
+            elif action is job_state.Action.KILL_AGENTS:
+                self.log("ranks did not stop in time; killing their agents")
+                for lk in self.links:
+                    lk.kill()
+        if decision.timed_out is not None:
+            self._fail(self.pool.below_timeout(decision.timed_out))
+
+    def _changed(self, change: Change) -> None:
+        """Carry an elastic change into the job's state."""
+        if change.failed is not None:
+            self._fail(change.failed)
+            return
+        if change.reformed:
+            m = self.pool.membership
+            self._apply(job_state.WorldChanged(m.generation if m is not None else 0))
+        if change.waiting is not None:
+            self._apply(job_state.BelowMinNp(time.monotonic(), change.waiting))
 
     # ---- public ------------------------------------------------------------------------------
 
@@ -112,10 +156,10 @@ class Supervisor(ElasticHosts):
             signal.signal(signal.SIGTERM, self._on_sigint)
         server = None
         try:
-            self._log(f"job {self.job_id}: {describe(self.specs)}")
+            self.log(f"job {self.job_id}: {describe(self.specs)}")
             unused = horovod_unused(self.env)
             if unused:
-                self._log(
+                self.log(
                     "accepted without effect here: "
                     + "; ".join(f"{var} ({why})" for var, why in unused)
                 )
@@ -124,19 +168,14 @@ class Supervisor(ElasticHosts):
                 float(self.options.settings.get("timeout_s") or 300.0),
                 self.options.start_timeout_s,
             )
-            self._server = server
             if self.options.discovery_script:
-                self._first_discovery()
-            self._rank_host = {s.rank: s.host for s in self.specs}
-            if self.options.elastic:
-                self._membership = elastic.Membership(
-                    [s.rank for s in self.specs],
-                    self.options.min_np if self.options.min_np is not None else self.options.np,
-                )
+                self._hosts, self.specs = self.pool.first_discovery()
+            self.pool.begin(self.specs, server)
             self._start_agents()
             self._await_hellos()
             self._start_ranks(server.chosen_port)
             self._check_server(server)
+            self._apply(job_state.Started())
             if self.options.discovery_script:
                 self._poller = discovery.Poller(
                     self.options.discovery_script,
@@ -146,16 +185,19 @@ class Supervisor(ElasticHosts):
                 self._poller.start()
             self._supervise()
         except LaunchError as e:
-            if self._failure is None and not self._interrupts:
-                self._failure = Failure(None, "", 1, str(e), [])
-            self._stop_all(hard=True)
+            self._handle_interrupts()  # "interrupted while starting" is the interrupt's end
+            failure = Failure(None, "", 1, str(e), [])
+            if not self.ending():
+                failure.at = time.time()
+                self._failures.append(failure)
+            self._apply(job_state.Failed(failure, time.monotonic(), 0.0, hard=True))
         finally:
             if self._poller is not None:
                 self._poller.stop()
-            for link in self._links:
+            for link in self.links:
                 link.close_input()
             self._drain(deadline=time.monotonic() + self.options.grace_s + 2.0)
-            for link in self._links:
+            for link in self.links:
                 link.kill()
             if server is not None:
                 server.close()
@@ -171,7 +213,7 @@ class Supervisor(ElasticHosts):
         used = {s.host for s in self.specs}
         return [h for h in self._hosts if h.name in used]
 
-    def _is_local(self) -> bool:
+    def is_local(self) -> bool:
         return all(h.is_local for h in self._hosts)
 
     def _check_server(self, server: RendezvousServer) -> None:
@@ -182,10 +224,10 @@ class Supervisor(ElasticHosts):
 
     def _start_agents(self) -> None:
         for host in self._hosts_in_use():
-            link = self._start_agent(host)
+            link = self.start_agent(host)
             link.ranks = [s.rank for s in self.specs if s.host == host.name]
 
-    def _start_agent(self, host: Host) -> AgentLink:
+    def start_agent(self, host: Host) -> AgentLink:
         argv = transport.command_for(
             host,
             self.options.ssh,
@@ -195,17 +237,17 @@ class Supervisor(ElasticHosts):
             not job_network.enclave_ready(self.options.settings),
             network.spec_names(str(self.options.settings.get("network_interface") or "")),
         )
-        self._log(f"agent on {host.name}: {' '.join(argv)}")
+        self.log(f"agent on {host.name}: {' '.join(argv)}")
         try:
-            link = AgentLink(len(self._links), host, argv, self._events)
+            link = AgentLink(len(self.links), host, argv, self._events)
         except OSError as e:
             raise LaunchError(f"cannot start the agent for host {host.name}: {e}") from e
-        self._links.append(link)
+        self.links.append(link)
         return link
 
     def _await_hellos(self) -> None:
         deadline = time.monotonic() + self.options.start_timeout_s
-        while any(link.hello is None for link in self._links):
+        while any(link.hello is None for link in self.links):
             if self._interrupts:
                 raise LaunchError("interrupted while starting")
             try:
@@ -214,7 +256,7 @@ class Supervisor(ElasticHosts):
                 )
             except queue.Empty:
                 if time.monotonic() >= deadline:
-                    missing = [lk for lk in self._links if lk.hello is None]
+                    missing = [lk for lk in self.links if lk.hello is None]
                     raise LaunchError(  # noqa: B904 - the timeout is the error, not Empty
                         unreachable(
                             missing, f"did not answer within {self.options.start_timeout_s:.0f} s"
@@ -240,12 +282,12 @@ class Supervisor(ElasticHosts):
         by_host: dict[str, list[ProcessSpec]] = {}
         for s in self.specs:
             by_host.setdefault(s.host, []).append(s)
-        for link in self._links:
+        for link in self.links:
             specs = by_host[link.host.name]
-            self._launch(link, specs, [s.rank for s in specs], host_env.get(link.host.name, {}))
+            self.launch(link, specs, [s.rank for s in specs], host_env.get(link.host.name, {}))
         self._started_at = time.monotonic()
 
-    def _launch(
+    def launch(
         self,
         link: AgentLink,
         specs: list[ProcessSpec],
@@ -298,7 +340,7 @@ class Supervisor(ElasticHosts):
                     "cpus": list(t.cpus) if t.cpus else None,
                 }
             )
-            self._log(f"rank {ident} on {link.host.name}: {t.summary}")
+            self.log(f"rank {ident} on {link.host.name}: {t.summary}")
         link.send(
             "start",
             ranks=ranks,
@@ -311,21 +353,20 @@ class Supervisor(ElasticHosts):
         """The rendezvous address every host can reach, and per-host interface variables."""
         iface = job_network.named_interface(self.options, self.env)
         if iface.strip():
-            job_network.check_interface(iface, self._links, self.options.settings)
-        if self._is_local():
+            job_network.check_interface(iface, self.links, self.options.settings)
+        if self.is_local():
             return "127.0.0.1", {}
-        return job_network.plan(self._links, iface, self.options)
+        return job_network.plan(self.links, iface, self.options)
 
     def _supervise(self) -> None:
-        while not all(lk.done or lk.lost for lk in self._links):
+        while not all(lk.done or lk.lost for lk in self.links):
             self._handle_interrupts()
-            if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
-                self._log("ranks did not stop in time; killing their agents")
-                for lk in self._links:
-                    lk.kill()
-                self._stop_deadline = time.monotonic() + 5.0
-            if self.options.discovery_script:
-                self._elastic_tick()
+            now = time.monotonic()
+            self._apply(job_state.Tick(now, self.options.elastic_timeout_s))
+            if self.options.discovery_script and self.pool.tick(now):
+                self._changed(Change(reformed=True))
+            if isinstance(self.state, WORLD_CHANGING) and self.pool.whole():
+                self._apply(job_state.Settled())
             try:
                 link, msg = self._events.get(timeout=0.1)
             except queue.Empty:
@@ -333,7 +374,7 @@ class Supervisor(ElasticHosts):
             self._handle(link, msg)
 
     def _drain(self, deadline: float) -> None:
-        while not all(lk.done or lk.lost for lk in self._links) and time.monotonic() < deadline:
+        while not all(lk.done or lk.lost for lk in self.links) and time.monotonic() < deadline:
             try:
                 link, msg = self._events.get(timeout=0.05)
             except queue.Empty:
@@ -346,12 +387,12 @@ class Supervisor(ElasticHosts):
         kind = msg["t"]
         if link is None:
             if kind == "hosts":
-                self._on_discovered(msg["found"])
+                self._changed(self.pool.discovered(msg["found"]))
             return
         if kind == "out":
             self.output.print_line(msg["rank"], msg["fd"], msg["line"], msg.get("end", "\n"))
         elif kind == "hello" and link.joining and link.hello is None:
-            self._on_joiner_hello(link, msg)
+            self.pool.joiner_hello(link, msg)
         elif kind == "started":
             self._pids[msg["rank"]] = msg["pid"]
         elif kind == "exit":
@@ -360,53 +401,49 @@ class Supervisor(ElasticHosts):
             link.done = True
         elif kind == "eof" and not link.done:
             link.lost = True
-            if self._failure is not None or self._interrupts:
+            if self.ending():
                 return
-            alive = [r for r in link.ranks if r not in self._exits and r not in self._retired]
+            alive = [r for r in link.ranks if r in self.pool.running()]
             if not alive:
                 return
             desc = (
                 f"lost the connection to host {link.host.name}'s agent "
                 f"(ranks {', '.join(str(r) for r in link.ranks)})"
             )
-            if all(r in self._joiners for r in alive):
+            if all(r in self.pool.joiners for r in alive):
                 if link.err_tail:  # e.g. ssh's reason: the failure is reported only in one line
                     desc += f": {link.err_tail[-1]}"
-                self._joiner_failed(link, alive, desc)
+                self.pool.joiner_failed(link, alive, desc)
                 return
-            if self._membership is not None:
-                self._exclude(link.host.name, desc)
-                if self._reform(desc, *alive):
-                    return
-                if self._await_hosts(desc, Failure(None, link.host.name, 1, desc, [])):
-                    return
-                desc += self._shortfall()
-            self._fail(Failure(None, link.host.name, 1, desc, list(link.err_tail)))
+            failure = Failure(None, link.host.name, 1, desc, list(link.err_tail))
+            if self.pool.membership is not None:
+                self._changed(self.pool.lost(desc, link.host.name, failure, *alive))
+                return
+            self._fail(failure)
 
     def _on_exit(self, link: AgentLink, msg: dict[str, Any]) -> None:
         rank = msg["rank"]
         self._exits[rank] = msg
+        self._record_exit(msg)
         pid = self._pids.get(rank)
         step = decide(
             RankExit(
                 succeeded=msg.get("code") == 0 and msg.get("signal") is None,
-                retired=rank in self._retired,
+                retired=rank in self.pool.retired,
                 interrupted=bool(self._interrupts),
-                job_failed=self._failure is not None,
+                job_failed=self._failure() is not None,
                 stopped_by_launcher=bool(msg.get("stopped")),
                 said_failing=bool(msg.get("failing")),
-                joining=rank in self._joiners,
-                elastic=self._membership is not None,
+                joining=rank in self.pool.joiners,
+                elastic=self.pool.membership is not None,
                 started=pid is not None,
             )
         )
         if step is Next.STOPPED:
-            self._log(f"rank {rank} (host {link.host.name}) stopped")
+            self.log(f"rank {rank} (host {link.host.name}) stopped")
             return
         if step is Next.FINISHED:
-            if self._growing and self._membership is not None and self._joiners:
-                self._retire_joiners("a rank finished")
-            self._growing = False  # the job is finishing: no new ranks
+            self.pool.finishing()  # the job is finishing: no new ranks
             return
         if step is Next.IGNORE:
             return
@@ -414,17 +451,24 @@ class Supervisor(ElasticHosts):
         if step is Next.ALSO_FAILED:
             self._failures.append(failure)
         elif step is Next.JOINER_FAILED:
-            self._joiner_failed(link, [rank], failure.description)
+            self.pool.joiner_failed(link, [rank], failure.description)
         elif step is Next.REFORM:
-            self._exclude(link.host.name, failure.description)
-            if self._reform(failure.description, rank) or self._await_hosts(
-                failure.description, failure
-            ):
-                return
-            failure.description += self._shortfall()
-            self._fail(failure)
+            self._changed(self.pool.lost(failure.description, link.host.name, failure, rank))
         else:
             self._fail(failure)
+
+    def _record_exit(self, msg: dict[str, Any]) -> None:
+        """Tell the peers how a rank's process ended (its code, which a rank that called
+        ``sys.exit(n)`` cannot post itself), before any rank is stopped. Elastic ranks are
+        renumbered as worlds change, so only a fixed world's ranks are recorded."""
+        server = self.pool.server
+        if server is None or self.pool.membership is not None:
+            return
+        ok = msg.get("code") == 0 and msg.get("signal") is None
+        with contextlib.suppress(LaunchError):  # the store is gone: nobody left to tell
+            server.publish(
+                exited_key(msg["rank"]), "exited with code 0" if ok else how_it_ended(msg)[0]
+            )
 
     def _exit_failure(self, host: str, msg: dict[str, Any], pid: int | None) -> Failure:
         """How a failed rank's exit is reported (see :mod:`ringtrain.launch.failures`)."""
@@ -440,66 +484,53 @@ class Supervisor(ElasticHosts):
         return Failure(rank, host, exit_code, desc, tail, at, bool(msg.get("after_peer")))
 
     def _fail(self, failure: Failure) -> None:
+        if self._failure() is not None or self._interrupts:
+            return
         if not failure.at:
             failure.at = time.time()
-        self._failure = failure
         self._failures.append(failure)
-        others = len(
-            [r for r in self._rank_host if r not in self._exits and r not in self._retired]
-        )
-        self._say(f"{failure.description}; stopping the other {others} rank(s).")
-        self._stop_all(hard=False)
+        others = len(self.pool.running())
+        self.say(f"{failure.description}; stopping the other {others} rank(s).")
+        # The agents give ranks that said they are failing FAILING_GRACE_S more to end alone.
+        grace = self.options.grace_s + FAILING_GRACE_S
+        self._apply(job_state.Failed(failure, time.monotonic(), grace))
 
     def _send_stop(self) -> None:
-        for lk in self._links:
+        for lk in self.links:
             lk.send("stop")
-
-    def _stop_all(self, hard: bool) -> None:
-        self._send_stop()
-        # The agents give ranks that said they are failing FAILING_GRACE_S more to end alone.
-        grace = 0.0 if hard else self.options.grace_s + FAILING_GRACE_S
-        self._stop_deadline = time.monotonic() + grace + 3.0
 
     def _on_sigint(self, signum: int, _frame: FrameType | None) -> None:
         self._interrupts += 1  # acted on by the supervising loop, not in the handler
 
     def _handle_interrupts(self) -> None:
-        if not self._interrupts or getattr(self, "_handled_interrupts", 0) == self._interrupts:
-            return
-        first = not getattr(self, "_handled_interrupts", 0)
-        self._handled_interrupts = self._interrupts
-        if first:
-            self._say("interrupted: forwarding SIGINT to every rank (again to stop at once)")
-            for lk in self._links:
-                lk.send("signal", sig="SIGINT")
-            self._stop_deadline = time.monotonic() + self.options.grace_s + 3.0
-            # Ranks that ignore SIGINT still end: the agents escalate after the grace period.
-            timer = threading.Timer(self.options.grace_s, self._send_stop)
-            timer.daemon = True
-            timer.start()
-        else:
-            self._stop_all(hard=True)
+        if self._interrupts:
+            self._apply(
+                job_state.Interrupted(self._interrupts, time.monotonic(), self.options.grace_s)
+            )
 
-    def _say(self, text: str) -> None:
+    def say(self, text: str) -> None:
         with contextlib.suppress(BrokenPipeError, ValueError):
             self.err.write(f"ringtrain run: {text}\n")
             self.err.flush()
 
-    def _log(self, text: str) -> None:
+    def log(self, text: str) -> None:
         if self.options.verbose:
-            self._say(text)
+            self.say(text)
 
     def _report(self) -> int:
-        f = self._failure
-        if self._interrupts and f is None:
-            self._say("job interrupted")
-            return 130
-        if f is None:
-            self._log(
+        code = self._verdict()
+        self._apply(job_state.AgentsEnded(code))
+        return code
+
+    def _verdict(self) -> int:
+        if not self._failures:
+            if self._interrupts:
+                self.say("job interrupted")
+                return 130
+            self.log(
                 f"all {len(self.specs)} ranks exited 0 in "
                 f"{time.monotonic() - self._started_at:.1f} s"
             )
             return 0
-        every = self._failures or [f]
-        self._say(report(every))
-        return root_cause(every).code
+        self.say(report(self._failures))
+        return root_cause(self._failures).code

@@ -6,6 +6,14 @@ message) or finished (its script ended, ``ringtrain.shutdown()``), its host and 
 post is made as early as the rank knows: a failure from ``sys.excepthook``, before the traceback
 is printed and before any at-exit work that could block; a finish at shutdown.
 
+A rank that ends with ``sys.exit(n)`` can post only that it finished: Python runs the at-exit
+hooks without the code (``SystemExit`` never reaches ``sys.excepthook``, and no hook or
+attribute holds it). Under ``ringtrain run`` the launcher records each rank's exit code in the
+store as its agent reports it (:data:`ringtrain.launch.failures.EXITED_PREFIX`), before it
+stops anyone, and a peer that reads a "finished" post waits up to :data:`EXIT_WAIT_S` for that
+record: a non-zero code makes the post a failure ("exited with code 3"). Under torchrun,
+mpirun or Slurm no one records it, and the peer says the rank finished.
+
 A peer that was waiting for it then sees its wait break (Gloo: "Connection closed by peer" once
 the departed process is gone, or the controller's shutdown vote, see
 :mod:`ringtrain.collectives.controller`) and calls :func:`peer_error`, which reads the posts and
@@ -29,15 +37,23 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol, cast
 
+from ringtrain import environ
+from ringtrain.environ import Ringtrain
 from ringtrain.errors import CollectiveAbortedError, PeerFailedError
+from ringtrain.launch.failures import exited_key
 from ringtrain.runtime import heartbeat
 
 log = logging.getLogger("ringtrain")
 
 PREFIX = "ringtrain/departed/"
 READ_TIMEOUT_S = 2.0  # a peer reading the posts after its wait broke; the store may be gone
+# How long a peer that found a "finished" post waits for the launcher's record of that rank's
+# exit code: the rank's process ends after its at-exit shutdown and interpreter finalization,
+# which took 10 s on a 2-core machine under load (the record comes at once after it). The wait
+# delays no job's end: the launcher ends the job when the exit arrives, whatever the peer does.
+EXIT_WAIT_S = 15.0
 FAILED, FINISHED = "failed", "finished"
 
 
@@ -169,9 +185,54 @@ def read(store: Any, ranks: Sequence[int], timeout_s: float = READ_TIMEOUT_S) ->
         for key in keys:
             if client.check([key]):
                 found.append(Departure.decode(client.get(key)))
+        if any(d.how == FINISHED for d in found):
+            records = _launcher_store(client)
+            records.set_timeout(datetime.timedelta(seconds=timeout_s))
+            deadline = time.monotonic() + (EXIT_WAIT_S if _launcher_records_exits() else 0.0)
+            found = [_with_exit_code(records, d, deadline) for d in found]
     except Exception as e:  # the store left with a failed rank: the caller says what it has
         log.debug("could not read the departures: %s", e)
     return sorted(found, key=lambda d: (d.how != FAILED, d.at))
+
+
+def _launcher_records_exits() -> bool:
+    """Whether ``ringtrain run`` started this rank in a fixed world: its launcher records each
+    rank's exit code (:func:`ringtrain.launch.failures.exited_key`)."""
+    env = environ.current()
+    return bool(env.get(heartbeat.VAR)) and not env.get(Ringtrain.ELASTIC_ID)
+
+
+class _Records(Protocol):
+    """The part of a torch store the launcher's records are read with."""
+
+    def check(self, keys: list[str]) -> bool: ...
+    def get(self, key: str) -> bytes: ...
+    def set_timeout(self, timeout: datetime.timedelta) -> None: ...
+
+
+def _launcher_store(store: object) -> _Records:
+    """The store under the job's prefixes (torch's ``PrefixStore``), where the launcher writes."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return cast(_Records, store)
+
+
+def _with_exit_code(client: _Records, d: Departure, deadline: float) -> Departure:
+    """A "finished" post with the launcher's record of the rank's exit code, waited for until
+    ``deadline``: Python tells no at-exit hook the code of ``sys.exit(n)`` (SystemExit never
+    reaches ``sys.excepthook``), so the rank posted that it finished; its launcher saw the code."""
+    if d.how != FINISHED:
+        return d
+    key = exited_key(d.rank)
+    while not client.check([key]):
+        if time.monotonic() >= deadline:
+            return d
+        time.sleep(0.02)
+    how = bytes(client.get(key)).decode()
+    if how == "exited with code 0":
+        return d
+    why = f"{how} without an exception (sys.exit or os._exit; its launcher saw the code)"
+    return Departure(d.rank, FAILED, why, d.host, d.at)
 
 
 def peer_error(cause: BaseException, waited_for: str = "") -> BaseException:
