@@ -103,6 +103,8 @@ class Torch:
     TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
     # torch reads Gloo's interface only from this variable (set before the first group)
     GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+    # "1": a Gloo group connects a pair of ranks at their first exchange, not all pairs at once.
+    GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
     NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
     CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
     # Which ATen CPU kernels (default, avx2, avx512) a process runs: read once, at its first kernel.

@@ -157,10 +157,7 @@ def start(
                 placement, rank=elastic[0], size=elastic[1], local_rank=None, local_size=None
             )
             prefix = f"ringtrain/elastic/gen{elastic[2]}"
-        if interface:
-            # HACK: torch reads Gloo's interface only from this variable; set it before the
-            # first group is created, and never override what the user set.
-            environ.setdefault(Torch.GLOO_SOCKET_IFNAME, interface)
+        _gloo_environment(interface)
         base = _adopted_store(placement, config) if adopted else _store(placement, config)
         store = dist.PrefixStore(prefix, base)
         backend, transport = backends.choose(config, env, placement)
@@ -215,6 +212,18 @@ def start(
             topo.describe(),
         )
         return _runtime
+
+
+def _gloo_environment(interface: str | None) -> None:
+    """HACK: torch reads these Gloo settings only from variables, when a group is made: set
+    them before the first group, and never override what the user set."""
+    if interface:
+        environ.setdefault(Torch.GLOO_SOCKET_IFNAME, interface)
+    # Else a Gloo group connects every pair of ranks when it is made: with a communicator's
+    # groups, 5 (N - 1) sockets a rank and as many store handshakes at start, while a ring
+    # talks to 2 neighbours. Lazily, each pair connects at its first exchange
+    # (tests/runtime/test_sockets.py).
+    environ.setdefault(Torch.GLOO_LAZY_INIT, "1")
 
 
 def _init_default_group(
