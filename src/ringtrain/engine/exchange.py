@@ -64,12 +64,12 @@ from typing import Any, cast
 import torch
 
 from ringtrain import transport
-from ringtrain.compression import averaging
 from ringtrain.compression.codec import Rounds, RoundsCodec, SummedCodec, as_codec
 from ringtrain.diagnostics import timeline
 from ringtrain.engine import sparse
 from ringtrain.engine.buckets import Bucket, Plan
 from ringtrain.engine.streams import Route
+from ringtrain.engine.weighting import Averaging
 from ringtrain.errors import InternalError
 from ringtrain.runtime import abort
 from ringtrain.transport import group_ops
@@ -77,40 +77,6 @@ from ringtrain.transport.workers import WORKERS as _WORKERS
 from ringtrain.transport.workers import WorkerThread
 
 _now = time.perf_counter
-
-
-@dataclass(frozen=True)
-class Averaging:
-    """What a step's reduction asks for (Average or Sum, over how many ranks, Horovod's
-    ``gradient_predivide_factor``, 1/k for k aggregated backward passes); the factors come from
-    the one averaging rule (:mod:`ringtrain.compression.averaging`)."""
-
-    average: bool
-    size: int
-    predivide: float = 1.0
-    k_scale: float = 1.0  # 1/k when averaging aggregated backward passes
-
-    def factors(self) -> tuple[float, float]:
-        """(pre, post) scale factors around the sum. The division by the world size goes before
-        the sum whatever the dtype, as DDP's does: it rides on the copy into the bucket, the
-        result needs no pass of its own, and a 16-bit sum is already the average, so it cannot
-        overflow unless an averaged value does. ``gradient_predivide_factor`` splits it, as in
-        Horovod: 1/f before, f/size after."""
-        if not self.average:
-            return self.k_scale, 1.0
-        split = self.predivide != 1.0
-        f = averaging.factors(
-            True,
-            self.size,
-            pre=self.k_scale / self.predivide,
-            post=self.predivide,
-            before=not split,
-        )
-        return f.pre, f.post
-
-    def codec_post(self) -> float:
-        """A codec with rounds of its own returns the average; Sum wants it times the size."""
-        return self.k_scale * (1.0 if self.average else self.size)
 
 
 @dataclass
@@ -150,10 +116,7 @@ class _Slot:
             and _finfo_max(wire_dtype) < _finfo_max(first.dtype)
         )
         # pre: applied as a gradient is placed in the bucket; post: to the result, in place.
-        if summed is None:
-            self.pre, self.post = 1.0, scaling.codec_post()
-        else:
-            self.pre, self.post = scaling.factors()
+        self.set_scaling(summed is None, scaling)
         # fp16/bf16: a wire buffer of its own, written by one cast and read back by one, instead
         # of two fresh tensors per step (tens of MiB each: page faults cost more than the casts).
         self.cast: torch.Tensor | None = None
@@ -163,6 +126,10 @@ class _Slot:
         self.chunks: list[torch.Tensor] = []  # reduce-scatter: the flat buffer's N shards
         self.wire_chunks: list[torch.Tensor] = []  # and the 16-bit wire's, cut alike
         self.reset()
+
+    def set_scaling(self, own_rounds: bool, scaling: Averaging) -> None:
+        """``pre``/``post`` for ``scaling`` (batch_shares may change them between steps)."""
+        self.pre, self.post = scaling.codec_factors() if own_rounds else scaling.factors()
 
     def reset(self) -> None:
         self.missing = len(self.members)
@@ -359,7 +326,10 @@ class GradientExchange:
             if self._workers:
                 for slot in self._slots:  # the workers must finish before the main thread
                     slot.work.result()  # issues more collectives on the group
-            self._sparse_work = sparse.launch(self.plan.sparse, self._params, self._routes[0].group)
+            before = self._scaling.sparse_factors()[0]
+            self._sparse_work = sparse.launch(
+                self.plan.sparse, self._params, self._routes[0].group, before
+            )
 
     def finish(self, then: Callable[[int], None] | None = None) -> None:
         """Wait for every bucket in plan order and write the results into ``.grad``; ``then(s)``,
@@ -372,8 +342,8 @@ class GradientExchange:
                 if then is not None:
                     then(s)
             if self.plan.sparse:
-                pre, post = self._scaling.factors()
-                sparse.finish(self.plan.sparse, self._params, self._sparse_work, pre * post)
+                after = self._scaling.sparse_factors()[1]
+                sparse.finish(self.plan.sparse, self._params, self._sparse_work, after)
             if self.measure:
                 self.last_comm_s = _busy_s([(s.t.sent, s.t.done) for s in self._slots])
         finally:
@@ -391,6 +361,12 @@ class GradientExchange:
         ]
         for handle in gathers:
             handle.wait()
+
+    def set_scaling(self, scaling: Averaging) -> None:
+        """New scale factors (batch_shares changed), between steps: every slot idle."""
+        self._scaling = scaling
+        for slot in self._slots:
+            slot.set_scaling(self._own_rounds is not None, scaling)
 
     def set_launch_order(self, order: Sequence[int]) -> None:
         """Launch buckets in ``order`` (a permutation of the plan's bucket indices, the same on

@@ -23,12 +23,12 @@ import torch
 from ringtrain.config import Config
 from ringtrain.diagnostics import timeline
 from ringtrain.engine import local_update
-from ringtrain.engine.exchange import Averaging
 from ringtrain.engine.parameters import Hooks, make_watch
 from ringtrain.engine.planner import Planner
 from ringtrain.engine.settings import Reduction
 from ringtrain.engine.step_phase import Phase, StepProgress
 from ringtrain.engine.steps import BucketUpdates, Overlapped, ShardedUpdate, Update, WholeStep
+from ringtrain.engine.weighting import Averaging
 from ringtrain.errors import CollectiveArgumentError
 
 # Horovod's words, which scripts filter on (warnings.filterwarnings): kept exactly.
@@ -191,7 +191,7 @@ class GradientPath:
         self.planner.open_step()
 
     def averaging(self) -> Averaging:
-        return self.reduction.averaging(self.comm.size, self.passes)
+        return self.reduction.averaging(self.comm.size, self.passes, self.comm.set_rank)
 
     # ---- synchronize and step ----------------------------------------------------------------
 

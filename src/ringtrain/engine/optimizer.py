@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +47,15 @@ def _delegated(owner: str, name: str) -> Any:
         lambda self: getattr(getattr(self, owner), name),
         lambda self, value: setattr(getattr(self, owner), name, value),
     )
+
+
+def _warn_groups(groups: object, num_groups: int) -> None:
+    if groups is not None or num_groups:
+        warnings.warn(
+            "DistributedOptimizer(groups=/num_groups=) is ignored: ringtrain plans buckets itself "
+            "(see fusion_threshold_bytes, cycle_time_ms, bucket_order)",
+            stacklevel=3,
+        )
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -82,6 +91,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             :mod:`ringtrain.engine.settings`. Left as None
             they come from :class:`ringtrain.config.Config` (``RINGTRAIN_*`` variables, which
             ``ringtrain run`` flags set), then the defaults: arguments win.
+        batch_shares: each rank's share of the global batch, one number per rank in rank order
+            (e.g. ``[3, 1]``: rank 0 takes 3 samples for rank 1's 1): rank r's gradient weighs
+            ``share_r / sum(shares)`` instead of ``1/size``, so with each rank's loss the mean
+            over its own samples the step is that of one process on the whole global batch.
+            Equal shares are the plain average, bit for bit (docs/engine.md, "Hosts of unequal
+            speed").
         outer_optimizer: with ``sync_every``, ``params -> torch.optim.Optimizer`` for the outer
             step (default: Nesterov SGD, lr 0.7, momentum 0.9, as arXiv 2311.08105).
     """
@@ -116,6 +131,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         outer_overlap: bool | None = None,
         outer_delay: int | None = None,
         outer_fragments: int | None = None,
+        batch_shares: Sequence[float] | str | None = None,
     ) -> None:
         # Deliberately no super().__init__(): all optimizer state lives in the wrapped optimizer.
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -127,14 +143,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "this optimizer is already a DistributedOptimizer; wrap the plain optimizer once"
             )
         reduction = settings.Reduction.of(
-            op, gradient_predivide_factor, backward_passes_per_step, average_aggregated_gradients
+            op,
+            gradient_predivide_factor,
+            backward_passes_per_step,
+            average_aggregated_gradients,
+            batch_shares,
         )
-        if groups is not None or num_groups:
-            warnings.warn(
-                "DistributedOptimizer(groups=/num_groups=) is ignored: ringtrain plans buckets itself "
-                "(see fusion_threshold_bytes, cycle_time_ms, bucket_order)",
-                stacklevel=2,
-            )
+        _warn_groups(groups, num_groups)
         self.optimizer = optimizer
         # Names are checked before anything needs init(), as in Horovod.
         named = names_of(optimizer, named_parameters, {})
@@ -169,7 +184,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         local_update.check(config)
         if config.shard_optimizer:
             sharded.check_supported(optimizer)
-        settings.check_reduce_scatter(config)
+        settings.check(config, reduction)
         self._path = GradientPath(
             optimizer,
             comm,

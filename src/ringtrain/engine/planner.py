@@ -27,9 +27,10 @@ from ringtrain.diagnostics import timeline
 from ringtrain.engine import buckets, schedule
 from ringtrain.engine.auto import AutoTuner
 from ringtrain.engine.buckets import Observation, Plan
-from ringtrain.engine.exchange import Averaging, GradientExchange
+from ringtrain.engine.exchange import GradientExchange
 from ringtrain.engine.overlap import launch_order, timings
 from ringtrain.engine.streams import Route, StreamPool
+from ringtrain.engine.weighting import Averaging
 from ringtrain.errors import ConfigError
 from ringtrain.runtime import state as runtime_state
 

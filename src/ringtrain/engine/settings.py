@@ -57,7 +57,8 @@ import torch
 from ringtrain.collectives.reduce_ops import resolve_op
 from ringtrain.compression import averaging
 from ringtrain.config import Config
-from ringtrain.engine.exchange import Averaging
+from ringtrain.engine import local_update
+from ringtrain.engine.weighting import Averaging, check_shares, weight_of
 from ringtrain.errors import ConfigError
 
 # DistributedOptimizer's keyword arguments that are Config fields of the same name.
@@ -83,15 +84,24 @@ CONFIG_ARGS = (
 @dataclasses.dataclass(frozen=True)
 class Reduction:
     """What the reduction makes of the sum: Horovod's ``op``, ``gradient_predivide_factor``,
-    ``backward_passes_per_step`` with ``average_aggregated_gradients``."""
+    ``backward_passes_per_step`` with ``average_aggregated_gradients``, ``batch_shares``
+    (a tuple of per-rank shares; ``"auto"`` until measured shares replace it)."""
 
     op: str
     predivide: float
     passes: int
     average_aggregated: bool
+    shares: tuple[float, ...] | str | None = None
 
     @classmethod
-    def of(cls, op: Any, predivide: float, passes: int, average_aggregated: bool) -> Reduction:
+    def of(
+        cls,
+        op: Any,
+        predivide: float,
+        passes: int,
+        average_aggregated: bool,
+        shares: object = None,
+    ) -> Reduction:
         if passes < 1:
             raise ConfigError(f"backward_passes_per_step must be >= 1, got {passes}")
         if predivide <= 0:
@@ -101,14 +111,23 @@ class Reduction:
             raise ConfigError(f"DistributedOptimizer supports op=Average or Sum, got {name}")
         if predivide != 1.0 and name != "Average":
             raise ConfigError("gradient_predivide_factor needs op=Average")
-        return cls(name, predivide, passes, average_aggregated)
+        checked = check_shares(shares)
+        if checked is not None and name != "Average":
+            raise ConfigError(
+                f"batch_shares weighs each rank's gradient in an average, but op={name}.\n"
+                "HINT: use op=Average (the default) with batch_shares."
+            )
+        return cls(name, predivide, passes, average_aggregated, checked)
 
-    def averaging(self, size: int, passes: int) -> Averaging:
-        """What this step's reduction asks for (:class:`ringtrain.engine.exchange.Averaging`,
+    def averaging(self, size: int, passes: int, rank: int = 0) -> Averaging:
+        """What this step's reduction asks for (:class:`ringtrain.engine.weighting.Averaging`,
         whose factors come from the one rule, :mod:`ringtrain.compression.averaging`) for
-        ``size`` contributors and ``passes`` backward passes per step."""
+        ``size`` contributors, ``passes`` backward passes per step, and, with batch_shares,
+        rank ``rank``'s weight (``"auto"`` before its first measurement: equal shares)."""
         k = passes if self.average_aggregated else 1
-        return Averaging(self.op == "Average", size, self.predivide, 1.0 / k)
+        fixed = self.shares if isinstance(self.shares, tuple) else None
+        weight = weight_of(fixed, rank, size) if size > 1 else None
+        return Averaging(self.op == "Average", size, self.predivide, 1.0 / k, weight)
 
     def local(self, params: list[torch.nn.Parameter], passes: int, size: int) -> None:
         """Nothing to reduce (one rank, or outside the process set); on one rank, averaging
@@ -132,6 +151,12 @@ def resolve(config: Config, **args: Any) -> Config:
     return config.replace(**changes)
 
 
+def check(config: Config, reduction: Reduction) -> None:
+    """The settings that do not combine, as errors that say what to change."""
+    check_reduce_scatter(config)
+    check_batch_shares(reduction, config)
+
+
 def check_reduce_scatter(config: Config) -> None:
     """reduce_scatter=True: what it needs, as an error that says what to change."""
     if config.reduce_scatter and not config.shard_optimizer:
@@ -139,4 +164,20 @@ def check_reduce_scatter(config: Config) -> None:
             "reduce_scatter=True needs shard_optimizer=True: each rank then steps only the "
             "shard whose sum it receives.\nHINT: add shard_optimizer=True, or drop "
             "reduce_scatter."
+        )
+
+
+def check_batch_shares(reduction: Reduction, config: Config) -> None:
+    """batch_shares: what it does not combine with yet, as an error that says what to change."""
+    if reduction.shares is None:
+        return
+    if reduction.shares == "auto":
+        raise ConfigError(
+            "batch_shares='auto' is not available yet.\nHINT: give the shares, e.g. [3, 1]."
+        )
+    if local_update.parse_sync_every(config.sync_every) != 0:
+        raise ConfigError(
+            "batch_shares weighs the synchronous gradient average; with local updates "
+            f"(sync_every={config.sync_every!r}) the outer average does not weigh ranks yet.\n"
+            "HINT: drop batch_shares, or sync_every."
         )

@@ -17,11 +17,21 @@ _CODEC = SparseRows()
 
 
 def launch(
-    indices_of: Sequence[int], params: Sequence[torch.nn.Parameter], group: Any
+    indices_of: Sequence[int],
+    params: Sequence[torch.nn.Parameter],
+    group: Any,
+    scale: float = 1.0,
 ) -> list[Any]:
     """Start the all-gathers of the sparse gradients of ``params[i]`` for ``i`` in
-    ``indices_of``; :func:`finish` completes them."""
-    return _CODEC.launch([params[i] for i in indices_of], transport.rounds(group))
+    ``indices_of``, each scaled by ``scale`` first (this rank's weight under batch_shares);
+    :func:`finish` completes them."""
+    members = [params[i] for i in indices_of]
+    if scale != 1.0:
+        with torch.no_grad():
+            for p in members:
+                if p.grad is not None:
+                    p.grad = p.grad * scale
+    return _CODEC.launch(members, transport.rounds(group))
 
 
 def finish(

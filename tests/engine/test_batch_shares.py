@@ -1,0 +1,144 @@
+"""batch_shares: ranks weigh by the samples they took, so the step is the global batch's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ringtrain as rt
+from ringtrain.engine.weighting import Averaging, check_shares, weight_of
+from ringtrain.errors import ConfigError
+from ringtrain.testing.spawn import World
+
+STEPS = 4
+SHARES = (3, 1)  # samples per unit: rank 0 takes 6 of every 8, rank 1 takes 2
+UNIT = 2
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "sharded": {"shard_optimizer": True},
+    "reduce_scatter": {"shard_optimizer": True, "reduce_scatter": True},
+    "overlap": {"overlap": True},
+    "passes2": {"backward_passes_per_step": 2, "average_aggregated_gradients": True},
+    "predivide": {"gradient_predivide_factor": 2.0},
+}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = sum(SHARES) * UNIT
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _mine(r: int) -> slice:
+    start = sum(SHARES[:r]) * UNIT
+    return slice(start, start + SHARES[r] * UNIT)
+
+
+def _train(variant: str) -> list[torch.Tensor]:
+    r = rt.rank()
+    kwargs = dict(VARIANTS[variant])
+    passes = kwargs.get("backward_passes_per_step", 1)
+    model = _model()
+    opt = rt.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        batch_shares=list(SHARES),
+        **kwargs,
+    )
+    for step in range(STEPS):
+        x, y = _data(step)
+        opt.zero_grad()
+        rows = torch.arange(len(y))[_mine(r)]
+        for part in rows.chunk(passes):  # k passes over the rank's samples, each a mean
+            F.cross_entropy(model(x[part]), y[part]).backward()
+        opt.step()
+    if variant == "overlap":
+        opt.synchronize()  # the last step's updates are final now
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _reference() -> list[torch.Tensor]:
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(STEPS):
+        x, y = _data(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()  # the mean over the whole global batch
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _sparse(distributed: bool) -> list[torch.Tensor]:
+    """An embedding with sparse gradients (all-gathered, weighted before the gather), SGD."""
+    torch.manual_seed(0)
+    model = torch.nn.Embedding(10, 3, sparse=True)
+    opt: Any = torch.optim.SGD(model.parameters(), lr=0.5)
+    if distributed:
+        opt = rt.DistributedOptimizer(
+            opt, named_parameters=model.named_parameters(), batch_shares=list(SHARES)
+        )
+    for step in range(STEPS):
+        ids = torch.randint(
+            0, 10, (sum(SHARES) * UNIT,), generator=torch.Generator().manual_seed(step)
+        )
+        mine = ids[_mine(rt.rank())] if distributed else ids
+        opt.zero_grad()
+        model(mine).square().mean().backward()
+        opt.step()
+    return [model.weight.detach().clone()]
+
+
+def _all_variants() -> dict[str, list[list[torch.Tensor]]]:
+    runs = {v: _train(v) for v in VARIANTS}
+    return {
+        "again": [_train("plain")],
+        "sparse": [_sparse(True)],
+        **{v: [w] for v, w in runs.items()},
+    }
+
+
+def test_weighted_steps_equal_the_global_batch_and_repeat_bitwise(world2: World) -> None:
+    expected = _reference()
+    for per_rank in world2.run(_all_variants):
+        sparse = per_rank.pop("sparse")[0]
+        torch.testing.assert_close(sparse, _sparse(False), rtol=1e-6, atol=1e-6)
+        for variant, (weights,) in per_rank.items():
+            for got, want in zip(weights, expected):
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=variant)
+        for a, b in zip(per_rank["plain"][0], per_rank["again"][0]):
+            assert torch.equal(a, b), "two runs with the same shares differ"
+
+
+def test_weights_and_factors() -> None:
+    assert weight_of(None, 0, 2) is None
+    assert weight_of([2, 2, 2], 1, 3) is None  # equal shares: the plain average's bits
+    assert weight_of([3, 1], 1, 2) == 0.25
+    with pytest.raises(ConfigError, match="2 entries but the process set has 3"):
+        weight_of([3, 1], 0, 3)
+    for bad in ([0, 1], [-1, 2], "fast", [True, 1], [], [float("nan"), 1]):
+        with pytest.raises(ConfigError, match="batch_shares"):
+            check_shares(bad)
+    # pre * post is the weight (times 1/k), wherever the division goes.
+    for avg in (
+        Averaging(True, 2, weight=0.75),
+        Averaging(True, 2, predivide=2.0, weight=0.75),
+        Averaging(True, 2, k_scale=0.5, weight=0.75),
+    ):
+        pre, post = avg.factors()
+        assert pre * post == pytest.approx(0.75 * avg.k_scale)
+        assert pre <= 1.0 or avg.predivide != 1.0  # a 16-bit wire sums weighted values
+        c_pre, c_post = avg.codec_factors()
+        assert c_pre * c_post == pytest.approx(0.75 * 2 * avg.k_scale)  # the codec averages
+        s_pre, s_post = avg.sparse_factors()
+        assert (s_pre, s_post) == (pytest.approx(0.75 * avg.k_scale), 1.0)
+    # No weight: today's factors.
+    assert Averaging(True, 4).factors() == (0.25, 1.0)
