@@ -1,0 +1,81 @@
+"""ShareSampler: each rank's share of every global batch, every sample once per epoch."""
+
+from __future__ import annotations
+
+import pytest
+
+from ringtrain.elastic.share_sampler import ShareSampler, split_counts
+from ringtrain.errors import ConfigError
+
+DATA = list(range(103))  # not a multiple of the global batch: the last one is short
+
+
+def _samplers(shares: list[float], batch: int = 8) -> list[ShareSampler]:
+    return [ShareSampler(DATA, batch, shares, r, seed=5) for r in range(len(shares))]
+
+
+def _take(samplers: list[ShareSampler], steps: int | None = None) -> list[int]:
+    """Every rank's indices of ``steps`` global batches (all left if None), recorded."""
+    seen: list[int] = []
+    for n, parts in enumerate(zip(*samplers)):
+        if steps is not None and n == steps:
+            break
+        for s, part in zip(samplers, parts):
+            seen += part
+            s.record_batch()
+    return seen
+
+
+def test_split_counts_follow_the_shares_and_sum_to_the_total() -> None:
+    assert split_counts(8, [3, 1]) == [6, 2]
+    assert split_counts(7, [1, 1, 1]) == [3, 2, 2]  # remainder to the lower rank
+    assert split_counts(10, [2.5, 1, 1]) == [6, 2, 2]
+    for total in range(0, 40):
+        assert sum(split_counts(total, [0.7, 0.2, 0.1])) == total
+    with pytest.raises(ConfigError, match="positive"):
+        split_counts(8, [1, 0])
+
+
+def test_every_sample_once_per_epoch_in_share_sized_parts() -> None:
+    samplers = _samplers([3, 1])
+    first = [next(iter(s)) for s in samplers]
+    assert [len(p) for p in first] == [6, 2]
+    seen = _take(samplers)
+    assert sorted(seen) == DATA
+    for s in samplers:  # a new epoch: a new order, every sample once again
+        s.set_epoch(1)
+    assert [next(iter(s)) for s in samplers] != first
+    assert sorted(_take(samplers)) == DATA
+
+
+def test_resume_from_a_checkpoint_keeps_the_position() -> None:
+    samplers = _samplers([3, 1])
+    before = _take(samplers, steps=5)
+    saved = [s.state_dict() for s in samplers]
+    resumed = _samplers([3, 1])
+    for s, state in zip(resumed, saved):
+        s.load_state_dict(state)
+    assert len(resumed[0]) == -(-(len(DATA) - 40) // 8)
+    assert sorted(before + _take(resumed)) == DATA
+
+
+def test_an_elastic_change_splits_the_rest_without_repeating_or_skipping() -> None:
+    samplers = _samplers([3, 1])
+    before = _take(samplers, steps=4)
+    state = samplers[0].state_dict()  # the same position on every rank
+    grown = _samplers([2, 1, 1])  # a third rank joined; new shares
+    for s in grown:
+        s.load_state_dict(state)
+    middle = _take(grown, steps=3)
+    for r, s in enumerate(samplers[:1] + grown[1:2]):  # one left: two ranks, shares [1, 4]
+        s.load_state_dict(grown[0].state_dict())
+        s.reset([1, 4], r)
+    after = _take(samplers[:1] + grown[1:2])
+    assert sorted(before + middle + after) == DATA
+
+
+def test_bad_input_is_explained() -> None:
+    with pytest.raises(ConfigError, match="rank 2 has no share"):
+        ShareSampler(DATA, 8, [1, 1], 2)
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        ShareSampler(DATA, 0, [1, 1], 0)
