@@ -33,8 +33,10 @@ ENDS_WITHIN_S = 20.0
 pytestmark = pytest.mark.timeout(240)
 
 
-def _run(argv: list[str], out: Path) -> tuple[subprocess.CompletedProcess[str], float]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _run(
+    argv: list[str], out: Path, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
@@ -84,7 +86,10 @@ def test_the_job_ends_naming_the_failed_rank(
         valid, _ = ast.literal_eval((tmp_path / "lane.0").read_text())
         assert valid > 0
     said = tmp_path / "error.0"
-    if said.exists():
+    if how == "exit3":  # its code, which only the launcher saw, reached the peer (issue 37)
+        _, error = json.loads(said.read_text())
+        assert "rank 1 (host" in error and "failed: exited with code 3" in error, error
+    elif said.exists():
         _, error = json.loads(said.read_text())
         assert "rank 1" in error, error
 
@@ -106,3 +111,25 @@ def test_under_torchrun_the_peer_ends_naming_the_failed_rank(tmp_path: Path) -> 
     print(f"torchrun: the peer's wait ended {took:.1f} s after rank 1 failed")
     assert took < ENDS_WITHIN_S, f"the peer's wait ended {took:.1f} s after rank 1 failed"
     assert "PeerFailedError" in error and "rank 1 failed (ValueError: boom at step 6)" in error
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI (openmpi-bin)")
+def test_under_mpirun_the_job_ends_and_the_peer_names_the_failed_rank(tmp_path: Path) -> None:
+    """Plain ``mpirun -np 2`` (rank 0 serves the store; nothing exported but what lets mpirun
+    run as root here): rank 1 raises after init(), its peer's allreduce ends naming it, and
+    mpirun ends the job with a failing code."""
+    argv = ["mpirun", "-np", "2", sys.executable, str(JOB), str(tmp_path), "raise", "allreduce"]
+    drop = ("MASTER_", "RINGTRAIN_", "GLOO_", "OMPI_", "PMIX_", "RANK", "WORLD_SIZE", "LOCAL_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update(
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        OMPI_MCA_rmaps_base_oversubscribe="1",
+    )
+    done, took = _run(argv, tmp_path, env)
+    assert done.returncode != 0, done.stdout[-2000:] + done.stderr[-2000:]
+    print(f"mpirun: the job ended {took:.1f} s after rank 1 failed")
+    assert took < ENDS_WITHIN_S, f"the job ended {took:.1f} s after rank 1 failed"
+    at, error = json.loads((tmp_path / "error.0").read_text())
+    assert "PeerFailedError" in error and "rank 1 failed (ValueError: boom at step 6)" in error
+    assert at - float((tmp_path / "failed_at").read_text()) < ENDS_WITHIN_S
