@@ -62,6 +62,7 @@ class ControlChannel:
         self._world = world
         self._slot = torch.zeros(CONTROL_SLOT_BYTES, dtype=torch.uint8)
         self._slots = torch.zeros(comm.size * CONTROL_SLOT_BYTES, dtype=torch.uint8)
+        self.rounds = 0  # exchanges so far: a protocol counter for tests and benchmarks
 
     def exchange(self, msg: Message) -> list[Message]:
         """Allgather one pickled message per rank over the control group.
@@ -70,6 +71,7 @@ class ControlChannel:
         fixed-size slots that hold a length and the message. Only when some message outgrows its
         slot (every rank sees that in the lengths) does a second allgather carry the long ones.
         """
+        self.rounds += 1
         if self._size == 1:
             return [msg]
         payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
@@ -81,9 +83,7 @@ class ControlChannel:
         struct.pack_into("<q", out, 0, len(payload))
         if len(payload) <= width - 8:
             out[8 : 8 + len(payload)] = payload
-        abort.wait_work(
-            compat.all_gather_single(slots, slot, group=self._group, async_op=True), self._world
-        )
+        self._allgather(slots, slot)
         got = slots.numpy().data
         lengths = [struct.unpack_from("<q", got, r * width)[0] for r in range(size)]
         longest = max(lengths)
@@ -94,11 +94,16 @@ class ControlChannel:
         big = torch.zeros(longest, dtype=torch.uint8)
         big.numpy().data[: len(payload)] = payload
         bigs = torch.empty(size * longest, dtype=torch.uint8)
-        abort.wait_work(
-            compat.all_gather_single(bigs, big, group=self._group, async_op=True), self._world
-        )
+        self._allgather(bigs, big)
         got = bigs.numpy().data
         return [pickle.loads(got[r * longest : r * longest + n]) for r, n in enumerate(lengths)]
+
+    def _allgather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+        """The wire: every rank's ``mine`` into ``out``, in set-rank order (a simulated
+        transport replaces this, see :mod:`ringtrain.collectives.simulated`)."""
+        abort.wait_work(
+            compat.all_gather_single(out, mine, group=self._group, async_op=True), self._world
+        )
 
 
 def inline_payloads(subs: list[Pending], rank: int) -> dict[int, inline.Payload]:

@@ -94,7 +94,11 @@ class Controller(LaneControl):
         config: Config,
         clock: Callable[[], float] = time.monotonic,
         board: crossset.Board | None = None,
+        channel: ControlChannel | None = None,
+        start: bool = True,
     ) -> None:
+        """``channel`` and ``start=False`` are for the simulated coordinator
+        (:mod:`ringtrain.collectives.simulated`): its own wire, and rounds it drives itself."""
         self.comm = comm
         self.config = config
         self._clock = clock
@@ -143,11 +147,12 @@ class Controller(LaneControl):
         self._lane_peer: tuple[int, float] | None = None
         self._lane_nudged = False
         self._world = abort.generation  # elastic: this controller's waits end when it is replaced
-        self._channel = ControlChannel(comm, self._world)
+        self._channel = channel if channel is not None else ControlChannel(comm, self._world)
         self._thread = threading.Thread(
             target=self._run, name=f"ringtrain-controller-{comm.set_id}", daemon=True
         )
-        self._thread.start()
+        if start:
+            self._thread.start()
 
     # ---- submitting side (user threads) ------------------------------------------------------
 
@@ -257,6 +262,11 @@ class Controller(LaneControl):
                 return False
             time.sleep(0.002)
         return True
+
+    @property
+    def rounds(self) -> int:
+        """Negotiation rounds this rank took part in so far (a protocol counter)."""
+        return self._channel.rounds
 
     @property
     def lane_slots(self) -> tuple[int, int]:

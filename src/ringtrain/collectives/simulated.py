@@ -1,0 +1,210 @@
+"""A simulated coordinator: the real controller's rounds at N ranks, in one process, no network.
+
+What a negotiation round costs as the rank count grows cannot be measured on a 2-core machine
+with real processes. This module drives one real :class:`~ringtrain.collectives.controller.
+Controller` (its message building, the control channel's encoding and decoding, the table, the
+ready check, the consistency check, the request cache, the shutdown votes) over a
+:class:`CountingChannel`: a wire that delivers the N-1 peers' part of each round as copies of
+this rank's, as the ranks of a program that submits the same collectives do, and counts what
+a real transport would carry. Nothing runs on a data group: ready ops go to a
+:class:`CountingExecutor`, which only counts them.
+
+So a round's figures are this rank's own: the Python time of one round (the controller's code,
+the copy into the slots excluded, as a real transport does that off the Python thread) and, from
+the channel, the control bytes that reach the rank, the collectives it takes and the sequential
+steps of those collectives (a ring allgather of N slots: N-1 steps). ``ringtrain bench
+coordinator`` reports them at several N, for idle rounds and rounds carrying cached ops.
+
+Limits: peers are this rank's mirror, so rounds where ranks differ (a stall, a mismatch, a rank
+that joined) are not simulated; the time is this process's, on whatever else the machine runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ringtrain.collectives.control_round import ControlChannel, Message
+from ringtrain.collectives.controller import Controller
+from ringtrain.collectives.execute import Pending
+from ringtrain.collectives.requests import Request, TensorMeta
+from ringtrain.config import Config
+from ringtrain.runtime.communicator import Communicator
+
+
+@dataclass
+class WireCounts:
+    """What the simulated transport carried, summed over the rounds so far."""
+
+    rounds: int = 0
+    ops: int = 0  # collectives on the control group
+    steps: int = 0  # sequential network steps of those collectives (ring allgather: N-1)
+    bytes_in: int = 0  # control bytes that reach this rank
+    decodes: int = 0  # per-rank messages this rank decoded (a counter of Python work)
+    wire_s: float = 0.0  # time spent in the simulated wire itself, left out of Python time
+
+
+class CountingChannel(ControlChannel):
+    """The control channel over a simulated wire: peers mirror this rank (see module doc)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._world = -1
+        self._group = None
+        self._slot = torch.zeros(_slot_bytes(), dtype=torch.uint8)
+        self._slots = torch.zeros(size * _slot_bytes(), dtype=torch.uint8)
+        self.rounds = 0
+        self.counts = WireCounts()
+
+    def exchange(self, msg: Message) -> list[Message]:
+        self.counts.rounds += 1
+        out = super().exchange(msg)
+        self.counts.decodes += len(out)
+        return out
+
+    def _allgather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+        started = time.perf_counter()
+        out.view(self._size, -1).copy_(mine.view(1, -1).expand(self._size, -1))
+        c = self.counts
+        c.ops += 1
+        c.steps += self._size - 1
+        c.bytes_in += (self._size - 1) * mine.numel()
+        c.wire_s += time.perf_counter() - started
+
+
+class CountingExecutor:
+    """Takes the ready ops of a round in place of the real executor and only counts them."""
+
+    def __init__(self) -> None:
+        self.ops = 0
+        self.order: list[str] = []
+
+    def add(
+        self,
+        name: str,
+        by_rank: Mapping[int, Request],
+        local: Pending | None,
+        *args: object,
+        **kwargs: object,
+    ) -> None:
+        self.ops += 1
+        self.order.append(name)
+        if local is not None:
+            local.handle.set_result(None)
+
+    def flush(self) -> None:
+        pass
+
+
+def _slot_bytes() -> int:
+    from ringtrain.collectives import control_round
+
+    return control_round.CONTROL_SLOT_BYTES
+
+
+@dataclass
+class SimulatedRank:
+    """Set rank 0 of an N-rank set, its controller driven round by round by the caller."""
+
+    size: int
+    config: Config = field(default_factory=lambda: Config(fast_lane=False, stall_warning_s=0))
+    controller: Controller = field(init=False)
+    channel: CountingChannel = field(init=False)
+    executor: CountingExecutor = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"a simulated set needs at least 1 rank, got size={self.size}")
+        comm = Communicator(0, range(self.size), 0, {}, is_world=True)
+        self.channel = CountingChannel(self.size)
+        self.controller = Controller(comm, self.config, channel=self.channel, start=False)
+        self.executor = CountingExecutor()
+        self.controller._executor = self.executor  # type: ignore[assignment]
+
+    def submit(self, names: list[str], numel: int = 16384) -> None:
+        """Submit one allreduce per name (float32 of ``numel``: 64 KiB by default, above the
+        size whose data would travel inline in the round)."""
+        meta = (TensorMeta((numel,), "torch.float32"),)
+        for name in names:
+            req = Request(name, "allreduce", meta, op="sum")
+            self.controller.submit(req, [_tensor(numel)])
+
+    def round(self) -> float:
+        """One round; returns its Python seconds on this rank (the wire's copy left out)."""
+        wire = self.channel.counts.wire_s
+        started = time.perf_counter()
+        self.controller._cycle()
+        return time.perf_counter() - started - (self.channel.counts.wire_s - wire)
+
+
+_TENSORS: dict[int, torch.Tensor] = {}
+
+
+def _tensor(numel: int) -> torch.Tensor:
+    """One shared tensor per size: the controller never reads its data here."""
+    if numel not in _TENSORS:
+        _TENSORS[numel] = torch.zeros(numel)
+    return _TENSORS[numel]
+
+
+@dataclass(frozen=True)
+class RoundFigures:
+    """Per round, at one N, for one kind of round (idle, or carrying ``ops`` cached ops)."""
+
+    size: int
+    ops: int
+    python_ms: float  # median Python time of a round on this rank
+    bytes_in: int  # control bytes that reach this rank per round
+    wire_ops: int  # control-group collectives per round
+    steps: int  # their sequential network steps per round
+    decodes: int  # messages decoded per round
+
+
+def measure(size: int, ops: int, rounds: int = 20) -> RoundFigures:
+    """Median figures of ``rounds`` rounds at ``size`` ranks, each carrying ``ops`` cached ops
+    (0: idle rounds). The ops ran once before, so they travel as cache numbers."""
+    sim = SimulatedRank(size)
+    names = [f"grad.{i}" for i in range(ops)]
+    if ops:
+        sim.submit(names)
+        sim.round()  # first time: full requests, which the cache then numbers
+    before = WireCounts(**vars(sim.channel.counts))
+    times = []
+    for _ in range(rounds):
+        if ops:
+            sim.submit(names)
+        times.append(sim.round())
+    after = sim.channel.counts
+    times.sort()
+    return RoundFigures(
+        size=size,
+        ops=ops,
+        python_ms=times[len(times) // 2] * 1e3,
+        bytes_in=(after.bytes_in - before.bytes_in) // rounds,
+        wire_ops=(after.ops - before.ops) // rounds,
+        steps=(after.steps - before.steps) // rounds,
+        decodes=(after.decodes - before.decodes) // rounds,
+    )
+
+
+def table(sizes: tuple[int, ...] = (8, 64, 256, 1024), ops: tuple[int, ...] = (0, 64)) -> str:
+    """The figures as a markdown table, one row per (N, ops)."""
+    rows = [
+        "| ranks | cached ops | Python ms/round | control bytes in/round | ops | steps | decodes |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in sizes:
+        for k in ops:
+            f = measure(n, k)
+            rows.append(
+                f"| {n} | {k} | {f.python_ms:.3f} | {f.bytes_in:,} | {f.wire_ops} | {f.steps} "
+                f"| {f.decodes} |"
+            )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # python -m ringtrain.collectives.simulated
+    print(table())

@@ -1,0 +1,35 @@
+"""Rounds per op of a repeated named allreduce in a loop (a protocol counter, no timing).
+
+A blocking loop leaves one op in flight; a negotiated op needs the round after the last rank's
+submission, so a healthy protocol takes about one round per op at 2 ranks (1.0-1.05 measured,
+docs/benchmarks/log/2026-11-28-simulated-coordinator.md). The bound is loose on purpose: rounds
+depend on when submissions meet the controllers' cycles, which load shifts; it catches a
+protocol that takes a second round per op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ringtrain
+from ringtrain.collectives.ops import controller_of
+from ringtrain.testing import spawn
+
+OPS = 60
+
+
+def rounds_per_op(ops: int) -> float:
+    ctl = controller_of(None)
+    t = torch.ones(1024)
+    ringtrain.allreduce(t, name="rounds.warm")
+    before = ctl.rounds
+    for _ in range(ops):
+        ringtrain.allreduce(t, name="rounds.loop")
+    return (ctl.rounds - before) / ops
+
+
+@pytest.mark.parametrize("fast_lane", [True, False])
+def test_a_repeated_op_takes_about_one_round(world2: spawn.World, fast_lane: bool) -> None:
+    per_op = world2.run(rounds_per_op, OPS, fast_lane=fast_lane)
+    assert per_op[0] == per_op[1]  # every rank takes part in every round
+    assert per_op[0] <= 1.5, per_op
