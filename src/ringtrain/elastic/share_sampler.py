@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator, Sequence, Sized
-from typing import Any
 
 import torch.utils.data
 
@@ -108,8 +107,8 @@ class ShareSampler(torch.utils.data.Sampler[list[int]]):
         left = len(self.dataset) - self.position
         return -(-left // self.global_batch_size)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
