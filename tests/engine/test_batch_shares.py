@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -9,6 +10,13 @@ import torch
 import torch.nn.functional as F
 
 import ringtrain as rt
+from ringtrain.engine.auto_shares import (
+    MEASURE_STEPS,
+    WARMUP_STEPS,
+    AutoShares,
+    describe,
+    shares_for,
+)
 from ringtrain.engine.weighting import Averaging, check_shares, weight_of
 from ringtrain.errors import ConfigError
 from ringtrain.testing.spawn import World
@@ -142,3 +150,58 @@ def test_weights_and_factors() -> None:
         assert (s_pre, s_post) == (pytest.approx(0.75 * avg.k_scale), 1.0)
     # No weight: today's factors.
     assert Averaging(True, 4).factors() == (0.25, 1.0)
+
+
+def test_auto_shares_follow_the_rates_and_move_only_past_the_margin() -> None:
+    """Two ranks simulated in one process: rank 1 takes 3x rank 0's time per sample."""
+    seconds = {0: 0.001, 1: 0.003}  # per unit of share
+    autos: list[AutoShares] = []
+
+    def agree(vector: list[float]) -> list[float]:  # what the allreduce makes of both ranks'
+        assert sum(1 for v in vector if v) == 1  # each rank fills its own place
+        return [1 / seconds[r] for r in range(2)]
+
+    autos = [AutoShares(2, r, agree, clock=lambda: 0.0) for r in range(2)]
+
+    def steps(n: int) -> list[tuple[int, ...] | None]:
+        out = []
+        for _ in range(n):
+            for r, a in enumerate(autos):
+                start = a._last_end + seconds[r] * a.shares[r]
+                out.append(a.observe(start, start + 0.01))
+        return out
+
+    decided = [s for s in steps(1 + WARMUP_STEPS + MEASURE_STEPS) if s is not None]
+    assert decided == [(750, 250), (750, 250)]  # both ranks, at the same step
+    assert [a.shares for a in autos] == [(750, 250)] * 2
+    seconds[1] = 0.0033  # 10% slower: within the margin, no change
+    assert [s for s in steps(2 * MEASURE_STEPS) if s is not None] == []
+    seconds[1] = 0.001  # as fast as rank 0 now: measured again
+    steps(2 * MEASURE_STEPS)
+    assert autos[0].shares == autos[1].shares == shares_for([1.0, 1.0])
+    assert "rank 0 75.0%" in describe((750, 250), [10.0, 3.3])
+
+
+def _auto() -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
+    model = _model()
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        batch_shares="auto",
+    )
+    before = opt.batch_shares
+    x, y = _data(0)
+    for _ in range(1 + WARMUP_STEPS + MEASURE_STEPS):
+        if rt.rank() == 1:
+            time.sleep(0.05)  # this rank computes slowly
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return before, opt.batch_shares
+
+
+def test_auto_gives_the_slow_rank_less_on_every_rank(world2: World) -> None:
+    (before0, after0), (before1, after1) = world2.run(_auto)
+    assert before0 is None and before1 is None  # equal until measured
+    assert after0 == after1 is not None
+    assert after0[0] > 2 * after0[1]

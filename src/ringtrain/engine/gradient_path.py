@@ -12,6 +12,7 @@ bucket by bucket on the updater thread (:class:`~ringtrain.engine.steps.Overlapp
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 import weakref
@@ -23,12 +24,13 @@ import torch
 from ringtrain.config import Config
 from ringtrain.diagnostics import timeline
 from ringtrain.engine import local_update
+from ringtrain.engine.auto_shares import AutoShares, agree_on
 from ringtrain.engine.parameters import Hooks, make_watch
 from ringtrain.engine.planner import Planner
 from ringtrain.engine.settings import Reduction
 from ringtrain.engine.step_phase import Phase, StepProgress
 from ringtrain.engine.steps import BucketUpdates, Overlapped, ShardedUpdate, Update, WholeStep
-from ringtrain.engine.weighting import Averaging
+from ringtrain.engine.weighting import Averaging, check_shares
 from ringtrain.errors import CollectiveArgumentError
 
 # Horovod's words, which scripts filter on (warnings.filterwarnings): kept exactly.
@@ -75,7 +77,22 @@ class GradientPath:
         self.skip_sync = False  # inside skip_synchronize()
         self._hooks = Hooks(self)
         self._watch = make_watch(self, comm, self.names, stall_warning_s, config.timeout_s)
+        self._auto_shares = self._make_auto_shares()
         self.register_hooks()
+
+    def _make_auto_shares(self) -> AutoShares | None:
+        """batch_shares="auto": the measurement (equal shares until its first decision)."""
+        if self.reduction.shares != "auto" or self.comm.size == 1 or not self.comm.included:
+            return None
+        group = self.comm.group("engine")
+        return AutoShares(self.comm.size, self.comm.set_rank, agree_on(group))
+
+    def set_batch_shares(self, shares: object) -> None:
+        """New shares from the next step on (the same on every rank, between steps)."""
+        self.reduction = dataclasses.replace(self.reduction, shares=check_shares(shares))
+        averaging = self.averaging()  # checks one share per rank
+        if self.planner.exchange is not None:
+            self.planner.exchange.set_scaling(averaging)
 
     @property
     def shards_state(self) -> bool:
@@ -141,6 +158,11 @@ class GradientPath:
         self._watch = make_watch(
             self, comm, self.names, job_config.stall_warning_s, self.config.timeout_s
         )
+        if self._auto_shares is not None or self.reduction.shares is not None:
+            # Elastic: measured shares are measured again; given ones must fit the new world.
+            if self._auto_shares is not None:
+                self.reduction = dataclasses.replace(self.reduction, shares="auto")
+            self._auto_shares = self._make_auto_shares()
         if comm.size == 1:
             self._hooks.remove()
         else:
@@ -226,6 +248,10 @@ class GradientPath:
             planner.step_ended()
         t1 = time.perf_counter()
         planner.observe(learning, t0, t1, self.averaging())
+        if self._auto_shares is not None:
+            shares = self._auto_shares.observe(t0, t1)
+            if shares is not None:
+                self.set_batch_shares(shares)
         if self.sync_every == "auto" and planner.tuner is not None and not planner.tuner.active:
             self._choose_sync_every(planner.tuner)
         if observer is not None:

@@ -95,8 +95,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             (e.g. ``[3, 1]``: rank 0 takes 3 samples for rank 1's 1): rank r's gradient weighs
             ``share_r / sum(shares)`` instead of ``1/size``, so with each rank's loss the mean
             over its own samples the step is that of one process on the whole global batch.
-            Equal shares are the plain average, bit for bit (docs/engine.md, "Hosts of unequal
-            speed").
+            Equal shares are the plain average, bit for bit. ``"auto"``: measured, in proportion
+            to each rank's rate (:mod:`ringtrain.engine.auto_shares`; timing-dependent, so not
+            reproducible run to run); read them from :attr:`batch_shares` (docs/engine.md,
+            "Hosts of unequal speed").
         outer_optimizer: with ``sync_every``, ``params -> torch.optim.Optimizer`` for the outer
             step (default: Nesterov SGD, lr 0.7, momentum 0.9, as arXiv 2311.08105).
     """
@@ -321,6 +323,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_bytes(self) -> int:
         """Bytes of optimizer state tensors held on this rank (its shards, or the whole)."""
         return self._path.update.state_bytes
+
+    @property
+    def batch_shares(self) -> tuple[float, ...] | None:
+        """The shares of the global batch now in force (None: equal, the plain average); with
+        ``"auto"``, equal until the first measurement, then what it chose. Feed them to the
+        data (:class:`ringtrain.elastic.share_sampler.ShareSampler`'s ``reset``)."""
+        shares = self._path.reduction.shares
+        return shares if isinstance(shares, tuple) else None
+
+    def set_batch_shares(self, shares: Sequence[float]) -> None:
+        """Weigh ranks by these shares from the next step on: call it between steps, with the
+        same list on every rank (e.g. the samples each rank takes of a short last batch)."""
+        self._path.set_batch_shares(shares)
 
     def drain(self) -> None:
         """Overlap: wait for the pending updates, so parameters and state are final."""

@@ -171,9 +171,11 @@ def check_batch_shares(reduction: Reduction, config: Config) -> None:
     """batch_shares: what it does not combine with yet, as an error that says what to change."""
     if reduction.shares is None:
         return
-    if reduction.shares == "auto":
+    if reduction.shares == "auto" and config.overlap:
         raise ConfigError(
-            "batch_shares='auto' is not available yet.\nHINT: give the shares, e.g. [3, 1]."
+            "batch_shares='auto' agrees on new shares at a step boundary, which overlap=True "
+            "does not have (the next forward starts while buckets are on the wire).\nHINT: "
+            "give the shares (e.g. [3, 1]), or drop overlap."
         )
     if local_update.parse_sync_every(config.sync_every) != 0:
         raise ConfigError(
