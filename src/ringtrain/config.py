@@ -122,6 +122,10 @@ class Config:
     # The local-update step's parameters cut into this many fragments, each exchanged at its own
     # step of the round (streaming DiLoCo): 1/P of the model on the link at a time.
     outer_fragments: int = 1
+    # DistributedOptimizer(batch_shares=...) when not given: each rank's share of the global
+    # batch, comma separated in rank order ("3,1"), or "auto" (measured, timing-dependent);
+    # "" weighs ranks equally (the plain average).
+    batch_shares: str = ""
     # Seal every message with AES-256-GCM and authenticate the rendezvous.
     secure: bool = False
     # Path to the job key (e.g. a mounted Kubernetes Secret) when not started by ringtrain run.
@@ -190,6 +194,7 @@ class Config:
                 f"{self.outer_compression!r}\nHINT: fp16 halves the outer exchange; int8 and "
                 "int4 cut it 4x and 8x, with error feedback."
             )
+        object.__setattr__(self, "batch_shares", _check_batch_shares(self.batch_shares))
         level = LOG_LEVELS.get(self.log_level.strip().upper())
         if level is None:
             raise ConfigError(
@@ -494,3 +499,21 @@ def to_env(**settings: Any) -> dict[str, str]:
             continue
         out[env_var(name)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
     return out
+
+
+def _check_batch_shares(value: str) -> str:
+    """``batch_shares``: "", "auto", or positive numbers separated by commas (normalised)."""
+    text = str(value).strip().lower()
+    if text in ("", "auto"):
+        return text
+    try:
+        shares = [float(v) for v in text.split(",")]
+    except ValueError:
+        shares = []
+    if not shares or any(not s > 0 or s == float("inf") for s in shares):
+        raise ConfigError(
+            f"batch_shares must be positive numbers separated by commas (one per rank) or "
+            f"'auto', got {value!r}\nHINT: RINGTRAIN_BATCH_SHARES=3,1 gives rank 0 three samples "
+            "for every one of rank 1's."
+        )
+    return ",".join(text.replace(" ", "").split(","))

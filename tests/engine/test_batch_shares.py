@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import ringtrain as rt
+from ringtrain.config import Config
+from ringtrain.engine import settings
 from ringtrain.engine.auto_shares import (
     MEASURE_STEPS,
     WARMUP_STEPS,
@@ -17,6 +19,7 @@ from ringtrain.engine.auto_shares import (
     describe,
     shares_for,
 )
+from ringtrain.engine.settings import Reduction
 from ringtrain.engine.weighting import Averaging, check_shares, weight_of
 from ringtrain.errors import ConfigError
 from ringtrain.testing.spawn import World
@@ -205,3 +208,19 @@ def test_auto_gives_the_slow_rank_less_on_every_rank(world2: World) -> None:
     assert before0 is None and before1 is None  # equal until measured
     assert after0 == after1 is not None
     assert after0[0] > 2 * after0[1]
+
+
+def test_the_config_gives_shares_where_the_argument_does_not() -> None:
+    config = Config.from_env({"RINGTRAIN_BATCH_SHARES": " 3, 1"})
+    assert config.batch_shares == "3,1"
+    plain = Reduction.of(None, 1.0, 1, False)
+    assert settings.check(config, plain).shares == (3.0, 1.0)
+    given = Reduction.of(None, 1.0, 1, False, [1, 2])
+    assert settings.check(config, given).shares == (1.0, 2.0)  # the argument wins
+    assert settings.check(Config.from_env({}), plain).shares is None
+    with pytest.raises(ConfigError, match="RINGTRAIN_BATCH_SHARES=3,1"):
+        Config.from_env({"RINGTRAIN_BATCH_SHARES": "3,fast"})
+    with pytest.raises(ConfigError, match="local updates"):
+        settings.check(Config.from_env({"RINGTRAIN_SYNC_EVERY": "10"}), given)
+    with pytest.raises(ConfigError, match="op=Sum"):
+        Reduction.of("Sum", 1.0, 1, False, [1, 2])

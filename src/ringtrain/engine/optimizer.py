@@ -186,7 +186,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         local_update.check(config)
         if config.shard_optimizer:
             sharded.check_supported(optimizer)
-        settings.check(config, reduction)
+        reduction = settings.check(config, reduction)
         self._path = GradientPath(
             optimizer,
             comm,

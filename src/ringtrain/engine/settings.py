@@ -151,10 +151,18 @@ def resolve(config: Config, **args: Any) -> Config:
     return config.replace(**changes)
 
 
-def check(config: Config, reduction: Reduction) -> None:
-    """The settings that do not combine, as errors that say what to change."""
+def check(config: Config, reduction: Reduction) -> Reduction:
+    """The settings that do not combine, as errors that say what to change; the reduction with
+    the Config's ``batch_shares`` (``RINGTRAIN_BATCH_SHARES``) where the argument was not given."""
     check_reduce_scatter(config)
+    if reduction.shares is None and config.batch_shares:
+        text = config.batch_shares
+        given = text if text == "auto" else [float(v) for v in text.split(",")]
+        reduction = Reduction.of(
+            reduction.op, reduction.predivide, reduction.passes, reduction.average_aggregated, given
+        )
     check_batch_shares(reduction, config)
+    return reduction
 
 
 def check_reduce_scatter(config: Config) -> None:
