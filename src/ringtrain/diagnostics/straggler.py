@@ -135,7 +135,8 @@ def analyse(
             f"compute {slowest.compute_s:.3f} s/step vs median {med_compute:.3f} s "
             f"({_x(slowest.compute_s, med_compute)}); the other ranks wait for it.\n"
             "HINT: check for other processes on its cores (--bind-to core), its thread count "
-            "(OMP_NUM_THREADS) and whether its hardware differs.",
+            "(OMP_NUM_THREADS) and whether its hardware differs; or "
+            + shares_advice([t.busy_s for t in per_rank]),
         )
     if mean_wait > COMM_BOUND * step:
         # The hosts on the slowest link, ties included: with two hosts there is one link between
@@ -156,6 +157,27 @@ def analyse(
         [],
         f"step {step:.3f} s: input {statistics.fmean(t.input_s for t in times):.3f} s, compute "
         f"{statistics.fmean(t.compute_s for t in times):.3f} s, waiting {mean_wait:.3f} s",
+    )
+
+
+def shares_gain(busy_s: Sequence[float]) -> tuple[list[float], float]:
+    """Shares of the global batch in proportion to each rank's speed (1 / its busy seconds at
+    equal shares), and what they would gain: at equal shares a step takes the slowest rank's
+    time; in proportion, every rank is busy ``N / sum(1 / busy)`` (compute only, the
+    communication unchanged), so the samples per second grow by ``max(busy) * sum(1/busy) / N``."""
+    rates = [1.0 / max(b, 1e-12) for b in busy_s]
+    whole = sum(rates)
+    return [r / whole for r in rates], max(busy_s) * whole / len(busy_s)
+
+
+def shares_advice(busy_s: Sequence[float]) -> str:
+    """The sentence the compute verdict adds: the shares and their gain."""
+    shares, gain = shares_gain(busy_s)
+    split = ", ".join(f"{s:.2f}" for s in shares)
+    return (
+        f"give ranks shares of the global batch by speed: batch_shares='auto' (about [{split}]) "
+        f"would raise the samples/s of the busy part of a step about {gain:.2f}x "
+        '(docs/engine.md, "Hosts of unequal speed").'
     )
 
 
