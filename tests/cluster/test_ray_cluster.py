@@ -8,6 +8,7 @@ no raylet or gcs_server is left.
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 import tempfile
@@ -93,36 +94,76 @@ def test_driver_without_the_token_is_refused(ray_cluster: RayCluster) -> None:
     assert "authentication token" in (done.stdout + done.stderr).lower()
 
 
+def _runs(values: list[int]) -> list[int]:
+    """Consecutive equal values collapsed: [3, 3, 2, 2, 3] -> [3, 2, 3]."""
+    return [v for k, v in enumerate(values) if k == 0 or values[k - 1] != v]
+
+
+def _reference_weights(steps: int) -> list[float]:
+    """The same training in one process (every rank computes the same batch, so the averaged
+    gradient is this one): the weights after ``steps`` steps."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(steps):
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    return [float(v) for p in model.parameters() for v in p.detach().flatten()]
+
+
 @pytest.mark.timeout(600)
-def test_killed_worker_survivors_go_on_in_place(ray_cluster: RayCluster) -> None:
-    """A worker SIGKILLs itself at step 12 (commits every 5 steps). With RayExecutor
-    (min_workers=2, 3 workers on 2 hosts) the two others go on in the same processes, still on
-    two hosts, from their last commit (step 10) to the end, without waiting out the transport's
-    60 s timeout. How long that takes beside Ray Train's elastic restart of the same job is a
-    benchmark, not a test: scripts/bench_ray_restart.py prints the two side by side."""
-    el = _job(ray_cluster, "elastic")
+def test_elastic_ray_executor_shrinks_in_place_then_grows(ray_cluster: RayCluster) -> None:
+    """Horovod's ElasticRayExecutor (min_np=2, max_np=3, 4 slots on 2 hosts): a worker SIGKILLs
+    itself at step 12 (commits every 5 steps). The two others go on in the same processes from
+    their last commit (step 10), without waiting out the transport's 60 s timeout; the driver
+    then finds the freed slot, starts a worker there, and it joins: the world is 3 again on two
+    hosts, with the training state it was sent (its step, and the weights: it starts with
+    different ones). How long the shrink takes
+    beside Ray Train's elastic restart is a benchmark, not a test: scripts/bench_ray_restart.py
+    (RayExecutor's min_workers, the same machinery)."""
+    el = _job(ray_cluster, "elastic-grow")
     t_kill = el["killed"]["time"]
-    start_pids = set(el["pids"])
-    assert len(start_pids) == 3 and el["killed"]["pid"] in start_pids
-    survivors = el["results"]
-    assert len(survivors) == 2
-    for s in survivors:
-        pids = {p for *_, p in s["log"]}
-        assert pids == {s["start"]["pid"]} and s["start"]["pid"] in start_pids  # not restarted
-        assert s["end"]["size"] == 2 and s["end"]["cross_size"] == 2  # still two hosts
-        assert s["log"][-1][0] == STEPS
-    # The survivors' next step is their first in the re-formed world of 2 (a step that was
-    # already under way when the victim died may complete just after its kill).
-    reformed = [next(e for e in s["log"] if e[2] == 2) for s in survivors]
+    results = el["results"]
+    assert len(results) == 3, [r["start"] for r in results]  # run returns the last world's
+    assert el["killed"]["pid"] not in {r["start"]["pid"] for r in results}
+    assert all(r["tag"] == "grow" for r in results)  # env_vars reached every worker
+    joiners = [r for r in results if r["log"][0][0] > 1]
+    survivors = [r for r in results if r["log"][0][0] == 1]
+    assert len(joiners) == 1 and len(survivors) == 2, [r["log"][:2] for r in results]
     last_commit = KILL_STEP // COMMIT_EVERY * COMMIT_EVERY
-    for s, first in zip(survivors, reformed):
-        # Rolled back to the last commit, not to the start: only the steps since it are redone,
-        # and from there every step once, in order.
+    final = {r["step"] for r in results}
+    assert len(final) == 1 and final.pop() >= STEPS
+    for s in survivors:
+        assert {p for *_, p in s["log"]} == {s["start"]["pid"]}  # not restarted
+        assert _runs([e[2] for e in s["log"]]) == [3, 2, 3], s["log"]  # shrank, then grew
+        first = next(e for e in s["log"] if e[2] == 2)
+        # Rolled back to the last commit, not to the start; from there every step once, in
+        # order (growing loses nothing).
         assert last_commit < first[0] <= KILL_STEP + 1, (first, s["log"])
         after = [e[0] for e in s["log"][s["log"].index(first) :]]
-        assert after == list(range(first[0], STEPS + 1)), s["log"]
+        assert after == list(range(first[0], s["step"] + 1)), s["log"]
+    joiner = joiners[0]
+    # It started from the state it was sent (the survivors' step), not from step 0.
+    assert [e[0] for e in joiner["log"]] == list(range(joiner["log"][0][0], joiner["step"] + 1))
+    assert all(e[2] == 3 for e in joiner["log"])
+    per_host = collections.Counter(r["end"]["hostname"] for r in results)
+    assert sorted(per_host.values()) == [1, 2]  # two hosts again: 2 + 1
+    for r in results:
+        end = r["end"]
+        assert end["size"] == 3 and end["local_size"] == per_host[end["hostname"]]
+        assert end["cross_size"] == (2 if end["local_rank"] == 0 else 1)
+        assert r["weights"] == pytest.approx(_reference_weights(r["step"]), rel=1e-4, abs=1e-6)
+    reformed = [next(e for e in s["log"] if e[2] == 2) for s in survivors]
     in_place = max(e[1] for e in reformed) - t_kill
-    print(f"\nkilled worker at step {KILL_STEP}: survivors' next step after {in_place:.2f} s")
+    grown = joiner["log"][0][1] - t_kill
+    print(
+        f"\nkilled at step {KILL_STEP}: survivors' next step after {in_place:.2f} s, "
+        f"the joiner's first step after {grown:.2f} s"
+    )
     # Not a timing bound (scripts/bench_ray_restart.py measures that): a survivor that waited
     # for the dead worker until the 60 s transport timeout would take more than this.
     assert in_place < 45.0, f"survivors took {in_place:.2f} s to go on (transport timeout 60 s)"

@@ -5,6 +5,7 @@
 Modes: ``trainer`` (TorchTrainer + RingtrainConfig), ``trainer-torch`` (TorchTrainer with Ray's
 own process group; hvd.init() adopts it), ``executor`` (RayExecutor, one worker per host),
 ``elastic`` (RayExecutor with min_workers: a worker kills itself mid-training),
+``elastic-grow`` (ElasticRayExecutor: the same kill, then a worker started on a free slot joins),
 ``raytrain-restart`` (the same kill under Ray Train's elastic restart, for comparison).
 Ranks write what they saw into OUT_DIR (one filesystem for every fake host).
 """
@@ -22,6 +23,7 @@ import ray
 STEPS = 24
 KILL_STEP = 12
 COMMIT_EVERY = 5
+GROW_WAIT_STEPS = 1000  # elastic-grow: steps of 0.1 s the ranks wait at most for the joiner
 
 
 def facts(hvd) -> dict:
@@ -142,30 +144,48 @@ def _step_model():
     return torch.nn.Linear(16, 1)
 
 
-def elastic_fn(out_dir: str) -> dict:
+def elastic_fn(out_dir: str, grow: bool = False) -> dict:
+    """Train STEPS steps; one worker kills itself at KILL_STEP. With ``grow`` the world must
+    also grow back to 3 and take 3 steps so before the job ends (a worker started later
+    joins): the ranks go on stepping until it has (at most GROW_WAIT_STEPS more steps)."""
     import torch
 
     import ringtrain.torch as hvd
 
     hvd.init()
     start = facts(hvd)
-    victim = hvd.local_size() == 2 and hvd.local_rank() == 1
+    marker = os.path.join(out_dir, "killed.json")
+    victim = hvd.local_size() == 2 and hvd.local_rank() == 1 and not os.path.exists(marker)
     model = _step_model()
+    if os.path.exists(marker):  # a worker started after the kill: only the state sent fixes this
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
     )
-    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+    # shrunk: a step was taken in a world of fewer than 3; regrown: steps taken since in 3.
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0, shrunk=0, regrown=0)
     log: list = []
+
+    def going_on(state) -> bool:
+        if state.step < STEPS:
+            return True
+        return grow and state.regrown < 3 and state.step < STEPS + GROW_WAIT_STEPS
 
     @hvd.elastic.run
     def train(state):
-        while state.step < STEPS:
+        while going_on(state):
             g = torch.Generator().manual_seed(state.step)
             x = torch.randn(32, 16, generator=g)
             opt.zero_grad()
             model(x).pow(2).mean().backward()
             opt.step()
             state.step += 1
+            if hvd.size() < 3:
+                state.shrunk = 1
+            elif state.shrunk:
+                state.regrown += 1
             log.append([state.step, time.time(), hvd.size(), hvd.cross_size(), os.getpid()])
             if victim and state.step == KILL_STEP:
                 _dump(out_dir, "killed.json", {"time": time.time(), "pid": os.getpid()})
@@ -175,7 +195,31 @@ def elastic_fn(out_dir: str) -> dict:
             time.sleep(0.1)
 
     train(state)
-    return {"start": start, "end": facts(hvd), "log": log}
+    weights = [float(v) for p in model.parameters() for v in p.detach().flatten()]
+    tag = os.environ.get("RT_TEST_ELASTIC_TAG")
+    return {
+        "start": start,
+        "end": facts(hvd),
+        "log": log,
+        "step": state.step,
+        "weights": weights,
+        "tag": tag,
+    }
+
+
+def run_elastic_grow(out_dir: str) -> dict:
+    """Horovod's ElasticRayExecutor, as its Ray examples build it: 3 workers on 4 slots
+    (max_np=3); one is killed, the world shrinks to 2, and the driver starts a worker on a free
+    slot that joins (the world grows back to 3)."""
+    import functools
+
+    from ringtrain.ray import ElasticRayExecutor
+
+    settings = ElasticRayExecutor.create_settings(min_np=2, max_np=3, timeout_s=60)
+    ex = ElasticRayExecutor(settings, cpus_per_slot=1, env_vars={"RT_TEST_ELASTIC_TAG": "grow"})
+    ex.start()
+    results = ex.run(functools.partial(elastic_fn, out_dir, True))
+    return {"results": results, "killed": json.loads(_read(out_dir, "killed.json"))}
 
 
 def run_elastic(out_dir: str) -> dict:
@@ -312,6 +356,8 @@ def main() -> None:
         result = run_executor(out_dir)
     elif mode == "elastic":
         result = run_elastic(out_dir)
+    elif mode == "elastic-grow":
+        result = run_elastic_grow(out_dir)
     elif mode == "raytrain-restart":
         result = run_raytrain_restart(out_dir)
     else:

@@ -18,8 +18,9 @@ rank 0 may die too) and announces each new world there through
 :class:`ringtrain.launch.elastic.Membership`; the workers' ``@hvd.elastic.run`` does the rest.
 The elastic ``run`` returns the results of the workers that finished, in their final rank order.
 
-Not done: growing an elastic job onto slots that appear later (Horovod's Ray discovery); the
-world only shrinks. ``callbacks`` and ``cooldown_range`` are not supported.
+Not done here: growing onto slots that appear later (that is
+:class:`ringtrain.ray.ElasticRayExecutor`, Horovod's Ray discovery, on this machinery); a
+RayExecutor's elastic world only shrinks. ``callbacks`` and ``cooldown_range`` are refused.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from ray.actor import ActorHandle
 from ray.util.placement_group import (
     PlacementGroup,
     get_current_placement_group,
@@ -43,6 +45,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 import ray
 from ringtrain.errors import ConfigError, LaunchError
 from ringtrain.launch import elastic as elastic_launch
+from ringtrain.launch.plan import ProcessSpec
 from ringtrain.launch.rendezvous import RendezvousServer
 from ringtrain.ray import placement
 from ringtrain.ray.worker import Worker
@@ -137,19 +140,24 @@ class RayExecutor:
         self.max_workers = max_workers
         self.reset_limit = reset_limit
         self.elastic_timeout = elastic_timeout
-        self.elastic = min_workers is not None
         settings_ = dict(ringtrain_settings or {})
         settings_.setdefault("timeout_s", self.settings.timeout_s)
         if self.settings.nics:
             settings_.setdefault("network_interface", ",".join(sorted(self.settings.nics)))
-        self._common_env = placement.settings_environment(settings_)
-        self._secure = bool(settings_.get("secure")) and not settings_.get("key_file")
-        self.workers: list[Any] = []  # actor handles, in rank order
+        self._job = JobEnv(
+            placement.settings_environment(settings_),
+            secure=bool(settings_.get("secure")) and not settings_.get("key_file"),
+        )
+        self.workers: list[ActorHandle] = []  # in rank order
         self._identities: list[int] = []  # each worker's elastic identity (its first rank)
         self._pg: PlacementGroup | None = None
         self._own_pg = False
         self._server: RendezvousServer | None = None
         self._membership: elastic_launch.Membership | None = None
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None
 
     # ---- start -------------------------------------------------------------------------------
 
@@ -177,50 +185,58 @@ class RayExecutor:
     ) -> None:
         bundles, strategy, per_bundle = self._bundles()
         self._pg, self._own_pg = self._placement_group(bundles, strategy)
-        cls: Any = ray.remote(Worker)
-        actors = []
-        for i in range(len(bundles) * per_bundle):
-            actors.append(
-                cls.options(
-                    num_cpus=self.cpus_per_worker,
-                    num_gpus=self.gpus_per_worker,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        self._pg,
-                        placement_group_bundle_index=i // per_bundle if self._own_pg else -1,
-                    ),
-                ).remote()
+        actors = [
+            new_worker(
+                self.cpus_per_worker,
+                self.gpus_per_worker,
+                PlacementGroupSchedulingStrategy(
+                    self._pg,
+                    placement_group_bundle_index=i // per_bundle if self._own_pg else -1,
+                ),
             )
-        reported = ray.get([a.facts.remote() for a in actors], timeout=self.settings.timeout_s * 4)
+            for i in range(len(bundles) * per_bundle)
+        ]
+        reported: list[placement.WorkerFacts] = ray.get(
+            [a.facts.remote() for a in actors], timeout=self.settings.timeout_s * 4
+        )
         order = placement.host_major(reported)
         self.workers = [actors[i] for i in order]
         specs = placement.specs([reported[i] for i in order])
         self._server = RendezvousServer(sys.executable, self.settings.timeout_s * 20, 60.0)
-        addr = ray.util.get_node_ip_address()
-        job_id = uuid.uuid4().hex[:16]
-        key = keys.generate_job_key() if self._secure else None
+        job = self._job
+        job.extra = dict(extra_env_vars or {})
+        job.addr, job.port = ray.util.get_node_ip_address(), self._server.port
+        job.job_id = uuid.uuid4().hex[:16]
+        job.key = keys.generate_job_key() if job.secure else None
         self._identities = list(range(len(specs)))
         if self.elastic:
             self._membership = elastic_launch.Membership(
                 list(self._identities), min_np=self.min_workers or 1
             )
-        envs = []
-        for spec in specs:
-            env = {**(extra_env_vars or {}), **self._common_env}
-            env.update(
-                placement.rank_environment(spec, addr, self._server.port, job_id, store_hosted=True)
-            )
-            if self.elastic:
-                env.update(
-                    elastic_launch.rank_env(spec.rank, self.elastic_timeout, self.reset_limit)
-                )
-            envs.append(env)
-        ray.get([w.set_environment.remote(e, key) for w, e in zip(self.workers, envs)])
+        envs = [self.rank_environment(spec, spec.rank) for spec in specs]
+        ray.get([w.set_environment.remote(e, job.key) for w, e in zip(self.workers, envs)])
         ray.get(
             [
                 w.start_executable.remote(executable_cls, executable_args, executable_kwargs)
                 for w in self.workers
             ]
         )
+
+    def rank_environment(
+        self, spec: ProcessSpec, identity: int, join: bool = False
+    ) -> dict[str, str]:
+        """The environment of the worker placed at ``spec`` (elastic: ``identity``; ``join``:
+        started to join the running job)."""
+        job = self._job
+        env = {**job.extra, **job.common}
+        env.update(
+            placement.rank_environment(spec, job.addr, job.port, job.job_id, store_hosted=True)
+        )
+        if self.elastic:
+            env.update(
+                elastic_launch.rank_env(identity, self.elastic_timeout, self.reset_limit, join)
+            )
+        return env
 
     def _bundles(self) -> tuple[list[dict[str, float]], str, int]:
         """Placement group bundles, their strategy, and workers per bundle."""
@@ -239,19 +255,7 @@ class RayExecutor:
         """Free slots now (up to max_workers); waits up to elastic_timeout for min_workers."""
         deadline = time.monotonic() + self.elastic_timeout
         while True:
-            slots = 0
-            # HACK: Ray's public API has only the cluster-wide sum; slots are counted per node.
-            from ray._private.state import available_resources_per_node
-
-            per_node = available_resources_per_node()
-            for node in ray.nodes():
-                if not node.get("Alive"):
-                    continue
-                free = per_node.get(node["NodeID"], {})
-                n = int(free.get("CPU", 0) // self.cpus_per_worker)
-                if self.gpus_per_worker:
-                    n = min(n, int(free.get("GPU", 0) // self.gpus_per_worker))
-                slots += n
+            slots = sum(free_slots(self.cpus_per_worker, self.gpus_per_worker).values())
             if self.max_workers:
                 slots = min(slots, self.max_workers)
             if slots >= (self.min_workers or 1):
@@ -290,7 +294,7 @@ class RayExecutor:
         self, fn: Callable[[Any], Any], callbacks: Sequence[Any] | None = None
     ) -> list[Any]:
         """``fn(executable)`` on every worker; the results in rank order."""
-        _no_callbacks(callbacks)
+        no_callbacks(callbacks)
         return self._collect([w.execute.remote(fn) for w in self._live()])
 
     def run(
@@ -301,8 +305,8 @@ class RayExecutor:
         callbacks: Sequence[Any] | None = None,
     ) -> list[Any]:
         """``fn(*args, **kwargs)`` on every worker; the results in rank order."""
-        _no_callbacks(callbacks)
-        call = _Call(fn, list(args or []), dict(kwargs or {}))
+        no_callbacks(callbacks)
+        call = Call(fn, list(args or []), dict(kwargs or {}))
         return self._collect([w.execute.remote(call) for w in self._live()])
 
     def run_remote(
@@ -317,7 +321,7 @@ class RayExecutor:
                 "run_remote is not available in elastic jobs: a worker may leave while it "
                 "runs (as in Horovod). Use run()."
             )
-        call = _Call(fn, list(args or []), dict(kwargs or {}))
+        call = Call(fn, list(args or []), dict(kwargs or {}))
         return [w.execute.remote(call) for w in self._live()]
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
@@ -329,7 +333,11 @@ class RayExecutor:
             raise LaunchError("the executor has no workers.\nHINT: call start() first.")
         return self.workers
 
-    def _collect(self, refs: list[Any]) -> list[Any]:
+    def _collect(
+        self, refs: list[Any], grow: Callable[[dict[ray.ObjectRef, int]], None] | None = None
+    ) -> list[Any]:
+        """The results of ``refs`` (one per worker, in rank order). Elastic: ``grow(pending)``
+        is called about once a second and may add the refs of workers it started."""
         if not self.elastic:
             return list(ray.get(refs))
         m = self._membership
@@ -344,6 +352,8 @@ class RayExecutor:
                     results[ident] = ray.get(ref)
                 except Exception as e:  # the actor died, or fn raised: the rank failed
                     self._drop(ident, e, list(pending.values()))
+            if grow is not None and pending:
+                grow(pending)
         # Later calls go to the last world's workers, in its rank order.
         by_id = dict(zip(self._identities, self.workers))
         self._identities = list(m.members)
@@ -393,8 +403,50 @@ class RayExecutor:
             self._server = None
 
 
+@dataclass
+class JobEnv:
+    """What every worker of one job is given: ringtrain's settings (``common``), the caller's
+    variables (``extra``), the job's store and, with ``secure``, its key (set by ``start``)."""
+
+    common: dict[str, str]
+    secure: bool
+    extra: dict[str, str] = field(default_factory=dict)
+    addr: str = ""
+    port: int = 0
+    job_id: str = ""
+    key: bytes | None = None
+
+
+def new_worker(cpus: float, gpus: float, strategy: object) -> ActorHandle:
+    """A :class:`Worker` actor with ``cpus``/``gpus``, scheduled by ``strategy``."""
+    cls: Any = ray.remote(Worker)
+    handle: ActorHandle = cls.options(
+        num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy
+    ).remote()
+    return handle
+
+
+def free_slots(cpus_per_slot: float, gpus_per_slot: float) -> dict[str, int]:
+    """Free worker slots of each alive Ray node, by node id (nodes with none left out)."""
+    # HACK: Ray's public API has only the cluster-wide sum; slots are counted per node.
+    from ray._private.state import available_resources_per_node
+
+    per_node = available_resources_per_node()
+    out = {}
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        free = per_node.get(node["NodeID"], {})
+        n = int(free.get("CPU", 0) // cpus_per_slot)
+        if gpus_per_slot:
+            n = min(n, int(free.get("GPU", 0) // gpus_per_slot))
+        if n > 0:
+            out[node["NodeID"]] = n
+    return out
+
+
 @dataclass(frozen=True)
-class _Call:
+class Call:
     """``fn(*args, **kwargs)`` as an ``execute`` function (picklable, unlike a lambda's name)."""
 
     fn: Callable[..., Any]
@@ -405,9 +457,9 @@ class _Call:
         return self.fn(*self.args, **self.kwargs)
 
 
-def _no_callbacks(callbacks: Sequence[Any] | None) -> None:
+def no_callbacks(callbacks: Sequence[Any] | None, who: str = "RayExecutor") -> None:
     if callbacks:
         raise ConfigError(
-            "callbacks are not supported by ringtrain's RayExecutor.\n"
+            f"callbacks are not supported by ringtrain's {who}.\n"
             "HINT: return values from the function, or log from rank 0."
         )
