@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import ringtrain as rt
 from ringtrain.compression.policy import Measurement, choose
-from ringtrain.engine import auto
+from ringtrain.engine import auto, local_policy
 from ringtrain.engine.auto import choose_sync_every
 from ringtrain.errors import ConfigError
 from ringtrain.testing import spawn
@@ -66,12 +66,22 @@ def test_slow_links_pick_local_updates(mbit: float, compute_s: float) -> None:
     every, why = _decide(m)
     assert every in auto.SYNC_EVERY_CHOICES
     assert "under 80%" in why and f"every {every} steps" in why
-    # The chosen H is the smallest predicted to reach 90%.
-    outer = auto.outer_exchange_s(m)
-    assert every * m.compute_s / (every * m.compute_s + outer) >= auto.LOCAL_EFFICIENCY
-    smaller = [h for h in auto.SYNC_EVERY_CHOICES if h < every]
-    for h in smaller:
-        assert h * m.compute_s / (h * m.compute_s + outer) < auto.LOCAL_EFFICIENCY
+    # The H of local_policy on the step's measured rate, and the log line names the codec,
+    # the overlap and the predicted time to target per step.
+    pick = local_policy.choose_local(
+        m.grad_numel, 2, m.compute_s, m.in_step_bytes_per_s, m.op_overhead_s
+    )
+    assert every == pick.sync_every
+    assert pick.outer.compression in why and "overlap" in why and "time to target" in why
+    assert auto.outer_for(m, every, local_policy.NOT_GIVEN) == pick.outer
+
+
+def test_explicit_outer_settings_are_honoured_in_the_prediction() -> None:
+    m = _link(10 * MBIT, 0.3)
+    every, why = choose_sync_every(m, choose(m).predicted_step_s, ("fp16", False, None))
+    assert "fp16, not overlapped" in why and "as set (outer_compression, outer_overlap)" in why
+    assert auto.outer_for(m, every, ("fp16", False, None)).compression == "fp16"
+    assert every >= _decide(m)[0]  # the wider, exposed exchange needs at least as long a round
 
 
 def _small(
@@ -138,14 +148,17 @@ class Tiny(torch.nn.Module):
 
 @contextlib.contextmanager
 def _policy(every: int | None) -> Iterator[None]:
-    """choose_sync_every answers ``every`` ("fixed by the test") inside; None: the real one."""
-    original = auto.choose_sync_every
+    """choose_sync_every answers ``every`` ("fixed by the test") inside, with the Config's
+    outer exchange (in line, so the weights agree right after each outer step); None: the
+    real one."""
+    original, outer = auto.choose_sync_every, auto.outer_for
     if every is not None:
-        auto.choose_sync_every = lambda m, p: (every, "fixed by the test")  # type: ignore[assignment]
+        auto.choose_sync_every = lambda m, p, g=None: (every, "fixed by the test")  # type: ignore[assignment]
+        auto.outer_for = lambda m, e, g: None  # type: ignore[assignment,return-value]
     try:
         yield
     finally:
-        auto.choose_sync_every = original  # type: ignore[assignment]
+        auto.choose_sync_every, auto.outer_for = original, outer
 
 
 def _auto_job() -> tuple[Tiny, Any]:

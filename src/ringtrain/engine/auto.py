@@ -35,6 +35,7 @@ import torch
 from ringtrain.compression import policy
 from ringtrain.compression.policy import AutoCompression, Decision, Measurement
 from ringtrain.compression.powersgd import make_layout
+from ringtrain.engine import local_policy
 from ringtrain.engine.buckets import Plan
 from ringtrain.host import cpu_limits
 from ringtrain.transport import group_ops
@@ -256,24 +257,26 @@ def _measurement(
 # Synchronous training (its best compression) predicted under this share of the compute speed
 # makes local updates worth their change to the optimisation.
 SYNC_EFFICIENCY = 0.8
-# The chosen sync_every is the smallest of SYNC_EVERY_CHOICES predicted to reach this.
-LOCAL_EFFICIENCY = 0.9
-SYNC_EVERY_CHOICES = (4, 8, 16, 32, 64, 128, 256, 512)
-# The outer exchange sends 16-bit weights (outer_compression="fp16").
-OUTER_ELEMENT_BYTES = 2
+# Local updates' outer exchange and H: ringtrain.engine.local_policy (pure, tested alone).
+SYNC_EVERY_CHOICES = local_policy.SYNC_EVERY_CHOICES
 
 
-def outer_exchange_s(m: Measurement) -> float:
-    """Predicted seconds of one outer exchange: the weights in 16 bits, averaged as an
-    allreduce, plus a few collectives' overhead."""
-    wire = m.grad_numel * OUTER_ELEMENT_BYTES
-    return 2 * m.op_overhead_s + wire / m.in_step_bytes_per_s
+def outer_exchange_s(m: Measurement, codec: str = local_policy.DEFAULT_CODEC) -> float:
+    """Predicted seconds of one outer exchange with ``codec``: the weights on the wire at the
+    step's measured rate, averaged as an allreduce, plus a few collectives' overhead."""
+    return local_policy.exchange_s(m.grad_numel, codec, m.in_step_bytes_per_s, m.op_overhead_s)
 
 
-def choose_sync_every(m: Measurement, predicted_step_s: dict[str, float]) -> tuple[int, str]:
+def choose_sync_every(
+    m: Measurement,
+    predicted_step_s: dict[str, float],
+    given: local_policy.Given = local_policy.NOT_GIVEN,
+) -> tuple[int, str]:
     """(sync_every, why): 0 (synchronous) unless the best synchronous method is predicted under
-    :data:`SYNC_EFFICIENCY` of the compute speed; else the smallest choice whose outer exchange,
-    once every ``H`` steps, leaves :data:`LOCAL_EFFICIENCY`. Pure: equal figures, equal answer."""
+    :data:`SYNC_EFFICIENCY` of the compute speed; else the H of
+    :func:`ringtrain.engine.local_policy.choose_local` (the least predicted time to target,
+    the exchange's cost and H's cost in steps weighed), predicted with the user's outer
+    settings ``given``. Pure: equal figures, equal answer."""
     if m.world_size <= 1 or m.compute_s <= 0:
         return 0, "one rank or no compute measured: synchronous."
     sync = {k: v for k, v in predicted_step_s.items() if k in ("none", "fp16", "powersgd")}
@@ -306,17 +309,22 @@ def choose_sync_every(m: Measurement, predicted_step_s: dict[str, float]) -> tup
             "link's bandwidth (a busy machine or the collectives' fixed cost), which local "
             "updates would not fix: synchronous."
         )
-    outer = outer_exchange_s(m)
-    every = SYNC_EVERY_CHOICES[-1]
-    for h in SYNC_EVERY_CHOICES:
-        if h * m.compute_s / (h * m.compute_s + outer) >= LOCAL_EFFICIENCY:
-            every = h
-            break
-    local = every * m.compute_s / (every * m.compute_s + outer)
-    return every, (
-        f"{head}, under {SYNC_EFFICIENCY:.0%}: local updates averaging 16-bit weights "
-        f"({m.grad_numel * OUTER_ELEMENT_BYTES / 2**20:.1f} MiB, ~{outer:.2f} s) every {every} "
-        f"steps are predicted at {local:.0%} (this changes the optimisation: see docs/engine.md)."
+    choice = local_policy.choose_local(
+        m.grad_numel, m.world_size, m.compute_s, m.in_step_bytes_per_s, m.op_overhead_s, *given
+    )
+    return choice.sync_every, (
+        f"{head}, under {SYNC_EFFICIENCY:.0%}: {choice.why} (This changes the optimisation: "
+        "see docs/engine.md.)"
+    )
+
+
+def outer_for(
+    m: Measurement, sync_every: int, given: local_policy.Given
+) -> local_policy.OuterSettings:
+    """The outer exchange for the chosen ``sync_every`` on the measured link (the one
+    :func:`choose_sync_every` predicted with)."""
+    return local_policy.outer_settings(
+        m.grad_numel, sync_every, m.compute_s, m.in_step_bytes_per_s, m.op_overhead_s, *given
     )
 
 

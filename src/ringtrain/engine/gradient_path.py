@@ -23,7 +23,7 @@ import torch
 
 from ringtrain.config import Config
 from ringtrain.diagnostics import timeline
-from ringtrain.engine import local_update
+from ringtrain.engine import local_policy, local_update
 from ringtrain.engine.auto_shares import AutoShares, agree_on
 from ringtrain.engine.parameters import Hooks, make_watch
 from ringtrain.engine.planner import Planner
@@ -114,17 +114,22 @@ class GradientPath:
         self.share_params(update)
         return update
 
-    def _local_update(self, sync_every: int) -> local_update.LocalUpdate:
+    def _local_update(
+        self, sync_every: int, outer: local_policy.OuterSettings | None = None
+    ) -> local_update.LocalUpdate:
+        """``outer``: sync_every="auto"'s outer exchange (local_policy.OuterSettings); None:
+        the Config's."""
+        c = self.config
         return local_update.LocalUpdate(
             self.optimizer,
             self.params,
             self.comm.group("engine"),
             sync_every,
             self._outer_optimizer,
-            self.config.outer_compression,
-            self.config.outer_overlap,
-            self.config.outer_delay,
-            self.config.outer_fragments,
+            c.outer_compression if outer is None else outer.compression,
+            c.outer_overlap if outer is None else outer.overlap,
+            c.outer_delay if outer is None else outer.delay,
+            c.outer_fragments,
         )
 
     def share_params(self, update: Update) -> None:
@@ -262,12 +267,12 @@ class GradientPath:
     def _choose_sync_every(self, tuner: Any) -> None:
         """sync_every="auto": the tuner has settled; from the next step on, local updates or
         synchronous training, alike on every rank."""
-        every, self.sync_every_reason = local_update.choose_after_tuning(
+        every, self.sync_every_reason, outer = local_update.choose_after_tuning(
             tuner, self.config, self.comm.set_rank
         )
         self.sync_every = every
         if every:
-            self.update = self._local_update(every)
+            self.update = self._local_update(every, outer)
 
     def step(self, closure: Callable[[], float] | None) -> Any:
         self.drain()

@@ -38,6 +38,11 @@ COST_PER_DOUBLING = 0.15
 SYNC_EVERY_CHOICES = (4, 8, 16, 32, 64, 128, 256, 512)
 
 
+# The user's (outer_compression, outer_overlap, outer_delay); None: not given, the policy picks.
+Given = tuple[str | None, bool | None, int | None]
+NOT_GIVEN: Given = (None, None, None)
+
+
 @dataclass(frozen=True)
 class OuterSettings:
     """The outer exchange chosen: wire, overlap, delay (inner steps) and why."""

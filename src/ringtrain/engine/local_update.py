@@ -42,7 +42,7 @@ import torch
 from ringtrain import transport
 from ringtrain.config import Config
 from ringtrain.diagnostics import timeline
-from ringtrain.engine import anchor_agreement, outer_fragment
+from ringtrain.engine import anchor_agreement, local_policy, outer_fragment
 from ringtrain.engine.buckets import Plan
 from ringtrain.engine.outer_codec import OuterCodec
 from ringtrain.engine.outer_fragment import Fragment
@@ -548,24 +548,44 @@ def auto_compression(compression: Any, config: Config) -> Any:
     )
 
 
-def choose_after_tuning(tuner: Any, config: Config, set_rank: int) -> tuple[int, str]:
+def given_outer(config: Config) -> local_policy.Given:
+    """The user's outer settings as :mod:`ringtrain.engine.local_policy` takes them: a value
+    other than the Config's default counts as given (HACK: the Config cannot tell an explicit
+    ``outer_compression="fp16"`` or ``outer_overlap=False`` from the default, so on a slow link
+    ``auto`` replaces those two)."""
+    default = Config()
+    return (
+        None if config.outer_compression == default.outer_compression else config.outer_compression,
+        None if config.outer_overlap == default.outer_overlap else config.outer_overlap,
+        config.outer_delay or None,
+    )
+
+
+def choose_after_tuning(
+    tuner: Any, config: Config, set_rank: int
+) -> tuple[int, str, local_policy.OuterSettings | None]:
     """``sync_every="auto"``, once the compression is settled: the policy's choice
-    (:func:`ringtrain.engine.auto.choose_sync_every`, on figures every rank holds alike) and
-    why; rank 0 logs it. The weights are identical on every rank then: the anchor."""
-    from ringtrain.engine.auto import choose_sync_every
+    (:func:`ringtrain.engine.auto.choose_sync_every`, on figures every rank holds alike), why,
+    and the outer exchange (:class:`ringtrain.engine.local_policy.OuterSettings`, None: the
+    Config's); rank 0 logs it. The weights are identical on every rank then: the anchor."""
+    from ringtrain.engine import auto
 
     decision = tuner.auto.decision
+    outer: local_policy.OuterSettings | None = None
     if tuner.measurement is None and tuner.auto.sync_every is not None:
         every = tuner.auto.sync_every  # restored from a checkpoint with the compression choice
         why = "restored from a checkpoint, as chosen when the job measured its link."
     elif tuner.measurement is None or decision is None:
         every, why = 0, "compression=auto settled without measuring (restored), so synchronous."
     else:
-        every, why = choose_sync_every(tuner.measurement, decision.predicted_step_s)
+        given = given_outer(config)
+        every, why = auto.choose_sync_every(tuner.measurement, decision.predicted_step_s, given)
         if every and clashes(config):
             every, why = 0, f"{why} But {clashes(config)} is set, so synchronous."
+        if every:
+            outer = auto.outer_for(tuner.measurement, every, given)
     tuner.auto.sync_every = every  # a checkpoint keeps it (AutoCompression.state_dict)
     if set_rank == 0:
         chosen = f"local updates every {every} steps" if every else "synchronous training"
         log.warning("ringtrain sync_every=auto chose %s: %s", chosen, why)
-    return every, why
+    return every, why, outer
