@@ -41,6 +41,8 @@ def test_converge_cli(task: str, tmp_path: Path, capsys: pytest.CaptureFixture[s
     # The ranks start alike (one seed): the first outer step compares digests, copies nothing.
     assert next(r for r in res["runs"] if r["variant"] == "local")["outer_copies"] == 0
     assert "vs alone" in printed
+    if task == "mlp":  # issue 40's regression task: about 1M parameters, a loss target
+        assert 1_000_000 < res["parameters"] < 1_300_000 and res["metric"] == "mse"
     if task == "lm":
         assert "in 2 fragments" in printed
         _, rate = converge.markov_chain(0)
