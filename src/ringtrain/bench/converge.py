@@ -343,12 +343,12 @@ def tx_bytes() -> int:
     all there is to count (ranks spawned on one machine talk over it)."""
     root = Path("/sys/class/net")
     counts: dict[str, int] = {}
-    try:
-        for dev in root.iterdir():
+    for dev in root.iterdir() if root.is_dir() else []:
+        try:
             with open(dev / "statistics" / "tx_bytes") as f:
                 counts[dev.name] = int(f.read())
-    except OSError:
-        return 0
+        except OSError:
+            continue  # an interface removed while it was listed (veths come and go)
     outside = {k: v for k, v in counts.items() if k != "lo"}
     if ringtrain.size() > 1 and _ranks_share_host():
         return counts.get("lo", 0)
