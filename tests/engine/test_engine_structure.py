@@ -9,6 +9,7 @@ import ast
 from pathlib import Path
 
 import ringtrain
+from test_source_shape import _self_attributes  # the one rule: self.<name> and fields
 
 ENGINE = Path(ringtrain.__file__).parent / "engine"
 MAX_ATTRIBUTES = 20
@@ -16,33 +17,12 @@ MAX_MODULE_LINES = 600
 MAX_OPTIMIZER_LINES = 400
 
 
-def _attributes(cls: ast.ClassDef) -> set[str]:
-    """Names assigned as ``self.<name>`` anywhere in the class."""
-    found: set[str] = set()
-    for node in ast.walk(cls):
-        if isinstance(node, ast.Assign):
-            targets = node.targets
-        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-            targets = [node.target]
-        else:
-            continue
-        for target in targets:
-            for t in target.elts if isinstance(target, ast.Tuple) else [target]:
-                if (
-                    isinstance(t, ast.Attribute)
-                    and isinstance(t.value, ast.Name)
-                    and t.value.id == "self"
-                ):
-                    found.add(t.attr)
-    return found
-
-
 def test_no_engine_class_holds_more_than_20_attributes() -> None:
     big = {}
     for path in sorted(ENGINE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
-                n = len(_attributes(node))
+                n = len(_self_attributes(node))
                 if n > MAX_ATTRIBUTES:
                     big[f"{path.relative_to(ENGINE)}:{node.name}"] = n
     assert big == {}
