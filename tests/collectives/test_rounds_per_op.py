@@ -31,5 +31,6 @@ def rounds_per_op(ops: int) -> float:
 @pytest.mark.parametrize("fast_lane", [True, False])
 def test_a_repeated_op_takes_about_one_round(world2: spawn.World, fast_lane: bool) -> None:
     per_op = world2.run(rounds_per_op, OPS, fast_lane=fast_lane)
-    assert per_op[0] == per_op[1]  # every rank takes part in every round
-    assert per_op[0] <= 1.5, per_op
+    # Each rank reads its own counter as its loop ends, while the controllers go on with idle
+    # rounds: the two counts may differ by a round in flight, so each is bounded alone.
+    assert all(p <= 1.5 for p in per_op), per_op
