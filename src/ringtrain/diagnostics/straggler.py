@@ -25,6 +25,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ringtrain.diagnostics import shares
+
 # A rank is a straggler when it is this much busier than the median rank...
 SLOW_FACTOR = 1.25
 # ...and the excess is at least this fraction of a step (ignores noise on tiny steps).
@@ -135,8 +137,9 @@ def analyse(
             f"compute {slowest.compute_s:.3f} s/step vs median {med_compute:.3f} s "
             f"({_x(slowest.compute_s, med_compute)}); the other ranks wait for it.\n"
             "HINT: check for other processes on its cores (--bind-to core), its thread count "
-            "(OMP_NUM_THREADS) and whether its hardware differs; or "
-            + shares_advice([t.busy_s for t in per_rank]),
+            "(OMP_NUM_THREADS) and whether its hardware differs; or give the faster ranks more "
+            'of each global batch (docs/engine.md, "Hosts of unequal speed"):\n'
+            + shares.predict([max(t.busy_s, 1e-9) for t in per_rank], slowest.wait_s).line(),
         )
     if mean_wait > COMM_BOUND * step:
         # The hosts on the slowest link, ties included: with two hosts there is one link between
@@ -162,23 +165,11 @@ def analyse(
 
 def shares_gain(busy_s: Sequence[float]) -> tuple[list[float], float]:
     """Shares of the global batch in proportion to each rank's speed (1 / its busy seconds at
-    equal shares), and what they would gain: at equal shares a step takes the slowest rank's
-    time; in proportion, every rank is busy ``N / sum(1 / busy)`` (compute only, the
-    communication unchanged), so the samples per second grow by ``max(busy) * sum(1/busy) / N``."""
+    equal shares) as fractions, and what they would gain on the busy part of a step
+    (communication left out): :func:`ringtrain.diagnostics.shares.predict`."""
     rates = [1.0 / max(b, 1e-12) for b in busy_s]
     whole = sum(rates)
-    return [r / whole for r in rates], max(busy_s) * whole / len(busy_s)
-
-
-def shares_advice(busy_s: Sequence[float]) -> str:
-    """The sentence the compute verdict adds: the shares and their gain."""
-    shares, gain = shares_gain(busy_s)
-    split = ", ".join(f"{s:.2f}" for s in shares)
-    return (
-        f"give ranks shares of the global batch by speed: batch_shares='auto' (about [{split}]) "
-        f"would raise the samples/s of the busy part of a step about {gain:.2f}x "
-        '(docs/engine.md, "Hosts of unequal speed").'
-    )
+    return [r / whole for r in rates], shares.predict([max(b, 1e-12) for b in busy_s]).gain
 
 
 def _x(value: float, reference: float) -> str:
