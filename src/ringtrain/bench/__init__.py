@@ -10,6 +10,8 @@
   ringtrain plain and ringtrain secure in alternating phases of the same processes.
 * ``checks`` (:mod:`.checks`): what consistency checks (mismatch detection) cost, allreduce
   time with them on vs off in alternating phases, and the check alone.
+* ``mixed-speed`` (:mod:`.mixed_speed`): one rank slowed (a CPU hog or sleeping), samples/s
+  with equal shares of the global batch vs ``batch_shares="auto"`` vs the sum of alone-speeds.
 
 Each benchmark runs on every rank between ``ringtrain.init()`` and ``ringtrain.shutdown()``;
 :mod:`.ranks` spawns local ranks or runs in place under a launcher. Nothing is imported here, so

@@ -7,6 +7,7 @@
     ringtrain bench cpu -np 3 --threads 2 --sizes 64K..16M --json cpu.json
     ringtrain bench checkpoint -np 4 --model transformer-25m --json ckpt.json
     ringtrain bench converge -np 2 --task digits --json converge.json --plot converge.png
+    ringtrain bench mixed-speed -np 3 --slow-rank 1 --slow-by sleep --json mixed.json
     ringtrain run -np 2 -H h0:1,h1:1 -- python -m ringtrain.bench train --model cnn
     ringtrain run --secure -H h0:1,h1:1 -- python -m ringtrain.bench secure --link-mbps 1000
 
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ringtrain.bench import checkpoint as ckpt_bench
-from ringtrain.bench import checks, converge, cpu, ranks, secure
+from ringtrain.bench import checks, converge, cpu, mixed_speed, ranks, secure
 from ringtrain.bench.allreduce import DEFAULT_SIZES, AllreduceParams
 from ringtrain.bench.models import PRESETS
 from ringtrain.bench.registry import BENCHMARKS
@@ -304,6 +305,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     tr.add_argument("--seed", type=int, default=0)
     _common(tr)
     _converge_parser(sub)
+    mixed_speed.configure(sub, _common)
 
 
 def _converge_parser(sub: Any) -> None:
@@ -435,6 +437,8 @@ def _params(args: argparse.Namespace) -> Any:
             shard=not args.whole,
             directory=args.dir,
         )
+    if args.benchmark == "mixed-speed":
+        return mixed_speed.params_from(args)
     if args.benchmark == "converge":
         return converge.ConvergeParams(
             task=args.task,
@@ -484,6 +488,7 @@ _PRESENT: dict[str, tuple[Callable[[Any, bool], str], Callable[[Any, str], None]
     "train": (format_train, plot_train),
     "checkpoint": (ckpt_bench.format_checkpoint, lambda res, path: None),  # --plot refused
     "converge": (converge.format_converge, converge.plot_converge),
+    "mixed-speed": (mixed_speed.format_mixed_speed, lambda res, path: None),  # --plot refused
 }
 
 

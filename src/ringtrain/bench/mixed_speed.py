@@ -1,113 +1,253 @@
-"""Mixed-speed benchmark: equal shares vs ``batch_shares="auto"`` with one rank slowed.
+"""Mixed speed: equal shares vs ``batch_shares="auto"`` with one rank slowed, side by side.
 
-Run under the launcher, one rank per core (2 ranks on a 2-core machine)::
+    ringtrain bench mixed-speed -np 2 --slow-rank 1                  # a CPU hog on its core
+    ringtrain bench mixed-speed -np 3 --slow-rank 1 --slow-by sleep  # any number of cores
+    ringtrain run -np 3 -H a:1,b:1,c:1 -- python -m ringtrain.bench mixed-speed
 
-    ringtrain run -np 2 python -m ringtrain.bench.mixed_speed --slow-rank 1
+This is ``bench train``'s mixed-speed setting, a benchmark of its own because its comparison
+differs: not ringtrain against DDP at one per-rank batch, but one global batch split equally
+against split by ``"auto"``, and both against the sum of the ranks' alone-speeds (the most a
+job of them could do). One rank is slowed in one of two ways (``--slow-by``):
 
-Every rank pins itself to core ``rank % cores`` and runs torch on one thread; the slow rank
-starts a CPU hog (a busy process) pinned to its own core, so it runs at about half speed. Each
-rank first times its own compute alone (no communication), then the job trains an MLP for the
-same number of global batches with equal shares and with ``"auto"`` (after auto has settled),
-and rank 0 prints the samples/s of each and their ratios, side by side in one run.
+- ``hog``: a busy process pinned to that rank's cores, which the rank then gets about half of
+  (a shared host, a busy neighbour). Each rank needs cores of its own (``-np`` at most the
+  cores), else the ranks slow each other and the hog slows more than one of them.
+- ``sleep``: after its forward and backward the rank sleeps ``factor - 1`` times their time, so
+  it runs at ``1/factor`` of its speed and leaves its cores to the others (a slower host,
+  simulated; works however the ranks share the cores).
+
+Every rank first times its own steps alone (no communication), all at once, so they contend for
+the machine as in training; then the job trains an MLP for ``steps`` global batches with equal
+shares, then with ``"auto"`` (timed after auto has set its shares; the optimizer weighs by the
+samples each rank takes). Every rank returns the same result.
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing
+import contextlib
 import os
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 import ringtrain as rt
+from ringtrain.bench.registry import register
+from ringtrain.bench.stats import load_average
 from ringtrain.elastic.share_sampler import split_counts
 from ringtrain.engine.auto_shares import MEASURE_STEPS, WARMUP_STEPS
+from ringtrain.errors import ConfigError
+
+SLOW_BY = ("hog", "sleep")
+# The hog: a busy loop on the given cores that ends when its parent (the rank) is gone.
+_HOG = (
+    "import os, sys\n"
+    "os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(',')})\n"
+    "parent = os.getppid()\n"
+    "while os.getppid() == parent:\n"
+    "    for _ in range(1 << 20):\n"
+    "        pass\n"
+)
 
 
-def _hog(core: int) -> None:
-    os.sched_setaffinity(0, {core})
-    while True:
-        pass
+@dataclass(frozen=True)
+class MixedSpeedParams:
+    slow_rank: int = 1
+    slow_by: str = "hog"
+    factor: float = 2.0  # sleep: the slow rank takes factor x its compute time
+    global_batch: int = 16384
+    steps: int = 20
+    width: int = 512
+
+    def check(self, size: int | None = None) -> None:
+        """Bad values fail here (before ranks start where ``size`` is not known yet)."""
+        if self.slow_by not in SLOW_BY:
+            raise ConfigError(
+                f"--slow-by must be one of {', '.join(SLOW_BY)}, got {self.slow_by!r}"
+            )
+        if not self.factor > 1:
+            raise ConfigError(f"--slow-factor must be above 1, got {self.factor}")
+        if self.steps < 1 or self.width < 1:
+            raise ConfigError(f"--steps and --width must be >= 1, got {self.steps}, {self.width}")
+        if size is not None and not 0 <= self.slow_rank < size:
+            raise ConfigError(
+                f"--slow-rank {self.slow_rank} is not a rank of this job of {size} ranks.\n"
+                f"HINT: give a rank from 0 to {size - 1}."
+            )
+        if size is not None and self.global_batch < size:
+            raise ConfigError(
+                f"--global-batch {self.global_batch} gives some of the {size} ranks no sample"
+            )
 
 
-def _model() -> torch.nn.Module:
+@dataclass(frozen=True)
+class MixedSpeedResult:
+    params: MixedSpeedParams
+    world_size: int
+    alone: list[float]  # each rank's samples/s on its own, all ranks at once
+    equal: float  # the job's samples/s, equal shares
+    auto: float  # the job's samples/s, batch_shares="auto" (after it set its shares)
+    shares: list[float]  # auto's shares at the end
+    env: dict[str, Any]
+
+    @property
+    def auto_over_equal(self) -> float:
+        return self.auto / self.equal
+
+    @property
+    def auto_over_alone(self) -> float:
+        return self.auto / sum(self.alone)
+
+
+def _model(width: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, width), torch.nn.ReLU(), torch.nn.Linear(width, 10)
+    )
 
 
-def _alone(batch: int, steps: int) -> float:
-    """This rank's samples/s on its own (forward, backward, SGD step)."""
-    model = _model()
+@contextlib.contextmanager
+def _slowed(p: MixedSpeedParams) -> Iterator[None]:
+    """The hog beside this rank while the benchmark runs (nothing for ``sleep`` or others)."""
+    if p.slow_by != "hog" or rt.rank() != p.slow_rank:
+        yield
+        return
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) * rt.size() > (os.cpu_count() or 1):
+        raise ConfigError(
+            f"--slow-by hog needs cores of its own for each rank, but rank {rt.rank()} runs on "
+            f"{len(mine)} of {os.cpu_count()} cores with {rt.size()} ranks.\n"
+            "HINT: -np at most the cores, or --slow-by sleep (the slow rank sleeps instead)."
+        )
+    hog = subprocess.Popen([sys.executable, "-c", _HOG, ",".join(map(str, mine))])
+    try:
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def _work(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, slow: float) -> None:
+    """Forward and backward; a rank slowed by sleeping then sleeps ``slow`` x their time."""
+    t0 = time.perf_counter()
+    F.cross_entropy(model(x), y).backward()
+    if slow:
+        time.sleep(slow * (time.perf_counter() - t0))
+
+
+def _alone(p: MixedSpeedParams, slow: float, steps: int) -> float:
+    """This rank's samples/s on its own (forward, backward, SGD step) at an equal share."""
+    model = _model(p.width)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = split_counts(p.global_batch, [1.0] * rt.size())[rt.rank()]
     x, y = torch.randn(batch, 256), torch.randint(0, 10, (batch,))
+    _work(model, x, y, 0.0)  # warm-up
     start = time.perf_counter()
     for _ in range(steps):
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        _work(model, x, y, slow)
         opt.step()
     return batch * steps / (time.perf_counter() - start)
 
 
-def _train(shares: str | None, global_batch: int, steps: int) -> tuple[float, tuple[float, ...]]:
-    """Samples/s of the job over ``steps`` global batches (after auto settles), and the shares."""
-    model = _model()
+def _train(p: MixedSpeedParams, shares: str | None, slow: float) -> tuple[float, list[float]]:
+    """The job's samples/s over ``steps`` global batches (after auto settles), and the shares."""
+    model = _model(p.width)
     opt = rt.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
         batch_shares=shares,
     )
-    x, y = torch.randn(global_batch, 256), torch.randint(0, 10, (global_batch,))
-    settle = 1 + WARMUP_STEPS + MEASURE_STEPS + 2 if shares == "auto" else 3
+    x, y = torch.randn(p.global_batch, 256), torch.randint(0, 10, (p.global_batch,))
+    settle = 1 + WARMUP_STEPS + MEASURE_STEPS + 2 if shares == "auto" else 2
+    now: tuple[float, ...] = (1.0,) * rt.size()
     start = 0.0
-    for step in range(settle + steps):
+    for step in range(settle + p.steps):
         if step == settle:
-            rt.allreduce(torch.zeros(1), name="bench.mark")
+            rt.allreduce(torch.zeros(1), name="bench.mixed.mark")
             start = time.perf_counter()
-        now = opt.batch_shares or (1.0,) * rt.size()
-        mine = split_counts(global_batch, now)[rt.rank()]
+        now = tuple(opt.batch_shares or now)
+        counts = split_counts(p.global_batch, now)
         if shares == "auto":  # weigh by the samples each rank takes of this batch
-            opt.set_batch_shares(split_counts(global_batch, now))
+            opt.set_batch_shares(counts)
+        at = sum(counts[: rt.rank()])
         opt.zero_grad()
-        F.cross_entropy(model(x[:mine]), y[:mine]).backward()
+        _work(model, x[at : at + counts[rt.rank()]], y[at : at + counts[rt.rank()]], slow)
         opt.step()
-    rt.allreduce(torch.zeros(1), name="bench.end")
-    return global_batch * steps / (time.perf_counter() - start), tuple(now)
+    rt.allreduce(torch.zeros(1), name="bench.mixed.end")
+    return p.global_batch * p.steps / (time.perf_counter() - start), list(now)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--slow-rank", type=int, default=1)
-    parser.add_argument("--global-batch", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=40)
-    args = parser.parse_args(argv)
-    rt.init()
-    torch.set_num_threads(1)
-    cores = sorted(os.sched_getaffinity(0))
-    core = cores[rt.rank() % len(cores)]
-    os.sched_setaffinity(0, {core})
-    hog = None
-    if rt.rank() == args.slow_rank:
-        hog = multiprocessing.get_context("fork").Process(target=_hog, args=(core,), daemon=True)
-        hog.start()
-    try:
-        alone = rt.allgather_object(_alone(args.global_batch // rt.size(), 20))
-        equal, _ = _train(None, args.global_batch, args.steps)
-        auto, shares = _train("auto", args.global_batch, args.steps)
-    finally:
-        if hog is not None:
-            hog.terminate()
-            hog.join()
-    if rt.rank() == 0:
-        print(
-            f"mixed speed, {rt.size()} ranks, rank {args.slow_rank} beside a CPU hog on its core: "
-            f"alone {', '.join(f'{a:.0f}' for a in alone)} samples/s (sum {sum(alone):.0f}); "
-            f"equal shares {equal:.0f}, auto {auto:.0f} samples/s (shares {list(shares)}); "
-            f"auto/equal {auto / equal:.2f}x, auto/sum-of-alone {auto / sum(alone):.2f}x"
-        )
-    rt.shutdown()
+@register("mixed-speed")
+def bench_mixed_speed(p: MixedSpeedParams) -> MixedSpeedResult:
+    p.check(rt.size())
+    slow = p.factor - 1 if p.slow_by == "sleep" and rt.rank() == p.slow_rank else 0.0
+    before = load_average()
+    with _slowed(p):
+        alone = rt.allgather_object(_alone(p, slow, max(3, p.steps // 2)))
+        equal, _ = _train(p, None, slow)
+        auto, shares = _train(p, "auto", slow)
+    env = {"load_before": before, "load_after": load_average(), "cpus": os.cpu_count()}
+    return MixedSpeedResult(p, rt.size(), list(alone), equal, auto, shares, env)
 
 
-if __name__ == "__main__":
-    main()
+def format_mixed_speed(res: MixedSpeedResult, markdown: bool = False) -> str:
+    from ringtrain.bench.report import _load, table
+
+    p = res.params
+    how = "beside a CPU hog on its cores" if p.slow_by == "hog" else f"sleeping to 1/{p.factor:g}"
+    head = (
+        f"mixed speed, {res.world_size} ranks, rank {p.slow_rank} {how}; global batch "
+        f"{p.global_batch}, {p.steps} timed steps, MLP 256-{p.width}-10{_load(res.env)}"
+    )
+    whole = sum(res.shares)
+    rows = [
+        ["alone, each rank", ", ".join(f"{a:,.0f}" for a in res.alone), ""],
+        ["sum of alone", f"{sum(res.alone):,.0f}", ""],
+        ["equal shares", f"{res.equal:,.0f}", f"{res.equal / sum(res.alone):.2f}x the sum"],
+        [
+            "auto, shares " + ", ".join(f"{s / whole:.0%}" for s in res.shares),
+            f"{res.auto:,.0f}",
+            f"{res.auto_over_equal:.2f}x equal, {res.auto_over_alone:.2f}x the sum",
+        ],
+    ]
+    return head + "\n" + table(["", "samples/s", "ratio"], rows, markdown)
+
+
+def configure(sub: Any, common: Any) -> None:
+    """The ``mixed-speed`` subcommand's flags (``common`` adds -np, --json, ...)."""
+    ms = sub.add_parser(
+        "mixed-speed",
+        help="one rank slowed: equal shares vs batch_shares='auto' vs the sum of alone-speeds",
+        description=__doc__.split("\n")[0] + " (bench train's mixed-speed setting).",
+    )
+    ms.add_argument("--slow-rank", type=int, default=1)
+    ms.add_argument("--slow-by", default="hog", choices=SLOW_BY)
+    ms.add_argument(
+        "--slow-factor", type=float, default=2.0, help="--slow-by sleep: 1/speed (default 2)"
+    )
+    ms.add_argument("--global-batch", type=int, default=16384)
+    ms.add_argument("--steps", type=int, default=20, help="timed global batches per setting")
+    ms.add_argument("--width", type=int, default=512, help="the MLP's hidden width")
+    common(ms)
+
+
+def params_from(args: argparse.Namespace) -> MixedSpeedParams:
+    if args.plot:
+        raise ConfigError("bench mixed-speed draws no plot.\nHINT: use --json for the numbers.")
+    p = MixedSpeedParams(
+        slow_rank=args.slow_rank,
+        slow_by=args.slow_by,
+        factor=args.slow_factor,
+        global_batch=args.global_batch,
+        steps=args.steps,
+        width=args.width,
+    )
+    p.check()
+    return p
