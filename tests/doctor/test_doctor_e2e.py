@@ -64,6 +64,10 @@ def test_local_doctor_json(tmp_path: Path) -> None:
     assert [p["bytes"] for p in ar["allreduce"]][:1] == [64 * 1024]
     assert all(p["busbw"] > 0 and p["iters"] >= 1 for p in ar["allreduce"])
     assert doc["placement"]["uneven"] is False
+    compute = doc["compute"]  # every rank of the job timed its compute; one planned rank here
+    assert ar["rank_hosts"] == ["localhost"] * 2 and len(ar["compute_gflops"]) == 2
+    assert compute["host_gflops"]["localhost"] > 0 and compute["shares"] == [100]
+    assert compute["gain"] == 1.0
     pred = doc["prediction"]
     assert pred["world"] == 1 and pred["recommended"]["efficiency"] == 1.0
 

@@ -6,8 +6,8 @@ for the same time: for busy times ``b_r`` measured at equal shares, ``N / sum(1 
 communication a step exposes is left as it is (the same bytes are reduced whatever the split).
 
 Used by the straggler report (rates from its per-rank busy times) and by ``ringtrain doctor``
-(rates from a compute probe on every host), which print :meth:`SharesGain.line`. Pure: numbers
-in, numbers and a line out.
+(rates from a compute probe on every host), which print :meth:`SharesGain.line` or, with
+relative rates only, :meth:`SharesGain.relative_line`. Pure: numbers in, numbers and a line out.
 """
 
 from __future__ import annotations
@@ -33,18 +33,24 @@ class SharesGain:
         """Samples per second in proportion over those at equal shares."""
         return self.equal_step_s / self.shared_step_s if self.shared_step_s > 0 else 1.0
 
-    def line(self, unit: str = "s") -> str:
-        """One line: both predicted step times, the gain and the shares to set. ``unit`` "s"
-        prints seconds; any other unit prints the times as they are, followed by it."""
-
-        def t(v: float) -> str:
-            return f"{v:.3f} s" if unit == "s" else f"{v:.2f} {unit}"
-
+    def line(self) -> str:
+        """One line: both predicted step times, the gain and the shares to set."""
         return (
-            f"batch_shares would gain {self.gain:.2f}x samples/s: a step {t(self.equal_step_s)} "
-            f"with equal shares, {t(self.shared_step_s)} with shares in proportion to each "
-            f"rank's speed; set batch_shares={list(self.shares)} (rank order) or 'auto'"
+            f"batch_shares would gain {self.gain:.2f}x samples/s: a step "
+            f"{self.equal_step_s:.3f} s with equal shares, {self.shared_step_s:.3f} s with shares "
+            f"in proportion to each rank's speed; {self.advice()}"
         )
+
+    def relative_line(self) -> str:
+        """The same where only the ranks' relative speeds are known (no step time)."""
+        return (
+            f"batch_shares would gain {self.gain:.2f}x samples/s: a step's compute "
+            f"{1 / self.gain:.2f}x that at equal shares with shares in proportion to each rank's "
+            f"speed; {self.advice()}"
+        )
+
+    def advice(self) -> str:
+        return f"set batch_shares={list(self.shares)} (rank order) or 'auto'"
 
 
 def predict(busy_s: Sequence[float], comm_s: float = 0.0) -> SharesGain:

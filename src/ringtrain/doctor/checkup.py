@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringtrain.doctor import advice, findings, gather, placement
+from ringtrain.doctor import advice, findings, gather, placement, speed
 from ringtrain.doctor.gather import Reach
 from ringtrain.errors import LaunchError
 from ringtrain.host import network
@@ -317,6 +317,9 @@ def examine(options: DoctorOptions, say: Callable[[str], None] = lambda _m: None
     for p in probes:
         if p.facts is not None:
             warnings += findings.check_cpus(p.name, p.facts, (counts or {}).get(p.name, 1))
+    compute = None
+    if result_ar.get("allreduce"):  # the job ran: every rank's compute rate is in it
+        compute = speed.examine(result_ar, counts)
     prediction = None
     if options.grad_bytes and options.step_time_s and counts:
         prediction = _prediction(options, counts, links, result_ar)
@@ -334,6 +337,7 @@ def examine(options: DoctorOptions, say: Callable[[str], None] = lambda _m: None
         "links": links,
         "allreduce": result_ar,
         "placement": place,
+        "compute": compute,
         "prediction": prediction,
         "problems": problems,
         "warnings": warnings,

@@ -388,4 +388,11 @@ def allreduce_job(
             "error": f"the allreduce test job ({np} ranks) failed with exit code {code}:\n    {tail}",
             "seconds": took,
         }
-    return {**found[0], "seconds": took, "hosts": [h.name for h in job_hosts]}
+    # Ranks fill the hosts in order (the launcher's plan): the host of each rank's figures.
+    rank_hosts = [h.name for h in job_hosts for _ in range(h.slots)]
+    return {
+        **found[0],
+        "seconds": took,
+        "hosts": [h.name for h in job_hosts],
+        "rank_hosts": rank_hosts,
+    }

@@ -134,6 +134,25 @@ def _cpu_model() -> str:
 
 # ---- allreduce ---------------------------------------------------------------------------------
 
+# Seconds each rank of the allreduce job spends on the compute probe.
+COMPUTE_SECONDS = 0.3
+_MATMUL = 256
+
+
+def compute_gflops(seconds: float) -> float:
+    """This process's fp32 matrix-multiply rate (GFLOP/s) over about ``seconds``, on the
+    threads torch has: how fast the rank computes, for shares of the global batch by speed."""
+    import torch
+
+    a = torch.rand(_MATMUL, _MATMUL)
+    b = torch.rand(_MATMUL, _MATMUL)
+    torch.mm(a, b)  # warm-up
+    ops, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        torch.mm(a, b)
+        ops += 1
+    return 2 * _MATMUL**3 * ops / max(elapsed, 1e-9) / 1e9
+
 
 def allreduce(sizes: Sequence[int], budget_s: float, per_size_s: float, max_iters: int) -> int:
     """Bus bandwidth of ringtrain's allreduce at each size; rank 0 prints the result.
@@ -155,6 +174,12 @@ def allreduce(sizes: Sequence[int], budget_s: float, per_size_s: float, max_iter
     def slowest(seconds: float, name: str) -> float:
         t = ops.allreduce(torch.tensor([seconds], dtype=torch.float64), op="max", name=name)
         return float(t.item())
+
+    # Every rank's compute rate, all at once (as ranks compute in a job): batch_shares' advice.
+    slowest(0.0, "doctor.compute.start")
+    rates = torch.zeros(n, dtype=torch.float64)
+    rates[rank] = compute_gflops(COMPUTE_SECONDS)
+    gflops = [float(v) for v in ops.allreduce(rates, op="sum", name="doctor.compute").tolist()]
 
     for k, nbytes in enumerate(sizes):
         tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
@@ -178,7 +203,7 @@ def allreduce(sizes: Sequence[int], budget_s: float, per_size_s: float, max_iter
     topo = {"world": n, "local_size": queries.local_size(), "cross_size": queries.cross_size()}
     lifecycle.shutdown()
     if rank == 0:
-        emit(sys.stdout, {"allreduce": points, **topo})
+        emit(sys.stdout, {"allreduce": points, "compute_gflops": gflops, **topo})
     return 0
 
 

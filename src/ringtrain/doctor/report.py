@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ringtrain.doctor import speed
 from ringtrain.doctor.findings import mbit
 from ringtrain.environ import Threads
 
@@ -173,6 +174,10 @@ def _placement(doc: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _compute(doc: Mapping[str, Any]) -> list[str]:
+    return speed.render(doc.get("compute"))
+
+
 def _prediction(doc: Mapping[str, Any]) -> list[str]:
     pr = doc.get("prediction")
     if not pr:
@@ -227,7 +232,7 @@ def _indent(text: str) -> str:
 def render(doc: Mapping[str, Any]) -> str:
     names = ", ".join(h["name"] for h in doc["hosts"])
     lines = [f"ringtrain doctor: {len(doc['hosts'])} host(s): {names}", ""]
-    for part in (_hosts, _network, _links, _allreduce, _placement, _prediction):
+    for part in (_hosts, _network, _links, _allreduce, _placement, _compute, _prediction):
         got = part(doc)
         if got:
             lines += [*got, ""]
