@@ -17,10 +17,11 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from ringtrain.errors import CollectiveAbortedError
 from ringtrain.runtime import departures
+from ringtrain.runtime.contracts import Work
 
 SLICE_S = 1.0
 announced: Callable[[], int] | None = None
@@ -37,7 +38,7 @@ def check(since: int | None = None) -> None:
         )
 
 
-def wait_work(work: Any, since: int | None = None) -> None:
+def wait_work(work: Work, since: int | None = None) -> None:
     """``work.wait()`` for a torch.distributed work, leaving early if the world was replaced.
 
     A work whose slice ran out can be waited on again (checked on torch 2.13's Gloo); past the

@@ -9,7 +9,9 @@ passes :class:`ringtrain.algorithms.backends.Backends`, which implements this pr
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Protocol
+
+import torch.distributed as dist
 
 from ringtrain.config import Config
 from ringtrain.runtime.environment import Placement
@@ -25,12 +27,12 @@ class GroupBackends(Protocol):
 
     def seal(
         self,
-        store: Any,
+        store: dist.Store,
         config: Config,
         env: Mapping[str, str],
         placement: Placement,
         transport: str,
-    ) -> Any:
+    ) -> dist.Store:
         """The store a secure job's groups use, once this rank proved it holds the job key."""
         ...
 

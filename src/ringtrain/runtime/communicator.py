@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.runtime import devices
+from ringtrain.runtime.contracts import Store
 
 log = logging.getLogger("ringtrain")
 
@@ -45,9 +46,9 @@ class Communicator:
         set_id: int,
         ranks: Sequence[int],
         world_rank: int,
-        groups: dict[str, Any],
+        groups: dict[str, dist.ProcessGroup],
         is_world: bool,
-        store: Any = None,
+        store: Store | None = None,
         host: str = "",
     ) -> None:
         self.set_id = set_id
@@ -82,6 +83,8 @@ class Communicator:
             )
         return self.ranks.index(self.world_rank)
 
+    # Any, not ProcessGroup, only while collectives/simulated.py's test channel sets the group
+    # its base class took from here to None (issue 42: that package is being reworked).
     def group(self, kind: str) -> Any:
         """The process group of ``kind`` ('control', 'cpu', 'cuda', 'engine'). CUDA tensors
         take :meth:`group_for`, which decides between NCCL and host memory first."""
@@ -97,11 +100,11 @@ class Communicator:
             return self._groups["nccl"]  # not decided yet: group_for decides with a tensor
         return self._groups[kind]
 
-    def optional_group(self, kind: str) -> Any:
+    def optional_group(self, kind: str) -> dist.ProcessGroup | None:
         """The process group of ``kind``, or None where this set has none."""
         return self._groups.get(kind)
 
-    def group_for(self, tensor: torch.Tensor) -> Any:
+    def group_for(self, tensor: torch.Tensor) -> dist.ProcessGroup:
         """The group that carries ``tensor``. Collective at the set's first CUDA tensor: the
         executor calls it for the same op at the same point on every rank of the set."""
         if not tensor.is_cuda:
@@ -161,7 +164,7 @@ def create(
     world_size: int,
     timeout_s: float,
     backend: str = "gloo",
-    store: Any = None,
+    store: Store | None = None,
     host: str = "",
 ) -> Communicator:
     """Create the groups of a process set. Collective: every world rank calls it in the same order.
@@ -178,7 +181,7 @@ def create(
 
     timeout = datetime.timedelta(seconds=timeout_s)
     is_world = list(ranks) == list(range(world_size))
-    groups: dict[str, Any] = {}
+    groups: dict[str, dist.ProcessGroup] = {}
     kinds = ["control", "cpu", "engine", "lane"]
     for kind in kinds:
         groups[kind] = dist.new_group(

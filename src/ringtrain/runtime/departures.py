@@ -34,16 +34,16 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol, cast
 
 from ringtrain import environ
 from ringtrain.environ import Ringtrain
 from ringtrain.errors import CollectiveAbortedError, PeerFailedError
 from ringtrain.launch.failures import exited_key
 from ringtrain.runtime import heartbeat
+from ringtrain.runtime.contracts import Store
 
 log = logging.getLogger("ringtrain")
 
@@ -93,7 +93,7 @@ class _Where:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.store: Any = None
+        self.store: Store | None = None
         self.rank = -1
         self.host = ""
         self.failure: str | None = None  # set by the except hook: this process is failing
@@ -101,10 +101,11 @@ class _Where:
 
 
 _here = _Where()
-_previous_hook: Any = None
+_Hook = Callable[[type[BaseException], BaseException, TracebackType | None], object]
+_previous_hook: _Hook | None = None
 
 
-def bind(store: Any, rank: int, host: str) -> None:
+def bind(store: Store | None, rank: int, host: str) -> None:
     """Post to ``store`` as world ``rank`` from now on (``ringtrain.init``); installs the hook
     that records an uncaught exception, once per process."""
     global _previous_hook
@@ -173,7 +174,9 @@ def post(how: str, why: str = "") -> None:
         log.debug("could not post that rank %d %s: %s", rank, how, e)
 
 
-def read(store: Any, ranks: Sequence[int], timeout_s: float = READ_TIMEOUT_S) -> list[Departure]:
+def read(
+    store: Store | None, ranks: Sequence[int], timeout_s: float = READ_TIMEOUT_S
+) -> list[Departure]:
     """The posts of ``ranks`` that exist now, failures first, then by time."""
     if store is None:
         return []
@@ -202,22 +205,14 @@ def _launcher_records_exits() -> bool:
     return bool(env.get(heartbeat.VAR)) and not env.get(Ringtrain.ELASTIC_ID)
 
 
-class _Records(Protocol):
-    """The part of a torch store the launcher's records are read with."""
-
-    def check(self, keys: list[str]) -> bool: ...
-    def get(self, key: str) -> bytes: ...
-    def set_timeout(self, timeout: datetime.timedelta) -> None: ...
-
-
-def _launcher_store(store: object) -> _Records:
+def _launcher_store(store: Store) -> Store:
     """The store under the job's prefixes (torch's ``PrefixStore``), where the launcher writes."""
     while hasattr(store, "underlying_store"):
         store = store.underlying_store
-    return cast(_Records, store)
+    return store
 
 
-def _with_exit_code(client: _Records, d: Departure, deadline: float) -> Departure:
+def _with_exit_code(client: Store, d: Departure, deadline: float) -> Departure:
     """A "finished" post with the launcher's record of the rank's exit code, waited for until
     ``deadline``: Python tells no at-exit hook the code of ``sys.exit(n)`` (SystemExit never
     reaches ``sys.excepthook``), so the rank posted that it finished; its launcher saw the code."""

@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from ringtrain import environ
 from ringtrain.environ import Ringtrain
@@ -33,6 +32,7 @@ from ringtrain.launch.elastic import (
     ready_key,
 )
 from ringtrain.runtime import abort
+from ringtrain.runtime.contracts import Store
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -72,7 +72,7 @@ def current() -> int:
     return _current
 
 
-def _store() -> Any:
+def _store() -> Store:
     client = getattr(_clients, "store", None)
     if client is None:
         import torch.distributed as dist

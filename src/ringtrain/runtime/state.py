@@ -36,6 +36,7 @@ from ringtrain.errors import ConfigError, LaunchEnvironmentError, NotInitialized
 from ringtrain.host import cpu_limits, network
 from ringtrain.runtime import communicator, environment, store_connect, topology
 from ringtrain.runtime.backends import GroupBackends
+from ringtrain.runtime.contracts import Group
 from ringtrain.runtime.environment import Placement
 from ringtrain.runtime.process_sets import ProcessSet
 from ringtrain.runtime.topology import Topology
@@ -83,7 +84,7 @@ class Runtime:
 _lock = threading.RLock()
 _runtime: Runtime | None = None
 _generation = 0
-_stores: dict[tuple[str, int, bool], Any] = {}
+_stores: dict[tuple[str, int, bool], dist.TCPStore] = {}
 _backends: GroupBackends | None = None  # the running job's, to release at stop/abandon
 global_process_set = ProcessSet(None)
 
@@ -159,7 +160,7 @@ def start(
             prefix = f"ringtrain/elastic/gen{elastic[2]}"
         _gloo_environment(interface)
         base = _adopted_store(placement, config) if adopted else _store(placement, config)
-        store = dist.PrefixStore(prefix, base)
+        store: dist.Store = dist.PrefixStore(prefix, base)
         backend, transport = backends.choose(config, env, placement)
         _backends = backends
         if config.secure:  # every group is sealed; ranks first prove they hold the job key
@@ -227,7 +228,7 @@ def _gloo_environment(interface: str | None) -> None:
 
 
 def _init_default_group(
-    backend: str, transport: str, store: Any, placement: Placement, config: Config
+    backend: str, transport: str, store: dist.Store, placement: Placement, config: Config
 ) -> None:
     try:
         dist.init_process_group(
@@ -280,10 +281,10 @@ def stop() -> None:
 
 # Groups of abandoned worlds: destroying one with an op stuck in it blocks until that op's
 # timeout, and so would dropping the last reference; they are kept for the process's lifetime.
-_abandoned: list[Any] = []
+_abandoned: list[object] = []
 
 
-def _keep_past_exit(obj: Any) -> None:
+def _keep_past_exit(obj: object) -> None:
     """Hold ``obj`` with a reference the interpreter never drops, not even while it clears the
     modules at exit: a group still waiting on a silent peer (a cut link) would otherwise block
     the process's exit in its destructor until the transport timeout."""
@@ -430,7 +431,7 @@ def _adopted_placement(env: Mapping[str, str]) -> Placement:
     return replace(p, rendezvous_via=None)
 
 
-def _store_address(store: Any) -> tuple[str, int]:
+def _store_address(store: dist.Store | None) -> tuple[str, int]:
     """Host and port of the TCPStore under ``store``'s prefixes; ("", 0) for other stores."""
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
@@ -450,7 +451,7 @@ def _reconcile_adopted(p: Placement, rank: int | None, size: int | None) -> Plac
     return p
 
 
-def _adopted_store(p: Placement, config: Config) -> Any:
+def _adopted_store(p: Placement, config: Config) -> dist.Store:
     """The adopted default group's store; where it has none (an MPI group), rank 0 serves a
     TCPStore and sends its address to the others through the default group itself."""
     store = dist.distributed_c10d._get_default_store()
@@ -494,7 +495,7 @@ def _mpi_rendezvous(p: Placement, config: Config, env: Mapping[str, str]) -> tup
     return _mpi_placed
 
 
-def _store(p: Placement, config: Config) -> Any:
+def _store(p: Placement, config: Config) -> dist.Store:
     if p.size == 1 and p.launcher == "single":
         return dist.HashStore()
     is_master = p.rank == 0 and not p.store_hosted
@@ -504,7 +505,9 @@ def _store(p: Placement, config: Config) -> Any:
     return _stores[key]
 
 
-def _new_store(p: Placement, addr: str, port: int, is_master: bool, config: Config) -> Any:
+def _new_store(
+    p: Placement, addr: str, port: int, is_master: bool, config: Config
+) -> dist.TCPStore:
     """The TCPStore at ``addr:port``: served here (``is_master``) or reached; a port another
     program holds fails the job naming it (see :mod:`ringtrain.runtime.store_connect`)."""
     return store_connect.connect(p.rank, addr, port, is_master, config.timeout_s)
@@ -539,7 +542,9 @@ def fit_threads_to_quota(
     return share
 
 
-def _measure_topology(p: Placement, config: Config, env: Mapping[str, str], group: Any) -> Topology:
+def _measure_topology(
+    p: Placement, config: Config, env: Mapping[str, str], group: Group
+) -> Topology:
     """Every rank's host, gathered over ``group``: the launcher's node where it names one, else
     the hostname with the address of the interface the job uses (see :mod:`.topology`)."""
     me = _host_identity(p, config, env)

@@ -13,7 +13,6 @@ import logging
 import socket
 import threading
 import time
-from typing import Any
 
 import torch.distributed as dist
 
@@ -22,7 +21,7 @@ from ringtrain.errors import LaunchEnvironmentError
 log = logging.getLogger("ringtrain")
 
 
-def connect(rank: int, addr: str, port: int, is_master: bool, timeout_s: float) -> Any:
+def connect(rank: int, addr: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
     """The TCPStore at ``addr:port`` for ``rank``: served here (``is_master``) or reached.
 
     A port that another program holds must not hang the job: the rank that should serve the
@@ -93,7 +92,7 @@ def connect(rank: int, addr: str, port: int, is_master: bool, timeout_s: float) 
                 )
             time.sleep(0.2)
 
-    made: list[Any] = []
+    made: list[dist.TCPStore | BaseException] = []
 
     def connect() -> None:
         try:
