@@ -23,7 +23,7 @@ import torch
 
 from ringtrain.config import Config
 from ringtrain.diagnostics import timeline
-from ringtrain.engine import local_policy, local_update
+from ringtrain.engine import local_policy, local_settings, local_update
 from ringtrain.engine.auto_shares import AutoShares, agree_on
 from ringtrain.engine.parameters import Hooks, make_watch
 from ringtrain.engine.planner import Planner
@@ -68,7 +68,7 @@ class GradientPath:
             weakref.finalize(self, self.schedule.close)
         self.planner = Planner(comm, config, compression, self.schedule is not None)
         # Local updates: a number of steps, 0 (synchronous) or "auto" (until the tuner decides).
-        self.sync_every = local_update.parse_sync_every(config.sync_every)
+        self.sync_every = local_settings.parse_sync_every(config.sync_every)
         self.sync_every_reason = ""
         self._outer_optimizer = outer_optimizer
         self.update = self._make_update()
@@ -267,7 +267,7 @@ class GradientPath:
     def _choose_sync_every(self, tuner: Any) -> None:
         """sync_every="auto": the tuner has settled; from the next step on, local updates or
         synchronous training, alike on every rank."""
-        every, self.sync_every_reason, outer = local_update.choose_after_tuning(
+        every, self.sync_every_reason, outer = local_settings.choose_after_tuning(
             tuner, self.config, self.comm.set_rank
         )
         self.sync_every = every

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -40,16 +39,25 @@ from typing import Any
 import torch
 
 from ringtrain import transport
-from ringtrain.config import Config
 from ringtrain.diagnostics import timeline
-from ringtrain.engine import anchor_agreement, local_policy, outer_fragment
+from ringtrain.engine import anchor_agreement, local_update_state, outer_fragment
 from ringtrain.engine.buckets import Plan
+from ringtrain.engine.local_settings import bad_sync_every, check, outer_delay, parse_sync_every
 from ringtrain.engine.outer_codec import OuterCodec
 from ringtrain.engine.outer_fragment import Fragment
 from ringtrain.engine.steps.whole import BucketUpdates, tensor_bytes
 from ringtrain.errors import ConfigError
 
-log = logging.getLogger("ringtrain")
+# The settings' functions, importable from here as before they moved to local_settings.
+__all__ = [
+    "STATE_KEY",
+    "LocalUpdate",
+    "OuterFactory",
+    "check",
+    "nesterov",
+    "outer_delay",
+    "parse_sync_every",
+]
 
 # Key under which DistributedOptimizer.state_dict() keeps this step's state.
 STATE_KEY = "ringtrain_local_update"
@@ -63,46 +71,6 @@ OuterFactory = Callable[[Sequence[torch.nn.Parameter]], torch.optim.Optimizer]
 def nesterov(params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The paper's outer optimizer: SGD, lr 0.7, Nesterov momentum 0.9."""
     return torch.optim.SGD(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-
-
-def parse_sync_every(value: Any) -> int | str:
-    """``sync_every`` as given (an int, a numeric string, "auto", None/"off"/0 for
-    synchronous training): an int >= 0 (0 = synchronous) or "auto"."""
-    if value is None:
-        return 0
-    if isinstance(value, bool):
-        raise _bad_sync_every(value)
-    if isinstance(value, int):
-        if value < 0:
-            raise _bad_sync_every(value)
-        return value
-    text = str(value).strip().lower()
-    if text in ("", "off", "none"):
-        return 0
-    if text == "auto":
-        return "auto"
-    try:
-        number = int(text)
-    except ValueError:
-        raise _bad_sync_every(value) from None
-    if number < 0:
-        raise _bad_sync_every(value)
-    return number
-
-
-def outer_delay(delay: int, sync_every: int) -> int:
-    """The overlapped exchange's delay in inner steps: ``delay`` (at most a round), or for 0 a
-    quarter of the round, at least one step (streaming DiLoCo's few steps: about 3% more steps
-    to the tiny LM's target than applying it at once, against twice for a whole round)."""
-    return min(delay, sync_every) if delay > 0 else max(1, sync_every // 4)
-
-
-def _bad_sync_every(value: Any) -> ConfigError:
-    return ConfigError(
-        f"sync_every must be a number of steps >= 0 or 'auto', got {value!r}\n"
-        "HINT: 0 trains synchronously; 100 averages the weights every 100 local steps; 'auto' "
-        "decides from the measured link and compute."
-    )
 
 
 class LocalUpdate:
@@ -121,7 +89,7 @@ class LocalUpdate:
         fragments: int = 1,
     ) -> None:
         if sync_every < 1:
-            raise _bad_sync_every(sync_every)
+            raise bad_sync_every(sync_every)
         self.optimizer = optimizer
         self.sync_every = sync_every
         # Floating parameters only: an integer weight has no change to average.
@@ -364,91 +332,18 @@ class LocalUpdate:
         itself; copy them before the next step). ``agreed``: see :attr:`agreed`. Per fragment:
         ``codec.residual``, ``overlap.pending`` and ``overlap.since_sent`` are lists, one entry a
         fragment; ``overlap.base`` is per parameter (None where its fragment has nothing in
-        flight)."""
-
-        # First: an exchange in flight sets its fragment's error feedback as it runs.
-        pending = [f.finished() for f in self.fragments]
-
-        def own(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.clone() if copy else t
-
-        base: list[torch.Tensor | None] = [None] * len(self._params)
-        for frag in self.fragments:
-            for i, b in zip(frag.indices, frag.base or []):
-                base[i] = own(b)
-        return {
-            "version": 3,
-            "sync_every": self.sync_every,
-            "fragments": len(self.fragments),
-            "inner_steps": self.inner_steps,
-            "outer_steps": self.outer_steps,
-            "agreed": self.agreed,
-            "anchor": None if self.anchor is None else [own(a) for a in self.anchor],
-            "outer": self.outer.state_dict(),
-            "codec": {
-                "name": self._compression,
-                "residual": [own(f.codec.residual) for f in self.fragments],
-            },
-            "overlap": {
-                "base": base if any(b is not None for b in base) else None,
-                "pending": [own(m) for m in pending],
-                "since_sent": [f.since_sent for f in self.fragments],
-            },
-        }
+        flight). The format: :mod:`ringtrain.engine.local_update_state`."""
+        return local_update_state.save(self, copy)
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         """A state of :meth:`local_state_dict`; one written before fragments (versions 1 and
         2: the whole model in one exchange) loads into any number of fragments."""
-        version = state.get("version")
-        if version not in (1, 2, 3):
-            raise ConfigError(
-                f"this is not a local-update v1, v2 or v3 state (keys {sorted(state)}).\n"
-                "HINT: resume with the ringtrain version that wrote the checkpoint."
-            )
-        saved_fragments = int(state.get("fragments", 1))
-        if version == 3 and saved_fragments != len(self.fragments):
-            raise ConfigError(
-                f"the local-update state was saved with outer_fragments={saved_fragments}, this "
-                f"optimizer has {len(self.fragments)}.\nHINT: resume with outer_fragments="
-                f"{saved_fragments}."
-            )
-        anchor = state.get("anchor")
-        if anchor is not None and [a.shape for a in anchor] != [p.shape for p in self._params]:
-            raise ConfigError(
-                "the saved local-update anchor does not match this model's parameters.\n"
-                "HINT: load the checkpoint into the model it was saved from."
-            )
-
-        # Own copies on the parameters' device (a checkpoint's tensors come from host memory).
-        def here(t: torch.Tensor, i: int) -> torch.Tensor:
-            return t.to(self._params[i].device, copy=True)
-
+        version = local_update_state.check(self, state)
         # An exchange still in flight from before the load would overwrite the loaded error
         # feedback as it ends, and share the wire with the next: let it end, then drop it.
         self._drop_pending()
-        self.anchor = None if anchor is None else [here(a, i) for i, a in enumerate(anchor)]
-        self.inner_steps = int(state.get("inner_steps", 0)) % self.sync_every
-        self.outer_steps = int(state.get("outer_steps", 0))
-        self.outer.load_state_dict(state["outer"])
+        local_update_state.restore(self, state, version)
         self._agree = True
-        codec, saved = state["codec"], state.get("overlap") or {}
-        # v1 applied the average one round late: its "ref" is the weights when it was sent.
-        base = saved.get("base", saved.get("ref"))
-        residuals: Any = codec["residual"]
-        pendings: Any = saved.get("pending")
-        since: Any = saved.get("since_sent")
-        if version < 3:  # the whole model's vectors, cut into the fragments'
-            residuals = outer_fragment.cut_flat(residuals, self.fragments)
-            pendings = outer_fragment.cut_flat(pendings, self.fragments)
-            since = [int(since if since is not None else self.inner_steps)] * len(self.fragments)
-        cpu = torch.device("cpu")  # see _change
-        for frag, residual, pending, sent in zip(self.fragments, residuals, pendings, since):
-            frag.codec.load_state_dict({"name": codec["name"], "residual": residual}, cpu)
-            frag.restore(pending)
-            frag.since_sent = int(sent)
-            frag.base = None
-            if pending is not None and base is not None:
-                frag.base = [here(base[i], i) for i in frag.indices]
 
     def restart(self) -> None:
         """Start afresh from the current weights (a checkpoint without local-update state was
@@ -489,103 +384,3 @@ class LocalUpdate:
         wait, the wire closes under them."""
         for frag in self.fragments:
             frag.drop(settle)
-
-
-# ---- choosing it (ringtrain.engine.gradient_path) -----------------------------------------------
-
-
-def check(config: Config) -> None:
-    """Local updates with settings that make no sense with them: a clear error."""
-    every = parse_sync_every(config.sync_every)
-    if config.outer_delay and not config.outer_overlap:
-        raise ConfigError(
-            f"outer_delay={config.outer_delay} says how many inner steps the overlapped outer "
-            "exchange may take, but outer_overlap is off.\nHINT: add outer_overlap=True, or "
-            "drop outer_delay."
-        )
-    if isinstance(every, int) and every > 0 and config.outer_delay > every:
-        raise ConfigError(
-            f"outer_delay={config.outer_delay} is longer than a round (sync_every={every}): "
-            "each average must be applied before the next round's exchange starts.\nHINT: "
-            f"outer_delay={every} at most (or 0: a quarter of the round)."
-        )
-    if isinstance(every, int) and config.outer_fragments > max(every, 1):
-        raise ConfigError(
-            f"outer_fragments={config.outer_fragments} "
-            + (
-                f"is more than the round's {every} inner steps: each fragment is exchanged at "
-                f"its own step.\nHINT: outer_fragments={every} at most."
-                if every
-                else "cuts local updates' outer exchange, but sync_every is off (synchronous)."
-                "\nHINT: set sync_every (e.g. 16), or drop outer_fragments."
-            )
-        )
-    clash = clashes(config)
-    if isinstance(every, int) and every > 0 and clash:
-        raise ConfigError(
-            f"sync_every={every} (local updates) cannot be combined with {clash}: no "
-            "gradient is exchanged between outer steps, so there is nothing to shard or "
-            f"overlap.\nHINT: drop {clash}, or sync_every."
-        )
-
-
-def clashes(config: Config) -> str:
-    """The settings of ``config`` that make no sense with local updates ("" when none)."""
-    on = (("shard_optimizer", config.shard_optimizer), ("overlap", config.overlap))
-    return " and ".join(name for name, value in on if value)
-
-
-def auto_compression(compression: Any, config: Config) -> Any:
-    """``sync_every="auto"`` measures with ``compression="auto"``'s measurement: the
-    compression to use (an explicit other one is an error: nothing would measure)."""
-    given = config.compression if compression is None else compression
-    if given in ("auto", "none"):
-        return "auto"
-    raise ConfigError(
-        f"sync_every='auto' decides from compression='auto''s measurement, but compression is "
-        f"{given!r}.\nHINT: leave compression unset (or 'auto') with sync_every='auto', or set "
-        "sync_every to a number of steps."
-    )
-
-
-def given_outer(config: Config) -> local_policy.Given:
-    """The user's outer settings as :mod:`ringtrain.engine.local_policy` takes them: a value
-    other than the Config's default counts as given (HACK: the Config cannot tell an explicit
-    ``outer_compression="fp16"`` or ``outer_overlap=False`` from the default, so on a slow link
-    ``auto`` replaces those two)."""
-    default = Config()
-    return (
-        None if config.outer_compression == default.outer_compression else config.outer_compression,
-        None if config.outer_overlap == default.outer_overlap else config.outer_overlap,
-        config.outer_delay or None,
-    )
-
-
-def choose_after_tuning(
-    tuner: Any, config: Config, set_rank: int
-) -> tuple[int, str, local_policy.OuterSettings | None]:
-    """``sync_every="auto"``, once the compression is settled: the policy's choice
-    (:func:`ringtrain.engine.auto.choose_sync_every`, on figures every rank holds alike), why,
-    and the outer exchange (:class:`ringtrain.engine.local_policy.OuterSettings`, None: the
-    Config's); rank 0 logs it. The weights are identical on every rank then: the anchor."""
-    from ringtrain.engine import auto
-
-    decision = tuner.auto.decision
-    outer: local_policy.OuterSettings | None = None
-    if tuner.measurement is None and tuner.auto.sync_every is not None:
-        every = tuner.auto.sync_every  # restored from a checkpoint with the compression choice
-        why = "restored from a checkpoint, as chosen when the job measured its link."
-    elif tuner.measurement is None or decision is None:
-        every, why = 0, "compression=auto settled without measuring (restored), so synchronous."
-    else:
-        given = given_outer(config)
-        every, why = auto.choose_sync_every(tuner.measurement, decision.predicted_step_s, given)
-        if every and clashes(config):
-            every, why = 0, f"{why} But {clashes(config)} is set, so synchronous."
-        if every:
-            outer = auto.outer_for(tuner.measurement, every, given)
-    tuner.auto.sync_every = every  # a checkpoint keeps it (AutoCompression.state_dict)
-    if set_rank == 0:
-        chosen = f"local updates every {every} steps" if every else "synchronous training"
-        log.warning("ringtrain sync_every=auto chose %s: %s", chosen, why)
-    return every, why, outer

@@ -27,7 +27,7 @@ import torch
 
 from ringtrain.collectives import ops
 from ringtrain.compression.policy import AutoCompression, Decision
-from ringtrain.engine import local_update, settings, sharded
+from ringtrain.engine import local_settings, local_update, settings, sharded
 from ringtrain.engine.buckets import Plan
 from ringtrain.engine.exchange import GradientExchange
 from ringtrain.engine.gradient_path import GradientPath
@@ -182,8 +182,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             outer_fragments=outer_fragments,
         )
         if config.sync_every == "auto":
-            compression = local_update.auto_compression(compression, config)
-        local_update.check(config)
+            compression = local_settings.auto_compression(compression, config)
+        local_settings.check(config)
         if config.shard_optimizer:
             sharded.check_supported(optimizer)
         reduction = settings.check(config, reduction)

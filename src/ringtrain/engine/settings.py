@@ -57,7 +57,7 @@ import torch
 from ringtrain.collectives.reduce_ops import resolve_op
 from ringtrain.compression import averaging
 from ringtrain.config import Config
-from ringtrain.engine import local_update
+from ringtrain.engine import local_settings
 from ringtrain.engine.weighting import Averaging, check_shares, weight_of
 from ringtrain.errors import ConfigError
 
@@ -185,7 +185,7 @@ def check_batch_shares(reduction: Reduction, config: Config) -> None:
             "does not have (the next forward starts while buckets are on the wire).\nHINT: "
             "give the shares (e.g. [3, 1]), or drop overlap."
         )
-    if local_update.parse_sync_every(config.sync_every) != 0:
+    if local_settings.parse_sync_every(config.sync_every) != 0:
         raise ConfigError(
             "batch_shares weighs the synchronous gradient average; with local updates "
             f"(sync_every={config.sync_every!r}) the outer average does not weigh ranks yet.\n"

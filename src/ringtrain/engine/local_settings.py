@@ -1,0 +1,153 @@
+"""Local updates' settings: ``sync_every`` parsed, the settings that do not combine with it
+refused, what the user gave of the outer exchange, and ``sync_every="auto"``'s choice once the
+compression is settled (:mod:`ringtrain.engine.local_policy` decides; this module reads the
+Config and logs). :class:`ringtrain.engine.local_update.LocalUpdate` is what runs them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ringtrain.config import Config
+from ringtrain.engine import local_policy
+from ringtrain.errors import ConfigError
+
+log = logging.getLogger("ringtrain")
+
+
+def parse_sync_every(value: Any) -> int | str:
+    """``sync_every`` as given (an int, a numeric string, "auto", None/"off"/0 for
+    synchronous training): an int >= 0 (0 = synchronous) or "auto"."""
+    if value is None:
+        return 0
+    if isinstance(value, bool):
+        raise bad_sync_every(value)
+    if isinstance(value, int):
+        if value < 0:
+            raise bad_sync_every(value)
+        return value
+    text = str(value).strip().lower()
+    if text in ("", "off", "none"):
+        return 0
+    if text == "auto":
+        return "auto"
+    try:
+        number = int(text)
+    except ValueError:
+        raise bad_sync_every(value) from None
+    if number < 0:
+        raise bad_sync_every(value)
+    return number
+
+
+def outer_delay(delay: int, sync_every: int) -> int:
+    """The overlapped exchange's delay in inner steps: ``delay`` (at most a round), or for 0 a
+    quarter of the round, at least one step (streaming DiLoCo's few steps: about 3% more steps
+    to the tiny LM's target than applying it at once, against twice for a whole round)."""
+    return min(delay, sync_every) if delay > 0 else max(1, sync_every // 4)
+
+
+def bad_sync_every(value: Any) -> ConfigError:
+    return ConfigError(
+        f"sync_every must be a number of steps >= 0 or 'auto', got {value!r}\n"
+        "HINT: 0 trains synchronously; 100 averages the weights every 100 local steps; 'auto' "
+        "decides from the measured link and compute."
+    )
+
+
+def check(config: Config) -> None:
+    """Local updates with settings that make no sense with them: a clear error."""
+    every = parse_sync_every(config.sync_every)
+    if config.outer_delay and not config.outer_overlap:
+        raise ConfigError(
+            f"outer_delay={config.outer_delay} says how many inner steps the overlapped outer "
+            "exchange may take, but outer_overlap is off.\nHINT: add outer_overlap=True, or "
+            "drop outer_delay."
+        )
+    if isinstance(every, int) and every > 0 and config.outer_delay > every:
+        raise ConfigError(
+            f"outer_delay={config.outer_delay} is longer than a round (sync_every={every}): "
+            "each average must be applied before the next round's exchange starts.\nHINT: "
+            f"outer_delay={every} at most (or 0: a quarter of the round)."
+        )
+    if isinstance(every, int) and config.outer_fragments > max(every, 1):
+        raise ConfigError(
+            f"outer_fragments={config.outer_fragments} "
+            + (
+                f"is more than the round's {every} inner steps: each fragment is exchanged at "
+                f"its own step.\nHINT: outer_fragments={every} at most."
+                if every
+                else "cuts local updates' outer exchange, but sync_every is off (synchronous)."
+                "\nHINT: set sync_every (e.g. 16), or drop outer_fragments."
+            )
+        )
+    clash = clashes(config)
+    if isinstance(every, int) and every > 0 and clash:
+        raise ConfigError(
+            f"sync_every={every} (local updates) cannot be combined with {clash}: no "
+            "gradient is exchanged between outer steps, so there is nothing to shard or "
+            f"overlap.\nHINT: drop {clash}, or sync_every."
+        )
+
+
+def clashes(config: Config) -> str:
+    """The settings of ``config`` that make no sense with local updates ("" when none)."""
+    on = (("shard_optimizer", config.shard_optimizer), ("overlap", config.overlap))
+    return " and ".join(name for name, value in on if value)
+
+
+def auto_compression(compression: Any, config: Config) -> Any:
+    """``sync_every="auto"`` measures with ``compression="auto"``'s measurement: the
+    compression to use (an explicit other one is an error: nothing would measure)."""
+    given = config.compression if compression is None else compression
+    if given in ("auto", "none"):
+        return "auto"
+    raise ConfigError(
+        f"sync_every='auto' decides from compression='auto''s measurement, but compression is "
+        f"{given!r}.\nHINT: leave compression unset (or 'auto') with sync_every='auto', or set "
+        "sync_every to a number of steps."
+    )
+
+
+def given_outer(config: Config) -> local_policy.Given:
+    """The user's outer settings as :mod:`ringtrain.engine.local_policy` takes them: a value
+    other than the Config's default counts as given (HACK: the Config cannot tell an explicit
+    ``outer_compression="fp16"`` or ``outer_overlap=False`` from the default, so on a slow link
+    ``auto`` replaces those two)."""
+    default = Config()
+    return (
+        None if config.outer_compression == default.outer_compression else config.outer_compression,
+        None if config.outer_overlap == default.outer_overlap else config.outer_overlap,
+        config.outer_delay or None,
+    )
+
+
+def choose_after_tuning(
+    tuner: Any, config: Config, set_rank: int
+) -> tuple[int, str, local_policy.OuterSettings | None]:
+    """``sync_every="auto"``, once the compression is settled: the policy's choice
+    (:func:`ringtrain.engine.auto.choose_sync_every`, on figures every rank holds alike), why,
+    and the outer exchange (:class:`ringtrain.engine.local_policy.OuterSettings`, None: the
+    Config's); rank 0 logs it. The weights are identical on every rank then: the anchor."""
+    from ringtrain.engine import auto
+
+    decision = tuner.auto.decision
+    outer: local_policy.OuterSettings | None = None
+    if tuner.measurement is None and tuner.auto.sync_every is not None:
+        every = tuner.auto.sync_every  # restored from a checkpoint with the compression choice
+        why = "restored from a checkpoint, as chosen when the job measured its link."
+    elif tuner.measurement is None or decision is None:
+        every, why = 0, "compression=auto settled without measuring (restored), so synchronous."
+    else:
+        given = given_outer(config)
+        every, why = auto.choose_sync_every(tuner.measurement, decision.predicted_step_s, given)
+        if every and clashes(config):
+            every, why = 0, f"{why} But {clashes(config)} is set, so synchronous."
+        if every:
+            outer = auto.outer_for(tuner.measurement, every, given)
+    tuner.auto.sync_every = every  # a checkpoint keeps it (AutoCompression.state_dict)
+    if set_rank == 0:
+        chosen = f"local updates every {every} steps" if every else "synchronous training"
+        log.warning("ringtrain sync_every=auto chose %s: %s", chosen, why)
+    return every, why, outer
