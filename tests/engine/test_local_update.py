@@ -33,8 +33,8 @@ from _local import H, Tiny, _adam_local, _alike, _sgd_local, _step, _weights
 
 import ringtrain as rt
 from ringtrain.config import OUTER_COMPRESSIONS, Config
-from ringtrain.engine import local_update, outer_codec
-from ringtrain.engine.local_update import outer_delay, parse_sync_every
+from ringtrain.engine import local_settings, outer_codec
+from ringtrain.engine.local_settings import outer_delay, parse_sync_every
 from ringtrain.errors import ConfigError
 from ringtrain.security import keys
 from ringtrain.testing import spawn
@@ -387,10 +387,10 @@ def test_outer_delay_settings() -> None:
         {"RINGTRAIN_OUTER_OVERLAP": "1", "RINGTRAIN_OUTER_DELAY": "2", "RINGTRAIN_SYNC_EVERY": "8"}
     )
     assert config.outer_overlap and config.outer_delay == 2
-    local_update.check(config)
+    local_settings.check(config)
     with pytest.raises(ConfigError, match="outer_delay must be"):
         Config.from_env({"RINGTRAIN_OUTER_DELAY": "-1"})
     with pytest.raises(ConfigError, match="outer_overlap is off"):
-        local_update.check(Config(sync_every="8", outer_delay=2))
+        local_settings.check(Config(sync_every="8", outer_delay=2))
     with pytest.raises(ConfigError, match="longer than a round"):
-        local_update.check(Config(sync_every="8", outer_overlap=True, outer_delay=9))
+        local_settings.check(Config(sync_every="8", outer_overlap=True, outer_delay=9))

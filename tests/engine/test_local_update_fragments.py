@@ -35,7 +35,7 @@ from test_local_update import _overlapped, _rejoin_overlapped, _transports
 
 import ringtrain as rt
 from ringtrain.config import Config
-from ringtrain.engine import local_update, outer_fragment
+from ringtrain.engine import local_settings, outer_fragment
 from ringtrain.errors import ConfigError
 from ringtrain.testing import spawn
 
@@ -266,10 +266,10 @@ def test_the_cut_is_consecutive_balanced_and_staggered() -> None:
 def test_outer_fragments_settings() -> None:
     config = Config.from_env({"RINGTRAIN_OUTER_FRAGMENTS": "4", "RINGTRAIN_SYNC_EVERY": "16"})
     assert config.outer_fragments == 4
-    local_update.check(config)
+    local_settings.check(config)
     with pytest.raises(ConfigError, match="outer_fragments must be"):
         Config.from_env({"RINGTRAIN_OUTER_FRAGMENTS": "0"})
     with pytest.raises(ConfigError, match="more than the round's 8 inner steps"):
-        local_update.check(Config(sync_every="8", outer_fragments=9))
+        local_settings.check(Config(sync_every="8", outer_fragments=9))
     with pytest.raises(ConfigError, match="sync_every is off"):
-        local_update.check(Config(outer_fragments=2))
+        local_settings.check(Config(outer_fragments=2))

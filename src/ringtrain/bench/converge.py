@@ -64,7 +64,7 @@ import ringtrain
 from ringtrain import environ
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import machine_info
-from ringtrain.engine.local_update import outer_delay
+from ringtrain.engine.local_settings import outer_delay
 from ringtrain.errors import ConfigError
 
 TASKS = ("digits", "lm", "mlp")

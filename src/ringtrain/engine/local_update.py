@@ -42,22 +42,11 @@ from ringtrain import transport
 from ringtrain.diagnostics import timeline
 from ringtrain.engine import anchor_agreement, local_update_state, outer_fragment
 from ringtrain.engine.buckets import Plan
-from ringtrain.engine.local_settings import bad_sync_every, check, outer_delay, parse_sync_every
+from ringtrain.engine.local_settings import bad_sync_every, outer_delay
 from ringtrain.engine.outer_codec import OuterCodec
 from ringtrain.engine.outer_fragment import Fragment
 from ringtrain.engine.steps.whole import BucketUpdates, tensor_bytes
 from ringtrain.errors import ConfigError
-
-# The settings' functions, importable from here as before they moved to local_settings.
-__all__ = [
-    "STATE_KEY",
-    "LocalUpdate",
-    "OuterFactory",
-    "check",
-    "nesterov",
-    "outer_delay",
-    "parse_sync_every",
-]
 
 # Key under which DistributedOptimizer.state_dict() keeps this step's state.
 STATE_KEY = "ringtrain_local_update"
