@@ -5,12 +5,19 @@ nothing is downloaded. Each rank trains on its own shard; gradients are averaged
 DistributedOptimizer; rank 0 shows a progress bar and evaluates on a held-out split.
 
     ringtrain run -np 4 -- python examples/train_digits.py
+
+Hosts of unequal speed: ``--batch-shares auto`` lets ringtrain measure each rank's rate and give
+the faster ranks more of each global batch (a ShareSampler cuts it, the optimizer weighs each
+rank by the samples it took); ``--slow-rank 1`` slows one rank to try it on one machine:
+
+    ringtrain run -np 2 -- python examples/train_digits.py --batch-shares auto --slow-rank 1
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -20,6 +27,7 @@ from sklearn.model_selection import train_test_split
 from tqdm import tqdm
 
 import ringtrain.torch as hvd
+from ringtrain.elastic.share_sampler import ShareSampler
 
 
 class DigitsNet(nn.Module):
@@ -45,52 +53,118 @@ def load(seed: int) -> tuple[torch.Tensor, ...]:
     return x_tr, y_tr, x_te, y_te
 
 
-def main() -> None:
+def share_batches(
+    sampler: ShareSampler, optimizer: hvd.DistributedOptimizer, epoch: int
+) -> Iterator[torch.Tensor]:
+    """This rank's part of each global batch of ``epoch`` under batch_shares: cut by the shares
+    in force (given, or auto's latest, read between steps), and the optimizer told the samples
+    every rank takes, so the step is the whole global batch's."""
+    sampler.set_epoch(epoch)
+    taken: tuple[float, ...] | None = None
+    parts = iter(sampler)
+    while _left(sampler) > 0:
+        now = optimizer.batch_shares
+        if now is not None and now != taken:  # new shares (auto's first or next decision)
+            sampler.reset(now, hvd.rank())
+        counts = sampler.counts(min(sampler.global_batch_size, _left(sampler)))
+        if min(counts) == 0:
+            return  # a short last batch with no sample for some rank: left out this epoch
+        optimizer.set_batch_shares(counts)
+        taken = tuple(float(c) for c in counts)
+        yield torch.tensor(next(parts), dtype=torch.int64)
+        sampler.record_batch()
+
+
+def _left(sampler: ShareSampler) -> int:
+    return len(sampler.dataset) - sampler.position
+
+
+def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--epochs", type=int, default=12)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank (on average)")
     parser.add_argument("--lr", type=float, default=0.01, help="scaled by the number of ranks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target-accuracy", type=float, default=0.95)
+    parser.add_argument(
+        "--batch-shares",
+        default="",
+        metavar="auto|A,B,...",
+        help="each rank's share of the global batch: 'auto' (measured) or one number per rank",
+    )
+    parser.add_argument(
+        "--slow-rank", type=int, default=-1, help="this rank sleeps to run slower (a test)"
+    )
+    parser.add_argument(
+        "--slow-factor", type=float, default=2.0, help="--slow-rank's 1/speed (default 2)"
+    )
     parser.add_argument(
         "--save",
         default="/tmp/ringtrain-digits.pt",
         metavar="PATH",
         help="where rank 0 saves the final weights",
     )
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def main() -> None:
+    args = parse()
     hvd.init()
     torch.manual_seed(args.seed)
     x_tr, y_tr, x_te, y_te = load(args.seed)
-    # Each rank takes every size()-th sample: disjoint shards of equal size (+-1).
-    shard = slice(hvd.rank(), None, hvd.size())
-    x_tr, y_tr = x_tr[shard], y_tr[shard]
+    shares = None
+    if args.batch_shares:
+        shares = (
+            "auto"
+            if args.batch_shares == "auto"
+            else [float(v) for v in args.batch_shares.split(",")]
+        )
+    slow = args.slow_factor - 1 if hvd.rank() == args.slow_rank else 0.0
 
     model = DigitsNet()
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    sgd = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
+    optimizer = hvd.DistributedOptimizer(
+        sgd, named_parameters=model.named_parameters(), batch_shares=shares
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-    steps = (len(x_tr) + args.batch_size - 1) // args.batch_size
-    # Ranks must run the same number of steps: use the smallest shard's count.
-    steps = int(hvd.allreduce(torch.tensor(steps), op=hvd.Min, name="steps"))
+    if shares is None:
+        # Each rank takes every size()-th sample: disjoint shards of equal size (+-1).
+        shard = slice(hvd.rank(), None, hvd.size())
+        x_tr, y_tr = x_tr[shard], y_tr[shard]
+        steps = (len(x_tr) + args.batch_size - 1) // args.batch_size
+        # Ranks must run the same number of steps: use the smallest shard's count.
+        steps = int(hvd.allreduce(torch.tensor(steps), op=hvd.Min, name="steps"))
+    else:
+        # One global batch of batch_size x size() per step, cut by the shares.
+        sampler = ShareSampler(
+            x_tr, args.batch_size * hvd.size(), [1.0] * hvd.size(), hvd.rank(), seed=args.seed
+        )
+        steps = len(sampler)
     bar = tqdm(total=args.epochs * steps, disable=hvd.rank() != 0, unit="step", dynamic_ncols=True)
     start = time.perf_counter()
     samples = 0
     for epoch in range(args.epochs):
         model.train()
-        order = torch.randperm(
-            len(x_tr), generator=torch.Generator().manual_seed(args.seed + epoch)
-        )
-        for i in range(steps):
-            idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+        if shares is None:
+            order = torch.randperm(
+                len(x_tr), generator=torch.Generator().manual_seed(args.seed + epoch)
+            )
+            batches: Iterator[torch.Tensor] = (
+                order[i * args.batch_size : (i + 1) * args.batch_size] for i in range(steps)
+            )
+        else:
+            batches = share_batches(sampler, optimizer, epoch)
+        for idx in batches:
+            t0 = time.perf_counter()
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x_tr[idx]), y_tr[idx])
             loss.backward()
+            if slow:  # as a slower host would: its forward and backward take 1/speed as long
+                time.sleep(slow * (time.perf_counter() - t0))
             optimizer.step()
             samples += len(idx)
             bar.update()
@@ -101,6 +175,7 @@ def main() -> None:
     throughput = hvd.allreduce(
         torch.tensor(samples / elapsed), op=hvd.Sum, name="throughput"
     ).item()
+    taken = hvd.allgather_object(samples)
 
     model.eval()
     with torch.no_grad():
@@ -109,6 +184,7 @@ def main() -> None:
         print(
             f"ranks: {hvd.size()}  final loss: {mean_loss:.4f}  test accuracy: {accuracy:.2%}  "
             f"throughput: {throughput:,.0f} samples/s  train time: {elapsed:.2f} s"
+            + (f"  samples per rank: {taken}" if shares is not None else "")
         )
         torch.save(model.state_dict(), args.save)
     hvd.shutdown()

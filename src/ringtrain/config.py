@@ -146,6 +146,10 @@ class Config:
     # starts without a negotiation round (collectives/lane.py). Whether a slot is used depends
     # on timing; the results never do. On by default since the suite ran with it under load.
     fast_lane: bool = True
+    # Process sets of at least this many ranks negotiate with one fixed-size bit vector per round
+    # (collectives/vector_round.py: one bitwise-AND allreduce, whatever the rank count); smaller
+    # ones gather every rank's message, which carries small ops' data too. 0: never.
+    vector_rounds_from: int = 4
     # Durable jobs (ringtrain.checkpoint.Durable; `ringtrain run --checkpoint-dir/-every`):
     # where the job's checkpoints go, and how often: "N" optimizer steps or "Ns" seconds.
     checkpoint_dir: str = ""
@@ -327,6 +331,9 @@ NUMBERS: dict[str, Bounds] = {
     ),
     "straggler_report_steps": Bounds(0, whole=True, unit="steps", hint="0 turns reports off."),
     "cache_capacity": Bounds(0, whole=True, unit="requests", hint="0 turns the cache off."),
+    "vector_rounds_from": Bounds(
+        0, whole=True, unit="ranks", hint="0 keeps gathered rounds at every size."
+    ),
     "checkpoint_keep": Bounds(0, whole=True, unit="checkpoints", hint="0 keeps them all."),
 }
 

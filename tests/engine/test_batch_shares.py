@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -158,7 +159,9 @@ def test_weights_and_factors() -> None:
     assert Averaging(True, 4).factors() == (0.25, 1.0)
 
 
-def test_auto_shares_follow_the_rates_and_move_only_past_the_margin() -> None:
+def test_auto_shares_follow_the_rates_and_move_only_past_the_margin(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Two ranks simulated in one process: rank 1 takes 3x rank 0's time per sample."""
     seconds = {0: 0.001, 1: 0.003}  # per unit of share
     autos: list[AutoShares] = []
@@ -177,15 +180,22 @@ def test_auto_shares_follow_the_rates_and_move_only_past_the_margin() -> None:
                 out.append(a.observe(start, start + 0.01))
         return out
 
-    decided = [s for s in steps(1 + WARMUP_STEPS + MEASURE_STEPS) if s is not None]
+    with caplog.at_level(logging.WARNING, logger="ringtrain"):  # shown at the default level
+        decided = [s for s in steps(1 + WARMUP_STEPS + MEASURE_STEPS) if s is not None]
     assert decided == [(750, 250), (750, 250)]  # both ranks, at the same step
+    said = [r.getMessage() for r in caplog.records if r.name == "ringtrain"]
+    assert len(said) == 1  # rank 0 says it, once
+    assert said[0].startswith("ringtrain batch_shares=auto: shares [750, 250] of each global")
     assert [a.shares for a in autos] == [(750, 250)] * 2
     seconds[1] = 0.0033  # 10% slower: within the margin, no change
     assert [s for s in steps(2 * MEASURE_STEPS) if s is not None] == []
     seconds[1] = 0.001  # as fast as rank 0 now: measured again
-    steps(2 * MEASURE_STEPS)
+    with caplog.at_level(logging.INFO, logger="ringtrain"):
+        caplog.clear()
+        steps(2 * MEASURE_STEPS)
+    assert [r.levelno for r in caplog.records if r.name == "ringtrain"] == [logging.INFO]
     assert autos[0].shares == autos[1].shares == shares_for([1.0, 1.0])
-    assert "rank 0 75.0%" in describe((750, 250), [10.0, 3.3])
+    assert "rank 0 75.0% (speed 1.00), rank 1 25.0% (speed 0.33)" in describe((750, 250), [9, 3])
 
 
 def _auto() -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:

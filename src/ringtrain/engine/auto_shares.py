@@ -48,10 +48,11 @@ def moved(rates: Sequence[float], before: Sequence[float] | None, margin: float 
 
 
 def describe(shares: Sequence[int], rates: Sequence[float]) -> str:
-    """The one log line: who gets how much of each global batch, and why."""
-    whole = sum(shares)
+    """The one log line: who gets how much of each global batch, and why (each rank's speed
+    relative to the fastest's: the rates are in the shares' unit per second, not samples)."""
+    whole, fastest = sum(shares), max(rates)
     parts = ", ".join(
-        f"rank {r} {s / whole:.1%} ({rate:.3g} samples/s)"
+        f"rank {r} {s / whole:.1%} (speed {rate / fastest:.2f})"
         for r, (s, rate) in enumerate(zip(shares, rates))
     )
     return (
@@ -100,10 +101,10 @@ class AutoShares:
         self._last_end = self._clock()  # the agreement is not this rank's work
         if not moved(rates, self._set_from):
             return None
-        self._set_from = rates
+        first, self._set_from = self._set_from is None, rates
         new = shares_for(rates)
-        if self.rank == 0:
-            log.info("%s", describe(new, rates))
+        if self.rank == 0:  # the first choice shown by default (as auto compression's), then INFO
+            log.log(logging.WARNING if first else logging.INFO, "%s", describe(new, rates))
         if new == self.shares:
             return None
         self.shares = new
