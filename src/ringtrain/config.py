@@ -159,6 +159,11 @@ class Config:
     # Continue from the newest complete checkpoint in this directory (`ringtrain run --resume`).
     resume: str = ""
 
+    # The settings given (an argument, a RINGTRAIN_* or HOROVOD_* variable, a launcher flag)
+    # rather than left at their defaults, as from_env and replace were handed them: see
+    # given(). Not a field (not annotated): no variable twin, not compared, not in repr.
+    _given = frozenset[str]()
+
     def __post_init__(self) -> None:
         # Types and numbers first, field by field (one rule each, in NUMBERS), so that the
         # rules below compare values of the right type.
@@ -237,10 +242,29 @@ class Config:
                 )
             if value is not None:
                 values[name] = value
-        return cls(**values)
+        return cls(**values)._giving(values)
 
     def replace(self, **changes: Any) -> Config:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``, which count as given (:meth:`given`) with this one's."""
+        return dataclasses.replace(self, **changes)._giving(self._given | set(changes))
+
+    def given(self, name: str) -> bool:
+        """Whether setting ``name`` was given rather than left at its default: handed to
+        :meth:`from_env` (a variable, a launcher flag, ``ringtrain.init(**settings)``) or to
+        :meth:`replace` (``DistributedOptimizer``'s arguments), even with the default's value:
+        a policy that picks where the user did not (``sync_every="auto"``'s outer exchange)
+        leaves a given ``outer_compression="fp16"`` alone. A Config built directly,
+        ``Config(...)``, counts the values other than the defaults."""
+        field = _field_map().get(name)
+        if field is None:
+            raise ConfigError(
+                f"unknown ringtrain setting {name!r}; known: {', '.join(sorted(_field_map()))}"
+            )
+        return name in self._given or getattr(self, name) != field.default
+
+    def _giving(self, names: Any) -> Config:
+        object.__setattr__(self, "_given", frozenset(names))
+        return self
 
 
 def _public_fields() -> list[dataclasses.Field[Any]]:

@@ -10,6 +10,8 @@ weights after each outer step.
 from __future__ import annotations
 
 import contextlib
+import logging
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +21,8 @@ import torch.nn.functional as F
 
 import ringtrain as rt
 from ringtrain.compression.policy import Measurement, choose
-from ringtrain.engine import auto, local_policy
+from ringtrain.config import Config
+from ringtrain.engine import auto, local_policy, local_settings, settings
 from ringtrain.engine.auto import choose_sync_every
 from ringtrain.errors import ConfigError
 from ringtrain.testing import spawn
@@ -82,6 +85,69 @@ def test_explicit_outer_settings_are_honoured_in_the_prediction() -> None:
     assert "fp16, not overlapped" in why and "as set (outer_compression, outer_overlap)" in why
     assert auto.outer_for(m, every, ("fp16", False, None)).compression == "fp16"
     assert every >= _decide(m)[0]  # the wider, exposed exchange needs at least as long a round
+
+
+def _settled(m: Measurement) -> Any:
+    """What local_settings.choose_after_tuning reads of a settled compression="auto" tuner."""
+    return types.SimpleNamespace(
+        measurement=m, auto=types.SimpleNamespace(decision=choose(m), sync_every=None)
+    )
+
+
+@pytest.mark.parametrize("how", ["argument", "variable"])
+def test_outer_settings_given_at_their_defaults_are_honoured_and_named(
+    how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # outer_compression="fp16" and outer_overlap=False are the Config's defaults: given, they
+    # still win over what the slow link alone would pick (int4, overlapped).
+    plain = Config.from_env({"RINGTRAIN_SYNC_EVERY": "auto"})
+    if how == "argument":  # as DistributedOptimizer hands its arguments to the Config
+        config = settings.resolve(plain, outer_compression="fp16", outer_overlap=False)
+    else:
+        config = Config.from_env(
+            {
+                "RINGTRAIN_SYNC_EVERY": "auto",
+                "RINGTRAIN_OUTER_COMPRESSION": "fp16",
+                "RINGTRAIN_OUTER_OVERLAP": "0",
+            }
+        )
+    assert config == plain  # the same values: only what was given differs
+    assert local_settings.given_outer(plain) == local_policy.NOT_GIVEN
+    assert local_settings.given_outer(config) == ("fp16", False, None)
+    m = _link(10 * MBIT, 0.3)
+    _, _, picked = local_settings.choose_after_tuning(_settled(m), plain, 0)
+    assert picked is not None and (picked.compression, picked.overlap) == ("int4", True)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ringtrain"):  # shown at the default level
+        every, why, outer = local_settings.choose_after_tuning(_settled(m), config, 0)
+    assert outer is not None and (outer.compression, outer.overlap, outer.delay) == (
+        "fp16",
+        False,
+        0,
+    )
+    # Predicted with the wide exchange in line: the policy's own answer on those settings.
+    forced = local_policy.choose_local(
+        m.grad_numel, 2, m.compute_s, m.in_step_bytes_per_s, m.op_overhead_s, "fp16", False
+    )
+    assert every == forced.sync_every
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "ringtrain"]  # rank 0's
+    assert f"chose local updates every {every} steps: {why}" in line
+    assert "fp16, not overlapped" in line and "as set (outer_compression, outer_overlap)" in line
+    assert f"{forced.predicted_time_per_step:.2f}x one host's" in line
+
+
+def test_the_config_tells_a_given_setting_from_its_default() -> None:
+    assert not Config.from_env({}).given("outer_overlap")
+    assert Config.from_env({}, outer_overlap=False).given("outer_overlap")
+    assert Config.from_env({"HOROVOD_CYCLE_TIME": "1"}).given("cycle_time_ms")
+    replaced = Config.from_env({}, outer_compression="fp16").replace(sync_every="auto")
+    assert replaced.given("outer_compression") and replaced.given("sync_every")
+    assert not replaced.given("outer_delay")
+    # Built directly, a Config counts the values other than the defaults.
+    assert Config(outer_overlap=True).given("outer_overlap")
+    assert not Config(outer_overlap=False).given("outer_overlap")
+    with pytest.raises(ConfigError, match="unknown ringtrain setting 'outer_overlapp'"):
+        Config().given("outer_overlapp")
 
 
 def _small(

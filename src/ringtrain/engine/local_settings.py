@@ -111,14 +111,13 @@ def auto_compression(compression: Any, config: Config) -> Any:
 
 
 def given_outer(config: Config) -> local_policy.Given:
-    """The user's outer settings as :mod:`ringtrain.engine.local_policy` takes them: a value
-    other than the Config's default counts as given (HACK: the Config cannot tell an explicit
-    ``outer_compression="fp16"`` or ``outer_overlap=False`` from the default, so on a slow link
-    ``auto`` replaces those two)."""
-    default = Config()
+    """The user's outer settings as :mod:`ringtrain.engine.local_policy` takes them: each one
+    the user gave (:meth:`ringtrain.config.Config.given`: an argument, a variable, a launcher
+    flag, even with the default's value, ``outer_compression="fp16"`` or ``outer_overlap=False``)
+    or None for the policy to pick. ``outer_delay`` 0 asks for the fitted delay: not given."""
     return (
-        None if config.outer_compression == default.outer_compression else config.outer_compression,
-        None if config.outer_overlap == default.outer_overlap else config.outer_overlap,
+        config.outer_compression if config.given("outer_compression") else None,
+        config.outer_overlap if config.given("outer_overlap") else None,
         config.outer_delay or None,
     )
 
