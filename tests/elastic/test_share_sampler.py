@@ -6,6 +6,7 @@ import pytest
 
 from ringtrain.elastic.share_sampler import ShareSampler, split_counts
 from ringtrain.errors import ConfigError
+from ringtrain.testing.spawn import World
 
 DATA = list(range(103))  # not a multiple of the global batch: the last one is short
 
@@ -79,3 +80,38 @@ def test_bad_input_is_explained() -> None:
         ShareSampler(DATA, 8, [1, 1], 2)
     with pytest.raises(ConfigError, match="global_batch_size"):
         ShareSampler(DATA, 0, [1, 1], 0)
+
+
+def _share_state(world_before: int) -> tuple[list[int], tuple[float, ...], int]:
+    """A ShareSampler in TorchState on the job's ranks, its shares made for ``world_before``
+    ranks (as before an elastic change): commit, restore, sync, then the rest of the epoch."""
+    import ringtrain as rt
+    import ringtrain.torch as hvd
+
+    shares = [float(r + 1) for r in range(world_before)]
+    mine = ShareSampler(DATA, 8, shares, min(rt.rank(), world_before - 1), seed=5)
+    state = hvd.elastic.TorchState(sampler=mine, epoch=0)
+    for _ in range(3):
+        mine.record_batch()
+    state.commit()
+    mine.record_batch()  # a batch after the commit: undone by the restore
+    state.restore()
+    assert mine.position == 24
+    mine.position = 24 + 8 * rt.rank()  # ranks disagree: the sync takes rank 0's
+    state.sync()
+    assert mine.position == 24
+    rest = [i for part in mine for i in part]
+    return rest, mine.shares, mine.rank
+
+
+def test_torch_state_keeps_each_rank_s_own_part_after_an_elastic_change(world2: World) -> None:
+    for before in (2, 3):  # the same world, then one that had 3 ranks
+        results = world2.run(_share_state, before, timeout=60)
+        assert [r[2] for r in results] == [0, 1]  # each its own rank, not rank 0's
+        shares = results[0][1]
+        assert all(r[1] == shares for r in results)
+        assert shares == (
+            (1.0, 2.0) if before == 2 else (1.0, 1.0)
+        )  # equal when they no longer fit
+        rest = sorted(i for r in results for i in r[0])
+        assert rest == sorted(ShareSampler(DATA, 8, [1, 1], 0, seed=5).order()[24:])

@@ -1,8 +1,9 @@
 """TorchState and ObjectState bound to ringtrain's collectives (Horovod's ``hvd.elastic`` names).
 
-Models, optimizers, LR schedulers and :class:`ElasticSampler` given to :class:`TorchState` are
-tracked by a handler each (a deep copy of their ``state_dict`` at each commit); anything else is
-a plain value. ``sync()`` broadcasts rank 0's values after the world was re-formed.
+Models, optimizers, LR schedulers, :class:`ElasticSampler` and ``ShareSampler`` given to
+:class:`TorchState` are tracked by a handler each (a deep copy of their ``state_dict`` at each
+commit); anything else is a plain value. ``sync()`` broadcasts rank 0's values after the world
+was re-formed.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import torch
 from ringtrain.collectives.objects import allgather_object, broadcast_object
 from ringtrain.elastic import state as base
 from ringtrain.elastic.sampler import ElasticSampler
+from ringtrain.elastic.share_sampler import ShareSampler
 from ringtrain.engine.state_sync import broadcast_optimizer_state, broadcast_parameters
 from ringtrain.errors import ConfigError
-from ringtrain.runtime import membership
+from ringtrain.runtime import membership, queries
 from ringtrain.runtime import state as runtime
 
 
@@ -90,11 +92,27 @@ class _SamplerHandler(_Handler):
         self.value.load_state_dict(broadcast_object(self._world_state()))
 
 
+class _ShareSamplerHandler(_Handler):
+    """A ShareSampler's position is the same on every rank; its rank and shares are this
+    rank's own, so a sync takes rank 0's position and keeps them (a plain value would take
+    rank 0's whole sampler). After a world change the shares must fit the new world: kept when
+    they do, equal otherwise (``batch_shares="auto"`` measures again; a given list is the
+    user's to ``reset``), and the rest of the epoch is split over the ranks now there."""
+
+    def sync(self) -> None:
+        sampler = self.value
+        sampler.load_state_dict(broadcast_object(sampler.state_dict()))
+        size = queries.size()
+        shares = sampler.shares if len(sampler.shares) == size else (1.0,) * size
+        sampler.reset(shares, queries.rank())
+
+
 _HANDLERS: list[tuple[type, type[_Handler]]] = [
     (torch.nn.Module, _ModelHandler),
     (torch.optim.Optimizer, _OptimizerHandler),
     (torch.optim.lr_scheduler.LRScheduler, _Handler),
     (ElasticSampler, _SamplerHandler),
+    (ShareSampler, _ShareSamplerHandler),
 ]
 
 
