@@ -313,7 +313,7 @@ def test_fp16_large_gradients_do_not_overflow(world: World) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_overflow_check_finds_every_non_finite_value(dtype: torch.dtype) -> None:
-    from ringtrain.engine.exchange import _all_finite
+    from ringtrain.compression.overflow import all_finite as _all_finite
 
     big = float(torch.finfo(dtype).max)
     x = torch.randn(10_000).to(dtype)
