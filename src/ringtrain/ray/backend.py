@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from ray.train.backend import Backend
+from ray.train._internal.base_worker_group import BaseWorkerGroup
+from ray.train.backend import Backend, BackendConfig
 from ray.train.torch import TorchConfig
 
 import ray
@@ -56,13 +57,13 @@ class RingtrainConfig(TorchConfig):
     network_interface: str = ""
     secure: bool = False
     key_file: str = ""
-    settings: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, object] = field(default_factory=dict)
 
     @property
     def backend_cls(self) -> type[Backend]:
         return _RingtrainBackend
 
-    def ringtrain_settings(self) -> dict[str, Any]:
+    def ringtrain_settings(self) -> dict[str, object]:
         out = dict(self.settings)
         if self.network_interface:
             out["network_interface"] = self.network_interface
@@ -80,8 +81,8 @@ class RingtrainConfig(TorchConfig):
 class _RingtrainBackend(Backend):
     share_cuda_visible_devices = True  # as Ray's torch backend: ranks pick their local GPU
 
-    def on_start(self, worker_group: Any, backend_config: Any) -> None:
-        settings = backend_config.ringtrain_settings()
+    def on_start(self, worker_group: BaseWorkerGroup, backend_config: BackendConfig) -> None:
+        settings = cast(RingtrainConfig, backend_config).ringtrain_settings()
         common = placement.settings_environment(settings)
         reported = worker_group.execute(worker.facts)
         # Ranks follow the worker group's order: ray.train.get_context().get_world_rank() must
@@ -104,7 +105,8 @@ class _RingtrainBackend(Backend):
             )
             for spec in specs
         ]
-        ray.get(futures)
+        # Ray's worker group returns ray.types.ObjectRef, which its ray.get is not typed to take.
+        ray.get(futures)  # type: ignore[arg-type]
 
     # No on_shutdown: Ray Train ends the worker processes, and a group that lost a worker
     # could not shut down cleanly anyway (a clean ringtrain shutdown waits for every peer).

@@ -31,7 +31,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic
 
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -43,12 +43,15 @@ from ringtrain.launch import elastic as elastic_launch
 from ringtrain.ray import placement
 from ringtrain.ray.executor import (
     Call,
+    R,
     RayExecutor,
     Settings,
+    call_on,
     free_slots,
     new_worker,
     no_callbacks,
 )
+from ringtrain.ray.worker import Worker
 
 log = logging.getLogger("ringtrain")
 POLL_S = 1.0  # how often the driver looks for free slots while the world is below max_np
@@ -171,16 +174,14 @@ class ElasticRayExecutor:
         ``elastic_timeout`` for ``min_np``) and the job's rendezvous store."""
         self._executor.start(extra_env_vars=self.env_vars)
 
-    def run(
-        self, worker_fn: Callable[[], object], callbacks: Sequence[object] | None = None
-    ) -> list[Any]:
+    def run(self, worker_fn: Callable[[], R], callbacks: Sequence[object] | None = None) -> list[R]:
         """``worker_fn()`` on every worker, and on every worker started later; the results of
         the last world's workers in rank order. The workers are ended afterwards."""
         no_callbacks(callbacks, "ElasticRayExecutor")
         ex = self._executor
         call = Call(worker_fn, [], {})
         try:
-            refs = [w.execute.remote(call) for w in ex._live()]
+            refs = [call_on(w, call) for w in ex._live()]
             return ex._collect(refs, grow=_Growth(ex, call).tick)
         finally:
             ex.shutdown()
@@ -190,18 +191,20 @@ class ElasticRayExecutor:
         self._executor.shutdown()
 
 
-class _Growth:
+class _Growth(Generic[R]):
     """The driver's discovery while ``run`` waits: start workers on free slots, admit them."""
 
-    def __init__(self, executor: RayExecutor, call: Call) -> None:
+    def __init__(self, executor: RayExecutor, call: Call[R]) -> None:
         self.ex = executor
         self.call = call
-        self.starting: dict[ObjectRef, ActorHandle] = {}  # facts ref -> actor, not yet placed
+        self.starting: dict[
+            ObjectRef[placement.WorkerFacts], ActorHandle[Worker]
+        ] = {}  # facts ref -> actor, not yet placed
         self.joining: dict[int, float] = {}  # identity -> ready by (monotonic)
         self.next_id = max(executor._identities, default=-1) + 1
         self.next_poll = time.monotonic() + POLL_S
 
-    def tick(self, pending: dict[ObjectRef, int]) -> None:
+    def tick(self, pending: dict[ObjectRef[R], int]) -> None:
         running = set(pending.values())
         for i in [i for i in self.joining if i not in running]:  # failed before it joined
             del self.joining[i]
@@ -237,12 +240,12 @@ class _Growth:
             if room <= 0:
                 break
 
-    def _place(self, pending: dict[ObjectRef, int]) -> None:
+    def _place(self, pending: dict[ObjectRef[R], int]) -> None:
         """Workers that reported their node get their ranks and start ``worker_fn``."""
         if not self.starting:
             return
         ready, _ = ray.wait(list(self.starting), num_returns=len(self.starting), timeout=0)
-        new: list[tuple[ActorHandle, placement.WorkerFacts]] = []
+        new: list[tuple[ActorHandle[Worker], placement.WorkerFacts]] = []
         for ref in ready:
             actor = self.starting.pop(ref)
             try:
@@ -263,7 +266,7 @@ class _Growth:
             spec = dataclasses.replace(spec, rank=before + spec.rank, size=size)
             env = ex.rank_environment(spec, ident, join=True)
             ray.get(actor.set_environment.remote(env, ex._job.key))
-            pending[actor.execute.remote(self.call)] = ident
+            pending[call_on(actor, self.call)] = ident
             ex.workers.append(actor)
             ex._identities.append(ident)
             self.joining[ident] = time.monotonic() + ex.elastic_timeout

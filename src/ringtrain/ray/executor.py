@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
 from ray.actor import ActorHandle
 from ray.util.placement_group import (
@@ -43,6 +43,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import ray
+from ray import ObjectRef
 from ringtrain.errors import ConfigError, LaunchError
 from ringtrain.launch import elastic as elastic_launch
 from ringtrain.launch.plan import ProcessSpec
@@ -51,6 +52,7 @@ from ringtrain.ray import placement
 from ringtrain.ray.worker import Worker
 from ringtrain.security import keys
 
+R = TypeVar("R")  # what a function run on the workers returns
 log = logging.getLogger("ringtrain")
 
 
@@ -111,7 +113,7 @@ class RayExecutor:
         elastic_timeout: float = 600,
         override_discovery: bool = True,
         *,
-        ringtrain_settings: Mapping[str, Any] | None = None,
+        ringtrain_settings: Mapping[str, object] | None = None,
     ) -> None:
         placement.check_counts(
             num_workers,
@@ -148,7 +150,7 @@ class RayExecutor:
             placement.settings_environment(settings_),
             secure=bool(settings_.get("secure")) and not settings_.get("key_file"),
         )
-        self.workers: list[ActorHandle] = []  # in rank order
+        self.workers: list[ActorHandle[Worker]] = []  # in rank order
         self._identities: list[int] = []  # each worker's elastic identity (its first rank)
         self._pg: PlacementGroup | None = None
         self._own_pg = False
@@ -164,8 +166,8 @@ class RayExecutor:
     def start(
         self,
         executable_cls: type | None = None,
-        executable_args: list[Any] | None = None,
-        executable_kwargs: dict[str, Any] | None = None,
+        executable_args: Sequence[object] | None = None,
+        executable_kwargs: Mapping[str, object] | None = None,
         extra_env_vars: Mapping[str, str] | None = None,
     ) -> None:
         """Start the workers (as Ray actors), give them their ranks and build ``executable_cls``
@@ -179,8 +181,8 @@ class RayExecutor:
     def _start(
         self,
         executable_cls: type | None,
-        executable_args: list[Any] | None,
-        executable_kwargs: dict[str, Any] | None,
+        executable_args: Sequence[object] | None,
+        executable_kwargs: Mapping[str, object] | None,
         extra_env_vars: Mapping[str, str] | None,
     ) -> None:
         bundles, strategy, per_bundle = self._bundles()
@@ -290,31 +292,29 @@ class RayExecutor:
 
     # ---- run ---------------------------------------------------------------------------------
 
-    def execute(
-        self, fn: Callable[[Any], Any], callbacks: Sequence[Any] | None = None
-    ) -> list[Any]:
+    def execute(self, fn: Callable[[Any], R], callbacks: Sequence[object] | None = None) -> list[R]:
         """``fn(executable)`` on every worker; the results in rank order."""
         no_callbacks(callbacks)
-        return self._collect([w.execute.remote(fn) for w in self._live()])
+        return self._collect([call_on(w, fn) for w in self._live()])
 
     def run(
         self,
-        fn: Callable[..., Any],
-        args: Sequence[Any] | None = None,
-        kwargs: Mapping[str, Any] | None = None,
-        callbacks: Sequence[Any] | None = None,
-    ) -> list[Any]:
+        fn: Callable[..., R],
+        args: Sequence[object] | None = None,
+        kwargs: Mapping[str, object] | None = None,
+        callbacks: Sequence[object] | None = None,
+    ) -> list[R]:
         """``fn(*args, **kwargs)`` on every worker; the results in rank order."""
         no_callbacks(callbacks)
         call = Call(fn, list(args or []), dict(kwargs or {}))
-        return self._collect([w.execute.remote(call) for w in self._live()])
+        return self._collect([call_on(w, call) for w in self._live()])
 
     def run_remote(
         self,
-        fn: Callable[..., Any],
-        args: Sequence[Any] | None = None,
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> list[Any]:
+        fn: Callable[..., R],
+        args: Sequence[object] | None = None,
+        kwargs: Mapping[str, object] | None = None,
+    ) -> list[ObjectRef[R]]:
         """Like :meth:`run` without waiting: one ``ObjectRef`` per worker (fixed-size jobs)."""
         if self.elastic:
             raise NotImplementedError(
@@ -322,20 +322,22 @@ class RayExecutor:
                 "runs (as in Horovod). Use run()."
             )
         call = Call(fn, list(args or []), dict(kwargs or {}))
-        return [w.execute.remote(call) for w in self._live()]
+        return [call_on(w, call) for w in self._live()]
 
-    def execute_single(self, fn: Callable[[Any], Any]) -> Any:
+    def execute_single(self, fn: Callable[[Any], R]) -> R:
         """``fn(executable)`` on rank 0 only."""
-        return ray.get(self._live()[0].execute.remote(fn))
+        return ray.get(call_on(self._live()[0], fn))
 
-    def _live(self) -> list[Any]:
+    def _live(self) -> list[ActorHandle[Worker]]:
         if not self.workers:
             raise LaunchError("the executor has no workers.\nHINT: call start() first.")
         return self.workers
 
     def _collect(
-        self, refs: list[Any], grow: Callable[[dict[ray.ObjectRef, int]], None] | None = None
-    ) -> list[Any]:
+        self,
+        refs: list[ObjectRef[R]],
+        grow: Callable[[dict[ObjectRef[R], int]], None] | None = None,
+    ) -> list[R]:
         """The results of ``refs`` (one per worker, in rank order). Elastic: ``grow(pending)``
         is called about once a second and may add the refs of workers it started."""
         if not self.elastic:
@@ -343,7 +345,7 @@ class RayExecutor:
         m = self._membership
         assert m is not None and self._server is not None
         pending = dict(zip(refs, self._identities))
-        results: dict[int, Any] = {}
+        results: dict[int, R] = {}
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
             for ref in ready:
@@ -417,13 +419,16 @@ class JobEnv:
     key: bytes | None = None
 
 
-def new_worker(cpus: float, gpus: float, strategy: object) -> ActorHandle:
+def new_worker(cpus: float, gpus: float, strategy: object) -> ActorHandle[Worker]:
     """A :class:`Worker` actor with ``cpus``/``gpus``, scheduled by ``strategy``."""
-    cls: Any = ray.remote(Worker)
-    handle: ActorHandle = cls.options(
-        num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy
-    ).remote()
-    return handle
+    options = ray.remote(Worker).options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy)
+    return cast("ActorHandle[Worker]", options.remote())
+
+
+def call_on(worker: ActorHandle[Worker], fn: Callable[[Any], R]) -> ObjectRef[R]:
+    """``worker.execute.remote(fn)``: ``fn(executable)`` on that worker, typed with what ``fn``
+    returns (Ray's types carry no generic method's result type)."""
+    return cast("ObjectRef[R]", worker.execute.remote(fn))
 
 
 def free_slots(cpus_per_slot: float, gpus_per_slot: float) -> dict[str, int]:
@@ -446,18 +451,18 @@ def free_slots(cpus_per_slot: float, gpus_per_slot: float) -> dict[str, int]:
 
 
 @dataclass(frozen=True)
-class Call:
+class Call(Generic[R]):
     """``fn(*args, **kwargs)`` as an ``execute`` function (picklable, unlike a lambda's name)."""
 
-    fn: Callable[..., Any]
-    args: list[Any]
-    kwargs: dict[str, Any]
+    fn: Callable[..., R]
+    args: list[object]
+    kwargs: dict[str, object]
 
-    def __call__(self, _executable: Any) -> Any:
+    def __call__(self, _executable: object) -> R:
         return self.fn(*self.args, **self.kwargs)
 
 
-def no_callbacks(callbacks: Sequence[Any] | None, who: str = "RayExecutor") -> None:
+def no_callbacks(callbacks: Sequence[object] | None, who: str = "RayExecutor") -> None:
     if callbacks:
         raise ConfigError(
             f"callbacks are not supported by ringtrain's {who}.\n"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from ringtrain.config import Config, env_var
 from ringtrain.errors import ConfigError
@@ -72,7 +71,7 @@ def rank_environment(
     return rank_env.placement(spec, rank_env.Rendezvous(addr, port, job_id), hosted=store_hosted)
 
 
-def settings_environment(settings: Mapping[str, Any]) -> dict[str, str]:
+def settings_environment(settings: Mapping[str, object]) -> dict[str, str]:
     """``RINGTRAIN_*`` twins of Config settings (``{"network_interface": "eth1"}``), checked
     against Config here, on the driver, rather than in every worker."""
     Config.from_env({}, **settings)  # raises ConfigError naming an unknown or bad setting

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from ringtrain import environ
 from ringtrain.ray.placement import WorkerFacts
 from ringtrain.security import keys
+
+R = TypeVar("R")
 
 
 def facts() -> WorkerFacts:
@@ -46,7 +48,7 @@ class Worker:
     (``execute(fn)`` calls ``fn(executable)``)."""
 
     def __init__(self) -> None:
-        self.executable: Any = None
+        self.executable: object = None
 
     def facts(self) -> WorkerFacts:
         return facts()
@@ -57,11 +59,11 @@ class Worker:
     def start_executable(
         self,
         executable_cls: type | None,
-        args: list[Any] | None,
-        kwargs: dict[str, Any] | None,
+        args: Sequence[object] | None,
+        kwargs: Mapping[str, object] | None,
     ) -> None:
         if executable_cls is not None:
             self.executable = executable_cls(*(args or []), **(kwargs or {}))
 
-    def execute(self, fn: Any) -> Any:
+    def execute(self, fn: Callable[[Any], R]) -> R:
         return fn(self.executable)
