@@ -300,6 +300,9 @@ class GradientPath:
             else:
                 self.synchronize()
         progress.set(Phase.SYNCHRONIZED, False)
+        if isinstance(update, local_update.LocalUpdate):
+            # batch_shares in force weigh the outer average (checked as a synchronous step's).
+            update.weight = self.averaging().weight
         t0 = time.perf_counter()
         update.replan(self.planner.plan)
         result = update.step(closure)

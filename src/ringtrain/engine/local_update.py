@@ -4,7 +4,8 @@ Each rank takes ``H`` steps with the wrapped (inner) optimizer on its own gradie
 nothing. Every ``H``-th ``step()`` is an *outer* step, at the same step on every rank:
 
 1. every rank's change since the last outer step, ``anchor - weights``, is averaged over the
-   ranks through the transport, compressed (:mod:`ringtrain.engine.outer_codec`);
+   ranks through the transport, compressed (:mod:`ringtrain.engine.outer_codec`); under
+   ``batch_shares`` each rank's change weighs by its share of the samples (:attr:`weight`);
 2. the weights are set back to the anchor and the outer optimizer steps with that average as
    its gradient (Nesterov SGD, lr 0.7, momentum 0.9, as the paper, unless the user gives a
    factory ``outer_optimizer(params) -> torch.optim.Optimizer``);
@@ -107,6 +108,9 @@ class LocalUpdate:
         self._agree = True  # copy rank 0's anchor and outer state at the next outer step
         self.copies = 0  # how often that copy was needed (the ranks' digests differed)
         self.outer_seconds = 0.0  # wall time spent in outer steps (exchange included)
+        # batch_shares: this rank's share over the sum of shares, w_r (the optimizer sets it
+        # before each step); None: the plain mean of the ranks' changes.
+        self.weight: float | None = None
 
     # ---- the step strategy's interface (ringtrain.engine.steps.Update) -------------------------
 
@@ -255,14 +259,20 @@ class LocalUpdate:
     def _change(self, frag: Fragment) -> torch.Tensor:
         """``anchor - weights`` of the fragment's parameters, flat, float32, in host memory: the
         outer exchange goes over the engine's Gloo group, and its codec, its error feedback
-        and the background exchange then never touch a GPU stream."""
+        and the background exchange then never touch a GPU stream. Under ``batch_shares``
+        it is scaled by ``w_r * size``, so that the codec's mean is the mean weighted by the
+        ranks' shares (as :meth:`ringtrain.engine.weighting.Averaging.codec_factors` scales a
+        gradient); equal shares (``weight`` None) keep the plain mean's bits."""
         assert self.anchor is not None
-        return torch.cat(
+        change = torch.cat(
             [
                 (self.anchor[i].float() - self._params[i].detach().float()).reshape(-1)
                 for i in frag.indices
             ]
         ).cpu()
+        if self.weight is not None and self._wire.size > 1:
+            change.mul_(self.weight * self._wire.size)
+        return change
 
     def _step_anchor(self, frag: Fragment, mean: torch.Tensor) -> None:
         """The outer optimizer steps the fragment's anchor with ``mean`` as its gradient (leaves

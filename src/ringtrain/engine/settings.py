@@ -185,9 +185,10 @@ def check_batch_shares(reduction: Reduction, config: Config) -> None:
             "does not have (the next forward starts while buckets are on the wire).\nHINT: "
             "give the shares (e.g. [3, 1]), or drop overlap."
         )
-    if local_settings.parse_sync_every(config.sync_every) != 0:
+    if reduction.shares == "auto" and local_settings.parse_sync_every(config.sync_every) != 0:
         raise ConfigError(
-            "batch_shares weighs the synchronous gradient average; with local updates "
-            f"(sync_every={config.sync_every!r}) the outer average does not weigh ranks yet.\n"
-            "HINT: drop batch_shares, or sync_every."
+            "batch_shares='auto' measures each rank's rate at the gradient exchange's step "
+            f"boundaries, which local updates (sync_every={config.sync_every!r}) do not have "
+            "between outer steps.\nHINT: give the shares (e.g. [3, 1]): the outer average then "
+            "weighs each rank by them."
         )
