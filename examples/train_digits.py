@@ -53,6 +53,12 @@ def load(seed: int) -> tuple[torch.Tensor, ...]:
     return x_tr, y_tr, x_te, y_te
 
 
+def equal_batches(n: int, batch_size: int, steps: int, seed: int) -> Iterator[torch.Tensor]:
+    """This rank's batches of an epoch of its own shard: ``steps`` of ``batch_size``."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    return (order[i * batch_size : (i + 1) * batch_size] for i in range(steps))
+
+
 def share_batches(
     sampler: ShareSampler, optimizer: hvd.DistributedOptimizer, epoch: int
 ) -> Iterator[torch.Tensor]:
@@ -150,12 +156,7 @@ def main() -> None:
     for epoch in range(args.epochs):
         model.train()
         if shares is None:
-            order = torch.randperm(
-                len(x_tr), generator=torch.Generator().manual_seed(args.seed + epoch)
-            )
-            batches: Iterator[torch.Tensor] = (
-                order[i * args.batch_size : (i + 1) * args.batch_size] for i in range(steps)
-            )
+            batches = equal_batches(len(x_tr), args.batch_size, steps, args.seed + epoch)
         else:
             batches = share_batches(sampler, optimizer, epoch)
         for idx in batches:
