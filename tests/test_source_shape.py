@@ -26,7 +26,7 @@ MAX_FUNCTION_LINES = 80
 SETTINGS_TABLES = {"config.py:Config", "launch/options.py:LaunchOptions"}
 # Over the limits today (issue 42 item 4), with their size: split them where their concerns part.
 ATTRIBUTES_OVER = {
-    "collectives/controller.py:Controller": 39,  # with LaneControl's declared fields
+    "collectives/controller.py:Controller": 36,  # with LaneControl's declared fields
 }
 FUNCTIONS_OVER = {
     "bench/checkpoint.py:bench_checkpoint": 87,
@@ -44,7 +44,7 @@ FUNCTIONS_OVER = {
 }
 # Uses of ``typing.Any`` per package (or top-level module) today: a ceiling, never a target.
 ANY_CEILING = {
-    "__init__": 1, "algorithms": 49, "bench": 52, "checkpoint": 135, "collectives": 127,
+    "__init__": 1, "algorithms": 49, "bench": 52, "checkpoint": 135, "collectives": 126,
     "compat": 2, "compression": 60, "config": 19, "deploy": 27, "diagnostics": 13, "doctor": 48,
     "elastic": 30, "engine": 138, "environ": 5, "host": 7, "launch": 37, "lifecycle": 1,
     "ray": 44, "runtime": 33, "security": 7, "spark": 5, "testing": 22, "transport": 40,

@@ -26,14 +26,14 @@ def _idle_then_busy() -> tuple[int, float]:
     for episode in range(1, 4):  # several naps: each wakes for the next op, on every rank
         assert rt.allreduce(torch.ones(3), name="ping", op=rt.Sum).tolist() == [rt.size()] * 3
         deadline = time.monotonic() + 20
-        while rt.size() > 1 and ctl._naps < episode:
+        while rt.size() > 1 and ctl._doorbell.naps < episode:
             assert time.monotonic() < deadline, "the controllers never dozed"
             time.sleep(0.05)
     before = _cpu_s()
     time.sleep(1.0)
     spent = _cpu_s() - before
     rt.barrier()  # one rank asks, all wake; shutdown afterwards must not hang either
-    return ctl._naps, spent
+    return ctl._doorbell.naps, spent
 
 
 def test_idle_controllers_doze_and_wake(world: World) -> None:

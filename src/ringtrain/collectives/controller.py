@@ -6,7 +6,10 @@ operations still pending. Each process set runs one controller thread per rank. 
 1. each rank sends the requests submitted since its last cycle (names and metadata; tensor data
    only for allreduces, allgathers and broadcasts of a few KiB, see
    :mod:`ringtrain.collectives.inline`) over the set's ``control`` group, so every rank holds the
-   same table ``name -> rank -> request``;
+   same table ``name -> rank -> request`` (requests that ran before travel as a number in the
+   request cache, Horovod's response cache). From ``Config.vector_rounds_from`` ranks, a round is
+   one bit vector instead (:mod:`~ringtrain.collectives.vector_round`): requests every rank
+   holds in the request cache are a bit each, and the rest wait for a gathered round;
 2. names that every rank has submitted (or that joined ranks stand in for) become *ready*, in the
    order they first appeared in the table, identical on every rank;
 3. ready requests are checked for consistency (a mismatch fails on every rank with one message)
@@ -34,7 +37,6 @@ The parts: :mod:`~ringtrain.collectives.control_round` (the message and its wire
 
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 import time
@@ -43,12 +45,14 @@ from typing import Any
 
 import torch
 
-from ringtrain.collectives import crossset, inline, lane, shutdown_rules
+from ringtrain.collectives import crossset, inline, lane, shutdown_rules, vector_round
 from ringtrain.collectives.control_round import ControlChannel, Message, inline_payloads
+from ringtrain.collectives.doorbell import Doorbell
 from ringtrain.collectives.execute import Executor, Pending
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.lane_control import LaneControl, LaneHandle
-from ringtrain.collectives.requests import Request, mismatch
+from ringtrain.collectives.requests import Alike, Request, mismatch
+from ringtrain.collectives.vector_round import LaneView, VectorChannel, VectorRounds
 from ringtrain.config import Config
 from ringtrain.diagnostics import stall, timeline
 from ringtrain.errors import (
@@ -76,10 +80,6 @@ MAX_IDLE_SLEEP_S = 0.01
 # for longer slows whatever the process does next (its own torch collectives, its compute) far
 # more than the millisecond or two a doorbell adds to the next op.
 DOZE_AFTER_IDLE_CYCLES = 16
-DOORBELL_WAIT = datetime.timedelta(days=7)
-# Requests that ran before travel as a number (Horovod's response cache, up to
-# Config.cache_capacity of them): a training step's hundreds of named collectives then cost a few
-# bytes each to negotiate, not a pickled Request.
 JOIN_NAME = "__join__"
 # At shutdown, how long a rank waits for the peers to complete the lane slots it claimed.
 LANE_DRAIN_S = 10.0
@@ -96,9 +96,10 @@ class Controller(LaneControl):
         board: crossset.Board | None = None,
         channel: ControlChannel | None = None,
         start: bool = True,
+        vectors: VectorChannel | None = None,
     ) -> None:
-        """``channel`` and ``start=False`` are for the simulated coordinator
-        (:mod:`ringtrain.collectives.simulated`): its own wire, and rounds it drives itself."""
+        """``channel``, ``vectors`` and ``start=False`` are for the simulated coordinator
+        (:mod:`ringtrain.collectives.simulated`): its own wires, and rounds it drives itself."""
         self.comm = comm
         self.config = config
         self._clock = clock
@@ -122,16 +123,15 @@ class Controller(LaneControl):
         self._idle_cycles = 0
         self._doze = False  # every rank agreed, in the last round, to doze
         self._active = False  # the last round carried requests
-        self._naps = 0  # doorbell episodes so far, counted alike on every rank
-        self._bell: str | None = None  # the key to set to wake the dozing controllers
-        self._waiter: Any = None  # the controller's own store client, for dozing
+        self._doorbell = Doorbell(comm.store, comm.set_id, comm.set_rank)
         # Same name on other process sets: shared by this process's controllers (see crossset).
         if board is None and comm.store is not None and config.check_consistency:
             board = crossset.Board(comm.store, comm.ranks[comm.set_rank])
-        self.board = board
-        self._next_stuck_check = 0.0
-        # Names this set failed as cross-set mismatches, still posted until the given time.
-        self._lingering: dict[str, tuple[crossset.Stuck, float]] = {}
+        self._watch = (
+            crossset.Watch(board, comm.set_id, comm.ranks, comm.set_rank, clock)
+            if board is not None
+            else None
+        )
         self._executor = Executor(comm, config)
         # The fast lane (collectives.lane) and what the rounds decided about it, alike on every
         # rank: the request of its last opening, eligible requests run since, other ones run.
@@ -148,6 +148,10 @@ class Controller(LaneControl):
         self._lane_nudged = False
         self._world = abort.generation  # elastic: this controller's waits end when it is replaced
         self._channel = channel if channel is not None else ControlChannel(comm, self._world)
+        # From Config.vector_rounds_from ranks, rounds are bit vectors (collectives.vector_round).
+        self._vector: VectorRounds | None = None
+        if vector_round.used(config.vector_rounds_from, config.cache_capacity, comm.size):
+            self._vector = VectorRounds(vectors or VectorChannel(comm, self._world))
         self._thread = threading.Thread(
             target=self._run, name=f"ringtrain-controller-{comm.set_id}", daemon=True
         )
@@ -191,12 +195,12 @@ class Controller(LaneControl):
                     self._pending[request.name] = Pending(request, tensors, outputs, lane_handle)
                     return lane_handle
             handle: Handle[Any] = Handle(request.name, finish)
-            self._pending[request.name] = Pending(request, tensors, outputs, handle)
+            cid = self._cache_ids.get(request, -1) if self._vector is not None else -1
+            self._pending[request.name] = Pending(request, tensors, outputs, handle, cid)
             self._new.append(request.name)
-            bell, self._bell = self._bell, None
+            bell = self._doorbell.disarm()
         self._wake.set()
-        if bell is not None:
-            self._ring(bell)
+        self._doorbell.ring(bell)
         return handle
 
     def request_shutdown(self, timeout: float | None = None, failure: str = "") -> bool:
@@ -206,10 +210,9 @@ class Controller(LaneControl):
         with self._lock:
             self._shutdown = True
             self._leaving = failure
-            bell, self._bell = self._bell, None
+            bell = self._doorbell.disarm()
         self._wake.set()
-        if bell is not None:
-            self._ring(bell)
+        self._doorbell.ring(bell)
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning(
@@ -232,15 +235,19 @@ class Controller(LaneControl):
         a torch call until then."""
         with self._lock:
             self._closed = True
-            bell, self._bell = self._bell, None
+            bell = self._doorbell.disarm()
         self._wake.set()
         if bell is not None:  # dozing in a store wait: wake it, so that it can leave
             try:
-                self._ring(bell)
+                self._doorbell.ring(bell)
             except Exception as e:  # the old world's store may be gone with the failed peer
                 log.debug("could not wake the abandoned controller: %s", e)
         exit_guard.leave_behind(self._thread)
         self._fail_all(CollectiveAbortedError("the world was re-formed while this op was pending"))
+
+    @property
+    def board(self) -> crossset.Board | None:
+        return self._watch.board if self._watch is not None else None
 
     @property
     def last_joined(self) -> int:
@@ -253,20 +260,13 @@ class Controller(LaneControl):
         controllers without a store to doze on never settle, so this returns at once)."""
         if self.comm.store is None:
             return False
-        deadline = time.monotonic() + timeout
-        naps = self._naps  # a nap that began and ended between two looks counts too
-        while self.comm.size > 1 and self._bell is None and self._naps == naps:
-            if self._closed:
-                break
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.002)
-        return True
+        return self.comm.size == 1 or self._doorbell.settled(timeout, lambda: self._closed)
 
     @property
     def rounds(self) -> int:
         """Negotiation rounds this rank took part in so far (a protocol counter)."""
-        return self._channel.rounds
+        vectors = self._vector.channel.rounds if self._vector is not None else 0
+        return self._channel.rounds + vectors
 
     @property
     def lane_slots(self) -> tuple[int, int]:
@@ -316,8 +316,8 @@ class Controller(LaneControl):
                 # A rank that fails cannot count on its peers to match its claims.
                 failing = self._failure is not None or bool(self._leaving)
                 self._lane.drain(0.0 if failing else LANE_DRAIN_S)
-            if self.board is not None:
-                self.board.update(self.comm.set_id, ())  # never raises: a diagnostic
+            if self._watch is not None:
+                self._watch.clear()
 
     def _sleep_time(self, idle_cycles: int) -> float:
         cycle = self.config.cycle_time_ms / 1000.0
@@ -328,70 +328,73 @@ class Controller(LaneControl):
     def _sleep_until_rung(self) -> None:
         """Every rank dozes on the same key until one of them submits or shuts down. The key
         names the episode, which every rank counts alike (they decided to doze in one round)."""
-        self._naps += 1
-        key = f"ringtrain/set{self.comm.set_id}/doorbell/{self._naps}"
-        if self.comm.set_rank == 0 and self._naps > 2:
-            # Everyone has left episode n-2: entering n-1 took a round they all joined.
-            self._store.delete_key(f"ringtrain/set{self.comm.set_id}/doorbell/{self._naps - 2}")
+        key = self._doorbell.next_episode()
         with self._lock:
             # A submission that came in after the round that decided this rings at once.
             rung = bool(self._new) or self._shutdown
-            self._bell = None if rung else key
+            self._doorbell.armed = None if rung else key
         if rung:
-            self._ring(key)
+            self._doorbell.ring(key)
         self._doze = False
         self._idle_cycles = 0
         try:
-            self._doorbell_client().wait([key], DOORBELL_WAIT)
+            self._doorbell.wait(key)
         finally:
             with self._lock:
-                self._bell = None
-
-    @property
-    def _store(self) -> Any:
-        return self.comm.store
-
-    def _doorbell_client(self) -> Any:
-        """A store connection of the controller's own: a blocked wait holds its connection, and
-        the submitting threads ring on the shared one."""
-        if self._waiter is None:
-            self._waiter = self._store.clone()
-        return self._waiter
-
-    def _ring(self, key: str) -> None:
-        self._store.set(key, b"1")
+                self._doorbell.armed = None
 
     def _cycle(self) -> bool:
-        """One negotiation round. Returns True if submitted names still wait for some ranks."""
+        """One negotiation round. Returns True if submitted ops still wait for some ranks."""
         if self._lane is not None:
             self._lane_settle()
+        rounds = self._vector
+        if rounds is not None and not rounds.gather_next:
+            self._vector_cycle(rounds)
+        else:
+            self._gather_cycle(rounds)
+        return bool(self._table) or (rounds is not None and bool(rounds.pending))
+
+    def _may_doze(self, submitted: bool) -> bool:
+        """This rank's doze vote (under the lock): idle long enough, nothing in flight."""
+        return (
+            not submitted
+            and not self._shutdown
+            and not self._table
+            and (self._vector is None or not self._vector.pending)
+            and self._idle_cycles >= DOZE_AFTER_IDLE_CYCLES
+            and self.comm.store is not None
+            and not self._lane_nudged
+            and self._lane_peer is None
+        )
+
+    def _gather_cycle(self, rounds: VectorRounds | None) -> None:
+        """A gathered round: every rank's message to every rank (control_round). With vector
+        rounds, this rank's cached requests pending by bits join the table here too."""
         with self._lock:
             new, self._new = self._new, []
+            if rounds is not None:
+                new = [n for n in rounds.take_all() if n in self._pending] + new
             subs = [self._pending[n] for n in new]
             reqs = [p.request for p in subs]
             mine = Message([self._cache_ids.get(r, r) for r in reqs], self._shutdown)
             mine.leaving = self._leaving
             mine.busy = bool(self._pending)
-            mine.idle = (
-                not reqs
-                and not self._shutdown
-                and not self._table
-                and self._idle_cycles >= DOZE_AFTER_IDLE_CYCLES
-                and self.comm.store is not None
-                and not self._lane_nudged
-                and self._lane_peer is None
-            )
+            mine.idle = self._may_doze(bool(reqs))
         if self._lane is not None:
             mine.lane = self._lane.status()
         mine.inline = inline_payloads(subs, self.comm.world_rank)
-        stuck = self._stuck()
+        stuck = self._watch.stuck(self._table, self._first_seen) if self._watch else None
         if self.comm.set_rank == 0:
             mine.abort = self._inspect()
-            if stuck:
-                mine.mismatched = self._cross_set_mismatches(stuck)
+            carried = rounds.carried if rounds is not None else ()
+            if stuck and self._watch is not None:
+                carried += self._watch.mismatches(stuck)
+            mine.mismatched = tuple(dict(carried).items())
         rec = timeline.current()
         started = time.perf_counter()
         messages = self._channel.exchange(mine)
+        if rounds is not None:
+            rounds.gather_next, rounds.carried = False, ()
         if rec.enabled and any(m.requests for m in messages):  # idle rounds are not drawn
             rec.span(
                 f"collectives set {self.comm.set_id}",
@@ -417,11 +420,15 @@ class Controller(LaneControl):
         if abort:
             raise StallError(abort)
         for name, problem in messages[0].mismatched:
-            self._linger(name)
+            if self._watch is not None:  # keep posting it for the other set's rank 0
+                self._watch.linger(name, self._table.get(name, {}))
             self._fail_name(name, CollectiveMismatchError(problem))
         ready = [name for name in self._table if self._is_ready(name)]
-        if self._lane is not None:
-            self._lane_round(messages, ready)
+        view = LaneView.of(m.lane for m in messages)
+        if rounds is not None and view is not None:
+            rounds.base = view.slot_min
+        if self._lane is not None and view is not None:
+            self._lane_round(view, [r for r in map(self._lane_candidate, ready) if r is not None])
         for name in ready:
             self._run_ready(name)
         self._executor.flush()
@@ -429,7 +436,61 @@ class Controller(LaneControl):
         self._doze = self.comm.size > 1 and all(m.idle for m in messages) and not self._table
         if any(m.shutdown for m in messages):
             self._after_votes(messages)
-        return bool(self._table)
+
+    def _vector_cycle(self, rounds: VectorRounds) -> None:
+        """A vector round (collectives.vector_round): cached requests by their bits; anything
+        else asks for a gathered round next, which every rank then takes."""
+        now = self._clock()
+        with self._lock:
+            new, self._new = self._new, []
+            for name in new:
+                p = self._pending[name]
+                cid = p.cache_id if p.cache_id >= 0 else self._cache_ids.get(p.request, -1)
+                if cid < 0 or self._joined or name in self._table:
+                    self._new.append(name)  # for the gathered round this one asks for
+                else:
+                    rounds.pending[cid] = (name, now)
+            gather = bool(self._new) or self._shutdown or rounds.overdue(now)
+            idle = self._may_doze(bool(new))
+        status = self._lane.status() if self._lane is not None else None
+        if status is not None and not vector_round.fits(status, rounds.base):
+            gather = True
+        stuck = self._watch.stuck(self._table, self._first_seen) if self._watch else None
+        if self.comm.set_rank == 0:
+            if stuck and self._watch is not None:
+                rounds.carried += self._watch.mismatches(stuck)
+            gather = gather or bool(rounds.carried) or bool(self._inspect())
+        words = vector_round.words_for(len(self._cache))
+        mine = vector_round.encode(words, rounds.pending, gather, idle, status, rounds.base)
+        started = time.perf_counter()
+        got = vector_round.decode(rounds.channel.exchange(mine), rounds.base)
+        rounds.gather_next = got.gather_next
+        rec = timeline.current()
+        if rec.enabled and got.ready:
+            span = (started, time.perf_counter(), {"submitted": len(got.ready)})
+            rec.span(f"collectives set {self.comm.set_id}", "NEGOTIATE", *span)
+        if got.lane is not None:
+            rounds.base = got.lane.slot_min
+            if self._lane is not None:
+                ran = [self._cache[c] for c in got.ready if lane.eligible(self._cache[c])]
+                self._lane_round(got.lane, ran)
+        names = [rounds.pending.pop(cid)[0] for cid in got.ready]
+        with self._lock:
+            locals_ = [self._pending.pop(name, None) for name in names]
+        me, size, none = self.comm.set_rank, self.comm.size, frozenset[int]()
+        for cid, name, local in zip(got.ready, names, locals_):
+            self._executor.add(name, Alike(self._cache[cid], size), local, none, me, None)
+        self._executor.flush()
+        self._active = bool(got.ready) or bool(new)
+        self._doze = self.comm.size > 1 and got.idle and not self._table
+
+    def _busy_elsewhere(self) -> bool:
+        """This rank waits for peers on ops other than the lane's (its submitted ops that are
+        not ready): a peer's lane claim must not wait for it."""
+        me = self.comm.set_rank
+        if self._vector is not None and self._vector.pending:
+            return True
+        return any(me in by for by in self._table.values())
 
     def _after_votes(self, messages: list[Message]) -> None:
         """Some rank voted to shut down in this round: end the set, or fail what cannot run
@@ -497,49 +558,6 @@ class Controller(LaneControl):
         if local is not None:
             local.handle.set_error(error)
 
-    def _stuck(self) -> list[crossset.Stuck] | None:
-        """Names this rank submitted that have waited long in the table, posted on the board
-        (checked every CHECK_EVERY_S; None between checks)."""
-        if self.board is None:
-            return None
-        now = self._clock()
-        if now < self._next_stuck_check:
-            return None
-        self._next_stuck_check = now + crossset.CHECK_EVERY_S
-        stuck = [
-            self._as_stuck(name)
-            for name in self._table
-            if now - self._first_seen.get(name, now) >= crossset.STUCK_AFTER_S
-        ]
-        self._lingering = {n: v for n, v in self._lingering.items() if now < v[1]}
-        me = self.comm.ranks[self.comm.set_rank]
-        mine = [s for s in stuck if me in s.submitted]
-        self.board.update(self.comm.set_id, mine + [s for s, _ in self._lingering.values()])
-        return stuck
-
-    def _as_stuck(self, name: str) -> crossset.Stuck:
-        ranks = self.comm.ranks
-        by = self._table[name]
-        return crossset.Stuck(
-            name, self.comm.set_id, tuple(ranks), tuple(ranks[r] for r in sorted(by))
-        )
-
-    def _linger(self, name: str) -> None:
-        """Keep posting a name this set failed as a cross-set mismatch for a while: the other
-        set's rank 0 may not have read the post yet, and needs it to fail its side too."""
-        if self.board is None or self.comm.set_rank not in self._table.get(name, ()):
-            return
-        until = self._clock() + crossset.LINGER_S
-        self._lingering[name] = (self._as_stuck(name), until)
-
-    def _cross_set_mismatches(self, stuck: list[crossset.Stuck]) -> tuple[tuple[str, str], ...]:
-        """Rank 0: stuck names whose missing ranks went to another set with the same name."""
-        assert self.board is not None
-        missing = {r for s in stuck for r in s.missing}
-        posts = {r: self.board.read(r) for r in sorted(missing)}
-        found = crossset.set_mismatches(self.comm.set_id, stuck, posts)
-        return tuple(sorted(found.items()))
-
     def _remember(self, by_rank: dict[int, Request]) -> None:
         """Cache a request every rank made alike. Called in the ready order, which every rank
         shares, so a number means the same request everywhere."""
@@ -569,6 +587,8 @@ class Controller(LaneControl):
                 self._failure = error
             pending, self._pending = self._pending, {}
             self._new = []
+            if self._vector is not None:
+                self._vector.pending.clear()
         for p in pending.values():
             p.handle.set_error(error)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +104,62 @@ class Board:
         except Exception as e:  # unreadable: no evidence of a mismatch, the stall report stays
             log.debug("could not read rank %d's stuck collectives: %s", world_rank, e)
             return ()
+
+
+class Watch:
+    """One process set's side of the check on this rank: what it posts, when it looks again,
+    and (its rank 0) which stuck names are mismatches. The set's controller owns it."""
+
+    def __init__(self, board: Board, set_id: int, ranks: Sequence[int], set_rank: int,
+                 clock: Callable[[], float]) -> None:  # fmt: skip
+        self.board = board
+        self._set_id = set_id
+        self._ranks = tuple(ranks)
+        self._me = self._ranks[set_rank]
+        self._clock = clock
+        self._next_check = 0.0
+        # Names this set failed as mismatches, still posted until the given time.
+        self._lingering: dict[str, tuple[Stuck, float]] = {}
+
+    def stuck(
+        self, table: Mapping[str, Mapping[int, object]], first_seen: Mapping[str, float]
+    ) -> list[Stuck] | None:
+        """Names of ``table`` (name -> set rank -> request) that have waited long, posted on
+        the board (checked every CHECK_EVERY_S; None between checks)."""
+        now = self._clock()
+        if now < self._next_check:
+            return None
+        self._next_check = now + CHECK_EVERY_S
+        stuck = [
+            self._as_stuck(name, by)
+            for name, by in table.items()
+            if now - first_seen.get(name, now) >= STUCK_AFTER_S
+        ]
+        self._lingering = {n: v for n, v in self._lingering.items() if now < v[1]}
+        mine = [s for s in stuck if self._me in s.submitted]
+        self.board.update(self._set_id, mine + [s for s, _ in self._lingering.values()])
+        return stuck
+
+    def linger(self, name: str, submitted: Mapping[int, object]) -> None:
+        """Keep posting a name this set failed as a mismatch for a while (``submitted``: its
+        set ranks that submitted it): the other set's rank 0 may not have read the post yet,
+        and needs it to fail its side too."""
+        if self._ranks.index(self._me) not in submitted:
+            return
+        self._lingering[name] = (self._as_stuck(name, submitted), self._clock() + LINGER_S)
+
+    def mismatches(self, stuck: Sequence[Stuck]) -> tuple[tuple[str, str], ...]:
+        """Rank 0: stuck names whose missing ranks went to another set with the same name."""
+        missing = {r for s in stuck for r in s.missing}
+        posts = {r: self.board.read(r) for r in sorted(missing)}
+        return tuple(sorted(set_mismatches(self._set_id, stuck, posts).items()))
+
+    def clear(self) -> None:
+        self.board.update(self._set_id, ())  # never raises: a diagnostic
+
+    def _as_stuck(self, name: str, by: Mapping[int, object]) -> Stuck:
+        ranks = self._ranks
+        return Stuck(name, self._set_id, ranks, tuple(ranks[r] for r in sorted(by)))
 
 
 def set_mismatches(

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ringtrain import compat
 from ringtrain.collectives import copies, dtypes, inline, ordered, unfused
 from ringtrain.collectives.handles import Handle
-from ringtrain.collectives.requests import Request
+from ringtrain.collectives.requests import Request, lowest
 from ringtrain.collectives.scaling import REDUCE_OPS, scaling_of
 from ringtrain.compression.averaging import Factors
 from ringtrain.config import Config
@@ -55,6 +55,9 @@ class Pending:
     tensors: list[torch.Tensor]
     outputs: list[torch.Tensor] | None
     handle: Handle
+    # The request's number in the controller's request cache when submitted, else -1 (looked
+    # up on the submitting thread: the controller's round then need not hash the request).
+    cache_id: int = -1
 
 
 @dataclass
@@ -95,7 +98,7 @@ class Executor:
     ) -> None:
         """Run (or batch) one ready collective. ``inline_data``: every submitting rank's data
         of a small allreduce, which then reduces here without a collective of its own."""
-        req = by_rank[min(by_rank)]
+        req = lowest(by_rank)
         if local is None:  # this rank has joined: contribute zeros shaped like the others' tensors
             tensors = [unfused.zeros(m) for m in req.tensors]
             outputs: list[torch.Tensor] = list(tensors)

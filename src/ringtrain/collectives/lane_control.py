@@ -18,11 +18,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ringtrain.collectives import lane
-from ringtrain.collectives.control_round import Message
+from ringtrain.collectives.doorbell import Doorbell
 from ringtrain.collectives.execute import Pending, transport_error
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request
 from ringtrain.collectives.scaling import scaling_of
+from ringtrain.collectives.vector_round import LaneView
 from ringtrain.diagnostics import timeline
 from ringtrain.errors import CollectiveAbortedError, CollectiveError, SecurityError
 from ringtrain.runtime import abort
@@ -55,7 +56,7 @@ class LaneHandle(Handle):
 
 class LaneControl:
     """The controller's lane part. The state below is the controller's, set in its
-    ``__init__``; :meth:`_ring` is the controller's, which this part calls."""
+    ``__init__``; :meth:`_busy_elsewhere` is the controller's, which this part calls."""
 
     comm: Communicator
     _clock: Callable[[], float]
@@ -68,7 +69,7 @@ class LaneControl:
     _shutdown: bool
     _closed: bool
     _failure: CollectiveError | SecurityError | None
-    _bell: str | None
+    _doorbell: Doorbell
     _world: int
     _lane: lane.Lane | None
     _lane_request: Request | None
@@ -77,7 +78,7 @@ class LaneControl:
     _lane_peer: tuple[int, float] | None
     _lane_nudged: bool
 
-    def _ring(self, key: str) -> None:
+    def _busy_elsewhere(self) -> bool:
         raise NotImplementedError
 
     def _lane_progress(self, handle: LaneHandle, block: bool) -> None:
@@ -117,10 +118,9 @@ class LaneControl:
     def _lane_nudge(self) -> None:
         with self._lock:
             self._lane_nudged = True
-            bell, self._bell = self._bell, None
+            bell = self._doorbell.disarm()
         self._wake.set()
-        if bell is not None:
-            self._ring(bell)
+        self._doorbell.ring(bell)
 
     def _lane_settle(self) -> None:
         """The controller's share: settle a slot nobody waits for (dummies, unwaited ops)."""
@@ -166,7 +166,7 @@ class LaneControl:
         with self._lock:
             if self._failure is None and not self._closed:
                 self._new.append(claim.name)
-                bell, self._bell = self._bell, None
+                bell = self._doorbell.disarm()
             else:
                 self._pending.pop(claim.name, None)
                 bell = None
@@ -174,63 +174,46 @@ class LaneControl:
                     CollectiveAbortedError("ringtrain shut down before this collective completed")
                 )
         self._wake.set()
-        if bell is not None:
-            self._ring(bell)
+        self._doorbell.ring(bell)
 
-    def _lane_round(self, messages: list[Message], ready: list[str]) -> None:
-        """The lane's share of a round, before the ready ops run. Releasing a slot is this
-        rank's own decision; opening and giving up the reservation are decided from what every
-        rank received alike, so every rank decides the same."""
+    def _lane_round(self, view: LaneView, ran: list[Request]) -> None:
+        """The lane's share of a round, before the ready ops run (``ran``: the ready requests
+        that may ride the lane, in run order). Releasing a slot is this rank's own decision;
+        opening and giving up the reservation are decided from what every rank received alike
+        (``view``, from gathered messages or a vector round), so every rank decides the same."""
         fast = self._lane
         assert fast is not None
-        statuses = [m.lane for m in messages]
-        me = self.comm.set_rank
         # Release: a peer waits in the current slot while this rank is busy elsewhere.
         self._lane_settle()
         mine = fast.status()
-        peers = [
-            st
-            for r, st in enumerate(statuses)
-            if r != me and st is not None and st.claimed and st.slot == mine.slot
-        ]
-        if not peers or mine.claimed or not mine.open:
+        if mine.slot not in view.claims or mine.claimed or not mine.open:
             self._lane_peer = None
         else:
             now = self._clock()
             if self._lane_peer is None or self._lane_peer[0] != mine.slot:
                 self._lane_peer = (mine.slot, now)
-            busy = (
-                self._shutdown
-                or any(st.dummy for st in peers)
-                or any(me in by for by in self._table.values())
-            )
+            busy = self._shutdown or mine.slot in view.dummies or self._busy_elsewhere()
             if busy or now - self._lane_peer[1] >= lane.RELEASE_S:
                 fast.doom(mine.slot)
                 self._lane_peer = None
-        # Open, or give up the reservation: from the messages and the ready list only.
-        known = [st for st in statuses if st is not None]
-        if len(known) != len(statuses):
-            return
-        ran = [req for req in (self._lane_candidate(name) for name in ready) if req is not None]
+        # Open, or give up the reservation: from the view and the ready requests only.
         if not ran:
             return
-        slots = {st.slot for st in known}
-        if all(not st.open and not st.claimed for st in known) and len(slots) == 1:
-            if fast.open_at(slots.pop(), ran[-1]):
+        if view.all_closed and view.slot_min == view.slot_max:
+            if fast.open_at(view.slot_min, ran[-1]):
                 self._lane_request = ran[-1]
                 self._lane_misses.clear()
-        elif all(st.open for st in known):
+        elif view.all_open:
             # A request negotiated again and again while the reservation goes unused takes it.
-            used = min(st.next_free for st in known)
-            if used > self._lane_used or len(self._lane_misses) > 64:
+            if view.free_min > self._lane_used or len(self._lane_misses) > 64:
                 self._lane_misses.clear()
-            self._lane_used = used
+            self._lane_used = view.free_min
             for req in ran:
                 if req == self._lane_request:
                     continue
                 self._lane_misses[req] = self._lane_misses.get(req, 0) + 1
                 if self._lane_misses[req] >= lane.SWITCH_AFTER:
-                    fast.doom(max(st.next_free for st in known))
+                    fast.doom(view.free_max)
                     self._lane_misses.clear()
                     break
 

@@ -12,7 +12,7 @@ are built only when something differs; ``ringtrain bench checks`` measures what 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -67,6 +67,33 @@ class Request:
             args.append(f"splits={list(self.splits)}")
         args += [str(t) for t in self.tensors] if not self.shape_from_root else ["<object>"]
         return f"{self.kind}({', '.join(args)})"
+
+
+class Alike(Mapping[int, Request]):
+    """``set rank -> request`` for a request every rank made alike (a cache hit): O(1) in the
+    rank count, where a dict would be built rank by rank."""
+
+    def __init__(self, request: Request, size: int) -> None:
+        self.request = request
+        self._size = size
+
+    def __getitem__(self, rank: int) -> Request:
+        if not 0 <= rank < self._size:
+            raise KeyError(rank)
+        return self.request
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self._size))
+
+    def __len__(self) -> int:
+        return self._size
+
+
+def lowest(by_rank: Mapping[int, Request]) -> Request:
+    """The request of the lowest set rank that submitted (O(1) for :class:`Alike`)."""
+    if isinstance(by_rank, Alike):
+        return by_rank.request
+    return by_rank[min(by_rank)]
 
 
 def _first_difference(reqs: list[Request]) -> str | None:

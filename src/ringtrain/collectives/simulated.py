@@ -12,8 +12,10 @@ a real transport would carry. Nothing runs on a data group: ready ops go to a
 So a round's figures are this rank's own: the Python time of one round (the controller's code,
 the copy into the slots excluded, as a real transport does that off the Python thread) and, from
 the channel, the control bytes that reach the rank, the collectives it takes and the sequential
-steps of those collectives (a ring allgather of N slots: N-1 steps). ``ringtrain bench
-coordinator`` reports them at several N, for idle rounds and rounds carrying cached ops.
+steps of those collectives (a ring allgather of N slots: N-1 steps; a vector round's recursive
+doubling: log2 N steps, one vector received in each). Both kinds of round can be
+simulated: gathered (every rank's message) and vector rounds
+(:mod:`~ringtrain.collectives.vector_round`; peers that mirror this rank AND to the same bits).
 
 Limits: peers are this rank's mirror, so rounds where ranks differ (a stall, a mismatch, a rank
 that joined) are not simulated; the time is this process's, on whatever else the machine runs.
@@ -25,12 +27,14 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ringtrain.collectives.control_round import ControlChannel, Message
 from ringtrain.collectives.controller import Controller
 from ringtrain.collectives.execute import Pending
 from ringtrain.collectives.requests import Request, TensorMeta
+from ringtrain.collectives.vector_round import VectorChannel, doubling
 from ringtrain.config import Config
 from ringtrain.runtime.communicator import Communicator
 
@@ -50,14 +54,14 @@ class WireCounts:
 class CountingChannel(ControlChannel):
     """The control channel over a simulated wire: peers mirror this rank (see module doc)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, counts: WireCounts) -> None:
         self._size = size
         self._world = -1
         self._group = None
         self._slot = torch.zeros(_slot_bytes(), dtype=torch.uint8)
         self._slots = torch.zeros(size * _slot_bytes(), dtype=torch.uint8)
         self.rounds = 0
-        self.counts = WireCounts()
+        self.counts = counts
 
     def exchange(self, msg: Message) -> list[Message]:
         self.counts.rounds += 1
@@ -75,12 +79,38 @@ class CountingChannel(ControlChannel):
         c.wire_s += time.perf_counter() - started
 
 
+class CountingVectors(VectorChannel):
+    """The vector rounds' channel over a simulated wire: peers mirror this rank, so the AND of
+    their vectors is this rank's; counted as the recursive doubling the Gloo channel runs."""
+
+    def __init__(self, size: int, counts: WireCounts) -> None:
+        self._size = size
+        self._group = None
+        self._world = -1
+        self.rounds = 0
+        self.counts = counts
+
+    def exchange(self, v: np.ndarray) -> np.ndarray:
+        self.counts.rounds += 1
+        self.counts.decodes += 1
+        return super().exchange(v)
+
+    def _allreduce(self, t: torch.Tensor) -> None:
+        steps = doubling(0, self._size)  # rank 0's part: the longest, where the size folds
+        c = self.counts
+        c.ops += 1
+        c.steps += len(steps)
+        receives = sum(step.kind != "send" and step.kind != "send_result" for step in steps)
+        c.bytes_in += receives * t.numel() * t.element_size()
+
+
 class CountingExecutor:
     """Takes the ready ops of a round in place of the real executor and only counts them."""
 
     def __init__(self) -> None:
         self.ops = 0
         self.order: list[str] = []
+        self.seconds = 0.0  # spent completing handles: the executor's work, not the round's
 
     def add(
         self,
@@ -90,10 +120,12 @@ class CountingExecutor:
         *args: object,
         **kwargs: object,
     ) -> None:
+        started = time.perf_counter()
         self.ops += 1
         self.order.append(name)
         if local is not None:
             local.handle.set_result(None)
+        self.seconds += time.perf_counter() - started
 
     def flush(self) -> None:
         pass
@@ -110,7 +142,8 @@ class SimulatedRank:
     """Set rank 0 of an N-rank set, its controller driven round by round by the caller."""
 
     size: int
-    config: Config = field(default_factory=lambda: Config(fast_lane=False, stall_warning_s=0))
+    vectors: bool = False  # vector rounds (collectives.vector_round), else gathered ones
+    config: Config | None = None  # default: no fast lane, no stall reports
     controller: Controller = field(init=False)
     channel: CountingChannel = field(init=False)
     executor: CountingExecutor = field(init=False)
@@ -118,9 +151,19 @@ class SimulatedRank:
     def __post_init__(self) -> None:
         if self.size < 1:
             raise ValueError(f"a simulated set needs at least 1 rank, got size={self.size}")
+        if self.config is None:
+            vector_from = 2 if self.vectors else 0
+            self.config = Config(fast_lane=False, stall_warning_s=0, vector_rounds_from=vector_from)
         comm = Communicator(0, range(self.size), 0, {}, is_world=True)
-        self.channel = CountingChannel(self.size)
-        self.controller = Controller(comm, self.config, channel=self.channel, start=False)
+        counts = WireCounts()
+        self.channel = CountingChannel(self.size, counts)
+        self.controller = Controller(
+            comm,
+            self.config,
+            channel=self.channel,
+            start=False,
+            vectors=CountingVectors(self.size, counts),
+        )
         self.executor = CountingExecutor()
         self.controller._executor = self.executor  # type: ignore[assignment]
 
@@ -133,11 +176,14 @@ class SimulatedRank:
             self.controller.submit(req, [_tensor(numel)])
 
     def round(self) -> float:
-        """One round; returns its Python seconds on this rank (the wire's copy left out)."""
-        wire = self.channel.counts.wire_s
+        """One round; returns its Python seconds on this rank, the wire's copy and the
+        executor's completion of the ready ops' handles (the same for either kind of round,
+        and not negotiation) left out."""
+        wire, done = self.channel.counts.wire_s, self.executor.seconds
         started = time.perf_counter()
         self.controller._cycle()
-        return time.perf_counter() - started - (self.channel.counts.wire_s - wire)
+        spent = time.perf_counter() - started
+        return spent - (self.channel.counts.wire_s - wire) - (self.executor.seconds - done)
 
 
 _TENSORS: dict[int, torch.Tensor] = {}
@@ -156,6 +202,7 @@ class RoundFigures:
 
     size: int
     ops: int
+    vectors: bool
     python_ms: float  # median Python time of a round on this rank
     bytes_in: int  # control bytes that reach this rank per round
     wire_ops: int  # control-group collectives per round
@@ -163,14 +210,15 @@ class RoundFigures:
     decodes: int  # messages decoded per round
 
 
-def measure(size: int, ops: int, rounds: int = 20) -> RoundFigures:
+def measure(size: int, ops: int, rounds: int = 20, vectors: bool = False) -> RoundFigures:
     """Median figures of ``rounds`` rounds at ``size`` ranks, each carrying ``ops`` cached ops
     (0: idle rounds). The ops ran once before, so they travel as cache numbers."""
-    sim = SimulatedRank(size)
+    sim = SimulatedRank(size, vectors)
     names = [f"grad.{i}" for i in range(ops)]
     if ops:
         sim.submit(names)
-        sim.round()  # first time: full requests, which the cache then numbers
+        while sim.controller.pending_names():  # first time: full requests, then cache numbers
+            sim.round()
     before = WireCounts(**vars(sim.channel.counts))
     times = []
     for _ in range(rounds):
@@ -182,6 +230,7 @@ def measure(size: int, ops: int, rounds: int = 20) -> RoundFigures:
     return RoundFigures(
         size=size,
         ops=ops,
+        vectors=vectors,
         python_ms=times[len(times) // 2] * 1e3,
         bytes_in=(after.bytes_in - before.bytes_in) // rounds,
         wire_ops=(after.ops - before.ops) // rounds,
@@ -191,18 +240,21 @@ def measure(size: int, ops: int, rounds: int = 20) -> RoundFigures:
 
 
 def table(sizes: tuple[int, ...] = (8, 64, 256, 1024), ops: tuple[int, ...] = (0, 64)) -> str:
-    """The figures as a markdown table, one row per (N, ops)."""
+    """The figures as a markdown table, one row per (N, ops, kind of round), the two kinds of
+    round side by side in one run."""
     rows = [
-        "| ranks | cached ops | Python ms/round | control bytes in/round | ops | steps | decodes |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| ranks | cached ops | round | Python ms/round | control bytes in/round | ops | steps "
+        "| decodes |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for n in sizes:
         for k in ops:
-            f = measure(n, k)
-            rows.append(
-                f"| {n} | {k} | {f.python_ms:.3f} | {f.bytes_in:,} | {f.wire_ops} | {f.steps} "
-                f"| {f.decodes} |"
-            )
+            for vectors in (False, True):
+                f = measure(n, k, vectors=vectors)
+                rows.append(
+                    f"| {n} | {k} | {'vector' if vectors else 'gathered'} | {f.python_ms:.3f} "
+                    f"| {f.bytes_in:,} | {f.wire_ops} | {f.steps} | {f.decodes} |"
+                )
     return "\n".join(rows)
 
 

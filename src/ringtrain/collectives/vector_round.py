@@ -1,0 +1,300 @@
+"""A control round whose cost does not grow with the rank count: one bit vector, one allreduce.
+
+A gathered round (:mod:`~ringtrain.collectives.control_round`) brings every rank's message to
+every rank: (N-1) slots of 8 KiB in N-1 sequential steps and N decodes, per rank and round. Most
+rounds of a training job carry nothing new, though: the same named collectives as last step,
+which every rank already holds in the request cache under the same number. So from
+``Config.vector_rounds_from`` ranks a round is, as in Horovod's response cache, a vector of
+64-bit words combined with one bitwise-AND allreduce:
+
+- one bit per cache number: this rank has that request pending. After the AND, a set bit means
+  every rank has it: the op is ready, and ready ops run in cache-number order, alike everywhere;
+- flags: AND ones (every rank is idle, every lane is open) and OR ones, sent inverted (some rank
+  wants a gathered round next: it submitted a request the cache does not hold, votes to shut
+  down, is rank 0 with an abort or a cross-set verdict, or has waited :data:`PATIENCE_S` for
+  peers that may have sent something else under that name);
+- the fast lane's status (:mod:`~ringtrain.collectives.lane`): slot numbers relative to a base
+  every rank agreed on, as thermometer codes (the AND of ``2**v - 1`` is ``2**min - 1``, the AND
+  of its complement gives the max) and masks of claimed slots, so the lane decides from a round
+  exactly what it decides from gathered messages (:class:`LaneView`).
+
+Its size is ``HEADER_WORDS + ceil(cache entries / 64)`` words, whatever the rank count. A round
+that some rank flagged is followed by a gathered one, where every rank's pending cached
+requests join the table as gathered messages carry them, so name matching, mismatch reports,
+stall reports, joins and shutdown votes work exactly as in gathered rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ringtrain.collectives import lane
+from ringtrain.runtime import abort
+from ringtrain.runtime.communicator import Communicator
+
+# A cached request pending on this rank for this long without becoming ready goes to a gathered
+# round: a peer may have submitted another request under its name (a mismatch, reported there),
+# and the stall inspector and cross-set checks read the gathered table.
+PATIENCE_S = 1.0
+# Lane slots are coded relative to the agreed base within this window (a 64-bit thermometer
+# holds 0-63, and a claimed slot's next free one must fit too); a rank further ahead asks for a
+# gathered round, which carries its status whole.
+WINDOW = 62
+
+_ONES = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+
+# Word 0: flags. AND flags are sent as they are; OR flags inverted (the AND of "not x" is "no
+# rank has x").
+F_NO_GATHER = 1 << 0  # inverted: no rank wants a gathered round next
+F_IDLE = 1 << 1  # every rank idle long enough to doze
+F_LANE = 1 << 2  # every rank has a lane whose status fits in the vector
+F_OPEN = 1 << 3  # every lane holds a reservation
+F_CLOSED = 1 << 4  # every lane neither reserved nor claimed
+# Words 1-6: the lane (thermometers of slot and next free slot, min and max; masks of claims).
+W_FLAGS, W_SLOT_LO, W_SLOT_HI, W_FREE_LO, W_FREE_HI, W_CLAIMS, W_DUMMIES = range(7)
+HEADER_WORDS = 7
+
+
+@dataclass(frozen=True)
+class LaneView:
+    """What a round tells about every rank's lane: all a lane decision needs (lane_control)."""
+
+    all_open: bool
+    all_closed: bool  # every lane neither reserved nor claimed
+    slot_min: int
+    slot_max: int
+    free_min: int  # lowest next free slot
+    free_max: int
+    claims: frozenset[int]  # slots some rank has claimed
+    dummies: frozenset[int]  # slots some rank has claimed as a dummy
+
+    @classmethod
+    def of(cls, statuses: Iterable[lane.Status | None]) -> LaneView | None:
+        """From gathered messages; None unless every rank has a lane."""
+        known = list(statuses)
+        if not known or any(st is None for st in known):
+            return None
+        sts = [st for st in known if st is not None]
+        return cls(
+            all_open=all(st.open for st in sts),
+            all_closed=all(not st.open and not st.claimed for st in sts),
+            slot_min=min(st.slot for st in sts),
+            slot_max=max(st.slot for st in sts),
+            free_min=min(st.next_free for st in sts),
+            free_max=max(st.next_free for st in sts),
+            claims=frozenset(st.slot for st in sts if st.claimed),
+            dummies=frozenset(st.slot for st in sts if st.claimed and st.dummy),
+        )
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A vector round, combined: the same on every rank."""
+
+    gather_next: bool  # some rank wants a gathered round next
+    idle: bool  # every rank may doze
+    ready: list[int]  # cache numbers every rank has pending, ascending
+    lane: LaneView | None  # None: no lane, or some status did not fit (a gathered round follows)
+
+
+def fits(status: lane.Status, base: int) -> bool:
+    """Whether a lane status can be coded relative to ``base``."""
+    return 0 <= status.slot - base <= WINDOW
+
+
+def encode(
+    words: int,
+    pending: Iterable[int],
+    gather: bool,
+    idle: bool,
+    status: lane.Status | None,
+    base: int,
+) -> np.ndarray:
+    """This rank's vector: ``words`` 64-bit words (see :func:`words_for`)."""
+    v = np.zeros(words, dtype=np.uint64)
+    ids = np.fromiter(pending, dtype=np.int64)
+    if ids.size:
+        bits = np.left_shift(np.uint64(1), (ids & 63).astype(np.uint64))
+        np.bitwise_or.at(v, HEADER_WORDS + (ids >> 6), bits)
+    flags = 0 if gather else F_NO_GATHER
+    if idle:
+        flags |= F_IDLE
+    if status is not None and fits(status, base):
+        flags |= F_LANE
+        if status.open:
+            flags |= F_OPEN
+        if not status.open and not status.claimed:
+            flags |= F_CLOSED
+        slot, free = status.slot - base, status.next_free - base
+        v[W_SLOT_LO] = _thermometer(slot)
+        v[W_SLOT_HI] = ~_thermometer(slot)
+        v[W_FREE_LO] = _thermometer(free)
+        v[W_FREE_HI] = ~_thermometer(free)
+        v[W_CLAIMS] = ~np.uint64(1 << slot) if status.claimed else _ONES
+        v[W_DUMMIES] = ~np.uint64(1 << slot) if status.claimed and status.dummy else _ONES
+    else:
+        v[W_SLOT_LO : W_DUMMIES + 1] = _ONES  # the AND's identity: says nothing
+    v[W_FLAGS] = np.uint64(flags)
+    return v
+
+
+def decode(v: np.ndarray, base: int) -> Summary:
+    """The AND of every rank's :func:`encode`."""
+    flags = int(v[W_FLAGS])
+    bits = np.unpackbits(v[HEADER_WORDS:].view(np.uint8), bitorder="little")
+    view = None
+    if flags & F_LANE:
+        view = LaneView(
+            all_open=bool(flags & F_OPEN),
+            all_closed=bool(flags & F_CLOSED),
+            slot_min=base + _popcount(v[W_SLOT_LO]),
+            slot_max=base + _popcount(~v[W_SLOT_HI]),
+            free_min=base + _popcount(v[W_FREE_LO]),
+            free_max=base + _popcount(~v[W_FREE_HI]),
+            claims=_slots(~v[W_CLAIMS], base),
+            dummies=_slots(~v[W_DUMMIES], base),
+        )
+    return Summary(
+        gather_next=not flags & F_NO_GATHER,
+        idle=bool(flags & F_IDLE),
+        ready=np.flatnonzero(bits).tolist(),
+        lane=view,
+    )
+
+
+def words_for(cache_entries: int) -> int:
+    """The vector's length for a cache of ``cache_entries`` requests (alike on every rank)."""
+    return HEADER_WORDS + math.ceil(cache_entries / 64)
+
+
+def _thermometer(v: int) -> np.uint64:
+    return np.uint64((1 << v) - 1)
+
+
+def _popcount(w: np.uint64) -> int:
+    return int(w).bit_count()
+
+
+def _slots(mask: np.uint64, base: int) -> frozenset[int]:
+    m = int(mask)
+    return frozenset(base + i for i in range(64) if m >> i & 1)
+
+
+class Step(NamedTuple):
+    """One sequential step of a rank's part in the AND (see :func:`doubling`)."""
+
+    kind: str  # "send", "recv_and", "exchange", "recv_result" or "send_result"
+    peer: int  # set rank
+
+
+def doubling(rank: int, size: int) -> list[Step]:
+    """Recursive doubling: ``log2(p)`` exchanges among the first ``p`` ranks (``p`` the largest
+    power of two up to ``size``); each of the other ranks first folds its vector into rank
+    ``r - p`` and gets the result back at the end. With ranks numbered host by host, as
+    launchers place them, the first exchanges stay on one host, so the steps that cross hosts
+    are about ``log2(hosts)``."""
+    p = 1 << (size.bit_length() - 1)
+    if rank >= p:
+        return [Step("send", rank - p), Step("recv_result", rank - p)]
+    folded = rank + p < size
+    steps = [Step("recv_and", rank + p)] if folded else []
+    d = 1
+    while d < p:
+        steps.append(Step("exchange", rank ^ d))
+        d <<= 1
+    if folded:
+        steps.append(Step("send_result", rank + p))
+    return steps
+
+
+class VectorChannel:
+    """The bitwise AND of one vector per rank over a set's ``control`` group: recursive
+    doubling on Gloo (log2 N sequential steps, where Gloo's ring allreduce takes 2(N-1)), the
+    group's allreduce on ringtrain's own groups (tcp, sealed), which have no point-to-point."""
+
+    def __init__(self, comm: Communicator, world: int) -> None:
+        self._size = comm.size
+        self._group = comm.group("control") if comm.size > 1 else None
+        self._world = world
+        self._steps = doubling(comm.set_rank, comm.size) if _point_to_point(self._group) else []
+        self._buf: torch.Tensor | None = None  # a peer's vector, received
+        self.rounds = 0  # exchanges so far: a protocol counter for tests and benchmarks
+
+    def exchange(self, v: np.ndarray) -> np.ndarray:
+        self.rounds += 1
+        if self._size == 1:
+            return v
+        t = torch.from_numpy(v.view(np.int64))
+        self._allreduce(t)
+        return t.numpy().view(np.uint64)
+
+    def _allreduce(self, t: torch.Tensor) -> None:
+        """The wire (a simulated transport replaces this, see collectives.simulated)."""
+        if not self._steps:
+            work = dist.all_reduce(t, op=dist.ReduceOp.BAND, group=self._group, async_op=True)
+            abort.wait_work(work, self._world)
+            return
+        if self._buf is None or self._buf.numel() != t.numel():
+            self._buf = torch.empty_like(t)
+        buf, g = self._buf, self._group
+        for kind, peer in self._steps:
+            if kind in ("send", "send_result"):
+                self._wait(dist.isend(t, group=g, group_dst=peer))
+            elif kind == "recv_result":
+                self._wait(dist.irecv(t, group=g, group_src=peer))
+            else:
+                if kind == "exchange":
+                    out = dist.P2POp(dist.isend, t, group=g, group_peer=peer)
+                    into = dist.P2POp(dist.irecv, buf, group=g, group_peer=peer)
+                    for work in dist.batch_isend_irecv([out, into]):
+                        self._wait(work)
+                else:
+                    self._wait(dist.irecv(buf, group=g, group_src=peer))
+                t.bitwise_and_(buf)
+
+    def _wait(self, work: Any) -> None:
+        abort.wait_work(work, self._world)
+
+
+def _point_to_point(group: Any) -> bool:
+    """Whether ``group`` is Gloo's (ringtrain's own groups have collectives only)."""
+    if group is None:
+        return False
+    try:
+        return dist.get_backend(group) == "gloo"
+    except Exception:  # not a registered torch group: one of ringtrain's own
+        return False
+
+
+def used(vector_rounds_from: int, cache_capacity: int, size: int) -> bool:
+    """Whether a set of ``size`` ranks negotiates with vector rounds (Config's two settings)."""
+    return size > 1 and cache_capacity > 0 and 0 < vector_rounds_from <= size
+
+
+class VectorRounds:
+    """A controller's vector-round state on this rank (the controller owns one)."""
+
+    def __init__(self, channel: VectorChannel) -> None:
+        self.channel = channel
+        # This rank's cached requests announced by bits only: cache number -> (name, since).
+        self.pending: dict[int, tuple[str, float]] = {}
+        self.gather_next = False  # agreed: the next round is a gathered one
+        self.base = 0  # agreed: the lane slot the vector's lane codes count from
+        # Rank 0's cross-set verdicts found in a vector round, sent in the gathered one.
+        self.carried: tuple[tuple[str, str], ...] = ()
+
+    def overdue(self, now: float) -> bool:
+        return any(now - since >= PATIENCE_S for _, since in self.pending.values())
+
+    def take_all(self) -> list[str]:
+        """The names pending by bits, in cache order, to go into a gathered round's table."""
+        names = [self.pending[c][0] for c in sorted(self.pending)]
+        self.pending.clear()
+        return names

@@ -1,0 +1,193 @@
+"""Vector rounds (collectives/vector_round.py): what the bitwise AND of every rank's vector
+tells, checked against what gathered messages tell, and the round's counters in the simulated
+coordinator (no processes, no timing)."""
+
+from __future__ import annotations
+
+import random
+from functools import reduce
+
+import numpy as np
+import pytest
+
+from ringtrain.collectives import lane, vector_round
+from ringtrain.collectives.simulated import SimulatedRank, measure
+from ringtrain.collectives.vector_round import LaneView, decode, encode, words_for
+from ringtrain.testing import spawn
+
+
+def _and(vectors: list[np.ndarray]) -> np.ndarray:
+    return reduce(np.bitwise_and, vectors)
+
+
+def test_ready_is_what_every_rank_has_pending_and_flags_combine() -> None:
+    words = words_for(300)
+    pending = [{0, 5, 64, 299}, {5, 64, 7, 299}, {299, 64, 5, 1}]
+    vs = [encode(words, p, gather=False, idle=True, status=None, base=0) for p in pending]
+    got = decode(_and(vs), 0)
+    assert got.ready == [5, 64, 299]  # in cache order, alike on every rank
+    assert not got.gather_next and got.idle and got.lane is None
+    vs[1] = encode(words, pending[1], gather=True, idle=False, status=None, base=0)
+    got = decode(_and(vs), 0)
+    assert got.gather_next and not got.idle  # one rank's wish is every rank's decision
+
+
+def _status(rng: random.Random, base: int) -> lane.Status:
+    claimed = rng.random() < 0.5
+    return lane.Status(
+        slot=base + rng.randint(0, 6),
+        claimed=claimed,
+        dummy=claimed and rng.random() < 0.3,
+        open=rng.random() < 0.7,
+    )
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 8])
+def test_the_lane_decides_from_a_vector_what_it_decides_from_messages(ranks: int) -> None:
+    rng = random.Random(ranks)
+    for _ in range(300):
+        base = rng.randint(0, 10_000)
+        statuses = [_status(rng, base) for _ in range(ranks)]
+        vs = [encode(words_for(0), (), False, False, st, base) for st in statuses]
+        assert decode(_and(vs), base).lane == LaneView.of(statuses)
+
+
+def test_a_lane_outside_the_window_asks_for_a_gathered_round() -> None:
+    ahead = lane.Status(slot=vector_round.WINDOW + 1, claimed=True, dummy=False, open=True)
+    assert not vector_round.fits(ahead, 0)
+    near = lane.Status(slot=3, claimed=False, dummy=False, open=True)
+    vs = [encode(words_for(0), (), False, False, st, 0) for st in (ahead, near)]
+    assert decode(_and(vs), 0).lane is None  # the controller flags a gathered round instead
+
+
+def test_a_vector_has_one_length_whatever_the_rank_count() -> None:
+    assert words_for(0) == vector_round.HEADER_WORDS
+    assert words_for(64) == words_for(1) == vector_round.HEADER_WORDS + 1
+    assert words_for(8192) == vector_round.HEADER_WORDS + 128  # 1 KiB of bits at full cache
+
+
+# The steps that complete together, one on each rank of a pair.
+MATCHES = [{"send", "recv_and"}, {"exchange"}, {"send_result", "recv_result"}]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 12, 64, 100])
+def test_recursive_doubling_gives_every_rank_the_and_of_all(size: int) -> None:
+    """Every rank's schedule run with rendezvous semantics (a step completes when the peer is
+    at the matching step), AND as set intersection: no deadlock, and everyone ends with the
+    AND of all in at most log2 N + 2 rounds of steps."""
+    held = [{r, r + 1, 1000} for r in range(size)]  # 1000: on every rank
+    schedules = [vector_round.doubling(r, size) for r in range(size)]
+    at = [0] * size
+    depth = 0
+    while any(at[r] < len(schedules[r]) for r in range(size)):
+        depth += 1
+        before = [set(h) for h in held]  # what each rank holds as this round of steps begins
+        done = set()
+        for r in range(size):
+            if r in done or at[r] >= len(schedules[r]):
+                continue
+            kind, peer = schedules[r][at[r]]
+            if peer in done or at[peer] >= len(schedules[peer]):
+                continue
+            other = schedules[peer][at[peer]]
+            if other.peer != r or {kind, other.kind} not in MATCHES:
+                continue
+            for me, them, k in ((r, peer, kind), (peer, r, other.kind)):
+                if k in ("recv_and", "exchange"):
+                    held[me] = held[me] & before[them]
+                elif k == "recv_result":
+                    held[me] = set(before[them])
+            at[r] += 1
+            at[peer] += 1
+            done |= {r, peer}
+        assert done, f"deadlock at {at}"
+    assert depth <= (size.bit_length() - 1) + 2
+    want = set.intersection(*[{r, r + 1, 1000} for r in range(size)])
+    assert all(h == want for h in held)
+
+
+def test_control_bytes_per_round_grow_with_log_n_not_n() -> None:
+    figures = {n: measure(n, ops=64, rounds=3, vectors=True) for n in (8, 64, 1024)}
+    vector_bytes = 8 * words_for(64)
+    for n, f in figures.items():
+        assert f.wire_ops == 1 and f.decodes == 1
+        assert f.steps == n.bit_length() - 1  # powers of two: log2 N exchanges
+        assert f.bytes_in == f.steps * vector_bytes  # one vector received per step
+    gathered = measure(1024, ops=64, rounds=3)
+    assert gathered.steps == 1023 and gathered.bytes_in > 5000 * figures[1024].bytes_in
+
+
+def test_new_requests_take_a_gathered_round_then_ride_the_bits() -> None:
+    sim = SimulatedRank(16, vectors=True)
+    names = [f"g.{i}" for i in range(10)]
+    sim.submit(names)
+    before = sim.channel.rounds
+    sim.round()  # a vector round that asks for a gathered one: nothing cached yet
+    assert sim.executor.order == []
+    sim.round()
+    assert sim.channel.rounds == before + 1  # the gathered round ran them
+    assert sim.executor.order == names
+    for _ in range(3):
+        sim.submit(list(reversed(names)))
+        sim.round()  # cached now: one vector round each, the ops in cache order
+    assert sim.channel.rounds == before + 1
+    assert sim.executor.order == names * 4
+    assert not sim.controller.pending_names()
+
+
+# ---- real ranks: vector rounds forced at 3 ranks (Config.vector_rounds_from=2) ----------------
+
+
+def _burst_and_loop() -> tuple[bool, float, int, int]:
+    import torch
+
+    import ringtrain as rt
+    from ringtrain.collectives.ops import controller_of
+
+    ctl = controller_of(None)
+    me = rt.rank()
+    names = [f"burst.{i}" for i in range(32)]
+    for step in range(3):  # the first time gathered, then by bits
+        handles = [
+            rt.allreduce_async(torch.full((300,), float(me + i + step)), name=n, op=rt.Sum)
+            for i, n in enumerate(names)
+        ]
+        got = [rt.synchronize(h) for h in handles]
+        size = rt.size()
+        want = [float(sum(r + i + step for r in range(size))) for i in range(len(names))]
+        ok = all(g.eq(w).all().item() for g, w in zip(got, want))
+    before = ctl.rounds
+    for _ in range(40):
+        rt.allreduce(torch.ones(2048), name="loop")
+    per_op = (ctl.rounds - before) / 40
+    vectors = ctl._vector.channel.rounds if ctl._vector is not None else 0
+    return ok, per_op, vectors, ctl._channel.rounds
+
+
+def test_bursts_and_loops_ride_vector_rounds(world3: spawn.World) -> None:
+    for ok, per_op, vectors, gathered in world3.run(
+        _burst_and_loop, vector_rounds_from=2, fast_lane=False, timeout=60
+    ):
+        assert ok
+        assert per_op <= 1.5, per_op
+        assert vectors > gathered  # the cached ops negotiated by bits
+
+
+def _mismatch_after_cache() -> str:
+    import torch
+
+    import ringtrain as rt
+
+    for _ in range(2):
+        rt.allreduce(torch.ones(4), name="m")  # cached: a bit from now on
+    shape = 5 if rt.rank() == 2 else 4
+    try:
+        rt.allreduce(torch.ones(shape), name="m")
+    except rt.CollectiveMismatchError as e:  # every rank: one message naming the odd one
+        return str(e)
+    return "no error"
+
+
+def test_a_mismatch_under_a_cached_name_is_reported_on_every_rank(world3: spawn.World) -> None:
+    for message in world3.run(_mismatch_after_cache, vector_rounds_from=2, timeout=60):
+        assert "'m'" in message and "[5]" in message and "[4]" in message, message
