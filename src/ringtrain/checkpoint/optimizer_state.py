@@ -18,14 +18,10 @@ Loading hands the full per-parameter state to ``opt.load_state_dict`` (torch's f
 sharded optimizer keeps only its pieces of it, see ``ShardedStep.load_state``), with the
 compressor's state under ``COMPRESSOR_STATE_KEY``.
 
-What it uses of the engine, all public, so the engine can change under it:
-``DistributedOptimizer``: ``optimizer`` (the wrapped one), ``shards_state``, ``compression``,
-``drain()`` (finish an overlapped step's pending updates), ``update.held()`` (the step
-strategy's share of the state: :class:`ringtrain.engine.steps.Update`), ``load_state_dict``;
-``ShardedStep``: ``layouts``, ``optimizers``; ``Piece``: ``index``, ``start``, ``stop``;
-``optimizer.COMPRESSOR_STATE_KEY``; with local updates (``sync_every``), ``local_update``
-(:class:`ringtrain.engine.local_update.LocalUpdate`: ``params``, ``local_state_dict``,
-``restart``, ``codec.name``) and ``local_update.STATE_KEY``.
+What it uses of the engine is written down as protocols in :mod:`ringtrain.engine.stateful`
+(the optimizer, its step strategy's shards, the local-update step), which mypy checks the
+engine's classes against; besides them only the keys ``optimizer.COMPRESSOR_STATE_KEY`` and
+``local_update.STATE_KEY`` and the ``Piece`` fields ``index``, ``start``, ``stop``.
 """
 
 from __future__ import annotations
@@ -34,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from ringtrain.engine.stateful import Checkpointable, LocalState
 
 
 @dataclass
@@ -68,20 +66,26 @@ class LocalHeld:
     state: dict[str, Any]  # LocalUpdate.local_state_dict(copy=False): views
 
 
-def _is_distributed(opt: Any) -> bool:
+def distributed(opt: torch.optim.Optimizer) -> Checkpointable | None:
+    """``opt`` as a checkpoint reads a ``DistributedOptimizer``; None for a plain optimizer."""
     from ringtrain.engine.optimizer import DistributedOptimizer
 
-    return isinstance(opt, DistributedOptimizer)
+    return opt if isinstance(opt, DistributedOptimizer) else None
 
 
-def local_of(opt: Any) -> Any:
+def _inner(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    d = distributed(opt)
+    return d.optimizer if d is not None else opt
+
+
+def local_of(opt: torch.optim.Optimizer) -> LocalState | None:
     """The optimizer's local-update step (``sync_every``, :class:`LocalUpdate`), or None."""
-    return opt.local_update if _is_distributed(opt) else None
+    d = distributed(opt)
+    return d.local_update if d is not None else None
 
 
-def params_of(opt: Any) -> list[torch.Tensor]:
-    inner = opt.optimizer if _is_distributed(opt) else opt
-    return [p for g in inner.param_groups for p in g["params"]]
+def params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in _inner(opt).param_groups for p in g["params"]]
 
 
 def _split(st: dict[str, Any], shape: torch.Size) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -96,17 +100,17 @@ def _split(st: dict[str, Any], shape: torch.Size) -> tuple[dict[str, torch.Tenso
     return elements, scalars
 
 
-def held(opt: Any) -> Held:
+def held(opt: torch.optim.Optimizer) -> Held:
     """This rank's optimizer state, as views (copy them before the optimizer steps again)."""
-    dist_opt = _is_distributed(opt)
-    if dist_opt:
-        opt.drain()
-    inner = opt.optimizer if dist_opt else opt
+    dist_opt = distributed(opt)
+    if dist_opt is not None:
+        dist_opt.drain()
+    inner = _inner(opt)
     params = params_of(opt)
     sd_groups = inner.state_dict()["param_groups"]  # shallow: the state is not copied
     out = Held([tuple(p.shape) for p in params], sd_groups, replicated=True)
-    if dist_opt:
-        comp = opt.compression
+    if dist_opt is not None:
+        comp = dist_opt.compression
         get = getattr(comp, "state_dict", None)
         state = get() if callable(get) else {}
         if state:
@@ -117,7 +121,7 @@ def held(opt: Any) -> Held:
         out.local = LocalHeld(
             list(lu.params), [index[id(p)] for p in lu.params], lu.local_state_dict(copy=False)
         )
-    shards = opt.update.held() if dist_opt and opt.shards_state else None
+    shards = dist_opt.update.held() if dist_opt is not None and dist_opt.shards_state else None
     whole = {i: inner.state[p] for i, p in enumerate(params) if inner.state.get(p)}
     if shards is None:
         for i, st in whole.items():
@@ -152,7 +156,7 @@ def held(opt: Any) -> Held:
 
 
 def load(
-    opt: Any,
+    opt: torch.optim.Optimizer,
     state: dict[int, dict[str, Any]],
     param_groups: list[dict[str, Any]],
     compressor: dict[str, Any] | None,
@@ -164,7 +168,7 @@ def load(
     (:meth:`LocalUpdate.restart`)."""
     sd: dict[str, Any] = {"state": state, "param_groups": param_groups}
     lu = local_of(opt)
-    if compressor is not None and _is_distributed(opt):
+    if compressor is not None and distributed(opt) is not None:
         from ringtrain.engine.optimizer import COMPRESSOR_STATE_KEY
 
         sd[COMPRESSOR_STATE_KEY] = compressor
@@ -177,8 +181,9 @@ def load(
         lu.restart()
 
 
-def compressor_name(opt: Any) -> str | None:
-    if not _is_distributed(opt):
+def compressor_name(opt: torch.optim.Optimizer) -> str | None:
+    d = distributed(opt)
+    if d is None:
         return None
-    comp = opt.compression
+    comp = d.compression
     return str(getattr(comp, "name", type(comp).__name__))

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ringtrain.engine.buckets import Plan
+from ringtrain.engine.stateful import Shards
 
 if TYPE_CHECKING:
     from ringtrain.engine.exchange import GradientExchange
@@ -43,8 +44,9 @@ class Update(Protocol):
         """Bytes of optimizer state tensors held on this rank."""
         ...
 
-    def held(self) -> Any:
-        """This rank's share of the state for checkpoints, or None where it is whole."""
+    def held(self) -> Shards | None:
+        """This rank's share of the state for checkpoints, or None where it is whole
+        (:class:`ringtrain.engine.stateful.HoldsShards`)."""
         ...
 
     def replan(self, plan: Plan | None) -> None:

@@ -57,7 +57,7 @@ class WholeStep:
     def state_bytes(self) -> int:
         return tensor_bytes(self._optimizer.state)
 
-    def held(self) -> Any:
+    def held(self) -> None:
         return None
 
     def replan(self, plan: Plan | None) -> None:
