@@ -37,3 +37,13 @@ def usage(t: torch.Tensor, model: torch.nn.Module) -> None:
     hvd.allreduce(t, op=3)  # type: ignore[arg-type]
     hvd.allreduce(t, compression=0.5)  # type: ignore[arg-type]
     hvd.grouped_allreduce_async([t], op=hvd.Sum, compression=torch.float16)  # type: ignore[arg-type]
+
+
+def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """DistributedOptimizer takes what the collectives take for compression= and op=."""
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    hvd.DistributedOptimizer(sgd, compression=hvd.Compression.fp16, op=hvd.Average)
+    hvd.DistributedOptimizer(sgd, compression="powersgd", op="sum")
+    hvd.DistributedOptimizer(sgd, compression=hvd.Compression.powersgd(), op=hvd.Sum)
+    hvd.DistributedOptimizer(sgd, compression=0.5)  # type: ignore[arg-type]
+    return hvd.DistributedOptimizer(sgd, op=3)  # type: ignore[arg-type]

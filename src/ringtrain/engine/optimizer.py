@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from ringtrain.collectives import ops
+from ringtrain.collectives.reduce_ops import ReduceOpLike
+from ringtrain.compression import CompressionLike
 from ringtrain.compression.policy import AutoCompression, Decision
 from ringtrain.engine import local_settings, local_update, settings, sharded
 from ringtrain.engine.buckets import Plan
@@ -107,14 +109,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self,
         optimizer: torch.optim.Optimizer,
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-        compression: Any = None,
+        compression: CompressionLike | None = None,
         backward_passes_per_step: int = 1,
-        op: Any = None,
+        op: ReduceOpLike | None = None,
         gradient_predivide_factor: float = 1.0,
         process_set: ProcessSet | None = None,
         sparse_as_dense: bool = False,
         average_aggregated_gradients: bool = False,
-        groups: Any = None,
+        groups: object = None,
         num_groups: int = 0,
         *,
         fusion_threshold_bytes: int | None = None,
