@@ -225,10 +225,15 @@ def configure(sub: Any, common: Any) -> None:
     ms = sub.add_parser(
         "mixed-speed",
         help="one rank slowed: equal shares vs batch_shares='auto' vs the sum of alone-speeds",
-        description=__doc__.split("\n")[0] + " (bench train's mixed-speed setting).",
+        description=__doc__.split("\n")[0].rstrip(".") + " (bench train's mixed-speed setting).",
     )
-    ms.add_argument("--slow-rank", type=int, default=1)
-    ms.add_argument("--slow-by", default="hog", choices=SLOW_BY)
+    ms.add_argument("--slow-rank", type=int, default=1, help="the rank slowed (default 1)")
+    ms.add_argument(
+        "--slow-by",
+        default="hog",
+        choices=SLOW_BY,
+        help="hog: a busy process on its cores (a core per rank); sleep: it sleeps (any cores)",
+    )
     ms.add_argument(
         "--slow-factor", type=float, default=2.0, help="--slow-by sleep: 1/speed (default 2)"
     )
