@@ -70,11 +70,11 @@ def save(sampler: Any) -> dict[str, Any]:
 
 def _distributed_order(st: dict[str, Any]) -> list[int]:
     """The indices torch's DistributedSampler deals out in ``st``'s epoch, padded as it does."""
-    n, replicas = st["length"], st["num_replicas"]
+    n, replicas = int(st["length"]), int(st["num_replicas"])
     if st["shuffle"]:
         g = torch.Generator()
         g.manual_seed(st["seed"] + st["epoch"])
-        order = torch.randperm(n, generator=g).tolist()
+        order: list[int] = torch.randperm(n, generator=g).tolist()
     else:
         order = list(range(n))
     if st["drop_last"] and n % replicas:
