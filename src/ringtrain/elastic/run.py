@@ -14,7 +14,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Concatenate, ParamSpec, TypeVar, cast
 
 import torch.distributed as dist
 
@@ -36,6 +36,8 @@ from ringtrain.runtime import state as runtime
 log = logging.getLogger("ringtrain")
 
 R = TypeVar("R")
+S = TypeVar("S", bound=State)
+P = ParamSpec("P")
 
 # What a peer failing looks like from a survivor: ringtrain's collectives say it in their words,
 # the engine's raw Gloo work in torch's, ringtrain's TCP mesh (enclaves, secure elastic jobs) as
@@ -61,11 +63,11 @@ def peer_failed(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and "gloo/transport" in text
 
 
-def run(func: Callable[..., R]) -> Callable[..., R]:
+def run(func: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
     """Decorate ``train(state, *args, **kwargs)``; call it with a committed :class:`State`."""
 
     @functools.wraps(func)
-    def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
+    def wrapper(state: S, *args: P.args, **kwargs: P.kwargs) -> R:
         if membership.active():
             abort.announced = membership.newest
             # A rank that joined a running job starts in a later world: not news to it.
@@ -95,7 +97,9 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
             _reset(state, failure)
             state.on_reset()
 
-    return wrapper
+    # ``state`` may also be passed by name (as Horovod's wrapper takes it), which Concatenate
+    # cannot say: the wrapper's type is the function's.
+    return cast("Callable[Concatenate[S, P], R]", wrapper)
 
 
 def _reset(state: State, failure: BaseException | None) -> None:

@@ -10,12 +10,23 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Protocol, TypeVar
 
 from ringtrain.errors import HostsUpdatedInterrupt
 
-Broadcast = Callable[[Any], Any]  # rank 0's object on every rank
-Gather = Callable[[Any], list[Any]]  # every rank's object, in rank order
+T = TypeVar("T")
+
+
+class Broadcast(Protocol):
+    def __call__(self, obj: T, /) -> T:
+        """Rank 0's object on every rank."""
+        ...
+
+
+class Gather(Protocol):
+    def __call__(self, obj: T, /) -> list[T]:
+        """Every rank's object, in rank order."""
+        ...
 
 
 class State:
@@ -89,10 +100,10 @@ class ObjectState(State):
         broadcast: Broadcast,
         gather: Gather,
         updates: Callable[[], int | None] | None = None,
-        **values: Any,
+        **values: object,
     ) -> None:
         self._broadcast = broadcast
-        self._saved_state: dict[str, Any] = copy.deepcopy(values)
+        self._saved_state: dict[str, object] = copy.deepcopy(values)
         super().__init__(gather, updates)
         self._set_attrs()
 

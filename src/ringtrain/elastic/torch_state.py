@@ -9,7 +9,8 @@ was re-formed.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
@@ -22,25 +23,35 @@ from ringtrain.errors import ConfigError
 from ringtrain.runtime import membership, queries
 from ringtrain.runtime import state as runtime
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
+    from torch.optim.optimizer import StateDict
 
-def _gather(obj: Any) -> list[Any]:
+    from ringtrain.checkpoint import Restored
+
+T = TypeVar("T")
+# What a handler tracks: a model, an optimizer, an LR scheduler or a sampler (DCP's Stateful).
+V = TypeVar("V", bound="Stateful")
+
+
+def _gather(obj: T) -> list[T]:
     return allgather_object(obj, name=None)
 
 
 class ObjectState(base.ObjectState):
     """``ObjectState(**values)``: plain values kept across resets, synced from rank 0."""
 
-    def __init__(self, **values: Any) -> None:
+    def __init__(self, **values: object) -> None:
         super().__init__(broadcast_object, _gather, membership.announced, **values)
 
 
-class _Handler:
-    def __init__(self, value: Any) -> None:
+class _Handler(Generic[V]):
+    def __init__(self, value: V) -> None:
         self.value = value
-        self.saved: Any = None
+        self.saved: StateDict = {}
         self.save()
 
-    def set_value(self, value: Any) -> None:
+    def set_value(self, value: V) -> None:
         self.value = value
         self.save()
 
@@ -54,27 +65,27 @@ class _Handler:
         self.value.load_state_dict(broadcast_object(self.value.state_dict()))
 
 
-class _ModelHandler(_Handler):
+class _ModelHandler(_Handler[torch.nn.Module]):
     def sync(self) -> None:
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
-class _OptimizerHandler(_Handler):
+class _OptimizerHandler(_Handler[torch.optim.Optimizer]):
     def sync(self) -> None:
         broadcast_optimizer_state(self.value, root_rank=0)
 
 
-class _SamplerHandler(_Handler):
+class _SamplerHandler(_Handler[ElasticSampler]):
     """Each rank records only its own batches: commits and syncs hold the whole world's."""
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: ElasticSampler) -> None:
         # No gather when the state is made: a rank joining a running job makes its state
         # alone, and the first sync or commit gathers anyway.
         self.value = value
         self.saved = copy.deepcopy(value.state_dict())
 
-    def _world_state(self) -> dict[str, Any]:
-        sd: dict[str, Any] = self.value.state_dict()
+    def _world_state(self) -> StateDict:
+        sd = self.value.state_dict()
         if self.saved is not None and self.saved["epoch"] == sd["epoch"]:
             # What the last commit gathered, ranks that have left since included (a host the
             # discovery script removed leaves by an announcement, not a restore).
@@ -92,7 +103,7 @@ class _SamplerHandler(_Handler):
         self.value.load_state_dict(broadcast_object(self._world_state()))
 
 
-class _ShareSamplerHandler(_Handler):
+class _ShareSamplerHandler(_Handler[ShareSampler]):
     """A ShareSampler's position is the same on every rank; its rank and shares are this
     rank's own, so a sync takes rank 0's position and keeps them (a plain value would take
     rank 0's whole sampler). After a world change the shares must fit the new world: kept when
@@ -107,7 +118,7 @@ class _ShareSamplerHandler(_Handler):
         sampler.reset(shares, queries.rank())
 
 
-_HANDLERS: list[tuple[type, type[_Handler]]] = [
+_HANDLERS: list[tuple[type, type[_Handler[Any]]]] = [
     (torch.nn.Module, _ModelHandler),
     (torch.optim.Optimizer, _OptimizerHandler),
     (torch.optim.lr_scheduler.LRScheduler, _Handler),
@@ -116,7 +127,7 @@ _HANDLERS: list[tuple[type, type[_Handler]]] = [
 ]
 
 
-def _handler_for(value: Any) -> _Handler | None:
+def _handler_for(value: object) -> _Handler[Any] | None:
     for kind, handler in _HANDLERS:
         if isinstance(value, kind):
             return handler(value)
@@ -130,12 +141,17 @@ class TorchState(ObjectState):
     it. Other values (epoch, batch, ...) are kept as plain objects.
     """
 
-    _handlers: dict[str, _Handler]
+    _handlers: dict[str, _Handler[Any]]
 
-    def __init__(self, model: Any = None, optimizer: Any = None, **values: Any) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        **values: object,
+    ) -> None:
         values.update(model=model, optimizer=optimizer)
-        handlers: dict[str, _Handler] = {}
-        plain: dict[str, Any] = {}
+        handlers: dict[str, _Handler[Any]] = {}
+        plain: dict[str, object] = {}
         for name, value in values.items():
             handler = _handler_for(value)
             if handler is None:
@@ -164,11 +180,10 @@ class TorchState(ObjectState):
 
     # ---- durable checkpoints (ringtrain.checkpoint) --------------------------------------------
 
-    def _tracked(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _tracked(self) -> _Tracked:
         """The model, optimizer and sampler for ``ringtrain.checkpoint``; the other handlers'
         values (LR schedulers) by name."""
-        single: dict[str, Any] = {}
-        others: dict[str, Any] = {}
+        out = _Tracked()
         for name, handler in self._handlers.items():
             kind = {
                 _ModelHandler: "model",
@@ -176,16 +191,16 @@ class TorchState(ObjectState):
                 _SamplerHandler: "sampler",
             }.get(type(handler))
             if kind is None:
-                others[name] = handler.value
-            elif kind in single:
+                out.others[name] = handler.value
+            elif getattr(out, kind) is not None:
                 raise ConfigError(
                     f"TorchState holds more than one {kind} ({name!r} and another): a checkpoint "
                     f"saves one.\nHINT: keep one {kind} in the state, or save with "
                     "ringtrain.checkpoint.save directly."
                 )
             else:
-                single[kind] = handler.value
-        return single, others
+                setattr(out, kind, handler.value)
+        return out
 
     def save_checkpoint(self, path: str, step: int = 0, keep: int = 0) -> str:
         """Write the current values to disk with :func:`ringtrain.checkpoint.save` (collective):
@@ -193,32 +208,50 @@ class TorchState(ObjectState):
         ``extra``. Returns the checkpoint's directory."""
         from ringtrain import checkpoint
 
-        single, others = self._tracked()
+        t = self._tracked()
         extra = {
             "values": {k: getattr(self, k) for k in self._saved_state},
-            "handlers": {k: v.state_dict() for k, v in others.items()},
+            "handlers": {k: v.state_dict() for k, v in t.others.items()},
         }
-        return checkpoint.save(path, **single, extra=extra, step=step, keep=keep)
+        return checkpoint.save(
+            path,
+            model=t.model,
+            optimizer=t.optimizer,
+            sampler=t.sampler,
+            extra=extra,
+            step=step,
+            keep=keep,
+        )
 
-    def load_checkpoint(self, path: str) -> Any:
+    def load_checkpoint(self, path: str) -> Restored:
         """Load what :meth:`save_checkpoint` wrote (at any world size), then commit it, so a
         later ``restore()`` comes back to it. Returns :class:`ringtrain.checkpoint.Restored`."""
         from ringtrain import checkpoint
 
-        single, others = self._tracked()
-        restored = checkpoint.load(path, **single)
+        t = self._tracked()
+        restored = checkpoint.load(path, model=t.model, optimizer=t.optimizer, sampler=t.sampler)
         extra = restored.extra or {}
         for name, sd in extra.get("handlers", {}).items():
-            if name in others:
-                others[name].load_state_dict(sd)
+            if name in t.others:
+                t.others[name].load_state_dict(sd)
         for name, value in extra.get("values", {}).items():
             if name in self._saved_state:
                 object.__setattr__(self, name, value)
         self.save()
         return restored
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         handlers = self.__dict__.get("_handlers", {})
         if name in handlers and name in self.__dict__:
             handlers[name].set_value(value)
         super().__setattr__(name, value)
+
+
+@dataclass
+class _Tracked:
+    """What of a :class:`TorchState` a checkpoint saves as such, and the other handlers' values."""
+
+    model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    sampler: ElasticSampler | None = None
+    others: dict[str, Stateful] = field(default_factory=dict)
