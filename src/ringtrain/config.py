@@ -107,7 +107,8 @@ class Config:
     # DistributedOptimizer: local updates (DiLoCo, ringtrain.engine.local_update): each rank
     # takes this many steps alone, then the averaged change of the weights takes an outer step.
     # "0" trains synchronously; "auto" picks local updates and the number from the measured link
-    # and compute (with compression="auto"), only where synchronous training cannot reach 80%.
+    # and compute (with compression="auto"), only where synchronous training cannot reach 80%;
+    # "48,16": one number per rank (a faster rank takes more inner steps a round).
     sync_every: str = "0"
     # The local-update step's outer exchange: "none", "fp16", "bf16", "int8" or "int4" (the
     # narrow ones with error feedback).
@@ -190,11 +191,17 @@ class Config:
                 f"transport must be 'auto', 'gloo' or 'tcp', got {self.transport!r}\n"
                 "HINT: 'tcp' runs in enclaves (no netlink), 'gloo' is fastest elsewhere."
             )
-        every = str(self.sync_every).strip().lower()
-        if every != "auto" and not (every.isdigit()):
+        every = str(self.sync_every).strip().lower().replace(" ", "")
+        steps = every.split(",")
+        if every != "auto" and not all(s.isdigit() for s in steps):
             raise ConfigError(
-                f"sync_every must be a number of steps >= 0 or 'auto', got {self.sync_every!r}\n"
-                "HINT: 0 trains synchronously; 100 averages the weights every 100 local steps."
+                f"sync_every must be a number of steps >= 0, 'auto', or one number per rank, got "
+                f"{self.sync_every!r}\nHINT: 0 trains synchronously; 100 averages the weights "
+                "every 100 local steps; 48,16 lets rank 0 take 48 steps a round and rank 1 16."
+            )
+        if len(steps) > 1 and any(int(s) < 1 for s in steps):
+            raise ConfigError(
+                f"sync_every={self.sync_every!r}: each rank's inner steps a round must be >= 1."
             )
         object.__setattr__(self, "sync_every", every)
         if self.outer_compression not in OUTER_COMPRESSIONS:

@@ -1,8 +1,10 @@
-"""Local updates with batch_shares: the outer average weighs each rank by the samples it took.
+"""Local updates on ranks of unequal speed: the outer average weighs each rank by its samples.
 
-Two ranks at shares [3, 1] take equal inner steps on 6 and 2 samples of each global batch; after
-a few rounds the anchor equals that of one process that runs both ranks' inner steps and steps
-the outer optimizer with the share-weighted mean of their changes (issue 41 item 4)."""
+Two ways to give a faster rank more work (issue 41 item 4): ``batch_shares=[3, 1]`` (equal inner
+steps on 6 and 2 samples of each global batch) and ``sync_every=[4, 2]`` (equal batches, rank 0
+takes twice the inner steps a round). After a few rounds the anchor equals that of one process
+that runs both ranks' inner steps and steps the outer optimizer with the mean of their changes
+weighted by the samples each took."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch.nn.functional as F
 
 import ringtrain as rt
 from ringtrain.config import Config
-from ringtrain.engine import settings
+from ringtrain.engine import local_settings, settings
 from ringtrain.engine.local_update import nesterov
 from ringtrain.engine.settings import Reduction
 from ringtrain.errors import ConfigError
@@ -112,6 +114,107 @@ def test_the_outer_average_weighs_ranks_by_share_and_repeats_bitwise(world2: Wor
         assert any(not torch.allclose(a, b) for a, b in zip(runs["shares"], runs["plain"]))
     for a, b in zip(per_rank[0]["shares"], per_rank[1]["shares"]):
         assert torch.equal(a, b), "the ranks' anchors differ"
+
+
+STEPS = (4, 2)  # sync_every per rank: rank 0, the faster, takes twice the inner steps a round
+
+
+def _own_batch(r: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * r + i)
+    return torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+def _own_step(model: torch.nn.Module, opt: Any, r: int, i: int) -> None:
+    x, y = _own_batch(r, i)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+# The exact run twice, then the overlapped exchange in two fragments on the 4-bit wire (each
+# rank exchanges fragment f at its own step (f + 1) * H_r // 2, in the same order).
+RUNS: list[dict[str, Any]] = [
+    {"outer_compression": "none"},
+    {"outer_compression": "none"},
+    {"outer_compression": "int4", "outer_overlap": True, "outer_fragments": 2},
+]
+
+
+def _train_steps() -> dict[str, Any]:
+    """This rank's anchor after ROUNDS rounds of its own number of inner steps, per run."""
+    anchors = []
+    for run in RUNS:
+        model = _model()
+        opt = rt.DistributedOptimizer(
+            torch.optim.Adam(model.parameters(), lr=0.01),
+            named_parameters=model.named_parameters(),
+            sync_every=list(STEPS),
+            **run,
+        )
+        for i in range(STEPS[rt.rank()] * ROUNDS):
+            _own_step(model, opt, rt.rank(), i)
+        local = opt.local_update
+        assert local is not None and local.inner_steps == 0 and local.anchor is not None
+        anchors.append([a.clone() for a in local.anchor])
+    return {"anchors": anchors, "round": local.sync_every, "rounds": local.outer_steps}
+
+
+def _reference_steps() -> list[torch.Tensor]:
+    ranks = [_model() for _ in STEPS]
+    inner = [torch.optim.Adam(m.parameters(), lr=0.01) for m in ranks]
+    anchor = list(_model().parameters())
+    outer = nesterov(anchor)
+    weights = [h / sum(STEPS) for h in STEPS]  # equal batches: samples are steps
+    for round_ in range(ROUNDS):
+        for r, (m, opt) in enumerate(zip(ranks, inner)):
+            for i in range(STEPS[r] * round_, STEPS[r] * (round_ + 1)):
+                _own_step(m, opt, r, i)
+        with torch.no_grad():
+            for i, a in enumerate(anchor):
+                own = [list(m.parameters())[i] for m in ranks]
+                a.grad = sum(w * (a - p) for w, p in zip(weights, own))  # type: ignore[assignment]
+            outer.step()
+            for m in ranks:
+                for p, a in zip(m.parameters(), anchor):
+                    p.copy_(a)
+    return [a.detach() for a in anchor]
+
+
+def test_a_faster_rank_takes_more_inner_steps_and_weighs_by_them(world2: World) -> None:
+    expected = _reference_steps()
+    per_rank = world2.run(_train_steps)
+    for r, got in enumerate(per_rank):
+        assert (got["round"], got["rounds"]) == (STEPS[r], ROUNDS)
+        first, again, _ = got["anchors"]
+        for a, want in zip(first, expected):
+            torch.testing.assert_close(a, want, rtol=1e-6, atol=1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(first, again)), "two runs differ"
+    for run in range(len(RUNS)):
+        for a, b in zip(per_rank[0]["anchors"][run], per_rank[1]["anchors"][run]):
+            assert torch.equal(a, b), f"the ranks' anchors differ ({RUNS[run]})"
+
+
+def test_per_rank_rounds_are_parsed_checked_and_weighed() -> None:
+    assert local_settings.parse_sync_every("48, 16") == (48, 16)
+    assert local_settings.parse_sync_every([48, 16]) == (48, 16)
+    assert Config.from_env({"RINGTRAIN_SYNC_EVERY": "48, 16"}).sync_every == "48,16"
+    assert settings.resolve(Config.from_env({}), sync_every=[4, 2]).sync_every == "4,2"
+    for bad in ([4, 0], [4, True], "4,x", [4, [2]]):
+        with pytest.raises(ConfigError, match="one number >= 1 per rank"):
+            local_settings.parse_sync_every(bad)
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        Config.from_env({"RINGTRAIN_SYNC_EVERY": "4,0"})
+    with pytest.raises(ConfigError, match=r"2 entries .* 3 ranks"):
+        local_settings.round_steps((4, 2), 0, 3)
+    # Samples a round: inner steps times the share of each global batch.
+    assert local_settings.outer_weight((4, 2), None, 1, 2) == pytest.approx(1 / 3)
+    assert local_settings.outer_weight((4, 2), (1.0, 3.0), 0, 2) == pytest.approx(0.4)
+    assert local_settings.outer_weight(8, (3.0, 1.0), 0, 2) == 0.75
+    assert local_settings.outer_weight((2, 2), None, 0, 2) is None  # equal: the plain mean
+    assert local_settings.outer_weight((2, 6), (3.0, 1.0), 0, 2) is None
+    # The shortest round bounds the delay and the fragments.
+    with pytest.raises(ConfigError, match="outer_fragments=3 is more than the round's 2"):
+        local_settings.check(Config.from_env({}, sync_every="4,2", outer_fragments=3))
 
 
 def test_measured_shares_are_refused_with_local_updates() -> None:

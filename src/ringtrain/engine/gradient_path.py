@@ -31,7 +31,7 @@ from ringtrain.engine.settings import Reduction
 from ringtrain.engine.step_phase import Phase, StepProgress
 from ringtrain.engine.steps import BucketUpdates, Overlapped, ShardedUpdate, Update, WholeStep
 from ringtrain.engine.weighting import Averaging, check_shares
-from ringtrain.errors import CollectiveArgumentError
+from ringtrain.errors import CollectiveArgumentError, ConfigError
 
 # Horovod's words, which scripts filter on (warnings.filterwarnings): kept exactly.
 STEP_WITHOUT_SKIP = (
@@ -102,9 +102,10 @@ class GradientPath:
     def _make_update(self) -> Update:
         """The step strategy (see :mod:`ringtrain.engine.steps`)."""
         update: Update
-        local = isinstance(self.sync_every, int) and self.sync_every > 0
+        local = self.sync_every not in (0, "auto")
         if local and self.comm.size > 1 and self.comm.included:
-            update = self._local_update(int(self.sync_every))
+            rank, size = self.comm.set_rank, self.comm.size
+            update = self._local_update(local_settings.round_steps(self.sync_every, rank, size))
         elif self.shards_state:
             update = ShardedUpdate(self.optimizer, self.comm)
         else:
@@ -301,13 +302,32 @@ class GradientPath:
                 self.synchronize()
         progress.set(Phase.SYNCHRONIZED, False)
         if isinstance(update, local_update.LocalUpdate):
-            # batch_shares in force weigh the outer average (checked as a synchronous step's).
-            update.weight = self.averaging().weight
+            update.weight = self._outer_weight(update)
         t0 = time.perf_counter()
         update.replan(self.planner.plan)
         result = update.step(closure)
         timeline.current().span("step", "OPTIMIZER_STEP", t0, time.perf_counter())
         return self._step_done(result)
+
+    def _outer_weight(self, update: local_update.LocalUpdate) -> float | None:
+        """This rank's weight in local updates' outer average: the samples it takes a round (its
+        inner steps times its share of each global batch) over every rank's; None: the plain
+        mean. Shares or a per-rank sync_every that do not fit the world (an elastic re-forming)
+        are an error at the next step, as a synchronous step's shares are."""
+        rank, size = self.comm.set_rank, self.comm.size
+        every = self.sync_every
+        if isinstance(every, tuple) and local_settings.round_steps(every, rank, size) != (
+            update.sync_every
+        ):
+            raise ConfigError(
+                f"sync_every={list(every)} gives rank {rank} {every[rank]} inner steps a round, "
+                f"but its round has {update.sync_every} (the world was re-formed).\nHINT: give "
+                "per-rank inner steps only to a world that keeps its ranks, or one number."
+            )
+        shares = self.reduction.shares
+        return local_settings.outer_weight(
+            every, shares if isinstance(shares, tuple) else None, rank, size
+        )
 
     def bucket_updates(self, closure: Any) -> BucketUpdates | None:
         """The strategy's updates bucket by bucket for a step() that synchronizes, or None

@@ -10,15 +10,23 @@ import logging
 from typing import Any
 
 from ringtrain.config import Config
-from ringtrain.engine import local_policy
+from ringtrain.engine import local_policy, weighting
 from ringtrain.errors import ConfigError
 
 log = logging.getLogger("ringtrain")
 
 
-def parse_sync_every(value: Any) -> int | str:
+# sync_every as the engine holds it: 0 (synchronous), a number of inner steps per round, "auto"
+# (until the tuner decides), or one number per rank (rank r takes SyncEvery[r] a round).
+SyncEvery = int | str | tuple[int, ...]
+
+
+def parse_sync_every(value: Any) -> SyncEvery:
     """``sync_every`` as given (an int, a numeric string, "auto", None/"off"/0 for
-    synchronous training): an int >= 0 (0 = synchronous) or "auto"."""
+    synchronous training, or one number per rank: a list, or "48,16"): an int >= 0
+    (0 = synchronous), "auto", or a tuple of ints >= 1."""
+    if isinstance(value, (list, tuple)) or (isinstance(value, str) and "," in value):
+        return _per_rank(value)
     if value is None:
         return 0
     if isinstance(value, bool):
@@ -41,6 +49,46 @@ def parse_sync_every(value: Any) -> int | str:
     return number
 
 
+def _per_rank(value: Any) -> tuple[int, ...]:
+    items = value.split(",") if isinstance(value, str) else list(value)
+    steps = []
+    for item in items:
+        every = parse_sync_every(item) if not isinstance(item, (list, tuple)) else None
+        if not isinstance(every, int) or every < 1 or isinstance(item, bool):
+            raise bad_sync_every(value)
+        steps.append(every)
+    if not steps:
+        raise bad_sync_every(value)
+    return tuple(steps)
+
+
+def round_steps(every: SyncEvery, rank: int, size: int) -> int:
+    """Rank ``rank``'s inner steps a round (``every`` a number > 0, or one per rank)."""
+    if not isinstance(every, tuple):
+        assert isinstance(every, int) and every > 0, every
+        return every
+    if len(every) != size:
+        raise ConfigError(
+            f"sync_every has {len(every)} entries {list(every)} but the process set has {size} "
+            "ranks.\nHINT: give one number of inner steps per rank (in rank order), or one "
+            "number for every rank."
+        )
+    return every[rank]
+
+
+def outer_weight(
+    every: SyncEvery, shares: tuple[float, ...] | None, rank: int, size: int
+) -> float | None:
+    """Rank ``rank``'s weight in the outer average: the samples it takes a round (its inner
+    steps times its share of each global batch, ``batch_shares``) over every rank's; None where
+    the plain mean is the same (equal products)."""
+    steps = [round_steps(every, r, size) for r in range(size)]
+    if shares is not None and len(shares) != size:
+        return weighting.weight_of(shares, rank, size)  # raises: one share per rank
+    parts = [h * s for h, s in zip(steps, shares or [1.0] * size)]
+    return weighting.weight_of(parts, rank, size)
+
+
 def outer_delay(delay: int, sync_every: int) -> int:
     """The overlapped exchange's delay in inner steps: ``delay`` (at most a round), or for 0 a
     quarter of the round, at least one step (streaming DiLoCo's few steps: about 3% more steps
@@ -50,15 +98,17 @@ def outer_delay(delay: int, sync_every: int) -> int:
 
 def bad_sync_every(value: Any) -> ConfigError:
     return ConfigError(
-        f"sync_every must be a number of steps >= 0 or 'auto', got {value!r}\n"
-        "HINT: 0 trains synchronously; 100 averages the weights every 100 local steps; 'auto' "
-        "decides from the measured link and compute."
+        f"sync_every must be a number of steps >= 0, 'auto', or one number >= 1 per rank, got "
+        f"{value!r}\nHINT: 0 trains synchronously; 100 averages the weights every 100 local "
+        "steps; 'auto' decides from the measured link and compute; [48, 16] lets rank 0 take 48 "
+        "inner steps a round and rank 1 16 (a faster rank does more, each weighs by its samples)."
     )
 
 
 def check(config: Config) -> None:
     """Local updates with settings that make no sense with them: a clear error."""
-    every = parse_sync_every(config.sync_every)
+    given = parse_sync_every(config.sync_every)
+    every = min(given) if isinstance(given, tuple) else given  # per rank: the shortest round
     if config.outer_delay and not config.outer_overlap:
         raise ConfigError(
             f"outer_delay={config.outer_delay} says how many inner steps the overlapped outer "
@@ -67,7 +117,7 @@ def check(config: Config) -> None:
         )
     if isinstance(every, int) and every > 0 and config.outer_delay > every:
         raise ConfigError(
-            f"outer_delay={config.outer_delay} is longer than a round (sync_every={every}): "
+            f"outer_delay={config.outer_delay} is longer than a round (sync_every={given}): "
             "each average must be applied before the next round's exchange starts.\nHINT: "
             f"outer_delay={every} at most (or 0: a quarter of the round)."
         )
@@ -85,7 +135,7 @@ def check(config: Config) -> None:
     clash = clashes(config)
     if isinstance(every, int) and every > 0 and clash:
         raise ConfigError(
-            f"sync_every={every} (local updates) cannot be combined with {clash}: no "
+            f"sync_every={given} (local updates) cannot be combined with {clash}: no "
             "gradient is exchanged between outer steps, so there is nothing to shard or "
             f"overlap.\nHINT: drop {clash}, or sync_every."
         )

@@ -1,11 +1,12 @@
 """The local-update step (DiLoCo, arXiv 2311.08105): ``DistributedOptimizer(sync_every=H)``.
 
 Each rank takes ``H`` steps with the wrapped (inner) optimizer on its own gradients, exchanging
-nothing. Every ``H``-th ``step()`` is an *outer* step, at the same step on every rank:
+nothing. Every ``H``-th ``step()`` is an *outer* step, in the same round on every rank (``H``
+may differ per rank, ``sync_every=[48, 16]``: a faster rank takes more inner steps a round):
 
 1. every rank's change since the last outer step, ``anchor - weights``, is averaged over the
    ranks through the transport, compressed (:mod:`ringtrain.engine.outer_codec`); under
-   ``batch_shares`` each rank's change weighs by its share of the samples (:attr:`weight`);
+   ``batch_shares`` or per-rank ``H`` each rank's change weighs by its samples (:attr:`weight`);
 2. the weights are set back to the anchor and the outer optimizer steps with that average as
    its gradient (Nesterov SGD, lr 0.7, momentum 0.9, as the paper, unless the user gives a
    factory ``outer_optimizer(params) -> torch.optim.Optimizer``);
@@ -108,8 +109,8 @@ class LocalUpdate:
         self._agree = True  # copy rank 0's anchor and outer state at the next outer step
         self.copies = 0  # how often that copy was needed (the ranks' digests differed)
         self.outer_seconds = 0.0  # wall time spent in outer steps (exchange included)
-        # batch_shares: this rank's share over the sum of shares, w_r (the optimizer sets it
-        # before each step); None: the plain mean of the ranks' changes.
+        # batch_shares or per-rank sync_every: this rank's samples a round over every rank's,
+        # w_r (the optimizer sets it before each step); None: the plain mean of the changes.
         self.weight: float | None = None
 
     # ---- the step strategy's interface (ringtrain.engine.steps.Update) -------------------------

@@ -129,7 +129,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         shard_optimizer: bool | None = None,
         overlap: bool | None = None,
         reduce_scatter: bool | None = None,
-        sync_every: int | str | None = None,
+        sync_every: int | str | Sequence[int] | None = None,
         outer_optimizer: local_update.OuterFactory | None = None,
         outer_compression: str | None = None,
         outer_overlap: bool | None = None,

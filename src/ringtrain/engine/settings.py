@@ -35,7 +35,9 @@ sync_every: local updates (DiLoCo, :mod:`ringtrain.engine.local_update`): each r
     this many steps on its own gradients, exchanging nothing, then the averaged change of
     the weights takes one ``outer_optimizer`` step. 0 (default) trains synchronously;
     ``"auto"`` measures (with ``compression="auto"``) and picks local updates only where
-    synchronous training cannot reach 80% efficiency.
+    synchronous training cannot reach 80% efficiency. One number per rank (``[48, 16]``):
+    rank r takes that many inner steps a round (a faster rank does more), and the outer
+    average weighs each rank by the samples it took (steps times its ``batch_shares``).
 outer_compression: the outer exchange's wire: "none", "fp16" (default), "bf16", "int8",
     "int4" (the narrow ones with error feedback).
 outer_overlap: True: the outer exchange runs in the background during the next round's inner
@@ -142,6 +144,8 @@ class Reduction:
 def resolve(config: Config, **args: Any) -> Config:
     """``config`` with the given (not None) arguments in place, validated by the Config."""
     changes = {k: v for k, v in args.items() if v is not None}
+    if isinstance(changes.get("sync_every"), (list, tuple)):  # one per rank: the variable's form
+        changes["sync_every"] = ",".join(str(v) for v in changes["sync_every"])
     unknown = sorted(set(changes) - set(CONFIG_ARGS))
     if unknown:
         raise ConfigError(f"not engine settings: {unknown}")
