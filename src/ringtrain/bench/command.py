@@ -8,6 +8,7 @@
     ringtrain bench checkpoint -np 4 --model transformer-25m --json ckpt.json
     ringtrain bench converge -np 2 --task digits --json converge.json --plot converge.png
     ringtrain bench mixed-speed -np 3 --slow-rank 1 --slow-by sleep --json mixed.json
+    ringtrain bench coordinator --ranks 8,64,256,1024 --ops 0,64
     ringtrain run -np 2 -H h0:1,h1:1 -- python -m ringtrain.bench train --model cnn
     ringtrain run --secure -H h0:1,h1:1 -- python -m ringtrain.bench secure --link-mbps 1000
 
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ringtrain.bench import checkpoint as ckpt_bench
-from ringtrain.bench import checks, converge, cpu, mixed_speed, ranks, secure
+from ringtrain.bench import checks, converge, coordinator, cpu, mixed_speed, ranks, secure
 from ringtrain.bench.allreduce import DEFAULT_SIZES, AllreduceParams
 from ringtrain.bench.models import PRESETS
 from ringtrain.bench.registry import BENCHMARKS
@@ -306,6 +307,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _common(tr)
     _converge_parser(sub)
     mixed_speed.configure(sub, _common)
+    coordinator.configure(sub)
 
 
 def _converge_parser(sub: Any) -> None:
@@ -493,6 +495,8 @@ _PRESENT: dict[str, tuple[Callable[[Any, bool], str], Callable[[Any, str], None]
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.benchmark == "coordinator":  # one process, no ranks
+        return coordinator.main(args)
     params = _params(args)
     with contextlib.ExitStack() as stack:
         if args.benchmark == "secure" and not ranks.under_launcher():

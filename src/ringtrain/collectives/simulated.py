@@ -13,7 +13,8 @@ So a round's figures are this rank's own: the Python time of one round (the cont
 the copy into the slots excluded, as a real transport does that off the Python thread) and, from
 the channel, the control bytes that reach the rank, the collectives it takes and the sequential
 steps of those collectives (a ring allgather of N slots: N-1 steps; a vector round's recursive
-doubling: log2 N steps, one vector received in each). Both kinds of round can be
+doubling: log2 N steps, one vector received in each). ``ringtrain bench coordinator`` prints
+them (:mod:`ringtrain.bench.coordinator`). Both kinds of round can be
 simulated: gathered (every rank's message) and vector rounds
 (:mod:`~ringtrain.collectives.vector_round`; peers that mirror this rank AND to the same bits).
 
@@ -239,24 +240,29 @@ def measure(size: int, ops: int, rounds: int = 20, vectors: bool = False) -> Rou
     )
 
 
-def table(sizes: tuple[int, ...] = (8, 64, 256, 1024), ops: tuple[int, ...] = (0, 64)) -> str:
-    """The figures as a markdown table, one row per (N, ops, kind of round), the two kinds of
-    round side by side in one run."""
-    rows = [
+def figures(
+    sizes: tuple[int, ...] = (8, 64, 256, 1024),
+    ops: tuple[int, ...] = (0, 64),
+    rounds: int = 20,
+) -> list[RoundFigures]:
+    """Every (N, ops) with both kinds of round, measured side by side in one run."""
+    return [measure(n, k, rounds, vectors) for n in sizes for k in ops for vectors in (False, True)]
+
+
+def table(rows: list[RoundFigures]) -> str:
+    """The figures as a markdown table, one row per (N, ops, kind of round)."""
+    out = [
         "| ranks | cached ops | round | Python ms/round | control bytes in/round | ops | steps "
         "| decodes |",
         "|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for n in sizes:
-        for k in ops:
-            for vectors in (False, True):
-                f = measure(n, k, vectors=vectors)
-                rows.append(
-                    f"| {n} | {k} | {'vector' if vectors else 'gathered'} | {f.python_ms:.3f} "
-                    f"| {f.bytes_in:,} | {f.wire_ops} | {f.steps} | {f.decodes} |"
-                )
-    return "\n".join(rows)
+    for f in rows:
+        out.append(
+            f"| {f.size} | {f.ops} | {'vector' if f.vectors else 'gathered'} | "
+            f"{f.python_ms:.3f} | {f.bytes_in:,} | {f.wire_ops} | {f.steps} | {f.decodes} |"
+        )
+    return "\n".join(out)
 
 
 if __name__ == "__main__":  # python -m ringtrain.collectives.simulated
-    print(table())
+    print(table(figures()))
