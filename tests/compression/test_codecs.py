@@ -1,12 +1,14 @@
 """Each codec against the uncompressed path, with stated tolerances, in one process.
 
-Summed codecs (none, fp16, bf16) are tensor code; PowerSGD and top-k run their rounds on a
+Summed codecs (none, fp16, bf16) and the gathered ones (int8, int4) are tensor code; PowerSGD and top-k run their rounds on a
 :class:`ringtrain.compression.codec.Rounds` of 3 simulated ranks (threads in this process,
 summing in rank order), so the same code the engine runs is checked without starting ranks.
 The tolerances, derived here once (``u`` is the wire's unit roundoff, ``eps / 2``):
 
 * a cast to the wire and back is within ``u |x|`` (within half the subnormal spacing below the
   smallest normal);
+* int8/int4 round each value within half a step, a step being its block's largest magnitude
+  over the level count (127, 7);
 * an average of n values divided before the 16-bit sum (the rule: ``compression.averaging``):
   n casts of ``x_i / n`` and n - 1 additions, each within ``u`` times a partial sum of
   magnitudes, so within ``n u mean_i |x_i|`` plus second-order terms, asserted as
@@ -30,12 +32,13 @@ from typing import Any
 import pytest
 import torch
 
-from ringtrain.compression import averaging, overflow
+from ringtrain.compression import averaging, overflow, resolve, wires
 from ringtrain.compression.halfprec import BF16Compressor, FP16Compressor, NoneCompressor
 from ringtrain.compression.powersgd import PowerSGDReducer
+from ringtrain.compression.quantized import BLOCK, Int4Compressor, Int8Compressor
 from ringtrain.compression.topk import TopKReducer
 
-WIRES = {"fp16": FP16Compressor, "bf16": BF16Compressor}
+HALF = {"fp16": FP16Compressor, "bf16": BF16Compressor}
 N = 3
 
 
@@ -43,9 +46,9 @@ def _roundoff(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps) / 2
 
 
-@pytest.mark.parametrize("name", sorted(WIRES))
+@pytest.mark.parametrize("name", sorted(HALF))
 def test_a_cast_and_back_is_within_half_a_unit(name: str) -> None:
-    codec = WIRES[name]
+    codec = HALF[name]
     info = torch.finfo(codec.cast_to)
     x = torch.randn(10_000, dtype=torch.float32) * torch.logspace(-6, 4, 10_000)
     wire, ctx = codec.compress(x)
@@ -57,9 +60,9 @@ def test_a_cast_and_back_is_within_half_a_unit(name: str) -> None:
     assert bool((back != x).any())  # it did round
 
 
-@pytest.mark.parametrize("name", [*sorted(WIRES), "none"])
+@pytest.mark.parametrize("name", [*sorted(HALF), "none"])
 def test_non_float_tensors_pass_through(name: str) -> None:
-    codec = WIRES.get(name, NoneCompressor)
+    codec = HALF.get(name, NoneCompressor)
     t = torch.arange(6, dtype=torch.int32)
     wire, ctx = codec.compress(t)
     assert wire is t and codec.wire_dtype(torch.int32) == torch.int32
@@ -76,9 +79,9 @@ def _average_on_the_wire(codec: Any, xs: list[torch.Tensor]) -> torch.Tensor:
     return codec.decompress(total, xs[0].dtype)
 
 
-@pytest.mark.parametrize("name", sorted(WIRES))
+@pytest.mark.parametrize("name", sorted(HALF))
 def test_a_16_bit_average_is_within_the_stated_bound(name: str) -> None:
-    codec = WIRES[name]
+    codec = HALF[name]
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(10_000, generator=g) * 100 for _ in range(N)]
     exact = torch.stack([x.double() for x in xs]).mean(0)
@@ -90,6 +93,43 @@ def test_a_16_bit_average_is_within_the_stated_bound(name: str) -> None:
     assert bool((err > 2 * N * _roundoff(torch.float32) * mean_abs).any())
     plain = _average_on_the_wire(NoneCompressor, xs).double()
     assert bool(((plain - exact).abs() <= 2 * N * _roundoff(torch.float32) * mean_abs).all())
+
+
+QUANTIZED = {"int8": Int8Compressor, "int4": Int4Compressor}
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZED))
+def test_a_quantized_wire_rounds_within_half_a_level(name: str) -> None:
+    """Per block of BLOCK values, the step is the block's largest magnitude over the levels;
+    each value is within half a step (and float32's rounding of the product)."""
+    codec = QUANTIZED[name]
+    x = torch.randn(1000) * torch.linspace(0.01, 10, 1000)
+    x[:BLOCK] = 0.0  # a block of zeros: scale 0, decoded exactly
+    payload, numel = codec.compress(x)
+    assert payload.dtype == torch.uint8 and payload.numel() == codec.payload_bytes(1000)
+    assert codec.payload_bytes(1000) < x.numel() * 4 * codec.bits / 32 * 1.1  # + scales
+    back = codec.decompress(payload, numel)
+    assert back.dtype == torch.float32 and back.shape == x.shape
+    for block in range(0, 1000, BLOCK):
+        part = slice(block, block + BLOCK)
+        step = float(x[part].abs().max()) / codec.levels
+        err = float((back[part] - x[part]).abs().max())
+        assert err <= step / 2 * (1 + 4 * _roundoff(torch.float32)), (name, block, err, step)
+    assert torch.equal(back[:BLOCK], x[:BLOCK])
+
+
+def test_every_outer_wire_is_a_registered_codec() -> None:
+    """The outer exchange's names (Config.outer_compression) are the wires' table: the summed
+    ones are the gradient codecs themselves, the gathered ones beside them."""
+    assert {
+        "none": NoneCompressor,
+        "fp16": FP16Compressor,
+        "bf16": BF16Compressor,
+        "int8": Int8Compressor,
+        "int4": Int4Compressor,
+    } == wires.WIRES
+    for name in ("none", "fp16", "bf16"):
+        assert type(resolve(name)) is wires.WIRES[name]
 
 
 # ---- the overflow rule ----------------------------------------------------------------------
@@ -115,7 +155,7 @@ def test_narrower_wires_are_those_with_a_smaller_range() -> None:
     assert overflow.narrower(f16, b16) and overflow.narrower(f32, f64)
     assert not overflow.narrower(f32, f32) and not overflow.narrower(f64, f32)
     assert not overflow.narrower(None, f32) and not overflow.narrower(torch.int32, torch.int64)
-    for name, codec in WIRES.items():  # every 16-bit codec's wire has the rule
+    for name, codec in HALF.items():  # every 16-bit codec's wire has the rule
         assert overflow.narrower(codec.wire_dtype(f32), f32), name
 
 

@@ -350,17 +350,6 @@ def test_one_rank_trains_as_the_plain_optimizer() -> None:
 # ---- units ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
-def test_quantized_wire_rounds_within_half_a_level(codec: str) -> None:
-    x = torch.randn(1000) * torch.linspace(0.01, 10, 1000)
-    back = outer_codec.decode(outer_codec.encode(x, codec), x.numel(), codec)
-    levels = {"int8": 127, "int4": 7}[codec]
-    for block in range(0, 1000, outer_codec.BLOCK):
-        part = slice(block, block + outer_codec.BLOCK)
-        step = float(x[part].abs().max()) / levels
-        assert float((back[part] - x[part]).abs().max()) <= step / 2 + 1e-6
-
-
 def test_codec_names_agree() -> None:
     assert OUTER_COMPRESSIONS == outer_codec.CODECS
 

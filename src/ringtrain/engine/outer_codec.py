@@ -7,9 +7,11 @@ the same average comes out on every rank. The wire (``outer_compression``):
 * ``"fp16"``, ``"bf16"``: the vector divided by the world size before the cast, summed in the
   ring in 16 bits; a sum that overflows (any rank's chunk not finite) is redone in float32,
   decided alike everywhere (the transport's ``fallback``);
-* ``"int8"``, ``"int4"``: each rank's vector quantized per block of :data:`BLOCK` values with
-  one float32 scale per block, all-gathered, and decoded and summed in rank order on every rank
-  (integers cannot be summed on the wire without overflow).
+* ``"int8"``, ``"int4"``: each rank's vector quantized per block of 128 values with one float32
+  scale per block (:mod:`ringtrain.compression.quantized`), all-gathered, and decoded and summed
+  in rank order on every rank (integers cannot be summed on the wire without overflow).
+
+The codecs are :data:`ringtrain.compression.wires.WIRES`, by name; this module averages with them.
 
 Every narrow wire keeps **error feedback**: what this rank's rounding lost is added to its next
 vector, so nothing is lost for good, only late (as in streaming DiLoCo's 4-bit outer gradients).
@@ -25,16 +27,11 @@ import torch
 
 from ringtrain import transport
 from ringtrain.compression import averaging
-from ringtrain.compression.halfprec import BF16Compressor, FP16Compressor, NoneCompressor
+from ringtrain.compression.quantized import BlockQuantized
+from ringtrain.compression.wires import WIRES
 from ringtrain.errors import ConfigError
 
-CODECS = ("none", "fp16", "bf16", "int8", "int4")
-BLOCK = 128
-_LEVELS = {"int8": 127, "int4": 7}
-# The summed wires are the gradient codecs' own (compression.halfprec), over float32.
-_DTYPES = {
-    c.name: c.wire_dtype(torch.float32) for c in (NoneCompressor, FP16Compressor, BF16Compressor)
-}
+CODECS = tuple(WIRES)
 
 
 def check(name: str) -> str:
@@ -52,6 +49,7 @@ class OuterCodec:
 
     def __init__(self, name: str, wire: transport.Transport) -> None:
         self.name = check(name)
+        self._codec = WIRES[name]
         self._wire = wire
         self.residual: torch.Tensor | None = None  # error feedback, this rank's own
         self.bytes_sent = 0  # by this rank, over the whole job: what the link carried
@@ -65,10 +63,10 @@ class OuterCodec:
         n = self.size
         if n == 1:
             return 0
-        if self.name in _DTYPES:
-            elem = 4 if self.name == "none" else 2
-            return 2 * (n - 1) * numel * elem // n
-        return (n - 1) * _payload_bytes(numel, self.name)
+        if issubclass(self._codec, BlockQuantized):
+            return (n - 1) * self._codec.payload_bytes(numel)
+        elem = self._codec.wire_dtype(torch.float32).itemsize
+        return 2 * (n - 1) * numel * elem // n
 
     def average(self, flat: torch.Tensor) -> torch.Tensor:
         """The mean over ranks of every rank's ``flat`` (float32, 1-D); the same on every rank."""
@@ -81,9 +79,9 @@ class OuterCodec:
             self._allreduce(out)
             return averaging.mean(out, n)
         x = flat if self.residual is None else flat + self.residual
-        if self.name in _DTYPES:
-            return self._average_16(x)
-        return self._average_quantized(x)
+        if issubclass(self._codec, BlockQuantized):
+            return self._average_quantized(x, self._codec)
+        return self._average_16(x)
 
     def _chunks(self, t: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.tensor_split(t, self.size))
@@ -98,7 +96,7 @@ class OuterCodec:
     def _average_16(self, x: torch.Tensor) -> torch.Tensor:
         n = self.size
         scaled = averaging.mean(x.clone(), n)  # divided before the 16-bit sum (the rule)
-        narrow = scaled.to(_DTYPES[self.name])
+        narrow = self._codec.compress(scaled)[0]
         self.residual = x - narrow.float() * n
         exact = scaled.clone()
         if self._allreduce(narrow, fallback=exact):
@@ -106,17 +104,16 @@ class OuterCodec:
             return exact
         return narrow.float()
 
-    def _average_quantized(self, x: torch.Tensor) -> torch.Tensor:
-        numel = x.numel()
-        mine = encode(x, self.name)
-        self.residual = x - decode(mine, numel, self.name)
+    def _average_quantized(self, x: torch.Tensor, codec: type[BlockQuantized]) -> torch.Tensor:
+        mine, numel = codec.compress(x)
+        self.residual = x - codec.decompress(mine, numel)
         pieces = [
             mine if r == self._wire.rank else torch.empty_like(mine) for r in range(self.size)
         ]
         self._wire.allgather(pieces).wait()
         total = torch.zeros(numel)
         for piece in pieces:  # rank order: the same sum on every rank
-            total += decode(piece, numel, self.name)
+            total += codec.decompress(piece, numel)
         return averaging.mean(total, self.size)
 
     def state_dict(self) -> dict[str, Any]:
@@ -131,46 +128,3 @@ class OuterCodec:
             )
         residual = state.get("residual")
         self.residual = None if residual is None else residual.to(device, copy=True)
-
-
-def _blocks(numel: int) -> int:
-    return -(-numel // BLOCK)
-
-
-def _payload_bytes(numel: int, name: str) -> int:
-    values = _blocks(numel) * BLOCK
-    body = values if name == "int8" else values // 2
-    return body + 4 * _blocks(numel)
-
-
-def encode(x: torch.Tensor, name: str) -> torch.Tensor:
-    """``x`` (float32, 1-D) as bytes: per block of :data:`BLOCK`, a float32 scale (its largest
-    magnitude over the level count) and the values rounded to integers in [-levels, levels]
-    (int8 as bytes; int4 two to a byte, offset by 8)."""
-    levels = _LEVELS[name]
-    blocks = _blocks(x.numel())
-    padded = torch.zeros(blocks * BLOCK)
-    padded[: x.numel()] = x
-    grid = padded.view(blocks, BLOCK)
-    scale = grid.abs().amax(dim=1) / levels
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(grid / safe[:, None]).clamp_(-levels, levels).to(torch.int8).reshape(-1)
-    if name == "int8":
-        body = q.view(torch.uint8)
-    else:
-        u = (q + 8).to(torch.uint8)
-        body = u[0::2] * 16 + u[1::2]
-    return torch.cat([body, scale.view(torch.uint8)])
-
-
-def decode(payload: torch.Tensor, numel: int, name: str) -> torch.Tensor:
-    """The float32 values :func:`encode` packed (rounded)."""
-    blocks = _blocks(numel)
-    split = payload.numel() - 4 * blocks
-    scale = payload[split:].clone().view(torch.float32)
-    body = payload[:split]
-    if name == "int8":
-        q = body.view(torch.int8).float()
-    else:
-        q = torch.stack([body // 16, body % 16], dim=1).reshape(-1).float() - 8
-    return (q.view(blocks, BLOCK) * scale[:, None]).reshape(-1)[:numel]
