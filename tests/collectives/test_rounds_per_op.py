@@ -28,9 +28,16 @@ def rounds_per_op(ops: int) -> float:
     return (ctl.rounds - before) / ops
 
 
-@pytest.mark.parametrize("fast_lane", [True, False])
-def test_a_repeated_op_takes_about_one_round(world2: spawn.World, fast_lane: bool) -> None:
-    per_op = world2.run(rounds_per_op, OPS, fast_lane=fast_lane)
+@pytest.mark.parametrize(
+    ("fast_lane", "vector_rounds_from"),
+    [(True, 0), (False, 0), (False, 2)],
+    ids=["lane", "gathered", "vector"],
+)
+def test_a_repeated_op_takes_about_one_round(
+    world2: spawn.World, fast_lane: bool, vector_rounds_from: int
+) -> None:
+    settings = {"fast_lane": fast_lane, "vector_rounds_from": vector_rounds_from}
+    per_op = world2.run(rounds_per_op, OPS, **settings)
     # Each rank reads its own counter as its loop ends, while the controllers go on with idle
     # rounds: the two counts may differ by a round in flight, so each is bounded alone.
     assert all(p <= 1.5 for p in per_op), per_op

@@ -66,55 +66,16 @@ def test_a_vector_has_one_length_whatever_the_rank_count() -> None:
     assert words_for(8192) == vector_round.HEADER_WORDS + 128  # 1 KiB of bits at full cache
 
 
-# The steps that complete together, one on each rank of a pair.
-MATCHES = [{"send", "recv_and"}, {"exchange"}, {"send_result", "recv_result"}]
-
-
-@pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 12, 64, 100])
-def test_recursive_doubling_gives_every_rank_the_and_of_all(size: int) -> None:
-    """Every rank's schedule run with rendezvous semantics (a step completes when the peer is
-    at the matching step), AND as set intersection: no deadlock, and everyone ends with the
-    AND of all in at most log2 N + 2 rounds of steps."""
-    held = [{r, r + 1, 1000} for r in range(size)]  # 1000: on every rank
-    schedules = [vector_round.doubling(r, size) for r in range(size)]
-    at = [0] * size
-    depth = 0
-    while any(at[r] < len(schedules[r]) for r in range(size)):
-        depth += 1
-        before = [set(h) for h in held]  # what each rank holds as this round of steps begins
-        done = set()
-        for r in range(size):
-            if r in done or at[r] >= len(schedules[r]):
-                continue
-            kind, peer = schedules[r][at[r]]
-            if peer in done or at[peer] >= len(schedules[peer]):
-                continue
-            other = schedules[peer][at[peer]]
-            if other.peer != r or {kind, other.kind} not in MATCHES:
-                continue
-            for me, them, k in ((r, peer, kind), (peer, r, other.kind)):
-                if k in ("recv_and", "exchange"):
-                    held[me] = held[me] & before[them]
-                elif k == "recv_result":
-                    held[me] = set(before[them])
-            at[r] += 1
-            at[peer] += 1
-            done |= {r, peer}
-        assert done, f"deadlock at {at}"
-    assert depth <= (size.bit_length() - 1) + 2
-    want = set.intersection(*[{r, r + 1, 1000} for r in range(size)])
-    assert all(h == want for h in held)
-
-
-def test_control_bytes_per_round_grow_with_log_n_not_n() -> None:
+def test_control_bytes_per_round_do_not_grow_with_the_rank_count() -> None:
     figures = {n: measure(n, ops=64, rounds=3, vectors=True) for n in (8, 64, 1024)}
     vector_bytes = 8 * words_for(64)
     for n, f in figures.items():
         assert f.wire_ops == 1 and f.decodes == 1
-        assert f.steps == n.bit_length() - 1  # powers of two: log2 N exchanges
-        assert f.bytes_in == f.steps * vector_bytes  # one vector received per step
+        # Gloo's ring allreduce brings 2(N-1)/N of the vector into each rank: under twice it.
+        assert vector_bytes <= f.bytes_in < 2 * vector_bytes
+        assert f.steps == 2 * (n - 1)
     gathered = measure(1024, ops=64, rounds=3)
-    assert gathered.steps == 1023 and gathered.bytes_in > 5000 * figures[1024].bytes_in
+    assert gathered.bytes_in > 5000 * figures[1024].bytes_in
 
 
 def test_new_requests_take_a_gathered_round_then_ride_the_bits() -> None:

@@ -12,8 +12,8 @@ a real transport would carry. Nothing runs on a data group: ready ops go to a
 So a round's figures are this rank's own: the Python time of one round (the controller's code,
 the copy into the slots excluded, as a real transport does that off the Python thread) and, from
 the channel, the control bytes that reach the rank, the collectives it takes and the sequential
-steps of those collectives (a ring allgather of N slots: N-1 steps; a vector round's recursive
-doubling: log2 N steps, one vector received in each). ``ringtrain bench coordinator`` prints
+steps of those collectives (a ring allgather of N slots: N-1 steps; a vector round's ring
+allreduce: 2(N-1) steps, under twice the vector's bytes). ``ringtrain bench coordinator`` prints
 them (:mod:`ringtrain.bench.coordinator`). Both kinds of round can be
 simulated: gathered (every rank's message) and vector rounds
 (:mod:`~ringtrain.collectives.vector_round`; peers that mirror this rank AND to the same bits).
@@ -35,7 +35,7 @@ from ringtrain.collectives.control_round import ControlChannel, Message
 from ringtrain.collectives.controller import Controller
 from ringtrain.collectives.execute import Pending
 from ringtrain.collectives.requests import Request, TensorMeta
-from ringtrain.collectives.vector_round import VectorChannel, doubling
+from ringtrain.collectives.vector_round import VectorChannel
 from ringtrain.config import Config
 from ringtrain.runtime.communicator import Communicator
 
@@ -82,7 +82,7 @@ class CountingChannel(ControlChannel):
 
 class CountingVectors(VectorChannel):
     """The vector rounds' channel over a simulated wire: peers mirror this rank, so the AND of
-    their vectors is this rank's; counted as the recursive doubling the Gloo channel runs."""
+    their vectors is this rank's; counted as Gloo's ring allreduce of the vector."""
 
     def __init__(self, size: int, counts: WireCounts) -> None:
         self._size = size
@@ -97,12 +97,10 @@ class CountingVectors(VectorChannel):
         return super().exchange(v)
 
     def _allreduce(self, t: torch.Tensor) -> None:
-        steps = doubling(0, self._size)  # rank 0's part: the longest, where the size folds
-        c = self.counts
+        c, n = self.counts, self._size
         c.ops += 1
-        c.steps += len(steps)
-        receives = sum(step.kind != "send" and step.kind != "send_result" for step in steps)
-        c.bytes_in += receives * t.numel() * t.element_size()
+        c.steps += 2 * (n - 1)  # a ring allreduce: reduce-scatter, then allgather
+        c.bytes_in += 2 * (n - 1) * t.numel() * t.element_size() // n
 
 
 class CountingExecutor:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -187,44 +186,20 @@ def _slots(mask: np.uint64, base: int) -> frozenset[int]:
     return frozenset(base + i for i in range(64) if m >> i & 1)
 
 
-class Step(NamedTuple):
-    """One sequential step of a rank's part in the AND (see :func:`doubling`)."""
-
-    kind: str  # "send", "recv_and", "exchange", "recv_result" or "send_result"
-    peer: int  # set rank
-
-
-def doubling(rank: int, size: int) -> list[Step]:
-    """Recursive doubling: ``log2(p)`` exchanges among the first ``p`` ranks (``p`` the largest
-    power of two up to ``size``); each of the other ranks first folds its vector into rank
-    ``r - p`` and gets the result back at the end. With ranks numbered host by host, as
-    launchers place them, the first exchanges stay on one host, so the steps that cross hosts
-    are about ``log2(hosts)``."""
-    p = 1 << (size.bit_length() - 1)
-    if rank >= p:
-        return [Step("send", rank - p), Step("recv_result", rank - p)]
-    folded = rank + p < size
-    steps = [Step("recv_and", rank + p)] if folded else []
-    d = 1
-    while d < p:
-        steps.append(Step("exchange", rank ^ d))
-        d <<= 1
-    if folded:
-        steps.append(Step("send_result", rank + p))
-    return steps
-
-
 class VectorChannel:
-    """The bitwise AND of one vector per rank over a set's ``control`` group: recursive
-    doubling on Gloo (log2 N sequential steps, where Gloo's ring allreduce takes 2(N-1)), the
-    group's allreduce on ringtrain's own groups (tcp, sealed), which have no point-to-point."""
+    """The bitwise AND of one vector per rank over a set's ``control`` group: one allreduce.
+
+    Gloo's allreduce is a ring (2(N-1) sequential steps, under twice the vector's bytes into each
+    rank). Recursive doubling would take log2 N steps, but on Gloo's point-to-point operations a
+    timed wait that runs out closes every connection of the group ("Application timeout caused
+    pair closure", torch 2.13), and the controller's waits are sliced so that an elastic
+    re-forming can end them (:func:`ringtrain.runtime.abort.wait_work`); a collective's wait can
+    be sliced safely."""
 
     def __init__(self, comm: Communicator, world: int) -> None:
         self._size = comm.size
         self._group = comm.group("control") if comm.size > 1 else None
         self._world = world
-        self._steps = doubling(comm.set_rank, comm.size) if _point_to_point(self._group) else []
-        self._buf: torch.Tensor | None = None  # a peer's vector, received
         self.rounds = 0  # exchanges so far: a protocol counter for tests and benchmarks
 
     def exchange(self, v: np.ndarray) -> np.ndarray:
@@ -237,40 +212,8 @@ class VectorChannel:
 
     def _allreduce(self, t: torch.Tensor) -> None:
         """The wire (a simulated transport replaces this, see collectives.simulated)."""
-        if not self._steps:
-            work = dist.all_reduce(t, op=dist.ReduceOp.BAND, group=self._group, async_op=True)
-            abort.wait_work(work, self._world)
-            return
-        if self._buf is None or self._buf.numel() != t.numel():
-            self._buf = torch.empty_like(t)
-        buf, g = self._buf, self._group
-        for kind, peer in self._steps:
-            if kind in ("send", "send_result"):
-                self._wait(dist.isend(t, group=g, group_dst=peer))
-            elif kind == "recv_result":
-                self._wait(dist.irecv(t, group=g, group_src=peer))
-            else:
-                if kind == "exchange":
-                    out = dist.P2POp(dist.isend, t, group=g, group_peer=peer)
-                    into = dist.P2POp(dist.irecv, buf, group=g, group_peer=peer)
-                    for work in dist.batch_isend_irecv([out, into]):
-                        self._wait(work)
-                else:
-                    self._wait(dist.irecv(buf, group=g, group_src=peer))
-                t.bitwise_and_(buf)
-
-    def _wait(self, work: Any) -> None:
+        work = dist.all_reduce(t, op=dist.ReduceOp.BAND, group=self._group, async_op=True)
         abort.wait_work(work, self._world)
-
-
-def _point_to_point(group: Any) -> bool:
-    """Whether ``group`` is Gloo's (ringtrain's own groups have collectives only)."""
-    if group is None:
-        return False
-    try:
-        return dist.get_backend(group) == "gloo"
-    except Exception:  # not a registered torch group: one of ringtrain's own
-        return False
 
 
 def used(vector_rounds_from: int, cache_capacity: int, size: int) -> bool:
