@@ -78,22 +78,35 @@ def test_control_bytes_per_round_do_not_grow_with_the_rank_count() -> None:
     assert gathered.bytes_in > 5000 * figures[1024].bytes_in
 
 
-def test_new_requests_take_a_gathered_round_then_ride_the_bits() -> None:
+def test_new_requests_take_gathered_rounds_then_ride_the_bits() -> None:
     sim = SimulatedRank(16, vectors=True)
     names = [f"g.{i}" for i in range(10)]
     sim.submit(names)
-    before = sim.channel.rounds
+    vectors, gathered = sim.controller._vector.channel, sim.channel
     sim.round()  # a vector round that asks for a gathered one: nothing cached yet
-    assert sim.executor.order == []
+    assert sim.executor.order == [] and (vectors.rounds, gathered.rounds) == (1, 0)
     sim.round()
-    assert sim.channel.rounds == before + 1  # the gathered round ran them
-    assert sim.executor.order == names
+    assert sim.executor.order == names and gathered.rounds == 1  # the gathered round ran them
+    # It carried uncached requests, so the next round is gathered too (unnamed ops come in
+    # runs, each new): the repeat goes by cache numbers in it, and no new request follows.
+    sim.submit(names)
+    sim.round()
+    assert (vectors.rounds, gathered.rounds) == (1, 2)
     for _ in range(3):
         sim.submit(list(reversed(names)))
-        sim.round()  # cached now: one vector round each, the ops in cache order
-    assert sim.channel.rounds == before + 1
-    assert sim.executor.order == names * 4
+        sim.round()  # cached, nothing new: one vector round each, the ops in cache order
+    assert (vectors.rounds, gathered.rounds) == (4, 2)
+    assert sim.executor.order == names * 5
     assert not sim.controller.pending_names()
+
+
+def test_a_run_of_new_names_costs_one_gathered_round_each() -> None:
+    sim = SimulatedRank(16, vectors=True)
+    for i in range(20):  # unnamed ops: a new name every time, never a cache hit
+        sim.submit([f"allreduce.noname.{i}"])
+        sim.round()
+    assert sim.executor.ops == 20
+    assert sim.controller.rounds <= 21  # the first vector round, then gathered ones
 
 
 # ---- real ranks: vector rounds forced at 3 ranks (Config.vector_rounds_from=2) ----------------

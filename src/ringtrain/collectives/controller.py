@@ -394,7 +394,7 @@ class Controller(LaneControl):
         started = time.perf_counter()
         messages = self._channel.exchange(mine)
         if rounds is not None:
-            rounds.gather_next, rounds.carried = False, ()
+            rounds.carried = ()
         if rec.enabled and any(m.requests for m in messages):  # idle rounds are not drawn
             rec.span(
                 f"collectives set {self.comm.set_id}",
@@ -434,12 +434,14 @@ class Controller(LaneControl):
         self._executor.flush()
         self._active = any(m.requests for m in messages)
         self._doze = self.comm.size > 1 and all(m.idle for m in messages) and not self._table
+        if rounds is not None:  # uncached requests come in runs (unnamed ops): stay gathered
+            fresh = any(not isinstance(r, int) for m in messages for r in m.requests)
+            rounds.gather_next = fresh or bool(self._table)
         if any(m.shutdown for m in messages):
             self._after_votes(messages)
 
     def _vector_cycle(self, rounds: VectorRounds) -> None:
-        """A vector round (collectives.vector_round): cached requests by their bits; anything
-        else asks for a gathered round next, which every rank then takes."""
+        """A vector round (collectives.vector_round): cached requests by their bits."""
         now = self._clock()
         with self._lock:
             new, self._new = self._new, []
@@ -485,12 +487,10 @@ class Controller(LaneControl):
         self._doze = self.comm.size > 1 and got.idle and not self._table
 
     def _busy_elsewhere(self) -> bool:
-        """This rank waits for peers on ops other than the lane's (its submitted ops that are
-        not ready): a peer's lane claim must not wait for it."""
-        me = self.comm.set_rank
+        """This rank waits for peers on other ops: a peer's lane claim must not wait for it."""
         if self._vector is not None and self._vector.pending:
             return True
-        return any(me in by for by in self._table.values())
+        return any(self.comm.set_rank in by for by in self._table.values())
 
     def _after_votes(self, messages: list[Message]) -> None:
         """Some rank voted to shut down in this round: end the set, or fail what cannot run

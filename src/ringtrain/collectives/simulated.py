@@ -215,9 +215,10 @@ def measure(size: int, ops: int, rounds: int = 20, vectors: bool = False) -> Rou
     sim = SimulatedRank(size, vectors)
     names = [f"grad.{i}" for i in range(ops)]
     if ops:
-        sim.submit(names)
-        while sim.controller.pending_names():  # first time: full requests, then cache numbers
-            sim.round()
+        for _ in range(2):  # first full requests, then a gathered round follows those
+            sim.submit(names)
+            while sim.controller.pending_names():
+                sim.round()
     before = WireCounts(**vars(sim.channel.counts))
     times = []
     for _ in range(rounds):

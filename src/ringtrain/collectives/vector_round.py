@@ -21,7 +21,9 @@ which every rank already holds in the request cache under the same number. So fr
 Its size is ``HEADER_WORDS + ceil(cache entries / 64)`` words, whatever the rank count. A round
 that some rank flagged is followed by a gathered one, where every rank's pending cached
 requests join the table as gathered messages carry them, so name matching, mismatch reports,
-stall reports, joins and shutdown votes work exactly as in gathered rounds.
+stall reports, joins and shutdown votes work exactly as in gathered rounds. A gathered round that
+carried uncached requests, or left names waiting, is followed by another (the controller's rule):
+unnamed ops are new every time, and each would otherwise cost a vector round and a gathered one.
 """
 
 from __future__ import annotations
