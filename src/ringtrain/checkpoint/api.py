@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -23,7 +24,13 @@ from ringtrain.checkpoint import (
     sealed,
     store,
 )
+from ringtrain.checkpoint.layout import Item
 from ringtrain.errors import CheckpointError, ConfigError, RingtrainError, SecurityError
+
+if TYPE_CHECKING:
+    from ringtrain.config import Config
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -34,7 +41,7 @@ class Restored:
     step: int
     saved_world_size: int
     extra: Any = None
-    data: Any = None  # what to iterate for the rest of the epoch (sampler, or Remaining)
+    data: Iterable[int] | None = None  # the rest of the epoch: the sampler, or Remaining
     manifest: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -46,7 +53,7 @@ class Restored:
         return run if isinstance(run, str) else ""
 
 
-def _where() -> tuple[int, int, Any]:
+def _where() -> tuple[int, int, Config]:
     from ringtrain.config import Config
     from ringtrain.runtime import state as runtime
 
@@ -56,7 +63,7 @@ def _where() -> tuple[int, int, Any]:
     return 0, 1, Config.from_env()
 
 
-def _agree(value: Any, size: int) -> Any:
+def _agree(value: T, size: int) -> T:
     """Rank 0's value on every rank."""
     if size == 1:
         return value
@@ -103,14 +110,14 @@ def prepare(
     path: str,
     step: int,
     keep: int,
-    model: Any,
-    optimizer: Any,
-    sampler: Any,
-    extra: Any,
-    host: Any = None,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    sampler: object,
+    extra: object,
+    host: Callable[[torch.Tensor, str], object] | None = None,
     save_id: str | None = None,
     run: str | None = None,
-) -> tuple[store.Job, list[Any], sealed.Keys | None]:
+) -> tuple[store.Job, list[Item], sealed.Keys | None]:
     """The blocking half of a save: agree on an id (a collective, unless ``save_id`` is given,
     the same on every rank), copy this rank's part to host memory. What is left (writing,
     committing) needs no collective."""
@@ -140,9 +147,9 @@ def save(
     path: str | os.PathLike[str],
     *,
     model: torch.nn.Module | None = None,
-    optimizer: Any = None,
-    sampler: Any = None,
-    extra: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    sampler: object = None,
+    extra: object = None,
     step: int = 0,
     keep: int = 0,
 ) -> str:
@@ -189,8 +196,8 @@ def load(
     path: str | os.PathLike[str],
     *,
     model: torch.nn.Module | None = None,
-    optimizer: Any = None,
-    sampler: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    sampler: object = None,
     strict: bool = True,
 ) -> Restored:
     """Load a checkpoint saved at any world size into these objects (collective).
@@ -209,12 +216,13 @@ def load(
     rank, size, config = _where()
     keys = sealed.job_keys(config)
     error: BaseException | None = None
-    prepared: Any = None
+    prepared: _Prepared | None = None
     try:
         prepared = _read(os.fspath(path), keys, model, optimizer, rank, size)
     except (OSError, RingtrainError) as e:
         error = e if isinstance(e, RingtrainError) else CheckpointError(f"loading {path}: {e}")
     _all_ok(error, size, f"loading the checkpoint {os.fspath(path)}")
+    assert prepared is not None  # _all_ok raised otherwise
     return _apply(prepared, model, optimizer, sampler, strict, rank, size)
 
 
@@ -226,7 +234,12 @@ class _Prepared:
 
 
 def _read(
-    path: str, keys: sealed.Keys | None, model: Any, optimizer: Any, rank: int, size: int
+    path: str,
+    keys: sealed.Keys | None,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    rank: int,
+    size: int,
 ) -> _Prepared:
     opened = store.open_checkpoint(path, keys)
     asm = parts.assemble(opened.metadata, store.reader(opened), opened.directory)
@@ -268,7 +281,13 @@ def _read(
 
 
 def _apply(
-    prep: _Prepared, model: Any, optimizer: Any, sampler: Any, strict: bool, rank: int, size: int
+    prep: _Prepared,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    sampler: object,
+    strict: bool,
+    rank: int,
+    size: int,
 ) -> Restored:
     asm, man = prep.asm, prep.opened.manifest
     saved_size = int(man["world_size"])
@@ -284,7 +303,7 @@ def _apply(
         local_state.apply(prep.local, asm.objects, asm.tensors, model, optimizer, compressor, rank)
     elif optimizer is not None:
         meta = asm.objects["meta.optim"]
-        state: dict[int, dict[str, Any]] = {}
+        state: dict[int, dict[str, object]] = {}
         for fqn, t in asm.tensors.items():
             if fqn.startswith("optim."):
                 _, i, key = fqn.split(".", 2)
@@ -306,7 +325,7 @@ def _apply(
             raise ConfigError(
                 f"{prep.opened.directory} holds no sampler position.\nHINT: load without sampler=."
             )
-        data = samplers.restore(sampler, states, rank, size)  # type: ignore[arg-type]
+        data = samplers.restore(sampler, [s for s in states if s is not None], rank, size)
     return Restored(
         prep.opened.directory,
         int(man["step"]),
@@ -317,7 +336,9 @@ def _apply(
     )
 
 
-def _compressor(asm: parts.Assembled, rank: int, size: int, saved_size: int) -> Any:
+def _compressor(
+    asm: parts.Assembled, rank: int, size: int, saved_size: int
+) -> dict[str, object] | None:
     """Same world size: each rank its own compressor state. Another: reset, but ``auto`` keeps
     its decision (its inner compressor's state is reset)."""
     if size == saved_size:

@@ -24,14 +24,17 @@ continue either run. Keep-last counts only this run's checkpoints.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ringtrain import environ
 from ringtrain.checkpoint import api, manifest
 from ringtrain.checkpoint.writer import Checkpointer
-from ringtrain.config import checkpoint_schedule
+from ringtrain.config import Config, checkpoint_schedule
 from ringtrain.environ import Ringtrain
 from ringtrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Durable:
@@ -40,10 +43,10 @@ class Durable:
     def __init__(
         self,
         *,
-        model: Any = None,
-        optimizer: Any = None,
-        sampler: Any = None,
-        config: Any = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        sampler: object = None,
+        config: Config | None = None,
     ) -> None:
         _, self._size, cfg = api._where()
         cfg = cfg if config is None else config
@@ -54,7 +57,7 @@ class Durable:
                 "checkpoint_every is set but there is no checkpoint directory.\n"
                 "HINT: ringtrain run --checkpoint-dir DIR --checkpoint-every N."
             )
-        self._objects = {"model": model, "optimizer": optimizer, "sampler": sampler}
+        self._objects = (model, optimizer, sampler)
         self.start_step = 0
         self.restored: api.Restored | None = None
         # The launcher's job id is the same on every rank, and on ranks that join an elastic job
@@ -88,7 +91,7 @@ class Durable:
         due = time.monotonic() - self._last_time >= n
         return bool(api._agree(due, self._size))
 
-    def step(self, step: int, extra: Any = None, force: bool = False) -> bool:
+    def step(self, step: int, extra: object = None, force: bool = False) -> bool:
         """Call after optimizer step ``step`` (counting from 1): saves if due (or ``force``);
         returns whether it saved. Raises an earlier background save's failure."""
         if self._saver is None:
@@ -96,7 +99,8 @@ class Durable:
         self._saver.check()
         if not force and not self._due(step):
             return False
-        self._saver.save(step, **self._objects, extra=extra)
+        model, optimizer, sampler = self._objects
+        self._saver.save(step, model=model, optimizer=optimizer, sampler=sampler, extra=extra)
         self._last_step, self._last_time = step, time.monotonic()
         return True
 

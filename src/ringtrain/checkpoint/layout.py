@@ -58,7 +58,8 @@ class Item:
 
 
 # fqn, offset (None: an object), global size, dtype name, chunk size, file offset, length
-Entry = tuple[str, Any, Any, str, Any, int, int]
+Shape = tuple[int, ...]
+Entry = tuple[str, Shape | None, Shape | None, str, Shape | None, int, int]
 
 
 @dataclass
@@ -110,7 +111,7 @@ class _Sink:
             raise
         self.nbytes += len(data)
 
-    def write(self, data: Any) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data).cast("B")
         for i in range(0, len(view), self.CHUNK):
             chunk = view[i : i + self.CHUNK]
@@ -220,6 +221,7 @@ def build_metadata(records: list[Record]) -> Metadata:
                 sd_md[fqn] = BytesStorageMetadata()
                 storage[MetadataIndex(fqn)] = _StorageInfo(rec.file, start, length)
                 continue
+            assert size is not None and chunk is not None  # a tensor's entry has both
             md = sd_md.get(fqn)
             if md is None:
                 props = TensorProperties(dtype=getattr(torch, dtype))
@@ -235,7 +237,7 @@ def metadata_bytes(metadata: Metadata) -> bytes:
     return pickle.dumps(metadata)
 
 
-def load_item(data: bytes | memoryview, start: int, length: int) -> Any:
+def load_item(data: bytes | memoryview, start: int, length: int) -> object:
     """One item of a part file (a tensor or an object)."""
     return torch.load(
         io.BytesIO(data[start : start + length]), map_location="cpu", weights_only=False

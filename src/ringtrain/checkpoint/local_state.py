@@ -33,7 +33,7 @@ its own state back, bit for bit. Anywhere else every rank resumes from the ancho
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,8 +44,6 @@ from ringtrain.errors import CheckpointError
 
 log = logging.getLogger("ringtrain")
 
-Copy = Callable[[torch.Tensor, str], Any]
-
 
 @dataclass
 class Cut:
@@ -55,12 +53,18 @@ class Cut:
     shared: dict[str, torch.Tensor]  # local.* tensors to deal with them
     # rank<r>.*: (key, value, whether it is stored as a tensor, else as a pickled object)
     own: list[tuple[str, Any, bool]] = field(default_factory=list)
-    meta: dict[str, Any] = field(default_factory=dict)  # meta.local
+    meta: dict[str, object] = field(default_factory=dict)  # meta.local
 
 
-def cut(rank: int, model: Any, tensors: dict[str, torch.Tensor], held: Any) -> Cut:
+def cut(
+    rank: int,
+    model: torch.nn.Module | None,
+    tensors: dict[str, torch.Tensor],
+    held: optimizer_state.Held,
+) -> Cut:
     """This rank's share of a local-update optimizer's state (views; the caller copies)."""
-    local: optimizer_state.LocalHeld = held.local
+    local = held.local
+    assert local is not None  # the caller cuts only a local-update optimizer's state
     st = local.state
     anchor: list[torch.Tensor] | None = st["anchor"]
     agreed = bool(st["agreed"])
@@ -120,19 +124,7 @@ def cut(rank: int, model: Any, tensors: dict[str, torch.Tensor], held: Any) -> C
         for key, v in (piece.scalars or {}).items():
             out.own.append((f"{mine}optim_scalar.{piece.index}.{key}", v, False))
     out.own.append((f"{mine}local", own, False))
-    outer_meta: dict[str, Any] | None = None
-    if agreed:
-        outer_sd = st["outer"]
-        plain: dict[Any, dict[str, Any]] = {}
-        for j, values in outer_sd["state"].items():
-            plain[j] = {}
-            for key, v in values.items():
-                if isinstance(v, torch.Tensor):
-                    out.shared[f"local.outer.{j}.{key}"] = v
-                    plain[j][key] = None
-                else:
-                    plain[j][key] = v
-        outer_meta = {"state": plain, "param_groups": outer_sd["param_groups"]}
+    outer_meta = _outer_cut(st["outer"], out.shared) if agreed else None
     pendings = [f for f, m in enumerate(flight["pending"]) if m is not None]
     for f in pendings:
         out.shared[f"local.pending.{f}"] = flight["pending"][f]
@@ -151,14 +143,31 @@ def cut(rank: int, model: Any, tensors: dict[str, torch.Tensor], held: Any) -> C
     return out
 
 
+def _outer_cut(outer_sd: dict[str, Any], shared: dict[str, torch.Tensor]) -> dict[str, object]:
+    """The agreed outer optimizer's state: its tensors into ``shared`` (``local.outer.<j>.<key>``),
+    the rest as meta.local's plain values (a tensor's place: None)."""
+    plain: dict[object, dict[str, object]] = {}
+    for j, values in outer_sd["state"].items():
+        plain[j] = {}
+        for key, v in values.items():
+            if isinstance(v, torch.Tensor):
+                shared[f"local.outer.{j}.{key}"] = v
+                plain[j][key] = None
+            else:
+                plain[j][key] = v
+    return {"state": plain, "param_groups": outer_sd["param_groups"]}
+
+
 # ---- loading ------------------------------------------------------------------------------
 
 
-def is_local(objects: dict[str, Any]) -> bool:
+def is_local(objects: Mapping[str, object]) -> bool:
     return "meta.local" in objects
 
 
-def check(objects: dict[str, Any], optimizer: Any, where: str, same_size: bool) -> None:
+def check(
+    objects: dict[str, Any], optimizer: torch.optim.Optimizer, where: str, same_size: bool
+) -> None:
     """Before anything is loaded: the optimizer's local-update step matches the checkpoint's."""
     meta = objects["meta.local"]
     lu = optimizer_state.local_of(optimizer)
@@ -185,7 +194,9 @@ def check(objects: dict[str, Any], optimizer: Any, where: str, same_size: bool) 
         )
 
 
-def _anchor(tensors: dict[str, torch.Tensor], meta: dict[str, Any], src: int) -> Any:
+def _anchor(
+    tensors: dict[str, torch.Tensor], meta: dict[str, Any], src: int
+) -> list[torch.Tensor] | None:
     """Rank ``src``'s anchor: its own while the ranks did not agree, else the shared one."""
     if meta["anchor"] is None:
         return None
@@ -213,10 +224,13 @@ def _outer(
 
 
 def inner_state(
-    tensors: dict[str, torch.Tensor], objects: dict[str, Any], shapes: list[Any], src: int
-) -> dict[int, dict[str, Any]]:
+    tensors: dict[str, torch.Tensor],
+    objects: Mapping[str, object],
+    shapes: Sequence[Sequence[int]],
+    src: int,
+) -> dict[int, dict[str, object]]:
     """Saved rank ``src``'s inner optimizer state, in torch's format."""
-    state: dict[int, dict[str, Any]] = {}
+    state: dict[int, dict[str, object]] = {}
     prefix = f"rank{src}.optim."
     for fqn, t in tensors.items():
         if fqn.startswith(prefix):
@@ -236,7 +250,7 @@ class LoadPlan:
 
     exact: bool  # same world size, local-update optimizer: every rank its own state
     inner_from: int  # whose inner optimizer state this rank takes
-    local: dict[str, Any] | None  # the local-update step's state (LocalUpdate format), or None
+    local: dict[str, object] | None  # the local-update step's state (LocalUpdate format), or None
     weights: list[torch.Tensor] | None  # the weights to set, in meta.local's order
     buffers: dict[str, torch.Tensor]  # model buffers to set (this rank's own)
     message: str  # what was reset ("" when nothing)
@@ -245,7 +259,7 @@ class LoadPlan:
 def plan(
     tensors: dict[str, torch.Tensor],
     objects: dict[str, Any],
-    optimizer: Any,
+    optimizer: torch.optim.Optimizer,
     rank: int,
     size: int,
     saved_size: int,
@@ -267,7 +281,7 @@ def plan(
     if exact:
         for i in own["params"]:
             weights[i] = tensors[f"rank{rank}.local.param.{i}"]
-        local: dict[str, Any] | None = {
+        local: dict[str, object] | None = {
             "version": 3 if "fragments" in meta else 2,
             "fragments": meta.get("fragments", 1),
             "sync_every": meta["sync_every"],
@@ -304,7 +318,7 @@ def plan(
 
 def _in_flight(
     tensors: dict[str, torch.Tensor], own: dict[str, Any], meta: dict[str, Any], rank: int, n: int
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Rank ``rank``'s error feedback and exchanges in flight, in LocalUpdate's format: per
     fragment (version 3), or whole-model (files written before fragments: one residual, one
     pending average, all of the weights as sent, called "ref" before the delay)."""
@@ -367,9 +381,9 @@ def apply(
     plan_: LoadPlan,
     objects: dict[str, Any],
     tensors: dict[str, torch.Tensor],
-    model: Any,
-    optimizer: Any,
-    compressor: Any,
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    compressor: dict[str, object] | None,
     rank: int,
 ) -> None:
     """Put the plan into the objects (after the model's shared tensors were loaded)."""

@@ -19,7 +19,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ringtrain.errors import CheckpointError, SecurityError
@@ -38,13 +38,13 @@ def partial_name(name: str) -> str:
     return f".{name}.partial"
 
 
-def canonical(manifest: dict[str, Any]) -> bytes:
+def canonical(manifest: Mapping[str, object]) -> bytes:
     """The bytes a sealed manifest's MAC covers: everything but the MAC itself."""
     body = {k: v for k, v in manifest.items() if k != "mac"}
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def write(directory: str, manifest: dict[str, Any], mac_key: bytes | None = None) -> None:
+def write(directory: str, manifest: Mapping[str, object], mac_key: bytes | None = None) -> None:
     """Write ``manifest`` into ``directory`` atomically (temp file, fsync, rename, dir fsync)."""
     manifest = dict(manifest)
     if mac_key is not None:

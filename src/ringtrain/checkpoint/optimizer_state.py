@@ -26,6 +26,7 @@ engine's classes against; besides them only the keys ``optimizer.COMPRESSOR_STAT
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,7 @@ class PieceState:
     start: int
     stop: int
     elements: dict[str, torch.Tensor]  # per element: 1-D, stop - start long
-    scalars: dict[str, Any] | None  # per parameter (``step``): set where start == 0
+    scalars: dict[str, object] | None  # per parameter (``step``): set where start == 0
 
 
 @dataclass
@@ -50,10 +51,10 @@ class Held:
     """What this rank holds of the optimizer's state."""
 
     shapes: list[tuple[int, ...]]  # every parameter's shape, in the optimizer's order
-    param_groups: list[dict[str, Any]]  # torch's state_dict()["param_groups"]
+    param_groups: list[dict[str, object]]  # torch's state_dict()["param_groups"]
     replicated: bool  # True: every rank holds the same, whole state
     pieces: list[PieceState] = field(default_factory=list)
-    compressor: dict[str, Any] | None = None  # {"name", "state"} of a stateful compressor
+    compressor: dict[str, object] | None = None  # {"name", "state"} of a stateful compressor
     local: LocalHeld | None = None  # local updates: every rank's state differs (pieces whole)
 
 
@@ -88,7 +89,9 @@ def params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in _inner(opt).param_groups for p in g["params"]]
 
 
-def _split(st: dict[str, Any], shape: torch.Size) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _split(
+    st: Mapping[str, object], shape: torch.Size
+) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     """Per-element state (a tensor shaped like its parameter, never ``step``, as in torch's own
     ``load_state_dict``) flattened, and per-parameter values."""
     elements, scalars = {}, {}
@@ -157,16 +160,16 @@ def held(opt: torch.optim.Optimizer) -> Held:
 
 def load(
     opt: torch.optim.Optimizer,
-    state: dict[int, dict[str, Any]],
-    param_groups: list[dict[str, Any]],
-    compressor: dict[str, Any] | None,
-    local: dict[str, Any] | None = None,
+    state: dict[int, dict[str, object]],
+    param_groups: list[dict[str, object]],
+    compressor: dict[str, object] | None,
+    local: dict[str, object] | None = None,
 ) -> None:
     """Load the full per-parameter ``state`` (torch's format) into ``opt``; ``local``: a
     local-update step's state (:meth:`LocalUpdate.local_state_dict`'s format), or None. A
     local-update optimizer given no ``local`` starts afresh from its weights
     (:meth:`LocalUpdate.restart`)."""
-    sd: dict[str, Any] = {"state": state, "param_groups": param_groups}
+    sd: dict[str, object] = {"state": state, "param_groups": param_groups}
     lu = local_of(opt)
     if compressor is not None and distributed(opt) is not None:
         from ringtrain.engine.optimizer import COMPRESSOR_STATE_KEY

@@ -24,13 +24,16 @@ import random
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ringtrain.checkpoint import local_state, optimizer_state
 from ringtrain.checkpoint.layout import Item
 from ringtrain.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 
 def deal(sizes: Mapping[str, int], ranks: int) -> dict[str, int]:
@@ -53,8 +56,8 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+def rng_state() -> dict[str, object]:
+    state: dict[str, object] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if "numpy" in sys.modules:
         state["numpy"] = sys.modules["numpy"].random.get_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -76,19 +79,19 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def snapshot(
     rank: int,
     size: int,
-    model: Any = None,
-    optimizer: Any = None,
-    sampler: Any = None,
-    extra: Any = None,
-    host: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
-) -> tuple[list[Item], dict[str, Any]]:
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    sampler: object = None,
+    extra: object = None,
+    host: Callable[[torch.Tensor, str], object] | None = None,
+) -> tuple[list[Item], dict[str, object]]:
     """This rank's items, copied to host memory (by ``host(tensor, key)``: default a fresh
     copy), and the layout facts for the manifest."""
     from ringtrain.checkpoint import samplers
 
     copy = host if host is not None else (lambda t, key: _host(t))
     items: list[Item] = []
-    layout: dict[str, Any] = {"world_size": size}
+    layout: dict[str, object] = {"world_size": size}
     model_sd = model.state_dict() if model is not None else {}
     tensors = {k: v for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
     sizes = {f"model.{k}": _nbytes(v) for k, v in tensors.items()}
@@ -124,6 +127,7 @@ def snapshot(
         if rank == 0:
             items.append(Item("meta.local", _to_host(local.meta)))
     if held is not None:
+        assert optimizer is not None  # held is the optimizer's
         layout.setdefault("optimizer", "sharded" if not held.replicated else "whole")
         layout["compressor"] = optimizer_state.compressor_name(optimizer)
         for piece in held.pieces if local is None else []:
@@ -136,8 +140,8 @@ def snapshot(
                     continue
                 items.append(Item(fqn, copy(v, f"{fqn}@{piece.start}"), (numel,), (piece.start,)))
             if piece.scalars is not None and (not held.replicated or _first(owner, piece, rank)):
-                for key, v in piece.scalars.items():
-                    value = _host(v) if isinstance(v, torch.Tensor) else v
+                for key, scalar in piece.scalars.items():
+                    value = _host(scalar) if isinstance(scalar, torch.Tensor) else scalar
                     items.append(Item(f"optim_scalar.{piece.index}.{key}", value))
         if rank == 0:
             meta = {"param_groups": held.param_groups, "shapes": held.shapes}
@@ -160,7 +164,7 @@ def _first(owner: dict[str, int], piece: optimizer_state.PieceState, rank: int) 
     return owner[f"optim.{piece.index}.{keys[0]}"] == rank if keys else rank == 0
 
 
-def _to_host(obj: Any) -> Any:
+def _to_host(obj: object) -> object:
     if isinstance(obj, torch.Tensor):
         return _host(obj)
     if isinstance(obj, dict):
@@ -178,7 +182,12 @@ class Assembled:
     objects: dict[str, Any] = field(default_factory=dict)
 
 
-def assemble(metadata: Any, read: Any, where: str, wanted: set[str] | None = None) -> Assembled:
+def assemble(
+    metadata: Metadata,
+    read: Callable[[MetadataIndex], object],
+    where: str,
+    wanted: set[str] | None = None,
+) -> Assembled:
     """Rebuild whole tensors from their chunks. ``read(index)`` returns one stored item;
     a tensor not covered exactly by its chunks is an error naming the checkpoint."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
@@ -193,7 +202,7 @@ def assemble(metadata: Any, read: Any, where: str, wanted: set[str] | None = Non
         whole = torch.empty(md.size, dtype=md.properties.dtype)
         covered = 0
         for chunk in md.chunks:
-            part = read(MetadataIndex(fqn, chunk.offsets))
+            part = cast(torch.Tensor, read(MetadataIndex(fqn, chunk.offsets)))
             if tuple(part.shape) != tuple(chunk.sizes):
                 raise CheckpointError(
                     f"{where}: chunk {tuple(chunk.offsets)} of {fqn} has shape "

@@ -16,8 +16,8 @@ samplers do.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol, TypeGuard
 
 import torch
 import torch.utils.data
@@ -25,7 +25,18 @@ import torch.utils.data
 from ringtrain.errors import ConfigError
 
 
-def _records_indices(sampler: Any) -> bool:
+class _Recording(Protocol):
+    """What of an ElasticSampler a checkpoint uses."""
+
+    epoch: int
+    processed_indices: set[int]
+
+    def load_state_dict(self, state_dict: dict[str, object]) -> None: ...
+
+    def __iter__(self) -> Iterator[int]: ...
+
+
+def _records_indices(sampler: object) -> TypeGuard[_Recording]:
     """Whether ``sampler`` keeps the indices it processed, as ElasticSampler does (known by its
     surface: the elastic package is built on this one, so it is not imported here)."""
     return hasattr(sampler, "processed_indices") and callable(
@@ -33,7 +44,7 @@ def _records_indices(sampler: Any) -> bool:
     )
 
 
-def save(sampler: Any) -> dict[str, Any]:
+def save(sampler: object) -> dict[str, object]:
     consumed = None
     if isinstance(sampler, tuple):
         sampler, consumed = sampler
@@ -112,7 +123,7 @@ def remaining(states: list[dict[str, Any]]) -> tuple[int, list[int]]:
     return first["epoch"], left
 
 
-def restore(sampler: Any, states: list[dict[str, Any]], rank: int, size: int) -> Any:
+def restore(sampler: object, states: list[dict[str, Any]], rank: int, size: int) -> Iterable[int]:
     """Put the saved position into ``sampler``; returns what to iterate for the rest of the
     epoch (the sampler itself, or a :class:`Remaining`)."""
     if isinstance(sampler, tuple):

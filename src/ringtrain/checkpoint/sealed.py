@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ringtrain.errors import SecurityError
 from ringtrain.security import keys
+
+if TYPE_CHECKING:
+    from ringtrain.config import Config
 
 MAGIC = b"RTCKPT1\x00"
 NONCE = 12
@@ -37,7 +40,7 @@ def derive(job_key: bytes) -> Keys:
     return Keys(keys.derive(job_key, FILES), keys.derive(job_key, MANIFEST))
 
 
-def job_keys(config: Any) -> Keys | None:
+def job_keys(config: Config) -> Keys | None:
     """This job's checkpoint keys in secure mode, None otherwise."""
     if not getattr(config, "secure", False):
         return None

@@ -18,8 +18,11 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ringtrain.checkpoint import layout, manifest
 from ringtrain.checkpoint.layout import Item, Record
@@ -39,7 +42,7 @@ class Job:
     step: int
     keep: int  # keep-last-K under the parent directory (0: keep all)
     timeout_s: float
-    facts: dict[str, Any]  # layout facts for the manifest
+    facts: dict[str, object]  # layout facts for the manifest
     # The run this save belongs to (see manifest.run_of): keep-last counts only its checkpoints,
     # and a checkpoint of another run is never replaced. None: a plain save, which counts every
     # checkpoint beside it and replaces one of its own name.
@@ -216,7 +219,7 @@ def _later(save_id: str, than: str) -> bool:
 class Opened:
     directory: str
     manifest: dict[str, Any]
-    metadata: Any
+    metadata: Metadata
     files: dict[str, bytes]  # data file name -> plaintext
 
 
@@ -259,10 +262,10 @@ def open_checkpoint(path: str, keys: Keys | None) -> Opened:
     return Opened(directory, man, metadata, files)
 
 
-def reader(opened: Opened) -> Any:
+def reader(opened: Opened) -> Callable[[MetadataIndex], object]:
     """``read(MetadataIndex)``: one stored item."""
 
-    def read(index: Any) -> Any:
+    def read(index: MetadataIndex) -> object:
         info = opened.metadata.storage_data.get(index)
         if info is None:
             raise CheckpointError(

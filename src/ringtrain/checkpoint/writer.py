@@ -143,7 +143,7 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def _dumps(obj: Any) -> bytes:
+def _dumps(obj: object) -> bytes:
     buf = io.BytesIO()
     _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return buf.getvalue()
@@ -336,7 +336,7 @@ class Checkpointer:
 
     # ---- saving ------------------------------------------------------------------------------
 
-    def _host(self, t: torch.Tensor, key: str) -> Any:
+    def _host(self, t: torch.Tensor, key: str) -> _Shared:
         """Copy into this key's shared-memory buffer (made once, reused by later saves)."""
         src = t.detach()
         dtype = str(src.dtype).replace("torch.", "")
@@ -372,10 +372,10 @@ class Checkpointer:
         self,
         step: int,
         *,
-        model: Any = None,
-        optimizer: Any = None,
-        sampler: Any = None,
-        extra: Any = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        sampler: object = None,
+        extra: object = None,
     ) -> None:
         """Start saving ``root/step-<step>``: returns once this rank's part is in host memory.
         Raises the failure of the previous background save, if it failed."""
