@@ -10,7 +10,6 @@ tests/engine/test_engine_structure.py keeps the engine itself to the limits with
 from __future__ import annotations
 
 import ast
-import collections
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,7 +31,7 @@ FUNCTIONS_OVER = {
     "bench/checkpoint.py:bench_checkpoint": 87,
     "bench/command.py:_params": 106,
     "bench/train.py:bench_train": 84,
-    "checkpoint/local_state.py:cut": 91,
+    "checkpoint/local_state.py:cut": 85,
     "doctor/advice.py:recommend": 84,
     "doctor/checkup.py:examine": 87,
     "doctor/placement.py:check": 82,
@@ -42,13 +41,19 @@ FUNCTIONS_OVER = {
     "runtime/state.py:start": 105,
     "runtime/store_connect.py:connect": 104,
 }
-# Uses of ``typing.Any`` per package (or top-level module) today: a ceiling, never a target.
-ANY_CEILING = {
-    "__init__": 1, "algorithms": 49, "bench": 52, "checkpoint": 135, "collectives": 126,
-    "compat": 2, "compression": 60, "config": 19, "deploy": 27, "diagnostics": 13, "doctor": 48,
-    "elastic": 30, "engine": 138, "environ": 5, "host": 7, "launch": 37, "lifecycle": 1,
-    "ray": 44, "runtime": 33, "security": 7, "spark": 5, "testing": 22, "transport": 40,
+# Uses of ``typing.Any`` per thousand non-blank lines, per package (or top-level module): each
+# a little above what was measured (issue 42), a ceiling, never a target. Lower one when a package
+# sheds Anys; a package not listed may have at most ANY_PER_KLOC_NEW. Issue 42's aim is under 12
+# in transport, checkpoint, ray and elastic.
+ANY_PER_KLOC = {
+    "__init__": 6.1, "__main__": 0, "algorithms": 32.6, "bench": 16.6, "checkpoint": 14.5,
+    "cli": 0, "collectives": 30.1, "compat": 167.2, "compression": 42.4, "config": 40.5,
+    "deploy": 28.1, "diagnostics": 15.1, "doctor": 22.8, "elastic": 9.8, "engine": 26.3,
+    "environ": 15.2, "errors": 0, "host": 12.3, "launch": 11.3, "lifecycle": 4.5, "ray": 5.7,
+    "runtime": 4.4, "security": 12.6, "spark": 38.7, "testing": 13.2, "torch": 0,
+    "transport": 111.7,
 }  # fmt: skip
+ANY_PER_KLOC_NEW = 12.0
 
 
 def _modules() -> Iterator[tuple[str, ast.Module, int]]:
@@ -156,24 +161,41 @@ def test_functions_stay_under_80_lines() -> None:
     assert _over(found, FUNCTIONS_OVER, MAX_FUNCTION_LINES - 1) == []
 
 
-def any_counts() -> dict[str, int]:
-    """Uses of ``Any`` (as ``Any`` or ``typing.Any``) per package or top-level module."""
-    counts: collections.Counter[str] = collections.Counter()
-    for rel, tree, _ in _modules():
-        package = rel.split("/")[0].removesuffix(".py")
-        for node in ast.walk(tree):
-            if getattr(node, "id", None) == "Any" or getattr(node, "attr", None) == "Any":
-                counts[package] += 1
-    return dict(counts)
+def any_uses(tree: ast.AST) -> int:
+    """Uses of ``Any`` in a syntax tree, as ``Any`` or ``typing.Any`` (the import is not one)."""
+    return sum(
+        getattr(node, "id", None) == "Any" or getattr(node, "attr", None) == "Any"
+        for node in ast.walk(tree)
+    )
 
 
-def test_no_package_uses_more_any_than_it_did() -> None:
+def any_table() -> dict[str, tuple[int, int]]:
+    """Per package or top-level module: (uses of ``Any``, non-blank lines)."""
+    table: dict[str, tuple[int, int]] = {}
+    for path in sorted(SRC.rglob("*.py")):
+        text = path.read_text()
+        package = str(path.relative_to(SRC)).split("/")[0].removesuffix(".py")
+        uses, lines = table.get(package, (0, 0))
+        nonblank = sum(1 for line in text.splitlines() if line.strip())
+        table[package] = (uses + any_uses(ast.parse(text)), lines + nonblank)
+    return table
+
+
+def test_any_is_counted_in_the_syntax_tree() -> None:
+    tree = ast.parse("from typing import Any\nimport typing\nx: Any = typing.Any  # Any\n")
+    assert any_uses(tree) == 2  # the annotation and typing.Any: not the import, not a comment
+
+
+def test_no_package_uses_any_more_densely_than_it_did() -> None:
+    table = any_table()
+    density = {p: 1000 * uses / lines for p, (uses, lines) in table.items() if lines}
     grown = {
-        package: f"{n} (ceiling {ANY_CEILING.get(package, 0)})"
-        for package, n in sorted(any_counts().items())
-        if n > ANY_CEILING.get(package, 0)
+        p: f"{d:.1f} per kloc (ceiling {ANY_PER_KLOC.get(p, ANY_PER_KLOC_NEW)})"
+        for p, d in sorted(density.items())
+        if d > ANY_PER_KLOC.get(p, ANY_PER_KLOC_NEW)
     }
+    measured = ", ".join(f"{p} {d:.1f} ({table[p][0]}/{table[p][1]})" for p, d in density.items())
     assert grown == {}, (
-        "type the new parameters (a Protocol in the lower package, see runtime/ and "
-        f"checkpoint/) instead of Any: {grown}"
+        "type the new parameters (a Protocol in the lower package: ringtrain.runtime.contracts, "
+        f"ringtrain.engine.stateful) instead of Any: {grown}\nmeasured (Any/lines): {measured}"
     )
