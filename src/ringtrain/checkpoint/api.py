@@ -25,6 +25,7 @@ from ringtrain.checkpoint import (
     store,
 )
 from ringtrain.checkpoint.layout import Item
+from ringtrain.checkpoint.manifest import Manifest
 from ringtrain.errors import CheckpointError, ConfigError, RingtrainError, SecurityError
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ class Restored:
     saved_world_size: int
     extra: Any = None
     data: Iterable[int] | None = None  # the rest of the epoch: the sampler, or Remaining
-    manifest: dict[str, Any] = field(default_factory=dict)
+    manifest: Manifest = field(default_factory=lambda: Manifest())
 
     @property
     def run(self) -> str:

@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TypedDict
 
 from ringtrain.errors import CheckpointError, SecurityError
 
@@ -28,6 +28,32 @@ MANIFEST = "manifest.json"
 FORMAT = "ringtrain-checkpoint"
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class FileEntry(TypedDict):
+    """A data file's size and SHA-256, as the manifest lists it."""
+
+    sha256: str
+    bytes: int
+
+
+class Manifest(TypedDict, total=False):
+    """``manifest.json`` as :func:`ringtrain.checkpoint.store.commit` writes it (read back from
+    disk, any key may be missing: :func:`read` checks the format)."""
+
+    format: str
+    format_version: int
+    save_id: str
+    step: int
+    world_size: int
+    layout: dict[str, object]  # the cut: optimizer kind, compressor, sync_every
+    versions: dict[str, str]
+    dcp_version: str
+    sealed: bool
+    created_unix: float
+    files: dict[str, FileEntry]
+    run: str  # the run the checkpoint belongs to (absent in files written before runs)
+    mac: str  # sealed: the HMAC over the rest
 
 
 def step_name(step: int) -> str:
@@ -66,14 +92,14 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def read(directory: str, secure: bool = False) -> dict[str, Any]:
+def read(directory: str, secure: bool = False) -> Manifest:
     """The manifest; in secure mode an unreadable one is a :class:`SecurityError` (it cannot be
     authenticated)."""
     path = os.path.join(directory, MANIFEST)
     error = SecurityError if secure else CheckpointError
     try:
         with open(path) as f:
-            manifest: dict[str, Any] = json.load(f)
+            manifest: Manifest = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(
             f"{path} is missing: {directory} is not a complete checkpoint (its save did not "
@@ -94,7 +120,7 @@ def read(directory: str, secure: bool = False) -> dict[str, Any]:
     return manifest
 
 
-def check_mac(directory: str, manifest: dict[str, Any], mac_key: bytes | None) -> None:
+def check_mac(directory: str, manifest: Manifest, mac_key: bytes | None) -> None:
     path = os.path.join(directory, MANIFEST)
     if not manifest.get("sealed"):
         if mac_key is not None:
@@ -130,7 +156,7 @@ def sha256_file(path: str) -> tuple[str, int]:
 def check_file(
     directory: str,
     name: str,
-    entry: dict[str, Any],
+    entry: FileEntry,
     data: bytes | None = None,
     sealed: bool = False,
 ) -> None:

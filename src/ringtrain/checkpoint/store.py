@@ -20,12 +20,12 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ringtrain.checkpoint import layout, manifest
 from ringtrain.checkpoint.layout import Item, Record
+from ringtrain.checkpoint.manifest import Manifest
 from ringtrain.checkpoint.sealed import Keys, Sealer, open_sealed, seal
 from ringtrain.errors import CheckpointError
 
@@ -218,7 +218,7 @@ def _later(save_id: str, than: str) -> bool:
 @dataclass
 class Opened:
     directory: str
-    manifest: dict[str, Any]
+    manifest: Manifest
     metadata: Metadata
     files: dict[str, bytes]  # data file name -> plaintext
 
