@@ -46,7 +46,7 @@ FUNCTIONS_OVER = {
 # sheds Anys; a package not listed may have at most ANY_PER_KLOC_NEW. Issue 42's aim is under 12
 # in transport, checkpoint, ray and elastic.
 ANY_PER_KLOC = {
-    "__init__": 6.1, "__main__": 0, "algorithms": 32.6, "bench": 16.6, "checkpoint": 14.5,
+    "__init__": 6.1, "__main__": 0, "algorithms": 32.6, "bench": 16.6, "checkpoint": 12.0,
     "cli": 0, "collectives": 30.1, "compat": 167.2, "compression": 42.4, "config": 40.5,
     "deploy": 28.1, "diagnostics": 15.1, "doctor": 22.8, "elastic": 9.8, "engine": 26.3,
     "environ": 15.2, "errors": 0, "host": 12.3, "launch": 11.3, "lifecycle": 4.5, "ray": 5.7,
