@@ -8,12 +8,8 @@ itself). :mod:`ringtrain.compression.averaging` is how every path averages.
 
 from ringtrain.compression.base import CompressionLike, Compressor, register, resolve
 from ringtrain.compression.codec import Codec, Rounds, RoundsCodec, SummedCodec, as_codec
-from ringtrain.compression.halfprec import (
-    BF16Compressor,
-    Compression,
-    FP16Compressor,
-    NoneCompressor,
-)
+from ringtrain.compression.halfprec import BF16Compressor, FP16Compressor, NoneCompressor
+from ringtrain.compression.horovod import Compression
 from ringtrain.compression.policy import AutoCompression
 from ringtrain.compression.powersgd import PowerSGDReducer
 from ringtrain.compression.topk import TopKReducer

@@ -3,8 +3,10 @@ halving the bytes on the wire.
 
 fp16 has 5 exponent bits: values above 65504 overflow to inf. Allreduce sums in the wire dtype, so
 the collectives divide by the world size *before* the sum when averaging 16-bit data, and the
-DistributedOptimizer predivides likewise. bf16 keeps fp32's range with 8 bits of mantissa: no
-overflow, coarser values. Non-float tensors pass through unchanged.
+DistributedOptimizer predivides likewise. A sum that overflows all the same is redone in full
+precision by the engine's paths (:mod:`ringtrain.compression.overflow`), not by Horovod's
+collectives (``hvd.allreduce(..., compression=fp16)``). bf16 keeps fp32's range with 8 bits of
+mantissa: no overflow, coarser values. Non-float tensors pass through unchanged.
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ from typing import Any
 import torch
 
 from ringtrain.compression.base import Stateless, register
-from ringtrain.compression.powersgd import PowerSGDReducer
-from ringtrain.compression.topk import TopKReducer
 
 
 class FP16Compressor(Stateless):
@@ -57,19 +57,6 @@ class NoneCompressor(Stateless):
     @staticmethod
     def wire_dtype(dtype: torch.dtype) -> torch.dtype:
         return dtype
-
-
-class Compression:
-    """Horovod's namespace: ``Compression.none``, ``Compression.fp16``, plus ``bf16``, and the
-    gradient reducers: ``Compression.powersgd`` (settings from Config) or
-    ``Compression.powersgd(matrix_approximation_rank=4)``, likewise ``Compression.topk(ratio=...)``.
-    """
-
-    none = NoneCompressor
-    fp16 = FP16Compressor
-    bf16 = BF16Compressor
-    powersgd = PowerSGDReducer
-    topk = TopKReducer
 
 
 register("none", NoneCompressor)
