@@ -29,16 +29,15 @@ ATTRIBUTES_OVER = {
 }
 FUNCTIONS_OVER = {
     "bench/checkpoint.py:bench_checkpoint": 87,
-    "bench/command.py:_params": 106,
+    "bench/command.py:_params": 92,
     "bench/train.py:bench_train": 84,
     "checkpoint/local_state.py:cut": 85,
     "doctor/advice.py:recommend": 84,
-    "doctor/checkup.py:examine": 87,
     "doctor/placement.py:check": 82,
     "engine/optimizer.py:__init__": 96,
     "launch/command.py:options_from_args": 86,
     "launch/python_run.py:run": 92,
-    "runtime/state.py:start": 105,
+    "runtime/state.py:start": 102,
     "runtime/store_connect.py:connect": 104,
 }
 # Uses of ``typing.Any`` per thousand non-blank lines, per package (or top-level module): each

@@ -442,23 +442,7 @@ def _params(args: argparse.Namespace) -> Any:
     if args.benchmark == "mixed-speed":
         return mixed_speed.params_from(args)
     if args.benchmark == "converge":
-        return converge.ConvergeParams(
-            task=args.task,
-            variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
-            target=args.target,
-            max_steps=args.max_steps,
-            batch_size=args.batch_size,
-            lr=args.lr,
-            sync_every=args.sync_every,
-            outer_compression=args.outer_compression,
-            outer_lr=args.outer_lr,
-            outer_momentum=args.outer_momentum,
-            outer_delay=args.outer_delay,
-            outer_fragments=args.outer_fragments,
-            eval_every=args.eval_every,
-            seed=args.seed,
-            width=args.width,
-        )
+        return _converge_params(args)
     from ringtrain.compression import resolve
 
     params = TrainParams(
@@ -479,6 +463,26 @@ def _params(args: argparse.Namespace) -> Any:
     for name in {args.compression, *(variant_compression(v, "none") for v in params.variants)}:
         resolve(name)
     return params
+
+
+def _converge_params(args: argparse.Namespace) -> converge.ConvergeParams:
+    return converge.ConvergeParams(
+        task=args.task,
+        variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
+        target=args.target,
+        max_steps=args.max_steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        sync_every=args.sync_every,
+        outer_compression=args.outer_compression,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        outer_delay=args.outer_delay,
+        outer_fragments=args.outer_fragments,
+        eval_every=args.eval_every,
+        seed=args.seed,
+        width=args.width,
+    )
 
 
 # How each benchmark's result is printed and plotted.

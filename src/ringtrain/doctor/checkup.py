@@ -251,6 +251,25 @@ def _too_slow(prediction: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _allreduce_job(
+    options: DoctorOptions,
+    early: Future[dict[str, Any]] | None,
+    problems: bool,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """The allreduce test job's result: started early (one machine), now, or skipped."""
+    if early is not None:
+        result = early.result()
+        # With problems found meanwhile, its failure would only repeat them.
+        return {"skipped": "the problems above would stop the job"} if problems else result
+    if not options.allreduce:
+        return {"skipped": "--no-allreduce"}
+    if problems:
+        return {"skipped": "the problems above would stop the job"}
+    say("running the allreduce test job")
+    return _run_allreduce(options)
+
+
 def examine(options: DoctorOptions, say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """Run every check; the result is the ``--json`` document."""
     t0 = time.monotonic()
@@ -275,7 +294,6 @@ def examine(options: DoctorOptions, say: Callable[[str], None] = lambda _m: None
         net, chosen, net_problem = _network(probes, options.network_interface)
         if net_problem:
             problems.append(net_problem)
-
         links: dict[str, Any] = {"skipped": None, "pairs": []}
         if len(hosts) < 2:
             links["skipped"] = "one host"
@@ -292,18 +310,7 @@ def examine(options: DoctorOptions, say: Callable[[str], None] = lambda _m: None
             problems += analysis.problems
             warnings += analysis.warnings
 
-        result_ar: dict[str, Any] = {"skipped": None}
-        if early is not None:
-            result_ar = early.result()
-            if problems:  # its failure would only repeat them
-                result_ar = {"skipped": "the problems above would stop the job"}
-        elif not options.allreduce:
-            result_ar["skipped"] = "--no-allreduce"
-        elif problems:
-            result_ar["skipped"] = "the problems above would stop the job"
-        else:
-            say("running the allreduce test job")
-            result_ar = _run_allreduce(options)
+        result_ar = _allreduce_job(options, early, bool(problems), say)
         if "seconds" in result_ar:
             timings["allreduce"] = result_ar["seconds"]
         if result_ar.get("error"):
