@@ -18,8 +18,9 @@ change it either. Packing, unpacking and scaling run on this thread alone
 from __future__ import annotations
 
 import collections
+import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,9 +84,11 @@ class Executor:
         self._batch_key: tuple[Any, ...] | None = None
         self._batch_bytes = 0
         self._batch_alone = False  # the batch holds an op that shares no buffer
+        self._small: list[_Item] = []  # small allreduces of 3+ ranks, gathered at the flush
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.inline_ops = 0  # ops whose data came with the negotiation, for tests and stats
         self.fused_ops = 0  # fused allreduces run (one per batch, however many chunks)
+        self.gathered_ops = 0  # allgathers that carried small allreduces (3+ ranks)
 
     def add(
         self,
@@ -115,8 +118,8 @@ class Executor:
                 if inline_data is not None:
                     result = self._inline_allreduce(item, inline_data)
                 elif not self.order_free and inline.inlinable_size(tensors):
-                    self.flush()
-                    result = self._gathered_allreduce(item)
+                    self._small.append(item)  # with the round's other small ones
+                    return
                 else:
                     self._queue_allreduce(item)
                     return
@@ -200,28 +203,17 @@ class Executor:
         return item.tensors[0].device.type == "cpu" and not ordered.alone(nbytes)
 
     def flush(self) -> None:
-        """Run the allreduces batched so far as one fused operation."""
+        """Run the allreduces batched so far: the fused batch, then the small ones gathered."""
+        self._flush_fused()
+        self._flush_small()
+
+    def _flush_fused(self) -> None:
         batch, self._batch, self._batch_bytes, self._batch_key = self._batch, [], 0, None
         self._batch_alone = False
-        if not batch:
-            return
-        try:
+        if batch:
             started = time.perf_counter()
-            self._fused_allreduce(batch)
+            self._settle(batch, functools.partial(self._fused_allreduce, batch))
             self._record("ALLREDUCE", started, [item.name for item in batch])
-        except CollectiveError as e:
-            for item in batch:
-                if item.handle is not None:
-                    item.handle.set_error(e)
-            return
-        except Exception as e:  # the transport failed: fail the batch, then the controller
-            for item in batch:
-                if item.handle is not None:
-                    item.handle.set_error(transport_error(e))
-            raise
-        for item in batch:
-            if item.handle is not None:
-                item.handle.set_result(item.outputs)
 
     def _record(self, what: str, started: float, names: list[str]) -> None:
         rec = timeline.current()
@@ -245,25 +237,59 @@ class Executor:
         self._unpack(range(len(work)), flat, None, work, item.outputs, numels, plain, scaling)
         return item.outputs
 
-    def _gathered_allreduce(self, item: _Item) -> list[torch.Tensor]:
-        """A small allreduce of 3+ ranks that did not travel inline (the round was full): every
-        rank's values gathered and reduced in rank order, exactly as inline, so the result does
-        not depend on which round the op fell into."""
-        work = dtypes.to_reducible_all(item.tensors, item.request.op)
-        if any(w.dtype != work[0].dtype for w in work):
-            self._fused_allreduce([item])  # never inline either: one path, whatever the timing
-            return item.outputs
-        scaling = scaling_of(item.request, item.contributors, work[0].dtype)
-        numels = [w.numel() for w in work]
-        flat = torch.cat([w.reshape(-1) for w in work])
+    def _flush_small(self) -> None:
+        """The small allreduces of 3+ ranks that did not travel inline (vector rounds carry no
+        data; a gathered round's message may be full): every rank's values of all of them in
+        one allgather per dtype, each op then reduced in rank order from its own columns,
+        exactly as inline, so its result does not depend on which round it fell into or
+        which ops came with it."""
+        items, self._small = self._small, []
+        groups: dict[torch.dtype, list[tuple[_Item, list[torch.Tensor]]]] = {}
+        for item in items:
+            work = dtypes.to_reducible_all(item.tensors, item.request.op)
+            if any(w.dtype != work[0].dtype for w in work):  # one path whatever the timing
+                self._settle([item], functools.partial(self._fused_allreduce, [item]))
+            else:
+                groups.setdefault(work[0].dtype, []).append((item, work))
+        for members in groups.values():
+            started = time.perf_counter()
+            run = functools.partial(self._gather_small, members)
+            self._settle([item for item, _ in members], run)
+            self._record("ALLREDUCE", started, [item.name for item, _ in members])
+
+    def _settle(self, items: list[_Item], run: Callable[[], None]) -> None:
+        """Run ``run()`` and complete ``items``' handles with its outcome."""
+        try:
+            run()
+        except CollectiveError as e:
+            for item in items:
+                if item.handle is not None:
+                    item.handle.set_error(e)
+            return
+        except Exception as e:  # the transport failed: fail these, then the controller
+            for item in items:
+                if item.handle is not None:
+                    item.handle.set_error(transport_error(e))
+            raise
+        for item in items:
+            if item.handle is not None:
+                item.handle.set_result(item.outputs)
+
+    def _gather_small(self, members: list[tuple[_Item, list[torch.Tensor]]]) -> None:
+        flat = torch.cat([w.reshape(-1) for _, work in members for w in work])
         rows = torch.empty(self.comm.size * flat.numel(), dtype=flat.dtype)
         compat.all_gather_single(rows, flat, group=self.comm.group_for(flat))
-        stack = rows.view(self.comm.size, -1)
-        scaling.before(stack)
-        out = inline.reduce_rows(stack, item.request.op)
-        plain = _all_reducible_in(item.outputs, work)
-        self._unpack(range(len(work)), out, None, work, item.outputs, numels, plain, scaling)
-        return item.outputs
+        self.gathered_ops += 1
+        stack, offset = rows.view(self.comm.size, -1), 0
+        for item, work in members:
+            numels = [w.numel() for w in work]
+            part = stack[:, offset : offset + sum(numels)].contiguous()  # this op's columns
+            offset += sum(numels)
+            scaling = scaling_of(item.request, item.contributors, work[0].dtype)
+            scaling.before(part)
+            out = inline.reduce_rows(part, item.request.op)
+            plain = _all_reducible_in(item.outputs, work)
+            self._unpack(range(len(work)), out, None, work, item.outputs, numels, plain, scaling)
 
     def _fused_allreduce(self, batch: list[_Item]) -> None:
         req = batch[0].request
