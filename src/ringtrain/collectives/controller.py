@@ -51,7 +51,7 @@ from ringtrain.collectives.doorbell import Doorbell
 from ringtrain.collectives.execute import Executor, Pending
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.lane_control import LaneControl, LaneHandle
-from ringtrain.collectives.requests import Alike, Request, mismatch
+from ringtrain.collectives.requests import Request, mismatch
 from ringtrain.collectives.vector_round import LaneView, VectorChannel, VectorRounds
 from ringtrain.config import Config
 from ringtrain.diagnostics import stall, timeline
@@ -386,15 +386,15 @@ class Controller(LaneControl):
         stuck = self._watch.stuck(self._table, self._first_seen) if self._watch else None
         if self.comm.set_rank == 0:
             mine.abort = self._inspect()
-            carried = rounds.carried if rounds is not None else ()
+            carried: tuple[tuple[str, str], ...] = ()
+            if rounds is not None:  # what a vector round found, sent now
+                carried, rounds.carried = rounds.carried, ()
             if stuck and self._watch is not None:
                 carried += self._watch.mismatches(stuck)
             mine.mismatched = tuple(dict(carried).items())
         rec = timeline.current()
         started = time.perf_counter()
         messages = self._channel.exchange(mine)
-        if rounds is not None:
-            rounds.carried = ()
         if rec.enabled and any(m.requests for m in messages):  # idle rounds are not drawn
             rec.span(
                 f"collectives set {self.comm.set_id}",
@@ -445,10 +445,11 @@ class Controller(LaneControl):
         now = self._clock()
         with self._lock:
             new, self._new = self._new, []
+            joined = bool(self._joined)
             for name in new:
                 p = self._pending[name]
                 cid = p.cache_id if p.cache_id >= 0 else self._cache_ids.get(p.request, -1)
-                if cid < 0 or self._joined or name in self._table:
+                if cid < 0 or joined or name in self._table:
                     self._new.append(name)  # for the gathered round this one asks for
                 else:
                     rounds.pending[cid] = (name, now)
@@ -467,8 +468,7 @@ class Controller(LaneControl):
         started = time.perf_counter()
         got = vector_round.decode(rounds.channel.exchange(mine), rounds.base)
         rounds.gather_next = got.gather_next
-        rec = timeline.current()
-        if rec.enabled and got.ready:
+        if (rec := timeline.current()).enabled and got.ready:
             span = (started, time.perf_counter(), {"submitted": len(got.ready)})
             rec.span(f"collectives set {self.comm.set_id}", "NEGOTIATE", *span)
         if got.lane is not None:
@@ -481,16 +481,16 @@ class Controller(LaneControl):
             locals_ = [self._pending.pop(name, None) for name in names]
         me, size, none = self.comm.set_rank, self.comm.size, frozenset[int]()
         for cid, name, local in zip(got.ready, names, locals_):
-            self._executor.add(name, Alike(self._cache[cid], size), local, none, me, None)
+            alike = rounds.alike(cid, self._cache[cid], size)  # O(1) in the rank count
+            self._executor.add(name, alike, local, none, me, None)
         self._executor.flush()
         self._active = bool(got.ready) or bool(new)
         self._doze = self.comm.size > 1 and got.idle and not self._table
 
     def _busy_elsewhere(self) -> bool:
         """This rank waits for peers on other ops: a peer's lane claim must not wait for it."""
-        if self._vector is not None and self._vector.pending:
-            return True
-        return any(self.comm.set_rank in by for by in self._table.values())
+        mine = self._vector is not None and bool(self._vector.pending)
+        return mine or any(self.comm.set_rank in by for by in self._table.values())
 
     def _after_votes(self, messages: list[Message]) -> None:
         """Some rank voted to shut down in this round: end the set, or fail what cannot run

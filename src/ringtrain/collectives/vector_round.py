@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.collectives import lane
+from ringtrain.collectives.requests import Alike, Request
 from ringtrain.runtime import abort
 from ringtrain.runtime.communicator import Communicator
 
@@ -234,9 +235,20 @@ class VectorRounds:
         self.base = 0  # agreed: the lane slot the vector's lane codes count from
         # Rank 0's cross-set verdicts found in a vector round, sent in the gathered one.
         self.carried: tuple[tuple[str, str], ...] = ()
+        self._alike: dict[int, Alike] = {}
 
     def overdue(self, now: float) -> bool:
-        return any(now - since >= PATIENCE_S for _, since in self.pending.values())
+        """Whether a request has waited PATIENCE_S. Entries go in as they are submitted, so
+        the first one left is the oldest."""
+        oldest = next(iter(self.pending.values()), None)
+        return oldest is not None and now - oldest[1] >= PATIENCE_S
+
+    def alike(self, cid: int, request: Request, size: int) -> Alike:
+        """The by-rank map of a cache hit, made once per cache number."""
+        got = self._alike.get(cid)
+        if got is None:
+            got = self._alike[cid] = Alike(request, size)
+        return got
 
     def take_all(self) -> list[str]:
         """The names pending by bits, in cache order, to go into a gathered round's table."""
