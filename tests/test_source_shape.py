@@ -25,7 +25,7 @@ MAX_FUNCTION_LINES = 80
 SETTINGS_TABLES = {"config.py:Config", "launch/options.py:LaunchOptions"}
 # Over the limits today (issue 42 item 4), with their size: split them where their concerns part.
 ATTRIBUTES_OVER = {
-    "collectives/controller.py:Controller": 36,  # with LaneControl's declared fields
+    "collectives/controller.py:Controller": 33,  # with LaneControl's declared fields
 }
 FUNCTIONS_OVER = {
     "bench/checkpoint.py:bench_checkpoint": 87,

@@ -50,7 +50,7 @@ from ringtrain.collectives.control_round import ControlChannel, Message, inline_
 from ringtrain.collectives.doorbell import Doorbell
 from ringtrain.collectives.execute import Executor, Pending
 from ringtrain.collectives.handles import Handle
-from ringtrain.collectives.lane_control import LaneControl, LaneHandle
+from ringtrain.collectives.lane_control import LaneControl, LaneHandle, Reservation
 from ringtrain.collectives.requests import Request, mismatch
 from ringtrain.collectives.vector_round import LaneView, VectorChannel, VectorRounds
 from ringtrain.config import Config
@@ -133,18 +133,13 @@ class Controller(LaneControl):
             else None
         )
         self._executor = Executor(comm, config)
-        # The fast lane (collectives.lane) and what the rounds decided about it, alike on every
-        # rank: the request of its last opening, eligible requests run since, other ones run.
+        # The fast lane (collectives.lane) and what the rounds decided about it (lane_control).
         self._lane: lane.Lane | None = None
         lane_group = comm.optional_group("lane")
         if config.fast_lane and comm.size > 1 and lane_group is not None:
             self._lane = lane.Lane(comm.size, lane_group, config.reproducible)
-        self._lane_request: Request | None = None
-        self._lane_misses: dict[Request, int] = {}
-        self._lane_used = 0  # the lowest next slot of the ranks, at the last round
-        # This rank only: (slot, first seen) of a peer's claim this rank has not matched, and
-        # whether a claim of ours has waited long enough to keep the controllers polling.
-        self._lane_peer: tuple[int, float] | None = None
+        self._reservation = Reservation()
+        # Whether a claim of ours has waited long enough to keep the controllers polling.
         self._lane_nudged = False
         self._world = abort.generation  # elastic: this controller's waits end when it is replaced
         self._channel = channel if channel is not None else ControlChannel(comm, self._world)
@@ -364,7 +359,7 @@ class Controller(LaneControl):
             and self._idle_cycles >= DOZE_AFTER_IDLE_CYCLES
             and self.comm.store is not None
             and not self._lane_nudged
-            and self._lane_peer is None
+            and self._reservation.peer is None
         )
 
     def _gather_cycle(self, rounds: VectorRounds | None) -> None:

@@ -72,10 +72,7 @@ class LaneControl:
     _doorbell: Doorbell
     _world: int
     _lane: lane.Lane | None
-    _lane_request: Request | None
-    _lane_misses: dict[Request, int]
-    _lane_used: int
-    _lane_peer: tuple[int, float] | None
+    _reservation: Reservation
     _lane_nudged: bool
 
     def _busy_elsewhere(self) -> bool:
@@ -178,44 +175,11 @@ class LaneControl:
 
     def _lane_round(self, view: LaneView, ran: list[Request]) -> None:
         """The lane's share of a round, before the ready ops run (``ran``: the ready requests
-        that may ride the lane, in run order). Releasing a slot is this rank's own decision;
-        opening and giving up the reservation are decided from what every rank received alike
-        (``view``, from gathered messages or a vector round), so every rank decides the same."""
-        fast = self._lane
-        assert fast is not None
-        # Release: a peer waits in the current slot while this rank is busy elsewhere.
+        that may ride the lane, in run order); see :class:`Reservation`."""
+        assert self._lane is not None
         self._lane_settle()
-        mine = fast.status()
-        if mine.slot not in view.claims or mine.claimed or not mine.open:
-            self._lane_peer = None
-        else:
-            now = self._clock()
-            if self._lane_peer is None or self._lane_peer[0] != mine.slot:
-                self._lane_peer = (mine.slot, now)
-            busy = self._shutdown or mine.slot in view.dummies or self._busy_elsewhere()
-            if busy or now - self._lane_peer[1] >= lane.RELEASE_S:
-                fast.doom(mine.slot)
-                self._lane_peer = None
-        # Open, or give up the reservation: from the view and the ready requests only.
-        if not ran:
-            return
-        if view.all_closed and view.slot_min == view.slot_max:
-            if fast.open_at(view.slot_min, ran[-1]):
-                self._lane_request = ran[-1]
-                self._lane_misses.clear()
-        elif view.all_open:
-            # A request negotiated again and again while the reservation goes unused takes it.
-            if view.free_min > self._lane_used or len(self._lane_misses) > 64:
-                self._lane_misses.clear()
-            self._lane_used = view.free_min
-            for req in ran:
-                if req == self._lane_request:
-                    continue
-                self._lane_misses[req] = self._lane_misses.get(req, 0) + 1
-                if self._lane_misses[req] >= lane.SWITCH_AFTER:
-                    fast.doom(view.free_max)
-                    self._lane_misses.clear()
-                    break
+        busy = self._shutdown or self._busy_elsewhere()
+        self._reservation.decide(self._lane, view, ran, self._clock(), busy)
 
     def _lane_candidate(self, name: str) -> Request | None:
         """The request of a ready name if it may reserve the lane: every rank submitted it, alike,
@@ -227,3 +191,54 @@ class LaneControl:
         if not lane.eligible(req) or any(r != req for r in by_rank.values()):
             return None
         return req
+
+
+class Reservation:
+    """What the rounds decided about the lane on this rank: the request of its last opening,
+    eligible requests negotiated since while it went unused, and a peer's claim this rank has
+    not matched. The controller owns one; :meth:`decide` is the lane's share of each round."""
+
+    def __init__(self) -> None:
+        self.request: Request | None = None
+        self._misses: dict[Request, int] = {}
+        self._used = 0  # the lowest next slot of the ranks, at the last round
+        # This rank only: (slot, first seen) of a peer's claim this rank has not matched.
+        self.peer: tuple[int, float] | None = None
+
+    def decide(
+        self, fast: lane.Lane, view: LaneView, ran: list[Request], now: float, busy: bool
+    ) -> None:
+        """Releasing a slot is this rank's own decision (``busy``: it waits on other ops or
+        shuts down); opening and giving up the reservation are decided from what every rank
+        received alike (``view``, from gathered messages or a vector round, and ``ran``, the
+        ready requests that may ride the lane, in run order), so every rank decides the same."""
+        # Release: a peer waits in the current slot while this rank is busy elsewhere.
+        mine = fast.status()
+        if mine.slot not in view.claims or mine.claimed or not mine.open:
+            self.peer = None
+        else:
+            if self.peer is None or self.peer[0] != mine.slot:
+                self.peer = (mine.slot, now)
+            if busy or mine.slot in view.dummies or now - self.peer[1] >= lane.RELEASE_S:
+                fast.doom(mine.slot)
+                self.peer = None
+        # Open, or give up the reservation: from the view and the ready requests only.
+        if not ran:
+            return
+        if view.all_closed and view.slot_min == view.slot_max:
+            if fast.open_at(view.slot_min, ran[-1]):
+                self.request = ran[-1]
+                self._misses.clear()
+        elif view.all_open:
+            # A request negotiated again and again while the reservation goes unused takes it.
+            if view.free_min > self._used or len(self._misses) > 64:
+                self._misses.clear()
+            self._used = view.free_min
+            for req in ran:
+                if req == self.request:
+                    continue
+                self._misses[req] = self._misses.get(req, 0) + 1
+                if self._misses[req] >= lane.SWITCH_AFTER:
+                    fast.doom(view.free_max)
+                    self._misses.clear()
+                    break
