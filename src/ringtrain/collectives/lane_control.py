@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ringtrain.collectives import lane
 from ringtrain.collectives.doorbell import Doorbell
@@ -193,6 +193,16 @@ class LaneControl:
         return req
 
 
+class Slots(Protocol):
+    """What :class:`Reservation` uses of a lane (:class:`~ringtrain.collectives.lane.Lane`)."""
+
+    def status(self) -> lane.Status: ...
+
+    def doom(self, slot: int) -> None: ...
+
+    def open_at(self, slot: int, request: Request) -> bool: ...
+
+
 class Reservation:
     """What the rounds decided about the lane on this rank: the request of its last opening,
     eligible requests negotiated since while it went unused, and a peer's claim this rank has
@@ -206,7 +216,7 @@ class Reservation:
         self.peer: tuple[int, float] | None = None
 
     def decide(
-        self, fast: lane.Lane, view: LaneView, ran: list[Request], now: float, busy: bool
+        self, fast: Slots, view: LaneView, ran: list[Request], now: float, busy: bool
     ) -> None:
         """Releasing a slot is this rank's own decision (``busy``: it waits on other ops or
         shuts down); opening and giving up the reservation are decided from what every rank
