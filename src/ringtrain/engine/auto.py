@@ -182,27 +182,36 @@ class AutoTuner:
     # ---- collectives -----------------------------------------------------------------------------
 
     def _probe_link(self, grad_bytes: int) -> tuple[float, float]:
-        """(seconds of a tiny allreduce, bytes per second of a larger one), best of a few."""
-
-        def best(tensor: torch.Tensor, times: int) -> float:
-            fastest = float("inf")
-            for _ in range(times):
-                t0 = time.perf_counter()
-                group_ops.allreduce(tensor, self._group)
-                fastest = min(fastest, time.perf_counter() - t0)
-            return fastest
-
-        latency = best(torch.zeros(1), LATENCY_PROBES)
-        nbytes = max(64 << 10, min(grad_bytes, PROBE_BYTES))
-        big = best(torch.zeros(nbytes // 4), THROUGHPUT_PROBES)
-        # A link too fast to time gets a floor of 1 ns per byte.
-        return latency, nbytes / max(big - latency, nbytes * 1e-9)
+        return probe_link(self._group, grad_bytes)
 
     def _slowest(self, values: list[float]) -> list[float]:
-        """Every rank's values, MAX over ranks: identical on every rank afterwards."""
-        t = torch.tensor(values, dtype=torch.float64)
-        group_ops.allreduce(t, self._group, op="max")
-        return [float(v) for v in t.tolist()]
+        return slowest(self._group, values)
+
+
+def probe_link(group: Any, grad_bytes: int) -> tuple[float, float]:
+    """(seconds of a tiny allreduce, bytes per second of a larger one), best of a few, on
+    ``group`` (collective: every rank calls it at the same point)."""
+
+    def best(tensor: torch.Tensor, times: int) -> float:
+        fastest = float("inf")
+        for _ in range(times):
+            t0 = time.perf_counter()
+            group_ops.allreduce(tensor, group)
+            fastest = min(fastest, time.perf_counter() - t0)
+        return fastest
+
+    latency = best(torch.zeros(1), LATENCY_PROBES)
+    nbytes = max(64 << 10, min(grad_bytes, PROBE_BYTES))
+    big = best(torch.zeros(nbytes // 4), THROUGHPUT_PROBES)
+    # A link too fast to time gets a floor of 1 ns per byte.
+    return latency, nbytes / max(big - latency, nbytes * 1e-9)
+
+
+def slowest(group: Any, values: list[float]) -> list[float]:
+    """Every rank's values, MAX over ranks: identical on every rank afterwards."""
+    t = torch.tensor(values, dtype=torch.float64)
+    group_ops.allreduce(t, group, op="max")
+    return [float(v) for v in t.tolist()]
 
 
 def _spare_core() -> bool:
