@@ -23,7 +23,7 @@ import torch
 
 from ringtrain.config import Config
 from ringtrain.diagnostics import timeline
-from ringtrain.engine import local_policy, local_settings, local_update
+from ringtrain.engine import local_defaults, local_policy, local_settings, local_update
 from ringtrain.engine.auto_shares import AutoShares, agree_on
 from ringtrain.engine.parameters import Hooks, make_watch
 from ringtrain.engine.planner import Planner
@@ -105,7 +105,8 @@ class GradientPath:
         local = self.sync_every not in (0, "auto")
         if local and self.comm.size > 1 and self.comm.included:
             rank, size = self.comm.set_rank, self.comm.size
-            update = self._local_update(local_settings.round_steps(self.sync_every, rank, size))
+            every = local_settings.round_steps(self.sync_every, rank, size)
+            update = self._local_update(every, measure=local_defaults.wanted(self.config))
         elif self.shards_state:
             update = ShardedUpdate(self.optimizer, self.comm)
         else:
@@ -116,11 +117,16 @@ class GradientPath:
         return update
 
     def _local_update(
-        self, sync_every: int, outer: local_policy.OuterSettings | None = None
+        self,
+        sync_every: int,
+        outer: local_policy.OuterSettings | None = None,
+        measure: bool = False,
     ) -> local_update.LocalUpdate:
         """``outer``: sync_every="auto"'s outer exchange (local_policy.OuterSettings); None:
-        the Config's."""
+        the Config's. ``measure``: a bare sync_every=H's first round measures the link and may
+        change them (:mod:`ringtrain.engine.local_defaults`)."""
         c = self.config
+        first = local_defaults.FirstRound(c) if measure else None
         return local_update.LocalUpdate(
             self.optimizer,
             self.params,
@@ -131,6 +137,7 @@ class GradientPath:
             c.outer_overlap if outer is None else outer.overlap,
             c.outer_delay if outer is None else outer.delay,
             c.outer_fragments,
+            first,
         )
 
     def share_params(self, update: Update) -> None:

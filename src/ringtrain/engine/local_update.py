@@ -42,8 +42,10 @@ import torch
 
 from ringtrain import transport
 from ringtrain.diagnostics import timeline
-from ringtrain.engine import anchor_agreement, local_update_state, outer_fragment
+from ringtrain.engine import anchor_agreement, local_policy, local_update_state, outer_fragment
 from ringtrain.engine.buckets import Plan
+from ringtrain.engine.local_defaults import FirstRound
+from ringtrain.engine.local_policy import OuterSettings
 from ringtrain.engine.local_settings import bad_sync_every, outer_delay
 from ringtrain.engine.outer_codec import OuterCodec
 from ringtrain.engine.outer_fragment import Fragment
@@ -78,7 +80,11 @@ class LocalUpdate:
         overlap: bool = False,
         delay: int = 0,
         fragments: int = 1,
+        defaults: FirstRound | None = None,
     ) -> None:
+        """``defaults``: a bare ``sync_every``'s first-round measurement, which may change the
+        outer codec, overlap and delay at the first exchange (:mod:`ringtrain.engine.local_defaults`).
+        """
         if sync_every < 1:
             raise bad_sync_every(sync_every)
         self.optimizer = optimizer
@@ -95,6 +101,7 @@ class LocalUpdate:
                 "torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)"
             )
         self._wire = transport.of(group)
+        self._group = group  # the link probe's (local_defaults)
         # Each fragment: its parameters, its step of the round, error feedback, exchange in flight.
         self.fragments = outer_fragment.split(  # auto's H may be shorter than asked for
             self._params, min(fragments, sync_every), sync_every, outer_compression, self._wire
@@ -112,6 +119,7 @@ class LocalUpdate:
         # batch_shares or per-rank sync_every: this rank's samples a round over every rank's,
         # w_r (the optimizer sets it before each step); None: the plain mean of the changes.
         self.weight: float | None = None
+        self._defaults = defaults
 
     # ---- the step strategy's interface (ringtrain.engine.steps.Update) -------------------------
 
@@ -164,6 +172,8 @@ class LocalUpdate:
         the last fragment)."""
         if self.anchor is None:
             self.anchor = [p.detach().clone() for p in self._params]
+        if self._defaults is not None:
+            self._defaults.tick()
         result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.inner_steps += 1
         for frag in self.fragments:
@@ -198,10 +208,35 @@ class LocalUpdate:
         timeline.current().span("step", name, t0, t1, args)
 
     def _exchange(self, frag: Fragment) -> None:
+        if self._defaults is not None and not self._defaults.settled:
+            numel = sum(p.numel() for p in self._params)
+            outer = self._defaults.settle(self._group, numel, self.sync_every, self._wire.rank)
+            if outer is not None:
+                self.use(outer)
         if self.overlap and self._wire.size > 1:
             self._start_exchange(frag)
         else:
             self._synchronous_step(frag)
+
+    def use(self, outer: OuterSettings) -> None:
+        """Run the outer exchange as ``outer`` says from the next exchange on (nothing in
+        flight: before the first). Error feedback carries over: it is what rounding dropped."""
+        if outer.compression != self._compression:
+            self._compression = outer.compression
+            for frag in self.fragments:
+                residual = frag.codec.residual
+                frag.codec = OuterCodec(outer.compression, self._wire)
+                frag.codec.residual = residual
+        self.overlap = outer.overlap
+        self.delay = outer_delay(outer.delay, self.sync_every)
+        if self._defaults is not None:
+            self._defaults.why = outer.why
+
+    @property
+    def outer_reason(self) -> str:
+        """A bare ``sync_every``'s outer exchange: what was chosen and why ("": the Config's
+        settings, as given or not yet measured)."""
+        return self._defaults.why if self._defaults is not None else ""
 
     def _agree_first(self) -> None:
         """The first outer step after a start, a load or a re-forming: every rank takes rank 0's
@@ -332,18 +367,48 @@ class LocalUpdate:
         itself; copy them before the next step). ``agreed``: see :attr:`agreed`. Per fragment:
         ``codec.residual``, ``overlap.pending`` and ``overlap.since_sent`` are lists, one entry a
         fragment; ``overlap.base`` is per parameter (None where its fragment has nothing in
-        flight). The format: :mod:`ringtrain.engine.local_update_state`."""
-        return local_update_state.save(self, copy)
+        flight). The format: :mod:`ringtrain.engine.local_update_state`; a bare ``sync_every``
+        whose outer exchange the defaults chose adds ``outer_choice`` (codec, overlap, delay),
+        which a load takes instead of measuring again."""
+        state = local_update_state.save(self, copy)
+        if self._defaults is not None and self._defaults.settled:
+            state["outer_choice"] = {
+                "compression": self._compression,
+                "overlap": self.overlap,
+                "delay": self.delay,
+                "why": self.outer_reason,
+            }
+        return state
 
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         """A state of :meth:`local_state_dict`; one written before fragments (versions 1 and
-        2: the whole model in one exchange) loads into any number of fragments."""
+        2: the whole model in one exchange) loads into any number of fragments. Where the
+        codec was the defaults' to choose (a bare ``sync_every``), the saved one is used."""
+        self._adopt(state)
         version = local_update_state.check(self, state)
         # An exchange still in flight from before the load would overwrite the loaded error
         # feedback as it ends, and share the wire with the next: let it end, then drop it.
         self._drop_pending()
         local_update_state.restore(self, state, version)
         self._agree = True
+
+    def _adopt(self, state: dict[str, Any]) -> None:
+        """A bare ``sync_every``'s defaults: the saved choice (no measurement after a load, so
+        a resumed job runs as the uninterrupted one), else the saved codec where not given."""
+        first = self._defaults
+        if first is None:
+            return
+        choice = state.get("outer_choice")
+        if isinstance(choice, dict):
+            first.settled = True
+            self.use(OuterSettings(**choice))
+            return
+        saved = (state.get("codec") or {}).get("name")
+        if first.config.given("outer_compression") or saved == self._compression:
+            return
+        if isinstance(saved, str) and saved in local_policy.CODEC_BYTES:
+            why = f"{saved}, as the checkpoint's exchange"
+            self.use(OuterSettings(saved, self.overlap, self.delay, why))
 
     def restart(self) -> None:
         """Start afresh from the current weights (a checkpoint without local-update state was
@@ -364,6 +429,7 @@ class LocalUpdate:
         self._drop_pending()
         self._wire.close()
         self._wire = transport.of(group)
+        self._group = group
         for frag in self.fragments:
             frag.codec = OuterCodec(self._compression, self._wire)
         self.inner_steps = 0

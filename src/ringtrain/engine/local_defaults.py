@@ -1,0 +1,97 @@
+"""A bare ``sync_every=H``'s outer exchange where the user left it to ringtrain (issue 40 item 1).
+
+``sync_every="auto"`` measures the link while training synchronously; a bare ``sync_every=H``
+exchanges nothing between rounds, so it measures during its first round instead: the wall time
+between inner steps (each rank's median), and at the round's first outer exchange the link with
+``sync_every="auto"``'s probe (:func:`ringtrain.engine.auto.probe_link`), every figure then
+MAX-allreduced (:func:`ringtrain.engine.auto.slowest`) so every rank holds the same. The choice
+is :func:`ringtrain.engine.local_policy.outer_settings`'s, the rule ``auto`` uses: on a slow link
+``int4`` with error feedback, overlapped, its delay fitted to the predicted wire time; on a fast
+link the Config's ``fp16`` in line, the same bits as without the measurement. A setting the user
+gave (:meth:`ringtrain.config.Config.given`) wins and is named in the log line; where both
+``outer_compression`` and ``outer_overlap`` were given there is nothing to choose and nothing is
+measured. The first round's exchange already uses the choice.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Any
+
+from ringtrain.config import Config
+from ringtrain.engine import local_policy
+from ringtrain.engine.local_settings import given_outer
+
+log = logging.getLogger("ringtrain")
+
+
+def wanted(config: Config) -> bool:
+    """Whether a bare ``sync_every=H`` measures its link: not both outer settings given."""
+    return not (config.given("outer_compression") and config.given("outer_overlap"))
+
+
+def choose(
+    config: Config,
+    numel: int,
+    sync_every: int,
+    compute_s: float,
+    latency_s: float,
+    bytes_per_s: float,
+) -> local_policy.OuterSettings | None:
+    """The outer exchange for local updates every ``sync_every`` steps of ``compute_s`` over a
+    link of ``latency_s`` per collective and ``bytes_per_s``, the user's given settings kept;
+    None: nothing measured to decide on (no compute timed), the Config's settings stand. Pure:
+    equal figures, equal answer."""
+    if compute_s <= 0 or bytes_per_s <= 0:
+        return None
+    return local_policy.outer_settings(
+        numel, sync_every, compute_s, bytes_per_s, latency_s, *given_outer(config)
+    )
+
+
+def line(sync_every: int, outer: local_policy.OuterSettings) -> str:
+    """The log line for a bare ``sync_every=H``'s outer exchange (rank 0 writes it)."""
+    how = f"overlapped (delay {outer.delay})" if outer.overlap else "not overlapped"
+    return (
+        f"ringtrain sync_every={sync_every} outer exchange {outer.compression}, {how}: {outer.why}."
+    )
+
+
+class FirstRound:
+    """The measurement of a bare ``sync_every=H``'s first round (see the module docstring)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.settled = False
+        self.why = ""  # the choice and why, once made (LocalUpdate.outer_reason)
+        self._last: float | None = None
+        self._intervals: list[float] = []
+
+    def tick(self) -> None:
+        """An inner step begins: the wall time since the last one is a step's compute."""
+        now = time.perf_counter()
+        if self._last is not None:
+            self._intervals.append(now - self._last)
+        self._last = now
+
+    def settle(
+        self, group: Any, numel: int, sync_every: int, rank: int
+    ) -> local_policy.OuterSettings | None:
+        """At the first outer exchange, on every rank alike (collective): probe, agree, choose,
+        and rank 0 logs the choice. None: the Config's settings stand."""
+        from ringtrain.engine import auto  # auto imports the compression policy: only now
+
+        self.settled = True
+        compute = statistics.median(self._intervals) if self._intervals else 0.0
+        latency, throughput = auto.probe_link(group, numel * 4)
+        # Slowest rank: MAX compute and latency, MAX of the inverse rate; the shortest round
+        # (sync_every per rank): MAX of -H, so the fitted delay fits every rank's round.
+        compute, latency, inverse, minus_h = auto.slowest(
+            group, [compute, latency, 1.0 / throughput, -float(sync_every)]
+        )
+        outer = choose(self.config, numel, int(-minus_h), compute, latency, 1.0 / inverse)
+        if outer is not None and rank == 0:
+            log.warning("%s", line(sync_every, outer))
+        return outer
