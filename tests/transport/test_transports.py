@@ -7,6 +7,8 @@ ranks (chunks of unequal sizes, an empty one, sums of three where order matters)
 kind of group. The reference is ``torch.distributed`` on a plain Gloo group made for the check
 (``all_reduce``, ``reduce_scatter_tensor``, ``all_gather_into_tensor``), over the same inputs:
 
+* ``allreduce``: equals ``all_reduce``'s result (the sealed and tcp groups sum around their own
+  ring, so random floats within the bound below);
 * ``reduce_scatter``: rank r's chunk r equals chunk r of ``all_reduce`` (chunks of unequal
   sizes, one empty) and ``reduce_scatter_tensor``'s output (equal chunks);
 * ``allgather``: every chunk i equals rank i's, as ``all_gather_into_tensor`` gathers them;
@@ -127,6 +129,9 @@ class _Check:
         whole = x.clone()
         dist.all_reduce(whole, group=self.ref)
         bound = self.bound(x, exact)
+        summed = x.clone()
+        self.wire.allreduce(summed).wait()
+        self.same(f"allreduce {what}", summed, whole, bound)
         mine = _cut(torch.arange(x.numel()), n)[r]
         piece = None if bound is None else bound[mine]
         chunks = _cut(x.clone(), n)

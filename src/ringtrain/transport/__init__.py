@@ -5,13 +5,14 @@ group ``ringtrain_tcp``) is wrapped in a :class:`Transport` by :func:`of`, and t
 never asks which. A transport offers the three in-place operations a gradient reduction is
 written with, each returning an :class:`InFlight`:
 
-* ``allreduce(t)``: ``t`` becomes the sum over the group;
+* ``allreduce(t)``: ``t`` becomes the sum over the group: the group's own allreduce (Gloo's,
+  NCCL's, the sealed and tcp groups' ring as one operation), issued from the calling thread;
 * ``reduce_scatter(chunks)``: rank r's ``chunks[r]`` becomes the sum of every rank's
   ``chunks[r]`` (the others hold partial sums afterwards);
 * ``allgather(chunks)``: every rank's ``chunks[i]`` becomes rank i's ``chunks[i]``.
 
 Chunk sizes may differ (alike on every rank). Sums follow a fixed order (the ring's, fixed by
-rank), never timing, so every rank ends with the same bits.
+rank; an allreduce's the group's), never timing, so every rank ends with the same bits.
 
 Why a ring needs more than a process group: its every step is a *paired* send and receive that
 must be in flight at once. Gloo's point-to-point calls are asynchronous, so a Gloo group gets

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -14,7 +15,7 @@ from ringtrain.algorithms.ring_group import RingProcessGroup
 from ringtrain.algorithms.sealed import Link, Plain
 from ringtrain.compression import overflow
 from ringtrain.runtime import abort
-from ringtrain.transport.workers import WORKERS
+from ringtrain.transport.workers import WORKERS, WorkerThread
 
 
 class InFlight(Protocol):
@@ -34,6 +35,11 @@ class Transport(Protocol):
 
     rank: int
     size: int
+
+    def allreduce(self, t: torch.Tensor) -> InFlight:
+        """``t`` becomes the sum of every rank's ``t``, in place: the group's own allreduce,
+        issued from the calling thread (every transport alike; see :func:`_group_allreduce`)."""
+        ...
 
     def reduce_scatter(
         self, chunks: Sequence[torch.Tensor], fallback: Sequence[torch.Tensor] | None = None
@@ -81,6 +87,14 @@ class _Work:
         self._work.get_future().then(lambda _f: fn())
 
 
+def _group_allreduce(group: Any, t: torch.Tensor) -> InFlight:
+    """The group's own summing allreduce of ``t``, under way: Gloo's and NCCL's, or the sealed
+    and tcp groups' ring run as one operation of the group. Issued from the calling thread, in
+    its order, as every other collective on the group; its bits are the group's allreduce's
+    (the Gloo group's ring of :class:`Link` sums in another order)."""
+    return _Work(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True), [])
+
+
 def _ring_reduce_scatter(
     link: Link, chunks: Sequence[torch.Tensor], fallback: Sequence[torch.Tensor] | None
 ) -> bool:
@@ -115,12 +129,23 @@ class LinkTransport:
 
     def __init__(self, group: Any) -> None:
         self.rank, self.size = group.rank(), group.size()
+        self._group = group
         self._link = Link(group, Plain(self.rank, self.size))
-        self._worker = WORKERS.acquire(group)
-        self._release = weakref.finalize(self, WORKERS.release, id(group))
+        # The worker is taken at the first ring: a transport only allreducing starts no thread.
+        self._worker: WorkerThread | None = None
+        self._release: weakref.finalize[Any, Any] | None = None
+        self._taking = threading.Lock()
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> InFlight:
-        return _Future(self._worker.submit(fn, *args))
+        with self._taking:
+            if self._worker is None:
+                self._worker = WORKERS.acquire(self._group)
+                self._release = weakref.finalize(self, WORKERS.release, id(self._group))
+            worker = self._worker
+        return _Future(worker.submit(fn, *args))
+
+    def allreduce(self, t: torch.Tensor) -> InFlight:
+        return _group_allreduce(self._group, t)
 
     def reduce_scatter(
         self, chunks: Sequence[torch.Tensor], fallback: Sequence[torch.Tensor] | None = None
@@ -138,7 +163,8 @@ class LinkTransport:
         return self._submit(lambda: _staged(chunks, self._link.allgather_chunks))
 
     def close(self) -> None:
-        self._release()
+        if self._release is not None:
+            self._release()
 
 
 class RingGroupTransport:
@@ -152,6 +178,9 @@ class RingGroupTransport:
     def _submit(self, fn: Callable[[Link], Any]) -> InFlight:
         box: list[Any] = []
         return _Work(self._group.run_on_link(lambda link: box.append(fn(link))), box)
+
+    def allreduce(self, t: torch.Tensor) -> InFlight:
+        return _group_allreduce(self._group, t)
 
     def reduce_scatter(
         self, chunks: Sequence[torch.Tensor], fallback: Sequence[torch.Tensor] | None = None
@@ -185,6 +214,9 @@ class NcclTransport:
         for i, c in enumerate(chunks):
             buf[i * shard : i * shard + c.numel()].copy_(c.reshape(-1))
         return buf, shard
+
+    def allreduce(self, t: torch.Tensor) -> InFlight:
+        return _group_allreduce(self._group, t)
 
     def reduce_scatter(
         self, chunks: Sequence[torch.Tensor], fallback: Sequence[torch.Tensor] | None = None
