@@ -2,8 +2,9 @@
 
 One :class:`GradientExchange` serves one plan. Gradient hooks call :meth:`ready`; when a bucket's
 last gradient arrives, that bucket and every complete bucket after it (in plan order, never out
-of it) is packed into its flat buffer and launched with ``async_op=True`` on the process set's
-dedicated ``engine`` Gloo group. No negotiation happens: every rank holds the same plan and
+of it) is packed into its flat buffer and launched through the stream's :mod:`ringtrain.transport`
+(``allreduce``: the group's own, issued from this thread) on the process set's dedicated
+``engine`` Gloo group. No negotiation happens: every rank holds the same plan and
 launches the same buckets in the same order, which is all Gloo needs to match them. A bucket
 waiting for a gradient this rank never computes waits for :meth:`flush` (called by ``step()``),
 which launches what is left with zeros in place of missing gradients, then the sparse gradients.
@@ -72,7 +73,6 @@ from ringtrain.engine.buckets import Bucket, Plan
 from ringtrain.engine.streams import Route
 from ringtrain.engine.weighting import Averaging
 from ringtrain.errors import InternalError
-from ringtrain.runtime import abort
 from ringtrain.transport import group_ops
 from ringtrain.transport.workers import WORKERS as _WORKERS
 from ringtrain.transport.workers import WorkerThread
@@ -218,18 +218,19 @@ class GradientExchange:
         self._hierarchical = self._summed is not None and any(
             route.hierarchical is not None for route in self._routes
         )
-        # Reduce-scatter: a transport per stream, and every bucket's shards (of its flat buffer
-        # and of its 16-bit wire). A bucket that a reducer (PowerSGD, top-k), a custom codec or
-        # the hierarchical allreduce reduces goes its own way, whole: the shard is taken after.
+        # A transport per stream. Reduce-scatter: every bucket's shards (of its flat buffer and
+        # of its 16-bit wire) on the scatter groups; else a summed bucket is allreduced whole on
+        # the stream's group. A bucket that a reducer (PowerSGD, top-k), a custom codec or the
+        # hierarchical allreduce reduces goes its own way, whole: the shard is taken after.
         self._transports: list[transport.Transport] = []
-        if scatter and self._summed is not None and not self._hierarchical:
-            groups = (
-                list(scatter_groups) if scatter_groups else [route.group for route in self._routes]
-            )
+        if self._summed is not None and not self._hierarchical:
+            cut = scatter and self._summed.elementwise
+            groups = [route.group for route in self._routes]
+            if cut and scatter_groups:
+                groups = list(scatter_groups)
             self._transports = [transport.of(g) for g in groups]
             n = self._transports[0].size
-            cuttable = self._summed is not None and self._summed.elementwise
-            for slot in self._slots if cuttable else []:
+            for slot in self._slots if cut else []:
                 slot.chunks = _cut(slot.flat, n)
                 if slot.cast is not None:
                     slot.wire_chunks = _cut(slot.cast, n)
@@ -425,11 +426,11 @@ class GradientExchange:
                 if mark:
                     fut.add_done_callback(functools.partial(_mark_done, slot.done))
             else:
-                work = group_ops.allreduce(wire, route.group, async_op=True)
-                slot.work = work
+                handle = self._transport(slot).allreduce(wire)
+                slot.work = handle
                 if mark:
                     # A fresh list per launch: a late callback cannot leak into the next step.
-                    work.get_future().then(functools.partial(_mark_done, slot.done))
+                    handle.add_done_callback(functools.partial(_mark_done, slot.done, None))
         slot.launched = True
 
     def _finish(self, slot: _Slot, rec: timeline.NullRecorder, redo_group: Any = None) -> None:
@@ -451,7 +452,7 @@ class GradientExchange:
             if isinstance(slot.work, concurrent.futures.Future):
                 slot.work.result()  # a hierarchical allreduce, on the stream's worker
             else:
-                abort.wait_work(slot.work)
+                slot.work.wait()  # the stream's transport's allreduce
             wire = slot.wire
             assert wire is not None
             group = self._routes[slot.stream].group if redo_group is None else redo_group
