@@ -6,9 +6,11 @@ import logging
 import time
 from typing import Any
 
+import _shares as task
 import pytest
 import torch
 import torch.nn.functional as F
+from _shares import SHARES, UNIT
 
 import ringtrain as rt
 from ringtrain.config import Config
@@ -26,8 +28,6 @@ from ringtrain.errors import ConfigError
 from ringtrain.testing.spawn import World
 
 STEPS = 4
-SHARES = (3, 1)  # samples per unit: rank 0 takes 6 of every 8, rank 1 takes 2
-UNIT = 2
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {},
@@ -41,27 +41,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 INEXACT = {"fp16": {"compression": rt.Compression.fp16}}
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = sum(SHARES) * UNIT
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-
-def _mine(r: int) -> slice:
-    start = sum(SHARES[:r]) * UNIT
-    return slice(start, start + SHARES[r] * UNIT)
-
-
 def _train(variant: str) -> list[torch.Tensor]:
     r = rt.rank()
     kwargs = dict({**VARIANTS, **INEXACT}[variant])
     passes = kwargs.get("backward_passes_per_step", 1)
-    model = _model()
+    model = task.model()
     opt = rt.DistributedOptimizer(
         torch.optim.Adam(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
@@ -69,9 +53,9 @@ def _train(variant: str) -> list[torch.Tensor]:
         **kwargs,
     )
     for step in range(STEPS):
-        x, y = _data(step)
+        x, y = task.data(step)
         opt.zero_grad()
-        rows = torch.arange(len(y))[_mine(r)]
+        rows = torch.arange(len(y))[task.mine(r)]
         for part in rows.chunk(passes):  # k passes over the rank's samples, each a mean
             F.cross_entropy(model(x[part]), y[part]).backward()
         opt.step()
@@ -81,10 +65,10 @@ def _train(variant: str) -> list[torch.Tensor]:
 
 
 def _reference() -> list[torch.Tensor]:
-    model = _model()
+    model = task.model()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     for step in range(STEPS):
-        x, y = _data(step)
+        x, y = task.data(step)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()  # the mean over the whole global batch
         opt.step()
@@ -104,7 +88,7 @@ def _sparse(distributed: bool) -> list[torch.Tensor]:
         ids = torch.randint(
             0, 10, (sum(SHARES) * UNIT,), generator=torch.Generator().manual_seed(step)
         )
-        mine = ids[_mine(rt.rank())] if distributed else ids
+        mine = ids[task.mine(rt.rank())] if distributed else ids
         opt.zero_grad()
         model(mine).square().mean().backward()
         opt.step()
@@ -199,14 +183,14 @@ def test_auto_shares_follow_the_rates_and_move_only_past_the_margin(
 
 
 def _auto() -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:
-    model = _model()
+    model = task.model()
     opt = rt.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
         batch_shares="auto",
     )
     before = opt.batch_shares
-    x, y = _data(0)
+    x, y = task.data(0)
     for _ in range(1 + WARMUP_STEPS + MEASURE_STEPS):
         if rt.rank() == 1:
             time.sleep(0.05)  # this rank computes slowly

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import _shares as task
 import pytest
 import torch
 import torch.nn.functional as F
+from _shares import SHARES
 
 import ringtrain as rt
 from ringtrain.config import Config
@@ -24,36 +26,18 @@ from ringtrain.testing.spawn import World
 
 H = 3  # sync_every
 ROUNDS = 3
-SHARES = (3, 1)  # samples per unit: rank 0 takes 6 of every 8, rank 1 takes 2
-UNIT = 2
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    n = sum(SHARES) * UNIT
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-
-def _mine(r: int) -> slice:
-    start = sum(SHARES[:r]) * UNIT
-    return slice(start, start + SHARES[r] * UNIT)
 
 
 def _inner_step(model: torch.nn.Module, opt: Any, step: int, r: int) -> None:
-    x, y = _data(step)
+    x, y = task.data(step)
     opt.zero_grad()
-    F.cross_entropy(model(x[_mine(r)]), y[_mine(r)]).backward()
+    F.cross_entropy(model(x[task.mine(r)]), y[task.mine(r)]).backward()
     opt.step()
 
 
 def _train(shares: list[int] | None) -> list[torch.Tensor]:
     """This rank's anchor after ROUNDS rounds (outer exchange in float32: an exact wire)."""
-    model = _model()
+    model = task.model()
     opt = rt.DistributedOptimizer(
         torch.optim.Adam(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
@@ -78,26 +62,37 @@ def _runs() -> dict[str, list[torch.Tensor]]:
     }
 
 
+def _outer_step(
+    anchor: list[torch.Tensor],
+    ranks: list[torch.nn.Module],
+    weights: list[float],
+    outer: torch.optim.Optimizer,
+) -> None:
+    """One process's outer step: the anchor moves by the weighted average of the ranks'
+    changes, and every rank starts the next round from it."""
+    with torch.no_grad():
+        for i, a in enumerate(anchor):
+            own = [list(m.parameters())[i] for m in ranks]
+            a.grad = sum(w * (a - p) for w, p in zip(weights, own))  # type: ignore[assignment]
+        outer.step()
+        for m in ranks:
+            for p, a in zip(m.parameters(), anchor):
+                p.copy_(a)
+
+
 def _reference() -> list[torch.Tensor]:
     """Both ranks' inner steps in one process; each round the anchor takes the outer step
     (DiLoCo's Nesterov) with the share-weighted mean of the ranks' changes."""
-    ranks = [_model() for _ in SHARES]
+    ranks = [task.model() for _ in SHARES]
     inner = [torch.optim.Adam(m.parameters(), lr=0.01) for m in ranks]
-    anchor = list(_model().parameters())
+    anchor = list(task.model().parameters())
     outer = nesterov(anchor)
     weights = [s / sum(SHARES) for s in SHARES]
     for step in range(H * ROUNDS):
         for r, (m, opt) in enumerate(zip(ranks, inner)):
             _inner_step(m, opt, step, r)
         if (step + 1) % H == 0:
-            with torch.no_grad():
-                for i, a in enumerate(anchor):
-                    own = [list(m.parameters())[i] for m in ranks]
-                    a.grad = sum(w * (a - p) for w, p in zip(weights, own))  # type: ignore[assignment]
-                outer.step()
-                for m in ranks:
-                    for p, a in zip(m.parameters(), anchor):
-                        p.copy_(a)
+            _outer_step(anchor, ranks, weights, outer)
     return [a.detach() for a in anchor]
 
 
@@ -145,7 +140,7 @@ def _train_steps() -> dict[str, Any]:
     """This rank's anchor after ROUNDS rounds of its own number of inner steps, per run."""
     anchors = []
     for run in RUNS:
-        model = _model()
+        model = task.model()
         opt = rt.DistributedOptimizer(
             torch.optim.Adam(model.parameters(), lr=0.01),
             named_parameters=model.named_parameters(),
@@ -161,23 +156,16 @@ def _train_steps() -> dict[str, Any]:
 
 
 def _reference_steps() -> list[torch.Tensor]:
-    ranks = [_model() for _ in STEPS]
+    ranks = [task.model() for _ in STEPS]
     inner = [torch.optim.Adam(m.parameters(), lr=0.01) for m in ranks]
-    anchor = list(_model().parameters())
+    anchor = list(task.model().parameters())
     outer = nesterov(anchor)
     weights = [h / sum(STEPS) for h in STEPS]  # equal batches: samples are steps
     for round_ in range(ROUNDS):
         for r, (m, opt) in enumerate(zip(ranks, inner)):
             for i in range(STEPS[r] * round_, STEPS[r] * (round_ + 1)):
                 _own_step(m, opt, r, i)
-        with torch.no_grad():
-            for i, a in enumerate(anchor):
-                own = [list(m.parameters())[i] for m in ranks]
-                a.grad = sum(w * (a - p) for w, p in zip(weights, own))  # type: ignore[assignment]
-            outer.step()
-            for m in ranks:
-                for p, a in zip(m.parameters(), anchor):
-                    p.copy_(a)
+        _outer_step(anchor, ranks, weights, outer)
     return [a.detach() for a in anchor]
 
 
