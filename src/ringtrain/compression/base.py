@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import torch
 
+from ringtrain.compression.codec import CompressedWire, Wire
 from ringtrain.errors import ConfigError
 
 
@@ -94,6 +95,12 @@ class Stateless:
     def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         return tensor
 
+    @classmethod
+    def wire(cls, source: torch.Tensor) -> Wire:
+        """How ``source`` travels: compressed anew each send (elementwise casts keep a buffer:
+        :class:`ringtrain.compression.halfprec.CastWire`)."""
+        return CompressedWire(cls, source)
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -107,6 +114,11 @@ _REGISTRY: dict[str, Callable[..., Any]] = {}
 def register(name: str, factory: Callable[..., Any]) -> None:
     """Make a compressor available as ``compression="name"`` and ``RINGTRAIN_COMPRESSION=name``."""
     _REGISTRY[name] = factory
+
+
+def unregister(name: str) -> None:
+    """Forget ``name`` (a codec registered for a while, as a test's); unknown names are fine."""
+    _REGISTRY.pop(name, None)
 
 
 def resolve(compression: CompressionLike | None, config: Any = None) -> Any:

@@ -7,6 +7,12 @@ DistributedOptimizer predivides likewise. A sum that overflows all the same is r
 precision by the engine's paths (:mod:`ringtrain.compression.overflow`), not by Horovod's
 collectives (``hvd.allreduce(..., compression=fp16)``). bf16 keeps fp32's range with 8 bits of
 mantissa: no overflow, coarser values. Non-float tensors pass through unchanged.
+
+Every path that sends on these wires goes through the codec: Horovod's collectives call
+``compress``/``decompress``; the gradient exchange (allreduce, reduce-scatter, hierarchical)
+and the local-update step's outer exchange take a :class:`CastWire` from ``wire(buffer)``,
+which casts into a wire buffer kept across steps (page faults on fresh tens of MiB cost more
+than the casts) and declares the overflow fallback where the wire's range is narrower.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ from typing import Any
 
 import torch
 
+from ringtrain.compression import overflow
 from ringtrain.compression.base import Stateless, register
+from ringtrain.compression.codec import Wire, scaled_into
 
 
 class FP16Compressor(Stateless):
@@ -40,6 +48,10 @@ class FP16Compressor(Stateless):
     def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         return tensor.to(ctx) if ctx is not None else tensor
 
+    @classmethod
+    def wire(cls, source: torch.Tensor) -> Wire:
+        return CastWire(source, cls.wire_dtype(source.dtype))
+
 
 class BF16Compressor(FP16Compressor):
     """Casts floating-point tensors to bfloat16 for the wire (fp32's range, less precision)."""
@@ -57,6 +69,32 @@ class NoneCompressor(Stateless):
     @staticmethod
     def wire_dtype(dtype: torch.dtype) -> torch.dtype:
         return dtype
+
+    @classmethod
+    def wire(cls, source: torch.Tensor) -> Wire:
+        return CastWire(source, source.dtype)
+
+
+class CastWire:
+    """An elementwise :class:`~ringtrain.compression.codec.Wire`: ``source`` cast to ``dtype``
+    in a ``buffer`` kept across sends (the source itself where the dtypes agree), decoded by
+    the cast back, scaled on the way. The fallback is declared where ``dtype``'s range is
+    narrower than the source's (:func:`~ringtrain.compression.overflow.narrower`)."""
+
+    def __init__(self, source: torch.Tensor, dtype: torch.dtype) -> None:
+        self.source = source
+        self.buffer = source
+        if dtype != source.dtype:
+            self.buffer = torch.zeros(source.numel(), dtype=dtype, device=source.device)
+        self.redo_in_full = overflow.narrower(dtype, source.dtype)
+
+    def encode(self) -> torch.Tensor:
+        if self.buffer is not self.source:
+            self.buffer.copy_(self.source)
+        return self.buffer
+
+    def decode_into(self, reduced: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> None:
+        scaled_into(reduced, out, scale)
 
 
 register("none", NoneCompressor)

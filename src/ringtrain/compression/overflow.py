@@ -1,8 +1,9 @@
 """A narrow wire's overflow rule, written once: redo in full precision, decided alike everywhere.
 
 A 16-bit wire (fp16; bf16 by a hair: its largest value is below float32's) can overflow where
-the full-precision sum would not. Every path that sums on such a wire applies one rule through
-:func:`redo_if_not_finite`: if the reduced wire holds inf or nan, the reduction is done again
+the full-precision sum would not. Such a wire declares it (``Wire.redo_in_full``, set by the
+codec from :func:`narrower`: :mod:`ringtrain.compression.codec`), and every path that sums on
+it applies one rule through :func:`redo_if_not_finite`: if the reduced wire holds inf or nan, the reduction is done again
 from the full-precision values, and every rank makes the same decision, so every rank takes
 the same result:
 

@@ -19,27 +19,34 @@ out, that is one pass over every gradient less per step, and one copy of the gra
 memory. So after ``step()`` a ``.grad`` is a view into a buffer the next step reuses; clone it to
 keep it.
 
+The codec owns the bytes (:class:`ringtrain.compression.codec.Wire`): each bucket's wire, made
+once by the codec over the flat buffer, encodes it for the transport (fp16/bf16: a cast into a
+wire buffer kept across steps), decodes the reduced sum back into the flat buffer (scaled on the
+way), and declares whether a sum holding inf or nan is redone in full precision. The exchange
+knows buckets and streams, not dtypes.
+
 Numerics. Averaging is a sum with scale factors: ``pre`` before the sum, ``post`` after. The
 whole division by the world size happens *before* the sum (unless ``gradient_predivide_factor``
 splits it), as in DDP: so with a 16-bit wire (fp16, bf16) the sum is already an average and
 cannot overflow unless a single averaged value does; and if it does anyway (a result holds inf
-or nan), that bucket is
-reduced again in full precision, which every rank decides alike because allreduce results are
-identical on every rank. Sparse gradients are allgathered (indices and values, padded to the
-largest count) and summed locally; they are never compressed.
+or nan) and the wire declares the fallback, that bucket is reduced again in full precision
+(:func:`ringtrain.compression.overflow.redo_if_not_finite`), which every rank decides alike
+because allreduce results are identical on every rank. Sparse gradients are allgathered
+(indices and values, padded to the largest count) and summed locally; they are never compressed.
 
 Stateful reducers (PowerSGD, top-k: :class:`ringtrain.compression.base.GradientReducer`) issue
 their own blocking collectives; they run on one worker thread, bucket after bucket in plan
 order, so they overlap backward and keep the same collective order on every rank.
 
 Reduce-scatter (``scatter=True``, with the sharded step: :mod:`ringtrain.engine.sharded`). Each
-bucket (and its 16-bit wire, if any) is cut into the sharded step's N shards and reduce-scattered
+bucket (and its wire's kept buffer) is cut into the sharded step's N shards and reduce-scattered
 through the stream's :mod:`ringtrain.transport` (a ring over a Gloo group on its worker, the sealed
 or tcp group's own ring, NCCL): rank r receives the sum of shard r only, so (N-1)/N of the bucket
 leaves each rank instead of an allreduce's 2(N-1)/N, and the sharded step's all-gather of the
-parameters brings the total back to an allreduce's. A 16-bit shard that overflowed on any rank
-makes every rank reduce-scatter the bucket again in full precision, inside the same operation.
-Reducers (PowerSGD, top-k), custom codecs and the hierarchical allreduce reduce whole buckets:
+parameters brings the total back to an allreduce's. Where the wire declares the fallback, a
+shard that overflowed on any rank makes every rank reduce-scatter the bucket again in full
+precision, inside the same operation. Reducers (PowerSGD, top-k), custom codecs (a wire without
+a kept buffer cannot be cut) and the hierarchical allreduce reduce whole buckets:
 the sharded step takes its shard after. The sums follow the ring's order (fixed by rank, not by
 timing or layout). Outside its own shard, a rank's ``.grad`` keeps its own (scaled) gradient
 until :meth:`GradientExchange.gather_grads` all-gathers the reduced shards.
@@ -66,7 +73,8 @@ import torch
 
 from ringtrain import transport
 from ringtrain.compression import overflow
-from ringtrain.compression.codec import Rounds, RoundsCodec, SummedCodec, as_codec
+from ringtrain.compression.codec import Rounds, RoundsCodec, SummedCodec, Wire, as_codec
+from ringtrain.compression.codec import scaled_into as codec_scaled_into
 from ringtrain.diagnostics import timeline
 from ringtrain.engine import sparse
 from ringtrain.engine.buckets import Bucket, Plan
@@ -109,19 +117,15 @@ class _Slot:
         self.views = [
             self.flat[o : o + _numel(s)].view(s) for o, s in zip(bucket.offsets, bucket.shapes)
         ]
-        # None: a codec with rounds of its own, which takes raw gradients and returns averages.
-        wire_dtype = None if summed is None else summed.wire_dtype(first.dtype)
-        self.narrow = overflow.narrower(wire_dtype, first.dtype)
+        # The codec's way onto the wire and back (its encoding, its buffer kept across steps,
+        # its overflow fallback); None: a codec with rounds of its own, which takes raw
+        # gradients and returns averages.
+        self.wire: Wire | None = None if summed is None else summed.wire(self.flat)
         # pre: applied as a gradient is placed in the bucket; post: to the result, in place.
         self.set_scaling(summed is None, scaling)
-        # fp16/bf16: a wire buffer of its own, written by one cast and read back by one, instead
-        # of two fresh tensors per step (tens of MiB each: page faults cost more than the casts).
-        self.cast: torch.Tensor | None = None
-        if summed is not None and summed.elementwise and wire_dtype not in (None, first.dtype):
-            self.cast = torch.zeros(bucket.numel, dtype=wire_dtype, device=first.device)
         self.stream = 0  # index of the stream (its Route) this bucket travels on
         self.chunks: list[torch.Tensor] = []  # reduce-scatter: the flat buffer's N shards
-        self.wire_chunks: list[torch.Tensor] = []  # and the 16-bit wire's, cut alike
+        self.wire_chunks: list[torch.Tensor] = []  # and the wire buffer's, cut alike
         self.reset()
 
     def set_scaling(self, own_rounds: bool, scaling: Averaging) -> None:
@@ -133,8 +137,7 @@ class _Slot:
         self.placed = [False] * len(self.members)
         self.launched = False
         self.work: Any = None
-        self.wire: torch.Tensor | None = None
-        self.ctx: Any = None
+        self.sent: torch.Tensor | None = None  # what the wire's encode gave this step
         self.t = _Times()
         self.done: list[float] = []  # completion time, appended by a communication thread
 
@@ -224,16 +227,19 @@ class GradientExchange:
         # hierarchical allreduce reduces goes its own way, whole: the shard is taken after.
         self._transports: list[transport.Transport] = []
         if self._summed is not None and not self._hierarchical:
-            cut = scatter and self._summed.elementwise
+            # A wire with a buffer kept across steps is cut into shards as the bucket is.
+            cut = scatter and all(
+                s.wire is not None and s.wire.buffer is not None for s in self._slots
+            )
             groups = [route.group for route in self._routes]
             if cut and scatter_groups:
                 groups = list(scatter_groups)
             self._transports = [transport.of(g) for g in groups]
             n = self._transports[0].size
             for slot in self._slots if cut else []:
+                assert slot.wire is not None and slot.wire.buffer is not None
                 slot.chunks = _cut(slot.flat, n)
-                if slot.cast is not None:
-                    slot.wire_chunks = _cut(slot.cast, n)
+                slot.wire_chunks = _cut(slot.wire.buffer, n)
         self._workers: list[WorkerThread] = []
         self._releases: list[weakref.finalize[Any, Any]] = []
         # A codec with rounds of its own runs them on the stream's group, on its worker.
@@ -387,101 +393,67 @@ class GradientExchange:
         for pos, placed in enumerate(slot.placed):
             if not placed:  # no hook this step: whatever .grad holds (zeros if none) goes
                 _place(slot, pos)
-        flat = slot.flat
-        mark = timeline.current().enabled or self.measure
-        route = self._routes[slot.stream]
-        if slot.chunks:
-            slot.wire = flat
-            if slot.cast is not None:
-                slot.cast.copy_(flat)  # the 16-bit wire, cut as the flat buffer is
-                slot.wire = slot.cast
+        if slot.wire is None:  # a codec with rounds of its own, on the stream's worker
             slot.t.sent = _now()
-            handle = self._transport(slot).reduce_scatter(
-                slot.wire_chunks or slot.chunks, slot.chunks if slot.narrow else None
+            work: Any = self._workers[slot.stream].submit(
+                self._own_rounds_codec().reduce,
+                slot.bucket.key,
+                slot.flat,
+                self._rounds[slot.stream],
             )
-            slot.work = handle
-            if mark:
-                handle.add_done_callback(functools.partial(_mark_done, slot.done, None))
-        elif self._own_rounds is not None:
-            slot.t.sent = _now()
-            fut = self._workers[slot.stream].submit(
-                self._own_rounds.reduce, slot.bucket.key, flat, self._rounds[slot.stream]
-            )
-            slot.work = fut
-            if mark:
-                fut.add_done_callback(functools.partial(_mark_done, slot.done))
         else:
-            if slot.cast is not None:
-                wire = slot.cast
-                wire.copy_(flat)
-                slot.wire = wire
-            else:
-                assert self._summed is not None
-                wire, ctx = self._summed.compress(flat)
-                slot.wire, slot.ctx = wire, ctx
+            wire = slot.wire
+            slot.sent = sent = wire.encode()  # the codec writes its wire (a kept buffer if any)
             slot.t.sent = _now()
-            if route.hierarchical is not None:
-                fut = self._workers[slot.stream].submit(route.hierarchical.allreduce, wire, "sum")
-                slot.work = fut
-                if mark:
-                    fut.add_done_callback(functools.partial(_mark_done, slot.done))
+            hierarchical = self._routes[slot.stream].hierarchical
+            if slot.chunks:  # the wire buffer's shards; the flat buffer's are the fallback's
+                fallback = slot.chunks if wire.redo_in_full else None
+                work = self._transport(slot).reduce_scatter(slot.wire_chunks, fallback)
+            elif hierarchical is not None:
+                work = self._workers[slot.stream].submit(hierarchical.allreduce, sent, "sum")
             else:
-                handle = self._transport(slot).allreduce(wire)
-                slot.work = handle
-                if mark:
-                    # A fresh list per launch: a late callback cannot leak into the next step.
-                    handle.add_done_callback(functools.partial(_mark_done, slot.done, None))
+                work = self._transport(slot).allreduce(sent)
+        slot.work = work
+        if timeline.current().enabled or self.measure:
+            # A fresh list per launch: a late callback cannot leak into the next step.
+            work.add_done_callback(functools.partial(_mark_done, slot.done))
         slot.launched = True
+
+    def _own_rounds_codec(self) -> RoundsCodec:
+        if self._own_rounds is None:
+            raise InternalError("a bucket without a wire, but no codec with rounds of its own")
+        return self._own_rounds
 
     def _finish(self, slot: _Slot, rec: timeline.NullRecorder, redo_group: Any = None) -> None:
         if not slot.launched:
             raise InternalError(f"{slot.bucket.key} was never launched before finish()")
-        flat = slot.flat
-        if slot.chunks:
-            redone = slot.work.wait()  # True: the 16-bit sum overflowed, the full one was taken
-            rank = self._transport(slot).rank
-            mine = slot.chunks[rank]
-            if slot.wire_chunks and not redone:
-                mine.copy_(slot.wire_chunks[rank])
-            if slot.post != 1.0:
-                mine.mul_(slot.post)
-            result = None  # this rank's shard is reduced in place; the rest stays its own
-        elif self._own_rounds is not None:
-            result = slot.work.result()
+        flat, wire, post = slot.flat, slot.wire, slot.post
+        if wire is None:  # a codec with rounds of its own returned the average
+            codec_scaled_into(slot.work.result(), flat, post)
+        elif slot.chunks:
+            redone = _wait(slot.work)  # True: the narrow sum overflowed, the full one was taken
+            mine = slot.chunks[self._transport(slot).rank]
+            if not redone:
+                wire.decode_into(slot.wire_chunks[self._transport(slot).rank], mine)
+            if post != 1.0:
+                mine.mul_(post)  # this rank's shard is reduced in place; the rest stays its own
         else:
-            if isinstance(slot.work, concurrent.futures.Future):
-                slot.work.result()  # a hierarchical allreduce, on the stream's worker
-            else:
-                slot.work.wait()  # the stream's transport's allreduce
-            wire = slot.wire
-            assert wire is not None
+            _wait(slot.work)
+            sent = slot.sent
+            assert sent is not None
             group = self._routes[slot.stream].group if redo_group is None else redo_group
-            # A 16-bit sum that overflowed (or data holding inf/nan) is redone in full precision
-            # (compression.overflow): every rank sees the same sum, so decides alike on its own.
-            # The flat buffer still held this rank's scaled gradients: only the wire was reduced.
-            redone = slot.narrow and overflow.redo_if_not_finite(
-                wire, lambda: group_ops.allreduce(flat, group)
-            )
-            if redone or wire is flat:  # the result is in the flat buffer
-                result = flat
-            elif slot.cast is not None:
-                result = wire
-            else:
-                assert self._summed is not None
-                result = self._summed.decompress(wire, slot.ctx)
+            # The wire's declared fallback (compression.overflow): a narrow sum that overflowed
+            # (or data holding inf/nan) is redone in full precision; every rank sees the same
+            # sum, so decides alike on its own. The flat buffer still held this rank's scaled
+            # gradients: only the wire was reduced.
+            if wire.redo_in_full and overflow.redo_if_not_finite(
+                sent, lambda: group_ops.allreduce(flat, group)
+            ):
+                codec_scaled_into(flat, flat, post)
+            else:  # decoded into the flat buffer, scaled on the way: the gradients are its views
+                wire.decode_into(sent, flat, post)
         t_wait = _now()
         slot.t.done = slot.done[0] if slot.done else t_wait
-        # Into the flat buffer, scaled on the way: the gradients are its views.
-        post = slot.post
-        if result is None:
-            pass
-        elif result is flat:
-            if post != 1.0:
-                flat.mul_(post)
-        elif post != 1.0:
-            torch.mul(result.view(-1), post, out=flat)
-        else:
-            flat.copy_(result.view(-1))
         for p, view in zip(slot.members, slot.views):
             if p.grad is not view:  # replaced since it was placed (or a 1-element bucket)
                 p.grad = view
@@ -525,10 +497,17 @@ def _busy_s(spans: Sequence[tuple[float, float]]) -> float:
     return total
 
 
-def _mark_done(marks: list[float], _future: Any) -> None:
+def _mark_done(marks: list[float], _future: Any = None) -> None:
     marks.append(_now())
 
 
+def _wait(work: transport.InFlight | concurrent.futures.Future[Any]) -> Any:
+    """The result of a transport's operation, or of a blocking one on a stream's worker."""
+    if isinstance(work, concurrent.futures.Future):
+        return work.result()
+    return work.wait()
+
+
 def _wire_name(slot: _Slot) -> str:
-    wire = slot.wire
-    return str(wire.dtype).replace("torch.", "") if wire is not None else "reducer"
+    sent = slot.sent
+    return str(sent.dtype).replace("torch.", "") if sent is not None else "reducer"

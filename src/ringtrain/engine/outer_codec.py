@@ -4,9 +4,11 @@ One flat float32 vector per rank (the change of its weights since the last outer
 the same average comes out on every rank. The wire (``outer_compression``):
 
 * ``"none"``: float32, ring allreduce (reduce-scatter, then all-gather) over the transport;
-* ``"fp16"``, ``"bf16"``: the vector divided by the world size before the cast, summed in the
-  ring in 16 bits; a sum that overflows (any rank's chunk not finite) is redone in float32,
-  decided alike everywhere (the transport's ``fallback``);
+* ``"fp16"``, ``"bf16"``: the vector divided by the world size before the cast, encoded and
+  decoded by the gradient codec's own wire (``FP16Compressor.wire``: what the gradient exchange
+  uses), summed in the ring in 16 bits; a sum that overflows (any rank's chunk not finite) is
+  redone in float32, decided alike everywhere: the wire's declared fallback, applied by the
+  transport's reduce-scatter (:func:`ringtrain.compression.overflow.redo_if_not_finite`);
 * ``"int8"``, ``"int4"``: each rank's vector quantized per block of 128 values with one float32
   scale per block (:mod:`ringtrain.compression.quantized`), all-gathered, and decoded and summed
   in rank order on every rank (integers cannot be summed on the wire without overflow).
@@ -27,6 +29,7 @@ import torch
 
 from ringtrain import transport
 from ringtrain.compression import averaging
+from ringtrain.compression.base import Stateless
 from ringtrain.compression.quantized import BlockQuantized
 from ringtrain.compression.wires import WIRES
 from ringtrain.errors import ConfigError
@@ -35,9 +38,9 @@ CODECS = tuple(WIRES)
 
 
 def check(name: str) -> str:
-    if name not in CODECS:
+    if name not in WIRES:  # the table as it is now: a codec registered late counts
         raise ConfigError(
-            f"outer_compression must be one of {', '.join(CODECS)}, got {name!r}\n"
+            f"outer_compression must be one of {', '.join(WIRES)}, got {name!r}\n"
             "HINT: fp16 halves the outer exchange; int8 and int4 cut it 4x and 8x, with error "
             "feedback."
         )
@@ -81,7 +84,7 @@ class OuterCodec:
         x = flat if self.residual is None else flat + self.residual
         if issubclass(self._codec, BlockQuantized):
             return self._average_quantized(x, self._codec)
-        return self._average_16(x)
+        return self._average_16(x, self._codec)
 
     def _chunks(self, t: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.tensor_split(t, self.size))
@@ -93,16 +96,20 @@ class OuterCodec:
         self._wire.allgather(fb if redone and fb is not None else chunks).wait()
         return redone
 
-    def _average_16(self, x: torch.Tensor) -> torch.Tensor:
+    def _average_16(self, x: torch.Tensor, codec: type[Stateless]) -> torch.Tensor:
         n = self.size
         scaled = averaging.mean(x.clone(), n)  # divided before the 16-bit sum (the rule)
-        narrow = self._codec.compress(scaled)[0]
-        self.residual = x - narrow.float() * n
-        exact = scaled.clone()
-        if self._allreduce(narrow, fallback=exact):
+        wire = codec.wire(scaled)  # the gradient codec's own wire (compression.codec)
+        sent = wire.encode()
+        mine = torch.empty_like(scaled)
+        wire.decode_into(sent, mine)  # this rank's share as the wire carries it
+        self.residual = x - mine * n
+        # The wire's declared fallback: the sum redone from ``scaled`` (compression.overflow).
+        if self._allreduce(sent, fallback=scaled if wire.redo_in_full else None):
             self.residual = torch.zeros_like(x)  # the sum went in float32: nothing was lost
-            return exact
-        return narrow.float()
+            return scaled
+        wire.decode_into(sent, mine)
+        return mine
 
     def _average_quantized(self, x: torch.Tensor, codec: type[BlockQuantized]) -> torch.Tensor:
         mine, numel = codec.compress(x)
