@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ringtrain.host.connections import GROUP_KINDS
 from ringtrain.runtime import devices
 from ringtrain.runtime.contracts import Store
 
@@ -182,8 +183,10 @@ def create(
     timeout = datetime.timedelta(seconds=timeout_s)
     is_world = list(ranks) == list(range(world_size))
     groups: dict[str, dist.ProcessGroup] = {}
-    kinds = ["control", "cpu", "engine", "lane"]
-    for kind in kinds:
+    # The kinds come from the connection model's table (host/connections.py), so the sockets
+    # it computes are those of the groups made here. Every world rank calls new_group, members
+    # or not (see ringtrain.host.connections for why not use_local_synchronization).
+    for kind in GROUP_KINDS:
         groups[kind] = dist.new_group(
             list(ranks), timeout=timeout, backend=backend, use_local_synchronization=False
         )

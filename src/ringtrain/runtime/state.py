@@ -221,9 +221,9 @@ def _gloo_environment(interface: str | None) -> None:
     if interface:
         environ.setdefault(Torch.GLOO_SOCKET_IFNAME, interface)
     # Else a Gloo group connects every pair of ranks when it is made: with a communicator's
-    # groups, 5 (N - 1) sockets a rank and as many store handshakes at start, while a ring
-    # talks to 2 neighbours. Lazily, each pair connects at its first exchange
-    # (tests/runtime/test_sockets.py).
+    # groups, 5 (N - 1) sockets a rank and 5 N store reads at start, while a ring talks to 2
+    # neighbours. Lazily, each pair connects at its first exchange: what a job then holds is
+    # computed in ringtrain.host.connections, checked at 4 ranks (tests/runtime/test_sockets.py).
     environ.setdefault(Torch.GLOO_LAZY_INIT, "1")
 
 

@@ -1,0 +1,110 @@
+"""The connection model's figures at 8 to 1,024 ranks (issue 38 item 4), computed, not typed in.
+
+The model itself is checked against sockets measured at 4 ranks in tests/runtime/test_sockets.py;
+here its patterns are checked against what the algorithms must do (a broadcast tree reaches
+every rank) and its sums at the sizes a real test cannot start.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ringtrain.host import connections as c
+from ringtrain.host.connections import PROFILES, Pattern, footprint, peers
+
+SIZES = (8, 64, 256, 1024)
+LIMIT_AT_1024 = 2100  # issue 38's done-when line
+
+
+def test_ring_talks_to_its_two_neighbours() -> None:
+    assert peers(Pattern.RING, 0, 1024) == {1, 1023}
+    assert peers(Pattern.RING, 1, 2) == {0}
+
+
+@pytest.mark.parametrize("size", [2, 3, 5, 8, 13, 64, 100])
+def test_every_broadcast_tree_spans_the_group(size: int) -> None:
+    for root in range(size):
+        edges = {(r, p) for r in range(size) for p in c._tree(r, size, root)}
+        assert all((p, r) in edges for r, p in edges)  # both ends know the pair
+        reached, frontier = {root}, [root]
+        while frontier:
+            r = frontier.pop()
+            for p in c._tree(r, size, root) - reached:
+                reached.add(p)
+                frontier.append(p)
+        assert reached == set(range(size)), (size, root)
+        assert len(edges) // 2 == size - 1  # a tree: every rank but the root has one parent
+
+
+@pytest.mark.parametrize("size", [8, 64, 1000, 1024])
+def test_tree_and_barrier_peers_grow_with_log_n(size: int) -> None:
+    bound = 2 * (size - 1).bit_length()
+    for rank in (0, 1, size // 2, size - 1):
+        assert len(peers(Pattern.TREE, rank, size)) <= bound
+        assert len(peers(Pattern.DISSEMINATION, rank, size)) <= bound
+    assert len(peers(Pattern.ALL, 3, size)) == size - 1
+
+
+def test_footprint_of_every_profile_at_1024_ranks() -> None:
+    table = {name: [footprint(n, uses).sockets for n in SIZES] for name, uses in PROFILES.items()}
+    print(f"sockets per rank at {SIZES}: {table}")  # the figures docs/architecture.md quotes
+    # A job on the defaults: the cpu and lane groups connect every pair (sums in rank order).
+    assert table["horovod"][-1] <= LIMIT_AT_1024, table
+    # Rings and trees only: the sockets grow with log N.
+    assert table["rings"][-1] <= 4 * table["rings"][0], table
+    # The optimizer's direct rounds connect every pair of the engine group as well.
+    assert table["horovod+direct"][-1] > LIMIT_AT_1024, table
+
+
+def test_sockets_per_group_follow_the_patterns() -> None:
+    n = 1024
+    f = footprint(n, PROFILES["horovod"])
+    by_group = dict(f.by_group)
+    # Rings: 2 neighbours; sums in rank order (alltoall): every other rank.
+    assert by_group == {"default": 0, "control": 2, "cpu": n - 1, "engine": 2, "lane": n - 1}
+    assert f.gloo_sockets == sum(by_group.values())
+    # The store: the job's connection and the world's dozing controller's.
+    assert f.store_sockets == c.STORE_CLIENT_SOCKETS + c.STORE_SOCKETS_PER_DOZING_SET
+
+
+def test_store_reads_at_start_do_not_grow_with_n() -> None:
+    for name, uses in PROFILES.items():
+        figures = [footprint(n, uses) for n in SIZES]
+        assert {f.store_reads_at_start for f in figures} == {0}, name
+        assert {f.store_writes_at_start for f in figures} == {1 + len(c.GROUP_KINDS)}, name
+        # Eagerly every group would read every address: what lazy init saves.
+        assert [f.store_reads_eager for f in figures] == [
+            (1 + len(c.GROUP_KINDS)) * n for n in SIZES
+        ]
+
+
+def test_process_sets_and_engine_streams_add_their_own_groups() -> None:
+    base = footprint(64, PROFILES["rings"])
+    with_set = footprint(64, PROFILES["rings"], process_sets=[(8, PROFILES["rings"])])
+    assert with_set.gloo_groups == base.gloo_groups + len(c.GROUP_KINDS)
+    assert with_set.gloo_sockets == base.gloo_sockets + footprint(8, PROFILES["rings"]).gloo_sockets
+    streams = footprint(64, PROFILES["rings"], engine_streams=3)
+    assert streams.gloo_groups == base.gloo_groups + 2
+    assert streams.gloo_sockets == base.gloo_sockets + 2 * 2  # each one more ring
+
+
+def test_a_rank_that_serves_the_store_holds_a_socket_per_rank() -> None:
+    plain = footprint(1024, PROFILES["horovod"])
+    serving = footprint(1024, PROFILES["horovod"], serves_store=True)
+    assert serving.sockets - plain.sockets == 1024
+    assert footprint(1, PROFILES["horovod"]).sockets == c.STORE_CLIENT_SOCKETS  # never dozes
+
+
+def test_files_add_each_groups_device() -> None:
+    f = footprint(8, PROFILES["horovod"])
+    assert f.files == f.sockets + c.FILES_PER_GLOO_GROUP * f.gloo_groups
+    assert c.most_files(1024) >= footprint(1024, PROFILES["horovod+direct"]).files
+
+
+def test_unknown_traffic_and_bad_sizes_are_named() -> None:
+    with pytest.raises(ValueError, match="unknown traffic 'teleport'"):
+        footprint(8, ["teleport"])
+    with pytest.raises(ValueError, match="at least 1 rank"):
+        footprint(0, [])
+    with pytest.raises(ValueError, match="rank 8 is not in a group of 8"):
+        peers(Pattern.RING, 8, 8)
