@@ -53,8 +53,9 @@ class Config:
     # Tensor fusion: allreduces of small tensors are packed into buffers up to this many bytes
     # (DistributedOptimizer: the largest gradient bucket; 0 sends every tensor on its own).
     fusion_threshold_bytes: int = 64 * 1024 * 1024
-    # How often the background controller negotiates which collectives are ready (Horovod's
-    # cycle time). Lower is lower latency, higher packs more tensors per fused allreduce.
+    # Horovod's cycle time. The collectives' controller: a rank with nothing of its own in
+    # flight joins its peers' rounds at most this often, and at least 50 ms apart (a submission
+    # starts a round at once: collectives.controller.IDLE_NAP_S says why).
     # DistributedOptimizer: a gradient bucket closes at a gap in backward longer than this.
     cycle_time_ms: float = 1.0
     # Order of DistributedOptimizer's gradient buckets: "auto" (learned from the first step),

@@ -1,10 +1,12 @@
 """Rounds per op of a repeated named allreduce in a loop (a protocol counter, no timing).
 
-A blocking loop leaves one op in flight; a negotiated op needs the round after the last rank's
-submission, so a healthy protocol takes about one round per op at 2 ranks (1.0-1.05 measured,
-docs/benchmarks/log/2026-11-28-simulated-coordinator.md). The bound is loose on purpose: rounds
-depend on when submissions meet the controllers' cycles, which load shifts; it catches a
-protocol that takes a second round per op."""
+A blocking loop leaves one op in flight; a negotiated op is ready in the round every rank joins
+with its submission. A controller with nothing of its own in flight naps IDLE_NAP_S before
+joining a round for its peers, and its own submission wakes it at once: so a late rank makes its
+peers wait in the round, not run a second one (issue 38: at most 1.2 rounds per op at 2, 4 and
+8 ranks; 1.00 measured, also beside `stress-ng --cpu 2`,
+docs/benchmarks/log/2026-11-28-idle-naps.md). Each rank reads its own counter as its loop
+ends, while the controllers may be in an idle round: the bound leaves that round room."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from ringtrain.collectives.ops import controller_of
 from ringtrain.testing import spawn
 
 OPS = 60
+BOUND = 1.2
 
 
 def rounds_per_op(ops: int) -> float:
@@ -33,11 +36,29 @@ def rounds_per_op(ops: int) -> float:
     [(True, 0), (False, 0), (False, 2)],
     ids=["lane", "gathered", "vector"],
 )
-def test_a_repeated_op_takes_about_one_round(
+def test_a_repeated_op_takes_one_round_at_two_ranks(
     world2: spawn.World, fast_lane: bool, vector_rounds_from: int
 ) -> None:
-    settings = {"fast_lane": fast_lane, "vector_rounds_from": vector_rounds_from}
-    per_op = world2.run(rounds_per_op, OPS, **settings)
-    # Each rank reads its own counter as its loop ends, while the controllers go on with idle
-    # rounds: the two counts may differ by a round in flight, so each is bounded alone.
-    assert all(p <= 1.5 for p in per_op), per_op
+    per_op = world2.run(
+        rounds_per_op, OPS, fast_lane=fast_lane, vector_rounds_from=vector_rounds_from
+    )
+    assert all(p <= BOUND for p in per_op), per_op
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("size", [4, 8])
+def test_a_repeated_op_takes_one_round_at_four_and_eight_ranks(size: int) -> None:
+    world = spawn.world(size)
+    try:
+        for vector_rounds_from in (0, 4):  # gathered rounds, then vector rounds
+            per_op = world.run(
+                rounds_per_op,
+                OPS,
+                timeout=120,
+                fast_lane=False,
+                vector_rounds_from=vector_rounds_from,
+            )
+            assert all(p <= BOUND for p in per_op), (vector_rounds_from, per_op)
+    finally:
+        if size > 4:  # the 4-rank world serves other modules; nothing else needs 8
+            spawn.close(size)

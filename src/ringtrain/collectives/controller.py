@@ -68,18 +68,20 @@ from ringtrain.runtime.communicator import Communicator
 
 log = logging.getLogger("ringtrain")
 
-# The controller naps between cycles while nothing is pending anywhere: the first
-# POLL_FAST_CYCLES naps last one cycle time (a burst's next op is usually that close), then each
-# doubles, up to MAX_IDLE_SLEEP_S. A local submission wakes it at once; peers' controllers take
-# at most one nap to follow.
-POLL_FAST_CYCLES = 8
-MAX_IDLE_SLEEP_S = 0.01
-# After this many idle cycles in a row on every rank (30-70 ms of quiet), the controllers stop
+# A controller with nothing of its own in flight naps between rounds. Joining a round then can
+# make no op ready (every op waits for this rank's submission, which wakes it at once): it joins
+# only for what peers may need of it, none of it urgent (a shutdown vote, a lane slot to release
+# after lane.RELEASE_S, rank 0's stall and cross-set verdicts, the doze agreement), so it naps
+# IDLE_NAP_S, or the cycle time if longer. A nap is also how late this rank's next submission may
+# come without costing a round: napping one cycle time (1 ms) made a rank whose app thread woke a
+# little late join an empty round, and that round a second one for every rank (1.3-2.3 rounds per
+# op of a loop at 4 ranks under load; 1.00 with these naps: docs/benchmarks/log/
+# 2026-11-28-idle-naps.md).
+IDLE_NAP_S = 0.05
+# After this many idle rounds in a row on every rank (200 ms of quiet), the controllers stop
 # polling and block on a doorbell key in the rendezvous store until some rank submits or shuts
-# down. An idle round is a Gloo allgather costing about a millisecond of CPU per rank, so polling
-# for longer slows whatever the process does next (its own torch collectives, its compute) far
-# more than the millisecond or two a doorbell adds to the next op.
-DOZE_AFTER_IDLE_CYCLES = 16
+# down: an idle round costs every rank CPU that its next work needs.
+DOZE_AFTER_IDLE_CYCLES = 4
 JOIN_NAME = "__join__"
 # At shutdown, how long a rank waits for the peers to complete the lane slots it claimed.
 LANE_DRAIN_S = 10.0
@@ -293,7 +295,7 @@ class Controller(LaneControl):
                 self._idle_cycles = 0 if self._active else self._idle_cycles + 1
                 # Alone in the set, nothing can arrive but a local submission: wait for it.
                 alone = self.comm.size == 1
-                self._wake.wait(None if alone else self._sleep_time(self._idle_cycles))
+                self._wake.wait(None if alone else self._nap_s())
                 self._wake.clear()
         except (CollectiveError, SecurityError) as e:  # secure mode names the peer: keep it
             self._fail_all(e)
@@ -314,11 +316,10 @@ class Controller(LaneControl):
             if self._watch is not None:
                 self._watch.clear()
 
-    def _sleep_time(self, idle_cycles: int) -> float:
-        cycle = self.config.cycle_time_ms / 1000.0
-        if idle_cycles < POLL_FAST_CYCLES:
-            return cycle
-        return min(MAX_IDLE_SLEEP_S, cycle * 2 ** min(10, idle_cycles - POLL_FAST_CYCLES + 1))
+    def _nap_s(self) -> float:
+        """How long a controller with nothing of its own in flight waits for a submission
+        before joining a round for its peers (see IDLE_NAP_S)."""
+        return max(IDLE_NAP_S, self.config.cycle_time_ms / 1000.0)
 
     def _sleep_until_rung(self) -> None:
         """Every rank dozes on the same key until one of them submits or shuts down. The key

@@ -50,7 +50,7 @@ PATIENCE_S = 1.0
 # gathered round, which carries its status whole.
 WINDOW = 62
 
-_ONES = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+ONES = 0xFFFF_FFFF_FFFF_FFFF
 
 # Word 0: flags. AND flags are sent as they are; OR flags inverted (the AND of "not x" is "no
 # rank has x").
@@ -119,12 +119,8 @@ def encode(
     status: lane.Status | None,
     base: int,
 ) -> np.ndarray:
-    """This rank's vector: ``words`` 64-bit words (see :func:`words_for`)."""
-    v = np.zeros(words, dtype=np.uint64)
-    ids = np.fromiter(pending, dtype=np.int64)
-    if ids.size:
-        bits = np.left_shift(np.uint64(1), (ids & 63).astype(np.uint64))
-        np.bitwise_or.at(v, HEADER_WORDS + (ids >> 6), bits)
+    """This rank's vector: ``words`` 64-bit words (see :func:`words_for`). Built in Python
+    ints, then one array: per round, numpy's per-call cost would outweigh the work."""
     flags = 0 if gather else F_NO_GATHER
     if idle:
         flags |= F_IDLE
@@ -135,33 +131,43 @@ def encode(
         if not status.open and not status.claimed:
             flags |= F_CLOSED
         slot, free = status.slot - base, status.next_free - base
-        v[W_SLOT_LO] = _thermometer(slot)
-        v[W_SLOT_HI] = ~_thermometer(slot)
-        v[W_FREE_LO] = _thermometer(free)
-        v[W_FREE_HI] = ~_thermometer(free)
-        v[W_CLAIMS] = ~np.uint64(1 << slot) if status.claimed else _ONES
-        v[W_DUMMIES] = ~np.uint64(1 << slot) if status.claimed and status.dummy else _ONES
+        claim = ONES ^ (1 << slot) if status.claimed else ONES
+        dummy = claim if status.dummy else ONES
+        lane_words = [
+            _thermometer(slot),
+            ONES ^ _thermometer(slot),
+            _thermometer(free),
+            ONES ^ _thermometer(free),
+            claim,
+            dummy,
+        ]
     else:
-        v[W_SLOT_LO : W_DUMMIES + 1] = _ONES  # the AND's identity: says nothing
-    v[W_FLAGS] = np.uint64(flags)
+        lane_words = [ONES] * (HEADER_WORDS - 1)  # the AND's identity: says nothing
+    body = 0
+    for cid in pending:
+        body |= 1 << cid
+    v = np.empty(words, dtype=np.uint64)
+    v[:HEADER_WORDS] = [flags, *lane_words]
+    v[HEADER_WORDS:] = np.frombuffer(body.to_bytes((words - HEADER_WORDS) * 8, "little"), "<u8")
     return v
 
 
 def decode(v: np.ndarray, base: int) -> Summary:
     """The AND of every rank's :func:`encode`."""
-    flags = int(v[W_FLAGS])
+    header = v[:HEADER_WORDS].tolist()
+    flags = header[W_FLAGS]
     bits = np.unpackbits(v[HEADER_WORDS:].view(np.uint8), bitorder="little")
     view = None
     if flags & F_LANE:
         view = LaneView(
             all_open=bool(flags & F_OPEN),
             all_closed=bool(flags & F_CLOSED),
-            slot_min=base + _popcount(v[W_SLOT_LO]),
-            slot_max=base + _popcount(~v[W_SLOT_HI]),
-            free_min=base + _popcount(v[W_FREE_LO]),
-            free_max=base + _popcount(~v[W_FREE_HI]),
-            claims=_slots(~v[W_CLAIMS], base),
-            dummies=_slots(~v[W_DUMMIES], base),
+            slot_min=base + header[W_SLOT_LO].bit_count(),
+            slot_max=base + (ONES ^ header[W_SLOT_HI]).bit_count(),
+            free_min=base + header[W_FREE_LO].bit_count(),
+            free_max=base + (ONES ^ header[W_FREE_HI]).bit_count(),
+            claims=_slots(ONES ^ header[W_CLAIMS], base),
+            dummies=_slots(ONES ^ header[W_DUMMIES], base),
         )
     return Summary(
         gather_next=not flags & F_NO_GATHER,
@@ -176,17 +182,17 @@ def words_for(cache_entries: int) -> int:
     return HEADER_WORDS + math.ceil(cache_entries / 64)
 
 
-def _thermometer(v: int) -> np.uint64:
-    return np.uint64((1 << v) - 1)
+def _thermometer(v: int) -> int:
+    return (1 << v) - 1
 
 
-def _popcount(w: np.uint64) -> int:
-    return int(w).bit_count()
-
-
-def _slots(mask: np.uint64, base: int) -> frozenset[int]:
-    m = int(mask)
-    return frozenset(base + i for i in range(64) if m >> i & 1)
+def _slots(mask: int, base: int) -> frozenset[int]:
+    found = []
+    while mask:  # one pass per set bit: usually none or one
+        low = mask & -mask
+        found.append(base + low.bit_length() - 1)
+        mask ^= low
+    return frozenset(found)
 
 
 class VectorChannel:
