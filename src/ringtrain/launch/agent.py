@@ -27,7 +27,7 @@ import psutil
 
 from ringtrain import environ
 from ringtrain.environ import Ringtrain
-from ringtrain.host import cpu_limits, network
+from ringtrain.host import cpu_limits, network, open_files
 from ringtrain.launch import protocol
 from ringtrain.launch.tuning import ALLOCATORS, LIB_DIRS
 
@@ -118,6 +118,7 @@ class Agent:
         if cwd and not os.path.isdir(cwd):
             cwd = None
         key = msg.get("key")
+        self._fit_open_files(msg["ranks"])
         for r in msg["ranks"]:
             self._spawn(r, cwd, key)
         for r in self._procs:
@@ -126,6 +127,23 @@ class Agent:
                 t.start()
                 self._readers.setdefault(r, []).append(t)
         threading.Thread(target=self._reap, daemon=True).start()
+
+    def _fit_open_files(
+        self,
+        ranks: list[dict[str, Any]],
+        raise_for: Callable[[int], str | None] = open_files.raise_for,
+    ) -> None:
+        """Raise the open-file limit the ranks inherit to what a job of their size may need
+        (:mod:`ringtrain.host.open_files`), and say so in one line the launcher prints."""
+        sizes = [int(r["env"].get(Ringtrain.SIZE) or 0) for r in ranks]
+        if not sizes or max(sizes) < 1:
+            return  # an elastic rank learns its world later; nothing to size by
+        try:
+            line = raise_for(max(sizes))
+        except (OSError, ValueError) as e:  # a limit this process may not change: say so
+            line = f"could not raise the open-file limit (RLIMIT_NOFILE): {e}"
+        if line:
+            self.send("note", line=line)
 
     def _spawn(self, r: dict[str, Any], cwd: str | None, key: str | None) -> None:
         rank = int(r["rank"])

@@ -9,6 +9,7 @@ Launcher -> agent (agent's stdin):
 Agent -> launcher (agent's stdout):
     {"t": "hello", "facts": {...}, "interfaces": [...]}   first, before any start
     {"t": "started", "rank": r, "pid": p}
+    {"t": "note", "line": str}                        a line for the user (a limit it raised)
     {"t": "out", "rank": r, "fd": 1 | 2, "line": str, "end": "\n" | "\r"}
     {"t": "exit", "rank": r, "code": int | null, "signal": str | null, "tail": [str]}
     {"t": "done"}                                     every rank has exited

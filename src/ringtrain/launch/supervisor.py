@@ -395,6 +395,8 @@ class Supervisor:
             self.pool.joiner_hello(link, msg)
         elif kind == "started":
             self._pids[msg["rank"]] = msg["pid"]
+        elif kind == "note":
+            self.say(f"host {link.host.name}: {msg['line']}")
         elif kind == "exit":
             self._on_exit(link, msg)
         elif kind == "done":
