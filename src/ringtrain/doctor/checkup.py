@@ -199,7 +199,14 @@ def _placement(
         rep = placement.check(np, options.hosts, {h: c for h, c in cores.items() if c})
     except LaunchError as e:
         return {"np": np, "error": str(e)}, None, [str(e)], []
-    return rep.to_dict(), rep.ranks_per_host, [], list(rep.warnings)
+    # Each rank's sockets and files grow with -np, whatever the placement: the model's figures,
+    # and each host's open-file limit against them.
+    doc = {**rep.to_dict(), "connections": findings.connections_at(np)}
+    warnings = list(rep.warnings)
+    for p in probes:
+        if p.facts is not None:
+            warnings += findings.check_open_files(p.name, p.facts, np)
+    return doc, rep.ranks_per_host, [], warnings
 
 
 def _prediction(

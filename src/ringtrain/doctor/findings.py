@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringtrain.host import connections, open_files
 from ringtrain.host.cpu_limits import is_shared_pool, shared_cores
 from ringtrain.launch.tuning import HostFacts, tune
 
@@ -272,3 +273,29 @@ def check_cpus(name: str, facts: Mapping[str, Any], ranks: int) -> list[str]:
                 )
                 break  # one warning per host says it
     return out
+
+
+def connections_at(ranks: int) -> dict[str, Any]:
+    """What one rank of a job of ``ranks`` holds, computed (ringtrain.host.connections): its
+    sockets for each usual mix of traffic, the most files, and the open-file limit the agent
+    gives the ranks where a host's soft limit is lower."""
+    return {
+        "ranks": ranks,
+        "sockets_per_rank": {
+            name: connections.footprint(ranks, uses).sockets
+            for name, uses in connections.PROFILES.items()
+        },
+        "files_up_to": connections.most_files(ranks),
+        "open_files_needed": open_files.needed(ranks),
+    }
+
+
+def check_open_files(name: str, facts: Mapping[str, Any], ranks: int) -> list[str]:
+    """A warning where this host's hard open-file limit leaves a rank of a job of ``ranks``
+    too few files (the agent raises the soft limit up to the hard one by itself)."""
+    limits = facts.get("open_files")
+    if not limits or ranks < 1:
+        return []
+    p = open_files.plan(ranks, int(limits[0]), int(limits[1]))
+    line = open_files.message(p)
+    return [f"host {name}: {line}"] if p.short and line else []

@@ -18,6 +18,7 @@ import contextlib
 import os
 import platform
 import re
+import resource
 import sys
 import threading
 import time
@@ -114,6 +115,8 @@ def facts() -> dict[str, Any]:
         "load": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else [],
         "allocator": {"available": base["allocators"], "preloaded": _preloaded()},
         "threads_env": {k: env[k] for k in THREAD_VARS if k in env},
+        # (soft, hard) RLIMIT_NOFILE: a rank's sockets grow with the ranks (host/open_files.py)
+        "open_files": list(resource.getrlimit(resource.RLIMIT_NOFILE)),
     }
     try:
         out["interfaces"] = [i.to_dict() for i in network.local_interfaces()]

@@ -168,10 +168,35 @@ def _placement(doc: Mapping[str, Any]) -> list[str]:
         return [f"Placement of -np {pl.get('np')}: IMPOSSIBLE (see problems)"]
     shown = ", ".join(f"{h} {c}" for h, c in (pl.get("ranks_per_host") or {}).items())
     verdict = "UNEVEN" if pl.get("uneven") else "even"
-    return [
+    lines = [
         f"Placement of -np {pl.get('np')}: {pl.get('pattern')} ({shown}) {verdict}; "
         f"~{pl.get('compute_efficiency', 1.0):.0%} of cores useful in lock-step"
     ]
+    return lines + _connections(doc)
+
+
+def _connections(doc: Mapping[str, Any]) -> list[str]:
+    c = (doc.get("placement") or {}).get("connections")
+    if not c:
+        return []
+    sockets = c["sockets_per_rank"]
+    limits = ", ".join(
+        f"{h['name']} {'/'.join(_limit(x) for x in h['facts']['open_files'])}"
+        for h in doc["hosts"]
+        if (h.get("facts") or {}).get("open_files")
+    )
+    return [
+        f"Connections per rank at -np {c['ranks']} (computed, ringtrain.host.connections): "
+        f"{sockets.get('rings')} sockets on rings only, {sockets.get('horovod')} on the defaults "
+        f"(sums in rank order connect every pair), {sockets.get('horovod+direct')} with the "
+        f"optimizer's direct rounds; up to {c['files_up_to']} files, so `ringtrain run` raises "
+        f"a lower soft open-file limit to {c['open_files_needed']}"
+        + (f" (soft/hard now: {limits})" if limits else "")
+    ]
+
+
+def _limit(n: int) -> str:
+    return "unlimited" if n < 0 else str(n)
 
 
 def _compute(doc: Mapping[str, Any]) -> list[str]:
