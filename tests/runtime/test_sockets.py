@@ -5,7 +5,8 @@ group connects at its first exchange. Step by step, a job uses one more kind of 
 model's table and every rank counts its established TCP connections and listening sockets; the
 model, given the traffic used so far, must predict both exactly. At 4 ranks a ring (2 peers)
 and a full mesh (3) differ, so a pattern or a group the model got wrong shows; the figures at 8
-to 1,024 ranks are the same model's (tests/host/test_connections.py).
+to 1,024 ranks are the same model's (tests/host/test_connections.py). And a Gloo group made
+lazily reads nothing from the store at start, at 8 to 1,024 ranks alike (a counting store).
 """
 
 from __future__ import annotations
@@ -139,3 +140,67 @@ def test_the_model_predicts_the_sockets_of_four_ranks() -> None:
             assert store_least <= store <= store_most, (rank, label, result)
             # + the interpreter's own, as the agent's open-file limit counts them
             assert files <= most + BASE_FILES, (rank, label, result)
+
+
+def _counting_store() -> Any:
+    """A torch Store around a HashStore that counts what it is asked (``calls``)."""
+    import collections
+
+    import torch.distributed as dist
+
+    class Counting(dist.Store):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = dist.HashStore()
+            self.calls: collections.Counter[str] = collections.Counter()
+
+        def set(self, key: str, value: Any) -> None:
+            self.calls["set"] += 1
+            self.inner.set(key, value)
+
+        def get(self, key: str) -> Any:
+            self.calls["get"] += 1
+            return self.inner.get(key)
+
+        def multi_get(self, keys: list[str]) -> Any:
+            self.calls["multi_get"] += 1
+            return self.inner.multi_get(keys)
+
+        def wait(self, keys: list[str], timeout: Any = None) -> None:
+            self.calls["wait"] += 1
+            self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+        def check(self, keys: list[str]) -> bool:
+            self.calls["check"] += 1
+            return bool(self.inner.check(keys))
+
+        def add(self, key: str, n: int) -> int:
+            self.calls["add"] += 1
+            return int(self.inner.add(key, n))
+
+        def set_timeout(self, timeout: Any) -> None:
+            self.inner.set_timeout(timeout)
+
+    return Counting()
+
+
+@pytest.mark.parametrize("size", [8, 64, 256, 1024])
+def test_a_gloo_group_reads_nothing_from_the_store_at_start(
+    size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Made lazily (as runtime/state.py sets), a rank's Gloo group only writes its address: no
+    read at any size, as the model counts (its peers are read at their first exchange)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ringtrain.environ import Torch
+    from ringtrain.host import connections
+
+    monkeypatch.setenv(Torch.GLOO_LAZY_INIT, "1")
+    store = _counting_store()
+    group = dist.ProcessGroupGloo(store, size - 1, size, datetime.timedelta(seconds=5))
+    del group
+    f = connections.footprint(size, [])
+    assert dict(store.calls) == {"set": f.store_writes_at_start // f.gloo_groups}
+    assert f.store_reads_at_start == 0
