@@ -108,3 +108,18 @@ def test_unknown_traffic_and_bad_sizes_are_named() -> None:
         footprint(0, [])
     with pytest.raises(ValueError, match="rank 8 is not in a group of 8"):
         peers(Pattern.RING, 8, 8)
+
+
+def test_the_docs_table_is_the_models() -> None:
+    """docs/launch.md's table of sockets per rank, row by row, is what the model computes."""
+    from pathlib import Path
+
+    from ringtrain.host import open_files
+
+    text = (Path(__file__).parents[2] / "docs" / "launch.md").read_text()
+    rows = {"rings only": "rings", "the defaults": "horovod", "plus alltoall": "horovod+direct"}
+    for start, profile in rows.items():
+        (line,) = [row for row in text.splitlines() if row.startswith(f"| {start}")]
+        shown = [int(x.replace(",", "")) for x in line.split("|")[2:-1]]
+        assert shown == [footprint(n, PROFILES[profile]).sockets for n in SIZES], line
+    assert f"({open_files.needed(1024):,} at 1,024 ranks)" in text
