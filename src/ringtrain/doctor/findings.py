@@ -275,7 +275,7 @@ def check_cpus(name: str, facts: Mapping[str, Any], ranks: int) -> list[str]:
     return out
 
 
-def connections_at(ranks: int) -> dict[str, Any]:
+def connections_at(ranks: int) -> dict[str, int | dict[str, int]]:
     """What one rank of a job of ``ranks`` holds, computed (ringtrain.host.connections): its
     sockets for each usual mix of traffic, the most files, and the open-file limit the agent
     gives the ranks where a host's soft limit is lower."""
@@ -290,11 +290,11 @@ def connections_at(ranks: int) -> dict[str, Any]:
     }
 
 
-def check_open_files(name: str, facts: Mapping[str, Any], ranks: int) -> list[str]:
+def check_open_files(name: str, facts: Mapping[str, object], ranks: int) -> list[str]:
     """A warning where this host's hard open-file limit leaves a rank of a job of ``ranks``
     too few files (the agent raises the soft limit up to the hard one by itself)."""
     limits = facts.get("open_files")
-    if not limits or ranks < 1:
+    if not isinstance(limits, (list, tuple)) or len(limits) != 2 or ranks < 1:
         return []
     p = open_files.plan(ranks, int(limits[0]), int(limits[1]))
     line = open_files.message(p)
