@@ -52,15 +52,18 @@ timing or layout). Outside its own shard, a rank's ``.grad`` keeps its own (scal
 until :meth:`GradientExchange.gather_grads` all-gathers the reduced shards.
 
 Streams (:mod:`ringtrain.engine.streams`). Bucket ``i`` travels on stream ``i % len(streams)``:
-its own process group, so consecutive buckets are in flight at once, and, when the stream has a
-hierarchical allreduce, through that (blocking) algorithm on the stream's worker thread. Every
-stream has at most one worker, which runs its buckets in plan order: per group, the order of
-collectives is the plan's on every rank.
+its own process group, so consecutive buckets are in flight at once. A stream's buckets go to
+its transport, ``transport.of(route.group, route.hierarchical)``: the group's own, or, when the
+stream has a hierarchical allreduce, that (blocking) algorithm as a transport on the stream's
+worker thread (:class:`ringtrain.transport.base.HierarchicalTransport`), which cannot cut a
+bucket into shards. ``_launch`` has one door per kind of codec: a summed codec's wire to the
+stream's transport (``allreduce``, or ``reduce_scatter`` of its shards), a codec with rounds of
+its own to those rounds, on the stream's worker. Every stream has at most one worker, which
+runs its buckets in plan order: per group, the order of collectives is the plan's on every rank.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import threading
 import time
@@ -221,25 +224,7 @@ class GradientExchange:
         self._hierarchical = self._summed is not None and any(
             route.hierarchical is not None for route in self._routes
         )
-        # A transport per stream. Reduce-scatter: every bucket's shards (of its flat buffer and
-        # of its 16-bit wire) on the scatter groups; else a summed bucket is allreduced whole on
-        # the stream's group. A bucket that a reducer (PowerSGD, top-k), a custom codec or the
-        # hierarchical allreduce reduces goes its own way, whole: the shard is taken after.
-        self._transports: list[transport.Transport] = []
-        if self._summed is not None and not self._hierarchical:
-            # A wire with a buffer kept across steps is cut into shards as the bucket is.
-            cut = scatter and all(
-                s.wire is not None and s.wire.buffer is not None for s in self._slots
-            )
-            groups = [route.group for route in self._routes]
-            if cut and scatter_groups:
-                groups = list(scatter_groups)
-            self._transports = [transport.of(g) for g in groups]
-            n = self._transports[0].size
-            for slot in self._slots if cut else []:
-                assert slot.wire is not None and slot.wire.buffer is not None
-                slot.chunks = _cut(slot.flat, n)
-                slot.wire_chunks = _cut(slot.wire.buffer, n)
+        self._transports = self._make_transports(scatter, scatter_groups)
         self._workers: list[WorkerThread] = []
         self._releases: list[weakref.finalize[Any, Any]] = []
         # A codec with rounds of its own runs them on the stream's group, on its worker.
@@ -248,12 +233,41 @@ class GradientExchange:
             for b in plan.buckets:
                 self._own_rounds.plan(b.key, b.shapes)
             self._rounds = [transport.rounds(route.group) for route in self._routes]
-        if self._own_rounds is not None or self._hierarchical:
+        if self._own_rounds is not None:
             used = min(len(self._routes), len(self._slots)) or 1
             for route in self._routes[:used]:
                 self._workers.append(_WORKERS.acquire(route.group))
                 # An optimizer dropped without remove_hooks() must not leave its thread behind.
                 self._releases.append(weakref.finalize(self, _WORKERS.release, id(route.group)))
+
+    def _make_transports(
+        self, scatter: bool, scatter_groups: Sequence[Any] | None
+    ) -> list[transport.Transport]:
+        """A transport per stream (the stream's group's, or its hierarchical allreduce's), for
+        a summed codec's wires. Reduce-scatter: every bucket's shards (of its flat buffer and of
+        its wire buffer) on the scatter groups, where the transports cut (the hierarchical
+        allreduce does not) and every wire keeps a buffer (a custom codec's does not); else a
+        bucket is reduced whole and the sharded step takes its shard after."""
+        if self._summed is None:
+            return []  # a codec with rounds of its own runs them on the streams' groups
+        made = [transport.of(route.group, route.hierarchical) for route in self._routes]
+        cut = (
+            scatter
+            and all(t.cuts for t in made)
+            and all(s.wire is not None and s.wire.buffer is not None for s in self._slots)
+        )
+        if not cut:
+            return made
+        if scatter_groups:
+            for t in made:
+                t.close()
+            made = [transport.of(g) for g in scatter_groups]
+        n = made[0].size
+        for slot in self._slots:
+            assert slot.wire is not None and slot.wire.buffer is not None
+            slot.chunks = _cut(slot.flat, n)
+            slot.wire_chunks = _cut(slot.wire.buffer, n)
+        return made
 
     @property
     def streams(self) -> int:
@@ -405,12 +419,9 @@ class GradientExchange:
             wire = slot.wire
             slot.sent = sent = wire.encode()  # the codec writes its wire (a kept buffer if any)
             slot.t.sent = _now()
-            hierarchical = self._routes[slot.stream].hierarchical
             if slot.chunks:  # the wire buffer's shards; the flat buffer's are the fallback's
                 fallback = slot.chunks if wire.redo_in_full else None
                 work = self._transport(slot).reduce_scatter(slot.wire_chunks, fallback)
-            elif hierarchical is not None:
-                work = self._workers[slot.stream].submit(hierarchical.allreduce, sent, "sum")
             else:
                 work = self._transport(slot).allreduce(sent)
         slot.work = work
@@ -431,14 +442,14 @@ class GradientExchange:
         if wire is None:  # a codec with rounds of its own returned the average
             codec_scaled_into(slot.work.result(), flat, post)
         elif slot.chunks:
-            redone = _wait(slot.work)  # True: the narrow sum overflowed, the full one was taken
+            redone = slot.work.wait()  # True: the narrow sum overflowed, the full one was taken
             mine = slot.chunks[self._transport(slot).rank]
             if not redone:
                 wire.decode_into(slot.wire_chunks[self._transport(slot).rank], mine)
             if post != 1.0:
                 mine.mul_(post)  # this rank's shard is reduced in place; the rest stays its own
         else:
-            _wait(slot.work)
+            slot.work.wait()
             sent = slot.sent
             assert sent is not None
             group = self._routes[slot.stream].group if redo_group is None else redo_group
@@ -499,13 +510,6 @@ def _busy_s(spans: Sequence[tuple[float, float]]) -> float:
 
 def _mark_done(marks: list[float], _future: Any = None) -> None:
     marks.append(_now())
-
-
-def _wait(work: transport.InFlight | concurrent.futures.Future[Any]) -> Any:
-    """The result of a transport's operation, or of a blocking one on a stream's worker."""
-    if isinstance(work, concurrent.futures.Future):
-        return work.result()
-    return work.wait()
 
 
 def _wire_name(slot: _Slot) -> str:

@@ -1,9 +1,11 @@
 """Transport: the one interface the engine moves a bucket's bytes through.
 
-Every process group the engine uses (Gloo, NCCL, the sealed group ``ringtrain_sealed``, the tcp
-group ``ringtrain_tcp``) is wrapped in a :class:`Transport` by :func:`of`, and the code above it
-never asks which. A transport offers the three in-place operations a gradient reduction is
-written with, each returning an :class:`InFlight`:
+Every process group the engine uses (Gloo, NCCL, the sealed group ``ringtrain_sealed``, the
+tcp group ``ringtrain_tcp``) is wrapped in a :class:`Transport` by :func:`of`, and the code
+above it never asks which; so is the hierarchical (2D) allreduce over a group's ranks
+(``of(group, hierarchical)``: :class:`~ringtrain.transport.base.HierarchicalTransport`, whose
+``reduce_scatter`` reduces every chunk, so it does not ``cut``). A transport offers the three
+in-place operations a gradient reduction is written with, each returning an :class:`InFlight`:
 
 * ``allreduce(t)``: ``t`` becomes the sum over the group: the group's own allreduce (Gloo's,
   NCCL's, the sealed and tcp groups' ring as one operation), issued from the calling thread;

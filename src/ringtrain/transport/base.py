@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ringtrain.algorithms.hierarchical import HierarchicalAllreduce
 from ringtrain.algorithms.ring_group import RingProcessGroup
 from ringtrain.algorithms.sealed import Link, Plain
 from ringtrain.compression import overflow
@@ -35,6 +36,9 @@ class Transport(Protocol):
 
     rank: int
     size: int
+    # Whether reduce_scatter moves less than an allreduce (a ring's (N-1)/N of the data): a
+    # sender that only wants its shard's sum cuts its buffers for it only where it does.
+    cuts: bool
 
     def allreduce(self, t: torch.Tensor) -> InFlight:
         """``t`` becomes the sum of every rank's ``t``, in place: the group's own allreduce,
@@ -127,6 +131,8 @@ class LinkTransport:
     """The ring (:class:`Link`) over a group with asynchronous point-to-point (Gloo), run on
     the group's shared worker thread (:data:`~ringtrain.transport.workers.WORKERS`)."""
 
+    cuts = True
+
     def __init__(self, group: Any) -> None:
         self.rank, self.size = group.rank(), group.size()
         self._group = group
@@ -171,6 +177,8 @@ class RingGroupTransport:
     """A sealed or tcp group (:class:`RingProcessGroup`): the whole ring runs as one operation
     of the group, on its own link, whose transport posts a step's send and receive at once."""
 
+    cuts = True
+
     def __init__(self, group: RingProcessGroup) -> None:
         self.rank, self.size = group.rank(), group.size()
         self._group = group
@@ -203,6 +211,8 @@ class RingGroupTransport:
 class NcclTransport:
     """NCCL's own collectives. Chunks are padded to the largest (NCCL's reduce-scatter takes
     equal pieces); issued from the calling thread, completed on NCCL's stream."""
+
+    cuts = True
 
     def __init__(self, group: Any) -> None:
         self.rank, self.size = group.rank(), group.size()
@@ -266,9 +276,81 @@ class _Done:
         fn()
 
 
-def of(group: Any) -> Transport:
+class HierarchicalTransport:
+    """The hierarchical (2D) allreduce as a transport over ``group``'s ranks.
+
+    :class:`~ringtrain.algorithms.hierarchical.HierarchicalAllreduce` sums within each host
+    (its host group), across hosts on shards (its cross-host groups), then shares within each
+    host again. Wrapped over a stream's group, the engine sends a bucket to it as to any
+    transport and never asks which it holds:
+
+    * ``allreduce(t)``: the 2D allreduce of ``t``, in place, on the group's shared worker
+      thread (:data:`~ringtrain.transport.workers.WORKERS`): blocking collectives, queued in
+      the order the caller issues them, the same on every rank;
+    * ``reduce_scatter(chunks, fallback)``: the whole of ``chunks`` allreduced (every chunk
+      ends with its sum, not only this rank's), so ``cuts`` is False: a sender reduces whole
+      buckets instead. The fallback's rule (:func:`~ringtrain.compression.overflow.
+      redo_if_not_finite`) reads the whole result, the same on every rank, so every rank
+      decides alike without agreeing;
+    * ``allgather(chunks)``: the group's flat transport's.
+    """
+
+    cuts = False  # reduce_scatter reduces every chunk: no traffic saved over an allreduce
+
+    def __init__(self, group: Any, algorithm: HierarchicalAllreduce) -> None:
+        self._flat: Transport = of(group)
+        self.rank, self.size = self._flat.rank, self._flat.size
+        self._group = group
+        self._algorithm = algorithm
+        self._worker: WorkerThread | None = None
+        self._release: weakref.finalize[Any, Any] | None = None
+        self._taking = threading.Lock()
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> InFlight:
+        with self._taking:
+            if self._worker is None:  # taken at the first operation
+                self._worker = WORKERS.acquire(self._group)
+                self._release = weakref.finalize(self, WORKERS.release, id(self._group))
+            worker = self._worker
+        return _Future(worker.submit(fn, *args))
+
+    def allreduce(self, t: torch.Tensor) -> InFlight:
+        return self._submit(self._algorithm.allreduce, t, "sum")
+
+    def reduce_scatter(
+        self, chunks: Sequence[torch.Tensor], fallback: Sequence[torch.Tensor] | None = None
+    ) -> InFlight:
+        def whole(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+            flat = torch.cat([p.reshape(-1) for p in pieces])
+            self._algorithm.allreduce(flat, "sum")
+            for p, part in zip(pieces, torch.split(flat, [p.numel() for p in pieces])):
+                p.copy_(part.view_as(p))
+            return flat
+
+        def run() -> bool:
+            summed = whole(chunks)
+            if fallback is None:
+                return False
+            return overflow.redo_if_not_finite(summed, lambda: whole(fallback))
+
+        return self._submit(run)
+
+    def allgather(self, chunks: Sequence[torch.Tensor]) -> InFlight:
+        return self._flat.allgather(chunks)
+
+    def close(self) -> None:
+        if self._release is not None:
+            self._release()
+        self._flat.close()
+
+
+def of(group: Any, hierarchical: HierarchicalAllreduce | None = None) -> Transport:
     """The transport over ``group``: a sealed or tcp group runs the ring as its own operation,
-    NCCL its own collectives, Gloo the ring on a worker thread."""
+    NCCL its own collectives, Gloo the ring on a worker thread; with ``hierarchical`` (a 2D
+    allreduce over the same ranks' hosts), that allreduce
+    (:class:`HierarchicalTransport`)."""
+    if hierarchical is not None:
+        return HierarchicalTransport(group, hierarchical)
     if isinstance(group, RingProcessGroup):
         return RingGroupTransport(group)
     if _backend(group) == "nccl":
