@@ -2,7 +2,9 @@
 
 The transports (:func:`ringtrain.transport.of`): the ring on a Gloo group (``LinkTransport``),
 the sealed group's and the tcp group's own ring (``RingGroupTransport``, ``secure=True`` and
-``transport="tcp"``), and NCCL's collectives (``NcclTransport``). One persistent world of 3
+``transport="tcp"``), NCCL's collectives (``NcclTransport``), and the hierarchical allreduce
+over the engine's group (``HierarchicalTransport``, ranks placed on two hosts as a, a, b and
+a, b, a; its reduce-scatter reduces every chunk, which the checks of rank r's chunk allow). One persistent world of 3
 ranks (chunks of unequal sizes, an empty one, sums of three where order matters), one call per
 kind of group. The reference is ``torch.distributed`` on a plain Gloo group made for the check
 (``all_reduce``, ``reduce_scatter_tensor``, ``all_gather_into_tensor``), over the same inputs:
@@ -220,6 +222,23 @@ def _nccl_code_over_gloo() -> tuple[list[str], int]:
     return out
 
 
+def _hierarchical_transport(hosts: str) -> tuple[str, list[str], int]:
+    """The hierarchical allreduce as the engine gets it over a stream's group
+    (``transport.of(group, hierarchical)``), ranks placed on ``hosts``, against Gloo."""
+    from ringtrain.algorithms.hierarchical import HierarchicalAllreduce
+    from ringtrain.runtime import state
+
+    algorithm = HierarchicalAllreduce(tuple(hosts))
+    wire = transport.of(state.current().world.communicator.group("engine"), algorithm)
+    try:
+        assert wire.cuts is False  # its reduce-scatter reduces every chunk
+        bad, checked = _with_reference(lambda ref: _run_checks(wire, ref, "cpu"))
+    finally:
+        wire.close()
+        algorithm.close()
+    return type(wire).__name__, bad, checked
+
+
 def _settings(tmp_path: Path) -> dict[str, dict[str, Any]]:
     key_file = keys.write_key_file(tmp_path / "job.key", keys.generate_job_key())
     return {
@@ -240,6 +259,14 @@ def test_every_transport_matches_torch_distributed(tmp_path: Path) -> None:
             assert checked > 100 and not bad, (name, checked, bad)
     for bad, checked in world.run(_nccl_code_over_gloo, timeout=90):
         assert checked > 100 and not bad, ("NcclTransport over Gloo", checked, bad)
+
+
+def test_the_hierarchical_allreduce_as_a_transport_matches_torch_distributed() -> None:
+    """Two ranks on one host, one on another: a host reduce-scatter, a cross-host allreduce."""
+    for hosts in ("aab", "aba"):
+        for kind, bad, checked in spawn.world(SIZE).run(_hierarchical_transport, hosts, timeout=90):
+            assert kind == "HierarchicalTransport"
+            assert checked > 50 and not bad, (hosts, checked, bad)
 
 
 def _nccl() -> tuple[str, list[str], int]:
