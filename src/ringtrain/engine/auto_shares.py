@@ -6,8 +6,15 @@ for the others). Over ``MEASURE_STEPS`` steps (after ``WARMUP_STEPS``) its media
 rate, ``share / seconds`` (samples per second in the shares' unit), and one small allreduce at
 that step boundary gives every rank every rate, so every rank sets the same shares at the same
 step: :func:`shares_for` (integers out of ``RESOLUTION``, so the weights are exact fractions and
-the same everywhere). Then it keeps measuring; the shares change again only when a rank's rate
-moved by more than ``MARGIN`` (20%) from the rate they were set from.
+the same everywhere).
+
+Hysteresis, so that a busy machine's noise does not move the shares every few steps: shares in
+proportion to the rates are taken only when they are predicted to gain more than ``GAIN_MARGIN``
+(10%) over the shares in force (:func:`predicted_gain`: the slowest rank's busy time now over
+theirs), and, once shares are set, only when that holds at ``CONFIRM`` (2) measurements in a row
+(then from the mean of their rates; a measurement below the margin clears it). The first choice,
+from equal shares, takes one measurement. A uniform slowdown of every rank moves nothing: it
+changes no rank's share of the work.
 
 The split depends on timing: two runs may choose different shares, so their weights differ.
 An explicit list is reproducible bit for bit; ``"auto"`` is the user's opt-in to a timing-
@@ -29,7 +36,8 @@ log = logging.getLogger("ringtrain")
 
 WARMUP_STEPS = 2
 MEASURE_STEPS = 5
-MARGIN = 0.2
+GAIN_MARGIN = 0.1  # new shares must be predicted to gain more than this over those in force
+CONFIRM = 2  # measurements in a row that must agree before shares in force change
 RESOLUTION = 1000
 
 
@@ -39,12 +47,21 @@ def shares_for(rates: Sequence[float]) -> tuple[int, ...]:
     return tuple(max(1, round(RESOLUTION * r / whole)) for r in rates)
 
 
-def moved(rates: Sequence[float], before: Sequence[float] | None, margin: float = MARGIN) -> bool:
-    """Whether the shares must be set again: never set, or a rate moved by more than ``margin``
-    (as a fraction of the rate they were set from)."""
-    if before is None or len(before) != len(rates):
-        return True
-    return any(abs(r - b) > margin * b for r, b in zip(rates, before))
+def predicted_gain(now: Sequence[float], new: Sequence[float], rates: Sequence[float]) -> float:
+    """A step's busy time at shares ``now`` over that at shares ``new``, for ranks working at
+    ``rates`` (any unit: rank r takes ``share_r / sum(shares) / rate_r``; the slowest sets the
+    step). Above 1: ``new`` is faster."""
+
+    def busy(shares: Sequence[float]) -> float:
+        whole = float(sum(shares))
+        return max(s / whole / r for s, r in zip(shares, rates))
+
+    return busy(now) / busy(new)
+
+
+def gains(now: Sequence[float], rates: Sequence[float], margin: float = GAIN_MARGIN) -> bool:
+    """Whether shares in proportion to ``rates`` gain more than ``margin`` over ``now``."""
+    return predicted_gain(now, shares_for(rates), rates) > 1.0 + margin
 
 
 def describe(shares: Sequence[int], rates: Sequence[float]) -> str:
@@ -57,8 +74,8 @@ def describe(shares: Sequence[int], rates: Sequence[float]) -> str:
     )
     return (
         f"ringtrain batch_shares=auto: shares {list(shares)} of each global batch: {parts}, "
-        f"from each rank's measured rate (median of {MEASURE_STEPS} steps); measured again "
-        f"when a rate moves by more than {MARGIN:.0%}"
+        f"from each rank's measured rate (median of {MEASURE_STEPS} steps); changed again only "
+        f"when other shares would gain over {GAIN_MARGIN:.0%} at {CONFIRM} measurements in a row"
     )
 
 
@@ -76,7 +93,8 @@ class AutoShares:
         self.size, self.rank = size, rank
         self.shares: tuple[int, ...] = (1,) * size
         self._agree, self._clock = agree, clock
-        self._set_from: list[float] | None = None
+        self._decided = False  # the first choice made (from the equal shares at the start)
+        self._pending: list[float] | None = None  # rates of a measurement that asked for a change
         self._seconds: list[float] = []
         self._skip = WARMUP_STEPS
         self._last_end = 0.0
@@ -99,15 +117,34 @@ class AutoShares:
         vector[self.rank] = mine
         rates = self._agree(vector)
         self._last_end = self._clock()  # the agreement is not this rank's work
-        if not moved(rates, self._set_from):
-            return None
-        first, self._set_from = self._set_from is None, rates
-        new = shares_for(rates)
-        if self.rank == 0:  # the first choice shown by default (as auto compression's), then INFO
-            log.log(logging.WARNING if first else logging.INFO, "%s", describe(new, rates))
-        if new == self.shares:
+        new = self._decide(rates)
+        if new is None or new == self.shares:
             return None
         self.shares = new
+        return new
+
+    def _decide(self, rates: list[float]) -> tuple[int, ...] | None:
+        """The shares these rates (the same on every rank) call for, or None: keep those in
+        force. The first choice takes one measurement; a change after it ``CONFIRM``."""
+        if not self._decided:
+            self._decided = True
+            new = shares_for(rates) if gains(self.shares, rates) else self.shares
+            if self.rank == 0:  # the first choice shown by default (as auto compression's)
+                log.warning("%s", describe(new, rates))
+            return new
+        if not gains(self.shares, rates):
+            self._pending = None  # noise within the margin: nothing moves
+            return None
+        before, self._pending = self._pending, rates
+        if before is None or len(before) != len(rates):
+            return None  # one measurement asks for a change: wait for the next
+        mean = [(a + b) / 2 for a, b in zip(before, rates)]
+        new = shares_for(mean)
+        if min(predicted_gain(self.shares, new, r) for r in (before, rates)) <= 1.0 + GAIN_MARGIN:
+            return None  # the two measurements disagree on what to change
+        self._pending = None
+        if self.rank == 0:
+            log.info("%s", describe(new, mean))
         return new
 
 
