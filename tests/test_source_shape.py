@@ -37,7 +37,7 @@ FUNCTIONS_OVER = {
     "engine/optimizer.py:__init__": 96,
     "launch/command.py:options_from_args": 86,
     "launch/python_run.py:run": 92,
-    "runtime/state.py:start": 102,
+    "runtime/state.py:start": 94,
     "runtime/store_connect.py:connect": 104,
 }
 # Uses of ``typing.Any`` per thousand non-blank lines, per package (or top-level module): each

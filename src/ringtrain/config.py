@@ -256,6 +256,11 @@ class Config:
         """A copy with ``changes``, which count as given (:meth:`given`) with this one's."""
         return dataclasses.replace(self, **changes)._giving(self._given | set(changes))
 
+    def vector_rounds_at(self, size: int) -> bool:
+        """Whether a process set of ``size`` ranks negotiates with vector rounds (and so has
+        the 2-rank groups they reduce over: runtime/communicator.py)."""
+        return size > 1 and self.cache_capacity > 0 and 0 < self.vector_rounds_from <= size
+
     def given(self, name: str) -> bool:
         """Whether setting ``name`` was given rather than left at its default: handed to
         :meth:`from_env` (a variable, a launcher flag, ``ringtrain.init(**settings)``) or to

@@ -60,8 +60,16 @@ def test_sockets_per_group_follow_the_patterns() -> None:
     n = 1024
     f = footprint(n, PROFILES["horovod"])
     by_group = dict(f.by_group)
-    # Rings: 2 neighbours; sums in rank order (alltoall): every other rank.
-    assert by_group == {"default": 0, "control": 2, "cpu": n - 1, "engine": 2, "lane": n - 1}
+    # Rings: 2 neighbours; sums in rank order (alltoall): every other rank; vector rounds:
+    # one 2-rank group per recursive-doubling partner (log2 N).
+    assert by_group == {
+        "default": 0,
+        "control": 2,
+        "cpu": n - 1,
+        "engine": 2,
+        "lane": n - 1,
+        "pairs": 10,
+    }
     assert f.gloo_sockets == sum(by_group.values())
     # The store: the job's connection and the world's dozing controller's.
     assert f.store_sockets == c.STORE_CLIENT_SOCKETS + c.STORE_SOCKETS_PER_DOZING_SET
@@ -71,17 +79,17 @@ def test_store_reads_at_start_do_not_grow_with_n() -> None:
     for name, uses in PROFILES.items():
         figures = [footprint(n, uses) for n in SIZES]
         assert {f.store_reads_at_start for f in figures} == {0}, name
-        assert {f.store_writes_at_start for f in figures} == {1 + len(c.GROUP_KINDS)}, name
+        # One write per group: the default, the set's kinds and log2 N vector-round pairs.
+        groups = [1 + len(c.GROUP_KINDS) + n.bit_length() - 1 for n in SIZES]
+        assert [f.store_writes_at_start for f in figures] == groups, name
         # Eagerly every group would read every address: what lazy init saves.
-        assert [f.store_reads_eager for f in figures] == [
-            (1 + len(c.GROUP_KINDS)) * n for n in SIZES
-        ]
+        assert [f.store_reads_eager for f in figures] == [g * n for g, n in zip(groups, SIZES)]
 
 
 def test_process_sets_and_engine_streams_add_their_own_groups() -> None:
     base = footprint(64, PROFILES["rings"])
     with_set = footprint(64, PROFILES["rings"], process_sets=[(8, PROFILES["rings"])])
-    assert with_set.gloo_groups == base.gloo_groups + len(c.GROUP_KINDS)
+    assert with_set.gloo_groups == base.gloo_groups + len(c.GROUP_KINDS) + 3  # 3 pairs at 8
     assert with_set.gloo_sockets == base.gloo_sockets + footprint(8, PROFILES["rings"]).gloo_sockets
     streams = footprint(64, PROFILES["rings"], engine_streams=3)
     assert streams.gloo_groups == base.gloo_groups + 2
@@ -99,6 +107,36 @@ def test_files_add_each_groups_device() -> None:
     f = footprint(8, PROFILES["horovod"])
     assert f.files == f.sockets + c.FILES_PER_GLOO_GROUP * f.gloo_groups
     assert c.most_files(1024) >= footprint(1024, PROFILES["horovod+direct"]).files
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 5, 6, 7, 8, 12, 13, 64, 100])
+def test_recursive_doubling_reaches_every_rank_without_a_deadlock(size: int) -> None:
+    """Each rank's steps, run in lockstep (a pair's step runs once both ranks reach it), end
+    with every rank holding every rank's part, on pairs made once each."""
+    pairs = c.doubling_pairs(size)
+    assert len(set(pairs)) == len(pairs)
+    steps = {r: c.doubling_steps(r, size) for r in range(size)}
+    held = {r: {r} for r in range(size)}
+    at = dict.fromkeys(range(size), 0)
+    moved = True
+    while moved:
+        moved = False
+        for r in range(size):
+            if at[r] == len(steps[r]):
+                continue
+            a, b = steps[r][at[r]]
+            other = b if a == r else a
+            if at[other] < len(steps[other]) and steps[other][at[other]] == (a, b):
+                held[r] = held[other] = held[r] | held[other]
+                at[r] += 1
+                at[other] += 1
+                moved = True
+    assert all(at[r] == len(steps[r]) for r in range(size)), at
+    assert all(held[r] == set(range(size)) for r in range(size))
+    assert {p for s in steps.values() for p in s} == set(pairs)
+    p = 1 << (size.bit_length() - 1)
+    extra = 2 if size > p else 0
+    assert max(len(s) for s in steps.values()) == p.bit_length() - 1 + extra
 
 
 def test_unknown_traffic_and_bad_sizes_are_named() -> None:

@@ -59,6 +59,7 @@ def _steps_measured_and_predicted() -> dict[str, Any]:
     from ringtrain.collectives.ops import controller_of
     from ringtrain.environ import Ringtrain
     from ringtrain.host import connections
+    from ringtrain.runtime import state
 
     store_port = int(os.environ[Ringtrain.RENDEZVOUS_PORT])
     established, listening = "01", "0A"  # /proc/net/tcp's states
@@ -71,7 +72,7 @@ def _steps_measured_and_predicted() -> dict[str, Any]:
         return len(up) - store, store, sum(s[0] == listening for s in tcp)
 
     def check(label: str, uses: list[str], process_sets: Any = ()) -> None:
-        kw = {"rank": rt.rank(), "process_sets": process_sets}
+        kw = {"rank": rt.rank(), "process_sets": process_sets, "config": state.current().config}
         f = connections.footprint(rt.size(), uses, **kw)
         idle = connections.footprint(rt.size(), uses, dozed=False, **kw)
         files = len(os.listdir("/proc/self/fd"))

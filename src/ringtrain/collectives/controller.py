@@ -147,7 +147,7 @@ class Controller(LaneControl):
         self._channel = channel if channel is not None else ControlChannel(comm, self._world)
         # From Config.vector_rounds_from ranks, rounds are bit vectors (collectives.vector_round).
         self._vector: VectorRounds | None = None
-        if vector_round.used(config.vector_rounds_from, config.cache_capacity, comm.size):
+        if config.vector_rounds_at(comm.size):
             self._vector = VectorRounds(vectors or VectorChannel(comm, self._world))
         self._thread = threading.Thread(
             target=self._run, name=f"ringtrain-controller-{comm.set_id}", daemon=True

@@ -12,8 +12,9 @@ a real transport would carry. Nothing runs on a data group: ready ops go to a
 So a round's figures are this rank's own: the Python time of one round (the controller's code,
 the copy into the slots excluded, as a real transport does that off the Python thread) and, from
 the channel, the control bytes that reach the rank, the collectives it takes and the sequential
-steps of those collectives (a ring allgather of N slots: N-1 steps; a vector round's ring
-allreduce: 2(N-1) steps, under twice the vector's bytes). ``ringtrain bench coordinator`` prints
+steps of those collectives (a ring allgather of N slots: N-1 steps; a vector round's recursive
+doubling: log2 N allreduces on 2-rank groups, 2 more where N is not a power of two, each 2
+steps bringing the vector's bytes). ``ringtrain bench coordinator`` prints
 them (:mod:`ringtrain.bench.coordinator`). Both kinds of round can be
 simulated: gathered (every rank's message) and vector rounds
 (:mod:`~ringtrain.collectives.vector_round`; peers that mirror this rank AND to the same bits).
@@ -37,6 +38,7 @@ from ringtrain.collectives.execute import Pending
 from ringtrain.collectives.requests import Request, TensorMeta
 from ringtrain.collectives.vector_round import VectorChannel
 from ringtrain.config import Config
+from ringtrain.host.connections import doubling_steps
 from ringtrain.runtime.communicator import Communicator
 
 
@@ -82,11 +84,12 @@ class CountingChannel(ControlChannel):
 
 class CountingVectors(VectorChannel):
     """The vector rounds' channel over a simulated wire: peers mirror this rank, so the AND of
-    their vectors is this rank's; counted as Gloo's ring allreduce of the vector."""
+    their vectors is this rank's; counted as the recursive doubling the real channel runs
+    (this rank's steps on 2-rank groups, each a Gloo ring allreduce of 2 steps)."""
 
     def __init__(self, size: int, counts: WireCounts) -> None:
         self._size = size
-        self._group = None
+        self._steps = [None] * len(doubling_steps(0, size)) if size > 1 else []
         self._world = -1
         self.rounds = 0
         self.counts = counts
@@ -96,11 +99,11 @@ class CountingVectors(VectorChannel):
         self.counts.decodes += 1
         return super().exchange(v)
 
-    def _allreduce(self, t: torch.Tensor) -> None:
-        c, n = self.counts, self._size
+    def _allreduce(self, t: torch.Tensor, group: object) -> None:
+        c = self.counts
         c.ops += 1
-        c.steps += 2 * (n - 1)  # a ring allreduce: reduce-scatter, then allgather
-        c.bytes_in += 2 * (n - 1) * t.numel() * t.element_size() // n
+        c.steps += 2  # a 2-rank ring allreduce: reduce-scatter, then allgather
+        c.bytes_in += t.numel() * t.element_size()  # half the vector in each step
 
 
 class CountingExecutor:

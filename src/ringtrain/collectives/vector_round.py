@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -196,38 +197,51 @@ def _slots(mask: int, base: int) -> frozenset[int]:
 
 
 class VectorChannel:
-    """The bitwise AND of one vector per rank over a set's ``control`` group: one allreduce.
-
-    Gloo's allreduce is a ring (2(N-1) sequential steps, under twice the vector's bytes into each
-    rank). Recursive doubling would take log2 N steps, but on Gloo's point-to-point operations a
-    timed wait that runs out closes every connection of the group ("Application timeout caused
-    pair closure", torch 2.13), and the controller's waits are sliced so that an elastic
-    re-forming can end them (:func:`ringtrain.runtime.abort.wait_work`); a collective's wait can
-    be sliced safely."""
+    """The bitwise AND of one vector per rank over a set: recursive doubling on the set's
+    2-rank groups (:meth:`~ringtrain.runtime.communicator.Communicator.pair_groups`), one
+    allreduce per step: log2 N steps (2 more where N is not a power of two), against Gloo's
+    ring's 2(N-1) on the ``control`` group, which serves where the set made no pairs.
+    Where a host's ranks are consecutive and a power of two in number, the first steps stay
+    on the host. Each step is a collective on its own group, so its wait can be sliced (an
+    elastic re-forming ends it: :func:`ringtrain.runtime.abort.wait_work`); on Gloo's
+    point-to-point operations a timed wait that runs out closes every connection of the
+    group ("Application timeout caused pair closure", torch 2.13)."""
 
     def __init__(self, comm: Communicator, world: int) -> None:
         self._size = comm.size
-        self._group = comm.group("control") if comm.size > 1 else None
+        self._steps: list[Any] = []
+        if comm.size > 1:
+            self._steps = comm.pair_groups() or [comm.group("control")]
         self._world = world
         self.rounds = 0  # exchanges so far: a protocol counter for tests and benchmarks
+        if len(self._steps) > 1 or comm.pair_groups():
+            # Connect the pairs now, on every member alike (the controller is made at init or
+            # add_process_set, collectively): a broken pair fails there, not in a round, and
+            # a rank holds the same sockets from the start (host/connections.py counts them).
+            self._reduce(torch.zeros(1, dtype=torch.int64))
+
+    @property
+    def steps(self) -> int:
+        """Collectives per round, one after the other."""
+        return len(self._steps)
 
     def exchange(self, v: np.ndarray) -> np.ndarray:
         self.rounds += 1
         if self._size == 1:
             return v
         t = torch.from_numpy(v.view(np.int64))
-        self._allreduce(t)
+        self._reduce(t)
         return t.numpy().view(np.uint64)
 
-    def _allreduce(self, t: torch.Tensor) -> None:
-        """The wire (a simulated transport replaces this, see collectives.simulated)."""
-        work = dist.all_reduce(t, op=dist.ReduceOp.BAND, group=self._group, async_op=True)
+    def _reduce(self, t: torch.Tensor) -> None:
+        for group in self._steps:
+            self._allreduce(t, group)
+
+    def _allreduce(self, t: torch.Tensor, group: Any) -> None:
+        """One step on the wire (a simulated transport replaces this, see
+        collectives.simulated)."""
+        work = dist.all_reduce(t, op=dist.ReduceOp.BAND, group=group, async_op=True)
         abort.wait_work(work, self._world)
-
-
-def used(vector_rounds_from: int, cache_capacity: int, size: int) -> bool:
-    """Whether a set of ``size`` ranks negotiates with vector rounds (Config's two settings)."""
-    return size > 1 and cache_capacity > 0 and 0 < vector_rounds_from <= size
 
 
 class VectorRounds:

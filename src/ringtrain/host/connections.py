@@ -39,6 +39,8 @@ import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ringtrain.config import Config
+
 # The Gloo groups a communicator makes for every process set, the world included
 # (runtime/communicator.py creates exactly these, from this tuple).
 GROUP_KINDS: tuple[str, ...] = ("control", "cpu", "engine", "lane")
@@ -59,6 +61,7 @@ class Pattern(enum.Enum):
     RING = "ring"  # allreduce, allgather(v), reduce: rank - 1 and rank + 1
     TREE = "tree"  # broadcast: its binomial tree, for every root a job may use
     DISSEMINATION = "dissemination"  # barrier: rank +- 2^i
+    DOUBLING = "doubling"  # vector rounds: rank ^ 2^i, on 2-rank groups (doubling_steps)
     ALL = "all"  # alltoall(v), gather/scatter at the root, direct rounds: every other rank
 
 
@@ -77,6 +80,35 @@ def _tree(rank: int, size: int, root: int) -> set[int]:
     return out
 
 
+def doubling_pairs(size: int) -> list[tuple[int, int]]:
+    """Every 2-rank group of a recursive-doubling reduction over ``size`` ranks, in the order
+    each rank of the world creates them (torch wants every rank to call ``new_group`` for every
+    group, in one order). Of p, the largest power of two up to ``size``: rank r >= p folds into
+    r - p first; ranks below p pair with r ^ 2^i, i = 0 .. log2 p - 1."""
+    p = 1 << (size.bit_length() - 1) if size > 0 else 0
+    pairs = [(r - p, r) for r in range(p, size)]
+    level = 1
+    while level < p:
+        pairs += [(r, r ^ level) for r in range(p) if r < r ^ level]
+        level <<= 1
+    return pairs
+
+
+def doubling_steps(rank: int, size: int) -> list[tuple[int, int]]:
+    """The pairs ``rank`` reduces with, step by step: ranks p and up fold into r - p, wait while
+    the others double, and take the result back over the same pair (the AND of the result with
+    what they hold is the result); ranks below p fold (if they have a partner above p), double,
+    and send the result back. log2 p steps, plus 2 where ``size`` is not a power of two."""
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is not in a group of {size}")
+    p = 1 << (size.bit_length() - 1)
+    if rank >= p:
+        return [(rank - p, rank), (rank - p, rank)]
+    fold = [(rank, rank + p)] if rank + p < size else []
+    steps = [tuple(sorted((rank, rank ^ (1 << i)))) for i in range(p.bit_length() - 1)]
+    return fold + [(a, b) for a, b in steps] + fold
+
+
 def peers(pattern: Pattern, rank: int, size: int) -> frozenset[int]:
     """The ranks that ``rank`` connects to in a group of ``size`` over ``pattern``."""
     if not 0 <= rank < size:
@@ -85,6 +117,8 @@ def peers(pattern: Pattern, rank: int, size: int) -> frozenset[int]:
         out = {(rank - 1) % size, (rank + 1) % size}
     elif pattern is Pattern.TREE:
         out = set().union(*(_tree(rank, size, root) for root in range(size)))
+    elif pattern is Pattern.DOUBLING:
+        out = {b if a == rank else a for a, b in doubling_steps(rank, size)}
     elif pattern is Pattern.DISSEMINATION:
         steps = [1 << i for i in range((size - 1).bit_length())]
         out = {(rank + d) % size for d in steps} | {(rank - d) % size for d in steps}
@@ -109,8 +143,9 @@ TRAFFIC: dict[str, Traffic] = {
     "negotiation": Traffic(
         "control",
         Pattern.RING,
-        "negotiation rounds: the slots' allgather (collectives/control_round.py), the bit "
-        "vectors' allreduce (vector_round.py); the topology's all_gather_object at start",
+        "negotiation rounds: the slots' allgather (collectives/control_round.py); the "
+        "topology's all_gather_object at start. Vector rounds (vector_round.py) reduce on "
+        "2-rank groups of their own, from Config.vector_rounds_from ranks: see footprint",
     ),
     "ring": Traffic(
         "cpu",
@@ -213,13 +248,16 @@ def footprint(
     engine_streams: int = 1,
     serves_store: bool = False,
     dozed: bool = True,
+    config: Config | None = None,
 ) -> Footprint:
     """What ``rank`` of a world of ``size`` holds once a job used ``uses`` (names in
     :data:`TRAFFIC`, or a profile's). ``process_sets``: (size, traffic used) of each other set
     this rank is a member of; ``engine_streams``: the engine's groups (each a ring,
     Config.engine_streams); ``serves_store``: this rank serves the rendezvous store (rank 0
     under torchrun: one more socket per rank), not ``ringtrain run``'s store process;
-    ``dozed``: every set's controller has dozed once (a job's steady state: any idle second)."""
+    ``dozed``: every set's controller has dozed once (a job's steady state: any idle second);
+    ``config``: the settings that decide which sets have vector rounds' 2-rank groups (one per
+    recursive-doubling partner, connected once "negotiation" ran), the defaults if None."""
     if size < 1:
         raise ValueError(f"a world has at least 1 rank, got {size}")
     uses = tuple(uses)
@@ -227,9 +265,16 @@ def footprint(
     extra = engine_streams - 1
     gloo = sum(world.values()) + extra * (len(peers(Pattern.RING, rank, size)) if size > 1 else 0)
     groups = 1 + len(GROUP_KINDS) + extra
+    pairs = _pair_groups(config or Config(), size, rank)
+    groups += pairs
+    world["pairs"] = pairs if "negotiation" in uses else 0
+    gloo += world["pairs"]
     for members, used in process_sets:
-        gloo += sum(_group_sockets(used, 0, members).values())
-        groups += len(GROUP_KINDS)
+        set_uses = tuple(used)
+        set_pairs = _pair_groups(config or Config(), members, 0)
+        gloo += sum(_group_sockets(set_uses, 0, members).values())
+        gloo += set_pairs if "negotiation" in set_uses else 0
+        groups += len(GROUP_KINDS) + set_pairs
     dozing = sum(n > 1 for n in (size, *(members for members, _ in process_sets)))  # lone: never
     store = STORE_CLIENT_SOCKETS + (size if serves_store else 0)
     store += STORE_SOCKETS_PER_DOZING_SET * dozing if dozed else 0
@@ -243,6 +288,14 @@ def footprint(
         store_reads_eager=groups * size,
         by_group=tuple(world.items()),
     )
+
+
+def _pair_groups(config: Config, size: int, rank: int) -> int:
+    """The vector rounds' 2-rank groups ``rank`` of a set of ``size`` belongs to: one per
+    recursive-doubling partner (runtime/communicator.py makes them)."""
+    if not config.vector_rounds_at(size):
+        return 0
+    return len(peers(Pattern.DOUBLING, rank, size))
 
 
 def most_files(size: int) -> int:

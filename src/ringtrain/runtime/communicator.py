@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ringtrain.host.connections import GROUP_KINDS
+from ringtrain.host.connections import GROUP_KINDS, doubling_pairs, doubling_steps
 from ringtrain.runtime import devices
 from ringtrain.runtime.contracts import Store
 
@@ -135,6 +135,14 @@ class Communicator:
             self.cuda_route = route
             self._groups["cuda"] = self._groups["nccl" if route.nccl else "cpu"]
 
+    def pair_groups(self) -> list[Any]:
+        """This rank's 2-rank groups in the order of its recursive-doubling steps
+        (:func:`~ringtrain.host.connections.doubling_steps`); empty where the set made none."""
+        if not any(kind.startswith(_PAIR) for kind in self._groups):
+            return []
+        steps = doubling_steps(self.set_rank, self.size)
+        return [self._groups[_pair_kind(a, b)] for a, b in steps]
+
     def global_rank(self, set_rank: int) -> int:
         return self.ranks[set_rank]
 
@@ -158,6 +166,13 @@ class Communicator:
         self._groups.clear()
 
 
+_PAIR = "pair:"
+
+
+def _pair_kind(a: int, b: int) -> str:
+    return f"{_PAIR}{a}-{b}"
+
+
 def create(
     set_id: int,
     ranks: Sequence[int],
@@ -167,8 +182,13 @@ def create(
     backend: str = "gloo",
     store: Store | None = None,
     host: str = "",
+    pairs: bool = False,
 ) -> Communicator:
     """Create the groups of a process set. Collective: every world rank calls it in the same order.
+
+    ``pairs``: also the 2-rank groups a vector round reduces over in log2 steps
+    (:mod:`ringtrain.collectives.vector_round`), from ``Config.vector_rounds_at``. Every world
+    rank makes every pair, as every group; a rank holds log2 N of them (connected lazily).
 
     ``backend``: that of the default group. Other than ``gloo`` (``ringtrain_sealed``, see
     :mod:`ringtrain.algorithms.sealed_backend`, or ``ringtrain_tcp``, see
@@ -190,6 +210,17 @@ def create(
         groups[kind] = dist.new_group(
             list(ranks), timeout=timeout, backend=backend, use_local_synchronization=False
         )
+    if pairs and len(ranks) > 1:
+        members = list(ranks)
+        for a, b in doubling_pairs(len(members)):
+            pair = dist.new_group(
+                [members[a], members[b]],
+                timeout=timeout,
+                backend=backend,
+                use_local_synchronization=False,
+            )
+            if pair is not dist.GroupMember.NON_GROUP_MEMBER:  # kept by its two members only
+                groups[_pair_kind(a, b)] = pair
     if backend != "gloo":
         groups["cuda"] = groups["cpu"]
     elif torch.cuda.is_available() and dist.is_nccl_available():

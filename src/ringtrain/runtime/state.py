@@ -169,15 +169,7 @@ def start(
             _init_default_group(backend, transport, store, placement, config)
         comm = None
         try:
-            comm = communicator.create(
-                WORLD_SET_ID,
-                range(placement.size),
-                placement.rank,
-                placement.size,
-                config.timeout_s,
-                backend=backend,
-                store=store,
-            )
+            comm = _world_communicator(placement, config, backend, store)
             topo = _measure_topology(placement, config, env, comm.group("control"))
             comm.host = topo.hosts[placement.rank]
             fit_threads_to_quota(env, topo.local_size(placement.rank))
@@ -213,6 +205,22 @@ def start(
             topo.describe(),
         )
         return _runtime
+
+
+def _world_communicator(
+    placement: Placement, config: Config, backend: str, store: dist.Store
+) -> communicator.Communicator:
+    """The world's process set: its groups, made by every rank (collective)."""
+    return communicator.create(
+        WORLD_SET_ID,
+        range(placement.size),
+        placement.rank,
+        placement.size,
+        config.timeout_s,
+        backend=backend,
+        store=store,
+        pairs=config.vector_rounds_at(placement.size),
+    )
 
 
 def _gloo_environment(interface: str | None) -> None:
@@ -364,6 +372,7 @@ def add_process_set(ranks: Sequence[int] | ProcessSet) -> ProcessSet:
         backend=rt.backend,
         store=global_process_set.communicator.store,
         host=rt.topology.hosts[rt.rank],
+        pairs=rt.config.vector_rounds_at(len(ps.ranks)),
     )
     ps._bind(set_id, comm)
     rt.process_sets[set_id] = ps
