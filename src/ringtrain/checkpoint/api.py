@@ -42,7 +42,8 @@ class Restored:
     step: int
     saved_world_size: int
     extra: Any = None
-    data: Iterable[int] | None = None  # the rest of the epoch: the sampler, or Remaining
+    # The rest of the epoch: the sampler (a ShareSampler's batches), or Remaining.
+    data: Iterable[int] | Iterable[list[int]] | None = None
     manifest: Manifest = field(default_factory=lambda: Manifest())
 
     @property

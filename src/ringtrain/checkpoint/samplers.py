@@ -11,6 +11,12 @@
 In both cases each remaining sample is seen once; when the remaining count does not divide by
 the world size, the first few are repeated as padding (fewer than the world size), as both
 samplers do.
+
+* :class:`~ringtrain.elastic.share_sampler.ShareSampler` (``batch_shares``) is at the same
+  position on every rank: the samples of the epoch's order already trained on, a prefix. It is
+  saved once per rank as its ``state_dict()`` (the ranks must agree) and loaded back into the
+  sampler, which keeps its own shares, rank and global batch size: the rest of the epoch is
+  split by those in force after the resume, each sample once, with no padding.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any, Protocol, TypeGuard
 import torch
 import torch.utils.data
 
-from ringtrain.errors import ConfigError
+from ringtrain.errors import CheckpointError, ConfigError
 
 
 class _Recording(Protocol):
@@ -44,10 +50,39 @@ def _records_indices(sampler: object) -> TypeGuard[_Recording]:
     )
 
 
+class _Shared(Protocol):
+    """What of a ShareSampler a checkpoint uses."""
+
+    shares: tuple[float, ...]
+    global_batch_size: int
+
+    def state_dict(self) -> dict[str, int]: ...
+
+    def load_state_dict(self, state: dict[str, int]) -> None: ...
+
+    def __iter__(self) -> Iterator[list[int]]: ...
+
+
+def _shares_batches(sampler: object) -> TypeGuard[_Shared]:
+    """Whether ``sampler`` is a ShareSampler (known by its surface, as above)."""
+    return (
+        hasattr(sampler, "shares")
+        and hasattr(sampler, "global_batch_size")
+        and callable(getattr(sampler, "load_state_dict", None))
+    )
+
+
 def save(sampler: object) -> dict[str, object]:
     consumed = None
     if isinstance(sampler, tuple):
         sampler, consumed = sampler
+    if _shares_batches(sampler):
+        return {
+            "kind": "share",
+            "state": sampler.state_dict(),
+            "shares": list(sampler.shares),  # for the record: a resume keeps its own
+            "global_batch_size": sampler.global_batch_size,
+        }
     if _records_indices(sampler):
         return {
             "kind": "elastic",
@@ -74,8 +109,8 @@ def save(sampler: object) -> dict[str, object]:
         }
     raise ConfigError(
         f"cannot save the position of a {type(sampler).__name__}.\n"
-        "HINT: use ringtrain.elastic.ElasticSampler, or torch's DistributedSampler as "
-        "sampler=(sampler, consumed)."
+        "HINT: use ringtrain.elastic.ElasticSampler, ringtrain.elastic.share_sampler."
+        "ShareSampler, or torch's DistributedSampler as sampler=(sampler, consumed)."
     )
 
 
@@ -96,6 +131,19 @@ def _distributed_order(st: dict[str, Any]) -> list[int]:
     return order + (order * math.ceil(pad / max(1, n)))[:pad]
 
 
+def shared_position(states: list[dict[str, Any]]) -> dict[str, int]:
+    """The one position every saved rank's ShareSampler held; ranks that disagree recorded
+    different batches, and no position would give every sample once."""
+    first = states[0]["state"]
+    for r, s in enumerate(states):
+        if s["state"] != first:
+            raise CheckpointError(
+                f"the saved ranks' ShareSampler positions differ: rank 0 {first}, rank {r} "
+                f"{s['state']}.\nHINT: call record_batch() once after every step on every rank."
+            )
+    return dict(first)
+
+
 def remaining(states: list[dict[str, Any]]) -> tuple[int, list[int]]:
     """The epoch and its indices not yet consumed, in the epoch's order (every saved rank's
     state in ``states``)."""
@@ -103,6 +151,8 @@ def remaining(states: list[dict[str, Any]]) -> tuple[int, list[int]]:
     if len(kinds) != 1:
         raise ConfigError(f"the saved ranks used different samplers: {sorted(kinds)}")
     first = states[0]
+    if first["kind"] == "share":
+        raise ConfigError("a ShareSampler's rest of the epoch is the sampler: use restore()")
     if first["kind"] == "elastic":
         done: set[int] = set()
         for s in states:
@@ -123,11 +173,20 @@ def remaining(states: list[dict[str, Any]]) -> tuple[int, list[int]]:
     return first["epoch"], left
 
 
-def restore(sampler: object, states: list[dict[str, Any]], rank: int, size: int) -> Iterable[int]:
+def restore(
+    sampler: object, states: list[dict[str, Any]], rank: int, size: int
+) -> Iterable[int] | Iterable[list[int]]:
     """Put the saved position into ``sampler``; returns what to iterate for the rest of the
     epoch (the sampler itself, or a :class:`Remaining`)."""
     if isinstance(sampler, tuple):
         sampler = sampler[0]
+    if {s["kind"] for s in states} == {"share"}:
+        if not _shares_batches(sampler):
+            raise ConfigError(
+                f"the checkpoint holds a ShareSampler's position, got {type(sampler).__name__}"
+            )
+        sampler.load_state_dict(shared_position(states))
+        return sampler
     epoch, indices = remaining(states)
     if states[0]["kind"] == "elastic":
         if not _records_indices(sampler):

@@ -10,7 +10,9 @@ Its position is one number, the samples of the epoch's order already handed out 
 consumes global batches in step, so the consumed samples are a prefix of the order), counted by
 :meth:`ShareSampler.record_batch`: :meth:`~ShareSampler.state_dict` saves it, :meth:`~ShareSampler.load_state_dict` resumes there,
 and :meth:`~ShareSampler.reset` splits what is left over a new world or new shares (an elastic
-change) without repeating or skipping a sample.
+change) without repeating or skipping a sample. ``ringtrain.checkpoint.save(...,
+sampler=share_sampler)`` saves the position and ``load`` resumes there, at any shares and world
+size (docs/checkpoint.md).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from collections.abc import Iterator, Sequence, Sized
 import torch.utils.data
 
 from ringtrain.errors import ConfigError
+
+# What fixes an epoch's order besides the epoch: a saved position holds only in the same order.
+ORDER_FACTS = ("length", "seed", "shuffle")
 
 
 def split_counts(total: int, shares: Sequence[float]) -> list[int]:
@@ -108,7 +113,29 @@ class ShareSampler(torch.utils.data.Sampler[list[int]]):
         return -(-left // self.global_batch_size)
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+        """The position (the same on every rank) and what fixes the epoch's order (the
+        dataset's length, the seed, shuffling): a position means nothing in another order."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "length": len(self.dataset),
+            "seed": self.seed,
+            "shuffle": int(self.shuffle),
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at ``state``'s position, whatever this sampler's shares, rank and global
+        batch size (the rest of the epoch is split by them). A state saved over another order
+        (dataset length, seed or shuffling) is refused: it would repeat and skip samples."""
+        mine = self.state_dict()
+        differ = [
+            f"{k} {state[k]} (now {mine[k]})"
+            for k in ORDER_FACTS
+            if k in state and int(state[k]) != mine[k]
+        ]
+        if differ:
+            raise ConfigError(
+                f"the saved ShareSampler position is of another epoch order: {', '.join(differ)}."
+                "\nHINT: resume with the dataset, seed and shuffle it was saved with."
+            )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
