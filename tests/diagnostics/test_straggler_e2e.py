@@ -34,3 +34,31 @@ def test_a_rank_slow_in_compute_is_reported(world2: World) -> None:
     assert all(r[:2] == (kind, ranks) for r in results)
     assert (kind, ranks) == ("compute", (1,)), line
     assert "rank 1" in line and "compute-bound" in line
+
+
+def _train_at_shares() -> tuple[str, tuple[int, ...], tuple[float, ...] | None, str]:
+    """Shares [3, 1] and the same speed per sample: rank 0 works three times as long."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 1)
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        batch_shares=[3, 1],
+    )
+    for _ in range(10):
+        opt.zero_grad()
+        loss = model(torch.randn(16, 32)).pow(2).mean()
+        time.sleep(0.15 if rt.rank() == 0 else 0.05)  # 0.05 s per share
+        loss.backward()
+        opt.step()
+    report = rt.straggler_report()
+    assert report is not None
+    return report.kind, report.ranks, report.shares, report.line()
+
+
+def test_the_report_compares_ranks_per_sample_at_the_shares_in_force(world2: World) -> None:
+    results = world2.run(_train_at_shares, timeout=90, straggler_report_steps=5)
+    kind, ranks, shares, line = results[0]
+    assert all(r[:3] == (kind, ranks, shares) for r in results)
+    assert (kind, ranks, shares) == ("shares", (0,), (0.75, 0.25)), line
+    assert "(batch_shares in force [75, 25])" in line and "over the shares in force" in line

@@ -13,8 +13,15 @@ slow link makes everyone wait. The verdict is one of:
 
     compute   one rank's compute is well above the median (shared cores, thermal throttling)
     input     one rank's data loading is well above the median (slow disk, too few workers)
+    shares    one rank is busy well above the median only because the shares of the global
+              batch in force (``batch_shares``) give it more than its speed calls for
     network   a host's link is well below the others', or communication dominates every step
     none      ranks are balanced
+
+With shares in force a rank's times are compared per sample (scaled to an equal share): a rank
+given fewer samples is not fast for being done sooner, one given more is not slow for taking
+longer. The shares are those the engine recorded over the window
+(:data:`ringtrain.diagnostics.shares.IN_FORCE`) unless given.
 
 This module is pure: numbers in, a report out; it is tested without processes or clocks.
 """
@@ -67,6 +74,7 @@ class StragglerReport:
     detail: str
     per_rank: tuple[RankTimes, ...]
     link_mb_s: Mapping[str, float]
+    shares: tuple[float, ...] | None = None  # fractions of the global batch in force; None: equal
 
     @property
     def slowest_rank(self) -> int | None:
@@ -74,35 +82,43 @@ class StragglerReport:
 
     def line(self) -> str:
         """The one line rank 0 logs."""
+        head = "ringtrain straggler report"
+        if self.shares is not None:
+            head += f" (batch_shares in force {shares.shown(self.shares)})"
         if self.kind == "none":
-            return f"ringtrain straggler report: ranks are balanced ({self.detail})"
+            return f"{head}: ranks are balanced ({self.detail})"
         who = (
             f"rank {self.ranks[0]} on host {self.hosts[0]}"
             if len(self.ranks) == 1
             else f"ranks {_ranks(self.ranks)} on host{'s' if len(self.hosts) > 1 else ''} "
             f"{', '.join(self.hosts)}"
         )
+        if self.kind == "shares":
+            return f"{head}: {who} has more of each global batch than its speed: {self.detail}"
         verb = "is" if len(self.ranks) == 1 else "are"
-        return f"ringtrain straggler report: {who} {verb} {self.kind}-bound: {self.detail}"
+        return f"{head}: {who} {verb} {self.kind}-bound: {self.detail}"
 
 
 def analyse(
-    times: Sequence[RankTimes], link_mb_s: Mapping[str, float] | None = None
+    times: Sequence[RankTimes],
+    link_mb_s: Mapping[str, float] | None = None,
+    in_force: Sequence[float] | shares.InForce | None = shares.IN_FORCE,
 ) -> StragglerReport:
-    """The verdict for one window. ``link_mb_s`` maps host -> measured link rate (MB/s)."""
+    """The verdict for one window. ``link_mb_s`` maps host -> measured link rate (MB/s);
+    ``in_force``: the shares of the global batch over the window in rank order (None: equal),
+    or the record to take them from (by default the engine's; shares not one per rank are
+    left out)."""
     if not times:
         raise ValueError("no timings to analyse")
     links = dict(link_mb_s or {})
-    step = max(t.step_s for t in times)
-    med_busy = statistics.median(t.busy_s for t in times)
-    slowest = max(times, key=lambda t: t.busy_s)
-    excess = slowest.busy_s - med_busy
     per_rank = tuple(sorted(times, key=lambda t: t.rank))
+    fractions = _fractions(in_force, len(per_rank))
+    step = max(t.step_s for t in times)
     mean_wait = statistics.fmean(t.wait_s for t in times)
 
     def report(kind: str, ranks: Sequence[int], detail: str) -> StragglerReport:
         hosts = tuple(dict.fromkeys(t.host for t in per_rank if t.rank in ranks))
-        return StragglerReport(kind, tuple(ranks), hosts, step, detail, per_rank, links)
+        return StragglerReport(kind, tuple(ranks), hosts, step, detail, per_rank, links, fractions)
 
     if len(links) > 1:
         med_link = statistics.median(links.values())
@@ -120,27 +136,9 @@ def analyse(
                 "HINT: fix or avoid that link, or send fewer bytes: --compression fp16/powersgd, "
                 "backward_passes_per_step > 1.",
             )
-    if len(times) > 1 and slowest.busy_s > SLOW_FACTOR * med_busy and excess > MIN_EXCESS * step:
-        med_input = statistics.median(t.input_s for t in times)
-        med_compute = statistics.median(t.compute_s for t in times)
-        if slowest.input_s - med_input > slowest.compute_s - med_compute:
-            return report(
-                "input",
-                [slowest.rank],
-                f"data loading {slowest.input_s:.3f} s/step vs median {med_input:.3f} s "
-                f"({_x(slowest.input_s, med_input)}); the other ranks wait for it.\n"
-                "HINT: more DataLoader workers or faster storage on that host.",
-            )
-        return report(
-            "compute",
-            [slowest.rank],
-            f"compute {slowest.compute_s:.3f} s/step vs median {med_compute:.3f} s "
-            f"({_x(slowest.compute_s, med_compute)}); the other ranks wait for it.\n"
-            "HINT: check for other processes on its cores (--bind-to core), its thread count "
-            "(OMP_NUM_THREADS) and whether its hardware differs; or give the faster ranks more "
-            'of each global batch (docs/engine.md, "Hosts of unequal speed"):\n'
-            + shares.predict([max(t.busy_s, 1e-9) for t in per_rank], slowest.wait_s).line(),
-        )
+    busy = _busy_verdict(per_rank, fractions, step)
+    if busy is not None:
+        return report(*busy)
     if mean_wait > COMM_BOUND * step:
         # The hosts on the slowest link, ties included: with two hosts there is one link between
         # them, and both measure it alike.
@@ -160,6 +158,68 @@ def analyse(
         [],
         f"step {step:.3f} s: input {statistics.fmean(t.input_s for t in times):.3f} s, compute "
         f"{statistics.fmean(t.compute_s for t in times):.3f} s, waiting {mean_wait:.3f} s",
+    )
+
+
+def _fractions(
+    in_force: Sequence[float] | shares.InForce | None, size: int
+) -> tuple[float, ...] | None:
+    """The shares in force as fractions (None: equal, or not one positive number per rank)."""
+    given = in_force.take() if isinstance(in_force, shares.InForce) else in_force
+    if given is None or len(given) != size or any(not f > 0 for f in given):
+        return None
+    fractions = shares.fractions_of(given, size)
+    return None if len(set(fractions)) == 1 else fractions
+
+
+def _busy_verdict(
+    per_rank: Sequence[RankTimes], fractions: tuple[float, ...] | None, step: float
+) -> tuple[str, list[int], str] | None:
+    """The rank the others wait for, if one is busy well above the median (input, compute or,
+    with shares in force, a share too large for its speed), as (kind, ranks, detail)."""
+    med_busy = statistics.median(t.busy_s for t in per_rank)
+    slowest = max(per_rank, key=lambda t: t.busy_s)
+    if len(per_rank) < 2 or not (
+        slowest.busy_s > SLOW_FACTOR * med_busy and slowest.busy_s - med_busy > MIN_EXCESS * step
+    ):
+        return None
+    # Per sample: each rank's times scaled to an equal share (as measured where none are set).
+    scale = shares.per_equal_share([1.0] * len(per_rank), fractions)
+    at = {t.rank: i for i, t in enumerate(per_rank)}
+    inputs = [t.input_s * scale[at[t.rank]] for t in per_rank]
+    computes = [t.compute_s * scale[at[t.rank]] for t in per_rank]
+    i = at[slowest.rank]
+    med_input, med_compute = statistics.median(inputs), statistics.median(computes)
+    med_each = statistics.median(a + b for a, b in zip(inputs, computes))
+    gain = shares.predict([max(t.busy_s, 1e-9) for t in per_rank], slowest.wait_s, fractions)
+    unit = "s/step" if fractions is None else "s per equal share"
+    of = "" if fractions is None else f" (it takes {fractions[i]:.1%} of each global batch)"
+    if fractions is not None and inputs[i] + computes[i] <= SLOW_FACTOR * med_each:
+        return (
+            "shares",
+            [slowest.rank],
+            f"busy {slowest.busy_s:.3f} s/step vs median {med_busy:.3f} s, taking "
+            f"{fractions[i]:.1%} of each global batch at {_x(inputs[i] + computes[i], med_each)} "
+            f"the median rank's time per sample ({inputs[i] + computes[i]:.3f} {unit} vs "
+            f"{med_each:.3f} s); the other ranks wait for it.\n"
+            "HINT: give each rank a share in proportion to its speed:\n" + gain.line(),
+        )
+    if inputs[i] - med_input > computes[i] - med_compute:
+        return (
+            "input",
+            [slowest.rank],
+            f"data loading {inputs[i]:.3f} {unit} vs median {med_input:.3f} s "
+            f"({_x(inputs[i], med_input)}){of}; the other ranks wait for it.\n"
+            "HINT: more DataLoader workers or faster storage on that host.",
+        )
+    return (
+        "compute",
+        [slowest.rank],
+        f"compute {computes[i]:.3f} {unit} vs median {med_compute:.3f} s "
+        f"({_x(computes[i], med_compute)}){of}; the other ranks wait for it.\n"
+        "HINT: check for other processes on its cores (--bind-to core), its thread count "
+        "(OMP_NUM_THREADS) and whether its hardware differs; or give the faster ranks more "
+        'of each global batch (docs/engine.md, "Hosts of unequal speed"):\n' + gain.line(),
     )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ringtrain.config import Config
+from ringtrain.diagnostics import shares as in_force
 from ringtrain.diagnostics import timeline
 from ringtrain.engine import local_defaults, local_policy, local_settings, local_update
 from ringtrain.engine.auto_shares import AutoShares, agree_on
@@ -361,6 +362,9 @@ class GradientPath:
         self.progress.set(Phase.SYNCHRONIZED, False)
         observer = self.comm.service("step_timer")
         if observer is not None:
+            # The straggler report compares ranks per sample where shares are in force.
+            shares = self.reduction.shares
+            in_force.IN_FORCE.add(shares if isinstance(shares, tuple) else None, self.comm.size)
             observer.step_done()
         return result
 

@@ -1,1 +1,0 @@
-"""Reduction algorithms over process groups: flat, hierarchical, sparse, sealed."""
