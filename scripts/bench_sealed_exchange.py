@@ -1,6 +1,6 @@
 """A/B of the sealed collectives' small-exchange rounds: ring only vs direct rounds.
 
-``ringtrain.algorithms.sealed.SMALL_EXCHANGE_BYTES`` decides when a sealed exchange takes one
+``ringtrain.transport.ring.SMALL_EXCHANGE_BYTES`` decides when a sealed exchange takes one
 direct round instead of a ring; 0 turns direct rounds off (the ring for every size, as before
 they existed). Each repeat runs one phase per setting, in alternating order; a phase is a fresh
 secure ``ringtrain.init`` (so every rank's controller switches at the same moment) followed by
@@ -30,8 +30,8 @@ def measure(args: tuple[int, str]) -> str:
     import torch.distributed as dist
 
     import ringtrain
-    from ringtrain.algorithms import sealed
     from ringtrain.runtime import state
+    from ringtrain.transport import ring as sealed
 
     repeats, key_file = args
     base = state.current().config.replace(secure=True)

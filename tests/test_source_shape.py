@@ -45,12 +45,12 @@ FUNCTIONS_OVER = {
 # sheds Anys; a package not listed may have at most ANY_PER_KLOC_NEW. Issue 42's aim is under 12
 # in transport, checkpoint, ray and elastic.
 ANY_PER_KLOC = {
-    "__init__": 6.1, "__main__": 0, "algorithms": 32.6, "bench": 16.6, "checkpoint": 12.0,
+    "__init__": 6.1, "__main__": 0, "bench": 16.6, "checkpoint": 12.0,
     "cli": 0, "collectives": 30.1, "compat": 167.2, "compression": 42.4, "config": 40.5,
     "deploy": 28.1, "diagnostics": 15.1, "doctor": 22.8, "elastic": 9.8, "engine": 26.3,
     "environ": 15.2, "errors": 0, "host": 12.3, "launch": 11.3, "lifecycle": 4.5, "ray": 5.7,
     "runtime": 4.4, "security": 12.6, "spark": 38.7, "testing": 13.2, "torch": 0,
-    "transport": 111.7,
+    "transport": 49.0,  # with the ring, its groups and hierarchical (was algorithms/: 32.6)
 }  # fmt: skip
 ANY_PER_KLOC_NEW = 12.0
 

@@ -9,7 +9,8 @@ The import-linter contract in pyproject.toml holds this order; the README's "Lay
     lifecycle                          init/shutdown: the composition root (picks the backends)
     engine                             DistributedOptimizer: hooks, buckets, overlap
     collectives                        negotiated collectives, fusion, handles, autograd
-    algorithms | diagnostics           process groups (hierarchical, sealed, TCP); job policies
+    transport                          the wire: every group's ops; the ring, sealed and TCP groups
+    diagnostics                        the policies a running job uses
     runtime                            launch environments, default group, topology, process sets
     compression | launch               plain tensor code; ``ringtrain run`` (never torch)
     security                           job keys, sealing, authenticated rendezvous (no torch)

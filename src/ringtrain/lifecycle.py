@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from ringtrain import environ
-from ringtrain.algorithms.backends import Backends
 from ringtrain.collectives import step_timing
 from ringtrain.collectives.controller import Controller
 from ringtrain.collectives.step_timing import StepTimer
@@ -26,6 +25,7 @@ from ringtrain.diagnostics import engine_wait, timeline, trainjob_status
 from ringtrain.launch import elastic as elastic_launch
 from ringtrain.runtime import departures, exit_guard, heartbeat, membership, state
 from ringtrain.runtime.process_sets import ProcessSet
+from ringtrain.transport.backend_choice import Backends
 
 log = logging.getLogger("ringtrain")
 

@@ -13,8 +13,8 @@ import torch
 
 import ringtrain
 import ringtrain.torch as hvd
-from ringtrain.algorithms import tcp_backend
 from ringtrain.runtime import environment
+from ringtrain.transport import tcp_backend
 
 
 def model() -> torch.nn.Module:

@@ -39,7 +39,7 @@ def test_engine_modules_stay_small_and_the_optimizer_thin() -> None:
 
 # The packages of the gradient path, from a ready bucket to updated parameters, and the
 # checkpoint, which reads the path's state (its pieces were a second ``Piece``).
-GRADIENT_PATH = ("engine", "compression", "transport", "collectives", "algorithms", "checkpoint")
+GRADIENT_PATH = ("engine", "compression", "transport", "collectives", "checkpoint")
 
 
 def test_one_meaning_per_class_name_on_the_gradient_path() -> None:

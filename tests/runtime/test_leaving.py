@@ -22,11 +22,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringtrain.algorithms import tcp_backend
-from ringtrain.algorithms.ring_group import RingWork
-from ringtrain.algorithms.tcp_backend import TcpProcessGroup
 from ringtrain.errors import CollectiveAbortedError
 from ringtrain.runtime import abort
+from ringtrain.transport import tcp_backend
+from ringtrain.transport.ring_group import RingWork
+from ringtrain.transport.tcp_backend import TcpProcessGroup
 
 # Daemon threads polling a store as fast as they can while the main thread ends.
 _POLLER = textwrap.dedent(

@@ -1,4 +1,4 @@
-"""Which transport carries a job's groups (``algorithms.backends.Backends.choose``, which
+"""Which transport carries a job's groups (``transport.backend_choice.Backends.choose``, which
 ``lifecycle`` hands to the runtime). A secure elastic job takes ringtrain's TCP mesh under
 ``transport=auto``: the sealed groups of a world it abandons are leaked, and a worker left
 waiting in a Gloo receive aborts the process if it returns while the interpreter exits
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from ringtrain.algorithms import tcp_backend
-from ringtrain.algorithms.backends import Backends
 from ringtrain.config import Config
 from ringtrain.launch.elastic import ID_VAR
 from ringtrain.runtime.environment import Placement
+from ringtrain.transport import tcp_backend
+from ringtrain.transport.backend_choice import Backends
 
 PLACEMENT = Placement("test", 0, 2, "127.0.0.1", 29500)
 

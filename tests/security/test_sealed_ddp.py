@@ -35,7 +35,7 @@ def _train(steps: int) -> dict[str, torch.Tensor]:
 def _ddp(backend: str, tag: str, steps: int) -> dict[str, torch.Tensor]:
     import torch.distributed as dist
 
-    from ringtrain.algorithms import sealed_backend
+    from ringtrain.transport import sealed_backend
 
     r, n = int(os.environ["RINGTRAIN_RANK"]), int(os.environ["RINGTRAIN_SIZE"])
     client = dist.TCPStore(

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringtrain.algorithms.tcp_mesh import Mesh
+from ringtrain.transport.tcp_mesh import Mesh
 
 TIMEOUT = datetime.timedelta(seconds=20)
 

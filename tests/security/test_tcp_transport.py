@@ -1,4 +1,4 @@
-"""The TCP transport (``transport="tcp"``, :mod:`ringtrain.algorithms.tcp_backend`) gives the
+"""The TCP transport (``transport="tcp"``, :mod:`ringtrain.transport.tcp_backend`) gives the
 same results as Gloo: every collective, op and dtype, plain and sealed, and training.
 
 At two ranks the ring sums in Gloo's order, so results are exact; at three, float sums may round

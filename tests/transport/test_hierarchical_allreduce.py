@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringtrain.algorithms.hierarchical import (
+from ringtrain.errors import CollectiveArgumentError, ConfigError
+from ringtrain.testing import spawn
+from ringtrain.transport.hierarchical import (
     HierarchicalAllreduce,
     cross_host_bytes,
     plan,
     prefer_hierarchical,
 )
-from ringtrain.errors import CollectiveArgumentError, ConfigError
-from ringtrain.testing import spawn
 
 # -- the plan, without processes ---------------------------------------------------------------
 

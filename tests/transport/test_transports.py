@@ -46,9 +46,9 @@ import torch.distributed as dist
 
 import ringtrain as rt
 from ringtrain import transport
-from ringtrain.algorithms import sealed
 from ringtrain.security import keys
 from ringtrain.testing import spawn
+from ringtrain.transport import ring as sealed
 from ringtrain.transport.base import NcclTransport
 
 pytestmark = pytest.mark.timeout(120)
@@ -225,8 +225,8 @@ def _nccl_code_over_gloo() -> tuple[list[str], int]:
 def _hierarchical_transport(hosts: str) -> tuple[str, list[str], int]:
     """The hierarchical allreduce as the engine gets it over a stream's group
     (``transport.of(group, hierarchical)``), ranks placed on ``hosts``, against Gloo."""
-    from ringtrain.algorithms.hierarchical import HierarchicalAllreduce
     from ringtrain.runtime import state
+    from ringtrain.transport.hierarchical import HierarchicalAllreduce
 
     algorithm = HierarchicalAllreduce(tuple(hosts))
     wire = transport.of(state.current().world.communicator.group("engine"), algorithm)

@@ -223,7 +223,7 @@ def _lane_slots() -> tuple[int, int]:
 
 def _tcp_group() -> Any:
     """A world group on ringtrain's TCP mesh (the default group stays what init made)."""
-    from ringtrain.algorithms import tcp_backend
+    from ringtrain.transport import tcp_backend
 
     return dist.new_group(backend=tcp_backend.BACKEND)
 

@@ -44,7 +44,7 @@ def job_keys(config: Config) -> Keys | None:
     """This job's checkpoint keys in secure mode, None otherwise."""
     if not getattr(config, "secure", False):
         return None
-    from ringtrain.algorithms import sealed_backend
+    from ringtrain.transport import sealed_backend
 
     ctx = sealed_backend._context
     key = ctx.job_key if ctx is not None else keys.load_job_key(config)

@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 
 from ringtrain import compat
-from ringtrain.algorithms.sealed import Link, Plain
 from ringtrain.collectives import dtypes, inline
 from ringtrain.collectives.requests import Request, TensorMeta
 from ringtrain.collectives.scaling import REDUCE_OPS, scaling_of
 from ringtrain.errors import CollectiveMismatchError
 from ringtrain.runtime.communicator import Communicator
+from ringtrain.transport.ring import Link, Plain
 
 
 def zeros(meta: TensorMeta) -> torch.Tensor:

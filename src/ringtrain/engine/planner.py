@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from ringtrain.algorithms.hierarchical import prefer_hierarchical
 from ringtrain.compression import resolve as resolve_compression
 from ringtrain.compression.policy import AutoCompression
 from ringtrain.config import Config
@@ -33,6 +32,7 @@ from ringtrain.engine.streams import Route, StreamPool
 from ringtrain.engine.weighting import Averaging
 from ringtrain.errors import ConfigError
 from ringtrain.runtime import state as runtime_state
+from ringtrain.transport.hierarchical import prefer_hierarchical
 
 log = logging.getLogger("ringtrain")
 

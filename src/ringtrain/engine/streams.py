@@ -1,6 +1,6 @@
 """Streams: the process groups (and hierarchical allreduces) that gradient buckets travel on.
 
-A :class:`Route` is one Gloo group, plus a :class:`~ringtrain.algorithms.hierarchical.
+A :class:`Route` is one Gloo group, plus a :class:`~ringtrain.transport.hierarchical.
 HierarchicalAllreduce` when buckets go hierarchically. Bucket ``i`` of a plan travels on stream
 ``i % streams``: a deterministic round robin, so every rank issues the same collectives on the same
 group in the same order, and consecutive buckets are in flight at once on separate connections
@@ -21,10 +21,10 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ringtrain.algorithms.hierarchical import HierarchicalAllreduce
 from ringtrain.errors import InternalError
 from ringtrain.runtime.communicator import Communicator
 from ringtrain.transport import group_ops
+from ringtrain.transport.hierarchical import HierarchicalAllreduce
 
 log = logging.getLogger("ringtrain")
 

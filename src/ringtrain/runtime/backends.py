@@ -1,9 +1,9 @@
 """What the runtime asks of the process-group backends built above it.
 
 The runtime creates torch's default group on whichever backend it is handed. The backends
-ringtrain provides itself (the sealed groups, the TCP mesh: :mod:`ringtrain.algorithms`) are
+ringtrain provides itself (the sealed groups, the TCP mesh: :mod:`ringtrain.transport`) are
 built on the runtime, so the runtime never imports them: ``lifecycle``, the composition root,
-passes :class:`ringtrain.algorithms.backends.Backends`, which implements this protocol.
+passes :class:`ringtrain.transport.backend_choice.Backends`, which implements this protocol.
 """
 
 from __future__ import annotations

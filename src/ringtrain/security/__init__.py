@@ -5,6 +5,6 @@
     rendezvous  mutual proof of the key over the rendezvous store before any group is built
 
 Nothing here imports torch: the launcher uses :mod:`ringtrain.security.keys`. The sealed process
-group and algorithms that move tensors live in :mod:`ringtrain.algorithms.sealed` and
-:mod:`ringtrain.algorithms.sealed_backend`. The threat model is in ``docs/security.md``.
+group and algorithms that move tensors live in :mod:`ringtrain.transport.ring` and
+:mod:`ringtrain.transport.sealed_backend`. The threat model is in ``docs/security.md``.
 """

@@ -18,7 +18,7 @@ rank; an allreduce's the group's), never timing, so every rank ends with the sam
 
 Why a ring needs more than a process group: its every step is a *paired* send and receive that
 must be in flight at once. Gloo's point-to-point calls are asynchronous, so a Gloo group gets
-:class:`~ringtrain.algorithms.sealed.Link`'s ring over it, run on a worker thread per group.
+:class:`~ringtrain.transport.ring.Link`'s ring over it, run on a worker thread per group.
 The sealed and tcp groups run one operation at a time on their own worker thread, which would run
 a posted receive before its paired send: there the whole ring runs as *one* operation of the
 group, on the group's own link (sealed, or plain over the tcp mesh), whose transport posts both
@@ -29,6 +29,13 @@ agreements, the sharded step's and sparse gradients' all-gathers, a bucket's all
 groups) and :func:`rounds`, what a codec with rounds of its own (PowerSGD, top-k) runs them on
 (:class:`ringtrain.compression.codec.Rounds`): with :func:`of`, the only door to
 ``torch.distributed`` for the engine and the codecs.
+
+The wire below the interface lives here too: :mod:`~ringtrain.transport.ring` (the ring over
+point-to-point messages, given a session kind: plain, or sealed), the process groups built on
+it (:mod:`~ringtrain.transport.ring_group`, :mod:`~ringtrain.transport.sealed_backend`,
+:mod:`~ringtrain.transport.tcp_backend` over :mod:`~ringtrain.transport.tcp_mesh`), the
+hierarchical allreduce (:mod:`~ringtrain.transport.hierarchical`), and which backend a job's
+groups use (:mod:`~ringtrain.transport.backend_choice`, handed to the runtime by ``lifecycle``).
 """
 
 from __future__ import annotations

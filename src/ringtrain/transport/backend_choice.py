@@ -29,7 +29,7 @@ class Backends:
         if config.transport == "gloo":
             transport = "gloo"
         else:
-            from ringtrain.algorithms import tcp_backend
+            from ringtrain.transport import tcp_backend
 
             transport = tcp_backend.choose(config.transport)
             if (
@@ -49,7 +49,7 @@ class Backends:
                 tcp_backend.configure(address)
                 log.debug("transport: ringtrain's TCP mesh (no Gloo devices)")
         if config.secure:
-            from ringtrain.algorithms import sealed_backend
+            from ringtrain.transport import sealed_backend
 
             return sealed_backend.BACKEND, transport
         return ("gloo" if transport == "gloo" else "ringtrain_tcp"), transport
@@ -62,16 +62,16 @@ class Backends:
         placement: Placement,
         transport: str,
     ) -> Any:
-        from ringtrain.algorithms import sealed_backend
+        from ringtrain.transport import sealed_backend
 
         return sealed_backend.join(store, config, env, placement.rank, placement.size, transport)
 
     def release(self, config: Config, *, keep_key: bool = False) -> None:
         if config.secure:  # the next job brings its own key and store
-            from ringtrain.algorithms import sealed_backend
+            from ringtrain.transport import sealed_backend
 
             sealed_backend.deconfigure(keep_key=keep_key)
         if config.transport != "gloo":
-            from ringtrain.algorithms import tcp_backend
+            from ringtrain.transport import tcp_backend
 
             tcp_backend.deconfigure()

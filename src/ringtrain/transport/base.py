@@ -11,11 +11,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ringtrain.algorithms.hierarchical import HierarchicalAllreduce
-from ringtrain.algorithms.ring_group import RingProcessGroup
-from ringtrain.algorithms.sealed import Link, Plain
 from ringtrain.compression import overflow
 from ringtrain.runtime import abort
+from ringtrain.transport.hierarchical import HierarchicalAllreduce
+from ringtrain.transport.ring import Link, Plain
+from ringtrain.transport.ring_group import RingProcessGroup
 from ringtrain.transport.workers import WORKERS, WorkerThread
 
 
@@ -279,7 +279,7 @@ class _Done:
 class HierarchicalTransport:
     """The hierarchical (2D) allreduce as a transport over ``group``'s ranks.
 
-    :class:`~ringtrain.algorithms.hierarchical.HierarchicalAllreduce` sums within each host
+    :class:`~ringtrain.transport.hierarchical.HierarchicalAllreduce` sums within each host
     (its host group), across hosts on shards (its cross-host groups), then shares within each
     host again. Wrapped over a stream's group, the engine sends a bucket to it as to any
     transport and never asks which it holds:

@@ -1,7 +1,12 @@
-"""Sealed collectives: every byte between ranks is AES-256-GCM sealed, and opened before use.
+"""The ring: ringtrain's own collectives over point-to-point messages, each message passed
+through the session the ring is given: :class:`Plain` (bytes as they are: the ``ringtrain_tcp``
+groups and the ring the engine runs over a Gloo group) or a sealing
+:class:`~ringtrain.security.sealing.Session` (the ``ringtrain_sealed`` groups: every byte between
+ranks AES-256-GCM sealed, and opened before use, so the wire only ever sees ciphertext).
 
-The algorithms run over point-to-point messages of a plain Gloo group (``send``/``recv`` of
-uint8 tensors), so Gloo only ever sees ciphertext:
+The collectives run over ``send``/``recv`` of uint8 tensors on a plain Gloo group or the tcp
+mesh (:class:`~ringtrain.transport.tcp_mesh.Mesh`); below, "seal" and "open" pass the bytes
+through unchanged with :class:`Plain`:
 
 * **allreduce**: a ring. Reduce-scatter (n-1 steps: each rank seals one chunk for its right
   neighbour, opens the chunk from its left one and reduces it into its own), then allgather
@@ -100,8 +105,9 @@ class Plain:
 
 
 class Link:
-    """A point-to-point transport (a Gloo group, or :class:`~ringtrain.algorithms.tcp_mesh.
-    Mesh`) and a sealing session (or :class:`Plain`): what one ring process group runs on."""
+    """A point-to-point channel (a Gloo group, or :class:`~ringtrain.transport.tcp_mesh.
+    Mesh`) and the session kind it is given (a sealing session, or :class:`Plain`): what one
+    ring runs on."""
 
     def __init__(self, inner: Any, session: Session | Plain) -> None:
         self.inner = inner

@@ -3,9 +3,9 @@
 :class:`RingProcessGroup` maps every ``torch.distributed`` call torch makes on a group
 (``all_reduce``, ``broadcast``, ``all_gather``, ``all_gather_into_tensor``,
 ``reduce_scatter_tensor``, ``all_to_all_single``, ``barrier``, ``send``/``recv``) onto
-:class:`ringtrain.algorithms.sealed.Link`, which runs them over point-to-point messages. Two
-backends are built on it: ``ringtrain_sealed`` (:mod:`ringtrain.algorithms.sealed_backend`, every
-message sealed) and ``ringtrain_tcp`` (:mod:`ringtrain.algorithms.tcp_backend`, plain bytes over
+:class:`ringtrain.transport.ring.Link`, which runs them over point-to-point messages. Two
+backends are built on it: ``ringtrain_sealed`` (:mod:`ringtrain.transport.sealed_backend`, every
+message sealed) and ``ringtrain_tcp`` (:mod:`ringtrain.transport.tcp_backend`, plain bytes over
 ringtrain's own TCP mesh, for enclaves, where Gloo cannot start).
 
 Each group owns one worker thread that runs its operations in call order and returns a
@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from ringtrain.algorithms.sealed import Link
 from ringtrain.errors import CollectiveAbortedError
 from ringtrain.runtime import exit_guard
+from ringtrain.transport.ring import Link
 
 # While an operation waits longer than this, it runs its group's check (a peer's failure).
 NOTICE_POLL_S = 0.25

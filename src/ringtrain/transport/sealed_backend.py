@@ -1,16 +1,16 @@
 """``ringtrain_sealed``: a torch.distributed backend whose traffic is sealed end to end.
 
 Registered with ``torch.distributed.Backend.register_backend``, it is a Python
-``ProcessGroup`` (:class:`~ringtrain.algorithms.ring_group.RingProcessGroup`) that runs
-:mod:`ringtrain.algorithms.sealed` over a private Gloo group, or, with ``transport = "tcp"``
+``ProcessGroup`` (:class:`~ringtrain.transport.ring_group.RingProcessGroup`) that runs
+:mod:`ringtrain.transport.ring` over a private Gloo group, or, with ``transport = "tcp"``
 (enclaves, where Gloo cannot start), over ringtrain's TCP mesh
-(:mod:`ringtrain.algorithms.tcp_backend`). Any
+(:mod:`ringtrain.transport.tcp_backend`). Any
 ``torch.distributed`` call on such a group (``all_reduce``, ``broadcast``, ``all_gather``,
 ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``, ``barrier``,
 ``send``/``recv``) is sealed, so ringtrain's controller, executor and engine use it without
 knowing, and so does plain DDP::
 
-    import ringtrain.algorithms.sealed_backend   # registers the backend
+    import ringtrain.transport.sealed_backend   # registers the backend
     dist.init_process_group("ringtrain_sealed", ...)   # key from RINGTRAIN_KEY_FILE / _KEY_FD
     model = DDP(model)
 
@@ -43,14 +43,14 @@ from typing import Any
 import torch.distributed as dist
 
 from ringtrain import environ
-from ringtrain.algorithms import tcp_backend
-from ringtrain.algorithms.ring_group import NOTICE_POLL_S, RingProcessGroup, RingWork
-from ringtrain.algorithms.sealed import Link
 from ringtrain.environ import Ringtrain, Torch
 from ringtrain.errors import SecurityError
 from ringtrain.host import network
 from ringtrain.runtime import exit_guard
 from ringtrain.security import keys, rendezvous, sealing
+from ringtrain.transport import tcp_backend
+from ringtrain.transport.ring import Link
+from ringtrain.transport.ring_group import NOTICE_POLL_S, RingProcessGroup, RingWork
 
 log = logging.getLogger("ringtrain")
 

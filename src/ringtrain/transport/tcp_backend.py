@@ -5,8 +5,8 @@ Gloo's TCP device calls ``getifaddrs()`` when it is made, even from an explicit 
 a job that runs in an enclave uses ``transport = "tcp"`` (``RINGTRAIN_TRANSPORT=tcp``,
 ``ringtrain run --transport tcp``): every process group is then a :class:`TcpProcessGroup`
 (or, with ``secure``, a sealed group over the same mesh), which runs ringtrain's ring algorithms
-(:class:`ringtrain.algorithms.sealed.Link`, unsealed here) over plain TCP sockets between the
-members (:class:`ringtrain.algorithms.tcp_mesh.Mesh`), connected through the job's store.
+(:class:`ringtrain.transport.ring.Link`, unsealed here) over plain TCP sockets between the
+members (:class:`ringtrain.transport.tcp_mesh.Mesh`), connected through the job's store.
 
 ``transport = "auto"`` (the default) uses Gloo unless this process cannot open a netlink socket
 (one ``socket(AF_NETLINK)`` attempt at ``init``); ``"gloo"`` and ``"tcp"`` decide outright, and
@@ -19,7 +19,7 @@ an address is given), else the local address the kernel routes to the rendezvous
 
 Plain DDP can use it too::
 
-    import ringtrain.algorithms.tcp_backend   # registers "ringtrain_tcp"
+    import ringtrain.transport.tcp_backend   # registers "ringtrain_tcp"
     dist.init_process_group("ringtrain_tcp", ...)
 """
 
@@ -35,12 +35,12 @@ from typing import Any
 import torch.distributed as dist
 
 from ringtrain import environ
-from ringtrain.algorithms.ring_group import RingProcessGroup
-from ringtrain.algorithms.sealed import Link, Plain
-from ringtrain.algorithms.tcp_mesh import Mesh
 from ringtrain.config import env_var
 from ringtrain.environ import Ringtrain, Torch
 from ringtrain.host.network import local_address
+from ringtrain.transport.ring import Link, Plain
+from ringtrain.transport.ring_group import RingProcessGroup
+from ringtrain.transport.tcp_mesh import Mesh
 
 BACKEND = "ringtrain_tcp"
 TRANSPORTS = ("auto", "gloo", "tcp")

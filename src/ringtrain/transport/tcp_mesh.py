@@ -1,6 +1,6 @@
 """Point-to-point messages between the members of a group over plain TCP sockets.
 
-This is the wire under ringtrain's own ring algorithms (:class:`ringtrain.algorithms.sealed.Link`)
+This is the wire under ringtrain's own ring algorithms (:class:`ringtrain.transport.ring.Link`)
 when a job runs with ``transport = "tcp"``, in place of a Gloo group. It exists for enclaves:
 Gloo's TCP device calls ``getifaddrs()`` (netlink) even when given an address, and enclave
 runtimes such as Gramine have no netlink. What a :class:`Mesh` does, and does not do:
