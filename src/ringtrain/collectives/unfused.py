@@ -23,7 +23,7 @@ from ringtrain.collectives.requests import Request, TensorMeta
 from ringtrain.collectives.scaling import REDUCE_OPS, scaling_of
 from ringtrain.errors import CollectiveMismatchError
 from ringtrain.runtime.communicator import Communicator
-from ringtrain.transport.ring import Link, Plain
+from ringtrain.transport import group_ops
 
 
 def zeros(meta: TensorMeta) -> torch.Tensor:
@@ -142,9 +142,10 @@ def reducescatter(comm: Communicator, req: Request, t: torch.Tensor) -> torch.Te
         # Gloo's reduce_scatter allreduces the whole input and keeps a chunk: twice the
         # bytes. Around a ring each rank sends every other rank's chunk once; the sums'
         # order is fixed by rank (not timing), as Gloo's is.
-        link = Link(group, Plain(group.rank(), group.size()))
-        link.reduce_scatter_chunks(list(pieces.view(size, -1).unbind(0)), REDUCE_OPS[req.op])
-        out = pieces[link.rank].clone()  # a view would keep every rank's chunk alive
+        mine = group_ops.ring_reduce_scatter(
+            pieces.view(size, -1).unbind(0), group, REDUCE_OPS[req.op]
+        )
+        out = pieces[mine].clone()  # a view would keep every rank's chunk alive
     else:
         out = torch.empty((longest, width), dtype=work.dtype, device=work.device)
         compat.reduce_scatter_single(

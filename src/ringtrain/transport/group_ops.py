@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ringtrain import compat
 from ringtrain.runtime import abort
+from ringtrain.transport.ring import Link, Plain
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -40,6 +41,18 @@ def all_gather(
 ) -> Any:
     """``outs[r]`` becomes rank r's ``t``."""
     return dist.all_gather(outs, t, group=group, async_op=async_op)
+
+
+def ring_reduce_scatter(chunks: Sequence[torch.Tensor], group: Any, op: Any) -> int:
+    """Rank r's ``chunks[r]`` becomes the ``op`` (a ``dist.ReduceOp``) of every rank's
+    ``chunks[r]``, around ringtrain's plain ring (:class:`~ringtrain.transport.ring.Link`) on the
+    calling thread: each rank sends every other rank's chunk once (Gloo's reduce_scatter
+    allreduces the whole input: twice the bytes), summing in an order fixed by rank, not timing.
+    For host memory on a group with asynchronous point-to-point (Gloo). Returns this rank's index
+    in ``group`` (whose chunk is complete)."""
+    link = Link(group, Plain(group.rank(), group.size()))
+    link.reduce_scatter_chunks(list(chunks), op)
+    return link.rank
 
 
 def all_gather_object(outs: list[Any], obj: Any, group: Any) -> None:
