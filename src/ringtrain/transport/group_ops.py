@@ -43,8 +43,10 @@ def all_gather(
     return dist.all_gather(outs, t, group=group, async_op=async_op)
 
 
-def ring_reduce_scatter(chunks: Sequence[torch.Tensor], group: Any, op: Any) -> int:
-    """Rank r's ``chunks[r]`` becomes the ``op`` (a ``dist.ReduceOp``) of every rank's
+def ring_reduce_scatter(
+    chunks: Sequence[torch.Tensor], group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType
+) -> int:
+    """Rank r's ``chunks[r]`` becomes the ``op`` (a ``dist.ReduceOp`` member) of every rank's
     ``chunks[r]``, around ringtrain's plain ring (:class:`~ringtrain.transport.ring.Link`) on the
     calling thread: each rank sends every other rank's chunk once (Gloo's reduce_scatter
     allreduces the whole input: twice the bytes), summing in an order fixed by rank, not timing.
