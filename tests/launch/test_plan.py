@@ -6,7 +6,7 @@ import pytest
 
 from ringtrain import cli
 from ringtrain.errors import ConfigError, HostSpecError, LaunchError
-from ringtrain.launch import rank_env, transport
+from ringtrain.launch import agent_start, rank_env
 from ringtrain.launch.command import options_from_args
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
 from ringtrain.launch.options import SshOptions
@@ -122,14 +122,14 @@ def test_tuning_numa_and_missing_allocator() -> None:
 
 
 def test_ssh_argv_quotes_once_and_keeps_host_key_checking() -> None:
-    argv = transport.ssh_argv(
+    argv = agent_start.ssh_argv(
         Host("node1", 1), SshOptions(port=2222, config_file="/c"), ["py", "-m", "x y"], "/w d"
     )
     assert argv[:2] == ["ssh", "-o"] and "-F" in argv and "2222" in argv
     assert not any("StrictHostKeyChecking" in a for a in argv)
     assert argv[-2] == "node1"
     assert argv[-1] == "cd '/w d' 2>/dev/null || cd; exec py -m 'x y'"
-    relaxed = transport.ssh_argv(Host("n", 1), SshOptions(accept_new_host_keys=True), ["p"], "/")
+    relaxed = agent_start.ssh_argv(Host("n", 1), SshOptions(accept_new_host_keys=True), ["p"], "/")
     assert "StrictHostKeyChecking=accept-new" in relaxed
 
 

@@ -1,7 +1,7 @@
 """The doctor's I/O: run the probe on every host, test the links, run a tiny allreduce job.
 
 Every host is reached the way ``ringtrain run`` reaches it: a local child process, or the user's
-OpenSSH client through :func:`ringtrain.launch.transport.ssh_argv` (same options, same
+OpenSSH client through :func:`ringtrain.launch.agent_start.ssh_argv` (same options, same
 ``-F`` config). An ssh failure is told apart from a probe failure by ssh's own exit code, 255,
 and quoted from ssh's stderr. The allreduce job is a real ringtrain job, run by the launcher's
 :class:`~ringtrain.launch.supervisor.Supervisor`. Nothing here imports torch: the probe does.
@@ -26,7 +26,7 @@ from typing import Any
 from ringtrain.doctor import findings, wire
 from ringtrain.doctor.findings import LinkSample
 from ringtrain.host.network import Interface
-from ringtrain.launch import transport
+from ringtrain.launch import agent_start
 from ringtrain.launch.hosts import Host
 from ringtrain.launch.options import LaunchOptions, SshOptions
 from ringtrain.launch.supervisor import Supervisor
@@ -47,7 +47,7 @@ class Reach:
 
     def argv(self, host: Host, args: Sequence[str], deadline_s: float) -> list[str]:
         remote = [self.python, "-m", wire.PROBE_MODULE, "--deadline", f"{deadline_s:.0f}", *args]
-        return remote if host.is_local else transport.ssh_argv(host, self.ssh, remote, self.cwd)
+        return remote if host.is_local else agent_start.ssh_argv(host, self.ssh, remote, self.cwd)
 
     def run(self, host: Host, args: Sequence[str], deadline_s: float, late: str) -> ProbeRun:
         """Run one probe subcommand on ``host`` to its end; ``late`` says it did not end in time.

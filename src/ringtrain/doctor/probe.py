@@ -1,6 +1,6 @@
 """The doctor's per-host probe: ``python -m ringtrain.doctor.probe COMMAND``.
 
-Run by ``ringtrain doctor`` on every host, locally or over ssh with the launcher's transport.
+Run by ``ringtrain doctor`` on every host, locally or over ssh as the launcher starts its agents.
 Each command prints its results as marked JSON lines (:mod:`ringtrain.doctor.wire`):
 
     facts       torch and its backends, cores, hyper-threading, NUMA, allocator, OMP/MKL

@@ -7,7 +7,7 @@
     rank_env     the variables every rank gets (RINGTRAIN_*, HOROVOD_*, forwarded ones)
     tuning       CPU binding, OMP threads, allocator preload (pure, from host facts)
     network      interface discovery and choice
-    transport    how an agent is started: a local subprocess or ssh
+    agent_start  how an agent is started: a local subprocess or ssh
     protocol     the JSON-lines messages between launcher and agent
     agent        the per-host process that starts, streams and stops that host's ranks
     supervisor   the launcher side: agents up, ranks started, the first failure, Ctrl-C

@@ -1,7 +1,7 @@
 """One host's agent as the launcher sees it: the process, its message reader, its last words.
 
 An :class:`AgentLink` starts the agent (a local subprocess or ssh, argv from
-:mod:`ringtrain.launch.transport`), turns each JSON line it prints into an event on the
+:mod:`ringtrain.launch.agent_start`), turns each JSON line it prints into an event on the
 supervisor's queue, keeps the last lines of its error output (ssh's own reason when a host cannot
 be reached), and sends it commands. :func:`unreachable` words the error for agents that never
 answered.

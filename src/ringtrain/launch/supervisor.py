@@ -43,7 +43,7 @@ from ringtrain.config import to_env
 from ringtrain.environ import horovod_unused
 from ringtrain.errors import LaunchError
 from ringtrain.host import network
-from ringtrain.launch import discovery, elastic, job_network, job_state, rank_env, transport
+from ringtrain.launch import agent_start, discovery, elastic, job_network, job_state, rank_env
 from ringtrain.launch.agent import FAILING_GRACE_S
 from ringtrain.launch.agent_link import AgentLink, unreachable
 from ringtrain.launch.elastic_hosts import Change, ElasticPool
@@ -228,7 +228,7 @@ class Supervisor:
             link.ranks = [s.rank for s in self.specs if s.host == host.name]
 
     def start_agent(self, host: Host) -> AgentLink:
-        argv = transport.command_for(
+        argv = agent_start.command_for(
             host,
             self.options.ssh,
             self.options.python,
