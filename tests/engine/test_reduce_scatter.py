@@ -1,7 +1,7 @@
 """The sharded step with reduced-scattered gradients (``reduce_scatter=True``).
 
 Each rank receives the sum of its own shard only, around a ring (ringtrain.transport.ring's
-Link over the engine's Gloo groups), instead of an allreduce of whole buckets. Shown here, on
+Ring over the engine's Gloo groups), instead of an allreduce of whole buckets. Shown here, on
 2 and 3 ranks (3: shards of unequal sizes, an empty one where a bucket is smaller than the
 ranks): the weights agree with the allreduce-based sharded step within float rounding (the ring
 sums in another order), are bit for bit the same when the job runs again, are identical on

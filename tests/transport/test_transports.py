@@ -1,6 +1,6 @@
 """Every transport against torch.distributed's own collectives, for every dtype both carry.
 
-The transports (:func:`ringtrain.transport.of`): the ring on a Gloo group (``LinkTransport``),
+The transports (:func:`ringtrain.transport.of`): the ring on a Gloo group (``RingTransport``),
 the sealed group's and the tcp group's own ring (``RingGroupTransport``, ``secure=True`` and
 ``transport="tcp"``), NCCL's collectives (``NcclTransport``), and the hierarchical allreduce
 over the engine's group (``HierarchicalTransport``, ranks placed on two hosts as a, a, b and
@@ -248,7 +248,7 @@ def _settings(tmp_path: Path) -> dict[str, dict[str, Any]]:
     }
 
 
-KINDS = {"gloo": "LinkTransport", "sealed": "RingGroupTransport", "tcp": "RingGroupTransport"}
+KINDS = {"gloo": "RingTransport", "sealed": "RingGroupTransport", "tcp": "RingGroupTransport"}
 
 
 def test_every_transport_matches_torch_distributed(tmp_path: Path) -> None:

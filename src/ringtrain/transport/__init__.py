@@ -18,7 +18,7 @@ rank; an allreduce's the group's), never timing, so every rank ends with the sam
 
 Why a ring needs more than a process group: its every step is a *paired* send and receive that
 must be in flight at once. Gloo's point-to-point calls are asynchronous, so a Gloo group gets
-:class:`~ringtrain.transport.ring.Link`'s ring over it, run on a worker thread per group.
+the ring (:class:`~ringtrain.transport.ring.Ring`) over it, run on a worker thread per group.
 The sealed and tcp groups run one operation at a time on their own worker thread, which would run
 a posted receive before its paired send: there the whole ring runs as *one* operation of the
 group, on the group's own link (sealed, or plain over the tcp mesh), whose transport posts both

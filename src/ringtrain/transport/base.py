@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ringtrain.compression import overflow
 from ringtrain.runtime import abort
 from ringtrain.transport.hierarchical import HierarchicalAllreduce
-from ringtrain.transport.ring import Link, Plain
+from ringtrain.transport.ring import Plain, Ring
 from ringtrain.transport.ring_group import RingProcessGroup
 from ringtrain.transport.workers import WORKERS, WorkerThread
 
@@ -95,12 +95,12 @@ def _group_allreduce(group: Any, t: torch.Tensor) -> InFlight:
     """The group's own summing allreduce of ``t``, under way: Gloo's and NCCL's, or the sealed
     and tcp groups' ring run as one operation of the group. Issued from the calling thread, in
     its order, as every other collective on the group; its bits are the group's allreduce's
-    (the Gloo group's ring of :class:`Link` sums in another order)."""
+    (the Gloo group's ring of :class:`Ring` sums in another order)."""
     return _Work(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True), [])
 
 
 def _ring_reduce_scatter(
-    link: Link, chunks: Sequence[torch.Tensor], fallback: Sequence[torch.Tensor] | None
+    link: Ring, chunks: Sequence[torch.Tensor], fallback: Sequence[torch.Tensor] | None
 ) -> bool:
     """The ring's reduce-scatter, with the narrow wire's overflow rule
     (:func:`~ringtrain.compression.overflow.redo_if_not_finite`): one job, so nothing another
@@ -127,8 +127,8 @@ def _staged(chunks: Sequence[torch.Tensor], fn: Callable[[list[torch.Tensor]], A
     return out
 
 
-class LinkTransport:
-    """The ring (:class:`Link`) over a group with asynchronous point-to-point (Gloo), run on
+class RingTransport:
+    """The ring (:class:`Ring`) over a group with asynchronous point-to-point (Gloo), run on
     the group's shared worker thread (:data:`~ringtrain.transport.workers.WORKERS`)."""
 
     cuts = True
@@ -136,7 +136,7 @@ class LinkTransport:
     def __init__(self, group: Any) -> None:
         self.rank, self.size = group.rank(), group.size()
         self._group = group
-        self._link = Link(group, Plain(self.rank, self.size))
+        self._link = Ring(group, Plain(self.rank, self.size))
         # The worker is taken at the first ring: a transport only allreducing starts no thread.
         self._worker: WorkerThread | None = None
         self._release: weakref.finalize[Any, Any] | None = None
@@ -183,7 +183,7 @@ class RingGroupTransport:
         self.rank, self.size = group.rank(), group.size()
         self._group = group
 
-    def _submit(self, fn: Callable[[Link], Any]) -> InFlight:
+    def _submit(self, fn: Callable[[Ring], Any]) -> InFlight:
         box: list[Any] = []
         return _Work(self._group.run_on_link(lambda link: box.append(fn(link))), box)
 
@@ -355,7 +355,7 @@ def of(group: Any, hierarchical: HierarchicalAllreduce | None = None) -> Transpo
         return RingGroupTransport(group)
     if _backend(group) == "nccl":
         return NcclTransport(group)
-    return LinkTransport(group)
+    return RingTransport(group)
 
 
 def _backend(group: Any) -> str:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ringtrain import compat
 from ringtrain.runtime import abort
-from ringtrain.transport.ring import Link, Plain
+from ringtrain.transport.ring import Plain, Ring
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -47,12 +47,12 @@ def ring_reduce_scatter(
     chunks: Sequence[torch.Tensor], group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType
 ) -> int:
     """Rank r's ``chunks[r]`` becomes the ``op`` (a ``dist.ReduceOp`` member) of every rank's
-    ``chunks[r]``, around ringtrain's plain ring (:class:`~ringtrain.transport.ring.Link`) on the
+    ``chunks[r]``, around ringtrain's plain ring (:class:`~ringtrain.transport.ring.Ring`) on the
     calling thread: each rank sends every other rank's chunk once (Gloo's reduce_scatter
     allreduces the whole input: twice the bytes), summing in an order fixed by rank, not timing.
     For host memory on a group with asynchronous point-to-point (Gloo). Returns this rank's index
     in ``group`` (whose chunk is complete)."""
-    link = Link(group, Plain(group.rank(), group.size()))
+    link = Ring(group, Plain(group.rank(), group.size()))
     link.reduce_scatter_chunks(list(chunks), op)
     return link.rank
 

@@ -104,10 +104,10 @@ class Plain:
         self.me, self.size = me, size
 
 
-class Link:
-    """A point-to-point channel (a Gloo group, or :class:`~ringtrain.transport.tcp_mesh.
-    Mesh`) and the session kind it is given (a sealing session, or :class:`Plain`): what one
-    ring runs on."""
+class Ring:
+    """The ring: its collectives over a point-to-point channel (a Gloo group, or
+    :class:`~ringtrain.transport.tcp_mesh.Mesh`), each message passed through the session kind
+    it is given (a sealing session, or :class:`Plain`)."""
 
     def __init__(self, inner: Any, session: Session | Plain) -> None:
         self.inner = inner

@@ -3,7 +3,7 @@
 :class:`RingProcessGroup` maps every ``torch.distributed`` call torch makes on a group
 (``all_reduce``, ``broadcast``, ``all_gather``, ``all_gather_into_tensor``,
 ``reduce_scatter_tensor``, ``all_to_all_single``, ``barrier``, ``send``/``recv``) onto
-:class:`ringtrain.transport.ring.Link`, which runs them over point-to-point messages. Two
+:class:`ringtrain.transport.ring.Ring`, which runs them over point-to-point messages. Two
 backends are built on it: ``ringtrain_sealed`` (:mod:`ringtrain.transport.sealed_backend`, every
 message sealed) and ``ringtrain_tcp`` (:mod:`ringtrain.transport.tcp_backend`, plain bytes over
 ringtrain's own TCP mesh, for enclaves, where Gloo cannot start).
@@ -27,7 +27,7 @@ from torch.futures import Future
 
 from ringtrain.errors import CollectiveAbortedError
 from ringtrain.runtime import exit_guard
-from ringtrain.transport.ring import Link
+from ringtrain.transport.ring import Ring
 
 # While an operation waits longer than this, it runs its group's check (a peer's failure).
 NOTICE_POLL_S = 0.25
@@ -102,8 +102,8 @@ def _settle(fut: Future[Any], result: Any, error: BaseException | None) -> None:
 
 
 class RingProcessGroup(dist.ProcessGroup):
-    """A Python process group whose collectives are :class:`Link`'s ring algorithms, run in one
-    worker thread per group. Subclasses build the link and call :meth:`_begin`."""
+    """A Python process group whose collectives are :class:`Ring`'s, run in one
+    worker thread per group. Subclasses build the ring and call :meth:`_begin`."""
 
     backend_name = ""
 
@@ -112,7 +112,7 @@ class RingProcessGroup(dist.ProcessGroup):
         self._closed = False
         self._left: BaseException | None = None  # set by leave(): every later operation fails
 
-    def _begin(self, link: Link, name: str) -> None:
+    def _begin(self, link: Ring, name: str) -> None:
         """Start serving: ``link`` runs the algorithms; one worker thread runs operations in
         call order (the order point-to-point transports need)."""
         self._link = link
@@ -325,7 +325,7 @@ class RingProcessGroup(dist.ProcessGroup):
     ) -> RingWork:
         return self._submit(lambda: self._link.alltoall(outputs, inputs), outputs)
 
-    def run_on_link(self, fn: Callable[[Link], None]) -> RingWork:
+    def run_on_link(self, fn: Callable[[Ring], None]) -> RingWork:
         """Run ``fn(link)`` as one operation of this group, in call order: the engine's
         reduce-scatter (:mod:`ringtrain.transport`), whose ring needs each step's send and
         receive in flight at once, which separate operations of this group would not be."""

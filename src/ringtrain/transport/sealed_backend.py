@@ -49,7 +49,7 @@ from ringtrain.host import network
 from ringtrain.runtime import exit_guard
 from ringtrain.security import keys, rendezvous, sealing
 from ringtrain.transport import tcp_backend
-from ringtrain.transport.ring import Link
+from ringtrain.transport.ring import Ring
 from ringtrain.transport.ring_group import NOTICE_POLL_S, RingProcessGroup, RingWork
 
 log = logging.getLogger("ringtrain")
@@ -194,7 +194,7 @@ class SealedProcessGroup(RingProcessGroup):
         members, randoms = _exchange_randoms(store, self._ctx, rank, size, timeout)
         session = sealing.Session(self._ctx.sealing_key, self._ctx.job_id, rank, members, randoms)
         inner = _inner(store, rank, size, timeout, self._ctx)
-        self._begin(Link(inner, session), f"ringtrain-sealed-{rank}")
+        self._begin(Ring(inner, session), f"ringtrain-sealed-{rank}")
 
     def _poisoned(self) -> BaseException | None:
         failure = self._ctx.failure

@@ -5,7 +5,7 @@ Gloo's TCP device calls ``getifaddrs()`` when it is made, even from an explicit 
 a job that runs in an enclave uses ``transport = "tcp"`` (``RINGTRAIN_TRANSPORT=tcp``,
 ``ringtrain run --transport tcp``): every process group is then a :class:`TcpProcessGroup`
 (or, with ``secure``, a sealed group over the same mesh), which runs ringtrain's ring algorithms
-(:class:`ringtrain.transport.ring.Link`, unsealed here) over plain TCP sockets between the
+(:class:`ringtrain.transport.ring.Ring`, unsealed here) over plain TCP sockets between the
 members (:class:`ringtrain.transport.tcp_mesh.Mesh`), connected through the job's store.
 
 ``transport = "auto"`` (the default) uses Gloo unless this process cannot open a netlink socket
@@ -38,7 +38,7 @@ from ringtrain import environ
 from ringtrain.config import env_var
 from ringtrain.environ import Ringtrain, Torch
 from ringtrain.host.network import local_address
-from ringtrain.transport.ring import Link, Plain
+from ringtrain.transport.ring import Plain, Ring
 from ringtrain.transport.ring_group import RingProcessGroup
 from ringtrain.transport.tcp_mesh import Mesh
 
@@ -105,7 +105,7 @@ class TcpProcessGroup(RingProcessGroup):
 
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> None:
         super().__init__(rank, size)
-        link = Link(mesh(store, rank, size, timeout), Plain(rank, size))
+        link = Ring(mesh(store, rank, size, timeout), Plain(rank, size))
         self._begin(link, f"ringtrain-tcp-{rank}")
 
 

@@ -1,6 +1,6 @@
 """Point-to-point messages between the members of a group over plain TCP sockets.
 
-This is the wire under ringtrain's own ring algorithms (:class:`ringtrain.transport.ring.Link`)
+This is the wire under ringtrain's own ring algorithms (:class:`ringtrain.transport.ring.Ring`)
 when a job runs with ``transport = "tcp"``, in place of a Gloo group. It exists for enclaves:
 Gloo's TCP device calls ``getifaddrs()`` (netlink) even when given an address, and enclave
 runtimes such as Gramine have no netlink. What a :class:`Mesh` does, and does not do:
@@ -276,7 +276,7 @@ class Mesh:
             raise ValueError(f"rank {peer} is not another member of this {self.size}-member group")
         return p
 
-    # The calls Link makes on a Gloo group: send([t], peer, tag) / recv([t], peer, tag).
+    # The calls Ring makes on a Gloo group: send([t], peer, tag) / recv([t], peer, tag).
     def send(self, tensors: list[torch.Tensor], peer: int, tag: int = 0) -> MeshWork:
         (t,) = tensors
         return self._peer(peer).post_send(t)
