@@ -8,6 +8,9 @@ this is the engine's one door to the wire: ``engine/`` never calls ``torch.distr
 (tests/engine/test_no_collectives_in_engine.py). Each function is the ``torch.distributed``
 call of the same name (``async_op=True`` returns its ``Work``), so behaviour and numerics are
 unchanged; the sealed and tcp groups serve them as they serve any collective.
+:func:`ring_reduce_scatter` is the collectives' door to the plain ring (``hvd.reducescatter``
+on a Gloo group), so nothing above the transport builds a :class:`~ringtrain.transport.ring.Ring`
+itself (an import contract in pyproject.toml holds it).
 """
 
 from __future__ import annotations
