@@ -50,7 +50,7 @@ def _records_indices(sampler: object) -> TypeGuard[_Recording]:
     )
 
 
-class _Shared(Protocol):
+class _SharesBatches(Protocol):
     """What of a ShareSampler a checkpoint uses."""
 
     shares: tuple[float, ...]
@@ -63,7 +63,7 @@ class _Shared(Protocol):
     def __iter__(self) -> Iterator[list[int]]: ...
 
 
-def _shares_batches(sampler: object) -> TypeGuard[_Shared]:
+def _shares_batches(sampler: object) -> TypeGuard[_SharesBatches]:
     """Whether ``sampler`` is a ShareSampler (known by its surface, as above)."""
     return (
         hasattr(sampler, "shares")

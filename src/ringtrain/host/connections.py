@@ -178,8 +178,8 @@ TRAFFIC: dict[str, Traffic] = {
     "optimizer_direct": Traffic(
         "engine",
         Pattern.ALL,
-        "the Link transport's direct rounds: a reduce-scatter or allgather whose n - 1 "
-        "pieces fit in 1 MiB goes straight to every rank (algorithms/sealed.py: sharded "
+        "the Ring transport's direct rounds: a reduce-scatter or allgather whose n - 1 "
+        "pieces fit in 1 MiB goes straight to every rank (transport/ring.py: sharded "
         "steps, compressed exchanges)",
     ),
 }

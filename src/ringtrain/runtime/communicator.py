@@ -191,8 +191,8 @@ def create(
     rank makes every pair, as every group; a rank holds log2 N of them (connected lazily).
 
     ``backend``: that of the default group. Other than ``gloo`` (``ringtrain_sealed``, see
-    :mod:`ringtrain.algorithms.sealed_backend`, or ``ringtrain_tcp``, see
-    :mod:`ringtrain.algorithms.tcp_backend`), every group uses it, so callers use them as any
+    :mod:`ringtrain.transport.sealed_backend`, or ``ringtrain_tcp``, see
+    :mod:`ringtrain.transport.tcp_backend`), every group uses it, so callers use them as any
     other group; CUDA tensors then travel through host memory (NCCL cannot seal, and an enclave
     job makes no NCCL group). With Gloo, the NCCL group is made here (it connects lazily, at its
     first collective) and used only if no two ranks of the set share a GPU; ``host``: this rank's
