@@ -209,21 +209,15 @@ class VectorChannel:
 
     def __init__(self, comm: Communicator, world: int) -> None:
         self._size = comm.size
-        self._steps: list[Any] = []
-        if comm.size > 1:
-            self._steps = comm.pair_groups() or [comm.group("control")]
+        pairs = comm.pair_groups() if comm.size > 1 else []
+        self._steps: list[Any] = pairs or ([comm.group("control")] if comm.size > 1 else [])
         self._world = world
         self.rounds = 0  # exchanges so far: a protocol counter for tests and benchmarks
-        if len(self._steps) > 1 or comm.pair_groups():
+        if pairs:
             # Connect the pairs now, on every member alike (the controller is made at init or
             # add_process_set, collectively): a broken pair fails there, not in a round, and
             # a rank holds the same sockets from the start (host/connections.py counts them).
             self._reduce(torch.zeros(1, dtype=torch.int64))
-
-    @property
-    def steps(self) -> int:
-        """Collectives per round, one after the other."""
-        return len(self._steps)
 
     def exchange(self, v: np.ndarray) -> np.ndarray:
         self.rounds += 1
