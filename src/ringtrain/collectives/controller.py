@@ -85,6 +85,8 @@ DOZE_AFTER_IDLE_CYCLES = 4
 JOIN_NAME = "__join__"
 # At shutdown, how long a rank waits for the peers to complete the lane slots it claimed.
 LANE_DRAIN_S = 10.0
+# ... and when a peer failed: the job ends anyway, and the peer's exit breaks the slot's wait.
+LANE_DRAIN_FAILED_S = 1.0
 
 
 class Controller(LaneControl):
@@ -312,7 +314,7 @@ class Controller(LaneControl):
             if self._lane is not None:
                 # A rank that fails cannot count on its peers to match its claims.
                 failing = self._failure is not None or bool(self._leaving)
-                self._lane.drain(0.0 if failing else LANE_DRAIN_S)
+                self._lane_drain(0.0 if failing else LANE_DRAIN_S)
             if self._watch is not None:
                 self._watch.clear()
 
@@ -495,7 +497,15 @@ class Controller(LaneControl):
         me, ranks, set_id = self.comm.set_rank, self.comm.ranks, self.comm.set_id
         if shutdown_rules.set_ends(votes, self._table):
             self._closed = True
-            self._fail_all(shutdown_rules.error(votes, me, ranks, set_id))
+            error = shutdown_rules.error(votes, me, ranks, set_id)
+            with self._lock:
+                self._failure = self._failure or error
+            # A lane op claimed after this rank's message was sent: the leaving peer may have
+            # matched it already, and then it completes rather than fail.
+            failed = any(v.leaving for v in votes)
+            drain_s = LANE_DRAIN_FAILED_S if failed else LANE_DRAIN_S
+            self._lane_drain(0.0 if self._leaving else drain_s)
+            self._fail_all(error)
             return
         for name, missing in shutdown_rules.doomed(votes, self._table, self._joined).items():
             if name != JOIN_NAME:

@@ -272,23 +272,26 @@ class Lane:
             self._claim_dummy()
         return c
 
-    def drain(self, timeout_s: float) -> None:
+    def drain(self, timeout_s: float) -> list[Claim]:
         """At shutdown: see this rank's claims through, including a dummy decided for a slot
         ahead, so that no peer is left in a slot this rank never claims (a group cannot be
-        destroyed with a collective in flight). Gives up after ``timeout_s`` (a peer failed)."""
+        destroyed with a collective in flight). Gives up after ``timeout_s`` (a peer failed).
+        Returns the claims whose verdicts this call took (their ops are the caller's to end)."""
         deadline = time.monotonic() + timeout_s
+        settled: list[Claim] = []
         while True:
             with self._lock:
                 c = self.claim
             if c is None:
-                return
+                return settled
             try:
                 for w in list(c.works):
                     if not wait_for(w, deadline - time.monotonic()):
-                        return
-                self.settle(c)
+                        return settled
+                if (verdict := self.settle(c)) is not None:
+                    settled.append(verdict)
             except Exception:
-                return  # a peer failed: its error is reported elsewhere
+                return settled  # a peer failed: its error is reported elsewhere
 
 
 def wait_for(work: Any, seconds: float) -> bool:

@@ -96,7 +96,8 @@ class LaneControl:
             with self._lock:
                 self._pending.pop(handle.name, None)
             handle.claim = None
-            handle.set_error(transport_error(e))
+            if not handle.done():  # the set's end may have told it why already
+                handle.set_error(transport_error(e))
             return
         if settled is not None:
             self._lane_finish(settled)
@@ -128,6 +129,15 @@ class LaneControl:
             return  # its waiter (if any) reports it; a dead peer fails the next round too
         if settled is not None:
             self._lane_finish(settled)
+
+    def _lane_drain(self, timeout_s: float) -> None:
+        """See this rank's claims through and end their ops (at most ``timeout_s``): when the
+        set ends, a peer that has left may have matched a claim this rank made after its last
+        round's message, and that op completes rather than fail (a valid slot gives its result,
+        a lost one the set's failure)."""
+        if self._lane is not None:
+            for claim in self._lane.drain(timeout_s):
+                self._lane_finish(claim)
 
     def _lane_finish(self, claim: lane.Claim) -> None:
         """Complete a settled claim: a valid slot gives the result; otherwise the op is
@@ -168,7 +178,10 @@ class LaneControl:
                 self._pending.pop(claim.name, None)
                 bell = None
                 handle.set_error(
-                    CollectiveAbortedError("ringtrain shut down before this collective completed")
+                    self._failure
+                    or CollectiveAbortedError(
+                        "ringtrain shut down before this collective completed"
+                    )
                 )
         self._wake.set()
         self._doorbell.ring(bell)
