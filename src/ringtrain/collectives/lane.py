@@ -108,6 +108,7 @@ class Claim:
     request: Request
     name: str | None  # None: a dummy
     data: torch.Tensor
+    first: torch.Tensor  # data's first value (a view): NaN where a dummy took part
     works: list[Any]  # in flight: the data's allreduce, then (if needed) the flags'
     started: float
     restore: tuple[torch.Tensor, torch.Tensor] | None = None  # (where, what) on a lost slot
@@ -138,6 +139,10 @@ class Lane:
         self.slots_invalid = 0
         self.flag_rounds = 0  # slots whose first value came out NaN: flags decided
         self._backup: torch.Tensor | None = None  # bytes; see _backup_of
+        self._first_backup: dict[torch.dtype, torch.Tensor] = {}  # 2 ranks: one value each
+        # The options torch.distributed.all_reduce would build for every call.
+        self._sum = dist.AllreduceOptions()
+        self._sum.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
 
     def status(self) -> Status:
         with self._lock:
@@ -167,15 +172,16 @@ class Lane:
                 self._claim_dummy()
                 return None
             assert t is not None and out is not None
+            flat = out.view(-1)
+            first = flat[:1]
             if out is not t:
                 copies.copy_(out, t)
                 restore = None  # the op's own output: a lost slot is simply filled again
-            else:
-                # Three ranks or more: the real claimants' partial sums would remain. Two: only
-                # the first value can change (to NaN).
-                where = t.view(-1) if self.size > 2 else t.view(-1)[:1]
-                restore = (where, self._backup_of(where))
-            self.claim = self._launch(request, request.name, out)
+            elif self.size > 2:  # the real claimants' partial sums would remain
+                restore = (flat, self._backup_of(flat))
+            else:  # two ranks: only the first value can change (to NaN)
+                restore = (first, self._backup_of_first(first))
+            self.claim = self._launch(request, request.name, out, first)
             self.claim.restore = restore
             return self.claim
 
@@ -190,23 +196,34 @@ class Lane:
         copies.copy_(backup, where)
         return backup
 
+    def _backup_of_first(self, first: torch.Tensor) -> torch.Tensor:
+        """A copy of one value, in a one-value buffer kept per dtype (no allocation per op)."""
+        backup = self._first_backup.get(first.dtype)
+        if backup is None:
+            backup = self._first_backup[first.dtype] = torch.empty(1, dtype=first.dtype)
+        backup.copy_(first)
+        return backup
+
     def _claim_dummy(self) -> None:
         req = self.reserved
         assert req is not None and self.claim is None
         meta = req.tensors[0]
         data = torch.full(meta.shape, -0.0, dtype=dtypes.from_name(meta.dtype))
-        data.view(-1)[0] = math.nan  # marks the slot: every rank's first value comes out NaN
-        self.claim = self._launch(req, None, data)
+        first = data.view(-1)[:1]
+        first.fill_(math.nan)  # marks the slot: every rank's first value comes out NaN
+        self.claim = self._launch(req, None, data, first)
 
-    def _launch(self, req: Request, name: str | None, data: torch.Tensor) -> Claim:
+    def _launch(
+        self, req: Request, name: str | None, data: torch.Tensor, first: torch.Tensor
+    ) -> Claim:
         work: Any
         # Sum or Average of floats (see eligible()): in rank order as the executor would, or,
         # above ordered.ALONE_ABOVE_BYTES, on the ring, where the executor runs it alone too.
         if self._in_order and not ordered.alone(data.nbytes):
             work = ordered.OrderedWork(data.view(-1), "Sum", self._group, self._scratch)
-        else:
-            work = dist.all_reduce(data, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
-        return Claim(self.slot, req, name, data, [work], time.perf_counter())
+        else:  # what torch.distributed.all_reduce(async_op=True) calls, without its checks
+            work = self._group.allreduce([data], self._sum)
+        return Claim(self.slot, req, name, data, first, [work], time.perf_counter())
 
     def doom(self, slot: int) -> None:
         """Claim ``slot`` as a dummy: now if it is the current, unclaimed slot of an open lane;
@@ -240,7 +257,7 @@ class Lane:
                 for w in c.works:
                     w.wait()  # completed: raises the transport's error if there was one
                 if c.flag is None:
-                    if not math.isnan(float(c.data.view(-1)[0])):
+                    if not math.isnan(c.first.item()):
                         return self._verdict(c, True)  # no dummy took part: valid
                     # A dummy, or NaN in the data itself: every rank saw the same NaN, and
                     # every rank now sends its flag (1: real) to tell the two apart.
