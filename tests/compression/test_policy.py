@@ -243,7 +243,7 @@ def _tuner_phases(tried_s: float) -> list[Any]:
     auto = AutoCompression(rt.Config(powersgd_start_step=0))
     slow = (0.001, 5e6)  # 1 ms per collective, 5 MB/s: 5 MiB of gradients take 1 s
     tuner = auto_mod.AutoTuner(
-        auto, comm.group("engine"), rt.size(), rt.rank(), probe=lambda _: slow
+        auto, comm.group("engine"), rt.size(), rt.rank(), probe=lambda *_: slow
     )
     changed = []
     # Uncompressed: 10 ms compute, 1 s waiting for the exchange; the figures differ per rank,

@@ -6,11 +6,12 @@ says nothing about overlap):
 1. **measure** (:data:`MEASURE_STEPS` uncompressed steps, after :data:`WARMUP_STEPS` whose
    allocations and caches make them slow): per step, the time outside ``synchronize()``
    (compute), the time inside it (waiting for the exchange) and the time some bucket allreduce
-   was in flight. Then a probe: tiny allreduces (latency) and allreduces of up to
-   :data:`PROBE_BYTES` (throughput), and one allreduce (MAX) of all the figures, so every rank
-   holds the slowest rank's; every rank then calls the pure
-   :func:`ringtrain.compression.policy.choose` on identical numbers and reaches the same decision
-   without a further message.
+   was in flight, agreed by one allreduce (MAX) so every rank holds the slowest rank's. Then a
+   probe (:func:`probe_link`): tiny allreduces (latency) and a few allreduces sized by time
+   (:func:`probe_bytes`: about :data:`PROBE_SECONDS` each at the rate the measured steps imply,
+   so a slow link is not held for seconds), agreed by a second MAX allreduce; every rank then
+   calls the pure :func:`ringtrain.compression.policy.choose` on identical numbers and reaches
+   the same decision without a further message.
 2. **try** the chosen method (if not ``none``) for :data:`MEASURE_STEPS` steps, after its own
    warm-up (PowerSGD's remaining start steps), and keep it only if the slowest rank's median
    step is :data:`~ringtrain.compression.policy.KEEP_MARGIN` shorter than uncompressed
@@ -25,10 +26,11 @@ is finished, at the same step on every rank.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,7 +48,25 @@ WARMUP_STEPS = 2
 MEASURE_STEPS = 4
 LATENCY_PROBES = 5
 THROUGHPUT_PROBES = 3
-PROBE_BYTES = 8 << 20
+PROBE_BYTES = 8 << 20  # a throughput probe's most bytes (and never more than the gradients)
+PROBE_MIN_BYTES = 64 << 10  # and its fewest: below this a probe times latency, not throughput
+# Each throughput probe is sized to take about this long at the estimated rate: long enough to
+# time a link's throughput, short enough that three of them cost a slow link under a second
+# (at 10 Mbit/s, 8 MiB took ~3.5 s each).
+PROBE_SECONDS = 0.25
+
+
+class SlowestStep(NamedTuple):
+    """A measured step's figures, the slowest rank's (MAX-allreduced: alike on every rank)."""
+
+    step_s: float
+    wait_s: float
+    comm_s: float
+    spare_core: bool  # every rank has a core beyond its torch threads
+
+    @property
+    def compute_s(self) -> float:
+        return self.step_s - self.wait_s
 
 
 class AutoTuner:
@@ -58,11 +78,15 @@ class AutoTuner:
         group: Any,
         size: int,
         rank: int,
-        probe: Callable[[int], tuple[float, float]] | None = None,
+        probe: Callable[[int, float | None], tuple[float, float]] | None = None,
+        agree: Callable[[list[float]], list[float]] | None = None,
     ) -> None:
-        """``probe(grad_bytes) -> (latency_s, bytes_per_s)`` replaces the link probe (tests)."""
+        """``probe(grad_bytes, bytes_per_s) -> (latency_s, bytes_per_s)`` replaces the link probe
+        (:func:`probe_link`) and ``agree(values) -> values`` the MAX allreduce over ranks
+        (:func:`slowest`): tests inject figures."""
         self.auto = auto
         self._probe = probe or self._probe_link
+        self._agree = agree or self._slowest
         self._group = group
         self._size = size
         self._rank = rank
@@ -98,32 +122,38 @@ class AutoTuner:
             return False
         samples, self._samples = self._samples, []
         if self.phase == "measure":
-            return self._decide(samples, plan)
+            return self._decide(self._slowest_step(samples), plan)
         return self._confirm(samples)
 
     # ---- phases --------------------------------------------------------------------------------
 
-    def _decide(self, samples: list[tuple[float, float, float]], plan: Plan) -> bool:
+    def _slowest_step(self, samples: list[tuple[float, float, float]]) -> SlowestStep:
+        """The samples' medians, the slowest rank's (collective). A spare core counts only if
+        every rank has one: MAX of its absence."""
         _, wait, comm = (statistics.median(col) for col in zip(*samples))
         step = statistics.median(c + w for c, w, _ in samples)
-        latency, throughput = self._probe(sum(b.nbytes for b in plan.buckets))
-        # Throughput: the slowest rank's is the smallest: MAX of its inverse. A spare core
-        # counts only if every rank has one: MAX of its absence.
-        step, wait, comm, latency, inverse, no_spare = self._slowest(
-            [step, wait, comm, latency, 1.0 / throughput, float(not _spare_core())]
-        )
+        step, wait, comm, no_spare = self._agree([step, wait, comm, float(not _spare_core())])
+        return SlowestStep(step, wait, comm, not no_spare)
+
+    def _decide(self, slowest: SlowestStep, plan: Plan) -> bool:
+        grad_bytes = sum(b.nbytes for b in plan.buckets)
+        # The probe's size comes from figures every rank holds alike: the same on every rank.
+        estimate = step_rate(grad_bytes, slowest.comm_s, slowest.wait_s)
+        latency, throughput = self._probe(grad_bytes, estimate)
+        # Throughput: the slowest rank's is the smallest: MAX of its inverse.
+        latency, inverse = self._agree([latency, 1.0 / throughput])
         self.measurement = m = _measurement(
             plan,
             self.auto,
             self._size,
-            step - wait,
-            wait,
-            comm,
+            slowest.compute_s,
+            slowest.wait_s,
+            slowest.comm_s,
             latency,
             1.0 / inverse,
-            spare_core=not no_spare,
+            spare_core=slowest.spare_core,
         )
-        self._baseline_s = step
+        self._baseline_s = slowest.step_s
         decision = policy.choose(m)
         if decision.compression == "none":
             self._finish(decision)
@@ -141,7 +171,7 @@ class AutoTuner:
         return True
 
     def _confirm(self, samples: list[tuple[float, float, float]]) -> bool:
-        (tried,) = self._slowest([statistics.median(c + w for c, w, _ in samples)])
+        (tried,) = self._agree([statistics.median(c + w for c, w, _ in samples)])
         decision = self.tentative
         assert decision is not None
         verdict = (
@@ -181,30 +211,69 @@ class AutoTuner:
 
     # ---- collectives -----------------------------------------------------------------------------
 
-    def _probe_link(self, grad_bytes: int) -> tuple[float, float]:
-        return probe_link(self._group, grad_bytes)
+    def _probe_link(self, grad_bytes: int, bytes_per_s: float | None) -> tuple[float, float]:
+        return probe_link(self._group, grad_bytes, bytes_per_s)
 
     def _slowest(self, values: list[float]) -> list[float]:
         return slowest(self._group, values)
 
 
-def probe_link(group: Any, grad_bytes: int) -> tuple[float, float]:
+def probe_link(
+    group: Any, grad_bytes: int, bytes_per_s: float | None = None
+) -> tuple[float, float]:
     """(seconds of a tiny allreduce, bytes per second of a larger one), best of a few, on
-    ``group`` (collective: every rank calls it at the same point)."""
+    ``group`` (collective: every rank calls it at the same point). Each larger allreduce is
+    :func:`probe_bytes` of ``grad_bytes`` at the rate ``bytes_per_s``, which must be the same on
+    every rank (figures already MAX-allreduced); None: one allreduce of
+    :data:`PROBE_MIN_BYTES` first, its slowest rank's time agreed, estimates the rate."""
+    latency = _fastest(group, torch.zeros(1), LATENCY_PROBES)
+    if bytes_per_s is None:
+        bytes_per_s = _first_rate(group, latency)
+    nbytes = probe_bytes(grad_bytes, bytes_per_s)
+    big = _fastest(group, torch.zeros(nbytes // 4), THROUGHPUT_PROBES)
+    return latency, _rate(nbytes, big, latency)
 
-    def best(tensor: torch.Tensor, times: int) -> float:
-        fastest = float("inf")
-        for _ in range(times):
-            t0 = time.perf_counter()
-            group_ops.allreduce(tensor, group)
-            fastest = min(fastest, time.perf_counter() - t0)
-        return fastest
 
-    latency = best(torch.zeros(1), LATENCY_PROBES)
-    nbytes = max(64 << 10, min(grad_bytes, PROBE_BYTES))
-    big = best(torch.zeros(nbytes // 4), THROUGHPUT_PROBES)
-    # A link too fast to time gets a floor of 1 ns per byte.
-    return latency, nbytes / max(big - latency, nbytes * 1e-9)
+def probe_bytes(grad_bytes: int, bytes_per_s: float | None) -> int:
+    """A throughput probe's bytes: what ``bytes_per_s`` moves in :data:`PROBE_SECONDS`, within
+    [:data:`PROBE_MIN_BYTES`, the gradients' bytes up to :data:`PROBE_BYTES`] (that bound alone
+    without a usable rate), in whole float32 elements. Pure: equal figures, equal size."""
+    most = max(PROBE_MIN_BYTES, min(grad_bytes, PROBE_BYTES))
+    if bytes_per_s is None or not (bytes_per_s > 0 and math.isfinite(bytes_per_s)):
+        return most // 4 * 4
+    return max(PROBE_MIN_BYTES, min(most, int(bytes_per_s * PROBE_SECONDS))) // 4 * 4
+
+
+def step_rate(grad_bytes: int, comm_s: float, wait_s: float) -> float | None:
+    """The rate a measured step implies: its gradients' bytes over the longer of the time some
+    bucket was in flight and the time it waited (an underestimate: a shorter probe, never a
+    longer one); None when neither was timed. Pure."""
+    took = max(comm_s, wait_s)
+    return grad_bytes / took if grad_bytes > 0 and took > 0 else None
+
+
+def _first_rate(group: Any, latency: float) -> float:
+    """A rough rate every rank agrees on: one allreduce of :data:`PROBE_MIN_BYTES`, timed on
+    every rank, the slowest rank's time and latency MAX-allreduced (collective)."""
+    took = _fastest(group, torch.zeros(PROBE_MIN_BYTES // 4), 1)
+    took, latency = slowest(group, [took, latency])
+    return _rate(PROBE_MIN_BYTES, took, latency)
+
+
+def _fastest(group: Any, tensor: torch.Tensor, times: int) -> float:
+    """The shortest of ``times`` allreduces of ``tensor`` on ``group`` (collective)."""
+    fastest = float("inf")
+    for _ in range(times):
+        t0 = time.perf_counter()
+        group_ops.allreduce(tensor, group)
+        fastest = min(fastest, time.perf_counter() - t0)
+    return fastest
+
+
+def _rate(nbytes: int, took_s: float, latency_s: float) -> float:
+    """Bytes per second of an allreduce of ``nbytes`` that took ``took_s``, its latency taken
+    off. A link too fast to time gets a floor of 1 ns per byte."""
+    return nbytes / max(took_s - latency_s, nbytes * 1e-9)
 
 
 def slowest(group: Any, values: list[float]) -> list[float]:

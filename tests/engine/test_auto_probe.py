@@ -1,0 +1,154 @@
+"""compression="auto" / sync_every="auto" measuring a slow link without holding it (issue 40).
+
+The tuner (:class:`ringtrain.engine.auto.AutoTuner`) on injected figures, in one process: its
+probe and its agreement over ranks (the MAX allreduce) are replaced, so each test says what the
+slowest rank measured and counts the steps and probes the tuner spends. That every rank reaches
+the same decision from MAX-agreed figures is tests/compression/test_policy.py's, on real ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ringtrain.compression.policy import AutoCompression
+from ringtrain.config import Config
+from ringtrain.engine import auto
+from ringtrain.engine.auto import PROBE_BYTES, PROBE_MIN_BYTES, PROBE_SECONDS, probe_bytes
+
+MBIT = 1e6 / 8  # bytes per second of one Mbit/s
+
+
+# ---- the throughput probe's size: a time, not the gradients' bytes (pure) ----------------------
+
+
+def test_the_probe_takes_about_its_time_at_the_estimated_rate() -> None:
+    rate = 10 * MBIT
+    nbytes = probe_bytes(64 << 20, rate)
+    assert nbytes == pytest.approx(rate * PROBE_SECONDS, abs=4)
+    assert nbytes % 4 == 0  # whole float32 elements
+
+
+@pytest.mark.parametrize("rate", [1.0, 1e3, 10e3])
+def test_a_very_slow_link_still_gets_the_fewest_bytes(rate: float) -> None:
+    assert probe_bytes(64 << 20, rate) == PROBE_MIN_BYTES
+
+
+@pytest.mark.parametrize(("grad_bytes", "most"), [(64 << 20, PROBE_BYTES), (3 << 20, 3 << 20)])
+def test_a_fast_link_gets_todays_bound(grad_bytes: int, most: int) -> None:
+    # The gradients' bytes up to 8 MiB: what every probe was before the estimate.
+    assert probe_bytes(grad_bytes, 10e9) == most
+    assert probe_bytes(grad_bytes, None) == most
+    assert probe_bytes(grad_bytes, float("inf")) == most
+
+
+def test_tiny_gradients_are_probed_with_the_fewest_bytes() -> None:
+    assert probe_bytes(3000, 1e9) == probe_bytes(3000, None) == PROBE_MIN_BYTES
+
+
+def test_the_size_grows_with_the_rate_between_its_bounds() -> None:
+    sizes = [probe_bytes(64 << 20, mbit * MBIT) for mbit in (1, 10, 100, 1000, 10000)]
+    assert sizes == sorted(sizes)
+    assert sizes[0] == PROBE_MIN_BYTES and sizes[-1] == PROBE_BYTES
+    assert PROBE_MIN_BYTES < sizes[1] < sizes[2] < PROBE_BYTES
+
+
+def test_the_rate_a_step_implies() -> None:
+    # 4.4 MB in a step that waited 3.5 s with buckets in flight 3.4 s: the longer time counts.
+    assert auto.step_rate(4_400_000, 3.4, 3.5) == pytest.approx(4_400_000 / 3.5)
+    assert auto.step_rate(4_400_000, 0.0, 0.0) is None
+    assert auto.step_rate(0, 1.0, 1.0) is None
+
+
+# ---- the tuner, on injected figures -------------------------------------------------------------
+
+
+def plan_of(shapes: tuple[tuple[int, ...], ...]) -> Any:
+    """A one-bucket float32 plan of these parameter shapes."""
+    from ringtrain.engine import buckets as b
+
+    specs = [b.ParamSpec(i, f"p{i}", s, "torch.float32", "cpu", 4) for i, s in enumerate(shapes)]
+    obs = b.Observation(
+        tuple(range(len(specs))),
+        tuple(0 for _ in specs),
+        tuple(False for _ in specs),
+        tuple(True for _ in specs),
+        tuple(s.numel for s in specs),
+    )
+    plan = b.agree(specs, [obs], threshold_bytes=1 << 30, cycle_time_ms=1.0, order="registration")
+    assert len(plan.buckets) == 1
+    return plan
+
+
+# A 1.1M-parameter MLP (4.4 MB of float32 gradients), as issue 40's 10 Mbit/s run.
+MLP = plan_of(((1024, 512), (512,), (1024, 512), (512,), (64, 512)))
+MLP_BYTES = sum(b.nbytes for b in MLP.buckets)
+
+
+class Recorder:
+    """The injected probe and agreement: what the tuner asked for."""
+
+    def __init__(self, latency_s: float, bytes_per_s: float) -> None:
+        self.link = (latency_s, bytes_per_s)
+        self.probes: list[tuple[int, float | None]] = []
+        self.agreements = 0
+
+    def probe(self, grad_bytes: int, estimate: float | None) -> tuple[float, float]:
+        self.probes.append((grad_bytes, estimate))
+        return self.link
+
+    def agree(self, values: list[float]) -> list[float]:
+        self.agreements += 1
+        return values  # one rank: its own figures are the slowest
+
+
+def tuner_of(recorder: Recorder, config: Config | None = None, **kw: Any) -> auto.AutoTuner:
+    return auto.AutoTuner(
+        AutoCompression(config or Config()),
+        None,
+        2,
+        0,
+        probe=recorder.probe,
+        agree=recorder.agree,
+        **kw,
+    )
+
+
+def observe_until_decided(
+    tuner: auto.AutoTuner, compute_s: float, wait_s: float, most: int = 20
+) -> int:
+    """Observe uncompressed steps of these figures until the tuner decides (a tentative choice
+    or settled); the number of observe() calls."""
+    for n in range(1, most + 1):
+        tuner.observe(compute_s, wait_s, wait_s, MLP)
+        if tuner.measurement is not None:
+            return n
+    raise AssertionError(f"no decision after {most} steps")
+
+
+def test_the_tuner_sizes_its_probe_by_the_rate_the_steps_imply() -> None:
+    rec = Recorder(0.002, 10 * MBIT)
+    tuner = tuner_of(rec)
+    observe_until_decided(tuner, 0.8, 0.2)  # compute-bound: the full measurement
+    ((grad_bytes, estimate),) = rec.probes
+    assert grad_bytes == MLP_BYTES
+    assert estimate == pytest.approx(MLP_BYTES / 0.2)  # the MAX-agreed wait and comm
+
+
+def _probe_both_ways() -> list[float]:
+    """probe_link on real ranks: with the rate left to its first small probe, and given."""
+    import ringtrain as rt
+    from ringtrain.runtime import state
+
+    group = state.current().world.communicator.group("engine")
+    first = auto.probe_link(group, 4 << 20)
+    given = auto.probe_link(group, 4 << 20, 40 * MBIT)
+    rt.barrier()
+    return [*first, *given]
+
+
+def test_probe_link_runs_alike_on_every_rank(world2: Any) -> None:
+    # Collective: a size that differed between the ranks would hang or fail here.
+    for figures in world2.run(_probe_both_ways, timeout=60):
+        assert all(f > 0 for f in figures), figures
