@@ -152,3 +152,57 @@ def test_probe_link_runs_alike_on_every_rank(world2: Any) -> None:
     # Collective: a size that differed between the ranks would hang or fail here.
     for figures in world2.run(_probe_both_ways, timeout=60):
         assert all(f > 0 for f in figures), figures
+
+
+# ---- an early decision where the link clearly dominates -----------------------------------------
+
+
+def test_a_link_bound_step_decides_after_one_warmup_and_one_measured_step() -> None:
+    # Issue 40's MLP at 10 Mbit/s: ~10 ms of compute, ~3.5 s waiting for 4.4 MB.
+    rec = Recorder(0.002, 10 * MBIT)
+    tuner = tuner_of(rec)
+    assert observe_until_decided(tuner, 0.01, 3.5) == 2
+    assert rec.agreements == 2  # the checked step's figures, then the probe's
+    ((_, estimate),) = rec.probes
+    assert estimate == pytest.approx(MLP_BYTES / 3.5)
+    # About PROBE_SECONDS a probe at that rate, not 4.4 MB (~3.5 s) each.
+    assert probe_bytes(MLP_BYTES, estimate) < MLP_BYTES / 10
+    m = tuner.measurement
+    assert m is not None and (m.compute_s, m.wait_s) == pytest.approx((0.01, 3.5))
+
+
+@pytest.mark.parametrize(("compute_s", "wait_s"), [(0.8, 0.2), (0.1, 0.1), (0.1, 0.39)])
+def test_a_step_not_clearly_link_bound_is_measured_as_before(
+    compute_s: float, wait_s: float
+) -> None:
+    # Waiting under LINK_BOUND_WAIT_RATIO times the compute: the two warm-up steps and the
+    # four measured ones, as before the early decision.
+    assert wait_s < auto.LINK_BOUND_WAIT_RATIO * compute_s
+    rec = Recorder(0.002, 10 * MBIT)
+    tuner = tuner_of(rec)
+    assert observe_until_decided(tuner, compute_s, wait_s) == (
+        auto.WARMUP_STEPS + auto.MEASURE_STEPS
+    )
+    assert len(rec.probes) == 1
+
+
+def test_the_checked_warmup_step_does_not_enter_the_measurement() -> None:
+    # Not link-bound: the measurement is the median of the MEASURE_STEPS steps after the
+    # warm-up, as before; the slower warm-up steps do not count.
+    tuner = tuner_of(Recorder(0.002, 10 * MBIT))
+    for _ in range(auto.WARMUP_STEPS):
+        tuner.observe(0.3, 0.3, 0.3, MLP)
+    for wait in (0.1, 0.2, 0.2, 0.1)[: auto.MEASURE_STEPS]:
+        tuner.observe(0.5, wait, wait, MLP)
+    m = tuner.measurement
+    assert m is not None
+    assert m.wait_s == pytest.approx(0.15) and m.compute_s == pytest.approx(0.5)
+
+
+def test_the_link_bound_rule() -> None:
+    ratio = auto.LINK_BOUND_WAIT_RATIO
+    assert auto.link_bound(auto.SlowestStep(1 + ratio, ratio, ratio, True))
+    assert not auto.link_bound(auto.SlowestStep(1 + ratio * 0.9, ratio * 0.9, 0.0, True))
+    assert not auto.link_bound(auto.SlowestStep(0.0, 0.0, 0.0, True))  # nothing measured
+    # Far below SYNC_EFFICIENCY: more samples could not bring the step near it.
+    assert 1 / (1 + ratio) <= auto.SYNC_EFFICIENCY / 4

@@ -6,7 +6,10 @@ says nothing about overlap):
 1. **measure** (:data:`MEASURE_STEPS` uncompressed steps, after :data:`WARMUP_STEPS` whose
    allocations and caches make them slow): per step, the time outside ``synchronize()``
    (compute), the time inside it (waiting for the exchange) and the time some bucket allreduce
-   was in flight, agreed by one allreduce (MAX) so every rank holds the slowest rank's. Then a
+   was in flight, agreed by one allreduce (MAX) so every rank holds the slowest rank's. The
+   last warm-up step is agreed alone first: where it waited :data:`LINK_BOUND_WAIT_RATIO`
+   times its compute or more (:func:`link_bound`: a slow link), it is the measurement, and
+   the decision comes after one warm-up step and that one. Then a
    probe (:func:`probe_link`): tiny allreduces (latency) and a few allreduces sized by time
    (:func:`probe_bytes`: about :data:`PROBE_SECONDS` each at the rate the measured steps imply,
    so a slow link is not held for seconds), agreed by a second MAX allreduce; every rank then
@@ -69,6 +72,17 @@ class SlowestStep(NamedTuple):
         return self.step_s - self.wait_s
 
 
+# A step that waits this many times its compute runs at <= 1/(1+4) = 20% of the compute speed
+# uncompressed: more samples would need a 16x shorter wait to reach SYNC_EFFICIENCY, so one decides.
+LINK_BOUND_WAIT_RATIO = 4.0
+
+
+def link_bound(step: SlowestStep) -> bool:
+    """Whether the slowest rank's step waited at least :data:`LINK_BOUND_WAIT_RATIO` times its
+    compute: the link clearly dominates, and one measured step is enough. Pure."""
+    return step.wait_s > 0 and step.wait_s >= LINK_BOUND_WAIT_RATIO * step.compute_s
+
+
 class AutoTuner:
     """The measurement state of one optimizer using :class:`AutoCompression`."""
 
@@ -92,7 +106,8 @@ class AutoTuner:
         self._rank = rank
         self.phase = "done" if auto.settled else "measure"
         self._samples: list[tuple[float, float, float]] = []
-        self._skip = WARMUP_STEPS  # steps to let pass before timing
+        self._skip = WARMUP_STEPS - 1  # steps to let pass before timing (the last is checked)
+        self._last_warmup_checked = False
         self._steps = 0  # steps observed so far
         self._baseline_s = 0.0
         self.measurement: Measurement | None = None
@@ -117,6 +132,8 @@ class AutoTuner:
         if self._skip > 0:
             self._skip -= 1
             return False
+        if self.phase == "measure" and not self._last_warmup_checked:
+            return self._last_warmup_step((compute_s, wait_s, comm_s), plan)
         self._samples.append((compute_s, wait_s, comm_s))
         if len(self._samples) < MEASURE_STEPS:
             return False
@@ -126,6 +143,16 @@ class AutoTuner:
         return self._confirm(samples)
 
     # ---- phases --------------------------------------------------------------------------------
+
+    def _last_warmup_step(self, sample: tuple[float, float, float], plan: Plan) -> bool:
+        """The last warm-up step, agreed over ranks (collective): where the link clearly
+        dominates it (:func:`link_bound`), it is the measurement and the decision comes now;
+        otherwise it stays a warm-up step and :data:`MEASURE_STEPS` more are timed."""
+        self._last_warmup_checked = True
+        slowest = self._slowest_step([sample])
+        if link_bound(slowest):
+            return self._decide(slowest, plan)
+        return False
 
     def _slowest_step(self, samples: list[tuple[float, float, float]]) -> SlowestStep:
         """The samples' medians, the slowest rank's (collective). A spare core counts only if
