@@ -15,7 +15,8 @@ says nothing about overlap):
    so a slow link is not held for seconds), agreed by a second MAX allreduce; every rank then
    calls the pure :func:`ringtrain.compression.policy.choose` on identical numbers and reaches
    the same decision without a further message.
-2. **try** the chosen method (if not ``none``) for :data:`MEASURE_STEPS` steps, after its own
+2. **try** the chosen method (if not ``none``, and unless ``sync_every="auto"`` picks local
+   updates on the same figures: then ``none`` is settled at once, :func:`untried`) for :data:`MEASURE_STEPS` steps, after its own
    warm-up (PowerSGD's remaining start steps), and keep it only if the slowest rank's median
    step is :data:`~ringtrain.compression.policy.KEEP_MARGIN` shorter than uncompressed
    (:func:`~ringtrain.compression.policy.keep`, on MAX-allreduced figures again). Otherwise go
@@ -94,11 +95,16 @@ class AutoTuner:
         rank: int,
         probe: Callable[[int, float | None], tuple[float, float]] | None = None,
         agree: Callable[[list[float]], list[float]] | None = None,
+        local_updates_win: Callable[[Measurement, dict[str, float]], bool] | None = None,
     ) -> None:
         """``probe(grad_bytes, bytes_per_s) -> (latency_s, bytes_per_s)`` replaces the link probe
         (:func:`probe_link`) and ``agree(values) -> values`` the MAX allreduce over ranks
-        (:func:`slowest`): tests inject figures."""
+        (:func:`slowest`): tests inject figures. ``local_updates_win(measurement,
+        predicted_step_s)``: with ``sync_every="auto"``, whether it will pick local updates
+        (:func:`ringtrain.engine.local_settings.local_updates_win`); then no compression is
+        tried, as none would be used."""
         self.auto = auto
+        self._local_updates_win = local_updates_win
         self._probe = probe or self._probe_link
         self._agree = agree or self._slowest
         self._group = group
@@ -185,6 +191,11 @@ class AutoTuner:
         if decision.compression == "none":
             self._finish(decision)
             return False
+        if self._local_updates_win is not None and self._local_updates_win(
+            m, decision.predicted_step_s
+        ):
+            self._finish(untried(decision))  # the exchange stays uncompressed: no rebuild
+            return False
         self.tentative = decision
         overrides: dict[str, Any] = {}
         self._skip = 1  # the first step after the switch also rebuilds buffers
@@ -243,6 +254,19 @@ class AutoTuner:
 
     def _slowest(self, values: list[float]) -> list[float]:
         return slowest(self._group, values)
+
+
+def untried(decision: Decision) -> Decision:
+    """``sync_every="auto"`` picks local updates on ``decision``'s figures: they exchange the
+    weights every few steps, never gradients, so the gradient compression stays ``none``,
+    untried; the predicted step times (sync_every's input) and the reason are kept. Pure."""
+    return Decision(
+        "none",
+        decision.backward_passes_per_step,
+        f"{decision.reason} Not tried: sync_every=auto chose local updates on these figures, "
+        "which exchange the weights every few steps, not gradients; so none.",
+        decision.predicted_step_s,
+    )
 
 
 def probe_link(

@@ -67,7 +67,13 @@ class GradientPath:
         self.schedule = Overlapped.of(optimizer, comm, config)  # None: synchronous
         if self.schedule is not None:
             weakref.finalize(self, self.schedule.close)
-        self.planner = Planner(comm, config, compression, self.schedule is not None)
+        self.planner = Planner(
+            comm,
+            config,
+            compression,
+            self.schedule is not None,
+            local_settings.local_updates_win(config),
+        )
         # Local updates: a number of steps, 0 (synchronous) or "auto" (until the tuner decides).
         self.sync_every = local_settings.parse_sync_every(config.sync_every)
         self.sync_every_reason = ""
@@ -160,6 +166,8 @@ class GradientPath:
         if self.schedule is not None:
             self.schedule.open = False
         self.comm = comm
+        if self.sync_every != "auto":
+            self.planner.local_updates_win = None  # chosen already: a new tuner only compresses
         self.planner.rebind(comm, job_config)
         if isinstance(self.update, local_update.LocalUpdate) and comm.size > 1 and comm.included:
             self.update.rejoin(comm.group("engine"))  # the anchor and outer state carry on

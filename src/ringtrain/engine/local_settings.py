@@ -7,6 +7,7 @@ Config and logs). :class:`ringtrain.engine.local_update.LocalUpdate` is what run
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ringtrain.config import Config
@@ -172,6 +173,29 @@ def given_outer(config: Config) -> local_policy.Given:
     )
 
 
+def sync_every_for(
+    measurement: Any, predicted_step_s: dict[str, float], config: Config
+) -> tuple[int, str]:
+    """``sync_every="auto"``'s (H, why) on a measurement and compression=auto's predicted step
+    times (:func:`ringtrain.engine.auto.choose_sync_every` with the user's outer settings),
+    synchronous where a setting clashes with local updates. Pure: equal figures, equal answer."""
+    from ringtrain.engine import auto
+
+    every, why = auto.choose_sync_every(measurement, predicted_step_s, given_outer(config))
+    if every and clashes(config):
+        every, why = 0, f"{why} But {clashes(config)} is set, so synchronous."
+    return every, why
+
+
+def local_updates_win(config: Config) -> Callable[[Any, dict[str, float]], bool] | None:
+    """With ``sync_every="auto"``: whether :func:`sync_every_for` picks local updates on a
+    measurement and predicted step times, the question compression=auto's tuner asks before
+    trying a compression that local updates would not use; None for any other sync_every."""
+    if parse_sync_every(config.sync_every) != "auto":
+        return None
+    return lambda measurement, predicted: sync_every_for(measurement, predicted, config)[0] > 0
+
+
 def choose_after_tuning(
     tuner: Any, config: Config, set_rank: int
 ) -> tuple[int, str, local_policy.OuterSettings | None]:
@@ -189,12 +213,9 @@ def choose_after_tuning(
     elif tuner.measurement is None or decision is None:
         every, why = 0, "compression=auto settled without measuring (restored), so synchronous."
     else:
-        given = given_outer(config)
-        every, why = auto.choose_sync_every(tuner.measurement, decision.predicted_step_s, given)
-        if every and clashes(config):
-            every, why = 0, f"{why} But {clashes(config)} is set, so synchronous."
+        every, why = sync_every_for(tuner.measurement, decision.predicted_step_s, config)
         if every:
-            outer = auto.outer_for(tuner.measurement, every, given)
+            outer = auto.outer_for(tuner.measurement, every, given_outer(config))
     tuner.auto.sync_every = every  # a checkpoint keeps it (AutoCompression.state_dict)
     if set_rank == 0:
         chosen = f"local updates every {every} steps" if every else "synchronous training"

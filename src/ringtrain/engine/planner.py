@@ -40,8 +40,18 @@ log = logging.getLogger("ringtrain")
 class Planner:
     """Learns and keeps the bucket plan, its streams and its :class:`GradientExchange`."""
 
-    def __init__(self, comm: Any, config: Config, compression: Any, overlap: bool) -> None:
+    def __init__(
+        self,
+        comm: Any,
+        config: Config,
+        compression: Any,
+        overlap: bool,
+        local_updates_win: Callable[[Any, dict[str, float]], bool] | None = None,
+    ) -> None:
         self.comm = comm
+        # sync_every="auto": the tuner settles without trying a compression when this says
+        # local updates win (local_settings.local_updates_win); None: it always tries.
+        self.local_updates_win = local_updates_win
         self._config = config
         self._overlap = overlap  # overlapped steps: the updater thread gets a group of its own
         self.compression_arg = compression
@@ -73,7 +83,13 @@ class Planner:
         self.compression = resolve_compression(self.compression_arg, config)
         self.tuner = None
         if isinstance(self.compression, AutoCompression) and comm.size > 1 and comm.included:
-            self.tuner = AutoTuner(self.compression, comm.group("engine"), comm.size, comm.set_rank)
+            self.tuner = AutoTuner(
+                self.compression,
+                comm.group("engine"),
+                comm.size,
+                comm.set_rank,
+                local_updates_win=self.local_updates_win,
+            )
         self._routes = None
         self.updater_group = None
         self._observed = []
