@@ -203,9 +203,13 @@ def test_the_checked_warmup_step_does_not_enter_the_measurement() -> None:
 
 def test_the_link_bound_rule() -> None:
     ratio = auto.LINK_BOUND_WAIT_RATIO
-    assert auto.link_bound(auto.SlowestStep(1 + ratio, ratio, ratio, True))
-    assert not auto.link_bound(auto.SlowestStep(1 + ratio * 0.9, ratio * 0.9, 0.0, True))
-    assert not auto.link_bound(auto.SlowestStep(0.0, 0.0, 0.0, True))  # nothing measured
+    assert auto.link_bound(auto.SlowestStep(1 + ratio, ratio, ratio, True, ratio))
+    assert not auto.link_bound(auto.SlowestStep(1 + ratio * 0.9, ratio * 0.9, 0, True, ratio * 0.9))
+    assert not auto.link_bound(auto.SlowestStep(0.0, 0.0, 0.0, True, 0.0))  # nothing measured
+    # A straggler: rank 0 computed 1 ms and waited 5 ms for rank 1, which computed 6 ms and
+    # waited 0.1 ms. The slowest figures alone would look link-bound; the least wait does not.
+    step = auto.SlowestStep(0.0061, 0.005, 0.005, True, 0.0001)
+    assert step.wait_s >= ratio * step.compute_s and not auto.link_bound(step)
     # Far below SYNC_EFFICIENCY: more samples could not bring the step near it.
     assert 1 / (1 + ratio) <= auto.SYNC_EFFICIENCY / 4
 

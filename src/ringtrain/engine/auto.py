@@ -7,20 +7,21 @@ says nothing about overlap):
    allocations and caches make them slow): per step, the time outside ``synchronize()``
    (compute), the time inside it (waiting for the exchange) and the time some bucket allreduce
    was in flight, agreed by one allreduce (MAX) so every rank holds the slowest rank's. The
-   last warm-up step is agreed alone first: where it waited :data:`LINK_BOUND_WAIT_RATIO`
-   times its compute or more (:func:`link_bound`: a slow link), it is the measurement, and
-   the decision comes after one warm-up step and that one. Then a
+   last warm-up step is agreed alone first: where every rank waited
+   :data:`LINK_BOUND_WAIT_RATIO` times the compute or more (:func:`link_bound`: a slow link),
+   it is the measurement, and the decision comes after one warm-up step and that one. Then a
    probe (:func:`probe_link`): tiny allreduces (latency) and a few allreduces sized by time
    (:func:`probe_bytes`: about :data:`PROBE_SECONDS` each at the rate the measured steps imply,
    so a slow link is not held for seconds), agreed by a second MAX allreduce; every rank then
    calls the pure :func:`ringtrain.compression.policy.choose` on identical numbers and reaches
    the same decision without a further message.
-2. **try** the chosen method (if not ``none``, and unless ``sync_every="auto"`` picks local
-   updates on the same figures: then ``none`` is settled at once, :func:`untried`) for :data:`MEASURE_STEPS` steps, after its own
+2. **try** the chosen method (if not ``none``) for :data:`MEASURE_STEPS` steps, after its own
    warm-up (PowerSGD's remaining start steps), and keep it only if the slowest rank's median
    step is :data:`~ringtrain.compression.policy.KEEP_MARGIN` shorter than uncompressed
    (:func:`~ringtrain.compression.policy.keep`, on MAX-allreduced figures again). Otherwise go
-   back to ``none``: a fast link is never made slower for more than those few steps.
+   back to ``none``: a fast link is never made slower for more than those few steps. Not with
+   ``sync_every="auto"`` where it picks local updates on the same figures: they exchange no
+   gradients, so ``none`` is settled at once (:func:`untried`).
 3. **done**: rank 0 logs the decision and why, once.
 
 All collectives here run on the engine group at the end of ``synchronize()``, after every bucket
@@ -67,6 +68,7 @@ class SlowestStep(NamedTuple):
     wait_s: float
     comm_s: float
     spare_core: bool  # every rank has a core beyond its torch threads
+    least_wait_s: float  # the wait of the rank that waited least (a straggler waits least)
 
     @property
     def compute_s(self) -> float:
@@ -79,9 +81,11 @@ LINK_BOUND_WAIT_RATIO = 4.0
 
 
 def link_bound(step: SlowestStep) -> bool:
-    """Whether the slowest rank's step waited at least :data:`LINK_BOUND_WAIT_RATIO` times its
-    compute: the link clearly dominates, and one measured step is enough. Pure."""
-    return step.wait_s > 0 and step.wait_s >= LINK_BOUND_WAIT_RATIO * step.compute_s
+    """Whether every rank's step waited at least :data:`LINK_BOUND_WAIT_RATIO` times the
+    (slowest rank's) compute: the link clearly dominates, and one measured step is enough. A
+    rank that waited for a straggler (a busy or preempted peer) does not count: the straggler
+    itself waits little. Pure."""
+    return step.least_wait_s > 0 and step.least_wait_s >= LINK_BOUND_WAIT_RATIO * step.compute_s
 
 
 class AutoTuner:
@@ -162,11 +166,13 @@ class AutoTuner:
 
     def _slowest_step(self, samples: list[tuple[float, float, float]]) -> SlowestStep:
         """The samples' medians, the slowest rank's (collective). A spare core counts only if
-        every rank has one: MAX of its absence."""
+        every rank has one: MAX of its absence; the least wait is MAX of its negation."""
         _, wait, comm = (statistics.median(col) for col in zip(*samples))
         step = statistics.median(c + w for c, w, _ in samples)
-        step, wait, comm, no_spare = self._agree([step, wait, comm, float(not _spare_core())])
-        return SlowestStep(step, wait, comm, not no_spare)
+        step, wait, comm, no_spare, minus_wait = self._agree(
+            [step, wait, comm, float(not _spare_core()), -wait]
+        )
+        return SlowestStep(step, wait, comm, not no_spare, -minus_wait)
 
     def _decide(self, slowest: SlowestStep, plan: Plan) -> bool:
         grad_bytes = sum(b.nbytes for b in plan.buckets)
