@@ -50,7 +50,7 @@ from ringtrain.collectives.control_round import ControlChannel, Message, inline_
 from ringtrain.collectives.doorbell import Doorbell
 from ringtrain.collectives.execute import Executor, Pending
 from ringtrain.collectives.handles import Handle
-from ringtrain.collectives.lane_control import LaneControl, LaneHandle, Reservation
+from ringtrain.collectives.lane_control import LANE_DRAIN_S, LaneControl, LaneHandle, Reservation
 from ringtrain.collectives.requests import Request, mismatch
 from ringtrain.collectives.vector_round import LaneView, VectorChannel, VectorRounds
 from ringtrain.config import Config
@@ -83,10 +83,6 @@ IDLE_NAP_S = 0.05
 # down: an idle round costs every rank CPU that its next work needs.
 DOZE_AFTER_IDLE_CYCLES = 4
 JOIN_NAME = "__join__"
-# At shutdown, how long a rank waits for the peers to complete the lane slots it claimed.
-LANE_DRAIN_S = 10.0
-# ... and when a peer failed: the job ends anyway, and the peer's exit breaks the slot's wait.
-LANE_DRAIN_FAILED_S = 1.0
 
 
 class Controller(LaneControl):
@@ -500,11 +496,7 @@ class Controller(LaneControl):
             error = shutdown_rules.error(votes, me, ranks, set_id)
             with self._lock:
                 self._failure = self._failure or error
-            # A lane op claimed after this rank's message was sent: the leaving peer may have
-            # matched it already, and then it completes rather than fail.
-            failed = any(v.leaving for v in votes)
-            drain_s = LANE_DRAIN_FAILED_S if failed else LANE_DRAIN_S
-            self._lane_drain(0.0 if self._leaving else drain_s)
+            self._lane_drain_at_end(failed=any(v.leaving for v in votes))
             self._fail_all(error)
             return
         for name, missing in shutdown_rules.doomed(votes, self._table, self._joined).items():

@@ -29,6 +29,11 @@ from ringtrain.errors import CollectiveAbortedError, CollectiveError, SecurityEr
 from ringtrain.runtime import abort
 from ringtrain.runtime.communicator import Communicator
 
+# At shutdown, how long a rank waits for the peers to complete the lane slots it claimed.
+LANE_DRAIN_S = 10.0
+# ... and when a peer failed: the job ends anyway, and the peer's exit breaks the slot's wait.
+LANE_DRAIN_FAILED_S = 1.0
+
 
 class LaneHandle(Handle):
     """The handle of an op that claimed a lane slot: waiting on it takes the slot's verdict,
@@ -67,6 +72,7 @@ class LaneControl:
     _table: dict[str, dict[int, Request]]
     _joined: set[int]
     _shutdown: bool
+    _leaving: str
     _closed: bool
     _failure: CollectiveError | SecurityError | None
     _doorbell: Doorbell
@@ -138,6 +144,12 @@ class LaneControl:
         if self._lane is not None:
             for claim in self._lane.drain(timeout_s):
                 self._lane_finish(claim)
+
+    def _lane_drain_at_end(self, failed: bool) -> None:
+        """The set ends (``failed``: a peer failed): a lane op claimed after this rank's last
+        message was built may have been matched by the leaving peer already, and then it
+        completes rather than fail. None where this rank is the one failing."""
+        self._lane_drain(0.0 if self._leaving else LANE_DRAIN_FAILED_S if failed else LANE_DRAIN_S)
 
     def _lane_finish(self, claim: lane.Claim) -> None:
         """Complete a settled claim: a valid slot gives the result; otherwise the op is
