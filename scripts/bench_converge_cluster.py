@@ -34,6 +34,8 @@ PY = sys.executable
 def _run(c: tc.Cluster, out: Path, extra: list[str], timeout: float) -> Any:
     argv = [PY, "-m", "ringtrain", "run", "--ssh-config-file", str(c.ssh_config_path)]
     argv += ["-H", "h0:1,h1:1", "-np", "2", "--start-timeout", "60", "-x", "OMP_NUM_THREADS=1"]
+    if os.environ.get("PYTHONPATH"):  # another copy of src/ (before/after runs) on every host
+        argv += ["-x", "PYTHONPATH"]
     argv += ["--", PY, "-m", "ringtrain.bench", "converge", "--threads", "1"]
     argv += ["--json", str(out), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
