@@ -52,12 +52,15 @@ def test_one_failure_reads_as_before() -> None:
 # Each rank says it fails on the heartbeat pipe, as ringtrain's except hook does
 # (runtime/heartbeat.py), then exits later, in another order: rank 2 fails first and exits
 # last, rank 0 fails second and exits first, so the news of rank 0 reaches the launcher first.
+# Each event 0.4 s after the one before: within a second, yet apart by more than a loaded
+# machine's scheduling delay (50 ms apart, rank 0's signal overtook rank 2's beside stress-ng),
+# and every rank has said it fails before the first exit makes the launcher stop the others.
 RANKS_FAIL_TOGETHER = textwrap.dedent(
     """
     import os, sys, time
     rank = int(os.environ["RINGTRAIN_RANK"])
     start = float(sys.argv[1])
-    fails, exits = {2: (0.0, 0.9), 0: (0.05, 0.3), 1: (0.1, 0.6)}[rank]
+    fails, exits = {2: (0.0, 2.0), 0: (0.4, 1.2), 1: (0.8, 1.6)}[rank]
     time.sleep(max(0.0, start - time.time()) + fails)
     os.write(int(os.environ["RINGTRAIN_HEARTBEAT_FD"]), b"F")
     print(f"rank {rank} gives up", file=sys.stderr, flush=True)
