@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import ringtrain as rt
+from _plans import plan_of
 from ringtrain.compression import policy
 from ringtrain.compression.policy import AutoCompression, Measurement, choose, keep
 from ringtrain.testing.spawn import World
@@ -239,7 +240,7 @@ def _tuner_phases(tried_s: float) -> list[Any]:
     from ringtrain.runtime import state
 
     comm = state.current().world.communicator
-    plan = _plan_of(((512, 512), (512,), (2048, 512)))
+    plan = plan_of(((512, 512), (512,), (2048, 512)))
     auto = AutoCompression(rt.Config(powersgd_start_step=0))
     slow = (0.001, 5e6)  # 1 ms per collective, 5 MB/s: 5 MiB of gradients take 1 s
     tuner = auto_mod.AutoTuner(
@@ -255,22 +256,6 @@ def _tuner_phases(tried_s: float) -> list[Any]:
         changed.append(tuner.observe(0.01, tried_s - 0.01, tried_s, plan))
     reason = auto.decision.reason if auto.decision else ""
     return [changed, chosen, auto.choice, auto.settled, reason]
-
-
-def _plan_of(shapes: tuple[tuple[int, ...], ...]) -> Any:
-    from ringtrain.engine import buckets as b
-
-    specs = [b.ParamSpec(i, f"p{i}", s, "torch.float32", "cpu", 4) for i, s in enumerate(shapes)]
-    obs = b.Observation(
-        tuple(range(len(specs))),
-        tuple(0 for _ in specs),
-        tuple(False for _ in specs),
-        tuple(True for _ in specs),
-        tuple(s.numel for s in specs),
-    )
-    plan = b.agree(specs, [obs], threshold_bytes=1 << 30, cycle_time_ms=1.0, order="registration")
-    assert len(plan.buckets) == 1
-    return plan
 
 
 def test_tuner_keeps_a_faster_choice_and_reverts_a_slower_one(world2: World) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from _plans import plan_of
 from ringtrain.compression import policy
 from ringtrain.compression.policy import AutoCompression
 from ringtrain.config import Config
@@ -64,23 +65,6 @@ def test_the_rate_a_step_implies() -> None:
 
 
 # ---- the tuner, on injected figures -------------------------------------------------------------
-
-
-def plan_of(shapes: tuple[tuple[int, ...], ...]) -> Any:
-    """A one-bucket float32 plan of these parameter shapes."""
-    from ringtrain.engine import buckets as b
-
-    specs = [b.ParamSpec(i, f"p{i}", s, "torch.float32", "cpu", 4) for i, s in enumerate(shapes)]
-    obs = b.Observation(
-        tuple(range(len(specs))),
-        tuple(0 for _ in specs),
-        tuple(False for _ in specs),
-        tuple(True for _ in specs),
-        tuple(s.numel for s in specs),
-    )
-    plan = b.agree(specs, [obs], threshold_bytes=1 << 30, cycle_time_ms=1.0, order="registration")
-    assert len(plan.buckets) == 1
-    return plan
 
 
 # A 1.1M-parameter MLP (4.4 MB of float32 gradients), as issue 40's 10 Mbit/s run.
