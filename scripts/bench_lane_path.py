@@ -5,8 +5,9 @@
    that is already complete): the Python of one blocking ``allreduce_``, hot in cache;
 2. one op's segments with the real wire, medians: before the data leaves (Python and torch's
    submission), in flight, after it lands; raw ``all_reduce``'s whole op beside it;
-3. CPU per op by thread, ringtrain's and raw's alternated: Gloo's worker (the busiest thread
-   other than the caller's) and the caller's.
+3. CPU per op by kind of thread, ringtrain's and raw's alternated: the caller's, Gloo's device
+   loops (where most of it goes on a busy machine: docs/benchmarks/log/2026-11-28-gloo-loop-spin.md),
+   Gloo's workers, the rest.
 
     OMP_NUM_THREADS=1 .venv/bin/ringtrain run -np 2 -- .venv/bin/python scripts/bench_lane_path.py 65536
 """
@@ -97,12 +98,21 @@ def segments(x: torch.Tensor) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in got.items()}
 
 
-def thread_cpu(fn: Any, x: torch.Tensor) -> tuple[float, float]:
-    """CPU per op of this rank's busiest thread other than the caller's (Gloo's worker), and of
-    the caller's, over OPS calls of ``fn(x)`` and a 100 ms idle tail."""
+def thread_cpu(fn: Any, x: torch.Tensor) -> dict[str, float]:
+    """CPU per op by kind of thread, over OPS calls of ``fn(x)`` and a 100 ms idle tail: the
+    caller's, Gloo's device loops (``gloo_tcp_loop``: the socket reads and the try-lock spin
+    docs/benchmarks/log/2026-11-28-gloo-loop-spin.md is about), Gloo's workers
+    (``pt_gloo_runloop``) and the rest. Threads are named by the kernel's ``comm``."""
 
-    def cpu() -> dict[int, float]:
-        return {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
+    def cpu() -> dict[int, tuple[str, float]]:
+        got = {}
+        for t in psutil.Process().threads():
+            try:
+                with open(f"/proc/self/task/{t.id}/comm") as f:
+                    got[t.id] = (f.read().strip(), t.user_time + t.system_time)
+            except OSError:
+                continue  # ended meanwhile
+        return got
 
     import threading
 
@@ -113,9 +123,14 @@ def thread_cpu(fn: Any, x: torch.Tensor) -> tuple[float, float]:
         fn(x)
     time.sleep(0.1)
     after = cpu()
-    used = {k: after[k] - before.get(k, 0.0) for k in after}
-    caller = used.pop(main_id, 0.0)
-    return max(used.values()) / OPS, caller / OPS
+    by_kind: dict[str, float] = {}
+    for tid, (name, used) in after.items():
+        kind = "caller" if tid == main_id else name if name in _KINDS else "other"
+        by_kind[kind] = by_kind.get(kind, 0.0) + used - before.get(tid, ("", 0.0))[1]
+    return {k: v / OPS for k, v in by_kind.items()}
+
+
+_KINDS = ("gloo_tcp_loop", "pt_gloo_runloop")
 
 
 def main() -> None:
@@ -135,10 +150,9 @@ def main() -> None:
         print(
             "with the wire (median ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in segs.items())
         )
-        for name, (worker, caller) in zip(["raw", "ringtrain", "raw", "ringtrain"], by_thread):
-            print(
-                f"{name}: CPU per op, Gloo worker {worker * 1e3:.3f} ms, caller {caller * 1e3:.3f} ms"
-            )
+        for name, kinds in zip(["raw", "ringtrain", "raw", "ringtrain"], by_thread):
+            parts = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in sorted(kinds.items()))
+            print(f"{name}: CPU per op {sum(kinds.values()) * 1e3:.3f} ms ({parts})")
     rt.shutdown()
 
 
