@@ -16,31 +16,57 @@ from ringtrain.errors import CollectiveAbortedError, CollectiveError
 T = TypeVar("T", covariant=True)  # a handle only hands its result out
 
 
+# Hands a waiter's Event to the thread that completes the handle. Most handles complete before
+# anyone waits, or on the waiting thread itself (the fast lane's ops): they never make an Event,
+# which costs more than the rest of a handle (issue 38, the caller's Python per op).
+_WAKE = threading.Lock()
+
+
 class Handle(Generic[T]):
     """The future result of one submitted collective (``Handle[torch.Tensor]`` for one tensor)."""
 
-    __slots__ = ("_done", "_error", "_finish", "_result", "name")
+    __slots__ = ("_error", "_event", "_finish", "_finished", "_result", "name")
 
     def __init__(self, name: str, finish: Callable[[Any], Any] | None = None) -> None:
         self.name = name
-        self._done = threading.Event()
+        self._finished = False
+        self._event: threading.Event | None = None  # made by the first waiter that must block
         self._result: Any = None
         self._error: BaseException | None = None
         self._finish = finish
 
     def set_result(self, result: Any) -> None:
         self._result = result
-        self._done.set()
+        self._complete()
 
     def set_error(self, error: BaseException) -> None:
         self._error = error
-        self._done.set()
+        self._complete()
+
+    def _complete(self) -> None:
+        with _WAKE:
+            self._finished = True
+            event = self._event
+        if event is not None:
+            event.set()
+
+    def _wait_done(self, timeout: float | None) -> bool:
+        """Whether the handle completed, waiting up to ``timeout`` (None: for ever)."""
+        if self._finished:
+            return True
+        with _WAKE:
+            if self._finished:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._finished
 
     def wait(self, timeout: float | None = None) -> T:
-        if not self._done.wait(timeout):
+        if not self._wait_done(timeout):
             raise CollectiveAbortedError(
                 f"collective {self.name!r} did not complete within {timeout:g} s.\n"
                 "HINT: another rank may not have submitted it; the stall inspector's report "
@@ -80,7 +106,7 @@ class CompositeHandle(Handle[T]):
         return all(p.done() for p in self._parts)
 
     def wait(self, timeout: float | None = None) -> T:
-        if not self._done.is_set():
+        if not self._finished:
             self._result = self._build(*(p.wait(timeout) for p in self._parts))
-            self._done.set()
+            self._complete()
         return cast(T, self._result)

@@ -327,6 +327,8 @@ def _fits(t: torch.Tensor | None, out: torch.Tensor | None) -> bool:
     """Whether a claim can reduce in ``out`` directly, as the normal path does."""
     if t is None or out is None or t.is_sparse or t.device.type != "cpu":
         return False
+    if out is t:  # in place: the usual case, one tensor to check
+        return t.is_contiguous() and str(t.dtype) in _DTYPES
     return (
         out.is_contiguous()
         and out.dtype == t.dtype

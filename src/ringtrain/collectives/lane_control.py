@@ -49,12 +49,12 @@ class LaneHandle(Handle):
         self.claim: lane.Claim | None = claim
 
     def done(self) -> bool:
-        if self.claim is not None and not self._done.is_set():
+        if self.claim is not None and not self._finished:
             self._ctl._lane_progress(self, block=False)
-        return self._done.is_set()
+        return self._finished
 
     def wait(self, timeout: float | None = None) -> Any:
-        if self.claim is not None and not self._done.is_set():
+        if self.claim is not None and not self._finished:
             self._ctl._lane_progress(self, block=True)
         return super().wait(timeout)
 

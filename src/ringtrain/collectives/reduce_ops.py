@@ -44,6 +44,8 @@ def resolve_op(
         op = Average if average else Sum
     if op is None:
         op = default
+    if isinstance(op, ReduceOp) and op is not Adasum:
+        return op.value  # the usual case, without the enum's lookup by value
     if isinstance(op, str) and not isinstance(op, ReduceOp):
         # Also accept "sum", "avg", "mean" and torch-style spellings.
         op = _ALIASES.get(op.lower(), op)
