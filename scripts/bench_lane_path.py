@@ -14,18 +14,21 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
 from typing import Any
 
-import psutil
 import torch
 import torch.distributed as dist
 
 import ringtrain as rt
 from ringtrain.collectives import lane
 from ringtrain.collectives.ops import controller_of
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gloo_thread_cpu import measure  # a script beside this one
 
 OPS = 500
 
@@ -98,41 +101,6 @@ def segments(x: torch.Tensor) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in got.items()}
 
 
-def thread_cpu(fn: Any, x: torch.Tensor) -> dict[str, float]:
-    """CPU per op by kind of thread, over OPS calls of ``fn(x)`` and a 100 ms idle tail: the
-    caller's, Gloo's device loops (``gloo_tcp_loop``: the socket reads and the try-lock spin
-    docs/benchmarks/log/2026-11-28-gloo-loop-spin.md is about), Gloo's workers
-    (``pt_gloo_runloop``) and the rest. Threads are named by the kernel's ``comm``."""
-
-    def cpu() -> dict[int, tuple[str, float]]:
-        got = {}
-        for t in psutil.Process().threads():
-            try:
-                with open(f"/proc/self/task/{t.id}/comm") as f:
-                    got[t.id] = (f.read().strip(), t.user_time + t.system_time)
-            except OSError:
-                continue  # ended meanwhile
-        return got
-
-    import threading
-
-    main_id = threading.main_thread().native_id
-    dist.barrier()
-    before = cpu()
-    for _ in range(OPS):
-        fn(x)
-    time.sleep(0.1)
-    after = cpu()
-    by_kind: dict[str, float] = {}
-    for tid, (name, used) in after.items():
-        kind = "caller" if tid == main_id else name if name in _KINDS else "other"
-        by_kind[kind] = by_kind.get(kind, 0.0) + used - before.get(tid, ("", 0.0))[1]
-    return {k: v / OPS for k, v in by_kind.items()}
-
-
-_KINDS = ("gloo_tcp_loop", "pt_gloo_runloop")
-
-
 def main() -> None:
     rt.init(fast_lane=True)
     x = torch.randn(int(sys.argv[1]) // 4 if len(sys.argv) > 1 else 16384)
@@ -143,7 +111,7 @@ def main() -> None:
     alone = without_wire(x)
     segs = segments(x)
     raw = lambda t: dist.all_reduce(t)  # noqa: E731
-    by_thread = [thread_cpu(f, x) for f in (raw, _ours, raw, _ours)]
+    by_thread = [measure(f, x, OPS)[1] for f in (raw, _ours, raw, _ours)]
     lane.RELEASE_S = saved
     if rt.rank() == 0:
         print(f"ringtrain per op, wire faked: {alone * 1e6:.1f} us (hot Python)")
@@ -151,8 +119,8 @@ def main() -> None:
             "with the wire (median ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in segs.items())
         )
         for name, kinds in zip(["raw", "ringtrain", "raw", "ringtrain"], by_thread):
-            parts = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in sorted(kinds.items()))
-            print(f"{name}: CPU per op {sum(kinds.values()) * 1e3:.3f} ms ({parts})")
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in sorted(kinds.items()))
+            print(f"{name}: CPU per op {sum(kinds.values()):.3f} ms ({parts})")
     rt.shutdown()
 
 

@@ -43,12 +43,13 @@ def _cpu() -> dict[int, tuple[str, float]]:
 
 
 def measure(
-    fn: Callable[[torch.Tensor], object], x: torch.Tensor
+    fn: Callable[[torch.Tensor], object], x: torch.Tensor, ops: int = OPS
 ) -> tuple[float, dict[str, float]]:
-    """Wall ms per op and CPU ms per op by kind of thread (a 100 ms idle tail included)."""
+    """Wall ms per op and CPU ms per op by kind of thread (a 100 ms idle tail included), over
+    ``ops`` calls of ``fn(x)`` after a barrier (also scripts/bench_lane_path.py's measure)."""
     dist.barrier()
     before, t0 = _cpu(), time.perf_counter()
-    for _ in range(OPS):
+    for _ in range(ops):
         fn(x)
     wall = time.perf_counter() - t0
     time.sleep(0.1)
@@ -56,8 +57,8 @@ def measure(
     kinds: dict[str, float] = {}
     for tid, (name, used) in _cpu().items():
         kind = "caller" if tid == main else name if name in _KINDS else "other"
-        kinds[kind] = kinds.get(kind, 0.0) + (used - before.get(tid, ("", 0.0))[1]) / OPS * 1e3
-    return wall / OPS * 1e3, kinds
+        kinds[kind] = kinds.get(kind, 0.0) + (used - before.get(tid, ("", 0.0))[1]) / ops * 1e3
+    return wall / ops * 1e3, kinds
 
 
 _KINDS = ("gloo_tcp_loop", "pt_gloo_runloop")
