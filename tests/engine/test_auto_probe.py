@@ -8,16 +8,14 @@ the same decision from MAX-agreed figures is tests/compression/test_policy.py's,
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import pytest
 
 from _plans import plan_of
-from ringtrain.compression import policy
 from ringtrain.compression.policy import AutoCompression
 from ringtrain.config import Config
-from ringtrain.engine import auto, local_settings
+from ringtrain.engine import auto
 from ringtrain.engine.auto import PROBE_BYTES, PROBE_MIN_BYTES, PROBE_SECONDS, probe_bytes
 
 MBIT = 1e6 / 8  # bytes per second of one Mbit/s
@@ -196,89 +194,3 @@ def test_the_link_bound_rule() -> None:
     assert step.wait_s >= ratio * step.compute_s and not auto.link_bound(step)
     # Far below SYNC_EFFICIENCY: more samples could not bring the step near it.
     assert 1 / (1 + ratio) <= auto.SYNC_EFFICIENCY / 4
-
-
-# ---- sync_every="auto": no compression tried where local updates win ---------------------------
-
-
-def auto_config() -> Config:
-    return Config.from_env({"RINGTRAIN_SYNC_EVERY": "auto"})
-
-
-def test_no_try_phase_where_local_updates_win(caplog: pytest.LogCaptureFixture) -> None:
-    config = auto_config()
-    tuner = tuner_of(
-        Recorder(0.002, 10 * MBIT),
-        config,
-        local_updates_win=local_settings.local_updates_win(config),
-    )
-    changed = []
-    with caplog.at_level(logging.WARNING, logger="ringtrain"):
-        for _ in range(2):  # issue 40's MLP at 10 Mbit/s: link-bound
-            changed.append(tuner.observe(0.01, 3.5, 3.5, MLP))
-        assert not tuner.active and tuner.auto.settled  # settled: no synchronous try steps
-        assert changed == [False, False]  # the exchange stays uncompressed: nothing rebuilt
-        decision = tuner.auto.decision
-        assert decision is not None and decision.compression == "none"
-        assert tuner.auto.choice == "none"
-        # What sync_every=auto then chooses, from the same figures: local updates.
-        every, why, outer = local_settings.choose_after_tuning(tuner, config, 0)
-    assert every in auto.SYNC_EVERY_CHOICES and outer is not None
-    # Rank 0's two lines: the compression policy's own choice and why none is used, then H.
-    compression_line, sync_line = [r.getMessage() for r in caplog.records]
-    assert "compression=auto chose none" in compression_line
-    assert tuner.measurement is not None
-    tentative = policy.choose(tuner.measurement)
-    assert tentative.compression != "none"
-    assert f"{tentative.compression} is predicted" in compression_line
-    assert "Not tried: sync_every=auto chose local updates" in compression_line
-    assert f"sync_every=auto chose local updates every {every} steps: {why}" in sync_line
-
-
-def test_other_ranks_log_nothing(caplog: pytest.LogCaptureFixture) -> None:
-    config = auto_config()
-    tuner = auto.AutoTuner(
-        AutoCompression(config),
-        None,
-        2,
-        1,
-        probe=Recorder(0.002, 10 * MBIT).probe,
-        agree=lambda values: values,
-        local_updates_win=local_settings.local_updates_win(config),
-    )
-    with caplog.at_level(logging.WARNING, logger="ringtrain"):
-        for _ in range(2):
-            tuner.observe(0.01, 3.5, 3.5, MLP)
-        local_settings.choose_after_tuning(tuner, config, 1)
-    assert tuner.auto.settled and not caplog.records
-
-
-def test_compression_auto_alone_still_tries_its_choice() -> None:
-    # The same link-bound figures without sync_every="auto": the choice is tried, as before.
-    tuner = tuner_of(Recorder(0.002, 10 * MBIT))
-    assert local_settings.local_updates_win(Config()) is None
-    assert [tuner.observe(0.01, 3.5, 3.5, MLP) for _ in range(2)] == [False, True]
-    assert tuner.phase == "try" and tuner.auto.choice != "none"
-
-
-def test_a_try_phase_where_synchronous_training_stays() -> None:
-    # Waiting 5x the compute, but the probe's rate carries the 4.4 MB in ~4 ms: a busy
-    # machine, not a slow link. sync_every=auto stays synchronous, so the compression the
-    # policy picks is tried as before.
-    config = auto_config()
-    wins = local_settings.local_updates_win(config)
-    tuner = tuner_of(Recorder(1e-4, 1e9), config, local_updates_win=wins)
-    assert [tuner.observe(0.1, 0.5, 0.5, MLP) for _ in range(2)] == [False, True]
-    assert tuner.phase == "try" and tuner.auto.choice != "none"
-    m = tuner.measurement
-    assert m is not None and tuner.tentative is not None
-    assert wins is not None and not wins(m, tuner.tentative.predicted_step_s)
-
-
-def test_a_setting_that_clashes_with_local_updates_keeps_the_try_phase() -> None:
-    config = Config.from_env({"RINGTRAIN_SYNC_EVERY": "auto", "RINGTRAIN_SHARD_OPTIMIZER": "1"})
-    assert local_settings.clashes(config) == "shard_optimizer"
-    wins = local_settings.local_updates_win(config)
-    tuner = tuner_of(Recorder(0.002, 10 * MBIT), config, local_updates_win=wins)
-    assert [tuner.observe(0.01, 3.5, 3.5, MLP) for _ in range(2)] == [False, True]
-    assert tuner.phase == "try"

@@ -13,7 +13,7 @@ from _local import Tiny, _alike, _step
 
 import ringtrain as rt
 from ringtrain.config import Config
-from ringtrain.engine import auto, local_defaults, local_policy
+from ringtrain.engine import auto, local_defaults, local_first, local_policy
 from ringtrain.testing import spawn
 
 # A ~1.3M-parameter model, 14 ms of compute per step, local updates every 64 steps.
@@ -104,7 +104,7 @@ def test_first_round_times_steps_agrees_and_logs_on_rank_0(
     for _ in range(H):
         first.tick()
     with caplog.at_level(logging.WARNING, logger="ringtrain"):
-        out = first.settle(None, NUMEL, H, rank=0)
+        out = first.settle(None, NUMEL, H, rank=0, size=2)
     assert first.settled and agreed[0][0] == pytest.approx(COMPUTE)
     assert agreed[0][3] == -H
     want = local_policy.outer_settings(NUMEL, 16, COMPUTE, SLOW, LATENCY)
@@ -115,8 +115,32 @@ def test_first_round_times_steps_agrees_and_logs_on_rank_0(
     for _ in range(H):
         other.tick()
     with caplog.at_level(logging.WARNING, logger="ringtrain"):
-        assert other.settle(None, NUMEL, H, rank=1) == want
+        assert other.settle(None, NUMEL, H, rank=1, size=2) == want
     assert not caplog.records  # rank 0 alone logs
+
+
+@pytest.mark.parametrize(("rate", "every"), [(SLOW, None), (FAST, 0)])
+def test_auto_s_first_round_decides_on_the_same_figures(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, rate: float, every: Any
+) -> None:
+    """sync_every="auto"'s first round: the same measurement, then H (a slow link) or
+    synchronous training (a fast one), local_first's choice on the agreed figures."""
+    clock = itertools.count(0.0, COMPUTE)
+    monkeypatch.setattr(local_defaults.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(auto, "probe_link", lambda group, nbytes: (LATENCY, rate))
+    monkeypatch.setattr(auto, "slowest", lambda group, values: values)
+    config = Config.from_env({"RINGTRAIN_SYNC_EVERY": "auto"})
+    first = local_defaults.FirstRound(config, decides=True)
+    for _ in range(local_first.START_H):
+        first.tick()
+    with caplog.at_level(logging.WARNING, logger="ringtrain"):
+        out = first.settle(None, NUMEL, local_first.START_H, rank=0, size=2)
+    fusion = config.fusion_threshold_bytes
+    m = local_first.measurement(NUMEL, 2, fusion, COMPUTE, LATENCY, rate)
+    want = local_first.decide(config, m)
+    assert first.choice == want and out == want.outer
+    assert (want.sync_every == 0) == (every == 0)
+    assert [r.getMessage() for r in caplog.records] == [local_first.line(want)]
 
 
 def _bare_rounds() -> dict[str, Any]:

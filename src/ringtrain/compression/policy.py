@@ -298,8 +298,9 @@ class AutoCompression:
         self.settled = True
 
     def state_dict(self) -> dict[str, Any]:
-        if not self.settled:
-            return {}  # a resumed job measures again
+        if not self.settled:  # a resumed job measures again, keeping sync_every=auto's choice
+            every = {} if self.sync_every is None else {"sync_every": self.sync_every}
+            return {"name": self.name, "version": 1, **every} if every else {}
         get = getattr(self.inner, "state_dict", None)
         return {
             "name": self.name,
@@ -311,6 +312,9 @@ class AutoCompression:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") == 1 and "choice" not in state and "sync_every" in state:
+            self.sync_every = state["sync_every"]  # saved before the compression was chosen
+            return
         if state.get("version") != 1 or "choice" not in state:
             raise ConfigError(
                 f"this is not an auto-compression v1 state (keys {sorted(state)}).\n"

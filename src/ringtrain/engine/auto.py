@@ -19,9 +19,7 @@ says nothing about overlap):
    warm-up (PowerSGD's remaining start steps), and keep it only if the slowest rank's median
    step is :data:`~ringtrain.compression.policy.KEEP_MARGIN` shorter than uncompressed
    (:func:`~ringtrain.compression.policy.keep`, on MAX-allreduced figures again). Otherwise go
-   back to ``none``: a fast link is never made slower for more than those few steps. Not with
-   ``sync_every="auto"`` where it picks local updates on the same figures: they exchange no
-   gradients, so ``none`` is settled at once (:func:`untried`).
+   back to ``none``: a fast link is never made slower for more than those few steps.
 3. **done**: rank 0 logs the decision and why, once.
 
 All collectives here run on the engine group at the end of ``synchronize()``, after every bucket
@@ -99,16 +97,11 @@ class AutoTuner:
         rank: int,
         probe: Callable[[int, float | None], tuple[float, float]] | None = None,
         agree: Callable[[list[float]], list[float]] | None = None,
-        local_updates_win: Callable[[Measurement, dict[str, float]], bool] | None = None,
     ) -> None:
         """``probe(grad_bytes, bytes_per_s) -> (latency_s, bytes_per_s)`` replaces the link probe
         (:func:`probe_link`) and ``agree(values) -> values`` the MAX allreduce over ranks
-        (:func:`slowest`): tests inject figures. ``local_updates_win(measurement,
-        predicted_step_s)``: with ``sync_every="auto"``, whether it will pick local updates
-        (:func:`ringtrain.engine.local_settings.local_updates_win`); then no compression is
-        tried, as none would be used."""
+        (:func:`slowest`): tests inject figures."""
         self.auto = auto
-        self._local_updates_win = local_updates_win
         self._probe = probe or self._probe_link
         self._agree = agree or self._slowest
         self._group = group
@@ -197,11 +190,6 @@ class AutoTuner:
         if decision.compression == "none":
             self._finish(decision)
             return False
-        if self._local_updates_win is not None and self._local_updates_win(
-            m, decision.predicted_step_s
-        ):
-            self._finish(untried(decision))  # the exchange stays uncompressed: no rebuild
-            return False
         self.tentative = decision
         overrides: dict[str, Any] = {}
         self._skip = 1  # the first step after the switch also rebuilds buffers
@@ -260,19 +248,6 @@ class AutoTuner:
 
     def _slowest(self, values: list[float]) -> list[float]:
         return slowest(self._group, values)
-
-
-def untried(decision: Decision) -> Decision:
-    """``sync_every="auto"`` picks local updates on ``decision``'s figures: they exchange the
-    weights every few steps, never gradients, so the gradient compression stays ``none``,
-    untried; the predicted step times (sync_every's input) and the reason are kept. Pure."""
-    return Decision(
-        "none",
-        decision.backward_passes_per_step,
-        f"{decision.reason} Not tried: sync_every=auto chose local updates on these figures, "
-        "which exchange the weights every few steps, not gradients; so none.",
-        decision.predicted_step_s,
-    )
 
 
 def probe_link(

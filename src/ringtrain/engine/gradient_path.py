@@ -13,6 +13,7 @@ bucket by bucket on the updater thread (:class:`~ringtrain.engine.steps.Overlapp
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import warnings
 import weakref
@@ -24,7 +25,7 @@ import torch
 from ringtrain.config import Config
 from ringtrain.diagnostics import shares as in_force
 from ringtrain.diagnostics import timeline
-from ringtrain.engine import local_defaults, local_policy, local_settings, local_update
+from ringtrain.engine import local_defaults, local_first, local_settings, local_update
 from ringtrain.engine.auto_shares import AutoShares, agree_on
 from ringtrain.engine.parameters import Hooks, make_watch
 from ringtrain.engine.planner import Planner
@@ -35,6 +36,8 @@ from ringtrain.engine.weighting import Averaging, check_shares
 from ringtrain.errors import CollectiveArgumentError, ConfigError
 
 # Horovod's words, which scripts filter on (warnings.filterwarnings): kept exactly.
+log = logging.getLogger("ringtrain")
+
 STEP_WITHOUT_SKIP = (
     "optimizer.step() called without optimizer.skip_synchronize() context after "
     "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
@@ -67,14 +70,9 @@ class GradientPath:
         self.schedule = Overlapped.of(optimizer, comm, config)  # None: synchronous
         if self.schedule is not None:
             weakref.finalize(self, self.schedule.close)
-        self.planner = Planner(
-            comm,
-            config,
-            compression,
-            self.schedule is not None,
-            local_settings.local_updates_win(config),
-        )
-        # Local updates: a number of steps, 0 (synchronous) or "auto" (until the tuner decides).
+        self.planner = Planner(comm, config, compression, self.schedule is not None)
+        # Local updates: a number of steps, 0 (synchronous) or "auto" (until its first round of
+        # local updates decides: ringtrain.engine.local_first).
         self.sync_every = local_settings.parse_sync_every(config.sync_every)
         self.sync_every_reason = ""
         self._outer_optimizer = outer_optimizer
@@ -109,8 +107,14 @@ class GradientPath:
     def _make_update(self) -> Update:
         """The step strategy (see :mod:`ringtrain.engine.steps`)."""
         update: Update
-        local = self.sync_every not in (0, "auto")
-        if local and self.comm.size > 1 and self.comm.included:
+        together = self.comm.size > 1 and self.comm.included
+        if self.sync_every == "auto" and together:
+            clash = local_first.clash(self.config)
+            if clash is not None:
+                self._chose(clash, first_round=False)
+        if self.sync_every == "auto" and together:
+            update = self._local_update(local_first.START_H, measure=True, decides=True)
+        elif self.sync_every not in (0, "auto") and together:
             rank, size = self.comm.set_rank, self.comm.size
             every = local_settings.round_steps(self.sync_every, rank, size)
             update = self._local_update(every, measure=local_defaults.wanted(self.config))
@@ -126,23 +130,23 @@ class GradientPath:
     def _local_update(
         self,
         sync_every: int,
-        outer: local_policy.OuterSettings | None = None,
         measure: bool = False,
+        decides: bool = False,
     ) -> local_update.LocalUpdate:
-        """``outer``: sync_every="auto"'s outer exchange (local_policy.OuterSettings); None:
-        the Config's. ``measure``: a bare sync_every=H's first round measures the link and may
-        change them (:mod:`ringtrain.engine.local_defaults`)."""
+        """``measure``: the first round measures the link and may change the Config's outer
+        exchange (:mod:`ringtrain.engine.local_defaults`); ``decides``: sync_every="auto"'s
+        first round, which also chooses H or synchronous training."""
         c = self.config
-        first = local_defaults.FirstRound(c) if measure else None
+        first = local_defaults.FirstRound(c, decides) if measure else None
         return local_update.LocalUpdate(
             self.optimizer,
             self.params,
             self.comm.group("engine"),
             sync_every,
             self._outer_optimizer,
-            c.outer_compression if outer is None else outer.compression,
-            c.outer_overlap if outer is None else outer.overlap,
-            c.outer_delay if outer is None else outer.delay,
+            c.outer_compression,
+            c.outer_overlap,
+            c.outer_delay,
             c.outer_fragments,
             first,
         )
@@ -166,8 +170,6 @@ class GradientPath:
         if self.schedule is not None:
             self.schedule.open = False
         self.comm = comm
-        if self.sync_every != "auto":
-            self.planner.local_updates_win = None  # chosen already: a new tuner only compresses
         self.planner.rebind(comm, job_config)
         if isinstance(self.update, local_update.LocalUpdate) and comm.size > 1 and comm.included:
             self.update.rejoin(comm.group("engine"))  # the anchor and outer state carry on
@@ -274,22 +276,53 @@ class GradientPath:
             shares = self._auto_shares.observe(t0, t1)
             if shares is not None:
                 self.set_batch_shares(shares)
-        if self.sync_every == "auto" and planner.tuner is not None and not planner.tuner.active:
-            self._choose_sync_every(planner.tuner)
         if observer is not None:
             observer.wait_done()
         timeline.current().span("step", "SYNCHRONIZE", t0, t1)
         progress.set(Phase.SYNCHRONIZED)
 
-    def _choose_sync_every(self, tuner: Any) -> None:
-        """sync_every="auto": the tuner has settled; from the next step on, local updates or
-        synchronous training, alike on every rank."""
-        every, self.sync_every_reason, outer = local_settings.choose_after_tuning(
-            tuner, self.config, self.comm.set_rank
-        )
-        self.sync_every = every
+    def _chose(self, choice: local_first.Choice, first_round: bool = True) -> None:
+        """sync_every="auto" has chosen (alike on every rank); a checkpoint keeps the choice
+        (AutoCompression.state_dict, the local state's ``outer_choice``)."""
+        self.sync_every, self.sync_every_reason = choice.sync_every, choice.why
+        compression = self.planner.compression
+        if hasattr(compression, "sync_every"):
+            compression.sync_every = choice.sync_every
+        if not first_round and self.comm.set_rank == 0:
+            log.warning("%s", local_first.line(choice, first_round=False))
+
+    def _after_round(self, update: local_update.LocalUpdate) -> None:
+        """sync_every="auto" after an inner step of its first round: take the choice once made;
+        synchronous training from the next step once the round that chose it has ended."""
+        choice = update.auto_choice
+        if choice is None or (choice.sync_every == 0 and not update.left):
+            return
+        self._chose(choice)
+        if update.left:
+            update.close()
+            self.update = self._make_update()
+
+    def restored(self, compressor_state: dict[str, Any] | None) -> None:
+        """A state was loaded; its compressor's state (None: none saved) is loaded now. Then
+        sync_every="auto"'s saved choice (kept with compression="auto"'s state), if any, stands:
+        local updates every H steps from the round in progress on, or synchronous training now
+        (the choice was saved after the switch)."""
+        if compressor_state is not None:
+            self.planner.load_compressor_state(compressor_state, self.averaging())
+        update, every = self.update, getattr(self.planner.compression, "sync_every", None)
+        if self.sync_every != "auto" or every is None:
+            return
+        if not isinstance(update, local_update.LocalUpdate):
+            return
+        why = "restored from a checkpoint, as chosen when the job measured its link."
+        choice = local_first.Choice(every, why, None)
         if every:
-            self.update = self._local_update(every, outer)
+            update.resume(choice)
+            self._chose(choice)
+            return
+        update.close()
+        self._chose(choice, first_round=False)
+        self.update = self._make_update()
 
     def step(self, closure: Callable[[], float] | None) -> Any:
         self.drain()
@@ -323,6 +356,8 @@ class GradientPath:
         update.replan(self.planner.plan)
         result = update.step(closure)
         timeline.current().span("step", "OPTIMIZER_STEP", t0, time.perf_counter())
+        if self.sync_every == "auto" and isinstance(update, local_update.LocalUpdate):
+            self._after_round(update)
         return self._step_done(result)
 
     def _outer_weight(self, update: local_update.LocalUpdate) -> float | None:
@@ -331,7 +366,7 @@ class GradientPath:
         mean. Shares or a per-rank sync_every that do not fit the world (an elastic re-forming)
         are an error at the next step, as a synchronous step's shares are."""
         rank, size = self.comm.set_rank, self.comm.size
-        every = self.sync_every
+        every = update.sync_every if self.sync_every == "auto" else self.sync_every  # 1st round
         if isinstance(every, tuple) and local_settings.round_steps(every, rank, size) != (
             update.sync_every
         ):

@@ -11,6 +11,9 @@ link the Config's ``fp16`` in line, the same bits as without the measurement. A 
 gave (:meth:`ringtrain.config.Config.given`) wins and is named in the log line; where both
 ``outer_compression`` and ``outer_overlap`` were given there is nothing to choose and nothing is
 measured. The first round's exchange already uses the choice.
+
+``sync_every="auto"`` starts the same way and decides on the same figures
+(:mod:`ringtrain.engine.local_first`): ``H``, or synchronous training after this round.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import time
 from typing import Any
 
 from ringtrain.config import Config
-from ringtrain.engine import local_policy
+from ringtrain.engine import local_first, local_policy
 from ringtrain.engine.local_settings import given_outer
 
 log = logging.getLogger("ringtrain")
@@ -62,8 +65,16 @@ def line(sync_every: int, outer: local_policy.OuterSettings) -> str:
 class FirstRound:
     """The measurement of a bare ``sync_every=H``'s first round (see the module docstring)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, decides: bool = False) -> None:
+        """``decides``: ``sync_every="auto"``'s first round, which also chooses ``H`` or
+        synchronous training (:attr:`choice`)."""
         self.config = config
+        self.decides = decides
+        self.choice: local_first.Choice | None = None  # auto's, once made
+        # The H of the rounds after this one (auto's choice), 0: synchronous training after
+        # it; None: sync_every stands. left: the round that chose synchronous training ended.
+        self.next_every: int | None = None
+        self.left = False
         self.settled = False
         self.why = ""  # the choice and why, once made (LocalUpdate.outer_reason)
         self._last: float | None = None
@@ -77,10 +88,11 @@ class FirstRound:
         self._last = now
 
     def settle(
-        self, group: Any, numel: int, sync_every: int, rank: int
+        self, group: Any, numel: int, sync_every: int, rank: int, size: int
     ) -> local_policy.OuterSettings | None:
         """At the first outer exchange, on every rank alike (collective): probe, agree, choose,
-        and rank 0 logs the choice. None: the Config's settings stand."""
+        and rank 0 logs the choice. None: the Config's settings stand (or, deciding, auto chose
+        synchronous training: :attr:`choice`)."""
         from ringtrain.engine import auto  # auto imports the compression policy: only now
 
         self.settled = True
@@ -91,7 +103,22 @@ class FirstRound:
         compute, latency, inverse, minus_h = auto.slowest(
             group, [compute, latency, 1.0 / throughput, -float(sync_every)]
         )
+        if self.decides and self.choice is None:  # restored: the chosen H's exchange only
+            return self._decide(numel, size, rank, compute, latency, 1.0 / inverse)
         outer = choose(self.config, numel, int(-minus_h), compute, latency, 1.0 / inverse)
         if outer is not None and rank == 0:
             log.warning("%s", line(sync_every, outer))
         return outer
+
+    def _decide(
+        self, numel: int, size: int, rank: int, compute: float, latency: float, bps: float
+    ) -> local_policy.OuterSettings | None:
+        fusion = self.config.fusion_threshold_bytes
+        if compute <= 0:  # no inner step timed (a round of one step): nothing to weigh
+            self.choice = local_first.Choice(0, "no inner step was timed: synchronous.", None)
+        else:
+            m = local_first.measurement(numel, size, fusion, compute, latency, bps)
+            self.choice = local_first.decide(self.config, m)
+        if rank == 0:
+            log.warning("%s", local_first.line(self.choice))
+        return self.choice.outer

@@ -1,24 +1,19 @@
 """Local updates' settings: ``sync_every`` parsed, the settings that do not combine with it
-refused, what the user gave of the outer exchange, and ``sync_every="auto"``'s choice once the
-compression is settled (:mod:`ringtrain.engine.local_policy` decides; this module reads the
-Config and logs). :class:`ringtrain.engine.local_update.LocalUpdate` is what runs them.
+refused and what the user gave of the outer exchange (:mod:`ringtrain.engine.local_policy`
+decides, :mod:`ringtrain.engine.local_first` for ``sync_every="auto"``; this module reads the
+Config). :class:`ringtrain.engine.local_update.LocalUpdate` is what runs them.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from typing import Any
 
 from ringtrain.config import Config
 from ringtrain.engine import local_policy, weighting
 from ringtrain.errors import ConfigError
 
-log = logging.getLogger("ringtrain")
-
-
 # sync_every as the engine holds it: 0 (synchronous), a number of inner steps per round, "auto"
-# (until the tuner decides), or one number per rank (rank r takes SyncEvery[r] a round).
+# (until its first round decides), or one number per rank (rank r takes SyncEvery[r] a round).
 SyncEvery = int | str | tuple[int, ...]
 
 
@@ -149,14 +144,15 @@ def clashes(config: Config) -> str:
 
 
 def auto_compression(compression: Any, config: Config) -> Any:
-    """``sync_every="auto"`` measures with ``compression="auto"``'s measurement: the
-    compression to use (an explicit other one is an error: nothing would measure)."""
+    """``sync_every="auto"`` chooses the exchange itself: local updates, or synchronous training
+    whose compression ``compression="auto"`` chooses; the compression to use (an explicit
+    other one is an error: auto would not be choosing)."""
     given = config.compression if compression is None else compression
     if given in ("auto", "none"):
         return "auto"
     raise ConfigError(
-        f"sync_every='auto' decides from compression='auto''s measurement, but compression is "
-        f"{given!r}.\nHINT: leave compression unset (or 'auto') with sync_every='auto', or set "
+        f"sync_every='auto' chooses the exchange (local updates, or synchronous training with "
+        f"compression='auto'), but compression is {given!r}.\nHINT: leave compression unset (or 'auto') with sync_every='auto', or set "
         "sync_every to a number of steps."
     )
 
@@ -171,53 +167,3 @@ def given_outer(config: Config) -> local_policy.Given:
         config.outer_overlap if config.given("outer_overlap") else None,
         config.outer_delay or None,
     )
-
-
-def sync_every_for(
-    measurement: Any, predicted_step_s: dict[str, float], config: Config
-) -> tuple[int, str]:
-    """``sync_every="auto"``'s (H, why) on a measurement and compression=auto's predicted step
-    times (:func:`ringtrain.engine.auto.choose_sync_every` with the user's outer settings),
-    synchronous where a setting clashes with local updates. Pure: equal figures, equal answer."""
-    from ringtrain.engine import auto
-
-    every, why = auto.choose_sync_every(measurement, predicted_step_s, given_outer(config))
-    if every and clashes(config):
-        every, why = 0, f"{why} But {clashes(config)} is set, so synchronous."
-    return every, why
-
-
-def local_updates_win(config: Config) -> Callable[[Any, dict[str, float]], bool] | None:
-    """With ``sync_every="auto"``: whether :func:`sync_every_for` picks local updates on a
-    measurement and predicted step times, the question compression=auto's tuner asks before
-    trying a compression that local updates would not use; None for any other sync_every."""
-    if parse_sync_every(config.sync_every) != "auto":
-        return None
-    return lambda measurement, predicted: sync_every_for(measurement, predicted, config)[0] > 0
-
-
-def choose_after_tuning(
-    tuner: Any, config: Config, set_rank: int
-) -> tuple[int, str, local_policy.OuterSettings | None]:
-    """``sync_every="auto"``, once the compression is settled: the policy's choice
-    (:func:`ringtrain.engine.auto.choose_sync_every`, on figures every rank holds alike), why,
-    and the outer exchange (:class:`ringtrain.engine.local_policy.OuterSettings`, None: the
-    Config's); rank 0 logs it. The weights are identical on every rank then: the anchor."""
-    from ringtrain.engine import auto
-
-    decision = tuner.auto.decision
-    outer: local_policy.OuterSettings | None = None
-    if tuner.measurement is None and tuner.auto.sync_every is not None:
-        every = tuner.auto.sync_every  # restored from a checkpoint with the compression choice
-        why = "restored from a checkpoint, as chosen when the job measured its link."
-    elif tuner.measurement is None or decision is None:
-        every, why = 0, "compression=auto settled without measuring (restored), so synchronous."
-    else:
-        every, why = sync_every_for(tuner.measurement, decision.predicted_step_s, config)
-        if every:
-            outer = auto.outer_for(tuner.measurement, every, given_outer(config))
-    tuner.auto.sync_every = every  # a checkpoint keeps it (AutoCompression.state_dict)
-    if set_rank == 0:
-        chosen = f"local updates every {every} steps" if every else "synchronous training"
-        log.warning("ringtrain sync_every=auto chose %s: %s", chosen, why)
-    return every, why, outer

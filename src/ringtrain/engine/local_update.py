@@ -42,7 +42,13 @@ import torch
 
 from ringtrain import transport
 from ringtrain.diagnostics import timeline
-from ringtrain.engine import anchor_agreement, local_policy, local_update_state, outer_fragment
+from ringtrain.engine import (
+    anchor_agreement,
+    local_first,
+    local_policy,
+    local_update_state,
+    outer_fragment,
+)
 from ringtrain.engine.buckets import Plan
 from ringtrain.engine.local_defaults import FirstRound
 from ringtrain.engine.local_policy import OuterSettings
@@ -198,6 +204,45 @@ class LocalUpdate:
     def _end_round(self) -> None:
         self.inner_steps = 0
         self.outer_steps += 1
+        first = self._defaults
+        if first is None or first.next_every is None:
+            return
+        if first.next_every == 0:
+            self._average_all()
+            first.left = True
+        else:
+            self._resize(first.next_every)
+        first.next_every = None
+
+    @property
+    def left(self) -> bool:
+        """``sync_every="auto"``: the round that chose synchronous training has ended."""
+        return self._defaults is not None and self._defaults.left
+
+    def _resize(self, every: int) -> None:
+        """Rounds of ``every`` inner steps from now on (auto's choice after its first round);
+        each fragment keeps its place in the round."""
+        self.sync_every = every
+        for frag in self.fragments:
+            frag.end = every * (frag.index + 1) // len(self.fragments)
+
+    def _average_all(self) -> None:
+        """Leaving for synchronous training: every rank takes the plain mean of the ranks'
+        weights and of the inner optimizer's floating state (Adam's moments; ``step`` is
+        equal on every rank), so synchronous steps start from one model and one state."""
+        with torch.no_grad():
+            state = self.optimizer.state
+            held = [  # per-element state, shaped like its parameter (as torch loads it)
+                v
+                for p in self._params
+                for k, v in sorted(state.get(p, {}).items())
+                if k != "step" and isinstance(v, torch.Tensor) and v.shape == p.shape
+            ]
+            tensors = [p.detach() for p in self._params] + held
+            flat = torch.cat([t.float().reshape(-1) for t in tensors]).cpu()
+            mean = OuterCodec("none", self._wire).average(flat)
+            for t, m in zip(tensors, torch.split(mean, [t.numel() for t in tensors])):
+                t.copy_(m.view_as(t))
 
     def _timed(self, name: str, frag: Fragment, part: Callable[[Fragment], None]) -> None:
         t0 = time.perf_counter()
@@ -210,17 +255,25 @@ class LocalUpdate:
     def _exchange(self, frag: Fragment) -> None:
         if self._defaults is not None and not self._defaults.settled:
             numel = sum(p.numel() for p in self._params)
-            outer = self._defaults.settle(self._group, numel, self.sync_every, self._wire.rank)
+            outer = self._defaults.settle(
+                self._group, numel, self.sync_every, self._wire.rank, self._wire.size
+            )
+            choice = self._defaults.choice
+            if choice is not None:
+                self._defaults.next_every = choice.sync_every
             if outer is not None:
-                self.use(outer)
+                self.use(outer, self._defaults.next_every)
+        if self._defaults is not None and self._defaults.next_every == 0:
+            return  # leaving: the round's end averages the whole model (_average_all)
         if self.overlap and self._wire.size > 1:
             self._start_exchange(frag)
         else:
             self._synchronous_step(frag)
 
-    def use(self, outer: OuterSettings) -> None:
+    def use(self, outer: OuterSettings, every: int | None = None) -> None:
         """Run the outer exchange as ``outer`` says from the next exchange on (nothing in
-        flight: before the first). Error feedback carries over: it is what rounding dropped."""
+        flight: before the first), its delay within rounds of ``every`` inner steps (None:
+        ``sync_every``). Error feedback carries over: it is what rounding dropped."""
         if outer.compression != self._compression:
             self._compression = outer.compression
             for frag in self.fragments:
@@ -228,7 +281,7 @@ class LocalUpdate:
                 frag.codec = OuterCodec(outer.compression, self._wire)
                 frag.codec.residual = residual
         self.overlap = outer.overlap
-        self.delay = outer_delay(outer.delay, self.sync_every)
+        self.delay = outer_delay(outer.delay, every or self.sync_every)
         if self._defaults is not None:
             self._defaults.why = outer.why
 
@@ -369,7 +422,9 @@ class LocalUpdate:
         fragment; ``overlap.base`` is per parameter (None where its fragment has nothing in
         flight). The format: :mod:`ringtrain.engine.local_update_state`; a bare ``sync_every``
         whose outer exchange the defaults chose adds ``outer_choice`` (codec, overlap, delay),
-        which a load takes instead of measuring again."""
+        which a load takes instead of measuring again. (``sync_every="auto"``'s H is kept with
+        the compression's state: :meth:`ringtrain.engine.gradient_path.GradientPath.restored`.)
+        """
         state = local_update_state.save(self, copy)
         if self._defaults is not None and self._defaults.settled:
             state["outer_choice"] = {
@@ -399,6 +454,8 @@ class LocalUpdate:
         if first is None:
             return
         choice = state.get("outer_choice")
+        if first.decides:  # sync_every="auto": the round in progress when saved
+            self._resize(int(state.get("sync_every", self.sync_every)))
         if isinstance(choice, dict):
             first.settled = True
             self.use(OuterSettings(**choice))
@@ -409,6 +466,19 @@ class LocalUpdate:
         if isinstance(saved, str) and saved in local_policy.CODEC_BYTES:
             why = f"{saved}, as the checkpoint's exchange"
             self.use(OuterSettings(saved, self.overlap, self.delay, why))
+
+    def resume(self, choice: local_first.Choice) -> None:
+        """``sync_every="auto"``'s saved choice of local updates: rounds of its H from the end
+        of the round in progress (the link is measured again for the outer exchange only)."""
+        assert self._defaults is not None and choice.sync_every > 0
+        self._defaults.choice = choice
+        every = choice.sync_every
+        self._defaults.next_every = every if every != self.sync_every else None
+
+    @property
+    def auto_choice(self) -> local_first.Choice | None:
+        """``sync_every="auto"``'s choice once made (None: not deciding, or not yet)."""
+        return self._defaults.choice if self._defaults is not None else None
 
     def restart(self) -> None:
         """Start afresh from the current weights (a checkpoint without local-update state was

@@ -240,8 +240,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(self._path.update, local_update.LocalUpdate):
             sd.pop(local_update.STATE_KEY, None)  # saved with local updates, resumed without
         self._path.update.load_state_dict(sd)
-        if saved is not None:
-            self._path.planner.load_compressor_state(saved, self._path.averaging())
+        self._path.restored(saved)  # the compressor's state, and sync_every="auto"'s choice
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.drain()

@@ -46,12 +46,8 @@ class Planner:
         config: Config,
         compression: Any,
         overlap: bool,
-        local_updates_win: Callable[[Any, dict[str, float]], bool] | None = None,
     ) -> None:
         self.comm = comm
-        # sync_every="auto": the tuner settles without trying a compression when this says
-        # local updates win (local_settings.local_updates_win); None: it always tries.
-        self.local_updates_win = local_updates_win
         self._config = config
         self._overlap = overlap  # overlapped steps: the updater thread gets a group of its own
         self.compression_arg = compression
@@ -88,7 +84,6 @@ class Planner:
                 comm.group("engine"),
                 comm.size,
                 comm.set_rank,
-                local_updates_win=self.local_updates_win,
             )
         self._routes = None
         self.updater_group = None
