@@ -28,8 +28,9 @@ batches of ``batch_size`` per step (so n ranks see n times the samples per step)
 * ``ringtrain:powersgd``: the same with PowerSGD;
 * ``local``: DistributedOptimizer(sync_every=H): local updates (DiLoCo);
 * ``local:bare``: ``sync_every=H`` and nothing else (the engine's outer defaults);
-* ``auto``: ``sync_every="auto"`` and nothing else (it measures, then picks; evaluated on the
-  anchor, the weights every rank agrees on, once it runs local updates);
+* ``auto``: ``sync_every="auto"`` and nothing else (a first round of local updates measures,
+  then it picks; evaluated on the anchor, the weights every rank agrees on, while it runs local
+  updates);
 * ``local:overlap``: the same with ``outer_overlap=True`` (the outer exchange runs during the
   next inner steps, its average applied ``outer_delay`` steps late); evaluated on the anchor,
   the weights every rank agrees on, right after that average is applied.
@@ -145,6 +146,7 @@ class ConvergeRun:
     outer_seconds: float = 0.0  # local: of ``seconds``, the time in outer steps (exchange)
     first_outer_seconds: float = 0.0  # local: of those, the first (digests, link set-up)
     curve: list[tuple[float, float]] = field(default_factory=list)  # (seconds, quality)
+    choice: str = ""  # auto: what sync_every="auto" chose and why (its log line)
 
 
 @dataclass
@@ -465,6 +467,7 @@ def _train(variant: str, task: Task, params: ConvergeParams) -> ConvergeRun:
         outer,
         first,
         curve,
+        choice=getattr(opt, "sync_every_reason", "") if variant == "auto" else "",
     )
 
 
@@ -528,6 +531,7 @@ def format_converge(res: ConvergeResult, markdown: bool = False) -> str:
     else:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines += [f"{r.variant} chose: {r.choice}" for r in res.runs if r.choice]
     return "\n".join([head, *lines])
 
 
