@@ -59,8 +59,7 @@ class CountingChannel(ControlChannel):
 
     def __init__(self, size: int, counts: WireCounts) -> None:
         self._size = size
-        self._world = -1
-        self._group = None
+        self._world = -1  # no group: _allgather is the simulated wire's
         self._slot = torch.zeros(_slot_bytes(), dtype=torch.uint8)
         self._slots = torch.zeros(size * _slot_bytes(), dtype=torch.uint8)
         self.rounds = 0

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ringtrain.runtime.contracts import Group
 from ringtrain.transport import group_ops
 
 log = logging.getLogger("ringtrain")
@@ -148,7 +149,7 @@ class AutoShares:
         return new
 
 
-def agree_on(group: object) -> Callable[[list[float]], list[float]]:
+def agree_on(group: Group) -> Callable[[list[float]], list[float]]:
     """Every rank's values summed over ``group`` (float64: the same bits on every rank)."""
 
     def agree(values: list[float]) -> list[float]:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ringtrain.host.connections import GROUP_KINDS, doubling_pairs, doubling_steps
 from ringtrain.runtime import devices
-from ringtrain.runtime.contracts import Store
+from ringtrain.runtime.contracts import Group, Store
 
 log = logging.getLogger("ringtrain")
 
@@ -84,9 +84,9 @@ class Communicator:
             )
         return self.ranks.index(self.world_rank)
 
-    # Any, not ProcessGroup, only while collectives/simulated.py's test channel sets the group
-    # its base class took from here to None (issue 42: that package is being reworked).
-    def group(self, kind: str) -> Any:
+    # The Group protocol, not ProcessGroup: what the layers above call on it is its rank and
+    # size; torch's collectives take it as it is (runtime.contracts).
+    def group(self, kind: str) -> Group:
         """The process group of ``kind`` ('control', 'cpu', 'cuda', 'engine'). CUDA tensors
         take :meth:`group_for`, which decides between NCCL and host memory first."""
         if kind == "cuda" and "cuda" not in self._groups and "nccl" not in self._groups:

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ringtrain.config import Config
 from ringtrain.environ import Torch
 from ringtrain.host import network
 from ringtrain.launch.elastic import ID_VAR as ELASTIC_ID_VAR
 from ringtrain.runtime.environment import Placement
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 log = logging.getLogger("ringtrain")
 
@@ -56,12 +59,12 @@ class Backends:
 
     def seal(
         self,
-        store: Any,
+        store: dist.Store,
         config: Config,
         env: Mapping[str, str],
         placement: Placement,
         transport: str,
-    ) -> Any:
+    ) -> dist.Store:
         from ringtrain.transport import sealed_backend
 
         return sealed_backend.join(store, config, env, placement.rank, placement.size, transport)

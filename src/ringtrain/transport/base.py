@@ -6,13 +6,15 @@ import concurrent.futures
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
 
 from ringtrain.compression import overflow
 from ringtrain.runtime import abort
+from ringtrain.runtime.contracts import Group
+from ringtrain.transport import group_ops
 from ringtrain.transport.hierarchical import HierarchicalAllreduce
 from ringtrain.transport.ring import Plain, Ring
 from ringtrain.transport.ring_group import RingProcessGroup
@@ -22,7 +24,7 @@ from ringtrain.transport.workers import WORKERS, WorkerThread
 class InFlight(Protocol):
     """An operation under way."""
 
-    def wait(self) -> Any:
+    def wait(self) -> object:
         """Block until done; returns the operation's result, raises its error."""
         ...
 
@@ -67,10 +69,10 @@ class Transport(Protocol):
 class _Future:
     """A :class:`InFlight` over a ``concurrent.futures.Future``."""
 
-    def __init__(self, fut: concurrent.futures.Future[Any]) -> None:
+    def __init__(self, fut: concurrent.futures.Future[object]) -> None:
         self._fut = fut
 
-    def wait(self) -> Any:
+    def wait(self) -> object:
         return self._fut.result()
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
@@ -80,10 +82,10 @@ class _Future:
 class _Work:
     """A :class:`InFlight` over a torch ``Work`` whose result lands in ``box``."""
 
-    def __init__(self, work: Any, box: list[Any]) -> None:
+    def __init__(self, work: dist.Work, box: list[object]) -> None:
         self._work, self._box = work, box
 
-    def wait(self) -> Any:
+    def wait(self) -> object:
         abort.wait_work(self._work)
         return self._box[0] if self._box else None
 
@@ -91,7 +93,7 @@ class _Work:
         self._work.get_future().then(lambda _f: fn())
 
 
-def _group_allreduce(group: Any, t: torch.Tensor) -> InFlight:
+def _group_allreduce(group: Group, t: torch.Tensor) -> InFlight:
     """The group's own summing allreduce of ``t``, under way: Gloo's and NCCL's, or the sealed
     and tcp groups' ring run as one operation of the group. Issued from the calling thread, in
     its order, as every other collective on the group; its bits are the group's allreduce's
@@ -115,7 +117,7 @@ def _ring_reduce_scatter(
     )
 
 
-def _staged(chunks: Sequence[torch.Tensor], fn: Callable[[list[torch.Tensor]], Any]) -> Any:
+def _staged(chunks: Sequence[torch.Tensor], fn: Callable[[list[torch.Tensor]], object]) -> object:
     """``fn`` on host copies of device chunks, copied back after (a ring's buffers are host
     memory)."""
     if all(c.device.type == "cpu" for c in chunks):
@@ -133,16 +135,16 @@ class RingTransport:
 
     cuts = True
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: dist.ProcessGroup) -> None:
         self.rank, self.size = group.rank(), group.size()
         self._group = group
         self._link = Ring(group, Plain(self.rank, self.size))
         # The worker is taken at the first ring: a transport only allreducing starts no thread.
         self._worker: WorkerThread | None = None
-        self._release: weakref.finalize[Any, Any] | None = None
+        self._release: weakref.finalize[..., object] | None = None
         self._taking = threading.Lock()
 
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> InFlight:
+    def _submit(self, fn: Callable[..., object], *args: object) -> InFlight:
         with self._taking:
             if self._worker is None:
                 self._worker = WORKERS.acquire(self._group)
@@ -183,8 +185,8 @@ class RingGroupTransport:
         self.rank, self.size = group.rank(), group.size()
         self._group = group
 
-    def _submit(self, fn: Callable[[Ring], Any]) -> InFlight:
-        box: list[Any] = []
+    def _submit(self, fn: Callable[[Ring], object]) -> InFlight:
+        box: list[object] = []
         return _Work(self._group.run_on_link(lambda link: box.append(fn(link))), box)
 
     def allreduce(self, t: torch.Tensor) -> InFlight:
@@ -214,7 +216,7 @@ class NcclTransport:
 
     cuts = True
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Group) -> None:
         self.rank, self.size = group.rank(), group.size()
         self._group = group
 
@@ -266,10 +268,10 @@ class NcclTransport:
 class _Done:
     """A :class:`InFlight` of an operation that completed as it was issued."""
 
-    def __init__(self, result: Any) -> None:
+    def __init__(self, result: object) -> None:
         self._result = result
 
-    def wait(self) -> Any:
+    def wait(self) -> object:
         return self._result
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
@@ -297,16 +299,16 @@ class HierarchicalTransport:
 
     cuts = False  # reduce_scatter reduces every chunk: no traffic saved over an allreduce
 
-    def __init__(self, group: Any, algorithm: HierarchicalAllreduce) -> None:
+    def __init__(self, group: Group, algorithm: HierarchicalAllreduce) -> None:
         self._flat: Transport = of(group)
         self.rank, self.size = self._flat.rank, self._flat.size
         self._group = group
         self._algorithm = algorithm
         self._worker: WorkerThread | None = None
-        self._release: weakref.finalize[Any, Any] | None = None
+        self._release: weakref.finalize[..., object] | None = None
         self._taking = threading.Lock()
 
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> InFlight:
+    def _submit(self, fn: Callable[..., object], *args: object) -> InFlight:
         with self._taking:
             if self._worker is None:  # taken at the first operation
                 self._worker = WORKERS.acquire(self._group)
@@ -344,7 +346,7 @@ class HierarchicalTransport:
         self._flat.close()
 
 
-def of(group: Any, hierarchical: HierarchicalAllreduce | None = None) -> Transport:
+def of(group: Group, hierarchical: HierarchicalAllreduce | None = None) -> Transport:
     """The transport over ``group``: a sealed or tcp group runs the ring as its own operation,
     NCCL its own collectives, Gloo the ring on a worker thread; with ``hierarchical`` (a 2D
     allreduce over the same ranks' hosts), that allreduce
@@ -355,11 +357,11 @@ def of(group: Any, hierarchical: HierarchicalAllreduce | None = None) -> Transpo
         return RingGroupTransport(group)
     if _backend(group) == "nccl":
         return NcclTransport(group)
-    return RingTransport(group)
+    return RingTransport(cast(dist.ProcessGroup, group))  # the runtime's groups are torch's
 
 
-def _backend(group: Any) -> str:
+def _backend(group: Group) -> str:
     try:
-        return str(dist.get_backend(group))
+        return group_ops.backend(group)
     except (RuntimeError, ValueError):
         return ""

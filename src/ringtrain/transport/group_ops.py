@@ -17,33 +17,41 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
-from typing import Any
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
 from ringtrain import compat
 from ringtrain.runtime import abort
+from ringtrain.runtime.contracts import Group
 from ringtrain.transport.ring import Plain, Ring
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
-def allreduce(t: torch.Tensor, group: Any, op: str = "sum", async_op: bool = False) -> Any:
+def allreduce(
+    t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False
+) -> dist.Work | None:
     """``t`` becomes the ``op`` ("sum", "max") of every rank's ``t``, in place."""
-    return dist.all_reduce(t, op=_OPS[op], group=group, async_op=async_op)
+    work: dist.Work | None = dist.all_reduce(t, op=_OPS[op], group=group, async_op=async_op)
+    return work
 
 
-def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+def all_gather_into(
+    out: torch.Tensor, t: torch.Tensor, group: Group, async_op: bool = False
+) -> dist.Work | None:
     """``out`` (size x ``t``'s elements) becomes every rank's ``t``, in rank order."""
-    return compat.all_gather_single(out, t, group=group, async_op=async_op)
+    work: dist.Work | None = compat.all_gather_single(out, t, group=group, async_op=async_op)
+    return work
 
 
 def all_gather(
-    outs: list[torch.Tensor], t: torch.Tensor, group: Any, async_op: bool = False
-) -> Any:
+    outs: list[torch.Tensor], t: torch.Tensor, group: Group, async_op: bool = False
+) -> dist.Work | None:
     """``outs[r]`` becomes rank r's ``t``."""
-    return dist.all_gather(outs, t, group=group, async_op=async_op)
+    work: dist.Work | None = dist.all_gather(outs, t, group=group, async_op=async_op)
+    return work
 
 
 def ring_reduce_scatter(
@@ -60,35 +68,31 @@ def ring_reduce_scatter(
     return link.rank
 
 
-def all_gather_object(outs: list[Any], obj: Any, group: Any) -> None:
+def all_gather_object(outs: list[object], obj: object, group: Group) -> None:
     """``outs[r]`` becomes rank r's ``obj`` (pickled)."""
     dist.all_gather_object(outs, obj, group=group)
 
 
-def size(group: Any) -> int:
-    return int(dist.get_world_size(group))
+def backend(group: Group) -> str:
+    """The name of torch's backend behind ``group`` ("gloo", "nccl", ...): the runtime's groups
+    are torch's ``ProcessGroup``."""
+    return str(dist.get_backend(cast(dist.ProcessGroup, group)))
 
 
-def rank(group: Any) -> int:
-    return int(dist.get_rank(group))
-
-
-def backend(group: Any) -> str:
-    return str(dist.get_backend(group))
-
-
-def new_group(ranks: Sequence[int], backend: str, timeout: datetime.timedelta) -> Any:
+def new_group(ranks: Sequence[int], backend: str, timeout: datetime.timedelta) -> dist.ProcessGroup:
     """A new group of ``ranks`` on ``backend``. Collective over the world: every rank makes the
     same groups in the same order."""
-    return dist.new_group(
+    group: dist.ProcessGroup = dist.new_group(
         list(ranks), timeout=timeout, backend=backend, use_local_synchronization=False
     )
+    return group
 
 
 class _Round:
     """A round under way (:class:`ringtrain.compression.codec.Round`)."""
 
-    def __init__(self, work: Any) -> None:
+    def __init__(self, work: dist.Work | None) -> None:
+        assert work is not None  # issued with async_op=True
         self._work = work
 
     def wait(self) -> None:
@@ -99,9 +103,9 @@ class GroupRounds:
     """A codec's rounds (:class:`ringtrain.compression.codec.Rounds`) on a process group:
     issued from the calling thread, each the ``torch.distributed`` call of the same name."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Group) -> None:
         self.group = group
-        self.rank, self.size = rank(group), size(group)
+        self.rank, self.size = group.rank(), group.size()
 
     def allreduce(self, t: torch.Tensor) -> _Round:
         return _Round(allreduce(t, self.group, async_op=True))
@@ -113,6 +117,6 @@ class GroupRounds:
         return _Round(all_gather(outs, t, self.group, async_op=True))
 
 
-def rounds(group: Any) -> GroupRounds:
+def rounds(group: Group) -> GroupRounds:
     """What a codec with rounds of its own (PowerSGD, top-k) runs them on, over ``group``."""
     return GroupRounds(group)

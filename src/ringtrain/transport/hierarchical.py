@@ -197,11 +197,11 @@ class HierarchicalAllreduce:
         self.plan = plan(host_of_rank)
         self.rank = dist.get_rank()
         self.world = world
-        kw: dict[str, Any] = {"backend": backend}
+        kw: dict[str, Any] = {"backend": backend}  # new_group's keywords
         if timeout is not None:
             kw["timeout"] = timeout
         # Every rank creates every group, in the same order (new_group is collective).
-        self._groups: dict[tuple[int, ...], Any] = {}
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for ranks in [h for h in self.plan.hosts if len(h) > 1] + self.plan.cross_groups():
             self._groups[ranks] = dist.new_group(list(ranks), **kw)
         self.local_ranks = self.plan.hosts[self.plan.host_index(self.rank)]

@@ -38,7 +38,7 @@ beyond, and are identical on every rank.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -55,10 +55,26 @@ SEGMENT_BYTES = 1 << 20
 # allgather of the whole tensors, reduced locally.
 SMALL_EXCHANGE_BYTES = 1 << 20
 
-_Reduce = Callable[[torch.Tensor, torch.Tensor], Any]
+_Reduce = Callable[[torch.Tensor, torch.Tensor], object]
+# A dist.ReduceOp member (dist.ReduceOp.SUM, ...).
+ReduceOp = dist.ReduceOp.RedOpType
 
 
-def _reducer(op: Any) -> tuple[_Reduce, bool]:
+class Posted(Protocol):
+    """A send or receive under way."""
+
+    def wait(self) -> object: ...
+
+
+class Channel(Protocol):
+    """What the ring sends over: a Gloo group's point-to-point, or the TCP mesh's."""
+
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int, /) -> Posted: ...
+
+    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int, /) -> Posted: ...
+
+
+def _reducer(op: ReduceOp) -> tuple[_Reduce, bool]:
     """(in-place reduce of ``acc`` with ``incoming``, whether to divide by n afterwards)."""
     R = dist.ReduceOp
     if op == R.SUM:
@@ -96,6 +112,10 @@ def _mv(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()) if t.numel() else memoryview(bytearray(0))  # type: ignore[arg-type]
 
 
+# Posted messages, the buffer the next piece arrives in, and where it is reduced into.
+_Pending = tuple[tuple[list[Posted], list[torch.Tensor]], torch.Tensor, torch.Tensor]
+
+
 class Plain:
     """No sealing: the ring's bytes travel as they are (the ``ringtrain_tcp`` backend, and the
     engine's reduce-scatter of gradients over its own groups)."""
@@ -109,13 +129,19 @@ class Ring:
     :class:`~ringtrain.transport.tcp_mesh.Mesh`), each message passed through the session kind
     it is given (a sealing session, or :class:`Plain`)."""
 
-    def __init__(self, inner: Any, session: Session | Plain) -> None:
+    def __init__(self, inner: Channel, session: Session | Plain) -> None:
         self.inner = inner
         self.session = session
         self.rank = session.me
         self.size = session.size
         self.plain = isinstance(session, Plain)
         self._overhead = 0 if self.plain else sealed_size(0)
+
+    def detach(self) -> Channel:
+        """Hand the channel over (to close it); the ring is not used after."""
+        inner = self.inner
+        del self.inner
+        return inner
 
     def _wire(self, t: torch.Tensor) -> int:
         """Bytes on the wire for ``t``."""
@@ -145,7 +171,7 @@ class Ring:
 
     def start(
         self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, int]]
-    ) -> tuple[list[Any], list[torch.Tensor]]:
+    ) -> tuple[list[Posted], list[torch.Tensor]]:
         """Post blob sends and receives of known sizes; :meth:`finish` waits for them."""
         got = [torch.empty(n, dtype=torch.uint8) for _, n in recvs]
         works = [self.inner.recv([b], peer, 0) for (peer, _), b in zip(recvs, got)]
@@ -153,7 +179,7 @@ class Ring:
         return works, got
 
     @staticmethod
-    def finish(posted: tuple[list[Any], list[torch.Tensor]]) -> list[torch.Tensor]:
+    def finish(posted: tuple[list[Posted], list[torch.Tensor]]) -> list[torch.Tensor]:
         for w in posted[0]:
             w.wait()
         return posted[1]
@@ -166,7 +192,7 @@ class Ring:
 
     # ---- collectives -------------------------------------------------------------------------
 
-    def allreduce(self, t: torch.Tensor, op: Any) -> None:
+    def allreduce(self, t: torch.Tensor, op: ReduceOp) -> None:
         """Reduce ``t`` in place across the group."""
         n, r = self.size, self.rank
         if n == 1:
@@ -195,7 +221,7 @@ class Ring:
         if acc is not flat:
             flat.copy_(acc)
 
-    def reducescatter(self, out: torch.Tensor, inp: torch.Tensor, op: Any) -> None:
+    def reducescatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> None:
         """``out`` (rank r) = reduction of chunk r of every rank's ``inp`` (n equal chunks)."""
         n = self.size
         reduce, divide = _reducer(op)
@@ -209,7 +235,7 @@ class Ring:
             _divide(mine, n)
         out.reshape(-1).copy_(mine)
 
-    def reduce_scatter_chunks(self, chunks: Sequence[torch.Tensor], op: Any) -> None:
+    def reduce_scatter_chunks(self, chunks: Sequence[torch.Tensor], op: ReduceOp) -> None:
         """Afterwards rank r's ``chunks[r]`` holds the reduction of every rank's ``chunks[r]``
         (in place; the other chunks hold partial results). Chunk sizes may differ, alike on
         every rank. (N-1)/N of the data leaves each rank: half an allreduce's bytes."""
@@ -322,7 +348,7 @@ class Ring:
         for s in range(n - 1):
             out_chunk = chunks[(r - s + offset) % n]
             in_chunk = chunks[(r - s - 1 + offset) % n]
-            pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None
+            pending: _Pending | None = None
             for i in range(count):
                 a, b = _cut(out_chunk.numel(), count, i)
                 c, d = _cut(in_chunk.numel(), count, i)
@@ -335,9 +361,7 @@ class Ring:
             if pending is not None:
                 self._absorb(pending, left, kind, reduce)
 
-    def _absorb(
-        self, pending: tuple[Any, torch.Tensor, torch.Tensor], left: int, kind: int, reduce: _Reduce
-    ) -> None:
+    def _absorb(self, pending: _Pending, left: int, kind: int, reduce: _Reduce) -> None:
         posted, incoming, target = pending
         (got,) = self.finish(posted)
         self.open(left, kind, got, incoming)

@@ -41,13 +41,13 @@ class RingWork(dist.Work):
     ``check`` runs every :data:`NOTICE_POLL_S` while waiting: the sealed backend raises a
     peer's posted failure from it."""
 
-    def __init__(self, check: Callable[[], None], result: Any) -> None:
+    def __init__(self, check: Callable[[], None], result: object) -> None:
         super().__init__()
         self._check = check
         self._result = result
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._future: Future[Any] | None = None
+        self._future: Future[object] | None = None
         self._lock = threading.Lock()
 
     def _finish(self, error: BaseException | None, settle: bool = True) -> None:
@@ -78,14 +78,14 @@ class RingWork(dist.Work):
     def is_success(self) -> bool:
         return self._done.is_set() and self._error is None
 
-    def exception(self) -> Any:
+    def exception(self) -> object:
         return self._error
 
     def result(self) -> Any:
         self.wait()
         return self._result
 
-    def get_future(self) -> Future[Any]:
+    def get_future(self) -> Future[object]:
         with self._lock:
             if self._future is None:
                 self._future = Future()
@@ -94,7 +94,7 @@ class RingWork(dist.Work):
             return self._future
 
 
-def _settle(fut: Future[Any], result: Any, error: BaseException | None) -> None:
+def _settle(fut: Future[object], result: Any, error: BaseException | None) -> None:
     if error is None:
         fut.set_result(result)
     else:
@@ -154,7 +154,7 @@ class RingProcessGroup(dist.ProcessGroup):
     def group_desc(self) -> str:
         return getattr(self, "_group_desc", "")
 
-    def _submit(self, fn: Callable[[], None], result: Any) -> RingWork:
+    def _submit(self, fn: Callable[[], None], result: object) -> RingWork:
         work = RingWork(self._check, result)
         poisoned = self._left or self._poisoned()
         if poisoned is not None:
@@ -206,7 +206,7 @@ class RingProcessGroup(dist.ProcessGroup):
             # destructor runs too late and aborts the process ("terminate called without an
             # active exception"). A worker stuck in Gloo (a peer failed) keeps it until Gloo
             # times out.
-            inner, self._link.inner = self._link.inner, None
+            inner = self._link.detach()
             close = getattr(inner, "close", None)
             if close is not None:  # the TCP mesh closes its sockets
                 close()
@@ -306,7 +306,7 @@ class RingProcessGroup(dist.ProcessGroup):
         def split(t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
             if not sizes:
                 return list(t.chunk(n)) if t.numel() else [t] * n
-            return list(t.split(sizes))
+            return list(torch.split(t, sizes))
 
         def run() -> None:
             _staged(

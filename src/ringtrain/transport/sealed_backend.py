@@ -38,18 +38,20 @@ import socket
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import cast
 
 import torch.distributed as dist
 
 from ringtrain import environ
+from ringtrain.config import Config
 from ringtrain.environ import Ringtrain, Torch
 from ringtrain.errors import SecurityError
 from ringtrain.host import network
 from ringtrain.runtime import exit_guard
+from ringtrain.runtime.contracts import Store
 from ringtrain.security import keys, rendezvous, sealing
 from ringtrain.transport import tcp_backend
-from ringtrain.transport.ring import Ring
+from ringtrain.transport.ring import Channel, Ring
 from ringtrain.transport.ring_group import NOTICE_POLL_S, RingProcessGroup, RingWork
 
 log = logging.getLogger("ringtrain")
@@ -67,7 +69,7 @@ class Context:
     job_id: str
     rank: int  # global rank
     host: str
-    notices: Any  # a store shared by the whole job (this generation), for failure notices
+    notices: Store  # a store shared by the whole job (this generation), for failure notices
     interface: str = ""  # Gloo's interface(s) or address: devices are made without netlink
     transport: str = "gloo"  # "tcp": ringtrain's TCP mesh carries the ciphertext (enclaves)
     failure: SecurityError | None = None
@@ -111,7 +113,7 @@ def configure(
     job_id: str,
     rank: int,
     host: str,
-    notices: Any,
+    notices: Store,
     interface: str = "",
     transport: str = "gloo",
 ) -> Context:
@@ -132,13 +134,13 @@ def configure(
 
 
 def join(
-    store: Any,
-    config: Any,
+    store: dist.Store,
+    config: Config,
     env: Mapping[str, str],
     rank: int,
     size: int,
     transport: str = "gloo",
-) -> Any:
+) -> dist.Store:
     """Secure ``ringtrain.init``: load the key, run the authenticated rendezvous, configure the
     sealed backend. Returns the store to build process groups on (under the job's keyed prefix).
     """
@@ -166,7 +168,7 @@ def deconfigure(keep_key: bool = False) -> None:
         _context = None
 
 
-def _context_for(store: Any, rank: int) -> Context:
+def _context_for(store: dist.Store, rank: int) -> Context:
     """The configured context; a standalone DDP job (no ringtrain.init) loads the key itself."""
     with _context_lock:
         if _context is not None:
@@ -187,7 +189,9 @@ class SealedProcessGroup(RingProcessGroup):
 
     backend_name = BACKEND
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> None:
+    def __init__(
+        self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
+    ) -> None:
         super().__init__(rank, size)
         self._ctx = _context_for(store, rank)
         self._timeout = timeout
@@ -220,11 +224,12 @@ SealedWork = RingWork
 
 
 def _exchange_randoms(
-    store: Any, ctx: Context, rank: int, size: int, timeout: datetime.timedelta
+    store: dist.Store, ctx: Context, rank: int, size: int, timeout: datetime.timedelta
 ) -> tuple[list[sealing.Member], list[bytes]]:
     """Every member posts a fresh random value with who it is; all read everyone's."""
     mine = os.urandom(32)
-    store.set(f"sealed/session/{rank}", mine + f"{ctx.rank}\n{ctx.host}".encode())
+    # torch's binding takes bytes; its stub declares str only.
+    store.set(f"sealed/session/{rank}", mine + f"{ctx.rank}\n{ctx.host}".encode())  # type: ignore[arg-type]
     members, randoms = [], []
     for r in range(size):
         raw = (
@@ -239,7 +244,9 @@ def _exchange_randoms(
     return members, randoms
 
 
-def _inner(store: Any, rank: int, size: int, timeout: datetime.timedelta, ctx: Context) -> Any:
+def _inner(
+    store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, ctx: Context
+) -> Channel:
     """What carries the ciphertext: ringtrain's TCP mesh (``transport = "tcp"``), or a Gloo
     group. With an interface given, Gloo's devices are made from addresses (one ioctl per name)
     instead of its own interface lookup; Gloo still calls ``getifaddrs()`` when it makes a
@@ -247,8 +254,9 @@ def _inner(store: Any, rank: int, size: int, timeout: datetime.timedelta, ctx: C
     if ctx.transport == "tcp":
         return tcp_backend.mesh(dist.PrefixStore("gloo", store), rank, size, timeout)
     store = dist.PrefixStore("gloo", store)
+    # Gloo's backend binds send and recv (the Channel the ring uses); torch's stub lacks them.
     if not ctx.interface.strip():
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        return cast(Channel, dist.ProcessGroupGloo(store, rank, size, timeout))
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = timeout
     opts._devices = [
@@ -256,7 +264,7 @@ def _inner(store: Any, rank: int, size: int, timeout: datetime.timedelta, ctx: C
         for name in ctx.interface.split(",")
         if name.strip()
     ]
-    return dist.ProcessGroupGloo(store, rank, size, opts)
+    return cast(Channel, dist.ProcessGroupGloo(store, rank, size, opts))
 
 
 def register() -> None:
@@ -265,7 +273,9 @@ def register() -> None:
         dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
 
 
-def _create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> SealedProcessGroup:
+def _create(
+    store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
+) -> SealedProcessGroup:
     return SealedProcessGroup(store, rank, size, timeout)
 
 

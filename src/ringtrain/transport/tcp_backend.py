@@ -30,7 +30,6 @@ import errno
 import socket
 import threading
 from collections.abc import Mapping
-from typing import Any
 
 import torch.distributed as dist
 
@@ -91,7 +90,7 @@ def address_from_env(env: Mapping[str, str] | None = None) -> str:
     return local_address(interface, rendezvous)
 
 
-def mesh(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Mesh:
+def mesh(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> Mesh:
     """A mesh for one group, on the configured address (or one found from the environment)."""
     with _lock:
         address = _address
@@ -103,7 +102,9 @@ class TcpProcessGroup(RingProcessGroup):
 
     backend_name = BACKEND
 
-    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> None:
+    def __init__(
+        self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
+    ) -> None:
         super().__init__(rank, size)
         link = Ring(mesh(store, rank, size, timeout), Plain(rank, size))
         self._begin(link, f"ringtrain-tcp-{rank}")
@@ -115,7 +116,9 @@ def register() -> None:
         dist.Backend.register_backend(BACKEND, _create, devices=["cpu", "cuda"])
 
 
-def _create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> TcpProcessGroup:
+def _create(
+    store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
+) -> TcpProcessGroup:
     return TcpProcessGroup(store, rank, size, timeout)
 
 

@@ -34,11 +34,12 @@ import socket
 import struct
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
 from ringtrain.runtime import exit_guard
+from ringtrain.runtime.contracts import Store
 
 log = logging.getLogger("ringtrain")
 
@@ -122,7 +123,9 @@ class _Peer:
                 jobs.put((data, work))
         return work
 
-    def _loop(self, jobs: queue.SimpleQueue[_Job | None], move: Any) -> None:
+    def _loop(
+        self, jobs: queue.SimpleQueue[_Job | None], move: Callable[[memoryview], object]
+    ) -> None:
         while True:
             job = jobs.get()
             if job is None:
@@ -197,7 +200,7 @@ class Mesh:
     """
 
     def __init__(
-        self, store: Any, rank: int, size: int, timeout: datetime.timedelta, address: str
+        self, store: Store, rank: int, size: int, timeout: datetime.timedelta, address: str
     ) -> None:
         self.rank, self.size = rank, size
         timeout_s = timeout.total_seconds()
@@ -235,7 +238,7 @@ class Mesh:
         finally:
             listener.close()
 
-    def _connect(self, store: Any, peer: int, timeout_s: float) -> socket.socket:
+    def _connect(self, store: Store, peer: int, timeout_s: float) -> socket.socket:
         ip, port, token = store.get(f"tcp/{peer}").decode().split(":")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)

@@ -6,24 +6,27 @@ import concurrent.futures
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from ringtrain.errors import CollectiveAbortedError
 from ringtrain.runtime import exit_guard
+from ringtrain.runtime.contracts import Group
+
+# A call to run: its future, the function, its arguments.
+_Job = tuple["concurrent.futures.Future[object]", Callable[..., object], tuple[object, ...]]
 
 
 class WorkerThread:
     """One daemon thread running calls in submission order."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="ringtrain-reducer", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    def submit(self, fn: Callable[..., object], *args: object) -> concurrent.futures.Future[object]:
+        fut: concurrent.futures.Future[object] = concurrent.futures.Future()
         self._jobs.put((fut, fn, args))
         return fut
 
@@ -71,7 +74,7 @@ class SharedWorkers:
         self._lock = threading.Lock()
         self._held: dict[int, tuple[WorkerThread, int]] = {}  # id(group): (worker, holders)
 
-    def acquire(self, group: Any) -> WorkerThread:
+    def acquire(self, group: Group) -> WorkerThread:
         with self._lock:
             worker, holders = self._held.get(id(group), (None, 0))
             if worker is None:
