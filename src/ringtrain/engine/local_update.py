@@ -28,6 +28,9 @@ the ranks' differ).
 :class:`LocalUpdate` is a step strategy (:class:`ringtrain.engine.steps.Update`) whose
 ``exchanges()`` is always False: the gradient path then reduces nothing and calls its ``step()``.
 :meth:`~LocalUpdate.rejoin` keeps the anchor and the outer state across an elastic re-forming.
+With ``sync_every="auto"`` its first round decides (:mod:`ringtrain.engine.local_first`): the
+rounds after it take the chosen ``H`` (:meth:`~LocalUpdate._resize`), or the round ends in a
+plain average of the weights and the inner state and the optimizer goes synchronous.
 """
 
 from __future__ import annotations
