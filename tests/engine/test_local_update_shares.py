@@ -8,6 +8,7 @@ weighted by the samples each took."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import _shares as task
@@ -206,9 +207,61 @@ def test_per_rank_rounds_are_parsed_checked_and_weighed() -> None:
         local_settings.check(Config.from_env({}, sync_every="4,2", outer_fragments=3))
 
 
-def test_measured_shares_are_refused_with_local_updates() -> None:
-    config = Config.from_env({"RINGTRAIN_SYNC_EVERY": "10"})
+def test_measured_shares_take_a_number_of_steps_and_refuse_other_rounds() -> None:
     fixed = Reduction.of(None, 1.0, 1, False, [3, 1])
+    measured = Reduction.of(None, 1.0, 1, False, "auto")
+    config = Config.from_env({"RINGTRAIN_SYNC_EVERY": "10"})
     assert settings.check(config, fixed).shares == (3.0, 1.0)
-    with pytest.raises(ConfigError, match="give the shares"):
-        settings.check(config, Reduction.of(None, 1.0, 1, False, "auto"))
+    assert settings.check(config, measured).shares == "auto"  # measured a round at a time
+    for rounds in ("auto", "4,2"):
+        config = Config.from_env({"RINGTRAIN_SYNC_EVERY": rounds})
+        with pytest.raises(ConfigError, match="give the shares"):
+            settings.check(config, measured)
+
+
+SLOW_S = 0.004  # rank 1's extra seconds per inner step: about a fifth of rank 0's speed
+
+
+def _measured(overlap: bool) -> dict[str, Any]:
+    """batch_shares="auto" with local updates, rank 1 slowed: the shares after 6 rounds, the
+    outer weight in force, the anchors (the same on every rank after an outer step)."""
+    model = task.model()
+    opt = rt.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        sync_every=H,
+        outer_compression="none",
+        outer_overlap=overlap,
+        batch_shares="auto",
+    )
+    for step in range(H * 6 + 1):  # the last step sets the weight from the shares in force
+        if rt.rank() == 1:
+            time.sleep(SLOW_S)
+        _inner_step(model, opt, step, rt.rank())
+    local = opt.local_update
+    assert local is not None
+    if overlap:
+        local.outer_step()  # apply the last average now: every rank then holds one anchor
+        for frag in local.fragments:
+            if frag.pending is not None:
+                local._merge(frag)
+    assert local.anchor is not None
+    return {"shares": opt.batch_shares, "weight": local.weight, "anchor": local.anchor}
+
+
+def _both() -> dict[str, Any]:
+    return {"inline": _measured(False), "overlapped": _measured(True)}
+
+
+def test_measured_shares_follow_each_rank_s_rate_a_round_at_a_time(world2: World) -> None:
+    per_rank = world2.run(_both)
+    for run in ("inline", "overlapped"):
+        shares = [r[run]["shares"] for r in per_rank]
+        assert shares[0] == shares[1] and shares[0] is not None, shares  # agreed
+        fast, slow = shares[0]
+        assert fast > 1.5 * slow, shares  # the faster rank takes more of each global batch
+        # The outer average weighs each rank by its share (equal inner steps a round).
+        for r, got in enumerate(per_rank):
+            assert got[run]["weight"] == pytest.approx(shares[0][r] / sum(shares[0]))
+        for a, b in zip(per_rank[0][run]["anchor"], per_rank[1][run]["anchor"]):
+            assert torch.equal(a, b), f"the ranks' anchors differ ({run})"

@@ -16,6 +16,11 @@ theirs), and, once shares are set, only when that holds at ``CONFIRM`` (2) measu
 from equal shares, takes one measurement. A uniform slowdown of every rank moves nothing: it
 changes no rank's share of the work.
 
+With local updates (``sync_every=H``) a measurement is a whole round instead of a step: from the
+end of one round's last ``step()`` to the start of the next round's, every inner step of the
+round (:data:`ROUND_PERIODS`: one round let pass, each later round a measurement); the outer
+average then weighs each rank by its share, as the gradient average does.
+
 The split depends on timing: two runs may choose different shares, so their weights differ.
 An explicit list is reproducible bit for bit; ``"auto"`` is the user's opt-in to a timing-
 dependent split.
@@ -40,6 +45,8 @@ MEASURE_STEPS = 5
 GAIN_MARGIN = 0.1  # new shares must be predicted to gain more than this over those in force
 CONFIRM = 2  # measurements in a row that must agree before shares in force change
 RESOLUTION = 1000
+# Local updates: one round let pass (the first holds the link probe), then each round measured.
+ROUND_PERIODS = (1, 1, "round(s)")
 
 
 def shares_for(rates: Sequence[float]) -> tuple[int, ...]:
@@ -65,9 +72,12 @@ def gains(now: Sequence[float], rates: Sequence[float], margin: float = GAIN_MAR
     return predicted_gain(now, shares_for(rates), rates) > 1.0 + margin
 
 
-def describe(shares: Sequence[int], rates: Sequence[float]) -> str:
+def describe(
+    shares: Sequence[int], rates: Sequence[float], basis: str = f"median of {MEASURE_STEPS} steps"
+) -> str:
     """The one log line: who gets how much of each global batch, and why (each rank's speed
-    relative to the fastest's: the rates are in the shares' unit per second, not samples)."""
+    relative to the fastest's: the rates are in the shares' unit per second, not samples);
+    ``basis``: what each rate was measured over."""
     whole, fastest = sum(shares), max(rates)
     parts = ", ".join(
         f"rank {r} {s / whole:.1%} (speed {rate / fastest:.2f})"
@@ -75,7 +85,7 @@ def describe(shares: Sequence[int], rates: Sequence[float]) -> str:
     )
     return (
         f"ringtrain batch_shares=auto: shares {list(shares)} of each global batch: {parts}, "
-        f"from each rank's measured rate (median of {MEASURE_STEPS} steps); changed again only "
+        f"from each rank's measured rate ({basis}); changed again only "
         f"when other shares would gain over {GAIN_MARGIN:.0%} at {CONFIRM} measurements in a row"
     )
 
@@ -89,20 +99,25 @@ class AutoShares:
         rank: int,
         agree: Callable[[list[float]], list[float]],
         clock: Callable[[], float] = time.perf_counter,
+        periods: tuple[int, int, str] = (WARMUP_STEPS, MEASURE_STEPS, "steps"),
     ) -> None:
-        """``agree(values)``: every rank's ``values`` summed (identical on every rank)."""
+        """``agree(values)``: every rank's ``values`` summed (identical on every rank).
+        ``periods``: what :meth:`observe` is called at (``"steps"``; local updates: ``"rounds"``,
+        each a whole round's work), how many of them to let pass, how many to measure over."""
         self.size, self.rank = size, rank
         self.shares: tuple[int, ...] = (1,) * size
         self._agree, self._clock = agree, clock
         self._decided = False  # the first choice made (from the equal shares at the start)
         self._pending: list[float] | None = None  # rates of a measurement that asked for a change
         self._seconds: list[float] = []
-        self._skip = WARMUP_STEPS
+        self._skip, self._measure, unit = periods
+        self._basis = f"median of {self._measure} {unit}"
         self._last_end = 0.0
 
     def observe(self, start: float, end: float) -> tuple[int, ...] | None:
-        """One ``synchronize()`` from ``start`` to ``end``; new shares when they change (the
-        same on every rank, at the same step). Collective every ``MEASURE_STEPS`` steps."""
+        """One ``synchronize()`` (a round's last ``step()``) from ``start`` to ``end``; new shares
+        when they change (the same on every rank, at the same step). Collective once a
+        measurement is complete."""
         previous, self._last_end = self._last_end, end
         if previous == 0.0:
             return None
@@ -110,7 +125,7 @@ class AutoShares:
             self._skip -= 1
             return None
         self._seconds.append(max(start - previous, 1e-9))
-        if len(self._seconds) < MEASURE_STEPS:
+        if len(self._seconds) < self._measure:
             return None
         mine = self.shares[self.rank] / statistics.median(self._seconds)
         self._seconds = []
@@ -131,7 +146,7 @@ class AutoShares:
             self._decided = True
             new = shares_for(rates) if gains(self.shares, rates) else self.shares
             if self.rank == 0:  # the first choice shown by default (as auto compression's)
-                log.warning("%s", describe(new, rates))
+                log.warning("%s", describe(new, rates, self._basis))
             return new
         if not gains(self.shares, rates):
             self._pending = None  # noise within the margin: nothing moves
@@ -145,7 +160,7 @@ class AutoShares:
             return None  # the two measurements disagree on what to change
         self._pending = None
         if self.rank == 0:
-            log.info("%s", describe(new, mean))
+            log.info("%s", describe(new, mean, self._basis))
         return new
 
 

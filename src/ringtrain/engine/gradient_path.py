@@ -25,7 +25,7 @@ import torch
 from ringtrain.config import Config
 from ringtrain.diagnostics import shares as in_force
 from ringtrain.diagnostics import timeline
-from ringtrain.engine import local_defaults, local_first, local_settings, local_update
+from ringtrain.engine import auto_shares, local_defaults, local_first, local_settings, local_update
 from ringtrain.engine.auto_shares import AutoShares, agree_on
 from ringtrain.engine.parameters import Hooks, make_watch
 from ringtrain.engine.planner import Planner
@@ -89,8 +89,17 @@ class GradientPath:
         """batch_shares="auto": the measurement (equal shares until its first decision)."""
         if self.reduction.shares != "auto" or self.comm.size == 1 or not self.comm.included:
             return None
-        group = self.comm.group("engine")
-        return AutoShares(self.comm.size, self.comm.set_rank, agree_on(group))
+        agree = agree_on(self.comm.group("engine"))
+        if not isinstance(self.update, local_update.LocalUpdate):
+            return AutoShares(self.comm.size, self.comm.set_rank, agree)
+
+        def after_exchanges(values: list[float]) -> list[float]:  # the update of the time
+            assert isinstance(self.update, local_update.LocalUpdate)
+            return self.update.after_exchanges(lambda: agree(values))
+
+        # Local updates: measured a round at a time, agreed behind the outer exchanges.
+        rank, size = self.comm.set_rank, self.comm.size
+        return AutoShares(size, rank, after_exchanges, periods=auto_shares.ROUND_PERIODS)
 
     def set_batch_shares(self, shares: object) -> None:
         """New shares from the next step on (the same on every rank, between steps)."""
@@ -354,8 +363,12 @@ class GradientPath:
             update.weight = self._outer_weight(update)
         t0 = time.perf_counter()
         update.replan(self.planner.plan)
+        rounds = update.outer_steps if isinstance(update, local_update.LocalUpdate) else 0
         result = update.step(closure)
-        timeline.current().span("step", "OPTIMIZER_STEP", t0, time.perf_counter())
+        t1 = time.perf_counter()
+        timeline.current().span("step", "OPTIMIZER_STEP", t0, t1)
+        if isinstance(update, local_update.LocalUpdate) and update.outer_steps != rounds:
+            self._round_ended(t0, t1)
         if self.sync_every == "auto" and isinstance(update, local_update.LocalUpdate):
             self._after_round(update)
         return self._step_done(result)
@@ -379,6 +392,14 @@ class GradientPath:
         return local_settings.outer_weight(
             every, shares if isinstance(shares, tuple) else None, rank, size
         )
+
+    def _round_ended(self, t0: float, t1: float) -> None:
+        """Local updates: a round ended in the step from ``t0`` to ``t1`` (on every rank at the
+        same step): batch_shares="auto" measures there."""
+        if self._auto_shares is not None:
+            shares = self._auto_shares.observe(t0, t1)
+            if shares is not None:
+                self.set_batch_shares(shares)
 
     def bucket_updates(self, closure: Any) -> BucketUpdates | None:
         """The strategy's updates bucket by bucket for a step() that synchronizes, or None

@@ -39,7 +39,7 @@ import concurrent.futures
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -67,6 +67,7 @@ STATE_KEY = "ringtrain_local_update"
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
 
+T = TypeVar("T")
 OuterFactory = Callable[[Sequence[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -287,6 +288,14 @@ class LocalUpdate:
         self.delay = outer_delay(outer.delay, every or self.sync_every)
         if self._defaults is not None:
             self._defaults.why = outer.why
+
+    def after_exchanges(self, fn: Callable[[], T]) -> T:
+        """``fn()`` (a collective on the outer exchange's group) once the exchanges in flight
+        have ended: on the exchange thread where one runs, so every rank runs it in the same
+        order with them. It waits for them (an overlapped round's exchange is then exposed)."""
+        if self._exchanger is None:
+            return fn()
+        return self._exchanger.submit(fn).result()
 
     @property
     def outer_reason(self) -> str:

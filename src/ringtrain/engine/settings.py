@@ -189,10 +189,11 @@ def check_batch_shares(reduction: Reduction, config: Config) -> None:
             "does not have (the next forward starts while buckets are on the wire).\nHINT: "
             "give the shares (e.g. [3, 1]), or drop overlap."
         )
-    if reduction.shares == "auto" and local_settings.parse_sync_every(config.sync_every) != 0:
+    every = local_settings.parse_sync_every(config.sync_every)
+    if reduction.shares == "auto" and (every == "auto" or isinstance(every, tuple)):
         raise ConfigError(
-            "batch_shares='auto' measures each rank's rate at the gradient exchange's step "
-            f"boundaries, which local updates (sync_every={config.sync_every!r}) do not have "
-            "between outer steps.\nHINT: give the shares (e.g. [3, 1]): the outer average then "
-            "weighs each rank by them."
+            "batch_shares='auto' sets each rank's share of the samples from measured rates, "
+            f"and sync_every={config.sync_every!r} would choose the rounds as well.\nHINT: give "
+            "sync_every one number of steps (the shares then follow each rank's rate, measured "
+            "a round at a time), or give the shares (e.g. [3, 1])."
         )
