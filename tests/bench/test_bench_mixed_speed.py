@@ -22,6 +22,10 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_flags_become_params_and_bad_values_are_explained() -> None:
     p = command._params(_args("--slow-rank", "2", "--slow-by", "sleep", "--slow-factor", "3"))
     assert p == MixedSpeedParams(slow_rank=2, slow_by="sleep", factor=3.0)
+    local = command._params(_args("--slow-by", "sleep", "--sync-every", "8"))
+    assert local == MixedSpeedParams(slow_by="sleep", sync_every=8)
+    with pytest.raises(ConfigError, match="--sync-every >= 0"):
+        command._params(_args("--sync-every", "-1"))
     with pytest.raises(ConfigError, match="--slow-factor must be above 1"):
         command._params(_args("--slow-factor", "1"))
     with pytest.raises(ConfigError, match="draws no plot"):

@@ -64,6 +64,7 @@ class MixedSpeedParams:
     global_batch: int = 16384
     steps: int = 20
     width: int = 512
+    sync_every: int = 0  # > 0: local updates every this many steps (shares measured a round)
 
     def check(self, size: int | None = None) -> None:
         """Bad values fail here (before ranks start where ``size`` is not known yet)."""
@@ -73,8 +74,11 @@ class MixedSpeedParams:
             )
         if not self.factor > 1:
             raise ConfigError(f"--slow-factor must be above 1, got {self.factor}")
-        if self.steps < 1 or self.width < 1:
-            raise ConfigError(f"--steps and --width must be >= 1, got {self.steps}, {self.width}")
+        if self.steps < 1 or self.width < 1 or self.sync_every < 0:
+            raise ConfigError(
+                f"--steps and --width must be >= 1 and --sync-every >= 0, got {self.steps}, "
+                f"{self.width}, {self.sync_every}"
+            )
         if size is not None and not 0 <= self.slow_rank < size:
             raise ConfigError(
                 f"--slow-rank {self.slow_rank} is not a rank of this job of {size} ranks.\n"
@@ -163,12 +167,17 @@ def _train(p: MixedSpeedParams, shares: str | None, slow: float) -> tuple[float,
         torch.optim.SGD(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
         batch_shares=shares,
+        sync_every=p.sync_every,
     )
     x, y = torch.randn(p.global_batch, 256), torch.randint(0, 10, (p.global_batch,))
     settle = 1 + WARMUP_STEPS + MEASURE_STEPS + 2 if shares == "auto" else 2
+    steps = p.steps
+    if p.sync_every:  # whole rounds: auto's first shares come after 3 (ROUND_PERIODS)
+        settle = p.sync_every * (4 if shares == "auto" else 1)
+        steps = -(-p.steps // p.sync_every) * p.sync_every
     now: tuple[float, ...] = (1.0,) * rt.size()
     start = 0.0
-    for step in range(settle + p.steps):
+    for step in range(settle + steps):
         if step == settle:
             rt.allreduce(torch.zeros(1), name="bench.mixed.mark")
             start = time.perf_counter()
@@ -181,7 +190,7 @@ def _train(p: MixedSpeedParams, shares: str | None, slow: float) -> tuple[float,
         _work(model, x[at : at + counts[rt.rank()]], y[at : at + counts[rt.rank()]], slow)
         opt.step()
     rt.allreduce(torch.zeros(1), name="bench.mixed.end")
-    return p.global_batch * p.steps / (time.perf_counter() - start), list(now)
+    return p.global_batch * steps / (time.perf_counter() - start), list(now)
 
 
 @register("mixed-speed")
@@ -206,6 +215,8 @@ def format_mixed_speed(res: MixedSpeedResult, markdown: bool = False) -> str:
         f"mixed speed, {res.world_size} ranks, rank {p.slow_rank} {how}; global batch "
         f"{p.global_batch}, {p.steps} timed steps, MLP 256-{p.width}-10{_load(res.env)}"
     )
+    if p.sync_every:
+        head += f"; local updates every {p.sync_every} steps"
     whole = sum(res.shares)
     rows = [
         ["alone, each rank", ", ".join(f"{a:,.0f}" for a in res.alone), ""],
@@ -240,6 +251,12 @@ def configure(sub: Any, common: Any) -> None:
     ms.add_argument("--global-batch", type=int, default=16384)
     ms.add_argument("--steps", type=int, default=20, help="timed global batches per setting")
     ms.add_argument("--width", type=int, default=512, help="the MLP's hidden width")
+    ms.add_argument(
+        "--sync-every",
+        type=int,
+        default=0,
+        help="local updates every H steps (shares measured a round at a time); 0: synchronous",
+    )
     common(ms)
 
 
@@ -253,6 +270,7 @@ def params_from(args: argparse.Namespace) -> MixedSpeedParams:
         global_batch=args.global_batch,
         steps=args.steps,
         width=args.width,
+        sync_every=args.sync_every,
     )
     p.check()
     return p
