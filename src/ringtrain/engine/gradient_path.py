@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ringtrain.compression.policy import AutoCompression
 from ringtrain.config import Config
 from ringtrain.diagnostics import shares as in_force
 from ringtrain.diagnostics import timeline
@@ -35,9 +36,9 @@ from ringtrain.engine.steps import BucketUpdates, Overlapped, ShardedUpdate, Upd
 from ringtrain.engine.weighting import Averaging, check_shares
 from ringtrain.errors import CollectiveArgumentError, ConfigError
 
-# Horovod's words, which scripts filter on (warnings.filterwarnings): kept exactly.
 log = logging.getLogger("ringtrain")
 
+# Horovod's words, which scripts filter on (warnings.filterwarnings): kept exactly.
 STEP_WITHOUT_SKIP = (
     "optimizer.step() called without optimizer.skip_synchronize() context after "
     "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
@@ -292,11 +293,10 @@ class GradientPath:
 
     def _chose(self, choice: local_first.Choice, first_round: bool = True) -> None:
         """sync_every="auto" has chosen (alike on every rank); a checkpoint keeps the choice
-        (AutoCompression.state_dict, the local state's ``outer_choice``)."""
+        with compression="auto"'s state (AutoCompression.state_dict)."""
         self.sync_every, self.sync_every_reason = choice.sync_every, choice.why
-        compression = self.planner.compression
-        if hasattr(compression, "sync_every"):
-            compression.sync_every = choice.sync_every
+        if isinstance(self.planner.compression, AutoCompression):
+            self.planner.compression.sync_every = choice.sync_every
         if not first_round and self.comm.set_rank == 0:
             log.warning("%s", local_first.line(choice, first_round=False))
 
@@ -318,7 +318,8 @@ class GradientPath:
         (the choice was saved after the switch)."""
         if compressor_state is not None:
             self.planner.load_compressor_state(compressor_state, self.averaging())
-        update, every = self.update, getattr(self.planner.compression, "sync_every", None)
+        update, compression = self.update, self.planner.compression
+        every = compression.sync_every if isinstance(compression, AutoCompression) else None
         if self.sync_every != "auto" or every is None:
             return
         if not isinstance(update, local_update.LocalUpdate):
