@@ -14,6 +14,7 @@ kind of group. The reference is ``torch.distributed`` on a plain Gloo group made
 * ``reduce_scatter``: rank r's chunk r equals chunk r of ``all_reduce`` (chunks of unequal
   sizes, one empty) and ``reduce_scatter_tensor``'s output (equal chunks);
 * ``allgather``: every chunk i equals rank i's, as ``all_gather_into_tensor`` gathers them;
+* ``broadcast``: from the last rank, equals ``broadcast``'s result;
 * the two in a row (the local-update step's allreduce of its outer change) equal ``all_reduce``.
 
 Inputs that are small integers sum exactly in any order and every dtype, so these agree bit
@@ -156,6 +157,15 @@ class _Check:
         want = [_cut(row, n)[i] for i, row in enumerate(everyone.view(n, -1))]
         self.same(f"allgather {what}", torch.cat(chunks), torch.cat(want))
 
+    def broadcast(self, x: torch.Tensor, what: str) -> None:
+        """From the last rank (a root that is not rank 0: its rank in the group counts)."""
+        root = self.size - 1
+        want = x.clone()
+        dist.broadcast(want, group=self.ref, group_src=root)
+        got = x.clone()
+        self.wire.broadcast(got, root).wait()
+        self.same(f"broadcast {what}", got, want)
+
     def overflow(self, only_rank: int | None) -> None:
         """fp16 chunks with a float32 fallback; ``only_rank``: only that rank's shard
         overflows (None: none does). Every rank must redo, or none."""
@@ -186,6 +196,7 @@ def _run_checks(wire: transport.Transport, ref: Any, device: str) -> tuple[list[
                 what = f"{dtype} x{numel} {'exact' if exact else 'random'}"
                 check.reduce_scatter(_inputs(numel, dtype, r, exact, device), what, exact)
             check.allgather(_inputs(numel, dtype, r, False, device), f"{dtype} x{numel}")
+            check.broadcast(_inputs(numel, dtype, r, False, device), f"{dtype} x{numel}")
     for only_rank in (None, *range(wire.size)):
         check.overflow(only_rank)
     return check.bad, check.checked

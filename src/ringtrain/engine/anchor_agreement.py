@@ -66,15 +66,15 @@ def _all_alike(wire: transport.Transport, mine_digest: bytes) -> bool:
 
 
 def _broadcast_bytes(wire: transport.Transport, data: bytes) -> bytes:
-    """Rank 0's ``data`` on every rank, as an all-gather in which only rank 0's piece counts."""
-    n, me = wire.size, wire.rank
-    lengths = [torch.tensor([len(data) if r == me else 0], dtype=torch.int64) for r in range(n)]
-    wire.allgather(lengths).wait()
-    size = int(lengths[0].item())
-    # Equal pieces (a ring forwards every one); rare (a start, a resume, a re-form): the waste
-    # of n-1 empty copies does not matter.
-    pieces = [torch.zeros(size, dtype=torch.uint8) for _ in range(n)]
-    if me == 0:
-        pieces[0] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    wire.allgather(pieces).wait()
-    return bytes(pieces[0].numpy().tobytes())
+    """Rank 0's ``data`` on every rank: its length, then its bytes, each a broadcast."""
+    length = torch.tensor([len(data) if wire.rank == 0 else 0], dtype=torch.int64)
+    wire.broadcast(length, 0).wait()
+    size = int(length.item())
+    if size == 0:
+        return b""
+    if wire.rank == 0:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    else:
+        buf = torch.empty(size, dtype=torch.uint8)
+    wire.broadcast(buf, 0).wait()
+    return bytes(buf.numpy().tobytes())

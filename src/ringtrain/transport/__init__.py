@@ -4,14 +4,16 @@ Every process group the engine uses (Gloo, NCCL, the sealed group ``ringtrain_se
 tcp group ``ringtrain_tcp``) is wrapped in a :class:`Transport` by :func:`of`, and the code
 above it never asks which; so is the hierarchical (2D) allreduce over a group's ranks
 (``of(group, hierarchical)``: :class:`~ringtrain.transport.base.HierarchicalTransport`, whose
-``reduce_scatter`` reduces every chunk, so it does not ``cut``). A transport offers the three
-in-place operations a gradient reduction is written with, each returning an :class:`InFlight`:
+``reduce_scatter`` reduces every chunk, so it does not ``cut``). A transport offers the four
+in-place operations the engine's exchanges are written with, each returning an :class:`InFlight`:
 
 * ``allreduce(t)``: ``t`` becomes the sum over the group: the group's own allreduce (Gloo's,
   NCCL's, the sealed and tcp groups' ring as one operation), issued from the calling thread;
 * ``reduce_scatter(chunks)``: rank r's ``chunks[r]`` becomes the sum of every rank's
   ``chunks[r]`` (the others hold partial sums afterwards);
 * ``allgather(chunks)``: every rank's ``chunks[i]`` becomes rank i's ``chunks[i]``.
+* ``broadcast(t, root)``: ``t`` becomes rank ``root``'s ``t``: the group's own broadcast, issued
+  from the calling thread (local updates' anchor agreement sends rank 0's copy with it).
 
 Chunk sizes may differ (alike on every rank). Sums follow a fixed order (the ring's, fixed by
 rank; an allreduce's the group's), never timing, so every rank ends with the same bits.

@@ -61,6 +61,11 @@ class Transport(Protocol):
         """Every rank's ``chunks[i]`` becomes rank i's ``chunks[i]``, in place."""
         ...
 
+    def broadcast(self, t: torch.Tensor, root: int) -> InFlight:
+        """``t`` becomes rank ``root``'s ``t`` (``root`` a rank of the group), in place: the
+        group's own broadcast, issued from the calling thread (see :func:`_group_broadcast`)."""
+        ...
+
     def close(self) -> None:
         """Release what the transport holds (a worker thread); idempotent."""
         ...
@@ -99,6 +104,15 @@ def _group_allreduce(group: Group, t: torch.Tensor) -> InFlight:
     its order, as every other collective on the group; its bits are the group's allreduce's
     (the Gloo group's ring of :class:`Ring` sums in another order)."""
     return _Work(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True), [])
+
+
+def _group_broadcast(group: Group, t: torch.Tensor, root: int) -> InFlight:
+    """The group's own broadcast of rank ``root``'s ``t`` (a rank of ``group``), under way;
+    issued from the calling thread, as :func:`_group_allreduce`."""
+    pg = cast(dist.ProcessGroup, group)  # the runtime's groups are torch's (broadcast types it)
+    work: dist.Work | None = dist.broadcast(t, group=pg, group_src=root, async_op=True)
+    assert work is not None  # asked for with async_op
+    return _Work(work, [])
 
 
 def _ring_reduce_scatter(
@@ -155,6 +169,9 @@ class RingTransport:
     def allreduce(self, t: torch.Tensor) -> InFlight:
         return _group_allreduce(self._group, t)
 
+    def broadcast(self, t: torch.Tensor, root: int) -> InFlight:
+        return _group_broadcast(self._group, t, root)
+
     def reduce_scatter(
         self, chunks: Sequence[torch.Tensor], fallback: Sequence[torch.Tensor] | None = None
     ) -> InFlight:
@@ -191,6 +208,9 @@ class RingGroupTransport:
 
     def allreduce(self, t: torch.Tensor) -> InFlight:
         return _group_allreduce(self._group, t)
+
+    def broadcast(self, t: torch.Tensor, root: int) -> InFlight:
+        return _group_broadcast(self._group, t, root)
 
     def reduce_scatter(
         self, chunks: Sequence[torch.Tensor], fallback: Sequence[torch.Tensor] | None = None
@@ -229,6 +249,9 @@ class NcclTransport:
 
     def allreduce(self, t: torch.Tensor) -> InFlight:
         return _group_allreduce(self._group, t)
+
+    def broadcast(self, t: torch.Tensor, root: int) -> InFlight:
+        return _group_broadcast(self._group, t, root)
 
     def reduce_scatter(
         self, chunks: Sequence[torch.Tensor], fallback: Sequence[torch.Tensor] | None = None
@@ -339,6 +362,9 @@ class HierarchicalTransport:
 
     def allgather(self, chunks: Sequence[torch.Tensor]) -> InFlight:
         return self._flat.allgather(chunks)
+
+    def broadcast(self, t: torch.Tensor, root: int) -> InFlight:
+        return self._flat.broadcast(t, root)
 
     def close(self) -> None:
         if self._release is not None:
