@@ -36,17 +36,23 @@ def _inner_step(model: torch.nn.Module, opt: Any, step: int, r: int) -> None:
     opt.step()
 
 
-def _train(shares: list[int] | None) -> list[torch.Tensor]:
-    """This rank's anchor after ROUNDS rounds (outer exchange in float32: an exact wire)."""
-    model = task.model()
-    opt = rt.DistributedOptimizer(
+def _local(model: torch.nn.Module, shares: list[int] | str | None, overlap: bool = False) -> Any:
+    """Adam inside local updates every H steps, the outer exchange in float32 (an exact wire)
+    and its overlap given (the link is then not measured: engine/local_defaults)."""
+    return rt.DistributedOptimizer(
         torch.optim.Adam(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
         sync_every=H,
         outer_compression="none",
-        outer_overlap=False,  # given: the link is not measured (engine/local_defaults)
+        outer_overlap=overlap,
         batch_shares=shares,
     )
+
+
+def _train(shares: list[int] | None) -> list[torch.Tensor]:
+    """This rank's anchor after ROUNDS rounds."""
+    model = task.model()
+    opt = _local(model, shares)
     for step in range(H * ROUNDS):
         _inner_step(model, opt, step, rt.rank())
     local = opt.local_update
@@ -226,14 +232,7 @@ def _measured(overlap: bool) -> dict[str, Any]:
     """batch_shares="auto" with local updates, rank 1 slowed: the shares after 6 rounds, the
     outer weight in force, the anchors (the same on every rank after an outer step)."""
     model = task.model()
-    opt = rt.DistributedOptimizer(
-        torch.optim.Adam(model.parameters(), lr=0.01),
-        named_parameters=model.named_parameters(),
-        sync_every=H,
-        outer_compression="none",
-        outer_overlap=overlap,
-        batch_shares="auto",
-    )
+    opt = _local(model, "auto", overlap)
     for step in range(H * 6 + 1):  # the last step sets the weight from the shares in force
         if rt.rank() == 1:
             time.sleep(SLOW_S)

@@ -113,6 +113,8 @@ class FirstRound:
     def _decide(
         self, numel: int, size: int, rank: int, compute: float, latency: float, bps: float
     ) -> local_policy.OuterSettings | None:
+        """sync_every="auto"'s choice on the agreed figures (:attr:`choice`), logged by rank 0;
+        the outer exchange it chose (None: synchronous)."""
         fusion = self.config.fusion_threshold_bytes
         if compute <= 0:  # no inner step timed (a round of one step): nothing to weigh
             self.choice = local_first.Choice(0, "no inner step was timed: synchronous.", None)

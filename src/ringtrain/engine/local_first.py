@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ringtrain.compression.policy import Measurement
 from ringtrain.config import Config
-from ringtrain.engine import local_policy
+from ringtrain.engine import auto, local_policy
 from ringtrain.engine.local_settings import clashes, given_outer
 
 # The first round's H: the smallest H local_policy considers (a shorter round overshoots with
@@ -86,8 +86,6 @@ def predicted_step_s(m: Measurement) -> dict[str, float]:
 def decide(config: Config, m: Measurement) -> Choice:
     """``auto``'s choice on the agreed figures ``m`` (:func:`measurement`), the user's outer
     settings honoured. Pure: equal figures, equal answer."""
-    from ringtrain.engine import auto  # auto imports the compression policy: only now
-
     given = given_outer(config)
     every, why = auto.choose_sync_every(m, predicted_step_s(m), given)
     if not every:
