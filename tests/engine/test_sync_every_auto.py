@@ -352,6 +352,28 @@ def test_switch_to_local_updates_keeps_ranks_identical() -> None:
         assert r["alike"] and all(r["alike"])
 
 
+def _clashing() -> dict[str, Any]:
+    """sync_every="auto" with shard_optimizer, which local updates cannot use: synchronous
+    from the first step (a gradient exchange, a bucket plan), and the reason says why."""
+    model = Tiny()
+    opt = rt.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        sync_every="auto",
+        shard_optimizer=True,
+    )
+    _step(model, opt, 0)
+    return {"local": opt.local_update is not None, "planned": opt.plan is not None,
+            "reason": opt.sync_every_reason}  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_a_clashing_setting_is_synchronous_from_the_first_step() -> None:
+    for r in spawn.world(2).run(_clashing, timeout=90):
+        assert not r["local"] and r["planned"], r
+        assert "shard_optimizer is set" in r["reason"], r
+
+
 def _refused() -> str:
     model = Tiny()
     try:

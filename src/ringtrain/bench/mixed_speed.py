@@ -41,7 +41,7 @@ import ringtrain as rt
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import load_average
 from ringtrain.elastic.share_sampler import split_counts
-from ringtrain.engine.auto_shares import MEASURE_STEPS, WARMUP_STEPS
+from ringtrain.engine.auto_shares import MEASURE_STEPS, ROUND_PERIODS, WARMUP_STEPS
 from ringtrain.errors import ConfigError
 
 SLOW_BY = ("hog", "sleep")
@@ -172,8 +172,11 @@ def _train(p: MixedSpeedParams, shares: str | None, slow: float) -> tuple[float,
     x, y = torch.randn(p.global_batch, 256), torch.randint(0, 10, (p.global_batch,))
     settle = 1 + WARMUP_STEPS + MEASURE_STEPS + 2 if shares == "auto" else 2
     steps = p.steps
-    if p.sync_every:  # whole rounds: auto's first shares come after 3 (ROUND_PERIODS)
-        settle = p.sync_every * (4 if shares == "auto" else 1)
+    if (
+        p.sync_every
+    ):  # whole rounds; auto's first shares at the end of round 1 + let pass + measured
+        rounds = 2 + ROUND_PERIODS[0] + ROUND_PERIODS[1] if shares == "auto" else 1
+        settle = p.sync_every * rounds
         steps = -(-p.steps // p.sync_every) * p.sync_every
     now: tuple[float, ...] = (1.0,) * rt.size()
     start = 0.0
