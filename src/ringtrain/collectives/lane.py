@@ -20,12 +20,13 @@ NaN (a dummy's, or one in the data itself) makes every rank allreduce a one-elem
 real claim) to tell. A valid slot's result is exactly the normal path's: 2 ranks sum ``a + b``
 in either order; from 3 the slot reduces as the executor does, in rank order
 (:mod:`~ringtrain.collectives.ordered`) when reproducible, else on the same Gloo ring over a
-buffer of the same size. Otherwise the lane closes on
-every rank, each real claimant gets its tensor back as it was (2 ranks: only the first value
-changed; 3 or more: from a copy taken at the claim, as partial sums would remain; the copy goes
-to a backup buffer the lane keeps, on the caller's thread alone: :mod:`~ringtrain.collectives.copies`)
-and the op is negotiated as any other, so name matching, mismatch reports (which list every rank's
-submission) and stall reports work as before.
+buffer of the same size. Otherwise the lane closes on every rank, each real claimant gets its
+tensor back as it was (2 ranks: only the first value changed; 3 or more: from a copy taken at
+the claim, as partial sums would remain, into a backup buffer the lane keeps, on the caller's
+thread alone: :mod:`~ringtrain.collectives.copies`), and the op is negotiated as any other, so
+name matching, mismatch reports (which list every rank's submission) and stall reports work as
+before. From 3 ranks a slot above 1 MiB needs neither the NaN nor the copy: it agrees on the
+claims before its data moves (:mod:`~ringtrain.collectives.agreed`), and a lost slot moves none.
 
 The lane opens, deterministically, at a controller round that ran an eligible request on every
 rank, for that request; a reservation that goes unused while another eligible request is
@@ -44,6 +45,7 @@ averages divide before the sum), larger than what travels inline in the negotiat
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import threading
 import time
@@ -53,7 +55,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ringtrain.collectives import copies, dtypes, inline, ordered
+from ringtrain.collectives import agreed, copies, dtypes, inline, ordered
 from ringtrain.collectives.requests import Request
 from ringtrain.compression import averaging
 
@@ -83,8 +85,13 @@ def eligible(req: Request) -> bool:
     dtype = dtypes.from_name(meta.dtype)
     if req.op == "Average" and averaging.factors(True, 2, dtype).pre != 1.0:
         return False  # the average divides before the sum (16-bit): the tensor would change
-    nbytes = math.prod(meta.shape) * dtype.itemsize
-    return nbytes > inline.INLINE_MAX_BYTES
+    return _nbytes(req) > inline.INLINE_MAX_BYTES
+
+
+def _nbytes(req: Request) -> int:
+    """The bytes of a one-tensor request."""
+    meta = req.tensors[0]
+    return math.prod(meta.shape) * dtypes.from_name(meta.dtype).itemsize
 
 
 class Status(NamedTuple):
@@ -112,6 +119,7 @@ class Claim:
     works: list[Any]  # in flight: the data's allreduce, then (if needed) the flags'
     started: float
     restore: tuple[torch.Tensor, torch.Tensor] | None = None  # (where, what) on a lost slot
+    agreed: agreed.AgreedWork | None = None  # a slot that agrees before its data moves
     flag: torch.Tensor | None = None
     valid: bool | None = None
 
@@ -138,6 +146,7 @@ class Lane:
         self.slots_valid = 0  # for tests and statistics
         self.slots_invalid = 0
         self.flag_rounds = 0  # slots whose first value came out NaN: flags decided
+        self.backup_bytes = 0  # copied at claims, to restore a lost slot from
         self._backup: torch.Tensor | None = None  # bytes; see _backup_of
         self._first_backup: dict[torch.dtype, torch.Tensor] = {}  # 2 ranks: one value each
         # The options torch.distributed.all_reduce would build for every call.
@@ -177,6 +186,8 @@ class Lane:
             if out is not t:
                 copies.copy_(out, t)
                 restore = None  # the op's own output: a lost slot is simply filled again
+            elif agreed.agrees(out.nbytes, self.size):
+                restore = None  # its data moves only if the slot is valid
             elif self.size > 2:  # the real claimants' partial sums would remain
                 restore = (flat, self._backup_of(flat))
             else:  # two ranks: only the first value can change (to NaN)
@@ -190,6 +201,7 @@ class Lane:
         clone per op is a fresh allocation (an mmap, with its page faults, from 128 KiB on).
         One claim at a time uses it; a lost slot restores from it before the lane can reopen."""
         nbytes = where.numel() * where.element_size()
+        self.backup_bytes += nbytes
         if self._backup is None or self._backup.numel() < nbytes:
             self._backup = torch.empty(nbytes, dtype=torch.uint8)
         backup = self._backup[:nbytes].view(where.dtype)
@@ -208,7 +220,12 @@ class Lane:
         req = self.reserved
         assert req is not None and self.claim is None
         meta = req.tensors[0]
-        data = torch.full(meta.shape, -0.0, dtype=dtypes.from_name(meta.dtype))
+        dtype = dtypes.from_name(meta.dtype)
+        if agreed.agrees(_nbytes(req), self.size):
+            nothing = torch.empty(0, dtype=dtype)  # its slot moves no data
+            self.claim = self._launch(req, None, nothing, nothing)
+            return
+        data = torch.full(meta.shape, -0.0, dtype=dtype)
         first = data.view(-1)[:1]
         first.fill_(math.nan)  # marks the slot: every rank's first value comes out NaN
         self.claim = self._launch(req, None, data, first)
@@ -217,9 +234,17 @@ class Lane:
         self, req: Request, name: str | None, data: torch.Tensor, first: torch.Tensor
     ) -> Claim:
         work: Any
+        nbytes = _nbytes(req)  # a real claim's data has the request's bytes; a dummy's may not
         # Sum or Average of floats (see eligible()): in rank order as the executor would, or,
-        # above ordered.ALONE_ABOVE_BYTES, on the ring, where the executor runs it alone too.
-        if self._in_order and not ordered.alone(data.nbytes):
+        # above ordered.ALONE_ABOVE_BYTES, on the ring, where the executor runs it alone too;
+        # from three ranks, a large slot agrees before its data moves (agreed.py).
+        if agreed.agrees(nbytes, self.size):
+            start = functools.partial(self._group.allreduce, [data], self._sum)
+            work = agreed.AgreedWork(self._group, self.size, name is not None, start, self._sum)
+            claim = Claim(self.slot, req, name, data, first, [work], time.perf_counter())
+            claim.agreed = work
+            return claim
+        if self._in_order and not ordered.alone(nbytes):
             work = ordered.OrderedWork(data.view(-1), "Sum", self._group, self._scratch)
         else:  # what torch.distributed.all_reduce(async_op=True) calls, without its checks
             work = self._group.allreduce([data], self._sum)
@@ -256,6 +281,8 @@ class Lane:
             try:
                 for w in c.works:
                     w.wait()  # completed: raises the transport's error if there was one
+                if c.agreed is not None:
+                    return self._verdict(c, bool(c.agreed.valid))
                 if c.flag is None:
                     if not math.isnan(c.first.item()):
                         return self._verdict(c, True)  # no dummy took part: valid
