@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 import ringtrain
-from ringtrain.bench import converge
+from ringtrain.bench import converge, converge_tasks
 
 BLOCK, BLOCKS = 40, 6
 
@@ -32,7 +32,7 @@ def main() -> int:
     kinds = (sys.argv[1] if len(sys.argv) > 1 else "plain,local").split(",")
     ringtrain.init()
     torch.set_num_threads(1)
-    task = converge._lm(converge.ConvergeParams(task="lm"))
+    task = converge_tasks.build("lm", None, 0, converge.ConvergeParams().width)
     g = torch.Generator().manual_seed(1)
 
     def build(kind: str) -> tuple[torch.nn.Module, Any]:

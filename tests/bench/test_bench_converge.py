@@ -8,16 +8,17 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from ringtrain import cli
-from ringtrain.bench import converge
+from ringtrain.bench import converge, converge_tasks
 from ringtrain.errors import ConfigError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("task", converge.TASKS)
+@pytest.mark.parametrize("task", converge_tasks.TASKS)
 def test_converge_cli(task: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_json, out_png = tmp_path / "cv.json", tmp_path / "cv.png"
     argv = ["bench", "converge", "-np", "2", "--threads", "1", "--task", task]
@@ -25,6 +26,8 @@ def test_converge_cli(task: str, tmp_path: Path, capsys: pytest.CaptureFixture[s
     argv += ["--batch-size", "8"]
     if task == "lm":  # the local variants in two fragments, one exchanged every inner step
         argv += ["--outer-fragments", "2"]
+    if task == "mlp":  # a slower host, simulated: rank 1 sleeps half its compute time
+        argv += ["--slow-rank", "1", "--slow-factor", "1.5"]
     argv += ["--json", str(out_json), "--plot", str(out_png)]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
@@ -41,19 +44,20 @@ def test_converge_cli(task: str, tmp_path: Path, capsys: pytest.CaptureFixture[s
     # The ranks start alike (one seed): the first outer step compares digests, copies nothing.
     assert next(r for r in res["runs"] if r["variant"] == "local")["outer_copies"] == 0
     assert "vs alone" in printed
+    assert ("rank 1 at 1/1.5 speed" in printed) is (task == "mlp")
     if task == "mlp":  # issue 40's regression task: about 1M parameters, a loss target
         assert 1_000_000 < res["parameters"] < 1_300_000 and res["metric"] == "mse"
     if task == "lm":
         assert "in 2 fragments" in printed
-        _, rate = converge.markov_chain(0)
-        assert res["target"] == pytest.approx(rate + converge.LM_MARGIN)
+        _, rate = converge_tasks.markov_chain(0)
+        assert res["target"] == pytest.approx(rate + converge_tasks.LM_MARGIN)
 
 
 def test_markov_chain_is_learnable() -> None:
     """A few likely successors per context: far below the uniform entropy."""
-    table, rate = converge.markov_chain(0)
+    table, rate = converge_tasks.markov_chain(0)
     assert table.sum(-1).allclose(table.new_ones(()))
-    assert 0 < rate < 0.5 * float(converge.torch.log(converge.torch.tensor(converge.LM_VOCAB)))
+    assert 0 < rate < 0.5 * float(torch.log(torch.tensor(converge_tasks.LM_VOCAB)))
 
 
 def test_bad_variant_is_refused() -> None:
@@ -61,3 +65,5 @@ def test_bad_variant_is_refused() -> None:
         converge.ConvergeParams(variants=("sgd",))
     with pytest.raises(ConfigError, match="--outer-fragments"):
         converge.ConvergeParams(sync_every=4, outer_fragments=5)
+    with pytest.raises(ConfigError, match="--slow-factor"):
+        converge.ConvergeParams(slow_factor=0.5)

@@ -353,6 +353,13 @@ def _converge_parser(sub: Any) -> None:
     )
     cv.add_argument("--eval-every", type=int, default=4)
     cv.add_argument("--width", type=int, default=64, help="lm: the model width")
+    cv.add_argument(
+        "--slow-rank",
+        type=int,
+        default=-1,
+        help="this rank runs at 1/--slow-factor of its speed, sleeping (every variant but alone)",
+    )
+    cv.add_argument("--slow-factor", type=float, default=2.0)
     cv.add_argument("--seed", type=int, default=0)
     _common(cv)
 
@@ -482,6 +489,8 @@ def _converge_params(args: argparse.Namespace) -> converge.ConvergeParams:
         eval_every=args.eval_every,
         seed=args.seed,
         width=args.width,
+        slow_rank=args.slow_rank,
+        slow_factor=args.slow_factor,
     )
 
 
