@@ -21,12 +21,14 @@ real claim) to tell. A valid slot's result is exactly the normal path's: 2 ranks
 in either order; from 3 the slot reduces as the executor does, in rank order
 (:mod:`~ringtrain.collectives.ordered`) when reproducible, else on the same Gloo ring over a
 buffer of the same size. Otherwise the lane closes on every rank, each real claimant gets its
-tensor back as it was (2 ranks: only the first value changed; 3 or more: from a copy taken at
-the claim, as partial sums would remain, into a backup buffer the lane keeps, on the caller's
-thread alone: :mod:`~ringtrain.collectives.copies`), and the op is negotiated as any other, so
-name matching, mismatch reports (which list every rank's submission) and stall reports work as
-before. From 3 ranks a slot above 1 MiB needs neither the NaN nor the copy: it agrees on the
-claims before its data moves (:mod:`~ringtrain.collectives.agreed`), and a lost slot moves none.
+tensor back as it was, and the op is negotiated as any other, so name matching, mismatch
+reports (which list every rank's submission) and stall reports work as before. How the tensor
+is kept: 2 ranks change only its first value (restored from a one-value copy); from 3 ranks a
+rank-ordered sum lands aside unless the rank already knows that every claim is real (a dummy
+marks every rank's chunk, :class:`~ringtrain.collectives.ordered.OrderedWork`), a slot above
+1 MiB agrees on the claims before its data moves (:mod:`~ringtrain.collectives.agreed`), and
+only Gloo's ring up to 1 MiB (``reproducible=False``) copies the tensor at the claim into a
+backup buffer the lane keeps (on the caller's thread alone: :mod:`~ringtrain.collectives.copies`).
 
 The lane opens, deterministically, at a controller round that ran an eligible request on every
 rank, for that request; a reservation that goes unused while another eligible request is
@@ -120,6 +122,7 @@ class Claim:
     started: float
     restore: tuple[torch.Tensor, torch.Tensor] | None = None  # (where, what) on a lost slot
     agreed: agreed.AgreedWork | None = None  # a slot that agrees before its data moves
+    ordered: ordered.OrderedWork | None = None  # a rank-ordered sum: where it landed
     flag: torch.Tensor | None = None
     valid: bool | None = None
 
@@ -138,6 +141,7 @@ class Lane:
         # so that a slot's result is the negotiated path's, bit for bit.
         self._in_order = reproducible and size > 2
         self._scratch = ordered.Scratch()
+        self._landing = ordered.Scratch()  # a rank-ordered sum not surely valid lands here
         self._lock = threading.Lock()
         self.slot = 0
         self.reserved: Request | None = None
@@ -186,8 +190,8 @@ class Lane:
             if out is not t:
                 copies.copy_(out, t)
                 restore = None  # the op's own output: a lost slot is simply filled again
-            elif agreed.agrees(out.nbytes, self.size):
-                restore = None  # its data moves only if the slot is valid
+            elif agreed.agrees(out.nbytes, self.size) or self._lands_aside(out.nbytes):
+                restore = None  # the tensor changes only once the slot is surely valid
             elif self.size > 2:  # the real claimants' partial sums would remain
                 restore = (flat, self._backup_of(flat))
             else:  # two ranks: only the first value can change (to NaN)
@@ -195,6 +199,11 @@ class Lane:
             self.claim = self._launch(request, request.name, out, first)
             self.claim.restore = restore
             return self.claim
+
+    def _lands_aside(self, nbytes: int) -> bool:
+        """Whether a slot of ``nbytes`` sums in rank order, its sum landing aside unless every
+        rank surely claimed for real (ordered.OrderedWork): then nothing needs restoring."""
+        return self._in_order and not ordered.alone(nbytes)
 
     def _backup_of(self, where: torch.Tensor) -> torch.Tensor:
         """A copy of ``where`` in the lane's backup buffer, kept for the next claims: a fresh
@@ -226,9 +235,11 @@ class Lane:
             self.claim = self._launch(req, None, nothing, nothing)
             return
         data = torch.full(meta.shape, -0.0, dtype=dtype)
-        first = data.view(-1)[:1]
-        first.fill_(math.nan)  # marks the slot: every rank's first value comes out NaN
-        self.claim = self._launch(req, None, data, first)
+        flat = data.view(-1)
+        # Marks the slot: every rank's first value comes out NaN; and, for a rank-ordered sum,
+        # every rank sees a NaN among its rows' first values (ordered.OrderedWork's landing).
+        flat[ordered.chunk_starts(flat.numel(), self.size)] = math.nan
+        self.claim = self._launch(req, None, data, flat[:1])
 
     def _launch(
         self, req: Request, name: str | None, data: torch.Tensor, first: torch.Tensor
@@ -244,10 +255,14 @@ class Lane:
             claim = Claim(self.slot, req, name, data, first, [work], time.perf_counter())
             claim.agreed = work
             return claim
-        if self._in_order and not ordered.alone(nbytes):
-            work = ordered.OrderedWork(data.view(-1), "Sum", self._group, self._scratch)
-        else:  # what torch.distributed.all_reduce(async_op=True) calls, without its checks
-            work = self._group.allreduce([data], self._sum)
+        if self._lands_aside(nbytes):
+            flat = data.view(-1)
+            work = ordered.OrderedWork(flat, "Sum", self._group, self._scratch, self._landing)
+            claim = Claim(self.slot, req, name, data, first, [work], time.perf_counter())
+            claim.ordered = work
+            return claim
+        # What torch.distributed.all_reduce(async_op=True) calls, without its checks.
+        work = self._group.allreduce([data], self._sum)
         return Claim(self.slot, req, name, data, first, [work], time.perf_counter())
 
     def doom(self, slot: int) -> None:
@@ -284,7 +299,8 @@ class Lane:
                 if c.agreed is not None:
                     return self._verdict(c, bool(c.agreed.valid))
                 if c.flag is None:
-                    if not math.isnan(c.first.item()):
+                    first = c.first if c.ordered is None else c.ordered.result[:1]
+                    if not math.isnan(first.item()):
                         return self._verdict(c, True)  # no dummy took part: valid
                     # A dummy, or NaN in the data itself: every rank saw the same NaN, and
                     # every rank now sends its flag (1: real) to tell the two apart.
@@ -304,6 +320,8 @@ class Lane:
         self.slot += 1
         if valid:
             self.slots_valid += 1
+            if c.ordered is not None and c.ordered.landed and c.name is not None:
+                copies.copy_(c.data.view(-1), c.ordered.result)  # the sum, from where it landed
         else:
             self.slots_invalid += 1
             self.reserved = None

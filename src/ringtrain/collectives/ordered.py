@@ -79,14 +79,37 @@ class Scratch:
         return self._buf[:nbytes].view(dtype)
 
 
+def chunk_starts(n: int, size: int) -> list[int]:
+    """Where each rank's chunk of an ``n``-element buffer starts (ranks with an empty chunk
+    have none)."""
+    chunk = -(-n // size)
+    return [r * chunk for r in range(size) if r * chunk < n]
+
+
 class OrderedWork:
     """One ordered allreduce of ``flat`` (1-D, dense, host memory) in flight, in place. Like a
     torch work: ``is_completed()`` and ``wait(timeout=None)`` (a timeout raises the transport's
     error, and the work can be waited on again). Whichever thread finds the exchange done sums
-    the rows and starts the second exchange."""
+    the rows and starts the second exchange.
 
-    def __init__(self, flat: torch.Tensor, op: str, group: Any, scratch: Scratch) -> None:
+    ``landing`` (the fast lane's slots, :mod:`~ringtrain.collectives.lane`): where a slot's
+    dummy marks the first value of every rank's chunk with NaN, a rank that finds no NaN among
+    its rows' first values knows every rank claimed for real, and the sum goes straight into
+    ``flat``; otherwise it lands in ``landing`` (:attr:`result`), and ``flat`` stays as it was
+    submitted until the slot's verdict. Each rank chooses for itself: the choice changes where
+    its own bytes land, never what any rank sends."""
+
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        op: str,
+        group: Any,
+        scratch: Scratch,
+        landing: Scratch | None = None,
+    ) -> None:
         self._flat, self._op, self._group = flat, op, group
+        self._landing = landing
+        self.result = flat  # where the sum is once completed
         n, size, me = flat.numel(), group.size(), group.rank()
         chunk = -(-n // size)
         self._sizes = [max(0, min(n, (r + 1) * chunk) - r * chunk) for r in range(size)]
@@ -115,6 +138,7 @@ class OrderedWork:
             if self._back is not None:
                 return
             self._exchange.wait()
+            sure = self._landing is None or self._surely_real()  # before the sum overwrites
             rows = list(self._rows.unbind(0))
             acc = rows[0]
             for row in rows[1:]:  # rank order, elementwise: the layout cannot change a bit
@@ -123,14 +147,27 @@ class OrderedWork:
                 else:
                     copies.add_(acc, row)
             copies.copy_all_(rows[1:], [acc] * (len(rows) - 1))
+            if not sure:
+                assert self._landing is not None
+                self.result = self._landing.take(self._flat.numel(), self._flat.dtype)
             self._back = dist.all_to_all_single(
-                self._flat.view(torch.uint8),
+                self.result.view(torch.uint8),
                 self._rows.view(-1).view(torch.uint8),
                 output_split_sizes=[k * self._width for k in self._sizes],
                 input_split_sizes=[self._mine * self._width] * len(rows),
                 group=self._group,
                 async_op=True,
             )
+
+    @property
+    def landed(self) -> bool:
+        """Whether the sum landed aside (in :attr:`result`), not in the buffer itself."""
+        return self.result is not self._flat
+
+    def _surely_real(self) -> bool:
+        """Whether no rank's row starts with NaN (no dummy took part: a dummy marks every
+        chunk's start). An empty chunk shows nothing, so it is never sure."""
+        return self._mine > 0 and not bool(self._rows[:, 0].isnan().any())
 
     def is_completed(self) -> bool:
         if self._back is None:
