@@ -2,7 +2,8 @@
 
 Issue 41's setting: hosts joined by a link (``tc tbf`` on every host's link, both directions),
 one rank and one torch thread each, one rank slowed by sleeping (``--slow-by sleep``: the hosts
-share this machine's cores, so a CPU hog would slow them all). ``--rounds`` repeats the job,
+share this machine's cores, so a CPU hog would slow them all); ``-- --slow-by cgroup`` gives
+every rank a CPU quota of its own instead, so that 3 hosts fit 2 cores. ``--rounds`` repeats the job,
 each time on a fresh cluster; every run's JSON goes to ``--out``. Needs root. Run::
 
     .venv/bin/python scripts/bench_mixed_speed_cluster.py --hosts 2 --rate 1gbit --rounds 2 -- \\

@@ -73,6 +73,15 @@ def test_exec_runs_inside_the_host(cluster: tc.Cluster) -> None:
     assert f": {h.interface}@" in proc.stdout and ": docker0:" in proc.stdout
 
 
+def test_hosts_see_the_cgroup_cpu_controller(cluster: tc.Cluster) -> None:
+    # ip netns exec's fresh /sys hides the machine's cgroups; each host mounts the cpu
+    # controller again, so a rank can be given a CPU quota (bench mixed-speed --slow-by cgroup).
+    if tc.CGROUP_CPU == "true;":
+        pytest.skip("this machine offers no cgroup cpu controller")
+    check = "test -e /sys/fs/cgroup/cpu/cpu.cfs_quota_us || grep -qw cpu /sys/fs/cgroup/cgroup.controllers"
+    assert cluster.ssh("h1", ["sh", "-c", check], timeout=30).returncode == 0
+
+
 _CONNECT = textwrap.dedent(
     """
     import socket, sys

@@ -2,12 +2,13 @@
 
     ringtrain bench mixed-speed -np 2 --slow-rank 1                  # a CPU hog on its core
     ringtrain bench mixed-speed -np 3 --slow-rank 1 --slow-by sleep  # any number of cores
+    ringtrain bench mixed-speed -np 3 --slow-rank 1 --slow-by cgroup # CPUs of its own (root)
     ringtrain run -np 3 -H a:1,b:1,c:1 -- python -m ringtrain.bench mixed-speed
 
 This is ``bench train``'s mixed-speed setting, a benchmark of its own because its comparison
 differs: not ringtrain against DDP at one per-rank batch, but one global batch split equally
 against split by ``"auto"``, and both against the sum of the ranks' alone-speeds (the most a
-job of them could do). One rank is slowed in one of two ways (``--slow-by``):
+job of them could do). One rank is slowed in one of three ways (``--slow-by``):
 
 - ``hog``: a busy process pinned to that rank's cores, which the rank then gets about half of
   (a shared host, a busy neighbour). Each rank needs cores of its own (``-np`` at most the
@@ -15,6 +16,10 @@ job of them could do). One rank is slowed in one of two ways (``--slow-by``):
 - ``sleep``: after its forward and backward the rank sleeps ``factor - 1`` times their time, so
   it runs at ``1/factor`` of its speed and leaves its cores to the others (a slower host,
   simulated; works however the ranks share the cores).
+- ``cgroup``: every rank gets a CPU quota of its own (:mod:`~ringtrain.bench.cpu_limit`),
+  ``--cpus`` each and the slow rank ``1/factor`` of that: ranks sharing cores behave as hosts
+  of set speeds, the sum of their quotas within the machine's cores (the default quota fills
+  nine tenths of them). Needs root.
 
 Every rank first times its own steps alone (no communication), all at once, so they contend for
 the machine as in training; then the job trains an MLP for ``steps`` global batches with equal
@@ -38,13 +43,14 @@ import torch
 import torch.nn.functional as F
 
 import ringtrain as rt
+from ringtrain.bench import cpu_limit
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import load_average
 from ringtrain.elastic.share_sampler import split_counts
 from ringtrain.engine.auto_shares import MEASURE_STEPS, ROUND_PERIODS, WARMUP_STEPS
 from ringtrain.errors import ConfigError
 
-SLOW_BY = ("hog", "sleep")
+SLOW_BY = ("hog", "sleep", "cgroup")
 # The hog: a busy loop on the given cores that ends when its parent (the rank) is gone.
 _HOG = (
     "import os, sys\n"
@@ -65,6 +71,7 @@ class MixedSpeedParams:
     steps: int = 20
     width: int = 512
     sync_every: int = 0  # > 0: local updates every this many steps (shares measured a round)
+    cpus: float = 0.0  # cgroup: each rank's CPUs (the slow one's: this / factor); 0: a default
 
     def check(self, size: int | None = None) -> None:
         """Bad values fail here (before ranks start where ``size`` is not known yet)."""
@@ -72,6 +79,8 @@ class MixedSpeedParams:
             raise ConfigError(
                 f"--slow-by must be one of {', '.join(SLOW_BY)}, got {self.slow_by!r}"
             )
+        if self.cpus < 0:
+            raise ConfigError(f"--cpus must be above 0 (or 0 for the default), got {self.cpus}")
         if not self.factor > 1:
             raise ConfigError(f"--slow-factor must be above 1, got {self.factor}")
         if self.steps < 1 or self.width < 1 or self.sync_every < 0:
@@ -116,9 +125,21 @@ def _model(width: int) -> torch.nn.Module:
     )
 
 
+def rank_cpus(p: MixedSpeedParams, size: int, rank: int, cores: int) -> float:
+    """``--slow-by cgroup``: this rank's CPUs (by default the quotas fill 0.9 of ``cores``)."""
+    fast = p.cpus or 0.9 * cores / (size - 1 + 1 / p.factor)
+    return fast / p.factor if rank == p.slow_rank else fast
+
+
 @contextlib.contextmanager
 def _slowed(p: MixedSpeedParams) -> Iterator[None]:
-    """The hog beside this rank while the benchmark runs (nothing for ``sleep`` or others)."""
+    """The hog beside this rank while the benchmark runs, or (``cgroup``) this rank's CPU
+    quota; nothing for ``sleep``."""
+    if p.slow_by == "cgroup":
+        cpus = rank_cpus(p, rt.size(), rt.rank(), os.cpu_count() or 1)
+        with cpu_limit.cpu_limited(cpus, "ringtrain-bench"):
+            yield
+        return
     if p.slow_by != "hog" or rt.rank() != p.slow_rank:
         yield
         return
@@ -213,7 +234,17 @@ def format_mixed_speed(res: MixedSpeedResult, markdown: bool = False) -> str:
     from ringtrain.bench.report import _load, table
 
     p = res.params
-    how = "beside a CPU hog on its cores" if p.slow_by == "hog" else f"sleeping to 1/{p.factor:g}"
+    if p.slow_by == "cgroup":
+        quotas = [rank_cpus(p, res.world_size, r, res.env["cpus"]) for r in range(res.world_size)]
+        how = (
+            f"given 1/{p.factor:g} of the CPUs the others get (cgroup quotas, "
+            + ", ".join(f"{q:.2f}" for q in quotas)
+            + ")"
+        )
+    elif p.slow_by == "hog":
+        how = "beside a CPU hog on its cores"
+    else:
+        how = f"sleeping to 1/{p.factor:g}"
     head = (
         f"mixed speed, {res.world_size} ranks, rank {p.slow_rank} {how}; global batch "
         f"{p.global_batch}, {p.steps} timed steps, MLP 256-{p.width}-10{_load(res.env)}"
@@ -246,10 +277,17 @@ def configure(sub: Any, common: Any) -> None:
         "--slow-by",
         default="hog",
         choices=SLOW_BY,
-        help="hog: a busy process on its cores (a core per rank); sleep: it sleeps (any cores)",
+        help="hog: a busy process on its cores (a core per rank); sleep: it sleeps (any cores); "
+        "cgroup: CPU quotas, the slow rank's 1/--slow-factor of the others' (root)",
     )
     ms.add_argument(
-        "--slow-factor", type=float, default=2.0, help="--slow-by sleep: 1/speed (default 2)"
+        "--cpus",
+        type=float,
+        default=0.0,
+        help="--slow-by cgroup: each rank's CPUs (default: the quotas fill 0.9 of the cores)",
+    )
+    ms.add_argument(
+        "--slow-factor", type=float, default=2.0, help="sleep and cgroup: 1/speed (default 2)"
     )
     ms.add_argument("--global-batch", type=int, default=16384)
     ms.add_argument("--steps", type=int, default=20, help="timed global batches per setting")
@@ -274,6 +312,7 @@ def params_from(args: argparse.Namespace) -> MixedSpeedParams:
         steps=args.steps,
         width=args.width,
         sync_every=args.sync_every,
+        cpus=args.cpus,
     )
     p.check()
     return p
