@@ -360,6 +360,12 @@ def _converge_parser(sub: Any) -> None:
         help="this rank runs at 1/--slow-factor of its speed, sleeping (every variant but alone)",
     )
     cv.add_argument("--slow-factor", type=float, default=2.0)
+    cv.add_argument(
+        "--cpus",
+        type=float,
+        default=0.0,
+        help="each rank's CPUs, a cgroup quota of its own (root; default: no limit)",
+    )
     cv.add_argument("--seed", type=int, default=0)
     _common(cv)
 
@@ -491,6 +497,7 @@ def _converge_params(args: argparse.Namespace) -> converge.ConvergeParams:
         width=args.width,
         slow_rank=args.slow_rank,
         slow_factor=args.slow_factor,
+        cpus=args.cpus,
     )
 
 

@@ -42,7 +42,9 @@ batches of ``batch_size`` per step (so n ranks see n times the samples per step)
 
 ``--slow-rank R --slow-factor F`` slows rank ``R`` to ``1/F`` of its speed in every variant but
 ``alone``: it sleeps ``F - 1`` times its forward and backward time each step (a slower host,
-simulated; its cores are left to the others).
+simulated; its cores are left to the others). ``--cpus C`` gives every rank a CPU quota of
+``C`` CPUs of its own (:mod:`~ringtrain.bench.cpu_limit`, root): ranks that share a machine's
+cores then behave as hosts of that size, and a sleeping rank frees nothing for the others.
 
 ``--outer-fragments P`` runs both local variants in ``P`` fragments (streaming DiLoCo: fragment
 ``f`` exchanged at inner step ``(f+1) * H // P`` of each round, :mod:`ringtrain.engine.outer_fragment`).
@@ -60,6 +62,7 @@ this job's).
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,7 +73,7 @@ from torch import nn
 
 import ringtrain
 from ringtrain import environ
-from ringtrain.bench import converge_tasks
+from ringtrain.bench import converge_tasks, cpu_limit
 from ringtrain.bench.converge_tasks import TASKS, Task
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import machine_info
@@ -111,6 +114,7 @@ class ConvergeParams:
     width: int = 64  # lm: model width (the smoke test shrinks it)
     slow_rank: int = -1  # this rank runs at 1/slow_factor of its speed (-1: none)
     slow_factor: float = 2.0
+    cpus: float = 0.0  # each rank's CPUs, a cgroup quota of its own (0: no limit)
 
     def __post_init__(self) -> None:
         bad = [v for v in self.variants if v not in VARIANTS]
@@ -132,6 +136,8 @@ class ConvergeParams:
                 f"--outer-fragments must be in [1, --sync-every={self.sync_every}], got "
                 f"{self.outer_fragments}\nHINT: 1 exchanges the whole model at the round's end."
             )
+        if self.cpus < 0:
+            raise ConfigError(f"--cpus must be above 0 (or 0: no limit), got {self.cpus}")
         if self.slow_factor < 1:
             raise ConfigError(
                 f"--slow-factor must be at least 1, got {self.slow_factor}\n"
@@ -348,8 +354,10 @@ def bench_converge(params: ConvergeParams) -> ConvergeResult:
     threads = environ.current().get(environ.Threads.OMP_NUM_THREADS)
     result.environment = machine_info() | {"omp_num_threads": threads}
     variants = params.variants if ringtrain.size() > 1 else params.variants[:1]
-    for v in variants:
-        result.runs.append(_train(v, task, params))
+    limit = cpu_limit.cpu_limited(params.cpus, "ringtrain-bench") if params.cpus else nullcontext()
+    with limit:
+        for v in variants:
+            result.runs.append(_train(v, task, params))
     return result
 
 
@@ -370,6 +378,8 @@ def format_converge(res: ConvergeResult, markdown: bool = False) -> str:
         head += f", overlapped: applied {delay} inner step(s) late"
     if res.params.outer_fragments > 1:
         head += f", in {res.params.outer_fragments} fragments"
+    if res.params.cpus:
+        head += f"; {res.params.cpus:g} CPUs per rank"
     if res.params.slow_rank >= 0:
         head += f"; rank {res.params.slow_rank} at 1/{res.params.slow_factor:g} speed"
     # Each run against the alone run nearest before it (the first: the first), which ran
