@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from ringtrain.host import network
+from ringtrain.testing import cgroup_mount, netns
 from ringtrain.testing import cluster as tc
-from ringtrain.testing import netns
 from ringtrain.testing.cluster import DOCKER0, HostSpec
 
 pytestmark = pytest.mark.cluster
@@ -76,7 +76,7 @@ def test_exec_runs_inside_the_host(cluster: tc.Cluster) -> None:
 def test_hosts_see_the_cgroup_cpu_controller(cluster: tc.Cluster) -> None:
     # ip netns exec's fresh /sys hides the machine's cgroups; each host mounts the cpu
     # controller again, so a rank can be given a CPU quota (bench mixed-speed --slow-by cgroup).
-    if tc.CGROUP_CPU == "true;":
+    if cgroup_mount.CGROUP_CPU == "true;":
         pytest.skip("this machine offers no cgroup cpu controller")
     check = "test -e /sys/fs/cgroup/cpu/cpu.cfs_quota_us || grep -qw cpu /sys/fs/cgroup/cgroup.controllers"
     assert cluster.ssh("h1", ["sh", "-c", check], timeout=30).returncode == 0

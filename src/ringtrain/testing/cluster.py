@@ -19,10 +19,9 @@ already uses 198.18.0.0/24 (parallel test runs), then the next free /24 inside 1
 Every host also runs in its own UTS namespace (``unshare --uts``) with hostname ``h0``, ``h1``...,
 so ``hostname`` over ssh, and :meth:`Cluster.exec`, say which host they are on. Inside the hosts,
 ``h0``... and ``launcher`` resolve through a per-namespace ``/etc/hosts`` (``/etc/netns/<ns>/``,
-which ``ip netns exec`` mounts), and nothing asks a DNS server. The fresh ``/sys`` that ``ip
-netns exec`` mounts hides the machine's cgroups; each host mounts the cgroup ``cpu``
-controller again (:data:`CGROUP_CPU`), so that a job can give a rank a CPU quota of its own as
-on a host of that size (``bench mixed-speed --slow-by cgroup``).
+which ``ip netns exec`` mounts), and nothing asks a DNS server. Each host mounts the cgroup
+``cpu`` controller that ``ip netns exec``'s fresh ``/sys`` hides
+(:mod:`~ringtrain.testing.cgroup_mount`): a rank can have a CPU quota, as on a smaller host.
 
 Security: sshd runs as root with a private config (keys in the cluster's temporary directory,
 ``PermitRootLogin prohibit-password``, public keys only, no PAM). A fresh ed25519 client key and
@@ -71,6 +70,7 @@ from typing import Any
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from ringtrain.testing import cgroup_mount
 from ringtrain.testing.netns import (
     ETC_NETNS,
     NAME,
@@ -128,25 +128,6 @@ class ClusterHost:
     interface: str
     netns: str
     spec: HostSpec = field(default_factory=HostSpec)
-
-
-def _cgroup_cpu_mount() -> str:
-    """Shell commands that mount the machine's cgroup cpu controller over the fresh ``/sys`` of
-    ``ip netns exec`` (in its own mount namespace: nothing outside the host sees them), as the
-    machine has it: cgroup v2 with ``cpu``, or v1's ``cpu`` hierarchy; ``true`` otherwise."""
-    root = Path("/sys/fs/cgroup")
-    with contextlib.suppress(OSError):
-        if "cpu" in (root / "cgroup.controllers").read_text().split():
-            return "mount -t cgroup2 none /sys/fs/cgroup 2>/dev/null || true;"
-    if (root / "cpu" / "cpu.cfs_quota_us").is_file():
-        return (
-            "mount -t tmpfs cgroup_root /sys/fs/cgroup 2>/dev/null && mkdir -p /sys/fs/cgroup/cpu"
-            " && mount -t cgroup -o cpu cgroup /sys/fs/cgroup/cpu 2>/dev/null || true;"
-        )
-    return "true;"
-
-
-CGROUP_CPU = _cgroup_cpu_mount()
 
 
 def rate_bits(rate: str) -> float:
@@ -485,7 +466,7 @@ class Cluster:
     def _in_host(self, h: ClusterHost, argv: Sequence[str]) -> list[str]:
         # A fresh UTS namespace per command, named like the host: `hostname` says where it runs.
         enter = ["ip", "netns", "exec", h.netns, "unshare", "--uts", "--"]
-        script = f'hostname "$0" && {{ {CGROUP_CPU} }} ; exec "$@"'
+        script = f'hostname "$0" && {{ {cgroup_mount.CGROUP_CPU} }} ; exec "$@"'
         return [*enter, "sh", "-c", script, h.name, *argv]
 
     def exec(
