@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 import ringtrain as rt
 from _training import DigitsNet, same_on_every_rank
-from ringtrain.bench.converge import ConvergeParams, Task, _digits
+from ringtrain.bench.converge_tasks import Task, build
 from ringtrain.testing import spawn
 
 STEPS, EVAL_EVERY, EVAL_LAST = 320, 8, 160
@@ -87,7 +87,7 @@ def _accuracy(task: Task, model: torch.nn.Module) -> float:
 
 
 def _run(seed: int) -> dict[str, tuple[float, bool]]:
-    task = _digits(ConvergeParams())
+    task = build("digits", None, 0, 64)
     r, n = rt.rank(), rt.size()
     mine = torch.arange(r, len(task.train_x), n)
     out = {}
