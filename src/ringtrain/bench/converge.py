@@ -44,7 +44,9 @@ batches of ``batch_size`` per step (so n ranks see n times the samples per step)
 ``alone``: it sleeps ``F - 1`` times its forward and backward time each step (a slower host,
 simulated; its cores are left to the others). ``--cpus C`` gives every rank a CPU quota of
 ``C`` CPUs of its own (:mod:`~ringtrain.bench.cpu_limit`, root): ranks that share a machine's
-cores then behave as hosts of that size, and a sleeping rank frees nothing for the others.
+cores then behave as hosts of that size; with it the slow rank gets ``C/F`` CPUs instead of
+sleeping, so everything it does is slower (its optimizer step and Python too, as on a slower
+host), in every variant ``alone`` included (only rank 0's ``alone`` is reported).
 
 ``--outer-fragments P`` runs both local variants in ``P`` fragments (streaming DiLoCo: fragment
 ``f`` exchanged at inner step ``(f+1) * H // P`` of each round, :mod:`ringtrain.engine.outer_fragment`).
@@ -284,7 +286,8 @@ def _train(variant: str, task: Task, params: ConvergeParams) -> ConvergeRun:
     opt, net = _wrap(variant, model, params)
     shard = torch.arange(rank, task.train_x.shape[0], n)
     g = torch.Generator().manual_seed(params.seed + 1000 * rank)
-    slow = params.slow_factor - 1 if variant != "alone" and rank == params.slow_rank else 0.0
+    slowed = variant != "alone" and rank == params.slow_rank and not params.cpus
+    slow = params.slow_factor - 1 if slowed else 0.0  # with --cpus its quota slows it instead
     every = params.eval_every
     chunk = every  # steps before the next evaluation
     if variant.startswith("local") and n > 1:
@@ -354,7 +357,9 @@ def bench_converge(params: ConvergeParams) -> ConvergeResult:
     threads = environ.current().get(environ.Threads.OMP_NUM_THREADS)
     result.environment = machine_info() | {"omp_num_threads": threads}
     variants = params.variants if ringtrain.size() > 1 else params.variants[:1]
-    limit = cpu_limit.cpu_limited(params.cpus, "ringtrain-bench") if params.cpus else nullcontext()
+    rank_is_slow = ringtrain.rank() == params.slow_rank
+    cpus = params.cpus / params.slow_factor if rank_is_slow else params.cpus
+    limit = cpu_limit.cpu_limited(cpus, "ringtrain-bench") if params.cpus else nullcontext()
     with limit:
         for v in variants:
             result.runs.append(_train(v, task, params))
