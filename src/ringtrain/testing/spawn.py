@@ -8,7 +8,8 @@ a module-level function to every rank, which runs it between ``ringtrain.init()`
 ``ringtrain.shutdown()`` and sends back the result or the traceback. If the ranks do not answer
 in time, every rank's threads are dumped (faulthandler on SIGUSR1) into the error, and the world
 is torn down, so a hang becomes a readable failure instead of a stuck CI job. Workers die with
-their parent, the fork server (PR_SET_PDEATHSIG), which ends when this process does.
+their parent, the fork server (PR_SET_PDEATHSIG), and with this process (a thread that waits
+on it: the fork server outlives a test process killed abruptly, see :func:`_die_with`).
 
 Write tests against ``ringtrain.rank()``/``size()`` so the same function passes at any size.
 
@@ -26,9 +27,11 @@ import gc
 import importlib
 import multiprocessing as mp
 import os
+import select
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -73,6 +76,25 @@ class _Call:
 PRELOAD = ["torch", "torch._dynamo", "ringtrain", "ringtrain.torch"]
 
 
+def _die_with(pid: int) -> None:
+    """End this rank when process ``pid`` (the test process) is gone, whatever the rank is
+    doing. PR_SET_PDEATHSIG is not enough: multiprocessing hands every child of the fork server
+    the write end of the pipe whose closing ends the fork server, so after a test process killed
+    abruptly (a pytest timeout, SIGKILL) the fork server and its ranks keep each other alive."""
+
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            os._exit(1)  # gone already
+        except OSError:
+            return  # no pidfd here (Linux before 5.3): the fork server's end still applies
+        select.select([fd], [], [])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="ringtrain-test-owner-watch", daemon=True).start()
+
+
 def _worker(
     rank: int,
     size: int,
@@ -81,14 +103,15 @@ def _worker(
     sys_path: list[str],
     log_path: str,
     env: dict[str, str],
+    owner: int,
 ) -> None:
     import ctypes
     import faulthandler
 
-    # Die with the parent (the fork server, which exits when the test process is gone), even if
-    # it is SIGKILLed.
+    # Die with the parent (the fork server), even if it is SIGKILLed, and with the test process.
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    _die_with(owner)
     log = open(log_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -198,6 +221,7 @@ class World:
                     list(sys.path),
                     self.logs[r],
                     {**environ.current(), **(env or {})},
+                    os.getpid(),
                 ),
                 name=f"ringtrain-test-rank{r}",
                 daemon=True,
