@@ -1,4 +1,4 @@
-"""From 3 ranks a lane slot keeps the submitted tensor without copying it: a slot above 1 MiB
+"""From 3 ranks a lane slot keeps the submitted tensor without copying it (2 ranks: one value): a slot above 1 MiB
 agrees before its data moves (collectives/agreed.py), a rank-ordered sum lands aside unless the
 rank knows every claim is real (ordered.OrderedWork). Either way: the negotiated path's bits, no
 backup copy, and a lost slot that leaves the tensor as submitted."""
@@ -117,3 +117,14 @@ def test_gloo_s_ring_up_to_1_mib_still_copies(world3: spawn.World) -> None:
     )
     for _, (valid, invalid, backup_bytes) in fast:
         assert valid >= 2 and invalid == 0 and backup_bytes == valid * n * 4
+
+
+def test_a_lost_in_place_slot_at_2_ranks_gives_the_tensor_back(world2: spawn.World) -> None:
+    # Two ranks change only the first value (the dummy's NaN), restored from a one-value copy:
+    # the dummy must mark nothing else, or a lost slot would leave NaN in the tensor.
+    n = SIZES["rank-ordered"]
+    fast = world2.run(_in_place, 5, 2.0, lane.RELEASE_S, n, fast_lane=True, timeout=TIMEOUT)
+    slow = world2.run(_in_place, 5, 0.0, 60.0, n, fast_lane=False, timeout=TIMEOUT)
+    for (out, (valid, invalid, _)), (negotiated, _) in zip(fast, slow):
+        assert invalid == 1 and valid >= 2
+        assert torch.equal(out[-1], negotiated[-1])

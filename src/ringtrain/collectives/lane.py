@@ -236,9 +236,16 @@ class Lane:
             return
         data = torch.full(meta.shape, -0.0, dtype=dtype)
         flat = data.view(-1)
-        # Marks the slot: every rank's first value comes out NaN; and, for a rank-ordered sum,
-        # every rank sees a NaN among its rows' first values (ordered.OrderedWork's landing).
-        flat[ordered.chunk_starts(flat.numel(), self.size)] = math.nan
+        # Marks the slot: every rank's first value comes out NaN; for a rank-ordered sum, every
+        # rank's chunk starts with NaN too, so that each sees one among its rows' first values
+        # (ordered.OrderedWork's landing). Elsewhere only the first value may change: a real
+        # claimant restores that one value (2 ranks).
+        marks = (
+            ordered.chunk_starts(flat.numel(), self.size)
+            if self._lands_aside(_nbytes(req))
+            else [0]
+        )
+        flat[marks] = math.nan
         self.claim = self._launch(req, None, data, flat[:1])
 
     def _launch(
