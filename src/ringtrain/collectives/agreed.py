@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from ringtrain.collectives import ordered
+
 # Above this many bytes a slot agrees before its data moves (see the module's docstring).
 AGREE_ABOVE_BYTES = 1 << 20
 
@@ -50,7 +52,6 @@ class AgreedWork:
         self, group: Any, size: int, real: bool, start: Callable[[], Any], sum_opts: Any
     ) -> None:
         self._size = size
-        self._real = real
         self._start = start  # starts the data's allreduce; called once, if every claim is real
         self._flag = torch.tensor([1 if real else 0], dtype=torch.int32)
         self._lock = threading.Lock()
@@ -74,8 +75,8 @@ class AgreedWork:
             if self.valid is not None:
                 return
             (done or self._agreement.wait)()
-            valid = int(self._flag.item()) == self._size
-            if valid and self._real:
+            valid = int(self._flag.item()) == self._size  # so this rank's claim is real too
+            if valid:
                 self._data = self._start()
             self.valid = valid
 
@@ -89,15 +90,8 @@ class AgreedWork:
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
         if self.valid is None:
-            if timeout is None:
-                self._agreement.wait()
-            else:
-                self._agreement.wait(timeout=timeout)
+            ordered.wait_until(self._agreement, deadline)
             self._advance()
         if self._data is not None:
-            if deadline is None:
-                self._data.wait()
-            else:
-                left = max(deadline - time.monotonic(), 0.001)
-                self._data.wait(timeout=datetime.timedelta(seconds=left))
+            ordered.wait_until(self._data, deadline)
         return True

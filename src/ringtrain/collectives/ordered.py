@@ -60,6 +60,16 @@ def alone(nbytes: int) -> bool:
     return nbytes > ALONE_ABOVE_BYTES
 
 
+def wait_until(work: Any, deadline: float | None) -> None:
+    """``work.wait()``, bounded by ``deadline`` (``time.monotonic()``) where one is given: the
+    later half of a chained work (:class:`OrderedWork`, the lane's agreed slots) gets what the
+    earlier half left of the caller's timeout."""
+    if deadline is None:
+        work.wait()
+    else:
+        work.wait(timeout=datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+
+
 def needed(op: str, dtype: torch.dtype, size: int) -> bool:
     """Whether an allreduce of ``op`` over ``dtype`` on ``size`` ranks needs the rank order."""
     return size > 2 and op in ORDERED_OPS and (dtype.is_floating_point or dtype.is_complex)
@@ -179,14 +189,10 @@ class OrderedWork:
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
         if self._back is None:
-            if timeout is not None:
-                self._exchange.wait(timeout=timeout)
+            if deadline is not None:
+                wait_until(self._exchange, deadline)
             self._send_back()
-        if deadline is None:
-            self._back.wait()
-        else:
-            left = max(deadline - time.monotonic(), 0.001)
-            self._back.wait(timeout=datetime.timedelta(seconds=left))
+        wait_until(self._back, deadline)
         return True
 
 
