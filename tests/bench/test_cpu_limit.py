@@ -51,3 +51,18 @@ def test_the_quotas_fill_nine_tenths_of_the_cores_by_default() -> None:
     assert sum(cpus) == pytest.approx(1.8)
     given = mixed_speed.MixedSpeedParams(slow_rank=0, slow_by="cgroup", factor=4.0, cpus=0.5)
     assert [mixed_speed.rank_cpus(given, 2, r, 2) for r in range(2)] == [0.125, 0.5]
+
+
+def test_a_cgroup_that_refuses_the_quota_says_how_to_hand_cpu_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # cgroup v2 with cpu at the root but not handed down: the child's cpu.max cannot be written.
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory\n")
+    (tmp_path / f"x-{os.getpid()}" / "cpu.max").mkdir(parents=True)  # writing it: an OSError
+    monkeypatch.setattr(cpu_limit, "ROOT", tmp_path)
+    with (
+        pytest.raises(ConfigError, match=r"cgroup.subtree_control") as e,
+        cpu_limit.cpu_limited(0.5, "x"),
+    ):
+        pass
+    assert "cpu.max" in str(e.value) and "--slow-by sleep" in str(e.value)

@@ -357,8 +357,9 @@ def bench_converge(params: ConvergeParams) -> ConvergeResult:
     threads = environ.current().get(environ.Threads.OMP_NUM_THREADS)
     result.environment = machine_info() | {"omp_num_threads": threads}
     variants = params.variants if ringtrain.size() > 1 else params.variants[:1]
-    rank_is_slow = ringtrain.rank() == params.slow_rank
-    cpus = params.cpus / params.slow_factor if rank_is_slow else params.cpus
+    cpus = cpu_limit.rank_cpus(
+        params.cpus, params.slow_factor, ringtrain.rank() == params.slow_rank
+    )
     limit = cpu_limit.cpu_limited(cpus, "ringtrain-bench") if params.cpus else nullcontext()
     with limit:
         for v in variants:

@@ -39,6 +39,11 @@ def _hierarchy() -> tuple[Path, str]:
     )
 
 
+def rank_cpus(fast: float, factor: float, slow: bool) -> float:
+    """A rank's CPUs where the fast ranks get ``fast`` and the slow one 1/``factor`` of that."""
+    return fast / factor if slow else fast
+
+
 @contextlib.contextmanager
 def cpu_limited(cpus: float, name: str) -> Iterator[None]:
     """This process, every thread of it, limited to ``cpus`` CPUs while the block runs."""
@@ -55,12 +60,20 @@ def cpu_limited(cpus: float, name: str) -> Iterator[None]:
             (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
             (group / "cpu.cfs_quota_us").write_text(str(quota))
         (group / "cgroup.procs").write_text(str(os.getpid()))
-    except PermissionError as e:
+    except OSError as e:
         with contextlib.suppress(OSError):
             group.rmdir()
+        if isinstance(e, PermissionError):
+            raise ConfigError(
+                f"cannot limit this rank's CPUs ({e}): cgroups need root.\n"
+                "HINT: run as root, or --slow-by sleep."
+            ) from None
+        # cgroup v2 offers cpu at the root but writes fail where it is not handed down to
+        # children ("+cpu" missing from cgroup.subtree_control), e.g. inside a container.
         raise ConfigError(
-            f"cannot limit this rank's CPUs ({e}): cgroups need root.\n"
-            "HINT: run as root, or --slow-by sleep."
+            f"cannot set a CPU quota in {group} ({e}).\n"
+            f"HINT: on cgroup v2, 'echo +cpu > {root}/cgroup.subtree_control' hands the cpu "
+            "controller down (as root); or --slow-by sleep."
         ) from None
     try:
         yield

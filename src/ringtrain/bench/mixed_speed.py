@@ -128,7 +128,7 @@ def _model(width: int) -> torch.nn.Module:
 def rank_cpus(p: MixedSpeedParams, size: int, rank: int, cores: int) -> float:
     """``--slow-by cgroup``: this rank's CPUs (by default the quotas fill 0.9 of ``cores``)."""
     fast = p.cpus or 0.9 * cores / (size - 1 + 1 / p.factor)
-    return fast / p.factor if rank == p.slow_rank else fast
+    return cpu_limit.rank_cpus(fast, p.factor, rank == p.slow_rank)
 
 
 @contextlib.contextmanager
