@@ -103,7 +103,7 @@ def _cached_then_changed() -> None:
         hs = [rt.allreduce_async(torch.ones(4), name=f"grad.{i}", op=rt.Sum) for i in range(5)]
         for h in hs:
             assert rt.synchronize(h).tolist() == [rt.size()] * 4
-    assert len(ctl._cache) >= 5
+    assert len(ctl._requests.cache) >= 5
     # A rank now sends a changed request under a cached name: still caught, on every rank.
     rt.allreduce(torch.ones(4 + rt.rank()), name="grad.0", op=rt.Sum)
 

@@ -246,7 +246,7 @@ def _nan_first() -> tuple[list[torch.Tensor], tuple[int, int], int]:
         if s >= 2:
             t[0] = float("nan")  # as a dummy marks its slot: the flags tell the two apart
         got.append(rt.allreduce(t, name="nan", op=rt.Sum))
-    return got, _slots(), controller_of(None)._lane.flag_rounds  # type: ignore[union-attr]
+    return got, _slots(), controller_of(None)._fast.lane.flag_rounds  # type: ignore[union-attr]
 
 
 def test_nan_in_the_first_value_is_told_from_a_dummy(world: spawn.World) -> None:

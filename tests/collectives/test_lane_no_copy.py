@@ -31,9 +31,10 @@ def _data(step: int, rank: int, n: int = BIG) -> torch.Tensor:
 
 
 def _counters() -> tuple[int, int, int]:
-    fast = controller_of(None)._lane
-    if fast is None:  # the lane is off
+    driver = controller_of(None)._fast
+    if driver is None:  # the lane is off
         return 0, 0, 0
+    fast = driver.lane
     return fast.slots_valid, fast.slots_invalid, fast.backup_bytes
 
 

@@ -105,7 +105,7 @@ def _scenario(hold_s: float) -> list[float] | None:
         _hook(ctl, at, stale)
         assert there.wait(30), "the controllers did not reach the agreed round"
         handle = rt.allreduce_async(_data(3, r), name="m", op=rt.Sum)
-        claim = ctl._lane.claim
+        claim = ctl._fast.lane.claim
         assert claim is not None and claim.name == "m", "the op did not claim the lane"
         claim.works[0] = _SeenLate(claim.works[0], 0.3)
         sent.set()
@@ -116,11 +116,11 @@ def _scenario(hold_s: float) -> list[float] | None:
         # claims, then its script ends (the harness calls shutdown()).
         def vote(mine: Message) -> None:
             deadline = time.monotonic() + 30
-            while not ctl._shutdown and time.monotonic() < deadline:
+            while not ctl._end.shutdown and time.monotonic() < deadline:
                 time.sleep(0.005)
             with ctl._lock:  # as the message would be built now
-                mine.shutdown, mine.busy = ctl._shutdown, bool(ctl._pending)
-            mine.lane = ctl._lane.status()
+                mine.shutdown, mine.busy = ctl._end.shutdown, bool(ctl._pending)
+            mine.lane = ctl._fast.lane.status()
 
         _hook(ctl, at, vote)
         got = rt.allreduce(_data(3, r), name="m", op=rt.Sum)

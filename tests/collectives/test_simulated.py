@@ -28,7 +28,7 @@ def test_cached_ops_become_ready_and_run_in_submission_order() -> None:
     assert sim.executor.order == names * 3
     assert not sim.controller.pending_names()
     # After the first round the requests travel as cache numbers.
-    assert len(sim.controller._cache) == len(names)
+    assert len(sim.controller._requests.cache) == len(names)
 
 
 def test_a_simulated_set_needs_a_rank() -> None:

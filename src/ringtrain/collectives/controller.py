@@ -30,9 +30,11 @@ Shutdown: a rank that shuts down votes so in its rounds; what then happens (at o
 that fails, once nothing is pending for one that finished) is
 :mod:`~ringtrain.collectives.shutdown_rules`.
 
-The parts: :mod:`~ringtrain.collectives.control_round` (the message and its wire),
-:mod:`~ringtrain.collectives.lane_control` (the fast lane's share of submitting and of a round),
-:mod:`~ringtrain.collectives.execute` (running ready ops on the data groups).
+The parts, each an object the controller owns: the table every rank holds alike
+(:mod:`~ringtrain.collectives.request_table`), the message and its wire
+(:mod:`~ringtrain.collectives.control_round`, :mod:`~ringtrain.collectives.vector_round`), the
+fast lane's driver (:mod:`~ringtrain.collectives.lane_control`), running ready ops on the data
+groups (:mod:`~ringtrain.collectives.execute`), and how the set ends (``shutdown_rules.Ending``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,8 +53,9 @@ from ringtrain.collectives.control_round import ControlChannel, Message, inline_
 from ringtrain.collectives.doorbell import Doorbell
 from ringtrain.collectives.execute import Executor, Pending
 from ringtrain.collectives.handles import Handle
-from ringtrain.collectives.lane_control import LANE_DRAIN_S, LaneControl, LaneHandle, Reservation
-from ringtrain.collectives.requests import Request, mismatch
+from ringtrain.collectives.lane_control import LANE_DRAIN_S, LaneDriver, LaneHandle
+from ringtrain.collectives.request_table import RequestTable
+from ringtrain.collectives.requests import Request, local_errors, mismatch
 from ringtrain.collectives.vector_round import LaneView, VectorChannel, VectorRounds
 from ringtrain.config import Config
 from ringtrain.diagnostics import stall, timeline
@@ -85,7 +89,17 @@ DOZE_AFTER_IDLE_CYCLES = 4
 JOIN_NAME = "__join__"
 
 
-class Controller(LaneControl):
+@dataclass
+class Pace:
+    """How busy the rounds are: with nothing in flight a controller naps between rounds, then,
+    agreed with every rank, dozes until a submission rings."""
+
+    idle_cycles: int = 0  # idle rounds in a row on this rank
+    doze: bool = False  # every rank agreed, in the last round, to doze
+    active: bool = False  # the last round carried requests
+
+
+class Controller:
     """Negotiates and runs the collectives of one process set on this rank."""
 
     def __init__(
@@ -105,24 +119,13 @@ class Controller(LaneControl):
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._new: list[str] = []
-        self._pending: dict[str, Pending] = {}
-        self._table: dict[str, dict[int, Request]] = {}
-        self._inline: dict[str, dict[int, inline.Payload]] = {}  # by name, then set rank
-        self._first_seen: dict[str, float] = {}
-        self._joined: set[int] = set()
-        self._last_joined = -1
+        self._new: list[str] = []  # names submitted since this rank's last round
+        self._pending: dict[str, Pending] = {}  # this rank's ops in flight
+        self._requests = RequestTable(config.cache_capacity)  # alike on every rank
         self._stall = stall.StallInspector(config.stall_warning_s, config.stall_shutdown_s)
-        self._shutdown = False
-        self._leaving = ""  # why this rank shuts down: "" (finished) or its failure
-        self._closed = False
-        self._failure: CollectiveError | SecurityError | None = None
+        self._end = shutdown_rules.Ending()
         self._counters: dict[str, int] = {}
-        self._cache: list[Request] = []
-        self._cache_ids: dict[Request, int] = {}
-        self._idle_cycles = 0
-        self._doze = False  # every rank agreed, in the last round, to doze
-        self._active = False  # the last round carried requests
+        self._pace = Pace()
         self._doorbell = Doorbell(comm.store, comm.set_id, comm.set_rank)
         # Same name on other process sets: shared by this process's controllers (see crossset).
         if board is None and comm.store is not None and config.check_consistency:
@@ -134,13 +137,11 @@ class Controller(LaneControl):
         )
         self._executor = Executor(comm, config)
         # The fast lane (collectives.lane) and what the rounds decided about it (lane_control).
-        self._lane: lane.Lane | None = None
+        self._fast: LaneDriver | None = None
         lane_group = comm.optional_group("lane")
         if config.fast_lane and comm.size > 1 and lane_group is not None:
-            self._lane = lane.Lane(comm.size, lane_group, config.reproducible)
-        self._reservation = Reservation()
-        # Whether a claim of ours has waited long enough to keep the controllers polling.
-        self._lane_nudged = False
+            fast = lane.Lane(comm.size, lane_group, config.reproducible)
+            self._fast = LaneDriver(fast, self, self._lock, comm, clock)
         self._world = abort.generation  # elastic: this controller's waits end when it is replaced
         self._channel = channel if channel is not None else ControlChannel(comm, self._world)
         # From Config.vector_rounds_from ranks, rounds are bit vectors (collectives.vector_round).
@@ -169,11 +170,11 @@ class Controller(LaneControl):
         outputs: list[torch.Tensor] | None = None,
         finish: Callable[[Any], Any] | None = None,
     ) -> Handle:
-        fast = self._lane
+        fast = self._fast
         with self._lock:
-            if self._failure is not None:
-                raise type(self._failure)(*self._failure.args)
-            if self._closed or self._shutdown:
+            if self._end.failure is not None:
+                raise type(self._end.failure)(*self._end.failure.args)
+            if self._end.closed or self._end.shutdown:
                 raise CollectiveAbortedError(
                     f"cannot submit {request.name!r}: ringtrain is shutting down"
                 )
@@ -183,14 +184,14 @@ class Controller(LaneControl):
                     "HINT: names must be unique among pending operations; wait for the first "
                     "(synchronize) or give the second another name."
                 )
-            if fast is not None and fast.reserved is not None:
-                claim = fast.try_claim(request, tensors, outputs)
+            if fast is not None and fast.lane.reserved is not None:
+                claim = fast.lane.try_claim(request, tensors, outputs)
                 if claim is not None:  # no negotiation: the op is on its way
-                    lane_handle = LaneHandle(request.name, finish, self, claim)
+                    lane_handle = LaneHandle(request.name, finish, fast, claim)
                     self._pending[request.name] = Pending(request, tensors, outputs, lane_handle)
                     return lane_handle
             handle: Handle[Any] = Handle(request.name, finish)
-            cid = self._cache_ids.get(request, -1) if self._vector is not None else -1
+            cid = self._requests.cache_id(request) if self._vector is not None else -1
             self._pending[request.name] = Pending(request, tensors, outputs, handle, cid)
             self._new.append(request.name)
             bell = self._doorbell.disarm()
@@ -203,11 +204,9 @@ class Controller(LaneControl):
         module docstring's shutdown rules; ``failure``: this rank's uncaught exception, quoted
         to them). Waits at most ``timeout`` for the set to end here; returns whether it did."""
         with self._lock:
-            self._shutdown = True
-            self._leaving = failure
-            bell = self._doorbell.disarm()
-        self._wake.set()
-        self._doorbell.ring(bell)
+            self._end.shutdown = True
+            self._end.leaving = failure
+        self.wake()  # a dozing controller checks for a shutdown vote under the lock, then dozes
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning(
@@ -229,7 +228,7 @@ class Controller(LaneControl):
         the process's exit waits for it (:mod:`ringtrain.runtime.exit_guard`): it may be inside
         a torch call until then."""
         with self._lock:
-            self._closed = True
+            self._end.closed = True
             bell = self._doorbell.disarm()
         self._wake.set()
         if bell is not None:  # dozing in a store wait: wake it, so that it can leave
@@ -246,7 +245,7 @@ class Controller(LaneControl):
 
     @property
     def last_joined(self) -> int:
-        return self._last_joined
+        return self._requests.last_joined
 
     def settle(self, timeout: float = 1.0) -> bool:
         """Wait until this set's controllers doze (no idle rounds), at most ``timeout`` seconds.
@@ -255,7 +254,7 @@ class Controller(LaneControl):
         controllers without a store to doze on never settle, so this returns at once)."""
         if self.comm.store is None:
             return False
-        return self.comm.size == 1 or self._doorbell.settled(timeout, lambda: self._closed)
+        return self.comm.size == 1 or self._doorbell.settled(timeout, lambda: self._end.closed)
 
     @property
     def rounds(self) -> int:
@@ -266,13 +265,42 @@ class Controller(LaneControl):
     @property
     def lane_slots(self) -> tuple[int, int]:
         """Slots of the fast lane so far, (valid, not valid): for tests and statistics."""
-        if self._lane is None:
+        if self._fast is None:
             return (0, 0)
-        return (self._lane.slots_valid, self._lane.slots_invalid)
+        return (self._fast.lane.slots_valid, self._fast.lane.slots_invalid)
 
     def pending_names(self) -> list[str]:
         with self._lock:
             return list(self._pending)
+
+    # ---- what the lane's driver asks (lane_control.LaneHost) ------------------------------------
+
+    def pending_of(self, name: str) -> Pending | None:
+        with self._lock:
+            return self._pending.get(name)
+
+    def drop_pending(self, name: str) -> None:
+        with self._lock:
+            self._pending.pop(name, None)
+
+    def renegotiate(self, name: str, handle: LaneHandle) -> None:
+        """The op's lane slot was not valid: negotiate it as any other, or fail it if the set
+        has ended."""
+        with self._lock:
+            if self._end.failure is None and not self._end.closed:
+                self._new.append(name)
+            else:
+                self._pending.pop(name, None)
+                handle.set_error(
+                    self._end.failure or CollectiveAbortedError(shutdown_rules.SHUT_DOWN)
+                )
+        self.wake()
+
+    def wake(self) -> None:
+        with self._lock:
+            bell = self._doorbell.disarm()
+        self._wake.set()
+        self._doorbell.ring(bell)
 
     # ---- the background thread ---------------------------------------------------------------
 
@@ -280,17 +308,17 @@ class Controller(LaneControl):
         try:
             while True:
                 waiting = self._cycle()
-                if self._closed:
+                if self._end.closed:
                     break
                 if waiting:
                     # Peers owe us submissions (or we owe them): the next exchange blocks until
                     # they arrive, so sleeping would only add latency.
-                    self._idle_cycles = 0
+                    self._pace.idle_cycles = 0
                     continue
-                if self._doze:
+                if self._pace.doze:
                     self._sleep_until_rung()
                     continue
-                self._idle_cycles = 0 if self._active else self._idle_cycles + 1
+                self._pace.idle_cycles = 0 if self._pace.active else self._pace.idle_cycles + 1
                 # Alone in the set, nothing can arrive but a local submission: wait for it.
                 alone = self.comm.size == 1
                 self._wake.wait(None if alone else self._nap_s())
@@ -306,11 +334,11 @@ class Controller(LaneControl):
                 )
             )
         finally:
-            self._closed = True
-            if self._lane is not None:
+            self._end.closed = True
+            if self._fast is not None:
                 # A rank that fails cannot count on its peers to match its claims.
-                failing = self._failure is not None or bool(self._leaving)
-                self._lane_drain(0.0 if failing else LANE_DRAIN_S)
+                failing = self._end.failure is not None or bool(self._end.leaving)
+                self._fast.drain(0.0 if failing else LANE_DRAIN_S)
             if self._watch is not None:
                 self._watch.clear()
 
@@ -325,12 +353,12 @@ class Controller(LaneControl):
         key = self._doorbell.next_episode()
         with self._lock:
             # A submission that came in after the round that decided this rings at once.
-            rung = bool(self._new) or self._shutdown
+            rung = bool(self._new) or self._end.shutdown
             self._doorbell.armed = None if rung else key
         if rung:
             self._doorbell.ring(key)
-        self._doze = False
-        self._idle_cycles = 0
+        self._pace.doze = False
+        self._pace.idle_cycles = 0
         try:
             self._doorbell.wait(key)
         finally:
@@ -339,26 +367,25 @@ class Controller(LaneControl):
 
     def _cycle(self) -> bool:
         """One negotiation round. Returns True if submitted ops still wait for some ranks."""
-        if self._lane is not None:
-            self._lane_settle()
+        if self._fast is not None:
+            self._fast.settle()
         rounds = self._vector
         if rounds is not None and not rounds.gather_next:
             self._vector_cycle(rounds)
         else:
             self._gather_cycle(rounds)
-        return bool(self._table) or (rounds is not None and bool(rounds.pending))
+        return bool(self._requests) or (rounds is not None and bool(rounds.pending))
 
     def _may_doze(self, submitted: bool) -> bool:
         """This rank's doze vote (under the lock): idle long enough, nothing in flight."""
         return (
             not submitted
-            and not self._shutdown
-            and not self._table
+            and not self._end.shutdown
+            and not self._requests
             and (self._vector is None or not self._vector.pending)
-            and self._idle_cycles >= DOZE_AFTER_IDLE_CYCLES
+            and self._pace.idle_cycles >= DOZE_AFTER_IDLE_CYCLES
             and self.comm.store is not None
-            and not self._lane_nudged
-            and self._reservation.peer is None
+            and (self._fast is None or self._fast.quiet())
         )
 
     def _gather_cycle(self, rounds: VectorRounds | None) -> None:
@@ -370,14 +397,19 @@ class Controller(LaneControl):
                 new = [n for n in rounds.take_all() if n in self._pending] + new
             subs = [self._pending[n] for n in new]
             reqs = [p.request for p in subs]
-            mine = Message([self._cache_ids.get(r, r) for r in reqs], self._shutdown)
-            mine.leaving = self._leaving
+            ids = [self._requests.cache_id(r) for r in reqs]
+            mine = Message([i if i >= 0 else r for i, r in zip(ids, reqs)], self._end.shutdown)
+            mine.leaving = self._end.leaving
             mine.busy = bool(self._pending)
             mine.idle = self._may_doze(bool(reqs))
-        if self._lane is not None:
-            mine.lane = self._lane.status()
+        if self._fast is not None:
+            mine.lane = self._fast.lane.status()
         mine.inline = inline_payloads(subs, self.comm.world_rank)
-        stuck = self._watch.stuck(self._table, self._first_seen) if self._watch else None
+        stuck = (
+            self._watch.stuck(self._requests.by_name, self._requests.first_seen)
+            if self._watch
+            else None
+        )
         if self.comm.set_rank == 0:
             mine.abort = self._inspect()
             carried: tuple[tuple[str, str], ...] = ()
@@ -397,40 +429,35 @@ class Controller(LaneControl):
                 time.perf_counter(),
                 {"submitted": sum(len(m.requests) for m in messages)},
             )
-        now = self._clock()
+        now, table = self._clock(), self._requests
         for set_rank, msg in enumerate(messages):
             for i, item in enumerate(msg.requests):
-                req = self._cache[item] if isinstance(item, int) else item
-                entry = self._table.setdefault(req.name, {})
-                if not entry:
-                    self._first_seen[req.name] = now
-                entry[set_rank] = req
-                if i in msg.inline:
-                    self._inline.setdefault(req.name, {})[set_rank] = msg.inline[i]
-                if req.kind == "join":
-                    self._joined.add(set_rank)
-                    self._last_joined = self.comm.ranks[set_rank]
+                req = table.cache[item] if isinstance(item, int) else item
+                table.add(set_rank, self.comm.ranks[set_rank], req, msg.inline.get(i), now)
         abort = messages[0].abort
         if abort:
             raise StallError(abort)
         for name, problem in messages[0].mismatched:
             if self._watch is not None:  # keep posting it for the other set's rank 0
-                self._watch.linger(name, self._table.get(name, {}))
+                self._watch.linger(name, self._requests.by_name.get(name, {}))
             self._fail_name(name, CollectiveMismatchError(problem))
-        ready = [name for name in self._table if self._is_ready(name)]
+        size = self.comm.size
+        ready = [n for n in table.by_name if table.is_ready(n, size, JOIN_NAME)]
         view = LaneView.of(m.lane for m in messages)
         if rounds is not None and view is not None:
             rounds.base = view.slot_min
-        if self._lane is not None and view is not None:
-            self._lane_round(view, [r for r in map(self._lane_candidate, ready) if r is not None])
+        if self._fast is not None and view is not None:
+            alike = [table.alike(name, size) for name in ready]
+            ran = [r for r in alike if r is not None and lane.eligible(r)]
+            self._fast.round(view, ran, self._end.shutdown or self._busy_elsewhere())
         for name in ready:
             self._run_ready(name)
         self._executor.flush()
-        self._active = any(m.requests for m in messages)
-        self._doze = self.comm.size > 1 and all(m.idle for m in messages) and not self._table
+        self._pace.active = any(m.requests for m in messages)
+        self._pace.doze = size > 1 and all(m.idle for m in messages) and not table
         if rounds is not None:  # uncached requests come in runs (unnamed ops): stay gathered
             fresh = any(not isinstance(r, int) for m in messages for r in m.requests)
-            rounds.gather_next = fresh or bool(self._table)
+            rounds.gather_next = fresh or bool(table)
         if any(m.shutdown for m in messages):
             self._after_votes(messages)
 
@@ -439,25 +466,29 @@ class Controller(LaneControl):
         now = self._clock()
         with self._lock:
             new, self._new = self._new, []
-            joined = bool(self._joined)
+            joined = bool(self._requests.joined)
             for name in new:
                 p = self._pending[name]
-                cid = p.cache_id if p.cache_id >= 0 else self._cache_ids.get(p.request, -1)
-                if cid < 0 or joined or name in self._table:
+                cid = p.cache_id if p.cache_id >= 0 else self._requests.cache_id(p.request)
+                if cid < 0 or joined or name in self._requests.by_name:
                     self._new.append(name)  # for the gathered round this one asks for
                 else:
                     rounds.pending[cid] = (name, now)
-            gather = bool(self._new) or self._shutdown or rounds.overdue(now)
+            gather = bool(self._new) or self._end.shutdown or rounds.overdue(now)
             idle = self._may_doze(bool(new))
-        status = self._lane.status() if self._lane is not None else None
+        status = self._fast.lane.status() if self._fast is not None else None
         if status is not None and not vector_round.fits(status, rounds.base):
             gather = True
-        stuck = self._watch.stuck(self._table, self._first_seen) if self._watch else None
+        stuck = (
+            self._watch.stuck(self._requests.by_name, self._requests.first_seen)
+            if self._watch
+            else None
+        )
         if self.comm.set_rank == 0:
             if stuck and self._watch is not None:
                 rounds.carried += self._watch.mismatches(stuck)
             gather = gather or bool(rounds.carried) or bool(self._inspect())
-        words = vector_round.words_for(len(self._cache))
+        words = vector_round.words_for(len(self._requests.cache))
         mine = vector_round.encode(words, rounds.pending, gather, idle, status, rounds.base)
         started = time.perf_counter()
         got = vector_round.decode(rounds.channel.exchange(mine), rounds.base)
@@ -467,67 +498,60 @@ class Controller(LaneControl):
             rec.span(f"collectives set {self.comm.set_id}", "NEGOTIATE", *span)
         if got.lane is not None:
             rounds.base = got.lane.slot_min
-            if self._lane is not None:
-                ran = [self._cache[c] for c in got.ready if lane.eligible(self._cache[c])]
-                self._lane_round(got.lane, ran)
+            if self._fast is not None:
+                cached = [self._requests.cache[c] for c in got.ready]
+                ran = [r for r in cached if lane.eligible(r)]
+                self._fast.round(got.lane, ran, self._end.shutdown or self._busy_elsewhere())
         names = [rounds.pending.pop(cid)[0] for cid in got.ready]
         with self._lock:
             locals_ = [self._pending.pop(name, None) for name in names]
         me, size, none = self.comm.set_rank, self.comm.size, frozenset[int]()
         for cid, name, local in zip(got.ready, names, locals_):
-            alike = rounds.alike(cid, self._cache[cid], size)  # O(1) in the rank count
+            alike = rounds.alike(cid, self._requests.cache[cid], size)  # O(1) in the rank count
             self._executor.add(name, alike, local, none, me, None)
         self._executor.flush()
-        self._active = bool(got.ready) or bool(new)
-        self._doze = self.comm.size > 1 and got.idle and not self._table
+        self._pace.active = bool(got.ready) or bool(new)
+        self._pace.doze = self.comm.size > 1 and got.idle and not self._requests
 
     def _busy_elsewhere(self) -> bool:
         """This rank waits for peers on other ops: a peer's lane claim must not wait for it."""
         mine = self._vector is not None and bool(self._vector.pending)
-        return mine or any(self.comm.set_rank in by for by in self._table.values())
+        return mine or self._requests.waits_on(self.comm.set_rank)
 
     def _after_votes(self, messages: list[Message]) -> None:
         """Some rank voted to shut down in this round: end the set, or fail what cannot run
         (:mod:`~ringtrain.collectives.shutdown_rules`; every rank decides alike)."""
         votes = [shutdown_rules.Vote(m.shutdown, m.leaving, m.busy) for m in messages]
         me, ranks, set_id = self.comm.set_rank, self.comm.ranks, self.comm.set_id
-        if shutdown_rules.set_ends(votes, self._table):
-            self._closed = True
+        table = self._requests
+        if shutdown_rules.set_ends(votes, table.by_name):
+            self._end.closed = True
             error = shutdown_rules.error(votes, me, ranks, set_id)
             with self._lock:
-                self._failure = self._failure or error
-            self._lane_drain_at_end(failed=any(v.leaving for v in votes))
+                self._end.failure = self._end.failure or error
+            if self._fast is not None:
+                failed = any(v.leaving for v in votes)
+                self._fast.drain_at_end(failed, leaving=bool(self._end.leaving))
             self._fail_all(error)
             return
-        for name, missing in shutdown_rules.doomed(votes, self._table, self._joined).items():
+        for name, missing in shutdown_rules.doomed(votes, table.by_name, table.joined).items():
             if name != JOIN_NAME:
                 self._fail_name(name, shutdown_rules.error(votes, me, ranks, set_id, missing))
 
-    def _is_ready(self, name: str) -> bool:
-        submitted = self._table[name]
-        if len(submitted) == self.comm.size:
-            return True
-        if name == JOIN_NAME or not self._joined:
-            return False
-        active = set(range(self.comm.size)) - self._joined
-        return bool(active) and active <= set(submitted)
-
     def _run_ready(self, name: str) -> None:
-        by_rank = self._table.pop(name)
-        self._first_seen.pop(name, None)
-        payloads = self._inline.pop(name, None)
+        by_rank, payloads = self._requests.take(name)
         me = self.comm.set_rank
         with self._lock:
             local = self._pending.pop(name, None)
         if name == JOIN_NAME:
-            self._joined.clear()
+            self._requests.joined.clear()
             if local:
-                local.handle.set_result(self._last_joined)
+                local.handle.set_result(self._requests.last_joined)
             return
         problem = (
             mismatch(name, by_rank, self.comm.ranks)
             if self.config.check_consistency
-            else _local_errors(name, by_rank)
+            else local_errors(name, by_rank)
         )
         if problem:
             self._executor.flush()
@@ -539,8 +563,8 @@ class Controller(LaneControl):
                 )
                 local.handle.set_error(cls(problem))
             return
-        joined = frozenset(self._joined - set(by_rank))
-        self._remember(by_rank)
+        joined = frozenset(self._requests.joined - set(by_rank))
+        self._requests.remember(by_rank)
         req = by_rank[min(by_rank)]
         if payloads is not None and not inline.usable(req, payloads, by_rank, self.comm.ranks):
             payloads = None
@@ -548,32 +572,16 @@ class Controller(LaneControl):
 
     def _fail_name(self, name: str, error: CollectiveError) -> None:
         """Drop ``name`` from the table on every rank alike; fail it here if this rank has it."""
-        self._table.pop(name, None)
-        self._first_seen.pop(name, None)
-        self._inline.pop(name, None)
+        self._requests.drop(name)
         with self._lock:
             local = self._pending.pop(name, None)
         if local is not None:
             local.handle.set_error(error)
 
-    def _remember(self, by_rank: dict[int, Request]) -> None:
-        """Cache a request every rank made alike. Called in the ready order, which every rank
-        shares, so a number means the same request everywhere."""
-        req = next(iter(by_rank.values()))
-        if req in self._cache_ids or len(self._cache) >= self.config.cache_capacity:
-            return
-        if req.kind == "join" or any(r != req for r in by_rank.values()):
-            return
-        self._cache_ids[req] = len(self._cache)
-        self._cache.append(req)
-
     def _inspect(self) -> str:
         """Rank 0's time-based decisions: log stall warnings; return an abort message if due."""
         now = self._clock()
-        waiting = {
-            name: stall.Waiting(name, tuple(sorted(by)), self._first_seen.get(name, now))
-            for name, by in self._table.items()
-        }
+        waiting = self._requests.waiting(now)
         verdict = self._stall.check(waiting, self.comm.size, now, self.comm.ranks)
         if verdict.warning:
             log.warning("%s", verdict.warning)
@@ -581,17 +589,11 @@ class Controller(LaneControl):
 
     def _fail_all(self, error: CollectiveError | SecurityError) -> None:
         with self._lock:
-            if self._failure is None:
-                self._failure = error
+            if self._end.failure is None:
+                self._end.failure = error
             pending, self._pending = self._pending, {}
             self._new = []
             if self._vector is not None:
                 self._vector.pending.clear()
         for p in pending.values():
             p.handle.set_error(error)
-
-
-def _local_errors(name: str, by_rank: dict[int, Request]) -> str | None:
-    """With consistency checks off, still honour errors a rank found locally."""
-    errs = [r.error for r in by_rank.values() if r.error]
-    return f"collective {name!r} was invalid: {errs[0]}" if errs else None

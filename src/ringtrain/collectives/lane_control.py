@@ -1,11 +1,12 @@
 """The controller's fast lane: ops that repeat the reserved request skip negotiation.
 
 :mod:`ringtrain.collectives.lane` holds the lane itself (slots, claims, flags); this module is
-the part of :class:`~ringtrain.collectives.controller.Controller` that drives it. A submitted op
+its driver, an object the :class:`~ringtrain.collectives.controller.Controller` owns
+(:class:`LaneDriver`). A submitted op
 that matches the reservation claims a slot and gets a :class:`LaneHandle`; waiting on it takes
 the slot's verdict: a valid slot gives the result, an invalid one sends the op through the
 ordinary negotiation from the tensor as it was submitted. In each control round the lane's
-share (:meth:`LaneControl._lane_round`) releases a slot a peer waits in while this rank is busy
+share (:meth:`LaneDriver.round`) releases a slot a peer waits in while this rank is busy
 elsewhere (this rank's own decision), and opens, moves or gives up the reservation from what
 every rank received alike, so every rank decides the same.
 """
@@ -18,14 +19,12 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ringtrain.collectives import lane
-from ringtrain.collectives.doorbell import Doorbell
 from ringtrain.collectives.execute import Pending, transport_error
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request
 from ringtrain.collectives.scaling import scaling_of
 from ringtrain.collectives.vector_round import LaneView
 from ringtrain.diagnostics import timeline
-from ringtrain.errors import CollectiveAbortedError, CollectiveError, SecurityError
 from ringtrain.runtime import abort
 from ringtrain.runtime.communicator import Communicator
 
@@ -39,76 +38,94 @@ class LaneHandle(Handle):
     """The handle of an op that claimed a lane slot: waiting on it takes the slot's verdict,
     then gives the result, or (the slot was not valid) waits for the negotiated op."""
 
-    __slots__ = ("_ctl", "claim")
+    __slots__ = ("_driver", "claim")
 
     def __init__(
-        self, name: str, finish: Callable[[Any], Any] | None, ctl: LaneControl, claim: lane.Claim
+        self,
+        name: str,
+        finish: Callable[[Any], Any] | None,
+        driver: LaneDriver,
+        claim: lane.Claim,
     ) -> None:
         super().__init__(name, finish)
-        self._ctl = ctl
+        self._driver = driver
         self.claim: lane.Claim | None = claim
 
     def done(self) -> bool:
         if self.claim is not None and not self._finished:
-            self._ctl._lane_progress(self, block=False)
+            self._driver.progress(self, block=False)
         return self._finished
 
     def wait(self, timeout: float | None = None) -> Any:
         if self.claim is not None and not self._finished:
-            self._ctl._lane_progress(self, block=True)
+            self._driver.progress(self, block=True)
         return super().wait(timeout)
 
 
-class LaneControl:
-    """The controller's lane part. The state below is the controller's, set in its
-    ``__init__``; :meth:`_busy_elsewhere` is the controller's, which this part calls."""
+class LaneHost(Protocol):
+    """What the lane's driver asks of its controller (the pending ops are the controller's)."""
 
-    comm: Communicator
-    _clock: Callable[[], float]
-    _lock: threading.Lock
-    _wake: threading.Event
-    _new: list[str]
-    _pending: dict[str, Pending]
-    _table: dict[str, dict[int, Request]]
-    _joined: set[int]
-    _shutdown: bool
-    _leaving: str
-    _closed: bool
-    _failure: CollectiveError | SecurityError | None
-    _doorbell: Doorbell
-    _world: int
-    _lane: lane.Lane | None
-    _reservation: Reservation
-    _lane_nudged: bool
+    def pending_of(self, name: str) -> Pending | None: ...
 
-    def _busy_elsewhere(self) -> bool:
-        raise NotImplementedError
+    def drop_pending(self, name: str) -> None: ...
 
-    def _lane_progress(self, handle: LaneHandle, block: bool) -> None:
+    def renegotiate(self, name: str, handle: LaneHandle) -> None:
+        """The op's slot was not valid: negotiate it as any other (or fail it, the set ended)."""
+
+    def wake(self) -> None:
+        """Wake the controller, and the peers' controllers if they doze."""
+
+
+class LaneDriver:
+    """The controller's fast lane, owned by it: the lane, what the rounds decided about it
+    (:class:`Reservation`), and whether a claim of this rank keeps the controllers polling."""
+
+    def __init__(
+        self,
+        fast: lane.Lane,
+        host: LaneHost,
+        lock: threading.Lock,
+        comm: Communicator,
+        clock: Callable[[], float],
+    ) -> None:
+        self.lane = fast
+        self.reservation = Reservation()
+        # Whether a claim of ours has waited long enough to keep the controllers polling.
+        self.nudged = False
+        self._host = host
+        self._lock = lock  # the controller's: ``nudged`` is read under it
+        self._comm = comm
+        self._clock = clock
+        self._world = abort.generation  # elastic: waits end when this world is replaced
+
+    def quiet(self) -> bool:
+        """Nothing of the lane's keeps the controllers polling (a doze vote's part)."""
+        return not self.nudged and self.reservation.peer is None
+
+    def progress(self, handle: LaneHandle, block: bool) -> None:
         """Take the verdict of ``handle``'s slot (waiting for it when ``block``) and act on it."""
-        fast, claim = self._lane, handle.claim
-        if fast is None or claim is None:
+        fast, claim = self.lane, handle.claim
+        if claim is None:
             return
         try:
             while True:
                 if block:
-                    self._lane_wait(claim)
+                    self._wait(claim)
                 settled = fast.settle(claim)
                 # Not settled: still in flight, taken by another thread, or the flags' round
                 # just started (then wait for that too).
                 if settled is not None or not block or fast.claim is not claim:
                     break
         except Exception as e:  # the transport failed: this op fails, the controller follows
-            with self._lock:
-                self._pending.pop(handle.name, None)
+            self._host.drop_pending(handle.name)
             handle.claim = None
             if not handle.done():  # the set's end may have told it why already
                 handle.set_error(transport_error(e))
             return
         if settled is not None:
-            self._lane_finish(settled)
+            self._finish(settled)
 
-    def _lane_wait(self, claim: lane.Claim) -> None:
+    def _wait(self, claim: lane.Claim) -> None:
         """Wait for a claim's collectives. They complete once every rank has claimed the slot;
         if that takes long, the peers may not know of the claim (their controllers doze), so
         wake the controllers and keep them polling until the slot is settled."""
@@ -116,65 +133,56 @@ class LaneControl:
             if work.is_completed():
                 continue
             if not lane.wait_for(work, lane.NUDGE_S):
-                self._lane_nudge()
+                with self._lock:
+                    self.nudged = True
+                self._host.wake()
                 abort.wait_work(work, self._world)
 
-    def _lane_nudge(self) -> None:
-        with self._lock:
-            self._lane_nudged = True
-            bell = self._doorbell.disarm()
-        self._wake.set()
-        self._doorbell.ring(bell)
-
-    def _lane_settle(self) -> None:
+    def settle(self) -> None:
         """The controller's share: settle a slot nobody waits for (dummies, unwaited ops)."""
-        assert self._lane is not None
         try:
-            settled = self._lane.settle()
+            settled = self.lane.settle()
         except Exception:
             return  # its waiter (if any) reports it; a dead peer fails the next round too
         if settled is not None:
-            self._lane_finish(settled)
+            self._finish(settled)
 
-    def _lane_drain(self, timeout_s: float) -> None:
+    def drain(self, timeout_s: float) -> None:
         """See this rank's claims through and end their ops (at most ``timeout_s``): when the
         set ends, a peer that has left may have matched a claim this rank made after its last
         round's message, and that op completes rather than fail (a valid slot gives its result,
         a lost one the set's failure)."""
-        if self._lane is not None:
-            for claim in self._lane.drain(timeout_s):
-                self._lane_finish(claim)
+        for claim in self.lane.drain(timeout_s):
+            self._finish(claim)
 
-    def _lane_drain_at_end(self, failed: bool) -> None:
-        """The set ends (``failed``: a peer failed): a lane op claimed after this rank's last
-        message was built may have been matched by the leaving peer already, and then it
-        completes rather than fail. None where this rank is the one failing."""
-        self._lane_drain(0.0 if self._leaving else LANE_DRAIN_FAILED_S if failed else LANE_DRAIN_S)
+    def drain_at_end(self, failed: bool, leaving: bool) -> None:
+        """The set ends (``failed``: a peer failed; ``leaving``: this rank fails): a lane op
+        claimed after this rank's last message was built may have been matched by the leaving
+        peer already, and then it completes rather than fail. None where this rank fails."""
+        self.drain(0.0 if leaving else LANE_DRAIN_FAILED_S if failed else LANE_DRAIN_S)
 
-    def _lane_finish(self, claim: lane.Claim) -> None:
+    def _finish(self, claim: lane.Claim) -> None:
         """Complete a settled claim: a valid slot gives the result; otherwise the op is
         negotiated as any other, from the tensor as it was submitted."""
-        self._lane_nudged = False
+        self.nudged = False
         if claim.name is None:
             return
-        with self._lock:
-            local = self._pending.get(claim.name)
+        local = self._host.pending_of(claim.name)
         if local is None or not isinstance(local.handle, LaneHandle):
             return  # failed meanwhile (shutdown, a peer's failure)
         handle = local.handle
         if claim.valid:
-            scaling_of(claim.request, self.comm.size, claim.data.dtype).after(claim.data)
+            scaling_of(claim.request, self._comm.size, claim.data.dtype).after(claim.data)
             rec = timeline.current()
             if rec.enabled:
                 rec.span(
-                    f"collectives set {self.comm.set_id}",
+                    f"collectives set {self._comm.set_id}",
                     "ALLREDUCE (lane)",
                     claim.started,
                     time.perf_counter(),
                     {"tensors": [claim.name], "count": 1},
                 )
-            with self._lock:
-                self._pending.pop(claim.name, None)
+            self._host.drop_pending(claim.name)
             handle.claim = None
             handle.set_result(local.outputs or local.tensors)
             return
@@ -182,40 +190,14 @@ class LaneControl:
             where, what = claim.restore
             where.copy_(what)
         handle.claim = None
-        with self._lock:
-            if self._failure is None and not self._closed:
-                self._new.append(claim.name)
-                bell = self._doorbell.disarm()
-            else:
-                self._pending.pop(claim.name, None)
-                bell = None
-                handle.set_error(
-                    self._failure
-                    or CollectiveAbortedError(
-                        "ringtrain shut down before this collective completed"
-                    )
-                )
-        self._wake.set()
-        self._doorbell.ring(bell)
+        self._host.renegotiate(claim.name, handle)
 
-    def _lane_round(self, view: LaneView, ran: list[Request]) -> None:
+    def round(self, view: LaneView, ran: list[Request], busy: bool) -> None:
         """The lane's share of a round, before the ready ops run (``ran``: the ready requests
-        that may ride the lane, in run order); see :class:`Reservation`."""
-        assert self._lane is not None
-        self._lane_settle()
-        busy = self._shutdown or self._busy_elsewhere()
-        self._reservation.decide(self._lane, view, ran, self._clock(), busy)
-
-    def _lane_candidate(self, name: str) -> Request | None:
-        """The request of a ready name if it may reserve the lane: every rank submitted it, alike,
-        with no rank joined."""
-        by_rank = self._table[name]
-        if len(by_rank) != self.comm.size or self._joined:
-            return None
-        req = by_rank[0]
-        if not lane.eligible(req) or any(r != req for r in by_rank.values()):
-            return None
-        return req
+        that may ride the lane, in run order; ``busy``: this rank waits on other ops or shuts
+        down); see :class:`Reservation`."""
+        self.settle()
+        self.reservation.decide(self.lane, view, ran, self._clock(), busy)
 
 
 class Slots(Protocol):

@@ -169,3 +169,9 @@ def _rank_list(ranks: list[int]) -> str:
             runs.append([r])
     parts = [str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs]
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)
+
+
+def local_errors(name: str, by_rank: dict[int, Request]) -> str | None:
+    """With consistency checks off, still honour errors a rank found locally."""
+    errs = [r.error for r in by_rank.values() if r.error]
+    return f"collective {name!r} was invalid: {errs[0]}" if errs else None

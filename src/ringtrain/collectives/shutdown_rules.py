@@ -24,7 +24,25 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from ringtrain.errors import CollectiveAbortedError, CollectiveError, PeerFailedError
+from ringtrain.errors import (
+    CollectiveAbortedError,
+    CollectiveError,
+    PeerFailedError,
+    SecurityError,
+)
+
+SHUT_DOWN = "ringtrain shut down before this collective completed"
+
+
+@dataclass
+class Ending:
+    """How this rank's part of the set ends: the controller's, read and written under its lock
+    (the submitting threads read it too)."""
+
+    shutdown: bool = False  # this rank votes to leave
+    leaving: str = ""  # why: "" (it finished) or its failure, quoted to the peers
+    closed: bool = False  # the set has ended here (or was abandoned)
+    failure: CollectiveError | SecurityError | None = None  # what pending and later ops get
 
 
 @dataclass(frozen=True)
@@ -76,7 +94,7 @@ def error(
     ]
     mine = votes[me]
     if not gone or (mine.shutdown and not mine.leaving):
-        return CollectiveAbortedError("ringtrain shut down before this collective completed")
+        return CollectiveAbortedError(SHUT_DOWN)
     gone.sort(key=lambda rv: not rv[1].leaving)  # failures first
     named = tuple(ranks[r] for r, _ in gone)
     lines = []

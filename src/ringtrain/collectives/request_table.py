@@ -1,0 +1,110 @@
+"""What every rank of a process set holds alike about pending collectives: the table of names
+each rank submitted, the request cache, and which ranks have joined.
+
+The controller fills it from each round's messages in the same order on every rank, so every
+rank decides from the same table: which names are ready (every rank submitted them, or joined
+ranks stand in for the missing), and which number in the request cache (Horovod's response
+cache) means which request. Only the controller's thread touches it, except
+:meth:`RequestTable.cache_id`, a dict read a submitting thread may make.
+"""
+
+from __future__ import annotations
+
+from ringtrain.collectives import inline
+from ringtrain.collectives.requests import Request
+from ringtrain.diagnostics import stall
+
+
+class RequestTable:
+    """Pending names by set rank, their inline payloads and first sighting; joined ranks; and
+    the request cache (requests every rank made alike, numbered in the order they ran)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.by_name: dict[str, dict[int, Request]] = {}
+        self.inline: dict[str, dict[int, inline.Payload]] = {}  # by name, then set rank
+        self.first_seen: dict[str, float] = {}
+        self.joined: set[int] = set()  # set ranks
+        self.last_joined = -1  # the world rank of the last rank to join
+        self.cache: list[Request] = []
+        self._ids: dict[Request, int] = {}
+        self._capacity = capacity
+
+    def __bool__(self) -> bool:
+        return bool(self.by_name)
+
+    def add(
+        self,
+        set_rank: int,
+        world_rank: int,
+        req: Request,
+        payload: inline.Payload | None,
+        now: float,
+    ) -> None:
+        """Set rank ``set_rank`` submitted ``req`` (with its data inline, if ``payload``)."""
+        entry = self.by_name.setdefault(req.name, {})
+        if not entry:
+            self.first_seen[req.name] = now
+        entry[set_rank] = req
+        if payload is not None:
+            self.inline.setdefault(req.name, {})[set_rank] = payload
+        if req.kind == "join":
+            self.joined.add(set_rank)
+            self.last_joined = world_rank
+
+    def is_ready(self, name: str, size: int, join_name: str) -> bool:
+        """Every rank submitted ``name``, or the ranks that did not have joined (never for
+        the join itself, which waits for every rank)."""
+        submitted = self.by_name[name]
+        if len(submitted) == size:
+            return True
+        if name == join_name or not self.joined:
+            return False
+        active = set(range(size)) - self.joined
+        return bool(active) and active <= set(submitted)
+
+    def take(self, name: str) -> tuple[dict[int, Request], dict[int, inline.Payload] | None]:
+        """Remove a ready name: (its requests by set rank, its inline payloads if any)."""
+        self.first_seen.pop(name, None)
+        return self.by_name.pop(name), self.inline.pop(name, None)
+
+    def drop(self, name: str) -> None:
+        """Forget a name that failed (alike on every rank)."""
+        self.by_name.pop(name, None)
+        self.first_seen.pop(name, None)
+        self.inline.pop(name, None)
+
+    def alike(self, name: str, size: int) -> Request | None:
+        """The request of ``name`` if every rank submitted it identically and no rank joined."""
+        by_rank = self.by_name[name]
+        if len(by_rank) != size or self.joined:
+            return None
+        req = by_rank[0]
+        return req if all(r == req for r in by_rank.values()) else None
+
+    def waits_on(self, set_rank: int) -> bool:
+        """Whether ``set_rank`` submitted a name that still waits for others."""
+        return any(set_rank in by for by in self.by_name.values())
+
+    def waiting(self, now: float) -> dict[str, stall.Waiting]:
+        """The pending names as the stall inspector reads them."""
+        return {
+            name: stall.Waiting(name, tuple(sorted(by)), self.first_seen.get(name, now))
+            for name, by in self.by_name.items()
+        }
+
+    # ---- the request cache ------------------------------------------------------------------
+
+    def cache_id(self, req: Request) -> int:
+        """``req``'s number in the request cache, or -1."""
+        return self._ids.get(req, -1)
+
+    def remember(self, by_rank: dict[int, Request]) -> None:
+        """Cache a request every rank made alike. Called in the ready order, which every rank
+        shares, so a number means the same request everywhere."""
+        req = next(iter(by_rank.values()))
+        if req in self._ids or len(self.cache) >= self._capacity:
+            return
+        if req.kind == "join" or any(r != req for r in by_rank.values()):
+            return
+        self._ids[req] = len(self.cache)
+        self.cache.append(req)
