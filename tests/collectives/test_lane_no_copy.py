@@ -14,6 +14,7 @@ import ringtrain as rt
 from ringtrain.collectives import agreed, lane
 from ringtrain.collectives.ops import controller_of
 from ringtrain.testing import spawn
+from ringtrain.transport import group_ops
 
 TIMEOUT = 150
 BIG = agreed.AGREE_ABOVE_BYTES // 4 + 1024  # float32 elements: just above the bound
@@ -87,10 +88,9 @@ def _unwaited(real: bool) -> tuple[bool, bool | None, bool]:
     group = rt.global_process_set.communicator.optional_group("lane")
     r = rt.rank()
     data = torch.full((BIG,), float(r + 1))
-    opts = torch.distributed.AllreduceOptions()
-    opts.reduceOp = torch.distributed.ReduceOp(torch.distributed.ReduceOp.SUM)
+    total = group_ops.PreparedSum(group)
     mine = real or r != 1
-    work = agreed.AgreedWork(group, 3, mine, lambda: group.allreduce([data], opts), opts)
+    work = agreed.AgreedWork(3, mine, lambda: total(data), total)
     deadline = time.monotonic() + 30
     while work.valid is None and time.monotonic() < deadline:
         time.sleep(0.01)  # not asking: only the callback can move it on

@@ -1,10 +1,11 @@
-"""No new ``torch.distributed`` in the engine or the codecs: collectives go through
-:mod:`ringtrain.transport` (issue 24).
+"""No ``torch.distributed`` in the engine, the collectives or the codecs: they reach the wire
+through :mod:`ringtrain.transport` (issues 24 and 42).
 
 import-linter cannot say this (it refuses subpackages of external packages as forbidden
 modules, so ``torch.distributed`` cannot be named in pyproject.toml), so this test reads the
-imports of every module of ``ringtrain.engine`` and ``ringtrain.compression``: none may import
-it. The codecs with rounds of their own (PowerSGD, top-k) run them on the
+imports of every module of ``ringtrain.engine``, ``ringtrain.collectives`` and
+``ringtrain.compression``: none may import it (Horovod's collectives call
+:mod:`ringtrain.transport.group_ops`). The codecs with rounds of their own (PowerSGD, top-k) run them on the
 :class:`ringtrain.compression.codec.Rounds` the engine hands them
 (:func:`ringtrain.transport.rounds`).
 """
@@ -43,10 +44,10 @@ def _imports_distributed(path: Path) -> bool:
     return False
 
 
-def test_engine_and_codecs_reach_the_wire_only_through_the_transport() -> None:
+def test_engine_collectives_and_codecs_reach_the_wire_only_through_the_transport() -> None:
     found = {
         str(p.relative_to(ROOT))
-        for package in ("engine", "compression")
+        for package in ("engine", "collectives", "compression")
         for p in sorted((ROOT / package).rglob("*.py"))
         if _imports_distributed(p)
     }

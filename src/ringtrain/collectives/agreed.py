@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ringtrain.collectives import ordered
+from ringtrain.transport import group_ops
 
 # Above this many bytes a slot agrees before its data moves (see the module's docstring).
 AGREE_ABOVE_BYTES = 1 << 20
@@ -49,7 +50,7 @@ class AgreedWork:
     on again). ``valid`` is None until the agreement is known, then whether the data moved."""
 
     def __init__(
-        self, group: Any, size: int, real: bool, start: Callable[[], Any], sum_opts: Any
+        self, size: int, real: bool, start: Callable[[], Any], agree: group_ops.PreparedSum
     ) -> None:
         self._size = size
         self._start = start  # starts the data's allreduce; called once, if every claim is real
@@ -57,7 +58,7 @@ class AgreedWork:
         self._lock = threading.Lock()
         self._data: Any = None
         self.valid: bool | None = None
-        self._agreement = group.allreduce([self._flag], sum_opts)
+        self._agreement = agree(self._flag)
         # Without callbacks (a work with no future), the first thread that asks starts the data.
         with contextlib.suppress(AttributeError, RuntimeError, NotImplementedError):
             self._agreement.get_future().then(self._on_agreed)

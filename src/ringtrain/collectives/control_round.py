@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ringtrain import compat
 from ringtrain.collectives import inline, lane
 from ringtrain.collectives.execute import Pending
 from ringtrain.collectives.requests import Request
 from ringtrain.runtime import abort
 from ringtrain.runtime.communicator import Communicator
+from ringtrain.transport import group_ops
 
 # Control messages up to this size travel in one allgather; longer ones take a second round.
 CONTROL_SLOT_BYTES = 8192
@@ -102,7 +102,7 @@ class ControlChannel:
         """The wire: every rank's ``mine`` into ``out``, in set-rank order (a simulated
         transport replaces this, see :mod:`ringtrain.collectives.simulated`)."""
         abort.wait_work(
-            compat.all_gather_single(out, mine, group=self._group, async_op=True), self._world
+            group_ops.all_gather_into(out, mine, self._group, async_op=True), self._world
         )
 
 

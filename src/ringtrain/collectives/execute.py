@@ -1,4 +1,4 @@
-"""Run ready collectives on torch.distributed: fusion, dtype adaptation, scaling, joined ranks.
+"""Run ready collectives on the data groups: fusion, dtype adaptation, scaling, joined ranks.
 
 The controller hands over requests that every rank agreed to run now, in the same order on every
 rank. Consecutive allreduces with the same reduce op, dtype, device and scale factors are packed
@@ -25,9 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ringtrain import compat
 from ringtrain.collectives import copies, dtypes, inline, ordered, unfused
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request, lowest
@@ -42,6 +40,7 @@ from ringtrain.errors import (
     SecurityError,
 )
 from ringtrain.runtime.communicator import Communicator
+from ringtrain.transport import group_ops
 
 # Fused allreduces move in chunks of this size, pipelined with packing and unpacking. Large
 # enough that Gloo's per-op cost (about a millisecond) stays small next to the transfer.
@@ -278,7 +277,7 @@ class Executor:
     def _gather_small(self, members: list[tuple[_Item, list[torch.Tensor]]]) -> None:
         flat = torch.cat([w.reshape(-1) for _, work in members for w in work])
         rows = torch.empty(self.comm.size * flat.numel(), dtype=flat.dtype)
-        compat.all_gather_single(rows, flat, group=self.comm.group_for(flat))
+        group_ops.all_gather_into(rows, flat, self.comm.group_for(flat))
         self.gathered_ops += 1
         stack, offset = rows.view(self.comm.size, -1), 0
         for item, work in members:
@@ -321,7 +320,7 @@ class Executor:
             if in_order:
                 ordered.allreduce(flat.view(-1), op, group, self._scratch)
             elif self.comm.size > 1:
-                dist.all_reduce(flat, op=REDUCE_OPS[op], group=group)
+                group_ops.allreduce(flat, group, REDUCE_OPS[op])
             copies.scale_(flat, scaling.post)
             return
         # Pack, reduce and unpack in chunks, pipelined: while Gloo moves one chunk, this thread
@@ -346,7 +345,7 @@ class Executor:
             if in_order:  # one at a time: the chunks share the scratch
                 ordered.allreduce(flat, op, group, self._scratch)
             elif self.comm.size > 1:
-                pending = dist.all_reduce(flat, op=REDUCE_OPS[op], group=group, async_op=True)
+                pending = group_ops.allreduce(flat, group, REDUCE_OPS[op], async_op=True)
             in_flight.append((chunk, flat, pending))
             if len(in_flight) > 1:
                 self._unpack(*in_flight.popleft(), work, outputs, numels, plain, scaling)

@@ -55,11 +55,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from ringtrain.collectives import agreed, copies, dtypes, inline, ordered
 from ringtrain.collectives.requests import Request
 from ringtrain.compression import averaging
+from ringtrain.transport import group_ops
 
 # A real claim waits at most this long for a rank that is not busy elsewhere before that rank's
 # controller releases the slot (the op is then negotiated, and the stall inspector sees it).
@@ -153,9 +153,7 @@ class Lane:
         self.backup_bytes = 0  # copied at claims, to restore a lost slot from
         self._backup: torch.Tensor | None = None  # bytes; see _backup_of
         self._first_backup: dict[torch.dtype, torch.Tensor] = {}  # 2 ranks: one value each
-        # The options torch.distributed.all_reduce would build for every call.
-        self._sum = dist.AllreduceOptions()
-        self._sum.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+        self._sum = group_ops.PreparedSum(group)  # the options built once, not per op
 
     def status(self) -> Status:
         with self._lock:
@@ -257,8 +255,8 @@ class Lane:
         # above ordered.ALONE_ABOVE_BYTES, on the ring, where the executor runs it alone too;
         # from three ranks, a large slot agrees before its data moves (agreed.py).
         if agreed.agrees(nbytes, self.size):
-            start = functools.partial(self._group.allreduce, [data], self._sum)
-            work = agreed.AgreedWork(self._group, self.size, name is not None, start, self._sum)
+            start = functools.partial(self._sum, data)
+            work = agreed.AgreedWork(self.size, name is not None, start, self._sum)
             claim = Claim(self.slot, req, name, data, first, [work], time.perf_counter())
             claim.agreed = work
             return claim
@@ -268,8 +266,7 @@ class Lane:
             claim = Claim(self.slot, req, name, data, first, [work], time.perf_counter())
             claim.ordered = work
             return claim
-        # What torch.distributed.all_reduce(async_op=True) calls, without its checks.
-        work = self._group.allreduce([data], self._sum)
+        work = self._sum(data)
         return Claim(self.slot, req, name, data, first, [work], time.perf_counter())
 
     def doom(self, slot: int) -> None:
@@ -313,8 +310,7 @@ class Lane:
                     # every rank now sends its flag (1: real) to tell the two apart.
                     self.flag_rounds += 1
                     c.flag = torch.tensor([0 if c.name is None else 1], dtype=torch.int32)
-                    sum_op = dist.ReduceOp.SUM
-                    c.works = [dist.all_reduce(c.flag, op=sum_op, group=self._group, async_op=True)]
+                    c.works = [group_ops.allreduce(c.flag, self._group, async_op=True)]
                     return None
                 return self._verdict(c, int(c.flag.item()) == self.size)
             except Exception:

@@ -40,9 +40,9 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ringtrain.collectives import copies
+from ringtrain.transport import group_ops
 
 ORDERED_OPS = ("Sum", "Average", "Product")
 
@@ -130,12 +130,12 @@ class OrderedWork:
         self._back: Any = None
         # The data moves as bytes, which every group moves for every dtype (complex, bfloat16).
         self._width = flat.element_size()
-        self._exchange = dist.all_to_all_single(
+        self._exchange = group_ops.all_to_all(
             self._rows.view(-1).view(torch.uint8),
             flat.view(torch.uint8),
-            output_split_sizes=[self._mine * self._width] * size,
-            input_split_sizes=[k * self._width for k in self._sizes],
-            group=group,
+            [self._mine * self._width] * size,
+            [k * self._width for k in self._sizes],
+            group,
             async_op=True,
         )
 
@@ -160,12 +160,12 @@ class OrderedWork:
             if not sure:
                 assert self._landing is not None
                 self.result = self._landing.take(self._flat.numel(), self._flat.dtype)
-            self._back = dist.all_to_all_single(
+            self._back = group_ops.all_to_all(
                 self.result.view(torch.uint8),
                 self._rows.view(-1).view(torch.uint8),
-                output_split_sizes=[k * self._width for k in self._sizes],
-                input_split_sizes=[self._mine * self._width] * len(rows),
-                group=self._group,
+                [k * self._width for k in self._sizes],
+                [self._mine * self._width] * len(rows),
+                self._group,
                 async_op=True,
             )
 

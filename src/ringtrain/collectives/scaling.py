@@ -1,4 +1,4 @@
-"""How a reduction is scaled and which torch.distributed op runs it, for every reducing path.
+"""How a reduction is scaled and which reduction of the wire runs it, for every reducing path.
 
 Horovod's ``prescale_factor``/``postscale_factor`` and its Average are applied around the sum,
 by the one averaging rule (:mod:`ringtrain.compression.averaging`). Used by the fused allreduce,
@@ -8,19 +8,13 @@ the fast lane and reducescatter alike.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ringtrain.collectives.requests import Request
 from ringtrain.compression import averaging
 from ringtrain.compression.averaging import Factors
 
-REDUCE_OPS = {
-    "Sum": dist.ReduceOp.SUM,
-    "Average": dist.ReduceOp.SUM,
-    "Min": dist.ReduceOp.MIN,
-    "Max": dist.ReduceOp.MAX,
-    "Product": dist.ReduceOp.PRODUCT,
-}
+# Horovod's ops by the name of the reduction that runs them (ringtrain.transport.group_ops).
+REDUCE_OPS = {"Sum": "sum", "Average": "sum", "Min": "min", "Max": "max", "Product": "product"}
 
 
 def scaling_of(req: Request, contributors: int, dtype: torch.dtype) -> Factors:

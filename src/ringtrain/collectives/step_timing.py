@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ringtrain.diagnostics.straggler import RankTimes, StragglerReport, analyse
+from ringtrain.transport import group_ops
 
 log = logging.getLogger("ringtrain")
 
@@ -131,12 +131,11 @@ class StepTimer:
             w.compute_s / w.steps,
             w.wait_s / w.steps,
         )
-        size = dist.get_world_size(self.group)
-        gathered: list[Any] = [None] * size
-        dist.all_gather_object(gathered, mine, group=self.group)
+        gathered: list[Any] = [None] * group_ops.size(self.group)
+        group_ops.all_gather_object(gathered, mine, self.group)
         links = probe_links(self.group, self.host_of_rank)
         _last = analyse(gathered, links)
-        if dist.get_rank(self.group) == 0:
+        if group_ops.rank(self.group) == 0:
             log.warning("%s", _last.line())
         return _last
 
@@ -154,8 +153,8 @@ def probe_links(group: Any, host_of_rank: list[str], nbytes: int = PROBE_BYTES) 
     if len(hosts) < 2:
         return {}
     leaders = [host_of_rank.index(h) for h in hosts]
-    me = dist.get_rank(group)
-    dist.barrier(group=group)
+    me = group_ops.rank(group)
+    group_ops.barrier(group)
     edges: list[tuple[str, str, float]] = []
     if me in leaders:
         i = leaders.index(me)
@@ -163,15 +162,15 @@ def probe_links(group: Any, host_of_rank: list[str], nbytes: int = PROBE_BYTES) 
         send = torch.zeros(nbytes, dtype=torch.uint8)
         got = torch.empty(nbytes, dtype=torch.uint8)
         start = time.perf_counter()
-        sent = dist.isend(send, nxt, group=group)
-        received = dist.irecv(got, prv, group=group)
+        sent = group_ops.send(send, nxt, group)
+        received = group_ops.recv(got, prv, group)
         assert sent is not None and received is not None  # None only for non-members
         received.wait()
         elapsed = max(time.perf_counter() - start, 1e-6)
         sent.wait()
         edges.append((hosts[(i - 1) % len(hosts)], hosts[i], nbytes / elapsed / 1e6))
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, edges, group=group)
+    gathered: list[Any] = [None] * group_ops.size(group)
+    group_ops.all_gather_object(gathered, edges, group)
     out: dict[str, float] = {}
     for part in gathered:
         for src, dst, rate in part:

@@ -15,9 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ringtrain import compat
 from ringtrain.collectives import dtypes, inline
 from ringtrain.collectives.requests import Request, TensorMeta
 from ringtrain.collectives.scaling import REDUCE_OPS, scaling_of
@@ -34,7 +32,7 @@ def _ring_reduces_scatter(pieces: torch.Tensor, group: Any) -> bool:
     """Whether a reducescatter of ``pieces`` (one equal chunk per rank) goes around ringtrain's
     ring: host memory on a Gloo group (sealed and TCP groups run their own ring already), and
     some data to move."""
-    return not pieces.is_cuda and pieces.numel() > 0 and dist.get_backend(group) == "gloo"
+    return not pieces.is_cuda and pieces.numel() > 0 and group_ops.backend(group) == "gloo"
 
 
 def broadcast(
@@ -67,7 +65,7 @@ def broadcast(
                 inline.take(root_data, offset, buf)
             offset += buf.numel()
         elif comm.size > 1:
-            dist.broadcast(buf, group=comm.group_for(buf), group_src=root)
+            group_ops.broadcast(buf, comm.group_for(buf), root)
         if buf.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
             out.copy_(
                 buf.view(out.dtype if out.dtype != torch.bool else torch.uint8).view(out.shape)
@@ -115,7 +113,7 @@ def allgather(
             padded = torch.zeros((longest, width), dtype=torch.uint8, device=data.device)
             padded[: data.shape[0]] = data
         parts = [torch.empty_like(padded) for _ in range(comm.size)]
-        dist.all_gather(parts, padded, group=comm.group_for(padded))
+        group_ops.all_gather(parts, padded, comm.group_for(padded))
         gathered = torch.cat([p[:k] for p, k in zip(parts, rows)])
     dtype = dtypes.from_name(meta.dtype)
     tail = tuple(meta.shape[1:]) if meta.shape else ()
@@ -148,9 +146,8 @@ def reducescatter(comm: Communicator, req: Request, t: torch.Tensor) -> torch.Te
         out = pieces[mine].clone()  # a view would keep every rank's chunk alive
     else:
         out = torch.empty((longest, width), dtype=work.dtype, device=work.device)
-        compat.reduce_scatter_single(
-            out, pieces.reshape(size * longest, width), op=REDUCE_OPS[req.op], group=group
-        )
+        flat = pieces.reshape(size * longest, width)
+        group_ops.reduce_scatter_into(out, flat, group, REDUCE_OPS[req.op])
     out = out[: counts[me]]
     scaling.after(out)
     result = out.reshape((counts[me], *t.shape[1:]))
@@ -178,13 +175,7 @@ def alltoall(
     data = dtypes.as_bytes(t)
     out = torch.empty((sum(recv), data.shape[1]), dtype=torch.uint8, device=data.device)
     if size > 1:
-        dist.all_to_all_single(
-            out,
-            data,
-            output_split_sizes=recv,
-            input_split_sizes=send,
-            group=comm.group_for(data),
-        )
+        group_ops.all_to_all(out, data, recv, send, comm.group_for(data))
     else:
         out.copy_(data)
     result = _from_bytes(out, t.dtype, (sum(recv), *t.shape[1:]))

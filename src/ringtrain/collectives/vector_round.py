@@ -35,12 +35,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ringtrain.collectives import lane
 from ringtrain.collectives.requests import Alike, Request
 from ringtrain.runtime import abort
 from ringtrain.runtime.communicator import Communicator
+from ringtrain.transport import group_ops
 
 # A cached request pending on this rank for this long without becoming ready goes to a gathered
 # round: a peer may have submitted another request under its name (a mismatch, reported there),
@@ -234,7 +234,7 @@ class VectorChannel:
     def _allreduce(self, t: torch.Tensor, group: Any) -> None:
         """One step on the wire (a simulated transport replaces this, see
         collectives.simulated)."""
-        work = dist.all_reduce(t, op=dist.ReduceOp.BAND, group=group, async_op=True)
+        work = group_ops.allreduce(t, group, "band", async_op=True)
         abort.wait_work(work, self._world)
 
 

@@ -26,11 +26,12 @@ a posted receive before its paired send: there the whole ring runs as *one* oper
 group, on the group's own link (sealed, or plain over the tcp mesh), whose transport posts both
 at once. NCCL has the collectives itself (``reduce_scatter_tensor``, ``all_gather_into_tensor``).
 
-:mod:`ringtrain.transport.group_ops` holds the engine's other collectives on a group (small
-agreements, the sharded step's and sparse gradients' all-gathers, a bucket's allreduce, making
-groups) and :func:`rounds`, what a codec with rounds of its own (PowerSGD, top-k) runs them on
-(:class:`ringtrain.compression.codec.Rounds`): with :func:`of`, the only door to
-``torch.distributed`` for the engine and the codecs.
+:mod:`ringtrain.transport.group_ops` holds the other collectives on a group: the engine's
+(small agreements, the sharded step's and sparse gradients' all-gathers, a bucket's allreduce,
+making groups), Horovod's API's (reductions by every op, broadcast, all-to-all, reduce-scatter,
+the fast lane's prepared sum) and :func:`rounds`, what a codec with rounds of its own
+(PowerSGD, top-k) runs them on (:class:`ringtrain.compression.codec.Rounds`): with :func:`of`,
+the only door to ``torch.distributed`` for the engine, the collectives and the codecs.
 
 The wire below the interface lives here too: :mod:`~ringtrain.transport.ring` (the ring over
 point-to-point messages, given a session kind: plain, or sealed), the process groups built on

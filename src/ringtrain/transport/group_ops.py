@@ -1,11 +1,15 @@
-"""The plain collectives the engine runs on a process group besides its buckets' reductions.
+"""The plain collectives run on a process group: the engine's besides its buckets' reductions,
+and every collective of Horovod's API (``ringtrain.collectives``).
 
-Small agreements (the plan's observations, a link rate, the auto tuner's probes and verdicts),
+The engine's: small agreements (the plan's observations, a link rate, the auto tuner's probes and verdicts),
 the sharded step's all-gathers, sparse gradients' all-gathers, a 16-bit bucket's
 full-precision redo, a codec's own rounds (:class:`GroupRounds`: PowerSGD's factors, top-k's
 values and indices), and making the engine's extra groups. With :func:`ringtrain.transport.of`
-this is the engine's one door to the wire: ``engine/`` never calls ``torch.distributed`` itself
-(tests/engine/test_no_collectives_in_engine.py). Each function is the ``torch.distributed``
+this is the one door to the wire for the engine and the collectives: neither calls
+``torch.distributed`` itself (tests/engine/test_no_collectives_in_engine.py). The collectives'
+besides: reductions by any of Horovod's ops, broadcast, all-to-all, reduce-scatter, the link
+measure's point-to-point, and :class:`PreparedSum` (the fast lane's allreduce without the per-call
+checks). Each function is the ``torch.distributed``
 call of the same name (``async_op=True`` returns its ``Work``), so behaviour and numerics are
 unchanged; the sealed and tcp groups serve them as they serve any collective.
 :func:`ring_reduce_scatter` is the collectives' door to the plain ring (``hvd.reducescatter``
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
-from typing import cast
+from typing import Literal, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -27,17 +31,142 @@ from ringtrain.runtime import abort
 from ringtrain.runtime.contracts import Group
 from ringtrain.transport.ring import Plain, Ring
 
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+def _pg(group: Group | None) -> dist.ProcessGroup | None:
+    """The runtime's groups are torch's ``ProcessGroup``s (runtime.contracts.Group types them
+    by what ringtrain uses of them)."""
+    return cast("dist.ProcessGroup | None", group)
 
 
+# The reductions by name; "band" (bitwise AND) is the vector rounds' (integer tensors).
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+    "band": dist.ReduceOp.BAND,
+}
+
+
+@overload
+def allreduce(
+    t: torch.Tensor, group: Group, op: str = ..., *, async_op: Literal[True]
+) -> dist.Work: ...
+@overload
+def allreduce(
+    t: torch.Tensor, group: Group, op: str = ..., async_op: Literal[False] = ...
+) -> None: ...
 def allreduce(
     t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False
 ) -> dist.Work | None:
-    """``t`` becomes the ``op`` ("sum", "max") of every rank's ``t``, in place."""
+    """``t`` becomes the ``op`` ("sum", "max", "min", "product", "band") of every rank's ``t``,
+    in place."""
     work: dist.Work | None = dist.all_reduce(t, op=_OPS[op], group=group, async_op=async_op)
     return work
 
 
+class PreparedSum:
+    """A sum allreduce on one group, its options built once: what ``all_reduce(async_op=True)``
+    calls, without its per-call checks and option building (the fast lane's, per op)."""
+
+    def __init__(self, group: Group) -> None:
+        self._group = cast(dist.ProcessGroup, group)
+        self._opts = dist.AllreduceOptions()
+        self._opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+
+    def __call__(self, t: torch.Tensor) -> dist.Work:
+        return self._group.allreduce([t], self._opts)
+
+
+def broadcast(t: torch.Tensor, group: Group, root: int, async_op: bool = False) -> dist.Work | None:
+    """``t`` becomes the ``t`` of the rank ``root`` (its index in ``group``)."""
+    work: dist.Work | None = dist.broadcast(t, group=_pg(group), group_src=root, async_op=async_op)
+    return work
+
+
+def reduce_scatter_into(
+    out: torch.Tensor, t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False
+) -> dist.Work | None:
+    """``out`` becomes the ``op`` of every rank's r-th slice of ``t`` (r: this rank's index)."""
+    work: dist.Work | None = compat.reduce_scatter_single(
+        out, t, op=_OPS[op], group=group, async_op=async_op
+    )
+    return work
+
+
+@overload
+def all_to_all(
+    out: torch.Tensor,
+    t: torch.Tensor,
+    out_splits: Sequence[int] | None,
+    in_splits: Sequence[int] | None,
+    group: Group,
+    *,
+    async_op: Literal[True],
+) -> dist.Work: ...
+@overload
+def all_to_all(
+    out: torch.Tensor,
+    t: torch.Tensor,
+    out_splits: Sequence[int] | None,
+    in_splits: Sequence[int] | None,
+    group: Group,
+    async_op: Literal[False] = ...,
+) -> None: ...
+def all_to_all(
+    out: torch.Tensor,
+    t: torch.Tensor,
+    out_splits: Sequence[int] | None,
+    in_splits: Sequence[int] | None,
+    group: Group,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Rank r's ``out`` becomes every rank's r-th split of ``t`` (equal splits where None)."""
+    work: dist.Work | None = dist.all_to_all_single(
+        out,
+        t,
+        output_split_sizes=None if out_splits is None else list(out_splits),
+        input_split_sizes=None if in_splits is None else list(in_splits),
+        group=group,
+        async_op=async_op,
+    )
+    return work
+
+
+def send(t: torch.Tensor, dst: int, group: Group | None) -> dist.Work | None:
+    """Send ``t`` to world rank ``dst``, under way."""
+    work: dist.Work | None = dist.isend(t, dst, group=_pg(group))
+    return work
+
+
+def recv(t: torch.Tensor, src: int, group: Group | None) -> dist.Work | None:
+    """Receive ``t`` from world rank ``src``, under way."""
+    work: dist.Work | None = dist.irecv(t, src, group=_pg(group))
+    return work
+
+
+def barrier(group: Group | None) -> None:
+    dist.barrier(group=_pg(group))
+
+
+def rank(group: Group | None) -> int:
+    """This rank's index in ``group`` (None: the default group)."""
+    return dist.get_rank(_pg(group))
+
+
+def size(group: Group | None) -> int:
+    """The ranks in ``group`` (None: the default group)."""
+    return dist.get_world_size(_pg(group))
+
+
+@overload
+def all_gather_into(
+    out: torch.Tensor, t: torch.Tensor, group: Group, *, async_op: Literal[True]
+) -> dist.Work: ...
+@overload
+def all_gather_into(
+    out: torch.Tensor, t: torch.Tensor, group: Group, async_op: Literal[False] = ...
+) -> None: ...
 def all_gather_into(
     out: torch.Tensor, t: torch.Tensor, group: Group, async_op: bool = False
 ) -> dist.Work | None:
@@ -54,21 +183,19 @@ def all_gather(
     return work
 
 
-def ring_reduce_scatter(
-    chunks: Sequence[torch.Tensor], group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType
-) -> int:
-    """Rank r's ``chunks[r]`` becomes the ``op`` (a ``dist.ReduceOp`` member) of every rank's
+def ring_reduce_scatter(chunks: Sequence[torch.Tensor], group: dist.ProcessGroup, op: str) -> int:
+    """Rank r's ``chunks[r]`` becomes the ``op`` (as :func:`allreduce`'s) of every rank's
     ``chunks[r]``, around ringtrain's plain ring (:class:`~ringtrain.transport.ring.Ring`) on the
     calling thread: each rank sends every other rank's chunk once (Gloo's reduce_scatter
     allreduces the whole input: twice the bytes), summing in an order fixed by rank, not timing.
     For host memory on a group with asynchronous point-to-point (Gloo). Returns this rank's index
     in ``group`` (whose chunk is complete)."""
     link = Ring(group, Plain(group.rank(), group.size()))
-    link.reduce_scatter_chunks(list(chunks), op)
+    link.reduce_scatter_chunks(list(chunks), _OPS[op])
     return link.rank
 
 
-def all_gather_object(outs: list[object], obj: object, group: Group) -> None:
+def all_gather_object(outs: list[object], obj: object, group: Group | None) -> None:
     """``outs[r]`` becomes rank r's ``obj`` (pickled)."""
     dist.all_gather_object(outs, obj, group=group)
 
