@@ -15,10 +15,10 @@ def _req(name: str, numel: int = 4, kind: str = "allreduce") -> Request:
 
 def test_a_name_is_ready_once_every_rank_submitted_it() -> None:
     t = RequestTable(capacity=8)
-    t.add(0, 0, _req("a"), None, now=1.0)
+    t.add(0, 0, [_req("a")], {}, now=1.0)
     assert not t.is_ready("a", 3, JOIN) and t.waits_on(0) and not t.waits_on(1)
-    t.add(2, 2, _req("a"), None, now=2.0)
-    t.add(1, 1, _req("a"), None, now=3.0)
+    t.add(2, 2, [_req("a")], {}, now=2.0)
+    t.add(1, 1, [_req("a")], {}, now=3.0)
     assert t.is_ready("a", 3, JOIN)
     assert t.waiting(now=5.0)["a"].since == 1.0  # the first sighting, not the last
     by_rank, payloads = t.take("a")
@@ -27,9 +27,9 @@ def test_a_name_is_ready_once_every_rank_submitted_it() -> None:
 
 def test_joined_ranks_stand_in_for_others_but_not_for_the_join() -> None:
     t = RequestTable(capacity=8)
-    t.add(1, 11, _req(JOIN, 0, "join"), None, now=0.0)
+    t.add(1, 11, [_req(JOIN, 0, "join")], {}, now=0.0)
     assert t.joined == {1} and t.last_joined == 11
-    t.add(0, 10, _req("a"), None, now=0.0)
+    t.add(0, 10, [_req("a")], {}, now=0.0)
     assert t.is_ready("a", 2, JOIN) and not t.is_ready(JOIN, 2, JOIN)
     assert t.alike("a", 2) is None  # with a rank joined, nothing rides the fast lane
 
@@ -48,6 +48,15 @@ def test_the_cache_numbers_requests_alike_in_the_order_they_ran() -> None:
 
 def test_a_failed_name_is_forgotten() -> None:
     t = RequestTable(capacity=8)
-    t.add(0, 0, _req("a"), None, now=0.0)
+    t.add(0, 0, [_req("a")], {}, now=0.0)
     t.drop("a")
     assert not t and not t.first_seen and not t.inline
+
+
+def test_a_message_names_cached_requests_by_number_and_carries_inline_data() -> None:
+    t = RequestTable(capacity=8)
+    a = _req("a")
+    t.remember({0: a, 1: a})
+    payload = ("float32", b"\x00" * 16)
+    t.add(1, 1, [0, _req("b")], {1: payload}, now=0.0)
+    assert t.by_name["a"] == {1: a} and t.inline == {"b": {1: payload}}

@@ -431,9 +431,7 @@ class Controller:
             )
         now, table = self._clock(), self._requests
         for set_rank, msg in enumerate(messages):
-            for i, item in enumerate(msg.requests):
-                req = table.cache[item] if isinstance(item, int) else item
-                table.add(set_rank, self.comm.ranks[set_rank], req, msg.inline.get(i), now)
+            table.add(set_rank, self.comm.ranks[set_rank], msg.requests, msg.inline, now)
         abort = messages[0].abort
         if abort:
             raise StallError(abort)

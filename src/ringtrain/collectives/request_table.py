@@ -10,6 +10,8 @@ cache) means which request. Only the controller's thread touches it, except
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from ringtrain.collectives import inline
 from ringtrain.collectives.requests import Request
 from ringtrain.diagnostics import stall
@@ -36,20 +38,25 @@ class RequestTable:
         self,
         set_rank: int,
         world_rank: int,
-        req: Request,
-        payload: inline.Payload | None,
+        items: Sequence[Request | int],
+        payloads: Mapping[int, inline.Payload],
         now: float,
     ) -> None:
-        """Set rank ``set_rank`` submitted ``req`` (with its data inline, if ``payload``)."""
-        entry = self.by_name.setdefault(req.name, {})
-        if not entry:
-            self.first_seen[req.name] = now
-        entry[set_rank] = req
-        if payload is not None:
-            self.inline.setdefault(req.name, {})[set_rank] = payload
-        if req.kind == "join":
-            self.joined.add(set_rank)
-            self.last_joined = world_rank
+        """Set rank ``set_rank``'s message: its requests (a number: the request cache's), with
+        ``payloads[i]`` the data of ``items[i]`` sent inline. One call per message: a gathered
+        round at N ranks adds N messages of up to a few hundred requests each."""
+        by_name, cache = self.by_name, self.cache
+        for i, item in enumerate(items):
+            req = cache[item] if isinstance(item, int) else item
+            entry = by_name.setdefault(req.name, {})
+            if not entry:
+                self.first_seen[req.name] = now
+            entry[set_rank] = req
+            if i in payloads:
+                self.inline.setdefault(req.name, {})[set_rank] = payloads[i]
+            if req.kind == "join":
+                self.joined.add(set_rank)
+                self.last_joined = world_rank
 
     def is_ready(self, name: str, size: int, join_name: str) -> bool:
         """Every rank submitted ``name``, or the ranks that did not have joined (never for
