@@ -34,7 +34,7 @@ LANE_DRAIN_S = 10.0
 LANE_DRAIN_FAILED_S = 1.0
 
 
-class LaneHandle(Handle):
+class LaneHandle(Handle[Any]):
     """The handle of an op that claimed a lane slot: waiting on it takes the slot's verdict,
     then gives the result, or (the slot was not valid) waits for the negotiated op."""
 
