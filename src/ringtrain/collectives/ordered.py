@@ -136,7 +136,6 @@ class OrderedWork:
             [self._mine * self._width] * size,
             [k * self._width for k in self._sizes],
             group,
-            async_op=True,
         )
 
     def _send_back(self) -> None:
@@ -166,7 +165,6 @@ class OrderedWork:
                 [k * self._width for k in self._sizes],
                 [self._mine * self._width] * len(rows),
                 self._group,
-                async_op=True,
             )
 
     @property

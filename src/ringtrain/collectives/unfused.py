@@ -175,7 +175,7 @@ def alltoall(
     data = dtypes.as_bytes(t)
     out = torch.empty((sum(recv), data.shape[1]), dtype=torch.uint8, device=data.device)
     if size > 1:
-        group_ops.all_to_all(out, data, recv, send, comm.group_for(data))
+        group_ops.all_to_all(out, data, recv, send, comm.group_for(data)).wait()
     else:
         out.copy_(data)
     result = _from_bytes(out, t.dtype, (sum(recv), *t.shape[1:]))

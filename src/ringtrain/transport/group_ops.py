@@ -94,41 +94,22 @@ def reduce_scatter_into(
     return work
 
 
-@overload
 def all_to_all(
     out: torch.Tensor,
     t: torch.Tensor,
     out_splits: Sequence[int] | None,
     in_splits: Sequence[int] | None,
     group: Group,
-    *,
-    async_op: Literal[True],
-) -> dist.Work: ...
-@overload
-def all_to_all(
-    out: torch.Tensor,
-    t: torch.Tensor,
-    out_splits: Sequence[int] | None,
-    in_splits: Sequence[int] | None,
-    group: Group,
-    async_op: Literal[False] = ...,
-) -> None: ...
-def all_to_all(
-    out: torch.Tensor,
-    t: torch.Tensor,
-    out_splits: Sequence[int] | None,
-    in_splits: Sequence[int] | None,
-    group: Group,
-    async_op: bool = False,
-) -> dist.Work | None:
-    """Rank r's ``out`` becomes every rank's r-th split of ``t`` (equal splits where None)."""
-    work: dist.Work | None = dist.all_to_all_single(
+) -> dist.Work:
+    """Rank r's ``out`` becomes every rank's r-th split of ``t`` (equal splits where None),
+    under way (``wait()`` for it)."""
+    work: dist.Work = dist.all_to_all_single(
         out,
         t,
         output_split_sizes=None if out_splits is None else list(out_splits),
         input_split_sizes=None if in_splits is None else list(in_splits),
         group=group,
-        async_op=async_op,
+        async_op=True,
     )
     return work
 
