@@ -154,7 +154,7 @@ for _ in range(3):
 controller = state.global_process_set.communicator.service("controller")
 print("config", c.fusion_threshold_bytes, c.cycle_time_ms, c.hierarchical, c.stall_warning_s,
       c.cache_capacity, logging.getLogger("ringtrain").level == logging.DEBUG)
-print("cached", len(controller._cache))
+print("cached", len(controller._requests.cache))
 print("to stderr", hvd.rank(), file=__import__("sys").stderr)
 hvd.shutdown()
 """

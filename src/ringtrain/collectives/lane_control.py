@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -92,7 +93,9 @@ class LaneDriver:
         self.reservation = Reservation()
         # Whether a claim of ours has waited long enough to keep the controllers polling.
         self.nudged = False
-        self._host = host
+        # Weak: the controller owns this driver, and a cycle would keep the controller (and its
+        # process groups' sockets) alive after shutdown until the cyclic collector ran.
+        self._host: LaneHost = weakref.proxy(host)
         self._lock = lock  # the controller's: ``nudged`` is read under it
         self._comm = comm
         self._clock = clock
