@@ -19,7 +19,7 @@ import torch
 from ringtrain.collectives import inline, lane
 from ringtrain.collectives.execute import Pending
 from ringtrain.collectives.requests import Request
-from ringtrain.runtime import abort
+from ringtrain.runtime import abort, exit_guard
 from ringtrain.runtime.communicator import Communicator
 from ringtrain.transport import group_ops
 
@@ -101,9 +101,8 @@ class ControlChannel:
     def _allgather(self, out: torch.Tensor, mine: torch.Tensor) -> None:
         """The wire: every rank's ``mine`` into ``out``, in set-rank order (a simulated
         transport replaces this, see :mod:`ringtrain.collectives.simulated`)."""
-        abort.wait_work(
-            group_ops.all_gather_into(out, mine, self._group, async_op=True), self._world
-        )
+        work = group_ops.all_gather_into(out, mine, self._group, async_op=True)
+        abort.wait_work(exit_guard.hold(work), self._world)
 
 
 def inline_payloads(subs: list[Pending], rank: int) -> dict[int, inline.Payload]:

@@ -38,7 +38,7 @@ import torch
 
 from ringtrain.collectives import lane
 from ringtrain.collectives.requests import Alike, Request
-from ringtrain.runtime import abort
+from ringtrain.runtime import abort, exit_guard
 from ringtrain.runtime.communicator import Communicator
 from ringtrain.transport import group_ops
 
@@ -235,7 +235,7 @@ class VectorChannel:
         """One step on the wire (a simulated transport replaces this, see
         collectives.simulated)."""
         work = group_ops.allreduce(t, group, "band", async_op=True)
-        abort.wait_work(work, self._world)
+        abort.wait_work(exit_guard.hold(work), self._world)
 
 
 class VectorRounds:

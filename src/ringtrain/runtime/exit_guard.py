@@ -14,7 +14,14 @@ So, at exit (atexit, before finalization):
   a call any more hands what it holds to :func:`keep` instead of freeing it;
 - threads that may still be inside such a call, the controllers of abandoned worlds and
   workers that did not stop at shutdown or were left with their world
-  (:func:`leave_behind`), are joined.
+  (:func:`leave_behind`), are joined;
+- torch's own threads are not Python's to join: a Gloo worker drops its reference to a work
+  after the waiter has seen the work finish, and this torch decrefs a tensor's PyObject (taking
+  the GIL) whenever the tensor's count falls to one, so a worker that drops the last reference
+  while the interpreter finalizes aborts too. That happens where groups are abandoned, not
+  destroyed (a failing rank leaves its groups): the controllers' last rounds were seen (1 run
+  in 3 of a 2-rank job whose ranks raise). The works the controllers issue are held
+  (:func:`hold`), waited for at exit, and freed by the main thread.
 
 Both waits together take at most :data:`EXIT_WAIT_S`; a thread still busy after that is named
 on stderr, so an abort that follows says where it came from. ``tests/runtime/test_leaving.py``
@@ -24,11 +31,13 @@ shows the hazard on this torch and the guard.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Protocol, TypeVar
 
 # How long the exit waits, in all, for left-behind threads and native calls under way.
 EXIT_WAIT_S = 3.0  # an abandoned controller's sliced wait ends within 1 s (runtime.abort)
@@ -37,6 +46,23 @@ _native_calls: dict[int, int] = {}  # thread ident -> native calls under way on 
 _exiting = False
 _left: list[threading.Thread] = []  # threads that may still be inside a torch call
 _kept: list[object] = []  # what daemon threads could not free: the main thread frees it at exit
+
+
+class _Finishing(Protocol):
+    def is_completed(self) -> bool: ...
+
+
+W = TypeVar("W", bound=_Finishing)
+# The controllers' last works (a few rounds' worth): see the module docstring.
+RECENT_WORKS = 8
+_recent: collections.deque[_Finishing] = collections.deque(maxlen=RECENT_WORKS)
+
+
+def hold(work: W) -> W:
+    """Keep ``work``, issued by a daemon thread on one of ringtrain's groups, among the last
+    :data:`RECENT_WORKS`, so that its last reference is Python's (see the module docstring)."""
+    _recent.append(work)  # one step: safe from any thread; the oldest falls out
+    return work
 
 
 def leave_behind(thread: threading.Thread) -> None:
@@ -106,10 +132,17 @@ def _settle(warn: bool) -> list[str]:
     for thread in left:
         if thread is not me:
             thread.join(max(0.0, deadline - time.monotonic()))
+    works = list(_recent)
+    while any(not w.is_completed() for w in works) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    unfinished = sum(not w.is_completed() for w in works)
+    keep(works)  # freed by the main thread at exit, where the GIL is its own
     with _gate:
         busy = set(_native_calls)
     names = {t.ident: t.name for t in threading.enumerate()}
     stuck = sorted({names.get(i, f"thread {i}") for i in busy})
+    if unfinished:
+        stuck.append(f"{unfinished} control round(s) on the wire")
     stuck += sorted({t.name for t in left if t is not me and t.is_alive()} - set(stuck))
     if stuck and warn:
         # What a rank's last words should say if the interpreter's exit now aborts it.
