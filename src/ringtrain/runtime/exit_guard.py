@@ -65,6 +65,15 @@ def hold(work: W) -> W:
     return work
 
 
+def release_finished() -> None:
+    """The groups were destroyed (their Gloo workers joined): let go of the held works that
+    finished. A held work keeps its group's connections open, which the next init in this
+    process would find still there; one still under way (an abandoned world's) stays held."""
+    unfinished = [w for w in list(_recent) if not w.is_completed()]
+    _recent.clear()
+    _recent.extend(unfinished)
+
+
 def leave_behind(thread: threading.Thread) -> None:
     """``thread`` (an abandoned world's controller, a worker that did not stop at shutdown)
     may still be inside a torch call: the process's exit waits for it (at most

@@ -34,7 +34,7 @@ from ringtrain.config import Config
 from ringtrain.environ import Ringtrain, Threads, Torch
 from ringtrain.errors import ConfigError, LaunchEnvironmentError, NotInitializedError
 from ringtrain.host import cpu_limits, network
-from ringtrain.runtime import communicator, environment, store_connect, topology
+from ringtrain.runtime import communicator, environment, exit_guard, store_connect, topology
 from ringtrain.runtime.backends import GroupBackends
 from ringtrain.runtime.contracts import Group
 from ringtrain.runtime.environment import Placement
@@ -283,6 +283,7 @@ def stop() -> None:
                 # and the group's destructor would wait on Gloo threads that need the GIL.
                 gc.collect()
                 dist.destroy_process_group()
+            exit_guard.release_finished()
             if _backends is not None:
                 _backends.release(rt.config)
 
