@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain.errors import CollectiveAbortedError
-from ringtrain.runtime import abort
+from ringtrain.runtime import abort, exit_guard
 from ringtrain.transport import tcp_backend
 from ringtrain.transport.ring_group import RingWork
 from ringtrain.transport.tcp_backend import TcpProcessGroup
@@ -272,3 +272,34 @@ def test_ranks_that_raise_exit_with_their_code_not_an_abort(tmp_path: Any) -> No
         out = proc.stdout + proc.stderr
         assert "terminate called" not in out and "SIGABRT" not in out, out
         assert "exited with code 1" in out and "ValueError: the data is bad" in out, out
+
+
+class _FakeWork:
+    def __init__(self) -> None:
+        self.done = False
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_a_round_still_under_way_stays_held_after_newer_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An abandoned world's round may never finish: its worker's late release must not become
+    # the last one because newer rounds pushed it out of the held few.
+    monkeypatch.setattr(exit_guard, "_held", [])
+    stuck, finished = _FakeWork(), _FakeWork()
+    finished.done = True
+    exit_guard.hold(stuck)
+    exit_guard.hold(finished)
+    newer = [exit_guard.hold(_FakeWork()) for _ in range(3 * exit_guard.RECENT_WORKS)]
+    held = exit_guard._held
+    assert stuck in held and finished not in held
+    assert held[-exit_guard.RECENT_WORKS :] == newer[-exit_guard.RECENT_WORKS :]
+    for w in newer:
+        w.done = True
+    exit_guard.release_finished()  # the groups were destroyed: what finished is let go
+    assert exit_guard._held == [stuck]

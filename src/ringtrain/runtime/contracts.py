@@ -64,3 +64,7 @@ class Work(Protocol):
     def wait(self, timeout: datetime.timedelta = ...) -> bool:
         """Until it is done; raises its error, or a timeout past ``timeout``."""
         ...
+
+    def is_completed(self) -> bool:
+        """Whether it is done (never waits)."""
+        ...

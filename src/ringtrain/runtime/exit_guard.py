@@ -31,13 +31,14 @@ shows the hazard on this torch and the guard.
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Protocol, TypeVar
+from typing import TypeVar
+
+from ringtrain.runtime.contracts import Work
 
 # How long the exit waits, in all, for left-behind threads and native calls under way.
 EXIT_WAIT_S = 3.0  # an abandoned controller's sliced wait ends within 1 s (runtime.abort)
@@ -46,22 +47,26 @@ _native_calls: dict[int, int] = {}  # thread ident -> native calls under way on 
 _exiting = False
 _left: list[threading.Thread] = []  # threads that may still be inside a torch call
 _kept: list[object] = []  # what daemon threads could not free: the main thread frees it at exit
+W = TypeVar("W", bound=Work)
 
 
-class _Finishing(Protocol):
-    def is_completed(self) -> bool: ...
-
-
-W = TypeVar("W", bound=_Finishing)
-# The controllers' last works (a few rounds' worth): see the module docstring.
+# The controllers' last works are held (see the module docstring): the newest RECENT_WORKS,
+# and older ones for as long as they are under way (an abandoned world's round may never end,
+# and its worker's release must not become the last one when newer rounds follow).
 RECENT_WORKS = 8
-_recent: collections.deque[_Finishing] = collections.deque(maxlen=RECENT_WORKS)
+_held: list[Work] = []
+_held_lock = threading.Lock()
 
 
 def hold(work: W) -> W:
-    """Keep ``work``, issued by a daemon thread on one of ringtrain's groups, among the last
-    :data:`RECENT_WORKS`, so that its last reference is Python's (see the module docstring)."""
-    _recent.append(work)  # one step: safe from any thread; the oldest falls out
+    """Keep ``work``, issued by a daemon thread on one of ringtrain's groups, so that its last
+    reference is Python's (see the module docstring): among the newest :data:`RECENT_WORKS`,
+    or for as long as it is under way."""
+    with _held_lock:
+        _held.append(work)
+        if len(_held) > RECENT_WORKS:
+            older = _held[:-RECENT_WORKS]
+            _held[:-RECENT_WORKS] = [w for w in older if not w.is_completed()]
     return work
 
 
@@ -69,9 +74,8 @@ def release_finished() -> None:
     """The groups were destroyed (their Gloo workers joined): let go of the held works that
     finished. A held work keeps its group's connections open, which the next init in this
     process would find still there; one still under way (an abandoned world's) stays held."""
-    unfinished = [w for w in list(_recent) if not w.is_completed()]
-    _recent.clear()
-    _recent.extend(unfinished)
+    with _held_lock:
+        _held[:] = [w for w in _held if not w.is_completed()]
 
 
 def leave_behind(thread: threading.Thread) -> None:
@@ -141,7 +145,8 @@ def _settle(warn: bool) -> list[str]:
     for thread in left:
         if thread is not me:
             thread.join(max(0.0, deadline - time.monotonic()))
-    works = list(_recent)
+    with _held_lock:
+        works = list(_held)
     while any(not w.is_completed() for w in works) and time.monotonic() < deadline:
         time.sleep(0.005)
     unfinished = sum(not w.is_completed() for w in works)
