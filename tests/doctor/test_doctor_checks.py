@@ -133,6 +133,35 @@ def test_a_retest_replaces_a_figure_only_when_it_is_better() -> None:
     assert failed == first
 
 
+def test_a_slow_pair_is_judged_beside_its_hosts_links_measured_with_it() -> None:
+    # h0 shaped; h1 <-> h2 CPU-bound: h1 -> h2 measured on a quiet machine, h2 -> h1 while a
+    # load held the cores, so h2 -> h1 reads below half of h1 -> h2 and looks slow.
+    rates = {(s, d): 9 * MBIT for s in ["h0", "h1", "h2"] for d in ["h0", "h1", "h2"] if s != d}
+    rates |= {("h1", "h2"): 3000 * MBIT, ("h2", "h1"): 1200 * MBIT}
+    samples = _matrix(rates)
+    assert ("h2", "h1") in findings.analyze_links(samples).slow_pairs
+    # Its round: the pair, then the links that give its hosts their capacity (here its reverse).
+    assert findings.reference_pairs(samples, ("h2", "h1")) == [("h1", "h2")]
+    under_load = _matrix({("h2", "h1"): 1100 * MBIT, ("h1", "h2"): 1300 * MBIT})
+    assert not findings.slow_beside(("h2", "h1"), under_load)
+    a = findings.analyze_links(samples, cleared={("h2", "h1")})
+    assert a.cleared_pairs == [("h2", "h1")] and ("h2", "h1") not in a.slow_pairs
+    assert a.slow_hosts == ["h0"] and len(a.slow_pairs) == 4
+    assert not any("the link from h2 to h1" in w for w in a.warnings)
+
+
+def test_a_slow_path_stays_slow_beside_its_hosts_links() -> None:
+    slow = {("h1", "h2"), ("h2", "h1")}
+    samples = _full(["h0", "h1", "h2", "h3"], lambda s, d: 50 * MBIT if (s, d) in slow else GBIT)
+    refs = findings.reference_pairs(samples, ("h1", "h2"))
+    assert len(refs) == 2 and all(set(p) & {"h1", "h2"} and set(p) & {"h0", "h3"} for p in refs)
+    again = _matrix({("h1", "h2"): 55 * MBIT, **{p: 0.9 * GBIT for p in refs}})
+    assert findings.slow_beside(("h1", "h2"), again)
+    # A round that measured nothing else, or failed, cannot clear it.
+    assert findings.slow_beside(("h1", "h2"), again[:1])
+    assert findings.slow_beside(("h1", "h2"), [LinkSample("h1", "h2", error="timed out")])
+
+
 def test_docker0_on_every_host_is_not_a_routed_subnet() -> None:
     def host(addr: str, name: str = "eth0") -> list[Interface]:
         return [

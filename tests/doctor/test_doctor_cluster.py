@@ -66,6 +66,9 @@ def test_doctor_flags_the_slow_host_and_the_uneven_placement(cluster: tc.Cluster
     assert links["slow_hosts"] == ["h0"]
     slow_pairs = {(p["src"], p["dst"]) for p in links["slow_pairs"]}
     assert slow_pairs == {("h0", "h1"), ("h0", "h2"), ("h1", "h0"), ("h2", "h0")}
+    # On a loaded machine an h1-h2 figure can come out below half of its reverse; its retest
+    # beside the reverse clears it (findings.slow_beside).
+    assert {(p["src"], p["dst"]) for p in links["cleared_pairs"]} <= {("h1", "h2"), ("h2", "h1")}
     rate = {(p["src"], p["dst"]): p["mbit_s"] for p in links["pairs"]}
     assert all(rate[pair] < 10.5 for pair in slow_pairs)  # tbf holds the shaped link to 10
     assert rate[("h1", "h2")] > 20 * max(rate[pair] for pair in slow_pairs)

@@ -139,7 +139,7 @@ def test_link_matrix_between_two_local_names() -> None:
     # Both names are local to the launcher: the whole orchestration runs without ssh.
     hosts = [Host("localhost", 1), Host("127.0.0.1", 1)]
     lo = Interface("lo", "127.0.0.1", 8, True, True)
-    samples = gather.measure_links(hosts, {h.name: lo for h in hosts}, gather.Reach(), 0.2, 3)
+    samples, _ = gather.measure_links(hosts, {h.name: lo for h in hosts}, gather.Reach(), 0.2, 3)
     assert sorted((s.src, s.dst) for s in samples) == [
         ("127.0.0.1", "localhost"),
         ("localhost", "127.0.0.1"),

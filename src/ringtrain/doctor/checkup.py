@@ -117,8 +117,8 @@ def _network(
 def _links(
     options: DoctorOptions, hosts: Sequence[Host], chosen: Mapping[str, Interface]
 ) -> dict[str, Any]:
-    samples = gather.measure_links(hosts, chosen, options.reach, options.link_seconds)
-    analysis = findings.analyze_links(samples)
+    samples, cleared = gather.measure_links(hosts, chosen, options.reach, options.link_seconds)
+    analysis = findings.analyze_links(samples, cleared=cleared)
     return {
         "pairs": [
             {

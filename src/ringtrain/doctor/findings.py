@@ -12,7 +12,10 @@ Slow links. Every pair of hosts is measured in both directions. One host's slow 
 value itself (with 3 hosts, 4 of the 6 pairs touch the slow one). So each host gets a capacity,
 the fastest pair it is part of (its link is at least that fast), and the reference is the
 median host capacity: a host below ``SLOW_FACTOR`` of it has a slow link, and so does any pair
-below ``SLOW_FACTOR`` of it (which also catches a slow path between two fast hosts).
+below ``SLOW_FACTOR`` of it (which also catches a slow path between two fast hosts). Such a
+pair is named only if it stays slow beside its hosts' other links measured right after it
+(:func:`slow_beside`): a fast link on a busy host is CPU-bound, and one measured while another
+process held the cores can read at half the figure its reverse got a moment earlier.
 
 Pure: dicts and numbers in, strings and numbers out.
 """
@@ -20,7 +23,7 @@ Pure: dicts and numbers in, strings and numbers out.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +79,8 @@ class LinkAnalysis:
     reference: float | None = None
     slow_hosts: list[str] = field(default_factory=list)
     slow_pairs: list[tuple[str, str]] = field(default_factory=list)
+    # Below the factor at first, but not beside their hosts' links in a retest (slow_beside).
+    cleared_pairs: list[tuple[str, str]] = field(default_factory=list)
     high_latency: list[tuple[str, str]] = field(default_factory=list)
     slowest: float | None = None
     median_rtt_s: float | None = None
@@ -90,12 +95,54 @@ class LinkAnalysis:
             "median_rtt_s": self.median_rtt_s,
             "slow_hosts": list(self.slow_hosts),
             "slow_pairs": [{"src": s, "dst": d} for s, d in self.slow_pairs],
+            "cleared_pairs": [{"src": s, "dst": d} for s, d in self.cleared_pairs],
             "high_latency_pairs": [{"src": s, "dst": d} for s, d in self.high_latency],
         }
 
 
-def analyze_links(samples: Sequence[LinkSample], factor: float = SLOW_FACTOR) -> LinkAnalysis:
-    """Slow hosts, slow pairs, high-latency pairs and failed tests among ``samples``."""
+Pair = tuple[str, str]
+
+
+def reference_pairs(samples: Sequence[LinkSample], pair: Pair) -> list[Pair]:
+    """The pairs that give ``pair``'s two hosts their capacity (each host's fastest other
+    pair): what :func:`slow_beside` measures ``pair`` against."""
+    good = [s for s in samples if s.error is None and s.bytes_per_s]
+    out: list[Pair] = []
+    for host in pair:
+        others = [s for s in good if host in (s.src, s.dst) and (s.src, s.dst) != pair]
+        if others:
+            best = max(others, key=lambda s: s.bytes_per_s or 0.0)
+            if (best.src, best.dst) not in out:
+                out.append((best.src, best.dst))
+    return out
+
+
+def slow_beside(
+    pair: Pair, round_samples: Sequence[LinkSample], factor: float = SLOW_FACTOR
+) -> bool:
+    """Whether ``pair`` is below ``factor`` of its hosts' capacity within one round that measured
+    it and its :func:`reference_pairs` back to back (so under the same load). True where the
+    round cannot say (a test failed, or no other pair of its hosts was measured)."""
+    rates = {(s.src, s.dst): s.bytes_per_s for s in round_samples if s.error is None}
+    rate = rates.get(pair)
+    capacities = [
+        max((r or 0.0 for p, r in rates.items() if p != pair and host in p), default=None)
+        for host in pair
+    ]
+    known = [c for c in capacities if c]
+    if not rate or not known:
+        return True
+    return rate < factor * min(known)
+
+
+def analyze_links(
+    samples: Sequence[LinkSample],
+    factor: float = SLOW_FACTOR,
+    cleared: Collection[Pair] = (),
+) -> LinkAnalysis:
+    """Slow hosts, slow pairs, high-latency pairs and failed tests among ``samples``;
+    ``cleared``: pairs a retest found not slow beside their hosts' other links
+    (:func:`slow_beside`), which are not named."""
     out = LinkAnalysis()
     good = [s for s in samples if s.error is None and s.bytes_per_s]
     for s in samples:
@@ -114,7 +161,9 @@ def analyze_links(samples: Sequence[LinkSample], factor: float = SLOW_FACTOR) ->
     out.reference = ref
     out.slowest = min(s.bytes_per_s or 0.0 for s in good)
     out.slow_hosts = sorted(h for h, c in out.host_capacity.items() if c < factor * ref)
-    out.slow_pairs = [(s.src, s.dst) for s in good if (s.bytes_per_s or 0.0) < factor * ref]
+    below = [(s.src, s.dst) for s in good if (s.bytes_per_s or 0.0) < factor * ref]
+    out.slow_pairs = [p for p in below if p not in cleared]
+    out.cleared_pairs = [p for p in below if p in cleared]
     for h in out.slow_hosts:
         pairs = [s for s in good if h in (s.src, s.dst)]
         shown = ", ".join(f"{s.src}->{s.dst} {mbit(s.bytes_per_s or 0.0)}" for s in pairs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 import queue
 import signal
@@ -239,18 +240,24 @@ def measure_links(
     seconds: float,
     rtts: int = 20,
     timeout_s: float = 60.0,
-) -> list[LinkSample]:
-    """Latency and bandwidth for every ordered pair of ``hosts``, one sender at a time.
+) -> tuple[list[LinkSample], set[findings.Pair]]:
+    """Latency and bandwidth for every ordered pair of ``hosts``, one sender at a time, and
+    the pairs cleared of slowness by a retest (for :func:`findings.analyze_links`).
 
     A receiver listens on each host's chosen address; then each host in turn runs one sender
     that measures to every other host, so no two measurements share a link. Pairs that came out
     slow are measured again and keep their best figure: on a busy host one test can come out
     slow for want of CPU, and noise only ever lowers a throughput. A slow pair between two fast
-    hosts (no slow host explains it) is the likelier accident, so it gets more retests.
+    hosts (no slow host explains it) is the likelier accident: it is measured again, up to
+    :data:`UNEXPLAINED_RETESTS` times, right before the links that give its hosts their
+    capacity, and cleared if it is not slow beside them (:func:`findings.slow_beside`): a
+    fast link is CPU-bound, so a load that came after its reverse was measured can halve it
+    in every retest, but it lowers the links measured beside it alike.
     """
     receivers: dict[str, _Receiver] = {}
     samples: list[LinkSample] = []
-    deadline = timeout_s + (2 + UNEXPLAINED_RETESTS) * len(hosts) ** 2 * (seconds + 5)
+    cleared: set[findings.Pair] = set()
+    deadline = timeout_s + (2 + 3 * UNEXPLAINED_RETESTS) * len(hosts) ** 2 * (seconds + 5)
     try:
         for h in hosts:
             receivers[h.name] = _Receiver(h, chosen[h.name].address, reach, deadline)
@@ -266,22 +273,33 @@ def measure_links(
                     samples.append(LinkSample(src.name, d.name, error=rec.error))
             if targets:
                 samples.extend(_send(src, targets, reach, seconds, rtts, timeout_s))
-        for attempt in range(1 + UNEXPLAINED_RETESTS):
-            analysis = findings.analyze_links(samples)
-            slow = set(analysis.slow_pairs)
-            if attempt:  # a slow host's pairs were confirmed by the first retest
-                slow = {p for p in slow if not set(p) & set(analysis.slow_hosts)}
-            if not slow:
+        by_name = {h.name: h for h in hosts}
+
+        def send(pairs: Sequence[findings.Pair]) -> list[LinkSample]:
+            out: list[LinkSample] = []
+            # In the order given (a round's pairs back to back), one sender per run of a source.
+            for src, run in itertools.groupby(pairs, key=lambda p: p[0]):
+                targets = [receivers[dst] for _, dst in run]
+                out += _send(by_name[src], targets, reach, seconds, rtts, timeout_s)
+            return out
+
+        analysis = findings.analyze_links(samples)
+        samples = keep_better(samples, send(sorted(analysis.slow_pairs)))
+        for _ in range(UNEXPLAINED_RETESTS):
+            analysis = findings.analyze_links(samples, cleared=cleared)
+            hosts_slow = set(analysis.slow_hosts)
+            unexplained = [p for p in analysis.slow_pairs if not set(p) & hosts_slow]
+            for pair in unexplained:
+                measured = send([pair, *findings.reference_pairs(samples, pair)])
+                samples = keep_better(samples, measured)
+                if not findings.slow_beside(pair, measured):
+                    cleared.add(pair)
+            if not unexplained:
                 break
-            for src in hosts:
-                again = [receivers[d] for s, d in sorted(slow) if s == src.name]
-                if again:
-                    retests = _send(src, again, reach, seconds, rtts, timeout_s)
-                    samples = keep_better(samples, retests)
     finally:
         for r in receivers.values():
             r.close()
-    return samples
+    return samples, cleared
 
 
 def keep_better(samples: Sequence[LinkSample], retests: Sequence[LinkSample]) -> list[LinkSample]:
