@@ -98,3 +98,7 @@ def test_overlap_variant_with_adam(tmp_path: Path, capsys: pytest.CaptureFixture
     assert list(got) == variants.split(",")
     assert got["ringtrain@overlap=1"]["step_time"]["n"] == 4
     assert got["ringtrain@overlap=1"]["vs_ddp"] > 0
+    # CPU per step, every thread of both ranks: at least the compute, which both ranks do.
+    for v in got.values():
+        assert v["cpu_per_step"] > 0
+    assert got["ddp"]["cpu_vs_ddp"] == 1.0 and got["ringtrain"]["cpu_vs_ddp"] > 0

@@ -252,7 +252,8 @@ def format_train(res: TrainResult, markdown: bool = False) -> str:
         f"optimizer {p.optimizer}, compression {p.compression} (ddp: {res.ddp_compression}), "
         f"{p.steps} steps/variant "
         f"in blocks of {p.block} after {p.warmup} warm-up; step time of the slowest rank, "
-        "median [min-max]" + _load(res.environment)
+        "median [min-max]; CPU per step: every thread of every rank, summed"
+        + _load(res.environment)
     )
     if res.peak_rss_bytes:
         head += (
@@ -273,6 +274,8 @@ def format_train(res: TrainResult, markdown: bool = False) -> str:
             _paired(v.paired_vs_ddp),
             _ratio(v.vs_nocomm),
             _ratio(v.comm_fraction, True),
+            f"{v.cpu_per_step * 1e3:.0f}",
+            _ratio(v.cpu_vs_ddp),
             fmt_bytes(v.state_bytes),
         ]
         for v in res.variants
@@ -287,6 +290,8 @@ def format_train(res: TrainResult, markdown: bool = False) -> str:
         "vs ddp, paired",
         "vs nocomm",
         "comm share",
+        "CPU ms/step",
+        "CPU over ddp's",
         "opt state/rank",
     ]
     return head + "\n" + table(headers, rows, markdown)

@@ -182,6 +182,10 @@ class VariantResult:
     warmup_steps: int = 0  # untimed steps taken, --warmup plus what it took to become steady
     chosen: str = ""  # compression="auto": what it settled on
     state_bytes: int = 0  # optimizer state tensors held per rank (the largest rank's)
+    # CPU seconds per timed step, every thread of every rank summed (Gloo's and the engine's
+    # included): what load on a shared machine does not inflate, unlike the step time.
+    cpu_per_step: float = 0.0
+    cpu_vs_ddp: float | None = None  # this CPU per step over ddp's (lower is less work)
 
 
 @dataclass
@@ -222,6 +226,7 @@ class _Variant:
         self.steady = steady
         self.chosen = chosen
         self.samples: list[float] = []
+        self.cpu_s = 0.0  # this rank's process CPU over the timed steps
         self.warmup_steps = 0
 
 
@@ -358,12 +363,14 @@ def bench_train(params: TrainParams) -> TrainResult:
             todo = min(params.block, params.steps - len(v.samples))
             settle()
             dist.barrier()
+            c0 = time.process_time()
             for i in range(todo):
                 t0 = time.perf_counter()
                 v.step()
                 if i == todo - 1:
                     v.drain()  # the block's last step pays for what it left running
                 v.samples.append(time.perf_counter() - t0)
+            v.cpu_s += time.process_time() - c0
 
     # The slowest rank's time per step: one small allreduce after all timing is done.
     memory = [base_rss, _rss_bytes()[1], *(v.state_bytes() for v in variants)]
@@ -371,6 +378,8 @@ def bench_train(params: TrainParams) -> TrainResult:
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)
     per = flat.tolist()
     base_rss, peak_rss, *state = (int(x) for x in per[len(per) - len(memory) :])
+    cpu = torch.tensor([v.cpu_s for v in variants], dtype=torch.float64)
+    dist.all_reduce(cpu)  # summed over ranks
     samples_per_step = batch_size * params.backward_passes_per_step * n
     result = TrainResult(
         n,
@@ -398,6 +407,7 @@ def bench_train(params: TrainParams) -> TrainResult:
                 warmup_steps=v.warmup_steps,
                 chosen=v.chosen(),
                 state_bytes=state[i],
+                cpu_per_step=float(cpu[i]) / params.steps,
             )
         )
     names = [v.name for v in variants]
@@ -407,6 +417,8 @@ def bench_train(params: TrainParams) -> TrainResult:
         for i, vr in enumerate(result.variants):
             mine = _blocks(per[i * params.steps : (i + 1) * params.steps], params.block)
             vr.paired_vs_ddp = Summary.of([d / m for d, m in zip(ddp_blocks, mine) if m > 0])
+            ddp_cpu = result.variants[k].cpu_per_step
+            vr.cpu_vs_ddp = vr.cpu_per_step / ddp_cpu if ddp_cpu > 0 else None
     _add_ratios(result.variants)
     result.environment["load_after"] = load_average()
     return result
