@@ -26,8 +26,11 @@ def test_converge_cli(task: str, tmp_path: Path, capsys: pytest.CaptureFixture[s
     argv += ["--batch-size", "8"]
     if task == "lm":  # the local variants in two fragments, one exchanged every inner step
         argv += ["--outer-fragments", "2"]
+    variants = converge.DEFAULT_VARIANTS
     if task == "mlp":  # a slower host, simulated: rank 1 sleeps half its compute time
         argv += ["--slow-rank", "1", "--slow-factor", "1.5"]
+        variants = converge.VARIANTS  # with the :steps variants, which need a slow rank
+        argv += ["--variants", ",".join(variants)]
     argv += ["--json", str(out_json), "--plot", str(out_png)]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
@@ -35,8 +38,16 @@ def test_converge_cli(task: str, tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert out_png.read_bytes()[:8] == PNG_MAGIC
     res = json.loads(out_json.read_text())["result"]
     assert res["world_size"] == 2
-    assert [r["variant"] for r in res["runs"]] == list(converge.VARIANTS)
+    assert [r["variant"] for r in res["runs"]] == list(variants)
     for r in res["runs"]:
+        if r["variant"].endswith(":steps"):
+            # Rank 0 takes 2 inner steps a round, rank 1 (slow) round(2 / 1.5) = 1, in whole
+            # evaluation intervals (a round each) until a rank's budget (4 steps for H=2, 2
+            # for H=1) is spent. Overlapped, the first interval also runs to the merge, 1 step
+            # late on each rank (3 and 2 steps): rank 1's budget is spent after it.
+            r0, r1 = (3, 2) if "overlap" in r["variant"] else (4, 2)
+            assert r["steps"] == r0 and r["samples"] == (r0 + r1) * 8
+            continue
         ranks = 1 if r["variant"] == "alone" else 2  # alone: every rank is the one host
         assert 0 < r["steps"] <= 4 and r["samples"] == r["steps"] * 8 * ranks
         assert r["seconds"] > 0 and r["curve"]
@@ -67,3 +78,5 @@ def test_bad_variant_is_refused() -> None:
         converge.ConvergeParams(sync_every=4, outer_fragments=5)
     with pytest.raises(ConfigError, match="--slow-factor"):
         converge.ConvergeParams(slow_factor=0.5)
+    with pytest.raises(ConfigError, match="need --slow-rank"):
+        converge.ConvergeParams(variants=("local:steps",))

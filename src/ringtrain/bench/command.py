@@ -325,7 +325,7 @@ def _converge_parser(sub: Any) -> None:
     cv.add_argument("--task", default="digits", choices=converge.TASKS)
     cv.add_argument(
         "--variants",
-        default=",".join(converge.VARIANTS),
+        default=",".join(converge.DEFAULT_VARIANTS),
         help=f"comma-separated subset of {','.join(converge.VARIANTS)}",
     )
     cv.add_argument(

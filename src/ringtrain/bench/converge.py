@@ -39,6 +39,13 @@ batches of ``batch_size`` per step (so n ranks see n times the samples per step)
 * ``local:shares``, ``local:overlap:shares``: the same with ``batch_shares="auto"``: each
   rank takes its measured share of the global batch (``batch_size`` x ranks) each step, and the
   outer average weighs by it (issue 41: hosts of unequal speed).
+* ``local:steps``, ``local:overlap:steps`` (asked for by name, with ``--slow-rank``): per-rank
+  inner steps instead, ``sync_every=[...]``: every rank takes ``H`` inner steps a round, the
+  slow rank ``H`` over the slow-down factor (the split a user who knows the hosts' speeds
+  gives; no timing in the numerics), each rank's batch ``batch_size``, and the outer average
+  weighs each rank by its samples. Evaluation then comes every few rounds (each rank's own
+  steps), ``--max-steps`` counts the steps of a rank with ``H`` and is rounded up to whole
+  evaluation intervals, and ``steps`` is rank 0's; ``samples`` are every rank's.
 
 ``--slow-rank R --slow-factor F`` slows rank ``R`` to ``1/F`` of its speed in every variant but
 ``alone``: it sleeps ``F - 1`` times its forward and backward time each step (a slower host,
@@ -83,7 +90,7 @@ from ringtrain.elastic.share_sampler import split_counts
 from ringtrain.engine.local_settings import outer_delay
 from ringtrain.errors import ConfigError
 
-VARIANTS = (
+DEFAULT_VARIANTS = (
     "alone",
     "ddp",
     "ringtrain",
@@ -95,12 +102,14 @@ VARIANTS = (
     "local:shares",
     "local:overlap:shares",
 )
+# Not run unless asked for: they need a slow rank (--slow-rank) to differ from local's.
+VARIANTS = (*DEFAULT_VARIANTS, "local:steps", "local:overlap:steps")
 
 
 @dataclass(frozen=True)
 class ConvergeParams:
     task: str = "digits"
-    variants: tuple[str, ...] = VARIANTS
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
     target: float | None = None  # digits: test accuracy (default 0.95); lm: loss (default)
     max_steps: int = 3000
     batch_size: int = 32  # per rank and step
@@ -137,6 +146,12 @@ class ConvergeParams:
             raise ConfigError(
                 f"--outer-fragments must be in [1, --sync-every={self.sync_every}], got "
                 f"{self.outer_fragments}\nHINT: 1 exchanges the whole model at the round's end."
+            )
+        if self.slow_rank < 0 and any(v.endswith(":steps") for v in self.variants):
+            raise ConfigError(
+                "the :steps variants give the slow rank fewer inner steps a round, in "
+                "proportion to its slow-down, so they need --slow-rank.\nHINT: add --slow-rank "
+                "R (and --slow-factor F), or leave those variants out."
             )
         if self.cpus < 0:
             raise ConfigError(f"--cpus must be above 0 (or 0: no limit), got {self.cpus}")
@@ -215,11 +230,11 @@ def _wrap(variant: str, model: nn.Module, params: ConvergeParams) -> tuple[Any, 
     if variant == "ddp":
         return base, nn.parallel.DistributedDataParallel(model)
     extra: dict[str, Any] = {}
+    shares: dict[str, Any] = {}
+    steps = variant.endswith(":steps")
     if variant.endswith(":shares"):  # measured shares of each global batch
-        variant = variant.removesuffix(":shares")
-        shares: dict[str, Any] = {"batch_shares": "auto"}
-    else:
-        shares = {}
+        shares["batch_shares"] = "auto"
+    variant = variant.removesuffix(":shares").removesuffix(":steps")
     if variant == "ringtrain:powersgd":
         extra["compression"] = "powersgd"
     if variant == "auto":
@@ -229,7 +244,7 @@ def _wrap(variant: str, model: nn.Module, params: ConvergeParams) -> tuple[Any, 
     elif variant.startswith("local"):
         lr, momentum = params.outer_lr, params.outer_momentum
         extra = {
-            "sync_every": params.sync_every,
+            "sync_every": list(inner_steps(params)) if steps else params.sync_every,
             "outer_compression": params.outer_compression,
             "outer_optimizer": lambda ps: torch.optim.SGD(
                 ps, lr=lr, momentum=momentum, nesterov=momentum > 0
@@ -242,6 +257,17 @@ def _wrap(variant: str, model: nn.Module, params: ConvergeParams) -> tuple[Any, 
         base, named_parameters=model.named_parameters(), **extra, **shares
     )
     return opt, model
+
+
+def inner_steps(params: ConvergeParams) -> tuple[int, ...]:
+    """The :steps variants' ``sync_every``: ``H`` for every rank, ``H`` over the slow-down for
+    the slow one, so that a round takes about as long on each rank as ``H`` steps of a fast
+    one (giving the fast ranks more, ``H`` x the slow-down, makes rounds that long on every
+    rank: each drifts further between averages, and more samples reach the target)."""
+    slow = max(1, round(params.sync_every / params.slow_factor))
+    return tuple(
+        slow if r == params.slow_rank else params.sync_every for r in range(ringtrain.size())
+    )
 
 
 def _batch(opt: Any, variant: str, params: ConvergeParams, n: int, rank: int) -> int:
@@ -270,11 +296,11 @@ def _merge_offset(opt: Any) -> int:
     return local.delay if local is not None and local.overlap else 0
 
 
-def _agree(flag: bool) -> bool:
-    """Every rank stops together: the flag of any rank (they agree when weights agree)."""
-    t = torch.tensor([1.0 if flag else 0.0])
+def _agree(*flags: bool) -> list[bool]:
+    """Every rank stops together: each flag is any rank's (they agree when weights agree)."""
+    t = torch.tensor([1.0 if f else 0.0 for f in flags])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return [bool(x) for x in t.tolist()]
 
 
 def _train(variant: str, task: Task, params: ConvergeParams) -> ConvergeRun:
@@ -288,18 +314,23 @@ def _train(variant: str, task: Task, params: ConvergeParams) -> ConvergeRun:
     g = torch.Generator().manual_seed(params.seed + 1000 * rank)
     slowed = variant != "alone" and rank == params.slow_rank and not params.cpus
     slow = params.slow_factor - 1 if slowed else 0.0  # with --cpus its quota slows it instead
-    every = params.eval_every
+    every, limit = params.eval_every, params.max_steps
     chunk = every  # steps before the next evaluation
+    # :steps: this rank's inner steps a round; its chunks and its budget in proportion, and
+    # whole chunks only, so that every rank reaches the same outer step.
+    mine = inner_steps(params)[rank] if variant.endswith(":steps") else params.sync_every
     if variant.startswith("local") and n > 1:
-        every = -(-every // params.sync_every) * params.sync_every
+        every = -(-every // params.sync_every) * mine
         chunk = every + _merge_offset(opt)
+        limit = -(-params.max_steps * mine // params.sync_every)
+    whole = variant.endswith(":steps")
     dist.barrier()
     tx0, clock, steps, curve, first = tx_bytes(), 0.0, 0, [], 0.0
     quality = task.quality(model)
-    reached = False
-    while steps < params.max_steps and not reached:
+    reached = done = False
+    while not (reached or done):
         t0 = time.perf_counter()
-        for _ in range(min(chunk, params.max_steps - steps)):
+        for _ in range(chunk if whole else min(chunk, limit - steps)):
             size = _batch(opt, variant, params, n, rank)
             idx = shard[torch.randint(0, shard.numel(), (size,), generator=g)]
             opt.zero_grad(set_to_none=True)
@@ -316,7 +347,7 @@ def _train(variant: str, task: Task, params: ConvergeParams) -> ConvergeRun:
         chunk = every
         quality = _quality(task, model, opt)
         curve.append((clock, quality))
-        reached = _agree(task.good(quality))
+        reached, done = _agree(task.good(quality), steps >= limit)
     sent = tx_bytes() - tx0
     local = getattr(opt, "local_update", None)
     copies = local.copies if local is not None else 0
@@ -324,6 +355,10 @@ def _train(variant: str, task: Task, params: ConvergeParams) -> ConvergeRun:
     if hasattr(opt, "remove_hooks"):
         opt.remove_hooks()
     samples = steps * params.batch_size * n
+    if variant.endswith(":steps"):  # each rank its own steps
+        total = torch.tensor([steps * params.batch_size])
+        dist.all_reduce(total)
+        samples = int(total.item())
     return ConvergeRun(
         variant,
         reached,
