@@ -62,3 +62,37 @@ def test_the_report_compares_ranks_per_sample_at_the_shares_in_force(world2: Wor
     assert all(r[:3] == (kind, ranks, shares) for r in results)
     assert (kind, ranks, shares) == ("shares", (0,), (0.75, 0.25)), line
     assert "(batch_shares in force [75, 25])" in line and "over the shares in force" in line
+
+
+def _train_per_rank_steps() -> tuple[list[str], int]:
+    """sync_every=[4, 2], both ranks as fast: rank 0's round takes twice rank 1's. Rank 0
+    takes 24 steps, rank 1 12: a report at a step number would wait for a rank waiting for
+    this one's next outer step (it hung); reports come at the ends of rounds instead."""
+    assert rt.straggler_report() is None  # a new job: not the report of one before it
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 1)
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        sync_every=[4, 2],
+        outer_compression="none",
+    )
+    lines = []
+    for _ in range(24 if rt.rank() == 0 else 12):
+        opt.zero_grad()
+        model(torch.randn(16, 32)).pow(2).mean().backward()
+        time.sleep(0.03)  # the same compute per step on both ranks
+        opt.step()
+        report = rt.straggler_report()
+        if report is not None and (not lines or report.line() != lines[-1]):
+            lines.append(report.line())
+    return lines, opt.local_update.outer_steps
+
+
+def test_per_rank_inner_steps_report_per_round(world2: World) -> None:
+    results = world2.run(_train_per_rank_steps, timeout=90, straggler_report_steps=4)
+    (lines, rounds), (lines1, rounds1) = results
+    assert rounds == rounds1 == 6 and lines == lines1
+    # Every 2 rounds (4 steps of the shortest round): 3 reports, the first the same as the rest.
+    assert lines and all("rank 0 on host" in x and "compute-bound" in x for x in lines), lines
+    assert all("s/round" in x and "fewer inner steps a round in sync_every" in x for x in lines)

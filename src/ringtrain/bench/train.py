@@ -410,18 +410,25 @@ def bench_train(params: TrainParams) -> TrainResult:
                 cpu_per_step=float(cpu[i]) / params.steps,
             )
         )
-    names = [v.name for v in variants]
-    if "ddp" in names:
-        k = names.index("ddp")
-        ddp_blocks = _blocks(per[k * params.steps : (k + 1) * params.steps], params.block)
-        for i, vr in enumerate(result.variants):
-            mine = _blocks(per[i * params.steps : (i + 1) * params.steps], params.block)
-            vr.paired_vs_ddp = Summary.of([d / m for d, m in zip(ddp_blocks, mine) if m > 0])
-            ddp_cpu = result.variants[k].cpu_per_step
-            vr.cpu_vs_ddp = vr.cpu_per_step / ddp_cpu if ddp_cpu > 0 else None
+    _pair_with_ddp(result.variants, per, params)
     _add_ratios(result.variants)
     result.environment["load_after"] = load_average()
     return result
+
+
+def _pair_with_ddp(results: list[VariantResult], per: list[float], params: TrainParams) -> None:
+    """Each variant's speed over DDP's round by round (blocks of the same round, under the same
+    load), and its CPU per step over DDP's; nothing without a ddp variant."""
+    names = [r.variant for r in results]
+    if "ddp" not in names:
+        return
+    k = names.index("ddp")
+    ddp_blocks = _blocks(per[k * params.steps : (k + 1) * params.steps], params.block)
+    ddp_cpu = results[k].cpu_per_step
+    for i, vr in enumerate(results):
+        mine = _blocks(per[i * params.steps : (i + 1) * params.steps], params.block)
+        vr.paired_vs_ddp = Summary.of([d / m for d, m in zip(ddp_blocks, mine) if m > 0])
+        vr.cpu_vs_ddp = vr.cpu_per_step / ddp_cpu if ddp_cpu > 0 else None
 
 
 def _blocks(samples: list[float], block: int) -> list[float]:

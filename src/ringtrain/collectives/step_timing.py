@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ringtrain.diagnostics import shares
 from ringtrain.diagnostics.straggler import RankTimes, StragglerReport, analyse
 from ringtrain.transport import group_ops
 
@@ -43,9 +44,21 @@ def last_report() -> StragglerReport | None:
 straggler_report = last_report
 
 
+@dataclass(frozen=True)
+class RoundEnds:
+    """Where the ranks take different inner steps a round (``sync_every=[48, 16]``), their step
+    counts differ, so reports come at the ends of rounds: after this rank's step, ``ended``
+    rounds are done, and the shortest rank's round is ``shortest`` steps (alike on every
+    rank)."""
+
+    ended: int
+    shortest: int
+
+
 @dataclass
 class _Window:
     steps: int = 0
+    rounds: int = 0
     input_s: float = 0.0
     compute_s: float = 0.0
     wait_s: float = 0.0
@@ -69,9 +82,15 @@ class StepTimer:
     _wait_start: float | None = None
     _wait_s: float = 0.0
     _steps: int = 0
+    _rounds_ended: int = 0
+    _per_round: bool = False  # per-rank inner steps: reports per round, at rounds' ends
     _hook: Any = None
 
     def __post_init__(self) -> None:
+        global _last
+        # A new job (init after a shutdown in the same process): no report of the last one.
+        _last = None
+        shares.IN_FORCE.take()
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._on_forward)
 
     def close(self) -> None:
@@ -91,9 +110,17 @@ class StepTimer:
             self._wait_s += self.clock() - self._wait_start
             self._wait_start = None
 
-    def step_done(self) -> None:
-        """End of an optimizer step; every ``every`` steps this gathers and reports."""
+    def waited(self, seconds: float) -> None:
+        """``seconds`` of this step went to waiting for peers outside the gradient exchange
+        (local updates' outer steps)."""
+        self._wait_s += seconds
+
+    def step_done(self, rounds: RoundEnds | None = None) -> None:
+        """End of an optimizer step; every ``every`` steps this gathers and reports. With
+        ``rounds`` (per-rank inner steps), at the end of every ``every`` steps' worth of the
+        shortest round instead, in rounds every rank ends alike, and per round."""
         now = self.clock()
+        round_ended = rounds is not None and rounds.ended > self._rounds_ended
         if self._step_end is not None:
             start = self._forward_start if self._forward_start is not None else self._step_end
             w = self._window
@@ -106,7 +133,15 @@ class StepTimer:
             self.on_step()
         self._wait_s = 0.0
         self._forward_start = None
-        if self.every > 0 and self._steps % self.every == 0 and self._window.steps:
+        if rounds is None:
+            due = self._steps % self.every == 0 if self.every > 0 else False
+        else:
+            self._per_round = True
+            self._window.rounds += rounds.ended - self._rounds_ended
+            self._rounds_ended = rounds.ended
+            every = max(1, round(self.every / rounds.shortest))
+            due = self.every > 0 and round_ended and rounds.ended % every == 0
+        if due and self._window.steps:
             self.report()
         self._step_end = self.clock()
 
@@ -124,17 +159,13 @@ class StepTimer:
     def report(self) -> StragglerReport:
         global _last
         w, self._window = self._window, _Window()
-        mine = RankTimes(
-            self.rank,
-            self.host,
-            w.input_s / w.steps,
-            w.compute_s / w.steps,
-            w.wait_s / w.steps,
-        )
+        # Per round where the ranks' rounds differ in steps (every rank ends them alike).
+        per, n = ("round", w.rounds) if self._per_round and w.rounds else ("step", w.steps)
+        mine = RankTimes(self.rank, self.host, w.input_s / n, w.compute_s / n, w.wait_s / n)
         gathered: list[Any] = [None] * group_ops.size(self.group)
         group_ops.all_gather_object(gathered, mine, self.group)
         links = probe_links(self.group, self.host_of_rank)
-        _last = analyse(gathered, links)
+        _last = analyse(gathered, links, per=per)
         if group_ops.rank(self.group) == 0:
             log.warning("%s", _last.line())
         return _last

@@ -48,7 +48,8 @@ LINK_TIE = 1.1
 
 @dataclass(frozen=True)
 class RankTimes:
-    """Mean seconds per step of one rank over the report window."""
+    """Mean seconds per step of one rank over the report window (per round where the ranks
+    take different inner steps a round: ``analyse(per="round")``)."""
 
     rank: int
     host: str
@@ -103,11 +104,13 @@ def analyse(
     times: Sequence[RankTimes],
     link_mb_s: Mapping[str, float] | None = None,
     in_force: Sequence[float] | shares.InForce | None = shares.IN_FORCE,
+    per: str = "step",
 ) -> StragglerReport:
     """The verdict for one window. ``link_mb_s`` maps host -> measured link rate (MB/s);
     ``in_force``: the shares of the global batch over the window in rank order (None: equal),
     or the record to take them from (by default the engine's; shares not one per rank are
-    left out)."""
+    left out); ``per``: what the times are means over ("round" with per-rank inner steps,
+    where a rank's round, not its step, is what the others wait for)."""
     if not times:
         raise ValueError("no timings to analyse")
     links = dict(link_mb_s or {})
@@ -132,11 +135,11 @@ def analyse(
                 "network",
                 ranks,
                 f"link {rates} vs median {med_link:.1f} MB/s; every rank waits "
-                f"{mean_wait:.3f} s/step for communication.\n"
+                f"{mean_wait:.3f} s/{per} for communication.\n"
                 "HINT: fix or avoid that link, or send fewer bytes: --compression fp16/powersgd, "
                 "backward_passes_per_step > 1.",
             )
-    busy = _busy_verdict(per_rank, fractions, step)
+    busy = _busy_verdict(per_rank, fractions, step, per)
     if busy is not None:
         return report(*busy)
     if mean_wait > COMM_BOUND * step:
@@ -148,7 +151,7 @@ def analyse(
         return report(
             "network",
             ranks,
-            f"every rank waits {mean_wait:.3f} s of a {step:.3f} s step for communication "
+            f"every rank waits {mean_wait:.3f} s of a {step:.3f} s {per} for communication "
             "that did not overlap with compute.\n"
             "HINT: send fewer bytes (--compression fp16/powersgd/topk) or communicate less "
             "often (backward_passes_per_step).",
@@ -156,7 +159,7 @@ def analyse(
     return report(
         "none",
         [],
-        f"step {step:.3f} s: input {statistics.fmean(t.input_s for t in times):.3f} s, compute "
+        f"{per} {step:.3f} s: input {statistics.fmean(t.input_s for t in times):.3f} s, compute "
         f"{statistics.fmean(t.compute_s for t in times):.3f} s, waiting {mean_wait:.3f} s",
     )
 
@@ -173,7 +176,10 @@ def _fractions(
 
 
 def _busy_verdict(
-    per_rank: Sequence[RankTimes], fractions: tuple[float, ...] | None, step: float
+    per_rank: Sequence[RankTimes],
+    fractions: tuple[float, ...] | None,
+    step: float,
+    per: str = "step",
 ) -> tuple[str, list[int], str] | None:
     """The rank the others wait for, if one is busy well above the median (input, compute or,
     with shares in force, a share too large for its speed), as (kind, ranks, detail)."""
@@ -192,13 +198,13 @@ def _busy_verdict(
     med_input, med_compute = statistics.median(inputs), statistics.median(computes)
     med_each = statistics.median(a + b for a, b in zip(inputs, computes))
     gain = shares.predict([max(t.busy_s, 1e-9) for t in per_rank], slowest.wait_s, fractions)
-    unit = "s/step" if fractions is None else "s per equal share"
+    unit = f"s/{per}" if fractions is None else "s per equal share"
     of = "" if fractions is None else f" (it takes {fractions[i]:.1%} of each global batch)"
     if fractions is not None and inputs[i] + computes[i] <= SLOW_FACTOR * med_each:
         return (
             "shares",
             [slowest.rank],
-            f"busy {slowest.busy_s:.3f} s/step vs median {med_busy:.3f} s, taking "
+            f"busy {slowest.busy_s:.3f} s/{per} vs median {med_busy:.3f} s, taking "
             f"{fractions[i]:.1%} of each global batch at {_x(inputs[i] + computes[i], med_each)} "
             f"the median rank's time per sample ({inputs[i] + computes[i]:.3f} {unit} vs "
             f"{med_each:.3f} s); the other ranks wait for it.\n"
@@ -212,14 +218,22 @@ def _busy_verdict(
             f"({_x(inputs[i], med_input)}){of}; the other ranks wait for it.\n"
             "HINT: more DataLoader workers or faster storage on that host.",
         )
+    remedy = (
+        'or give the faster ranks more of each global batch (docs/engine.md, "Hosts of '
+        'unequal speed"):\n' + gain.line()
+        if per == "step"
+        # Per-rank inner steps in force: the split to change is theirs.
+        else "or give it fewer inner steps a round in sync_every, about "
+        f"{med_compute / computes[i]:.0%} of its steps now, so that its round takes the median "
+        'rank\'s time (docs/engine.md, "Hosts of unequal speed").'
+    )
     return (
         "compute",
         [slowest.rank],
         f"compute {computes[i]:.3f} {unit} vs median {med_compute:.3f} s "
         f"({_x(computes[i], med_compute)}){of}; the other ranks wait for it.\n"
         "HINT: check for other processes on its cores (--bind-to core), its thread count "
-        "(OMP_NUM_THREADS) and whether its hardware differs; or give the faster ranks more "
-        'of each global batch (docs/engine.md, "Hosts of unequal speed"):\n' + gain.line(),
+        "(OMP_NUM_THREADS) and whether its hardware differs; " + remedy,
     )
 
 

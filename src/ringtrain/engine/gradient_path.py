@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ringtrain.collectives.step_timing import RoundEnds
 from ringtrain.compression.policy import AutoCompression
 from ringtrain.config import Config
 from ringtrain.diagnostics import shares as in_force
@@ -364,15 +365,17 @@ class GradientPath:
             update.weight = self._outer_weight(update)
         t0 = time.perf_counter()
         update.replan(self.planner.plan)
-        rounds = update.outer_steps if isinstance(update, local_update.LocalUpdate) else 0
+        local = update if isinstance(update, local_update.LocalUpdate) else None
+        rounds, outer_s = (local.outer_steps, local.outer_seconds) if local else (0, 0.0)
         result = update.step(closure)
         t1 = time.perf_counter()
         timeline.current().span("step", "OPTIMIZER_STEP", t0, t1)
-        if isinstance(update, local_update.LocalUpdate) and update.outer_steps != rounds:
+        if local is not None and local.outer_steps != rounds:
             self._round_ended(t0, t1)
-        if self.sync_every == "auto" and isinstance(update, local_update.LocalUpdate):
-            self._after_round(update)
-        return self._step_done(result)
+        if self.sync_every == "auto" and local is not None:
+            self._after_round(local)
+        # Outer steps wait for the peers: the straggler report does not count them as compute.
+        return self._step_done(result, local.outer_seconds - outer_s if local else 0.0)
 
     def _outer_weight(self, update: local_update.LocalUpdate) -> float | None:
         """This rank's weight in local updates' outer average: the samples it takes a round (its
@@ -423,15 +426,25 @@ class GradientPath:
             self._open_step()  # decides, as synchronize() would, whether this step learns
         return self.schedule.applies(self.planner, self.names)
 
-    def _step_done(self, result: Any) -> Any:
+    def _step_done(self, result: Any, waited_s: float = 0.0) -> Any:
         self.progress.set(Phase.SYNCHRONIZED, False)
         observer = self.comm.service("step_timer")
         if observer is not None:
             # The straggler report compares ranks per sample where shares are in force.
             shares = self.reduction.shares
             in_force.IN_FORCE.add(shares if isinstance(shares, tuple) else None, self.comm.size)
-            observer.step_done()
+            observer.waited(waited_s)
+            observer.step_done(self._rounds())
         return result
+
+    def _rounds(self) -> RoundEnds | None:
+        """Per-rank inner steps (``sync_every=[48, 16]``): the ranks' step counts differ, so the
+        straggler report comes at rounds' ends (a report at the same step number would wait for
+        a rank that is waiting for this one's next outer step)."""
+        every = local_settings.parse_sync_every(self.config.sync_every)
+        if not isinstance(every, tuple) or not isinstance(self.update, local_update.LocalUpdate):
+            return None
+        return RoundEnds(self.update.outer_steps, min(every))
 
     def zero_grad(self, set_to_none: bool) -> None:
         if Phase.READY in self.progress:
