@@ -17,35 +17,52 @@ SERVER_MODULE = "ringtrain.runtime.rendezvous_server"
 
 
 def free_port() -> int:
-    """A port that is free now. The server binds it a moment later; ranks retry until it does.
-
-    Choosing the port here, instead of letting the server report one, lets the ranks start at
-    the same time as the server rather than after its torch import.
-    """
+    """A port that is free now (another process may take it before it is bound again)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
 
 
+def _listener() -> socket.socket:
+    """A socket bound to a free port on every interface and listening: the store's, made here
+    so that its port is known before the server has imported torch and is never free between
+    (a port chosen free and bound later was once taken meanwhile: EADDRINUSE at start)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("", 0))
+        s.listen(socket.SOMAXCONN)  # ranks that connect before the server runs wait here
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
 class RendezvousServer:
     def __init__(self, python: str, timeout_s: float, start_timeout_s: float) -> None:
-        self.chosen_port = free_port()
-        self._proc = subprocess.Popen(
-            [
-                python,
-                "-m",
-                SERVER_MODULE,
-                "--timeout-s",
-                str(timeout_s),
-                "--port",
-                str(self.chosen_port),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,  # Ctrl-C in the terminal must not end the store early
-        )
+        # The ranks start at the same time as the server, not after its torch import: they
+        # are given the port now, and the server serves on this socket.
+        with _listener() as listener:
+            self.chosen_port = int(listener.getsockname()[1])
+            fd = listener.fileno()
+            self._proc = subprocess.Popen(
+                [
+                    python,
+                    "-m",
+                    SERVER_MODULE,
+                    "--timeout-s",
+                    str(timeout_s),
+                    "--port",
+                    str(self.chosen_port),
+                    "--listen-fd",
+                    str(fd),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                pass_fds=(fd,),  # the server's copy; the launcher's closes here
+                start_new_session=True,  # Ctrl-C in the terminal must not end the store early
+            )
         self._start_timeout_s = start_timeout_s
         self._port: int | None = None
 

@@ -1,8 +1,10 @@
 """The job's rendezvous store, run by ``ringtrain run`` as a child process.
 
 The launcher imports no torch, so it starts this module instead of hosting a ``TCPStore`` itself.
-It binds a free port on every interface, prints ``PORT <n>`` on stdout, then serves until its
-stdin closes: the launcher holds that pipe, so the store lives exactly as long as the launcher.
+It serves on the listening socket the launcher hands it (``--listen-fd``: bound and listening
+before this process starts, so no other process can take the port meanwhile, and ranks that
+connect early wait in its backlog), or binds ``--port`` itself; prints ``PORT <n>`` on stdout,
+then serves until its stdin closes: the launcher holds that pipe, so the store lives exactly as long as the launcher.
 Lines ``SET <key> <value>`` on stdin set keys: how the launcher, which has no store client,
 announces elastic membership (:mod:`ringtrain.runtime.membership`); ``CHECK <key> ...`` answers
 ``HAVE <key> ...`` on stdout with those of the keys that are set (joining ranks' ready keys).
@@ -23,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ringtrain.runtime.rendezvous_server")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--listen-fd", type=int, default=None)
     args = parser.parse_args(argv)
     store = dist.TCPStore(
         "0.0.0.0",
@@ -31,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         is_master=True,
         timeout=datetime.timedelta(seconds=args.timeout_s),
         wait_for_workers=False,
+        master_listen_fd=args.listen_fd,
         use_libuv=True,
     )
     print(f"PORT {store.port}", flush=True)

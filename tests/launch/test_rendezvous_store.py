@@ -1,0 +1,37 @@
+"""The launcher's rendezvous store: its port is the launcher's from the moment it is chosen."""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import socket
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from ringtrain.launch.rendezvous import RendezvousServer
+
+
+@pytest.mark.timeout(60)
+def test_the_port_is_never_free_between_choosing_and_serving() -> None:
+    # The ranks are given the port before the server has imported torch. A port found free and
+    # bound by the server later was once taken meanwhile (EADDRINUSE, the job failed to start);
+    # now the socket is bound and listening before the server starts, and the server serves it.
+    server = RendezvousServer(sys.executable, timeout_s=30.0, start_timeout_s=30.0)
+    try:
+        port = server.chosen_port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+            with pytest.raises(OSError) as taken:
+                other.bind(("", port))
+            assert taken.value.errno == errno.EADDRINUSE
+        # A rank that connects before the server is up waits in the backlog, then is served.
+        client = dist.TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30)
+        )
+        assert server.port == port
+        server.publish("ringtrain/test", "here")
+        assert client.get("ringtrain/test") == b"here"
+        assert server.present(["ringtrain/test", "absent"]) == {"ringtrain/test"}
+    finally:
+        server.close()
