@@ -120,6 +120,8 @@ class StepTimer:
         ``rounds`` (per-rank inner steps), at the end of every ``every`` steps' worth of the
         shortest round instead, in rounds every rank ends alike, and per round."""
         now = self.clock()
+        if rounds is not None and rounds.ended < self._rounds_ended:
+            self._rounds_ended = rounds.ended  # counted anew (another optimizer, a re-forming)
         round_ended = rounds is not None and rounds.ended > self._rounds_ended
         if self._step_end is not None:
             start = self._forward_start if self._forward_start is not None else self._step_end
