@@ -10,7 +10,7 @@ from ringtrain.doctor.findings import LinkSample
 from ringtrain.errors import LaunchError
 from ringtrain.host.network import Interface
 from ringtrain.launch import job_network
-from ringtrain.launch.hosts import parse_hosts
+from ringtrain.launch.hosts import Host, parse_hosts
 
 MBIT = 1e6 / 8
 GBIT = 1e9 / 8
@@ -351,3 +351,46 @@ def test_bad_numbers_are_one_error_before_any_host_is_probed(
     [line] = [x for x in err.splitlines() if x.startswith("ringtrain doctor: error:")]
     assert says in line, err
     assert "HINT:" in err and "Traceback" not in err and "probing" not in err
+
+
+class _FakeReceiver:
+    def __init__(self, host: Host, address: str, *_: object) -> None:
+        self.host, self.address, self.port, self.error = host, address, 1, None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_retests_clear_a_pair_that_a_load_slowed_and_keep_a_slow_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # h0 is shaped to 9 Mbit/s; h1 <-> h2 is CPU-bound: h1 -> h2 measured on a quiet machine,
+    # then a load halves everything measured after it, h2 -> h1 included, in every retest.
+    sent: list[tuple[str, str]] = []
+
+    def send(src: Host, targets: list[_FakeReceiver], *_: object) -> list[LinkSample]:
+        out = []
+        for t in targets:
+            pair = (src.name, t.host.name)
+            quiet = not sent  # only the very first measurement ran without the load
+            sent.append(pair)
+            rate = 9 * MBIT if "h0" in pair else (3000 if quiet else 1200) * MBIT
+            out.append(LinkSample(*pair, rate, 1e-4))
+        return out
+
+    monkeypatch.setattr(gather, "_Receiver", _FakeReceiver)
+    monkeypatch.setattr(gather, "_send", send)
+    hosts = [Host("h1", 1), Host("h2", 1), Host("h0", 1)]
+    nic = {h.name: Interface("eth0", f"10.0.0.{i}", 24) for i, h in enumerate(hosts)}
+    samples, cleared = gather.measure_links(hosts, nic, gather.Reach(), 0.5)
+    a = findings.analyze_links(samples, cleared=cleared)
+    # h2 -> h1 (1200 against h1 -> h2's 3000) was retested beside h1 -> h2, and cleared.
+    assert cleared == {("h2", "h1")} and a.cleared_pairs == [("h2", "h1")]
+    assert a.slow_hosts == ["h0"] and all("h0" in p for p in a.slow_pairs)
+    assert len(a.slow_pairs) == 4
+    # h0's pairs: measured, then retested once; the cleared pair's round ran back to back.
+    assert sum("h0" in p for p in sent) == 8
+    assert sent[-2:] == [("h2", "h1"), ("h1", "h2")]
