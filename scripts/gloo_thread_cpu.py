@@ -7,7 +7,9 @@
 
 ``torch``: raw ``all_reduce`` in a process with nothing else; ``ringtrain``: raw ``all_reduce``
 and ringtrain's blocking ``allreduce_`` (the fast lane) alternated in the same processes. A third
-argument ``pin`` puts each rank's threads on one core of its own (rank r on core r).
+argument ``pin`` puts each rank's threads on one core of its own (rank r on core r); ``gap=30,100``
+adds, per gap, cases where the caller works that many microseconds (a busy loop, as a program
+computes between collectives) before each op (``raw+30us``); the gap's own CPU is left in.
 Kinds of thread by the kernel's ``comm``: ``gloo_tcp_loop`` (a group's device loop: its epoll,
 socket reads, and the spin on a busy pair lock), ``pt_gloo_runloop`` (a group's workers, which
 run the algorithm), ``caller`` (the main thread), ``other``.
@@ -64,6 +66,20 @@ def measure(
 _KINDS = ("gloo_tcp_loop", "pt_gloo_runloop")
 
 
+def _gaps(args: list[str]) -> list[int]:
+    return [int(g) for a in args if a.startswith("gap=") for g in a[4:].split(",")]
+
+
+def _after_gap(fn: Callable[[torch.Tensor], object], us: int) -> Callable[[torch.Tensor], object]:
+    def call(t: torch.Tensor) -> object:
+        end = time.perf_counter() + us * 1e-6
+        while time.perf_counter() < end:
+            pass
+        return fn(t)
+
+    return call
+
+
 def main() -> None:
     size, engine = int(sys.argv[1]), sys.argv[2]
     fns: list[tuple[str, Callable[[torch.Tensor], object]]] = [("raw", dist.all_reduce)]
@@ -78,7 +94,10 @@ def main() -> None:
         lane.RELEASE_S = 60.0  # a slot that waits is not released to negotiation mid-run
         rank, end = rt.rank(), rt.shutdown
         fns.append(("lane", lambda t: rt.allreduce_(t, name="w", op=rt.Sum)))
-    if sys.argv[3:] == ["pin"]:
+    base = list(fns)
+    for gap in _gaps(sys.argv[3:]):
+        fns += [(f"{label}+{gap}us", _after_gap(fn, gap)) for label, fn in base]
+    if "pin" in sys.argv[3:]:
         core = {rank % (os.cpu_count() or 1)}
         for tid in os.listdir("/proc/self/task"):
             os.sched_setaffinity(int(tid), core)
