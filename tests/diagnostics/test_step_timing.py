@@ -50,3 +50,35 @@ def _slow_rank_is_reported() -> tuple[str, tuple[int, ...]]:
 def test_compute_bound_rank_is_named(world2: World) -> None:
     results = world2.run(_slow_rank_is_reported, timeout=60)
     assert results == [("compute", (1,))] * 2
+
+
+def _outer_waits_are_reported_both_ways() -> list[str]:
+    return [_outer_waits_are_reported(local) for local in (True, False)]
+
+
+def _outer_waits_are_reported(local: bool) -> str:
+    """Every step waits for its peers outside the gradient exchange (as local updates' outer
+    steps do) far longer than it computes."""
+    comm = global_process_set.communicator
+    timer = step_timing.StepTimer(
+        every=3,
+        rank=rt.rank(),
+        host="h",
+        host_of_rank=["h"] * rt.size(),
+        group=comm.group("engine"),
+    )
+    try:
+        for _ in range(4):  # the first step only starts the clock
+            timer.waited(0.1)
+            timer.step_done(local=local)
+    finally:
+        timer.close()
+    report = step_timing.last_report()
+    assert report is not None and report.kind == "network"
+    return report.line()
+
+
+def test_a_network_verdict_of_local_updates_names_the_outer_exchange(world2: World) -> None:
+    local, synced = world2.run(_outer_waits_are_reported_both_ways, timeout=60)[0]
+    assert "outer_compression='int4'" in local and "--compression" not in local
+    assert "--compression" in synced and "outer_compression" not in synced

@@ -60,3 +60,15 @@ def test_empty_input_is_an_error() -> None:
 def test_a_slow_link_explains_a_busier_rank_on_the_same_host() -> None:
     r = analyse(_times(compute=(0.05, 0.05, 0.05, 0.11), wait=0.3), link_mb_s={"a": 105, "b": 1.2})
     assert r.kind == "network" and r.hosts == ("b",)
+
+
+def test_network_hints_name_the_settings_of_the_jobs_mode() -> None:
+    """Gradients every step: compression of the gradients; local updates (their waits are the
+    outer exchanges): the outer exchange's settings, never the gradients' compression."""
+    slow_link = {"link_mb_s": {"a": 110.0, "b": 1.2}}
+    for kw in (slow_link, {}):
+        synced = analyse(_times(wait=1.0), **kw).line()
+        local = analyse(_times(wait=1.0), **kw, local_updates=True).line()
+        assert "--compression" in synced and "outer_compression" not in synced
+        assert "outer_compression='int4'" in local and "sync_every" in local
+        assert "outer_overlap=True" in local and "--compression" not in local

@@ -84,6 +84,7 @@ class StepTimer:
     _steps: int = 0
     _rounds_ended: int = 0
     _per_round: bool = False  # per-rank inner steps: reports per round, at rounds' ends
+    _local: bool = False  # local updates: the waits are outer exchanges (the report's hint)
     _hook: Any = None
 
     def __post_init__(self) -> None:
@@ -115,11 +116,13 @@ class StepTimer:
         (local updates' outer steps)."""
         self._wait_s += seconds
 
-    def step_done(self, rounds: RoundEnds | None = None) -> None:
+    def step_done(self, rounds: RoundEnds | None = None, local: bool = False) -> None:
         """End of an optimizer step; every ``every`` steps this gathers and reports. With
         ``rounds`` (per-rank inner steps), at the end of every ``every`` steps' worth of the
-        shortest round instead, in rounds every rank ends alike, and per round."""
+        shortest round instead, in rounds every rank ends alike, and per round. ``local``: the
+        step is one of local updates (``sync_every``)."""
         now = self.clock()
+        self._local = local
         if rounds is not None and rounds.ended < self._rounds_ended:
             self._rounds_ended = rounds.ended  # counted anew (another optimizer, a re-forming)
         round_ended = rounds is not None and rounds.ended > self._rounds_ended
@@ -167,7 +170,7 @@ class StepTimer:
         gathered: list[Any] = [None] * group_ops.size(self.group)
         group_ops.all_gather_object(gathered, mine, self.group)
         links = probe_links(self.group, self.host_of_rank)
-        _last = analyse(gathered, links, per=per)
+        _last = analyse(gathered, links, per=per, local_updates=self._local)
         if group_ops.rank(self.group) == 0:
             log.warning("%s", _last.line())
         return _last

@@ -105,12 +105,15 @@ def analyse(
     link_mb_s: Mapping[str, float] | None = None,
     in_force: Sequence[float] | shares.InForce | None = shares.IN_FORCE,
     per: str = "step",
+    local_updates: bool = False,
 ) -> StragglerReport:
     """The verdict for one window. ``link_mb_s`` maps host -> measured link rate (MB/s);
     ``in_force``: the shares of the global batch over the window in rank order (None: equal),
     or the record to take them from (by default the engine's; shares not one per rank are
     left out); ``per``: what the times are means over ("round" with per-rank inner steps,
-    where a rank's round, not its step, is what the others wait for)."""
+    where a rank's round, not its step, is what the others wait for); ``local_updates``: the
+    job averages weights every few steps (``sync_every``), so its waits are outer exchanges
+    and a network verdict's hint names their settings, not the gradients'."""
     if not times:
         raise ValueError("no timings to analyse")
     links = dict(link_mb_s or {})
@@ -136,8 +139,7 @@ def analyse(
                 ranks,
                 f"link {rates} vs median {med_link:.1f} MB/s; every rank waits "
                 f"{mean_wait:.3f} s/{per} for communication.\n"
-                "HINT: fix or avoid that link, or send fewer bytes: --compression fp16/powersgd, "
-                "backward_passes_per_step > 1.",
+                f"HINT: fix or avoid that link, or {_fewer_bytes(local_updates)}",
             )
     busy = _busy_verdict(per_rank, fractions, step, per)
     if busy is not None:
@@ -153,14 +155,27 @@ def analyse(
             ranks,
             f"every rank waits {mean_wait:.3f} s of a {step:.3f} s {per} for communication "
             "that did not overlap with compute.\n"
-            "HINT: send fewer bytes (--compression fp16/powersgd/topk) or communicate less "
-            "often (backward_passes_per_step).",
+            f"HINT: {_fewer_bytes(local_updates)}",
         )
     return report(
         "none",
         [],
         f"{per} {step:.3f} s: input {statistics.fmean(t.input_s for t in times):.3f} s, compute "
         f"{statistics.fmean(t.compute_s for t in times):.3f} s, waiting {mean_wait:.3f} s",
+    )
+
+
+def _fewer_bytes(local_updates: bool) -> str:
+    """What a network verdict suggests: the settings that move fewer bytes, or less often, in
+    the job's mode (gradients every step, or weights every ``sync_every`` steps)."""
+    if local_updates:
+        return (
+            "exchange fewer bytes or less often: outer_compression='int4', a larger "
+            "sync_every; or hide the exchange behind the inner steps (outer_overlap=True)."
+        )
+    return (
+        "send fewer bytes (--compression fp16/powersgd/topk) or communicate less often "
+        "(backward_passes_per_step > 1)."
     )
 
 

@@ -434,7 +434,8 @@ class GradientPath:
             shares = self.reduction.shares
             in_force.IN_FORCE.add(shares if isinstance(shares, tuple) else None, self.comm.size)
             observer.waited(waited_s)
-            observer.step_done(self._rounds())
+            local = isinstance(self.update, local_update.LocalUpdate)
+            observer.step_done(self._rounds(), local)
         return result
 
     def _rounds(self) -> RoundEnds | None:
