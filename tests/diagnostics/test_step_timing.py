@@ -69,6 +69,7 @@ def _outer_waits_are_reported(local: bool) -> str:
     )
     try:
         for _ in range(4):  # the first step only starts the clock
+            time.sleep(0.1)  # the outer step: its whole time waits for the peers
             timer.waited(0.1)
             timer.step_done(local=local)
     finally:
