@@ -55,6 +55,48 @@ def test_the_size_grows_with_the_rate_between_its_bounds() -> None:
     assert PROBE_MIN_BYTES < sizes[1] < sizes[2] < PROBE_BYTES
 
 
+class ShapedLink:
+    """An allreduce's seconds on a link shaped by a token bucket: ``burst`` bytes at once, the
+    rest at ``rate`` (tc tbf's shape), plus ``latency``; ``noise`` multiplies the n-th probe's
+    time (1.0 after the list)."""
+
+    def __init__(
+        self, rate: float, burst: int = 16384, latency: float = 0.001, noise: tuple = ()
+    ) -> None:
+        self.rate, self.burst, self.latency, self.noise = rate, burst, latency, noise
+        self.sizes: list[int] = []
+
+    def timed(self, nbytes: int) -> float:
+        n = len(self.sizes)
+        self.sizes.append(nbytes)
+        scale = self.noise[n] if n < len(self.noise) else 1.0
+        return (self.latency + max(0, nbytes - self.burst) / self.rate) * scale
+
+
+def test_a_steady_link_is_probed_twice_each_sized_by_the_last_rate() -> None:
+    # 10 Mbit/s; the first small probe rode the burst and guessed twice the rate.
+    link = ShapedLink(10 * MBIT)
+    rate = auto.throughput(link.timed, 64 << 20, 20 * MBIT, link.latency)
+    assert len(link.sizes) == 2  # two in a row agree: no third
+    assert link.sizes[0] == probe_bytes(64 << 20, 20 * MBIT)  # ~0.5 s at the true rate
+    # The second is sized by the first's measurement: about PROBE_SECONDS at the true rate.
+    assert link.sizes[1] / (10 * MBIT) == pytest.approx(PROBE_SECONDS, rel=0.15)
+    assert rate == pytest.approx(10 * MBIT, rel=0.15)
+
+
+def test_a_noisy_link_is_probed_up_to_three_times_and_the_best_rate_counts() -> None:
+    link = ShapedLink(10 * MBIT, noise=(1.0, 2.0, 1.0))  # the second probe shared the link
+    rate = auto.throughput(link.timed, 64 << 20, 10 * MBIT, link.latency)
+    assert len(link.sizes) == auto.THROUGHPUT_PROBES == 3
+    assert rate == pytest.approx(10 * MBIT, rel=0.15)
+
+
+def test_a_link_too_fast_to_size_by_time_keeps_the_bound_and_stops_at_two() -> None:
+    link = ShapedLink(1e10, latency=0.0001)
+    auto.throughput(link.timed, 3 << 20, 1e10, link.latency)
+    assert link.sizes == [3 << 20, 3 << 20]
+
+
 def test_the_rate_a_step_implies() -> None:
     # 4.4 MB in a step that waited 3.5 s with buckets in flight 3.4 s: the longer time counts.
     assert auto.step_rate(4_400_000, 3.4, 3.5) == pytest.approx(4_400_000 / 3.5)

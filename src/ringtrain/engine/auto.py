@@ -57,6 +57,9 @@ PROBE_MIN_BYTES = 64 << 10  # and its fewest: below this a probe times latency, 
 # time a link's throughput, short enough that three of them cost a slow link under a second
 # (at 10 Mbit/s, 8 MiB took ~3.5 s each).
 PROBE_SECONDS = 0.25
+# The throughput probes stop once two in a row measure rates this close (relative to the larger):
+# a steady link takes two, not THROUGHPUT_PROBES.
+PROBE_AGREE = 0.1
 
 
 class SlowestStep(NamedTuple):
@@ -253,17 +256,40 @@ class AutoTuner:
 def probe_link(
     group: Any, grad_bytes: int, bytes_per_s: float | None = None
 ) -> tuple[float, float]:
-    """(seconds of a tiny allreduce, bytes per second of a larger one), best of a few, on
-    ``group`` (collective: every rank calls it at the same point). Each larger allreduce is
-    :func:`probe_bytes` of ``grad_bytes`` at the rate ``bytes_per_s``, which must be the same on
-    every rank (figures already MAX-allreduced); None: one allreduce of
-    :data:`PROBE_MIN_BYTES` first, its slowest rank's time agreed, estimates the rate."""
-    latency = _fastest(group, torch.zeros(1), LATENCY_PROBES)
+    """(seconds of a tiny allreduce, bytes per second of larger ones), on ``group``
+    (collective: every rank calls it at the same point), the slowest rank's figures. The first
+    larger allreduce is :func:`probe_bytes` of ``grad_bytes`` at the rate ``bytes_per_s``, which
+    must be the same on every rank (figures already MAX-allreduced); None: one allreduce of
+    :data:`PROBE_MIN_BYTES` first estimates the rate. Then :func:`throughput`."""
+    (latency,) = slowest(group, [_fastest(group, torch.zeros(1), LATENCY_PROBES)])
     if bytes_per_s is None:
         bytes_per_s = _first_rate(group, latency)
-    nbytes = probe_bytes(grad_bytes, bytes_per_s)
-    big = _fastest(group, torch.zeros(nbytes // 4), THROUGHPUT_PROBES)
-    return latency, _rate(nbytes, big, latency)
+
+    def timed(nbytes: int) -> float:
+        (took,) = slowest(group, [_fastest(group, torch.zeros(nbytes // 4), 1)])
+        return took
+
+    return latency, throughput(timed, grad_bytes, bytes_per_s, latency)
+
+
+def throughput(
+    timed: Callable[[int], float], grad_bytes: int, bytes_per_s: float, latency_s: float
+) -> float:
+    """A link's bytes per second from up to :data:`THROUGHPUT_PROBES` allreduces, each of
+    :func:`probe_bytes` at the rate the one before measured (the first at ``bytes_per_s``): a
+    rough first estimate sizes one probe only (a 64 KiB allreduce rides a shaper's burst and
+    overestimates a slow link, which made every probe take twice its time). They stop once two in
+    a row agree within :data:`PROBE_AGREE`; the best rate counts. ``timed(nbytes)``: the seconds
+    of one allreduce of ``nbytes``, agreed over ranks, so every rank sizes and stops alike."""
+    rates: list[float] = []
+    rate = bytes_per_s
+    for _ in range(THROUGHPUT_PROBES):
+        nbytes = probe_bytes(grad_bytes, rate)
+        rate = _rate(nbytes, timed(nbytes), latency_s)
+        rates.append(rate)
+        if len(rates) > 1 and abs(rates[-1] - rates[-2]) <= PROBE_AGREE * max(rates[-2:]):
+            break
+    return max(rates)
 
 
 def probe_bytes(grad_bytes: int, bytes_per_s: float | None) -> int:
@@ -286,9 +312,8 @@ def step_rate(grad_bytes: int, comm_s: float, wait_s: float) -> float | None:
 
 def _first_rate(group: Any, latency: float) -> float:
     """A rough rate every rank agrees on: one allreduce of :data:`PROBE_MIN_BYTES`, timed on
-    every rank, the slowest rank's time and latency MAX-allreduced (collective)."""
-    took = _fastest(group, torch.zeros(PROBE_MIN_BYTES // 4), 1)
-    took, latency = slowest(group, [took, latency])
+    every rank, the slowest rank's time MAX-allreduced (collective; ``latency``: agreed)."""
+    (took,) = slowest(group, [_fastest(group, torch.zeros(PROBE_MIN_BYTES // 4), 1)])
     return _rate(PROBE_MIN_BYTES, took, latency)
 
 
