@@ -15,6 +15,7 @@ Rank 0 prints the median ms per step and the spread over 6 blocks. For example::
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -32,7 +33,7 @@ def main() -> int:
     kinds = (sys.argv[1] if len(sys.argv) > 1 else "plain,local").split(",")
     ringtrain.init()
     torch.set_num_threads(1)
-    task = converge_tasks.build("lm", None, 0, converge.ConvergeParams().width)
+    task = converge_tasks.build(os.environ.get("TASK", "lm"), None, 0, converge.ConvergeParams().width)
     g = torch.Generator().manual_seed(1)
 
     def build(kind: str) -> tuple[torch.nn.Module, Any]:

@@ -333,7 +333,9 @@ def _converge_parser(sub: Any) -> None:
     )
     cv.add_argument("--max-steps", type=int, default=3000)
     cv.add_argument("--batch-size", type=int, default=32, help="per rank and step")
-    cv.add_argument("--lr", type=float, default=1e-3, help="Adam's (the inner one for local)")
+    cv.add_argument(
+        "--lr", type=float, default=0.0, help="Adam's (the inner one for local); 0: the task's"
+    )
     cv.add_argument("--sync-every", type=int, default=16, help="the local variant's H")
     cv.add_argument("--outer-compression", default="int4")
     cv.add_argument("--outer-lr", type=float, default=0.7, help="local: outer Nesterov SGD's lr")

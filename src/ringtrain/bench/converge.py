@@ -113,7 +113,7 @@ class ConvergeParams:
     target: float | None = None  # digits: test accuracy (default 0.95); lm: loss (default)
     max_steps: int = 3000
     batch_size: int = 32  # per rank and step
-    lr: float = 1e-3
+    lr: float = 0.0  # Adam's; 0: the task's (converge_tasks: 1e-3, the mlp 2e-4)
     sync_every: int = 16
     outer_compression: str = "int4"
     outer_lr: float = 0.7  # the local variant's outer Nesterov SGD (DiLoCo's defaults)
@@ -153,6 +153,8 @@ class ConvergeParams:
                 "proportion to its slow-down, so they need --slow-rank.\nHINT: add --slow-rank "
                 "R (and --slow-factor F), or leave those variants out."
             )
+        if self.lr < 0:
+            raise ConfigError(f"--lr must be above 0 (or 0: the task's), got {self.lr}")
         if self.cpus < 0:
             raise ConfigError(f"--cpus must be above 0 (or 0: no limit), got {self.cpus}")
         if self.slow_factor < 1:
@@ -191,6 +193,7 @@ class ConvergeResult:
     metric: str  # "accuracy" (higher is better) or "loss"
     target: float
     parameters: int
+    lr: float  # Adam's, as run (the task's where not given)
     runs: list[ConvergeRun] = field(default_factory=list)
     environment: dict[str, Any] = field(default_factory=dict)
 
@@ -222,9 +225,11 @@ def _ranks_share_host() -> bool:
     return ringtrain.local_size() == ringtrain.size()
 
 
-def _wrap(variant: str, model: nn.Module, params: ConvergeParams) -> tuple[Any, nn.Module]:
-    """(optimizer, the module to call) for ``variant``."""
-    base = torch.optim.Adam(model.parameters(), lr=params.lr)
+def _wrap(
+    variant: str, model: nn.Module, params: ConvergeParams, lr: float
+) -> tuple[Any, nn.Module]:
+    """(optimizer, the module to call) for ``variant``; ``lr``: Adam's."""
+    base = torch.optim.Adam(model.parameters(), lr=lr)
     if ringtrain.size() == 1 or variant == "alone":
         return base, model  # one rank: every variant is plain training
     if variant == "ddp":
@@ -309,7 +314,7 @@ def _train(variant: str, task: Task, params: ConvergeParams) -> ConvergeRun:
         n, rank = 1, 0  # every rank is the one host
     torch.manual_seed(params.seed)
     model = task.build()
-    opt, net = _wrap(variant, model, params)
+    opt, net = _wrap(variant, model, params, params.lr or task.lr)
     shard = torch.arange(rank, task.train_x.shape[0], n)
     g = torch.Generator().manual_seed(params.seed + 1000 * rank)
     slowed = variant != "alone" and rank == params.slow_rank and not params.cpus
@@ -388,7 +393,8 @@ def bench_converge(params: ConvergeParams) -> ConvergeResult:
         )
     task = converge_tasks.build(params.task, params.target, params.seed, params.width)
     nparams = sum(p.numel() for p in task.build().parameters())
-    result = ConvergeResult(ringtrain.size(), params, task.metric, task.target, nparams)
+    lr = params.lr or task.lr
+    result = ConvergeResult(ringtrain.size(), params, task.metric, task.target, nparams, lr)
     threads = environ.current().get(environ.Threads.OMP_NUM_THREADS)
     result.environment = machine_info() | {"omp_num_threads": threads}
     variants = params.variants if ringtrain.size() > 1 else params.variants[:1]
@@ -409,7 +415,8 @@ def format_converge(res: ConvergeResult, markdown: bool = False) -> str:
     better = "higher" if res.metric == "accuracy" else "lower"
     head = (
         f"converge: {res.params.task}, {res.parameters:,} parameters, {res.world_size} rank(s), "
-        f"batch {res.params.batch_size} per rank, target {res.metric} {res.target:.3f} "
+        f"batch {res.params.batch_size} per rank, Adam lr {res.lr:g}, target {res.metric} "
+        f"{res.target:.3f} "
         f"({better} is better), local: sync_every={res.params.sync_every}, "
         f"{res.params.outer_compression}, outer lr {res.params.outer_lr} momentum "
         f"{res.params.outer_momentum}"

@@ -54,9 +54,10 @@ THROUGHPUT_PROBES = 3
 PROBE_BYTES = 8 << 20  # a throughput probe's most bytes (and never more than the gradients)
 PROBE_MIN_BYTES = 64 << 10  # and its fewest: below this a probe times latency, not throughput
 # Each throughput probe is sized to take about this long at the estimated rate: long enough to
-# time a link's throughput, short enough that three of them cost a slow link under a second
-# (at 10 Mbit/s, 8 MiB took ~3.5 s each).
-PROBE_SECONDS = 0.25
+# time a link's throughput (a shaper's burst, 10 ms at its rate, is under a tenth of it), short
+# enough that the probes cost a slow link about half a second once (at 10 Mbit/s, 8 MiB took
+# ~3.5 s each; 0.25 s probes, ~1 s: 10% of issue 40's 10-second tasks).
+PROBE_SECONDS = 0.15
 # The throughput probes stop once two in a row measure rates this close (relative to the larger):
 # a steady link takes two, not THROUGHPUT_PROBES.
 PROBE_AGREE = 0.1
@@ -275,18 +276,18 @@ def probe_link(
 def throughput(
     timed: Callable[[int], float], grad_bytes: int, bytes_per_s: float, latency_s: float
 ) -> float:
-    """A link's bytes per second from up to :data:`THROUGHPUT_PROBES` allreduces, each of
-    :func:`probe_bytes` at the rate the one before measured (the first at ``bytes_per_s``): a
+    """A link's bytes per second from up to :data:`THROUGHPUT_PROBES` allreduces, the first of
+    :func:`probe_bytes` at ``bytes_per_s``, each later one at the best rate measured so far: a
     rough first estimate sizes one probe only (a 64 KiB allreduce rides a shaper's burst and
-    overestimates a slow link, which made every probe take twice its time). They stop once two in
-    a row agree within :data:`PROBE_AGREE`; the best rate counts. ``timed(nbytes)``: the seconds
-    of one allreduce of ``nbytes``, agreed over ranks, so every rank sizes and stops alike."""
+    overestimates a slow link, which made every probe take twice its time), and a probe that
+    met congestion does not shrink the next (a short probe rides the burst again). They stop
+    once two in a row agree within :data:`PROBE_AGREE`; the best rate counts. ``timed(nbytes)``:
+    the seconds of one allreduce of ``nbytes``, agreed over ranks, so every rank sizes and stops
+    alike."""
     rates: list[float] = []
-    rate = bytes_per_s
     for _ in range(THROUGHPUT_PROBES):
-        nbytes = probe_bytes(grad_bytes, rate)
-        rate = _rate(nbytes, timed(nbytes), latency_s)
-        rates.append(rate)
+        nbytes = probe_bytes(grad_bytes, max(rates) if rates else bytes_per_s)
+        rates.append(_rate(nbytes, timed(nbytes), latency_s))
         if len(rates) > 1 and abs(rates[-1] - rates[-2]) <= PROBE_AGREE * max(rates[-2:]):
             break
     return max(rates)
