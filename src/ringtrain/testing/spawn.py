@@ -301,8 +301,8 @@ class World:
                     try:
                         status, value = conn.recv()
                     except EOFError:
-                        status, value = "error", f"rank {r} died\n{self._tail(r)}"
                         self._procs[r].join(1)
+                        status, value = "error", f"rank {r} died{self._death(r)}\n{self._tail(r)}"
                     del waiting[r]
                     if status == "ok":
                         results[r] = value
@@ -313,6 +313,21 @@ class World:
                 "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items()))
             )
         return results
+
+    def _death(self, rank: int) -> str:
+        """How a rank that stopped answering ended: its exit code or signal, and a fatal
+        error's first line (faulthandler's header, which a long thread dump pushes out of the
+        tail); "" while it still runs."""
+        code = self._procs[rank].exitcode
+        if code is None:
+            return ""
+        how = f"exit code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+        try:
+            with open(self.logs[rank], errors="replace") as f:
+                fatal = [line.strip() for line in f if line.startswith("Fatal Python error")]
+        except OSError:
+            fatal = []
+        return f" ({how}{': ' + fatal[-1] if fatal else ''})"
 
     def _tail(self, rank: int, lines: int = 60) -> str:
         try:
