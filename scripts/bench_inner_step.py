@@ -1,14 +1,15 @@
 """Per-step cost of training with ``DistributedOptimizer`` against plain Adam, interleaved.
 
 Run under a launcher with 2 ranks (one thread each); every rank builds ``bench converge``'s tiny
-LM once per variant and times blocks of 40 steps in turn (variant A, B, C, A, B, C, ...):
+LM (or ``$TASK``'s model) once per variant and times blocks of 40 steps in turn (variant A, B, C, A, B, C, ...):
 
 * ``plain``: the model with torch's Adam, no exchange (what one host does);
 * ``local``: ``DistributedOptimizer(sync_every=10**6)``, so every step is an inner step of local
   updates (no outer step in the measured steps);
 * ``ringtrain``: synchronous ``DistributedOptimizer`` (the gradients averaged every step).
 
-Rank 0 prints the median ms per step and the spread over 6 blocks. For example::
+``TASK=mlp`` (or ``digits``) builds that task's model instead of the LM. Rank 0 prints the
+median ms per step and the spread over 6 blocks. For example::
 
     ringtrain run -np 2 -x OMP_NUM_THREADS=1 -- python scripts/bench_inner_step.py plain,local
 """
@@ -33,7 +34,9 @@ def main() -> int:
     kinds = (sys.argv[1] if len(sys.argv) > 1 else "plain,local").split(",")
     ringtrain.init()
     torch.set_num_threads(1)
-    task = converge_tasks.build(os.environ.get("TASK", "lm"), None, 0, converge.ConvergeParams().width)
+    task = converge_tasks.build(
+        os.environ.get("TASK", "lm"), None, 0, converge.ConvergeParams().width
+    )
     g = torch.Generator().manual_seed(1)
 
     def build(kind: str) -> tuple[torch.nn.Module, Any]:
