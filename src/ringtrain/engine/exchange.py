@@ -67,7 +67,6 @@ from __future__ import annotations
 import functools
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -85,8 +84,6 @@ from ringtrain.engine.streams import Route
 from ringtrain.engine.weighting import Averaging
 from ringtrain.errors import InternalError
 from ringtrain.transport import group_ops
-from ringtrain.transport.workers import WORKERS as _WORKERS
-from ringtrain.transport.workers import WorkerThread
 
 _now = time.perf_counter
 
@@ -225,8 +222,7 @@ class GradientExchange:
             route.hierarchical is not None for route in self._routes
         )
         self._transports = self._make_transports(scatter, scatter_groups)
-        self._workers: list[WorkerThread] = []
-        self._releases: list[weakref.finalize[Any, Any]] = []
+        self._workers: list[transport.Hold] = []
         # A codec with rounds of its own runs them on the stream's group, on its worker.
         self._rounds: list[Rounds] = []
         if self._own_rounds is not None:
@@ -236,9 +232,8 @@ class GradientExchange:
         if self._own_rounds is not None:
             used = min(len(self._routes), len(self._slots)) or 1
             for route in self._routes[:used]:
-                self._workers.append(_WORKERS.acquire(route.group))
-                # An optimizer dropped without remove_hooks() must not leave its thread behind.
-                self._releases.append(weakref.finalize(self, _WORKERS.release, id(route.group)))
+                # Released by close(), or when an optimizer dropped without remove_hooks() is.
+                self._workers.append(transport.Hold(route.group))
 
     def _make_transports(
         self, scatter: bool, scatter_groups: Sequence[Any] | None
@@ -286,8 +281,8 @@ class GradientExchange:
     def close(self) -> None:
         for t in self._transports:
             t.close()
-        for release in self._releases:
-            release()  # once: a finalizer runs at most once
+        for hold in self._workers:
+            hold.release()
         self._workers = []
 
     # ---- during backward ----------------------------------------------------------------------

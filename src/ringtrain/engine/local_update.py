@@ -35,7 +35,6 @@ plain average of the weights and the inner state and the optimizer goes synchron
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -119,7 +118,10 @@ class LocalUpdate:
         # Overlapped outer exchange (streaming DiLoCo's): see _start_exchange and _merge.
         self.overlap = overlap
         self.delay = outer_delay(delay, sync_every)
-        self._exchanger: concurrent.futures.ThreadPoolExecutor | None = None
+        # Every collective of the outer step runs as one job on the group's worker, queued from
+        # the main thread: behind what other optimizers queued there before, in the same order
+        # on every rank (transport.workers.SharedWorkers). An overlapped one is not waited for.
+        self._serial = transport.Hold(group)
         self.anchor: list[torch.Tensor] | None = None
         self.inner_steps = 0  # since the round began
         self.outer_steps = 0  # rounds ended
@@ -244,7 +246,7 @@ class LocalUpdate:
             ]
             tensors = [p.detach() for p in self._params] + held
             flat = torch.cat([t.float().reshape(-1) for t in tensors]).cpu()
-            mean = OuterCodec("none", self._wire).average(flat)
+            mean = self.after_exchanges(lambda: OuterCodec("none", self._wire).average(flat))
             for t, m in zip(tensors, torch.split(mean, [t.numel() for t in tensors])):
                 t.copy_(m.view_as(t))
 
@@ -257,16 +259,17 @@ class LocalUpdate:
         timeline.current().span("step", name, t0, t1, args)
 
     def _exchange(self, frag: Fragment) -> None:
-        if self._defaults is not None and not self._defaults.settled:
+        first = self._defaults
+        if first is not None and not first.settled:
             numel = sum(p.numel() for p in self._params)
-            outer = self._defaults.settle(
-                self._group, numel, self.sync_every, self._wire.rank, self._wire.size
+            rank, size = self._wire.rank, self._wire.size
+            outer = self.after_exchanges(
+                lambda: first.settle(self._group, numel, self.sync_every, rank, size)
             )
-            choice = self._defaults.choice
-            if choice is not None:
-                self._defaults.next_every = choice.sync_every
+            if first.choice is not None:
+                first.next_every = first.choice.sync_every
             if outer is not None:
-                self.use(outer, self._defaults.next_every)
+                self.use(outer, first.next_every)
         if self._defaults is not None and self._defaults.next_every == 0:
             return  # leaving: the round's end averages the whole model (_average_all)
         if self.overlap and self._wire.size > 1:
@@ -290,12 +293,11 @@ class LocalUpdate:
             self._defaults.why = outer.why
 
     def after_exchanges(self, fn: Callable[[], T]) -> T:
-        """``fn()`` (a collective on the outer exchange's group) once the exchanges in flight
-        have ended: on the exchange thread where one runs, so every rank runs it in the same
-        order with them. It waits for them (an overlapped round's exchange is then exposed)."""
-        if self._exchanger is None:
-            return fn()
-        return self._exchanger.submit(fn).result()
+        """``fn()`` (collectives on the outer exchange's group) once what was queued there
+        before has ended, this optimizer's exchanges in flight and any other's: on the group's
+        worker, so every rank runs it in the same order with them. It waits for them (an
+        overlapped round's exchange is then exposed)."""
+        return self._serial.submit(fn).result()
 
     @property
     def outer_reason(self) -> str:
@@ -308,8 +310,11 @@ class LocalUpdate:
         anchor and outer state where they differ. The wire is free: every path that sets
         ``_agree`` (a load, a re-forming, a restart) first lets the exchanges in flight end."""
         if self._agree and self._wire.size > 1:
-            assert self.anchor is not None
-            got = anchor_agreement.from_root(self._wire, self.anchor, self.outer)
+            anchor = self.anchor
+            assert anchor is not None
+            got = self.after_exchanges(
+                lambda: anchor_agreement.from_root(self._wire, anchor, self.outer)
+            )
             if got is not None:  # the digests differed: rank 0's copy
                 self.copies += 1
                 self.anchor = [a.to(p.device) for a, p in zip(got, self._params)]
@@ -321,7 +326,8 @@ class LocalUpdate:
             if self.anchor is None:
                 self.anchor = [p.detach().clone() for p in self._params]
             self._agree_first()
-            self._step_anchor(frag, frag.codec.average(self._change(frag)))
+            change = self._change(frag)
+            self._step_anchor(frag, self.after_exchanges(lambda: frag.codec.average(change)))
 
     def _start_exchange(self, frag: Fragment) -> None:
         """The overlapped outer step's first half: the fragment's change, ``anchor - weights``,
@@ -336,9 +342,7 @@ class LocalUpdate:
             self._agree_first()
             change = self._change(frag)
             frag.base = [self._params[i].detach().clone() for i in frag.indices]
-            if self._exchanger is None:
-                self._exchanger = concurrent.futures.ThreadPoolExecutor(1, "ringtrain-outer")
-            frag.pending = self._exchanger.submit(frag.codec.average, change)
+            frag.pending = self._serial.submit(frag.codec.average, change)
             frag.since_sent = 0
 
     def _merge(self, frag: Fragment) -> None:
@@ -510,8 +514,10 @@ class LocalUpdate:
         ranks, joined ones too, hold the same weights after it. Error feedback starts afresh."""
         self._drop_pending()
         self._wire.close()
+        self._serial.release()
         self._wire = transport.of(group)
         self._group = group
+        self._serial = transport.Hold(group)
         for frag in self.fragments:
             frag.codec = OuterCodec(self._compression, self._wire)
         self.inner_steps = 0
@@ -520,8 +526,7 @@ class LocalUpdate:
     def close(self) -> None:
         self._drop_pending(settle=False)  # the wire closes: nothing uses it after
         self._wire.close()
-        if self._exchanger is not None:
-            self._exchanger.shutdown(wait=False)
+        self._serial.release()
 
     def _drop_pending(self, settle: bool = True) -> None:
         """Elastic, a restart or closing: the exchanges in flight are given up on every rank

@@ -39,12 +39,26 @@ it (:mod:`~ringtrain.transport.ring_group`, :mod:`~ringtrain.transport.sealed_ba
 :mod:`~ringtrain.transport.tcp_backend` over :mod:`~ringtrain.transport.tcp_mesh`), the
 hierarchical allreduce (:mod:`~ringtrain.transport.hierarchical`), and which backend a job's
 groups use (:mod:`~ringtrain.transport.backend_choice`, handed to the runtime by ``lifecycle``).
+
+Everything that issues several collectives on one group from a thread other than the main one
+(a codec's rounds, a local update's overlapped outer exchange) queues them whole on the group's
+one worker (:class:`Hold` on :mod:`~ringtrain.transport.workers`), from the main thread: so they
+meet each other in the same order on every rank.
 """
 
 from __future__ import annotations
 
 from ringtrain.transport.base import InFlight, Transport, of
 from ringtrain.transport.group_ops import GroupRounds, rounds
-from ringtrain.transport.workers import SharedWorkers, WorkerThread
+from ringtrain.transport.workers import Hold, SharedWorkers, WorkerThread
 
-__all__ = ["GroupRounds", "InFlight", "SharedWorkers", "Transport", "WorkerThread", "of", "rounds"]
+__all__ = [
+    "GroupRounds",
+    "Hold",
+    "InFlight",
+    "SharedWorkers",
+    "Transport",
+    "WorkerThread",
+    "of",
+    "rounds",
+]

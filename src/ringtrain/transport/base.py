@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import threading
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
@@ -18,7 +16,7 @@ from ringtrain.transport import group_ops
 from ringtrain.transport.hierarchical import HierarchicalAllreduce
 from ringtrain.transport.ring import Plain, Ring
 from ringtrain.transport.ring_group import RingProcessGroup
-from ringtrain.transport.workers import WORKERS, WorkerThread
+from ringtrain.transport.workers import Hold
 
 
 class InFlight(Protocol):
@@ -154,17 +152,10 @@ class RingTransport:
         self._group = group
         self._link = Ring(group, Plain(self.rank, self.size))
         # The worker is taken at the first ring: a transport only allreducing starts no thread.
-        self._worker: WorkerThread | None = None
-        self._release: weakref.finalize[..., object] | None = None
-        self._taking = threading.Lock()
+        self._worker = Hold(group)
 
     def _submit(self, fn: Callable[..., object], *args: object) -> InFlight:
-        with self._taking:
-            if self._worker is None:
-                self._worker = WORKERS.acquire(self._group)
-                self._release = weakref.finalize(self, WORKERS.release, id(self._group))
-            worker = self._worker
-        return _Future(worker.submit(fn, *args))
+        return _Future(self._worker.submit(fn, *args))
 
     def allreduce(self, t: torch.Tensor) -> InFlight:
         return _group_allreduce(self._group, t)
@@ -188,8 +179,7 @@ class RingTransport:
         return self._submit(lambda: _staged(chunks, self._link.allgather_chunks))
 
     def close(self) -> None:
-        if self._release is not None:
-            self._release()
+        self._worker.release()
 
 
 class RingGroupTransport:
@@ -327,17 +317,10 @@ class HierarchicalTransport:
         self.rank, self.size = self._flat.rank, self._flat.size
         self._group = group
         self._algorithm = algorithm
-        self._worker: WorkerThread | None = None
-        self._release: weakref.finalize[..., object] | None = None
-        self._taking = threading.Lock()
+        self._worker = Hold(group)  # taken at the first operation
 
     def _submit(self, fn: Callable[..., object], *args: object) -> InFlight:
-        with self._taking:
-            if self._worker is None:  # taken at the first operation
-                self._worker = WORKERS.acquire(self._group)
-                self._release = weakref.finalize(self, WORKERS.release, id(self._group))
-            worker = self._worker
-        return _Future(worker.submit(fn, *args))
+        return _Future(self._worker.submit(fn, *args))
 
     def allreduce(self, t: torch.Tensor) -> InFlight:
         return self._submit(self._algorithm.allreduce, t, "sum")
@@ -367,8 +350,7 @@ class HierarchicalTransport:
         return self._flat.broadcast(t, root)
 
     def close(self) -> None:
-        if self._release is not None:
-            self._release()
+        self._worker.release()
         self._flat.close()
 
 

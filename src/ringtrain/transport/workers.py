@@ -5,7 +5,9 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+import weakref
 from collections.abc import Callable
+from typing import TypeVar, cast
 
 import torch
 
@@ -15,6 +17,7 @@ from ringtrain.runtime.contracts import Group
 
 # A call to run: its future, the function, its arguments.
 _Job = tuple["concurrent.futures.Future[object]", Callable[..., object], tuple[object, ...]]
+T = TypeVar("T")
 
 
 class WorkerThread:
@@ -25,9 +28,16 @@ class WorkerThread:
         self._thread = threading.Thread(target=self._run, name="ringtrain-reducer", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[..., object], *args: object) -> concurrent.futures.Future[object]:
-        fut: concurrent.futures.Future[object] = concurrent.futures.Future()
-        self._jobs.put((fut, fn, args))
+    def submit(self, fn: Callable[..., T], *args: object) -> concurrent.futures.Future[T]:
+        """``fn(*args)`` after every call submitted before. Submitted by a call running here
+        (an outer exchange's ring steps), it runs at once, in that call's order: queued, it
+        would wait behind the call that waits for it."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if threading.current_thread() is self._thread:
+            fut.set_running_or_notify_cancel()
+            _run_into(cast("concurrent.futures.Future[object]", fut), fn, args)
+        else:
+            self._jobs.put((cast("concurrent.futures.Future[object]", fut), fn, args))
         return fut
 
     def _run(self) -> None:
@@ -47,16 +57,22 @@ class WorkerThread:
                     if fut.set_running_or_notify_cancel():  # nothing waits in vain
                         fut.set_exception(CollectiveAbortedError("the process is exiting"))
                 elif fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn(*args))
-                    except BaseException as e:  # handed to the waiting thread
-                        fut.set_exception(e)
+                    _run_into(fut, fn, args)
                 del fut, fn, args
             if not ok:
                 return
 
     def close(self) -> None:
         self._jobs.put(None)
+
+
+def _run_into(
+    fut: concurrent.futures.Future[object], fn: Callable[..., object], args: tuple[object, ...]
+) -> None:
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as e:  # handed to the waiting thread
+        fut.set_exception(e)
 
 
 class SharedWorkers:
@@ -67,7 +83,9 @@ class SharedWorkers:
     interleave differently on each rank, and a receive then takes another exchange's message.
     Two optimizers' exchanges (a GAN's, or an overlapped step still on the wire while the next
     model's backward launches) must therefore queue on one thread per group, in submission
-    order, which is the main thread's and the same on every rank. The worker ends when the last
+    order, which is the main thread's and the same on every rank: a job that issues several
+    collectives (a local update's outer exchange) is queued whole from the main thread, and
+    its collectives run inside it (:meth:`WorkerThread.submit`). The worker ends when the last
     holder releases it."""
 
     def __init__(self) -> None:
@@ -94,3 +112,28 @@ class SharedWorkers:
 
 
 WORKERS = SharedWorkers()
+
+
+class Hold:
+    """One user's hold on its group's worker in :data:`WORKERS`: taken at the first job (a
+    user that never submits starts no thread), given back by :meth:`release` or when the
+    holder is collected."""
+
+    def __init__(self, group: Group) -> None:
+        self._group = group  # alive while held: the worker is keyed by its id
+        self._worker: WorkerThread | None = None
+        self._release: weakref.finalize[..., object] | None = None
+        self._taking = threading.Lock()
+
+    def submit(self, fn: Callable[..., T], *args: object) -> concurrent.futures.Future[T]:
+        with self._taking:
+            if self._worker is None:
+                self._worker = WORKERS.acquire(self._group)
+                self._release = weakref.finalize(self, WORKERS.release, id(self._group))
+            worker = self._worker
+        return worker.submit(fn, *args)
+
+    def release(self) -> None:
+        """Idempotent. A job under way still runs; its own collectives run inside it."""
+        if self._release is not None:
+            self._release()

@@ -1,0 +1,75 @@
+"""Two local-update optimizers on one group: an overlapped outer exchange still on the wire and
+the other optimizer's collectives (its anchor agreement, its own exchange) queue in the main
+thread's order on every rank, whatever each rank's timing.
+
+The ring's messages all use tag 0, so two exchanges queued in another order on one rank take
+each other's bytes (silently where their sizes match, or Gloo aborts). Shown with two models
+stepping in turn (a GAN's pattern), rank 0's exchanges of the first delayed, against the same
+run undelayed: the same anchors, bit for bit, alike on every rank. The resume in one process
+(a second optimizer built while the first's last exchange is in flight) is
+``test_local_update.py``'s resume test.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from _local import H, Tiny, _adam_local, _alike, _step
+
+import ringtrain as rt
+from ringtrain.testing import spawn
+
+ROUNDS = 3
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _pair(delay: float) -> dict[str, Any]:
+    """Models A and B, each with an overlapped int8 local update on the engine group, stepped in
+    turn; on rank 0 every exchange of A's sleeps ``delay`` s before it sends."""
+    model_a, opt_a = _adam_local(outer_compression="int8", outer_overlap=True)
+    torch.manual_seed(1)
+    model_b = Tiny()
+    opt_b = rt.DistributedOptimizer(
+        torch.optim.Adam(model_b.parameters(), lr=0.01),
+        named_parameters=model_b.named_parameters(),
+        sync_every=H,
+        outer_compression="int8",
+        outer_overlap=True,
+    )
+    local_a, local_b = opt_a.local_update, opt_b.local_update
+    assert local_a is not None and local_b is not None
+    if rt.rank() == 0 and delay:
+        for frag in local_a.fragments:
+            average = frag.codec.average
+
+            def late(flat: torch.Tensor, average: Any = average) -> torch.Tensor:
+                time.sleep(delay)
+                return average(flat)
+
+            frag.codec.average = late  # type: ignore[method-assign]
+    alike = []
+    for i in range(H * ROUNDS + 1):
+        _step(model_a, opt_a, i)
+        _step(model_b, opt_b, i)
+        if (i + 1) % H == 1 and i > 0:  # the exchange of the round before has merged
+            assert local_a.anchor is not None and local_b.anchor is not None
+            alike.append(_alike(_flat(local_a.anchor)) and _alike(_flat(local_b.anchor)))
+    assert local_a.anchor is not None and local_b.anchor is not None
+    return {"alike": alike, "a": _flat(local_a.anchor), "b": _flat(local_b.anchor)}
+
+
+@pytest.mark.timeout(300)
+def test_two_optimizers_exchanges_queue_alike_on_every_rank() -> None:
+    world = spawn.world(2)
+    quick = world.run(_pair, 0.0, timeout=240)
+    late = world.run(_pair, 0.3, timeout=240)
+    for r in quick + late:
+        assert r["alike"] and all(r["alike"]), r["alike"]
+    assert torch.equal(quick[0]["a"], late[0]["a"])
+    assert torch.equal(quick[0]["b"], late[0]["b"])
