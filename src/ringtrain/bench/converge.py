@@ -308,13 +308,13 @@ def _agree(*flags: bool) -> list[bool]:
     return [bool(x) for x in t.tolist()]
 
 
-def _train(variant: str, task: Task, params: ConvergeParams) -> ConvergeRun:
+def _train(variant: str, task: Task, params: ConvergeParams, lr: float) -> ConvergeRun:
     n, rank = ringtrain.size(), ringtrain.rank()
     if variant == "alone":
         n, rank = 1, 0  # every rank is the one host
     torch.manual_seed(params.seed)
     model = task.build()
-    opt, net = _wrap(variant, model, params, params.lr or task.lr)
+    opt, net = _wrap(variant, model, params, lr)
     shard = torch.arange(rank, task.train_x.shape[0], n)
     g = torch.Generator().manual_seed(params.seed + 1000 * rank)
     slowed = variant != "alone" and rank == params.slow_rank and not params.cpus
@@ -404,7 +404,7 @@ def bench_converge(params: ConvergeParams) -> ConvergeResult:
     limit = cpu_limit.cpu_limited(cpus, "ringtrain-bench") if params.cpus else nullcontext()
     with limit:
         for v in variants:
-            result.runs.append(_train(v, task, params))
+            result.runs.append(_train(v, task, params, lr))
     return result
 
 
