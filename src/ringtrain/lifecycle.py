@@ -26,6 +26,7 @@ from ringtrain.launch import elastic as elastic_launch
 from ringtrain.runtime import departures, exit_guard, heartbeat, membership, state
 from ringtrain.runtime.process_sets import ProcessSet
 from ringtrain.transport.backend_choice import Backends
+from ringtrain.transport.workers import WORKERS
 
 log = logging.getLogger("ringtrain")
 
@@ -124,6 +125,12 @@ def _leave(failure: str | None) -> bool:
     told = True
     heartbeat.say(heartbeat.LEAVING)
     try:
+        if failure is None and not WORKERS.drain(rt.config.timeout_s):
+            log.warning(
+                "ringtrain: collectives queued on a group's worker (an overlapped outer "
+                "exchange) did not end within timeout_s=%s s; leaving without them",
+                rt.config.timeout_s,
+            )
         timeline.stop()
         timer = state.global_process_set.communicator.service("step_timer")
         if timer is not None and failure is None:  # a collective: not with peers in doubt

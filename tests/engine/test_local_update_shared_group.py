@@ -8,11 +8,19 @@ stepping in turn (a GAN's pattern), rank 0's exchanges of the first delayed, aga
 run undelayed: the same anchors, bit for bit, alike on every rank. The resume in one process
 (a second optimizer built while the first's last exchange is in flight) is
 ``test_local_update.py``'s resume test.
+
+The worker is a daemon thread, so a process that leaves waits for what was queued on it (the
+script's last exchange, which its peers are running): a job of ``ringtrain run`` whose script
+ends with an exchange that takes longer than the exit guard's wait ends cleanly, the exchange
+complete on every rank.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +28,10 @@ import torch
 from _local import H, Tiny, _adam_local, _alike, _step
 
 import ringtrain as rt
+from ringtrain.runtime import exit_guard
 from ringtrain.testing import spawn
+
+JOB = Path(__file__).with_name("exit_in_flight_job.py")
 
 ROUNDS = 3
 
@@ -73,3 +84,17 @@ def test_two_optimizers_exchanges_queue_alike_on_every_rank() -> None:
         assert r["alike"] and all(r["alike"]), r["alike"]
     assert torch.equal(quick[0]["a"], late[0]["a"])
     assert torch.equal(quick[0]["b"], late[0]["b"])
+
+
+@pytest.mark.timeout(240)
+def test_a_script_that_ends_with_an_exchange_in_flight_lets_it_end(tmp_path: Path) -> None:
+    late = exit_guard.EXIT_WAIT_S + 2  # longer than the exit guard waits for a native call
+    argv = [sys.executable, "-m", "ringtrain", "run", "-np", "2", "-x", "OMP_NUM_THREADS=1"]
+    argv += ["--", sys.executable, str(JOB), str(tmp_path), str(late)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=180)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said
+    assert "rank 0 done" in said and "rank 1 done" in said, said
+    assert "may still be inside a torch call" not in said, said
+    for rank in (0, 1):
+        assert (tmp_path / f"ended.{rank}").read_text() == "yes", said

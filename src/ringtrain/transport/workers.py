@@ -100,6 +100,16 @@ class SharedWorkers:
             self._held[id(group)] = (worker, holders + 1)
             return worker
 
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every worker has run what was queued on it so far, at most ``timeout_s``
+        in all; whether they did. A process that leaves lets the collectives it started end
+        first: an overlapped outer exchange still on the wire is one its peers are running."""
+        with self._lock:
+            workers = [worker for worker, _ in self._held.values()]
+        marks = [worker.submit(lambda: None) for worker in workers]
+        _, left = concurrent.futures.wait(marks, timeout=timeout_s)
+        return not left
+
     def release(self, key: int) -> None:
         """``key`` is ``id(group)``: the group lives as long as a holder holds it."""
         with self._lock:
