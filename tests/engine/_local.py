@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -85,3 +86,16 @@ def _sgd_local(**settings: Any) -> tuple[torch.nn.Module, Any, Any]:
         **settings,
     )
     return model, inner, opt
+
+
+def delay_exchanges(local: Any, seconds: float) -> None:
+    """Every outer exchange of ``local`` (a LocalUpdate) sleeps ``seconds`` before it sends,
+    where it runs (the group's worker): one rank's slow link, or a late thread."""
+    for frag in local.fragments:
+        average = frag.codec.average
+
+        def late(flat: torch.Tensor, average: Any = average) -> torch.Tensor:
+            time.sleep(seconds)
+            return average(flat)
+
+        frag.codec.average = late

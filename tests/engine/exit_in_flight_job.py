@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import atexit
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _local import delay_exchanges  # this script's folder is first on sys.path
 
 import ringtrain as rt
 
@@ -40,14 +40,7 @@ opt = rt.DistributedOptimizer(
 local = opt.local_update
 assert local is not None
 if rt.rank() == 0:
-    for frag in local.fragments:
-        average = frag.codec.average
-
-        def late(flat: torch.Tensor, average: Any = average) -> torch.Tensor:
-            time.sleep(delay)
-            return average(flat)
-
-        frag.codec.average = late  # type: ignore[method-assign]
+    delay_exchanges(local, delay)
 for _ in range(4):  # the last step is an outer step: its exchange is never merged
     opt.zero_grad()
     F.mse_loss(model(torch.randn(8, 64)), torch.randn(8, 64)).backward()

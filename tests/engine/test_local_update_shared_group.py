@@ -17,15 +17,16 @@ complete on every rank.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _local import H, Tiny, _adam_local, _alike, _step
+from _local import H, Tiny, _adam_local, _alike, _step, delay_exchanges
 
 import ringtrain as rt
 from ringtrain.runtime import exit_guard
@@ -56,14 +57,7 @@ def _pair(delay: float) -> dict[str, Any]:
     local_a, local_b = opt_a.local_update, opt_b.local_update
     assert local_a is not None and local_b is not None
     if rt.rank() == 0 and delay:
-        for frag in local_a.fragments:
-            average = frag.codec.average
-
-            def late(flat: torch.Tensor, average: Any = average) -> torch.Tensor:
-                time.sleep(delay)
-                return average(flat)
-
-            frag.codec.average = late  # type: ignore[method-assign]
+        delay_exchanges(local_a, delay)
     alike = []
     for i in range(H * ROUNDS + 1):
         _step(model_a, opt_a, i)
@@ -91,9 +85,16 @@ def test_a_script_that_ends_with_an_exchange_in_flight_lets_it_end(tmp_path: Pat
     late = exit_guard.EXIT_WAIT_S + 2  # longer than the exit guard waits for a native call
     argv = [sys.executable, "-m", "ringtrain", "run", "-np", "2", "-x", "OMP_NUM_THREADS=1"]
     argv += ["--", sys.executable, str(JOB), str(tmp_path), str(late)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=180)
-    said = done.stdout + done.stderr
-    assert done.returncode == 0, said
+    # Its own session: a job that does not end is stopped with its ranks.
+    job = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        said, _ = job.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        raise AssertionError(f"the job did not end:\n{job.communicate()[0]}") from None
+    assert job.returncode == 0, said
     assert "rank 0 done" in said and "rank 1 done" in said, said
     assert "may still be inside a torch call" not in said, said
     for rank in (0, 1):
