@@ -185,10 +185,13 @@ class Controller:
                     "(synchronize) or give the second another name."
                 )
             if fast is not None and fast.lane.reserved is not None:
-                claim = fast.lane.try_claim(request, tensors, outputs)
-                if claim is not None:  # no negotiation: the op is on its way
-                    lane_handle = LaneHandle(request.name, finish, fast, claim)
-                    self._pending[request.name] = Pending(request, tensors, outputs, lane_handle)
+                # Made before the claim starts the op, so that little runs between its start
+                # and the caller's wait (lane.Lane._launch).
+                lane_handle = LaneHandle(request.name, finish, fast)
+                pending = Pending(request, tensors, outputs, lane_handle)
+                lane_handle.claim = fast.lane.try_claim(request, tensors, outputs)
+                if lane_handle.claim is not None:  # no negotiation: the op is on its way
+                    self._pending[request.name] = pending
                     return lane_handle
             handle: Handle[Any] = Handle(request.name, finish)
             cid = self._requests.cache_id(request) if self._vector is not None else -1
@@ -243,10 +246,6 @@ class Controller:
     def board(self) -> crossset.Board | None:
         return self._watch.board if self._watch is not None else None
 
-    @property
-    def last_joined(self) -> int:
-        return self._requests.last_joined
-
     def settle(self, timeout: float = 1.0) -> bool:
         """Wait until this set's controllers doze (no idle rounds), at most ``timeout`` seconds.
         For benchmarks: a measurement then starts from a quiet process, as in a job that runs
@@ -263,11 +262,15 @@ class Controller:
         return self._channel.rounds + vectors
 
     @property
+    def fast_lane(self) -> lane.Lane | None:
+        """This set's fast lane on this rank (None: off): repeats of its reservation look it up."""
+        return self._fast.lane if self._fast is not None else None
+
+    @property
     def lane_slots(self) -> tuple[int, int]:
         """Slots of the fast lane so far, (valid, not valid): for tests and statistics."""
-        if self._fast is None:
-            return (0, 0)
-        return (self._fast.lane.slots_valid, self._fast.lane.slots_invalid)
+        fast = self.fast_lane
+        return (fast.slots_valid, fast.slots_invalid) if fast is not None else (0, 0)
 
     def pending_names(self) -> list[str]:
         with self._lock:
@@ -284,8 +287,7 @@ class Controller:
             self._pending.pop(name, None)
 
     def renegotiate(self, name: str, handle: LaneHandle) -> None:
-        """The op's lane slot was not valid: negotiate it as any other, or fail it if the set
-        has ended."""
+        """The op's lane slot was not valid: negotiate it again, or fail it if the set ended."""
         with self._lock:
             if self._end.failure is None and not self._end.closed:
                 self._new.append(name)

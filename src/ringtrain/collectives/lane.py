@@ -23,7 +23,7 @@ in either order; from 3 the slot reduces as the executor does, in rank order
 buffer of the same size. Otherwise the lane closes on every rank, each real claimant gets its
 tensor back as it was, and the op is negotiated as any other, so name matching, mismatch
 reports (which list every rank's submission) and stall reports work as before. How the tensor
-is kept: 2 ranks change only its first value (restored from a one-value copy); from 3 ranks a
+is kept: 2 ranks change only its first value (kept as a number at the claim); from 3 ranks a
 rank-ordered sum lands aside unless the rank already knows that every claim is real (a dummy
 marks every rank's chunk, :class:`~ringtrain.collectives.ordered.OrderedWork`), a slot above
 1 MiB agrees on the claims before its data moves (:mod:`~ringtrain.collectives.agreed`), and
@@ -47,10 +47,12 @@ averages divide before the sum), larger than what travels inline in the negotiat
 from __future__ import annotations
 
 import datetime
+import enum
 import functools
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -67,6 +69,7 @@ RELEASE_S = 1.0
 # A claim that has waited this long wakes the controllers (they may doze between rounds), so
 # that the ranks that have not claimed learn of it.
 NUDGE_S = 0.25
+_NUDGE = datetime.timedelta(seconds=NUDGE_S)  # made once: a waiting claim's first wait
 # An eligible request negotiated this many times while the reservation went unused takes the
 # lane (the reservation is given up, then the lane reopens for the next eligible request).
 SWITCH_AFTER = 2
@@ -109,6 +112,42 @@ class Status(NamedTuple):
         return self.slot + 1 if self.claimed else self.slot
 
 
+class _Plan(enum.Enum):
+    """How a reservation's slots run: Sum or Average of floats (see eligible()), as the
+    executor would run the op; decided by the slot's bytes and the rank count alike on every
+    rank."""
+
+    AGREED = "agreed"  # from 3 ranks, above 1 MiB: the claims agree before the data moves
+    ASIDE = "aside"  # in rank order (reproducible, 3+ ranks): the sum lands aside
+    RING = "ring"  # Gloo's ring sum in place (2 ranks, or not reproducible up to 1 MiB)
+
+    @classmethod
+    def of(cls, nbytes: int, size: int, in_order: bool) -> _Plan:
+        if agreed.agrees(nbytes, size):
+            return cls.AGREED
+        if in_order and not ordered.alone(nbytes):
+            return cls.ASIDE  # above ordered.ALONE_ABOVE_BYTES the executor runs it alone too
+        return cls.RING
+
+
+class _Repeat(NamedTuple):
+    """The reservation, worked out once when the lane opens: the caller's arguments that
+    submit exactly it (:meth:`Lane.repeat_of`), and how its slots run."""
+
+    request: Request
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    args: tuple[str, float, float]  # op, prescale, postscale
+    plan: _Plan
+
+    @classmethod
+    def of(cls, req: Request, size: int, in_order: bool) -> _Repeat:
+        meta = req.tensors[0]
+        args = (req.op, req.prescale, req.postscale)
+        plan = _Plan.of(_nbytes(req), size, in_order)
+        return cls(req, tuple(meta.shape), dtypes.from_name(meta.dtype), args, plan)
+
+
 @dataclass
 class Claim:
     """This rank's part in one slot."""
@@ -120,7 +159,7 @@ class Claim:
     first: torch.Tensor  # data's first value (a view): NaN where a dummy took part
     works: list[Any]  # in flight: the data's allreduce, then (if needed) the flags'
     started: float
-    restore: tuple[torch.Tensor, torch.Tensor] | None = None  # (where, what) on a lost slot
+    restore: Callable[[], object] | None = None  # puts the tensor back, on a lost slot
     agreed: agreed.AgreedWork | None = None  # a slot that agrees before its data moves
     ordered: ordered.OrderedWork | None = None  # a rank-ordered sum: where it landed
     flag: torch.Tensor | None = None
@@ -154,6 +193,9 @@ class Lane:
         self._backup: torch.Tensor | None = None  # bytes; see _backup_of
         self._first_backup: dict[torch.dtype, torch.Tensor] = {}  # 2 ranks: one value each
         self._sum = group_ops.PreparedSum(group)  # the options built once, not per op
+        # The reservation as the caller's arguments spell it (repeat_of), and how its slots
+        # keep the tensor (_Plan): both worked out once, when the lane opens.
+        self._repeat: _Repeat | None = None
 
     def status(self) -> Status:
         with self._lock:
@@ -173,7 +215,10 @@ class Lane:
         A request that matches but whose tensors cannot ride claims a dummy (so the peers do
         not wait for it) and returns None: it is negotiated instead."""
         with self._lock:
-            if self.reserved is None or self.claim is not None or request != self.reserved:
+            reserved = self.reserved
+            if reserved is None or self.claim is not None:
+                return None
+            if request is not reserved and request != reserved:
                 return None
             if self._doom_at == self.slot:
                 return None
@@ -183,54 +228,74 @@ class Lane:
                 self._claim_dummy()
                 return None
             assert t is not None and out is not None
-            flat = out.view(-1)
-            first = flat[:1]
+            # Contiguous (_fits): the first value is at the tensor's own storage offset, and
+            # as_strided makes that view in one torch call where view(-1)[:1] takes two.
+            first = out.as_strided((1,), (1,))
+            plan = self._plan()
             if out is not t:
                 copies.copy_(out, t)
                 restore = None  # the op's own output: a lost slot is simply filled again
-            elif agreed.agrees(out.nbytes, self.size) or self._lands_aside(out.nbytes):
+            elif plan is not _Plan.RING:
                 restore = None  # the tensor changes only once the slot is surely valid
             elif self.size > 2:  # the real claimants' partial sums would remain
-                restore = (flat, self._backup_of(flat))
+                restore = self._backup_of(out.view(-1))
             else:  # two ranks: only the first value can change (to NaN)
-                restore = (first, self._backup_of_first(first))
-            self.claim = self._launch(request, request.name, out, first)
-            self.claim.restore = restore
+                restore = self._backup_of_first(first)
+            self.claim = self._launch(reserved, reserved.name, out, first, plan, restore)
             return self.claim
 
-    def _lands_aside(self, nbytes: int) -> bool:
-        """Whether a slot of ``nbytes`` sums in rank order, its sum landing aside unless every
-        rank surely claimed for real (ordered.OrderedWork): then nothing needs restoring."""
-        return self._in_order and not ordered.alone(nbytes)
+    def repeat_of(
+        self, name: str, t: torch.Tensor, op: str, prescale: float, postscale: float
+    ) -> Request | None:
+        """The reserved request, if an allreduce of ``t`` with these arguments submits exactly
+        it; else None. Compares the arguments with the reservation field by field, so that a
+        repeated op needs no request of its own (the caller's Python per op, issue 38)."""
+        r = self._repeat  # one read: the controller may give the reservation up meanwhile
+        if r is None or name != r.request.name or t.layout is not torch.strided or not t.is_cpu:
+            return None
+        if t.dtype != r.dtype or t.shape != r.shape or (op, prescale, postscale) != r.args:
+            return None
+        return r.request
 
-    def _backup_of(self, where: torch.Tensor) -> torch.Tensor:
-        """A copy of ``where`` in the lane's backup buffer, kept for the next claims: a fresh
-        clone per op is a fresh allocation (an mmap, with its page faults, from 128 KiB on).
-        One claim at a time uses it; a lost slot restores from it before the lane can reopen."""
+    def _plan(self) -> _Plan:
+        """How the reservation's slots run (worked out when the lane opened)."""
+        assert self._repeat is not None  # set with the reservation, under the lock
+        return self._repeat.plan
+
+    def _backup_of(self, where: torch.Tensor) -> Callable[[], object]:
+        """Keeps ``where`` in the lane's backup buffer, kept for the next claims (a fresh clone
+        per op is a fresh allocation: an mmap, with its page faults, from 128 KiB on), and
+        returns what puts it back. One claim at a time uses the buffer; a lost slot restores
+        from it before the lane can reopen."""
         nbytes = where.numel() * where.element_size()
         self.backup_bytes += nbytes
         if self._backup is None or self._backup.numel() < nbytes:
             self._backup = torch.empty(nbytes, dtype=torch.uint8)
         backup = self._backup[:nbytes].view(where.dtype)
         copies.copy_(backup, where)
-        return backup
+        return functools.partial(copies.copy_, where, backup)
 
-    def _backup_of_first(self, first: torch.Tensor) -> torch.Tensor:
-        """A copy of one value, in a one-value buffer kept per dtype (no allocation per op)."""
+    def _backup_of_first(self, first: torch.Tensor) -> Callable[[], object]:
+        """What puts one value back: a Python float holds every floating value exactly, so
+        that needs no copy in torch; only a NaN's payload keeps a one-value copy (per dtype)."""
+        value = first.item()
+        if value == value:
+            return functools.partial(first.fill_, value)
         backup = self._first_backup.get(first.dtype)
         if backup is None:
             backup = self._first_backup[first.dtype] = torch.empty(1, dtype=first.dtype)
         backup.copy_(first)
-        return backup
+        return functools.partial(first.copy_, backup)
 
     def _claim_dummy(self) -> None:
         req = self.reserved
         assert req is not None and self.claim is None
         meta = req.tensors[0]
         dtype = dtypes.from_name(meta.dtype)
-        if agreed.agrees(_nbytes(req), self.size):
+        plan = self._plan()
+        if plan is _Plan.AGREED:
             nothing = torch.empty(0, dtype=dtype)  # its slot moves no data
-            self.claim = self._launch(req, None, nothing, nothing)
+            self.claim = self._launch(req, None, nothing, nothing, plan)
             return
         data = torch.full(meta.shape, -0.0, dtype=dtype)
         flat = data.view(-1)
@@ -238,36 +303,37 @@ class Lane:
         # rank's chunk starts with NaN too, so that each sees one among its rows' first values
         # (ordered.OrderedWork's landing). Elsewhere only the first value may change: a real
         # claimant restores that one value (2 ranks).
-        marks = (
-            ordered.chunk_starts(flat.numel(), self.size)
-            if self._lands_aside(_nbytes(req))
-            else [0]
-        )
+        marks = ordered.chunk_starts(flat.numel(), self.size) if plan is _Plan.ASIDE else [0]
         flat[marks] = math.nan
-        self.claim = self._launch(req, None, data, flat[:1])
+        self.claim = self._launch(req, None, data, flat[:1], plan)
 
     def _launch(
-        self, req: Request, name: str | None, data: torch.Tensor, first: torch.Tensor
+        self,
+        req: Request,
+        name: str | None,
+        data: torch.Tensor,
+        first: torch.Tensor,
+        plan: _Plan,
+        restore: Callable[[], object] | None = None,
     ) -> Claim:
-        work: Any
-        nbytes = _nbytes(req)  # a real claim's data has the request's bytes; a dummy's may not
-        # Sum or Average of floats (see eligible()): in rank order as the executor would, or,
-        # above ordered.ALONE_ABOVE_BYTES, on the ring, where the executor runs it alone too;
-        # from three ranks, a large slot agrees before its data moves (agreed.py).
-        if agreed.agrees(nbytes, self.size):
+        """The claim, its collectives started last: a caller that waits next should block as
+        soon as they are under way (Python run between Gloo's start and the wait costs Gloo's
+        loop more spin than the same time before the start: docs/benchmarks/log/
+        2026-11-29-lane-repeat.md)."""
+        claim = Claim(self.slot, req, name, data, first, [], time.perf_counter(), restore)
+        if plan is _Plan.AGREED:
             start = functools.partial(self._sum, data)
-            work = agreed.AgreedWork(self.size, name is not None, start, self._sum)
-            claim = Claim(self.slot, req, name, data, first, [work], time.perf_counter())
-            claim.agreed = work
-            return claim
-        if self._lands_aside(nbytes):
+            claim.agreed = agreed.AgreedWork(self.size, name is not None, start, self._sum)
+            claim.works.append(claim.agreed)
+        elif plan is _Plan.ASIDE:
             flat = data.view(-1)
-            work = ordered.OrderedWork(flat, "Sum", self._group, self._scratch, self._landing)
-            claim = Claim(self.slot, req, name, data, first, [work], time.perf_counter())
-            claim.ordered = work
-            return claim
-        work = self._sum(data)
-        return Claim(self.slot, req, name, data, first, [work], time.perf_counter())
+            claim.ordered = ordered.OrderedWork(
+                flat, "Sum", self._group, self._scratch, self._landing
+            )
+            claim.works.append(claim.ordered)
+        else:
+            claim.works.append(self._sum(data))
+        return claim
 
     def doom(self, slot: int) -> None:
         """Claim ``slot`` as a dummy: now if it is the current, unclaimed slot of an open lane;
@@ -284,6 +350,7 @@ class Lane:
             if self.reserved is not None or self.claim is not None or self.slot != slot:
                 return False  # cannot happen: every rank reported the lane closed at ``slot``
             self.reserved = request
+            self._repeat = _Repeat.of(request, self.size, self._in_order)
             self._doom_at = -1
             return True
 
@@ -314,7 +381,7 @@ class Lane:
                     return None
                 return self._verdict(c, int(c.flag.item()) == self.size)
             except Exception:
-                self.claim, self.reserved = None, None
+                self.claim, self.reserved, self._repeat = None, None, None
                 raise
 
     def _verdict(self, c: Claim, valid: bool) -> Claim:
@@ -327,11 +394,10 @@ class Lane:
                 copies.copy_(c.data.view(-1), c.ordered.result)  # the sum, from where it landed
         else:
             self.slots_invalid += 1
-            self.reserved = None
+            self.reserved, self._repeat = None, None
             if c.restore is not None:
                 # Now, under the lock: once the lane reopens, the next claim reuses the backup.
-                where, what = c.restore
-                copies.copy_(where, what)
+                c.restore()
                 c.restore = None
         if self._doom_at == self.slot and self.reserved is not None:
             self._claim_dummy()
@@ -362,8 +428,9 @@ class Lane:
 def wait_for(work: Any, seconds: float) -> bool:
     """Wait for ``work`` up to ``seconds``; False if it is still running (Gloo, and ringtrain's
     own groups, raise when a timed wait runs out, and the work can be waited on again)."""
+    timeout = _NUDGE if seconds == NUDGE_S else datetime.timedelta(seconds=max(seconds, 0.001))
     try:
-        work.wait(timeout=datetime.timedelta(seconds=max(seconds, 0.001)))
+        work.wait(timeout=timeout)
     except RuntimeError:
         if work.is_completed():
             raise  # the work's own error

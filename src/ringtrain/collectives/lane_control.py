@@ -25,6 +25,7 @@ from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.requests import Request
 from ringtrain.collectives.scaling import scaling_of
 from ringtrain.collectives.vector_round import LaneView
+from ringtrain.compression.averaging import Factors
 from ringtrain.diagnostics import timeline
 from ringtrain.runtime import abort
 from ringtrain.runtime.communicator import Communicator
@@ -46,7 +47,7 @@ class LaneHandle(Handle[Any]):
         name: str,
         finish: Callable[[Any], Any] | None,
         driver: LaneDriver,
-        claim: lane.Claim,
+        claim: lane.Claim | None = None,
     ) -> None:
         super().__init__(name, finish)
         self._driver = driver
@@ -100,6 +101,7 @@ class LaneDriver:
         self._comm = comm
         self._clock = clock
         self._world = abort.generation  # elastic: waits end when this world is replaced
+        self._factors: tuple[Request, Factors] | None = None  # the last claim's (_scaling)
 
     def quiet(self) -> bool:
         """Nothing of the lane's keeps the controllers polling (a doze vote's part)."""
@@ -132,9 +134,7 @@ class LaneDriver:
         """Wait for a claim's collectives. They complete once every rank has claimed the slot;
         if that takes long, the peers may not know of the claim (their controllers doze), so
         wake the controllers and keep them polling until the slot is settled."""
-        for work in list(claim.works):
-            if work.is_completed():
-                continue
+        for work in claim.works:  # settle() replaces the list, never changes it
             if not lane.wait_for(work, lane.NUDGE_S):
                 with self._lock:
                     self.nudged = True
@@ -175,7 +175,7 @@ class LaneDriver:
             return  # failed meanwhile (shutdown, a peer's failure)
         handle = local.handle
         if claim.valid:
-            scaling_of(claim.request, self._comm.size, claim.data.dtype).after(claim.data)
+            self._scaling(claim).after(claim.data)
             rec = timeline.current()
             if rec.enabled:
                 rec.span(
@@ -189,11 +189,16 @@ class LaneDriver:
             handle.claim = None
             handle.set_result(local.outputs or local.tensors)
             return
-        if claim.restore is not None:
-            where, what = claim.restore
-            where.copy_(what)
-        handle.claim = None
+        handle.claim = None  # its tensor is as submitted (Lane._verdict restored it)
         self._host.renegotiate(claim.name, handle)
+
+    def _scaling(self, claim: lane.Claim) -> Factors:
+        """The claim's scale factors, worked out once per reservation, not per op."""
+        memo = self._factors
+        if memo is None or memo[0] is not claim.request:
+            factors = scaling_of(claim.request, self._comm.size, claim.data.dtype)
+            memo = self._factors = (claim.request, factors)
+        return memo[1]
 
     def round(self, view: LaneView, ran: list[Request], busy: bool) -> None:
         """The lane's share of a round, before the ready ops run (``ran``: the ready requests

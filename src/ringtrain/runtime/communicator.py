@@ -55,6 +55,8 @@ class Communicator:
         self.set_id = set_id
         self.ranks = tuple(ranks)
         self.world_rank = world_rank
+        # Looked up once: every collective asks, and a scan of the ranks grows with the set.
+        self._set_rank = self.ranks.index(world_rank) if world_rank in self.ranks else -1
         self.is_world = is_world
         # The job's rendezvous store (None at world size 1): idle controllers wait on it.
         self.store = store
@@ -67,7 +69,7 @@ class Communicator:
 
     @property
     def included(self) -> bool:
-        return self.world_rank in self.ranks
+        return self._set_rank >= 0
 
     @property
     def size(self) -> int:
@@ -82,7 +84,7 @@ class Communicator:
                 f"rank {self.world_rank} is not a member of process set {self.set_id} "
                 f"(ranks {list(self.ranks)})"
             )
-        return self.ranks.index(self.world_rank)
+        return self._set_rank
 
     # The Group protocol, not ProcessGroup: what the layers above call on it is its rank and
     # size; torch's collectives take it as it is (runtime.contracts).

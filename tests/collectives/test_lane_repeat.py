@@ -1,0 +1,152 @@
+"""A repeat of the fast lane's reservation (lane.Lane.repeat_of, async_ops._repeat): found by
+comparing the call's arguments with the reserved request, it builds no request of its own, and
+gives what the general path gives (results, the tensor handed back, views, autograd)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import ringtrain as rt
+from ringtrain.collectives import async_ops, lane
+from ringtrain.collectives.requests import Request, TensorMeta
+from ringtrain.testing import spawn
+
+TIMEOUT = 150
+N = 4096  # 16 KiB of float32: above what travels inline, so the lane may take it
+
+
+def _reserved(lane_: lane.Lane, **changes: Any) -> Request:
+    fields: dict[str, Any] = {"op": "Average", "prescale": 1.0, "postscale": 2.0}
+    fields.update(changes)
+    req = Request("w", "allreduce", (TensorMeta((64, 64), "torch.float32"),), **fields)
+    assert lane_.open_at(0, req)
+    return req
+
+
+def test_a_repeat_is_found_by_every_argument_of_the_reserved_request() -> None:
+    fast = lane.Lane(2, group=None)
+    req = _reserved(fast)
+    t = torch.zeros(64, 64)
+    assert fast.repeat_of("w", t, "Average", 1.0, 2.0) is req
+    assert fast.repeat_of("w", t.t(), "Average", 1.0, 2.0) is req  # strides: not in a request
+    others = [
+        ("v", t, "Average", 1.0, 2.0),  # name
+        ("w", torch.zeros(64, 32), "Average", 1.0, 2.0),  # shape
+        ("w", torch.zeros(4096), "Average", 1.0, 2.0),  # same count, other shape
+        ("w", t.double(), "Average", 1.0, 2.0),  # dtype
+        ("w", t, "Sum", 1.0, 2.0),  # op
+        ("w", t, "Average", 0.5, 2.0),  # prescale
+        ("w", t, "Average", 1.0, 1.0),  # postscale
+        ("w", t.to_sparse(), "Average", 1.0, 2.0),  # a sparse tensor: its own error
+        ("w", t.to("meta"), "Average", 1.0, 2.0),  # not on the CPU
+    ]
+    for name, tensor, op, pre, post in others:
+        assert fast.repeat_of(name, tensor, op, pre, post) is None, (name, op, pre, post)
+
+
+def test_no_repeat_without_a_reservation() -> None:
+    fast = lane.Lane(2, group=None)
+    assert fast.repeat_of("w", torch.zeros(64, 64), "Average", 1.0, 2.0) is None
+    _reserved(fast)
+    fast.reserved, fast._repeat = None, None  # as a lost slot gives it up (Lane._verdict)
+    assert fast.repeat_of("w", torch.zeros(64, 64), "Average", 1.0, 2.0) is None
+
+
+def _data(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(N, generator=g) * 100
+
+
+def _counted(steps: int) -> dict[str, Any]:
+    """A loop of repeated lane ops in each spelling, counting the requests built meanwhile."""
+    r = rt.rank()
+    lane.RELEASE_S = 60.0  # a descheduled rank must not lose a slot: the test counts requests
+    built = 0
+    real = async_ops.Request
+
+    def counting(*args: Any, **kwargs: Any) -> Request:
+        nonlocal built
+        built += 1
+        return real(*args, **kwargs)
+
+    got: dict[str, Any] = {"inplace": [], "plain": [], "view": [], "grad": []}
+    base = torch.zeros(2, N)
+    for step in range(steps):
+        if step == 2:  # each name ran once negotiated and once on the lane: count from here
+            async_ops.Request = counting  # type: ignore[misc, assignment]
+        t = _data(step, r)
+        same = rt.allreduce_(t, name="inplace", op=rt.Sum)
+        got["inplace"].append((same is t, t.clone()))
+        src = _data(step, r)
+        kept = src.clone()
+        out = rt.allreduce(src, name="plain", op=rt.Average)
+        got["plain"].append((out is not src and torch.equal(src, kept), out))
+        base[1] = _data(step, r)
+        view = base[1]
+        back = rt.synchronize(rt.allreduce_async_(view, name="view", op=rt.Average))
+        got["view"].append((back is view, base[1].clone()))
+    async_ops.Request = real  # type: ignore[misc]
+    grad = _data(0, r).requires_grad_()
+    summed = rt.allreduce(grad, name="grad", op=rt.Sum)  # autograd: the general path
+    summed.sum().backward()
+    got["grad"] = (summed.detach(), grad.grad)
+    got["built"] = built
+    got["slots"] = rt.collectives.ops.controller_of(None).lane_slots
+    return got
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_repeats_build_no_request_and_give_the_general_path_s_results(size: int) -> None:
+    steps = 8
+    results = spawn.world(size).run(_counted, steps, timeout=TIMEOUT, fast_lane=True)
+    # Three names take turns: the lane follows one and the others are negotiated (one
+    # reservation per set), so some requests are built; with the lane off, every op builds one.
+    for got in results:
+        assert got["built"] < 3 * (steps - 2), got["built"]
+        assert got["slots"][0] >= steps - 2 and got["slots"][1] == 0, got["slots"]
+    for step in range(steps):
+        total = sum(_data(step, k) for k in range(size))
+        for got in results:
+            same, inplace = got["inplace"][step]
+            assert same and torch.equal(inplace, results[0]["inplace"][step][1])
+            torch.testing.assert_close(inplace, total, rtol=1e-5, atol=1e-4)
+            untouched, plain = got["plain"][step]
+            assert untouched and torch.equal(plain, results[0]["plain"][step][1])
+            torch.testing.assert_close(plain, total / size, rtol=1e-5, atol=1e-4)
+            same, view = got["view"][step]
+            assert same  # the view itself comes back, and its base holds the average
+            torch.testing.assert_close(view, total / size, rtol=1e-5, atol=1e-4)
+    for got in results:
+        summed, grad = got["grad"]
+        torch.testing.assert_close(summed, sum(_data(0, k) for k in range(size)))
+        assert torch.equal(grad, torch.full((N,), float(size)))  # Horovod: the grad is summed
+
+
+def _one_name(steps: int) -> tuple[int, tuple[int, int]]:
+    """One name repeated: after its first run, every op rides the lane with no request."""
+    r = rt.rank()
+    lane.RELEASE_S = 60.0
+    real, built = async_ops.Request, [0]
+
+    def counting(*args: Any, **kwargs: Any) -> Request:
+        built[0] += 1
+        return real(*args, **kwargs)
+
+    rt.allreduce_(_data(0, r), name="w", op=rt.Sum)  # negotiated: opens the lane
+    async_ops.Request = counting  # type: ignore[misc, assignment]
+    try:
+        for step in range(1, steps):
+            rt.allreduce_(_data(step, r), name="w", op=rt.Sum)
+    finally:
+        async_ops.Request = real  # type: ignore[misc]
+    return built[0], rt.collectives.ops.controller_of(None).lane_slots
+
+
+def test_a_repeated_name_builds_no_request_after_its_first_run() -> None:
+    for built, (valid, invalid) in spawn.world(2).run(
+        _one_name, 20, timeout=TIMEOUT, fast_lane=True
+    ):
+        assert built == 0 and valid == 19 and invalid == 0, (built, valid, invalid)
