@@ -9,7 +9,9 @@
 and ringtrain's blocking ``allreduce_`` (the fast lane) alternated in the same processes. A third
 argument ``pin`` puts each rank's threads on one core of its own (rank r on core r); ``gap=30,100``
 adds, per gap, cases where the caller works that many microseconds (a busy loop, as a program
-computes between collectives) before each op (``raw+30us``); the gap's own CPU is left in.
+computes between collectives) before each op (``raw+30us``); ``inflight=4,8`` cases where it
+works that long between a raw op's start and its wait (``raw~4us``); the caller's own CPU is
+left in.
 Kinds of thread by the kernel's ``comm``: ``gloo_tcp_loop`` (a group's device loop: its epoll,
 socket reads, and the spin on a busy pair lock), ``pt_gloo_runloop`` (a group's workers, which
 run the algorithm), ``caller`` (the main thread), ``other``.
@@ -66,16 +68,32 @@ def measure(
 _KINDS = ("gloo_tcp_loop", "pt_gloo_runloop")
 
 
-def _gaps(args: list[str]) -> list[int]:
-    return [int(g) for a in args if a.startswith("gap=") for g in a[4:].split(",")]
+def _gaps(args: list[str], key: str = "gap=") -> list[int]:
+    return [int(g) for a in args if a.startswith(key) for g in a[len(key) :].split(",")]
+
+
+def _busy(us: int) -> None:
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
 
 
 def _after_gap(fn: Callable[[torch.Tensor], object], us: int) -> Callable[[torch.Tensor], object]:
     def call(t: torch.Tensor) -> object:
-        end = time.perf_counter() + us * 1e-6
-        while time.perf_counter() < end:
-            pass
+        _busy(us)
         return fn(t)
+
+    return call
+
+
+def _work_in_flight(us: int) -> Callable[[torch.Tensor], object]:
+    """Raw ``all_reduce`` with the caller working ``us`` between the op's start and its wait."""
+
+    def call(t: torch.Tensor) -> object:
+        work = dist.all_reduce(t, async_op=True)
+        _busy(us)
+        assert work is not None
+        return work.wait()
 
     return call
 
@@ -97,6 +115,7 @@ def main() -> None:
     base = list(fns)
     for gap in _gaps(sys.argv[3:]):
         fns += [(f"{label}+{gap}us", _after_gap(fn, gap)) for label, fn in base]
+    fns += [(f"raw~{us}us", _work_in_flight(us)) for us in _gaps(sys.argv[3:], "inflight=")]
     if "pin" in sys.argv[3:]:
         core = {rank % (os.cpu_count() or 1)}
         for tid in os.listdir("/proc/self/task"):

@@ -440,7 +440,7 @@ def wait_for(work: Any, seconds: float) -> bool:
 
 def _fits(t: torch.Tensor | None, out: torch.Tensor | None) -> bool:
     """Whether a claim can reduce in ``out`` directly, as the normal path does."""
-    if t is None or out is None or t.is_sparse or t.device.type != "cpu":
+    if t is None or out is None or t.is_sparse or not t.is_cpu:  # is_cpu: no device object
         return False
     if out is t:  # in place: the usual case, one tensor to check
         return t.is_contiguous() and str(t.dtype) in _DTYPES
@@ -448,6 +448,6 @@ def _fits(t: torch.Tensor | None, out: torch.Tensor | None) -> bool:
         out.is_contiguous()
         and out.dtype == t.dtype
         and out.shape == t.shape
-        and out.device.type == "cpu"
+        and out.is_cpu
         and str(t.dtype) in _DTYPES
     )
