@@ -60,23 +60,44 @@ def _data(step: int, rank: int) -> torch.Tensor:
     return torch.randn(N, generator=g) * 100
 
 
-def _counted(steps: int) -> dict[str, Any]:
-    """A loop of repeated lane ops in each spelling, counting the requests built meanwhile."""
-    r = rt.rank()
-    lane.RELEASE_S = 60.0  # a descheduled rank must not lose a slot: the test counts requests
-    built = 0
+def _counting(count: list[int]) -> Any:
+    """async_ops.Request, counting the requests built (a patch the caller takes back)."""
     real = async_ops.Request
 
     def counting(*args: Any, **kwargs: Any) -> Request:
-        nonlocal built
-        built += 1
+        count[0] += 1
         return real(*args, **kwargs)
 
-    got: dict[str, Any] = {"inplace": [], "plain": [], "view": [], "grad": []}
+    return counting
+
+
+def _counted(steps: int) -> dict[str, Any]:
+    """A loop of repeated lane ops in each spelling, counting the requests built meanwhile."""
+    # A descheduled rank must not lose a slot (the test counts requests); the world is shared
+    # with other tests, so the setting and the patch are taken back.
+    saved, real, built = lane.RELEASE_S, async_ops.Request, [0]
+    lane.RELEASE_S = 60.0
+    try:
+        got = _in_each_spelling(steps, _counting(built))
+    finally:
+        lane.RELEASE_S, async_ops.Request = saved, real  # type: ignore[misc]
+    r = rt.rank()
+    grad = _data(0, r).requires_grad_()
+    summed = rt.allreduce(grad, name="grad", op=rt.Sum)  # autograd: the general path
+    summed.sum().backward()
+    got["grad"] = (summed.detach(), grad.grad)
+    got["built"] = built[0]
+    got["slots"] = rt.collectives.ops.controller_of(None).lane_slots
+    return got
+
+
+def _in_each_spelling(steps: int, counting: Any) -> dict[str, Any]:
+    r = rt.rank()
+    got: dict[str, Any] = {"inplace": [], "plain": [], "view": []}
     base = torch.zeros(2, N)
     for step in range(steps):
         if step == 2:  # each name ran once negotiated and once on the lane: count from here
-            async_ops.Request = counting  # type: ignore[misc, assignment]
+            async_ops.Request = counting  # type: ignore[misc]
         t = _data(step, r)
         same = rt.allreduce_(t, name="inplace", op=rt.Sum)
         got["inplace"].append((same is t, t.clone()))
@@ -88,13 +109,6 @@ def _counted(steps: int) -> dict[str, Any]:
         view = base[1]
         back = rt.synchronize(rt.allreduce_async_(view, name="view", op=rt.Average))
         got["view"].append((back is view, base[1].clone()))
-    async_ops.Request = real  # type: ignore[misc]
-    grad = _data(0, r).requires_grad_()
-    summed = rt.allreduce(grad, name="grad", op=rt.Sum)  # autograd: the general path
-    summed.sum().backward()
-    got["grad"] = (summed.detach(), grad.grad)
-    got["built"] = built
-    got["slots"] = rt.collectives.ops.controller_of(None).lane_slots
     return got
 
 
@@ -128,20 +142,15 @@ def test_repeats_build_no_request_and_give_the_general_path_s_results(size: int)
 def _one_name(steps: int) -> tuple[int, tuple[int, int]]:
     """One name repeated: after its first run, every op rides the lane with no request."""
     r = rt.rank()
+    saved, real, built = lane.RELEASE_S, async_ops.Request, [0]
     lane.RELEASE_S = 60.0
-    real, built = async_ops.Request, [0]
-
-    def counting(*args: Any, **kwargs: Any) -> Request:
-        built[0] += 1
-        return real(*args, **kwargs)
-
-    rt.allreduce_(_data(0, r), name="w", op=rt.Sum)  # negotiated: opens the lane
-    async_ops.Request = counting  # type: ignore[misc, assignment]
     try:
+        rt.allreduce_(_data(0, r), name="w", op=rt.Sum)  # negotiated: opens the lane
+        async_ops.Request = _counting(built)  # type: ignore[misc]
         for step in range(1, steps):
             rt.allreduce_(_data(step, r), name="w", op=rt.Sum)
     finally:
-        async_ops.Request = real  # type: ignore[misc]
+        lane.RELEASE_S, async_ops.Request = saved, real  # type: ignore[misc]
     return built[0], rt.collectives.ops.controller_of(None).lane_slots
 
 
