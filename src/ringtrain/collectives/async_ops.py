@@ -221,14 +221,14 @@ def _repeat(
     post: float,
     process_set: ProcessSet | None,
 ) -> Handle[torch.Tensor] | None:
-    """The set's fast-lane reservation once more: submitted with the reserved request itself,
-    found by comparing the arguments with it, so a repeated op builds no request, metadata or
-    lists of its own (issue 38: the caller's Python per op). None: take the general path."""
+    """A named allreduce the set ran before, submitted with its request again: the fast lane's
+    reservation or the request cache's, found by comparing the arguments with it, so a repeated
+    op builds no request, metadata or lists of its own (issue 38: the caller's Python per op).
+    None: take the general path."""
     if not isinstance(t, torch.Tensor) or t.requires_grad:
         return None  # not a tensor (the general path explains), or detached there
     ctl = controller_of(process_set)
-    fast = ctl.fast_lane
-    request = fast.repeat_of(name, t, op, pre, post) if fast is not None else None
+    request = ctl.repeat_of(name, t, op, pre, post)
     if request is None:
         return None
     # A view is detached as the general path does (an Average scales it in place); the caller

@@ -198,7 +198,8 @@ class Controller:
             self._pending[request.name] = Pending(request, tensors, outputs, handle, cid)
             self._new.append(request.name)
             bell = self._doorbell.disarm()
-        self._wake.set()
+        if not self._wake.is_set():  # a burst's later ops: the controller has yet to wake
+            self._wake.set()
         self._doorbell.ring(bell)
         return handle
 
@@ -261,15 +262,18 @@ class Controller:
         vectors = self._vector.channel.rounds if self._vector is not None else 0
         return self._channel.rounds + vectors
 
-    @property
-    def fast_lane(self) -> lane.Lane | None:
-        """This set's fast lane on this rank (None: off): repeats of its reservation look it up."""
-        return self._fast.lane if self._fast is not None else None
+    def repeat_of(
+        self, name: str, t: torch.Tensor, op: str, prescale: float, postscale: float
+    ) -> Request | None:
+        """The request an allreduce of ``t`` with these arguments submits, if this set ran it
+        before: the lane's reservation, or the request cache's (collectives.resubmit)."""
+        found = self._fast.lane.repeat_of(name, t, op, prescale, postscale) if self._fast else None
+        return found or self._requests.repeat_of(name, t, op, prescale, postscale)
 
     @property
     def lane_slots(self) -> tuple[int, int]:
         """Slots of the fast lane so far, (valid, not valid): for tests and statistics."""
-        fast = self.fast_lane
+        fast = self._fast.lane if self._fast is not None else None
         return (fast.slots_valid, fast.slots_invalid) if fast is not None else (0, 0)
 
     def pending_names(self) -> list[str]:
@@ -407,11 +411,8 @@ class Controller:
         if self._fast is not None:
             mine.lane = self._fast.lane.status()
         mine.inline = inline_payloads(subs, self.comm.world_rank)
-        stuck = (
-            self._watch.stuck(self._requests.by_name, self._requests.first_seen)
-            if self._watch
-            else None
-        )
+        known = self._requests
+        stuck = self._watch.stuck(known.by_name, known.first_seen) if self._watch else None
         if self.comm.set_rank == 0:
             mine.abort = self._inspect()
             carried: tuple[tuple[str, str], ...] = ()
@@ -479,11 +480,8 @@ class Controller:
         status = self._fast.lane.status() if self._fast is not None else None
         if status is not None and not vector_round.fits(status, rounds.base):
             gather = True
-        stuck = (
-            self._watch.stuck(self._requests.by_name, self._requests.first_seen)
-            if self._watch
-            else None
-        )
+        known = self._requests
+        stuck = self._watch.stuck(known.by_name, known.first_seen) if self._watch else None
         if self.comm.set_rank == 0:
             if stuck and self._watch is not None:
                 rounds.carried += self._watch.mismatches(stuck)

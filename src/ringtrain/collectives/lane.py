@@ -58,7 +58,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ringtrain.collectives import agreed, copies, dtypes, inline, ordered
+from ringtrain.collectives import agreed, copies, dtypes, inline, ordered, resubmit
 from ringtrain.collectives.requests import Request
 from ringtrain.compression import averaging
 from ringtrain.transport import group_ops
@@ -79,7 +79,12 @@ _DTYPES = {"torch.float32", "torch.float64", "torch.float16", "torch.bfloat16"}
 
 
 def eligible(req: Request) -> bool:
-    """Whether ``req`` may ride the lane (the tensors themselves are checked at the claim)."""
+    """Whether ``req`` may ride the lane (the tensors themselves are checked at the claim):
+    asked of every ready op in every round, so worked out once per request object."""
+    return req.derived("lane", _eligible)
+
+
+def _eligible(req: Request) -> bool:
     if req.kind != "allreduce" or req.error or len(req.tensors) != 1 or req.prescale != 1.0:
         return False
     if req.op not in ("Sum", "Average"):
@@ -134,18 +139,12 @@ class _Repeat(NamedTuple):
     """The reservation, worked out once when the lane opens: the caller's arguments that
     submit exactly it (:meth:`Lane.repeat_of`), and how its slots run."""
 
-    request: Request
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    args: tuple[str, float, float]  # op, prescale, postscale
+    repeat: resubmit.Repeat | None
     plan: _Plan
 
     @classmethod
     def of(cls, req: Request, size: int, in_order: bool) -> _Repeat:
-        meta = req.tensors[0]
-        args = (req.op, req.prescale, req.postscale)
-        plan = _Plan.of(_nbytes(req), size, in_order)
-        return cls(req, tuple(meta.shape), dtypes.from_name(meta.dtype), args, plan)
+        return cls(resubmit.of(req), _Plan.of(_nbytes(req), size, in_order))
 
 
 @dataclass
@@ -251,11 +250,9 @@ class Lane:
         it; else None. Compares the arguments with the reservation field by field, so that a
         repeated op needs no request of its own (the caller's Python per op, issue 38)."""
         r = self._repeat  # one read: the controller may give the reservation up meanwhile
-        if r is None or name != r.request.name or t.layout is not torch.strided or not t.is_cpu:
+        if r is None or r.repeat is None or not r.repeat.matches(name, t, op, prescale, postscale):
             return None
-        if t.dtype != r.dtype or t.shape != r.shape or (op, prescale, postscale) != r.args:
-            return None
-        return r.request
+        return r.repeat.request
 
     def _plan(self) -> _Plan:
         """How the reservation's slots run (worked out when the lane opened)."""

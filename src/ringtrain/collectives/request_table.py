@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ringtrain.collectives import inline
+import torch
+
+from ringtrain.collectives import inline, resubmit
 from ringtrain.collectives.requests import Request
 from ringtrain.diagnostics import stall
 
@@ -30,6 +32,9 @@ class RequestTable:
         self.cache: list[Request] = []
         self._ids: dict[Request, int] = {}
         self._capacity = capacity
+        # The cached request last run under each name that a call of one tensor submits, for
+        # that call's repeats (repeat_of); as bounded as the cache.
+        self._repeats: dict[str, resubmit.Repeat] = {}
 
     def __bool__(self) -> bool:
         return bool(self.by_name)
@@ -101,6 +106,14 @@ class RequestTable:
 
     # ---- the request cache ------------------------------------------------------------------
 
+    def repeat_of(
+        self, name: str, t: torch.Tensor, op: str, prescale: float, postscale: float
+    ) -> Request | None:
+        """The cached request an allreduce of ``t`` with these arguments submits, else None (a
+        dict read, as cache_id: submitting threads ask)."""
+        r = self._repeats.get(name)
+        return r.request if r is not None and r.matches(name, t, op, prescale, postscale) else None
+
     def cache_id(self, req: Request) -> int:
         """``req``'s number in the request cache, or -1."""
         return self._ids.get(req, -1)
@@ -115,3 +128,5 @@ class RequestTable:
             return
         self._ids[req] = len(self.cache)
         self.cache.append(req)
+        if (repeat := resubmit.of(req)) is not None:
+            self._repeats[req.name] = repeat

@@ -12,9 +12,10 @@ are built only when something differs; ``ringtrain bench checks`` measures what 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple
+import operator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import NamedTuple, TypeVar, cast
 
 KINDS = ("allreduce", "allgather", "broadcast", "reducescatter", "alltoall", "barrier", "join")
 
@@ -34,9 +35,18 @@ class TensorMeta(NamedTuple):
         return f"{self.dtype.replace('torch.', '')}[{dims}]{where}"
 
 
-@dataclass(frozen=True)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, eq=False)
 class Request:
-    """One collective as submitted by one rank."""
+    """One collective as submitted by one rank.
+
+    Equal requests are often one object (the controller's request cache hands out the cached
+    one), and a cached request is looked up, compared and checked every time it runs: so
+    equality starts with identity, the hash is worked out once, and :meth:`derived` keeps what
+    else is worked out from a request. None of that travels in a pickle (string hashes differ
+    between processes)."""
 
     name: str
     kind: str
@@ -53,6 +63,29 @@ class Request:
     error: str = ""
     extra: tuple[tuple[str, str], ...] = field(default=())
 
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not Request:
+            return NotImplemented
+        return _fields_of(self) == _fields_of(other)
+
+    def __hash__(self) -> int:
+        known: int | None = self.__dict__.get("_hash")
+        if known is None:
+            known = self.__dict__["_hash"] = hash(_fields_of(self))
+        return known
+
+    def __getstate__(self) -> dict[str, object]:
+        return {k: v for k, v in self.__dict__.items() if k not in _WORKED_OUT}
+
+    def derived(self, key: str, compute: Callable[[Request], T]) -> T:
+        """``compute(self)``, worked out once per request object under ``key``."""
+        memo: dict[str, object] = self.__dict__.setdefault("_derived", {})
+        if key not in memo:
+            memo[key] = compute(self)
+        return cast(T, memo[key])
+
     def describe(self) -> str:
         args: list[str] = []
         if self.op:
@@ -67,6 +100,10 @@ class Request:
             args.append(f"splits={list(self.splits)}")
         args += [str(t) for t in self.tensors] if not self.shape_from_root else ["<object>"]
         return f"{self.kind}({', '.join(args)})"
+
+
+_fields_of = operator.attrgetter(*(f.name for f in fields(Request)))
+_WORKED_OUT = ("_hash", "_derived")  # see Request
 
 
 class Alike(Mapping[int, Request]):
