@@ -5,6 +5,7 @@ changed call). Also the request's own equality, hash and pickle, which the cache
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from typing import Any
 
@@ -40,6 +41,29 @@ def test_equal_requests_hash_alike_and_a_pickle_carries_no_worked_out_value() ->
     assert "_hash" not in state and "_derived" not in state  # string hashes differ by process
     back = pickle.loads(pickle.dumps(a))
     assert back == a and "_derived" not in back.__dict__ and hash(back) == hash(a)
+
+
+def test_a_request_s_equality_and_hash_take_every_field() -> None:
+    # Request.__eq__ and requests._fields_of spell the fields out: a new field must join both.
+    base = _req(root=0, splits=(1,), extra=(("k", "v"),))
+    changed = {
+        "name": "v",
+        "kind": "broadcast",
+        "tensors": (),
+        "op": "Sum",
+        "root": 1,
+        "prescale": 0.5,
+        "postscale": 1.0,
+        "splits": (2,),
+        "shape_from_root": True,
+        "error": "bad",
+        "extra": (("k", "w"),),
+    }
+    assert set(changed) == {f.name for f in dataclasses.fields(Request)}
+    for name, value in changed.items():
+        other = dataclasses.replace(base, **{name: value})
+        assert other != base and base != other and hash(other) != hash(base), name
+        assert dataclasses.replace(base) == base and hash(dataclasses.replace(base)) == hash(base)
 
 
 def test_a_request_is_resubmitted_only_by_the_arguments_that_made_it() -> None:

@@ -170,11 +170,13 @@ class SimulatedRank:
 
     def submit(self, names: list[str], numel: int = 16384) -> None:
         """Submit one allreduce per name (float32 of ``numel``: 64 KiB by default, above the
-        size whose data would travel inline in the round)."""
+        size whose data would travel inline in the round), as a program's call does: a name
+        the set ran before with its cached request (collectives.resubmit), else a new one."""
         meta = (TensorMeta((numel,), "torch.float32"),)
+        t = _tensor(numel)
         for name in names:
-            req = Request(name, "allreduce", meta, op="sum")
-            self.controller.submit(req, [_tensor(numel)])
+            req = self.controller.repeat_of(name, t, "Sum", 1.0, 1.0)
+            self.controller.submit(req or Request(name, "allreduce", meta, op="Sum"), [t])
 
     def round(self) -> float:
         """One round; returns its Python seconds on this rank, the wire's copy and the
