@@ -87,6 +87,7 @@ IDLE_NAP_S = 0.05
 # down: an idle round costs every rank CPU that its next work needs.
 DOZE_AFTER_IDLE_CYCLES = 4
 JOIN_NAME = "__join__"
+_NONE = frozenset[int]()  # no rank joined
 
 
 @dataclass
@@ -561,11 +562,12 @@ class Controller:
                 )
                 local.handle.set_error(cls(problem))
             return
-        joined = frozenset(self._requests.joined - set(by_rank))
+        joined = frozenset(self._requests.joined - set(by_rank)) if self._requests.joined else _NONE
         self._requests.remember(by_rank)
-        req = by_rank[min(by_rank)]
-        if payloads is not None and not inline.usable(req, payloads, by_rank, self.comm.ranks):
-            payloads = None
+        if payloads is not None:
+            req = by_rank[min(by_rank)]
+            if not inline.usable(req, payloads, by_rank, self.comm.ranks):
+                payloads = None
         self._executor.add(name, by_rank, local, joined, me, payloads)
 
     def _fail_name(self, name: str, error: CollectiveError) -> None:

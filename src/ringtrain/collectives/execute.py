@@ -173,7 +173,8 @@ class Executor:
             item.request.postscale,
             item.contributors,
         )
-        nbytes = sum(t.nbytes for t in item.tensors)
+        tensors = item.tensors
+        nbytes = tensors[0].nbytes if len(tensors) == 1 else sum(t.nbytes for t in tensors)
         alone = not self._fuses_freely(item, nbytes)
         if self._batch and (
             key != self._batch_key

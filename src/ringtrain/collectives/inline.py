@@ -47,6 +47,8 @@ def encode(request: Request, tensors: Sequence[torch.Tensor], rank: int) -> Payl
         return None
     if request.kind == "broadcast" and rank != request.root:  # roots are global ranks
         return None
+    if not request.derived("inline", _small):  # asked of every op: the request says it once
+        return None
     if not inlinable_size(tensors):
         return None
     if request.kind in ("broadcast", "allgather"):
@@ -118,6 +120,13 @@ def reduce_rows(stack: torch.Tensor, op: str) -> torch.Tensor:
     else:  # pragma: no cover - requests are validated at submission
         raise CollectiveArgumentError(f"unknown reduce op {op!r}")
     return out.to(stack.dtype)  # integer sums and products come back as int64
+
+
+def _small(request: Request) -> bool:
+    """Whether the request's tensors may be small enough to travel inline (their metadata's
+    bytes; inlinable_size decides from the tensors themselves)."""
+    nbytes = sum(math.prod(m.shape) * dtypes.from_name(m.dtype).itemsize for m in request.tensors)
+    return nbytes <= INLINE_MAX_BYTES and all(m.device == "cpu" for m in request.tensors)
 
 
 def inlinable_size(tensors: Sequence[torch.Tensor]) -> bool:
