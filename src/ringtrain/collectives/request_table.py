@@ -5,7 +5,8 @@ The controller fills it from each round's messages in the same order on every ra
 rank decides from the same table: which names are ready (every rank submitted them, or joined
 ranks stand in for the missing), and which number in the request cache (Horovod's response
 cache) means which request. Only the controller's thread touches it, except
-:meth:`RequestTable.cache_id`, a dict read a submitting thread may make.
+:meth:`RequestTable.cache_id` and :meth:`RequestTable.repeat_of`, dict reads a submitting
+thread may make.
 """
 
 from __future__ import annotations
