@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import ringtrain as rt
+from _repeats import N, check_spellings, counting, data, differing_calls
 from ringtrain.collectives import async_ops, lane
 from ringtrain.collectives.requests import Request, TensorMeta
 from ringtrain.testing import spawn
 
 TIMEOUT = 150
-N = 4096  # 16 KiB of float32: above what travels inline, so the lane may take it
 
 
 def _reserved(lane_: lane.Lane, **changes: Any) -> Request:
@@ -32,18 +32,7 @@ def test_a_repeat_is_found_by_every_argument_of_the_reserved_request() -> None:
     t = torch.zeros(64, 64)
     assert fast.repeat_of("w", t, "Average", 1.0, 2.0) is req
     assert fast.repeat_of("w", t.t(), "Average", 1.0, 2.0) is req  # strides: not in a request
-    others = [
-        ("v", t, "Average", 1.0, 2.0),  # name
-        ("w", torch.zeros(64, 32), "Average", 1.0, 2.0),  # shape
-        ("w", torch.zeros(4096), "Average", 1.0, 2.0),  # same count, other shape
-        ("w", t.double(), "Average", 1.0, 2.0),  # dtype
-        ("w", t, "Sum", 1.0, 2.0),  # op
-        ("w", t, "Average", 0.5, 2.0),  # prescale
-        ("w", t, "Average", 1.0, 1.0),  # postscale
-        ("w", t.to_sparse(), "Average", 1.0, 2.0),  # a sparse tensor: its own error
-        ("w", t.to("meta"), "Average", 1.0, 2.0),  # not on the CPU
-    ]
-    for name, tensor, op, pre, post in others:
+    for name, tensor, op, pre, post in differing_calls(t):
         assert fast.repeat_of(name, tensor, op, pre, post) is None, (name, op, pre, post)
 
 
@@ -55,22 +44,6 @@ def test_no_repeat_without_a_reservation() -> None:
     assert fast.repeat_of("w", torch.zeros(64, 64), "Average", 1.0, 2.0) is None
 
 
-def _data(step: int, rank: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(N, generator=g) * 100
-
-
-def _counting(count: list[int]) -> Any:
-    """async_ops.Request, counting the requests built (a patch the caller takes back)."""
-    real = async_ops.Request
-
-    def counting(*args: Any, **kwargs: Any) -> Request:
-        count[0] += 1
-        return real(*args, **kwargs)
-
-    return counting
-
-
 def _counted(steps: int) -> dict[str, Any]:
     """A loop of repeated lane ops in each spelling, counting the requests built meanwhile."""
     # A descheduled rank must not lose a slot (the test counts requests); the world is shared
@@ -78,11 +51,11 @@ def _counted(steps: int) -> dict[str, Any]:
     saved, real, built = lane.RELEASE_S, async_ops.Request, [0]
     lane.RELEASE_S = 60.0
     try:
-        got = _in_each_spelling(steps, _counting(built))
+        got = _in_each_spelling(steps, counting(built))
     finally:
         lane.RELEASE_S, async_ops.Request = saved, real  # type: ignore[misc]
     r = rt.rank()
-    grad = _data(0, r).requires_grad_()
+    grad = data(0, r).requires_grad_()
     summed = rt.allreduce(grad, name="grad", op=rt.Sum)  # autograd: the general path
     summed.sum().backward()
     got["grad"] = (summed.detach(), grad.grad)
@@ -98,14 +71,14 @@ def _in_each_spelling(steps: int, counting: Any) -> dict[str, Any]:
     for step in range(steps):
         if step == 2:  # each name ran once negotiated and once on the lane: count from here
             async_ops.Request = counting  # type: ignore[misc]
-        t = _data(step, r)
+        t = data(step, r)
         same = rt.allreduce_(t, name="inplace", op=rt.Sum)
         got["inplace"].append((same is t, t.clone()))
-        src = _data(step, r)
+        src = data(step, r)
         kept = src.clone()
         out = rt.allreduce(src, name="plain", op=rt.Average)
         got["plain"].append((out is not src and torch.equal(src, kept), out))
-        base[1] = _data(step, r)
+        base[1] = data(step, r)
         view = base[1]
         back = rt.synchronize(rt.allreduce_async_(view, name="view", op=rt.Average))
         got["view"].append((back is view, base[1].clone()))
@@ -124,20 +97,15 @@ def test_repeats_build_no_request_and_give_the_general_path_s_results(size: int)
         assert got["built"] == 0, got["built"]
         assert got["slots"][0] >= 1, got["slots"]
     for step in range(steps):
-        total = sum(_data(step, k) for k in range(size))
+        check_spellings(results, step)
+        total = sum(data(step, k) for k in range(size))
         for got in results:
-            same, inplace = got["inplace"][step]
-            assert same and torch.equal(inplace, results[0]["inplace"][step][1])
-            torch.testing.assert_close(inplace, total, rtol=1e-5, atol=1e-4)
-            untouched, plain = got["plain"][step]
-            assert untouched and torch.equal(plain, results[0]["plain"][step][1])
-            torch.testing.assert_close(plain, total / size, rtol=1e-5, atol=1e-4)
             same, view = got["view"][step]
             assert same  # the view itself comes back, and its base holds the average
             torch.testing.assert_close(view, total / size, rtol=1e-5, atol=1e-4)
     for got in results:
         summed, grad = got["grad"]
-        torch.testing.assert_close(summed, sum(_data(0, k) for k in range(size)))
+        torch.testing.assert_close(summed, sum(data(0, k) for k in range(size)))
         assert torch.equal(grad, torch.full((N,), float(size)))  # Horovod: the grad is summed
 
 
@@ -147,10 +115,10 @@ def _one_name(steps: int) -> tuple[int, tuple[int, int]]:
     saved, real, built = lane.RELEASE_S, async_ops.Request, [0]
     lane.RELEASE_S = 60.0
     try:
-        rt.allreduce_(_data(0, r), name="w", op=rt.Sum)  # negotiated: opens the lane
-        async_ops.Request = _counting(built)  # type: ignore[misc]
+        rt.allreduce_(data(0, r), name="w", op=rt.Sum)  # negotiated: opens the lane
+        async_ops.Request = counting(built)  # type: ignore[misc]
         for step in range(1, steps):
-            rt.allreduce_(_data(step, r), name="w", op=rt.Sum)
+            rt.allreduce_(data(step, r), name="w", op=rt.Sum)
     finally:
         lane.RELEASE_S, async_ops.Request = saved, real  # type: ignore[misc]
     return built[0], rt.collectives.ops.controller_of(None).lane_slots

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import ringtrain as rt
+from _repeats import N, check_spellings, counting, data, differing_calls
 from ringtrain.collectives import async_ops, resubmit
 from ringtrain.collectives.request_table import RequestTable
 from ringtrain.collectives.requests import Request, TensorMeta
 from ringtrain.testing import spawn
 
 TIMEOUT = 150
-N = 4096  # 16 KiB of float32: above what travels inline
 
 
 def _req(name: str = "w", **changes: Any) -> Request:
@@ -33,10 +33,15 @@ def test_equal_requests_hash_alike_and_a_pickle_carries_no_worked_out_value() ->
     a, b = _req(), _req()
     assert a == b and a is not b and hash(a) == hash(b) and {a: 1}[b] == 1
     assert a != _req(postscale=1.0) and a != _req("v") and a != "w"
-    calls = []
-    assert a.derived("k", lambda r: calls.append(r) or 7) == 7
-    assert a.derived("k", lambda r: calls.append(r) or 8) == 7  # worked out once
-    assert len(calls) == 1
+    calls: list[Request] = []
+
+    def compute(r: Request) -> int:
+        calls.append(r)
+        return len(calls) + 6
+
+    assert a.derived("k", compute) == 7
+    assert a.derived("k", compute) == 7  # worked out once
+    assert calls == [a]
     state = a.__getstate__()
     assert "_hash" not in state and "_derived" not in state  # string hashes differ by process
     back = pickle.loads(pickle.dumps(a))
@@ -46,7 +51,7 @@ def test_equal_requests_hash_alike_and_a_pickle_carries_no_worked_out_value() ->
 def test_a_request_s_equality_and_hash_take_every_field() -> None:
     # Request.__eq__ and requests._fields_of spell the fields out: a new field must join both.
     base = _req(root=0, splits=(1,), extra=(("k", "v"),))
-    changed = {
+    changed: dict[str, Any] = {
         "name": "v",
         "kind": "broadcast",
         "tensors": (),
@@ -74,17 +79,7 @@ def test_a_request_is_resubmitted_only_by_the_arguments_that_made_it() -> None:
     t = torch.zeros(64, 64)
     assert table.repeat_of("w", t, "Average", 1.0, 2.0) is req
     assert table.repeat_of("w", t.t(), "Average", 1.0, 2.0) is req  # strides: not in a request
-    others = [
-        ("v", t, "Average", 1.0, 2.0),  # name
-        ("w", torch.zeros(64, 32), "Average", 1.0, 2.0),  # shape
-        ("w", t.double(), "Average", 1.0, 2.0),  # dtype
-        ("w", t, "Sum", 1.0, 2.0),  # op
-        ("w", t, "Average", 0.5, 2.0),  # prescale
-        ("w", t, "Average", 1.0, 1.0),  # postscale
-        ("w", t.to_sparse(), "Average", 1.0, 2.0),  # a sparse tensor: its own error
-        ("w", t.to("meta"), "Average", 1.0, 2.0),  # not on the CPU
-    ]
-    for name, tensor, op, pre, post in others:
+    for name, tensor, op, pre, post in differing_calls(t):
         assert table.repeat_of(name, tensor, op, pre, post) is None, (name, op, pre, post)
     # Requests no call of one CPU tensor makes are never resubmitted.
     meta = TensorMeta((4,), "torch.float32")
@@ -97,20 +92,6 @@ def test_a_request_is_resubmitted_only_by_the_arguments_that_made_it() -> None:
         assert resubmit.of(odd) is None, odd
 
 
-def _counting(count: list[int]) -> Any:
-    real = async_ops.Request
-
-    def counting(*args: Any, **kwargs: Any) -> Request:
-        count[0] += 1
-        return real(*args, **kwargs)
-
-    return counting
-
-
-def _data(step: int, rank: int) -> torch.Tensor:
-    return torch.randn(N, generator=torch.Generator().manual_seed(1000 * step + rank)) * 100
-
-
 def _repeats(steps: int) -> dict[str, Any]:
     """Two names in turn, in place and not, counting the requests built after their first
     runs; then a rank changes its call under a cached name."""
@@ -120,12 +101,12 @@ def _repeats(steps: int) -> dict[str, Any]:
     try:
         for step in range(steps):
             if step == 1:
-                async_ops.Request = _counting(built)  # type: ignore[misc]
-            t = _data(step, r)
+                async_ops.Request = counting(built)  # type: ignore[misc]
+            t = data(step, r)
             got["inplace"].append((rt.allreduce_(t, name="a", op=rt.Sum) is t, t))
-            src = _data(step, r)
+            src = data(step, r)
             out = rt.allreduce(src, name="b", op=rt.Average)
-            got["plain"].append((torch.equal(src, _data(step, r)), out))
+            got["plain"].append((torch.equal(src, data(step, r)), out))
     finally:
         async_ops.Request = real  # type: ignore[misc]
     got["built"] = built[0]
@@ -151,14 +132,7 @@ def test_repeats_build_no_request_and_give_a_new_request_s_results(
     for got in results:
         assert got["built"] == 0, got["built"]
     for step in range(steps):
-        total = sum(_data(step, k) for k in range(size))
-        for got in results:
-            same, inplace = got["inplace"][step]
-            assert same and torch.equal(inplace, results[0]["inplace"][step][1])
-            torch.testing.assert_close(inplace, total, rtol=1e-5, atol=1e-4)
-            untouched, plain = got["plain"][step]
-            assert untouched and torch.equal(plain, results[0]["plain"][step][1])
-            torch.testing.assert_close(plain, total / size, rtol=1e-5, atol=1e-4)
+        check_spellings(results, step)
     for got in results:
         assert f"float32[{N}]" in got["mismatch"] and f"float32[{N + 1}]" in got["mismatch"]
         assert got["double"].dtype == torch.float64
