@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
-import time
 from typing import Any
 
 import pytest
@@ -185,49 +183,3 @@ def test_a_bare_sync_every_chooses_alike_on_every_rank() -> None:
     codec, overlap, delay, why = results[0]["chosen"]
     assert "the link is" in why and codec in why
     assert codec in ("int4", "fp16") and (delay >= 1 if overlap else True)
-
-
-PROBE_S = 0.6  # a slow link's probe, as at 10 Mbit/s
-STEP_S = 0.3  # each inner step of the first round: the round outlasts the probe
-
-
-def _probe_beside_the_round() -> dict[str, Any]:
-    """A bare sync_every=4 whose probe takes PROBE_S: where it ran, and what the first outer
-    step cost (the shared test world gets the real probe back)."""
-    real = auto.probe_link
-    seen: dict[str, Any] = {}
-
-    def slow_probe(group: Any, nbytes: int, *rest: Any) -> tuple[float, float]:
-        seen["thread"] = threading.current_thread().name
-        time.sleep(PROBE_S)
-        return real(group, nbytes, *rest)
-
-    auto.probe_link = slow_probe  # type: ignore[assignment]
-    try:
-        torch.manual_seed(0)
-        model = Tiny()
-        opt = rt.DistributedOptimizer(
-            torch.optim.Adam(model.parameters(), lr=0.01),
-            named_parameters=model.named_parameters(),
-            sync_every=4,
-        )
-        for i in range(4):
-            _step(model, opt, i)
-            time.sleep(STEP_S)
-        local = opt.local_update
-        assert local is not None
-        seen["outer_s"] = local.outer_seconds
-        seen["why"] = local.outer_reason
-    finally:
-        auto.probe_link = real  # type: ignore[assignment]
-    return seen
-
-
-@pytest.mark.timeout(120)
-def test_the_link_is_probed_beside_the_first_round_s_steps() -> None:
-    """The probe is queued at the round's first step on the outer exchange's worker: it runs
-    while the ranks compute, and the first outer step finds its figures ready."""
-    for seen in spawn.world(2).run(_probe_beside_the_round, timeout=90):
-        assert seen["thread"] != "MainThread", seen  # the worker's
-        assert seen["outer_s"] < PROBE_S - 0.2, seen  # it would hold the probe's PROBE_S
-        assert "the link is" in seen["why"], seen

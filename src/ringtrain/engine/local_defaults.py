@@ -14,12 +14,6 @@ measured. The first round's exchange already uses the choice.
 
 ``sync_every="auto"`` starts the same way and decides on the same figures
 (:mod:`ringtrain.engine.local_first`): ``H``, or synchronous training after this round.
-
-The probe itself is queued at the round's first inner step, on the outer exchange's worker
-(:meth:`FirstRound.start_probe`): the link is idle while a round's inner steps run, so the probe
-runs beside them, and the first outer exchange finds its figures ready instead of waiting 0.4-0.6
-s for them at 10 Mbit/s. Every rank queues it at the same step, behind what the worker already
-holds, so its collectives run in the same order everywhere.
 """
 
 from __future__ import annotations
@@ -27,8 +21,6 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 from ringtrain.config import Config
@@ -87,18 +79,6 @@ class FirstRound:
         self.why = ""  # the choice and why, once made (LocalUpdate.outer_reason)
         self._last: float | None = None
         self._intervals: list[float] = []
-        # The link probe's (latency, bytes per second), queued at the round's first step.
-        self.probe: Future[tuple[float, float]] | None = None
-
-    def start_probe(
-        self, submit: Callable[..., Future[tuple[float, float]]], group: object, numel: int
-    ) -> None:
-        """Queue the link probe (``submit``: the outer exchange's worker's), unless one is
-        queued or the round is settled; :meth:`settle` takes its figures."""
-        from ringtrain.engine import auto  # auto imports the compression policy: only now
-
-        if self.probe is None and not self.settled:
-            self.probe = submit(auto.probe_link, group, numel * 4)
 
     def tick(self) -> None:
         """An inner step begins: the wall time since the last one is a step's compute."""
@@ -117,8 +97,7 @@ class FirstRound:
 
         self.settled = True
         compute = statistics.median(self._intervals) if self._intervals else 0.0
-        probe, self.probe = self.probe, None  # queued earlier on this worker: done by now
-        latency, throughput = probe.result() if probe else auto.probe_link(group, numel * 4)
+        latency, throughput = auto.probe_link(group, numel * 4)
         # Slowest rank: MAX compute and latency, MAX of the inverse rate; the shortest round
         # (sync_every per rank): MAX of -H, so the fitted delay fits every rank's round.
         compute, latency, inverse, minus_h = auto.slowest(
