@@ -22,7 +22,8 @@ Per rank ``r`` (``rank<r>.``): ``local.param.<i>`` its weights where they differ
 before fragments), ``local.base.<i>`` (overlapped, its fragment's exchange in flight) its weights
 when it sent (``local.ref.<i>`` in files written before the delay),
 ``model.<name>`` its buffers (not exchanged by local updates), and ``local``: its place in
-the round and, while the ranks do not yet agree (before the first outer step, after a load or a
+the round, the outer exchange the defaults chose (``outer_choice``; a load at the saved size
+takes it) and, while the ranks do not yet agree (before the first outer step, after a load or a
 re-forming), its own anchor (``local.anchor.<i>``) and outer state.
 
 Loading (:func:`apply`): at the saved world size into a local-update optimizer, every rank gets
@@ -101,6 +102,7 @@ def cut(
         "since_sent": flight["since_sent"],
         "residuals": [f for f, r in enumerate(residuals) if r is not None],
         "outer": None,
+        "outer_choice": st.get("outer_choice"),  # what the defaults chose (a load takes it)
     }
     for i, p in enumerate(local.params):
         if anchor is None or not torch.equal(p.detach(), anchor[i]):
@@ -187,7 +189,7 @@ def check(
             f"{len(lu.fragments)}.\nHINT: resume with outer_fragments={fragments}."
         )
     saved = objects.get("rank0.local", {}).get("codec")
-    if same_size and saved is not None and saved != lu.codec_name:
+    if same_size and saved not in (None, lu.codec_name) and not lu.takes_saved_codec:
         raise CheckpointError(
             f"{where} was saved with outer_compression {saved!r}, this optimizer uses "
             f"{lu.codec_name!r}.\nHINT: resume with the outer_compression it was saved with."
@@ -281,7 +283,7 @@ def plan(
     if exact:
         for i in own["params"]:
             weights[i] = tensors[f"rank{rank}.local.param.{i}"]
-        local: dict[str, object] | None = {
+        local: dict[str, object] = {
             "version": 3 if "fragments" in meta else 2,
             "fragments": meta.get("fragments", 1),
             "sync_every": meta["sync_every"],
@@ -291,9 +293,14 @@ def plan(
             "outer": _outer(tensors, objects, meta, src),
             **_in_flight(tensors, own, meta, rank, len(weights)),
         }
+        choice = own.get("outer_choice")  # None in files before it: the codec alone
+        if choice is not None:
+            local["outer_choice"] = choice
         return LoadPlan(True, rank, local, weights, buffers, "")
+    fresh: dict[str, object] | None = None  # a new round from the anchor
+    inner_from = 0
     if lu is not None:
-        local = {
+        fresh = {
             "version": 2,
             "sync_every": meta["sync_every"],
             "inner_steps": 0,
@@ -304,12 +311,10 @@ def plan(
             "overlap": {"base": None, "pending": None, "since_sent": 0},
         }
         inner_from = rank % saved_size
-    else:
-        local, inner_from = None, 0
     return LoadPlan(
         False,
         inner_from,
-        local,
+        fresh,
         weights,
         buffers,
         describe_reset(objects, saved_size, size, lu is not None),

@@ -176,6 +176,13 @@ class LocalUpdate:
     def codec_name(self) -> str:
         return self._compression
 
+    @property
+    def takes_saved_codec(self) -> bool:
+        """Whether a load takes the saved codec: a bare ``sync_every``'s or ``auto``'s
+        defaults chose it, the user gave no ``outer_compression`` (see :meth:`_adopt`)."""
+        first = self._defaults
+        return first is not None and not first.config.given("outer_compression")
+
     # ---- the optimizer's calls ------------------------------------------------------------------
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
@@ -477,7 +484,7 @@ class LocalUpdate:
             self.use(OuterSettings(**choice))
             return
         saved = (state.get("codec") or {}).get("name")
-        if first.config.given("outer_compression") or saved == self._compression:
+        if not self.takes_saved_codec or saved == self._compression:
             return
         if isinstance(saved, str) and saved in local_policy.CODEC_BYTES:
             why = f"{saved}, as the checkpoint's exchange"

@@ -65,6 +65,11 @@ class LocalState(Protocol):
         """The outer exchange's codec (``outer_compression``)."""
         ...
 
+    @property
+    def takes_saved_codec(self) -> bool:
+        """Whether a load takes the saved codec (ringtrain chose it; the user gave none)."""
+        ...
+
     def local_state_dict(self, copy: bool = True) -> dict[str, Any]:
         """Its state (anchor, outer optimizer, place in the round, exchanges in flight);
         ``copy=False``: views, for a caller that copies them itself."""
