@@ -15,6 +15,7 @@ its host's network link, so the host falls silent).
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import os
 import signal
@@ -35,6 +36,7 @@ def say(*parts: object) -> None:
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung test dumps the threads
     hvd.init()
     me = membership.identity() if membership.active() else hvd.rank()
     say(f"start id={me} pid={os.getpid()} ppid={os.getppid()} rank={hvd.rank()} size={hvd.size()}")
