@@ -32,9 +32,13 @@ def test_the_demo_with_a_slow_rank_and_measured_shares() -> None:
     assert proc.returncode == 0, out[-4000:]
     chosen = re.search(r"batch_shares=auto: shares \[(\d+), (\d+)\] of each global batch", out)
     assert chosen, out[-4000:]
-    assert int(chosen[1]) > int(chosen[2])  # the fast rank takes more
+    # The first choice comes from 5 steps. Beside other load (the suite's, stress-ng) it once
+    # found the ranks within the 10% margin and kept equal shares, which later measurements
+    # then moved (logged at INFO): it never favours the slow rank, and what each rank took is
+    # the outcome that counts.
+    assert int(chosen[1]) >= int(chosen[2])
     done = re.search(r"test accuracy: ([\d.]+)%.*samples per rank: \[(\d+), (\d+)\]", out)
     assert done, out[-4000:]
     assert float(done[1]) >= 95.0  # the demo's target; it usually reaches about 97%
     fast, slow = int(done[2]), int(done[3])
-    assert fast > slow and fast + slow == EPOCHS * TRAIN
+    assert fast > slow and fast + slow == EPOCHS * TRAIN  # the fast rank took more
