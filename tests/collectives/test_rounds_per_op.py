@@ -6,15 +6,23 @@ joining a round for its peers, and its own submission wakes it at once: so a lat
 peers wait in the round, not run a second one (issue 38: at most 1.2 rounds per op at 2, 4 and
 8 ranks; 1.00 measured, also beside `stress-ng --cpu 2`,
 docs/benchmarks/log/2026-11-28-idle-naps.md). Each rank reads its own counter as its loop
-ends, while the controllers may be in an idle round: the bound leaves that round room."""
+ends, while the controllers may be in an idle round: the bound leaves that round room.
+
+The same holds on every transport (issue 38 item 6): sealed (``secure=True``) and the enclave's
+``transport="tcp"``, whose control rounds and lane slots travel over their own wire: at 3 ranks
+a repeated 64 KiB op rides the lane (no negotiation round), and with the lane off it takes one
+vector round."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 import ringtrain
 from ringtrain.collectives.ops import controller_of
+from ringtrain.security import keys
 from ringtrain.testing import spawn
 
 OPS = 60
@@ -62,3 +70,36 @@ def test_a_repeated_op_takes_one_round_at_four_and_eight_ranks(size: int) -> Non
     finally:
         if size > 4:  # the 4-rank world serves other modules; nothing else needs 8
             spawn.close(size)
+
+
+def _on_the_wire(ops: int) -> tuple[float, int, bool]:
+    """Rounds per op of a repeated in-place 64 KiB allreduce (above what travels inline in a
+    round), the lane's valid slots, and whether every result is the sum."""
+    ctl = controller_of(None)
+    t = torch.ones(16384)
+    ringtrain.allreduce_(t, name="wire.warm", op=ringtrain.Sum)
+    before, right = ctl.rounds, True
+    for _ in range(ops):
+        t.fill_(ringtrain.rank() + 1.0)
+        ringtrain.allreduce_(t, name="wire.loop", op=ringtrain.Sum)
+        right = right and bool((t == 6.0).all())  # 1 + 2 + 3
+    fast = ctl._fast
+    return (ctl.rounds - before) / ops, fast.lane.slots_valid if fast else 0, right
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["sealed", "tcp"])
+def test_repeated_ops_skip_negotiation_on_every_transport(
+    world3: spawn.World, tmp_path: Path, mode: str
+) -> None:
+    if mode == "sealed":
+        key = keys.write_key_file(tmp_path / "job.key", keys.generate_job_key())
+        how: dict[str, object] = {"secure": True, "key_file": key}
+    else:
+        how = {"transport": "tcp"}
+    lane = world3.run(_on_the_wire, OPS, timeout=120, fast_lane=True, **how)
+    assert all(right and slots >= OPS - 5 and per_op <= 0.2 for per_op, slots, right in lane), lane
+    vector = world3.run(
+        _on_the_wire, OPS, timeout=120, fast_lane=False, vector_rounds_from=2, **how
+    )
+    assert all(right and slots == 0 and per_op <= BOUND for per_op, slots, right in vector), vector
