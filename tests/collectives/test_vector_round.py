@@ -150,6 +150,47 @@ def test_bursts_and_loops_ride_vector_rounds(world3: spawn.World) -> None:
         assert vectors > gathered  # the cached ops negotiated by bits
 
 
+def _every_kind(ops: int) -> dict[str, tuple[float, float, bool]]:
+    """Per collective kind (issue 38 item 6), a named call repeated ``ops`` times after its
+    first: rounds per op, the share of them that were vector rounds, and whether every result
+    was right. 63 rows: no even split at 3 ranks needed, small enough to travel inline."""
+    import torch
+
+    import ringtrain as rt
+    from ringtrain.collectives.ops import controller_of
+
+    ctl = controller_of(None)
+    x = torch.full((63,), float(rt.rank() + 1))
+    senders = torch.arange(1.0, 4.0).repeat_interleave(21)  # alltoall: 21 rows from each rank
+    calls = {
+        "allreduce": lambda: bool((rt.allreduce(x, name="k.ar", op=rt.Sum) == 6).all()),
+        "grouped_allreduce": lambda: all(
+            bool((t == 6).all()) for t in rt.grouped_allreduce([x, x], name="k.gr", op=rt.Sum)
+        ),
+        "allgather": lambda: rt.allgather(x, name="k.ag").shape == (189,),
+        "broadcast": lambda: bool((rt.broadcast(x, 0, name="k.bc") == 1).all()),
+        "alltoall": lambda: bool((rt.alltoall(x, name="k.a2a") == senders).all()),
+        "reducescatter": lambda: bool((rt.reducescatter(x, name="k.rs", op=rt.Sum) == 6).all()),
+    }
+    out = {}
+    for kind, call in calls.items():
+        right = call()
+        rounds, vectors = ctl.rounds, ctl._vector.channel.rounds if ctl._vector else 0
+        for _ in range(ops):
+            right = call() and right
+        vectors = (ctl._vector.channel.rounds if ctl._vector else 0) - vectors
+        per_op = (ctl.rounds - rounds) / ops
+        out[kind] = (per_op, vectors / max(1, ctl.rounds - rounds), right)
+    return out
+
+
+def test_every_collective_kind_rides_vector_rounds(world3: spawn.World) -> None:
+    for kinds in world3.run(_every_kind, 20, vector_rounds_from=2, fast_lane=False, timeout=90):
+        for kind, (per_op, vector_share, right) in kinds.items():
+            assert right, kind
+            assert per_op <= 1.2 and vector_share >= 0.9, (kind, per_op, vector_share)
+
+
 def _mismatch_after_cache() -> str:
     import torch
 
