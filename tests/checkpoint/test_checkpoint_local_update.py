@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+from _local_job import Net
+from _local_job import train as _train
 
 import ringtrain as rt
 import ringtrain.checkpoint as ckpt
@@ -31,18 +32,6 @@ from ringtrain.testing import spawn
 pytestmark = pytest.mark.timeout(600)
 H = 3  # sync_every
 TOTAL = 11
-
-
-class Net(torch.nn.Module):
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.a = torch.nn.Linear(6, 16)
-        self.b = torch.nn.Linear(16, 3)
-        self.register_buffer("seen", torch.zeros(2))  # per rank: not exchanged
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
 
 
 def _make(seed: int, overlap: int = 0, codec: str = "int8", fragments: int = 1) -> tuple[Net, Any]:
@@ -58,16 +47,6 @@ def _make(seed: int, overlap: int = 0, codec: str = "int8", fragments: int = 1) 
         outer_fragments=fragments,
     )
     return model, opt
-
-
-def _train(model: Net, opt: Any, steps: range) -> None:
-    for s in steps:
-        g = torch.Generator().manual_seed(1000 * s + rt.rank())  # each rank its own data
-        x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        model.seen += rt.rank() + 1
 
 
 def _weights(model: Net) -> dict[str, torch.Tensor]:

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+from _local_job import Net
+from _local_job import train as _train
 
 import ringtrain as rt
 import ringtrain.checkpoint as ckpt
@@ -46,9 +47,8 @@ def _link(figures: tuple[float, float], auto_every: int | None = None) -> Iterat
         auto.probe_link, auto.choose_sync_every, auto.outer_for = saved
 
 
-def _job(sync_every: int | str, seed: int, **settings: Any) -> tuple[torch.nn.Module, Any]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+def _job(sync_every: int | str, seed: int, **settings: Any) -> tuple[Net, Any]:
+    model = Net(seed)
     opt = rt.DistributedOptimizer(
         torch.optim.Adam(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
@@ -56,15 +56,6 @@ def _job(sync_every: int | str, seed: int, **settings: Any) -> tuple[torch.nn.Mo
         **settings,
     )
     return model, opt
-
-
-def _train(model: torch.nn.Module, opt: Any, steps: range) -> None:
-    for s in steps:
-        g = torch.Generator().manual_seed(1000 * s + rt.rank())  # each rank its own data
-        x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
 
 
 def _outer(opt: Any) -> tuple[str, bool, int]:
