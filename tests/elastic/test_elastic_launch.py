@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from _launched import run as _launched_run
+from _hang_report import run_job
 from ringtrain.errors import ConfigError
 from ringtrain.launch import elastic
 from ringtrain.launch.hosts import Host
@@ -26,7 +26,7 @@ EXPECTED = [N * EPOCHS, EPOCHS * N * (N + 1) // 2, EPOCHS * N * (N + 1) * (2 * N
 def _job(*flags: str, victim: int, mode: str = "allreduce") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "VICTIM": str(victim), "OMP_NUM_THREADS": "1", "MODE": mode}
     cmd = [sys.executable, "-m", "ringtrain", "run", "-np", "3", *flags, sys.executable, str(JOB)]
-    return _launched_run(cmd, env, timeout=240, rank_marker=str(JOB))
+    return run_job(cmd, env, timeout=240, rank_marker=str(JOB))
 
 
 def _fields(out: str, kind: str) -> list[dict[str, str]]:

@@ -116,10 +116,8 @@ def cut(
         out.own.append((f"{mine}local.base.{i}", base[i], True))
     for f in own["residuals"]:
         out.own.append((f"{mine}local.residual.{f}", residuals[f], True))
-    for name in sorted(buffers):
-        v = tensors.get(name)
-        if v is not None:
-            out.own.append((f"{mine}model.{name}", v, True))
+    for name in sorted(buffers):  # buffers: only names in tensors
+        out.own.append((f"{mine}model.{name}", tensors[name], True))
     for piece in held.pieces:  # whole: the inner optimizer is not sharded with local updates
         for key, v in piece.elements.items():
             out.own.append((f"{mine}optim.{piece.index}.{key}", v, True))

@@ -20,7 +20,7 @@ import pytest
 TAIL = 12_000  # characters of each stream kept in the failure
 
 
-def run(
+def run_job(
     cmd: Sequence[str], env: dict[str, str], timeout: float, rank_marker: str
 ) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(cmd, capture_output=True, text=True)``; past ``timeout`` seconds the
