@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -183,3 +184,74 @@ def test_a_bare_sync_every_chooses_alike_on_every_rank() -> None:
     codec, overlap, delay, why = results[0]["chosen"]
     assert "the link is" in why and codec in why
     assert codec in ("int4", "fp16") and (delay >= 1 if overlap else True)
+
+
+PROBE_S = 0.6  # a slow link's probe, as at 10 Mbit/s
+STEP_S = 0.3  # each inner step of the first round: the round outlasts the probe
+
+
+def _probe_beside_the_round(reads: float | None) -> dict[str, Any]:
+    """A bare sync_every=4 whose probe takes PROBE_S and reads ``reads`` bytes per second
+    (None: what the real probe reads on loopback): at which inner steps the probe ran (the
+    round's last one holds the first outer exchange), and what that exchange cost (the shared
+    test world gets the real probe back)."""
+    real = auto.probe_link
+    seen: dict[str, Any] = {"at": [], "step": 0}
+
+    def probe(group: Any, nbytes: int, *rest: Any) -> tuple[float, float]:
+        seen["at"].append(seen["step"])
+        if reads is None:
+            return real(group, nbytes, *rest)
+        time.sleep(PROBE_S)
+        return 1e-3, reads
+
+    auto.probe_link = probe  # type: ignore[assignment]
+    try:
+        torch.manual_seed(0)
+        model = Tiny()
+        opt = rt.DistributedOptimizer(
+            torch.optim.Adam(model.parameters(), lr=0.01),
+            named_parameters=model.named_parameters(),
+            sync_every=4,
+        )
+        for i in range(4):
+            seen["step"] = i
+            _step(model, opt, i)
+            time.sleep(STEP_S)
+        local = opt.local_update
+        assert local is not None
+        seen["outer_s"] = local.outer_seconds
+        seen["why"] = local.outer_reason
+    finally:
+        auto.probe_link = real  # type: ignore[assignment]
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_link_is_probed_beside_the_first_round_s_steps() -> None:
+    """The probe is queued at the round's first step on the outer exchange's worker: it runs
+    while the ranks compute, and the first outer step finds a slow link's figures ready."""
+    # Slow enough that the 64 KiB allreduces of the tiny model's probe take 0.2 s each.
+    reads = auto.PROBE_MIN_BYTES / (2 * local_defaults.TRUSTED_PROBE_S)
+    for seen in spawn.world(2).run(_probe_beside_the_round, reads, timeout=90):
+        assert seen["at"] == [0], seen  # queued at the first step, not probed again
+        assert seen["outer_s"] < PROBE_S - 0.2, seen  # it would hold the probe's PROBE_S
+        assert "the link is" in seen["why"], seen
+
+
+@pytest.mark.timeout(120)
+def test_a_short_probe_beside_the_steps_is_taken_again_alone() -> None:
+    """A fast link's probe takes milliseconds, which the GIL's waits behind the steps can
+    double (a fast link would look slow), so the first outer step probes it again, alone."""
+    for seen in spawn.world(2).run(_probe_beside_the_round, None, timeout=90):
+        assert seen["at"] == [0, 3], seen  # beside the first step, then alone at the exchange
+        assert "the link is" in seen["why"], seen
+
+
+def test_a_probe_beside_the_steps_stands_only_when_it_is_long() -> None:
+    grad = NUMEL * 4
+    assert local_defaults.beside_stands(grad, SLOW)  # 0.15 s allreduces
+    assert not local_defaults.beside_stands(grad, FAST)
+    assert not local_defaults.beside_stands(grad, 500e6)  # loopback behind the GIL
+    # The fewest bytes a probe sends: 64 KiB at 10 Mbit/s take 58 ms, too short to stand.
+    assert not local_defaults.beside_stands(1024, SLOW)

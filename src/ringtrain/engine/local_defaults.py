@@ -14,6 +14,18 @@ measured. The first round's exchange already uses the choice.
 
 ``sync_every="auto"`` starts the same way and decides on the same figures
 (:mod:`ringtrain.engine.local_first`): ``H``, or synchronous training after this round.
+
+The probe itself is queued at the round's first inner step, on the outer exchange's worker
+(:meth:`FirstRound.start_probe`): the link is idle while a round's inner steps run, so the probe
+runs beside them, and the first outer exchange finds its figures ready instead of waiting 0.4-0.6
+s for them at 10 Mbit/s. Every rank queues it at the same step, behind what the worker already
+holds, so its collectives run in the same order everywhere. Beside the steps, though, the probe
+waits for the GIL and the CPU they hold: on loopback that read 510-1,000 MB/s where the same
+probe alone reads 1,000, enough to make a fast link look slow. That wait is a few switch
+intervals per collective, small only against a long probe: the figures stand where the probe's
+throughput allreduces took at least :data:`TRUSTED_PROBE_S` (a slow link's do, about 0.15 s
+each); else the link is fast, and the first outer exchange probes it again, alone, in a few
+milliseconds. The figures are agreed over ranks, so every rank decides alike.
 """
 
 from __future__ import annotations
@@ -21,6 +33,8 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from ringtrain.config import Config
@@ -28,6 +42,10 @@ from ringtrain.engine import local_first, local_policy
 from ringtrain.engine.local_settings import given_outer
 
 log = logging.getLogger("ringtrain")
+
+# A probe run beside the inner steps stands if its throughput allreduces took this long: the
+# GIL's waits (sys.getswitchinterval(), 5 ms, a few per collective) are then at most ~10% of it.
+TRUSTED_PROBE_S = 0.1
 
 
 def wanted(config: Config) -> bool:
@@ -52,6 +70,15 @@ def choose(
     return local_policy.outer_settings(
         numel, sync_every, compute_s, bytes_per_s, latency_s, *given_outer(config)
     )
+
+
+def beside_stands(grad_bytes: int, bytes_per_s: float) -> bool:
+    """Whether a probe run beside the inner steps that read ``bytes_per_s`` stands: its
+    throughput allreduces (sized by :func:`~ringtrain.engine.auto.probe_bytes` at that rate)
+    took at least :data:`TRUSTED_PROBE_S`. Pure: equal figures, equal answer."""
+    from ringtrain.engine import auto  # auto imports the compression policy: only now
+
+    return auto.probe_bytes(grad_bytes, bytes_per_s) >= TRUSTED_PROBE_S * bytes_per_s
 
 
 def line(sync_every: int, outer: local_policy.OuterSettings) -> str:
@@ -79,6 +106,18 @@ class FirstRound:
         self.why = ""  # the choice and why, once made (LocalUpdate.outer_reason)
         self._last: float | None = None
         self._intervals: list[float] = []
+        # The link probe's (latency, bytes per second), queued at the round's first step.
+        self.probe: Future[tuple[float, float]] | None = None
+
+    def start_probe(
+        self, submit: Callable[..., Future[tuple[float, float]]], group: object, numel: int
+    ) -> None:
+        """Queue the link probe (``submit``: the outer exchange's worker's), unless one is
+        queued or the round is settled; :meth:`settle` takes its figures."""
+        from ringtrain.engine import auto  # auto imports the compression policy: only now
+
+        if self.probe is None and not self.settled:
+            self.probe = submit(auto.probe_link, group, numel * 4)
 
     def tick(self) -> None:
         """An inner step begins: the wall time since the last one is a step's compute."""
@@ -97,7 +136,11 @@ class FirstRound:
 
         self.settled = True
         compute = statistics.median(self._intervals) if self._intervals else 0.0
-        latency, throughput = auto.probe_link(group, numel * 4)
+        probe, self.probe = self.probe, None  # queued earlier on this worker
+        figures = probe.result() if probe is not None else None
+        if figures is None or not beside_stands(numel * 4, figures[1]):
+            figures = auto.probe_link(group, numel * 4)
+        latency, throughput = figures
         # Slowest rank: MAX compute and latency, MAX of the inverse rate; the shortest round
         # (sync_every per rank): MAX of -H, so the fitted delay fits every rank's round.
         compute, latency, inverse, minus_h = auto.slowest(

@@ -191,8 +191,12 @@ class LocalUpdate:
         the last fragment)."""
         if self.anchor is None:
             self.anchor = [p.detach().clone() for p in self._params]
-        if self._defaults is not None:
-            self._defaults.tick()
+        first = self._defaults
+        if first is not None:
+            if first.probe is None and not first.settled:  # the link, beside the round's steps
+                numel = sum(p.numel() for p in self._params)
+                first.start_probe(self._serial.submit, self._group, numel)
+            first.tick()
         result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.inner_steps += 1
         for frag in self.fragments:
@@ -520,6 +524,8 @@ class LocalUpdate:
         inner steps; the next outer step copies rank 0's anchor and outer state first, so all
         ranks, joined ones too, hold the same weights after it. Error feedback starts afresh."""
         self._drop_pending()
+        if self._defaults is not None:
+            self._defaults.probe = None  # the old world's: probed again on the new one
         self._wire.close()
         self._serial.release()
         self._wire = transport.of(group)
