@@ -139,6 +139,12 @@ class FirstRound:
         probe, self.probe = self.probe, None  # queued earlier on this worker
         figures = probe.result() if probe is not None else None
         if figures is None or not beside_stands(numel * 4, figures[1]):
+            if figures is not None and rank == 0:
+                log.info(
+                    "ringtrain: the link probe beside the first round read %.1f MB/s, too fast "
+                    "to time beside the steps; probing it again at the outer exchange",
+                    figures[1] / 1e6,
+                )
             figures = auto.probe_link(group, numel * 4)
         latency, throughput = figures
         # Slowest rank: MAX compute and latency, MAX of the inverse rate; the shortest round
