@@ -144,14 +144,20 @@ def test_auto_s_first_round_decides_on_the_same_figures(
     assert [r.getMessage() for r in caplog.records] == [local_first.line(want)]
 
 
-def _bare_rounds() -> dict[str, Any]:
+def _bare(sync_every: int) -> tuple[Tiny, Any]:
+    """A seeded model and its optimizer with a bare ``sync_every``."""
     torch.manual_seed(0)
     model = Tiny()
     opt = rt.DistributedOptimizer(
         torch.optim.Adam(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
-        sync_every=3,
+        sync_every=sync_every,
     )
+    return model, opt
+
+
+def _bare_rounds() -> dict[str, Any]:
+    model, opt = _bare(3)
     for i in range(3 * 3):
         _step(model, opt, i)
     local = opt.local_update
@@ -207,13 +213,7 @@ def _probe_beside_the_round(reads: float | None) -> dict[str, Any]:
 
     auto.probe_link = probe  # type: ignore[assignment]
     try:
-        torch.manual_seed(0)
-        model = Tiny()
-        opt = rt.DistributedOptimizer(
-            torch.optim.Adam(model.parameters(), lr=0.01),
-            named_parameters=model.named_parameters(),
-            sync_every=4,
-        )
+        model, opt = _bare(4)
         for i in range(4):
             seen["step"] = i
             _step(model, opt, i)
