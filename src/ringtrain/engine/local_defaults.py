@@ -33,9 +33,11 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
+
+import torch
 
 from ringtrain.config import Config
 from ringtrain.engine import local_first, local_policy
@@ -110,13 +112,18 @@ class FirstRound:
         self.probe: Future[tuple[float, float]] | None = None
 
     def start_probe(
-        self, submit: Callable[..., Future[tuple[float, float]]], group: object, numel: int
+        self,
+        submit: Callable[..., Future[tuple[float, float]]],
+        group: object,
+        params: Sequence[torch.Tensor],
     ) -> None:
-        """Queue the link probe (``submit``: the outer exchange's worker's), unless one is
-        queued or the round is settled; :meth:`settle` takes its figures."""
+        """Queue the link probe for ``params``' float32 bytes (``submit``: the outer exchange's
+        worker's), unless one is queued or the round is settled; :meth:`settle` takes its
+        figures."""
         from ringtrain.engine import auto  # auto imports the compression policy: only now
 
         if self.probe is None and not self.settled:
+            numel = sum(p.numel() for p in params)
             self.probe = submit(auto.probe_link, group, numel * 4)
 
     def tick(self) -> None:

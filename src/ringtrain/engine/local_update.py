@@ -193,9 +193,7 @@ class LocalUpdate:
             self.anchor = [p.detach().clone() for p in self._params]
         first = self._defaults
         if first is not None:
-            if first.probe is None and not first.settled:  # the link, beside the round's steps
-                numel = sum(p.numel() for p in self._params)
-                first.start_probe(self._serial.submit, self._group, numel)
+            first.start_probe(self._serial.submit, self._group, self._params)  # beside the steps
             first.tick()
         result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.inner_steps += 1
