@@ -72,25 +72,25 @@ def test_a_repeated_op_takes_one_round_at_four_and_eight_ranks(size: int) -> Non
             spawn.close(size)
 
 
-# Ops it may take the lane to move from one repeated name to the next: SWITCH_AFTER negotiated
-# ops, the slot given up, the lane reopened; how many ops pass meanwhile depends on timing
-# (3-6 measured beside `stress-ng --cpu 2`).
-SWITCH_OPS = 12
+# Ops the lane may take to carry the loop: it opens at the round that ran the loop's first op
+# on every rank, so the second rides it (2 measured, also beside `stress-ng --cpu 2`).
+OPEN_OPS = 10
 
 
 def _on_the_wire(ops: int) -> tuple[float, int, bool]:
     """Rounds per op of a repeated in-place 64 KiB allreduce (above what travels inline in a
     round) once the lane carries it, the lane's valid slots, and whether every result is the
-    sum. Starts with the lane reserved for another name, which it must give up first."""
+    sum. (Moving the lane from one repeated name to another takes a number of ops that
+    depends on timing: the measure starts with the loop's own name.)"""
     ctl = controller_of(None)
     t = torch.ones(16384)
-    ringtrain.allreduce_(t, name="wire.warm", op=ringtrain.Sum)
     fast = ctl._fast
-    switched = 0
-    while fast is not None and fast.lane.slots_valid == 0 and switched < SWITCH_OPS:
+    ringtrain.allreduce_(t, name="wire.loop", op=ringtrain.Sum)  # negotiated: opens the lane
+    opened = 1
+    while fast is not None and fast.lane.slots_valid == 0 and opened < OPEN_OPS:
         ringtrain.allreduce_(t, name="wire.loop", op=ringtrain.Sum)
-        switched += 1
-    assert fast is None or fast.lane.slots_valid == 1, f"no lane for the loop after {switched} ops"
+        opened += 1
+    assert fast is None or fast.lane.slots_valid == 1, f"no lane for the loop after {opened} ops"
     before, slots, right = ctl.rounds, fast.lane.slots_valid if fast else 0, True
     for _ in range(ops):
         t.fill_(ringtrain.rank() + 1.0)
