@@ -1,5 +1,7 @@
 """The fused path's pipeline chunk size: 1024 x 64 KiB through ``grouped_allreduce_`` against one
-64 MiB ``torch.distributed.all_reduce``, at several chunk sizes, in the same ranks.
+64 MiB ``torch.distributed.all_reduce``, at several chunk sizes, in the same ranks (``--count``
+sets the tensors; ``--burst`` submits them as Horovod's usual pattern does, ``allreduce_async_``
+under one name each, then ``synchronize``).
 
 Each repeat runs torch's allreduce, then the grouped call at every chunk size (the order flips
 every repeat), each 3 times back to back after a barrier; a sample is the slowest rank's time
@@ -7,6 +9,8 @@ per op. Prints the median per chunk size and the ratio to torch's sample of the 
 (median [min-max]). Run under the launcher, which binds each rank to its cores:
 
     ringtrain run -np 2 -- .venv/bin/python scripts/bench_fusion_chunks.py [--repeats 6]
+    ringtrain run -np 8 -x OMP_NUM_THREADS=2 -- python scripts/bench_fusion_chunks.py \
+        --count 256 --burst        # issue 38's burst, on a machine with 16 cores
 """
 
 from __future__ import annotations
@@ -34,13 +38,22 @@ def _time(op: Callable[[], None]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--count", type=int, default=1024, help="tensors of 64 KiB")
+    parser.add_argument("--burst", action="store_true", help="async ops, not one grouped call")
     args = parser.parse_args()
     rt.init()
-    small = [torch.zeros(16384) for _ in range(1024)]
-    big = torch.zeros(16384 * 1024)
+    small = [torch.zeros(16384) for _ in range(args.count)]
+    big = torch.zeros(16384 * args.count)
 
     def grouped() -> None:
-        rt.grouped_allreduce_(small, name="bench.chunks", op=rt.Sum)
+        if not args.burst:
+            rt.grouped_allreduce_(small, name="bench.chunks", op=rt.Sum)
+            return
+        handles = [
+            rt.allreduce_async_(t, name=f"bench.chunks.{i}", op=rt.Sum) for i, t in enumerate(small)
+        ]
+        for h in handles:
+            rt.synchronize(h)
 
     def one() -> None:
         dist.all_reduce(big)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue 38's wall-time figures, for a machine with the cores (a lent GPU machine's host: 16
+# cores): 8 ranks x 2 threads and 16 ranks x 1 thread on loopback, ringtrain against raw Gloo
+# interleaved in the same processes (every size 64 KiB-16 MiB, and a burst of 256 x 64 KiB
+# async ops against one tensor of its bytes); then CPU per op at 4 and 2 ranks, which on 16
+# cores runs one rank per core (the 2-core machine runs 4 ranks two to a core); then the burst
+# at 8 ranks by the fused path's pipeline chunk size (execute.PIPELINE_CHUNK_BYTES, 16 MiB,
+# chosen on 2 cores, where the copies cannot overlap Gloo: a 16 MiB burst is one chunk there).
+#
+# Run from the repository root with a torch-enabled python (PY, default python3; nothing is
+# installed). Every part is bounded, the most wanted first, so that a run cut short still
+# returns what it finished; the whole ends within about 7 minutes on 16 cores. Results go to
+# $OUT (default /tmp): scale.log and one JSON per part.
+#
+#     bash scripts/bench_scale_16core.sh
+#     PY=.venv/bin/python QUICK=1 bash scripts/bench_scale_16core.sh   # a smoke run on 2 cores
+set -uo pipefail
+OUT="${OUT:-/tmp}"
+PY="${PY:-python3}"
+mkdir -p "$OUT"
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
+# QUICK=1: 2 and 3 ranks, two sizes, short bursts: checks the script, measures nothing.
+if [ "${QUICK:-0}" = 1 ]; then
+    WIDE="2x1 3x1" CPU_RANKS="2" SIZES="64K,1M" REPEATS=2 BURST=32 LIMIT=60 CHUNKS_NP=2
+else
+    WIDE="8x2 16x1" CPU_RANKS="4 2" SIZES="64K..16M:4" REPEATS=5 BURST=256 LIMIT=140 CHUNKS_NP=8
+fi
+start=$SECONDS
+log="$OUT/scale.log"
+
+{
+    echo "date: $(date -u +%FT%TZ)  cores: $(nproc)  commit: $(git rev-parse --short HEAD 2>/dev/null)"
+    "$PY" -c 'import torch; print("torch", torch.__version__)'
+    uptime
+} | tee "$log"
+
+part() {  # name seconds command...: one bounded part, its exit code and the time so far logged
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name" | tee -a "$log"
+    timeout "$limit" "$@" 2>&1 | tee -a "$log"
+    echo "$name: exit ${PIPESTATUS[0]} at $((SECONDS - start)) s; $(uptime)" | tee -a "$log"
+}
+
+for shape in $WIDE; do  # RANKSxTHREADS: the done-when's wall-time cases
+    np=${shape%x*} threads=${shape#*x}
+    part "allreduce $np ranks x $threads threads" "$LIMIT" \
+        "$PY" -m ringtrain.bench allreduce -np "$np" --threads "$threads" --sizes "$SIZES" \
+        --repeats "$REPEATS" --fusion-count "$BURST" --fusion-size 65536 \
+        --fusion-repeats "$REPEATS" --markdown --json "$OUT/scale-allreduce-$shape.json"
+done
+for np in $CPU_RANKS; do  # the done-when's CPU cases: 1 and 2 threads
+    for threads in 1 2; do
+        part "cpu $np ranks x $threads threads" $((LIMIT / 2)) \
+            "$PY" -m ringtrain.bench cpu -np "$np" --threads "$threads" --sizes "$SIZES" \
+            --repeats 4 --burst-count "$BURST" --markdown \
+            --json "$OUT/scale-cpu-${np}x$threads.json"
+    done
+done
+part "burst by chunk size, $CHUNKS_NP ranks x 2 threads" "$LIMIT" \
+    "$PY" -m ringtrain run -np "$CHUNKS_NP" -x OMP_NUM_THREADS=2 -- \
+    "$PY" scripts/bench_fusion_chunks.py --count "$BURST" --burst --repeats "$REPEATS"
+uptime | tee -a "$log"
+echo "total $((SECONDS - start)) s; results in $OUT" | tee -a "$log"
