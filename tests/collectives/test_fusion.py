@@ -97,6 +97,27 @@ def test_grouped_views_of_one_buffer_are_reduced_where_they_lie(world: World) ->
     world.run(_views_of_one_buffer)
 
 
+def _layouts_kept_and_changed() -> None:
+    """The fused path keeps its buffer's views by the tensors' shapes: the same numbers of
+    elements in other shapes, and more layouts than it keeps, then each again, all exact."""
+    executor = rt.global_process_set.communicator.service("controller")._executor
+    r, n = rt.rank(), rt.size()
+    # Over inline.INLINE_MAX_BYTES, so that they take the fused path.
+    layouts = [[(30, 50), (1600,)], [(1500,), (40, 40)], [(1600,), (30, 50)]]
+    layouts += [[(k + 1, 1024), (2, 3)] for k in range(execute.KEPT_LAYOUTS)]
+    for rep, shapes in enumerate(layouts * 2):
+        ts = [torch.full(s, float(r + rep + i)) for i, s in enumerate(shapes)]
+        rt.grouped_allreduce_(ts, op=rt.Sum)
+        for i, (s, t) in enumerate(zip(shapes, ts)):
+            assert t.shape == s
+            torch.testing.assert_close(t, torch.full(s, float(sum(range(n)) + n * (rep + i))))
+    assert 1 <= len(executor._layouts) <= execute.KEPT_LAYOUTS
+
+
+def test_repeated_and_changed_layouts_are_exact(world: World) -> None:
+    world.run(_layouts_kept_and_changed)
+
+
 def _cached_then_changed() -> None:
     ctl = rt.global_process_set.communicator.service("controller")
     for _step in range(3):  # the same named ops every step: negotiated by cache number

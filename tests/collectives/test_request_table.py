@@ -25,6 +25,19 @@ def test_a_name_is_ready_once_every_rank_submitted_it() -> None:
     assert sorted(by_rank) == [0, 1, 2] and payloads is None and not t and not t.first_seen
 
 
+def test_the_stall_inspector_reads_only_names_waiting_long_enough() -> None:
+    t = RequestTable(capacity=8)
+    for now, name in ((1.0, "a"), (2.0, "b"), (3.0, "c")):
+        t.add(0, 0, [_req(name)], {}, now=now)
+    assert list(t.waiting(now=5.0, for_s=2.5)) == ["a", "b"]
+    assert list(t.waiting(now=5.0)) == ["a", "b", "c"]
+    t.add(1, 1, [_req("a")], {}, now=4.0)
+    t.take("a")
+    t.add(0, 0, [_req("a")], {}, now=4.0)  # seen again: now the newest
+    assert list(t.waiting(now=7.0, for_s=3.5)) == ["b", "c"]
+    assert t.waiting(now=7.0, for_s=3.5)["b"].submitted == (0,)
+
+
 def test_joined_ranks_stand_in_for_others_but_not_for_the_join() -> None:
     t = RequestTable(capacity=8)
     t.add(1, 11, [_req(JOIN, 0, "join")], {}, now=0.0)

@@ -45,6 +45,8 @@ from ringtrain.transport import group_ops
 # Fused allreduces move in chunks of this size, pipelined with packing and unpacking. Large
 # enough that Gloo's per-op cost (about a millisecond) stays small next to the transfer.
 PIPELINE_CHUNK_BYTES = 16 * 1024 * 1024
+# Layouts of the fusion buffer kept (see Executor._shaped): a program repeats a few bursts.
+KEPT_LAYOUTS = 8
 
 
 @dataclass
@@ -85,6 +87,7 @@ class Executor:
         self._batch_alone = False  # the batch holds an op that shares no buffer
         self._small: list[_Item] = []  # small allreduces of 3+ ranks, gathered at the flush
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._layouts: dict[tuple[Any, ...], list[torch.Tensor]] = {}  # see _shaped
         self.inline_ops = 0  # ops whose data came with the negotiation, for tests and stats
         self.fused_ops = 0  # fused allreduces run (one per batch, however many chunks)
         self.gathered_ops = 0  # allgathers that carried small allreduces (3+ ranks)
@@ -234,7 +237,7 @@ class Executor:
         flat = inline.reduce(item.name, payloads, item.request.op, scaling.before)
         numels = [w.numel() for w in work]
         plain = _all_reducible_in(item.outputs, work)
-        self._unpack(range(len(work)), flat, None, work, item.outputs, numels, plain, scaling)
+        self._unpack(flat, None, item.outputs, _cut(flat, work, numels), plain, scaling)
         return item.outputs
 
     def _flush_small(self) -> None:
@@ -289,7 +292,7 @@ class Executor:
             scaling.before(part)
             out = inline.reduce_rows(part, item.request.op)
             plain = _all_reducible_in(item.outputs, work)
-            self._unpack(range(len(work)), out, None, work, item.outputs, numels, plain, scaling)
+            self._unpack(out, None, item.outputs, _cut(out, work, numels), plain, scaling)
 
     def _fused_allreduce(self, batch: list[_Item]) -> None:
         req = batch[0].request
@@ -330,51 +333,66 @@ class Executor:
         # Every copy and scaling runs on this thread alone (:mod:`~ringtrain.collectives.copies`).
         numels = [w.numel() for w in work]
         buf = self._fusion_buffer(work[0], sum(numels))
+        shaped = self._shaped(buf, work, numels)
         plain = _all_reducible_in(outputs, work)
-        in_flight: collections.deque[tuple[range, torch.Tensor, Any]] = collections.deque()
+        in_flight: collections.deque[
+            tuple[torch.Tensor, Any, list[torch.Tensor], list[torch.Tensor]]
+        ] = collections.deque()
         offset = 0
         for chunk in _chunks(numels, PIPELINE_CHUNK_BYTES // buf.element_size()):
             k = sum(numels[chunk.start : chunk.stop])
             flat = buf[offset : offset + k]
             offset += k
-            pieces = flat.split_with_sizes(numels[chunk.start : chunk.stop])
-            copies.copy_all_(
-                [p.view(work[i].shape) for i, p in zip(chunk, pieces)], [work[i] for i in chunk]
-            )
+            pieces = shaped[chunk.start : chunk.stop]
+            copies.copy_all_(pieces, work[chunk.start : chunk.stop])
             copies.scale_(flat, scaling.pre)
             pending = None
             if in_order:  # one at a time: the chunks share the scratch
                 ordered.allreduce(flat, op, group, self._scratch)
             elif self.comm.size > 1:
                 pending = group_ops.allreduce(flat, group, REDUCE_OPS[op], async_op=True)
-            in_flight.append((chunk, flat, pending))
+            in_flight.append((flat, pending, outputs[chunk.start : chunk.stop], pieces))
             if len(in_flight) > 1:
-                self._unpack(*in_flight.popleft(), work, outputs, numels, plain, scaling)
+                self._unpack(*in_flight.popleft(), plain, scaling)
         while in_flight:
-            self._unpack(*in_flight.popleft(), work, outputs, numels, plain, scaling)
+            self._unpack(*in_flight.popleft(), plain, scaling)
 
     @staticmethod
     def _unpack(
-        chunk: range,
         flat: torch.Tensor,
         pending: Any,
-        work: list[torch.Tensor],
         outputs: list[torch.Tensor],
-        numels: list[int],
+        pieces: list[torch.Tensor],
         plain: bool,
         scaling: Factors,
     ) -> None:
+        """``flat``'s reduced values into ``outputs``, through ``pieces``: views of ``flat``
+        shaped like them."""
         if pending is not None:
             pending.wait()
         copies.scale_(flat, scaling.post)
-        pieces = torch.split_with_sizes(flat, numels[chunk.start : chunk.stop])
         if plain:  # the common case, in one call: no per-tensor overhead
-            copies.copy_all_([outputs[i].view(-1) for i in chunk], list(pieces))
+            copies.copy_all_(outputs, pieces)
             return
-        for i, piece in zip(chunk, pieces):
-            out = outputs[i]
-            piece = piece.view(work[i].shape)
+        for out, piece in zip(outputs, pieces):
             copies.copy_(out, piece.view(torch.uint64) if out.dtype == torch.uint64 else piece)
+
+    def _shaped(
+        self, buf: torch.Tensor, work: list[torch.Tensor], numels: list[int]
+    ) -> list[torch.Tensor]:
+        """``buf`` cut into views shaped like ``work``'s tensors, back to back. Kept by layout
+        for the executor's own buffer: a program repeats its bursts, and making two views per
+        tensor per batch was a tenth of the controller's time in a burst of 256 (issue 38)."""
+        kept = self._buffers.get((buf.dtype, buf.device))
+        if kept is None or kept.data_ptr() != buf.data_ptr():
+            return _cut(buf, work, numels)  # a buffer of its own: not kept, nor its views
+        key = (buf.device, buf.data_ptr(), buf.dtype, tuple(w.shape for w in work))
+        views = self._layouts.get(key)
+        if views is None:
+            if len(self._layouts) >= KEPT_LAYOUTS:
+                self._layouts.clear()
+            views = self._layouts[key] = _cut(buf, work, numels)
+        return views
 
     def _fusion_buffer(self, like: torch.Tensor, numel: int) -> torch.Tensor:
         """``numel`` elements of this executor's fusion buffer for ``like``'s dtype and device.
@@ -390,6 +408,7 @@ class Executor:
             buf = torch.empty(numel, dtype=like.dtype, device=like.device)
             if numel * buf.element_size() <= max(self.threshold, 1 << 20):
                 self._buffers[key] = buf
+                self._layouts.clear()  # views of the buffer this one replaces
         return buf[:numel]
 
     # ---- everything else ---------------------------------------------------------------------
@@ -448,6 +467,11 @@ def _chunks(numels: list[int], chunk_numel: int) -> list[range]:
         size += k
     chunks.append(range(start, len(numels)))
     return chunks
+
+
+def _cut(flat: torch.Tensor, work: list[torch.Tensor], numels: list[int]) -> list[torch.Tensor]:
+    """``flat`` as views shaped like ``work``'s tensors (of ``numels`` elements), back to back."""
+    return [p.view(w.shape) for p, w in zip(flat.split_with_sizes(numels), work)]
 
 
 def one_block(outputs: list[torch.Tensor], work: list[torch.Tensor]) -> torch.Tensor | None:

@@ -98,12 +98,16 @@ class RequestTable:
         """Whether ``set_rank`` submitted a name that still waits for others."""
         return any(set_rank in by for by in self.by_name.values())
 
-    def waiting(self, now: float) -> dict[str, stall.Waiting]:
-        """The pending names as the stall inspector reads them."""
-        return {
-            name: stall.Waiting(name, tuple(sorted(by)), self.first_seen.get(name, now))
-            for name, by in self.by_name.items()
-        }
+    def waiting(self, now: float, for_s: float = 0.0) -> dict[str, stall.Waiting]:
+        """The names pending for at least ``for_s`` seconds, as the stall inspector reads them.
+        ``first_seen`` holds names in the order they were first seen, so the scan ends at the
+        first newer one: rank 0 asks every round, and a burst keeps hundreds pending."""
+        out: dict[str, stall.Waiting] = {}
+        for name, since in self.first_seen.items():
+            if now - since < for_s:
+                break
+            out[name] = stall.Waiting(name, tuple(sorted(self.by_name[name])), since)
+        return out
 
     # ---- the request cache ------------------------------------------------------------------
 
