@@ -106,7 +106,7 @@ class RequestTable:
         for name, since in self.first_seen.items():
             if now - since < for_s:
                 break
-            out[name] = stall.Waiting(name, tuple(sorted(self.by_name[name])), since)
+            out[name] = stall.Waiting(name, tuple(sorted(self.by_name.get(name, ()))), since)
         return out
 
     # ---- the request cache ------------------------------------------------------------------
