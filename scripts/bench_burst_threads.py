@@ -88,7 +88,9 @@ def main(count: int) -> None:
     if hvd.rank() == 0:
         for case, threads in ms.items():
             medians = {name: statistics.median(v) for name, v in threads.items()}
-            parts_ = ", ".join(f"{name} {v:.2f}" for name, v in sorted(medians.items()) if v >= 0.005)
+            parts_ = ", ".join(
+                f"{name} {v:.2f}" for name, v in sorted(medians.items()) if v >= 0.005
+            )
             print(f"{case}: {sum(medians.values()):.2f} ms CPU per burst ({parts_})")
     hvd.shutdown()
 
