@@ -69,6 +69,12 @@ class CollectiveArgumentError(CollectiveError, ValueError):
     """A collective was called with invalid arguments."""
 
 
+class StepOrderError(CollectiveArgumentError, AssertionError):
+    """DistributedOptimizer's calls came out of order: ``zero_grad()`` between a backward pass
+    and ``step()``, or more backward passes than ``backward_passes_per_step`` before it. An
+    ``AssertionError`` too, as Horovod raises there, so ``except AssertionError`` still works."""
+
+
 class CollectiveUnsupportedError(CollectiveArgumentError, NotImplementedError):
     """The collective asks for something ringtrain does not do (``op=Adasum``)."""
 

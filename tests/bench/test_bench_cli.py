@@ -188,3 +188,31 @@ def test_runs_in_place_under_a_launcher(world2: World) -> None:
     assert {p.impl for p in results[0].sizes} == {"ringtrain", "torch"}
     errors = world2.run(_wrong_np, init=False, timeout=30)
     assert all("-np 7" in e and "HINT" in e for e in errors)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--timeout", "-1"], "--timeout -1.0: give a number of seconds above 0"),
+        (["--timeout", "nan"], "--timeout nan: give a number of seconds above 0"),
+        (["--threads", "0"], "--threads 0: give 1 or more"),
+        (["--fusion-threshold-mb", "-3"], "fusion_threshold_bytes must be >= 0"),
+        (["--cycle-time-ms", "nan"], "cycle_time_ms must be > 0"),
+        (["--json", "/etc/passwd/x.json"], "/etc/passwd is a file, not a directory"),
+    ],
+)
+def test_bad_options_are_refused_before_any_rank_starts(
+    flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "allreduce", "-np", "2", "--sizes", "4K", "--repeats", "1"]
+    assert cli.main([*argv, "--fusion-repeats", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and "rank 0" not in err, err
+
+
+def test_a_bad_size_names_the_format(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "allreduce", "--sizes", "4Q"])
+    err = capsys.readouterr().err
+    assert "argument --sizes: cannot read '4Q' as a size" in err and "HINT: write e.g." in err

@@ -18,6 +18,7 @@ import functools
 import json
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -271,6 +272,24 @@ def test_before_init_queries_raise_value_error_as_horovod() -> None:
         hvd.size()
     assert issubclass(hvd.HorovodInternalError, RuntimeError)
     assert issubclass(rt.CollectiveMismatchError, hvd.HorovodInternalError)
+    # Horovod's basics.py: ValueError where its MPI is not enabled, as ringtrain's never is
+    assert not hvd.mpi_enabled()
+    with pytest.raises(ValueError, match="MPI is not enabled"):
+        hvd.mpi_threads_supported()
+
+
+def _average_flag() -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert hvd.allreduce(torch.ones(1), average=False).item() == hvd.size()
+    return [str(w.message) for w in caught if w.category is DeprecationWarning]
+
+
+def test_the_average_flag_warns_as_horovod(world2: spawn.World) -> None:
+    for messages in world2.run(_average_flag):
+        assert messages == [
+            "Parameter `average` has been replaced with `op` and will be removed in v1.0"
+        ]
 
 
 # ---- 4. join -----------------------------------------------------------------------------------

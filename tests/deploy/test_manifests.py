@@ -472,6 +472,15 @@ def test_settings_meet_the_rules_of_ringtrain_run(capsys: Any) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_an_unbalanced_quote_in_the_command_is_one_error(capsys: Any) -> None:
+    argv = ["k8s", "--name", "demo", "--image", "img", "--command", "python 't.py"]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert '--command "python \'t.py": No closing quotation' in err, err
+    assert "HINT:" in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(60)
 def test_cli_out_under_a_regular_file_is_one_error(tmp_path: Path, capsys: Any) -> None:
     (tmp_path / "plain").write_text("")
     out = tmp_path / "plain" / "deploy"

@@ -305,3 +305,70 @@ def _lbfgs() -> str:
 def test_lbfgs_state_is_refused(world: spawn.World) -> None:
     for message in world.run(_lbfgs):
         assert "LBFGS" in message
+
+
+# ---- steps that come early, and calls out of order -------------------------------------------
+
+
+def _early_step() -> tuple[list[float], list[str]]:
+    r = rt.rank()
+    model, x = _linear(r)
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        named_parameters=model.named_parameters(),
+        backward_passes_per_step=3,
+    )
+    got = []
+    for passes in (2, 3):  # an epoch's last, short accumulation; then a full one
+        opt.zero_grad()
+        for _ in range(passes):
+            model(x).sum().backward()
+        opt.step()  # Horovod reduces what the passes summed, and steps
+        got.append(model.weight[0, 0].item())
+    caught = []
+    opt.zero_grad()
+    model(x).sum().backward()
+    try:
+        opt.zero_grad()  # after one backward pass of 3: Horovod's AssertionError
+    except AssertionError as e:
+        caught.append(str(e))
+    opt.synchronize()
+    for _ in range(3):
+        model(x).sum().backward()
+    try:
+        model(x).sum().backward()  # a 4th pass of 3
+    except AssertionError as e:
+        caught.append(str(e))
+    opt.synchronize()
+    opt.remove_hooks()
+    return got, caught
+
+
+def test_an_early_step_reduces_what_was_accumulated(world: spawn.World) -> None:
+    """Horovod's synchronize() reduces every gradient whose passes did not reach
+    backward_passes_per_step, as they stand (summed, not divided by the passes)."""
+    mean = sum(r + 1 for r in range(world.size)) / world.size
+    for got, caught in world.run(_early_step):
+        assert got == [-2 * mean, -5 * mean]
+        assert len(caught) == 2
+        assert "before optimizer.step()" in caught[0] and "computed again" in caught[1]
+
+
+def _wrapped_class() -> list[Any]:
+    model, _ = _linear(rt.rank())
+    opt = rt.DistributedOptimizer(torch.optim.Adam(model.parameters()))
+    sgd = rt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    got = [type(opt).__name__, isinstance(opt, torch.optim.Adam), type(sgd).__name__]
+    got += [isinstance(sgd, torch.optim.Adam), isinstance(opt, rt.DistributedOptimizer)]
+    for bad in (-1, 0, "2"):
+        with pytest.raises(ValueError, match="groups should be a positive integer"):
+            rt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), groups=bad)
+    for o in (opt, sgd):
+        o.remove_hooks()
+    return got
+
+
+def test_the_wrapper_is_an_instance_of_the_wrapped_class(world: spawn.World) -> None:
+    """Horovod builds its optimizer's class with type(name, (optimizer.__class__,), ...)."""
+    for got in world.run(_wrapped_class):
+        assert got == ["Adam", True, "SGD", False, True]

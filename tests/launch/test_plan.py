@@ -38,6 +38,9 @@ def test_hostfile(tmp_path) -> None:
         parse_hostfile(f)
     with pytest.raises(HostSpecError, match="cannot read hostfile"):
         parse_hostfile(tmp_path / "missing")
+    f.write_text("node1 slots=4\n", encoding="utf-16")  # a Windows editor's "Unicode"
+    with pytest.raises(HostSpecError, match="is not UTF-8 text"):
+        parse_hostfile(f)
 
 
 def test_plan_is_host_major_with_horovod_numbering() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +43,7 @@ from ringtrain.bench.report import (
     save_json,
 )
 from ringtrain.bench.train import VARIANTS, TrainParams, variant_compression
+from ringtrain.config import Config, check_path
 from ringtrain.errors import ConfigError
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20}
@@ -80,6 +82,22 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     if not sizes or min(sizes) < 1:
         raise ConfigError(f"--sizes {text!r} gives no positive sizes")
     return tuple(sizes)
+
+
+def _arg(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as an argparse type: its message, not "invalid parse_sizes value"."""
+
+    def typed(text: str) -> Any:
+        try:
+            return parse(text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    typed.__name__ = parse.__name__
+    return typed
+
+
+_size, _sizes = _arg(parse_bytes), _arg(parse_sizes)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -124,7 +142,7 @@ def _sweep(
     link: bool = True,
 ) -> None:
     """The message-size sweep's flags, alike for every benchmark that has one."""
-    p.add_argument("--sizes", type=parse_sizes, default=sizes, help=sizes_help)
+    p.add_argument("--sizes", type=_sizes, default=sizes, help=sizes_help)
     p.add_argument("--repeats", type=int, default=5, help=repeats_help)
     p.add_argument("--iters", type=int, default=0, help="ops per sample (default: auto)")
     if link:
@@ -153,7 +171,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     ar.add_argument("--fusion-count", type=int, default=1024, help="tensors in the fusion case")
     ar.add_argument(
-        "--fusion-size", type=parse_bytes, default=64 << 10, help="bytes per fusion-case tensor"
+        "--fusion-size", type=_size, default=64 << 10, help="bytes per fusion-case tensor"
     )
     ar.add_argument(
         "--fusion-repeats", type=int, default=3, help="samples of the fusion case (0 skips it)"
@@ -216,7 +234,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     ck.add_argument(
         "--step-tensors", type=int, default=256, help="named tensors per step (0 skips the step)"
     )
-    ck.add_argument("--step-size", type=parse_bytes, default=4 << 10, help="bytes per step tensor")
+    ck.add_argument("--step-size", type=_size, default=4 << 10, help="bytes per step tensor")
     ck.add_argument("--step-iters", type=int, default=5, help="steps per sample")
     _common(ck)
 
@@ -242,7 +260,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--tail-ms", type=float, default=100.0, help="idle time measured after each sample"
     )
     cu.add_argument("--burst-count", type=int, default=256, help="async ops per burst (0 skips)")
-    cu.add_argument("--burst-size", type=parse_bytes, default=64 << 10, help="bytes per burst op")
+    cu.add_argument("--burst-size", type=_size, default=64 << 10, help="bytes per burst op")
     _common(cu)
 
     cp = sub.add_parser(
@@ -516,9 +534,24 @@ _PRESENT: dict[str, tuple[Callable[[Any, bool], str], Callable[[Any, str], None]
 }
 
 
+def _check(args: argparse.Namespace) -> None:
+    """What can be checked before any rank starts, as ``ringtrain run`` does: numbers, the
+    engine settings (by the Config's own rules) and where the results will be written."""
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        raise ConfigError(f"--timeout {args.timeout}: give a number of seconds above 0")
+    for flag, value in (("-np", args.np), ("--threads", args.threads)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: give 1 or more (or leave it out)")
+    Config().replace(**_settings(args))
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            check_path(f"{flag} {path}", path)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.benchmark == "coordinator":  # one process, no ranks
         return coordinator.main(args)
+    _check(args)
     params = _params(args)
     with contextlib.ExitStack() as stack:
         if args.benchmark == "secure" and not ranks.under_launcher():

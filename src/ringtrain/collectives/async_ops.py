@@ -498,8 +498,11 @@ def _splits_check(tensor: Any, splits: Any, process_set: ProcessSet | None) -> C
             )
         if len(splits) != size:
             return f"alltoall splits has {len(splits)} entries, expected one per rank ({size})"
-        if any(int(s) < 0 for s in splits) or sum(int(s) for s in splits) != rows:
-            return f"alltoall splits {list(splits)} must be >= 0 and sum to dim 0 of the tensor ({rows})"
+        if any(int(s) < 0 for s in splits) or sum(int(s) for s in splits) > rows:
+            return (
+                f"alltoall splits {list(splits)} must be >= 0 and sum to at most dim 0 of the "
+                f"tensor ({rows}); rows past their sum are not sent"
+            )
         return ""
 
     return check

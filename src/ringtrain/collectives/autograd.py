@@ -264,6 +264,7 @@ class _Alltoall(torch.autograd.Function):
         # Without splits, ranks may still send different row counts (dim 0 / n each): the
         # gradient goes back along what each rank really received, never an even split.
         ctx.received = [int(s) for s in received.tolist()]
+        ctx.rows = tensor.shape[0] if tensor.dim() else 0
         if splits is None:
             return out
         ctx.mark_non_differentiable(received)
@@ -275,6 +276,8 @@ class _Alltoall(torch.autograd.Function):
         g, _ = async_ops.synchronize(
             async_ops.alltoall_async(grad.contiguous(), ctx.received, _grad_name(name), ps)
         )
+        if g.dim() and g.shape[0] < ctx.rows:  # rows the splits left unsent: no gradient
+            g = torch.cat([g, g.new_zeros((ctx.rows - g.shape[0], *g.shape[1:]))])
         return g, None, None, None
 
 

@@ -8,9 +8,12 @@ Complex tensors reduce as pairs of reals for Sum/Average; Min/Max/Product have n
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ringtrain.errors import CollectiveArgumentError
+from ringtrain.transport import views
 
 GLOO_NATIVE = {
     torch.float32,
@@ -74,13 +77,16 @@ def to_reducible_all(tensors: list[torch.Tensor], op: str) -> list[torch.Tensor]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A uint8 view of a contiguous tensor, shaped ``(rows, bytes_per_row)`` so dim 0 survives."""
-    t = t.contiguous()
+    """A uint8 view of ``t`` (of a contiguous copy where ``t`` is not contiguous), shaped
+    ``(rows, bytes_per_row)`` so dim 0 survives. The row's width comes from the shape, not the
+    data, so a rank that sends no rows agrees with its peers on it."""
     rows = t.shape[0] if t.dim() > 0 else 1
-    flat = t.reshape(rows, -1) if t.numel() else t.reshape(rows, 0)
-    if flat.dtype == torch.bool:
-        flat = flat.view(torch.uint8)
-    return flat.view(torch.uint8) if flat.numel() else torch.empty((rows, 0), dtype=torch.uint8)
+    width = math.prod(t.shape[1:]) * t.element_size()
+    if t.numel() == 0:
+        return torch.empty((rows, width), dtype=torch.uint8, device=t.device)
+    # flat: torch calls a tensor contiguous whatever the strides of its size-1 dimensions
+    # (x.t() of a (1, n) tensor), and view(uint8) needs a last stride of 1
+    return views.as_u8(t).view(rows, width)
 
 
 def movable(t: torch.Tensor) -> bool:

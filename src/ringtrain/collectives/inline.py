@@ -28,6 +28,7 @@ import torch
 from ringtrain.collectives import dtypes
 from ringtrain.collectives.requests import Request, TensorMeta
 from ringtrain.errors import CollectiveArgumentError, CollectiveMismatchError
+from ringtrain.transport import views
 
 # An op this small (all its tensors together) travels in the negotiation round, while a rank's
 # control message carries no more than INLINE_MAX_PER_MESSAGE in all: the round moves a fixed
@@ -78,8 +79,8 @@ def _encode_reduction(tensors: Sequence[torch.Tensor], op: str) -> Payload | Non
     dtype = work[0].dtype
     if any(w.dtype != dtype for w in work):
         return None
-    flat = torch.cat([w.reshape(-1) for w in work]) if len(work) > 1 else work[0].reshape(-1)
-    return str(dtype), flat.contiguous().view(torch.uint8).numpy().tobytes()
+    flat = torch.cat([w.reshape(-1) for w in work]) if len(work) > 1 else work[0]
+    return str(dtype), views.as_u8(flat).numpy().tobytes()
 
 
 def reduce(

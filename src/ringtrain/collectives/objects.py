@@ -1,36 +1,38 @@
 """Collectives on picklable Python objects, plus ``barrier`` and ``join``.
 
-Objects travel as pickled bytes through the same negotiated tensor collectives, so they are
-matched by name, checked, and (in secure mode) sealed like everything else. Receivers of a
-broadcast need not know the object's size: the root's request carries it.
+Objects travel as pickled bytes (cloudpickle, as Horovod's: functions and classes by value)
+through the same negotiated tensor collectives, so they are matched by name, checked, and (in
+secure mode) sealed like everything else. Receivers of a broadcast need not know the object's
+size: the root's request carries it. An object that cannot be pickled fails on every rank.
 """
 
 from __future__ import annotations
 
-import io
 import pickle
 from typing import Any, TypeVar, cast
 
+import cloudpickle
 import torch
 
 from ringtrain.collectives import ops
 from ringtrain.collectives.controller import JOIN_NAME
 from ringtrain.collectives.requests import Request, TensorMeta
-from ringtrain.errors import CollectiveArgumentError
 from ringtrain.runtime.process_sets import ProcessSet
 
 T = TypeVar("T")
 
 
-def _dumps(obj: Any) -> torch.Tensor:
-    buf = io.BytesIO()
+def _dumps(obj: Any) -> tuple[torch.Tensor | None, str]:
+    """The object's bytes, or None and why it cannot travel. By value (cloudpickle, as
+    Horovod's): a lambda or a class defined in ``__main__`` travels too."""
     try:
-        pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
+        data = cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as e:
-        raise CollectiveArgumentError(
-            f"object of type {type(obj).__name__} cannot be pickled: {e}"
-        ) from e
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        return None, (
+            f"the object of type {type(obj).__name__} cannot be pickled: {e}\n"
+            "HINT: send only what cloudpickle can serialize (no open files, sockets or locks)."
+        )
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8), ""
 
 
 def _loads(t: torch.Tensor) -> Any:
@@ -48,7 +50,10 @@ def broadcast_object(
         bad = ctl.submit(Request(name, "broadcast", root=-1, error=err), [], [])
         return cast(T, ops.synchronize(bad))  # raises the error on every rank
     if ctl.comm.world_rank == root:  # a global rank, as in Horovod
-        data = _dumps(obj)
+        data, err = _dumps(obj)
+        if data is None:  # every rank raises it, rather than waiting for the root
+            bad = ctl.submit(Request(name, "broadcast", root=root, error=err), [], [])
+            return cast(T, ops.synchronize(bad))
         req = Request(
             name,
             "broadcast",
@@ -75,7 +80,10 @@ def allgather_object(
     """Every rank's object, as a list in rank order."""
     ctl = ops.controller_of(process_set)
     name = name if name is not None else ctl.auto_name("allgather_object")
-    data = _dumps(obj)
+    data, err = _dumps(obj)
+    if data is None:  # every rank raises it at the sizes' allgather
+        bad = ctl.submit(Request(f"{name}.sizes", "allgather", error=err), [], [])
+        return cast(list[T], ops.synchronize(bad))
     sizes = ops.synchronize(
         ops.allgather_async(
             torch.tensor([data.numel()], dtype=torch.int64), f"{name}.sizes", process_set

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from enum import Enum
 from typing import TypeAlias
 
@@ -41,6 +42,11 @@ def resolve_op(
     if average is not None:
         if op is not None:
             raise CollectiveArgumentError("pass either op= or the deprecated average=, not both")
+        warnings.warn(
+            "Parameter `average` has been replaced with `op` and will be removed in v1.0",
+            DeprecationWarning,  # Horovod's warning, word for word
+            stacklevel=3,
+        )
         op = Average if average else Sum
     if op is None:
         op = default

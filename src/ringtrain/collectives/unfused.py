@@ -11,6 +11,7 @@ order fixed by rank.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -124,7 +125,7 @@ def reducescatter(comm: Communicator, req: Request, t: torch.Tensor) -> torch.Te
     size, me = comm.size, comm.set_rank
     rows = t.shape[0]
     counts = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
-    work = dtypes.to_reducible(t, req.op).reshape(rows, -1)
+    work = dtypes.to_reducible(t, req.op).reshape(rows, math.prod(t.shape[1:]))
     longest = max(counts)
     width = work.shape[1]
     pieces = torch.zeros((size, longest, width), dtype=work.dtype, device=work.device)
@@ -134,7 +135,7 @@ def reducescatter(comm: Communicator, req: Request, t: torch.Tensor) -> torch.Te
         offset += k
     scaling = scaling_of(req, size, work.dtype)  # integers as Horovod: see scaling_of
     scaling.before(pieces)
-    if size == 1:
+    if size == 1 or pieces.numel() == 0:  # no data: every rank's shape is the same (checked)
         out = pieces[0]
     elif _ring_reduces_scatter(pieces, group := comm.group_for(pieces)):
         # Gloo's reduce_scatter allreduces the whole input and keeps a chunk: twice the
@@ -172,7 +173,7 @@ def alltoall(
     recv = [splits_of(r)[me] for r in range(size)]
     if t.dim() == 0:
         t = t.reshape(1)
-    data = dtypes.as_bytes(t)
+    data = dtypes.as_bytes(t)[: sum(send)]  # splits may leave rows unsent, as in Horovod
     out = torch.empty((sum(recv), data.shape[1]), dtype=torch.uint8, device=data.device)
     if size > 1:
         group_ops.all_to_all(out, data, recv, send, comm.group_for(data)).wait()

@@ -96,7 +96,13 @@ def description(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             data[key] = value
     if args.command is not None:
-        data["command"] = shlex.split(args.command)
+        try:
+            data["command"] = shlex.split(args.command)
+        except ValueError as e:  # an unbalanced quote
+            raise ConfigError(
+                f"--command {args.command!r}: {e}.\nHINT: quote it as a shell would, e.g. "
+                '--command "python train.py --epochs 3".'
+            ) from None
     for key in ("secure", "sgx"):
         if getattr(args, key):
             data[key] = True

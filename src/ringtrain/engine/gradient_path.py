@@ -35,7 +35,7 @@ from ringtrain.engine.settings import Reduction
 from ringtrain.engine.step_phase import Phase, StepProgress
 from ringtrain.engine.steps import BucketUpdates, Overlapped, ShardedUpdate, Update, WholeStep
 from ringtrain.engine.weighting import Averaging, check_shares
-from ringtrain.errors import CollectiveArgumentError, ConfigError
+from ringtrain.errors import ConfigError, StepOrderError
 
 log = logging.getLogger("ringtrain")
 
@@ -344,11 +344,6 @@ class GradientPath:
         if self.should_sync and not self.skip_sync and update.exchanges():
             if Phase.SYNCHRONIZED in progress:
                 warnings.warn(STEP_WITHOUT_SKIP, stacklevel=3)
-            if Phase.OPEN in progress and Phase.READY not in progress:
-                raise CollectiveArgumentError(
-                    f"step() after {max(progress.counts)} of {self.passes} backward passes.\n"
-                    "HINT: call step() once every backward_passes_per_step passes."
-                )
             if self._overlapping(closure):
                 assert self.schedule is not None
                 self.schedule.step(self.planner, update, progress)
@@ -448,8 +443,8 @@ class GradientPath:
         return RoundEnds(self.update.outer_steps, min(every))
 
     def zero_grad(self, set_to_none: bool) -> None:
-        if Phase.READY in self.progress:
-            raise CollectiveArgumentError(
+        if Phase.OPEN in self.progress:  # as Horovod: after any backward pass, even one of k
+            raise StepOrderError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
                 "or optimizer.synchronize().\nHINT: this is usually a missing optimizer.step()."
             )

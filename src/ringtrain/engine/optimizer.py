@@ -12,13 +12,12 @@ that stopped training (use it for explicit collectives only).
 
 The wrapper subclasses ``torch.optim.Optimizer`` (sharing ``param_groups`` and ``state`` with the
 wrapped optimizer) only so that LR schedulers and ``isinstance`` checks accept it; it never runs
-``Optimizer.__init__``.
+``Optimizer.__init__``. Its instances' classes derive from the wrapped optimizer's class too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -29,7 +28,7 @@ from ringtrain.collectives import ops
 from ringtrain.collectives.reduce_ops import ReduceOpLike
 from ringtrain.compression import CompressionLike
 from ringtrain.compression.policy import AutoCompression, Decision
-from ringtrain.engine import local_settings, local_update, settings, sharded
+from ringtrain.engine import local_settings, local_update, optimizer_class, settings, sharded
 from ringtrain.engine.buckets import Plan
 from ringtrain.engine.exchange import GradientExchange
 from ringtrain.engine.gradient_path import GradientPath
@@ -49,15 +48,6 @@ def _delegated(owner: str, name: str) -> Any:
         lambda self: getattr(getattr(self, owner), name),
         lambda self, value: setattr(getattr(self, owner), name, value),
     )
-
-
-def _warn_groups(groups: object, num_groups: int) -> None:
-    if groups is not None or num_groups:
-        warnings.warn(
-            "DistributedOptimizer(groups=/num_groups=) is ignored: ringtrain plans buckets itself "
-            "(see fusion_threshold_bytes, cycle_time_ms, bucket_order)",
-            stacklevel=3,
-        )
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -104,6 +94,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         outer_optimizer: with ``sync_every``, ``params -> torch.optim.Optimizer`` for the outer
             step (default: Nesterov SGD, lr 0.7, momentum 0.9, as arXiv 2311.08105).
     """
+
+    def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        # Derived from the wrapped optimizer's class too, as Horovod's is (optimizer_class.py).
+        return super().__new__(optimizer_class.for_wrapped(cls, optimizer))
 
     def __init__(
         self,
@@ -153,7 +147,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             average_aggregated_gradients,
             batch_shares,
         )
-        _warn_groups(groups, num_groups)
+        settings.check_groups(groups, num_groups)
         self.optimizer = optimizer
         # Names are checked before anything needs init(), as in Horovod.
         named = names_of(optimizer, named_parameters, {})

@@ -52,6 +52,7 @@ outer_delay: with ``outer_overlap``, how many inner steps the exchange may take 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -139,6 +140,24 @@ class Reduction:
                 for p in params:
                     if p.grad is not None:
                         averaging.mean(p.grad, passes)
+
+
+def check_groups(groups: object, num_groups: int) -> None:
+    """Horovod's ``groups=``/``num_groups=``: checked as Horovod checks them (a ValueError),
+    then ignored with a warning: the engine plans its buckets itself."""
+    if groups is not None and not (
+        isinstance(groups, list) or (isinstance(groups, int) and groups > 0)
+    ):
+        raise ConfigError(
+            f"groups={groups!r}: groups should be a positive integer or a list of lists of "
+            "torch.Tensor"
+        )
+    if groups is not None or num_groups:
+        warnings.warn(
+            "DistributedOptimizer(groups=/num_groups=) is ignored: ringtrain plans buckets itself "
+            "(see fusion_threshold_bytes, cycle_time_ms, bucket_order)",
+            stacklevel=3,
+        )
 
 
 def resolve(config: Config, **args: Any) -> Config:

@@ -8,7 +8,7 @@ import time
 import torch
 
 from ringtrain.diagnostics import timeline
-from ringtrain.errors import CollectiveArgumentError
+from ringtrain.errors import StepOrderError
 
 
 class Phase(enum.Flag):
@@ -53,7 +53,7 @@ class StepProgress:
         """One more backward pass of gradient ``index``; True when it reached ``passes``."""
         n = self.counts[index] + 1
         if n > passes:
-            raise CollectiveArgumentError(
+            raise StepOrderError(
                 f"gradient of {name!r} was computed again before step().\n"
                 "HINT: call optimizer.step() (or synchronize()) between backward passes, or set "
                 "backward_passes_per_step to the number of backward passes per step."

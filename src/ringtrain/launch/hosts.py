@@ -46,6 +46,11 @@ def parse_hostfile(path: str | Path) -> list[Host]:
         text = Path(path).read_text()
     except OSError as e:
         raise HostSpecError(f"cannot read hostfile {str(path)!r}: {e.strerror}") from None
+    except UnicodeDecodeError as e:  # e.g. saved as UTF-16 by a Windows editor
+        raise HostSpecError(
+            f"hostfile {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}).\n"
+            "HINT: save it as plain UTF-8 (or ASCII) text, one 'host slots=N' a line."
+        ) from None
     hosts = []
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()

@@ -88,4 +88,10 @@ def ccl_built() -> bool:
 
 
 def mpi_threads_supported() -> bool:
-    return False
+    """Raises ``ValueError``, as Horovod's does where its MPI is not enabled: ringtrain's
+    training traffic never goes over MPI (``mpi_enabled()`` is False)."""
+    raise ValueError(
+        "MPI is not enabled: ringtrain's collectives run on torch.distributed, never on MPI.\n"
+        "HINT: mpi4py and other MPI libraries can run beside ringtrain's ranks; check "
+        "hvd.mpi_enabled() before asking about MPI threads."
+    )

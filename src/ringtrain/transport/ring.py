@@ -47,6 +47,7 @@ from ringtrain.compression import averaging
 from ringtrain.errors import CollectiveArgumentError
 from ringtrain.security import sealing
 from ringtrain.security.sealing import EVERYONE, Session, sealed_size
+from ringtrain.transport import views
 
 # Sealing runs in this thread while Gloo's threads move the previous segment.
 SEGMENT_BYTES = 1 << 20
@@ -96,18 +97,6 @@ def _reducer(op: ReduceOp) -> tuple[_Reduce, bool]:
     raise CollectiveArgumentError(f"the sealed backend does not support reduce op {op}")
 
 
-def _u8(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor, as a flat uint8 view (no copy)."""
-    flat = t.reshape(-1)
-    if flat.dtype == torch.uint8:
-        return flat
-    if flat.dtype == torch.bool:
-        return flat.view(torch.uint8)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    return flat.view(torch.uint8)
-
-
 def _mv(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()) if t.numel() else memoryview(bytearray(0))  # type: ignore[arg-type]
 
@@ -151,7 +140,7 @@ class Ring:
 
     def seal(self, peer: int, kind: int, data: torch.Tensor) -> torch.Tensor:
         """``data``'s bytes sealed for ``peer`` (or ``EVERYONE``), as a uint8 tensor."""
-        src = _u8(data)
+        src = views.as_u8(data)
         if isinstance(self.session, Plain):
             return src  # sent as it is; nothing changes it before the send completes
         blob = torch.empty(sealed_size(src.numel()), dtype=torch.uint8)
@@ -163,11 +152,11 @@ class Ring:
     ) -> None:
         """Open ``blob`` from ``peer`` into ``out``'s bytes (raises SecurityError naming it)."""
         if isinstance(self.session, Plain):
-            dst = _u8(out)
+            dst = views.as_u8(out)
             if dst.numel() and dst.data_ptr() != blob.data_ptr():
                 dst.copy_(blob)
             return
-        self.session.open_into(peer, kind, _mv(blob), _mv(_u8(out)), to_all)
+        self.session.open_into(peer, kind, _mv(blob), _mv(views.as_u8(out)), to_all)
 
     def start(
         self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, int]]

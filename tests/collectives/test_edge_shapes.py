@@ -1,0 +1,148 @@
+"""Tensors at the edges of what a collective takes, as users pass them: a rank with no rows,
+a dimension of size 1 whose stride is not 1, splits that leave rows unsent, objects only
+cloudpickle can send, and one that nothing can. Each case is followed by an ordinary op, so a
+failure that leaves the process set stopped shows too. Sizes 1-3, both data paths."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import ringtrain as rt
+import ringtrain.torch as hvd
+from _inline_paths import PATHS, on
+from ringtrain.testing.spawn import RankFailed, World
+
+
+def _still_works() -> None:
+    assert rt.allreduce(torch.ones(1), op=rt.Sum).item() == rt.size()
+
+
+def _no_rows() -> None:
+    r, n = rt.rank(), rt.size()
+    # rank r gives r rows: rank 0 none (Horovod: any first dimension per rank)
+    out = rt.allgather(torch.full((r, 2), 7.0))
+    assert torch.equal(out, torch.full((n * (n - 1) // 2, 2), 7.0))
+    # rank 0 sends nothing; every other rank sends one row to each rank
+    x = torch.zeros(0, 2) if r == 0 else torch.full((n, 2), float(r))
+    got, received = rt.alltoall(x, splits=[0 if r == 0 else 1] * n)
+    assert received.tolist() == [0] + [1] * (n - 1)
+    assert torch.equal(got, torch.tensor([[float(s)] * 2 for s in range(1, n)]).reshape(-1, 2))
+    # no rows anywhere: every rank gets its (empty) share
+    for op in (rt.Sum, rt.Average):
+        assert rt.reducescatter(torch.zeros(0, 2), op=op).shape == (0, 2)
+    assert rt.reducescatter(torch.zeros(3, 0), op=rt.Sum).shape[1:] == (0,)
+    _still_works()
+
+
+@PATHS
+def test_ranks_without_rows(world: World, path: str) -> None:
+    world.run(on(path, _no_rows))
+
+
+def _size1_stride() -> None:
+    r, n = rt.rank(), rt.size()
+    # (3, 1) with strides (1, 3): torch calls it contiguous, its last stride is not 1
+    x = (torch.arange(3.0) + 10 * r).reshape(1, 3).t()
+    assert x.is_contiguous() and x.stride(-1) != 1
+    rows = [torch.arange(3.0) + 10 * k for k in range(n)]
+    assert torch.equal(rt.allgather(x), torch.cat(rows).reshape(-1, 1))
+    assert torch.equal(rt.broadcast(x, 0), torch.arange(3.0).reshape(3, 1))
+    assert torch.equal(rt.allreduce(x, op=rt.Sum), sum(rows).reshape(3, 1))
+    got, _ = rt.alltoall(x, splits=[3] + [0] * (n - 1))
+    if r == 0:
+        assert torch.equal(got, torch.cat(rows).reshape(-1, 1))
+    rt.broadcast_(x, 0)
+    assert torch.equal(x, torch.arange(3.0).reshape(3, 1))
+    _still_works()
+
+
+@PATHS
+def test_size_one_dimension_with_any_stride(world: World, path: str) -> None:
+    world.run(on(path, _size1_stride))
+
+
+def _sparse_embedding() -> None:
+    r, n = rt.rank(), rt.size()
+    emb = nn.Embedding(5, 2, sparse=True)
+    emb(torch.tensor([r, 4])).sum().backward()
+    assert emb.weight.grad is not None
+    # Horovod's recipe: allgather of the coalesced gradient's indices (a (1, k) tensor's
+    # transpose) and values, then the values divided by the size
+    out = hvd.sparse_allreduce_async(emb.weight.grad, name="emb.grad", op=hvd.Average)()
+    expected = torch.zeros(5)
+    for k in range(n):
+        expected[k] += 1.0 / n
+    expected[4] += 1.0
+    assert torch.allclose(out.to_dense()[:, 0], expected)
+    _still_works()
+
+
+def test_sparse_allreduce_of_an_embedding_gradient(world: World) -> None:
+    world.run(_sparse_embedding)
+
+
+def _splits_below_rows() -> None:
+    r, n = rt.rank(), rt.size()
+    x = torch.arange(float(n + 2)).reshape(-1, 1).requires_grad_()
+    got, received = rt.alltoall(x, splits=[1] * n)  # the last 2 rows are not sent
+    assert received.tolist() == [1] * n
+    assert got.flatten().tolist() == [float(r)] * n
+    got.sum().backward()  # unsent rows get no gradient
+    assert x.grad is not None
+    assert x.grad.flatten().tolist() == [1.0] * n + [0.0, 0.0]
+    _still_works()
+
+
+def test_alltoall_splits_may_leave_rows_unsent(world: World) -> None:
+    world.run(_splits_below_rows)
+
+
+def _too_many_rows() -> None:
+    rt.alltoall(torch.ones(2), splits=[2] * rt.size())
+
+
+def test_alltoall_splits_beyond_the_rows(world2: World) -> None:
+    with pytest.raises(RankFailed, match=r"sum to at most dim 0 of the tensor \(2\)"):
+        world2.run(_too_many_rows, timeout=60)
+
+
+def _objects_by_value() -> None:
+    scale = 3
+    fn = (lambda v: v * scale) if rt.rank() == 0 else None
+    got = rt.broadcast_object(fn, 0)
+    assert got is not None and got(2) == 6
+
+    class Local:  # a class no other process can import
+        def __init__(self, r: int) -> None:
+            self.r = r
+
+    assert [o.r for o in rt.allgather_object(Local(rt.rank()))] == list(range(rt.size()))
+    _still_works()
+
+
+@PATHS
+def test_objects_travel_by_value(world: World, path: str) -> None:
+    world.run(on(path, _objects_by_value))
+
+
+def _unpicklable(kind: str) -> None:
+    lock = threading.Lock()
+    try:
+        if kind == "broadcast":
+            rt.broadcast_object(lock if rt.rank() == 0 else None, 0)
+        else:
+            rt.allgather_object(lock if rt.rank() == rt.size() - 1 else rt.rank())
+    except rt.CollectiveArgumentError as e:  # a ValueError, on every rank, with the reason
+        assert "cannot be pickled" in str(e) and "lock" in str(e), str(e)
+    else:
+        raise AssertionError("an unpicklable object was sent")
+    _still_works()
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "allgather"])
+def test_an_unpicklable_object_fails_on_every_rank(world: World, kind: str) -> None:
+    world.run(_unpicklable, kind, timeout=90)
