@@ -146,3 +146,15 @@ def _unpicklable(kind: str) -> None:
 @pytest.mark.parametrize("kind", ["broadcast", "allgather"])
 def test_an_unpicklable_object_fails_on_every_rank(world: World, kind: str) -> None:
     world.run(_unpicklable, kind, timeout=90)
+
+
+def _half_average() -> list[float]:
+    # 60000 on every rank: a 16-bit sum overflows fp16 (65504) from 2 ranks, an average does not
+    big = rt.allreduce(torch.full((3,), 60000.0, dtype=torch.float16), op=rt.Average)
+    return big.float().tolist()
+
+
+def test_a_16bit_average_divides_before_the_sum(world: World) -> None:
+    """Different on purpose (docs/horovod.md): Horovod sums, then scales, so it gives inf."""
+    for got in world.run(_half_average):
+        assert got == [60000.0] * 3
