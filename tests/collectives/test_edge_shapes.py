@@ -105,6 +105,22 @@ def _too_many_rows() -> None:
     rt.alltoall(torch.ones(2), splits=[2] * rt.size())
 
 
+def _two_d_splits() -> None:
+    n = rt.size()
+    bad = torch.ones(n, 1, dtype=torch.int32) if rt.rank() == 0 else torch.ones(n)
+    try:  # one rank's bad splits fail on every rank, as a ValueError
+        rt.alltoall(torch.ones(n), splits=bad)
+    except ValueError as e:
+        assert "must be a whole number of rows per rank (1-D)" in str(e), str(e)
+    else:
+        raise AssertionError("2-D splits were taken")
+    _still_works()
+
+
+def test_alltoall_splits_of_two_dimensions(world: World) -> None:
+    world.run(_two_d_splits, timeout=60)
+
+
 def test_alltoall_splits_beyond_the_rows(world2: World) -> None:
     with pytest.raises(RankFailed, match=r"sum to at most dim 0 of the tensor \(2\)"):
         world2.run(_too_many_rows, timeout=60)

@@ -484,6 +484,18 @@ def reducescatter_async(
 # ---- alltoall --------------------------------------------------------------------------------
 
 
+def _not_1d(splits: Any) -> bool:
+    """Whether ``splits`` is anything but one whole number per entry."""
+    if isinstance(splits, torch.Tensor):
+        return splits.dim() != 1
+    try:
+        for s in splits:
+            operator.index(s)
+    except TypeError:
+        return True
+    return False
+
+
 def _splits_check(tensor: Any, splits: Any, process_set: ProcessSet | None) -> Callable[[], str]:
     def check() -> str:
         size = controller_of(process_set).comm.size
@@ -496,6 +508,8 @@ def _splits_check(tensor: Any, splits: Any, process_set: ProcessSet | None) -> C
                     f"alltoall without splits needs dim 0 ({rows}) divisible by the set size ({size}); pass splits="
                 )
             )
+        if _not_1d(splits):  # raised on every rank, as the checks below
+            return f"alltoall splits must be a whole number of rows per rank (1-D), got {splits!r}"
         if len(splits) != size:
             return f"alltoall splits has {len(splits)} entries, expected one per rank ({size})"
         if any(int(s) < 0 for s in splits) or sum(int(s) for s in splits) > rows:
@@ -517,9 +531,9 @@ def alltoall_async(
     """Send ``splits[r]`` rows to rank r; receive each rank's rows for us, in rank order.
     ``synchronize`` returns ``(output, received_splits)``, with or without ``splits``, as
     Horovod's does (only the sync :func:`alltoall` drops the splits when none were given)."""
-    if isinstance(splits, torch.Tensor):
+    if isinstance(splits, torch.Tensor) and splits.dim() == 1:
         splits = [int(s) for s in splits.tolist()]
-    split_tuple = tuple(int(s) for s in splits) if splits is not None else ()
+    split_tuple = () if splits is None or _not_1d(splits) else tuple(int(s) for s in splits)
     t = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
     return _submit(
         "alltoall",
