@@ -49,6 +49,31 @@ def test_one_failure_reads_as_before() -> None:
     assert "other rank" not in text
 
 
+def _finished(rank: int, at: float) -> Failure:
+    desc = f"rank {rank} (host h, pid {100 + rank}) exited with code 0 after 1.0 s"
+    return Failure(rank, "h", 1, desc, [], at, finished=True)
+
+
+def test_a_rank_that_left_with_code_0_is_named_where_the_peers_only_say_so() -> None:
+    peer = _failure(0, at=5.0)
+    peer.after_peer = True
+    text = report([_finished(1, at=4.0), peer])
+    assert text.splitlines()[0].startswith("job failed: rank 1 (host h, pid 101) exited with")
+    assert "while its peers still waited for it" in text
+    assert root_cause([_finished(1, at=4.0), peer]).code == 1  # never 0 for a failed job
+    # A rank that failed on its own is the cause; ranks that exited 0 are not mentioned.
+    own = _failure(0, at=5.0)
+    assert report([_finished(1, at=4.0), own]).splitlines()[0].startswith("job failed: rank 0")
+    assert "rank 1" not in report([_finished(1, at=4.0), own])
+    # Nor is a rank that exited 0 well after the peers failed.
+    assert "rank 1" not in report([_finished(1, at=9.0), peer])
+
+
+def test_no_negative_delays() -> None:
+    text = report([_failure(1, at=5.0), _failure(0, at=4.99, tail=["other words"])])
+    assert "-0.0" not in text and "at about the same time" in text
+
+
 # Each rank says it fails on the heartbeat pipe, as ringtrain's except hook does
 # (runtime/heartbeat.py), then exits later, in another order: rank 2 fails first and exits
 # last, rank 0 fails second and exits first, so the news of rank 0 reaches the launcher first.

@@ -54,7 +54,7 @@ def test_a_launch_error_stops_at_once_even_while_stopping() -> None:
 
 def test_ctrl_c_forwards_sigint_then_a_second_stops_at_once() -> None:
     state, actions = _run(js.Started(), js.Interrupted(1, now=0.0, grace_s=5.0))
-    assert state == js.Stopping(None, 5.0 + js.KILL_AFTER_S, 1) and actions == [A.FORWARD_SIGINT]
+    assert state == js.Stopping(None, 5.0 + js.KILL_AFTER_S, 1) and actions == [A.FORWARD_SIGNAL]
     assert _run(js.Interrupted(1, now=1.0, grace_s=5.0), state=state) == (state, [])  # seen
     state, actions = _run(js.Interrupted(2, now=1.0, grace_s=5.0), state=state)
     assert state == js.Stopping(None, 1.0 + js.KILL_AFTER_S, 2) and actions == [A.STOP_RANKS]
@@ -63,7 +63,7 @@ def test_ctrl_c_forwards_sigint_then_a_second_stops_at_once() -> None:
 def test_ctrl_c_after_a_failure_keeps_the_failure() -> None:
     failing = js.Stopping(_failure(), deadline=50.0)
     state, actions = _run(js.Interrupted(1, now=2.0, grace_s=5.0), state=failing)
-    assert state.failure == _failure() and actions == [A.FORWARD_SIGINT]  # type: ignore[union-attr]
+    assert state.failure == _failure() and actions == [A.FORWARD_SIGNAL]  # type: ignore[union-attr]
 
 
 def test_elastic_worlds_re_form_wait_for_hosts_and_settle() -> None:

@@ -10,6 +10,7 @@
     agent_start  how an agent is started: a local subprocess or ssh
     protocol     the JSON-lines messages between launcher and agent
     agent        the per-host process that starts, streams and stops that host's ranks
+    leftovers    what an exited rank left running (its session, its orphans), ended by the agent
     supervisor   the launcher side: agents up, ranks started, the first failure, Ctrl-C
     job_state    the job's one state (starting ... done) and pure decisions on events
     exit_policy  what one rank's exit means (pure)

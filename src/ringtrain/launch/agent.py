@@ -28,7 +28,7 @@ import psutil
 from ringtrain import environ
 from ringtrain.environ import Ringtrain
 from ringtrain.host import cpu_limits, network, open_files
-from ringtrain.launch import protocol
+from ringtrain.launch import leftovers, protocol
 from ringtrain.launch.tuning import ALLOCATORS, LIB_DIRS
 
 TAIL_LINES = 20
@@ -274,10 +274,15 @@ class Agent:
 
     def _reap(self) -> None:
         pending = dict(self._procs)
+        swept = time.monotonic()
         while pending:
+            if time.monotonic() - swept > 1.0:  # orphans that ended while their rank runs
+                swept = time.monotonic()
+                leftovers.reap_orphans(self._live_pids())
             for rank, proc in list(pending.items()):
-                code = proc.poll()
-                if code is None:
+                # Seen ended but not reaped: its pid still names its session, not a newcomer's.
+                held = leftovers.has_exited(proc.pid)
+                if not held and proc.poll() is None:
                     try:
                         self._check_silent(rank, proc)
                     except Exception as e:  # the check must never stop the reaping of exits
@@ -287,6 +292,9 @@ class Agent:
                     continue
                 del pending[rank]
                 exited_at = time.time()  # before the pumps drain, which can take a second
+                if held:  # its children end with it (and close the output pipes they share)
+                    leftovers.end_session(proc.pid)
+                code = proc.wait()
                 # Let the output pumps drain so the exit report comes after the last lines.
                 for t in self._readers.get(rank, []):
                     t.join(1.0)
@@ -306,7 +314,12 @@ class Agent:
                     stopped=rank in self._signalled,  # its end was ours, not its own
                 )
             time.sleep(0.02)
+        if not self._live_pids():  # what the ranks left behind (their orphans are ours)
+            leftovers.sweep(self._grace_s)
         self.send("done")
+
+    def _live_pids(self) -> set[int]:
+        return {p.pid for p in self._procs.values() if p.returncode is None}
 
     # ---- stopping ----------------------------------------------------------------------------
 
@@ -327,12 +340,15 @@ class Agent:
             return
         self._stopping = True
         tree = self._descendants()
-        self.signal_all(signal.SIGTERM, spare=self._failing)
+        # Ranks that said they fail or leave (shutdown began) end by themselves within
+        # seconds: their exit code is their own, and may be the job's root cause.
+        leaving = self._failing | set(self._left_at.copy())
+        self.signal_all(signal.SIGTERM, spare=leaving)
         start = time.monotonic()
         deadline = start + self._grace_s
         while time.monotonic() < deadline and any(p.poll() is None for p in self._procs.values()):
             time.sleep(0.05)
-        self.signal_all(signal.SIGKILL, spare=self._failing)
+        self.signal_all(signal.SIGKILL, spare=leaving)
         deadline = start + self._grace_s + FAILING_GRACE_S
         while time.monotonic() < deadline and any(p.poll() is None for p in self._procs.values()):
             time.sleep(0.05)
@@ -341,6 +357,7 @@ class Agent:
         for p in tree:
             with contextlib.suppress(psutil.Error):
                 p.kill()
+        leftovers.sweep(0.0, self._live_pids())  # orphans of ranks that had already exited
 
     def _descendants(self) -> list[psutil.Process]:
         out = []
@@ -403,6 +420,10 @@ def _child_setup(cpus: list[int] | None) -> Callable[[], None]:
     return setup
 
 
+def _ignore(_signum: int, _frame: Any) -> None:
+    pass
+
+
 def main() -> int:
     out = sys.stdout
     # Ranks' output must never be mistaken for protocol messages: only this object writes here.
@@ -425,7 +446,10 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGHUP, on_term)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards Ctrl-C explicitly
+    # The launcher forwards Ctrl-C explicitly. A no-op handler, not SIG_IGN: an ignored signal
+    # stays ignored across exec, so the ranks would never see the forwarded SIGINT.
+    signal.signal(signal.SIGINT, _ignore)
+    leftovers.become_subreaper()  # a rank's orphans become ours, not init's (leftovers.py)
     for line in sys.stdin:
         msg = protocol.parse(line)
         if msg is None:

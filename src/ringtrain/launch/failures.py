@@ -27,6 +27,11 @@ from typing import Any
 EXITED_PREFIX = "ringtrain/exited/"
 
 
+# A rank's exit without last words (``os._exit``) is stamped when its agent reaps it, which its
+# polling and a loaded host can delay past the moment its peers say they failed because of it.
+EXIT_SEEN_S = 1.0
+
+
 def exited_key(rank: int) -> str:
     return f"{EXITED_PREFIX}{rank}"
 
@@ -43,6 +48,9 @@ class Failure:
     # The rank's error only says a peer left first (runtime/departures): never the cause
     # while another failure is known.
     after_peer: bool = False
+    # Not a failure: the rank exited 0. It is the cause only where it left before every
+    # failure and each of them only says a peer left first (:func:`considered`).
+    finished: bool = False
 
 
 def how_it_ended(msg: dict[str, Any]) -> tuple[str, int]:
@@ -57,10 +65,22 @@ def how_it_ended(msg: dict[str, Any]) -> tuple[str, int]:
     return f"exited with code {code}", int(code or 1)
 
 
+def considered(failures: Sequence[Failure]) -> list[Failure]:
+    """The failures, and the ranks that exited 0 before all of them where every failure only
+    says a peer left first: the peers failed because those left (``os._exit(0)`` mid-job, a
+    script that ran fewer collectives)."""
+    real = [f for f in failures if not f.finished]
+    if not real or not all(f.after_peer for f in real):
+        return real
+    first = min(f.at for f in real) + EXIT_SEEN_S
+    return [*real, *(f for f in failures if f.finished and f.at <= first)]
+
+
 def root_cause(failures: Sequence[Failure]) -> Failure:
     """The failure that happened first (the earliest stamp; the first heard of on a tie),
     among those that are not only a peer's news (unless all are)."""
-    return min(enumerate(failures), key=lambda i_f: (i_f[1].after_peer, i_f[1].at, i_f[0]))[1]
+    every = considered(failures) or list(failures)
+    return min(enumerate(every), key=lambda i_f: (i_f[1].after_peer, i_f[1].at, i_f[0]))[1]
 
 
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
@@ -74,9 +94,11 @@ def _last_words(f: Failure) -> tuple[str, ...]:
 def report(failures: Failure | Sequence[Failure]) -> str:
     """The launcher's closing message for a failed job: the root cause first, then the
     other failures, grouped where their last words are the same."""
-    every = [failures] if isinstance(failures, Failure) else list(failures)
+    every = considered([failures] if isinstance(failures, Failure) else list(failures))
     cause = root_cause(every)
     lines = [f"job failed: {cause.description}"]
+    if cause.finished:
+        lines[0] += ", while its peers still waited for it (their errors say a peer left)"
     if len(every) > 1:
         lines.append("(the root cause: the first observed failure; others are listed below)")
     if cause.tail:
@@ -91,7 +113,12 @@ def report(failures: Failure | Sequence[Failure]) -> str:
         lines.append(f"{len(others)} other rank(s) failed after it:")
     for words, group in groups.items():
         first = group[0]
-        later = f" {first.at - cause.at:.1f} s later" if first.at and cause.at else ""
+        later = ""
+        if first.at and cause.at:  # news of a rank can arrive before the cause's own
+            gap = first.at - cause.at
+            later = f" {abs(gap):.1f} s {'later' if gap > 0 else 'earlier'}"
+            if abs(gap) < 0.05:
+                later = " at about the same time"
         if len(group) == 1:
             lines.append(f"  - {first.description}{later}")
         else:

@@ -81,7 +81,7 @@ State = Starting | Running | Reforming | WaitingForHosts | Stopping | Done
 
 class Action(enum.Enum):
     STOP_RANKS = "stop ranks"  # tell every agent to stop its ranks (SIGTERM, then SIGKILL)
-    FORWARD_SIGINT = "forward SIGINT"  # and stop them after the grace period
+    FORWARD_SIGNAL = "forward signal"  # SIGINT or SIGTERM; stop them after the grace period
     KILL_AGENTS = "kill agents"
 
 
@@ -198,9 +198,9 @@ def _interrupted(state: State, e: Interrupted) -> Decision:
     if e.count <= handled:
         return Decision(state)
     failure = state.failure if isinstance(state, Stopping) else None
-    if handled == 0:  # the first: ranks get SIGINT, and are stopped after the grace period
+    if handled == 0:  # the first: forwarded to the ranks, stopped after the grace period
         deadline = e.now + e.grace_s + KILL_AFTER_S
-        return Decision(Stopping(failure, deadline, e.count), (Action.FORWARD_SIGINT,))
+        return Decision(Stopping(failure, deadline, e.count), (Action.FORWARD_SIGNAL,))
     return Decision(Stopping(failure, e.now + KILL_AFTER_S, e.count), (Action.STOP_RANKS,))
 
 

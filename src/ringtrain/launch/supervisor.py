@@ -15,8 +15,9 @@ waiting for hosts, stopping, done); every event goes through that module's pure
 Failure policy: the first rank that exits non-zero (or is killed by a signal) ends the job. The
 others get SIGTERM, then SIGKILL after a grace period; the launcher exits with that rank's code
 (128 + signal number for a signal) after a message naming the rank, its host, how it ended and
-the last lines of its error output. Ctrl-C is forwarded to every rank as SIGINT; a second Ctrl-C
-stops them at once. A host whose agent link breaks counts as a failure of all its ranks.
+the last lines of its error output. Ctrl-C is forwarded to every rank as SIGINT (exit 130), a
+SIGTERM as SIGTERM (exit 143); a second one stops them at once. A host whose agent link breaks
+counts as a failure of all its ranks.
 
 The parts: :mod:`~ringtrain.launch.agent_link` (one agent process and its messages),
 :mod:`~ringtrain.launch.job_network` (interfaces checked on every host before ranks start),
@@ -91,7 +92,8 @@ class Supervisor:
         self._exits: dict[int, dict[str, Any]] = {}
         self.state: job_state.State = job_state.Starting()
         self._failures: list[Failure] = []  # every failure heard of (report: earliest first)
-        self._interrupts = 0  # Ctrl-Cs received (the signal handler only counts)
+        # The SIGINTs (Ctrl-C) and SIGTERMs received, in order (the signal handler only notes)
+        self._interrupts: list[signal.Signals] = []
         self._started_at = time.monotonic()
         self.output = RankOutput(options, self.out, self.err, on_result)
         self.pool = ElasticPool(options, self)
@@ -101,7 +103,7 @@ class Supervisor:
     # ---- what the pool asks of the job (elastic_hosts.Job) -----------------------------------
 
     def ending(self) -> bool:
-        return job_state.stopping(self.state) or self._interrupts > 0
+        return job_state.stopping(self.state) or bool(self._interrupts)
 
     def started(self, rank: int) -> bool:
         return rank in self._pids
@@ -121,11 +123,15 @@ class Supervisor:
             if action is job_state.Action.STOP_RANKS:
                 for lk in self.links:
                     lk.send("stop")
-            elif action is job_state.Action.FORWARD_SIGINT:
-                self.say("interrupted: forwarding SIGINT to every rank (again to stop at once)")
+            elif action is job_state.Action.FORWARD_SIGNAL:
+                # The first signal's own: Ctrl-C reaches the ranks as SIGINT (KeyboardInterrupt),
+                # a SIGTERM (Slurm, Kubernetes) as SIGTERM, as torchrun and mpirun forward them.
+                sig = self._interrupts[0].name
+                what = "interrupted" if sig == "SIGINT" else f"terminated ({sig})"
+                self.say(f"{what}: forwarding {sig} to every rank (again to stop at once)")
                 for lk in self.links:
-                    lk.send("signal", sig="SIGINT")
-                # Ranks that ignore SIGINT still end: the agents escalate after the grace period.
+                    lk.send("signal", sig=sig)
+                # Ranks that ignore it still end: the agents escalate after the grace period.
                 timer = threading.Timer(self.options.grace_s, self._send_stop)
                 timer.daemon = True
                 timer.start()
@@ -153,7 +159,7 @@ class Supervisor:
         prior = signal.getsignal(signal.SIGINT)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._on_sigint)
-            signal.signal(signal.SIGTERM, self._on_sigint)
+            signal.signal(signal.SIGTERM, self._on_sigint)  # forwarded as SIGTERM, exit 143
         server = None
         try:
             self.log(f"job {self.job_id}: {describe(self.specs)}")
@@ -446,6 +452,11 @@ class Supervisor:
             return
         if step is Next.FINISHED:
             self.pool.finishing()  # the job is finishing: no new ranks
+            # Kept for the report: where the peers fail only because a rank left (os._exit(0),
+            # a script that ran fewer collectives), that rank left first (failures.py).
+            finish = self._exit_failure(link.host.name, msg, pid)
+            finish.finished = True
+            self._failures.append(finish)
             return
         if step is Next.IGNORE:
             return
@@ -502,12 +513,12 @@ class Supervisor:
             lk.send("stop")
 
     def _on_sigint(self, signum: int, _frame: FrameType | None) -> None:
-        self._interrupts += 1  # acted on by the supervising loop, not in the handler
+        self._interrupts.append(signal.Signals(signum))  # acted on by the supervising loop
 
     def _handle_interrupts(self) -> None:
         if self._interrupts:
             self._apply(
-                job_state.Interrupted(self._interrupts, time.monotonic(), self.options.grace_s)
+                job_state.Interrupted(len(self._interrupts), time.monotonic(), self.options.grace_s)
             )
 
     def say(self, text: str) -> None:
@@ -525,10 +536,13 @@ class Supervisor:
         return code
 
     def _verdict(self) -> int:
-        if not self._failures:
+        if all(f.finished for f in self._failures):
             if self._interrupts:
-                self.say("job interrupted")
-                return 130
+                sig = self._interrupts[0]
+                self.say(
+                    "job interrupted" if sig == signal.SIGINT else f"job terminated ({sig.name})"
+                )
+                return 128 + int(sig)
             self.log(
                 f"all {len(self.specs)} ranks exited 0 in "
                 f"{time.monotonic() - self._started_at:.1f} s"
