@@ -8,6 +8,7 @@
     │   │                                    failed, restore the last commit
     │   └── CollectiveError              a collective failed; the same error is raised on every rank
     │       ├── CollectiveArgumentError (ValueError)  bad arguments (root, splits, dtype, name, ...)
+    │       │   ├── StepOrderError (AssertionError)  DistributedOptimizer's calls out of order
     │       │   └── CollectiveUnsupportedError (NotImplementedError)  an op ringtrain lacks (Adasum)
     │       ├── CollectiveMismatchError     ranks submitted the same name with different arguments
     │       ├── StallError                  ranks stopped submitting what others wait for
@@ -18,6 +19,7 @@
     ├── CheckpointError                 a checkpoint is incomplete, damaged, or cannot be written
     ├── LaunchError                     the launcher could not start or keep the job running
     │   ├── HostSpecError (ValueError)  a -H / --hostfile entry could not be parsed
+    │   ├── MissingRanksError           ranks never arrived in init() (exited first, or stuck)
     │   └── JobFailedError (RuntimeError)  ringtrain.run's job failed (horovod.run raises so)
     └── InternalError                   a bug in ringtrain itself: please report it
 
@@ -121,6 +123,15 @@ class CheckpointError(RingtrainError):
 
 class LaunchError(RingtrainError):
     """The launcher could not start, or keep running, the job."""
+
+
+class MissingRanksError(LaunchError):
+    """Ranks of the job never arrived in ``init()`` (they exited first, or never called it);
+    ``ranks`` names them."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
 
 class HostSpecError(LaunchError, ValueError):

@@ -75,9 +75,11 @@ def run(func: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
         resets = 0
         skip_sync = False
         while True:
-            if not skip_sync:
-                state.sync()
+            # The sync inside the try, as in Horovod: a peer lost while the state is broadcast
+            # (the first sync, or the one after a reset) re-forms the world like any other.
             try:
+                if not skip_sync:
+                    state.sync()
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as e:
                 failure: BaseException | None = None

@@ -35,6 +35,7 @@ from ringtrain.environ import Ringtrain, Threads, Torch
 from ringtrain.errors import ConfigError, LaunchEnvironmentError, NotInitializedError
 from ringtrain.host import cpu_limits, network
 from ringtrain.runtime import communicator, environment, exit_guard, store_connect, topology
+from ringtrain.runtime.arrivals import world_store
 from ringtrain.runtime.backends import GroupBackends
 from ringtrain.runtime.contracts import Group
 from ringtrain.runtime.environment import Placement
@@ -160,7 +161,7 @@ def start(
             prefix = f"ringtrain/elastic/gen{elastic[2]}"
         _gloo_environment(interface)
         base = _adopted_store(placement, config) if adopted else _store(placement, config)
-        store: dist.Store = dist.PrefixStore(prefix, base)
+        store = world_store(prefix, base, placement, config.timeout_s, adopted)
         backend, transport = backends.choose(config, env, placement)
         _backends = backends
         if config.secure:  # every group is sealed; ranks first prove they hold the job key

@@ -1,0 +1,66 @@
+"""An elastic job whose ranks die while the others are in ``state.sync()``.
+
+``VICTIM=<id>`` SIGKILLs that rank 1 s after ``init()``, before it syncs: the others wait for
+it in the first sync (the sampler's gather needs every rank). ``LATE_VICTIM=<id>`` SIGKILLs
+that rank in its reset callback, 1 s after the first re-formed world: the others wait for it
+in the sync after the reset. Each rank says when it enters ``train`` (in which generation) and
+what it ends with: the survivors must re-form and agree on rank 0's model.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import time
+
+import torch
+
+import ringtrain.torch as hvd
+from ringtrain.runtime import membership
+
+N = 12
+
+
+def say(*parts: object) -> None:
+    print(*parts, flush=True)
+
+
+def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung test dumps the threads
+    hvd.init()
+    me = membership.identity()
+    torch.manual_seed(100 + me)  # each rank's own weights: only a sync makes them agree
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = hvd.elastic.ElasticSampler(torch.arange(N), shuffle=False)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0)
+
+    def on_reset() -> None:
+        say(f"reset id={me} generation={membership.current()} size={hvd.size()}")
+        if me == int(os.environ.get("LATE_VICTIM", "-1")) and membership.current() == 1:
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    state.register_reset_callbacks([on_reset])
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> int:
+        say(f"enter id={me} generation={membership.current()}")
+        for idx, _ in enumerate(state.sampler):
+            hvd.allreduce(torch.ones(1), name=f"step.{idx}")
+            state.sampler.record_batch(idx, 1)
+        state.commit()
+        return hvd.size()
+
+    if me == int(os.environ.get("VICTIM", "-1")):
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    size = train(state)
+    weights = ",".join(f"{v:.6f}" for v in model.weight.detach().reshape(-1).tolist())
+    say(f"done id={me} rank={hvd.rank()} size={size} weights={weights}")
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""A rank lost while the others are in ``state.sync()`` (the first one, or the one after a
+reset) re-forms the world like a loss mid-step: the sync is inside ``@elastic.run``'s retry."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from _hang_report import run_job
+
+JOB = Path(__file__).parent / "sync_job.py"
+
+
+def _fields(out: str, kind: str) -> list[dict[str, str]]:
+    return [
+        dict(re.findall(r"(\w+)=(\S+)", line))
+        for line in out.splitlines()
+        if re.match(rf"\[\d+\] {kind} ", line)
+    ]
+
+
+def _left_behind() -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if any(str(JOB) in part for part in p.cmdline()):
+                found.append(p)
+    return found
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("np", "victims", "survivors"),
+    [
+        ("3", {"VICTIM": "1"}, ["0", "2"]),
+        ("4", {"VICTIM": "1", "LATE_VICTIM": "3"}, ["0", "2"]),
+    ],
+    ids=["first-sync", "sync-after-reset"],
+)
+def test_a_rank_lost_during_sync_re_forms_the_world(
+    np: str, victims: dict[str, str], survivors: list[str]
+) -> None:
+    env = {**os.environ, **victims, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "ringtrain", "run", "-np", np, "--min-np", "2"]
+    proc = run_job([*cmd, sys.executable, str(JOB)], env, timeout=180, rank_marker=str(JOB))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not _left_behind()
+    # No survivor got past the first sync in the first world: the loss found each one in it.
+    entered = _fields(proc.stdout, "enter")
+    assert entered and all(e["generation"] != "0" for e in entered), proc.stdout
+    done = _fields(proc.stdout, "done")
+    assert sorted(d["id"] for d in done) == survivors, proc.stdout + proc.stderr
+    assert all(d["size"] == "2" for d in done)
+    # Every survivor holds the weights rank 0 started with (its own seed): the sync completed.
+    torch.manual_seed(100)
+    expected = ",".join(f"{v:.6f}" for v in torch.nn.Linear(3, 1).weight.reshape(-1).tolist())
+    assert all(d["weights"] == expected for d in done), (expected, done)
+    if "LATE_VICTIM" in victims:  # lost again in the sync after the first reset
+        assert {r["generation"] for r in _fields(proc.stdout, "reset")} == {"1", "2"}
+        assert all(e["generation"] == "2" for e in entered), proc.stdout
