@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
 import sys
 import time
 from typing import Any
@@ -47,3 +48,24 @@ def test_a_failing_silence_check_does_not_stop_the_exit_report(
         "ringtrain: cannot watch rank 0's heartbeat any more: "
         "RuntimeError('psutil cannot read /proc')"
     ]
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_inside_another_process_leaves_its_other_children_alone() -> None:
+    """Only the agent's own process (python -m ringtrain.launch.agent) ends what is left below
+    it: an Agent object in a process with children of its own (a test's worlds, a forkserver)
+    must not end or reap them when its ranks are done."""
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        out = io.StringIO()
+        a = agent.Agent(out)
+        a.start({"ranks": [{"rank": 0, "env": {}, "argv": [sys.executable, "-c", ""]}]})
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(m["t"] == "done" for m in _messages(out)):
+            time.sleep(0.05)
+        assert any(m["t"] == "done" for m in _messages(out))
+        a.stop_all()
+        assert bystander.poll() is None, "the agent ended a process that was not its rank's"
+    finally:
+        bystander.kill()
+        bystander.wait()

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
+from ringtrain.errors import LaunchError
 from ringtrain.launch.rendezvous import RendezvousServer
 
 
@@ -35,3 +36,21 @@ def test_the_port_is_never_free_between_choosing_and_serving() -> None:
         assert server.present(["ringtrain/test", "absent"]) == {"ringtrain/test"}
     finally:
         server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_store_slower_than_the_start_timeout_says_which_flag_to_raise() -> None:
+    """A busy host imports torch slowly: the error names --start-timeout, not a missing torch."""
+    server = RendezvousServer(sys.executable, timeout_s=30.0, start_timeout_s=0.001)
+    with pytest.raises(LaunchError) as info:
+        assert server.port
+    message = str(info.value)
+    assert "did not report its port within 0.001 s (--start-timeout)" in message, message
+    assert "torch installed" not in message
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_cannot_start_quotes_its_error() -> None:
+    server = RendezvousServer("/bin/false", timeout_s=30.0, start_timeout_s=30.0)
+    with pytest.raises(LaunchError, match=r"did not start:\n\(no output\)\nHINT: .*torch"):
+        assert server.port

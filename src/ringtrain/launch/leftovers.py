@@ -29,9 +29,17 @@ import psutil
 
 _PR_SET_CHILD_SUBREAPER = 36
 
+# Whether everything below this process is the job's: only in an agent's own process
+# (``python -m ringtrain.launch.agent``, whose main() says so). An Agent object inside another
+# process (a test's) must never end or reap that process's other children.
+_owns_descendants = False
+
 
 def become_subreaper() -> bool:
-    """Make orphans of this process's descendants its children (Linux); False elsewhere."""
+    """Make orphans of this process's descendants its children (Linux; False elsewhere), and
+    let :func:`sweep` and :func:`reap_orphans` act: called by the agent's own process only."""
+    global _owns_descendants
+    _owns_descendants = True
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
@@ -96,6 +104,8 @@ def reap(procs: Collection[psutil.Process]) -> None:
 def reap_orphans(ranks: Collection[int]) -> None:
     """Collect the orphans that became this process's children and have ended since (a rank's
     short-lived daemon), so that no zombie piles up while the job runs."""
+    if not _owns_descendants:
+        return
     try:
         children = psutil.Process().children()
     except psutil.Error:
@@ -109,7 +119,7 @@ def reap_orphans(ranks: Collection[int]) -> None:
 def sweep(grace_s: float, ranks: Collection[int] = ()) -> int:
     """End every process below this one but the live ``ranks``: SIGTERM, SIGKILL what is left
     after ``grace_s``; returns how many there were."""
-    left = below(os.getpid(), ranks)
+    left = below(os.getpid(), ranks) if _owns_descendants else []
     if not left:
         return 0
     for p in left:

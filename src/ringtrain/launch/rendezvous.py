@@ -73,23 +73,33 @@ class RendezvousServer:
             return self._port
         assert self._proc.stdout is not None
         deadline = time.monotonic() + self._start_timeout_s
-        line = ""
+        line, ended = "", False
         while time.monotonic() < deadline:
             ready, _, _ = select.select([self._proc.stdout], [], [], 0.1)
             if ready:
                 line = self._proc.stdout.readline()
+                ended = not line  # its output closed: it ended (or is ending)
                 break
             if self._proc.poll() is not None:
+                ended = True
                 break
         if not line.startswith("PORT "):
             err = ""
-            if self._proc.poll() is not None and self._proc.stderr is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5.0 if ended else 0.0)
+            ended = self._proc.poll() is not None
+            if ended and self._proc.stderr is not None:
                 err = self._proc.stderr.read()[-2000:]
             self.close()
-            raise LaunchError(
-                "the rendezvous store did not start"
-                + (f":\n{err.strip()}" if err else f" within {self._start_timeout_s:.0f} s")
-                + "\nHINT: the launcher host needs torch installed in the same interpreter."
+            if ended:  # its own words say why (torch missing, a bad interpreter)
+                raise LaunchError(
+                    f"the rendezvous store did not start:\n{err.strip() or '(no output)'}\n"
+                    "HINT: the launcher host needs torch installed in the same interpreter."
+                )
+            raise LaunchError(  # still starting: importing torch takes long on a busy host
+                f"the rendezvous store did not report its port within {self._start_timeout_s:g} "
+                "s (--start-timeout).\nHINT: on a busy host importing torch can take longer: "
+                "give --start-timeout more seconds."
             )
         self._port = int(line.split()[1])
         return self._port
