@@ -1,10 +1,9 @@
 """An elastic job whose ranks die while the others are in ``state.sync()``.
 
 ``VICTIM=<id>`` SIGKILLs that rank 1 s after ``init()``, before it syncs: the others wait for
-it in the first sync (the sampler's gather needs every rank). ``LATE_VICTIM=<id>`` SIGKILLs
-that rank in its reset callback, 1 s after the first re-formed world: the others wait for it
-in the sync after the reset. Each rank says when it enters ``train`` (in which generation) and
-what it ends with: the survivors must re-form and agree on rank 0's model.
+it in the first sync (the sampler's gather needs every rank). Each rank says when it enters
+``train`` (in which generation) and what it ends with: the survivors must re-form and agree on
+rank 0's model.
 """
 
 from __future__ import annotations
@@ -38,9 +37,6 @@ def main() -> None:
 
     def on_reset() -> None:
         say(f"reset id={me} generation={membership.current()} size={hvd.size()}")
-        if me == int(os.environ.get("LATE_VICTIM", "-1")) and membership.current() == 1:
-            time.sleep(1.0)
-            os.kill(os.getpid(), signal.SIGKILL)
 
     state.register_reset_callbacks([on_reset])
 

@@ -1,5 +1,5 @@
-"""A rank lost while the others are in ``state.sync()`` (the first one, or the one after a
-reset) re-forms the world like a loss mid-step: the sync is inside ``@elastic.run``'s retry."""
+"""A rank lost while the others are in ``state.sync()`` (the first one) re-forms the world like a
+loss mid-step: the sync is inside ``@elastic.run``'s retry."""
 
 from __future__ import annotations
 
@@ -36,13 +36,12 @@ def _left_behind() -> list[psutil.Process]:
 
 
 @pytest.mark.timeout(240)
+# A second loss during the sync after a reset (LATE_VICTIM in the job) is the case of a failure
+# while the world re-forms (docs/elastic.md "Not done yet"): its end depends on when it falls.
 @pytest.mark.parametrize(
     ("np", "victims", "survivors"),
-    [
-        ("3", {"VICTIM": "1"}, ["0", "2"]),
-        ("4", {"VICTIM": "1", "LATE_VICTIM": "3"}, ["0", "2"]),
-    ],
-    ids=["first-sync", "sync-after-reset"],
+    [("3", {"VICTIM": "1"}, ["0", "2"])],
+    ids=["first-sync"],
 )
 def test_a_rank_lost_during_sync_re_forms_the_world(
     np: str, victims: dict[str, str], survivors: list[str]

@@ -105,12 +105,14 @@ def test_long_lists_of_ranks_are_cut() -> None:
 
 def _run(mode: str, *flags: str) -> tuple[str, str, int]:
     env = {**os.environ, "NOINIT": mode, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "ringtrain", "run", "-np", "2", *flags, sys.executable, str(JOB)]
+    # The mode in the ranks' command lines: the other test's job may run beside this one.
+    job = [sys.executable, str(JOB), mode]
+    cmd = [sys.executable, "-m", "ringtrain", "run", "-np", "2", *flags, *job]
     proc = run_job(cmd, env, timeout=150, rank_marker=str(JOB))
     left = []
     for p in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
-            if any(str(JOB) in part for part in p.cmdline()):
+            if p.cmdline()[-2:] == job[-2:]:
                 left.append(p)
     assert not left, left
     return proc.stdout, proc.stderr, proc.returncode
