@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 
 import torch.distributed as dist
@@ -49,4 +50,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Skip the interpreter's teardown of torch (about 0.6 s of CPU, 0.4 s of it garbage
+    # collection): the launcher waits for this process at the end of every job, and nothing here
+    # holds data that teardown would save (the store lives in memory and ends with the job).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
