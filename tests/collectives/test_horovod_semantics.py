@@ -439,6 +439,14 @@ def test_handles_poll_synchronize_and_call(world: spawn.World) -> None:
     world.run(_all_handles)
 
 
+@pytest.mark.parametrize("wait", ["synchronize", "poll"])
+def test_something_that_is_not_a_handle_is_a_clear_error(wait: str) -> None:
+    # Horovod's synchronize returns None for what it does not know: a mistake such as
+    # synchronize(tensor) would pass unseen (docs/horovod.md, "Different on purpose").
+    with pytest.raises(ValueError, match=f"{wait} expects a handle from an \\*_async call"):
+        getattr(rt, wait)(torch.ones(1))
+
+
 def test_a_horovod_script_catches_the_mismatch_on_every_rank(tmp_path: Path) -> None:
     source = (Path(__file__).parent / "horovod_catch.py").read_text()
     script = tmp_path / "catch.py"

@@ -182,7 +182,11 @@ def test_small_broadcasts_travel_in_the_negotiation(world2: World) -> None:
 
 def _process_sets() -> None:
     r, n = rt.rank(), rt.size()
-    evens = rt.add_process_set([k for k in range(n) if k % 2 == 0])
+    wanted = rt.ProcessSet([k for k in range(n) if k % 2 == 0])
+    # Not registered yet: None for size and rank, included() from its ranks (Horovod's answers).
+    assert (wanted.size(), wanted.rank(), wanted.included()) == (None, None, r % 2 == 0)
+    evens = rt.add_process_set(wanted)
+    assert evens.size() == len(evens.ranks)
     assert evens.process_set_id is not None
     if evens.included():
         out = rt.allreduce(torch.ones(1), op=rt.Sum, process_set=evens)
@@ -196,6 +200,8 @@ def _process_sets() -> None:
             assert "not a member" in str(e)
         else:
             raise AssertionError("non-member allreduce was accepted")
+        with pytest.raises(ValueError, match="not a member"):
+            evens.rank()  # Horovod: "Process is not part of provided process set."
     rt.barrier()
     assert rt.remove_process_set(evens)
     assert rt.global_process_set.size() == n
@@ -227,6 +233,23 @@ def _init_with_sets() -> list[int]:
 
 def test_init_with_process_sets(world2: World) -> None:
     assert world2.run(_init_with_sets) == [[1], [-1]]
+
+
+def _queries_before_init() -> list[str]:
+    # Horovod's global set (id 0) raises ValueError before init(); a set of ranks answers None.
+    out = []
+    for query in (rt.global_process_set.size, rt.global_process_set.rank):
+        try:
+            query()
+        except ValueError as e:
+            out.append(str(e).splitlines()[0])
+    assert rt.ProcessSet([0, 1]).size() is None
+    return out
+
+
+def test_the_global_sets_queries_need_init_as_horovods_do(world2: World) -> None:
+    for said in world2.run(_queries_before_init, init=False):
+        assert len(said) == 2 and all("needs ringtrain to be initialized" in m for m in said)
 
 
 def _join() -> int:

@@ -152,7 +152,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Names are checked before anything needs init(), as in Horovod.
         named = names_of(optimizer, named_parameters, {})
         self._process_set = process_set
-        if process_set is not None and not process_set.included():
+        if process_set is not None and not process_set.communicator.included:  # registered?
             # Outside its set the optimizer only steps on local gradients (Horovod's behaviour).
             job_config, comm = runtime_state.current().config, process_set.communicator
         else:

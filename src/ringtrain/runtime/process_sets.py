@@ -58,16 +58,33 @@ class ProcessSet:
             )
         return self._communicator
 
-    def included(self) -> bool:
+    # As Horovod's: a set not registered (yet, or any more) answers None rather than raising,
+    # included() of its known ranks; the global set, always registered there, raises before
+    # init() and after shutdown() as hvd.size() does.
+
+    def _registered(self, query: str) -> Communicator | None:
+        if self._communicator is None and self._ranks is None:
+            raise NotInitializedError(f"global_process_set.{query}()")
+        return self._communicator
+
+    def included(self) -> bool | None:
         """Whether this process is a member."""
-        return self.communicator.included
+        comm = self._registered("included")
+        if comm is not None:
+            return comm.included
+        world = global_process_set._registered("included")
+        return world is not None and world.world_rank in (self._ranks or ())
 
-    def size(self) -> int:
-        return len(self.ranks)
+    def size(self) -> int | None:
+        """The number of ranks in the set; None while it is not registered."""
+        comm = self._registered("size")
+        return None if comm is None else len(comm.ranks)
 
-    def rank(self) -> int:
-        """This process's rank within the set; raises if it is not a member."""
-        return self.communicator.set_rank
+    def rank(self) -> int | None:
+        """This process's rank within the set; None while it is not registered, and an error
+        on a rank that is not a member."""
+        comm = self._registered("rank")
+        return None if comm is None else comm.set_rank
 
     def __repr__(self) -> str:
         who = "global" if self._ranks is None else list(self._ranks)
@@ -78,3 +95,7 @@ class ProcessSet:
 
     def __hash__(self) -> int:
         return hash(self._ranks)
+
+
+# The whole world's set, bound by init() and unbound by shutdown(): hvd.global_process_set.
+global_process_set = ProcessSet(None)

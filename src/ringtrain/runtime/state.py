@@ -39,7 +39,7 @@ from ringtrain.runtime.arrivals import world_store
 from ringtrain.runtime.backends import GroupBackends
 from ringtrain.runtime.contracts import Group
 from ringtrain.runtime.environment import Placement
-from ringtrain.runtime.process_sets import ProcessSet
+from ringtrain.runtime.process_sets import ProcessSet, global_process_set
 from ringtrain.runtime.topology import Topology
 
 log = logging.getLogger("ringtrain")
@@ -87,7 +87,6 @@ _runtime: Runtime | None = None
 _generation = 0
 _stores: dict[tuple[str, int, bool], dist.TCPStore] = {}
 _backends: GroupBackends | None = None  # the running job's, to release at stop/abandon
-global_process_set = ProcessSet(None)
 
 
 def current() -> Runtime:
