@@ -22,8 +22,10 @@ from ringtrain.collectives.controller import Controller
 from ringtrain.collectives.step_timing import StepTimer
 from ringtrain.config import Config
 from ringtrain.diagnostics import engine_wait, timeline, trainjob_status
+from ringtrain.errors import HorovodInternalError
 from ringtrain.launch import elastic as elastic_launch
 from ringtrain.runtime import departures, exit_guard, heartbeat, membership, state
+from ringtrain.runtime.arrivals import WorldSuperseded
 from ringtrain.runtime.process_sets import ProcessSet
 from ringtrain.transport.backend_choice import Backends
 from ringtrain.transport.workers import WORKERS
@@ -62,7 +64,7 @@ def init(
         config = config.replace(**settings)
     if elastic is None and rank is None:
         elastic = _elastic_join()
-    rt = state.start(config, backends=Backends(), rank=rank, size=size, elastic=elastic)
+    rt = _start(config, rank, size, elastic)
     # From here on, an uncaught exception is posted where the peers look (runtime.departures).
     departures.bind(
         state.global_process_set.communicator.store, rt.rank, rt.topology.hosts[rt.rank]
@@ -93,6 +95,42 @@ def init(
         # just that it died.
         faulthandler.enable()
     log.debug("ringtrain initialized: rank %d/%d", rt.rank, rt.size)
+
+
+def _start(
+    config: Config, rank: int | None, size: int | None, elastic: tuple[int, int, int] | None
+) -> state.Runtime:
+    """``state.start``. In an elastic job, a world the launcher replaced while it gathered (a
+    rank was lost before its ``init()``) is left for the newest one, however often that happens."""
+    watch = membership.superseded if membership.active() and rank is None else None
+    while True:
+        try:
+            return state.start(
+                config,
+                backends=Backends(),
+                rank=rank,
+                size=size,
+                elastic=elastic,
+                superseded=watch,
+            )
+        except WorldSuperseded:
+            world, me = membership.announced_world(), membership.identity()
+            if me not in world.members:
+                raise HorovodInternalError(
+                    f"rank {me} is not in world {world.generation} that the launcher announced "
+                    f"while it started ({list(world.members)}): it was considered failed"
+                ) from None
+            membership.entered(world)
+            elastic = (world.members.index(me), len(world.members), world.generation)
+            log.warning(
+                "ringtrain elastic: generation %d was announced while init() waited for the "
+                "first world's ranks (members %s); rank %d joins it as rank %d of %d",
+                world.generation,
+                list(world.members),
+                me,
+                elastic[0],
+                elastic[1],
+            )
 
 
 def _elastic_join() -> tuple[int, int, int] | None:

@@ -1,6 +1,7 @@
 """An elastic job whose ranks die while the others are in ``state.sync()``.
 
-``VICTIM=<id>`` SIGKILLs that rank 1 s after ``init()``, before it syncs: the others wait for
+``EARLY_VICTIM=<id>`` SIGKILLs that rank before it calls ``init()``: the others are in the first
+world's ``init()``, waiting for it. ``VICTIM=<id>`` SIGKILLs that rank 1 s after ``init()``, before it syncs: the others wait for
 it in the first sync (the sampler's gather needs every rank). Each rank says when it enters
 ``train`` (in which generation) and what it ends with: the survivors must re-form and agree on
 rank 0's model.
@@ -27,6 +28,8 @@ def say(*parts: object) -> None:
 
 def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung test dumps the threads
+    if membership.identity() == int(os.environ.get("EARLY_VICTIM", "-1")):
+        os.kill(os.getpid(), signal.SIGKILL)  # lost while starting, before it ever calls init()
     hvd.init()
     me = membership.identity()
     torch.manual_seed(100 + me)  # each rank's own weights: only a sync makes them agree

@@ -1,5 +1,6 @@
 """A rank lost while the others are in ``state.sync()`` (the first one) re-forms the world like a
-loss mid-step: the sync is inside ``@elastic.run``'s retry."""
+loss mid-step: the sync is inside ``@elastic.run``'s retry. One lost before it calls ``init()``,
+while the others wait for it there, too: their ``init()`` joins the world announced without it."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def _left_behind() -> list[psutil.Process]:
 # while the world re-forms (docs/elastic.md "Not done yet"): its end depends on when it falls.
 @pytest.mark.parametrize(
     ("np", "victims", "survivors"),
-    [("3", {"VICTIM": "1"}, ["0", "2"])],
-    ids=["first-sync"],
+    [("3", {"VICTIM": "1"}, ["0", "2"]), ("3", {"EARLY_VICTIM": "1"}, ["0", "2"])],
+    ids=["first-sync", "before-init"],
 )
 def test_a_rank_lost_during_sync_re_forms_the_world(
     np: str, victims: dict[str, str], survivors: list[str]
@@ -61,6 +62,10 @@ def test_a_rank_lost_during_sync_re_forms_the_world(
     torch.manual_seed(100)
     expected = ",".join(f"{v:.6f}" for v in torch.nn.Linear(3, 1).weight.reshape(-1).tolist())
     assert all(d["weights"] == expected for d in done), (expected, done)
+    if "EARLY_VICTIM" in victims:  # left the first world inside init(), not in train()
+        assert not _fields(proc.stdout, "reset"), proc.stdout
+        said = proc.stdout + proc.stderr
+        assert said.count("joins it as rank") == len(survivors), said
     if "LATE_VICTIM" in victims:  # lost again in the sync after the first reset
         assert {r["generation"] for r in _fields(proc.stdout, "reset")} == {"1", "2"}
         assert all(e["generation"] == "2" for e in entered), proc.stdout

@@ -10,7 +10,9 @@ world's store prefix, and waits for every rank's post:
   once with :class:`MissingRanksError`, naming it and how it ended ("exited with code 0");
 - past :data:`SAY_AFTER_S` the lowest waiting rank logs which ranks are missing, every
   :data:`SAY_EVERY_S`;
-- past ``timeout_s``: :class:`MissingRanksError` naming the ranks that never arrived.
+- past ``timeout_s``: :class:`MissingRanksError` naming the ranks that never arrived;
+- in an elastic job, a newer world announced by the launcher (a rank was lost before it
+  arrived) ends the wait with :class:`WorldSuperseded`: the caller joins that world instead.
 
 The wait polls with ``check`` (which never waits): a TCPStore ``wait`` that times out logs two
 c10d warnings, every slice.
@@ -21,7 +23,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch.distributed as dist
 
@@ -39,14 +41,23 @@ SAY_AFTER_S, SAY_EVERY_S = 10.0, 30.0
 LOOK_EVERY_S, LOOK_AT_MOST = 0.5, 32
 
 
+class WorldSuperseded(Exception):
+    """The launcher announced a newer world while this one was gathering: join that one."""
+
+
 def world_store(
-    prefix: str, base: dist.Store, p: Placement, timeout_s: float, adopted: bool
+    prefix: str,
+    base: dist.Store,
+    p: Placement,
+    timeout_s: float,
+    adopted: bool,
+    superseded: Callable[[], bool] | None = None,
 ) -> dist.Store:
     """The world's store (``base`` under ``prefix``), once every rank of ``p``'s world posted
     its arrival in it (:func:`wait_for_all`). Ranks of an adopted group are numbered by the
     script's group, not the launcher: its exit records are not read then."""
     store = dist.PrefixStore(prefix, base)
-    wait_for_all(store, p.rank, p.size, timeout_s, None if adopted else base)
+    wait_for_all(store, p.rank, p.size, timeout_s, None if adopted else base, superseded)
     return store
 
 
@@ -56,12 +67,14 @@ def wait_for_all(
     size: int,
     timeout_s: float,
     records: Store | None = None,
+    superseded: Callable[[], bool] | None = None,
 ) -> None:
     """Post this rank's arrival in ``store`` (the world's prefix) and wait for every rank's.
 
     ``records``: the store where the launcher records how ranks' processes ended (the job's
     store without the world's prefix; None where ranks are not numbered as the launcher numbers
-    them).
+    them). ``superseded``: whether a newer world was announced (elastic jobs), asked at each
+    look; True raises :class:`WorldSuperseded`.
     """
     if size <= 1:
         return
@@ -82,6 +95,8 @@ def wait_for_all(
         if arrived >= size or now < look_at:
             continue
         look_at = now + LOOK_EVERY_S
+        if superseded is not None and superseded():
+            raise WorldSuperseded(f"rank {rank}: a newer world was announced ({arrived}/{size})")
         # A window of the ranks not seen yet, in turn: a look costs the same at any size.
         window = [unseen.popleft() for _ in range(min(LOOK_AT_MOST, len(unseen)))]
         still = [r for r in window if not _arrived(store, r)]

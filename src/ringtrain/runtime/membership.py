@@ -121,9 +121,20 @@ def next_world(wait_s: float | None = None) -> Roster:
             "HINT: the launcher announces one only when a rank exits; the error that started "
             "this is chained below."
         ) from e
+    return announced_world()
+
+
+def announced_world() -> Roster:
+    """The newest world the launcher announced (one was: ``announced()`` is above 0)."""
+    store = _store()
     generation = int(store.get(GENERATION_KEY))
     members = json.loads(store.get(members_key(generation)))
     return Roster(generation, tuple(int(m) for m in members))
+
+
+def superseded() -> bool:
+    """Whether the launcher announced a world newer than the one this process runs in."""
+    return (announced() or 0) > _current
 
 
 def members(size: int) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,6 +119,7 @@ def start(
     rank: int | None = None,
     size: int | None = None,
     elastic: tuple[int, int, int] | None = None,
+    superseded: Callable[[], bool] | None = None,
 ) -> Runtime:
     """Join the job described by the environment. Idempotent while already initialized.
 
@@ -126,6 +127,8 @@ def start(
     :mod:`ringtrain.runtime.membership`); the store prefix then comes from the launcher's
     generation, so survivors agree on it whatever each one did before. ``backends``: the
     process-group backends to choose from (``lifecycle`` passes ringtrain's own).
+    ``superseded``: elastic jobs, whether the launcher announced a newer world while this one
+    gathers (``arrivals.WorldSuperseded`` is then raised, with nothing started).
     """
     global _runtime, _generation, _backends
     with _lock:
@@ -160,7 +163,7 @@ def start(
             prefix = f"ringtrain/elastic/gen{elastic[2]}"
         _gloo_environment(interface)
         base = _adopted_store(placement, config) if adopted else _store(placement, config)
-        store = world_store(prefix, base, placement, config.timeout_s, adopted)
+        store = world_store(prefix, base, placement, config.timeout_s, adopted, superseded)
         backend, transport = backends.choose(config, env, placement)
         _backends = backends
         if config.secure:  # every group is sealed; ranks first prove they hold the job key
