@@ -30,13 +30,35 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: a flag it does not know is its own error, shown with its usage.
+
+    Left to argparse, a subparser hands unknown flags up to the top-level parser, whose usage
+    lists only the subcommands. Flags after ``ringtrain run``'s COMMAND are the command's
+    (REMAINDER): they never reach this check."""
+
+    # typeshed overloads the namespace's type; this keeps argparse's behaviour for every one.
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(
+                f"unrecognized arguments: {' '.join(extras)}\n"
+                f"HINT: `{self.prog} --help` lists the flags it takes."
+            )
+        return parsed, extras
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ringtrain",
         description="Distributed data-parallel training for PyTorch.",
     )
     parser.add_argument("--version", action="version", version=f"ringtrain {__version__}")
-    sub = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
+    sub = parser.add_subparsers(
+        dest="subcommand", metavar="SUBCOMMAND", required=True, parser_class=_SubcommandParser
+    )
     # Only the chosen subcommand's module is imported; the others show their one-line help.
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in SUBCOMMANDS.items():

@@ -424,6 +424,32 @@ def test_cli_refuses_a_key_file_others_can_read(tmp_path: Path, capsys: Any) -> 
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("description", [None, {"secure": False}])
+@pytest.mark.timeout(90)
+def test_cli_refuses_a_key_file_for_a_job_that_is_not_secure(
+    tmp_path: Path, description: dict[str, Any] | None
+) -> None:
+    """The key would go unused and the traffic unsealed: refused, not ignored in silence."""
+    key_file = tmp_path / "job.key"
+    keys.write_key_file(key_file, KEY)
+    argv = ["k8s", "--name", "demo", "--image", "img", "--command", "python t.py"]
+    if description is not None:
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(description))
+        argv.append(str(tmp_path / "job.yaml"))
+    out = tmp_path / "o"
+    done = subprocess.run(
+        [sys.executable, "-m", "ringtrain", *argv, "--key-file", str(key_file), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    [line] = [x for x in done.stderr.splitlines() if x.startswith("ringtrain k8s: error:")]
+    assert f"--key-file {str(key_file)!r} is given, but the job is not secure" in line
+    assert "\nHINT: add --secure" in done.stderr and "Traceback" not in done.stderr
+    assert done.stdout == "" and not out.exists()
+
+
 def test_cli_names_an_unknown_setting(capsys: Any) -> None:
     argv = ["k8s", "--name", "demo", "--image", "img", "--command", "python t.py"]
     assert cli([*argv, "--set", "compresion=fp16"]) == 2

@@ -339,6 +339,7 @@ def test_an_interface_ringtrain_run_refuses_is_a_problem(hosts: tuple[str, ...])
         (["--target-efficiency", "5"], "--target-efficiency must be > 0 and <= 1"),
         (["--fusion-threshold-mb", "nan"], "--fusion-threshold-mb must be >= 0"),
         (["-np", "0"], "-np must be >= 1"),
+        (["-H", ""], "-H '' lists no hosts"),  # not read as "this host"
         (["--ssh-connect-timeout", "-1"], "--ssh-connect-timeout must be >= 1"),
     ],
 )

@@ -198,3 +198,125 @@ def test_a_timeline_under_a_regular_file_fails_init_clearly_without_the_launcher
     assert f"timeline {str(tmp_path / 'plain' / 't.rank0.json')!r}" in proc.stdout
     assert f"{tmp_path / 'plain'} is a file, not a directory" in proc.stdout
     assert "HINT:" in proc.stdout
+
+
+# ---- input that was ignored in silence, or failed late, refused before anything starts -------
+
+
+def _cli(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> str:
+    """Runs the real ``ringtrain`` command; returns its stderr, after checking that it failed as
+    the launcher's own errors do (exit 2, no traceback) and that no rank started."""
+    proc = subprocess.run(
+        [PY, "-m", "ringtrain", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**os.environ, **(env or {})},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "started").exists()
+    return proc.stderr
+
+
+def _one_error(err: str) -> str:
+    [line] = _error_lines(err)
+    assert "\nHINT: " in err, err
+    return line
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "says"),
+    [
+        (
+            ("--checkpoint-every", "10"),
+            {},
+            "--checkpoint-every 10 is given without --checkpoint-dir",
+        ),
+        ((), {"RINGTRAIN_CHECKPOINT_EVERY": "300s"}, "RINGTRAIN_CHECKPOINT_EVERY='300s' is given"),
+    ],
+)
+@pytest.mark.timeout(90)
+def test_a_checkpoint_schedule_without_a_directory_is_refused(
+    tmp_path: Path, flags: tuple[str, ...], env: dict[str, str], says: str
+) -> None:
+    err = _cli(tmp_path, "run", "-np", "1", *flags, *_marker_job(tmp_path), env=env)
+    assert says in _one_error(err), err
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (("-H", ""), "-H '' lists no hosts"),
+        (("-H", " "), "-H ' ' lists no hosts"),
+        (("-H", ",,"), "-H ',,' lists no hosts"),
+        (("--hosts=",), "-H '' lists no hosts"),
+        (("--hostfile", ""), "--hostfile '' names no file"),
+    ],
+)
+@pytest.mark.timeout(90)
+def test_an_empty_host_spec_is_refused_not_read_as_this_host(
+    tmp_path: Path, flags: tuple[str, ...], says: str
+) -> None:
+    err = _cli(tmp_path, "run", "-np", "1", *flags, *_marker_job(tmp_path))
+    assert says in _one_error(err), err
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "unreadable"])
+@pytest.mark.timeout(90)
+def test_a_key_file_ranks_here_cannot_read_is_refused_before_they_start(
+    tmp_path: Path, kind: str
+) -> None:
+    key = tmp_path / "keys" / "job.key"
+    if kind != "missing":
+        key.parent.mkdir()
+        key.write_bytes(b"" if kind == "empty" else keys.encode_key(keys.generate_job_key()))
+        key.chmod(0o600 if kind == "empty" else 0o000)
+    if kind == "unreadable" and os.access(key, os.R_OK):
+        pytest.skip("this user reads files whatever their mode (root)")
+    err = _cli(
+        tmp_path, "run", "-np", "1", "--secure", "--key-file", str(key), *_marker_job(tmp_path)
+    )
+    line = _one_error(err)
+    assert "--key-file: " in line and repr(str(key)) in line, err
+    assert ("does not hold a job key" if kind == "empty" else "could not open") in line
+
+
+def test_a_key_file_only_remote_ranks_read_is_theirs_to_check() -> None:
+    """With every rank on other hosts, the launcher passes the path on and reads nothing."""
+    remote = Config(secure=True, key_file="/only/on/the/nodes/job.key")
+    command.check_settings(remote, {"secure", "key_file"}, ranks_here=False)
+    with pytest.raises(SecurityError, match="--key-file: could not open"):
+        command.check_settings(remote, {"secure", "key_file"}, ranks_here=True)
+    # --secure alone: the launcher's own key reaches the ranks; RINGTRAIN_KEY_FILE goes unread
+    command.check_settings(remote, {"secure"}, ranks_here=True)
+
+
+@pytest.mark.parametrize(
+    ("prog", "more"),
+    [("run", ("-np", "1")), ("doctor", ()), ("bench allreduce", ()), ("k8s", ())],
+)
+@pytest.mark.timeout(90)
+def test_an_unknown_flag_is_named_with_the_subcommands_usage(
+    tmp_path: Path, prog: str, more: tuple[str, ...]
+) -> None:
+    job = _marker_job(tmp_path) if prog == "run" else []
+    err = _cli(tmp_path, *prog.split(), "--bogus", *more, *job)
+    assert err.startswith(f"usage: ringtrain {prog} "), err
+    assert f"ringtrain {prog}: error: unrecognized arguments: --bogus\n" in err
+    assert f"\nHINT: `ringtrain {prog} --help`" in err
+
+
+@pytest.mark.timeout(90)
+def test_flags_after_the_command_still_reach_it(tmp_path: Path) -> None:
+    script = "import sys; print('argv', sys.argv[1:])"
+    proc = subprocess.run(
+        [PY, "-m", "ringtrain", "run", "-np", "1", PY, "-c", script, "--bogus", "-np", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "argv ['--bogus', '-np', '3']" in proc.stdout

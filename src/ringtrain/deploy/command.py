@@ -121,6 +121,14 @@ def _typed(settings: dict[str, str]) -> dict[str, Any]:
 
 
 def _key(args: argparse.Namespace, spec: JobSpec) -> bytes | None:
+    if args.key_file and not spec.sealed:
+        # Not silently dropped: whoever gives a key believes the job is sealed.
+        raise ConfigError(
+            f"--key-file {args.key_file!r} is given, but the job is not secure: its traffic "
+            "would not be sealed and the key would go unused.\n"
+            "HINT: add --secure (or secure: true in the description) to seal the job with this "
+            "key, or leave --key-file out."
+        )
     if not spec.sealed or args.no_secret:
         return None
     from ringtrain.security import keys

@@ -122,9 +122,9 @@ def options_from_args(args: argparse.Namespace) -> checkup.DoctorOptions:
         if getattr(args, dest) is not None:
             setattr(args, dest, bounds.check(flag, getattr(args, dest)))
     hosts: list[Host]
-    if args.hosts:
-        hosts = parse_hosts(args.hosts)
-    elif args.hostfile:
+    if args.hosts is not None:  # -H "" is an error, not this host (as in ringtrain run)
+        hosts = parse_hosts(args.hosts, "-H")
+    elif args.hostfile is not None:
         hosts = parse_hostfile(args.hostfile)
     else:
         hosts = [Host("localhost", max(1, args.np or 1))]

@@ -123,6 +123,8 @@ def _reset(state: State, failure: BaseException | None) -> None:
     before = membership.members(runtime.current().size if runtime.is_initialized() else 0)
     membership.entered(world)  # first: the new world's waits must not count as superseded
     lifecycle.reform(world.members.index(me), len(world.members), world.generation)
+    # A newer world announced while this one gathered was joined instead (lifecycle._start).
+    world = membership.Roster(membership.current(), membership.members(runtime.current().size))
     optimizer.rejoin_all()
     state.mark_generation(world.generation)
     change = describe_change(before, world, failure)

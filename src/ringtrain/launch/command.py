@@ -25,7 +25,7 @@ from ringtrain.config import (
     env_var,
 )
 from ringtrain.environ import LOG_LEVELS
-from ringtrain.errors import ConfigError
+from ringtrain.errors import ConfigError, SecurityError
 from ringtrain.launch import horovodrun
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
 from ringtrain.launch.options import BIND_CHOICES, MALLOC_CHOICES, LaunchOptions, SshOptions
@@ -324,9 +324,9 @@ def _metavar(f: SettingFlag) -> str:
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     hosts: list[Host]
-    if args.hosts:
-        hosts = parse_hosts(args.hosts)
-    elif args.hostfile:
+    if args.hosts is not None:  # -H "" is an error, not this host
+        hosts = parse_hosts(args.hosts, "-H")
+    elif args.hostfile is not None:
         hosts = parse_hostfile(args.hostfile)
     else:
         hosts = []
@@ -424,15 +424,32 @@ def _setting(f: SettingFlag, value: Any) -> Any:
 
 
 def check_settings(
-    config: Config, given: Collection[str] = ("compression",), *, ranks_here: bool = True
+    config: Config,
+    given: Collection[str] = ("compression",),
+    *,
+    ranks_here: bool = True,
+    key_here: bool | None = None,
 ) -> None:
     """What the launcher can check of the ranks' settings before starting them, beyond each
     field's own rule (:class:`Config` checks those): the rules for settings given to a
     launcher (``given``: the Config fields set by flags), paths the ranks will create (where
-    ranks run on this host: ``ranks_here``), the key file (where this host has it). The
-    interface is checked per host by the supervisor, from what each host's agent reports."""
+    ranks run on this host: ``ranks_here``), the key file (where this host has it, or where
+    ranks on this host will read it: ``key_here``, by default ``ranks_here``). The interface is
+    checked per host by the supervisor, from what each host's agent reports."""
     flags = {f.field: f.flag for f in SETTING_FLAGS}
     check_launch_settings(config, {name: flags.get(name, name) for name in given})
+    if config.checkpoint_every and not (config.checkpoint_dir or config.resume):
+        # Durable refuses this on every rank; a job that never makes one would save nothing.
+        shown = (
+            f"--checkpoint-every {config.checkpoint_every}"
+            if "checkpoint_every" in given
+            else f"{env_var('checkpoint_every')}={config.checkpoint_every!r}"
+        )
+        raise ConfigError(
+            f"{shown} is given without --checkpoint-dir: there is nowhere to save checkpoints.\n"
+            f"HINT: ringtrain run --checkpoint-dir DIR --checkpoint-every "
+            f"{config.checkpoint_every} ... (or --resume DIR to continue a job)."
+        )
     if ranks_here:
         # Checked again where ranks create them; paths on other hosts are theirs.
         if config.timeline_filename:  # each rank writes its own file beside the name given
@@ -443,9 +460,18 @@ def check_settings(
             if getattr(config, name):
                 label = f"{flags[name]} {getattr(config, name)!r}"
                 check_path(label, getattr(config, name), directory=True, writable=name != "resume")
-    if config.secure and config.key_file and os.path.exists(config.key_file):
-        # Checked again by every rank on its own host; a file only remote hosts have is theirs.
-        keys.check_key_file(config.key_file)
+    if config.secure and config.key_file:
+        # Ranks read the file on their own hosts (the launcher hands over only its path): a
+        # file only remote hosts have is theirs. Ranks here read it unless the launcher makes
+        # a key for them (--secure without --key-file: the key pipe wins over the file).
+        launchers_key = "secure" in given and "key_file" not in given
+        read_here = (ranks_here if key_here is None else key_here) and not launchers_key
+        if read_here or os.path.exists(config.key_file):
+            shown = "--key-file" if "key_file" in given else env_var("key_file")
+            try:
+                keys.check_key_file(config.key_file)
+            except SecurityError as e:
+                raise SecurityError(f"{shown}: {e}") from None
 
 
 def _interface_names(value: str | None) -> tuple[str, ...]:
@@ -469,8 +495,10 @@ def checked_options(args: argparse.Namespace) -> LaunchOptions:
     # A bad RINGTRAIN_*/HOROVOD_* value or setting fails here once, before any rank starts:
     # the ranks compute this same Config from the variables the launcher hands them.
     config = Config.from_env(environ.current(), **options.settings)
-    here = options.discovery_script is not None or any(h.is_local for h in options.hosts)
-    check_settings(config, options.settings, ranks_here=here)
+    listed_here = any(h.is_local for h in options.hosts)
+    here = options.discovery_script is not None or listed_here
+    # A discovery script may name only other hosts: a key file missing here may be theirs.
+    check_settings(config, options.settings, ranks_here=here, key_here=listed_here)
     if options.output_dir:  # the launcher itself writes there
         label = f"--output-filename {options.output_dir!r}"
         check_path(label, options.output_dir, directory=True)

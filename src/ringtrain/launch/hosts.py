@@ -26,8 +26,15 @@ class Host:
         return self.name in LOCAL_NAMES
 
 
-def parse_hosts(spec: str) -> list[Host]:
-    """Parse ``a:2,b:2`` (slots default to 1). Repeated hosts are an error."""
+def parse_hosts(spec: str, flag: str = "") -> list[Host]:
+    """Parse ``a:2,b:2`` (slots default to 1). Repeated hosts are an error. ``flag``: the flag
+    that gave ``spec`` (``-H``), named when it lists no host at all (``-H ""``)."""
+    if flag and not spec.replace(",", "").strip():
+        raise HostSpecError(
+            f"{flag} {spec!r} lists no hosts.\n"
+            f"HINT: give hosts and their slots, e.g. {flag} a:2,b:2, or leave {flag} out to run "
+            "every rank on this host."
+        )
     hosts = []
     for token in spec.split(","):
         token = token.strip()
@@ -42,6 +49,12 @@ def parse_hosts(spec: str) -> list[Host]:
 
 def parse_hostfile(path: str | Path) -> list[Host]:
     """Parse a hostfile: one ``host [slots=N]`` per line (``host:N`` too); ``#`` comments."""
+    if not str(path).strip():  # Path("") is the current directory
+        raise HostSpecError(
+            f"--hostfile {str(path)!r} names no file.\n"
+            "HINT: give a file with one 'host slots=N' a line, or leave --hostfile out to run "
+            "every rank on this host."
+        )
     try:
         text = Path(path).read_text()
     except OSError as e:

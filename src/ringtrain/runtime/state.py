@@ -22,7 +22,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -126,9 +126,8 @@ def start(
     ``elastic``: ``(rank, size, generation)`` of a world the launcher announced (see
     :mod:`ringtrain.runtime.membership`); the store prefix then comes from the launcher's
     generation, so survivors agree on it whatever each one did before. ``backends``: the
-    process-group backends to choose from (``lifecycle`` passes ringtrain's own).
-    ``superseded``: elastic jobs, whether the launcher announced a newer world while this one
-    gathers (``arrivals.WorldSuperseded`` is then raised, with nothing started).
+    process-group backends to choose from (``lifecycle`` passes ringtrain's own). ``superseded``:
+    whether a newer world was announced while this one gathers (then ``WorldSuperseded``).
     """
     global _runtime, _generation, _backends
     with _lock:
@@ -154,8 +153,6 @@ def start(
         _generation += 1
         prefix = f"ringtrain/gen{_generation}"
         if elastic is not None:
-            from dataclasses import replace
-
             # Renumbered: the launcher's host-local counts no longer hold; topology is measured.
             placement = replace(
                 placement, rank=elastic[0], size=elastic[1], local_rank=None, local_size=None
