@@ -123,8 +123,8 @@ def _start(
             membership.entered(world)
             elastic = (world.members.index(me), len(world.members), world.generation)
             log.warning(
-                "ringtrain elastic: generation %d was announced while init() waited for the "
-                "first world's ranks (members %s); rank %d joins it as rank %d of %d",
+                "ringtrain elastic: generation %d was announced while init() waited for its "
+                "world's ranks (members %s); rank %d joins it as rank %d of %d",
                 world.generation,
                 list(world.members),
                 me,
