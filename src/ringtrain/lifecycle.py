@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import gc
 import logging
 import os
 import sys
@@ -38,6 +39,13 @@ log = logging.getLogger("ringtrain")
 SHUTDOWN_WAIT_S = 30.0
 FAILED_SHUTDOWN_WAIT_S = 3.0
 _atexit_registered = False
+
+# What exists when this module is first imported is what torch and the script's imports made,
+# and it lives as long as the process. Frozen out of the collector's sight (gc.freeze), it is
+# skipped by every later collection: shutdown's, the interpreter's last one at exit (together
+# 0.3-0.5 s of each rank's end on 2 cores) and the full collections during training. What the
+# script makes afterwards is collected as usual; ``gc.unfreeze()`` undoes this.
+gc.freeze()
 
 
 def init(
