@@ -450,6 +450,25 @@ def test_cli_refuses_a_key_file_for_a_job_that_is_not_secure(
     assert done.stdout == "" and not out.exists()
 
 
+@pytest.mark.timeout(90)
+def test_cli_refuses_a_key_file_with_no_secret(tmp_path: Path) -> None:
+    """With --no-secret the pods read a Secret made by hand: a key file would go unused."""
+    key_file = tmp_path / "job.key"
+    keys.write_key_file(key_file, KEY)
+    out = tmp_path / "o"
+    argv = ["k8s", "--name", "demo", "--image", "img", "--command", "python t.py", "--secure"]
+    done = subprocess.run(
+        [sys.executable, "-m", "ringtrain", *argv, "--no-secret", "--key-file", str(key_file),
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    [line] = [x for x in done.stderr.splitlines() if x.startswith("ringtrain k8s: error:")]
+    assert f"--key-file {str(key_file)!r} and --no-secret are both given" in line
+    assert "\nHINT: leave --no-secret out" in done.stderr and "Traceback" not in done.stderr
+    assert done.stdout == "" and not out.exists()
+
+
 def test_cli_names_an_unknown_setting(capsys: Any) -> None:
     argv = ["k8s", "--name", "demo", "--image", "img", "--command", "python t.py"]
     assert cli([*argv, "--set", "compresion=fp16"]) == 2

@@ -129,6 +129,15 @@ def _key(args: argparse.Namespace, spec: JobSpec) -> bytes | None:
             "HINT: add --secure (or secure: true in the description) to seal the job with this "
             "key, or leave --key-file out."
         )
+    if args.key_file and args.no_secret:
+        # The key would go nowhere: with --no-secret the pods read a Secret made by hand.
+        raise ConfigError(
+            f"--key-file {args.key_file!r} and --no-secret are both given: no Secret is "
+            "written, so the key would go unused and the pods would read whatever Secret you "
+            "made yourself.\n"
+            "HINT: leave --no-secret out to put this key in the Secret, or leave --key-file "
+            "out and make the Secret yourself (docs/deploy.md)."
+        )
     if not spec.sealed or args.no_secret:
         return None
     from ringtrain.security import keys
