@@ -68,6 +68,9 @@ class Config:
     stall_warning_s: float = 60.0
     # Stall inspector: abort the job after this long; 0 means never.
     stall_shutdown_s: float = 0.0
+    # ringtrain run's agents: a rank silent 4 s (no heartbeat) that then does no work for this
+    # long (stuck in a driver or the kernel) is killed as frozen and handled like a dead rank.
+    frozen_after_s: float = 30.0
     # Check that ranks submit matching collectives (name, op, shape, dtype, root, process set).
     check_consistency: bool = True
     # Chrome/Perfetto trace written by every rank (rank suffix added); empty disables.
@@ -347,6 +350,13 @@ NUMBERS: dict[str, Bounds] = {
     "timeout_s": Bounds(0, above=True, unit="seconds"),
     "stall_warning_s": Bounds(0, unit="seconds", hint="0 turns the stall inspector off."),
     "stall_shutdown_s": Bounds(0, unit="seconds", hint="0 never ends the job for a stall."),
+    "frozen_after_s": Bounds(
+        0,
+        above=True,
+        unit="seconds",
+        hint="e.g. 120 where a rank may wait that long in a driver without using CPU; "
+        "leave it unset for 30.",
+    ),
     "powersgd_rank": Bounds(
         1, whole=True, hint="rank 1 for fine-tuning, 2-4 for training from scratch."
     ),

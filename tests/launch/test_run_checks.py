@@ -163,6 +163,30 @@ def test_a_bad_ringtrain_variable_in_the_launchers_environment_is_refused(
 
 
 @pytest.mark.parametrize(
+    ("flags", "var", "says"),
+    [
+        (("--frozen-after", "0"), None, "--frozen-after 0: frozen_after_s must be > 0 (a finite"),
+        ((), "0", "RINGTRAIN_FROZEN_AFTER_S='0': frozen_after_s must be > 0 (a finite number"),
+        ((), "30s", "RINGTRAIN_FROZEN_AFTER_S='30s' is not a valid float"),
+    ],
+)
+@pytest.mark.timeout(60)
+def test_a_bad_frozen_after_is_refused_naming_the_flag_or_variable(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    flags: tuple[str, ...],
+    var: str | None,
+    says: str,
+) -> None:
+    """The agents' freeze limit is a job setting like any other: one line, exit 2, a HINT."""
+    if var is not None:
+        monkeypatch.setenv("RINGTRAIN_FROZEN_AFTER_S", var)
+    line = _refused(tmp_path, capsys, *flags)
+    assert says in line, line
+
+
+@pytest.mark.parametrize(
     "flag", ["--timeline-filename", "--checkpoint-dir", "--resume", "--output-filename"]
 )
 @pytest.mark.timeout(60)

@@ -14,6 +14,7 @@ import pytest
 
 JOB = Path(__file__).parents[1] / "elastic" / "elastic_job.py"
 N, EPOCHS = 60, 2  # as in elastic_job.py
+FROZEN = 12  # --frozen-after: seconds without work before a silent rank is killed
 EXPECTED = [N * EPOCHS, EPOCHS * N * (N + 1) // 2, EPOCHS * N * (N + 1) * (2 * N + 1) // 6]
 
 
@@ -61,16 +62,21 @@ def test_stopped_rank_leaves_an_elastic_world() -> None:
 @pytest.mark.timeout(300)
 def test_a_silent_rank_that_works_lives_and_one_doing_nothing_is_killed_as_frozen() -> None:
     """Silence alone kills nobody (on a loaded host a running rank misses beats): a rank holding
-    the GIL in C while it computes lives; one holding it asleep, doing no work for the agent's
-    FROZEN_S (30 s), is killed."""
+    the GIL in C while it computes lives; one holding it asleep, doing no work for the job's
+    frozen_after_s (``--frozen-after``, FROZEN here: longer than rank 0's 10 s in one C call,
+    shorter than the default 30 s), is killed, and not before that."""
     job = Path(__file__).with_name("gil_job.py")
     proc = subprocess.run(
-        [sys.executable, "-m", "ringtrain", "run", "-np", "2", sys.executable, str(job)],
+        [
+            sys.executable, "-m", "ringtrain", "run", "-np", "2",
+            "--frozen-after", str(FROZEN), sys.executable, str(job),
+        ],
         capture_output=True, text=True, timeout=280, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     out = proc.stdout + proc.stderr
     held = re.search(r"rank 0 held the GIL for ([\d.]+) s and lives", proc.stdout)
     assert held and float(held[1]) > 4.5, out  # longer than the agent's SILENT_S
-    assert re.search(r"rank 1 .*frozen: no work for (3\d|[4-9]\d) s\); killing it", out), out
+    frozen = re.search(r"rank 1 .*frozen: no work for (\d+) s\); killing it", out)
+    assert frozen and FROZEN <= int(frozen[1]) < 30, out  # the setting's, not the default's
     assert not re.search(r"rank 0 \(pid \d+\) stopped responding", out), out
     assert "job failed: rank 1" in proc.stderr, out

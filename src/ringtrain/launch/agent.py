@@ -26,6 +26,7 @@ from typing import IO, Any
 import psutil
 
 from ringtrain import environ
+from ringtrain.config import Config
 from ringtrain.environ import Ringtrain
 from ringtrain.host import cpu_limits, network, open_files
 from ringtrain.launch import leftovers, protocol
@@ -38,10 +39,10 @@ _PR_SET_PDEATHSIG = 1
 # once, and the launcher handles it like a dead rank. Silence alone is not enough: on a loaded
 # host a running rank can miss its beats for seconds, and a main thread holding the GIL in C
 # blocks them while the rank works; such a rank is killed only once it has also done no work for
-# FROZEN_S (stuck in the kernel or a driver): its main thread used no CPU time and no other
-# thread more than torch's idle background threads do (about 0.01 s a second).
+# the job's frozen_after_s (Config; the start message's frozen_s: stuck in the kernel or a
+# driver): its main thread used no CPU time and no other thread more than torch's idle
+# background threads do (about 0.01 s a second).
 SILENT_S = 4.0
-FROZEN_S = 30.0
 # A rank that said it is failing leaves by itself: its shutdown is bounded (runtime/lifecycle:
 # 3 s at most, milliseconds usually), then the interpreter's finalization, which takes seconds
 # with torch on a loaded host. It gets this long past the grace period before SIGKILL, so that
@@ -94,6 +95,7 @@ class Agent:
         self._tails: dict[int, collections.deque[str]] = {}
         self._readers: dict[int, list[threading.Thread]] = {}
         self._grace_s = 3.0
+        self._frozen_s = Config.frozen_after_s
         self._stopping = False
         self._beats: dict[int, float] = {}  # rank -> time of its last heartbeat
         self._silent: dict[int, float] = {}  # rank -> how long it was silent when killed
@@ -114,6 +116,7 @@ class Agent:
 
     def start(self, msg: dict[str, Any]) -> None:
         self._grace_s = float(msg.get("grace_s", 3.0))
+        self._frozen_s = float(msg.get("frozen_s", Config.frozen_after_s))
         cwd = msg.get("cwd") or None
         if cwd and not os.path.isdir(cwd):
             cwd = None
@@ -212,7 +215,7 @@ class Agent:
 
     def _check_silent(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         """Kill ``rank`` if it beat before, has been silent for :data:`SILENT_S`, and is stopped
-        or has done no work for :data:`FROZEN_S`."""
+        or has done no work for the job's ``frozen_after_s`` (the start message's frozen_s)."""
         last = self._beats.get(rank)
         if last is None or rank in self._silent or self._stopping:
             return
@@ -232,7 +235,7 @@ class Agent:
                 self._idle[rank] = (now, now, _thread_cpu(tree))  # working, or starved: wait
                 return
             self._idle[rank] = (since, now, cpu)
-            if now - since < FROZEN_S:
+            if now - since < self._frozen_s:
                 return
             why = f"frozen: no work for {now - since:.0f} s"
         self._silent[rank] = silent

@@ -74,6 +74,12 @@ SETTING_FLAGS = (
         "seconds before a stall ends the job (0: never)",
     ),
     SettingFlag(
+        "--frozen-after",
+        "frozen_after_s",
+        float,
+        "seconds a rank silent 4 s may do no work before its agent kills it as frozen (default 30)",
+    ),
+    SettingFlag(
         "--timeline-filename",
         "timeline_filename",
         str,
@@ -316,7 +322,13 @@ def _add_horovodrun_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _metavar(f: SettingFlag) -> str:
-    for suffix, metavar in (("-mb", "MIB"), ("-ms", "MS"), ("-time", "S"), ("timeout", "S")):
+    for suffix, metavar in (
+        ("-mb", "MIB"),
+        ("-ms", "MS"),
+        ("-time", "S"),
+        ("timeout", "S"),
+        ("-after", "S"),
+    ):
         if f.flag.endswith(suffix):
             return metavar
     return "N" if f.type is int else "VALUE"

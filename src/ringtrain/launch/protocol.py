@@ -1,7 +1,8 @@
 """The messages between the launcher and a host's agent: one JSON object per line.
 
 Launcher -> agent (agent's stdin):
-    {"t": "start", "ranks": [RankLaunch...], "cwd": str, "key": hex | null, "grace_s": float}
+    {"t": "start", "ranks": [RankLaunch...], "cwd": str, "key": hex | null, "grace_s": float,
+     "frozen_s": float}                             frozen_s: the job's Config.frozen_after_s
     {"t": "signal", "sig": "SIGINT" | "SIGTERM"}   forward a signal to every rank
     {"t": "stop"}                                    end every rank (TERM, then KILL after grace)
     end of input                                     the launcher is gone: stop everything, exit

@@ -40,7 +40,7 @@ from types import FrameType
 from typing import IO, Any
 
 from ringtrain import environ
-from ringtrain.config import to_env
+from ringtrain.config import Config, to_env
 from ringtrain.environ import horovod_unused
 from ringtrain.errors import LaunchError
 from ringtrain.host import network
@@ -284,6 +284,9 @@ class Supervisor:
             "rdzv": rank_env.Rendezvous(addr, port, self.job_id),
             "settings": to_env(**self.options.settings),
             "key": key,
+            # The agents kill a silent rank that did no work this long: the job's setting, as
+            # its flag or RINGTRAIN_FROZEN_AFTER_S gave it (checked before any rank started).
+            "frozen_s": Config.from_env(self.env, **self.options.settings).frozen_after_s,
         }
         by_host: dict[str, list[ProcessSpec]] = {}
         for s in self.specs:
@@ -353,6 +356,7 @@ class Supervisor:
             cwd=os.getcwd(),
             key=self._run_env["key"],
             grace_s=self.options.grace_s,
+            frozen_s=self._run_env["frozen_s"],
         )
 
     def _network(self) -> tuple[str, dict[str, dict[str, str]]]:
