@@ -181,6 +181,22 @@ def test_command_not_found(tmp_path: Path) -> None:
     assert "could not start" in proc.stderr and "command not found" in proc.stderr
 
 
+def test_a_script_that_is_not_executable_is_named_with_what_to_do(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('never runs')\n")
+    script.chmod(0o644)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringtrain", "run", "-np", "2", "--", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 126, proc.stderr  # a shell's code: found, but not runnable
+    assert f"could not start: cannot start {str(script)!r}: Permission denied" in proc.stderr
+    assert f"HINT: {script} is not executable: chmod +x {script}" in proc.stderr
+    assert "never runs" not in proc.stdout
+
+
 def test_bad_flags_give_a_clear_error() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "ringtrain", "run", "-H", "a:x", "--", "true"],

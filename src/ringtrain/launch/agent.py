@@ -53,6 +53,19 @@ LOOK_S = 0.25  # how often a silent rank's state is read
 _STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 
 
+def _cannot_start(program: str, e: OSError, cwd: str | None) -> list[str]:
+    """Why a rank's command did not start, and what to do where that is plain."""
+    if isinstance(e, FileNotFoundError):
+        return [f"cannot start {program!r}: command not found"]
+    lines = [f"cannot start {program!r}: {e.strerror}"]
+    if isinstance(e, PermissionError) and os.path.isfile(os.path.join(cwd or ".", program)):
+        lines.append(
+            f"HINT: {program} is not executable: chmod +x {program}, or name its interpreter "
+            f"first (ringtrain run ... python {program})."
+        )
+    return lines
+
+
 def host_facts() -> dict[str, Any]:
     """What the launcher needs to know about this host to plan and tune its ranks."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -176,10 +189,11 @@ class Agent:
                 preexec_fn=_child_setup(cpus),
             )
         except OSError as e:
-            what = "command not found" if isinstance(e, FileNotFoundError) else e.strerror
-            line = f"cannot start {r['argv'][0]!r}: {what}"
-            self._tails[rank].append(line)
-            self.send("exit", rank=rank, code=127, signal=None, tail=[line])
+            tail = _cannot_start(r["argv"][0], e, cwd)
+            self._tails[rank].extend(tail)
+            # A shell's codes: 127 not found, 126 found but not runnable.
+            code = 127 if isinstance(e, FileNotFoundError) else 126
+            self.send("exit", rank=rank, code=code, signal=None, tail=tail)
             os.close(beat_r)
             return
         finally:

@@ -493,7 +493,8 @@ class Supervisor:
         how, exit_code = how_it_ended(msg)
         tail = list(msg.get("tail") or [])
         if pid is None:  # the agent could not even start the command
-            desc = f"rank {rank} (host {host}) could not start: {tail[-1] if tail else how}"
+            # the agent's reason first, then perhaps a HINT (agent._cannot_start)
+            desc = f"rank {rank} (host {host}) could not start: {tail[0] if tail else how}"
         else:
             elapsed = time.monotonic() - self._started_at
             desc = f"rank {rank} (host {host}, pid {pid}) {how} after {elapsed:.1f} s"
