@@ -109,9 +109,11 @@ def _start(
     config: Config, rank: int | None, size: int | None, elastic: tuple[int, int, int] | None
 ) -> state.Runtime:
     """``state.start``. In an elastic job, a world the launcher replaced while it gathered (a
-    rank was lost before its ``init()``) is left for the newest one, however often that happens."""
-    watch = membership.superseded if membership.active() and rank is None else None
+    rank was lost before its ``init()``) or made its groups (lost after it arrived) is left for
+    the newest one, however often that happens."""
+    watching = membership.active() and rank is None
     while True:
+        watch = membership.superseded_since() if watching else None
         try:
             return state.start(
                 config,

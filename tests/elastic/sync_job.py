@@ -4,7 +4,9 @@
 world's ``init()``, waiting for it. ``VICTIM=<id>`` SIGKILLs that rank 1 s after ``init()``, before it syncs: the others wait for
 it in the first sync (the sampler's gather needs every rank). Each rank says when it enters
 ``train`` (in which generation) and what it ends with: the survivors must re-form and agree on
-rank 0's model.
+rank 0's model. ``FORMING_VICTIM=<id>`` SIGKILLs that rank in its next world's ``init()``, once
+every rank arrived, as it starts making that world's process groups: a second loss while the
+world re-forms.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 import torch
 
 import ringtrain.torch as hvd
-from ringtrain.runtime import membership
+from ringtrain.runtime import communicator, membership
 
 N = 12
 
@@ -26,8 +28,23 @@ def say(*parts: object) -> None:
     print(*parts, flush=True)
 
 
+def die_making_groups_of_next_world() -> None:
+    """Wrap the call that makes a world's process groups: past the first world, it kills this
+    rank there (after its arrival, before the groups' first exchange)."""
+    make = communicator.create
+
+    def create(*args: object, **kwargs: object) -> communicator.Communicator:
+        if membership.current() > 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return make(*args, **kwargs)  # type: ignore[arg-type]
+
+    communicator.create = create  # type: ignore[assignment]
+
+
 def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung test dumps the threads
+    if membership.identity() == int(os.environ.get("FORMING_VICTIM", "-1")):
+        die_making_groups_of_next_world()
     if membership.identity() == int(os.environ.get("EARLY_VICTIM", "-1")):
         os.kill(os.getpid(), signal.SIGKILL)  # lost while starting, before it ever calls init()
     hvd.init()

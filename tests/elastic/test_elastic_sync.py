@@ -69,3 +69,25 @@ def test_a_rank_lost_during_sync_re_forms_the_world(
     if "LATE_VICTIM" in victims:  # lost again in the sync after the first reset
         assert {r["generation"] for r in _fields(proc.stdout, "reset")} == {"1", "2"}
         assert all(e["generation"] == "2" for e in entered), proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_lost_while_the_next_world_makes_its_groups_re_forms_again() -> None:
+    """Rank 1 dies in the first sync; rank 3 dies in the re-formed world's ``init()`` after every
+    rank arrived, as the groups are made: ranks 0 and 2 wait for it in the groups' first exchange,
+    and must join the world announced without it at once, not at the transport timeout (300 s)."""
+    env = {**os.environ, "VICTIM": "1", "FORMING_VICTIM": "3", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "ringtrain", "run", "-np", "4", "--min-np", "2"]
+    # Half the transport timeout (300 s): a wait for rank 3's address would end the job first.
+    proc = run_job([*cmd, sys.executable, str(JOB)], env, timeout=150, rank_marker=str(JOB))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not _left_behind()
+    said = proc.stdout + proc.stderr
+    # Both survivors left world 1 inside init() for world 2, which holds them only.
+    assert said.count("generation 2 was announced while init()") == 2, said
+    done = _fields(proc.stdout, "done")
+    assert sorted(d["id"] for d in done) == ["0", "2"], said
+    assert all(d["size"] == "2" for d in done), said
+    torch.manual_seed(100)
+    expected = ",".join(f"{v:.6f}" for v in torch.nn.Linear(3, 1).weight.reshape(-1).tolist())
+    assert all(d["weights"] == expected for d in done), (expected, done)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch.distributed as dist
 
-from ringtrain.errors import MissingRanksError
+from ringtrain.errors import CollectiveAbortedError, MissingRanksError
 from ringtrain.launch.failures import exited_key
 from ringtrain.runtime.contracts import Store
 from ringtrain.runtime.environment import Placement
@@ -41,8 +41,10 @@ SAY_AFTER_S, SAY_EVERY_S = 10.0, 30.0
 LOOK_EVERY_S, LOOK_AT_MOST = 0.5, 32
 
 
-class WorldSuperseded(Exception):
-    """The launcher announced a newer world while this one was gathering: join that one."""
+class WorldSuperseded(CollectiveAbortedError):
+    """The launcher announced a newer world while this one was gathering: join that one. Also
+    raised by a wait of this world's groups (:mod:`.watched_store`), where later it means the
+    peer failed that a collective waits for."""
 
 
 def world_store(

@@ -16,7 +16,7 @@ import datetime
 import json
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ringtrain import environ
@@ -135,6 +135,13 @@ def announced_world() -> Roster:
 def superseded() -> bool:
     """Whether the launcher announced a world newer than the one this process runs in."""
     return (announced() or 0) > _current
+
+
+def superseded_since() -> Callable[[], bool]:
+    """:func:`superseded` about the world this process runs in now, even after it moved on (a
+    group of that world may still ask, from one of its threads)."""
+    mine = _current
+    return lambda: (announced() or 0) > mine
 
 
 def members(size: int) -> tuple[int, ...]:

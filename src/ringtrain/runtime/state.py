@@ -34,13 +34,21 @@ from ringtrain.config import Config
 from ringtrain.environ import Ringtrain, Threads, Torch
 from ringtrain.errors import ConfigError, LaunchEnvironmentError, NotInitializedError
 from ringtrain.host import cpu_limits, network
-from ringtrain.runtime import communicator, environment, exit_guard, store_connect, topology
+from ringtrain.runtime import (
+    abandoned_groups,
+    communicator,
+    environment,
+    exit_guard,
+    store_connect,
+    topology,
+)
 from ringtrain.runtime.arrivals import world_store
 from ringtrain.runtime.backends import GroupBackends
 from ringtrain.runtime.contracts import Group
 from ringtrain.runtime.environment import Placement
 from ringtrain.runtime.process_sets import ProcessSet, global_process_set
 from ringtrain.runtime.topology import Topology
+from ringtrain.runtime.watched_store import WatchedStore
 
 log = logging.getLogger("ringtrain")
 
@@ -166,7 +174,7 @@ def start(
         if config.secure:  # every group is sealed; ranks first prove they hold the job key
             store = backends.seal(store, config, env, placement, transport)
         if not adopted:
-            _init_default_group(backend, transport, store, placement, config)
+            _init_default_group(backend, transport, store, placement, config, superseded)
         comm = None
         try:
             comm = _world_communicator(placement, config, backend, store)
@@ -194,7 +202,7 @@ def start(
                 if comm is not None:
                     comm.close(destroy_groups=True)
             else:
-                dist.destroy_process_group()
+                _drop_failed_world(config, superseded)
             raise
         log.debug(
             "ringtrain started: rank %d of %d via %s%s, %s",
@@ -235,9 +243,28 @@ def _gloo_environment(interface: str | None) -> None:
     environ.setdefault(Torch.GLOO_LAZY_INIT, "1")
 
 
+def _drop_failed_world(config: Config, superseded: Callable[[], bool] | None) -> None:
+    """Destroy a failed start's groups; those of a replaced world may wait on a lost peer."""
+    if superseded is None or not superseded():
+        dist.destroy_process_group()
+        return
+    abandoned_groups.forget_all()
+    if _backends is not None:
+        _backends.release(config, keep_key=True)
+
+
 def _init_default_group(
-    backend: str, transport: str, store: dist.Store, placement: Placement, config: Config
+    backend: str,
+    transport: str,
+    store: dist.Store,
+    placement: Placement,
+    config: Config,
+    superseded: Callable[[], bool] | None = None,
 ) -> None:
+    """The default group; in an elastic job its store's waits end when the world is replaced,
+    and so do those of every group made from it (:mod:`.watched_store`)."""
+    if superseded is not None:
+        store = WatchedStore(store, superseded, config.timeout_s)
     try:
         dist.init_process_group(
             backend,
@@ -288,21 +315,6 @@ def stop() -> None:
                 _backends.release(rt.config)
 
 
-# Groups of abandoned worlds: destroying one with an op stuck in it blocks until that op's
-# timeout, and so would dropping the last reference; they are kept for the process's lifetime.
-_abandoned: list[object] = []
-
-
-def _keep_past_exit(obj: object) -> None:
-    """Hold ``obj`` with a reference the interpreter never drops, not even while it clears the
-    modules at exit: a group still waiting on a silent peer (a cut link) would otherwise block
-    the process's exit in its destructor until the transport timeout."""
-    import ctypes
-
-    # HACK: a deliberate leak; the OS frees the group when the process exits.
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
-
-
 def abandon() -> None:
     """Forget the current world without waiting for its peers (one of which has failed).
 
@@ -321,29 +333,7 @@ def abandon() -> None:
         global_process_set._unbind()
         rt.world._unbind()
         _runtime = None
-        c10d = dist.distributed_c10d
-        world = c10d._world
-        for group in world.pg_map:
-            _abandoned.append(group)
-            _keep_past_exit(group)
-            leave = getattr(group, "leave", None)  # ringtrain's own groups stop without waiting
-            if callable(leave):
-                leave()
-        # HACK: destroy_process_group() minus the shutdown of each group (which blocks on a
-        # group whose peer vanished): torch has no public call to drop its registry only.
-        c10d._update_default_pg(None)
-        for table in (
-            world.pg_map,
-            world.pg_names,
-            world.pg_group_ranks,
-            world.pg_backend_config,
-            world.pg_to_tag,
-            world.tags_to_pg,
-            world.pg_coalesce_state,
-        ):
-            table.clear()
-        c10d._unregister_all_process_groups()
-        world.group_count = 0
+        abandoned_groups.forget_all()
         if _backends is not None:  # the next world authenticates anew, with the same job key
             _backends.release(rt.config, keep_key=True)
 
