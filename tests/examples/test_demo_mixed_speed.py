@@ -32,11 +32,11 @@ def test_the_demo_with_a_slow_rank_and_measured_shares() -> None:
     assert proc.returncode == 0, out[-4000:]
     chosen = re.search(r"batch_shares=auto: shares \[(\d+), (\d+)\] of each global batch", out)
     assert chosen, out[-4000:]
-    # The first choice comes from 5 steps. Beside other load (the suite's, stress-ng) it once
-    # found the ranks within the 10% margin and kept equal shares, which later measurements
-    # then moved (logged at INFO): it never favours the slow rank, and what each rank took is
-    # the outcome that counts.
-    assert int(chosen[1]) >= int(chosen[2])
+    # The first choice comes from the median of 5 steps of a few milliseconds. Beside other load
+    # (the suite's, stress-ng) it has kept equal shares, and once gave the slow rank the larger
+    # share ([368, 632]: the fast rank was starved of its core while measured); later
+    # measurements move the shares (logged at INFO), so what each rank took over the job is
+    # the outcome that counts, not the first choice.
     done = re.search(r"test accuracy: ([\d.]+)%.*samples per rank: \[(\d+), (\d+)\]", out)
     assert done, out[-4000:]
     assert float(done[1]) >= 95.0  # the demo's target; it usually reaches about 97%
