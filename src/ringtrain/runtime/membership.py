@@ -132,14 +132,10 @@ def announced_world() -> Roster:
     return Roster(generation, tuple(int(m) for m in members))
 
 
-def superseded() -> bool:
-    """Whether the launcher announced a world newer than the one this process runs in."""
-    return (announced() or 0) > _current
-
-
 def superseded_since() -> Callable[[], bool]:
-    """:func:`superseded` about the world this process runs in now, even after it moved on (a
-    group of that world may still ask, from one of its threads)."""
+    """Whether the launcher announced a world newer than the one this process runs in now,
+    asked later too, after the process moved on (a group of that world may still ask, from one
+    of its threads)."""
     mine = _current
     return lambda: (announced() or 0) > mine
 
