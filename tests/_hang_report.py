@@ -12,12 +12,31 @@ import contextlib
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Mapping, Sequence
 
 import psutil
 import pytest
 
 TAIL = 12_000  # characters of each stream kept in the failure
+# Set in one job's environment, which its launcher, agents and ranks inherit: what is left of that
+# job is told from another test's job of the same script running beside it under xdist.
+JOB_TAG = "TEST_JOB_TAG"
+
+
+def tagged(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with a tag of its own, for ``left_behind``."""
+    return {**env, JOB_TAG: uuid.uuid4().hex}
+
+
+def left_behind(env: Mapping[str, str]) -> list[psutil.Process]:
+    """The processes still running with the tag of ``env`` (made by ``tagged``)."""
+    found = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.pid != psutil.Process().pid and p.environ().get(JOB_TAG) == env[JOB_TAG]:
+                found.append(p)
+    return found
 
 
 def run_job(

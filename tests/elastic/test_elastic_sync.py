@@ -4,17 +4,15 @@ while the others wait for it there, too: their ``init()`` joins the world announ
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
-from _hang_report import run_job
+from _hang_report import left_behind, run_job, tagged
 
 JOB = Path(__file__).parent / "sync_job.py"
 
@@ -25,15 +23,6 @@ def _fields(out: str, kind: str) -> list[dict[str, str]]:
         for line in out.splitlines()
         if re.match(rf"\[\d+\] {kind} ", line)
     ]
-
-
-def _left_behind() -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if any(str(JOB) in part for part in p.cmdline()):
-                found.append(p)
-    return found
 
 
 @pytest.mark.timeout(240)
@@ -47,11 +36,11 @@ def _left_behind() -> list[psutil.Process]:
 def test_a_rank_lost_during_sync_re_forms_the_world(
     np: str, victims: dict[str, str], survivors: list[str]
 ) -> None:
-    env = {**os.environ, **victims, "OMP_NUM_THREADS": "1"}
+    env = tagged({**os.environ, **victims, "OMP_NUM_THREADS": "1"})
     cmd = [sys.executable, "-m", "ringtrain", "run", "-np", np, "--min-np", "2"]
     proc = run_job([*cmd, sys.executable, str(JOB)], env, timeout=180, rank_marker=str(JOB))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert not _left_behind()
+    assert not left_behind(env)
     # No survivor got past the first sync in the first world: the loss found each one in it.
     entered = _fields(proc.stdout, "enter")
     assert entered and all(e["generation"] != "0" for e in entered), proc.stdout
@@ -76,12 +65,12 @@ def test_a_rank_lost_while_the_next_world_makes_its_groups_re_forms_again() -> N
     """Rank 1 dies in the first sync; rank 3 dies in the re-formed world's ``init()`` after every
     rank arrived, as the groups are made: ranks 0 and 2 wait for it in the groups' first exchange,
     and must join the world announced without it at once, not at the transport timeout (300 s)."""
-    env = {**os.environ, "VICTIM": "1", "FORMING_VICTIM": "3", "OMP_NUM_THREADS": "1"}
+    env = tagged({**os.environ, "VICTIM": "1", "FORMING_VICTIM": "3", "OMP_NUM_THREADS": "1"})
     cmd = [sys.executable, "-m", "ringtrain", "run", "-np", "4", "--min-np", "2"]
     # Half the transport timeout (300 s): a wait for rank 3's address would end the job first.
     proc = run_job([*cmd, sys.executable, str(JOB)], env, timeout=150, rank_marker=str(JOB))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert not _left_behind()
+    assert not left_behind(env)
     said = proc.stdout + proc.stderr
     # Both survivors left world 1 inside init() for world 2, which holds them only.
     assert said.count("generation 2 was announced while init()") == 2, said
