@@ -3,7 +3,6 @@ launcher saw it exit, else at ``timeout_s``, instead of a silent wait and torch'
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -11,11 +10,10 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch.distributed as dist
 
-from _hang_report import run_job
+from _hang_report import left_behind, run_job, tagged
 from ringtrain.errors import LaunchError, MissingRanksError, RingtrainError
 from ringtrain.launch.failures import exited_key
 from ringtrain.runtime import arrivals
@@ -104,17 +102,10 @@ def test_long_lists_of_ranks_are_cut() -> None:
 
 
 def _run(mode: str, *flags: str) -> tuple[str, str, int]:
-    env = {**os.environ, "NOINIT": mode, "OMP_NUM_THREADS": "1"}
-    # The mode in the ranks' command lines: the other test's job may run beside this one.
-    job = [sys.executable, str(JOB), mode]
-    cmd = [sys.executable, "-m", "ringtrain", "run", "-np", "2", *flags, *job]
+    env = tagged({**os.environ, "NOINIT": mode, "OMP_NUM_THREADS": "1"})
+    cmd = [sys.executable, "-m", "ringtrain", "run", "-np", "2", *flags, sys.executable, str(JOB)]
     proc = run_job(cmd, env, timeout=150, rank_marker=str(JOB))
-    left = []
-    for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if p.cmdline()[-2:] == job[-2:]:
-                left.append(p)
-    assert not left, left
+    assert not (left := left_behind(env)), left
     return proc.stdout, proc.stderr, proc.returncode
 
 
