@@ -23,8 +23,7 @@ def _bench(*flags: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_bench_checkpoint_smoke(tmp_path: Path) -> None:
-    out, where = tmp_path / "ckpt.json", tmp_path / "saves"
-    where.mkdir()
+    out, where = tmp_path / "ckpt.json", tmp_path / "saves" / "mlp"  # made by the first run
     proc = _bench("--rounds", "2", "--json", str(out), "--dir", str(where))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # Again into the same --dir: each run saves into a folder of its own (a checkpoint
@@ -36,3 +35,13 @@ def test_bench_checkpoint_smoke(tmp_path: Path) -> None:
     result = json.loads(out.read_text())["result"]
     assert result["world_size"] == 2 and result["checkpoint_bytes"] > 4_000_000
     assert result["blocked_s"]["n"] == 2 and result["step_idle_s"]["n"] == 4
+
+
+def test_a_file_given_as_the_folder_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    taken = tmp_path / "notes.txt"
+    taken.write_text("mine")
+    proc = _bench("--dir", str(taken))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"--dir {taken}: {taken} is a file, not a directory" in proc.stderr
+    assert "HINT" in proc.stderr and "Traceback" not in proc.stderr
+    assert taken.read_text() == "mine"

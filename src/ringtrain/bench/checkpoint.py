@@ -66,6 +66,14 @@ def _size(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
 
 
+def _run_folder(directory: str) -> str:
+    """A new folder for this run, inside ``directory`` (made if missing; checked by the command
+    before any rank started) or a temporary one."""
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    return tempfile.mkdtemp(prefix="ringtrain-bench-ckpt-", dir=directory or None)
+
+
 @register("checkpoint")
 def bench_checkpoint(params: CheckpointParams) -> CheckpointResult:
     preset = PRESETS[params.model]
@@ -92,9 +100,7 @@ def bench_checkpoint(params: CheckpointParams) -> CheckpointResult:
     # directory holds one run (docs/checkpoint.md), so a second benchmark run there would be
     # refused the steps the first one saved.
     root: str = str(
-        ringtrain.broadcast_object(
-            tempfile.mkdtemp(prefix="ringtrain-bench-ckpt-", dir=params.directory or None)
-        )
+        ringtrain.broadcast_object(_run_folder(params.directory))
         if ringtrain.rank() == 0
         else ringtrain.broadcast_object(None)
     )

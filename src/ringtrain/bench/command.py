@@ -464,6 +464,8 @@ def _params(args: argparse.Namespace) -> Any:
             raise ConfigError(f"--rounds and --steps must be >= 1, got {args.rounds}, {args.steps}")
         if args.plot:
             raise ConfigError("bench checkpoint draws no plot.\nHINT: use --json for the numbers.")
+        if args.dir:
+            check_path(f"--dir {args.dir}", args.dir, directory=True)
         return ckpt_bench.CheckpointParams(
             model=args.model,
             rounds=args.rounds,
