@@ -20,7 +20,9 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_flags_become_params_and_bad_values_are_explained() -> None:
-    p = command._params(_args("--slow-rank", "2", "--slow-by", "sleep", "--slow-factor", "3"))
+    p = command._params(
+        _args("-np", "3", "--slow-rank", "2", "--slow-by", "sleep", "--slow-factor", "3")
+    )
     assert p == MixedSpeedParams(slow_rank=2, slow_by="sleep", factor=3.0)
     local = command._params(_args("--slow-by", "sleep", "--sync-every", "8"))
     assert local == MixedSpeedParams(slow_by="sleep", sync_every=8)
@@ -30,6 +32,8 @@ def test_flags_become_params_and_bad_values_are_explained() -> None:
         command._params(_args("--slow-factor", "1"))
     with pytest.raises(ConfigError, match="draws no plot"):
         command._params(_args("--plot", "x.png"))
+    with pytest.raises(ConfigError, match="--slow-rank 2 is not a rank of this job of 2"):
+        command._params(_args("--slow-rank", "2"))  # -np's default: 2 ranks
     with pytest.raises(ConfigError, match="--slow-rank 3 is not a rank of this job of 3"):
         MixedSpeedParams(slow_rank=3).check(3)
 

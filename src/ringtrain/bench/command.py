@@ -25,8 +25,17 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from ringtrain.bench import (
+    bad_input,
+    checks,
+    converge,
+    coordinator,
+    cpu,
+    mixed_speed,
+    ranks,
+    secure,
+)
 from ringtrain.bench import checkpoint as ckpt_bench
-from ringtrain.bench import checks, converge, coordinator, cpu, mixed_speed, ranks, secure
 from ringtrain.bench.allreduce import DEFAULT_SIZES, AllreduceParams
 from ringtrain.bench.models import PRESETS
 from ringtrain.bench.registry import BENCHMARKS
@@ -43,7 +52,7 @@ from ringtrain.bench.report import (
     save_json,
 )
 from ringtrain.bench.train import VARIANTS, TrainParams, variant_compression
-from ringtrain.config import Config, check_path
+from ringtrain.config import OUTER_COMPRESSIONS, Config, check_path
 from ringtrain.errors import ConfigError
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20}
@@ -68,7 +77,7 @@ def parse_sizes(text: str) -> tuple[int, ...]:
         span, _, factor_s = text.partition(":")
         lo_s, _, hi_s = span.partition("..")
         lo, hi = parse_bytes(lo_s), parse_bytes(hi_s)
-        factor = int(factor_s) if factor_s else 4
+        factor = int(factor_s) if factor_s.strip().isdigit() else 0 if factor_s else 4
         if lo < 1 or hi < lo or factor < 2:
             raise ConfigError(
                 f"bad size range {text!r}: need 1 <= low <= high and a factor >= 2.\n"
@@ -355,7 +364,7 @@ def _converge_parser(sub: Any) -> None:
         "--lr", type=float, default=0.0, help="Adam's (the inner one for local); 0: the task's"
     )
     cv.add_argument("--sync-every", type=int, default=16, help="the local variant's H")
-    cv.add_argument("--outer-compression", default="int4")
+    cv.add_argument("--outer-compression", default="int4", choices=OUTER_COMPRESSIONS)
     cv.add_argument("--outer-lr", type=float, default=0.7, help="local: outer Nesterov SGD's lr")
     cv.add_argument("--outer-momentum", type=float, default=0.9, help="local: its momentum")
     cv.add_argument(
@@ -393,6 +402,11 @@ def _converge_parser(sub: Any) -> None:
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     settings: dict[str, Any] = {}
     if args.fusion_threshold_mb is not None:
+        if not math.isfinite(args.fusion_threshold_mb):  # int() of it raises, unexplained
+            raise ConfigError(
+                f"--fusion-threshold-mb {args.fusion_threshold_mb}: give a finite number of "
+                "MiB.\nHINT: e.g. 64, or 0 to send every tensor alone."
+            )
         settings["fusion_threshold_bytes"] = int(args.fusion_threshold_mb * (1 << 20))
     if args.cycle_time_ms is not None:
         settings["cycle_time_ms"] = args.cycle_time_ms
@@ -406,8 +420,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 def _params(args: argparse.Namespace) -> Any:
     """The benchmark's parameters from its command line; bad values fail here, not on ranks."""
-    if args.benchmark in ("allreduce", "secure", "checks", "cpu") and args.repeats < 1:
-        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
+    bad_input.counts(args)
     if args.benchmark == "allreduce":
         return AllreduceParams(
             sizes=tuple(args.sizes),
@@ -430,11 +443,6 @@ def _params(args: argparse.Namespace) -> Any:
             key_file=args.key_file,
         )
     if args.benchmark == "checks":
-        if args.step_tensors < 0 or args.step_iters < 1:
-            raise ConfigError(
-                f"--step-tensors must be >= 0 and --step-iters >= 1, got {args.step_tensors} "
-                f"and {args.step_iters}"
-            )
         return checks.ChecksParams(
             sizes=tuple(args.sizes),
             repeats=args.repeats,
@@ -475,7 +483,7 @@ def _params(args: argparse.Namespace) -> Any:
             directory=args.dir,
         )
     if args.benchmark == "mixed-speed":
-        return mixed_speed.params_from(args)
+        return mixed_speed.params_from(args, bad_input.job_size(args))
     if args.benchmark == "converge":
         return _converge_params(args)
     from ringtrain.compression import resolve
@@ -501,7 +509,7 @@ def _params(args: argparse.Namespace) -> Any:
 
 
 def _converge_params(args: argparse.Namespace) -> converge.ConvergeParams:
-    return converge.ConvergeParams(
+    params = converge.ConvergeParams(
         task=args.task,
         variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
         target=args.target,
@@ -521,6 +529,8 @@ def _converge_params(args: argparse.Namespace) -> converge.ConvergeParams:
         slow_factor=args.slow_factor,
         cpus=args.cpus,
     )
+    params.check_size(bad_input.job_size(args))  # here, not on every rank
+    return params
 
 
 # How each benchmark's result is printed and plotted.
@@ -545,9 +555,7 @@ def _check(args: argparse.Namespace) -> None:
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value}: give 1 or more (or leave it out)")
     Config().replace(**_settings(args))
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path:
-            check_path(f"{flag} {path}", path)
+    bad_input.outputs(args)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -571,8 +579,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     present, plot = _PRESENT[args.benchmark]
     print(present(result, args.markdown), flush=True)
+    if args.json:  # first: a plot that fails must not lose the numbers
+        save_json(args.json, result, args.benchmark, _options(args))
     if args.plot:
         plot(result, args.plot)
-    if args.json:
-        save_json(args.json, result, args.benchmark, _options(args))
     return 0

@@ -153,6 +153,13 @@ class ConvergeParams:
                 "proportion to its slow-down, so they need --slow-rank.\nHINT: add --slow-rank "
                 "R (and --slow-factor F), or leave those variants out."
             )
+        top = 1.0 if self.task == "digits" else float("inf")  # an accuracy, else a loss
+        if self.target is not None and not 0 < self.target <= top:
+            # Else every variant trains to --max-steps for a target it can never reach.
+            raise ConfigError(
+                f"--target {self.target} cannot be reached on --task {self.task}.\n"
+                "HINT: digits: an accuracy in (0, 1], e.g. 0.95; lm and mlp: a loss above 0."
+            )
         if self.lr < 0:
             raise ConfigError(f"--lr must be above 0 (or 0: the task's), got {self.lr}")
         if self.cpus < 0:
@@ -166,6 +173,14 @@ class ConvergeParams:
             raise ConfigError(
                 f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got {self.outer_lr} "
                 f"and {self.outer_momentum}\nHINT: DiLoCo's are 0.7 and 0.9."
+            )
+
+    def check_size(self, size: int) -> None:
+        """What needs the job's size (known before ranks start when they are spawned here)."""
+        if not -1 <= self.slow_rank < size:
+            raise ConfigError(
+                f"--slow-rank {self.slow_rank} is not a rank of this job of {size} ranks.\n"
+                "HINT: a rank from 0 to the job's size - 1, or -1 for none."
             )
 
 
@@ -386,11 +401,7 @@ def _train(variant: str, task: Task, params: ConvergeParams, lr: float) -> Conve
 @register("converge")
 def bench_converge(params: ConvergeParams) -> ConvergeResult:
     """Runs on every rank after ``ringtrain.init()``; rank 0's result is reported."""
-    if params.slow_rank >= ringtrain.size():
-        raise ConfigError(
-            f"--slow-rank {params.slow_rank} is not a rank of this job of {ringtrain.size()} "
-            "ranks.\nHINT: a rank from 0 to the job's size - 1, or -1 for none."
-        )
+    params.check_size(ringtrain.size())
     task = converge_tasks.build(params.task, params.target, params.seed, params.width)
     nparams = sum(p.numel() for p in task.build().parameters())
     lr = params.lr or task.lr
@@ -485,5 +496,6 @@ def plot_converge(res: ConvergeResult, path: str) -> None:
     ax.set_title(f"{res.params.task}: {res.world_size} rank(s)")
     ax.legend()
     fig.tight_layout()
+    Path(path).absolute().parent.mkdir(parents=True, exist_ok=True)  # as --json's: may be new
     fig.savefig(path)
     plt.close(fig)

@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from ringtrain.collectives import simulated
+from ringtrain.config import check_path
 from ringtrain.errors import ConfigError
 
 
@@ -48,6 +49,8 @@ def main(args: argparse.Namespace) -> int:
     ops = _numbers(args.ops, "--ops", 0)
     if args.rounds < 1:
         raise ConfigError(f"--rounds must be at least 1, got {args.rounds}")
+    if args.json:  # before the rounds run, not a traceback after them
+        check_path(f"--json {args.json}", args.json)
     rows = simulated.figures(sizes, ops, args.rounds)
     print(simulated.table(rows), flush=True)
     if args.json:

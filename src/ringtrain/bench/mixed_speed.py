@@ -301,7 +301,8 @@ def configure(sub: Any, common: Any) -> None:
     common(ms)
 
 
-def params_from(args: argparse.Namespace) -> MixedSpeedParams:
+def params_from(args: argparse.Namespace, size: int | None = None) -> MixedSpeedParams:
+    """The flags as parameters, checked (against the job's ``size`` where it is known)."""
     if args.plot:
         raise ConfigError("bench mixed-speed draws no plot.\nHINT: use --json for the numbers.")
     p = MixedSpeedParams(
@@ -314,5 +315,5 @@ def params_from(args: argparse.Namespace) -> MixedSpeedParams:
         sync_every=args.sync_every,
         cpus=args.cpus,
     )
-    p.check()
+    p.check(size)
     return p
