@@ -395,6 +395,44 @@ def test_cli_errors_are_one_line_not_a_traceback(tmp_path: Path, capsys: Any) ->
     assert "ringtrain k8s: error: cpus must be a whole number >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"\xff\xfename: demo\n", "is not UTF-8 text (byte 0"),  # UTF-16, or a binary file
+        (None, "cannot read"),  # a directory where the YAML file is expected
+    ],
+)
+def test_cli_an_unreadable_description_is_one_error_and_a_hint(
+    tmp_path: Path, capsys: Any, content: bytes | None, says: str
+) -> None:
+    desc = tmp_path / "job.yaml"
+    if content is None:
+        desc.mkdir()
+    else:
+        desc.write_bytes(content)
+    assert cli(["k8s", str(desc), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"ringtrain k8s: error: {str(desc)!r} " in err or f"{str(desc)!r}:" in err, err
+    assert says in err and "\nHINT: " in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_a_second_run_into_the_same_out_keeps_the_key(tmp_path: Path, capsys: Any) -> None:
+    """A new key would replace the one the job (and its sealed checkpoints) uses."""
+    out = tmp_path / "deploy"
+    argv = ["k8s", "--name", "demo", "--image", "img:1", "--command", "t", "--secure"]
+    assert cli([*argv, "--out", str(out)]) == 0
+    first = (out / "secret.yaml").read_bytes()
+    assert cli([*argv, "--replicas", "3", "--out", str(out)]) == 0
+    assert (out / "secret.yaml").read_bytes() == first
+    assert "kept the job key of" in capsys.readouterr().err
+    (out / "secret.yaml").write_text("not a secret\n")  # never overwritten unread
+    assert cli([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "holds no job key ringtrain can read" in err and "\nHINT: move it away" in err
+    assert (out / "secret.yaml").read_text() == "not a secret\n"
+
+
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed here")
 def test_kubectl_kustomize_renders_the_output_offline(tmp_path: Path) -> None:
     """kubectl (where installed: CI's fresh machine may lack it) builds the directory as

@@ -12,8 +12,9 @@ import pytest
 
 from ringtrain import cli, compression
 from ringtrain.config import COMPRESSIONS, Config
-from ringtrain.errors import SecurityError
+from ringtrain.errors import ConfigError, SecurityError
 from ringtrain.launch import command
+from ringtrain.launch.options import SshOptions
 from ringtrain.security import keys
 
 PY = sys.executable
@@ -344,3 +345,55 @@ def test_flags_after_the_command_still_reach_it(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "argv ['--bogus', '-np', '3']" in proc.stdout
+
+
+# ---- bad hostfiles, --resume and ssh files: one error and a HINT, before any rank --------------
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (None, "cannot read hostfile"),  # missing
+        ("DIR", "Is a directory"),
+        ("localhost slots=x\n", "bad slot count in 'localhost slots=x'"),
+        ("localhost slots=0\n", "a host needs at least 1 slot"),
+        ("localhost:-1\n", "a host needs at least 1 slot"),
+        ("localhost slots=1\nlocalhost slots=1\n", "host 'localhost' is listed twice"),
+        ("\n# only a comment\n\n", "lists no hosts"),
+        ("localhost slots=1 extra\n", "cannot parse 'localhost slots=1 extra'"),
+        ("local!host slots=1\n", "bad host name in 'local!host slots=1'"),
+    ],
+)
+def test_a_bad_hostfile_is_one_error_and_a_hint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, says: str
+) -> None:
+    hostfile = tmp_path / "hosts"
+    if content == "DIR":
+        hostfile.mkdir()
+    elif content is not None:
+        hostfile.write_text(content)
+    line = _refused(tmp_path, capsys, "--hostfile", str(hostfile))
+    assert says in line, line
+
+
+def test_a_missing_resume_directory_is_refused_before_ranks_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each rank would fail loading it; an existing one is the ranks' to read."""
+    missing = tmp_path / "ck"
+    line = _refused(tmp_path, capsys, "--resume", str(missing))
+    assert f"--resume {str(missing)!r}: {missing} does not exist" in line, line
+
+
+@pytest.mark.parametrize("flag", ["identity_file", "config_file"])
+def test_ssh_files_are_checked_where_ssh_reads_them(tmp_path: Path, flag: str) -> None:
+    """Read by ssh on this host, only when it reaches other hosts: -H localhost uses none."""
+    shown = "--ssh-" + flag.replace("_", "-")
+    for path, says in ((tmp_path / "nosuch", "does not exist"), (tmp_path, "is a directory")):
+        ssh = SshOptions(**{flag: str(path)})
+        command.check_ssh_files(ssh, remote=False)
+        with pytest.raises(ConfigError, match=f"^{shown} .*{says}.\nHINT: "):
+            command.check_ssh_files(ssh, remote=True)
+    given = tmp_path / "id"
+    given.write_text("x")
+    command.check_ssh_files(SshOptions(**{flag: str(given)}), remote=True)

@@ -13,6 +13,7 @@ and a ``kustomization.yaml``; without it, the manifests go to standard output.
 from __future__ import annotations
 
 import argparse
+import base64
 import os
 import shlex
 import sys
@@ -82,7 +83,15 @@ def description(args: argparse.Namespace) -> dict[str, Any]:
         try:
             text = Path(args.description).read_text()
         except OSError as e:
-            raise ConfigError(f"cannot read {args.description!r}: {e.strerror}") from None
+            raise ConfigError(
+                f"cannot read {args.description!r}: {e.strerror}.\n"
+                "HINT: give a readable YAML file with the job's keys, or only flags."
+            ) from None
+        except UnicodeDecodeError as e:  # e.g. saved as UTF-16, or a binary file given
+            raise ConfigError(
+                f"{args.description!r} is not UTF-8 text (byte {e.start}: {e.reason}).\n"
+                "HINT: save the description as plain UTF-8 YAML (name: ..., image: ...)."
+            ) from None
         yaml = render._yaml()
         try:
             loaded = yaml.safe_load(text)
@@ -144,7 +153,31 @@ def _key(args: argparse.Namespace, spec: JobSpec) -> bytes | None:
 
     if args.key_file:
         return keys.load_job_key(types.SimpleNamespace(key_file=args.key_file), env={})
-    return keys.generate_job_key()
+    return _kept_key(args.out) or keys.generate_job_key()
+
+
+def _kept_key(out: str | None) -> bytes | None:
+    """The key in an earlier run's ``OUT/secret.yaml``, kept: a new one would replace it there
+    (and, applied, in the cluster), and what the job sealed with it (its checkpoints) could no
+    longer be opened."""
+    path = Path(out or "") / "secret.yaml"
+    if not out or not path.is_file():
+        return None
+    from ringtrain.security import keys
+
+    try:
+        (doc,) = render._yaml().safe_load_all(path.read_text())
+        key = keys.decode_key(base64.b64decode(doc["data"][manifests.KEY_ITEM]), str(path))
+    except Exception:  # any damage: the file is the user's, never overwritten unread
+        raise ConfigError(
+            f"--out {out!r}: {path} exists but holds no job key ringtrain can read, and this "
+            "run would replace it.\nHINT: move it away to draw a new key, or give the key "
+            "with --key-file."
+        ) from None
+    print(
+        f"ringtrain k8s: kept the job key of {path} (move it away for a new key)", file=sys.stderr
+    )
+    return key
 
 
 def main(args: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ from ringtrain.config import Bounds
 from ringtrain.doctor import advice, checkup, report, wire
 from ringtrain.doctor.gather import Reach
 from ringtrain.errors import ConfigError
-from ringtrain.launch.command import add_ssh_arguments, ssh_options
+from ringtrain.launch.command import add_ssh_arguments, check_ssh_files, ssh_options
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
 
 MiB = 1024 * 1024
@@ -128,6 +128,8 @@ def options_from_args(args: argparse.Namespace) -> checkup.DoctorOptions:
         hosts = parse_hostfile(args.hostfile)
     else:
         hosts = [Host("localhost", max(1, args.np or 1))]
+    ssh = ssh_options(args)
+    check_ssh_files(ssh, any(not h.is_local for h in hosts))
     grad_bytes = None
     if args.model_params is not None:
         grad_bytes = int(args.model_params * 4)
@@ -141,7 +143,7 @@ def options_from_args(args: argparse.Namespace) -> checkup.DoctorOptions:
     return checkup.DoctorOptions(
         hosts=tuple(hosts),
         np=args.np,
-        reach=Reach(ssh=ssh_options(args)),
+        reach=Reach(ssh=ssh),
         network_interface=args.network_interface,
         links=args.links,
         link_seconds=args.link_seconds,

@@ -511,6 +511,17 @@ def checked_options(args: argparse.Namespace) -> LaunchOptions:
     here = options.discovery_script is not None or listed_here
     # A discovery script may name only other hosts: a key file missing here may be theirs.
     check_settings(config, options.settings, ranks_here=here, key_here=listed_here)
+    check_ssh_files(options.ssh, options.discovery_script is not None or not options.is_local)
+    if listed_here and config.resume and not os.path.exists(config.resume):
+        # Ranks here would each fail loading it, after starting: nothing to continue from. (A
+        # discovery script's hosts may be others, with the directory on their own disks.)
+        shown = "--resume" if "resume" in options.settings else env_var("resume")
+        raise ConfigError(
+            f"{shown} {config.resume!r}: {os.path.abspath(config.resume)} does not exist, so "
+            "there is no checkpoint to continue from.\n"
+            "HINT: give the --checkpoint-dir of the job to continue, or start a new job with "
+            "--checkpoint-dir DIR instead of --resume."
+        )
     if options.output_dir:  # the launcher itself writes there
         label = f"--output-filename {options.output_dir!r}"
         check_path(label, options.output_dir, directory=True)
@@ -537,6 +548,30 @@ def add_ssh_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"seconds for ssh to connect (default {SshOptions.connect_timeout_s})",
     )
+
+
+def check_ssh_files(ssh: SshOptions, remote: bool) -> None:
+    """The files ssh reads on this host (``-i``, ``--ssh-config-file``), when it reaches other
+    hosts (``remote``): a missing config file fails every connection, a missing key is skipped
+    with a warning and another tried; both only after the job began."""
+    if not remote:
+        return
+    for flag, path in (
+        ("--ssh-identity-file", ssh.identity_file),
+        ("--ssh-config-file", ssh.config_file),
+    ):
+        if not path:
+            continue
+        full = os.path.abspath(os.path.expanduser(path))  # ssh expands ~ in both
+        if not os.path.isfile(full) or not os.access(full, os.R_OK):
+            what = "is a directory" if os.path.isdir(full) else "is not a readable file"
+            if not os.path.exists(full):
+                what = "does not exist"
+            raise ConfigError(
+                f"{flag} {path!r}: {full} {what}.\n"
+                "HINT: give the path of a file this user can read on this host, or leave the "
+                "flag out to use ssh's own defaults (~/.ssh/config)."
+            )
 
 
 def ssh_options(args: argparse.Namespace) -> SshOptions:

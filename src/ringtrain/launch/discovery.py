@@ -39,8 +39,9 @@ def parse(text: str, slots_per_host: int, script: str = "the discovery script") 
         try:
             (host,) = parse_hosts(spec)
         except (LaunchError, ValueError) as e:
+            what = str(e).splitlines()[0]  # its own HINT is for -H; this one is for the script
             raise LaunchError(
-                f"{script} printed {line!r}: {e}\nHINT: print one 'host:slots' or 'host' per line"
+                f"{script} printed {line!r}: {what}\nHINT: print one 'host:slots' or 'host' per line"
             ) from None
         hosts.setdefault(host.name, host)
     return list(hosts.values())

@@ -8,6 +8,9 @@ from pathlib import Path
 
 from ringtrain.errors import HostSpecError
 
+# Every host error is one line and a HINT (the CLI's rule for bad input).
+_SLOTS_HINT = "HINT: slots are a whole number >= 1: host:4 or 'host slots=4'."
+
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "local"})
 
 # A host name, an ssh alias, an IPv4 address or a bracketed IPv6 address; optionally user@.
@@ -39,7 +42,9 @@ def parse_hosts(spec: str, flag: str = "") -> list[Host]:
     for token in spec.split(","):
         token = token.strip()
         if not token:
-            raise HostSpecError(f"empty entry in host list {spec!r}; HINT: -H a:2,b:2")
+            raise HostSpecError(
+                f"empty entry in host list {spec!r}.\nHINT: separate hosts by one comma: a:2,b:2"
+            )
         name, sep, slots = token.rpartition(":") if not token.endswith("]") else (token, "", "")
         if not sep:
             name, slots = token, "1"
@@ -58,7 +63,10 @@ def parse_hostfile(path: str | Path) -> list[Host]:
     try:
         text = Path(path).read_text()
     except OSError as e:
-        raise HostSpecError(f"cannot read hostfile {str(path)!r}: {e.strerror}") from None
+        raise HostSpecError(
+            f"cannot read hostfile {str(path)!r}: {e.strerror}.\n"
+            "HINT: give a readable file with one 'host slots=N' a line, or -H a:2,b:2."
+        ) from None
     except UnicodeDecodeError as e:  # e.g. saved as UTF-16 by a Windows editor
         raise HostSpecError(
             f"hostfile {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}).\n"
@@ -76,25 +84,34 @@ def parse_hostfile(path: str | Path) -> list[Host]:
             continue
         if len(parts) != 2 or not parts[1].startswith(("slots=", "max_slots=")):
             raise HostSpecError(
-                f"{where}: cannot parse {line!r}; expected 'HOST slots=N' (or 'HOST:N')"
+                f"{where}: cannot parse {line!r}.\nHINT: write one 'HOST slots=N' (or 'HOST:N') "
+                "a line."
             )
         hosts.append(_host(parts[0], parts[1].split("=", 1)[1], line))
     if not hosts:
-        raise HostSpecError(f"hostfile {str(path)!r} lists no hosts")
+        raise HostSpecError(
+            f"hostfile {str(path)!r} lists no hosts (only blank lines or comments).\n"
+            "HINT: add one 'host slots=N' a line, e.g. 'localhost slots=2'."
+        )
     return _unique(hosts, str(path))
 
 
 def _host(name: str, slots: str, token: str) -> Host:
     if not _HOST.match(name):
         raise HostSpecError(
-            f"bad host name in {token!r}; expected NAME[:SLOTS] with NAME a host, ssh alias or address"
+            f"bad host name in {token!r}.\n"
+            "HINT: write NAME[:SLOTS], NAME a host, ssh alias or address, e.g. node1:4."
         )
     try:
         n = int(slots)
     except ValueError:
-        raise HostSpecError(f"bad slot count in {token!r}: {slots!r} is not a number") from None
+        raise HostSpecError(
+            f"bad slot count in {token!r}: {slots!r} is not a number.\n{_SLOTS_HINT}"
+        ) from None
     if n < 1:
-        raise HostSpecError(f"bad slot count in {token!r}: a host needs at least 1 slot")
+        raise HostSpecError(
+            f"bad slot count in {token!r}: a host needs at least 1 slot.\n{_SLOTS_HINT}"
+        )
     return Host(name, n)
 
 
@@ -103,7 +120,8 @@ def _unique(hosts: list[Host], where: str) -> list[Host]:
     for h in hosts:
         if h.name in seen:
             raise HostSpecError(
-                f"host {h.name!r} is listed twice in {where!r}; HINT: give it once with all its slots"
+                f"host {h.name!r} is listed twice in {where!r}.\n"
+                "HINT: give it once with all its slots, e.g. localhost:4."
             )
         seen.add(h.name)
     return hosts
