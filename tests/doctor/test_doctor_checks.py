@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ringtrain import cli
@@ -352,6 +354,23 @@ def test_bad_numbers_are_one_error_before_any_host_is_probed(
     [line] = [x for x in err.splitlines() if x.startswith("ringtrain doctor: error:")]
     assert says in line, err
     assert "HINT:" in err and "Traceback" not in err and "probing" not in err
+
+
+@pytest.mark.timeout(60)
+def test_an_ssh_file_that_cannot_be_read_is_refused_before_any_host_is_probed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As `run` refuses it (docs/launch.md): ssh would read it on this host for every other."""
+
+    def probed(*_: object) -> None:
+        raise AssertionError("doctor probed hosts with an ssh file it cannot read")
+
+    monkeypatch.setattr(checkup, "examine", probed)
+    missing = tmp_path / "id_missing"
+    assert cli.main(["doctor", "-H", "node1:1,node2:1", "--ssh-identity-file", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"--ssh-identity-file {str(missing)!r}: {missing} does not exist." in err, err
+    assert "HINT:" in err and "Traceback" not in err
 
 
 class _FakeReceiver:
