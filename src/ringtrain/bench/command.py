@@ -77,7 +77,10 @@ def parse_sizes(text: str) -> tuple[int, ...]:
         span, _, factor_s = text.partition(":")
         lo_s, _, hi_s = span.partition("..")
         lo, hi = parse_bytes(lo_s), parse_bytes(hi_s)
-        factor = int(factor_s) if factor_s.strip().isdigit() else 0 if factor_s else 4
+        try:
+            factor = int(factor_s or 4)
+        except ValueError:
+            factor = 0  # refused below, with the range's HINT
         if lo < 1 or hi < lo or factor < 2:
             raise ConfigError(
                 f"bad size range {text!r}: need 1 <= low <= high and a factor >= 2.\n"
