@@ -37,6 +37,19 @@ def test_split_counts_follow_the_shares_and_sum_to_the_total() -> None:
         split_counts(8, [1, 0])
 
 
+def test_a_share_that_rounds_to_nothing_still_gets_one_sample() -> None:
+    # batch_shares="auto" on a busy machine once measured a rank at 1% of the speed: its part
+    # of an epoch's short last batch (29 samples) rounded to none, and the demo, with no step
+    # for that rank, left the batch out (174 samples of 12 epochs never trained on).
+    assert split_counts(29, [985, 15]) == [28, 1]
+    assert split_counts(64, [998, 1, 1]) == [62, 1, 1]
+    assert split_counts(3, [1, 1000, 1000]) == [1, 1, 1]
+    assert split_counts(1, [1, 1]) == [1, 0]  # fewer samples than ranks: some get none
+    for total in range(2, 70):
+        counts = split_counts(total, [0.995, 0.004, 0.001])
+        assert sum(counts) == total and min(counts) >= (1 if total >= 3 else 0)
+
+
 def test_every_sample_once_per_epoch_in_share_sized_parts() -> None:
     samplers = _samplers([3, 1])
     first = [next(iter(s)) for s in samplers]

@@ -4,7 +4,8 @@ With ``DistributedOptimizer(batch_shares=...)`` ranks take unequal parts of each
 This batch sampler cuts the epoch's order (the same on every rank: seeded by ``seed`` and the
 epoch) into global batches of ``global_batch_size`` and hands rank r its part of each, sized by
 :func:`split_counts`: every sample of the epoch goes to exactly one rank once (the last global
-batch may be short; it is split by the same shares).
+batch may be short; it is split by the same shares), and every rank gets at least one sample of
+each global batch that has as many samples as ranks.
 
 Its position is one number, the samples of the epoch's order already handed out (every rank
 consumes global batches in step, so the consumed samples are a prefix of the order), counted by
@@ -30,7 +31,11 @@ ORDER_FACTS = ("length", "seed", "shuffle")
 
 def split_counts(total: int, shares: Sequence[float]) -> list[int]:
     """``total`` samples cut in proportion to ``shares`` (largest remainder; ties to the lower
-    rank): the counts sum to ``total`` and are the same on every rank."""
+    rank): the counts sum to ``total`` and are the same on every rank. Every rank gets at least
+    one sample when there are as many as ranks: a rank with none would have no step to take (a
+    mean loss over no samples is NaN), and a program could only leave the batch out, losing its
+    samples; a share small enough to round to none happens when a rank is measured very slow
+    (``batch_shares="auto"`` on a busy machine) or the batch is an epoch's short last one."""
     if not shares or any(not s > 0 for s in shares):
         raise ConfigError(f"shares must be positive numbers, one per rank, got {list(shares)!r}")
     whole = float(sum(shares))
@@ -40,6 +45,11 @@ def split_counts(total: int, shares: Sequence[float]) -> list[int]:
     by_remainder = sorted(range(len(shares)), key=lambda r: (-(exact[r] - counts[r]), r))
     for r in by_remainder[:left]:
         counts[r] += 1
+    if total >= len(counts):
+        for r, c in enumerate(counts):
+            if c == 0:  # one sample from the largest part (ties: the lower rank)
+                counts[max(range(len(counts)), key=lambda k: (counts[k], -k))] -= 1
+                counts[r] = 1
     return counts
 
 
