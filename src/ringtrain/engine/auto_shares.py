@@ -11,7 +11,9 @@ the same everywhere).
 Hysteresis, so that a busy machine's noise does not move the shares every few steps: shares in
 proportion to the rates are taken only when they are predicted to gain more than ``GAIN_MARGIN``
 (10%) over the shares in force (:func:`predicted_gain`: the slowest rank's busy time now over
-theirs), and, once shares are set, only when that holds at ``CONFIRM`` (2) measurements in a row
+theirs) or the busiest rank's time is more than that over the mean and it would get less
+(:func:`calls_for`: a step's fixed time makes a rank with a small share look slow per sample),
+and, once shares are set, only when that holds at ``CONFIRM`` (2) measurements in a row
 (then from the mean of their rates; a measurement below the margin clears it). The first choice,
 from equal shares, takes one measurement. A uniform slowdown of every rank moves nothing: it
 changes no rank's share of the work.
@@ -67,9 +69,36 @@ def predicted_gain(now: Sequence[float], new: Sequence[float], rates: Sequence[f
     return busy(now) / busy(new)
 
 
+def imbalance(now: Sequence[float], rates: Sequence[float]) -> float:
+    """The busiest rank's time per step at shares ``now`` over the mean of every rank's (the
+    times measured: ``share_r / rate_r``). Above 1: some ranks wait for it."""
+    busy = [s / r for s, r in zip(now, rates)]
+    return max(busy) / (sum(busy) / len(busy))
+
+
+def calls_for(
+    now: Sequence[float], new: Sequence[float], rates: Sequence[float], margin: float = GAIN_MARGIN
+) -> bool:
+    """Whether a measurement at ``rates`` calls for the move from shares ``now`` to ``new``:
+    predicted to gain more than ``margin``, or the busiest rank is more than ``margin`` over
+    the mean time and ``new`` gives it less of the batch.
+
+    The prediction alone can trap a rank with a small share: it takes each rank's time as
+    proportional to its share, but part of a step's time is fixed (the optimizer, the Python
+    around the model), so a rank holding 1% of the batch looks slow per sample and the gain of
+    giving it more is understated; one noisy measurement could leave it there, the others
+    doing all the work. Its idle time shows in the imbalance, which moves it back."""
+    if predicted_gain(now, new, rates) > 1.0 + margin:
+        return True
+    busy = [s / r for s, r in zip(now, rates)]
+    top = busy.index(max(busy))
+    whole_now, whole_new = float(sum(now)), float(sum(new))
+    return imbalance(now, rates) > 1.0 + margin and new[top] / whole_new < now[top] / whole_now
+
+
 def gains(now: Sequence[float], rates: Sequence[float], margin: float = GAIN_MARGIN) -> bool:
-    """Whether shares in proportion to ``rates`` gain more than ``margin`` over ``now``."""
-    return predicted_gain(now, shares_for(rates), rates) > 1.0 + margin
+    """Whether shares in proportion to ``rates`` are called for over ``now`` (:func:`calls_for`)."""
+    return calls_for(now, shares_for(rates), rates, margin)
 
 
 def describe(
@@ -156,7 +185,7 @@ class AutoShares:
             return None  # one measurement asks for a change: wait for the next
         mean = [(a + b) / 2 for a, b in zip(before, rates)]
         new = shares_for(mean)
-        if min(predicted_gain(self.shares, new, r) for r in (before, rates)) <= 1.0 + GAIN_MARGIN:
+        if not all(calls_for(self.shares, new, r) for r in (before, rates)):
             return None  # the two measurements disagree on what to change
         self._pending = None
         if self.rank == 0:
