@@ -69,10 +69,15 @@ def predicted_gain(now: Sequence[float], new: Sequence[float], rates: Sequence[f
     return busy(now) / busy(new)
 
 
+def _busy(now: Sequence[float], rates: Sequence[float]) -> list[float]:
+    """Each rank's time per step at shares ``now``, as measured (``share_r / rate_r``)."""
+    return [s / r for s, r in zip(now, rates)]
+
+
 def imbalance(now: Sequence[float], rates: Sequence[float]) -> float:
-    """The busiest rank's time per step at shares ``now`` over the mean of every rank's (the
-    times measured: ``share_r / rate_r``). Above 1: some ranks wait for it."""
-    busy = [s / r for s, r in zip(now, rates)]
+    """The busiest rank's time per step at shares ``now`` over the mean of every rank's. Above
+    1: some ranks wait for it."""
+    busy = _busy(now, rates)
     return max(busy) / (sum(busy) / len(busy))
 
 
@@ -90,10 +95,11 @@ def calls_for(
     doing all the work. Its idle time shows in the imbalance, which moves it back."""
     if predicted_gain(now, new, rates) > 1.0 + margin:
         return True
-    busy = [s / r for s, r in zip(now, rates)]
+    if imbalance(now, rates) <= 1.0 + margin:
+        return False
+    busy = _busy(now, rates)
     top = busy.index(max(busy))
-    whole_now, whole_new = float(sum(now)), float(sum(new))
-    return imbalance(now, rates) > 1.0 + margin and new[top] / whole_new < now[top] / whole_now
+    return new[top] / float(sum(new)) < now[top] / float(sum(now))
 
 
 def gains(now: Sequence[float], rates: Sequence[float], margin: float = GAIN_MARGIN) -> bool:
