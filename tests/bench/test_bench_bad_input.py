@@ -37,6 +37,8 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["secure", "--link-mbps", "nan"], "--link-mbps nan: give the link's rate"),
         (["allreduce", "--fusion-threshold-mb", "inf"], "--fusion-threshold-mb inf: give a"),
         (["train", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["train", "--lr", "-0.1"], "--lr must be a finite number above 0, got -0.1"),
+        (["train", "--lr", "nan"], "--lr must be a finite number above 0, got nan"),
         (["checkpoint", "--batch-size", "-1"], "--batch-size must be >= 1, got -1"),
         (["secure", "--key-file", "/missing/job.key"], "--key-file /missing/job.key: not an"),
         (["converge", "--slow-rank", "2"], "--slow-rank 2 is not a rank of this job of 2"),

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+from ringtrain.bench import ranks
 from ringtrain.bench.command import parse_bytes, parse_sizes
 from ringtrain.bench.models import PRESETS, count_parameters
 from ringtrain.bench.report import fmt_bytes, table
@@ -81,3 +84,14 @@ def test_table_formats() -> None:
     md = table(["x", "y"], rows, markdown=True).splitlines()
     assert md[0] == "| x | y |" and md[1] == "|---|---|" and md[3] == "| bbb | 22 |"
     assert fmt_bytes(65536) == "64 KiB" and fmt_bytes(1536) == "1.5 KiB" and fmt_bytes(10) == "10 B"
+
+
+def test_spawned_ranks_that_share_cores_say_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """More threads than cores: the run says its absolute times are the scheduler's too."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    ranks._say_if_oversubscribed(2, 1)
+    assert capsys.readouterr().err == ""
+    ranks._say_if_oversubscribed(8, 1)
+    assert "8 ranks x 1 threads on 2 cores: they share cores" in capsys.readouterr().err

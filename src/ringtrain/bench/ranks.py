@@ -74,7 +74,20 @@ def run(
         raise ConfigError(f"-np must be >= 1, got {n}")
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // n)
+    _say_if_oversubscribed(n, threads)
     return _spawn(fn, params, n, threads, dict(settings), timeout_s)
+
+
+def _say_if_oversubscribed(n: int, threads: int) -> None:
+    """One line when the spawned ranks' threads outnumber this process's cores: they then take
+    turns on the cores, and absolute times measure the scheduler as much as the code."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if n * threads > (cores or 1):
+        print(
+            f"bench: {n} ranks x {threads} threads on {cores} cores: they share cores, so read "
+            "the ratios within this run, not the absolute times.",
+            file=sys.stderr,
+        )
 
 
 def _run_in_place(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -111,12 +112,13 @@ class TrainParams:
                 raise ConfigError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(
-                f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
-            )
         if self.warmup < 0:
             raise ConfigError(f"--warmup must be >= 0, got {self.warmup}")
+        if not 0 < self.lr < math.inf:  # NaN too: every variant would train to NaN alike
+            raise ConfigError(
+                f"--lr must be a finite number above 0, got {self.lr}\n"
+                "HINT: leave it out for 1e-4, the rate the presets are timed with."
+            )
 
 
 def _known_variant(name: str) -> bool:
