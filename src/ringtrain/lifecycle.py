@@ -25,7 +25,7 @@ from ringtrain.config import Config
 from ringtrain.diagnostics import engine_wait, timeline, trainjob_status
 from ringtrain.errors import HorovodInternalError
 from ringtrain.launch import elastic as elastic_launch
-from ringtrain.runtime import departures, exit_guard, heartbeat, membership, state
+from ringtrain.runtime import departures, exit_guard, heartbeat, init_arguments, membership, state
 from ringtrain.runtime.arrivals import WorldSuperseded
 from ringtrain.runtime.process_sets import ProcessSet
 from ringtrain.transport.backend_choice import Backends
@@ -49,7 +49,8 @@ gc.freeze()
 
 
 def init(
-    process_sets: Sequence[ProcessSet | Sequence[int]] | None = None,
+    comm: init_arguments.Comm = None,
+    process_sets: init_arguments.ProcessSets | str | None = None,
     *,
     config: Config | None = None,
     rank: int | None = None,
@@ -58,13 +59,16 @@ def init(
     **settings: Any,
 ) -> None:
     """Join the job. Reads the launcher's variables and ``RINGTRAIN_*`` settings; keyword
-    ``settings`` (any :class:`~ringtrain.config.Config` field) override them.
+    ``settings`` (any :class:`~ringtrain.config.Config` field) override them. ``comm`` and
+    ``process_sets`` are Horovod's (:mod:`~ringtrain.runtime.init_arguments`).
 
     Calling it again while initialized does nothing; after :func:`shutdown` it starts afresh.
     """
     global _atexit_registered
     if state.is_initialized():
         return
+    init_arguments.check_comm_type(comm)
+    sets = init_arguments.process_sets_of(process_sets)
     heartbeat.start()  # under `ringtrain run`: the agent finds a rank that stops responding
     if config is None:
         config = Config.from_env(**settings)
@@ -78,12 +82,13 @@ def init(
         state.global_process_set.communicator.store, rt.rank, rt.topology.hosts[rt.rank]
     )
     try:
+        init_arguments.check_comm(comm, rt.size)
         _attach_controller(state.global_process_set, config)
         if config.straggler_report_steps > 0 and rt.size > 1:
             _attach_step_timer(rt, config.straggler_report_steps)
         if rt.rank == 0:
             _start_trainjob_status()
-        for ps in process_sets or ():
+        for ps in sets:
             add_process_set(ps)
         if config.timeline_filename and not timeline.current().enabled:
             # Elastic: a re-formed world keeps the running timeline (one file per process).
@@ -255,16 +260,17 @@ def stop_timeline() -> None:
     timeline.stop()
 
 
-def add_process_set(ranks: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Register a process set; every rank of the world must call this with the same ranks."""
-    ps = state.add_process_set(ranks)
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set; every rank of the world must call this with the same ranks.
+    (Always allowed: no ``init(process_sets="dynamic")`` is needed first.)"""
+    ps = state.add_process_set(process_set)
     _attach_controller(ps, state.current().config)
     return ps
 
 
-def remove_process_set(ps: ProcessSet) -> bool:
+def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set; every rank of the world must call this."""
-    return state.remove_process_set(ps)
+    return state.remove_process_set(process_set)
 
 
 def _post_finished(rank: int) -> None:

@@ -118,3 +118,18 @@ def test_reset_limit_ends_the_retries(world: World) -> None:
     # the variable `ringtrain run --reset-limit 2` gives every rank
     for message in world.run(_reset_forever, env={"RINGTRAIN_ELASTIC_RESET_LIMIT": "2"}):
         assert "re-formed 3 times, more than --reset-limit 2" in message
+
+
+def test_on_reset_calls_the_states_own_reset_before_the_callbacks() -> None:
+    """Horovod's ``State.on_reset``: ``self.reset()`` (a subclass's hook), then the callbacks."""
+    calls: list[str] = []
+
+    class Counting(base.ObjectState):
+        def reset(self) -> None:
+            calls.append("reset")
+
+    s = Counting(lambda o: o, lambda o: [o], x=1)
+    s.register_reset_callbacks([lambda: calls.append("callback")])
+    s.on_reset()
+    assert calls == ["reset", "callback"]
+    base.ObjectState(lambda o: o, lambda o: [o], x=1).on_reset()  # the base's: nothing

@@ -71,12 +71,26 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         start = batch_idx * batch_size
         return self.indices[start : min(start + batch_size, len(self.indices))]
 
+    @property
+    def processed_num(self) -> int:
+        """How many of this epoch's indices have been processed (Horovod's count)."""
+        return len(self.processed_indices)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
+        return {
+            "epoch": self.epoch,
+            "processed_indices": set(self.processed_indices),
+            "processed_num": self.processed_num,  # read by Horovod's sampler
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Takes ringtrain's state or Horovod's, whose ``processed_num`` counts the first
+        indices of the epoch's order (its ranks take them in order, all at the same pace)."""
         self.epoch = int(state_dict["epoch"])
-        self.processed_indices = set(state_dict["processed_indices"])
+        if "processed_indices" in state_dict:
+            self.processed_indices = set(state_dict["processed_indices"])
+        else:
+            self.processed_indices = set(self._order()[: int(state_dict["processed_num"])])
         self.reset()
 
     def reset(self) -> None:
@@ -87,10 +101,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
             replicas = rt.size if rt is not None else 1
             rank = rt.rank if rt is not None else 0
         self.num_replicas, self.rank = replicas, rank
-        order = list(range(len(self.dataset)))
-        if self.shuffle:  # the same order on every rank: seeded by seed and epoch only
-            random.Random(self.seed + self.epoch).shuffle(order)
-        self.remaining_indices = [i for i in order if i not in self.processed_indices]
+        self.remaining_indices = [i for i in self._order() if i not in self.processed_indices]
         self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
         padded = (
@@ -98,6 +109,13 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
             + self.remaining_indices[: self.total_size - len(self.remaining_indices)]
         )
         self.indices = padded[self.rank : self.total_size : self.num_replicas]
+
+    def _order(self) -> list[int]:
+        """This epoch's order of the dataset's indices, the same on every rank."""
+        order = list(range(len(self.dataset)))
+        if self.shuffle:  # seeded by seed and epoch only
+            random.Random(self.seed + self.epoch).shuffle(order)
+        return order
 
     def __iter__(self) -> Iterator[int]:
         return iter(list(self.indices))

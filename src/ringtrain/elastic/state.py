@@ -49,9 +49,15 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
-        """Called by ``@elastic.run`` once the new world is formed, before ``sync()``."""
+        """Called by ``@elastic.run`` once the new world is formed, before ``sync()``: the
+        state's own :meth:`reset`, then the registered callbacks (Horovod's order)."""
+        self.reset()
         for callback in self._reset_callbacks:
             callback()
+
+    def reset(self) -> None:
+        """Reset what the state holds after a reset event, before the sync; a subclass's hook
+        (Horovod's), nothing here."""
 
     def on_hosts_updated(self, generation: int) -> None:
         """Note that the launcher announced membership ``generation``."""

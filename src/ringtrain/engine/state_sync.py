@@ -88,26 +88,47 @@ def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-def _init_state(inner: torch.optim.Optimizer) -> None:
+def _init_state(inner: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
     """An optimizer with no state yet: zero gradients on the trainable parameters and one step
     of the plain optimizer (never the distributed one, whose step would reduce), as Horovod
-    does. Like Horovod, this leaves those gradients at zero."""
+    does. Like Horovod, this leaves those gradients at zero; they are sparse for SparseAdam and
+    for SGD on the parameters of ``model``'s sparse embeddings, which take no dense gradient."""
     if inner.state_dict()["state"]:
         return
+    sparse = _sparse_parameters(model)
     for group in inner.param_groups:
         for p in group["params"]:
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
+                if isinstance(inner, torch.optim.SparseAdam) or (
+                    isinstance(inner, torch.optim.SGD) and id(p) in sparse
+                ):
+                    p.grad = p.grad.to_sparse()
     inner.step()
 
 
+def _sparse_parameters(model: torch.nn.Module | None) -> set[int]:
+    if model is None:
+        return set()
+    return {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding) and m.sparse
+        for p in m.parameters()
+    }
+
+
 def broadcast_optimizer_state(
-    optimizer: torch.optim.Optimizer, root_rank: int = 0, process_set: ProcessSet | None = None
+    optimizer: torch.optim.Optimizer,
+    root_rank: int = 0,
+    model: torch.nn.Module | None = None,
+    process_set: ProcessSet | None = None,
 ) -> None:
     """Replace every rank's optimizer state (and hyper-parameters) with the root's.
 
     A fresh optimizer first takes one step on zero gradients (Horovod's way), so its state
-    exists (e.g. Adam's ``step`` and moments) and has the same structure on every rank."""
+    exists (e.g. Adam's ``step`` and moments) and has the same structure on every rank.
+    ``model`` (Horovod's third argument) marks its sparse embeddings' parameters."""
     inner = getattr(optimizer, "optimizer", optimizer)
     if isinstance(inner, torch.optim.LBFGS):
         raise CollectiveArgumentError(
@@ -119,7 +140,7 @@ def broadcast_optimizer_state(
     owner: Any = optimizer if getattr(optimizer, "shards_state", False) else inner
     state = owner.state_dict()
     if not state["state"]:
-        _init_state(inner)
+        _init_state(inner, model)
         state = owner.state_dict()
     state.pop("ringtrain_compressor", None)  # per-rank (error feedback): never the root's
     me = ops.controller_of(process_set).comm.world_rank  # root_rank is global, as in Horovod

@@ -16,14 +16,32 @@ if TYPE_CHECKING:
     from ringtrain.runtime.communicator import Communicator
 
 
+def _ranks_of(ranks_or_comm: object) -> Iterable[int]:
+    """The ranks a ``ProcessSet`` argument names; an MPI communicator (Horovod takes one) gets a
+    clear error: ringtrain's world need not be MPI's, so its ranks are asked for instead."""
+    if hasattr(ranks_or_comm, "Get_size") and hasattr(ranks_or_comm, "Get_group"):
+        raise CollectiveArgumentError(
+            f"ProcessSet({type(ranks_or_comm).__name__}): ringtrain makes process sets from "
+            "ranks, not from MPI communicators.\n"
+            "HINT: pass the communicator's world ranks, e.g. "
+            "hvd.ProcessSet(comm.allgather(hvd.rank()))."
+        )
+    if not isinstance(ranks_or_comm, Iterable) or isinstance(ranks_or_comm, (str, bytes)):
+        raise CollectiveArgumentError(
+            f"ProcessSet takes a list of ranks, got {ranks_or_comm!r}.\n"
+            "HINT: e.g. hvd.ProcessSet([0, 2])."
+        )
+    return ranks_or_comm
+
+
 class ProcessSet:
     """A subset of the world's ranks. ``ProcessSet(None)`` stands for the whole world."""
 
-    def __init__(self, ranks: Iterable[int] | None = None) -> None:
-        if ranks is None:
+    def __init__(self, ranks_or_comm: Iterable[int] | None = None) -> None:
+        if ranks_or_comm is None:
             self._ranks: tuple[int, ...] | None = None
         else:
-            ranks = [int(r) for r in ranks]
+            ranks = [int(r) for r in _ranks_of(ranks_or_comm)]
             if len(set(ranks)) != len(ranks):
                 raise CollectiveArgumentError(f"process set ranks must be distinct, got {ranks}")
             if not ranks:

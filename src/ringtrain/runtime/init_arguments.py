@@ -1,0 +1,89 @@
+"""Horovod's ``init(comm=None, process_sets=None)`` arguments, read the way ringtrain can honour
+them.
+
+``comm`` chooses Horovod's world: a list of MPI ranks or an MPI communicator. ringtrain's world
+is every rank its launcher started, so ``comm`` is accepted only where it names that world (all
+ranks, or a communicator of the job's size) and is refused with a clear error otherwise, never
+quietly widened. ``process_sets="dynamic"`` is accepted: ringtrain always allows
+``add_process_set`` after ``init()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, TypeGuard
+
+from ringtrain.errors import ConfigError
+from ringtrain.runtime.process_sets import ProcessSet
+
+ProcessSets = Sequence[ProcessSet | Sequence[int]]
+
+
+class MpiComm(Protocol):
+    """What ringtrain reads of an mpi4py communicator."""
+
+    def Get_size(self) -> int: ...  # mpi4py's names
+
+    def Get_rank(self) -> int: ...
+
+
+Comm = Sequence[int] | MpiComm | None
+
+_HINT = (
+    "HINT: start only the ranks you need (-np), or keep the whole world and make a process set: "
+    "hvd.init(process_sets=[hvd.ProcessSet([0, 1])])."
+)
+
+
+def process_sets_of(process_sets: ProcessSets | str | None) -> ProcessSets:
+    """The sets to register at ``init()``; ``"dynamic"`` (any case) registers none."""
+    if process_sets is None:
+        return ()
+    if isinstance(process_sets, str):
+        if process_sets.lower() == "dynamic":
+            return ()
+        raise ConfigError(
+            f'init(process_sets={process_sets!r}): the only string taken is "dynamic".\n'
+            "HINT: give a list of ProcessSet objects or rank lists, or leave it out."
+        )
+    return process_sets
+
+
+def check_comm_type(comm: object) -> None:
+    """Before joining: ``comm`` is None, a list of ranks or an MPI communicator."""
+    if comm is None or _is_mpi_comm(comm) or _is_rank_list(comm):
+        return
+    raise ConfigError(
+        f"init(comm={comm!r}): comm is a list of ranks or an MPI communicator, as in Horovod.\n"
+        "HINT: leave it out to use every rank of the job."
+    )
+
+
+def check_comm(comm: Comm, size: int) -> None:
+    """After joining: ``comm`` names this job's whole world of ``size`` ranks."""
+    if comm is None:
+        return
+    if isinstance(comm, Sequence):
+        if sorted(comm) != list(range(size)):
+            raise ConfigError(
+                f"init(comm={list(comm)}): ringtrain's world is every rank its launcher started "
+                f"(0-{size - 1}); a subset of them cannot be the world.\n{_HINT}"
+            )
+        return
+    if comm.Get_size() != size:
+        raise ConfigError(
+            f"init(comm=...): the communicator has {comm.Get_size()} ranks, the job "
+            f"{size}; ringtrain's world is every rank its launcher started.\n{_HINT}"
+        )
+
+
+def _is_rank_list(comm: object) -> TypeGuard[Sequence[int]]:
+    return (
+        isinstance(comm, Sequence)
+        and not isinstance(comm, (str, bytes))
+        and all(isinstance(r, int) and not isinstance(r, bool) for r in comm)
+    )
+
+
+def _is_mpi_comm(comm: object) -> TypeGuard[MpiComm]:
+    return hasattr(comm, "Get_size") and hasattr(comm, "Get_rank")

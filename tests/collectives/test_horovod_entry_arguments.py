@@ -1,0 +1,88 @@
+"""Horovod's entry points called with Horovod's arguments: ``init(comm, process_sets)``,
+``add_process_set``/``remove_process_set``/``ProcessSet`` by their keyword names, and
+``broadcast_optimizer_state(optimizer, root_rank, model)`` with sparse embeddings
+(horovod/common/basics.py, process_sets.py, horovod/torch/functions.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import ringtrain.torch as hvd
+from ringtrain.errors import CollectiveArgumentError, ConfigError
+from ringtrain.testing.spawn import World
+
+
+class _Comm:
+    """What ringtrain looks at in an mpi4py communicator."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def Get_size(self) -> int:
+        return self._size
+
+    def Get_rank(self) -> int:
+        return hvd.rank()
+
+    def Get_group(self) -> None:
+        return None
+
+
+def _refused(call: Any, kind: type[Exception]) -> str:
+    with pytest.raises(kind) as e:
+        call()
+    return str(e.value)
+
+
+def _init_arguments() -> list[str]:
+    said = []
+    n = hvd.size()
+    for comm in (list(range(n)), _Comm(n)):  # the whole world, as a list or a communicator
+        hvd.shutdown()
+        hvd.init(comm)
+        assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n
+    for comm in ([0], _Comm(n + 1)):  # a part of it: refused on every rank, then init() again
+        hvd.shutdown()
+        said.append(_refused(lambda c=comm: hvd.init(comm=c), ConfigError).splitlines()[0])
+    said.append(_refused(lambda: hvd.init(comm="all"), ConfigError).splitlines()[0])
+    said.append(_refused(lambda: hvd.init(process_sets="static"), ConfigError).splitlines()[0])
+    hvd.init(process_sets="DYNAMIC")
+    ps = hvd.add_process_set(process_set=hvd.ProcessSet(ranks_or_comm=[n - 1]))
+    out = hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=ps) if ps.included() else None
+    assert out is None or out.item() == 1
+    assert hvd.remove_process_set(process_set=ps)
+    said.append(_refused(lambda: hvd.ProcessSet(_Comm(n)), CollectiveArgumentError).split("\n")[0])
+    return said
+
+
+def test_init_takes_horovods_comm_and_dynamic_process_sets(world2: World) -> None:
+    said = world2.run(_init_arguments)
+    assert said[0] == said[1]  # every rank refuses alike
+    subset, wider, not_comm, static, mpi_set = said[0]
+    assert "init(comm=[0]): ringtrain's world is every rank its launcher started" in subset
+    assert "the communicator has 3 ranks, the job 2" in wider
+    assert "comm is a list of ranks or an MPI communicator" in not_comm
+    assert 'the only string taken is "dynamic"' in static
+    assert "ProcessSet(_Comm): ringtrain makes process sets from ranks" in mpi_set
+
+
+def _sparse_state() -> list[Any]:
+    """Fresh optimizers over sparse embeddings: Horovod gives them sparse zero gradients."""
+    me = hvd.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    sparse_adam = torch.optim.SparseAdam(model[0].parameters(), lr=0.01 * (me + 1))
+    hvd.broadcast_optimizer_state(sparse_adam, 0)  # before: dense zeros, which it refuses
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1 * (me + 1))
+    hvd.broadcast_optimizer_state(sgd, 0, model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert model[0].weight.grad is not None and model[0].weight.grad.is_sparse
+    return [sparse_adam.param_groups[0]["lr"], int(sparse_adam.state[model[0].weight]["step"])]
+
+
+def test_broadcast_optimizer_state_takes_the_model_and_sparse_embeddings(world2: World) -> None:
+    assert world2.run(_sparse_state) == [[0.01, 1], [0.01, 1]]
