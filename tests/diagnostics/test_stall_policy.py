@@ -42,3 +42,20 @@ def test_disabled_with_zero_warning_time() -> None:
 def test_global_rank_translation_for_process_sets() -> None:
     v = StallInspector(1, 0).check(_waiting(0, submitted=(0,)), 2, now=5, global_ranks=[4, 6])
     assert "rank 6 has not submitted" in v.warning and "submitted by ranks [4]" in v.warning
+
+
+def test_a_shutdown_time_below_the_warning_time_stops_at_the_time_it_names() -> None:
+    """--stall-shutdown-time 30 with the default 60 s warning: the job stops at 30 s (Horovod
+    would log that it never stops; docs/diagnostics.md says every rank raises after it)."""
+    inspector = StallInspector(60, 30)
+    assert inspector.watch_from_s == 30
+    assert inspector.check(_waiting(0), 3, now=29) == StallInspector(0, 0).check({}, 3, 0)
+    v = inspector.check(_waiting(0), 3, now=31)
+    assert "stopping the job" in v.abort and "rank 1 has not submitted" in v.abort
+
+
+def test_only_names_past_the_warning_time_are_warned_of() -> None:
+    waiting = {**_waiting(0), "late": Waiting("late", (0,), 45)}
+    v = StallInspector(10, 100).check(waiting, 3, now=50)
+    assert "'grad.fc.weight'" in v.warning and "'late'" not in v.warning
+    assert StallInspector(10, 0).watch_from_s == 10

@@ -581,7 +581,7 @@ class Controller:
     def _inspect(self) -> str:
         """Rank 0's time-based decisions: log stall warnings; return an abort message if due."""
         now = self._clock()
-        waiting = self._requests.waiting(now, self._stall.warning_s)  # only those it reports
+        waiting = self._requests.waiting(now, self._stall.watch_from_s)  # those it may report
         verdict = self._stall.check(waiting, self.comm.size, now, self.comm.ranks)
         if verdict.warning:
             log.warning("%s", verdict.warning)

@@ -37,6 +37,15 @@ class StallInspector:
         self.shutdown_s = shutdown_s
         self._last_warning = float("-inf")
 
+    @property
+    def watch_from_s(self) -> float:
+        """How long a name must have waited before it matters: the warning time, or the
+        shutdown time where that is shorter (a shutdown time below the warning time still
+        stops the job at the time it names; Horovod would never stop it)."""
+        if self.shutdown_s > 0:
+            return min(self.warning_s, self.shutdown_s)
+        return self.warning_s
+
     def check(
         self,
         waiting: Mapping[str, Waiting],
@@ -46,20 +55,21 @@ class StallInspector:
     ) -> Verdict:
         if self.warning_s <= 0 or not waiting:
             return Verdict()
-        stalled = [w for w in waiting.values() if now - w.since >= self.warning_s]
+        stalled = [w for w in waiting.values() if now - w.since >= self.watch_from_s]
         if not stalled:
             return Verdict()
-        report = stall_report(stalled, set_size, now, global_ranks)
         longest = max(now - w.since for w in stalled)
         if self.shutdown_s > 0 and longest >= self.shutdown_s:
             return Verdict(
-                abort=report + f"\nringtrain is stopping the job: the stall exceeded "
+                abort=stall_report(stalled, set_size, now, global_ranks)
+                + "\nringtrain is stopping the job: the stall exceeded "
                 f"the shutdown time of {self.shutdown_s:g} s (RINGTRAIN_STALL_SHUTDOWN_S)."
             )
-        if now - self._last_warning < self.warning_s:
+        warned = [w for w in stalled if now - w.since >= self.warning_s]
+        if not warned or now - self._last_warning < self.warning_s:
             return Verdict()
         self._last_warning = now
-        return Verdict(warning=report)
+        return Verdict(warning=stall_report(warned, set_size, now, global_ranks))
 
 
 def stall_report(
@@ -72,7 +82,7 @@ def stall_report(
         for r in range(set_size):
             if r not in w.submitted:
                 missing_by_rank.setdefault(to_global[r], []).append(w.name)
-    lines = [f"stall: {len(stalled)} collective(s) waited more than their warning time:"]
+    lines = [f"stall: {len(stalled)} collective(s) waited for ranks that have not submitted them:"]
     for w in sorted(stalled, key=lambda w: w.since):
         have = [to_global[r] for r in w.submitted]
         lines.append(f"  {w.name!r} waiting {now - w.since:.0f} s; submitted by ranks {have}")
