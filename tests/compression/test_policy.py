@@ -231,6 +231,16 @@ def test_registry_builds_reducers_from_config() -> None:
         rt.Config(topk_ratio=0.0)
 
 
+def test_an_instance_takes_the_tables_defaults_not_the_variables() -> None:
+    """docs/engine.md: an object is used as given; what it leaves out is the Config's default."""
+    from ringtrain.compression import Compression, resolve
+
+    cfg = rt.Config.from_env({"RINGTRAIN_POWERSGD_RANK": "4", "RINGTRAIN_TOPK_RATIO": "0.05"})
+    made = resolve(Compression.powersgd(start_iter=0), cfg)
+    assert made.matrix_approximation_rank == rt.Config().powersgd_rank == 2
+    assert resolve(Compression.topk(), cfg).ratio == rt.Config().topk_ratio
+
+
 # ---- the tuner's phases on real ranks, with synthetic timings ---------------------------------
 
 

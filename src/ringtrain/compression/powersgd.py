@@ -186,8 +186,8 @@ class PowerSGDReducer:
 
     def __init__(
         self,
-        matrix_approximation_rank: int = 1,
-        start_iter: int = 10,
+        matrix_approximation_rank: int = 2,  # Config.powersgd_rank's default: one default
+        start_iter: int = 10,  # Config.powersgd_start_step's
         min_compression_rate: float = 2.0,
         warm_start: bool = True,
         error_feedback: bool = True,
