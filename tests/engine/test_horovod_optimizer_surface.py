@@ -4,6 +4,7 @@
   words (scripts filter on them), and reduces again, as Horovod's does; inside
   ``skip_synchronize()`` it does not warn.
 * ``optimizer._parameter_names`` maps each parameter to its name.
+* the constructor takes Horovod's positional order.
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ def _surface() -> dict[str, Any]:
     unnamed = rt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     out["unnamed"] = [unnamed._parameter_names[p] for p in model.parameters()]
     unnamed.remove_hooks()
+    # Horovod's positional order (horovod/torch/optimizer.py): ..., gradient_predivide_factor,
+    # num_groups, groups, sparse_as_dense, process_set; ringtrain's own arguments come by name.
+    args = (rt.Compression.none, 1, rt.Average, 1.0, 0, None, False, rt.global_process_set)
+    positional = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), *args
+    )
+    out["positional"] = positional._process_set is rt.global_process_set
+    positional.remove_hooks()
+    with pytest.raises(TypeError):
+        rt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), None, *args, True)
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rt.rank()))
     for skip in (False, True):
         opt.zero_grad()
@@ -85,3 +96,4 @@ def test_horovod_warning_and_parameter_names(size: int) -> None:
         assert out["warnings_skip=False"] == [HOROVOD_TEXT], out
         assert out["warnings_skip=True"] == [], out
         assert out["filtered"] == 0
+        assert out["positional"]

@@ -72,10 +72,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         gradient_predivide_factor: divide gradients by this before the sum and by
             ``size / factor`` after it (Average only). With a 16-bit wire and the default 1.0,
             the whole division by the world size happens before the cast.
-        process_set: reduce over this process set instead of the world.
-        sparse_as_dense: send sparse gradients as dense tensors instead of as (indices, values).
-        groups, num_groups: accepted for Horovod scripts and ignored, with a warning: the engine
+        num_groups, groups: accepted for Horovod scripts and ignored, with a warning: the engine
             groups gradients into buckets itself.
+        sparse_as_dense: send sparse gradients as dense tensors instead of as (indices, values).
+        process_set: reduce over this process set instead of the world.
+        average_aggregated_gradients: keyword-only, as every argument after Horovod's
+            positional ones: see ``backward_passes_per_step``.
         fusion_threshold_bytes, cycle_time_ms, bucket_order, hierarchical, engine_streams,
             reproducible, link_class, shard_optimizer, reduce_scatter, overlap, sync_every,
             outer_compression, outer_overlap, outer_delay, outer_fragments: the engine's settings,
@@ -107,12 +109,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: int = 1,
         op: ReduceOpLike | None = None,
         gradient_predivide_factor: float = 1.0,
-        process_set: ProcessSet | None = None,
-        sparse_as_dense: bool = False,
-        average_aggregated_gradients: bool = False,
-        groups: object = None,
         num_groups: int = 0,
-        *,
+        groups: object = None,
+        sparse_as_dense: bool = False,
+        process_set: ProcessSet | None = None,
+        *,  # above: Horovod's positional order; below: ringtrain's (and TF Horovod's) by name
+        average_aggregated_gradients: bool = False,
         fusion_threshold_bytes: int | None = None,
         cycle_time_ms: float | None = None,
         bucket_order: str | None = None,
