@@ -61,7 +61,9 @@ class Config:
     # Order of DistributedOptimizer's gradient buckets: "auto" (learned from the first step),
     # "reverse" (reverse registration order, as DDP) or "registration".
     bucket_order: str = "auto"
-    # Collectives that do not complete within this many seconds fail instead of hanging.
+    # The transport's timeout: a Gloo/NCCL operation that has started (the engine's buckets, a
+    # lane slot, a store read) fails after this many seconds instead of hanging. A negotiated
+    # collective whose peers never submit it waits until the stall shutdown time instead.
     timeout_s: float = 300.0
     # Stall inspector: warn after this long waiting on ranks that did not submit; 0 disables the
     # inspector, its shutdown included.

@@ -60,7 +60,13 @@ SETTING_FLAGS = (
         float,
         "how often ready collectives are negotiated and fused",
     ),
-    SettingFlag("--timeout", "timeout_s", float, "seconds before a collective fails"),
+    SettingFlag(
+        "--timeout",
+        "timeout_s",
+        float,
+        "seconds before a started transport operation fails (a collective some ranks never "
+        "submit waits until --stall-shutdown-time)",
+    ),
     SettingFlag(
         "--stall-warning-time",
         "stall_warning_s",
