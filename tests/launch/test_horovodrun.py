@@ -254,3 +254,17 @@ def test_horovod_gloo_iface_picks_the_interface_on_remote_hosts() -> None:
     ]
     _, env = sup._network()
     assert {h: e["GLOO_SOCKET_IFNAME"] for h, e in env.items()} == {"h0": "ib0", "h1": "ib0"}
+
+
+def test_verbose_sets_the_ranks_log_level_unless_the_job_set_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/launch.md: ``--verbose`` makes the ranks log at INFO, unless RINGTRAIN_LOG_LEVEL or
+    HOROVOD_LOG_LEVEL (or --log-level) says otherwise."""
+    assert _parse("-np", "1", "--verbose", "true")[1].settings["log_level"] == "INFO"
+    assert "log_level" not in _parse("-np", "1", "true")[1].settings
+    monkeypatch.setenv("HOROVOD_LOG_LEVEL", "warning")
+    assert "log_level" not in _parse("-np", "1", "--verbose", "true")[1].settings
+    monkeypatch.delenv("HOROVOD_LOG_LEVEL")
+    monkeypatch.setenv("RINGTRAIN_LOG_LEVEL", "DEBUG")
+    assert "log_level" not in _parse("-np", "1", "--verbose", "true")[1].settings
