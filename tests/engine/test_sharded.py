@@ -284,6 +284,21 @@ def _error(case: str) -> str:
         if case == "lbfgs":
             rt.DistributedOptimizer(torch.optim.LBFGS(model.parameters()), shard_optimizer=True)
             return "no error"
+        if case == "sparseadam":
+            rt.DistributedOptimizer(
+                torch.optim.SparseAdam(model[0].parameters()), shard_optimizer=True
+            )
+            return "no error"
+        if case == "channels_last":
+            conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+            opt = rt.DistributedOptimizer(
+                torch.optim.SGD(conv.parameters(), lr=0.1),
+                named_parameters=conv.named_parameters(),
+                shard_optimizer=True,
+            )
+            conv(torch.ones(1, 3, 5, 5)).sum().backward()
+            opt.step()
+            return "no error"
         opt = rt.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1),
             named_parameters=model.named_parameters(),
@@ -304,6 +319,8 @@ def _error(case: str) -> str:
         ("lbfgs", "cannot shard LBFGS"),
         ("sparse", "sparse_as_dense=True"),
         ("closure", "step(closure) is not supported"),
+        ("sparseadam", "cannot shard SparseAdam"),
+        ("channels_last", "'weight' is not contiguous (e.g. channels_last)"),
     ],
 )
 def test_unsupported_is_a_clear_error(case: str, words: str) -> None:
