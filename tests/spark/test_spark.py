@@ -65,6 +65,7 @@ def _train(steps: int, lr: float = 0.1) -> dict[str, Any]:
     import torch
 
     import ringtrain.torch as hvd
+    from ringtrain.runtime import state as runtime
 
     torch.set_num_threads(1)
     hvd.init()
@@ -87,6 +88,7 @@ def _train(steps: int, lr: float = 0.1) -> dict[str, Any]:
         "size": hvd.size(),
         "identical": all(torch.equal(every[0], every[r]) for r in range(hvd.size())),
         "sum": hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item(),
+        "cycle_time_ms": runtime.current().config.cycle_time_ms,
     }
     hvd.shutdown()
     return out
@@ -100,10 +102,13 @@ def _fail(rank_to_fail: int) -> None:
 
 
 def test_run_returns_the_results_by_rank(spark: Any) -> None:
-    res = ringtrain.spark.run(_train, args=(3,), kwargs={"lr": 0.05}, num_proc=2)
+    # num_proc left out: spark.default.parallelism, the 2 cores of local-cluster[2,1,...].
+    env = {"RINGTRAIN_CYCLE_TIME_MS": "7"}  # a setting, as docs/engines.md says
+    res = ringtrain.spark.run(_train, args=(3,), kwargs={"lr": 0.05}, env=env)
     assert [r["rank"] for r in res] == [0, 1]
     for r in res:
         assert r["size"] == 2 and r["identical"] and r["sum"] == 3.0
+        assert r["cycle_time_ms"] == 7.0
 
 
 def test_a_failing_rank_fails_the_run_with_its_traceback(spark: Any) -> None:

@@ -146,7 +146,7 @@ def start(
         _configure_logging(config.log_level)
         adopted = dist.is_initialized()
         if adopted:
-            if elastic is not None:
+            if elastic is not None or Ringtrain.ELASTIC_ID in env:  # joining a later world or not
                 raise ConfigError(
                     "an elastic job cannot adopt the process group this script created: ringtrain "
                     "re-forms the world when a rank fails, and that group cannot follow.\n"
