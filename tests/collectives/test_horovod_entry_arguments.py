@@ -27,9 +27,6 @@ class _Comm:
     def Get_rank(self) -> int:
         return hvd.rank()
 
-    def Get_group(self) -> None:
-        return None
-
 
 def _refused(call: Any, kind: type[Exception]) -> str:
     with pytest.raises(kind) as e:

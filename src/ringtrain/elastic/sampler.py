@@ -77,11 +77,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         return len(self.processed_indices)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "processed_indices": set(self.processed_indices),
-            "processed_num": self.processed_num,  # read by Horovod's sampler
-        }
+        return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Takes ringtrain's state or Horovod's, whose ``processed_num`` counts the first

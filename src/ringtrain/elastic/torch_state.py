@@ -92,8 +92,6 @@ class _SamplerHandler(_Handler[ElasticSampler]):
             sd["processed_indices"] |= self.saved["processed_indices"]
         if runtime.is_initialized():
             sd["processed_indices"] = set().union(*allgather_object(sd["processed_indices"]))
-        if "processed_num" in sd:  # the count Horovod's sampler keeps: the world's, as above
-            sd["processed_num"] = len(sd["processed_indices"])
         return sd
 
     def save(self) -> None:

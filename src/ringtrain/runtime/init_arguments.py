@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Protocol, TypeGuard
 
 from ringtrain.errors import ConfigError
-from ringtrain.runtime.process_sets import ProcessSet
+from ringtrain.runtime.process_sets import ProcessSet, is_mpi_comm
 
 ProcessSets = Sequence[ProcessSet | Sequence[int]]
 
@@ -86,4 +86,4 @@ def _is_rank_list(comm: object) -> TypeGuard[Sequence[int]]:
 
 
 def _is_mpi_comm(comm: object) -> TypeGuard[MpiComm]:
-    return hasattr(comm, "Get_size") and hasattr(comm, "Get_rank")
+    return is_mpi_comm(comm)

@@ -16,10 +16,15 @@ if TYPE_CHECKING:
     from ringtrain.runtime.communicator import Communicator
 
 
+def is_mpi_comm(obj: object) -> bool:
+    """Whether ``obj`` looks like an mpi4py communicator (Horovod's functions take one)."""
+    return hasattr(obj, "Get_size") and hasattr(obj, "Get_rank")
+
+
 def _ranks_of(ranks_or_comm: object) -> Iterable[int]:
-    """The ranks a ``ProcessSet`` argument names; an MPI communicator (Horovod takes one) gets a
-    clear error: ringtrain's world need not be MPI's, so its ranks are asked for instead."""
-    if hasattr(ranks_or_comm, "Get_size") and hasattr(ranks_or_comm, "Get_group"):
+    """The ranks a ``ProcessSet`` argument names; an MPI communicator gets a clear error:
+    ringtrain's world need not be MPI's, so its ranks are asked for instead."""
+    if is_mpi_comm(ranks_or_comm):
         raise CollectiveArgumentError(
             f"ProcessSet({type(ranks_or_comm).__name__}): ringtrain makes process sets from "
             "ranks, not from MPI communicators.\n"
