@@ -31,6 +31,10 @@ def _ops() -> None:
         rt.allreduce(p, op=rt.Product), torch.full((3,), float(torch.arange(2, n + 2).prod()))
     )
     torch.testing.assert_close(rt.allreduce(x, average=False), base * n + ranks.sum())
+    # Horovod's hvd.Average, hvd.Sum, hvd.Min are the ints 0, 1, 3: a number means the same op.
+    torch.testing.assert_close(hvd.allreduce(x, op=0), base + ranks.mean())
+    torch.testing.assert_close(hvd.allreduce(x, op=1), base * n + ranks.sum())
+    torch.testing.assert_close(hvd.allreduce(x, op=3), base)
     # scale factors: out = post * sum(pre * x)
     torch.testing.assert_close(
         rt.allreduce(x, op=rt.Sum, prescale_factor=2.0, postscale_factor=0.5),

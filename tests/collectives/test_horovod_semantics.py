@@ -226,12 +226,15 @@ def _exceptions() -> dict[str, Any]:
         lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum),
         lambda: hvd.allreduce_async_(torch.ones(2), op=hvd.Adasum),
         lambda: hvd.grouped_allreduce([torch.ones(2)], op=hvd.Adasum),
+        lambda: hvd.allreduce(torch.ones(2), op=2),  # Horovod's number for Adasum
     ):
         e = _raises(call, NotImplementedError)
         assert isinstance(e, RuntimeError) and "Adasum is not supported" in str(e)
     # Argument errors Horovod raises as ValueError stay ValueError
     _raises(lambda: hvd.allreduce(torch.ones(1), average=True, op=hvd.Sum), ValueError)
     _raises(lambda: hvd.allreduce(torch.ones(1), op="median"), ValueError)
+    _raises(lambda: hvd.allreduce(torch.ones(1), op=7), ValueError)  # no Horovod op is 7
+    _raises(lambda: hvd.allreduce(torch.ones(1), op=True), ValueError)  # a flag, not Sum
     _raises(lambda: hvd.synchronize(3), ValueError)
     _raises(lambda: hvd.poll("h"), ValueError)
     _raises(lambda: hvd.sparse_allreduce_async(torch.ones(2), "s", hvd.Sum), ValueError)

@@ -34,7 +34,8 @@ def usage(t: torch.Tensor, model: torch.nn.Module) -> None:
     hvd.broadcast_(q, root_rank=0, nmae="typo")  # type: ignore[call-arg]
     hvd.allgather(t, process_set=1)  # type: ignore[arg-type]
     hvd.allreduce_(t, compression=hvd.Compression.fp16)  # type: ignore[call-arg]
-    hvd.allreduce(t, op=3)  # type: ignore[arg-type]
+    hvd.allreduce(t, op=1)  # Horovod's number for Sum
+    hvd.allreduce(t, op=1.0)  # type: ignore[arg-type]
     hvd.allreduce(t, compression=0.5)  # type: ignore[arg-type]
     hvd.grouped_allreduce_async([t], op=hvd.Sum, compression=torch.float16)  # type: ignore[arg-type]
 
@@ -46,4 +47,4 @@ def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     hvd.DistributedOptimizer(sgd, compression="powersgd", op="sum")
     hvd.DistributedOptimizer(sgd, compression=hvd.Compression.powersgd(), op=hvd.Sum)
     hvd.DistributedOptimizer(sgd, compression=0.5)  # type: ignore[arg-type]
-    return hvd.DistributedOptimizer(sgd, op=3)  # type: ignore[arg-type]
+    return hvd.DistributedOptimizer(sgd, op=1.0)  # type: ignore[arg-type]

@@ -28,11 +28,15 @@ Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 Adasum = ReduceOp.ADASUM
 
-# What an ``op=`` argument takes: a ReduceOp, or its name in any case ("sum", "avg", "mean").
-ReduceOpLike: TypeAlias = ReduceOp | str
+# What an ``op=`` argument takes: a ReduceOp, its name in any case ("sum", "avg", "mean"), or
+# Horovod's number for it.
+ReduceOpLike: TypeAlias = ReduceOp | str | int
 
 
 _ALIASES = {m.value.lower(): m.value for m in ReduceOp} | {"avg": "Average", "mean": "Average"}
+# Horovod's hvd.Average, hvd.Sum, ... are these ints (enum ReduceOp, horovod/common/message.h):
+# an op a Horovod program kept as a number means the same here.
+_HOROVOD_NUMBERS = dict(enumerate((Average, Sum, Adasum, Min, Max, Product)))
 
 
 def resolve_op(
@@ -55,11 +59,14 @@ def resolve_op(
     if isinstance(op, str) and not isinstance(op, ReduceOp):
         # Also accept "sum", "avg", "mean" and torch-style spellings.
         op = _ALIASES.get(op.lower(), op)
+    elif isinstance(op, int) and not isinstance(op, bool):  # True is not Sum
+        op = _HOROVOD_NUMBERS.get(op, op)
     try:
         op = ReduceOp(op if not isinstance(op, ReduceOp) else op.value)
     except ValueError:
         raise CollectiveArgumentError(
-            f"unknown reduce op {op!r}; use one of Average, Sum, Min, Max, Product"
+            f"unknown reduce op {op!r}; use one of Average, Sum, Min, Max, Product (or "
+            "Horovod's numbers for them, 0, 1, 3, 4, 5)"
         ) from None
     if op is Adasum:
         # NotImplementedError (a RuntimeError), as Horovod raises for the Adasum setups it lacks.
