@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -109,11 +110,7 @@ def test_a_lost_host_drops_all_its_ranks_at_once(cluster: tc.Cluster) -> None:
     )
 
 
-def _cut_link_job(cluster: tc.Cluster, mode: str) -> tuple[int, str, str, float]:
-    """Host h2's rank stops mid-epoch and the test takes its link down (``ip link set down``
-    in its namespace): nothing exits and nothing closes, the host just falls silent. Returns
-    the launcher's code, its stdout and stderr, and when the link was cut."""
-    victim = cluster.hosts[2]
+def _cut_link_start(cluster: tc.Cluster, mode: str) -> subprocess.Popen[str]:
     env = {**os.environ, "MODE": mode, "OMP_NUM_THREADS": "1", "VICTIM": "2", "KILL": "cut"}
     forward = [a for name in ["MODE", "OMP_NUM_THREADS", "VICTIM", "KILL"] for a in ("-x", name)]
     argv = [
@@ -133,56 +130,93 @@ def _cut_link_job(cluster: tc.Cluster, mode: str) -> tuple[int, str, str, float]
         sys.executable,
         str(JOB),
     ]
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
-    out: list[str] = []
+
+
+def _cut_link_jobs(cluster: tc.Cluster, modes: list[str]) -> list[tuple[int, str, str, float]]:
+    """One job per mode at once, each with a rank on host h2. h2's ranks stop mid-epoch and,
+    once all have, the test takes h2's link down (``ip link set down`` in its namespace):
+    nothing exits and nothing closes, the host just falls silent. Both jobs wait out the same
+    ssh keepalives together. Returns each job's code, stdout and stderr, and when the link was
+    cut."""
+    victim = cluster.hosts[2]
+    procs = [_cut_link_start(cluster, mode) for mode in modes]
+    # Threads read each job's output to its end, so no job fills a pipe while another is
+    # awaited; the stopped rank's line sets its job's event.
+    outs: list[list[str]] = [[] for _ in procs]
+    errs = ["" for _ in procs]
+    stopped = [threading.Event() for _ in procs]
+
+    def read_out(i: int) -> None:
+        assert procs[i].stdout is not None
+        for line in procs[i].stdout:
+            outs[i].append(line)
+            if line.startswith("[2] kill "):
+                stopped[i].set()
+
+    def read_err(i: int) -> None:
+        assert procs[i].stderr is not None
+        errs[i] = procs[i].stderr.read()
+
+    readers = [
+        threading.Thread(target=f, args=(i,), daemon=True)
+        for i in range(len(procs))
+        for f in (read_out, read_err)
+    ]
+    for t in readers:
+        t.start()
     cut_at = 0.0
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            out.append(line)
-            if line.startswith("[2] kill "):
-                cluster.exec(
-                    victim.name, ["ip", "link", "set", victim.interface, "down"], check=True
-                )
-                cut_at = time.time()
-                break
-        rest, err = proc.communicate(timeout=240)
-        out.append(rest)
+        deadline = time.monotonic() + 240
+        # Until every job's h2 rank has stopped, or a job ended without it (its output closed).
+        while time.monotonic() < deadline and not all(
+            e.is_set() or not readers[2 * i].is_alive() for i, e in enumerate(stopped)
+        ):
+            time.sleep(0.1)
+        if all(e.is_set() for e in stopped):
+            cluster.exec(victim.name, ["ip", "link", "set", victim.interface, "down"], check=True)
+            cut_at = time.time()
+        for p in procs:
+            p.wait(timeout=240)
+        for t in readers:
+            t.join(10)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        # Back to a clean host for the next test: its link up, the stranded agent and rank gone.
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        # Back to a clean host for the next test: its link up, the stranded agents and ranks gone.
         cluster.exec(victim.name, ["ip", "link", "set", victim.interface, "up"])
         sshd = cluster.sshd_pid(victim.name)
         for pid in cluster.pids(victim.name):
             if pid != sshd:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-    return proc.returncode, "".join(out), err, cut_at
+    return [(p.returncode, "".join(o), e, cut_at) for p, o, e in zip(procs, outs, errs)]
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("mode", ["optimizer", "allreduce"])
-def test_a_host_whose_link_is_cut_is_dropped(cluster: tc.Cluster, mode: str) -> None:
+def test_a_host_whose_link_is_cut_is_dropped(cluster: tc.Cluster) -> None:
     """The survivors leave the collective that waits on the silent host (no hang), the launcher
-    drops the host once ssh's keepalives give up on it, and the two others finish in place."""
-    code, out, err, cut_at = _cut_link_job(cluster, mode)
-    assert code == 0 and cut_at > 0, out + err
-    pids = {s["id"]: s["pid"] for s in _fields(out, "start")}
-    done = _fields(out, "done")
-    assert sorted(d["id"] for d in done) == ["0", "1"]
-    for d in done:
-        assert d["pid"] == pids[d["id"]] and d["size"] == "2"
-        assert d["w"] == str(EXPECTED).replace(" ", "")
-    assert "lost the connection to host h2's agent (ranks 2)" in err
-    assert "re-forming the world with the 2 remaining rank(s) [0, 1] (generation 1)" in err
-    resets = _fields(out, "reset")
-    assert len(resets) == 2
-    detected = max(float(r["t"]) for r in resets) - cut_at
-    print(f"link cut -> survivors re-formed: {detected:.1f} s")
-    # ssh's keepalives (ServerAliveInterval=5 x ServerAliveCountMax=3) bound detection: well
-    # under the transport timeout (300 s) the survivors would otherwise wait.
-    assert detected < 120
+    drops the host once ssh's keepalives give up on it, and the two others finish in place; in
+    both gradient modes (DistributedOptimizer and allreduce), one job each, run at once."""
+    modes = ["optimizer", "allreduce"]
+    for mode, (code, out, err, cut_at) in zip(modes, _cut_link_jobs(cluster, modes)):
+        assert code == 0 and cut_at > 0, f"{mode}:\n{out}{err}"
+        pids = {s["id"]: s["pid"] for s in _fields(out, "start")}
+        done = _fields(out, "done")
+        assert sorted(d["id"] for d in done) == ["0", "1"], f"{mode}:\n{out}{err}"
+        for d in done:
+            assert d["pid"] == pids[d["id"]] and d["size"] == "2"
+            assert d["w"] == str(EXPECTED).replace(" ", "")
+        assert "lost the connection to host h2's agent (ranks 2)" in err, f"{mode}:\n{err}"
+        assert "re-forming the world with the 2 remaining rank(s) [0, 1] (generation 1)" in err
+        resets = _fields(out, "reset")
+        assert len(resets) == 2
+        detected = max(float(r["t"]) for r in resets) - cut_at
+        print(f"{mode}: link cut -> survivors re-formed: {detected:.1f} s")
+        # ssh's keepalives (ServerAliveInterval=5 x ServerAliveCountMax=3) bound detection:
+        # well under the transport timeout (300 s) the survivors would otherwise wait.
+        assert detected < 120, mode

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _enclave import SANDBOX, STRICT, assert_same_results, load, run_job
+from _enclave import STRICT, assert_same_results, load, run_job
 from ringtrain.testing import cluster as tc
 
 pytestmark = pytest.mark.cluster
@@ -26,10 +26,8 @@ def test_enclave_jobs_across_two_hosts(cluster: tc.Cluster, tmp_path: Path) -> N
     assert ref.returncode == 0, ref.stdout + ref.stderr
     reference = load(tmp_path / "gloo", 2)
 
-    gloo_in = run_job([*base, "--transport", "gloo"], tmp_path / "x", SANDBOX, tmp_path)
-    assert gloo_in.returncode != 0
-    assert "Gloo cannot start here" in gloo_in.stdout + gloo_in.stderr
-
+    # That Gloo cannot start in the sandbox, and says so, is shown on one host
+    # (tests/security/test_enclave_jobs.py).
     for tag, extra in (("plain", []), ("secure", ["--secure"])):
         proc = run_job([*base, "--transport", "tcp", *extra], tmp_path / tag, STRICT, tmp_path)
         assert proc.returncode == 0, f"{tag}:\n{proc.stdout}{proc.stderr}"

@@ -250,7 +250,10 @@ def test_below_min_np_past_the_elastic_timeout_ends_the_job_naming_what_is_missi
 def test_without_a_discovery_script_below_min_np_ends_at_once_naming_what_is_missing(
     tmp_path: Path,
 ) -> None:
-    proc = run_job(tmp_path, ["-np", "3", "--min-np", "3"], VICTIM="1")
+    # --elastic-timeout waits for hosts a discovery script may offer; without a script the
+    # job ends at once whatever its value.
+    flags = ["-np", "3", "--min-np", "3", "--elastic-timeout", "60"]
+    proc = run_job(tmp_path, flags, VICTIM="1")
     assert proc.returncode == 137, proc.stdout + proc.stderr
     assert re.search(r"rank 1 \(host localhost, pid \d+\) was killed by SIGKILL", proc.stderr)
     assert (
