@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import gc
 import importlib
 import multiprocessing as mp
 import os
 import select
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -383,13 +385,42 @@ def world(size: int, capability: str | None = None) -> World:
 def capability_world(size: int, capability: str) -> World | None:
     """A shared world of ``size`` ranks running ``capability``'s kernels: the plain one where
     that is the CPU's own choice, else one of its own; None where this CPU lacks it (torch would
-    run another's kernels)."""
+    run another's kernels, or die of SIGILL at an AVX-512 one)."""
+    if not _cpu_runs(capability):
+        return None
     wanted = [capability.upper()] * size
     plain = world(size)
     if plain.run(cpu_capability, init=False) == wanted:
         return plain
     w = world(size, capability)
     return w if w.run(cpu_capability, init=False) == wanted else None
+
+
+def _cpu_runs(capability: str) -> bool:
+    """Whether this CPU has the instructions of ``capability``'s kernels: torch takes
+    ATEN_CPU_CAPABILITY=avx512 on a CPU without AVX-512 and dies of SIGILL at its first such
+    kernel, so ask which one torch picks by itself, and allow it and those below it."""
+    best = _own_capability().lower()
+    if best not in CAPABILITIES:  # not x86 (NEON, SVE...): only the plain kernels are shared
+        return capability == "default"
+    return CAPABILITIES.index(capability) <= CAPABILITIES.index(best)
+
+
+@functools.cache
+def _own_capability() -> str:
+    """The capability torch picks on this CPU with ATEN_CPU_CAPABILITY unset (a child process:
+    a process reads the variable once, at its first kernel)."""
+    env = {k: v for k, v in os.environ.items() if k != Torch.ATEN_CPU_CAPABILITY}
+    code = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    return out.stdout.strip()
 
 
 def cpu_capability() -> str:
