@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from ringtrain import environ
 from ringtrain.collectives import step_timing
@@ -28,6 +28,7 @@ from ringtrain.launch import elastic as elastic_launch
 from ringtrain.runtime import departures, exit_guard, heartbeat, init_arguments, membership, state
 from ringtrain.runtime.arrivals import WorldSuperseded
 from ringtrain.runtime.process_sets import ProcessSet
+from ringtrain.transport import group_ops
 from ringtrain.transport.backend_choice import Backends
 from ringtrain.transport.workers import WORKERS
 
@@ -82,7 +83,7 @@ def init(
         state.global_process_set.communicator.store, rt.rank, rt.topology.hosts[rt.rank]
     )
     try:
-        init_arguments.check_comm(comm, rt.size)
+        init_arguments.check_comm(comm, rt.size, _gather_ints)
         _attach_controller(state.global_process_set, config)
         if config.straggler_report_steps > 0 and rt.size > 1:
             _attach_step_timer(rt, config.straggler_report_steps)
@@ -108,6 +109,16 @@ def init(
         # just that it died.
         faulthandler.enable()
     log.debug("ringtrain initialized: rank %d/%d", rt.rank, rt.size)
+
+
+def _gather_ints(mine: int) -> list[int]:
+    """Every rank's ``mine``, in rank order (once, at init(comm=...): a one-off, not a hot path)."""
+    comm = state.global_process_set.communicator
+    if comm.size == 1:
+        return [mine]
+    every: list[object] = [None] * comm.size
+    group_ops.all_gather_object(every, mine, comm.group("cpu"))
+    return cast(list[int], every)  # every rank gave an int
 
 
 def _start(

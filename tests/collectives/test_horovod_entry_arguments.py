@@ -5,6 +5,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,14 +24,15 @@ from ringtrain.testing.spawn import World
 class _Comm:
     """What ringtrain looks at in an mpi4py communicator."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, reversed_ranks: bool = False) -> None:
         self._size = size
+        self._reversed = reversed_ranks
 
     def Get_size(self) -> int:
         return self._size
 
     def Get_rank(self) -> int:
-        return hvd.rank()
+        return self._size - 1 - hvd.rank() if self._reversed else hvd.rank()
 
 
 def _refused(call: Any, kind: type[Exception]) -> str:
@@ -41,7 +48,8 @@ def _init_arguments() -> list[str]:
         hvd.shutdown()
         hvd.init(comm)
         assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n
-    for comm in ([0], _Comm(n + 1)):  # a part of it: refused on every rank, then init() again
+    # A part of it, or all of it numbered otherwise: refused on every rank, then init() again.
+    for comm in ([0], _Comm(n + 1), _Comm(n, reversed_ranks=True)):
         hvd.shutdown()
         said.append(_refused(lambda c=comm: hvd.init(comm=c), ConfigError).splitlines()[0])
     said.append(_refused(lambda: hvd.init(comm="all"), ConfigError).splitlines()[0])
@@ -58,12 +66,70 @@ def _init_arguments() -> list[str]:
 def test_init_takes_horovods_comm_and_dynamic_process_sets(world2: World) -> None:
     said = world2.run(_init_arguments)
     assert said[0] == said[1]  # every rank refuses alike
-    subset, wider, not_comm, static, mpi_set = said[0]
+    subset, wider, renumbered, not_comm, static, mpi_set = said[0]
     assert "init(comm=[0]): ringtrain's world is every rank its launcher started" in subset
     assert "the communicator has 3 ranks, the job 2" in wider
+    assert "numbers the ranks differently from the job (job rank 0 is its 1, 1 is its 0)" in (
+        renumbered
+    )
     assert "comm is a list of ranks or an MPI communicator" in not_comm
     assert 'the only string taken is "dynamic"' in static
     assert "ProcessSet(_Comm): ringtrain makes process sets from ranks" in mpi_set
+
+
+_MPI_JOB = textwrap.dedent(
+    """
+    import torch
+    from mpi4py import MPI
+
+    import ringtrain.torch as hvd
+    from ringtrain.errors import ConfigError
+
+    world = MPI.COMM_WORLD
+    hvd.init(comm=world)
+    same = hvd.rank() == world.Get_rank()
+    total = hvd.allreduce(torch.ones(1), op=hvd.Sum).item()
+    hvd.shutdown()
+    flipped = world.Split(0, world.Get_size() - 1 - world.Get_rank())
+    try:
+        hvd.init(comm=flipped)
+        print("accepted", flush=True)
+    except ConfigError as e:
+        said = str(e).splitlines()[0]
+        print(f"rank {world.Get_rank()} same={same} sum={total:g} refused: {said}", flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI (openmpi-bin)")
+def test_under_mpirun_comm_world_is_taken_and_a_renumbered_split_refused(tmp_path: Path) -> None:
+    """Real ``mpirun`` and mpi4py: ``init(comm=MPI.COMM_WORLD)`` gives the communicator's ranks;
+    a split that numbers them in reverse is refused on both ranks, naming who is who."""
+    script = tmp_path / "job.py"
+    script.write_text(_MPI_JOB)
+    drop = ("MASTER_", "RINGTRAIN_", "GLOO_", "OMPI_", "PMIX_", "RANK", "WORLD_SIZE", "LOCAL_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update(
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        OMPI_MCA_rmaps_base_oversubscribe="1",
+    )
+    done = subprocess.run(
+        ["mpirun", "-np", "2", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = sorted(ln for ln in done.stdout.splitlines() if ln.startswith(("rank", "accepted")))
+    why = "numbers the ranks differently from the job (job rank 0 is its 1, 1 is its 0)"
+    assert len(lines) == 2, done.stdout + done.stderr
+    for r, line in enumerate(lines):
+        assert line.startswith(f"rank {r} same=True sum=2 refused: init(comm=...)"), line
+        assert why in line, line
 
 
 def _sparse_state() -> list[Any]:

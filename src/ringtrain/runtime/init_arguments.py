@@ -2,15 +2,16 @@
 them.
 
 ``comm`` chooses Horovod's world: a list of MPI ranks or an MPI communicator. ringtrain's world
-is every rank its launcher started, so ``comm`` is accepted only where it names that world (all
-ranks, or a communicator of the job's size) and is refused with a clear error otherwise, never
-quietly widened. ``process_sets="dynamic"`` is accepted: ringtrain always allows
+is every rank its launcher started, numbered as the launcher numbered them, so ``comm`` is
+accepted only where it names that world (all ranks, or a communicator of the job's size that
+numbers every rank as the job does) and is refused with a clear error otherwise, never quietly
+widened or renumbered. ``process_sets="dynamic"`` is accepted: ringtrain always allows
 ``add_process_set`` after ``init()``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeGuard
 
 from ringtrain.errors import ConfigError
@@ -59,8 +60,11 @@ def check_comm_type(comm: object) -> None:
     )
 
 
-def check_comm(comm: Comm, size: int) -> None:
-    """After joining: ``comm`` names this job's whole world of ``size`` ranks."""
+def check_comm(comm: Comm, size: int, gather: Callable[[int], list[int]]) -> None:
+    """After joining, on every rank alike: ``comm`` names this job's whole world of ``size``
+    ranks. ``gather`` is the collective that gives every rank's int, in job rank order: a
+    communicator's numbering is compared with the job's (Horovod's ranks would be the
+    communicator's; ringtrain's are the launcher's)."""
     if comm is None:
         return
     if isinstance(comm, Sequence):
@@ -74,6 +78,15 @@ def check_comm(comm: Comm, size: int) -> None:
         raise ConfigError(
             f"init(comm=...): the communicator has {comm.Get_size()} ranks, the job "
             f"{size}; ringtrain's world is every rank its launcher started.\n{_HINT}"
+        )
+    theirs = gather(comm.Get_rank())
+    if theirs != list(range(size)):
+        moved = ", ".join(f"{r} is its {c}" for r, c in enumerate(theirs) if r != c)
+        raise ConfigError(
+            f"init(comm=...): the communicator numbers the ranks differently from the job (job "
+            f"rank {moved}); ringtrain's ranks are its launcher's, and hvd.rank() would not be "
+            "comm.Get_rank().\nHINT: give MPI.COMM_WORLD, or a communicator split with "
+            "key=rank, or leave comm out."
         )
 
 
