@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from _mpirun import mpirun_env
 from ringtrain.testing import cluster as tc
 from ringtrain.testing.cluster import DOCKER0, HostSpec
 
@@ -34,18 +35,6 @@ pytestmark = [
 # which sorts before eth0/eth7: the rendezvous and Gloo must use eth0/eth7 anyway.
 CLUSTER = [HostSpec(extra=(DOCKER0,)), HostSpec(interface="eth7", extra=(DOCKER0,))]
 JOB = Path(__file__).with_name("launcher_job.py")
-MPIRUN_ONLY = {
-    "OMPI_ALLOW_RUN_AS_ROOT": "1",
-    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    "OMPI_MCA_rmaps_base_oversubscribe": "1",
-}
-
-
-def _env() -> dict[str, str]:
-    """This process's environment without anything that could hand ranks a rendezvous."""
-    drop = ("MASTER_", "RINGTRAIN_", "GLOO_", "OMPI_", "PMIX_", "RANK", "WORLD_SIZE", "LOCAL_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    return {**env, **MPIRUN_ONLY}
 
 
 def _results(out: str) -> list[dict[str, Any]]:
@@ -77,7 +66,7 @@ def test_mpirun_on_one_host_needs_no_variables(tmp_path: Path) -> None:
             stderr=subprocess.STDOUT,
             text=True,
             cwd=tmp_path,
-            env=_env(),
+            env=mpirun_env(),
             start_new_session=True,
         )
 
@@ -104,7 +93,7 @@ def test_mpirun_across_two_hosts_needs_no_variables(cluster: tc.Cluster, tmp_pat
             stderr=subprocess.STDOUT,
             text=True,
             cwd=tmp_path,
-            env=_env(),
+            env=mpirun_env(),
             start_new_session=True,
         )
 

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 import ringtrain.torch as hvd
+from _mpirun import mpirun_env
 from ringtrain.errors import CollectiveArgumentError, ConfigError
 from ringtrain.testing.spawn import World
 
@@ -108,19 +108,12 @@ def test_under_mpirun_comm_world_is_taken_and_a_renumbered_split_refused(tmp_pat
     a split that numbers them in reverse is refused on both ranks, naming who is who."""
     script = tmp_path / "job.py"
     script.write_text(_MPI_JOB)
-    drop = ("MASTER_", "RINGTRAIN_", "GLOO_", "OMPI_", "PMIX_", "RANK", "WORLD_SIZE", "LOCAL_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env.update(
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        OMPI_MCA_rmaps_base_oversubscribe="1",
-    )
     done = subprocess.run(
         ["mpirun", "-np", "2", sys.executable, str(script)],
         capture_output=True,
         text=True,
         timeout=150,
-        env=env,
+        env=mpirun_env(),
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -22,6 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from _mpirun import mpirun_env
+
 HERE = Path(__file__).parent
 JOB = HERE / "failing_job.py"
 # From the failure to the launcher's exit: the issue's 10 s, doubled for a loaded machine (the
@@ -119,14 +121,7 @@ def test_under_mpirun_the_job_ends_and_the_peer_names_the_failed_rank(tmp_path: 
     run as root here): rank 1 raises after init(), its peer's allreduce ends naming it, and
     mpirun ends the job with a failing code."""
     argv = ["mpirun", "-np", "2", sys.executable, str(JOB), str(tmp_path), "raise", "allreduce"]
-    drop = ("MASTER_", "RINGTRAIN_", "GLOO_", "OMPI_", "PMIX_", "RANK", "WORLD_SIZE", "LOCAL_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env.update(
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        OMPI_MCA_rmaps_base_oversubscribe="1",
-    )
-    done, took = _run(argv, tmp_path, env)
+    done, took = _run(argv, tmp_path, mpirun_env())
     assert done.returncode != 0, done.stdout[-2000:] + done.stderr[-2000:]
     print(f"mpirun: the job ended {took:.1f} s after rank 1 failed")
     assert took < ENDS_WITHIN_S, f"the job ended {took:.1f} s after rank 1 failed"
