@@ -410,7 +410,7 @@ def _cpu_runs(capability: str) -> bool:
 def _own_capability() -> str:
     """The capability torch picks on this CPU with ATEN_CPU_CAPABILITY unset (a child process:
     a process reads the variable once, at its first kernel)."""
-    env = {k: v for k, v in os.environ.items() if k != Torch.ATEN_CPU_CAPABILITY}
+    env = {k: v for k, v in environ.current().items() if k != Torch.ATEN_CPU_CAPABILITY}
     code = "import torch; print(torch.backends.cpu.get_cpu_capability())"
     out = subprocess.run(
         [sys.executable, "-c", code],
