@@ -293,6 +293,42 @@ def test_broadcast_state_of_fresh_optimizer(world: spawn.World, kind: str) -> No
         assert st["count"] == 1 and st["acc"] == [[0.0] * 3] * 2
 
 
+def _stateless(momentum_on: tuple[int, ...]) -> dict[str, Any]:
+    """SGD with weight decay and momentum on the ranks ``momentum_on`` only (none: stateless
+    everywhere), each rank's lr its own; what broadcast_optimizer_state left or raised."""
+    r = rt.rank()
+    torch.manual_seed(7)
+    model = torch.nn.Linear(3, 2)
+    before = model.weight.detach().clone()
+    momentum = 0.9 if r in momentum_on else 0.0
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1 * (r + 1), momentum=momentum, weight_decay=0.5)
+    try:
+        rt.broadcast_optimizer_state(sgd, root_rank=0)
+    except rt.CollectiveArgumentError as e:
+        return {"error": str(e)}
+    moved = model.weight.detach() - before
+    return {"lr": sgd.param_groups[0]["lr"], "state": len(sgd.state), "moved": moved, "w": before}
+
+
+def test_a_stateless_optimizer_keeps_each_rank_s_own_options(world: spawn.World) -> None:
+    # Horovod returns early when a zero-gradient step leaves no state: nothing is sent.
+    for r, res in enumerate(world.run(_stateless, ())):
+        assert res["lr"] == pytest.approx(0.1 * (r + 1)) and res["state"] == 0, res
+        # The step on zero gradients applied weight decay with this rank's own lr.
+        torch.testing.assert_close(res["moved"], -0.1 * (r + 1) * 0.5 * res["w"])
+
+
+def test_state_on_some_ranks_only_is_an_error_on_every_rank(world: spawn.World) -> None:
+    # Where Horovod would hang (rank 0 broadcasting to ranks that returned), every rank raises.
+    n = world.size
+    for res in world.run(_stateless, (0,)):
+        assert res["error"].startswith(
+            f"broadcast_optimizer_state: the optimizer has state on ranks [0] and none on ranks "
+            f"{list(range(1, n))}"
+        ), res
+        assert "HINT: build the same optimizer" in res["error"]
+
+
 def _lbfgs() -> str:
     model = torch.nn.Linear(2, 1)
     try:

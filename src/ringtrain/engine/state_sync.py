@@ -118,6 +118,29 @@ def _sparse_parameters(model: torch.nn.Module | None) -> set[int]:
     }
 
 
+def _stateless(stateful: bool, process_set: ProcessSet | None) -> bool:
+    """Whether the optimizer has no state on any rank (Horovod then sends nothing). Asked of
+    every rank: where Horovod would hang (the stateful ranks broadcasting to ranks that left),
+    every rank raises, naming which have state."""
+    ctl = ops.controller_of(process_set)
+    flag = torch.tensor([int(stateful)], dtype=torch.int32)
+    gathered = ops.synchronize(
+        ops.allgather_async(flag, "broadcast.optimizer_state.stateful", process_set)
+    )
+    has = gathered.tolist()
+    if all(has) or not any(has):
+        return not any(has)
+    ranks = ctl.comm.ranks
+    with_state = [r for r, h in zip(ranks, has) if h]
+    without = [r for r, h in zip(ranks, has) if not h]
+    raise CollectiveArgumentError(
+        f"broadcast_optimizer_state: the optimizer has state on ranks {with_state} and none on "
+        f"ranks {without}, even after a step on zero gradients (a stateless optimizer there: "
+        "SGD without momentum, say).\n"
+        "HINT: build the same optimizer, with the same options, on every rank."
+    )
+
+
 def broadcast_optimizer_state(
     optimizer: torch.optim.Optimizer,
     root_rank: int = 0,
@@ -128,7 +151,9 @@ def broadcast_optimizer_state(
 
     A fresh optimizer first takes one step on zero gradients (Horovod's way), so its state
     exists (e.g. Adam's ``step`` and moments) and has the same structure on every rank.
-    ``model`` (Horovod's third argument) marks its sparse embeddings' parameters."""
+    ``model`` (Horovod's third argument) marks its sparse embeddings' parameters. An optimizer
+    that still has no state after that step (SGD without momentum) is stateless: nothing is
+    sent and each rank keeps its own hyper-parameters, as in Horovod."""
     inner = getattr(optimizer, "optimizer", optimizer)
     if isinstance(inner, torch.optim.LBFGS):
         raise CollectiveArgumentError(
@@ -142,6 +167,8 @@ def broadcast_optimizer_state(
     if not state["state"]:
         _init_state(inner, model)
         state = owner.state_dict()
+    if _stateless(bool(state["state"]), process_set):
+        return
     state.pop("ringtrain_compressor", None)  # per-rank (error feedback): never the root's
     me = ops.controller_of(process_set).comm.world_rank  # root_rank is global, as in Horovod
     tensors: list[torch.Tensor] = []
