@@ -96,11 +96,23 @@ HOROVOD_PATHS: dict[str, list[str]] = {
     "horovod.torch.sync_batch_norm": ["SyncBatchNorm"],
     "horovod.torch.elastic": ["run", "TorchState", "ElasticSampler"],
     "horovod.torch.elastic.sampler": ["ElasticSampler"],
-    "horovod.torch.elastic.state": ["TorchState", "ObjectState"],
+    "horovod.torch.elastic.state": [
+        "TorchState",
+        "ObjectState",
+        "StateHandler",
+        "ModelStateHandler",
+        "OptimizerStateHandler",
+        "SamplerStateHandler",
+        "get_handler_registry",
+        "set_handler_registry",
+    ],
 }
-# Compressor and its subclasses are not hvd attributes in Horovod either: they are checked
-# against Compression's members and ringtrain.compression instead.
-NOT_ON_HVD = {"Compressor", "NoneCompressor", "FP16Compressor"}
+# Compressor and its subclasses, and the elastic state handlers, are not hvd attributes in
+# Horovod either: they are checked against Compression's members and ringtrain.compression, and
+# by tests/elastic/test_state_handlers.py.
+HANDLERS = {"StateHandler", "ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler"}
+NOT_ON_HVD = {"Compressor", "NoneCompressor", "FP16Compressor"} | HANDLERS
+NOT_ON_HVD |= {"get_handler_registry", "set_handler_registry"}
 
 
 def _ours(path: str) -> str:

@@ -1,37 +1,32 @@
 """TorchState and ObjectState bound to ringtrain's collectives (Horovod's ``hvd.elastic`` names).
 
 Models, optimizers, LR schedulers, :class:`ElasticSampler` and ``ShareSampler`` given to
-:class:`TorchState` are tracked by a handler each (a deep copy of their ``state_dict`` at each
-commit); anything else is a plain value. ``sync()`` broadcasts rank 0's values after the world
-was re-formed.
+:class:`TorchState`, and whatever a program registered, are kept by a handler each
+(:mod:`~ringtrain.elastic.state_handlers`); anything else is a plain value. ``sync()``
+broadcasts rank 0's values after the world was re-formed.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from ringtrain.collectives.objects import allgather_object, broadcast_object
 from ringtrain.elastic import state as base
+from ringtrain.elastic import state_handlers
 from ringtrain.elastic.sampler import ElasticSampler
-from ringtrain.elastic.share_sampler import ShareSampler
-from ringtrain.engine.state_sync import broadcast_optimizer_state, broadcast_parameters
+from ringtrain.elastic.state_handlers import StateHandler
 from ringtrain.errors import ConfigError
-from ringtrain.runtime import membership, queries
-from ringtrain.runtime import state as runtime
+from ringtrain.runtime import membership
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful
-    from torch.optim.optimizer import StateDict
 
     from ringtrain.checkpoint import Restored
 
 T = TypeVar("T")
-# What a handler tracks: a model, an optimizer, an LR scheduler or a sampler (DCP's Stateful).
-V = TypeVar("V", bound="Stateful")
 
 
 def _gather(obj: T) -> list[T]:
@@ -45,95 +40,6 @@ class ObjectState(base.ObjectState):
         super().__init__(broadcast_object, _gather, membership.announced, **values)
 
 
-class _Handler(Generic[V]):
-    def __init__(self, value: V) -> None:
-        self.value = value
-        self.saved: StateDict = {}
-        self.save()
-
-    def set_value(self, value: V) -> None:
-        self.value = value
-        self.save()
-
-    def save(self) -> None:
-        self.saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(copy.deepcopy(self.saved))
-
-    def sync(self) -> None:
-        self.value.load_state_dict(broadcast_object(self.value.state_dict()))
-
-
-class _ModelHandler(_Handler[torch.nn.Module]):
-    def sync(self) -> None:
-        broadcast_parameters(self.value.state_dict(), root_rank=0)
-
-
-class _OptimizerHandler(_Handler[torch.optim.Optimizer]):
-    def sync(self) -> None:
-        broadcast_optimizer_state(self.value, root_rank=0)
-
-
-class _SamplerHandler(_Handler[ElasticSampler]):
-    """Each rank records only its own batches: commits and syncs hold the whole world's."""
-
-    def __init__(self, value: ElasticSampler) -> None:
-        # No gather when the state is made: a rank joining a running job makes its state
-        # alone, and the first sync or commit gathers anyway.
-        self.value = value
-        self.saved = copy.deepcopy(value.state_dict())
-
-    def _world_state(self) -> StateDict:
-        sd = self.value.state_dict()
-        if self.saved is not None and self.saved["epoch"] == sd["epoch"]:
-            # What the last commit gathered, ranks that have left since included (a host the
-            # discovery script removed leaves by an announcement, not a restore).
-            sd["processed_indices"] |= self.saved["processed_indices"]
-        if runtime.is_initialized():
-            sd["processed_indices"] = set().union(*allgather_object(sd["processed_indices"]))
-        return sd
-
-    def save(self) -> None:
-        self.saved = self._world_state()
-
-    def sync(self) -> None:
-        # After a restore every survivor holds the commit's union; after an announcement the
-        # ranks hold their own batches since it, and the commit's union: the union covers all.
-        self.value.load_state_dict(broadcast_object(self._world_state()))
-
-
-class _ShareSamplerHandler(_Handler[ShareSampler]):
-    """A ShareSampler's position is the same on every rank; its rank and shares are this
-    rank's own, so a sync takes rank 0's position and keeps them (a plain value would take
-    rank 0's whole sampler). After a world change the shares must fit the new world: kept when
-    they do, equal otherwise (``batch_shares="auto"`` measures again; a given list is the
-    user's to ``reset``), and the rest of the epoch is split over the ranks now there."""
-
-    def sync(self) -> None:
-        sampler = self.value
-        sampler.load_state_dict(broadcast_object(sampler.state_dict()))
-        size = queries.size()
-        shares = sampler.shares if len(sampler.shares) == size else (1.0,) * size
-        sampler.reset(shares, queries.rank())
-
-
-_HANDLERS: list[tuple[type, type[_Handler[Any]]]] = [
-    (torch.nn.Module, _ModelHandler),
-    (torch.optim.Optimizer, _OptimizerHandler),
-    (torch.optim.lr_scheduler.LRScheduler, _Handler),
-    (ElasticSampler, _SamplerHandler),
-    (ShareSampler, _ShareSamplerHandler),
-]
-
-
-def _handler_for(value: object) -> _Handler[Any] | None:
-    for kind, handler in _HANDLERS:
-        if isinstance(value, kind):
-            return handler(value)
-    return None
-
-
 class TorchState(ObjectState):
     """``TorchState(model=None, optimizer=None, **values)``, as Horovod's.
 
@@ -141,7 +47,7 @@ class TorchState(ObjectState):
     it. Other values (epoch, batch, ...) are kept as plain objects.
     """
 
-    _handlers: dict[str, _Handler[Any]]
+    _handlers: dict[str, StateHandler[Any]]
 
     def __init__(
         self,
@@ -150,10 +56,10 @@ class TorchState(ObjectState):
         **values: object,
     ) -> None:
         values.update(model=model, optimizer=optimizer)
-        handlers: dict[str, _Handler[Any]] = {}
+        handlers: dict[str, StateHandler[Any]] = {}
         plain: dict[str, object] = {}
         for name, value in values.items():
-            handler = _handler_for(value)
+            handler = state_handlers.handler_for(value)
             if handler is None:
                 plain[name] = value
             else:
@@ -186,11 +92,18 @@ class TorchState(ObjectState):
         out = _Tracked()
         for name, handler in self._handlers.items():
             kind = {
-                _ModelHandler: "model",
-                _OptimizerHandler: "optimizer",
-                _SamplerHandler: "sampler",
+                state_handlers.ModelStateHandler: "model",
+                state_handlers.OptimizerStateHandler: "optimizer",
+                state_handlers.SamplerStateHandler: "sampler",
             }.get(type(handler))
             if kind is None:
+                if not hasattr(handler.value, "state_dict"):
+                    raise ConfigError(
+                        f"TorchState's {name!r} ({type(handler.value).__name__}, kept by "
+                        f"{type(handler).__name__}) has no state_dict(): a checkpoint cannot "
+                        "save it.\nHINT: give it state_dict() and load_state_dict(), or keep "
+                        "it as a plain value (a handler of its own is for commits in memory)."
+                    )
                 out.others[name] = handler.value
             elif getattr(out, kind) is not None:
                 raise ConfigError(
