@@ -190,6 +190,30 @@ def test_runs_in_place_under_a_launcher(world2: World) -> None:
     assert all("-np 7" in e and "HINT" in e for e in errors)
 
 
+def _rank_1_fails(params: None) -> int:
+    """Rank 1 raises; rank 0's allreduce then ends because rank 1 left (a consequence)."""
+    import torch
+
+    import ringtrain
+
+    if ringtrain.rank() == 1:
+        raise ValueError("rank 1's own failure")
+    ringtrain.allreduce(torch.ones(4), name="waits.for.rank1")
+    return 0
+
+
+@pytest.mark.timeout(120)
+def test_the_rank_that_failed_first_is_shown_not_the_lowest() -> None:
+    from ringtrain.bench import ranks
+    from ringtrain.errors import LaunchError
+
+    with pytest.raises(LaunchError) as failed:
+        ranks.run(_rank_1_fails, None, np=2, threads=1, settings={}, timeout_s=60)
+    said = str(failed.value)
+    assert said.startswith("the benchmark failed on rank(s) [0, 1]; rank 1 said:\nValueError: ")
+    assert "and then:\nrank 0: PeerFailedError: " in said, said
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("flags", "says"),

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from ringtrain import environ
 from ringtrain.environ import Threads
-from ringtrain.errors import ConfigError, LaunchError
+from ringtrain.errors import CollectiveAbortedError, ConfigError, LaunchError
 from ringtrain.launch import rank_env
 from ringtrain.runtime import environment
 
@@ -133,7 +133,10 @@ def _child(
         result = _run_in_place(fn, params, threads, settings)
         conn.send(("ok", result))
     except BaseException as e:  # report everything, the parent decides
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        # A collective that ended because a peer failed or left is a consequence: the parent
+        # shows the rank that failed first on its own, whatever its number.
+        status = "after" if isinstance(e, CollectiveAbortedError) else "error"
+        conn.send((status, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         conn.close()
 
@@ -178,18 +181,28 @@ def _spawn(
             child.close()
             conns.append(parent)
             procs.append(p)
-        results, errors = _collect(conns, procs, timeout_s)
+        results, errors, after = _collect(conns, procs, timeout_s)
     finally:
         _reap(procs, conns)
         del store
     if errors:
-        first = min(errors)
-        raise LaunchError(
-            f"the benchmark failed on rank(s) {sorted(errors)}; rank {first} said:\n"
-            f"{errors[first]}\n"
-            "HINT: the other ranks' errors are usually consequences of the first one."
-        )
+        raise LaunchError(_failure(errors, after))
     return results[0]
+
+
+def _failure(errors: dict[int, str], after: set[int]) -> str:
+    """The failed ranks, the first that failed on its own in full (the lowest rank if each
+    only saw a peer fail), the others' first lines."""
+    first = min((r for r in errors if r not in after), default=min(errors))
+    others = "".join(
+        f"rank {r}: {errors[r].splitlines()[0]}\n" for r in sorted(errors) if r != first
+    )
+    return (
+        f"the benchmark failed on rank(s) {sorted(errors)}; rank {first} said:\n"
+        f"{errors[first]}\n"
+        + (f"and then:\n{others}" if others else "")
+        + "HINT: the other ranks' errors are usually consequences of the first one."
+    )
 
 
 def _cores_for(rank: int, size: int) -> tuple[int, ...] | None:
@@ -204,9 +217,11 @@ def _cores_for(rank: int, size: int) -> tuple[int, ...] | None:
 
 def _collect(
     conns: list[Connection], procs: list[Any], timeout_s: float
-) -> tuple[dict[int, Any], dict[int, str]]:
+) -> tuple[dict[int, Any], dict[int, str], set[int]]:
+    """Each rank's result or error, and the ranks whose error followed a peer's failure."""
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    after: set[int] = set()
     waiting = dict(enumerate(conns))
     deadline = time.monotonic() + timeout_s
     while waiting:
@@ -233,7 +248,9 @@ def _collect(
                 results[r] = value
             else:
                 errors[r] = value
-    return results, errors
+                if status == "after":
+                    after.add(r)
+    return results, errors, after
 
 
 def _reap(procs: list[Any], conns: list[Connection]) -> None:
