@@ -4,6 +4,8 @@ and sync; the registry can be replaced; a checkpoint refuses a value it could no
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -84,7 +86,7 @@ def test_an_empty_registry_keeps_everything_as_plain_values() -> None:
     assert isinstance(kept._handlers["model"], hvd_state.ModelStateHandler)
 
 
-def test_a_checkpoint_refuses_a_handled_value_it_cannot_save(tmp_path: object) -> None:
+def test_a_checkpoint_refuses_a_handled_value_it_cannot_save(tmp_path: Path) -> None:
     registry = hvd_state.get_handler_registry()
     registry.append((Counter, CounterHandler))
     try:
