@@ -173,13 +173,15 @@ def shutdown() -> None:
     Horovod's rule: the ranks' collectives end with the first rank that shuts down; what the
     others still wait for fails, naming it. The peers hear of it in one control round, which
     this waits for (at most :data:`SHUTDOWN_WAIT_S`). A rank that is failing (an uncaught
-    exception: see :mod:`ringtrain.runtime.departures`) waits at most
+    exception: see :mod:`ringtrain.runtime.departures`, or one being raised or handled where
+    this is called, in a ``finally:`` or ``except:`` block) waits at most
     :data:`FAILED_SHUTDOWN_WAIT_S` and leaves its process groups undestroyed, so that nothing
     its peers will never answer can hold its exit.
     """
     if not state.is_initialized():
         return
-    _leave(departures.failure())
+    failure = departures.failure()
+    _leave(failure if failure is not None else departures.raising())
 
 
 def _leave(failure: str | None) -> bool:

@@ -2,13 +2,14 @@
 
     python failing_job.py OUT_DIR HOW WHERE
 
-HOW: ``raise`` (an uncaught ValueError), ``exit3`` (``sys.exit(3)``), ``checkpoint`` (a
-CheckpointError, as a failed load raises it). WHERE rank 0 waits when rank 1 fails: ``allreduce``
+HOW: ``raise`` (an uncaught ValueError), ``finally`` (the same ValueError with
+``hvd.shutdown()`` in a ``finally:`` block, as scripts clean up), ``exit3`` (``sys.exit(3)``),
+``checkpoint`` (a CheckpointError, as a failed load raises it). WHERE rank 0 waits when rank 1 fails: ``allreduce``
 (a negotiated collective), ``lane`` (an allreduce repeated until the fast lane carries it),
 ``step`` (``DistributedOptimizer.step()``), ``save`` (``ringtrain.checkpoint.save``). Rank 1
 writes the time it failed to ``OUT_DIR/failed_at``, and each rank the last words it got from
-ringtrain, with the time, to ``OUT_DIR/error.0`` before it exits (with ``exit3``, rank 0 ignores
-the launcher's SIGTERM so that it always does).
+ringtrain, with the time, to ``OUT_DIR/error.0`` before it exits (with ``exit3`` and ``finally``,
+rank 0 ignores the launcher's SIGTERM so that it always does).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ out, how, where = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 FAIL_AT = 6
 
 hvd.init()
-if how == "exit3" and hvd.rank() == 0:
+if how in ("exit3", "finally") and hvd.rank() == 0:
     # The launcher stops the peers as soon as rank 1 has exited; this one takes the time to
     # say what it heard (the test reads its error), as a script that handles SIGTERM would.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -46,6 +47,11 @@ def fail() -> None:
         sys.exit(3)
     if how == "checkpoint":
         raise CheckpointError(f"checkpoint {out / 'missing'} has no manifest (a test's failure)")
+    if how == "finally":
+        try:
+            raise ValueError("boom at step 6")
+        finally:
+            hvd.shutdown()
     raise ValueError("boom at step 6")
 
 

@@ -60,6 +60,7 @@ def _run(
     ("how", "where", "code"),
     [
         ("raise", "allreduce", 1),
+        ("finally", "allreduce", 1),
         ("exit3", "step", 3),
         ("checkpoint", "save", 1),
         ("raise", "lane", 1),
@@ -79,7 +80,7 @@ def test_the_job_ends_naming_the_failed_rank(
     assert report.startswith("ringtrain run: job failed"), report
     first = report.splitlines()[0]
     assert "rank 1 " in first and f"exited with code {code}" in first, report
-    if how == "raise":
+    if how in ("raise", "finally"):
         assert "ValueError: boom at step 6" in report
     if how == "checkpoint":
         assert "CheckpointError" in report
@@ -91,6 +92,9 @@ def test_the_job_ends_naming_the_failed_rank(
     if how == "exit3":  # its code, which only the launcher saw, reached the peer (issue 37)
         _, error = json.loads(said.read_text())
         assert "rank 1 (host" in error and "failed: exited with code 3" in error, error
+    elif how == "finally":  # its shutdown() ran before the except hook: it still said why
+        _, error = json.loads(said.read_text())
+        assert "rank 1 failed (ValueError: boom at step 6)" in error, error
     elif said.exists():
         _, error = json.loads(said.read_text())
         assert "rank 1" in error, error

@@ -39,6 +39,31 @@ def test_a_rank_posts_once_per_world_and_not_after_unbind(monkeypatch: pytest.Mo
     assert departures.read(store, [4])[0].why == "RuntimeError: first"
 
 
+def test_an_exception_in_flight_is_posted_as_the_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``shutdown()`` in a ``finally:`` or ``except:`` block runs before the except hook: the
+    exception it runs under is the rank's failure, posted for its peers; an exit is not."""
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(departures, "_previous_hook", None)
+    seen: list[str | None] = []
+    for exc in (ValueError("the data\n is bad"), SystemExit(3), KeyboardInterrupt()):
+        store = dist.HashStore()
+        departures.bind(store, 1, "h")
+        try:
+            try:
+                raise exc
+            finally:
+                seen.append(departures.raising())
+        except (ValueError, SystemExit, KeyboardInterrupt):
+            seen.append(departures.raising())  # handled, in an except block: the same
+        finally:
+            departures.unbind()
+        posts = departures.read(store, [1])
+        assert [(d.how, d.why) for d in posts] == ([(FAILED, seen[-1])] if seen[-1] else [])
+    assert seen == ["ValueError: the data is bad"] * 2 + [None] * 4
+    assert departures.raising() is None  # outside any block
+    assert departures.failure() is None  # the process may go on: not kept as an uncaught one
+
+
 def test_a_store_that_is_gone_reads_as_no_posts() -> None:
     class Gone:
         def clone(self) -> Gone:

@@ -140,15 +140,37 @@ def _on_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackTyp
     try:
         if not issubclass(kind, KeyboardInterrupt):
             _here.failure = summary(exc)
-            if _after_a_peer(exc):  # not a cause: the peer that left posted its own words
-                heartbeat.say(heartbeat.FAILING_AFTER_PEER)
-            else:
-                heartbeat.say(heartbeat.FAILING)  # the launcher's root cause goes by this time
-                post(FAILED, _here.failure)
+            _tell(exc, _here.failure)
     except Exception:  # the hook must print the user's traceback whatever happens here
         log.debug("could not post this rank's failure", exc_info=True)
     hook = _previous_hook if _previous_hook is not None else sys.__excepthook__
     hook(kind, exc, tb)
+
+
+def raising() -> str | None:
+    """The exception this thread is raising or handling now, told as a failure: for a
+    ``shutdown()`` that runs in a ``finally:`` or ``except:`` block (``try: train() finally:
+    hvd.shutdown()``), before the except hook could see it. Its peers then quote it, as they quote
+    an uncaught one, instead of hearing that the rank's script ended. None outside such a block,
+    and for what is not an ``Exception`` (``SystemExit``: the exit code tells;
+    ``KeyboardInterrupt``, as the hook). Not kept as :func:`failure`: the process may go on."""
+    exc = sys.exc_info()[1]
+    if not isinstance(exc, Exception):
+        return None
+    why = summary(exc)
+    try:
+        _tell(exc, why)
+    except Exception:  # telling is best effort; the shutdown must go on
+        log.debug("could not post this rank's failure", exc_info=True)
+    return why
+
+
+def _tell(exc: BaseException, why: str) -> None:
+    if _after_a_peer(exc):  # not a cause: the peer that left posted its own words
+        heartbeat.say(heartbeat.FAILING_AFTER_PEER)
+    else:
+        heartbeat.say(heartbeat.FAILING)  # the launcher's root cause goes by this time
+        post(FAILED, why)
 
 
 def _after_a_peer(exc: BaseException) -> bool:

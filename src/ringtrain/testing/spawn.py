@@ -129,7 +129,7 @@ def _worker(
     import torch
 
     torch.set_num_threads(1)
-    import ringtrain
+    import ringtrain  # noqa: F401  (imported before the freeze and "ready" below)
 
     _warm_up(torch)
     # What torch and its imports made lives as long as the rank: out of the collector's sight,
@@ -146,25 +146,48 @@ def _worker(
         saved = {k: environ.current().get(k) for k in call.env}
         environ.update(call.env)
         try:
-            fn: Any = importlib.import_module(call.module)
-            for part in call.qualname.split("."):
-                fn = getattr(fn, part)
-            if call.init:
-                ringtrain.init(**call.settings)
+            answer = _answer(call)
             try:
-                result = fn(*call.args)
-            finally:
-                if call.init:
-                    ringtrain.shutdown()
-            conn.send(("ok", result))
-        except BaseException as e:  # report everything, including assertion failures
-            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+                conn.send(answer)
+            except BaseException as e:  # a result that cannot be pickled
+                conn.send(_error(e))
         finally:
             for k, v in saved.items():
                 if v is None:
                     environ.pop(k)
                 else:
                     environ.set_var(k, v)
+
+
+def _answer(call: _Call) -> tuple[str, Any]:
+    """One call on this rank: ``("ok", result)`` or ``("error", what it raised)``."""
+    import ringtrain
+
+    try:
+        fn: Any = importlib.import_module(call.module)
+        for part in call.qualname.split("."):
+            fn = getattr(fn, part)
+        if call.init:
+            ringtrain.init(**call.settings)
+    except BaseException as e:
+        return _error(e)
+    try:
+        answer = ("ok", fn(*call.args))
+    except BaseException as e:  # report everything, including assertion failures
+        answer = _error(e)
+    # After the except block, not in a finally: a shutdown() while an exception is handled is
+    # a failing rank's (its groups left undestroyed); a test world's ranks serve the next call,
+    # so they leave as a rank whose script ended.
+    if call.init:
+        try:
+            ringtrain.shutdown()
+        except BaseException as e:
+            answer = answer if answer[0] == "error" else _error(e)
+    return answer
+
+
+def _error(e: BaseException) -> tuple[str, str]:
+    return ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
 
 
 def _warm_up(torch: Any) -> None:
