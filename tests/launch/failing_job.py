@@ -4,9 +4,10 @@
 
 HOW: ``raise`` (an uncaught ValueError), ``finally`` (the same ValueError with
 ``hvd.shutdown()`` in a ``finally:`` block, as scripts clean up), ``exit3`` (``sys.exit(3)``),
-``checkpoint`` (a CheckpointError, as a failed load raises it). WHERE rank 0 waits when rank 1 fails: ``allreduce``
-(a negotiated collective), ``lane`` (an allreduce repeated until the fast lane carries it),
-``step`` (``DistributedOptimizer.step()``), ``save`` (``ringtrain.checkpoint.save``). Rank 1
+``checkpoint`` (a CheckpointError, as a failed load raises it). WHERE rank 0 waits when rank 1
+fails: ``allreduce`` (a negotiated collective), ``lane`` (an allreduce repeated until the fast
+lane carries it), ``step`` (``DistributedOptimizer.step()``), ``save``
+(``ringtrain.checkpoint.save``). Rank 1
 writes the time it failed to ``OUT_DIR/failed_at``, and each rank the last words it got from
 ringtrain, with the time, to ``OUT_DIR/error.0`` before it exits (with ``exit3`` and ``finally``,
 rank 0 ignores the launcher's SIGTERM so that it always does).
