@@ -6,7 +6,8 @@ it in the first sync (the sampler's gather needs every rank). Each rank says whe
 ``train`` (in which generation) and what it ends with: the survivors must re-form and agree on
 rank 0's model. ``FORMING_VICTIM=<id>`` SIGKILLs that rank in its next world's ``init()``, once
 every rank arrived, as it starts making that world's process groups: a second loss while the
-world re-forms.
+world re-forms. ``POSTED_VICTIM=<id>`` with ``POSTED_GROUP=<k>`` SIGKILLs that rank in its next
+world right after it posted its address for the world's k-th group.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 import ringtrain.torch as hvd
 from ringtrain.runtime import communicator, membership
+from ringtrain.runtime.watched_store import WatchedStore
 
 N = 12
 
@@ -41,10 +43,29 @@ def die_making_groups_of_next_world() -> None:
     communicator.create = create  # type: ignore[assignment]
 
 
+def die_after_posting_address_in_next_world(group: int) -> None:
+    """Past the first world, kill this rank right after it posted its address for the world's
+    ``group``-th process group (counted from 1): its peers read that address and connect to a
+    dead port."""
+    post = WatchedStore.set
+    posted: list[str] = []
+
+    def set_then_die(self: WatchedStore, key: str, value: str) -> None:
+        post(self, key, value)
+        if membership.current() > 0:
+            posted.append(key)
+            if len(posted) == group:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    WatchedStore.set = set_then_die  # type: ignore[method-assign]
+
+
 def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung test dumps the threads
     if membership.identity() == int(os.environ.get("FORMING_VICTIM", "-1")):
         die_making_groups_of_next_world()
+    if membership.identity() == int(os.environ.get("POSTED_VICTIM", "-1")):
+        die_after_posting_address_in_next_world(int(os.environ["POSTED_GROUP"]))
     if membership.identity() == int(os.environ.get("EARLY_VICTIM", "-1")):
         os.kill(os.getpid(), signal.SIGKILL)  # lost while starting, before it ever calls init()
     hvd.init()

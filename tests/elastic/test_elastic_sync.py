@@ -61,11 +61,25 @@ def test_a_rank_lost_during_sync_re_forms_the_world(
 
 
 @pytest.mark.timeout(240)
-def test_a_rank_lost_while_the_next_world_makes_its_groups_re_forms_again() -> None:
+# Rank 3 dies before it posts an address (the survivors wait for it in the store), or right after
+# it posted one for the 3rd or the 5th group (they connect to a dead port: before
+# runtime/forming_gather, Gloo failed the job or waited for the transport timeout).
+@pytest.mark.parametrize(
+    "victim",
+    [
+        {"FORMING_VICTIM": "3"},
+        {"POSTED_VICTIM": "3", "POSTED_GROUP": "3"},
+        {"POSTED_VICTIM": "3", "POSTED_GROUP": "5"},
+    ],
+    ids=["before-posting", "posted-3rd-group", "posted-5th-group"],
+)
+def test_a_rank_lost_while_the_next_world_makes_its_groups_re_forms_again(
+    victim: dict[str, str],
+) -> None:
     """Rank 1 dies in the first sync; rank 3 dies in the re-formed world's ``init()`` after every
     rank arrived, as the groups are made: ranks 0 and 2 wait for it in the groups' first exchange,
     and must join the world announced without it at once, not at the transport timeout (300 s)."""
-    env = tagged({**os.environ, "VICTIM": "1", "FORMING_VICTIM": "3", "OMP_NUM_THREADS": "1"})
+    env = tagged({**os.environ, "VICTIM": "1", **victim, "OMP_NUM_THREADS": "1"})
     cmd = [sys.executable, "-m", "ringtrain", "run", "-np", "4", "--min-np", "2"]
     # Half the transport timeout (300 s): a wait for rank 3's address would end the job first.
     proc = run_job([*cmd, sys.executable, str(JOB)], env, timeout=150, rank_marker=str(JOB))

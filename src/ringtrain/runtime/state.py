@@ -39,6 +39,7 @@ from ringtrain.runtime import (
     communicator,
     environment,
     exit_guard,
+    forming_gather,
     store_connect,
     topology,
 )
@@ -178,7 +179,7 @@ def start(
         comm = None
         try:
             comm = _world_communicator(placement, config, backend, store)
-            topo = _measure_topology(placement, config, env, comm.group("control"))
+            topo = _measure_topology(placement, config, env, comm.group("control"), superseded)
             comm.host = topo.hosts[placement.rank]
             fit_threads_to_quota(env, topo.local_size(placement.rank))
             world = ProcessSet(None)
@@ -543,15 +544,23 @@ def fit_threads_to_quota(
 
 
 def _measure_topology(
-    p: Placement, config: Config, env: Mapping[str, str], group: Group
+    p: Placement,
+    config: Config,
+    env: Mapping[str, str],
+    group: Group,
+    superseded: Callable[[], bool] | None,
 ) -> Topology:
     """Every rank's host, gathered over ``group``: the launcher's node where it names one, else
-    the hostname with the address of the interface the job uses (see :mod:`.topology`)."""
+    the hostname with the address of the interface the job uses (see :mod:`.topology`). The
+    world's first exchange: in an elastic world, it ends when a newer world is announced."""
     me = _host_identity(p, config, env)
     if p.size == 1:
         return topology.from_identities([me])
     every: list[Any] = [None] * p.size
-    dist.all_gather_object(every, me, group=group)
+    if superseded is None:
+        dist.all_gather_object(every, me, group=group)
+    else:
+        every = forming_gather.all_gather_object(me, p.size, group, superseded, config.timeout_s)
     topo = topology.from_identities(every)
     if p.local_size is not None and p.local_size != topo.local_size(p.rank):
         log.warning(

@@ -8,7 +8,8 @@ client serves one request at a time, every other use of the same client waits be
 blocking ``get``/``wait`` polls with ``check`` in short slices instead and, between slices, asks
 whether the launcher announced a newer world; then it raises :class:`WorldSuperseded`, which
 reaches the caller of the collective or of ``new_group`` as it is (torch carries the Python
-exception through Gloo's threads).
+exception through Gloo's threads). A peer lost after it posted its address is left to the
+world's first exchange (:mod:`.forming_gather`).
 
 Only pair connects read the store: a group's collectives never call it once their pairs are
 connected. Gloo calls it from C++ (its own threads, too) and holds only the C++ object: the
