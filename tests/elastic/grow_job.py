@@ -12,7 +12,8 @@ So the change happens at a known number of processed samples, and the sampler's 
 exact. ``HOLD_FOR_LINES=k`` instead holds there until ``$FAILS_FILE`` has ``k`` lines and goes on
 in the same world. A rank on host ``$FAIL_HOST`` that was started to join appends a line to
 ``$FAILS_FILE`` and exits 1 at once. ``VICTIM=<id>`` SIGKILLs that rank at batch ``KILL_AT``
-(``SIGNAL_ON_KILL=1``: after creating ``$SIGNAL_FILE``).
+(``SIGNAL_ON_KILL=1``: after creating ``$SIGNAL_FILE``). ``JOIN_FORMING_VICTIM`` kills a rank
+started to join as its first world forms (see :func:`die_forming_if_joining`).
 """
 
 from __future__ import annotations
@@ -63,7 +64,36 @@ def hold(state: hvd.elastic.TorchState) -> None:
         state.check_host_updates()
 
 
+def die_forming_if_joining() -> None:
+    """A rank started to join dies in its first world's ``init()``, after it was announced and
+    arrived: ``JOIN_FORMING_VICTIM=create`` as it starts making the world's groups (before it
+    posts an address), ``=posted`` right after it posted its address for the third group."""
+    how = os.environ.get("JOIN_FORMING_VICTIM")
+    if how is None or not membership.joining():
+        return
+    from ringtrain.runtime import communicator
+    from ringtrain.runtime.watched_store import WatchedStore
+
+    def die(*args: object, **kwargs: object) -> None:
+        say(f"dying id={membership.identity()} gen={membership.current()} t={time.time():.3f}")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if how == "create":
+        communicator.create = die  # type: ignore[assignment]
+        return
+    post, posted = WatchedStore.set, []
+
+    def set_then_die(self: WatchedStore, key: str, value: str) -> None:
+        post(self, key, value)
+        posted.append(key)
+        if len(posted) == 3:
+            die()
+
+    WatchedStore.set = set_then_die  # type: ignore[method-assign]
+
+
 def main() -> None:
+    die_forming_if_joining()
     hvd.init()
     me = membership.identity()
     say(

@@ -131,6 +131,32 @@ def test_a_slot_offered_later_joins_and_the_world_grows(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.parametrize("how", ["create", "posted"])
+def test_a_new_rank_lost_while_the_grown_world_forms_leaves_it_at_once(
+    tmp_path: Path, how: str
+) -> None:
+    """The new rank on 127.0.0.1 is announced, arrives, and dies as the grown world makes its
+    groups: before it posted an address (``create``) or right after (``posted``; before
+    runtime/forming_gather this waited for the transport timeout, 300 s). Ranks 0 and 1 join the
+    world announced without it and finish with the exact result."""
+    disc = script(tmp_path, "localhost:2\\n", "localhost:2\\n127.0.0.1:1\\n")
+    flags = ["-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", disc]
+    cooldown = ["--blacklist-cooldown-range", "600", "600"]  # no second try within the job
+    proc = run_job(tmp_path, [*flags, *cooldown], HOLD_AT="6", JOIN_FORMING_VICTIM=how)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "growing the world to 3 rank(s) [0, 1, 2] (generation 1)" in proc.stderr
+    died = fields(proc.stdout, "dying")
+    assert died, proc.stdout  # it died where the test meant it to
+    resets = [float(r["t"]) for r in fields(proc.stdout, "reset")]
+    assert len(resets) == 2 and max(resets) - float(died[0]["t"]) < 60, proc.stdout
+    said = proc.stdout + proc.stderr
+    assert said.count("generation 2 was announced while init()") == 2, said
+    done = fields(proc.stdout, "done")
+    assert sorted(d["id"] for d in done) == ["0", "1"], said
+    assert all(d["w"] == EXPECTED and d["size"] == "2" and d["gen"] == "2" for d in done)
+
+
+@pytest.mark.timeout(420)
 def test_a_host_no_longer_offered_leaves_the_world(tmp_path: Path) -> None:
     disc = script(tmp_path, "localhost:2\\n127.0.0.1:1\\n", "localhost:2\\n")
     proc = run_job(
