@@ -13,15 +13,12 @@ once, a lost host in about 20 s), and then raises :class:`WorldSuperseded`, whic
 from __future__ import annotations
 
 import datetime
-import pickle
 import time
 from collections.abc import Callable
 
-import torch
-import torch.distributed as dist
-
+from ringtrain.runtime import object_gather
 from ringtrain.runtime.arrivals import WorldSuperseded
-from ringtrain.runtime.contracts import Group
+from ringtrain.runtime.contracts import Group, Work
 
 SLICE_S = 0.5  # the longest wait between two looks at the launcher's newest world
 ANNOUNCE_GRACE_S = 30.0  # after a peer's error: time for the launcher to announce its loss
@@ -36,21 +33,12 @@ def all_gather_object(
 ) -> list[object]:
     """Every rank's ``obj`` in rank order, as ``dist.all_gather_object``, over ``group``
     (``size`` ranks); raises :class:`WorldSuperseded` once a newer world is announced."""
-    mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    length = torch.tensor([mine.numel()], dtype=torch.int64)
-    _wait(dist.all_gather(lengths, length, group=group, async_op=True), superseded, timeout_s)
-    longest = max(int(n) for n in lengths)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: mine.numel()] = mine
-    every = [torch.empty(longest, dtype=torch.uint8) for _ in range(size)]
-    _wait(dist.all_gather(every, padded, group=group, async_op=True), superseded, timeout_s)
-    # The peers' pickles, as torch's all_gather_object unpickles them: ranks of one job.
-    return [pickle.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(every, lengths)]
+    return object_gather.all_gather_object(
+        obj, size, group, lambda work: _wait(work, superseded, timeout_s)
+    )
 
 
-def _wait(work: dist.Work | None, superseded: Callable[[], bool], timeout_s: float) -> None:
-    assert work is not None  # async_op=True
+def _wait(work: Work, superseded: Callable[[], bool], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     failure: RuntimeError | None = None
     while True:

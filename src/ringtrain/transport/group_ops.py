@@ -11,7 +11,9 @@ besides: reductions by any of Horovod's ops, broadcast, all-to-all, reduce-scatt
 measure's point-to-point, and :class:`PreparedSum` (the fast lane's allreduce without the per-call
 checks). Each function is the ``torch.distributed``
 call of the same name (``async_op=True`` returns its ``Work``), so behaviour and numerics are
-unchanged; the sealed and tcp groups serve them as they serve any collective.
+unchanged; the sealed and tcp groups serve them as they serve any collective. The blocking ones
+(:func:`barrier`, :func:`all_gather_object` on host memory) issue it async and :func:`wait`,
+whose waits an elastic job slices.
 :func:`ring_reduce_scatter` is the collectives' door to the plain ring (``hvd.reducescatter``
 on a Gloo group), so nothing above the transport builds a :class:`~ringtrain.transport.ring.Ring`
 itself (an import contract in pyproject.toml holds it).
@@ -27,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ringtrain import compat
-from ringtrain.runtime import abort
-from ringtrain.runtime.contracts import Group
+from ringtrain.runtime import abort, object_gather
+from ringtrain.runtime.contracts import Group, Work
 from ringtrain.transport.ring import Plain, Ring
 
 
@@ -127,7 +129,16 @@ def recv(t: torch.Tensor, src: int, group: Group | None) -> dist.Work | None:
 
 
 def barrier(group: Group | None) -> None:
-    dist.barrier(group=_pg(group))
+    """Until every rank of ``group`` arrived; sliced as :func:`wait`."""
+    wait(dist.barrier(group=_pg(group), async_op=True))
+
+
+def wait(work: Work | None) -> None:
+    """Until ``work`` is done. In an elastic job its wait is sliced and ends once the launcher
+    replaced the world (:mod:`ringtrain.runtime.abort`): a peer lost mid-call does not hold the
+    caller to the transport timeout."""
+    assert work is not None  # issued with async_op=True by a member of the group
+    abort.wait_work(work)
 
 
 def rank(group: Group | None) -> int:
@@ -177,8 +188,21 @@ def ring_reduce_scatter(chunks: Sequence[torch.Tensor], group: dist.ProcessGroup
 
 
 def all_gather_object(outs: list[object], obj: object, group: Group | None) -> None:
-    """``outs[r]`` becomes rank r's ``obj`` (pickled)."""
-    dist.all_gather_object(outs, obj, group=group)
+    """``outs[r]`` becomes rank r's ``obj`` (pickled). On host memory its waits are sliced as
+    :func:`wait`'s; NCCL's pickles travel in device memory, as torch's own call sends them."""
+    if group is None or _on_device(group):
+        dist.all_gather_object(outs, obj, group=_pg(group))
+        return
+    outs[:] = object_gather.all_gather_object(obj, len(outs), group, wait)
+
+
+def _on_device(group: Group) -> bool:
+    """Whether ``group`` carries device memory (NCCL). A backend object made directly, not
+    through torch's registry (as a test makes one), carries host memory."""
+    try:
+        return backend(group) == "nccl"
+    except ValueError:
+        return False
 
 
 def backend(group: Group) -> str:
