@@ -34,6 +34,7 @@ if os.environ.get("RINGTRAIN_ELASTIC_JOIN") == "1" and os.environ.get("FAIL_HOST
     sys.exit(1)
 
 import torch  # after the early exit, which must not wait for torch
+import torch.distributed as dist
 
 import ringtrain.torch as hvd
 from ringtrain.runtime import membership
@@ -154,7 +155,7 @@ def main() -> None:
     w = [int(v) for v in final.tolist()]
     say(
         f"done id={me} pid={os.getpid()} rank={hvd.rank()} size={hvd.size()} "
-        f"gen={membership.current()} w={w}".replace(", ", ",")
+        f"gen={membership.current()} backend={dist.get_backend()} w={w}".replace(", ", ",")
     )
     hvd.shutdown()
 

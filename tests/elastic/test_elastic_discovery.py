@@ -131,6 +131,24 @@ def test_a_slot_offered_later_joins_and_the_world_grows(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(420)
+def test_a_rank_joining_a_secure_job_joins_its_sealed_world(tmp_path: Path) -> None:
+    """--secure: the new rank starts on a host whose agent the launcher starts only then
+    (127.0.0.1), authenticates with the job's key, and the grown world is sealed on every rank
+    (fresh session keys for generation 1), with the exact result."""
+    disc = script(tmp_path, "localhost:2\\n", "localhost:2\\n127.0.0.1:1\\n")
+    flags = ["-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", disc]
+    proc = run_job(tmp_path, ["--secure", *flags], HOLD_AT="6")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "host 127.0.0.1 offers 1 free slot(s): starting rank(s) [2] to join" in proc.stderr
+    assert "growing the world to 3 rank(s) [0, 1, 2] (generation 1)" in proc.stderr
+    done = fields(proc.stdout, "done")
+    assert sorted(d["id"] for d in done) == ["0", "1", "2"], proc.stdout + proc.stderr
+    for d in done:
+        assert d["size"] == "3" and d["gen"] == "1" and d["w"] == EXPECTED
+        assert d["backend"] == "ringtrain_sealed", d
+
+
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("how", ["create", "posted"])
 def test_a_new_rank_lost_while_the_grown_world_forms_leaves_it_at_once(
     tmp_path: Path, how: str

@@ -2,8 +2,8 @@
 
 A world's first collective (``state.start``'s topology gather) is where its pairs connect. A
 peer lost before it posted its address is caught by :mod:`.watched_store`; one lost after it
-did leaves its address to read, so the connect goes to a dead port: Gloo fails it after a few
-refused retries, or, when the peer died mid-handshake, waits for the transport timeout. Here
+did leaves its address to read, so the connect goes to a dead port: Gloo failed it after a few
+refused retries or, with other timing, sat in the gather (seen until the test stopped it). Here
 the gather runs async and its waits are sliced: between slices, and after a peer's error, it
 asks whether the launcher announced a newer world (it sees a lost rank on its own host at
 once, a lost host in about 20 s), and then raises :class:`WorldSuperseded`, which sends
