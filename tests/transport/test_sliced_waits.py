@@ -1,7 +1,9 @@
 """The transport's waits outside the collectives' own (``group_ops.all_gather_object``,
-``barrier``, ``wait``: the straggler report's gather and link probe, the sharded state's
-gathers): they gather as torch's blocking calls do, and in an elastic job a call that a lost
-peer never joins ends once the launcher announces a newer world, not at the transport timeout.
+``barrier``, ``wait``: the straggler report's gathers, the sharded state's gathers): they
+gather as torch's blocking calls do, and in an elastic job a call that a lost peer never joins
+ends once the launcher announces a newer world, not at the transport timeout. Point-to-point
+waits (the link probe's) cannot be sliced on Gloo: the last two tests show why and that the
+probe waits plainly.
 
 Two ranks in one process: a Gloo group each over one store, on threads. A "lost" rank 1 makes
 its group but completes what rank 0 left under way only after rank 0 gave up, so both groups
@@ -19,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ringtrain.collectives import step_timing
 from ringtrain.errors import CollectiveAbortedError
 from ringtrain.runtime import abort
 from ringtrain.transport import group_ops
@@ -89,3 +92,48 @@ def test_a_call_a_lost_peer_never_joins_ends_when_a_newer_world_is_announced(
     else:
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
         groups[1].allgather([lengths], [torch.tensor([1], dtype=torch.int64)]).wait()
+
+
+def test_a_gloo_receive_cannot_be_waited_in_slices(groups: list[dist.ProcessGroup]) -> None:
+    """Why the link probe's send and receive wait plainly (collectives/step_timing.py): a Gloo
+    receive whose timed wait runs out closes the pair's connection, so the peer's send that
+    follows fails; and a receive never reports completion before ``wait()``, so it cannot be
+    polled either. A collective's work (the tests above) can be waited on again."""
+    got = torch.zeros(4)
+    polled = groups[0].recv([got], 1, 0)
+    groups[1].send([torch.ones(4)], 0, 0).wait()
+    arrival = time.monotonic() + 10
+    while got.sum() != 4 and time.monotonic() < arrival:
+        time.sleep(0.05)
+    assert got.sum() == 4 and not polled.is_completed()  # arrived, not reported
+    polled.wait()
+    received = groups[0].recv([got], 1, 1)
+    with pytest.raises(RuntimeError, match="Timed out"):
+        received.wait(datetime.timedelta(seconds=0.2))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        groups[1].send([torch.ones(4)], 0, 1).wait()
+
+
+def test_a_link_probe_slower_than_a_slice_measures_in_an_elastic_job(
+    groups: list[dist.ProcessGroup], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The straggler report's link probe on a link slower than a wait slice: rank 1's transfer
+    starts 1.5 s late. Sliced, rank 0's receive ran out after 1 s and closed the connection
+    (the probe failed); waited plainly, both ranks measure both hosts."""
+    monkeypatch.setattr(abort, "generation", 0)
+    monkeypatch.setattr(abort, "announced", lambda: 0)  # elastic, no newer world
+
+    def late_send(t: torch.Tensor, dst: int, group: dist.ProcessGroup) -> dist.Work:
+        if group is groups[1]:
+            time.sleep(1.5)
+        return group.send([t], dst, 0)
+
+    # The groups are made directly, not registered with torch (whose calls by world rank would
+    # look them up): the probe's point-to-point and rank questions go to them as they are.
+    monkeypatch.setattr(group_ops, "send", late_send)
+    monkeypatch.setattr(group_ops, "recv", lambda t, src, group: group.recv([t], src, 0))
+    monkeypatch.setattr(group_ops, "rank", lambda group: group.rank())
+    monkeypatch.setattr(group_ops, "size", lambda group: group.size())
+    got = both(lambda r: step_timing.probe_links(groups[r], ["h0", "h1"], nbytes=1024))
+    assert sorted(got) == [0, 1]
+    assert all(sorted(links) == ["h0", "h1"] and min(links.values()) > 0 for links in got.values())

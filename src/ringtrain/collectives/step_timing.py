@@ -201,9 +201,12 @@ def probe_links(group: Any, host_of_rank: list[str], nbytes: int = PROBE_BYTES) 
         sent = group_ops.send(send, nxt, group)
         received = group_ops.recv(got, prv, group)
         assert sent is not None and received is not None  # None only for non-members
-        group_ops.wait(received)
+        # Plain waits, never sliced: a Gloo send or receive whose timed wait runs out closes
+        # the connection for good (tests/transport/test_sliced_waits.py), and a probe of a slow
+        # link takes longer than a slice.
+        received.wait()
         elapsed = max(time.perf_counter() - start, 1e-6)
-        group_ops.wait(sent)
+        sent.wait()
         edges.append((hosts[(i - 1) % len(hosts)], hosts[i], nbytes / elapsed / 1e6))
     gathered: list[Any] = [None] * group_ops.size(group)
     group_ops.all_gather_object(gathered, edges, group)

@@ -134,9 +134,10 @@ def barrier(group: Group | None) -> None:
 
 
 def wait(work: Work | None) -> None:
-    """Until ``work`` is done. In an elastic job its wait is sliced and ends once the launcher
-    replaced the world (:mod:`ringtrain.runtime.abort`): a peer lost mid-call does not hold the
-    caller to the transport timeout."""
+    """Until ``work``, a collective's, is done. In an elastic job its wait is sliced and ends
+    once the launcher replaced the world (:mod:`ringtrain.runtime.abort`): a peer lost mid-call
+    does not hold the caller to the transport timeout. Not for :func:`send` and :func:`recv`:
+    a Gloo send or receive whose timed wait runs out closes the connection."""
     assert work is not None  # issued with async_op=True by a member of the group
     abort.wait_work(work)
 
