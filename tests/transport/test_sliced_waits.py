@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringtrain.collectives import step_timing
+from ringtrain.collectives import ordered, step_timing
 from ringtrain.errors import CollectiveAbortedError
 from ringtrain.runtime import abort
 from ringtrain.transport import group_ops
@@ -33,9 +33,7 @@ def groups() -> Iterator[list[dist.ProcessGroup]]:
     timeout = datetime.timedelta(seconds=60)
     made: dict[int, dist.ProcessGroup] = {}
     threads = [
-        threading.Thread(
-            target=lambda r=r: made.update({r: dist.ProcessGroupGloo(store, r, 2, timeout)})
-        )
+        threading.Thread(target=lambda r=r: made.update({r: _group(store, r, timeout)}))
         for r in range(2)
     ]
     for t in threads:
@@ -43,6 +41,16 @@ def groups() -> Iterator[list[dist.ProcessGroup]]:
     for t in threads:
         t.join(timeout=60)
     yield [made[0], made[1]]
+
+
+def _group(store: dist.Store, rank: int, timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A Gloo group of 2 as torch's ``new_group`` makes one (a ``ProcessGroup`` over a Gloo
+    backend, which the runtime's groups are), not registered with torch's default world."""
+    group = dist.ProcessGroup(store, rank, 2)
+    gloo = dist.ProcessGroupGloo(store, rank, 2, timeout)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    return group
 
 
 def both(call: Callable[[int], object]) -> dict[int, object]:
@@ -66,6 +74,61 @@ def test_the_object_gather_gives_every_ranks_object_in_rank_order(
         return outs
 
     assert both(gather) == {0: objects, 1: objects}
+
+
+# The collectives' blocking data calls (the controller thread runs them for hvd.* ops): each
+# as rank ``r`` calls it on its group. The late peer calls the same to complete the op. Not
+# here: Gloo's reduce-scatter, whose work ignores a timed wait (hvd.reducescatter on Gloo takes
+# ringtrain's ring, whose point-to-point waits cannot be sliced either).
+DATA_CALLS: dict[str, Callable[[dist.ProcessGroup], object]] = {
+    "allreduce": lambda g: group_ops.allreduce(torch.ones(8), g),
+    "broadcast": lambda g: group_ops.broadcast(torch.ones(8), g, 0),
+    "all_gather_into": lambda g: group_ops.all_gather_into(torch.empty(16), torch.ones(8), g),
+    "all_gather": lambda g: group_ops.all_gather(
+        [torch.empty(8), torch.empty(8)], torch.ones(8), g
+    ),
+    # hvd.allreduce of floats from 3 ranks (two all-to-alls, summed in rank order between)
+    "ordered_allreduce": lambda g: ordered.allreduce(torch.ones(8), "Sum", g, ordered.Scratch()),
+    "all_to_all": lambda g: group_ops.finish(
+        group_ops.all_to_all(torch.empty(8), torch.ones(8), None, None, g), torch.ones(1)
+    ),
+}
+
+
+@pytest.mark.parametrize("call", sorted(DATA_CALLS))
+def test_a_data_collective_a_lost_peer_never_joins_ends_when_a_newer_world_is_announced(
+    groups: list[dist.ProcessGroup], monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    """Before, the controller thread of the abandoned world sat in these until the transport
+    timeout (docs/elastic.md listed it as not done); its caller left on its own sliced wait."""
+    announced_at = time.monotonic() + 0.3
+    monkeypatch.setattr(abort, "generation", 0)
+    monkeypatch.setattr(abort, "announced", lambda: int(time.monotonic() >= announced_at))
+    start = time.monotonic()
+    with pytest.raises(CollectiveAbortedError, match="announced a new world"):
+        DATA_CALLS[call](groups[0])
+    assert time.monotonic() - start < 10  # one slice (1 s) past the announcement; Gloo: 60 s
+    monkeypatch.setattr(abort, "announced", None)  # the late peer: a plain blocking call
+    if call == "ordered_allreduce":  # rank 0 left before its second all-to-all: only the first
+        rows = torch.empty(32, dtype=torch.uint8)
+        flat = torch.ones(8).view(torch.uint8)
+        group_ops.all_to_all(rows, flat, [16, 16], [16, 16], groups[1]).wait()
+    else:
+        DATA_CALLS[call](groups[1])  # completes what rank 0 left under way
+
+
+def test_outside_elastic_jobs_the_data_collectives_are_torchs_blocking_calls(
+    groups: list[dist.ProcessGroup], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No elastic job: no wait of ringtrain's in between (abort.wait_work is never called)."""
+    monkeypatch.setattr(abort, "announced", None)
+
+    def unexpected(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a sliced wait outside an elastic job")
+
+    monkeypatch.setattr(abort, "wait_work", unexpected)
+    out = both(lambda r: [DATA_CALLS[c](groups[r]) for c in sorted(DATA_CALLS)])
+    assert sorted(out) == [0, 1]
 
 
 @pytest.mark.parametrize("call", ["all_gather_object", "barrier"])

@@ -264,6 +264,11 @@ class Executor:
         """Run ``run()`` and complete ``items``' handles with its outcome."""
         try:
             run()
+        except CollectiveAbortedError as e:  # a peer failed, or a newer world was announced
+            for item in items:
+                if item.handle is not None:
+                    item.handle.set_error(e)
+            raise  # the controller too: its peers are gone
         except CollectiveError as e:
             for item in items:
                 if item.handle is not None:
@@ -369,7 +374,7 @@ class Executor:
         """``flat``'s reduced values into ``outputs``, through ``pieces``: views of ``flat``
         shaped like them."""
         if pending is not None:
-            pending.wait()
+            group_ops.finish(pending, flat)
         copies.scale_(flat, scaling.post)
         if plain:  # the common case, in one call: no per-tensor overhead
             copies.copy_all_(outputs, pieces)

@@ -196,4 +196,4 @@ class OrderedWork:
 
 def allreduce(flat: torch.Tensor, op: str, group: Any, scratch: Scratch) -> None:
     """``flat`` (1-D, dense) summed (or multiplied) over ``group`` in rank order, in place."""
-    OrderedWork(flat, op, group, scratch).wait()
+    group_ops.finish(OrderedWork(flat, op, group, scratch), flat)

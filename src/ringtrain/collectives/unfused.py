@@ -176,7 +176,7 @@ def alltoall(
     data = dtypes.as_bytes(t)[: sum(send)]  # splits may leave rows unsent, as in Horovod
     out = torch.empty((sum(recv), data.shape[1]), dtype=torch.uint8, device=data.device)
     if size > 1:
-        group_ops.all_to_all(out, data, recv, send, comm.group_for(data)).wait()
+        group_ops.finish(group_ops.all_to_all(out, data, recv, send, comm.group_for(data)), out)
     else:
         out.copy_(data)
     result = _from_bytes(out, t.dtype, (sum(recv), *t.shape[1:]))

@@ -22,7 +22,7 @@ itself (an import contract in pyproject.toml holds it).
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, cast, overload
 
 import torch
@@ -63,8 +63,22 @@ def allreduce(
 ) -> dist.Work | None:
     """``t`` becomes the ``op`` ("sum", "max", "min", "product", "band") of every rank's ``t``,
     in place."""
-    work: dist.Work | None = dist.all_reduce(t, op=_OPS[op], group=group, async_op=async_op)
-    return work
+    return _blocking_or_not(
+        t, async_op, lambda a: dist.all_reduce(t, op=_OPS[op], group=group, async_op=a)
+    )
+
+
+def _blocking_or_not(
+    t: torch.Tensor, async_op: bool, call: Callable[[bool], dist.Work | None]
+) -> dist.Work | None:
+    """``call(async_op)``, the torch call. A blocking one on host memory in an elastic job is
+    issued async and waited through :func:`finish`, in slices: the controller thread of a world
+    a peer left without closing its connections leaves it once the launcher announces a new
+    one, instead of sitting in Gloo until the transport timeout."""
+    if async_op or abort.announced is None or t.is_cuda:
+        return call(async_op)  # unchanged: torch's own call
+    finish(call(True), t)
+    return None
 
 
 class PreparedSum:
@@ -82,18 +96,22 @@ class PreparedSum:
 
 def broadcast(t: torch.Tensor, group: Group, root: int, async_op: bool = False) -> dist.Work | None:
     """``t`` becomes the ``t`` of the rank ``root`` (its index in ``group``)."""
-    work: dist.Work | None = dist.broadcast(t, group=_pg(group), group_src=root, async_op=async_op)
-    return work
+    return _blocking_or_not(
+        t, async_op, lambda a: dist.broadcast(t, group=_pg(group), group_src=root, async_op=a)
+    )
 
 
 def reduce_scatter_into(
     out: torch.Tensor, t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = False
 ) -> dist.Work | None:
-    """``out`` becomes the ``op`` of every rank's r-th slice of ``t`` (r: this rank's index)."""
-    work: dist.Work | None = compat.reduce_scatter_single(
-        out, t, op=_OPS[op], group=group, async_op=async_op
+    """``out`` becomes the ``op`` of every rank's r-th slice of ``t`` (r: this rank's index).
+    Gloo's work ignores a timed wait (it waits to the group's timeout, checked on torch 2.13):
+    there only other groups' waits are sliced."""
+    return _blocking_or_not(
+        t,
+        async_op,
+        lambda a: compat.reduce_scatter_single(out, t, op=_OPS[op], group=group, async_op=a),
     )
-    return work
 
 
 def all_to_all(
@@ -142,6 +160,17 @@ def wait(work: Work | None) -> None:
     abort.wait_work(work)
 
 
+def finish(work: Work | None, t: torch.Tensor) -> None:
+    """Until ``work``, a collective's on ``t``, is done. In an elastic job, on host memory, as
+    :func:`wait` (sliced); elsewhere the plain ``wait()`` of torch's blocking call, as before
+    (on a CUDA tensor too: NCCL's timed wait was never checked on a GPU here)."""
+    assert work is not None  # issued with async_op=True by a member of the group
+    if abort.announced is None or t.is_cuda:
+        work.wait()
+    else:
+        abort.wait_work(work)
+
+
 def rank(group: Group | None) -> int:
     """This rank's index in ``group`` (None: the default group)."""
     return dist.get_rank(_pg(group))
@@ -164,16 +193,18 @@ def all_gather_into(
     out: torch.Tensor, t: torch.Tensor, group: Group, async_op: bool = False
 ) -> dist.Work | None:
     """``out`` (size x ``t``'s elements) becomes every rank's ``t``, in rank order."""
-    work: dist.Work | None = compat.all_gather_single(out, t, group=group, async_op=async_op)
-    return work
+    return _blocking_or_not(
+        t, async_op, lambda a: compat.all_gather_single(out, t, group=group, async_op=a)
+    )
 
 
 def all_gather(
     outs: list[torch.Tensor], t: torch.Tensor, group: Group, async_op: bool = False
 ) -> dist.Work | None:
     """``outs[r]`` becomes rank r's ``t``."""
-    work: dist.Work | None = dist.all_gather(outs, t, group=group, async_op=async_op)
-    return work
+    return _blocking_or_not(
+        t, async_op, lambda a: dist.all_gather(outs, t, group=group, async_op=a)
+    )
 
 
 def ring_reduce_scatter(chunks: Sequence[torch.Tensor], group: dist.ProcessGroup, op: str) -> int:
