@@ -1,9 +1,9 @@
-"""The transport's waits outside the collectives' own (``group_ops.all_gather_object``,
-``barrier``, ``wait``: the straggler report's gathers, the sharded state's gathers): they
-gather as torch's blocking calls do, and in an elastic job a call that a lost peer never joins
-ends once the launcher announces a newer world, not at the transport timeout. Point-to-point
-waits (the link probe's) cannot be sliced on Gloo: the last two tests show why and that the
-probe waits plainly.
+"""The transport's blocking calls (``group_ops.all_gather_object``, ``barrier``, ``wait``:
+the straggler report's gathers, the sharded state's gathers; the data collectives the
+controller thread runs for ``hvd.*`` calls, through ``finish``): they work as torch's blocking
+calls do, and in an elastic job a call that a lost peer never joins ends once the launcher
+announces a newer world, not at the transport timeout. Point-to-point waits (the link probe's)
+cannot be sliced on Gloo: the last two tests show why and that the probe waits plainly.
 
 Two ranks in one process: a Gloo group each over one store, on threads. A "lost" rank 1 makes
 its group but completes what rank 0 left under way only after rank 0 gave up, so both groups

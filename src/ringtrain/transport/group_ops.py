@@ -1,19 +1,20 @@
 """The plain collectives run on a process group: the engine's besides its buckets' reductions,
 and every collective of Horovod's API (``ringtrain.collectives``).
 
-The engine's: small agreements (the plan's observations, a link rate, the auto tuner's probes and verdicts),
-the sharded step's all-gathers, sparse gradients' all-gathers, a 16-bit bucket's
+The engine's: small agreements (the plan's observations, a link rate, the auto tuner's probes
+and verdicts), the sharded step's all-gathers, sparse gradients' all-gathers, a 16-bit bucket's
 full-precision redo, a codec's own rounds (:class:`GroupRounds`: PowerSGD's factors, top-k's
 values and indices), and making the engine's extra groups. With :func:`ringtrain.transport.of`
 this is the one door to the wire for the engine and the collectives: neither calls
 ``torch.distributed`` itself (tests/engine/test_no_collectives_in_engine.py). The collectives'
 besides: reductions by any of Horovod's ops, broadcast, all-to-all, reduce-scatter, the link
-measure's point-to-point, and :class:`PreparedSum` (the fast lane's allreduce without the per-call
-checks). Each function is the ``torch.distributed``
-call of the same name (``async_op=True`` returns its ``Work``), so behaviour and numerics are
-unchanged; the sealed and tcp groups serve them as they serve any collective. The blocking ones
-(:func:`barrier`, :func:`all_gather_object` on host memory) issue it async and :func:`wait`,
-whose waits an elastic job slices.
+measure's point-to-point, and :class:`PreparedSum` (the fast lane's allreduce without the
+per-call checks). Each function is the ``torch.distributed`` call of the same name
+(``async_op=True`` returns its ``Work``), so behaviour and numerics are unchanged; the sealed
+and tcp groups serve them as they serve any collective. In an elastic job the blocking ones on
+host memory (a collective without ``async_op``, :func:`barrier`, :func:`all_gather_object`)
+issue it async and wait through :func:`wait` or :func:`finish`, whose waits are sliced; a
+send's or receive's never are (a Gloo one whose timed wait runs out closes the connection).
 :func:`ring_reduce_scatter` is the collectives' door to the plain ring (``hvd.reducescatter``
 on a Gloo group), so nothing above the transport builds a :class:`~ringtrain.transport.ring.Ring`
 itself (an import contract in pyproject.toml holds it).
