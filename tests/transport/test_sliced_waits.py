@@ -89,10 +89,14 @@ DATA_CALLS: dict[str, Callable[[dist.ProcessGroup], object]] = {
     ),
     # hvd.allreduce of floats from 3 ranks (two all-to-alls, summed in rank order between)
     "ordered_allreduce": lambda g: ordered.allreduce(torch.ones(8), "Sum", g, ordered.Scratch()),
-    "all_to_all": lambda g: group_ops.finish(
-        group_ops.all_to_all(torch.empty(8), torch.ones(8), None, None, g), torch.ones(1)
-    ),
+    "all_to_all": lambda g: _all_to_all(g),
 }
+
+
+def _all_to_all(g: dist.ProcessGroup) -> None:
+    """An unfused hvd.alltoall's call: the work waited through ``finish`` on its output."""
+    out = torch.empty(8)
+    group_ops.finish(group_ops.all_to_all(out, torch.ones(8), None, None, g), out)
 
 
 @pytest.mark.parametrize("call", sorted(DATA_CALLS))
@@ -115,6 +119,34 @@ def test_a_data_collective_a_lost_peer_never_joins_ends_when_a_newer_world_is_an
         group_ops.all_to_all(rows, flat, [16, 16], [16, 16], groups[1]).wait()
     else:
         DATA_CALLS[call](groups[1])  # completes what rank 0 left under way
+
+
+def test_an_old_worlds_controller_thread_leaves_a_wait_it_starts_after_the_process_moved_on(
+    groups: list[dist.ProcessGroup], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process already runs in world 1 (announced and entered) when the controller thread
+    of world 0 starts one more collective. Its wait counts from the thread's own world
+    (``abort.bind_world``, as ``Controller._run`` does), so it ends at the first slice; counted
+    from the process's world it would sit in Gloo until the transport timeout."""
+    monkeypatch.setattr(abort, "generation", 1)
+    monkeypatch.setattr(abort, "announced", lambda: 1)
+    got: list[BaseException] = []
+
+    def old_controller() -> None:
+        abort.bind_world(0)
+        try:
+            group_ops.allreduce(torch.ones(8), groups[0])
+        except CollectiveAbortedError as e:
+            got.append(e)
+
+    start = time.monotonic()
+    thread = threading.Thread(target=old_controller)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and len(got) == 1, got
+    assert time.monotonic() - start < 10  # one slice (1 s); Gloo: 60 s
+    monkeypatch.setattr(abort, "announced", None)  # the late peer completes what was left
+    group_ops.allreduce(torch.ones(8), groups[1])
 
 
 def test_outside_elastic_jobs_the_data_collectives_are_torchs_blocking_calls(

@@ -312,6 +312,7 @@ class Controller:
     # ---- the background thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        abort.bind_world(self._world)  # the executor's data waits end with this controller's world
         try:
             while True:
                 waiting = self._cycle()

@@ -3,10 +3,11 @@
 In an elastic job (:mod:`ringtrain.elastic`) a survivor can wait on another survivor that has
 already left the failed world without closing its connections; such a wait would end only at the
 transport timeout. ``announced`` (set by ``@elastic.run``) gives the newest world the launcher
-announced; a wait that began in an older world (``generation`` when it began) fails with the
-"peer failed" error, checked every :data:`SLICE_S`. That frees the controller threads of
-abandoned worlds too, so none is inside a Gloo call when the process exits. Outside elastic jobs
-``announced`` is ``None`` and waits are plain, unsliced waits.
+announced; a wait that began in an older world (``generation`` when it began, or the world its
+thread works for: a controller thread's, see :func:`bind_world`) fails with the "peer failed"
+error, checked every :data:`SLICE_S`. That frees the controller threads of abandoned worlds
+too, so none is inside a Gloo call when the process exits. Outside elastic jobs ``announced`` is
+``None`` and waits are plain, unsliced waits.
 
 Abandoned controllers may still be inside such a wait when the process exits:
 :mod:`ringtrain.runtime.exit_guard` makes the exit wait for them.
@@ -15,6 +16,7 @@ Abandoned controllers may still be inside such a wait when the process exits:
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections.abc import Callable
 from typing import NoReturn
@@ -26,12 +28,25 @@ from ringtrain.runtime.contracts import Work
 SLICE_S = 1.0
 announced: Callable[[], int] | None = None
 generation = 0  # the world this process runs in now
+_thread = threading.local()  # .world: the world a thread works for (see bind_world)
+
+
+def bind_world(world: int) -> None:
+    """The calling thread works for world ``world``: its waits and checks without a ``since``
+    count from it, not from :data:`generation`. A controller thread binds its own world, so a
+    wait it starts after the process entered a newer world still ends (its world was replaced)."""
+    _thread.world = world
+
+
+def _world() -> int:
+    world: int = getattr(_thread, "world", generation)
+    return world
 
 
 def check(since: int | None = None) -> None:
     """Raise :class:`CollectiveAbortedError` if the launcher replaced world ``since`` (default:
-    the current one)."""
-    since = generation if since is None else since
+    the calling thread's, see :func:`bind_world`; else the current one)."""
+    since = _world() if since is None else since
     if announced is not None and announced() > since:
         raise CollectiveAbortedError(
             "a peer failed: the launcher announced a new world while this rank waited"
@@ -52,7 +67,7 @@ def wait_work(work: Work, since: int | None = None) -> None:
         return
     from ringtrain.runtime import state
 
-    since = generation if since is None else since
+    since = _world() if since is None else since
     limit_s = state.current().config.timeout_s if state.is_initialized() else 300.0
     deadline = time.monotonic() + limit_s + SLICE_S
     while True:
