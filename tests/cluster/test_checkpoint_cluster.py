@@ -1,0 +1,101 @@
+"""Durable checkpoints with ranks on two hosts: one rank on each of the namespace hosts ``h0`` and
+``h1`` writes its part into one checkpoint directory (the hosts share this machine's file
+system, as hosts share an NFS or Lustre mount), the launcher is killed with ``kill -9``, nothing
+is left on either host, and ``ringtrain run --resume`` with the ranks' hosts swapped finishes
+with the weights of an uninterrupted run on one host.
+
+What this does not show: a network file system's own semantics (caching, late visibility of a
+renamed file); the namespaces see one local file system.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from ringtrain.checkpoint import manifest
+from ringtrain.testing import cluster as tc
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+CLUSTER = 2
+PY = sys.executable
+JOB = str(Path(__file__).resolve().parents[1] / "checkpoint" / "durable_job.py")
+STEPS = 12
+
+
+def _argv(hosts: list[str], *flags: str, out: Path, pause: float) -> list[str]:
+    return [PY, "-m", "ringtrain", "run", *hosts, "-np", "2", "--checkpoint-every", "2", *flags,
+            "--", PY, JOB, str(out), str(STEPS), str(pause)]  # fmt: skip
+
+
+def _on(cluster: tc.Cluster, order: str) -> list[str]:
+    return ["--ssh-config-file", str(cluster.ssh_config_path), "-p", str(cluster.port), "-H", order]
+
+
+def _run(argv: list[str], cwd: Path) -> str:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
+def _left_on_hosts(cluster: tc.Cluster) -> list[str]:
+    return [
+        f"{h.name}: pid {p}"
+        for h in cluster.hosts
+        for p in cluster.pids(h.name)
+        if p != cluster.sshd_pid(h.name)
+    ]
+
+
+def test_a_job_on_two_hosts_killed_then_resumed_swapped_ends_with_one_hosts_weights(
+    cluster: tc.Cluster, tmp_path: Path
+) -> None:
+    one_host = tmp_path / "one-host.pt"
+    _run(_argv([], "--checkpoint-dir", str(tmp_path / "ref"), out=one_host, pause=0.0), tmp_path)
+
+    ck, out = tmp_path / "ck", tmp_path / "two-hosts.pt"
+    launcher = subprocess.Popen(
+        _argv(_on(cluster, "h0:1,h1:1"), "--checkpoint-dir", str(ck), out=out, pause=0.5),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not any(s >= 4 for s, _ in manifest.committed(str(ck))):
+            assert launcher.poll() is None, "the job ended before it could be killed"
+            assert time.monotonic() < deadline, "no checkpoint at step 4 in time"
+            time.sleep(0.2)
+        running = {entry.split(":")[0] for entry in _left_on_hosts(cluster)}
+        assert running == {"h0", "h1"}, running  # a rank (and its agent) on each host
+        family = psutil.Process(launcher.pid).children(recursive=True)  # the ssh clients
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(10)
+        psutil.wait_procs(family, timeout=60)
+        deadline = time.monotonic() + 60  # each host's agent sees its ssh session end
+        while left := _left_on_hosts(cluster):
+            assert time.monotonic() < deadline, f"left behind by the killed launcher: {left}"
+            time.sleep(0.2)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    saved = max(s for s, _ in manifest.committed(str(ck)))
+    assert saved < STEPS and not out.exists()
+
+    said = _run(_argv(_on(cluster, "h1:1,h0:1"), "--resume", str(ck), out=out, pause=0.0), tmp_path)
+    assert said.count(f"starts at step {saved}") == 2, said  # both ranks, from the last commit
+    want, got = torch.load(one_host), torch.load(out)
+    assert len(want) == len(got)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert [s for s, _ in manifest.committed(str(ck))] == [8, 10, 12]
+    assert not _left_on_hosts(cluster)
