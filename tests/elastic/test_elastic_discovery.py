@@ -113,7 +113,7 @@ def test_a_slot_offered_later_joins_and_the_world_grows(tmp_path: Path) -> None:
     disc = script(tmp_path, "localhost:2\\n", "localhost:4\\n")
     proc = run_job(
         tmp_path,
-        ["-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", disc],
+        ["-v", "-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", disc],
         HOLD_AT="6",  # 24 samples processed: the 36 left split evenly over 3 ranks
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -128,6 +128,9 @@ def test_a_slot_offered_later_joins_and_the_world_grows(tmp_path: Path) -> None:
     assert len(fields(proc.stdout, "start")) == 3  # no restart: one start per rank
     assert "host localhost offers 1 free slot(s): starting rank(s) [2] to join" in proc.stderr
     assert "growing the world to 3 rank(s) [0, 1, 2] (generation 1)" in proc.stderr
+    # It shares the host's cores with the two ranks there (launch.tuning; threads: the test's).
+    assert "rank 2 on localhost: bind=none cpus=any" in proc.stderr, proc.stderr
+    assert "beside=2 running rank(s)" in proc.stderr, proc.stderr
 
 
 @pytest.mark.timeout(420)

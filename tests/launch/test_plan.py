@@ -117,6 +117,22 @@ def test_tuning_binds_cores_when_each_rank_gets_one() -> None:
     assert [r.cpus for r in t] == [(0,), (1,), (0,)]
 
 
+def test_ranks_joining_a_host_the_job_runs_on_share_its_cores_with_the_ranks_there() -> None:
+    """An elastic job grows onto a host where 2 of its ranks already hold the 8 cores: the new
+    rank binds to none and takes a third of the threads, not all 8 (it took 8 before)."""
+    facts = HostFacts("h", cpus=tuple(range(8)))
+    (alone,) = tune(facts, 1, "auto", "system", {})
+    assert alone.cpus == tuple(range(8)) and alone.env["OMP_NUM_THREADS"] == "8"
+    (joiner,) = tune(facts, 1, "auto", "system", {}, beside=2)
+    assert joiner.cpus is None and joiner.env["OMP_NUM_THREADS"] == "2"  # 8 cores, 3 ranks
+    assert "bind=none" in joiner.summary and "beside=2 running rank(s)" in joiner.summary
+    both = tune(facts, 2, "core", "system", {}, beside=2)  # binding asked for: the cores are held
+    assert [(t.cpus, t.env["OMP_NUM_THREADS"]) for t in both] == [(None, "2"), (None, "2")]
+    quota = HostFacts("h", cpus=tuple(range(8)), cpu_quota=4.0)  # the quota's share, if lower
+    assert tune(quota, 1, "auto", "system", {}, beside=1)[0].env["OMP_NUM_THREADS"] == "2"
+    assert tune(facts, 1, "auto", "system", {"OMP_NUM_THREADS": "5"}, beside=2)[0].env == {}
+
+
 def test_tuning_numa_and_missing_allocator() -> None:
     facts = HostFacts("h", cpus=tuple(range(4)), numa_nodes=((0, 1), (2, 3)))
     assert [t.cpus for t in tune(facts, 2, "numa", "system", {})] == [(0, 1), (2, 3)]

@@ -57,7 +57,7 @@ class Job(Protocol):
         identities: list[int],
         host_net: dict[str, str],
         join: bool = False,
-        bind_to: str | None = None,
+        beside: int = 0,
     ) -> None: ...
 
 
@@ -296,11 +296,11 @@ class ElasticPool:
             )
             for j in range(len(ids))
         ]
-        shared = any(
-            lk is not link and lk.host.name == link.host.name and not (lk.done or lk.lost)
-            for lk in self.job.links
-        )
-        self.job.launch(link, specs, ids, host_net, join=True, bind_to="none" if shared else None)
+        # The job's ranks already on this host hold its cores: the new ones size their threads
+        # for all of them (launch.tuning).
+        here = link.host.name
+        beside = sum(1 for i in self.running() if self.rank_host[i] == here and i not in ids)
+        self.job.launch(link, specs, ids, host_net, join=True, beside=beside)
 
     def tick(self, now: float) -> bool:
         """Give up on late joiners; announce those that are ready (a host's new ranks join

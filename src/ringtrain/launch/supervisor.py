@@ -303,9 +303,10 @@ class Supervisor:
         identities: list[int],
         host_net: dict[str, str],
         join: bool = False,
-        bind_to: str | None = None,
+        beside: int = 0,
     ) -> None:
-        """Start ``specs`` on ``link``'s host; ``identities`` are their elastic identities."""
+        """Start ``specs`` on ``link``'s host; ``identities`` are their elastic identities;
+        ``beside``: the job's ranks already running there, which they join (launch.tuning)."""
         assert link.hello is not None
         f = link.hello["facts"]
         facts = HostFacts(
@@ -323,9 +324,10 @@ class Supervisor:
         tunings = tune(
             facts,
             len(specs),
-            bind_to or self.options.bind_to,
+            self.options.bind_to,
             self.options.malloc,
             {**self.env, **base},
+            beside,
         )
         ranks = []
         # The user's own GLOO_/NCCL_ interface variables win over what ringtrain chose.

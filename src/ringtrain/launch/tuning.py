@@ -57,12 +57,17 @@ def tune(
     bind_to: str,
     malloc: str,
     user_env: Mapping[str, str],
+    beside: int = 0,
 ) -> list[RankTuning]:
-    """Tuning for each local rank of one host. ``user_env`` settings (e.g. OMP_NUM_THREADS) win."""
+    """Tuning for each local rank of one host. ``user_env`` settings (e.g. OMP_NUM_THREADS) win.
+
+    ``beside``: ranks of the job already running on the host that these join (an elastic job
+    growing onto a host it uses). Those hold the host's cores, bound or not, so the new ranks
+    are bound to none and their threads are sized for all the host's ranks, old and new."""
     cpus = list(facts.cpus) or [0]
     budget = cpu_budget(len(cpus), facts.cpu_quota)
     shared = is_shared_pool(len(cpus), facts.cpu_quota)
-    mode = bind_to
+    mode = "none" if beside else bind_to
     if mode == "auto":
         # Binding only helps when every rank can have a core to itself, not shared with others.
         mode = "core" if local_size <= len(cpus) and not shared else "none"
@@ -72,8 +77,9 @@ def tune(
     out = []
     for local_rank in range(local_size):
         mine = _cpus_for(local_rank, local_size, cpus, facts.numa_nodes, mode)
-        threads = max(1, len(mine) if mine is not None else len(cpus) // local_size)
-        threads = max(1, min(threads, budget // local_size))  # the quota's share, if lower
+        ranks_here = local_size + beside
+        threads = max(1, len(mine) if mine is not None else len(cpus) // ranks_here)
+        threads = max(1, min(threads, budget // ranks_here))  # the quota's share, if lower
         env: dict[str, str] = {}
         if Threads.OMP_NUM_THREADS not in user_env:
             env[Threads.OMP_NUM_THREADS] = str(threads)
@@ -86,6 +92,7 @@ def tune(
             f"OMP_NUM_THREADS={env.get(Threads.OMP_NUM_THREADS, user_env.get(Threads.OMP_NUM_THREADS))} "
             f"malloc={malloc if preload else 'system'}"
             + (f" cpu-quota={facts.cpu_quota:g}" if facts.cpu_quota is not None else "")
+            + (f" beside={beside} running rank(s)" if beside else "")
         )
         out.append(RankTuning(tuple(mine) if mine is not None else None, env, summary))
     return out
