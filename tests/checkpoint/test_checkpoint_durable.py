@@ -10,13 +10,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
 
+from _durable_runs import wait_for_commit
 from ringtrain.checkpoint import manifest
 from ringtrain.errors import ConfigError
 from ringtrain.launch import command
@@ -67,11 +67,7 @@ def test_kill_9_the_launcher_then_resume(tmp_path: Path, finished_run: tuple[Pat
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 240
-        while not any(s >= 4 for s, _ in manifest.committed(str(ck))):
-            assert launcher.poll() is None, "the job ended before it could be killed"
-            assert time.monotonic() < deadline, "no checkpoint at step 4 in time"
-            time.sleep(0.2)
+        wait_for_commit(launcher, ck, 4)
         family = psutil.Process(launcher.pid).children(recursive=True)
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(10)

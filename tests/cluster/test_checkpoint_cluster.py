@@ -21,6 +21,7 @@ import psutil
 import pytest
 import torch
 
+from _durable_runs import wait_for_commit
 from ringtrain.checkpoint import manifest
 from ringtrain.testing import cluster as tc
 
@@ -69,11 +70,7 @@ def test_a_job_on_two_hosts_killed_then_resumed_swapped_ends_with_one_hosts_weig
         cwd=tmp_path,
     )
     try:
-        deadline = time.monotonic() + 240
-        while not any(s >= 4 for s, _ in manifest.committed(str(ck))):
-            assert launcher.poll() is None, "the job ended before it could be killed"
-            assert time.monotonic() < deadline, "no checkpoint at step 4 in time"
-            time.sleep(0.2)
+        wait_for_commit(launcher, ck, 4)
         running = {entry.split(":")[0] for entry in _left_on_hosts(cluster)}
         assert running == {"h0", "h1"}, running  # a rank (and its agent) on each host
         family = psutil.Process(launcher.pid).children(recursive=True)  # the ssh clients
