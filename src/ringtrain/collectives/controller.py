@@ -26,9 +26,8 @@ different process sets, see :mod:`ringtrain.collectives.crossset`) are made by t
 and travel in its next message. If a peer dies, the control exchange fails and every pending
 handle fails with :class:`CollectiveAbortedError` instead of hanging.
 
-Shutdown: a rank that shuts down votes so in its rounds; what then happens (at once for a rank
-that fails, once nothing is pending for one that finished) is
-:mod:`~ringtrain.collectives.shutdown_rules`.
+Shutdown: a rank that shuts down votes so in its rounds; what follows (at once for a failing
+rank, once nothing is pending for a finished one) is :mod:`~ringtrain.collectives.shutdown_rules`.
 
 The parts, each an object the controller owns: the table every rank holds alike
 (:mod:`~ringtrain.collectives.request_table`), the message and its wire
