@@ -119,7 +119,7 @@ def test_tuning_binds_cores_when_each_rank_gets_one() -> None:
 
 def test_ranks_joining_a_host_the_job_runs_on_share_its_cores_with_the_ranks_there() -> None:
     """An elastic job grows onto a host where 2 of its ranks already hold the 8 cores: the new
-    rank binds to none and takes a third of the threads, not all 8 (it took 8 before)."""
+    rank binds to none and takes 2 of the 8 threads (8 // 3), not all 8 (it took 8 before)."""
     facts = HostFacts("h", cpus=tuple(range(8)))
     (alone,) = tune(facts, 1, "auto", "system", {})
     assert alone.cpus == tuple(range(8)) and alone.env["OMP_NUM_THREADS"] == "8"
