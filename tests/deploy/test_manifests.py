@@ -124,6 +124,28 @@ def test_pods_are_guaranteed_with_whole_cpus_and_no_fsgroup(target: str, variant
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_every_targets_pods_never_restart_and_its_jobs_never_retry(target: str) -> None:
+    """docs/deploy.md, "What every pod gets": a restarted rank cannot rejoin the ring, so a
+    failed pod fails the job, on every target."""
+    docs = manifests.generate(spec_of("plain"), target, KEY)
+    policies: list[tuple[Any, Any]] = []  # (restartPolicy, backoffLimit) of each pod template
+    for d in docs:
+        if d["kind"] in ("PyTorchJob", "MPIJob"):
+            # The operators take restartPolicy from the replica spec, backoffLimit from runPolicy.
+            replicas = d["spec"][
+                "pytorchReplicaSpecs" if d["kind"] == "PyTorchJob" else "mpiReplicaSpecs"
+            ]
+            limit = d["spec"]["runPolicy"]["backoffLimit"]
+            policies += [(r["restartPolicy"], limit) for r in replicas.values()]
+        elif d["kind"] == "TrainingRuntime":
+            for rj in d["spec"]["template"]["spec"]["replicatedJobs"]:
+                job = rj["template"]["spec"]
+                policies.append((job["template"]["spec"]["restartPolicy"], job["backoffLimit"]))
+    assert len(policies) == len(pods(docs)) > 0
+    assert set(policies) == {("Never", 0)}
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_secure_pods_mount_the_key_read_only_0400_where_ranks_run(target: str) -> None:
     docs = manifests.generate(spec_of("secure"), target, KEY)
     for pod in pods(docs):

@@ -269,6 +269,9 @@ def runtime_name(spec: JobSpec) -> str:
 def trainingruntime(spec: JobSpec) -> Manifest:
     container = _container(spec, TRAINER_CONTAINER, _torchrun(spec))
     pod = _pod_template(spec, "node", [container], _key_volume(spec))
+    # As the other targets: a lost rank fails the job. Unset, Job's backoffLimit is 6 retries,
+    # each a pod that cannot rejoin the running ring.
+    pod["spec"]["restartPolicy"] = "Never"
     return {
         "apiVersion": "trainer.kubeflow.org/v1alpha1",
         "kind": "TrainingRuntime",
@@ -282,7 +285,7 @@ def trainingruntime(spec: JobSpec) -> Manifest:
                             "name": "node",
                             "template": {
                                 "metadata": {"labels": {TRAINER_ANCESTOR_LABEL: "trainer"}},
-                                "spec": {"template": pod},
+                                "spec": {"backoffLimit": 0, "template": pod},
                             },
                         }
                     ]
