@@ -64,6 +64,28 @@ def test_a_stranger_is_turned_away_and_the_job_goes_on() -> None:
     assert out0 == [None] and out1 == [None]
 
 
+def test_at_the_timeout_a_waiting_rank_fails_with_rank_0s_message() -> None:
+    """Rank 1 is admitted and waits for rank 2; a stranger claims rank 2 from host "evil". At
+    rank 0's timeout, rank 0 and the waiting rank 1 give the same message: the missing rank and
+    the rejected attempt with its host. (Rank 1's own timeout is longer here, so that rank 0's
+    comes first; a waiting rank whose own timeout passes first says rank 0 never answered.)"""
+    store, key = _store(), keys.generate_job_key()
+    t0, out0 = _run(rendezvous.authenticate, store, key, "job", 0, 3, "h0", 3)
+    t1, out1 = _run(rendezvous.authenticate, store, key, "job", 1, 3, "h1", 30)
+    t_bad, bad = _run(
+        rendezvous.authenticate, store, keys.generate_job_key(), "job", 2, 3, "evil", 30
+    )
+    for t in (t0, t1, t_bad):
+        t.join(40)
+    assert not any(t.is_alive() for t in (t0, t1, t_bad))
+    assert isinstance(bad[0], SecurityError) and "(host evil)" in str(bad[0])
+    why = "ranks [2] did not prove they hold the job key within 3 s; rejected attempts: rank 2 "
+    why += "from host evil: its proof of the job key did not verify (wrong key)"
+    for out in (out0, out1):
+        assert isinstance(out[0], SecurityError)
+        assert str(out[0]).startswith(why), str(out[0])
+
+
 def test_the_job_prefix_needs_the_key() -> None:
     key = keys.generate_job_key()
     assert rendezvous.job_prefix(key, "j") == rendezvous.job_prefix(key, "j")
@@ -79,13 +101,19 @@ def test_a_rank_with_the_wrong_key_fails_clearly_on_every_rank(
     world2: World, key_file: str, tmp_path: Any
 ) -> None:
     other = keys.write_key_file(tmp_path / "other.key", keys.generate_job_key())
-    envs = [{"RINGTRAIN_KEY_FILE": key_file}, {"RINGTRAIN_KEY_FILE": other}]
+    envs = [
+        {"RINGTRAIN_KEY_FILE": key_file, "RINGTRAIN_HOSTNAME": "node-a"},
+        {"RINGTRAIN_KEY_FILE": other, "RINGTRAIN_HOSTNAME": "node-b"},
+    ]
     with pytest.raises(RankFailed) as info:
         world2.run(_sum, env=envs, timeout=60, secure=True, timeout_s=5)
     msg = str(info.value)
     rank0, rank1 = msg.split("--- rank 1 ---")
+    # rank 1 fails at once, on rank 0's proof; rank 0 at the timeout, naming the attempt's host
     assert "SecurityError" in rank1 and "could not verify rank 0's proof" in rank1
+    assert "rank 1 (host node-b)" in rank1
     assert "SecurityError" in rank0 and "ranks [1] did not prove" in rank0
+    assert "rejected attempts: rank 1 from host node-b: " in rank0
     assert "wrong key" in rank0  # rank 0 saw and rejected the attempt
     # the same ranks with the same key work
     assert world2.run(_sum, secure=True, key_file=key_file) == [2.0, 2.0]
