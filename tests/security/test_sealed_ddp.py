@@ -1,4 +1,5 @@
-"""Plain torch DDP on the ``ringtrain_sealed`` backend trains to the same weights as on Gloo."""
+"""Plain torch DDP on the ``ringtrain_sealed`` backend trains to the same weights as on Gloo; with
+a wrong key, plain ``init_process_group`` fails at the first message on both ranks."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import datetime
 import gc
 import os
 import uuid
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from ringtrain.security import keys
 from ringtrain.testing.spawn import World
 
 
@@ -75,3 +78,49 @@ def test_ddp_on_the_sealed_backend_matches_gloo(world2: World, key_file: str) ->
         for name in p:
             assert torch.equal(p[name], s[name]), name
     assert all(torch.equal(sealed[0][k], sealed[1][k]) for k in sealed[0])
+
+
+def _allreduce_error(tag: str) -> str:
+    """Plain ``init_process_group`` on the sealed backend (no ringtrain.init, so no authenticated
+    rendezvous), then one allreduce: the error it raised, as ``Type: message``."""
+    import torch.distributed as dist
+
+    from ringtrain.transport import sealed_backend
+
+    r, n = int(os.environ["RINGTRAIN_RANK"]), int(os.environ["RINGTRAIN_SIZE"])
+    client = dist.TCPStore(
+        "127.0.0.1",
+        int(os.environ["RINGTRAIN_RENDEZVOUS_PORT"]),
+        None,
+        False,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    sealed_backend.register()
+    dist.init_process_group(
+        "ringtrain_sealed",
+        store=dist.PrefixStore(f"ddp/{tag}", client),
+        rank=r,
+        world_size=n,
+        timeout=datetime.timedelta(seconds=20),
+    )
+    try:
+        dist.all_reduce(torch.ones(4))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group()
+        sealed_backend.deconfigure()
+    return "no error"
+
+
+def test_plain_init_with_a_wrong_key_fails_at_the_first_message(
+    world2: World, key_file: str, tmp_path: Path
+) -> None:
+    """docs/security.md: without ringtrain.init there is no authenticated rendezvous, and a
+    wrong key still fails at the first message, on both ranks, instead of hanging."""
+    other = keys.write_key_file(tmp_path / "other.key", keys.generate_job_key())
+    envs = [{"RINGTRAIN_KEY_FILE": key_file}, {"RINGTRAIN_KEY_FILE": other}]
+    errors = world2.run(_allreduce_error, uuid.uuid4().hex, init=False, env=envs, timeout=90)
+    for r, error in enumerate(errors):
+        assert error.startswith("SecurityError: "), (r, error)
+        assert f"message from rank {1 - r} (host" in error and "another key" in error, error
