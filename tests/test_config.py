@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
+import pwd
 import re
+import shutil
+import tempfile
 from dataclasses import fields
 from pathlib import Path
 
@@ -214,6 +218,60 @@ def test_settings_from_a_file_take_text_as_the_variables_do() -> None:
         settings_from({"timeout_s": "nan"}, "--set")
     with pytest.raises(ConfigError, match=r"^settings: compresion: unknown ringtrain setting"):
         settings_from({"compresion": "fp16"})
+
+
+def _refusal_as_a_user_not_root(path: str) -> tuple[str, str]:
+    """check_path's message for ``path``, and the user it checked for. Root writes anywhere, so
+    as root the check runs in a forked child that has become ``nobody`` (uid 65534), its $USER
+    still root's, as after ``su``."""
+    if os.getuid() != 0:
+        with pytest.raises(ConfigError) as e:
+            check_path("--x", path)
+        return str(e.value), _name(os.getuid())
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.environ["USER"] = "root"
+            try:
+                check_path("--x", path)
+                os.write(write, b"no error")
+            except ConfigError as e:
+                os.write(write, str(e).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        message = f.read()
+    os.waitpid(pid, 0)
+    return message, _name(65534)
+
+
+def _name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def test_paths_in_a_directory_this_user_cannot_write_are_refused() -> None:
+    # Under /tmp, not tmp_path: as root the check runs as nobody, who must reach the directory.
+    base = Path(tempfile.mkdtemp())
+    locked = base / "locked"
+    try:
+        base.chmod(0o755)
+        locked.mkdir(mode=0o555)
+        message, user = _refusal_as_a_user_not_root(str(locked / "new" / "t.json"))
+        check_path("--x", str(locked / "t.json"), writable=False)  # only read: no refusal
+    finally:
+        shutil.rmtree(base)
+    assert message == (
+        f"--x: this user ({user}) cannot write in {locked}.\n"
+        "HINT: give a path in a directory you can write to."
+    )
 
 
 def test_a_launchers_compression_must_be_ringtrains() -> None:

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import getpass
 import math
 import numbers
 import os
+import pwd
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -518,9 +518,10 @@ def check_path(label: str, path: str, *, directory: bool = False, writable: bool
 
 
 def _user() -> str:
+    # The real uid's name, as os.access checks it: not $USER, which su or sudo may leave as it was.
     try:
-        return getpass.getuser()
-    except (KeyError, OSError):  # no passwd entry (a container's arbitrary uid)
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:  # no passwd entry (a container's arbitrary uid)
         return f"uid {os.getuid()}"
 
 
