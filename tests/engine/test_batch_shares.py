@@ -222,3 +222,17 @@ def test_the_config_gives_shares_where_the_argument_does_not() -> None:
     assert settings.check(Config.from_env({"RINGTRAIN_SYNC_EVERY": "10"}), given).shares
     with pytest.raises(ConfigError, match="op=Sum"):
         Reduction.of("Sum", 1.0, 1, False, [1, 2])
+
+
+def test_auto_shares_are_refused_with_overlap() -> None:
+    # Checked before any process world is needed: the argument and the variable alike.
+    overlapped = Config.from_env({}).replace(overlap=True)
+    auto = Reduction.of(None, 1.0, 1, False, "auto")
+    with pytest.raises(ConfigError, match=r"overlap=True does not have"):
+        settings.check(overlapped, auto)
+    from_env = Config.from_env({"RINGTRAIN_BATCH_SHARES": "auto", "RINGTRAIN_OVERLAP": "1"})
+    with pytest.raises(ConfigError, match=r"batch_shares='auto' agrees on new shares"):
+        settings.check(from_env, Reduction.of(None, 1.0, 1, False))
+    # Given shares do combine with overlap, and "auto" without it is accepted.
+    assert settings.check(overlapped, Reduction.of(None, 1.0, 1, False, [3, 1])).shares
+    assert settings.check(Config.from_env({}), auto).shares == "auto"
