@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from ringtrain import environ
+from ringtrain.config import Config
+from ringtrain.errors import ConfigError
 
 SRC = Path(environ.__file__).parent
 TABLE = Path(environ.__file__)
@@ -91,3 +93,27 @@ def test_writes_go_through_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
     assert environ.current()["RINGTRAIN_TEST_ENVIRON"] == "a"
     environ.pop("RINGTRAIN_TEST_ENVIRON")
     assert "RINGTRAIN_TEST_ENVIRON" not in environ.current()
+
+
+def test_every_horovod_variable_without_meaning_is_reported() -> None:
+    # A name both in HOROVOD_UNUSED and matched by HOROVOD_PLACEMENT would pass silently.
+    for pattern, why in environ.HOROVOD_UNUSED.items():
+        var = pattern.replace("*", "X")
+        assert environ.horovod_unused({var: "1"}) == [(var, why)], var
+
+
+def test_horovod_gloo_timeout_is_the_timeout_and_placement_stays_silent() -> None:
+    # Horovod bounds every Gloo rendezvous and operation by it, as timeout_s does here.
+    env = {
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": "45",
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1",
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": "5000",
+        "HOROVOD_GLOO_IFACE": "lo",
+    }
+    assert environ.horovod_settings(env) == {"timeout_s": 45, "network_interface": "lo"}
+    assert Config.from_env(env).timeout_s == 45
+    assert environ.horovod_unused(env) == []
+    new = {"HOROVOD_GLOO_SOMETHING_NEW": "1"}
+    assert environ.horovod_unused(new) == [("HOROVOD_GLOO_SOMETHING_NEW", "not known to ringtrain")]
+    with pytest.raises(ConfigError, match=r"an integer of seconds, > 0"):
+        environ.horovod_settings({"HOROVOD_GLOO_TIMEOUT_SECONDS": "0"})

@@ -358,6 +358,11 @@ HOROVOD_VARS: dict[str, HorovodVar] = {
         "stall_shutdown_s", _hvd_number(int, "seconds")
     ),
     "HOROVOD_GLOO_IFACE": HorovodVar("network_interface", str.strip),
+    # Horovod's timeout of every Gloo rendezvous and operation (horovodrun's
+    # --gloo-timeout-seconds, which ringtrain run reads as --timeout).
+    "HOROVOD_GLOO_TIMEOUT_SECONDS": HorovodVar(
+        "timeout_s", _hvd_number(int, "seconds", positive=True)
+    ),
     "HOROVOD_LOG_LEVEL": HorovodVar("log_level", _hvd_level),
 }
 
@@ -365,7 +370,6 @@ HOROVOD_VARS: dict[str, HorovodVar] = {
 # ones set). Patterns are globs.
 HOROVOD_UNUSED: dict[str, str] = {
     "HOROVOD_MPI_THREADS_DISABLE": "no MPI inside ringtrain",
-    "HOROVOD_GLOO_TIMEOUT_SECONDS": "rendezvous waits are bounded by --start-timeout/timeout_s",
     "HOROVOD_HIERARCHICAL_ALLGATHER": "allgather is always flat",
     "HOROVOD_AUTOTUNE*": "no autotuner; compression='auto' measures and picks",
     "HOROVOD_TIMELINE_MARK_CYCLES": "the timeline has no cycle marks",
@@ -386,9 +390,9 @@ HOROVOD_UNUSED: dict[str, str] = {
 }
 
 # Set by a launcher (ringtrain run writes these itself) and read as placement, not settings.
-HOROVOD_PLACEMENT = (
-    *(v for k, v in vars(Horovod).items() if not k.startswith("_") and isinstance(v, str)),
-    "HOROVOD_GLOO_*",
+# No HOROVOD_GLOO_* glob: HOROVOD_GLOO_TIMEOUT_SECONDS is a setting, and an unknown one is reported.
+HOROVOD_PLACEMENT = tuple(
+    v for k, v in vars(Horovod).items() if not k.startswith("_") and isinstance(v, str)
 )
 
 
