@@ -28,6 +28,13 @@ RANK_SCRIPT = textwrap.dedent(
     open(os.path.join(sys.argv[1], f"pid.{rank}"), "w").write(str(os.getpid()))
     mode = sys.argv[2]
     print(f"hello from {rank} of {os.environ['HOROVOD_SIZE']}", flush=True)
+    if mode == "ok":  # the rest of what horovodrun sets for a rank
+        names = "RANK LOCAL_RANK LOCAL_SIZE CROSS_RANK CROSS_SIZE HOSTNAME CONTROLLER"
+        names += " CPU_OPERATIONS"
+        gloo, ours = ([os.environ.get(f"{p}_RENDEZVOUS_{v}") for v in ("ADDR", "PORT")]
+                      for p in ("HOROVOD_GLOO", "RINGTRAIN"))
+        print(*(f"{n}={os.environ.get('HOROVOD_' + n)}" for n in names.split()),
+              f"GLOO_RENDEZVOUS_IS_THE_STORE={gloo == ours and None not in gloo}")
     if mode == "fail" and rank == 1:
         # Fail once the job's store is up: the launcher waits for it (a torch import, many
         # seconds on a loaded machine) before it acts on the ranks' news.
@@ -123,7 +130,13 @@ def test_success_prefixes_output_and_sets_horovod_variables(tmp_path: Path) -> N
     code, out, err = _finish(proc)
     assert code == 0, err
     lines = sorted(out.splitlines())
-    assert lines == [f"[{r}] hello from {r} of 3" for r in range(3)]
+    assert [x for x in lines if "hello" in x] == [f"[{r}] hello from {r} of 3" for r in range(3)]
+    # One host: local = global, one cross group; Gloo does every CPU operation, as in Horovod.
+    assert [x for x in lines if "hello" not in x] == [
+        f"[{r}] RANK={r} LOCAL_RANK={r} LOCAL_SIZE=3 CROSS_RANK=0 CROSS_SIZE=1 "
+        "HOSTNAME=localhost CONTROLLER=gloo CPU_OPERATIONS=gloo GLOO_RENDEZVOUS_IS_THE_STORE=True"
+        for r in range(3)
+    ]
 
 
 def test_failing_rank_ends_the_job_with_its_code(tmp_path: Path) -> None:
