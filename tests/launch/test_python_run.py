@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import ringtrain
+from ringtrain.launch.python_run import MAX_PAYLOAD
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -43,8 +44,18 @@ def test_a_rank_that_raises_fails_the_call_as_horovod_run_does() -> None:
 def test_arguments_horovod_run_refuses_or_ringtrain_cannot_honour() -> None:
     with pytest.raises(ringtrain.ConfigError, match="hosts or hostfile"):
         ringtrain.run(print, hosts="localhost:2", hostfile="hosts.txt")
-    with pytest.raises(ringtrain.ConfigError, match="use_mpi"):
-        ringtrain.run(print, np=2, use_mpi=True)
+    for mpi in ({"use_mpi": True}, {"mpi_args": "-x FOO"}):
+        with pytest.raises(ringtrain.ConfigError, match=r"use_mpi/mpi_args") as refused:
+            ringtrain.run(print, np=2, **mpi)
+        _assert_hint_on_its_own_line(str(refused.value))
+    with pytest.raises(ringtrain.ConfigError, match=r"more than a command line") as too_big:
+        ringtrain.run(print, args=(b"x" * MAX_PAYLOAD,), np=2)
+    _assert_hint_on_its_own_line(str(too_big.value))
+
+
+def _assert_hint_on_its_own_line(message: str) -> None:
+    assert "\\n" not in message  # a real newline, not a backslash and an n
+    assert [x for x in message.splitlines() if x.startswith("HINT: ")], message
 
 
 # pytorch_mnist.py's shape: a main() in the script's __main__, started with --num-proc.

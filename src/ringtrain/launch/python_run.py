@@ -69,7 +69,7 @@ def run(
     if use_mpi or mpi_args:
         raise ConfigError(
             "ringtrain.run: use_mpi/mpi_args are not supported: ringtrain's launcher starts the "
-            "ranks itself (ssh, no MPI).\\nHINT: drop them, or start the script with mpirun, "
+            "ranks itself (ssh, no MPI).\nHINT: drop them, or start the script with mpirun, "
             "which ringtrain's ranks also run under."
         )
     flags = _flags(
@@ -93,7 +93,7 @@ def run(
     if len(payload) > MAX_PAYLOAD:
         raise ConfigError(
             f"ringtrain.run: the function and its arguments pickle to {len(payload)} bytes "
-            f"(base64), more than a command line carries ({MAX_PAYLOAD}).\\nHINT: pass paths "
+            f"(base64), more than a command line carries ({MAX_PAYLOAD}).\nHINT: pass paths "
             "or small values, and load large data inside the function."
         )
     argv = [*flags, "--", executable or sys.executable, "-m", "ringtrain.launch.run_func"]
