@@ -153,7 +153,7 @@ for _ in range(3):
     hvd.allreduce(torch.ones(2), name="same")
 controller = state.global_process_set.communicator.service("controller")
 print("config", c.fusion_threshold_bytes, c.cycle_time_ms, c.hierarchical, c.stall_warning_s,
-      c.cache_capacity, logging.getLogger("ringtrain").level == logging.DEBUG)
+      c.cache_capacity, logging.getLogger("ringtrain").level == logging.DEBUG, c.timeout_s)
 print("cached", len(controller._requests.cache))
 print("to stderr", hvd.rank(), file=__import__("sys").stderr)
 hvd.shutdown()
@@ -170,17 +170,19 @@ def test_real_job_with_horovodrun_flags_and_horovod_variables(tmp_path: Path, np
         "HOROVOD_CACHE_CAPACITY": "0",
         "HOROVOD_LOG_LEVEL": "TRACE",
         "RINGTRAIN_STALL_WARNING_S": "45",  # ringtrain's own variable wins
+        "RINGTRAIN_CYCLE_TIME_MS": "3",  # ...but not over the launcher's flag (--cycle-time-ms)
         "HOROVOD_MPI_THREADS_DISABLE": "1",
         "NCCL_IB_DISABLE": "1",
     }
     proc = _run(
         "-np", str(np), "--gloo", "-v", "--output-filename", "logs", "--no-hierarchical-allreduce",
-        "--cycle-time-ms", "4", sys.executable, "train.py", env=env, cwd=tmp_path,
+        "--cycle-time-ms", "4", "--timeout", "200", "-x", "RINGTRAIN_TIMEOUT_S=100",
+        sys.executable, "train.py", env=env, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # Flag (launcher) > HOROVOD_* (environment); RINGTRAIN_* > HOROVOD_*; TRACE reads as DEBUG.
+    # Flag (launcher) > RINGTRAIN_* (environment or -x) > HOROVOD_*; TRACE reads as DEBUG.
     for rank in range(np):
-        assert f"[{rank}] config 1048576 4.0 off 45.0 0 True" in proc.stdout
+        assert f"[{rank}] config 1048576 4.0 off 45.0 0 True 200.0" in proc.stdout
         assert f"[{rank}] cached 0" in proc.stdout  # HOROVOD_CACHE_CAPACITY=0: no cache
     # One line for --gloo, and the variables without meaning listed once.
     assert proc.stderr.count("--gloo is not needed") == 1
