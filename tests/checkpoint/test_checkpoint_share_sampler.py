@@ -87,6 +87,9 @@ def test_saved_ranks_must_agree_and_the_order_must_be_the_same() -> None:
     reseeded = ShareSampler(DATA, 8, [1, 1], 0, seed=8)
     with pytest.raises(ConfigError, match=r"seed 7 \(now 8\)"):
         samplers.restore(reseeded, states, 0, 2)
+    unshuffled = ShareSampler(DATA, 8, [1, 1], 0, seed=7, shuffle=False)
+    with pytest.raises(ConfigError, match=r"(?s)shuffle 1 \(now 0\).*HINT"):
+        samplers.restore(unshuffled, states, 0, 2)
     plain: DistributedSampler[int] = DistributedSampler(DATA, 2, 0)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="ShareSampler's position, got DistributedSampler"):
         samplers.restore(plain, states, 0, 2)
