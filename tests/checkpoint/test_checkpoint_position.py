@@ -101,3 +101,44 @@ def test_topk_error_feedback_same_size_restored_other_size_reset(tmp_path: Path)
             assert torch.equal(again[r]["residuals"][k], v)
     at_three = spawn.world(3).run(_load_compressed, path, "topk")
     assert all(not got["residuals"] for got in at_three)
+
+
+def _auto_on_topk(path: str) -> dict[str, Any]:
+    """An ``auto`` optimizer whose decision is top-k (restored, as a resumed job's is: on
+    loopback auto would keep uncompressed, which has no state), trained so top-k holds error
+    feedback, then saved."""
+    from ringtrain.engine.optimizer import COMPRESSOR_STATE_KEY
+
+    torch.manual_seed(3)
+    model = torch.nn.Linear(16, 8)
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        compression="auto",
+    )
+    decided = {"version": 1, "choice": "topk", "reason": "decided before the save"}
+    opt.load_state_dict(
+        {**opt.state_dict(), COMPRESSOR_STATE_KEY: {"name": "auto", "state": decided}}
+    )
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.ones(2, 16) * (rt.rank() + step + 1)).sum().backward()
+        opt.step()
+    ckpt.save(path, model=model, optimizer=opt)
+    return opt.compression.state_dict()
+
+
+def test_auto_keeps_its_decision_at_another_size_with_its_inner_state_reset(
+    tmp_path: Path, world2: spawn.World
+) -> None:
+    path = str(tmp_path / "step-3")
+    saved = world2.run(_auto_on_topk, path)
+    assert all(s["choice"] == "topk" and s["inner"]["residuals"] for s in saved)
+    again = world2.run(_load_compressed, path, "auto")
+    for r in range(2):  # same size: the decision and each rank's own residuals
+        assert again[r]["choice"] == "topk"
+        for k, v in saved[r]["inner"]["residuals"].items():
+            assert torch.equal(again[r]["inner"]["residuals"][k], v)
+    (alone,) = spawn.world(1).run(_load_compressed, path, "auto")
+    assert alone["choice"] == "topk" and "restored from a checkpoint" in alone["reason"]
+    assert not alone["inner"]["residuals"]  # error feedback of 2 ranks means nothing at 1
