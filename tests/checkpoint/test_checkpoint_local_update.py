@@ -8,6 +8,7 @@ objects and trained on, every rank ends bitwise where the run that never stopped
 1 and 3 ranks: every rank starts from the anchor and the outer optimizer's state, takes saved
 rank ``r mod 2``'s inner state, the rest is reset and a log line says so; at 3 the ranks agree
 after the next outer step. Sealed (secure mode): the same, with no plaintext weights on disk.
+A checkpoint without local updates starts a local-update optimizer afresh from its weights.
 ``hvd.elastic.TorchState`` saves and loads it too.
 """
 
@@ -302,6 +303,37 @@ def test_torch_state_saves_and_loads_local_updates(tmp_path: Path, world2: spawn
     for r in range(2):
         _same(want[r]["saved"], got[r]["loaded"], f"rank {r} as loaded")
         _same(want[r]["final"], got[r]["final"], f"rank {r} at the end")
+
+
+def _plain_into_local(path: str) -> dict[str, Any]:
+    """Saved by a plain DistributedOptimizer, loaded into a local-update one that has trained
+    past an outer step (an anchor, outer momentum), then one step."""
+    plain = Net(5)
+    opt = rt.DistributedOptimizer(
+        torch.optim.Adam(plain.parameters(), lr=0.01), named_parameters=plain.named_parameters()
+    )
+    _train(plain, opt, range(2))
+    ckpt.save(path, model=plain, optimizer=opt, step=2)
+    model, local = _make(99)
+    _train(model, local, range(H + 1))
+    lu = local.local_update
+    assert lu.anchor is not None and lu.outer.state_dict()["state"]
+    ckpt.load(path, model=model, optimizer=local)
+    loaded = [p.detach().clone() for p in model.parameters()]
+    got: dict[str, Any] = {
+        "same": all(torch.equal(a, b) for a, b in zip(loaded, plain.parameters())),
+        "afresh": (lu.anchor, lu.inner_steps, lu.outer.state_dict()["state"]) == (None, 0, {}),
+    }
+    _train(model, local, range(2, 3))
+    got["anchor"] = all(torch.equal(a, b) for a, b in zip(lu.anchor, loaded))
+    return got
+
+
+def test_a_checkpoint_without_local_updates_starts_them_afresh(
+    tmp_path: Path, world2: spawn.World
+) -> None:
+    got = world2.run(_plain_into_local, str(tmp_path / "step-2"))
+    assert all(g == {"same": True, "afresh": True, "anchor": True} for g in got), got
 
 
 # ---- files written before fragments ------------------------------------------------------------
