@@ -1,6 +1,7 @@
 """What keeps a save's blocking part short and its write light: no collective per save, the
 part streamed to disk (hashed and sealed on the way), buffers and the writer's mappings reused,
-small tensors handed over as raw bytes, a later save's directory never swept early."""
+small tensors handed over as raw bytes, a later save's directory never swept early; a rank
+that skipped a save is never mixed into another rank's save."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from typing import Any
 import pytest
 import torch
 
+import ringtrain as rt
 import ringtrain.checkpoint as ckpt
 from ringtrain.checkpoint import api, layout, manifest, sealed, store, writer
 from ringtrain.checkpoint.layout import Item
-from ringtrain.errors import SecurityError
+from ringtrain.errors import CheckpointError, SecurityError
 from ringtrain.testing import spawn
 
 pytestmark = pytest.mark.timeout(600)
@@ -144,3 +146,29 @@ def test_one_agreement_per_world_not_per_save(tmp_path: Path, world2: spawn.Worl
     got = world2.run(_saves_without_collectives, str(tmp_path))
     assert [n for n, _ in got] == [1, 1]  # the first save agrees on a prefix; then none
     assert got[0][1] == [1, 2, 3]
+
+
+def _rank_0_skips_a_save(root: str) -> str:
+    """Rank 0 skips step 2, so its save of step 3 has rank 1's step-2 id (the first save's:
+    no save needs the other rank's part in time). Returns what rank 0's ``wait()`` raised."""
+    model = torch.nn.Linear(16, 16)
+    with ckpt.Checkpointer(root, keep=0) as saver:
+        for step in (2, 3) if rt.rank() == 1 else (3,):
+            saver.save(step, model=model)
+        try:
+            saver.wait()
+        except CheckpointError as e:
+            return str(e)
+    return ""
+
+
+def test_a_rank_that_skipped_a_save_is_never_mixed_in(tmp_path: Path, world2: spawn.World) -> None:
+    # timeout_s: how long rank 0's writer waits for the other ranks' parts.
+    said = world2.run(_rank_0_skips_a_save, str(tmp_path), timeout_s=10)
+    assert said[1] == ""  # rank 1 wrote its parts; committing is rank 0's
+    assert "step-000000003 failed" in said[0] and "ranks [1] wrote no part" in said[0], said
+    assert manifest.committed(str(tmp_path)) == []
+    # Rank 1's part of step 3 was written, under its own id, beside the one rank 0 waited in.
+    waited = said[0].split("wrote no part into ")[1].split(" within")[0]
+    (theirs,) = [p for p in tmp_path.glob(".step-000000003.partial-*") if str(p) != waited]
+    assert (theirs / layout.part_file(1)).exists()
