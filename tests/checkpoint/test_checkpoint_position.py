@@ -72,12 +72,7 @@ def _compressed(path: str, compression: str) -> dict[str, Any]:
         named_parameters=model.named_parameters(),
         compression=compression,
     )
-    for step in range(3):
-        opt.zero_grad()
-        model(torch.ones(2, 16) * (rt.rank() + step + 1)).sum().backward()
-        opt.step()
-    ckpt.save(path, model=model, optimizer=opt)
-    return opt.compression.state_dict()
+    return _train_and_save(path, model, opt)
 
 
 def _load_compressed(path: str, compression: str) -> dict[str, Any]:
@@ -103,6 +98,18 @@ def test_topk_error_feedback_same_size_restored_other_size_reset(tmp_path: Path)
     assert all(not got["residuals"] for got in at_three)
 
 
+def _train_and_save(path: str, model: torch.nn.Module, opt: Any) -> dict[str, Any]:
+    """Three steps, each rank on its own data (so the compressors hold state), then a save:
+    the compressor's state as saved."""
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.ones(2, 16) * (rt.rank() + step + 1)).sum().backward()
+        opt.step()
+    ckpt.save(path, model=model, optimizer=opt)
+    state: dict[str, Any] = opt.compression.state_dict()
+    return state
+
+
 def _auto_on_topk(path: str) -> dict[str, Any]:
     """An ``auto`` optimizer whose decision is top-k (restored, as a resumed job's is: on
     loopback auto would keep uncompressed, which has no state), trained so top-k holds error
@@ -120,12 +127,7 @@ def _auto_on_topk(path: str) -> dict[str, Any]:
     opt.load_state_dict(
         {**opt.state_dict(), COMPRESSOR_STATE_KEY: {"name": "auto", "state": decided}}
     )
-    for step in range(3):
-        opt.zero_grad()
-        model(torch.ones(2, 16) * (rt.rank() + step + 1)).sum().backward()
-        opt.step()
-    ckpt.save(path, model=model, optimizer=opt)
-    return opt.compression.state_dict()
+    return _train_and_save(path, model, opt)
 
 
 def test_auto_keeps_its_decision_at_another_size_with_its_inner_state_reset(

@@ -8,6 +8,7 @@ import gc
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,9 @@ def _train(steps: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
 
 
-def _ddp(backend: str, tag: str, steps: int) -> dict[str, torch.Tensor]:
+def _plain_group(backend: str, tag: str, **kw: Any) -> None:
+    """``init_process_group`` as a plain torch script calls it (no ringtrain.init), on the
+    test world's store."""
     import torch.distributed as dist
 
     from ringtrain.transport import sealed_backend
@@ -50,8 +53,16 @@ def _ddp(backend: str, tag: str, steps: int) -> dict[str, torch.Tensor]:
     )
     sealed_backend.register()
     dist.init_process_group(
-        backend, store=dist.PrefixStore(f"ddp/{tag}", client), rank=r, world_size=n
+        backend, store=dist.PrefixStore(f"ddp/{tag}", client), rank=r, world_size=n, **kw
     )
+
+
+def _ddp(backend: str, tag: str, steps: int) -> dict[str, torch.Tensor]:
+    import torch.distributed as dist
+
+    from ringtrain.transport import sealed_backend
+
+    _plain_group(backend, tag)
     try:
         # The DDP model is gone before the group is destroyed. Torch deadlocks otherwise: DDP's
         # reducer would drop the group's last reference with the GIL held, and the group's
@@ -87,22 +98,7 @@ def _allreduce_error(tag: str) -> str:
 
     from ringtrain.transport import sealed_backend
 
-    r, n = int(os.environ["RINGTRAIN_RANK"]), int(os.environ["RINGTRAIN_SIZE"])
-    client = dist.TCPStore(
-        "127.0.0.1",
-        int(os.environ["RINGTRAIN_RENDEZVOUS_PORT"]),
-        None,
-        False,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    sealed_backend.register()
-    dist.init_process_group(
-        "ringtrain_sealed",
-        store=dist.PrefixStore(f"ddp/{tag}", client),
-        rank=r,
-        world_size=n,
-        timeout=datetime.timedelta(seconds=20),
-    )
+    _plain_group("ringtrain_sealed", tag, timeout=datetime.timedelta(seconds=20))
     try:
         dist.all_reduce(torch.ones(4))
     except Exception as e:
