@@ -29,6 +29,7 @@ def test_every_collective_error_is_a_horovod_internal_error() -> None:
         CollectiveAbortedError("aborted"),
         dist.DistError("Connection closed by peer"),
         RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset"),
+        ConnectionResetError("ringtrain's TCP mesh: the peer closed the connection"),
     ],
 )
 def test_a_peer_failure_resets(error: BaseException) -> None:

@@ -82,6 +82,15 @@ def test_executor_arguments_are_checked_as_horovod_does(kwargs: dict, message: s
         RayExecutor(RayExecutor.create_settings(), **kwargs)
 
 
+def test_executor_refuses_callbacks_before_anything_runs() -> None:
+    ex = RayExecutor(num_workers=2)  # not started: the refusal comes first
+    for call in (ex.run, ex.execute):
+        with pytest.raises(
+            ValueError, match=r"callbacks are not supported by ringtrain's RayExecutor"
+        ):
+            call(lambda *_: 1, callbacks=[print])
+
+
 def test_executor_without_start_says_so() -> None:
     ex = RayExecutor(num_workers=2)
     with pytest.raises(Exception, match="call start"):
