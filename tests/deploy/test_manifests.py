@@ -146,6 +146,33 @@ def test_every_targets_pods_never_restart_and_its_jobs_never_retry(target: str) 
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_every_object_and_pod_carries_the_jobs_labels(target: str) -> None:
+    """docs/deploy.md, "What every pod gets": one instance label selects one job's objects and
+    pods; the component says which part each is."""
+    docs = manifests.generate(spec_of("secure"), target, KEY)
+    components = []
+    for d in docs:
+        templates = []
+        if d["kind"] in ("PyTorchJob", "MPIJob"):
+            key = "pytorchReplicaSpecs" if d["kind"] == "PyTorchJob" else "mpiReplicaSpecs"
+            templates = [r["template"] for r in d["spec"][key].values()]
+        elif d["kind"] == "TrainingRuntime":
+            jobs = d["spec"]["template"]["spec"]["replicatedJobs"]
+            templates = [rj["template"]["spec"]["template"] for rj in jobs]
+        for labels in [d["metadata"]["labels"]] + [t["metadata"]["labels"] for t in templates]:
+            assert labels["app.kubernetes.io/name"] == "ringtrain"
+            assert labels["app.kubernetes.io/instance"] == "mnist"
+            components.append(labels["app.kubernetes.io/component"])
+    assert len(components) == len(docs) + len(pods(docs))
+    expected = {
+        "pytorchjob": ["key", "job", "master", "worker"],
+        "mpijob": ["key", "job", "launcher", "worker"],
+        "trainjob": ["key", "runtime", "node", "job"],
+    }[target]
+    assert components == expected
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_secure_pods_mount_the_key_read_only_0400_where_ranks_run(target: str) -> None:
     docs = manifests.generate(spec_of("secure"), target, KEY)
     for pod in pods(docs):

@@ -53,9 +53,9 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import getpass
 import json
 import os
+import pwd
 import re
 import shlex
 import socket
@@ -347,7 +347,7 @@ class Cluster:
         lines += [
             "Host *",
             f"    Port {self.port}",
-            f"    User {getpass.getuser()}",
+            f"    User {pwd.getpwuid(os.getuid()).pw_name}",  # sshd logs in the uid, not $USER
             f"    IdentityFile {self.identity_file}",
             "    IdentitiesOnly yes",
             f"    UserKnownHostsFile {self.known_hosts_path}",
