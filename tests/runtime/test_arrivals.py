@@ -79,6 +79,46 @@ def test_ranks_that_never_arrive_are_named_at_the_timeout(
     assert "init() is still waiting for rank(s) [1, 3]" in caplog.text
 
 
+def test_the_lowest_waiting_rank_says_who_is_missing_again_while_it_waits(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """docs/launch.md: named after SAY_AFTER_S, then every SAY_EVERY_S (10 s and 30 s; shortened
+    here), by the lowest rank that arrived only: rank 1 waits as long and says nothing."""
+    monkeypatch.setattr(arrivals, "SAY_AFTER_S", 0.1)
+    monkeypatch.setattr(arrivals, "SAY_EVERY_S", 0.6)
+    monkeypatch.setattr(arrivals, "LOOK_EVERY_S", 0.05)
+    store, base = _world()
+    said: dict[int, list[float]] = {0: [], 1: []}
+
+    def rank(r: int) -> None:
+        with pytest.raises(MissingRanksError):
+            arrivals.wait_for_all(store, r, 3, timeout_s=2.0, records=base)
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "is still waiting for rank(s) [2]" in record.getMessage():
+                said[record.args[0]].append(time.monotonic())  # type: ignore[index]
+
+    handler = Said()
+    logging.getLogger("ringtrain").addHandler(handler)
+    try:
+        with caplog.at_level(logging.WARNING, "ringtrain"):
+            threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+    finally:
+        logging.getLogger("ringtrain").removeHandler(handler)
+    assert not any(t.is_alive() for t in threads)
+    assert said[1] == []
+    # 2 s of waiting: said at about 0.1, 0.7 and 1.3 s (at least twice on a loaded machine),
+    # never twice within SAY_EVERY_S.
+    assert len(said[0]) >= 2
+    gaps = [b - a for a, b in zip(said[0], said[0][1:], strict=False)]
+    assert min(gaps) >= 0.6
+
+
 def test_in_a_big_world_each_look_reads_a_window_of_ranks_in_turn(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
