@@ -5,13 +5,19 @@ too, instead of waiting (TCPStore alone waits for ever there)."""
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from ringtrain.errors import LaunchEnvironmentError
+from ringtrain.runtime import store_connect
 
 RANK = """
 import time
@@ -62,3 +68,30 @@ def test_a_taken_master_port_is_named_by_both_ranks_within_seconds(tmp_path: Pat
     for out in (out0, out1):
         assert "HINT: choose a free port (MASTER_PORT, torchrun --master-port)" in out
         assert float(out.split()[1]) < 40, out  # "after 17.2 s: ..."; not timeout_s's 300
+
+
+def test_a_rank_that_finds_nothing_listening_says_so_every_period_then_names_the_store(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """docs/launch.md: while nothing listens at the store's address, a warning every
+    SAY_EVERY_S (30 s; shortened here), and at timeout_s an error naming the address."""
+    monkeypatch.setattr(store_connect, "SAY_EVERY_S", 0.5)
+    with socket.socket() as s:  # a port that was free a moment ago, and that nobody serves now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    with (
+        caplog.at_level(logging.WARNING, "ringtrain"),
+        pytest.raises(LaunchEnvironmentError) as info,
+    ):
+        store_connect.connect(1, "127.0.0.1", port, is_master=False, timeout_s=2.2)
+    assert time.monotonic() - started < 30
+    assert str(info.value).startswith(
+        f"rank 1 could not reach the rendezvous store at 127.0.0.1:{port}: nothing listened "
+        "there within timeout_s=2.2 s.\nHINT: "
+    )
+    said = [r for r in caplog.records if "still waiting for the rendezvous store" in r.message]
+    # At about 0.5, 1.0, 1.5 and 2.0 s; at least twice however loaded the machine.
+    assert len(said) >= 2
+    gaps = [b.created - a.created for a, b in itertools.pairwise(said)]
+    assert min(gaps) >= 0.5

@@ -20,14 +20,18 @@ from ringtrain.errors import LaunchEnvironmentError
 
 log = logging.getLogger("ringtrain")
 
+# While nothing listens at the store's address: a warning this often; then what listens gets
+# at most this long (or timeout_s, if shorter) to answer as a store.
+SAY_EVERY_S, ANSWER_S = 30.0, 15.0
+
 
 def connect(rank: int, addr: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
     """The TCPStore at ``addr:port`` for ``rank``: served here (``is_master``) or reached.
 
     A port that another program holds must not hang the job: the rank that should serve the
     store fails at once naming the port, and a rank reaching it first waits for something to
-    listen (a warning every ``say_every_s``, up to ``timeout_s``), then gives what listens
-    ``answer_s`` to answer as a store. TCPStore's own timeout does not bound that answer: a
+    listen (a warning every ``SAY_EVERY_S``, up to ``timeout_s``), then gives what listens
+    ``ANSWER_S`` to answer as a store. TCPStore's own timeout does not bound that answer: a
     listener that accepts and never replies holds its constructor forever (torch 2.13), so
     the constructor runs on a thread this rank stops waiting for.
     """
@@ -58,9 +62,9 @@ def connect(rank: int, addr: str, port: int, is_master: bool, timeout_s: float) 
                 "`ringtrain doctor` checks both."
             ) from e
 
-    say_every_s, answer_s = 30.0, min(timeout_s, 15.0)
+    answer_s = min(timeout_s, ANSWER_S)
     start = time.monotonic()
-    deadline, next_say = start + timeout_s, start + say_every_s
+    deadline, next_say = start + timeout_s, start + SAY_EVERY_S
     while True:  # something listening first: rank 0 may still be importing torch
         try:
             with socket.create_connection((addr, port), timeout=2.0):
@@ -81,7 +85,7 @@ def connect(rank: int, addr: str, port: int, is_master: bool, timeout_s: float) 
                     "this host reaches that address and port; `ringtrain doctor` checks both."
                 ) from None
             if now >= next_say:
-                next_say = now + say_every_s
+                next_say = now + SAY_EVERY_S
                 log.warning(
                     "rank %d: still waiting for the rendezvous store at %s after %.0f s "
                     "(rank 0 or the launcher serves it; giving up after timeout_s=%g s)",
