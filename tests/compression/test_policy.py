@@ -79,8 +79,8 @@ def test_slow_link_picks_powersgd_and_recommends_accumulation() -> None:
 
 
 def test_gigabit_picks_powersgd_unless_factors_are_large() -> None:
-    # 1 Gbit/s: 0.8 s of allreduce; factorizing (~0.25 s on a CPU core) beats halving it, as
-    # measured on the test cluster (docs/benchmarks.md).
+    # 1 Gbit/s: 0.8 s of allreduce; factorizing (~0.25 s on a CPU core, a figure of an early
+    # run that no log kept) beats halving it, as the model prices them.
     d = choose(_link(125e6))
     assert d.compression == "powersgd", d.reason
     assert d.predicted_step_s["fp16"] < d.predicted_step_s["none"]
@@ -118,8 +118,9 @@ def test_small_model_is_all_overhead_keeps_none() -> None:
 
 
 def test_a_shaped_link_slower_in_the_step_than_in_the_probe_is_charged_per_byte() -> None:
-    # The test cluster at 100 Mbit/s (docs/benchmarks.md): 26 buckets took 9.0 s in flight,
-    # 1 s more than the probe's throughput explains. That second is the link running slower
+    # The test cluster at 100 Mbit/s: the transformer's 26 buckets
+    # (docs/benchmarks/log/2026-11-23-bandwidth-savers.md) took 9.0 s in flight in an early run
+    # that no log kept, 1 s more than the probe's throughput explains. That second is the link running slower
     # under a whole step's traffic, not 38 ms per collective: charged per collective, it priced
     # PowerSGD (two collectives per bucket) above top-k, which measured 6% slower.
     m = _m(
