@@ -180,6 +180,21 @@ def test_small_broadcasts_travel_in_the_negotiation(world2: World) -> None:
         assert counts == [1, 0]
 
 
+def _object_path() -> list[int]:
+    obj = {"config": [1, 2, 3]} if rt.rank() == 0 else None
+    got, broadcast = inline_ops(lambda: rt.broadcast_object(obj, 0))
+    assert got == {"config": [1, 2, 3]}
+    everyone, allgather = inline_ops(lambda: rt.allgather_object(("r", rt.rank())))
+    assert everyone == [("r", k) for k in range(rt.size())]
+    return [broadcast, allgather]
+
+
+def test_small_objects_travel_in_the_negotiation(world2: World) -> None:
+    # The allgather_object is two allgathers (the sizes, then the data): both ride inline.
+    for counts in world2.run(_object_path):
+        assert counts == [1, 2]
+
+
 def _process_sets() -> None:
     r, n = rt.rank(), rt.size()
     wanted = rt.ProcessSet([k for k in range(n) if k % 2 == 0])
