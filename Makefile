@@ -31,7 +31,7 @@ unit: setup
 test: lint unit
 
 # The quick tier for the inner loop: lint, then the tests that start no test world, cluster,
-# launcher, agent or command (tests/conftest.py marks those `processes` by rule). About 1 minute
-# on a quiet 2-core machine, 3 at most; `make test` (everything) stays what CI runs.
+# launcher, agent or command (tests/conftest.py marks those `processes` by rule); `make test`
+# (everything) stays what CI runs.
 check: lint
 	$(BIN)/pytest -q -n $(JOBS) -m "not processes" --durations=10

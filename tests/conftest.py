@@ -171,8 +171,8 @@ def _starts_processes(item: pytest.Item) -> bool:
 
 # tryfirst: xdist's own hook turns the xdist_group marker into the scheduling group, so the
 # marker must be on the item before that hook runs. Known gap: under pytest 9, xdist 3.8's hook
-# writes item._nodeid, which pytest 9 no longer reads, so the group has no effect there (the
-# Makefile runs serially by default for that reason).
+# writes item._nodeid, which pytest 9 no longer reads, so the group has no effect there
+# (pyproject.toml holds pytest below 9 for that reason).
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
