@@ -39,7 +39,7 @@ STATUS_PATH = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/ns/trainjobs/job/s
 def _cert(
     subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Certificate | None, signer: Any
 ) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.UTC)
+    now = datetime.datetime.now(datetime.timezone.utc)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
     builder = (
         x509.CertificateBuilder()
@@ -155,7 +155,7 @@ def _status_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
 
 
 def test_payload_is_trainers_schema() -> None:
-    now = datetime.datetime(2026, 11, 26, 22, 0, tzinfo=datetime.UTC)
+    now = datetime.datetime(2026, 11, 26, 22, 0, tzinfo=datetime.timezone.utc)
     body = ts.payload(Progress(450, 1000, 10.0, "balanced"), now)
     assert body == {
         "trainerStatus": {

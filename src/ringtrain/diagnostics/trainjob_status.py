@@ -202,7 +202,7 @@ class Reporter:
         import urllib.request
 
         try:
-            body = json.dumps(payload(p, datetime.datetime.now(datetime.UTC))).encode()
+            body = json.dumps(payload(p, datetime.datetime.now(datetime.timezone.utc))).encode()
             headers = {"Content-Type": "application/json"}
             if self.endpoint.token:
                 with open(self.endpoint.token) as f:  # re-read: the token rotates
