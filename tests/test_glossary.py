@@ -1,8 +1,9 @@
 """docs/glossary.md gives one meaning per word (issues 24, 42), and the code keeps to it.
 
-Pure file checks: each word has one entry, every path an entry names exists, and "transport"
-names one thing in the code, the package ``ringtrain.transport`` (it also named the launcher's
-ssh command module and a setting's values were explained as a second kind of thing).
+Pure file checks: each word has one entry, every path an entry names exists (a module named
+without its folder, somewhere under src/ringtrain), and "transport" names one thing in the code,
+the package ``ringtrain.transport`` (it also named the launcher's ssh command module and a
+setting's values were explained as a second kind of thing).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ SRC = ROOT / "src" / "ringtrain"
 GLOSSARY = ROOT / "docs" / "glossary.md"
 ENTRY = re.compile(r"^\*\*(?P<word>[^*]+?)\.\*\* (?P<text>.*?)(?=^\*\*|\Z)", re.M | re.S)
 PATH = re.compile(r"`((?:[a-z_]+/)+[a-z_]*(?:\.py)?)`")
+BARE = re.compile(r"`([a-z0-9_]+\.py)`")  # a module named without its folder
 
 
 def entries() -> list[tuple[str, str]]:
@@ -32,6 +34,8 @@ def test_every_path_an_entry_names_exists() -> None:
     assert "transport/ring.py" in named
     missing = [p for p in sorted(named) if not ((SRC / p).exists() or (ROOT / p).exists())]
     assert missing == []
+    bare = {p for _, text in entries() for p in BARE.findall(text)}
+    assert [p for p in sorted(bare) if not any(SRC.rglob(p))] == []
 
 
 def test_transport_is_the_package_only() -> None:

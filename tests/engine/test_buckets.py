@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from ringtrain.config import Config
 from ringtrain.engine.buckets import (
     BUCKET_WIRE_S,
     MIN_TIMED_BUCKET_BYTES,
@@ -18,6 +21,7 @@ from ringtrain.engine.buckets import (
     make_plan,
     timed_floor,
 )
+from ringtrain.engine.planner import Planner
 from ringtrain.errors import ConfigError
 
 
@@ -154,6 +158,29 @@ def test_link_classes_lie_far_from_the_rates_links_deliver() -> None:
     assert link_class(10 * gbit) == "fast" and not borderline(10 * gbit)
     assert link_class(0.0) == "slow"  # nothing measured: small buckets are never wrong by much
     assert borderline(240e6) and borderline(300e6)
+
+
+def test_250_mb_per_s_is_where_a_link_turns_fast() -> None:
+    assert link_class(250e6) == "fast"
+    assert link_class(249.9e6) == "slow"
+
+
+@pytest.mark.parametrize(("cls", "cap_mib"), [("fast", 32), ("slow", 4)])
+def test_the_link_class_caps_buckets_below_the_fusion_threshold(cls: str, cap_mib: int) -> None:
+    """docs/glossary.md (Link class): a fast link's buckets hold up to 32 MiB, a slow one's up
+    to 4 MiB, though the fusion threshold (64 MiB) allows more. The planner's own agreement
+    on 40 parameters of 1 MiB, one rank's observation (no process group needed)."""
+    n, numel = 40, (1 << 20) // 4
+    config = Config(link_class=cls, fusion_threshold_bytes=64 << 20)
+    planner = Planner(SimpleNamespace(size=1, included=True), config, None, overlap=False)
+    planner.set_params(
+        [torch.nn.Parameter(torch.zeros(numel)) for _ in range(n)], [f"p{i}" for i in range(n)]
+    )
+    planner._observed = [_obs(list(range(n)), n, numel=[numel] * n)]
+    plan = planner._agree(MIN_TIMED_BUCKET_BYTES)
+    assert [b.nbytes for b in plan.buckets] == [cap_mib << 20] * (n // cap_mib) + (
+        [(n % cap_mib) << 20] if n % cap_mib else []
+    )
 
 
 def test_without_a_cycle_time_readiness_gaps_never_cut() -> None:

@@ -8,6 +8,7 @@ engine: same buckets, same sums, only the path differs.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -99,6 +100,28 @@ def test_auto_stays_flat_on_one_host(world2: spawn.World) -> None:
     # One host: nothing crosses hosts, so "auto" keeps the flat allreduce; "on" still works.
     for seen in world2.run(_compare, VARIANTS[3:4] + VARIANTS[:1], env=_hosts("aa")):
         assert seen == [(False, 1), (True, 1)]
+
+
+def _streams_per_bucket(base: str) -> list[tuple[int, int]]:
+    """(bucket, stream) of every bucket allreduce the timeline recorded."""
+    path = rt.start_timeline(base)
+    _train({"engine_streams": 3}, steps=2)
+    rt.stop_timeline()
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    return [
+        (int(tracks[e["tid"]].removeprefix("bucket ")), e["args"]["stream"])
+        for e in events
+        if e["name"] == "ALLREDUCE" and tracks[e["tid"]].startswith("bucket ")
+    ]
+
+
+def test_bucket_i_travels_on_stream_i_mod_k(world2: spawn.World, tmp_path: Any) -> None:
+    """docs/glossary.md (Stream): with engine_streams=k, bucket i goes on stream i % k."""
+    for sent in world2.run(_streams_per_bucket, str(tmp_path / "t.json")):
+        assert {bucket for bucket, _ in sent} == set(range(6))  # every tensor its own bucket
+        assert all(stream == bucket % 3 for bucket, stream in sent), sent
 
 
 def _env_settings() -> tuple[bool, int]:

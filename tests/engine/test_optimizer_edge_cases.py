@@ -408,3 +408,37 @@ def test_the_wrapper_is_an_instance_of_the_wrapped_class(world: spawn.World) -> 
     """Horovod builds its optimizer's class with type(name, (optimizer.__class__,), ...)."""
     for got in world.run(_wrapped_class):
         assert got == ["Adam", True, "SGD", False, True]
+
+
+def _horovod_groups(kwargs: dict[str, Any]) -> tuple[str, list[float], list[str]]:
+    """Two steps of a 3-layer model with Horovod's groups=/num_groups= given (or none): the
+    plan digest, the weights and the warnings the construction gave."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(3)))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    if kwargs.get("groups") == "list":
+        kwargs = {"groups": [list(model[0].parameters()), list(model[2].parameters())]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = rt.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), **kwargs)
+    x = torch.full((2, 4), float(rt.rank() + 1))
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().sum().backward()
+        opt.step()
+    assert opt.plan is not None
+    digest = opt.plan.digest
+    opt.remove_hooks()
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+    return digest, weights, [str(w.message) for w in caught]
+
+
+def test_horovods_groups_are_accepted_ignored_and_warned_of(world2: spawn.World) -> None:
+    """docs/glossary.md (Group): a valid groups= or num_groups= warns once and changes
+    nothing: the same bucket plan and the same weights as none."""
+    plain = world2.run(_horovod_groups, {})[0]
+    assert plain[2] == []
+    for kwargs in ({"groups": 2}, {"num_groups": 2}, {"groups": "list"}):
+        for digest, weights, caught in world2.run(_horovod_groups, kwargs):
+            assert (digest, weights) == plain[:2], kwargs
+            assert len(caught) == 1 and "groups=/num_groups=) is ignored" in caught[0], kwargs

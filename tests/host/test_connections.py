@@ -139,6 +139,25 @@ def test_recursive_doubling_reaches_every_rank_without_a_deadlock(size: int) -> 
     assert max(len(s) for s in steps.values()) == p.bit_length() - 1 + extra
 
 
+@pytest.mark.parametrize(
+    ("size", "lengths"),
+    [
+        (3, [3, 1, 2]),  # p = 2: rank 2 folds into rank 0, which folds, doubles once, sends back
+        (5, [4, 2, 2, 2, 2]),
+        (6, [4, 4, 2, 2, 2, 2]),
+        (8, [3] * 8),  # a power of two: log2 N steps, no folds
+    ],
+)
+def test_a_vector_round_takes_floor_log2_n_steps_plus_2_off_powers_of_two(
+    size: int, lengths: list[int]
+) -> None:
+    """docs/glossary.md (Round): floor(log2 N) steps, plus 2 where N is not a power of two."""
+    assert [len(c.doubling_steps(r, size)) for r in range(size)] == lengths
+    if size == 3:  # the folds: over the same pair, before and after the doubling
+        assert c.doubling_steps(0, 3) == [(0, 2), (0, 1), (0, 2)]
+        assert c.doubling_steps(2, 3) == [(0, 2), (0, 2)]
+
+
 def test_unknown_traffic_and_bad_sizes_are_named() -> None:
     with pytest.raises(ValueError, match="unknown traffic 'teleport'"):
         footprint(8, ["teleport"])

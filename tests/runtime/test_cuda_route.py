@@ -1,15 +1,17 @@
 """Where a set's CUDA tensors travel: NCCL unless two of its ranks share a GPU (pure decision),
-and nothing of it on a CPU-only job."""
+the cpu group always under --secure or --transport tcp, and nothing of it on a CPU-only job."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
 import ringtrain as rt
 from ringtrain.runtime import devices
 from ringtrain.runtime.devices import choose_route
+from ringtrain.security import keys
 from ringtrain.testing.spawn import World
 
 GPU0, GPU1 = "PCI 0000:3b:00", "PCI 0000:5e:00"
@@ -101,3 +103,15 @@ def test_the_first_cuda_collective_decides_for_the_set(world2: World) -> None:
         assert warnings == ([route.reason] if rank == 0 else []), "one warning, from rank 0"
     for route, which, warnings in world2.run(_decide, False):
         assert route == devices.CudaRoute(True) and which == "nccl" and warnings == []
+
+
+def test_sealed_and_tcp_groups_carry_cuda_tensors_on_the_cpu_group(
+    world2: World, tmp_path: Path
+) -> None:
+    # NCCL cannot seal and is not ringtrain's TCP mesh: under --secure or --transport tcp the
+    # set's CUDA tensors take its cpu group from the start, even when every rank has its own
+    # GPU, so no route is decided.
+    key_file = keys.write_key_file(tmp_path / "job.key", keys.generate_job_key())
+    for settings in ({"secure": True, "key_file": key_file}, {"transport": "tcp"}):
+        for route, which, warnings in world2.run(_decide, False, **settings):
+            assert (route, which, warnings) == (None, "cpu", []), settings
