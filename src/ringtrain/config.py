@@ -44,6 +44,8 @@ COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk", "auto")
 # The local-update step's outer exchange wires (ringtrain.engine.outer_codec.CODECS, a test
 # holds the two equal).
 OUTER_COMPRESSIONS = ("none", "fp16", "bf16", "int8", "int4")
+# ringtrain.checkpoint.Checkpointer's writers ("auto": a thread on the TCP transport).
+CHECKPOINT_WRITERS = ("auto", "process", "thread")
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,8 @@ class Config:
     checkpoint_every: str = ""
     # How many of the newest checkpoints to keep (0: all).
     checkpoint_keep: int = 3
+    # Who writes the saves: "process", "thread" (enclaves) or "auto" (docs/checkpoint.md).
+    checkpoint_writer: str = "auto"
     # Continue from the newest complete checkpoint in this directory (`ringtrain run --resume`).
     resume: str = ""
 
@@ -178,6 +182,11 @@ class Config:
             object.__setattr__(self, f.name, check_setting(f.name, getattr(self, f.name)))
         if self.checkpoint_every:
             checkpoint_schedule(self.checkpoint_every)
+        if self.checkpoint_writer not in CHECKPOINT_WRITERS:
+            raise ConfigError(
+                f"checkpoint_writer must be one of {', '.join(CHECKPOINT_WRITERS)}, got "
+                f"{self.checkpoint_writer!r}\nHINT: 'thread' runs where no process may start."
+            )
         if self.bucket_order not in ("auto", "registration", "reverse"):
             raise ConfigError(
                 "bucket_order must be 'auto', 'registration' or 'reverse', got "

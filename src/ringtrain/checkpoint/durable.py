@@ -70,7 +70,9 @@ class Durable:
         if self.directory:
             _refuse_other_runs(self.directory, self.run, cfg.resume)
         self._saver = (
-            Checkpointer(self.directory, keep=cfg.checkpoint_keep, run=self.run)
+            Checkpointer(
+                self.directory, keep=cfg.checkpoint_keep, run=self.run, writer=cfg.checkpoint_writer
+            )
             if self.directory
             else None
         )

@@ -14,6 +14,10 @@ as :class:`CheckpointError` at the next :meth:`Checkpointer.save`, :meth:`~Check
 or :meth:`~Checkpointer.wait`; a writer process that died is such a failure too. The writer
 runs at the lowest CPU priority (nice +19) and the lowest best-effort I/O priority, on one thread,
 so that on a busy host it takes what training leaves rather than slowing its steps.
+
+Where no process may be started and there is no ``/dev/shm`` (enclaves), the writer is a thread
+of the rank's own process instead (:mod:`ringtrain.checkpoint.thread_writer`), with the same
+semantics; ``Checkpointer(writer=...)`` and the ``checkpoint_writer`` setting choose.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import io
+import logging
 import os
 import pickle
 import shutil
@@ -37,8 +42,12 @@ import torch
 
 from ringtrain import environ
 from ringtrain.checkpoint import api, manifest, store
+from ringtrain.checkpoint.thread_writer import ThreadWriter, said
+from ringtrain.config import CHECKPOINT_WRITERS
 from ringtrain.environ import Process
-from ringtrain.errors import CheckpointError
+from ringtrain.errors import CheckpointError, ConfigError
+
+log = logging.getLogger("ringtrain")
 
 _MAIN = "from ringtrain.checkpoint.writer import main; main()"
 # The writer's niceness above training's: the weakest share of a contended core (about 1.5% of
@@ -191,55 +200,36 @@ def main(argv: list[str] | None = None) -> None:
                 store.commit(job, keys)
             reply = ("ok", job.final)
         except BaseException as e:  # every failure goes back to the training process
-            said = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-            reply = ("error", said)
+            reply = ("error", said(e))
         del items
         tx.send_bytes(pickle.dumps(reply))
 
 
-class Checkpointer:
-    """Periodic asynchronous checkpoints into ``root`` (``root/step-N``), keeping the newest
-    ``keep`` (0: all) of its run. Collective like :func:`ringtrain.checkpoint.save`.
+class _ProcessWriter:
+    """The writer process and its shared-memory buffers (the interface of
+    :class:`~ringtrain.checkpoint.thread_writer.ThreadWriter`)."""
 
-    Its checkpoints record a run id: ``run``, or else the id agreed at its first save. Keep-last
-    counts and removes only that run's checkpoints, and a save never replaces another run's
-    checkpoint of the same step (it fails instead): other checkpoints in ``root`` are left as
-    they are. To continue a run loaded from ``root``, pass ``run=restored.run``."""
+    kind = "process"
 
-    def __init__(self, root: str | os.PathLike[str], keep: int = 0, run: str | None = None) -> None:
-        self.root = os.fspath(root)
-        self.keep = keep
-        self.run = run
+    def __init__(self) -> None:
         self._buffers: dict[str, tuple[_Shared, torch.Tensor]] = {}
         self._made = 0  # buffer files made: each a new name, so the writer's mappings stay true
-        self._token: str | None = None  # this world's save-id prefix (agreed once per world)
-        self._world: tuple[int, int] | None = None
-        self._saves = 0  # saves in this world: the same count on every rank
         self._proc: subprocess.Popen[bytes] | None = None
         self._tx: Any = None
         self._rx: Any = None
-        self._shm: str | None = None  # the shared-memory files' directory
+        self.shm: str | None = None  # the shared-memory files' directory
         self._shm_lock: int | None = None  # its owner lock (see _buffer_dir)
-        self._inflight: str | None = None  # the checkpoint being written
-        self._failure: str | None = None
-        self.last_blocked_s = 0.0
-        self.last_phases: dict[str, float] = {}  # where last_blocked_s went (seconds)
-        self.last_committed: str | None = None
-
-    # ---- the writer process ----------------------------------------------------------------
 
     @property
-    def buffer_dir(self) -> str | None:
-        """The shared-memory buffers' directory (made at the first save)."""
-        return self._shm
-
-    @property
-    def writer_pid(self) -> int | None:
+    def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    def _start(self) -> None:
+    def ready(self) -> None:
         """A fresh interpreter (not multiprocessing: the training process may itself be a
         daemonic multiprocessing child, which may not have children of its kind)."""
+        if self._alive():
+            return
+        self._stop()
         r1, w1 = os.pipe()
         r2, w2 = os.pipe()
         env = dict(environ.current())
@@ -261,20 +251,155 @@ class Checkpointer:
     def _alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def _collect(self, block: bool) -> None:
-        """Take the in-flight save's outcome, if it is known (or wait for it)."""
-        if self._inflight is None:
-            return
-        final = self._inflight
+    def submit(self, job: store.Job, items: list[Any], keys: Any) -> None:
+        self._tx.send_bytes(_dumps((job, items, keys)))
+
+    def outcome(self, block: bool) -> tuple[str, str] | None:
+        """The submitted save's outcome; None while it is still being written."""
         if not block and not self._rx.poll() and self._alive():
-            return
+            return None
         try:
             status, value = pickle.loads(self._rx.recv_bytes())
         except (EOFError, OSError):
             code = self._proc.wait() if self._proc is not None else None
-            status, value = "error", f"the writer process died (exit code {code})"
             self._stop()
-        self._inflight = None
+            return "error", f"the writer process died (exit code {code})"
+        return status, value
+
+    def _stop(self) -> None:
+        if self._proc is None:
+            return
+        with contextlib.suppress(OSError):
+            self._tx.send_bytes(pickle.dumps(None))
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            # A niced process on a busy host may need a while to be scheduled and die; it dies
+            # with this process in any case (PR_SET_PDEATHSIG), so closing never fails on it.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(30)
+        self._tx.close()
+        self._rx.close()
+        self._proc = None
+
+    def close(self) -> None:
+        """Stop the writer process and free the buffers."""
+        try:
+            self._stop()
+        finally:
+            self._buffers.clear()
+            if self.shm is not None:
+                shutil.rmtree(self.shm, ignore_errors=True)
+                self.shm = None
+            if self._shm_lock is not None:
+                os.close(self._shm_lock)
+                self._shm_lock = None
+
+    def host(self, t: torch.Tensor, key: str) -> _Shared:
+        """Copy into this key's shared-memory buffer (made once, reused by later saves)."""
+        src = t.detach()
+        dtype = str(src.dtype).replace("torch.", "")
+        got = self._buffers.get(key)
+        if got is None or got[1].shape != src.shape or got[1].dtype != src.dtype:
+            if self.shm is None:
+                self.shm, self._shm_lock = _buffer_dir()
+            if got is not None:  # the writer maps it until its next save: unlinking is safe
+                with contextlib.suppress(OSError):
+                    os.remove(got[0].path)
+            shared = _Shared(os.path.join(self.shm, str(self._made)), dtype, tuple(src.shape))
+            self._made += 1
+            with open(shared.path, "wb") as f:
+                f.truncate(src.numel() * src.element_size())
+            got = self._buffers[key] = (shared, shared.open())
+        got[1].copy_(src)
+        return got[0]
+
+
+class Checkpointer:
+    """Periodic asynchronous checkpoints into ``root`` (``root/step-N``), keeping the newest
+    ``keep`` (0: all) of its run. Collective like :func:`ringtrain.checkpoint.save`.
+
+    Its checkpoints record a run id: ``run``, or else the id agreed at its first save. Keep-last
+    counts and removes only that run's checkpoints, and a save never replaces another run's
+    checkpoint of the same step (it fails instead): other checkpoints in ``root`` are left as
+    they are. To continue a run loaded from ``root``, pass ``run=restored.run``.
+
+    ``writer``: ``"process"`` (a writer process, shared-memory buffers), ``"thread"`` (a thread
+    of this process, private buffers: for enclaves), or ``"auto"``: the thread where this rank's
+    collectives run on ringtrain's TCP transport, else the process (decided at the first save).
+    None: the job's ``checkpoint_writer`` setting (``RINGTRAIN_CHECKPOINT_WRITER``)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        keep: int = 0,
+        run: str | None = None,
+        writer: str | None = None,
+    ) -> None:
+        self.root = os.fspath(root)
+        self.keep = keep
+        self.run = run
+        self.writer = api._where()[2].checkpoint_writer if writer is None else writer
+        if self.writer not in CHECKPOINT_WRITERS:
+            raise ConfigError(
+                f"writer must be one of {', '.join(CHECKPOINT_WRITERS)}, got {self.writer!r}"
+            )
+        self._writer: _ProcessWriter | ThreadWriter | None = None
+        self._token: str | None = None  # this world's save-id prefix (agreed once per world)
+        self._world: tuple[int, int] | None = None
+        self._saves = 0  # saves in this world: the same count on every rank
+        self._inflight: str | None = None  # the checkpoint being written
+        self._failure: str | None = None
+        self.last_blocked_s = 0.0
+        self.last_phases: dict[str, float] = {}  # where last_blocked_s went (seconds)
+        self.last_committed: str | None = None
+
+    # ---- the writer ----------------------------------------------------------------------------
+
+    @property
+    def buffer_dir(self) -> str | None:
+        """The shared-memory buffers' directory (made at the first save; process writer)."""
+        return self._writer.shm if isinstance(self._writer, _ProcessWriter) else None
+
+    @property
+    def writer_pid(self) -> int | None:
+        return self._writer.pid if isinstance(self._writer, _ProcessWriter) else None
+
+    @property
+    def writer_kind(self) -> str | None:
+        """``"process"`` or ``"thread"``: the writer chosen at the first save."""
+        return self._writer.kind if self._writer is not None else None
+
+    def _made_writer(self) -> _ProcessWriter | ThreadWriter:
+        """The writer, chosen once (at the first save: ``auto`` needs the running job)."""
+        if self._writer is not None:
+            return self._writer
+        kind, why = self.writer, "asked for"
+        if kind == "auto":
+            from ringtrain.transport import tcp_backend
+
+            tcp = tcp_backend.configured()
+            kind = "thread" if tcp else "process"
+            why = (
+                "auto: this rank's collectives run on ringtrain's TCP transport, as in enclaves, "
+                "where no process may start"
+                if tcp
+                else "auto: a low-priority process keeps the training steps fast"
+            )
+        log.info("checkpoints into %s: the %s writer (%s)", self.root, kind, why)
+        self._writer = ThreadWriter() if kind == "thread" else _ProcessWriter()
+        return self._writer
+
+    def _collect(self, block: bool) -> None:
+        """Take the in-flight save's outcome, if it is known (or wait for it)."""
+        if self._inflight is None or self._writer is None:
+            return
+        got = self._writer.outcome(block)
+        if got is None:
+            return
+        final, self._inflight = self._inflight, None
+        status, value = got
         if status == "ok":
             self.last_committed = value
         else:
@@ -303,57 +428,15 @@ class Checkpointer:
         self.check()
         return self.last_committed
 
-    def _stop(self) -> None:
-        if self._proc is None:
-            return
-        with contextlib.suppress(OSError):
-            self._tx.send_bytes(pickle.dumps(None))
-        try:
-            self._proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            # A niced process on a busy host may need a while to be scheduled and die; it dies
-            # with this process in any case (PR_SET_PDEATHSIG), so closing never fails on it.
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(30)
-        self._tx.close()
-        self._rx.close()
-        self._proc = None
-
     def close(self) -> None:
-        """Wait for the save in flight, then stop the writer process and free the buffers."""
+        """Wait for the save in flight, then stop the writer and free the buffers."""
         try:
             self.wait()
         finally:
-            self._stop()
-            self._buffers.clear()
-            if self._shm is not None:
-                shutil.rmtree(self._shm, ignore_errors=True)
-                self._shm = None
-            if self._shm_lock is not None:
-                os.close(self._shm_lock)
-                self._shm_lock = None
+            if self._writer is not None:
+                self._writer.close()
 
     # ---- saving ------------------------------------------------------------------------------
-
-    def _host(self, t: torch.Tensor, key: str) -> _Shared:
-        """Copy into this key's shared-memory buffer (made once, reused by later saves)."""
-        src = t.detach()
-        dtype = str(src.dtype).replace("torch.", "")
-        got = self._buffers.get(key)
-        if got is None or got[1].shape != src.shape or got[1].dtype != src.dtype:
-            if self._shm is None:
-                self._shm, self._shm_lock = _buffer_dir()
-            if got is not None:  # the writer maps it until its next save: unlinking is safe
-                with contextlib.suppress(OSError):
-                    os.remove(got[0].path)
-            shared = _Shared(os.path.join(self._shm, str(self._made)), dtype, tuple(src.shape))
-            self._made += 1
-            with open(shared.path, "wb") as f:
-                f.truncate(src.numel() * src.element_size())
-            got = self._buffers[key] = (shared, shared.open())
-        got[1].copy_(src)
-        return got[0]
 
     def _save_id(self) -> str:
         """This save's id, the same on every rank without a collective in the blocking part:
@@ -382,17 +465,16 @@ class Checkpointer:
         t0 = time.perf_counter()
         self._collect(block=True)  # one save in flight: the previous one must be done
         self.check()
-        if not self._alive():
-            self._stop()
-            self._start()
+        writer = self._made_writer()
+        writer.ready()
         t1, c1 = time.perf_counter(), time.process_time()
         save_id = self._save_id()
         final = os.path.join(self.root, manifest.step_name(step))
         job, items, keys = api.prepare(
-            final, step, self.keep, model, optimizer, sampler, extra, self._host, save_id, self.run
+            final, step, self.keep, model, optimizer, sampler, extra, writer.host, save_id, self.run
         )
         t2, c2 = time.perf_counter(), time.process_time()
-        self._tx.send_bytes(_dumps((job, items, keys)))
+        writer.submit(job, items, keys)
         self._inflight = final
         t3 = time.perf_counter()
         self.last_blocked_s = t3 - t0

@@ -55,6 +55,13 @@ def configure(address: str) -> None:
         _address = address
 
 
+def configured() -> bool:
+    """Whether ``ringtrain.init`` chose this transport: this process's groups, plain or sealed,
+    run on the TCP mesh (the enclave transport)."""
+    with _lock:
+        return _address is not None
+
+
 def deconfigure() -> None:
     global _address
     with _lock:

@@ -1,0 +1,90 @@
+"""The in-process writer of :class:`ringtrain.checkpoint.Checkpointer`: a background thread.
+
+Where a rank may not start a process, lock a file or use ``/dev/shm`` (an SGX/Gramine enclave),
+the writer process of :mod:`ringtrain.checkpoint.writer` cannot run. This writer copies the
+rank's tensors into private host buffers (``torch.empty_like(...).copy_()``, made once per key
+and reused, as the shared-memory ones are), snapshots the rest of the part (so training may
+change it at once), and writes and commits on a thread of the rank's own process, calling the
+same :func:`~ringtrain.checkpoint.store.write_part` and :func:`~ringtrain.checkpoint.store.commit`
+as the writer process. Its cost: the writing shares the rank's process (and its GIL where the
+work is Python), where the writer process runs apart at the lowest priority.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import torch
+
+from ringtrain.checkpoint import sealed, store
+from ringtrain.checkpoint.layout import Item
+from ringtrain.errors import CheckpointError
+
+
+def said(e: BaseException) -> str:
+    """A failed write as the writer reports it (a CheckpointError's own words, with its HINT)."""
+    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+
+
+class ThreadWriter:
+    """One save at a time: :meth:`host` copies, :meth:`submit` starts the write, :meth:`outcome`
+    takes its ``("ok", path)`` or ``("error", message)``. The interface of the process writer."""
+
+    kind = "thread"
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._thread: threading.Thread | None = None
+        self._result: tuple[str, str] | None = None
+
+    def host(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        """Copy into this key's private host buffer (made once, reused by later saves)."""
+        src = t.detach()
+        got = self._buffers.get(key)
+        if got is None or got.shape != src.shape or got.dtype != src.dtype:
+            fresh = torch.empty_like(src, device="cpu", memory_format=torch.contiguous_format)
+            got = self._buffers[key] = fresh
+        got.copy_(src)
+        return got
+
+    def ready(self) -> None:
+        """Nothing to start: the thread is made per save."""
+
+    def submit(self, job: store.Job, items: list[Item], keys: sealed.Keys | None) -> None:
+        # The buffers go as they are (training writes them only at the next save, after this
+        # one is done); everything else is copied now, as the process writer's pickle does.
+        mine = {id(b): b for b in self._buffers.values()}
+        items = copy.deepcopy(items, mine)
+        self._result = None
+        self._thread = threading.Thread(
+            target=self._write, args=(job, items, keys), name="ringtrain-ckpt-writer", daemon=True
+        )
+        self._thread.start()
+
+    def _write(self, job: store.Job, items: list[Item], keys: sealed.Keys | None) -> None:
+        try:
+            store.write_part(job, items, keys)
+            if job.rank == 0:
+                store.commit(job, keys)
+            self._result = ("ok", job.final)
+        except BaseException as e:  # every failure goes back to the training loop
+            self._result = ("error", said(e))
+
+    def outcome(self, block: bool) -> tuple[str, str] | None:
+        """The submitted save's outcome; None while it is still being written."""
+        thread = self._thread
+        if thread is None:
+            return None
+        if block:
+            thread.join()
+        elif thread.is_alive():
+            return None
+        self._thread = None
+        return self._result or ("error", "the writer thread ended without an outcome")
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._buffers.clear()
