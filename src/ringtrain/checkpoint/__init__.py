@@ -8,7 +8,7 @@ Layering: ``manifest`` (plain Python: commit by rename, verification) < ``layout
 file format) < ``sealed`` < ``store`` (write a part, commit, open) < ``optimizer_state`` (the
 one adapter onto the engine) < ``local_state`` (a local-update optimizer's shared and per-rank
 state) < ``parts`` (what each rank writes, reassembly) < ``api``
-(``save``/``load``, collective) < ``writer`` (asynchronous saves in a writer process) < ``durable`` (saves on the job's
+(``save``/``load``, collective) < ``thread_writer`` < ``writer`` (asynchronous saves: a writer process, or a thread in enclaves) < ``durable`` (saves on the job's
 schedule, ``--resume``). See docs/checkpoint.md.
 """
 
