@@ -14,7 +14,6 @@ themselves, are a group of their own).
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
 import types
@@ -22,6 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import _interrupts
 from ringtrain.testing import spawn
 
 # cluster, make_cluster, cluster_tools: the namespace test cluster, for any folder's tests.
@@ -188,14 +188,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("cluster"))
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def pytest_configure(config: pytest.Config) -> None:
-    # A SIGTERM (CI's timeout, `kill`, xdist stopping a worker) ends the run like Ctrl-C: pytest
-    # then tears its fixtures down, so namespace clusters, sshd and Ray nodes do not outlive it.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # A SIGTERM (CI's timeout, `kill`) ends the run like Ctrl-C, in xdist's workers too: pytest
+    # then tears their fixtures down, so namespace clusters, sshd and Ray nodes do not outlive it.
+    _interrupts.install(config)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
