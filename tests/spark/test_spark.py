@@ -34,6 +34,7 @@ from pyspark.sql import SparkSession  # noqa: E402
 import ringtrain.spark  # noqa: E402
 
 JOB = Path(__file__).with_name("ringtrain_job.py")
+JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 # The ranks' processes cannot import this test module: its functions travel by value (those of
 # a user's __main__ script do so anyway).
 pyspark.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -48,6 +49,11 @@ def spark() -> Iterator[Any]:
         .appName("ringtrain-tests")
         .config("spark.driver.memory", "1g")
         .config("spark.ui.enabled", "false")
+        # The 3 JVMs (driver, 2 executors) live a few minutes: C1 alone and the serial GC
+        # halve the CPU they spend starting on the 2-core CI machine (C2 and parallel GC
+        # threads pay off only in long jobs). Spark's behaviour under test is the same.
+        .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
+        .config("spark.executor.extraJavaOptions", JVM_OPTIONS)
         .config("spark.executorEnv.OMP_NUM_THREADS", "1")
         # A barrier stage larger than the cluster fails after this many checks (default 40, 15 s
         # apart: 10 minutes, for clusters that grow).
