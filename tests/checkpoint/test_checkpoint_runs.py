@@ -4,6 +4,10 @@ Keep-last counts only the saving run's checkpoints; a save of a step that anothe
 holds fails and leaves it; a resumed run continues its own series (its keep-last counts the
 checkpoints it continues from); ``Durable`` refuses a directory that holds another run's
 checkpoints. In one process (the whole job under ``ringtrain run``: test_checkpoint_durable.py).
+
+The saves use the thread writer: what is tested here is the directory's rules, which both writers
+apply through the same store.commit; a writer process would cost each Checkpointer a fresh
+interpreter importing torch. (The process writer: test_checkpoint_async.py.)
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from ringtrain.config import Config
 from ringtrain.errors import CheckpointError, ConfigError
 
 pytestmark = pytest.mark.timeout(180)
+WRITER = "thread"
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -43,7 +48,7 @@ def _snapshot(root: Path) -> dict[str, bytes]:
 
 def _saves(root: Path, steps: list[int], keep: int, run: str | None = None) -> str:
     """Save ``steps`` with one Checkpointer; returns its run id."""
-    with ckpt.Checkpointer(root, keep=keep, run=run) as saver:
+    with ckpt.Checkpointer(root, keep=keep, run=run, writer=WRITER) as saver:
         for step in steps:
             saver.save(step, model=_model(step))
             saver.wait()
@@ -71,7 +76,7 @@ def test_a_new_run_keeps_the_old_runs_checkpoints(tmp_path: Path) -> None:
     old = _saves(tmp_path, [6, 8, 10], keep=3)
     before = _snapshot(tmp_path)
 
-    with ckpt.Checkpointer(tmp_path, keep=3) as saver:
+    with ckpt.Checkpointer(tmp_path, keep=3, writer=WRITER) as saver:
         for step in (2, 4):
             saver.save(step, model=_model(100 + step))
             saver.wait()
@@ -107,7 +112,7 @@ def test_durable_refuses_a_directory_of_another_run(tmp_path: Path) -> None:
     old = _saves(used, [6, 8, 10], keep=3)
     before = _snapshot(used)
 
-    new_job = Config(checkpoint_dir=str(used), checkpoint_every="2")
+    new_job = Config(checkpoint_dir=str(used), checkpoint_every="2", checkpoint_writer=WRITER)
     with pytest.raises(ConfigError) as err:
         ckpt.Durable(model=_model(0), config=new_job)
     message = str(err.value)
@@ -120,19 +125,25 @@ def test_durable_refuses_a_directory_of_another_run(tmp_path: Path) -> None:
 
     # Continuing that run, or a new run in a fresh directory, is what the error suggests.
     model = _model(0)
-    with ckpt.Durable(model=model, config=Config(resume=str(used), checkpoint_every="2")) as job:
+    with ckpt.Durable(
+        model=model, config=Config(resume=str(used), checkpoint_every="2", checkpoint_writer=WRITER)
+    ) as job:
         assert (job.start_step, job.run) == (10, old)
         assert torch.equal(model.weight, _model(10).weight)
         job.step(12)
     assert _steps(used) == [8, 10, 12]
-    with ckpt.Durable(model=model, config=Config(checkpoint_dir=str(fresh))) as job:
+    with ckpt.Durable(
+        model=model, config=Config(checkpoint_dir=str(fresh), checkpoint_writer=WRITER)
+    ) as job:
         assert job.start_step == 0
         job.step(2, force=True)
     assert _steps(fresh) == [2]
 
     # Resumed from one run, saving into a directory of another: refused as well.
     _saves(third, [4], keep=0)
-    resumed_elsewhere = Config(resume=str(used), checkpoint_dir=str(third))
+    resumed_elsewhere = Config(
+        resume=str(used), checkpoint_dir=str(third), checkpoint_writer=WRITER
+    )
     with pytest.raises(ConfigError, match="than the one resumed from"):
         ckpt.Durable(model=_model(0), config=resumed_elsewhere)
     assert _steps(third) == [4]
@@ -144,8 +155,12 @@ def test_checkpoints_of_no_run(tmp_path: Path) -> None:
     ckpt.save(tmp_path / manifest.step_name(2), model=_model(2), step=2)
     ckpt.save(tmp_path / manifest.step_name(4), model=_model(4), step=4)
     with pytest.raises(ConfigError, match=r"of another run \(step 2, 4\)"):
-        ckpt.Durable(model=_model(0), config=Config(checkpoint_dir=str(tmp_path)))
-    resumed = Config(resume=str(tmp_path), checkpoint_every="2", checkpoint_keep=2)
+        ckpt.Durable(
+            model=_model(0), config=Config(checkpoint_dir=str(tmp_path), checkpoint_writer=WRITER)
+        )
+    resumed = Config(
+        resume=str(tmp_path), checkpoint_every="2", checkpoint_keep=2, checkpoint_writer=WRITER
+    )
     with ckpt.Durable(model=_model(0), config=resumed) as job:
         assert (job.start_step, job.run) == (4, "")
         job.step(6)
