@@ -4,10 +4,14 @@ mid-round) and continued with ``ringtrain run --resume D`` ends with every rank'
 of the uninterrupted run, bit for bit.
 
 The job is tests/checkpoint/durable_job.py in its ``local`` mode (each rank writes OUT.<rank>).
+Its ranks save with the thread writer (``RINGTRAIN_CHECKPOINT_WRITER``): what a checkpoint holds
+is the writers' common part, and a writer process per rank would cost each of the three jobs two
+more torch imports. Durable jobs with writer processes: test_checkpoint_durable.py.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +28,8 @@ def _run(*flags: str, out: Path, steps: int) -> str:
         sys.executable, "-m", "ringtrain", "run", "-np", "2", *flags,
         "--", sys.executable, JOB, str(out), str(steps), "0", "local",
     ]  # fmt: skip
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "RINGTRAIN_CHECKPOINT_WRITER": "thread"}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout + proc.stderr
 
