@@ -33,9 +33,10 @@ def _argv(*flags: str, out: Path, pause: float) -> list[str]:
     ]  # fmt: skip
 
 
-def _run(*flags: str, out: Path) -> str:
+def _run(*flags: str, out: Path, writer: str = "auto") -> str:
+    env = {**os.environ, "RINGTRAIN_CHECKPOINT_WRITER": writer}
     proc = subprocess.run(
-        _argv(*flags, out=out, pause=0.0), capture_output=True, text=True, timeout=300
+        _argv(*flags, out=out, pause=0.0), capture_output=True, text=True, timeout=300, env=env
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout + proc.stderr
@@ -49,10 +50,12 @@ def _files(root: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """One uninterrupted run (its checkpoint directory and final weights), shared by the tests:
-    the reference weights of a resumed run, and a used directory for a new job."""
+    the reference weights of a resumed run, and a used directory for a new job. Its ranks save
+    with the thread writer, which spares each a writer process (a torch import); the killed job
+    and the resumed one keep the default, writer processes."""
     root = tmp_path_factory.mktemp("finished")
     ck, out = root / "ck", root / "a.pt"
-    _run("--checkpoint-dir", str(ck), "--checkpoint-every", "2", out=out)
+    _run("--checkpoint-dir", str(ck), "--checkpoint-every", "2", out=out, writer="thread")
     assert [s for s, _ in manifest.committed(str(ck))] == [8, 10, 12]  # keep 3
     return ck, out
 
