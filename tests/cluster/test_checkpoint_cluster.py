@@ -59,9 +59,6 @@ def _left_on_hosts(cluster: tc.Cluster) -> list[str]:
 def test_a_job_on_two_hosts_killed_then_resumed_swapped_ends_with_one_hosts_weights(
     cluster: tc.Cluster, tmp_path: Path
 ) -> None:
-    one_host = tmp_path / "one-host.pt"
-    _run(_argv([], "--checkpoint-dir", str(tmp_path / "ref"), out=one_host, pause=0.0), tmp_path)
-
     ck, out = tmp_path / "ck", tmp_path / "two-hosts.pt"
     launcher = subprocess.Popen(
         _argv(_on(cluster, "h0:1,h1:1"), "--checkpoint-dir", str(ck), out=out, pause=0.5),
@@ -69,7 +66,17 @@ def test_a_job_on_two_hosts_killed_then_resumed_swapped_ends_with_one_hosts_weig
         stderr=subprocess.DEVNULL,
         cwd=tmp_path,
     )
+    ref: subprocess.Popen[bytes] | None = None
     try:
+        # The uninterrupted one-host reference runs beside the two-host job (they share nothing).
+        one_host, ref_log = tmp_path / "one-host.pt", tmp_path / "one-host.log"
+        with ref_log.open("w") as log:
+            ref = subprocess.Popen(
+                _argv([], "--checkpoint-dir", str(tmp_path / "ref"), out=one_host, pause=0.0),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=tmp_path,
+            )
         wait_for_commit(launcher, ck, 4)
         running = {entry.split(":")[0] for entry in _left_on_hosts(cluster)}
         assert running == {"h0", "h1"}, running  # a rank (and its agent) on each host
@@ -81,10 +88,12 @@ def test_a_job_on_two_hosts_killed_then_resumed_swapped_ends_with_one_hosts_weig
         while left := _left_on_hosts(cluster):
             assert time.monotonic() < deadline, f"left behind by the killed launcher: {left}"
             time.sleep(0.2)
+        assert ref.wait(timeout=300) == 0, ref_log.read_text()
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        for p in (launcher, ref):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
     saved = max(s for s, _ in manifest.committed(str(ck)))
     assert saved < STEPS and not out.exists()
 

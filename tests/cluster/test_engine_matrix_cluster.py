@@ -79,25 +79,44 @@ RANK = textwrap.dedent(
 )
 
 
-def _run(cluster: tc.Cluster, tmp_path: Path, *flags: str) -> dict[str, list]:
+def _run_all(cluster: tc.Cluster, tmp_path: Path, flags: dict[str, list[str]]) -> dict[str, dict]:
+    """One job per transport, all at once (each a separate world with its own ports); each
+    job's result by name."""
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     argv = [PY, "-m", "ringtrain", "run", "--ssh-config-file", str(cluster.ssh_config_path)]
-    argv += ["-H", "h0:2,h1:2", *flags, "--", PY, str(script)]
-    proc = subprocess.run(
-        argv, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path, check=False
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    line = next(x for x in proc.stdout.splitlines() if "RESULT " in x)
-    return json.loads(line.split("RESULT ", 1)[1])
+    procs: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for name, extra in flags.items():
+            with (
+                (tmp_path / f"{name}.out").open("w") as out,
+                (tmp_path / f"{name}.err").open("w") as err,
+            ):
+                procs[name] = subprocess.Popen(
+                    [*argv, "-H", "h0:2,h1:2", *extra, "--", PY, str(script)],
+                    stdout=out,
+                    stderr=err,
+                    text=True,
+                    cwd=tmp_path,
+                )
+        codes = {name: p.wait(timeout=TIMEOUT_S) for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    runs = {}
+    for name, code in codes.items():
+        out, err = ((tmp_path / f"{name}.{e}").read_text() for e in ("out", "err"))
+        assert code == 0, (name, out[-3000:] + err[-3000:])
+        line = next(x for x in out.splitlines() if "RESULT " in x)
+        runs[name] = json.loads(line.split("RESULT ", 1)[1])
+    return runs
 
 
 def test_hierarchical_matrix_on_two_hosts(cluster: tc.Cluster, tmp_path: Path) -> None:
-    runs = {
-        "gloo": _run(cluster, tmp_path),
-        "secure": _run(cluster, tmp_path, "--secure"),
-        "tcp": _run(cluster, tmp_path, "--transport", "tcp"),
-    }
+    flags = {"gloo": [], "secure": ["--secure"], "tcp": ["--transport", "tcp"]}
+    runs = _run_all(cluster, tmp_path, flags)
     for key, (w, _, _) in runs["gloo"].items():
         step, codec, overlap = key.split("/")
         for name, run in runs.items():
