@@ -32,60 +32,114 @@ def _fields(out: str, kind: str) -> list[dict[str, str]]:
     ]
 
 
-def _job(
-    cluster: tc.Cluster, slots: int, min_np: int, *flags: str, **env_vars: str
-) -> subprocess.CompletedProcess[str]:
+def _start(
+    cluster: tc.Cluster, folder: Path, slots: int, min_np: int, *flags: str, **env_vars: str
+) -> subprocess.Popen[str]:
+    """The job, started with its stdout and stderr going to files in ``folder``."""
     env = {**os.environ, "MODE": "optimizer", "OMP_NUM_THREADS": "1", **env_vars}
     forward = [a for name in ["MODE", "OMP_NUM_THREADS", *env_vars] for a in ("-x", name)]
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ringtrain",
-            "run",
-            *cluster.launcher_args(slots=slots),
-            "-np",
-            str(3 * slots),
-            "--min-np",
-            str(min_np),
-            "--elastic-timeout",
-            "60",
-            *flags,
-            *forward,
-            "--",
-            sys.executable,
-            str(JOB),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
+    argv = [
+        sys.executable,
+        "-m",
+        "ringtrain",
+        "run",
+        *cluster.launcher_args(slots=slots),
+        "-np",
+        str(3 * slots),
+        "--min-np",
+        str(min_np),
+        "--elastic-timeout",
+        "60",
+        *flags,
+        *forward,
+        "--",
+        sys.executable,
+        str(JOB),
+    ]
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / "out").open("w") as out, (folder / "err").open("w") as err:
+        return subprocess.Popen(argv, stdout=out, stderr=err, text=True, env=env)
+
+
+def _finish(
+    procs: dict[str, subprocess.Popen[str]], folder: Path
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Waits for the jobs (killing any left when it fails); each one's code and output."""
+    try:
+        for p in procs.values():
+            p.wait(timeout=240)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return {
+        name: subprocess.CompletedProcess(
+            p.args,
+            p.returncode,
+            (folder / name / "out").read_text(),
+            (folder / name / "err").read_text(),
+        )
+        for name, p in procs.items()
+    }
+
+
+def _job(
+    cluster: tc.Cluster, folder: Path, slots: int, min_np: int, *flags: str, **env_vars: str
+) -> subprocess.CompletedProcess[str]:
+    proc = _start(cluster, folder / "job", slots, min_np, *flags, **env_vars)
+    return _finish({"job": proc}, folder)["job"]
+
+
+@pytest.fixture(scope="module")
+def survivors(
+    cluster: tc.Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The three one-rank-per-host jobs that lose a rank (rank 1, rank 0, rank 1 with
+    --secure), run at once: they share only the hosts, each a world with its own ports."""
+    folder = tmp_path_factory.mktemp("survivors")
+    jobs = {"rank1": ("1",), "rank0": ("0",), "secure": ("1", "--secure")}
+    procs: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for name, (victim, *flags) in jobs.items():
+            procs[name] = _start(cluster, folder / name, 1, 2, *flags, VICTIM=victim)
+    except BaseException:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+        raise
+    return _finish(procs, folder)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0"])
-def test_survivors_on_other_hosts_resume(cluster: tc.Cluster, victim: int) -> None:
-    proc = _job(cluster, 1, 2, VICTIM=str(victim))
+def test_survivors_on_other_hosts_resume(
+    survivors: dict[str, subprocess.CompletedProcess[str]], victim: int
+) -> None:
+    proc = survivors[f"rank{victim}"]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     pids = {s["id"]: s["pid"] for s in _fields(proc.stdout, "start")}
     done = _fields(proc.stdout, "done")
-    survivors = sorted({"0", "1", "2"} - {str(victim)})
-    assert sorted(d["id"] for d in done) == survivors
+    survivors_ = sorted({"0", "1", "2"} - {str(victim)})
+    assert sorted(d["id"] for d in done) == survivors_
     for d in done:
         assert d["pid"] == pids[d["id"]] and d["size"] == "2"
         assert d["w"] == str(EXPECTED).replace(" ", "")
     (kill,) = _fields(proc.stdout, "kill")
     resets = _fields(proc.stdout, "reset")
     assert len(resets) == 2
-    assert max(float(r["t"]) for r in resets) - float(kill["t"]) < 10.0
+    detected = max(float(r["t"]) for r in resets) - float(kill["t"])
+    print(f"rank {victim} killed -> survivors re-formed: {detected:.1f} s")
+    assert detected < 10.0
 
 
 @pytest.mark.timeout(300)
-def test_secure_survivors_on_other_hosts_resume(cluster: tc.Cluster) -> None:
+def test_secure_survivors_on_other_hosts_resume(
+    survivors: dict[str, subprocess.CompletedProcess[str]],
+) -> None:
     """--secure across hosts: the survivors authenticate a new rendezvous with the job key they
     hold and make new sealed groups, then finish with the undisturbed result."""
-    proc = _job(cluster, 1, 2, "--secure", VICTIM="1")
+    proc = survivors["secure"]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     done = _fields(proc.stdout, "done")
     assert sorted(d["id"] for d in done) == ["0", "2"]
@@ -95,9 +149,9 @@ def test_secure_survivors_on_other_hosts_resume(cluster: tc.Cluster) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_lost_host_drops_all_its_ranks_at_once(cluster: tc.Cluster) -> None:
+def test_a_lost_host_drops_all_its_ranks_at_once(cluster: tc.Cluster, tmp_path: Path) -> None:
     """Rank 4 SIGKILLs its agent: host 3's two ranks vanish together (as with a lost host)."""
-    proc = _job(cluster, 2, 4, VICTIM="4", KILL="agent", KILL_AT="3")
+    proc = _job(cluster, tmp_path, 2, 4, VICTIM="4", KILL="agent", KILL_AT="3")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     pids = {s["id"]: s["pid"] for s in _fields(proc.stdout, "start")}
     done = _fields(proc.stdout, "done")
