@@ -14,36 +14,83 @@ from pathlib import Path
 
 import pytest
 
-from _elastic_grow import EXPECTED, JOB, fields, run_job, script
+from _elastic_grow import EXPECTED, JOB, fields, script
 from ringtrain.testing import cluster as tc
 
 pytestmark = pytest.mark.cluster
 CLUSTER = 3
 
 
-def _job(
-    cluster: tc.Cluster, tmp: Path, flags: list[str], **env_vars: str
-) -> subprocess.CompletedProcess[str]:
-    return run_job(
-        tmp, flags, launcher=["--ssh-config-file", str(cluster.ssh_config_path)], **env_vars
-    )
-
-
 def _hosts(cluster: tc.Cluster, n: int) -> str:
     return "".join(f"{h.name}:1\\n" for h in cluster.hosts[:n])
 
 
+def _start(cluster: tc.Cluster, tmp: Path, flags: list[str], **env_vars: str) -> subprocess.Popen:
+    """``run_job``'s job, started, with its stdout and stderr going to files in ``tmp``."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MODE": "optimizer",
+        "SIGNAL_FILE": str(tmp / "signal"),
+        "FAILS_FILE": str(tmp / "fails"),
+        **env_vars,
+    }
+    names = ["MODE", "OMP_NUM_THREADS", "SIGNAL_FILE", "FAILS_FILE", *env_vars]
+    forward = [a for name in names for a in ("-x", name)]
+    argv = [sys.executable, "-m", "ringtrain", "run", "--ssh-config-file"]
+    argv += [str(cluster.ssh_config_path), *flags, *forward, "--", sys.executable, str(JOB)]
+    with (tmp / "out").open("w") as out, (tmp / "err").open("w") as err:
+        return subprocess.Popen(argv, stdout=out, stderr=err, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def jobs(
+    cluster: tc.Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The jobs of the first three tests, run at once (each a world with its own ports and its
+    own discovery script): a host added, a host whose ranks keep failing, a rank lost below
+    --min-np. Each one's code and output by name."""
+    h2, h3 = _hosts(cluster, 2), _hosts(cluster, 3)
+    grow = ["-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script"]
+    below = ["-np", "3", "--min-np", "3", "--host-discovery-script"]
+    fail = {"HOLD_AT": "4", "HOLD_FOR_LINES": "2", "FAIL_HOST": cluster.hosts[2].name}
+    # name: the hosts the script offers before and after the signal, flags after the script's
+    # path, the job's variables
+    specs: dict[str, tuple[str, str, list[str], list[str], dict[str, str]]] = {
+        # HOLD_AT=6: 24 samples processed, the 36 left split evenly over 3 ranks
+        "grow": (h2, h3, grow, [], {"HOLD_AT": "6"}),
+        "failing": (h3, h3, grow, ["--blacklist-cooldown-range", "1", "8"], fail),
+        "below": (h3, h3, below, ["--elastic-timeout", "5"], {"VICTIM": "1"}),
+    }
+    procs: dict[str, subprocess.Popen] = {}
+    folders = {name: tmp_path_factory.mktemp(name) for name in specs}
+    try:
+        for name, (before, after, flags, more, env_vars) in specs.items():
+            disc = script(folders[name], before, after)
+            procs[name] = _start(cluster, folders[name], [*flags, disc, *more], **env_vars)
+        for p in procs.values():
+            p.wait(timeout=400)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return {
+        name: subprocess.CompletedProcess(
+            p.args,
+            p.returncode,
+            (folders[name] / "out").read_text(),
+            (folders[name] / "err").read_text(),
+        )
+        for name, p in procs.items()
+    }
+
+
 @pytest.mark.timeout(420)
 def test_a_host_added_by_the_script_joins_and_the_world_grows(
-    cluster: tc.Cluster, tmp_path: Path
+    cluster: tc.Cluster, jobs: dict[str, subprocess.CompletedProcess[str]]
 ) -> None:
-    disc = script(tmp_path, _hosts(cluster, 2), _hosts(cluster, 3))
-    proc = _job(
-        cluster,
-        tmp_path,
-        ["-np", "2", "--min-np", "2", "--max-np", "3", "--host-discovery-script", disc],
-        HOLD_AT="6",  # 24 samples processed: the 36 left split evenly over 3 ranks
-    )
+    proc = jobs["grow"]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     starts = {s["id"]: s for s in fields(proc.stdout, "start")}
     new_host = cluster.hosts[2].name
@@ -59,29 +106,11 @@ def test_a_host_added_by_the_script_joins_and_the_world_grows(
 
 
 @pytest.mark.timeout(420)
-def test_a_host_whose_ranks_keep_failing_is_excluded(cluster: tc.Cluster, tmp_path: Path) -> None:
+def test_a_host_whose_ranks_keep_failing_is_excluded(
+    cluster: tc.Cluster, jobs: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
     bad = cluster.hosts[2].name
-    disc = script(tmp_path, _hosts(cluster, 3), _hosts(cluster, 3))
-    proc = _job(
-        cluster,
-        tmp_path,
-        [
-            "-np",
-            "2",
-            "--min-np",
-            "2",
-            "--max-np",
-            "3",
-            "--host-discovery-script",
-            disc,
-            "--blacklist-cooldown-range",
-            "1",
-            "8",
-        ],
-        HOLD_AT="4",
-        HOLD_FOR_LINES="2",
-        FAIL_HOST=bad,
-    )
+    proc = jobs["failing"]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     spans = [
         float(s)
@@ -97,15 +126,9 @@ def test_a_host_whose_ranks_keep_failing_is_excluded(cluster: tc.Cluster, tmp_pa
 
 @pytest.mark.timeout(420)
 def test_below_min_np_past_the_elastic_timeout_ends_the_job(
-    cluster: tc.Cluster, tmp_path: Path
+    cluster: tc.Cluster, jobs: dict[str, subprocess.CompletedProcess[str]]
 ) -> None:
-    disc = script(tmp_path, _hosts(cluster, 3), _hosts(cluster, 3))
-    proc = _job(
-        cluster,
-        tmp_path,
-        ["-np", "3", "--min-np", "3", "--host-discovery-script", disc, "--elastic-timeout", "5"],
-        VICTIM="1",
-    )
+    proc = jobs["below"]
     h = [x.name for x in cluster.hosts]
     assert proc.returncode == 137, proc.stdout + proc.stderr
     assert (
