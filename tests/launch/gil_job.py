@@ -1,8 +1,8 @@
 """Two ranks that stop beating without being stopped (tests/launch/test_silent_ranks.py).
 
-Rank 0 works for about 10 s of CPU time inside one C call that holds the GIL (``sum`` over a
+Rank 0 works for about 7 s of CPU time inside one C call that holds the GIL (``sum`` over a
 range), so its heartbeat thread cannot run: silent but busy, it must live. Then, after a barrier
-(so that on a loaded host, where those 10 s of CPU take far longer, rank 1 is not killed and the
+(so that on a loaded host, where those 7 s of CPU take far longer, rank 1 is not killed and the
 job stopped before rank 0 has shown it lives), rank 1 sleeps inside a C call that holds the GIL
 (libc ``sleep`` through ``ctypes.PyDLL``): silent and using no CPU, as a rank stuck in a driver
 would be, it must be killed as frozen.
@@ -24,7 +24,7 @@ if rt.rank() == 0:
     sum(range(10**6))
     per_item = (time.thread_time() - t) / 10**6
     t = time.monotonic()
-    sum(range(int(10.0 / per_item)))  # one call: the GIL is not let go until it returns
+    sum(range(int(7.0 / per_item)))  # one call: the GIL is not let go until it returns
     print(f"rank 0 held the GIL for {time.monotonic() - t:.1f} s and lives", flush=True)
     rt.barrier()
     time.sleep(300)  # until the launcher stops the job for rank 1

@@ -215,6 +215,8 @@ def test_a_thread_still_busy_after_the_wait_is_named() -> None:
         import threading, time
         from ringtrain.runtime import exit_guard
 
+        exit_guard.EXIT_WAIT_S = 0.5  # the same wait, shorter than its 3 s
+
         def busy():
             with exit_guard.native_call():
                 time.sleep(30)  # longer than the exit waits
@@ -223,11 +225,12 @@ def test_a_thread_still_busy_after_the_wait_is_named() -> None:
         time.sleep(0.2)
         """
     )
+    assert exit_guard.EXIT_WAIT_S == 3.0  # what docs/diagnostics.md quotes
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert time.monotonic() - t0 < 30
-    assert "ringtrain: exiting after 3 s while busy-worker may still be inside a torch call" in (
+    assert "ringtrain: exiting after 0.5 s while busy-worker may still be inside a torch call" in (
         proc.stderr
     )
 
