@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import _jobs_at_once as jobs_at_once
 from ringtrain.testing import cluster as tc
 
 pytestmark = pytest.mark.cluster
@@ -32,12 +33,13 @@ def _fields(out: str, kind: str) -> list[dict[str, str]]:
     ]
 
 
-def _start(
-    cluster: tc.Cluster, folder: Path, slots: int, min_np: int, *flags: str, **env_vars: str
-) -> subprocess.Popen[str]:
-    """The job, started with its stdout and stderr going to files in ``folder``."""
-    env = {**os.environ, "MODE": "optimizer", "OMP_NUM_THREADS": "1", **env_vars}
-    forward = [a for name in ["MODE", "OMP_NUM_THREADS", *env_vars] for a in ("-x", name)]
+def _argv(
+    cluster: tc.Cluster, slots: int, min_np: int, timeout_s: int, *flags: str, **env_vars: str
+) -> tuple[list[str], dict[str, str]]:
+    """``elastic_job.py`` on 3 hosts of ``slots`` each, its variables forwarded (``MODE``
+    optimizer unless given); the command and its environment."""
+    env_vars = {"MODE": "optimizer", "OMP_NUM_THREADS": "1", **env_vars}
+    forward = [a for name in env_vars for a in ("-x", name)]
     argv = [
         sys.executable,
         "-m",
@@ -49,46 +51,22 @@ def _start(
         "--min-np",
         str(min_np),
         "--elastic-timeout",
-        "60",
+        str(timeout_s),
         *flags,
         *forward,
         "--",
         sys.executable,
         str(JOB),
     ]
-    folder.mkdir(parents=True, exist_ok=True)
-    with (folder / "out").open("w") as out, (folder / "err").open("w") as err:
-        return subprocess.Popen(argv, stdout=out, stderr=err, text=True, env=env)
-
-
-def _finish(
-    procs: dict[str, subprocess.Popen[str]], folder: Path
-) -> dict[str, subprocess.CompletedProcess[str]]:
-    """Waits for the jobs (killing any left when it fails); each one's code and output."""
-    try:
-        for p in procs.values():
-            p.wait(timeout=240)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return {
-        name: subprocess.CompletedProcess(
-            p.args,
-            p.returncode,
-            (folder / name / "out").read_text(),
-            (folder / name / "err").read_text(),
-        )
-        for name, p in procs.items()
-    }
+    return argv, {**os.environ, **env_vars}
 
 
 def _job(
     cluster: tc.Cluster, folder: Path, slots: int, min_np: int, *flags: str, **env_vars: str
 ) -> subprocess.CompletedProcess[str]:
-    proc = _start(cluster, folder / "job", slots, min_np, *flags, **env_vars)
-    return _finish({"job": proc}, folder)["job"]
+    argv, env = _argv(cluster, slots, min_np, 60, *flags, **env_vars)
+    proc = jobs_at_once.start(argv, folder, env)
+    return jobs_at_once.finish({"job": proc}, {"job": folder}, 240)["job"]
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +80,12 @@ def survivors(
     procs: dict[str, subprocess.Popen[str]] = {}
     try:
         for name, (victim, *flags) in jobs.items():
-            procs[name] = _start(cluster, folder / name, 1, 2, *flags, VICTIM=victim)
+            argv, env = _argv(cluster, 1, 2, 60, *flags, VICTIM=victim)
+            procs[name] = jobs_at_once.start(argv, folder / name, env)
     except BaseException:
-        for p in procs.values():
-            p.kill()
-            p.wait()
+        jobs_at_once.kill(procs)
         raise
-    return _finish(procs, folder)
+    return jobs_at_once.finish(procs, {name: folder / name for name in procs}, 240)
 
 
 @pytest.mark.timeout(300)
@@ -165,25 +142,7 @@ def test_a_lost_host_drops_all_its_ranks_at_once(cluster: tc.Cluster, tmp_path: 
 
 
 def _cut_link_start(cluster: tc.Cluster, mode: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "MODE": mode, "OMP_NUM_THREADS": "1", "VICTIM": "2", "KILL": "cut"}
-    forward = [a for name in ["MODE", "OMP_NUM_THREADS", "VICTIM", "KILL"] for a in ("-x", name)]
-    argv = [
-        sys.executable,
-        "-m",
-        "ringtrain",
-        "run",
-        *cluster.launcher_args(slots=1),
-        "-np",
-        "3",
-        "--min-np",
-        "2",
-        "--elastic-timeout",
-        "120",
-        *forward,
-        "--",
-        sys.executable,
-        str(JOB),
-    ]
+    argv, env = _argv(cluster, 1, 2, 120, MODE=mode, VICTIM="2", KILL="cut")
     return subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )

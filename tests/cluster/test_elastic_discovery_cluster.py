@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import _jobs_at_once as jobs_at_once
 from _elastic_grow import EXPECTED, JOB, fields, script
 from ringtrain.testing import cluster as tc
 
@@ -25,7 +26,9 @@ def _hosts(cluster: tc.Cluster, n: int) -> str:
     return "".join(f"{h.name}:1\\n" for h in cluster.hosts[:n])
 
 
-def _start(cluster: tc.Cluster, tmp: Path, flags: list[str], **env_vars: str) -> subprocess.Popen:
+def _start(
+    cluster: tc.Cluster, tmp: Path, flags: list[str], **env_vars: str
+) -> subprocess.Popen[str]:
     """``run_job``'s job, started, with its stdout and stderr going to files in ``tmp``."""
     env = {
         **os.environ,
@@ -39,8 +42,7 @@ def _start(cluster: tc.Cluster, tmp: Path, flags: list[str], **env_vars: str) ->
     forward = [a for name in names for a in ("-x", name)]
     argv = [sys.executable, "-m", "ringtrain", "run", "--ssh-config-file"]
     argv += [str(cluster.ssh_config_path), *flags, *forward, "--", sys.executable, str(JOB)]
-    with (tmp / "out").open("w") as out, (tmp / "err").open("w") as err:
-        return subprocess.Popen(argv, stdout=out, stderr=err, text=True, env=env)
+    return jobs_at_once.start(argv, tmp, env)
 
 
 @pytest.fixture(scope="module")
@@ -62,28 +64,16 @@ def jobs(
         "failing": (h3, h3, grow, ["--blacklist-cooldown-range", "1", "8"], fail),
         "below": (h3, h3, below, ["--elastic-timeout", "5"], {"VICTIM": "1"}),
     }
-    procs: dict[str, subprocess.Popen] = {}
+    procs: dict[str, subprocess.Popen[str]] = {}
     folders = {name: tmp_path_factory.mktemp(name) for name in specs}
     try:
         for name, (before, after, flags, more, env_vars) in specs.items():
             disc = script(folders[name], before, after)
             procs[name] = _start(cluster, folders[name], [*flags, disc, *more], **env_vars)
-        for p in procs.values():
-            p.wait(timeout=400)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return {
-        name: subprocess.CompletedProcess(
-            p.args,
-            p.returncode,
-            (folders[name] / "out").read_text(),
-            (folders[name] / "err").read_text(),
-        )
-        for name, p in procs.items()
-    }
+    except BaseException:
+        jobs_at_once.kill(procs)
+        raise
+    return jobs_at_once.finish(procs, folders, 400)
 
 
 @pytest.mark.timeout(420)
