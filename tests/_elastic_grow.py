@@ -34,37 +34,25 @@ def script(tmp: Path, before: str, after: str) -> str:
     return str(path)
 
 
-def run_job(
+def job_command(
     tmp: Path, flags: list[str], launcher: list[str] | None = None, **env_vars: str
-) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
+) -> tuple[list[str], dict[str, str]]:
+    """``ringtrain run`` of elastic_job.py with ``tmp``'s signal and fails files, its variables
+    forwarded to the ranks: the command and its environment."""
+    env_vars = {
         "OMP_NUM_THREADS": "1",
         "MODE": "optimizer",
         "SIGNAL_FILE": str(tmp / "signal"),
         "FAILS_FILE": str(tmp / "fails"),
         **env_vars,
     }
-    forward = [
-        a
-        for name in ["MODE", "OMP_NUM_THREADS", "SIGNAL_FILE", "FAILS_FILE", *env_vars]
-        for a in ("-x", name)
-    ]
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ringtrain",
-            "run",
-            *(launcher or []),
-            *flags,
-            *forward,
-            "--",
-            sys.executable,
-            str(JOB),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        env=env,
-    )
+    forward = [a for name in env_vars for a in ("-x", name)]
+    argv = [sys.executable, "-m", "ringtrain", "run", *(launcher or []), *flags, *forward]
+    return [*argv, "--", sys.executable, str(JOB)], {**os.environ, **env_vars}
+
+
+def run_job(
+    tmp: Path, flags: list[str], launcher: list[str] | None = None, **env_vars: str
+) -> subprocess.CompletedProcess[str]:
+    argv, env = job_command(tmp, flags, launcher, **env_vars)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=400, env=env)

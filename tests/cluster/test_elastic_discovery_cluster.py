@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import _jobs_at_once as jobs_at_once
-from _elastic_grow import EXPECTED, JOB, fields, script
+from _elastic_grow import EXPECTED, JOB, fields, job_command, script
 from ringtrain.testing import cluster as tc
 
 pytestmark = pytest.mark.cluster
@@ -30,18 +30,8 @@ def _start(
     cluster: tc.Cluster, tmp: Path, flags: list[str], **env_vars: str
 ) -> subprocess.Popen[str]:
     """``run_job``'s job, started, with its stdout and stderr going to files in ``tmp``."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MODE": "optimizer",
-        "SIGNAL_FILE": str(tmp / "signal"),
-        "FAILS_FILE": str(tmp / "fails"),
-        **env_vars,
-    }
-    names = ["MODE", "OMP_NUM_THREADS", "SIGNAL_FILE", "FAILS_FILE", *env_vars]
-    forward = [a for name in names for a in ("-x", name)]
-    argv = [sys.executable, "-m", "ringtrain", "run", "--ssh-config-file"]
-    argv += [str(cluster.ssh_config_path), *flags, *forward, "--", sys.executable, str(JOB)]
+    launcher = ["--ssh-config-file", str(cluster.ssh_config_path)]
+    argv, env = job_command(tmp, flags, launcher, **env_vars)
     return jobs_at_once.start(argv, tmp, env)
 
 
