@@ -5,8 +5,9 @@ files in a folder of its own, so no job blocks on a full pipe while another is a
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 
@@ -14,6 +15,18 @@ def start(argv: list[str], folder: Path, env: Mapping[str, str]) -> subprocess.P
     folder.mkdir(parents=True, exist_ok=True)
     with (folder / "out").open("w") as out, (folder / "err").open("w") as err:
         return subprocess.Popen(argv, stdout=out, stderr=err, text=True, env=dict(env))
+
+
+@contextlib.contextmanager
+def starting() -> Iterator[dict[str, subprocess.Popen[str]]]:
+    """A dict for the jobs being started: if starting one fails, those already in it are
+    killed, so a failed fixture leaves no job behind."""
+    procs: dict[str, subprocess.Popen[str]] = {}
+    try:
+        yield procs
+    except BaseException:
+        kill(procs)
+        raise
 
 
 def kill(procs: Mapping[str, subprocess.Popen[str]]) -> None:

@@ -77,14 +77,10 @@ def survivors(
     --secure), run at once: they share only the hosts, each a world with its own ports."""
     folder = tmp_path_factory.mktemp("survivors")
     jobs = {"rank1": ("1",), "rank0": ("0",), "secure": ("1", "--secure")}
-    procs: dict[str, subprocess.Popen[str]] = {}
-    try:
+    with jobs_at_once.starting() as procs:
         for name, (victim, *flags) in jobs.items():
             argv, env = _argv(cluster, 1, 2, 60, *flags, VICTIM=victim)
             procs[name] = jobs_at_once.start(argv, folder / name, env)
-    except BaseException:
-        jobs_at_once.kill(procs)
-        raise
     return jobs_at_once.finish(procs, {name: folder / name for name in procs}, 240)
 
 

@@ -54,15 +54,11 @@ def jobs(
         "failing": (h3, h3, grow, ["--blacklist-cooldown-range", "1", "8"], fail),
         "below": (h3, h3, below, ["--elastic-timeout", "5"], {"VICTIM": "1"}),
     }
-    procs: dict[str, subprocess.Popen[str]] = {}
     folders = {name: tmp_path_factory.mktemp(name) for name in specs}
-    try:
+    with jobs_at_once.starting() as procs:
         for name, (before, after, flags, more, env_vars) in specs.items():
             disc = script(folders[name], before, after)
             procs[name] = _start(cluster, folders[name], [*flags, disc, *more], **env_vars)
-    except BaseException:
-        jobs_at_once.kill(procs)
-        raise
     return jobs_at_once.finish(procs, folders, 400)
 
 

@@ -14,13 +14,14 @@ Gloo's order or the ring's); every step strategy within 1e-4 of the plain step.
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+import _jobs_at_once as jobs_at_once
 from ringtrain.testing import cluster as tc
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -85,31 +86,16 @@ def _run_all(cluster: tc.Cluster, tmp_path: Path, flags: dict[str, list[str]]) -
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     argv = [PY, "-m", "ringtrain", "run", "--ssh-config-file", str(cluster.ssh_config_path)]
-    procs: dict[str, subprocess.Popen[str]] = {}
-    try:
+    folders = {name: tmp_path / name for name in flags}
+    with jobs_at_once.starting() as procs:
         for name, extra in flags.items():
-            with (
-                (tmp_path / f"{name}.out").open("w") as out,
-                (tmp_path / f"{name}.err").open("w") as err,
-            ):
-                procs[name] = subprocess.Popen(
-                    [*argv, "-H", "h0:2,h1:2", *extra, "--", PY, str(script)],
-                    stdout=out,
-                    stderr=err,
-                    text=True,
-                    cwd=tmp_path,
-                )
-        codes = {name: p.wait(timeout=TIMEOUT_S) for name, p in procs.items()}
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            job = [*argv, "-H", "h0:2,h1:2", *extra, "--", PY, str(script)]
+            procs[name] = jobs_at_once.start(job, folders[name], os.environ)
+    done = jobs_at_once.finish(procs, folders, TIMEOUT_S)
     runs = {}
-    for name, code in codes.items():
-        out, err = ((tmp_path / f"{name}.{e}").read_text() for e in ("out", "err"))
-        assert code == 0, (name, out[-3000:] + err[-3000:])
-        line = next(x for x in out.splitlines() if "RESULT " in x)
+    for name, job in done.items():
+        assert job.returncode == 0, (name, job.stdout[-3000:] + job.stderr[-3000:])
+        line = next(x for x in job.stdout.splitlines() if "RESULT " in x)
         runs[name] = json.loads(line.split("RESULT ", 1)[1])
     return runs
 
