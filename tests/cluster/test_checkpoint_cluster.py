@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 from _durable_runs import wait_for_commit
+from _only_sshd import left_on_hosts, wait_for_only_sshd
 from ringtrain.checkpoint import manifest
 from ringtrain.testing import cluster as tc
 
@@ -47,15 +47,6 @@ def _run(argv: list[str], cwd: Path) -> str:
     return proc.stdout + proc.stderr
 
 
-def _left_on_hosts(cluster: tc.Cluster) -> list[str]:
-    return [
-        f"{h.name}: pid {p}"
-        for h in cluster.hosts
-        for p in cluster.pids(h.name)
-        if p != cluster.sshd_pid(h.name)
-    ]
-
-
 def test_a_job_on_two_hosts_killed_then_resumed_swapped_ends_with_one_hosts_weights(
     cluster: tc.Cluster, tmp_path: Path
 ) -> None:
@@ -78,16 +69,13 @@ def test_a_job_on_two_hosts_killed_then_resumed_swapped_ends_with_one_hosts_weig
                 cwd=tmp_path,
             )
         wait_for_commit(launcher, ck, 4)
-        running = {entry.split(":")[0] for entry in _left_on_hosts(cluster)}
+        running = set(left_on_hosts(cluster))
         assert running == {"h0", "h1"}, running  # a rank (and its agent) on each host
         family = psutil.Process(launcher.pid).children(recursive=True)  # the ssh clients
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(10)
         psutil.wait_procs(family, timeout=60)
-        deadline = time.monotonic() + 60  # each host's agent sees its ssh session end
-        while left := _left_on_hosts(cluster):
-            assert time.monotonic() < deadline, f"left behind by the killed launcher: {left}"
-            time.sleep(0.2)
+        wait_for_only_sshd(cluster, within=60)  # each host's agent sees its ssh session end
         assert ref.wait(timeout=300) == 0, ref_log.read_text()
     finally:
         for p in (launcher, ref):
@@ -104,4 +92,4 @@ def test_a_job_on_two_hosts_killed_then_resumed_swapped_ends_with_one_hosts_weig
     for a, b in zip(want, got):
         assert torch.equal(a, b)
     assert [s for s, _ in manifest.committed(str(ck))] == [8, 10, 12]
-    assert not _left_on_hosts(cluster)
+    wait_for_only_sshd(cluster)

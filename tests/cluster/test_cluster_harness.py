@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from _only_sshd import wait_for_only_sshd
 from ringtrain.host import network
 from ringtrain.testing import cgroup_mount, netns
 from ringtrain.testing import cluster as tc
@@ -303,7 +304,4 @@ def test_ringtrain_run_reaches_hosts_with_different_interface_names(cluster: tc.
     for h in cluster.hosts:
         assert f"rank {h.name[1:]}/3 on {h.name} " in proc.stdout  # each rank on its own host
     # Nothing of the job is left in any host: only its sshd.
-    deadline = time.monotonic() + 10
-    while any(cluster.pids(h.name) != [cluster.sshd_pid(h.name)] for h in cluster.hosts):
-        assert time.monotonic() < deadline, {h.name: cluster.pids(h.name) for h in cluster.hosts}
-        time.sleep(0.1)
+    wait_for_only_sshd(cluster, within=10)

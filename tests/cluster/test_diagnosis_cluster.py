@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from _only_sshd import wait_for_only_sshd
 from ringtrain.testing import cluster as tc
 
 pytestmark = pytest.mark.cluster
@@ -160,13 +161,6 @@ def _ringtrain_run(
     return proc, time.time()
 
 
-def _nothing_left(cluster: tc.Cluster, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while any(cluster.pids(h.name) != [cluster.sshd_pid(h.name)] for h in cluster.hosts):
-        assert time.monotonic() < deadline, {h.name: cluster.pids(h.name) for h in cluster.hosts}
-        time.sleep(0.1)
-
-
 def test_each_mismatch_kind_fails_on_every_rank_within_seconds(
     cluster: tc.Cluster, tmp_path: Path
 ) -> None:
@@ -192,7 +186,7 @@ def test_each_mismatch_kind_fails_on_every_rank_within_seconds(
                 continue
             assert "|   ranks 0-2: " in msg and "|   rank 3: " in msg and "HINT:" in msg, msg
     assert sorted(re.findall(r"^\[\d\] AFTER (\d+)$", proc.stdout, re.M)) == [str(RANKS)] * RANKS
-    _nothing_left(cluster)
+    wait_for_only_sshd(cluster, within=10)
 
 
 def test_skipped_allreduce_is_reported_then_the_job_exits_non_zero(
@@ -231,7 +225,7 @@ def test_skipped_allreduce_is_reported_then_the_job_exits_non_zero(
     assert "ringtrain run: job failed: rank" in proc.stderr, log
     took = ended - stalled_at
     assert shutdown_s <= took < shutdown_s + 10, f"the job ended {took:.1f} s after the stall began"
-    _nothing_left(cluster)
+    wait_for_only_sshd(cluster, within=10)
 
 
 def test_a_rank_slow_in_compute_is_reported_as_compute_bound(
@@ -244,4 +238,4 @@ def test_a_rank_slow_in_compute_is_reported_as_compute_bound(
     reports = re.findall(r"^\[\d\] REPORT (.*)$", proc.stdout, re.M)
     assert reports == ["compute [3] ['h1']"] * RANKS, log
     assert "ringtrain straggler report: rank 3 on host h1 is compute-bound" in proc.stderr, log
-    _nothing_left(cluster)
+    wait_for_only_sshd(cluster, within=10)

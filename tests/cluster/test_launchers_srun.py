@@ -13,13 +13,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from _only_sshd import wait_for_only_sshd
 from ringtrain.testing import cluster as tc
 from ringtrain.testing import slurm
 
@@ -114,9 +114,4 @@ def test_srun_across_two_namespace_hosts(cluster: tc.Cluster, tmp_path: Path) ->
         assert (r["cross_rank"], r["cross_size"]) == (host, 2)
         assert r["identical"] and r["trained"]
     assert len({r["checksum"] for r in res}) == 1
-    # Nothing is left on the hosts but their sshd (a step's slurmstepd may take a moment).
-    deadline = time.monotonic() + 20
-    while any(cluster.pids(h.name) != [cluster.sshd_pid(h.name)] for h in cluster.hosts):
-        if time.monotonic() > deadline:
-            raise AssertionError({h.name: cluster.pids(h.name) for h in cluster.hosts})
-        time.sleep(0.2)
+    wait_for_only_sshd(cluster, within=20)  # a step's slurmstepd may take a moment

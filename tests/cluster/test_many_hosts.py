@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from _only_sshd import wait_for_only_sshd
 from ringtrain.testing import cluster as tc
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
@@ -50,22 +51,6 @@ RANK = textwrap.dedent(
 )
 
 
-def _only_sshd_left(cluster: tc.Cluster, within: float) -> float:
-    """Seconds until every host holds only its sshd (fails after ``within``)."""
-    start = time.monotonic()
-    while True:
-        left = {
-            h.name: p
-            for h in cluster.hosts
-            if (p := cluster.pids(h.name)) != [cluster.sshd_pid(h.name)]
-        }
-        if not left:
-            return time.monotonic() - start
-        if time.monotonic() - start > within:
-            raise AssertionError(f"left behind: {left}")
-        time.sleep(0.05)
-
-
 def test_sixteen_hosts_start_fail_report_and_leave_nothing(
     cluster: tc.Cluster, tmp_path: Path
 ) -> None:
@@ -80,7 +65,7 @@ def test_sixteen_hosts_start_fail_report_and_leave_nothing(
         argv, capture_output=True, text=True, cwd=tmp_path, env=dict(os.environ), timeout=150
     )
     ended = time.time()
-    gone_s = _only_sshd_left(cluster, within=15.0)
+    gone_s = wait_for_only_sshd(cluster, within=15.0)
     assert proc.returncode == 7, proc.stdout[-2000:] + proc.stderr[-4000:]
     ups = sorted(out.glob("up.*"), key=lambda p: p.stat().st_mtime)
     assert len(ups) == NP

@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from _only_sshd import left_on_hosts
 from ringtrain.testing import cluster as tc
 
 pytestmark = pytest.mark.cluster
@@ -46,12 +47,7 @@ def _run_argv(cluster: tc.Cluster, *flags: str, port: int | None = None) -> list
 def _leftovers(cluster: tc.Cluster, marker: str) -> list[str]:
     """Processes of a finished job: anything but sshd in a host, or a local process (an ssh
     client, a rank) whose command line mentions ``marker`` or the cluster's ssh config."""
-    left = [
-        f"{h.name}: pid {p}"
-        for h in cluster.hosts
-        for p in cluster.pids(h.name)
-        if p != cluster.sshd_pid(h.name)
-    ]
+    left = [f"{host}: pids {pids}" for host, pids in left_on_hosts(cluster).items()]
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or ())
         if p.info["pid"] != psutil.Process().pid and (

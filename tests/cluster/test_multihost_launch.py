@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from _only_sshd import wait_for_only_sshd
 from ringtrain.testing import cluster as tc
 
 pytestmark = pytest.mark.cluster
@@ -59,14 +60,6 @@ def _launch(cluster: tc.Cluster, tmp_path: Path, mode: str, *flags: str) -> subp
     )
 
 
-def _only_sshd_left(cluster: tc.Cluster, within: float = 15.0, since: float | None = None) -> None:
-    deadline = (time.monotonic() if since is None else since) + within
-    while any(cluster.pids(h.name) != [cluster.sshd_pid(h.name)] for h in cluster.hosts):
-        if time.monotonic() > deadline:
-            raise AssertionError({h.name: cluster.pids(h.name) for h in cluster.hosts})
-        time.sleep(0.1)
-
-
 def test_ranks_are_placed_host_major_with_forwarded_env(
     cluster: tc.Cluster, tmp_path: Path
 ) -> None:
@@ -80,7 +73,7 @@ def test_ranks_are_placed_host_major_with_forwarded_env(
         f"[2] rank 2 host h1 local 0 cross 1 fwd on secret None cwd {tmp_path}",
         f"[3] rank 3 host h1 local 1 cross 1 fwd on secret None cwd {tmp_path}",
     ]
-    _only_sshd_left(cluster)
+    wait_for_only_sshd(cluster)
 
 
 def test_a_remote_failure_ends_the_job_everywhere(cluster: tc.Cluster, tmp_path: Path) -> None:
@@ -91,7 +84,7 @@ def test_a_remote_failure_ends_the_job_everywhere(cluster: tc.Cluster, tmp_path:
     assert "rank 3 (host h1" in err and "exited with code 5" in err
     assert "| rank 3 gives up" in err
     assert time.monotonic() - start < 30
-    _only_sshd_left(cluster)
+    wait_for_only_sshd(cluster)
 
 
 def test_killing_the_launcher_stops_remote_ranks(cluster: tc.Cluster, tmp_path: Path) -> None:
@@ -105,7 +98,7 @@ def test_killing_the_launcher_stops_remote_ranks(cluster: tc.Cluster, tmp_path: 
     killed = time.monotonic()
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=10)
-    _only_sshd_left(cluster, within=10.0, since=killed)  # issue 4: gone within 10 s
+    wait_for_only_sshd(cluster, within=10.0, since=killed)  # issue 4: gone within 10 s
 
 
 def test_unreachable_host_is_named_with_sshs_words(cluster: tc.Cluster, tmp_path: Path) -> None:
@@ -137,4 +130,4 @@ def test_unreachable_host_is_named_with_sshs_words(cluster: tc.Cluster, tmp_path
     assert proc.returncode != 0
     assert "the agent on host ghost" in proc.stderr and "Connection refused" in proc.stderr
     assert "Traceback" not in proc.stderr
-    _only_sshd_left(cluster)
+    wait_for_only_sshd(cluster)
