@@ -6,6 +6,7 @@ Every rank records its pid; every test checks that none of them is still alive a
 
 from __future__ import annotations
 
+import io
 import queue
 import signal
 import subprocess
@@ -18,8 +19,10 @@ from typing import Any
 import psutil
 import pytest
 
+from ringtrain import cli
+from ringtrain.launch.command import options_from_args
 from ringtrain.launch.hosts import Host
-from ringtrain.launch.supervisor import AgentLink
+from ringtrain.launch.supervisor import AgentLink, Supervisor
 
 RANK_SCRIPT = textwrap.dedent(
     """
@@ -229,6 +232,20 @@ def test_launcher_never_imports_torch(tmp_path: Path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_finished_jobs_agents_exit_on_their_own_before_run_returns() -> None:
+    """Once every agent reported done, the launcher closes their input and waits for them to
+    exit (code 0), so nothing of the job is left on a host when ``ringtrain run`` returns;
+    it kills only an agent that does not end (CI once found one still on a host)."""
+    argv = ["run", "-np", "2", "--", sys.executable, "-c", "pass"]
+    sup = Supervisor(
+        options_from_args(cli.build_parser(argv).parse_args(argv)),
+        out=io.StringIO(),
+        err=io.StringIO(),
+    )
+    assert sup.run() == 0
+    assert [lk.proc.returncode for lk in sup.links] == [0]
 
 
 def test_an_agent_that_dies_is_reported_with_its_last_words() -> None:

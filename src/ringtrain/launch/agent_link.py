@@ -16,12 +16,16 @@ import queue
 import signal
 import subprocess
 import threading
+import time
 from typing import Any
 
 from ringtrain.launch import protocol
 from ringtrain.launch.hosts import Host
 
 AGENT_ERR_LINES = 20
+# How long a finished job's agents get to exit on their closed input (a Python interpreter's
+# exit, and ssh's on a remote host) before the launcher kills what is left.
+AGENT_EXIT_S = 10.0
 
 
 class AgentLink:
@@ -78,6 +82,13 @@ class AgentLink:
         with contextlib.suppress(OSError, ValueError):
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
+
+    def end(self, until: float) -> None:
+        """Wait until the ``time.monotonic()`` deadline ``until`` for the agent to exit (after
+        :meth:`close_input`), then kill it if it has not."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(max(0.0, until - time.monotonic()))
+        self.kill()
 
     def kill(self) -> None:
         if self.proc.poll() is None:

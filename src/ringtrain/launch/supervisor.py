@@ -46,7 +46,7 @@ from ringtrain.errors import LaunchError
 from ringtrain.host import network
 from ringtrain.launch import agent_start, discovery, elastic, job_network, job_state, rank_env
 from ringtrain.launch.agent import FAILING_GRACE_S
-from ringtrain.launch.agent_link import AgentLink, unreachable
+from ringtrain.launch.agent_link import AGENT_EXIT_S, AgentLink, unreachable
 from ringtrain.launch.elastic_hosts import Change, ElasticPool
 from ringtrain.launch.exit_policy import Next, RankExit, decide
 from ringtrain.launch.failures import Failure, exited_key, how_it_ended, report, root_cause
@@ -203,8 +203,11 @@ class Supervisor:
             for link in self.links:
                 link.close_input()
             self._drain(deadline=time.monotonic() + self.options.grace_s + 2.0)
+            # An agent that reported done exits on its closed input: waited for, it is gone from
+            # its host when run returns. One that did not (lost, hung) is killed at once.
+            ends = time.monotonic() + AGENT_EXIT_S
             for link in self.links:
-                link.kill()
+                link.end(ends if link.done else 0.0)
             if server is not None:
                 server.close()
             self.output.close()
