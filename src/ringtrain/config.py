@@ -194,7 +194,9 @@ class Config:
             )
         if self.hierarchical not in ("auto", "on", "off"):
             raise ConfigError(
-                f"hierarchical must be 'auto', 'on' or 'off', got {self.hierarchical!r}"
+                f"hierarchical must be 'auto', 'on' or 'off', got {self.hierarchical!r}\n"
+                "HINT: 'off' keeps results independent of the host layout; 'on' sums within "
+                "each host first."
             )
         if self.link_class not in ("auto", "fast", "slow"):
             raise ConfigError(
@@ -230,7 +232,7 @@ class Config:
         if level is None:
             raise ConfigError(
                 f"log_level must be one of {', '.join(LOG_LEVELS)} (any case), got "
-                f"{self.log_level!r}"
+                f"{self.log_level!r}\nHINT: ringtrain run -v sets INFO."
             )
         object.__setattr__(self, "log_level", level)
 

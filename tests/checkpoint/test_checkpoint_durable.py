@@ -33,10 +33,9 @@ def _argv(*flags: str, out: Path, pause: float) -> list[str]:
     ]  # fmt: skip
 
 
-def _run(*flags: str, out: Path, writer: str = "auto") -> str:
-    env = {**os.environ, "RINGTRAIN_CHECKPOINT_WRITER": writer}
+def _run(*flags: str, out: Path) -> str:
     proc = subprocess.run(
-        _argv(*flags, out=out, pause=0.0), capture_output=True, text=True, timeout=300, env=env
+        _argv(*flags, out=out, pause=0.0), capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout + proc.stderr
@@ -55,7 +54,12 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     and the resumed one keep the default, writer processes."""
     root = tmp_path_factory.mktemp("finished")
     ck, out = root / "ck", root / "a.pt"
-    _run("--checkpoint-dir", str(ck), "--checkpoint-every", "2", out=out, writer="thread")
+    said = _run(
+        *("--checkpoint-dir", str(ck), "--checkpoint-every", "2"),
+        *("--checkpoint-writer", "thread", "--log-level", "INFO"),
+        out=out,
+    )
+    assert said.count("the thread writer (asked for)") == 2, said  # the flag reached each rank
     assert [s for s, _ in manifest.committed(str(ck))] == [8, 10, 12]  # keep 3
     return ck, out
 

@@ -154,6 +154,27 @@ def test_every_numeric_setting_flag_refuses_nan_inf_and_negatives(
     assert f"{flag.flag} {bad}: {flag.field} must be " in line
 
 
+@pytest.mark.parametrize(
+    ("flag", "bad", "says"),
+    [
+        ("--transport", "udp", "transport must be 'auto', 'gloo' or 'tcp', got 'udp'"),
+        ("--hierarchical", "maybe", "hierarchical must be 'auto', 'on' or 'off', got 'maybe'"),
+        ("--log-level", "loud", "log_level must be one of TRACE, DEBUG, INFO"),
+        (
+            "--checkpoint-writer",
+            "threads",
+            "checkpoint_writer must be one of auto, process, thread, got 'threads'",
+        ),
+    ],
+)
+@pytest.mark.timeout(60)
+def test_a_setting_flag_outside_its_choices_is_refused_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, bad: str, says: str
+) -> None:
+    line = _refused(tmp_path, capsys, flag, bad)
+    assert f"{flag} {bad}: {says}" in line, line
+
+
 @pytest.mark.timeout(60)
 def test_a_bad_ringtrain_variable_in_the_launchers_environment_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

@@ -21,7 +21,6 @@ from ringtrain.config import (
     check_launch_settings,
     check_path,
     check_setting,
-    checkpoint_schedule,
     env_var,
 )
 from ringtrain.environ import LOG_LEVELS
@@ -145,6 +144,13 @@ SETTING_FLAGS = (
     ),
     SettingFlag(
         "--checkpoint-keep", "checkpoint_keep", int, "keep this many newest checkpoints (0: all)"
+    ),
+    SettingFlag(
+        "--checkpoint-writer",
+        "checkpoint_writer",
+        str,
+        "what writes each rank's checkpoints in the background: auto (default), process, or "
+        "thread (enclaves: no process may start)",
     ),
     SettingFlag(
         "--resume",
@@ -432,10 +438,9 @@ def _setting(f: SettingFlag, value: Any) -> Any:
     """A flag's value as its Config field takes it, checked by the field's own rule; the error
     names the flag as given (``--timeout nan: timeout_s must be > 0 ...``)."""
     try:
-        setting = f.to_setting(value)
-        if f.field == "checkpoint_every":
-            checkpoint_schedule(setting)
-        return check_setting(f.field, setting)
+        setting = check_setting(f.field, f.to_setting(value))
+        Config(**{f.field: setting})  # the field's own rule (a choice, a schedule), named here
+        return setting
     except ConfigError as e:
         shown = f"{value:g}" if isinstance(value, float) else str(value)
         raise ConfigError(f"{f.flag} {shown}: {e}") from None
