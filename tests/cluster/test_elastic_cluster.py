@@ -138,7 +138,8 @@ def test_a_lost_host_drops_all_its_ranks_at_once(cluster: tc.Cluster, tmp_path: 
 
 
 def _cut_link_start(cluster: tc.Cluster, mode: str) -> subprocess.Popen[str]:
-    argv, env = _argv(cluster, 1, 2, 120, MODE=mode, VICTIM="2", KILL="cut")
+    # Keepalives every 2 s: the cut host is lost after 6 s of silence instead of 15.
+    argv, env = _argv(cluster, 1, 2, 120, "--ssh-keepalive", "2", MODE=mode, VICTIM="2", KILL="cut")
     return subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
@@ -226,6 +227,6 @@ def test_a_host_whose_link_is_cut_is_dropped(cluster: tc.Cluster) -> None:
         assert len(resets) == 2
         detected = max(float(r["t"]) for r in resets) - cut_at
         print(f"{mode}: link cut -> survivors re-formed: {detected:.1f} s")
-        # ssh's keepalives (ServerAliveInterval=5 x ServerAliveCountMax=3) bound detection:
-        # well under the transport timeout (300 s) the survivors would otherwise wait.
+        # ssh's keepalives (--ssh-keepalive 2 x ServerAliveCountMax=3) bound detection: well
+        # under the transport timeout (300 s) the survivors would otherwise wait.
         assert detected < 120, mode

@@ -152,6 +152,15 @@ def test_ssh_argv_quotes_once_and_keeps_host_key_checking() -> None:
     assert "StrictHostKeyChecking=accept-new" in relaxed
 
 
+def test_ssh_keepalive_sets_how_soon_a_silent_host_is_lost() -> None:
+    keep = _options("-H", "a:1,b:1", "--ssh-keepalive", "2", "true").ssh
+    assert keep.keepalive_s == 2
+    argv = agent_start.ssh_argv(Host("a", 1), keep, ["p"], "/")
+    assert "ServerAliveInterval=2" in argv and "ServerAliveCountMax=3" in argv
+    default = agent_start.ssh_argv(Host("a", 1), SshOptions(), ["p"], "/")
+    assert "ServerAliveInterval=5" in default and "ServerAliveCountMax=3" in default
+
+
 def _options(*argv: str):
     parser = cli.build_parser(["run", *argv])
     return options_from_args(parser.parse_args(["run", *argv]))

@@ -13,7 +13,7 @@ import pytest
 from ringtrain import cli, compression
 from ringtrain.config import COMPRESSIONS, Config
 from ringtrain.errors import ConfigError, SecurityError
-from ringtrain.launch import command
+from ringtrain.launch import command, ssh_flags
 from ringtrain.launch.options import SshOptions
 from ringtrain.security import keys
 
@@ -119,6 +119,7 @@ def _refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: str) ->
         (("--timeout", "nan"), "--timeout nan: timeout_s must be > 0"),
         (("--start-timeout", "nan"), "--start-timeout must be > 0 (a finite number of seconds)"),
         (("--ssh-connect-timeout", "-1"), "--ssh-connect-timeout must be >= 1"),
+        (("--ssh-keepalive", "0"), "--ssh-keepalive must be >= 1 and <= 3600"),
         (("-p", "70000"), "--ssh-port must be >= 1 and <= 65535"),
         (("--elastic-timeout", "inf", "--min-np", "1"), "--elastic-timeout must be > 0"),
         (("--reset-limit", "-1", "--min-np", "1"), "--reset-limit must be >= 0"),
@@ -412,9 +413,9 @@ def test_ssh_files_are_checked_where_ssh_reads_them(tmp_path: Path, flag: str) -
     shown = "--ssh-" + flag.replace("_", "-")
     for path, says in ((tmp_path / "nosuch", "does not exist"), (tmp_path, "is a directory")):
         ssh = SshOptions(**{flag: str(path)})
-        command.check_ssh_files(ssh, remote=False)
+        ssh_flags.check_ssh_files(ssh, remote=False)
         with pytest.raises(ConfigError, match=f"^{shown} .*{says}.\nHINT: "):
-            command.check_ssh_files(ssh, remote=True)
+            ssh_flags.check_ssh_files(ssh, remote=True)
     given = tmp_path / "id"
     given.write_text("x")
-    command.check_ssh_files(SshOptions(**{flag: str(given)}), remote=True)
+    ssh_flags.check_ssh_files(SshOptions(**{flag: str(given)}), remote=True)

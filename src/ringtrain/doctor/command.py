@@ -16,8 +16,8 @@ from ringtrain.config import Bounds
 from ringtrain.doctor import advice, checkup, report, wire
 from ringtrain.doctor.gather import Reach
 from ringtrain.errors import ConfigError
-from ringtrain.launch.command import add_ssh_arguments, check_ssh_files, ssh_options
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
+from ringtrain.launch.ssh_flags import add_ssh_arguments, check_ssh_files, ssh_options
 
 MiB = 1024 * 1024
 # Every number the doctor takes, checked before any host is probed: dest -> (flag, rule).

@@ -12,7 +12,7 @@ import shlex
 from collections.abc import Sequence
 
 from ringtrain.launch.hosts import Host
-from ringtrain.launch.options import SshOptions
+from ringtrain.launch.options import KEEPALIVE_COUNT, SshOptions
 
 AGENT_MODULE = "ringtrain.launch.agent"
 
@@ -31,7 +31,8 @@ def ssh_argv(host: Host, ssh: SshOptions, remote: Sequence[str], cwd: str) -> li
     """The local argv that runs ``remote`` in ``cwd`` on ``host`` over ssh."""
     argv = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={ssh.connect_timeout_s}"]
     # The launcher notices a dead link through the agent's stdin; keepalives make ssh notice too.
-    argv += ["-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]
+    argv += ["-o", f"ServerAliveInterval={ssh.keepalive_s}"]
+    argv += ["-o", f"ServerAliveCountMax={KEEPALIVE_COUNT}"]
     if ssh.config_file:
         argv += ["-F", ssh.config_file]
     if ssh.port is not None:

@@ -21,6 +21,7 @@ BIND_CHOICES = ("auto", "none", "core", "numa")
 PORT = Bounds(1, high=65535, whole=True, hint="a TCP port number, 1 to 65535.")
 SECONDS = Bounds(0, above=True, unit="seconds")
 MALLOC_CHOICES = ("system", "jemalloc", "tcmalloc")
+KEEPALIVE_COUNT = 3  # ssh keepalives unanswered before ssh gives a host up (ServerAliveCountMax)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class SshOptions:
     # Only an explicit flag relaxes host-key checking, and only to trust-on-first-use.
     accept_new_host_keys: bool = False
     connect_timeout_s: int = 10
+    # Seconds between ssh's keepalives; a host silent for KEEPALIVE_COUNT of them is lost.
+    keepalive_s: int = 5
 
     def __post_init__(self) -> None:
         if self.port is not None:
@@ -42,6 +45,10 @@ class SshOptions:
             "--ssh-connect-timeout", self.connect_timeout_s, 10
         )
         object.__setattr__(self, "connect_timeout_s", timeout)
+        every = Bounds(1, high=3600, whole=True, unit="seconds").check(
+            "--ssh-keepalive", self.keepalive_s, 5
+        )
+        object.__setattr__(self, "keepalive_s", every)
 
 
 @dataclass(frozen=True)
