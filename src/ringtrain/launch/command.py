@@ -27,11 +27,7 @@ from ringtrain.environ import LOG_LEVELS
 from ringtrain.errors import ConfigError, SecurityError
 from ringtrain.launch import horovodrun
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
-from ringtrain.launch.options import (
-    BIND_CHOICES,
-    MALLOC_CHOICES,
-    LaunchOptions,
-)
+from ringtrain.launch.options import BIND_CHOICES, MALLOC_CHOICES, LaunchOptions
 from ringtrain.launch.plan import PLACEMENTS
 from ringtrain.launch.ssh_flags import add_ssh_arguments, check_ssh_files, ssh_options
 from ringtrain.launch.supervisor import Supervisor
