@@ -52,7 +52,7 @@ from ringtrain.collectives.control_round import ControlChannel, Message, inline_
 from ringtrain.collectives.doorbell import Doorbell
 from ringtrain.collectives.execute import Executor, Pending
 from ringtrain.collectives.handles import Handle
-from ringtrain.collectives.lane_control import LANE_DRAIN_S, LaneDriver, LaneHandle
+from ringtrain.collectives.lane_control import LANE_DRAIN_S, LaneDriver, LaneHandle, split_settled
 from ringtrain.collectives.request_table import RequestTable
 from ringtrain.collectives.requests import Request, local_errors, mismatch
 from ringtrain.collectives.vector_round import LaneView, VectorChannel, VectorRounds
@@ -591,7 +591,7 @@ class Controller:
         with self._lock:
             if self._end.failure is None:
                 self._end.failure = error
-            pending, self._pending = self._pending, {}
+            pending, self._pending = split_settled(self._pending)
             self._new = []
             if self._vector is not None:
                 self._vector.pending.clear()

@@ -64,6 +64,19 @@ class LaneHandle(Handle[Any]):
         return super().wait(timeout)
 
 
+def split_settled(pending: dict[str, Pending]) -> tuple[dict[str, Pending], dict[str, Pending]]:
+    """``pending`` as (ops the set's end fails, ops whose lane slot came out valid). The latter
+    completed on every rank: the thread that took the verdict hands each its result over
+    (:meth:`LaneDriver._finish` finds it pending), even where a peer that matched the slot has
+    left and the set ended between the verdict and the hand-over."""
+    settled = {
+        name: p
+        for name, p in pending.items()
+        if isinstance(p.handle, LaneHandle) and p.handle.claim is not None and p.handle.claim.valid
+    }
+    return {n: p for n, p in pending.items() if n not in settled}, settled
+
+
 class LaneHost(Protocol):
     """What the lane's driver asks of its controller (the pending ops are the controller's)."""
 
