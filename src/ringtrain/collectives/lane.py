@@ -429,9 +429,11 @@ def wait_for(work: Any, seconds: float) -> bool:
     try:
         work.wait(timeout=timeout)
     except RuntimeError:
-        if work.is_completed():
-            raise  # the work's own error
-        return False
+        if not work.is_completed():
+            return False
+        # It ran out ("Operation timed out!"), then completed before is_completed() looked, or
+        # it failed: an untimed wait tells the two apart (it raises the work's own error).
+        work.wait()
     return True
 
 
