@@ -1,6 +1,7 @@
 """lane.wait_for, the lane's timed wait: a wait that runs out just before the work completes is
-not the work's failure (stop 72's chaos runs at 4 ranks: "a collective failed in transit ...
-Operation timed out!" on every claimant of a slot whose last rank came 0.25 s late)."""
+not the work's failure. Before, every claimant of such a slot failed with "a collective failed in
+transit ... (RuntimeError: Operation timed out!)": seen at 4 ranks, in runs of the lane's mismatch
+test with random delays on its paths, where the last rank claimed 0.25 s after the others."""
 
 from __future__ import annotations
 
