@@ -206,9 +206,10 @@ def load(
 
     ``path`` is a checkpoint directory, or a directory of ``step-N`` checkpoints (the newest
     complete one is taken). The whole checkpoint is verified (manifest, every file's SHA-256,
-    sealed: authenticated) and checked against ``model`` and ``optimizer`` before anything is
-    changed: on an error nothing was loaded. The optimizer state is handed over whole and the
-    optimizer keeps its own shard (sharded or not, any world size). The RNG states are
+    hashed once per host by its ranks together; sealed: authenticated) and checked against
+    ``model`` and ``optimizer`` before anything is changed: on an error nothing was loaded.
+    An unsealed file is read an item at a time, never held whole. The optimizer state is
+    handed over whole and the optimizer keeps its own shard (sharded or not, any world size). The RNG states are
     restored per rank (rank r takes saved rank r mod N's). Compressor state (PowerSGD/top-k
     error feedback) is restored at the same world size and reset at another; ``auto``'s
     decision is kept at any size. A local-update optimizer (``sync_every``) continues bit for
@@ -217,15 +218,37 @@ def load(
     """
     rank, size, config = _where()
     keys = sealed.job_keys(config)
-    error: BaseException | None = None
-    prepared: _Prepared | None = None
-    try:
-        prepared = _read(os.fspath(path), keys, model, optimizer, rank, size)
-    except (OSError, RingtrainError) as e:
-        error = e if isinstance(e, RingtrainError) else CheckpointError(f"loading {path}: {e}")
-    _all_ok(error, size, f"loading the checkpoint {os.fspath(path)}")
-    assert prepared is not None  # _all_ok raised otherwise
+    what = f"loading the checkpoint {os.fspath(path)}"
+    # First every file is verified (the ranks of a host share the hashing) and every rank
+    # hears the outcome; only then is anything read from the files.
+    opened = _attempt(
+        lambda: store.open_checkpoint(os.fspath(path), keys, _host_share()), size, what
+    )
+    prepared = _attempt(lambda: _read(opened, model, optimizer, rank, size), size, what)
     return _apply(prepared, model, optimizer, sampler, strict, rank, size)
+
+
+def _attempt(fn: Callable[[], T], size: int, what: str) -> T:
+    """``fn()`` on every rank, raised on every rank if it failed on any (collective)."""
+    error: BaseException | None = None
+    out: T | None = None
+    try:
+        out = fn()
+    except (OSError, RingtrainError) as e:
+        error = e if isinstance(e, RingtrainError) else CheckpointError(f"{what}: {e}")
+    _all_ok(error, size, what)
+    assert out is not None  # _all_ok raised otherwise
+    return out
+
+
+def _host_share() -> tuple[int, int]:
+    """This rank's place among its host's ranks: which of the checkpoint's files it hashes."""
+    from ringtrain.runtime import state as runtime
+
+    if runtime.is_initialized():
+        rt = runtime.current()
+        return rt.local_rank, rt.local_size
+    return 0, 1
 
 
 @dataclass
@@ -236,14 +259,12 @@ class _Prepared:
 
 
 def _read(
-    path: str,
-    keys: sealed.Keys | None,
+    opened: store.Opened,
     model: torch.nn.Module | None,
     optimizer: torch.optim.Optimizer | None,
     rank: int,
     size: int,
 ) -> _Prepared:
-    opened = store.open_checkpoint(path, keys)
     asm = parts.assemble(opened.metadata, store.reader(opened), opened.directory)
     where = opened.directory
     if model is not None:

@@ -144,12 +144,15 @@ def check_mac(directory: str, manifest: Manifest, mac_key: bytes | None) -> None
 
 
 def sha256_file(path: str) -> tuple[str, int]:
+    """A file's SHA-256 and size, read through one reused 1 MiB buffer."""
     h = hashlib.sha256()
     n = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-            n += len(chunk)
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while got := f.readinto(buf):
+            h.update(view[:got])
+            n += got
     return h.hexdigest(), n
 
 
@@ -159,14 +162,17 @@ def check_file(
     entry: FileEntry,
     data: bytes | None = None,
     sealed: bool = False,
+    hashed: bool = True,
 ) -> None:
     """Raise :class:`CheckpointError` naming ``name`` unless it has the manifest's size and
-    hash; a :class:`SecurityError` for a sealed checkpoint (whose manifest was authenticated)."""
+    hash; a :class:`SecurityError` for a sealed checkpoint (whose manifest was authenticated).
+    ``hashed=False`` checks the size only (the file is hashed elsewhere: another rank's share)."""
     error = SecurityError if sealed else CheckpointError
     path = os.path.join(directory, name)
+    digest: str | None
     if data is None:
         try:
-            digest, size = sha256_file(path)
+            digest, size = sha256_file(path) if hashed else (None, os.path.getsize(path))
         except FileNotFoundError:
             raise CheckpointError(
                 f"{path} is missing: the checkpoint is incomplete (a shard was lost or "
@@ -179,7 +185,7 @@ def check_file(
             f"{path} has {size} bytes, the manifest says {entry['bytes']}: the file is "
             "truncated or was replaced.\nHINT: load an earlier checkpoint."
         )
-    if digest != entry["sha256"]:
+    if digest is not None and digest != entry["sha256"]:
         raise error(
             f"{path} does not match its SHA-256 in the manifest: the file is corrupted, or "
             "belongs to another checkpoint or job.\nHINT: load an earlier checkpoint."

@@ -1,4 +1,4 @@
-"""Writing a rank's part and committing a checkpoint; reading one back whole and verified.
+"""Writing a rank's part and committing a checkpoint; opening one verified, and reading its items.
 
 No collective here: this runs in the training process (a blocking save) or in the background
 writer process (:mod:`ringtrain.checkpoint.writer`). Every rank writes its data file and a part
@@ -220,46 +220,90 @@ class Opened:
     directory: str
     manifest: Manifest
     metadata: Metadata
-    files: dict[str, bytes]  # data file name -> plaintext
+    plain: dict[str, bytes]  # sealed: data file name -> plaintext (GCM opens a file whole)
+
+    def read(self, name: str, offset: int, length: int) -> bytes | memoryview:
+        """``length`` bytes of data file ``name`` from ``offset``. An unsealed file is read an
+        item at a time, so no rank holds a whole file (the host's page cache serves its ranks)."""
+        if self.manifest["sealed"]:
+            return memoryview(self.plain[name])[offset : offset + length]
+        path = os.path.join(self.directory, name)
+        with open(path, "rb") as f:
+            f.seek(offset)
+            got = f.read(length)
+        if len(got) != length:
+            raise CheckpointError(
+                f"{path} ends before byte {offset + length}, which the metadata points to: the "
+                "file changed while it was loaded.\nHINT: load an earlier checkpoint."
+            )
+        return got
 
 
-def open_checkpoint(path: str, keys: Keys | None) -> Opened:
-    """Resolve ``path``, check the manifest (and its MAC), read and verify every file (size,
-    SHA-256; sealed: open it). Nothing is returned unless all of it is whole."""
+def open_checkpoint(path: str, keys: Keys | None, share: tuple[int, int] = (0, 1)) -> Opened:
+    """Resolve ``path``, check the manifest (and its MAC), and verify the files (size,
+    SHA-256; sealed: open it). Nothing is returned unless all of it is whole.
+
+    ``share`` is ``(i, n)``: this process hashes every n-th data file from the i-th, and checks
+    the others' sizes; the ranks of a host, each given its local rank and the host's rank
+    count, hash every file once between them and agree on the outcome before using any
+    (``api.load``). Small files (``.metadata``) and sealed ones (authenticated whole, and held
+    for reading) are opened by every process."""
     directory = manifest.resolve(path)
     man = manifest.read(directory, secure=keys is not None)
     manifest.check_mac(directory, man, keys.manifest if keys is not None else None)
-    files: dict[str, bytes] = {}
-    for name, entry in sorted(man["files"].items()):
-        full = os.path.join(directory, name)
-        try:
-            with open(full, "rb") as f:
-                blob = f.read()
-        except FileNotFoundError:
-            raise CheckpointError(
-                f"{full} is missing: the checkpoint is incomplete (a shard was lost or "
-                "deleted).\nHINT: load an earlier checkpoint."
-            ) from None
-        manifest.check_file(directory, name, entry, blob, sealed=bool(man["sealed"]))
-        files[name] = open_sealed(keys.files, name, full, blob) if man["sealed"] and keys else blob
+    if layout.METADATA_FILE not in man["files"]:
+        raise CheckpointError(
+            f"{directory}: its manifest lists no {layout.METADATA_FILE}: the checkpoint is "
+            "damaged.\nHINT: load an earlier checkpoint."
+        )
+    meta_blob = _opened_whole(directory, layout.METADATA_FILE, man, keys)
+    mine, every = share
+    whole: dict[str, bytes] = {}
+    data_names = sorted(n for n in man["files"] if n != layout.METADATA_FILE)
+    for i, name in enumerate(data_names):
+        if man["sealed"]:
+            whole[name] = _opened_whole(directory, name, man, keys)
+        else:
+            manifest.check_file(directory, name, man["files"][name], hashed=i % every == mine)
     listed = {n for n in os.listdir(directory) if n.endswith(".distcp")}
-    extra = listed - set(files)
+    extra = listed - set(man["files"])
     if extra:
         raise CheckpointError(
             f"{directory} holds {sorted(extra)}, which its manifest does not list: files of "
             "another checkpoint or job were mixed in.\nHINT: load an earlier checkpoint."
         )
+    return Opened(directory, man, _metadata(directory, man, meta_blob), whole)
+
+
+def _opened_whole(directory: str, name: str, man: Manifest, keys: Keys | None) -> bytes:
+    """A file read whole and checked (sealed: its plaintext, authenticated)."""
+    full = os.path.join(directory, name)
+    try:
+        with open(full, "rb") as f:
+            blob = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{full} is missing: the checkpoint is incomplete (a shard was lost or "
+            "deleted).\nHINT: load an earlier checkpoint."
+        ) from None
+    sealed = bool(man["sealed"])
+    manifest.check_file(directory, name, man["files"][name], blob, sealed=sealed)
+    return open_sealed(keys.files, name, full, blob) if sealed and keys else blob
+
+
+def _metadata(directory: str, man: Manifest, blob: bytes) -> Metadata:
+    """DCP's metadata, checked to belong to the manifest's save."""
     import pickle
 
-    meta_blob = files.pop(layout.METADATA_FILE)
-    metadata = pickle.loads(meta_blob)
-    if getattr(metadata.storage_meta, "save_id", None) != man["save_id"]:
+    metadata: Metadata = pickle.loads(blob)
+    saved = getattr(metadata.storage_meta, "save_id", None)
+    if saved != man["save_id"]:
         raise CheckpointError(
             f"{os.path.join(directory, layout.METADATA_FILE)} belongs to another save "
-            f"({metadata.storage_meta.save_id!r}, the manifest says {man['save_id']!r}).\n"
+            f"({saved!r}, the manifest says {man['save_id']!r}).\n"
             "HINT: load an earlier checkpoint."
         )
-    return Opened(directory, man, metadata, files)
+    return metadata
 
 
 def reader(opened: Opened) -> Callable[[MetadataIndex], object]:
@@ -272,12 +316,12 @@ def reader(opened: Opened) -> Callable[[MetadataIndex], object]:
                 f"{opened.directory}: {index.fqn} has no stored bytes in the metadata.\n"
                 "HINT: the checkpoint is damaged; load an earlier one."
             )
-        data = opened.files.get(info.relative_path)
-        if data is None:
+        name = info.relative_path
+        if name == layout.METADATA_FILE or name not in opened.manifest["files"]:
             raise CheckpointError(
-                f"{os.path.join(opened.directory, info.relative_path)} is not in the manifest, "
+                f"{os.path.join(opened.directory, name)} is not in the manifest, "
                 "but the metadata points into it.\nHINT: load an earlier checkpoint."
             )
-        return layout.load_item(memoryview(data), info.offset, info.length)
+        return layout.load_item(opened.read(name, info.offset, info.length), 0, info.length)
 
     return read
