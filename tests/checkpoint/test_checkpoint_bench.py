@@ -28,9 +28,10 @@ def test_bench_checkpoint_smoke(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # Again into the same --dir: each run saves into a folder of its own (a checkpoint
     # directory holds one run, and the first run's steps would be refused to the second).
-    again = _bench("--rounds", "1", "--dir", str(where))
+    again = _bench("--rounds", "1", "--dir", str(where), "--writer", "thread")
     assert again.returncode == 0, again.stdout + again.stderr
     assert len([p for p in where.iterdir() if p.is_dir()]) == 2
+    assert "the process writer" in proc.stdout and "the thread writer" in again.stdout
     assert "blocked per save (ms)" in proc.stdout and "slowdown (writing / idle)" in proc.stdout
     result = json.loads(out.read_text())["result"]
     assert result["world_size"] == 2 and result["checkpoint_bytes"] > 4_000_000

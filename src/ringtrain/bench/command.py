@@ -290,6 +290,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     cp.add_argument("--batch-size", type=int, default=None, help="per rank (default: preset's)")
     cp.add_argument("--whole", action="store_true", help="unsharded optimizer (default sharded)")
     cp.add_argument(
+        "--writer",
+        default="process",
+        choices=("process", "thread"),
+        help="the background writer: its own process (the default) or a thread of each rank",
+    )
+    cp.add_argument(
         "--dir",
         default="",
         help="where to save (each run in a new folder inside it; default: a temporary one)",
@@ -484,6 +490,7 @@ def _params(args: argparse.Namespace) -> Any:
             batch_size=args.batch_size,
             shard=not args.whole,
             directory=args.dir,
+            writer=args.writer,
         )
     if args.benchmark == "mixed-speed":
         return mixed_speed.params_from(args, bad_input.job_size(args))
