@@ -1,13 +1,16 @@
 """What keeps a save's blocking part short and its write light: no collective per save, the
 part streamed to disk (hashed and sealed on the way), buffers and the writer's mappings reused,
 small tensors handed over as raw bytes, a later save's directory never swept early; a rank
-that skipped a save is never mixed into another rank's save."""
+that skipped a save is never mixed into another rank's save; the writer process imports no DCP
+(only rank 0's, at its first commit)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +181,17 @@ def test_a_rank_that_skipped_a_save_is_never_mixed_in(tmp_path: Path, world2: sp
     waited = said[0].split("wrote no part into ")[1].split(" within")[0]
     (theirs,) = [p for p in tmp_path.glob(".step-000000003.partial-*") if str(p) != waited]
     assert (theirs / layout.part_file(1)).exists()
+
+
+def test_the_writer_process_starts_without_dcp() -> None:
+    # What the writer process imports before its first save: DCP's modules take about a second
+    # of CPU, which only rank 0's writer needs (to commit).
+    probe = (
+        "import sys; from ringtrain.checkpoint.writer import main; "
+        "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

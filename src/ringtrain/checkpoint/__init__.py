@@ -14,9 +14,38 @@ schedule, ``--resume``). See docs/checkpoint.md.
 
 from __future__ import annotations
 
-from ringtrain.checkpoint.api import Restored, latest, load, save
-from ringtrain.checkpoint.durable import Durable
-from ringtrain.checkpoint.samplers import Remaining
-from ringtrain.checkpoint.writer import Checkpointer
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ringtrain.checkpoint.api import Restored, latest, load, save
+    from ringtrain.checkpoint.durable import Durable
+    from ringtrain.checkpoint.samplers import Remaining
+    from ringtrain.checkpoint.writer import Checkpointer
 
 __all__ = ["Checkpointer", "Durable", "Remaining", "Restored", "latest", "load", "save"]
+
+# Each public name's module, imported at first use: the writer process imports this package
+# too, and needs none of the training side (PEP 562).
+_HOMES = {
+    "Checkpointer": "writer",
+    "Durable": "durable",
+    "Remaining": "samplers",
+    "Restored": "api",
+    "latest": "api",
+    "load": "api",
+    "save": "api",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

@@ -22,18 +22,12 @@ import os
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 DCP_VERSION = "1.0.0"  # torch's CURRENT_DCP_VERSION for the FileSystemWriter format we write
 METADATA_FILE = ".metadata"
@@ -211,6 +205,18 @@ def write_file(path: str, data: bytes) -> str:
 
 def build_metadata(records: list[Record]) -> Metadata:
     """DCP's metadata for the parts of every rank."""
+    # DCP is imported here, by rank 0's commit only: importing it takes a second of CPU that
+    # every other rank's writer process would spend for nothing.
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
     sd_md: dict[str, Any] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     planner: dict[str, tuple[str, ...]] = {}

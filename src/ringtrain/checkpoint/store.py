@@ -20,14 +20,16 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from typing import TYPE_CHECKING
 
 from ringtrain.checkpoint import layout, manifest
 from ringtrain.checkpoint.layout import Item, Record
 from ringtrain.checkpoint.manifest import Manifest
 from ringtrain.checkpoint.sealed import Keys, Sealer, open_sealed, seal
 from ringtrain.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 
 @dataclass
