@@ -8,6 +8,7 @@ import os
 import tracemalloc
 from pathlib import Path
 
+import pytest
 import torch
 
 import ringtrain.checkpoint as ckpt
@@ -93,3 +94,27 @@ def test_the_ranks_of_a_host_hash_each_file_once(tmp_path: Path, world2: spawn.W
     assert e1 is not None and files[1] in e1 and "SHA-256" in e1
     assert e0 is not None and "failed on rank 1" in e0 and files[1] in e0
     assert kept0 and kept1
+
+
+def test_a_file_changed_after_it_was_verified_is_an_error_naming_it(tmp_path: Path) -> None:
+    # Files are read an item at a time after they were verified: one cut short or overwritten
+    # in between is a CheckpointError naming it, not torch's own error or a short tensor.
+    from ringtrain.checkpoint import store
+
+    model, opt = _trained(1, width=64)
+    path = ckpt.save(tmp_path / "step-1", model=model, optimizer=opt, step=1)
+    data = Path(path, "__0_0.distcp")
+    for spoil in ("cut", "overwrite"):
+        opened = store.open_checkpoint(path, None)
+        read = store.reader(opened)
+        index = next(iter(opened.metadata.storage_data))
+        blob = data.read_bytes()
+        info = opened.metadata.storage_data[index]
+        spoilt = blob[: info.offset + 8] if spoil == "cut" else b"\0" * len(blob)
+        data.write_bytes(spoilt)
+        try:
+            with pytest.raises(CheckpointError, match="changed while it was loaded") as err:
+                read(index)
+            assert str(data) in str(err.value)
+        finally:
+            data.write_bytes(blob)

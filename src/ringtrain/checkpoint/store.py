@@ -16,6 +16,7 @@ import contextlib
 import errno
 import json
 import os
+import pickle
 import shutil
 import time
 from collections.abc import Callable
@@ -295,8 +296,6 @@ def _opened_whole(directory: str, name: str, man: Manifest, keys: Keys | None) -
 
 def _metadata(directory: str, man: Manifest, blob: bytes) -> Metadata:
     """DCP's metadata, checked to belong to the manifest's save."""
-    import pickle
-
     metadata: Metadata = pickle.loads(blob)
     saved = getattr(metadata.storage_meta, "save_id", None)
     if saved != man["save_id"]:
@@ -324,6 +323,14 @@ def reader(opened: Opened) -> Callable[[MetadataIndex], object]:
                 f"{os.path.join(opened.directory, name)} is not in the manifest, "
                 "but the metadata points into it.\nHINT: load an earlier checkpoint."
             )
-        return layout.load_item(opened.read(name, info.offset, info.length), 0, info.length)
+        data = opened.read(name, info.offset, info.length)
+        try:
+            return layout.load_item(data, 0, info.length)
+        except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
+            # Verified when opened: an unsealed file changed since (it is read an item at a time).
+            raise CheckpointError(
+                f"{os.path.join(opened.directory, name)}: {index.fqn} cannot be read ({e}): the "
+                "file changed while it was loaded.\nHINT: load an earlier checkpoint."
+            ) from e
 
     return read
