@@ -4,17 +4,17 @@ slows the steps taken meanwhile.
 Every rank trains a preset (default transformer-25m, Adam, sharded optimizer) and, per round,
 takes ``steps`` steps right after an asynchronous save (:class:`ringtrain.checkpoint.
 Checkpointer`), then waits for the write, then ``steps`` steps with nothing being written. A
-step counts as *writing* when rank 0's write was in flight both when it started and when it
-ended, and as *idle* when taken after the wait; rounds interleave the two, so both see the same
-machine load. An untimed first save starts the writer (``writer``: its own process, the
-default, or a thread of the rank) and makes its buffers. Reported: blocked time per save (the host copy, plus waiting for the previous
-save, which never happens here since each round waits; also the slowest rank's per save), the
-write's duration (save to commit), and step time writing vs idle, median [min-max], with their
-ratio; and that ratio per round (each round's writing steps against its own idle steps, so a
-change of the machine's load between rounds cancels), median [min-max] over rounds; and per
-round, the time of all the steps after the save over that of the idle ones, which counts a
-write wherever it fell (one shorter than a step leaves no step wholly inside it). Figures are
-rank 0's unless named otherwise.
+step counts as *writing* when rank 0's write was in flight both when it started and when it ended,
+and as *idle* when taken after the wait; rounds interleave the two, so both see the same machine
+load. An untimed first save starts the writer (``writer``: its own process, the default, or a thread
+of the rank) and makes its buffers. Reported: blocked time per save (the host copy, plus waiting for
+the previous save, which never happens here since each round waits; also the slowest rank's per
+save), the write's duration (save to commit), and step time writing vs idle, median [min-max], with
+their ratio; and that ratio per round (each round's writing steps against its own idle steps, so a
+change of the machine's load between rounds cancels), median [min-max] over rounds; and per round,
+the time of all the steps after the save over that of the idle ones, which counts a write wherever
+it fell (one shorter than a step leaves no step wholly inside it). Figures are rank 0's unless named
+otherwise.
 """
 
 from __future__ import annotations

@@ -209,12 +209,12 @@ def load(
     hashed once per host by its ranks together; sealed: authenticated) and checked against
     ``model`` and ``optimizer`` before anything is changed: on an error nothing was loaded.
     An unsealed file is read an item at a time, never held whole. The optimizer state is
-    handed over whole and the optimizer keeps its own shard (sharded or not, any world size). The RNG states are
-    restored per rank (rank r takes saved rank r mod N's). Compressor state (PowerSGD/top-k
-    error feedback) is restored at the same world size and reset at another; ``auto``'s
-    decision is kept at any size. A local-update optimizer (``sync_every``) continues bit for
-    bit at the same world size; at another every rank starts a new round from the anchor (rank
-    0 logs what was reset; :mod:`ringtrain.checkpoint.local_state`).
+    handed over whole and the optimizer keeps its own shard (sharded or not, any world size).
+    The RNG states are restored per rank (rank r takes saved rank r mod N's). Compressor
+    state (PowerSGD/top-k error feedback) is restored at the same world size and reset at
+    another; ``auto``'s decision is kept at any size. A local-update optimizer (``sync_every``)
+    continues bit for bit at the same world size; at another every rank starts a new round from
+    the anchor (rank 0 logs what was reset; :mod:`ringtrain.checkpoint.local_state`).
     """
     rank, size, config = _where()
     keys = sealed.job_keys(config)
