@@ -165,6 +165,17 @@ def _widen(fd: int) -> None:
         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
 
 
+_COMMITS = "commits"  # the writer's flag: its rank commits (rank 0)
+
+
+def preload(flags: list[str]) -> None:
+    """What the writer imports before it lowers its priority. A committing writer needs DCP
+    (``layout.build_metadata``): imported later, at niceness +19, a busy host would give its
+    second of CPU minutes. The others never need it."""
+    if _COMMITS in flags:
+        import torch.distributed.checkpoint.filesystem  # noqa: F401
+
+
 def main(argv: list[str] | None = None) -> None:
     """The writer process: write each part it is given; rank 0's writer also commits."""
     import ctypes
@@ -172,8 +183,9 @@ def main(argv: list[str] | None = None) -> None:
 
     with contextlib.suppress(OSError):  # die with the training process
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    _yield_to_training()
     args = sys.argv[1:] if argv is None else argv
+    preload(args[2:])
+    _yield_to_training()
     rx = Connection(int(args[0]), writable=False)
     tx = Connection(int(args[1]), readable=False)
     mapped: dict[_Shared, torch.Tensor] = {}  # buffers stay mapped from one save to the next
@@ -211,7 +223,8 @@ class _ProcessWriter:
 
     kind = "process"
 
-    def __init__(self) -> None:
+    def __init__(self, commits: bool = False) -> None:
+        self._commits = commits  # rank 0's: its process imports DCP at once (see preload)
         self._buffers: dict[str, tuple[_Shared, torch.Tensor]] = {}
         self._made = 0  # buffer files made: each a new name, so the writer's mappings stay true
         self._proc: subprocess.Popen[bytes] | None = None
@@ -236,7 +249,8 @@ class _ProcessWriter:
         env[Process.PYTHONPATH] = os.pathsep.join(p for p in sys.path if p)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", _MAIN, str(r1), str(w2)],
+                [sys.executable, "-c", _MAIN, str(r1), str(w2)]
+                + ([_COMMITS] if self._commits else []),
                 pass_fds=(r1, w2),
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -388,7 +402,9 @@ class Checkpointer:
                 else "auto: a low-priority process keeps the training steps fast"
             )
         log.info("checkpoints into %s: the %s writer (%s)", self.root, kind, why)
-        self._writer = ThreadWriter() if kind == "thread" else _ProcessWriter()
+        # Rank 0 commits (a rank 0 of a later elastic world imports DCP at its first commit).
+        rank0 = api._where()[0] == 0
+        self._writer = ThreadWriter() if kind == "thread" else _ProcessWriter(commits=rank0)
         return self._writer
 
     def _collect(self, block: bool) -> None:
