@@ -8,8 +8,10 @@ files and the Horovod variables mapped onto every rank's Config.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,7 @@ def _same(horovod: list[str], ringtrain: list[str]) -> None:
         (["--gloo"], []),
         (["--mpi"], []),
         (["--disable-cache"], []),
+        (["-prefix-timestamp"], ["--prefix-output-with-timestamp"]),
     ],
 )
 def test_horovodrun_flag_plans_as_its_ringtrain_counterpart(
@@ -197,6 +200,56 @@ def test_real_job_with_horovodrun_flags_and_horovod_variables(tmp_path: Path, np
         assert out.startswith("config 1048576") and "cached 0" in out
         err = (tmp_path / "logs" / f"rank.{rank}" / "stderr").read_text()
         assert f"to stderr {rank}" in err
+
+
+STAMPED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.(\d{3}) (.*)$")
+TIMED = """\
+import os, sys, time
+print("first", time.time(), flush=True)  # before the launcher has finished starting the job
+time.sleep(1.0)
+print("second", time.time(), flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+sys.exit(3 if os.environ["HOROVOD_RANK"] == "1" else 0)
+"""
+
+
+def _stamped(line: str) -> tuple[float, str]:
+    """A stamped line's time (seconds since the epoch) and the rest of it."""
+    found = STAMPED.match(line)
+    assert found, f"no timestamp at the start of {line!r}"
+    when = time.mktime(time.strptime(found.group(1), "%Y-%m-%d %H:%M:%S"))
+    return when + int(found.group(2)) / 1000, found.group(3)
+
+
+def test_prefix_output_with_timestamp_stamps_each_line_when_it_arrives(tmp_path: Path) -> None:
+    (tmp_path / "timed.py").write_text(TIMED)
+    began = time.time()
+    proc = _run(
+        "-np", "2", "--prefix-output-with-timestamp", "--output-filename", "logs",
+        sys.executable, "timed.py", env={}, cwd=tmp_path,
+    )  # fmt: skip
+    ended = time.time()
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 4, proc.stdout
+    for line in lines:
+        when, rest = _stamped(line)
+        printed = float(rest.split()[-1])  # the rank's own clock, the same machine's
+        assert began - 1 <= when <= ended + 1, line
+        # The time the line reached the launcher, not when the launcher got round to showing
+        # it: the first lines arrive while it still starts the job (its store's process
+        # imports torch), and were stamped over a second late when that was the stamp.
+        assert printed - 0.002 <= when < printed + 0.7, proc.stdout
+    for rank in range(2):
+        files = {
+            fd: (tmp_path / "logs" / f"rank.{rank}" / fd).read_text().splitlines()
+            for fd in ("stdout", "stderr")
+        }
+        assert [_stamped(line)[1].split()[0] for line in files["stdout"]] == ["first", "second"]
+        assert "to stderr" in [_stamped(line)[1] for line in files["stderr"]]
+    # ringtrain run's own lines carry the same stamps as the ranks'.
+    report = [line for line in proc.stderr.splitlines() if "ringtrain run: job failed" in line]
+    assert report and _stamped(report[0])[1].startswith("ringtrain run: job failed: rank 1")
 
 
 def test_bad_horovod_value_stops_the_launch_once(tmp_path: Path) -> None:

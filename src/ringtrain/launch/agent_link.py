@@ -60,6 +60,9 @@ class AgentLink:
         for line in self.proc.stdout:
             msg = protocol.parse(line)
             if msg is not None:
+                # Here, not where the supervisor handles it (which may be busy starting the
+                # job): the time a rank's line reached the launcher, for its timestamp.
+                msg["received_at"] = time.time()
                 self._events.put((self, msg))
         self.proc.wait()
         # The eof report quotes err_tail (ssh's own words), so wait for stderr to drain too; a

@@ -232,6 +232,14 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="also write each rank's output to DIR/rank.<rank>/stdout and stderr (horovodrun's "
         "layout: ranks zero-padded to one width)",
     )
+    p.add_argument(
+        "--prefix-output-with-timestamp",
+        "-prefix-timestamp",
+        dest="timestamp_output",
+        action="store_true",
+        help="start every line the ranks print, and ringtrain run's own, with the launcher's "
+        "local time (YYYY-MM-DD HH:MM:SS.mmm), in --output-filename's files too",
+    )
     elastic = p.add_argument_group("elastic (see docs/elastic.md)")
     elastic.add_argument(
         "--min-np",
@@ -419,6 +427,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         placement=args.placement,
         verbose=args.verbose,
         prefix_output=not args.no_prefix,
+        timestamp_output=args.timestamp_output,
         output_dir=args.output_filename,
         interface_candidates=candidates,
         min_np=args.min_np,

@@ -69,13 +69,10 @@ REFUSED: dict[str, str] = {
     "sockets for enclaves",
     "--num-nccl-streams": "ringtrain uses one NCCL stream per process group",
     "--thread-affinity": "ringtrain run pins whole ranks (--bind-to), not their threads",
-    "--log-with-timestamp": "ringtrain's log lines carry no timestamp; --prefix-output-with-"
-    "timestamp is not supported either",
+    "--log-with-timestamp": "ringtrain's log lines carry no timestamp of their own; "
+    "--prefix-output-with-timestamp stamps every line the ranks print, these among them",
     "--log-hide-timestamp": "deprecated in Horovod; ringtrain's log lines carry no timestamp",
     "--no-log-hide-timestamp": "deprecated in Horovod; ringtrain's log lines carry no timestamp",
-    "--prefix-output-with-timestamp": "not supported: ringtrain run prefixes each line with its "
-    "rank only (pipe through `ts` from moreutils for times)",
-    "-prefix-timestamp": "see --prefix-output-with-timestamp",
     "--version": "ringtrain's version is `ringtrain --version` (in ringtrain run, -v is --verbose)",
 }
 

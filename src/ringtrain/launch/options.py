@@ -68,6 +68,9 @@ class LaunchOptions:
     placement: str = "host-major"  # or "round-robin": see ringtrain.launch.plan
     verbose: bool = False
     prefix_output: bool = True
+    # --prefix-output-with-timestamp: each relayed line starts with the time the launcher got it
+    # (one clock for every host, so lines of different hosts compare).
+    timestamp_output: bool = False
     # --output-filename: each rank's output is also written to DIR/rank.<rank>/{stdout,stderr}.
     output_dir: str | None = None
     # --network-interfaces a,b (horovodrun): the automatic choice considers only these names.

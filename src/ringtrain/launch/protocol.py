@@ -14,6 +14,8 @@ Agent -> launcher (agent's stdout):
     {"t": "out", "rank": r, "fd": 1 | 2, "line": str, "end": "\n" | "\r"}
     {"t": "exit", "rank": r, "code": int | null, "signal": str | null, "tail": [str]}
     {"t": "done"}                                     every rank has exited
+
+The launcher's reader adds ``"received_at"`` (its own ``time.time()``) to each message it gets.
 """
 
 from __future__ import annotations

@@ -1,15 +1,18 @@
 """The ranks' output as the launcher relays it: to its own stdout/stderr and, optionally, files.
 
 Agents stream each rank's lines; :class:`RankOutput` writes them to the launcher's stdout or
-stderr (prefixed ``[rank]`` with ``--prefix-output``) and, with ``--output-filename DIR``, to
-``DIR/rank.<rank>/stdout|stderr`` as horovodrun lays them out. A reader that went away (a
-closed pipe) does not end the job.
+stderr (prefixed ``[rank]``, unless ``--no-prefix``) and, with ``--output-filename DIR``, to
+``DIR/rank.<rank>/stdout|stderr`` as horovodrun lays them out. With
+``--prefix-output-with-timestamp`` every line, in the files too, starts with the time the
+launcher received it (:func:`stamp`). A reader that went away (a closed pipe) does not end the
+job.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable
 from typing import IO
 
@@ -19,6 +22,13 @@ from ringtrain.launch.options import LaunchOptions
 # Starts the stdout line that carries a rank's return value for ringtrain.run (base64 of its
 # cloudpickle): a record separator, which no one prints by chance, then a name.
 RESULT_PREFIX = "\x1eringtrain-result:"
+
+
+def stamp(now: float | None = None) -> str:
+    """``now`` (default: the current time) as the launcher's local time, to the millisecond,
+    and a space: ``2026-12-03 12:05:16.123 ``. Sorts as text within a day and a time zone."""
+    now = time.time() if now is None else now
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d} "
 
 
 class RankOutput:
@@ -38,14 +48,18 @@ class RankOutput:
         # ringtrain.run: a rank's return value arrives as one marked stdout line (run_func.py).
         self.on_result = on_result
 
-    def print_line(self, rank: int, fd: int, line: str, end: str) -> None:
+    def print_line(
+        self, rank: int, fd: int, line: str, end: str, received_at: float | None = None
+    ) -> None:
+        """``received_at``: when the line reached the launcher (its timestamp), else now."""
         if self.on_result is not None and fd == 1 and line.startswith(RESULT_PREFIX):
             self.on_result(rank, line[len(RESULT_PREFIX) :])
             return
+        when = stamp(received_at) if self.options.timestamp_output else ""
         if self.options.output_dir:
-            self.file(rank, fd).write(line + end)
+            self.file(rank, fd).write(when + line + end)
         stream = self.out if fd == 1 else self.err
-        text = f"[{rank}] {line}" if self.options.prefix_output else line
+        text = f"{when}[{rank}] {line}" if self.options.prefix_output else when + line
         with contextlib.suppress(BrokenPipeError, ValueError):
             stream.write(text + end)
             stream.flush()

@@ -53,7 +53,7 @@ from ringtrain.launch.failures import Failure, exited_key, how_it_ended, report,
 from ringtrain.launch.hosts import Host
 from ringtrain.launch.options import LaunchOptions
 from ringtrain.launch.plan import ProcessSpec, describe, plan
-from ringtrain.launch.rank_output import RankOutput
+from ringtrain.launch.rank_output import RankOutput, stamp
 from ringtrain.launch.rendezvous import RendezvousServer
 from ringtrain.launch.tuning import HostFacts, tune
 
@@ -405,7 +405,9 @@ class Supervisor:
                 self._changed(self.pool.discovered(msg["found"]))
             return
         if kind == "out":
-            self.output.print_line(msg["rank"], msg["fd"], msg["line"], msg.get("end", "\n"))
+            self.output.print_line(
+                msg["rank"], msg["fd"], msg["line"], msg.get("end", "\n"), msg.get("received_at")
+            )
         elif kind == "hello" and link.joining and link.hello is None:
             self.pool.joiner_hello(link, msg)
         elif kind == "started":
@@ -532,8 +534,9 @@ class Supervisor:
             )
 
     def say(self, text: str) -> None:
+        when = stamp() if self.options.timestamp_output else ""
         with contextlib.suppress(BrokenPipeError, ValueError):
-            self.err.write(f"ringtrain run: {text}\n")
+            self.err.write(f"{when}ringtrain run: {text}\n")
             self.err.flush()
 
     def log(self, text: str) -> None:
