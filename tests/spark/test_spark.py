@@ -9,10 +9,13 @@ Debian's headless JDK when ``java`` is missing); the module skips, saying which,
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -89,12 +92,17 @@ def _train(steps: int, lr: float = 0.1) -> dict[str, Any]:
         opt.step()
     weights = torch.cat([p.detach().flatten() for p in model.parameters()])
     every = hvd.allgather(weights.unsqueeze(0))
+    print(f"trained {hvd.rank()}", flush=True)
+    print(f"warned {hvd.rank()}", file=sys.stderr, flush=True)
+    config = runtime.current().config
     out = {
         "rank": hvd.rank(),
         "size": hvd.size(),
         "identical": all(torch.equal(every[0], every[r]) for r in range(hvd.size())),
         "sum": hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum).item(),
-        "cycle_time_ms": runtime.current().config.cycle_time_ms,
+        "cycle_time_ms": config.cycle_time_ms,
+        "log_level": config.log_level,
+        "network_interface": config.network_interface,
     }
     hvd.shutdown()
     return out
@@ -109,11 +117,30 @@ def _fail(rank_to_fail: int) -> None:
 def test_run_returns_the_results_by_rank(spark: Any) -> None:
     # num_proc left out: spark.default.parallelism, the 2 cores of local-cluster[2,1,...].
     env = {"RINGTRAIN_CYCLE_TIME_MS": "7"}  # a setting, as docs/engines.md says
-    res = ringtrain.spark.run(_train, args=(3,), kwargs={"lr": 0.05}, env=env)
+    out, err = io.StringIO(), io.StringIO()
+    began = time.time()
+    # The arguments of Horovod's own Spark examples.
+    res = ringtrain.spark.run(
+        _train, args=(3,), kwargs={"lr": 0.05}, env=env, stdout=out, stderr=err, verbose=2,
+        prefix_output_with_timestamp=True, use_gloo=True, nics=["lo"], executable=sys.executable,
+    )  # fmt: skip
     assert [r["rank"] for r in res] == [0, 1]
     for r in res:
         assert r["size"] == 2 and r["identical"] and r["sum"] == 3.0
         assert r["cycle_time_ms"] == 7.0
+        assert r["log_level"] == "INFO" and r["network_interface"] == "lo"
+    # The ranks' output came back, rank by rank, each line stamped when its task read it.
+    stamped = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.\d{3} \[(\d)\] (.*)"
+    lines = [re.fullmatch(stamped, line) for line in out.getvalue().splitlines()]
+    assert all(lines) and [m.group(2, 3) for m in lines if m] == [
+        ("0", "trained 0"),
+        ("1", "trained 1"),
+    ], out.getvalue()
+    for m in lines:
+        assert m is not None
+        when = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))
+        assert began - 1 <= when <= time.time() + 1
+    assert "[0] warned 0" in err.getvalue() and "[1] warned 1" in err.getvalue()
 
 
 def test_a_failing_rank_fails_the_run_with_its_traceback(spark: Any) -> None:

@@ -21,14 +21,18 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import IO, Any
 
 from ringtrain import environ
 from ringtrain.errors import ConfigError, LaunchEnvironmentError
 from ringtrain.launch import rank_env
+from ringtrain.launch.rank_output import stamp
 
-# How long task 0's store waits for the others (they start together: a barrier stage).
+# The timeout of task 0's store (it serves; the ranks' own waits are RINGTRAIN_TIMEOUT_S).
 STORE_TIMEOUT_S = 600.0
 
 
@@ -37,15 +41,33 @@ def run(
     args: tuple[Any, ...] = (),
     kwargs: Mapping[str, Any] | None = None,
     num_proc: int | None = None,
+    start_timeout: float | None = None,
+    use_mpi: bool | None = None,
+    use_gloo: bool | None = None,
+    extra_mpi_args: str | None = None,
     env: Mapping[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+    verbose: int = 1,
+    nics: Iterable[str] | None = None,
+    prefix_output_with_timestamp: bool = False,
+    executable: str | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark tasks as ranks; their results by rank.
 
-    ``num_proc`` defaults to ``spark.default.parallelism``, as in Horovod. ``env``: variables
-    added to each rank's environment (``RINGTRAIN_*`` settings among them). Needs an active
-    SparkSession (or SparkContext). A rank that raises fails the Spark stage, and with it this
-    call, with that rank's traceback.
+    Horovod's signature. ``num_proc`` defaults to ``spark.default.parallelism``. ``env``:
+    variables added to each rank's environment (``RINGTRAIN_*`` settings among them).
+    ``stdout``/``stderr``: the ranks' output is written there, each line prefixed ``[rank]``
+    (and the time its task read it, with ``prefix_output_with_timestamp``), rank by rank when
+    they have ended (Horovod streams it as it comes); without them it stays in the executors'
+    logs. ``verbose`` 2 logs at INFO; ``nics``: the network interfaces the ranks use;
+    ``executable``: the ranks' Python (default ``sys.executable``). ``use_gloo`` is accepted
+    (ringtrain always runs over torch.distributed); ``use_mpi``, ``extra_mpi_args`` and
+    ``start_timeout`` are refused with the reason. Needs an active SparkSession (or
+    SparkContext). A rank that raises fails the Spark stage, and with it this call, with that
+    rank's traceback.
     """
+    _refuse(use_mpi, extra_mpi_args, start_timeout)
     try:
         from pyspark import SparkContext
         from pyspark.cloudpickle import dumps
@@ -64,19 +86,62 @@ def run(
         raise ConfigError(f"num_proc must be a positive number of ranks, got {num_proc!r}")
     payload = dumps((fn, tuple(args), dict(kwargs or {})))
     extra = dict(env or {})
+    if verbose >= 2:
+        extra.setdefault(environ.setting_var("log_level"), "INFO")
+    if nics:
+        extra.setdefault(environ.setting_var("network_interface"), ",".join(sorted(nics)))
+    how = _How(executable or sys.executable, capture=stdout is not None or stderr is not None)
 
-    def task(_: Iterable[int]) -> Iterator[tuple[int, bytes]]:
+    def task(_: Iterable[int]) -> Iterator[tuple[int, tuple[bytes, list[Line]]]]:
         from pyspark import BarrierTaskContext
 
         ctx = BarrierTaskContext.get()
-        yield ctx.partitionId(), _run_rank(ctx, size, payload, extra)
+        yield ctx.partitionId(), _run_rank(ctx, size, payload, extra, how)
 
     rdd = sc.parallelize(range(size), size).barrier().mapPartitions(task)
     by_rank = dict(rdd.collect())
-    return [pickle.loads(by_rank[r]) for r in range(size)]
+    for r in range(size):
+        for fd, when, line in by_rank[r][1]:
+            stream = stdout if fd == 1 else stderr
+            if stream is not None:
+                stream.write(f"{stamp(when) if prefix_output_with_timestamp else ''}[{r}] {line}\n")
+    for stream in (stdout, stderr):
+        if stream is not None:
+            stream.flush()
+    return [pickle.loads(by_rank[r][0]) for r in range(size)]
 
 
-def _run_rank(ctx: Any, size: int, payload: bytes, extra: Mapping[str, str]) -> bytes:
+def _refuse(use_mpi: bool | None, extra_mpi_args: str | None, start_timeout: float | None) -> None:
+    """Horovod's arguments that have no meaning here: a clear error instead of a quiet no-op."""
+    if use_mpi or extra_mpi_args:
+        raise ConfigError(
+            "ringtrain.spark.run: use_mpi/extra_mpi_args are not supported: the ranks talk over "
+            "torch.distributed (Gloo on CPU), never MPI.\nHINT: drop them (use_gloo=True is "
+            "accepted)."
+        )
+    if start_timeout is not None:
+        raise ConfigError(
+            "ringtrain.spark.run: start_timeout is not supported: Spark's barrier stage starts "
+            "every task at once or fails (spark.scheduler.barrier.maxConcurrentTasksCheck.*), "
+            "and the ranks then wait for each other as long as RINGTRAIN_TIMEOUT_S.\nHINT: drop "
+            "it, or pass env={'RINGTRAIN_TIMEOUT_S': '...'}."
+        )
+
+
+Line = tuple[int, float, str]  # (1 | 2, when its task read it, the line)
+
+
+@dataclass(frozen=True)
+class _How:
+    """How a task runs its rank: the interpreter, and whether its output comes back."""
+
+    executable: str
+    capture: bool
+
+
+def _run_rank(
+    ctx: Any, size: int, payload: bytes, extra: Mapping[str, str], how: _How
+) -> tuple[bytes, list[Line]]:
     """In Spark task ``ctx.partitionId()``: serve or find the store, run the rank's process."""
     import torch.distributed as dist
 
@@ -100,21 +165,43 @@ def _run_rank(ctx: Any, size: int, payload: bytes, extra: Mapping[str, str]) -> 
     env.update(rank_env.variables(rank, size, host, port))
     env.update(extra)
     with tempfile.TemporaryDirectory(prefix="ringtrain-spark-") as tmp:
-        result, errors = os.path.join(tmp, "result"), os.path.join(tmp, "stderr")
+        result = os.path.join(tmp, "result")
         code = "import sys, ringtrain.spark as s; s._child(sys.argv[1])"
-        with open(errors, "wb") as err:
-            proc = subprocess.run(
-                [sys.executable, "-c", code, result], input=payload, env=env, stderr=err
-            )
-        with open(errors, "rb") as err:
-            text = err.read().decode(errors="replace")
-        sys.stderr.write(text)  # the executor's log keeps the rank's output
-        if proc.returncode != 0:  # Spark aborts the barrier stage: the other ranks stop too
+        proc = subprocess.Popen(
+            [how.executable, "-c", code, result],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE if how.capture else None,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        lines: list[Line] = []
+        readers = [
+            threading.Thread(target=_read_lines, args=(fd, pipe, lines), daemon=True)
+            for fd, pipe in ((1, proc.stdout), (2, proc.stderr))
+            if pipe is not None
+        ]
+        for t in readers:
+            t.start()
+        assert proc.stdin is not None
+        with proc.stdin:
+            proc.stdin.write(payload)
+        returncode = proc.wait()
+        for t in readers:
+            t.join()
+        text = "".join(line + "\n" for fd, _, line in lines if fd == 2)
+        sys.stderr.write(text)  # the executor's log keeps the rank's errors
+        if returncode != 0:  # Spark aborts the barrier stage: the other ranks stop too
             raise RuntimeError(f"ringtrain.spark.run: rank {rank} failed:\n{text[-4000:]}")
         ctx.barrier()  # task 0's store outlives every rank
         del store
         with open(result, "rb") as f:
-            return f.read()
+            return f.read(), lines if how.capture else []
+
+
+def _read_lines(fd: int, pipe: IO[bytes], into: list[Line]) -> None:
+    """A rank's ``fd`` line by line, each with the time it was read (list.append is atomic)."""
+    for raw in pipe:
+        into.append((fd, time.time(), raw.decode(errors="replace").rstrip("\n")))
 
 
 def _child(result_path: str) -> None:
