@@ -205,8 +205,8 @@ def write_file(path: str, data: bytes) -> str:
 
 def build_metadata(records: list[Record]) -> Metadata:
     """DCP's metadata for the parts of every rank."""
-    # DCP is imported here, by rank 0's commit only: importing it takes a second of CPU that
-    # every other rank's writer process would spend for nothing.
+    # DCP is imported where it is used: only rank 0's writer commits (it imports DCP when it
+    # starts, writer.preload); the other ranks' writers never spend that second of CPU.
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,

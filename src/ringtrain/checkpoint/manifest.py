@@ -156,6 +156,14 @@ def sha256_file(path: str) -> tuple[str, int]:
     return h.hexdigest(), n
 
 
+def missing(path: str) -> CheckpointError:
+    """The error for a file the manifest lists that is not there."""
+    return CheckpointError(
+        f"{path} is missing: the checkpoint is incomplete (a shard was lost or deleted).\n"
+        "HINT: load an earlier checkpoint."
+    )
+
+
 def check_file(
     directory: str,
     name: str,
@@ -174,10 +182,7 @@ def check_file(
         try:
             digest, size = sha256_file(path) if hashed else (None, os.path.getsize(path))
         except FileNotFoundError:
-            raise CheckpointError(
-                f"{path} is missing: the checkpoint is incomplete (a shard was lost or "
-                "deleted).\nHINT: load an earlier checkpoint."
-            ) from None
+            raise missing(path) from None
     else:
         digest, size = hashlib.sha256(data).hexdigest(), len(data)
     if size != entry["bytes"]:

@@ -285,10 +285,7 @@ def _opened_whole(directory: str, name: str, man: Manifest, keys: Keys | None) -
         with open(full, "rb") as f:
             blob = f.read()
     except FileNotFoundError:
-        raise CheckpointError(
-            f"{full} is missing: the checkpoint is incomplete (a shard was lost or "
-            "deleted).\nHINT: load an earlier checkpoint."
-        ) from None
+        raise manifest.missing(full) from None
     sealed = bool(man["sealed"])
     manifest.check_file(directory, name, man["files"][name], blob, sealed=sealed)
     return open_sealed(keys.files, name, full, blob) if sealed and keys else blob
@@ -327,10 +324,16 @@ def reader(opened: Opened) -> Callable[[MetadataIndex], object]:
         try:
             return layout.load_item(data, 0, info.length)
         except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
-            # Verified when opened: an unsealed file changed since (it is read an item at a time).
+            # Verified when opened: an unsealed file changed since (it is read an item at a
+            # time); a sealed one is held as authenticated, so it was saved so.
+            why = (
+                "its file is authenticated, so it was saved damaged"
+                if opened.manifest["sealed"]
+                else "the file changed while it was loaded"
+            )
             raise CheckpointError(
-                f"{os.path.join(opened.directory, name)}: {index.fqn} cannot be read ({e}): the "
-                "file changed while it was loaded.\nHINT: load an earlier checkpoint."
+                f"{os.path.join(opened.directory, name)}: {index.fqn} cannot be read ({e}): "
+                f"{why}.\nHINT: load an earlier checkpoint."
             ) from e
 
     return read
