@@ -32,7 +32,7 @@ FUNCTIONS_OVER = {
     "doctor/advice.py:recommend": 84,
     "doctor/placement.py:check": 82,
     "engine/optimizer.py:__init__": 96,
-    "launch/command.py:options_from_args": 86,
+    "launch/command.py:options_from_args": 81,
     "launch/python_run.py:run": 92,
     "runtime/state.py:start": 94,
     "runtime/store_connect.py:connect": 104,

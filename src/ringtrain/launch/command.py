@@ -378,13 +378,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         np = sum(h.slots for h in hosts)
     if not hosts and not discovering:
         hosts = [Host("localhost", np)]
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if args.check:
-        if command:
-            raise ConfigError("--check runs its own smoke job; give no COMMAND with it")
-        command = [sys.executable, "-m", SMOKE_MODULE]
+    command = _command(args)
     settings: dict[str, Any] = {}
     for f in SETTING_FLAGS:
         value = getattr(args, f.field)
@@ -442,6 +436,18 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
             else None
         ),
     )
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    """The job's COMMAND (a leading ``--`` dropped), or the smoke job's with --check."""
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if args.check:
+        if command:
+            raise ConfigError("--check runs its own smoke job; give no COMMAND with it")
+        command = [sys.executable, "-m", SMOKE_MODULE]
+    return command
 
 
 def _setting(f: SettingFlag, value: Any) -> Any:

@@ -48,7 +48,7 @@ def run(
     env: Mapping[str, str] | None = None,
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
-    verbose: int = 1,
+    verbose: int | None = 1,
     nics: Iterable[str] | None = None,
     prefix_output_with_timestamp: bool = False,
     executable: str | None = None,
@@ -86,7 +86,7 @@ def run(
         raise ConfigError(f"num_proc must be a positive number of ranks, got {num_proc!r}")
     payload = dumps((fn, tuple(args), dict(kwargs or {})))
     extra = dict(env or {})
-    if verbose >= 2:
+    if verbose is not None and verbose >= 2:
         extra.setdefault(environ.setting_var("log_level"), "INFO")
     if nics:
         extra.setdefault(environ.setting_var("network_interface"), ",".join(sorted(nics)))
