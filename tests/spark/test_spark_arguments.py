@@ -3,6 +3,10 @@ refused with the reason before Spark is touched (no SparkSession needed), never 
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import types
+
 import pytest
 
 import ringtrain.spark
@@ -37,3 +41,31 @@ def test_the_positions_are_horovods() -> None:
         "extra_mpi_args", "env", "stdout", "stderr", "verbose", "nics",
         "prefix_output_with_timestamp", "executable",
     ]  # fmt: skip
+
+
+class _Task:
+    """Spark's BarrierTaskContext as rank 1 of 2 sees it (task 0 serves the store)."""
+
+    def partitionId(self) -> int:
+        return 1
+
+    def getTaskInfos(self) -> list:
+        return [types.SimpleNamespace(address="127.0.0.1:1")]
+
+    def allGather(self, message: str) -> list[str]:
+        return ["1", message]
+
+    def barrier(self) -> None:
+        raise AssertionError("a failed rank never reaches the barrier")
+
+
+def test_a_python_without_ringtrain_fails_the_rank_with_its_own_error() -> None:
+    # executable= names a Python that cannot import ringtrain: the rank's process ends before
+    # it reads its function, which is larger than a pipe holds (a model's bytes, as Horovod's
+    # examples pass). The task reports the rank's error, not the broken pipe.
+    python = shutil.which("python3", path="/usr/bin")
+    if python is None or subprocess.run([python, "-c", "import ringtrain"]).returncode == 0:
+        pytest.skip("needs a python3 in /usr/bin without ringtrain")
+    how = ringtrain.spark._How(python, capture=True)
+    with pytest.raises(RuntimeError, match=r"rank 1 failed:[\s\S]*No module named 'ringtrain'"):
+        ringtrain.spark._run_rank(_Task(), 2, b"x" * (4 << 20), {}, how)

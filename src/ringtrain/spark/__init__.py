@@ -15,6 +15,7 @@ unchanged (it starts torchrun in each task; see docs/engines.md). Needs ``pip in
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -183,7 +184,9 @@ def _run_rank(
         for t in readers:
             t.start()
         assert proc.stdin is not None
-        with proc.stdin:
+        # A rank that ends before reading its function (a Python without ringtrain) breaks
+        # the pipe: its own error, on stderr, is what the task reports.
+        with contextlib.suppress(BrokenPipeError), proc.stdin:
             proc.stdin.write(payload)
         returncode = proc.wait()
         for t in readers:
