@@ -35,14 +35,15 @@ from pathlib import Path
 import pytest
 
 OUT = Path(os.environ["HARNESS_OUT"])
+TEARDOWN_S = float(os.environ["HARNESS_TEARDOWN_S"])
 
 @pytest.fixture(scope="session")
 def held():
     me = os.environ.get("PYTEST_XDIST_WORKER", "main")
     yield me
-    # A teardown as slow as a busy cluster's (its jobs' ranks stopped, hosts removed): longer
-    # than the 10 s xdist gives its workers once the controller itself stops.
-    time.sleep(12)
+    # A teardown as slow as a busy cluster's (its jobs' ranks stopped, hosts removed): under
+    # xdist, longer than the 10 s it gives its workers once the controller itself stops.
+    time.sleep(TEARDOWN_S)
     (OUT / f"{me}.down").write_text("torn down")
 
 @pytest.mark.parametrize("n", range(4))
@@ -74,6 +75,7 @@ def _stopped_run(
     suite_text: str,
     started: Callable[[set[str]], bool],
     grace: float,
+    teardown_s: float = 0.0,
 ) -> tuple[set[str], str, float]:
     """Run ``suite_text`` with pytest ``args``, send pytest SIGTERM once ``started`` holds for
     the set of processes in a test, and return the files the run left, its output and how long
@@ -84,7 +86,7 @@ def _stopped_run(
     (suite / "conftest.py").write_text(CONFTEST.format(grace=grace))
     (suite / "test_suite.py").write_text(suite_text)
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, str(suite)]
-    env = {**os.environ, "HARNESS_OUT": str(out)}
+    env = {**os.environ, "HARNESS_OUT": str(out), "HARNESS_TEARDOWN_S": str(teardown_s)}
     env.pop("PYTEST_XDIST_WORKER", None)  # this test's own worker name is not the child's
     family: list[psutil.Process] = []
     with subprocess.Popen(
@@ -114,7 +116,7 @@ def _stopped_run(
 @pytest.mark.timeout(180)
 def test_sigterm_tears_every_xdist_workers_fixtures_down(tmp_path: Path) -> None:
     left, output, _ = _stopped_run(
-        tmp_path, ["-n", "2"], SLEEPY, lambda s: s == {"gw0", "gw1"}, grace=120
+        tmp_path, ["-n", "2"], SLEEPY, lambda s: s == {"gw0", "gw1"}, grace=120, teardown_s=12
     )
     assert {"gw0.down", "gw1.down"} <= left, output
     assert "KeyboardInterrupt" in output or "Interrupted" in output, output
@@ -123,7 +125,7 @@ def test_sigterm_tears_every_xdist_workers_fixtures_down(tmp_path: Path) -> None
 @pytest.mark.timeout(180)
 def test_sigterm_tears_the_fixtures_down_without_xdist(tmp_path: Path) -> None:
     left, output, _ = _stopped_run(
-        tmp_path, ["-p", "no:xdist"], SLEEPY, lambda s: s == {"main"}, grace=120
+        tmp_path, ["-p", "no:xdist"], SLEEPY, lambda s: s == {"main"}, grace=120, teardown_s=2
     )
     assert "main.down" in left, output
 

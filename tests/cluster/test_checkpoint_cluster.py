@@ -60,10 +60,12 @@ def test_a_job_on_two_hosts_killed_then_resumed_swapped_ends_with_one_hosts_weig
     ref: subprocess.Popen[bytes] | None = None
     try:
         # The uninterrupted one-host reference runs beside the two-host job (they share nothing).
+        # Only its weights count: the thread writer spares each rank a writer process.
         one_host, ref_log = tmp_path / "one-host.pt", tmp_path / "one-host.log"
+        ref_flags = ["--checkpoint-dir", str(tmp_path / "ref"), "--checkpoint-writer", "thread"]
         with ref_log.open("w") as log:
             ref = subprocess.Popen(
-                _argv([], "--checkpoint-dir", str(tmp_path / "ref"), out=one_host, pause=0.0),
+                _argv([], *ref_flags, out=one_host, pause=0.0),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=tmp_path,

@@ -94,6 +94,9 @@ def test_ray_executor_secure_one_worker_per_host(ray_cluster: RayCluster) -> Non
 def test_driver_without_the_token_is_refused(ray_cluster: RayCluster) -> None:
     probe = "import os, ray; ray.init(_node_ip_address=os.environ['RINGTRAIN_TEST_NODE_IP'])"
     env = {"RAY_AUTH_TOKEN_PATH": "", "RAY_AUTH_TOKEN": "0" * 64}
+    # Ray retries a refused GCS connection once a second, 20 times by default: 3 tries show
+    # the refusal as well, in 3 s instead of 20.
+    env["RAY_gcs_server_port_wait_time_s"] = "3"
     done = ray_cluster.run_driver("h0", [sys.executable, "-c", probe], env=env, timeout=120)
     assert done.returncode != 0
     assert "authentication token" in (done.stdout + done.stderr).lower()

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 import ringtrain as rt
 from _training import DigitsNet, same_on_every_rank
+from ringtrain.bench.converge_tasks import load_digits
 from ringtrain.testing.spawn import World
 
 METHODS: dict[str, dict[str, Any]] = {
@@ -87,12 +88,8 @@ def _held_out(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple
 def _digits(
     methods: list[str], steps: int = DIGITS_STEPS, batch_size: int = 32
 ) -> dict[str, tuple[float, float, bool]]:
-    from sklearn.datasets import load_digits
-
     r, n = rt.rank(), rt.size()
-    x_np, y_np = load_digits(return_X_y=True)
-    x = torch.tensor(x_np, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
-    y = torch.tensor(y_np)
+    x, y = load_digits()  # scikit-learn's file, without importing scikit-learn in every rank
     test = torch.arange(len(x)) % 5 == 0  # a fixed held-out fifth
     x_tr, y_tr, x_te, y_te = x[~test], y[~test], x[test], y[test]
     mine = torch.arange(r, len(x_tr), n)

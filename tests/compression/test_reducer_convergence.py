@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ringtrain import transport
+from ringtrain.bench.converge_tasks import load_digits
 from ringtrain.compression.powersgd import PowerSGDReducer
 from ringtrain.compression.topk import TopKReducer
 from ringtrain.testing.spawn import World
@@ -35,15 +36,12 @@ class _Exact:
 
 
 def _train(method: str) -> tuple[float, float]:
-    from sklearn.datasets import load_digits
-
     from ringtrain.runtime import state
 
     group = state.current().world.communicator.group("engine")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    x_np, y_np = load_digits(return_X_y=True)
-    x = torch.tensor(x_np, dtype=torch.float32) / 16.0
-    y = torch.tensor(y_np)
+    images, y = load_digits()  # scikit-learn's file, without importing scikit-learn per rank
+    x = images.reshape(len(y), 64)
     torch.manual_seed(0)  # same initial model on every rank
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

@@ -1,6 +1,6 @@
 """A job whose script ends right after an outer step, its overlapped exchange still on the wire
-(test_local_update_shared_group.py). Rank 0's exchange sleeps ``argv[2]`` s before it sends.
-After ringtrain's own exit handler, each rank writes whether its last exchange had ended."""
+(test_local_update_shared_group.py). Rank 0's last exchange sleeps ``argv[2]`` s before it
+sends. After ringtrain's own exit handler, each rank writes whether its last exchange had ended."""
 
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ opt = rt.DistributedOptimizer(
 )
 local = opt.local_update
 assert local is not None
-if rt.rank() == 0:
-    delay_exchanges(local, delay)
-for _ in range(4):  # the last step is an outer step: its exchange is never merged
+for step in range(4):  # the last step is an outer step: its exchange is never merged
+    if step == 3 and rt.rank() == 0:  # that exchange alone is late (the first merges at once)
+        delay_exchanges(local, delay)
     opt.zero_grad()
     F.mse_loss(model(torch.randn(8, 64)), torch.randn(8, 64)).backward()
     opt.step()

@@ -1,5 +1,5 @@
 """MNIST in torchvision's on-disk layout, made from scikit-learn's bundled digits (nothing is
-downloaded here), and a reader for it with ``torchvision.datasets.MNIST``'s signature."""
+downloaded here, and scikit-learn is not imported), and a reader for it with ``torchvision.datasets.MNIST``'s signature."""
 
 from __future__ import annotations
 
@@ -21,13 +21,12 @@ def _raw(root: str | Path) -> Path:
 
 def write_idx(root: str | Path, n_train: int, n_test: int) -> None:
     """The four idx files torchvision reads, 8x8 digits upscaled to 28x28 uint8 images."""
-    from sklearn.datasets import load_digits
+    from ringtrain.bench.converge_tasks import load_digits
 
-    digits = load_digits()
-    small = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    small, target = load_digits()
     big = F.interpolate(small, size=(28, 28), mode="bilinear", align_corners=False)
     images = (big.squeeze(1).clamp(0, 1) * 255).round().to(torch.uint8).numpy()
-    labels = digits.target.astype(np.uint8)
+    labels = target.numpy().astype(np.uint8)
     assert n_train + n_test <= len(labels), "the digits data has 1797 images"
     raw = _raw(root)
     raw.mkdir(parents=True, exist_ok=True)

@@ -144,12 +144,13 @@ def _run_rank(
     ctx: Any, size: int, payload: bytes, extra: Mapping[str, str], how: _How
 ) -> tuple[bytes, list[Line]]:
     """In Spark task ``ctx.partitionId()``: serve or find the store, run the rank's process."""
-    import torch.distributed as dist
-
     rank = ctx.partitionId()
     host = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0]  # task 0's executor, as Spark sees it
     store = None
     if rank == 0:  # serves while the ranks run; they connect as clients
+        # Only here: the other tasks would import torch (a second of CPU) for nothing.
+        import torch.distributed as dist
+
         store = dist.TCPStore(
             host,
             0,
