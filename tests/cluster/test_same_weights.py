@@ -34,8 +34,10 @@ def _demo(save: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def _cpu_hogs(n: int = 2) -> Iterator[None]:
-    """Busy loops beside a job, as another user's job on a shared machine would be."""
+def _cpu_hogs(n: int = 1) -> Iterator[None]:
+    """Busy loops beside a job, as another user's job on a shared machine would be (one is
+    enough to move every rank's timing on this machine's cores, which the two jobs beside
+    each other already share)."""
     hogs = [subprocess.Popen([PY, "-c", "while True: pass"]) for _ in range(n)]
     try:
         yield

@@ -66,10 +66,11 @@ def test_survivors_resume_in_the_same_processes(victim: int) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0"])
+@pytest.mark.parametrize("victim", [0], ids=["rank0"])
 def test_secure_mode_survives_a_membership_change(victim: int) -> None:
     """--secure: the survivors authenticate a new rendezvous and make new sealed groups (fresh
-    session keys) for the new world, and finish with the undisturbed result."""
+    session keys) for the new world, and finish with the undisturbed result. Rank 0 here; rank 1
+    across hosts (tests/cluster/test_elastic_cluster.py's secure survivors)."""
     proc = _job("--min-np", "2", "--elastic-timeout", "60", "--secure", victim=victim, mode="both")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     pids = {s["id"]: s["pid"] for s in _fields(proc.stdout, "start")}
