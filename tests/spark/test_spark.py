@@ -70,7 +70,7 @@ def spark() -> Iterator[Any]:
         session.stop()
 
 
-def _train(steps: int, lr: float = 0.1) -> dict[str, Any]:
+def _train(steps: int, lr: float = 0.1, seen: str = "") -> dict[str, Any]:
     import torch
 
     import ringtrain.torch as hvd
@@ -78,6 +78,13 @@ def _train(steps: int, lr: float = 0.1) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     hvd.init()
+    live = None
+    if seen and hvd.rank() == 0:  # until the driver has this line: only a stream shows it now
+        print("live 0", flush=True)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(seen) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        live = os.path.exists(seen)
     torch.manual_seed(100 + hvd.rank())
     model = torch.nn.Linear(4, 1)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -103,6 +110,7 @@ def _train(steps: int, lr: float = 0.1) -> dict[str, Any]:
         "cycle_time_ms": config.cycle_time_ms,
         "log_level": config.log_level,
         "network_interface": config.network_interface,
+        "live": live,
     }
     hvd.shutdown()
     return out
@@ -114,28 +122,44 @@ def _fail(rank_to_fail: int) -> None:
     raise ValueError(f"boom in every rank (rank {rank_to_fail} asked)")
 
 
-def test_run_returns_the_results_by_rank(spark: Any) -> None:
+class _Watched(io.StringIO):
+    """The driver's stdout: notes on disk when rank 0's "live 0" line has been written to it."""
+
+    def __init__(self, seen: Path) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def write(self, s: str) -> int:
+        n = super().write(s)
+        if s.endswith("[0] live 0\n"):
+            self.seen.write_text("written")
+        return n
+
+
+def test_run_returns_the_results_by_rank(spark: Any, tmp_path: Path) -> None:
     # num_proc left out: spark.default.parallelism, the 2 cores of local-cluster[2,1,...].
     env = {"RINGTRAIN_CYCLE_TIME_MS": "7"}  # a setting, as docs/engines.md says
-    out, err = io.StringIO(), io.StringIO()
+    out, err = _Watched(tmp_path / "seen"), io.StringIO()
     began = time.time()
     # The arguments of Horovod's own Spark examples.
     res = ringtrain.spark.run(
-        _train, args=(3,), kwargs={"lr": 0.05}, env=env, stdout=out, stderr=err, verbose=2,
-        prefix_output_with_timestamp=True, use_gloo=True, nics=["lo"], executable=sys.executable,
+        _train, args=(3,), kwargs={"lr": 0.05, "seen": str(out.seen)}, env=env, stdout=out,
+        stderr=err, verbose=2, prefix_output_with_timestamp=True, use_gloo=True, nics=["lo"],
+        executable=sys.executable,
     )  # fmt: skip
     assert [r["rank"] for r in res] == [0, 1]
+    # Rank 0 went on only once the driver had written its first line: streamed as it came.
+    assert res[0]["live"] is True, out.getvalue()
     for r in res:
         assert r["size"] == 2 and r["identical"] and r["sum"] == 3.0
         assert r["cycle_time_ms"] == 7.0
         assert r["log_level"] == "INFO" and r["network_interface"] == "lo"
-    # The ranks' output came back, rank by rank, each line stamped when its task read it.
+    # The ranks' output, each line stamped when its task read it.
     stamped = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\.\d{3} \[(\d)\] (.*)"
     lines = [re.fullmatch(stamped, line) for line in out.getvalue().splitlines()]
-    assert all(lines) and [m.group(2, 3) for m in lines if m] == [
-        ("0", "trained 0"),
-        ("1", "trained 1"),
-    ], out.getvalue()
+    got = [m.group(2, 3) for m in lines if m]
+    assert all(lines) and got[0] == ("0", "live 0"), out.getvalue()
+    assert sorted(got) == [("0", "live 0"), ("0", "trained 0"), ("1", "trained 1")], got
     for m in lines:
         assert m is not None
         when = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"))

@@ -31,7 +31,7 @@ from typing import IO, Any
 from ringtrain import environ
 from ringtrain.errors import ConfigError, LaunchEnvironmentError
 from ringtrain.launch import rank_env
-from ringtrain.launch.rank_output import stamp
+from ringtrain.spark.relay import Address, Line, Relay, Sender
 
 # The timeout of task 0's store (it serves; the ranks' own waits are RINGTRAIN_TIMEOUT_S).
 STORE_TIMEOUT_S = 600.0
@@ -58,10 +58,9 @@ def run(
 
     Horovod's signature. ``num_proc`` defaults to ``spark.default.parallelism``. ``env``:
     variables added to each rank's environment (``RINGTRAIN_*`` settings among them).
-    ``stdout``/``stderr``: the ranks' output is written there, each line prefixed ``[rank]``
-    (and the time its task read it, with ``prefix_output_with_timestamp``), rank by rank when
-    they have ended (Horovod streams it as it comes); without them it stays in the executors'
-    logs. ``verbose`` 2 logs at INFO; ``nics``: the network interfaces the ranks use;
+    ``stdout``/``stderr``: the ranks' output is written there as they print it, each line
+    prefixed ``[rank]`` (and the time its task read it, with ``prefix_output_with_timestamp``);
+    without them it stays in the executors' logs. ``verbose`` 2 logs at INFO; ``nics``: the network interfaces the ranks use;
     ``executable``: the ranks' Python (default ``sys.executable``). ``use_gloo`` is accepted
     (ringtrain always runs over torch.distributed); ``use_mpi``, ``extra_mpi_args`` and
     ``start_timeout`` are refused with the reason. Needs an active SparkSession (or
@@ -91,7 +90,12 @@ def run(
         extra.setdefault(environ.setting_var("log_level"), "INFO")
     if nics:
         extra.setdefault(environ.setting_var("network_interface"), ",".join(sorted(nics)))
-    how = _How(executable or sys.executable, capture=stdout is not None or stderr is not None)
+    relay = _relay(sc, stdout, stderr, prefix_output_with_timestamp)
+    how = _How(
+        executable or sys.executable,
+        capture=relay is not None,
+        relay=relay.address if relay is not None else None,
+    )
 
     def task(_: Iterable[int]) -> Iterator[tuple[int, tuple[bytes, list[Line]]]]:
         from pyspark import BarrierTaskContext
@@ -100,16 +104,27 @@ def run(
         yield ctx.partitionId(), _run_rank(ctx, size, payload, extra, how)
 
     rdd = sc.parallelize(range(size), size).barrier().mapPartitions(task)
-    by_rank = dict(rdd.collect())
-    for r in range(size):
-        for fd, when, line in by_rank[r][1]:
-            stream = stdout if fd == 1 else stderr
-            if stream is not None:
-                stream.write(f"{stamp(when) if prefix_output_with_timestamp else ''}[{r}] {line}\n")
-    for stream in (stdout, stderr):
-        if stream is not None:
-            stream.flush()
+    try:
+        by_rank = dict(rdd.collect())
+    finally:
+        if relay is not None:
+            relay.close()
+    if relay is not None:  # lines of tasks that could not reach the driver, once they ended
+        for r in range(size):
+            relay.write_kept(r, by_rank[r][1])
     return [pickle.loads(by_rank[r][0]) for r in range(size)]
+
+
+def _relay(
+    sc: Any, stdout: IO[str] | None, stderr: IO[str] | None, timestamps: bool
+) -> Relay | None:
+    """Where the tasks send their ranks' lines, if any stream is given: the driver's Spark
+    address, which the executors reach already."""
+    if stdout is None and stderr is None:
+        return None
+    advertise = sc.getConf().get("spark.driver.host") or "localhost"
+    bind = sc.getConf().get("spark.driver.bindAddress") or advertise
+    return Relay(bind, advertise, stdout, stderr, timestamps)
 
 
 def _refuse(use_mpi: bool | None, extra_mpi_args: str | None, start_timeout: float | None) -> None:
@@ -129,15 +144,14 @@ def _refuse(use_mpi: bool | None, extra_mpi_args: str | None, start_timeout: flo
         )
 
 
-Line = tuple[int, float, str]  # (1 | 2, when its task read it, the line)
-
-
 @dataclass(frozen=True)
 class _How:
-    """How a task runs its rank: the interpreter, and whether its output comes back."""
+    """How a task runs its rank: the interpreter, whether its output comes back, and where the
+    driver's relay listens (None: the lines go back with the task's result)."""
 
     executable: str
     capture: bool
+    relay: Address | None = None
 
 
 def _run_rank(
@@ -166,6 +180,10 @@ def _run_rank(
     }
     env.update(rank_env.variables(rank, size, host, port))
     env.update(extra)
+    # Connected before the rank starts: a driver that cannot be reached costs the connect's
+    # timeout here, not a rank blocked on a full pipe meanwhile.
+    sink = Sender(how.relay if how.capture else None, rank)
+    errors: list[str] = []  # stderr's lines: the executor's log and a failure's message quote it
     with tempfile.TemporaryDirectory(prefix="ringtrain-spark-") as tmp:
         result = os.path.join(tmp, "result")
         code = "import sys, ringtrain.spark as s; s._child(sys.argv[1])"
@@ -176,9 +194,8 @@ def _run_rank(
             stderr=subprocess.PIPE,
             env=env,
         )
-        lines: list[Line] = []
         readers = [
-            threading.Thread(target=_read_lines, args=(fd, pipe, lines), daemon=True)
+            threading.Thread(target=_read_lines, args=(fd, pipe, sink, errors), daemon=True)
             for fd, pipe in ((1, proc.stdout), (2, proc.stderr))
             if pipe is not None
         ]
@@ -192,20 +209,25 @@ def _run_rank(
         returncode = proc.wait()
         for t in readers:
             t.join()
-        text = "".join(line + "\n" for fd, _, line in lines if fd == 2)
+        sink.close()
+        text = "".join(line + "\n" for line in errors)
         sys.stderr.write(text)  # the executor's log keeps the rank's errors
         if returncode != 0:  # Spark aborts the barrier stage: the other ranks stop too
             raise RuntimeError(f"ringtrain.spark.run: rank {rank} failed:\n{text[-4000:]}")
         ctx.barrier()  # task 0's store outlives every rank
         del store
         with open(result, "rb") as f:
-            return f.read(), lines if how.capture else []
+            return f.read(), sink.kept if how.capture else []
 
 
-def _read_lines(fd: int, pipe: IO[bytes], into: list[Line]) -> None:
-    """A rank's ``fd`` line by line, each with the time it was read (list.append is atomic)."""
+def _read_lines(fd: int, pipe: IO[bytes], sink: Sender, errors: list[str]) -> None:
+    """A rank's ``fd`` line by line, each to ``sink`` with the time it was read, and stderr's
+    also into ``errors`` (list.append is atomic)."""
     for raw in pipe:
-        into.append((fd, time.time(), raw.decode(errors="replace").rstrip("\n")))
+        line = raw.decode(errors="replace").rstrip("\n")
+        sink.line(fd, time.time(), line)
+        if fd == 2:
+            errors.append(line)
 
 
 def _child(result_path: str) -> None:
