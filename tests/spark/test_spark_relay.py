@@ -103,3 +103,16 @@ def test_lines_after_the_driver_went_away_are_kept() -> None:
     assert sender.kept and sender.kept[-1] == (1, -1.0, "last")
     first = int(sender.kept[0][2].split()[1])
     assert [t for _, _, t in sender.kept] == [f"line {n}" for n in range(first, sent)] + ["last"]
+
+
+def test_a_connection_that_never_says_who_it_is_holds_nothing_up() -> None:
+    out = io.StringIO()
+    relay = Relay("127.0.0.1", "127.0.0.1", out, None, timestamps=False)
+    with socket.create_connection(("127.0.0.1", relay.address.port)):  # silent, left open
+        honest = Sender(relay.address, 0)
+        honest.line(1, time.time(), "mine")
+        honest.close()
+        began = time.monotonic()
+        relay.close(wait_s=0.5)  # the silent one is not waited for past the grace
+        assert time.monotonic() - began < 5.0
+    assert out.getvalue() == "[0] mine\n"

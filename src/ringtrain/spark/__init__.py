@@ -60,12 +60,12 @@ def run(
     variables added to each rank's environment (``RINGTRAIN_*`` settings among them).
     ``stdout``/``stderr``: the ranks' output is written there as they print it, each line
     prefixed ``[rank]`` (and the time its task read it, with ``prefix_output_with_timestamp``);
-    without them it stays in the executors' logs. ``verbose`` 2 logs at INFO; ``nics``: the network interfaces the ranks use;
-    ``executable``: the ranks' Python (default ``sys.executable``). ``use_gloo`` is accepted
-    (ringtrain always runs over torch.distributed); ``use_mpi``, ``extra_mpi_args`` and
-    ``start_timeout`` are refused with the reason. Needs an active SparkSession (or
-    SparkContext). A rank that raises fails the Spark stage, and with it this call, with that
-    rank's traceback.
+    without them it stays in the executors' logs. ``verbose`` 2 logs at INFO; ``nics``: the
+    network interfaces the ranks use; ``executable``: the ranks' Python (default
+    ``sys.executable``). ``use_gloo`` is accepted (ringtrain always runs over
+    torch.distributed); ``use_mpi``, ``extra_mpi_args`` and ``start_timeout`` are refused with
+    the reason. Needs an active SparkSession (or SparkContext). A rank that raises fails the
+    Spark stage, and with it this call, with that rank's traceback.
     """
     _refuse(use_mpi, extra_mpi_args, start_timeout)
     try:

@@ -27,8 +27,9 @@ from ringtrain.launch.rank_output import stamp
 Line = tuple[int, float, str]  # (1 | 2, when its task read it, the line)
 
 # A task gives up connecting after this long and keeps its lines; once connected, a driver that
-# reads nothing for this long is taken as gone (the rank is not held up by its output).
-CONNECT_S, STALLED_S = 5.0, 60.0
+# reads nothing for this long is taken as gone (the rank is not held up by its output). A
+# connection that has not said who it is within HELLO_S is dropped (not one of the tasks).
+CONNECT_S, STALLED_S, HELLO_S = 5.0, 60.0, 10.0
 
 
 @dataclass(frozen=True)
@@ -58,22 +59,23 @@ class Relay:
         self._server.settimeout(0.2)  # how often the accepting thread looks at _closing
         self.address = Address(advertise, self._server.getsockname()[1], secrets.token_hex(16))
         self._closing = threading.Event()
+        self._closed = False  # past close(): a reader still under way writes nothing more
         self._readers: list[threading.Thread] = []
         self._accepting = threading.Thread(target=self._accept, daemon=True)
         self._accepting.start()
 
-    def write(self, rank: int, fd: int, when: float, text: str) -> None:
-        stream = self._streams.get(fd)
-        if stream is None:
-            return
-        with self._lock:
-            stream.write(f"{stamp(when) if self._timestamps else ''}[{rank}] {text}\n")
-            stream.flush()  # it is meant to be seen now
-
     def write_kept(self, rank: int, lines: list[Line]) -> None:
         """Lines a task could not send (it returned them with its result)."""
         for fd, when, text in lines:
-            self.write(rank, fd, when, text)
+            self._write(rank, fd, when, text, streamed=False)
+
+    def _write(self, rank: int, fd: int, when: float, text: str, streamed: bool) -> None:
+        stream = self._streams.get(fd)
+        with self._lock:
+            if stream is None or (streamed and self._closed):
+                return
+            stream.write(f"{stamp(when) if self._timestamps else ''}[{rank}] {text}\n")
+            stream.flush()  # it is meant to be seen now
 
     def close(self, wait_s: float = 10.0) -> None:
         """Stop accepting, and give each task's stream ``wait_s`` to deliver what is under way
@@ -84,6 +86,8 @@ class Relay:
         deadline = time.monotonic() + wait_s
         for reader in self._readers:
             reader.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            self._closed = True
 
     def _accept(self) -> None:
         while True:
@@ -102,15 +106,19 @@ class Relay:
             reader.start()
 
     def _read(self, conn: socket.socket) -> None:
-        conn.settimeout(None)  # a rank may print nothing for hours
+        conn.settimeout(HELLO_S)
         with conn, conn.makefile("r", encoding="utf-8", errors="replace") as f:
-            rank = self._hello(f.readline())
+            try:
+                rank = self._hello(f.readline())
+            except OSError:  # silent past HELLO_S
+                return
             if rank is None:
                 return  # not one of this run's tasks: nothing it sends is written
+            conn.settimeout(None)  # a rank may print nothing for hours
             for raw in f:
                 with contextlib.suppress(ValueError, TypeError):
                     fd, when, text = json.loads(raw)
-                    self.write(rank, int(fd), float(when), str(text))
+                    self._write(rank, int(fd), float(when), str(text), streamed=True)
 
     def _hello(self, line: str) -> int | None:
         try:
