@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import socket
 import time
+
+import pytest
 
 from ringtrain.spark.relay import Address, Relay, Sender
 
@@ -116,3 +119,20 @@ def test_a_connection_that_never_says_who_it_is_holds_nothing_up() -> None:
         relay.close(wait_s=0.5)  # the silent one is not waited for past the grace
         assert time.monotonic() - began < 5.0
     assert out.getvalue() == "[0] mine\n"
+
+
+def test_a_driver_that_cannot_listen_writes_the_kept_lines_at_the_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    out = io.StringIO()
+    # 203.0.113.77 (TEST-NET-3) is no address of this machine: binding fails, nothing is sent.
+    with caplog.at_level(logging.WARNING, logger="ringtrain"):
+        relay = Relay("203.0.113.77", "203.0.113.77", out, None, timestamps=False)
+    assert relay.address is None
+    assert "cannot listen on 203.0.113.77" in caplog.text and "HINT" in caplog.text
+    sender = Sender(relay.address, 0)  # what each task is then given: keep the lines
+    sender.line(1, 1.0, "at the end")
+    sender.close()
+    relay.close()
+    relay.write_kept(0, sender.kept)
+    assert out.getvalue() == "[0] at the end\n"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import logging
 import secrets
 import socket
 import threading
@@ -25,6 +26,7 @@ from typing import IO, Any
 from ringtrain.launch.rank_output import stamp
 
 Line = tuple[int, float, str]  # (1 | 2, when its task read it, the line)
+log = logging.getLogger("ringtrain")
 
 # A task gives up connecting after this long and keeps its lines; once connected, a driver that
 # reads nothing for this long is taken as gone (the rank is not held up by its output). A
@@ -42,7 +44,9 @@ class Address:
 
 
 class Relay:
-    """The driver's end: writes each rank's lines to ``stdout``/``stderr`` as they arrive."""
+    """The driver's end: writes each rank's lines to ``stdout``/``stderr`` as they arrive.
+    ``address`` is None where the driver cannot listen on ``bind``: the tasks then keep their
+    lines, written when the ranks have ended (the job itself is not failed for its output)."""
 
     def __init__(
         self,
@@ -55,13 +59,24 @@ class Relay:
         self._streams = {1: stdout, 2: stderr}
         self._timestamps = timestamps
         self._lock = threading.Lock()  # one line at a time, whichever task sent it
-        self._server = socket.create_server((bind, 0))
-        self._server.settimeout(0.2)  # how often the accepting thread looks at _closing
-        self.address = Address(advertise, self._server.getsockname()[1], secrets.token_hex(16))
         self._closing = threading.Event()
         self._closed = False  # past close(): a reader still under way writes nothing more
         self._readers: list[threading.Thread] = []
         self._accepting = threading.Thread(target=self._accept, daemon=True)
+        self.address: Address | None = None
+        self._token = secrets.token_hex(16)
+        try:
+            self._server = socket.create_server((bind, 0))
+        except OSError as e:
+            log.warning(
+                "ringtrain.spark.run: cannot listen on %s for the ranks' output (%s): it is "
+                "written when the ranks have ended. HINT: check spark.driver.bindAddress.",
+                bind,
+                e,
+            )
+            return
+        self._server.settimeout(0.2)  # how often the accepting thread looks at _closing
+        self.address = Address(advertise, self._server.getsockname()[1], self._token)
         self._accepting.start()
 
     def write_kept(self, rank: int, lines: list[Line]) -> None:
@@ -81,8 +96,9 @@ class Relay:
         """Stop accepting, and give each task's stream ``wait_s`` to deliver what is under way
         (the tasks have ended when Spark's job has, so their connections are closing)."""
         self._closing.set()
-        self._accepting.join()
-        self._server.close()
+        if self.address is not None:
+            self._accepting.join()
+            self._server.close()
         deadline = time.monotonic() + wait_s
         for reader in self._readers:
             reader.join(max(0.0, deadline - time.monotonic()))
@@ -126,7 +142,7 @@ class Relay:
             token, rank = str(hello["token"]), int(hello["rank"])
         except (ValueError, TypeError, KeyError):
             return None
-        return rank if hmac.compare_digest(token, self.address.token) else None
+        return rank if hmac.compare_digest(token, self._token) else None
 
 
 class Sender:
