@@ -1,5 +1,6 @@
 """MNIST in torchvision's on-disk layout, made from scikit-learn's bundled digits (nothing is
-downloaded here, and scikit-learn is not imported), and a reader for it with ``torchvision.datasets.MNIST``'s signature."""
+downloaded, and scikit-learn is not imported), and a reader for it with
+``torchvision.datasets.MNIST``'s signature."""
 
 from __future__ import annotations
 

@@ -9,16 +9,17 @@ import json
 import logging
 import socket
 import time
+from collections.abc import Callable
 
 import pytest
 
 from ringtrain.spark.relay import Address, Relay, Sender
 
 
-def _until(predicate: object, within_s: float = 10.0) -> bool:
+def _until(predicate: Callable[[], bool], within_s: float = 10.0) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
+        if predicate():
             return True
         time.sleep(0.01)
     return False
