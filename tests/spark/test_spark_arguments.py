@@ -43,6 +43,23 @@ def test_the_positions_are_horovods() -> None:
     ]  # fmt: skip
 
 
+def test_run_elastic_is_refused_with_what_to_use_instead() -> None:
+    import inspect
+
+    # horovod.spark.run_elastic (v0.28)'s parameters, so a call written for it reaches the
+    # refusal, not a TypeError.
+    assert list(inspect.signature(ringtrain.spark.run_elastic).parameters) == [
+        "fn", "args", "kwargs", "num_proc", "min_np", "max_np", "start_timeout",
+        "elastic_timeout", "reset_limit", "env", "stdout", "stderr", "verbose", "nics",
+        "prefix_output_with_timestamp",
+    ]  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        ringtrain.spark.run_elastic(_fn, num_proc=2, min_np=1, max_np=4)
+    msg = str(e.value)
+    assert "ringtrain.spark.run_elastic is not supported" in msg and "barrier stage" in msg
+    assert "HINT" in msg and "ringtrain.spark.run" in msg and "ElasticRayExecutor" in msg
+
+
 class _Task:
     """Spark's BarrierTaskContext as rank 1 of 2 sees it (task 0 serves the store)."""
 

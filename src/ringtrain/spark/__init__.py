@@ -115,6 +115,35 @@ def run(
     return [pickle.loads(by_rank[r][0]) for r in range(size)]
 
 
+def run_elastic(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    num_proc: int | None = None,
+    min_np: int | None = None,
+    max_np: int | None = None,
+    start_timeout: float | None = None,
+    elastic_timeout: float | None = None,
+    reset_limit: int | None = None,
+    env: Mapping[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+    verbose: int | None = 1,
+    nics: Iterable[str] | None = None,
+    prefix_output_with_timestamp: bool = False,
+) -> list[Any]:
+    """``horovod.spark.run_elastic``'s signature, refused with the reason: a call written for
+    Horovod fails here at once and says what to use, instead of an AttributeError."""
+    raise ConfigError(
+        "ringtrain.spark.run_elastic is not supported: ringtrain runs a job on Spark as one "
+        "barrier stage, whose tasks start together and fail together, so a lost task cannot "
+        "leave the world and a new one cannot join it.\nHINT: ringtrain.spark.run runs a fixed "
+        "world (resume a failed run from a checkpoint); for a world that shrinks and grows use "
+        "`ringtrain run --min-np/--max-np` (with --host-discovery-script) or "
+        "ringtrain.ray.ElasticRayExecutor (docs/elastic.md)."
+    )
+
+
 def _relay(
     sc: Any, stdout: IO[str] | None, stderr: IO[str] | None, timestamps: bool
 ) -> Relay | None:
