@@ -60,6 +60,7 @@ class Relay:
         self._timestamps = timestamps
         self._lock = threading.Lock()  # one line at a time, whichever task sent it
         self._closing = threading.Event()
+        self._drain_until = 0.0  # set by close(): how long connections still being made are taken
         self._closed = False  # past close(): a reader still under way writes nothing more
         self._readers: list[threading.Thread] = []
         self._accepting = threading.Thread(target=self._accept, daemon=True)
@@ -95,6 +96,7 @@ class Relay:
     def close(self, wait_s: float = 10.0) -> None:
         """Stop accepting, and give each task's stream ``wait_s`` to deliver what is under way
         (the tasks have ended when Spark's job has, so their connections are closing)."""
+        self._drain_until = time.monotonic() + 1.0
         self._closing.set()
         if self.address is not None:
             self._accepting.join()
@@ -107,8 +109,11 @@ class Relay:
 
     def _accept(self) -> None:
         while True:
-            # Read before waiting: a task that connected just before close() is still taken.
+            # Read before waiting: a task that connected just before close() is still taken,
+            # for a second (connections that keep coming do not hold close() up).
             closing = self._closing.is_set()
+            if closing and time.monotonic() > self._drain_until:
+                return
             try:
                 conn, _ = self._server.accept()
             except TimeoutError:
