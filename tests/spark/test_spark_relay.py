@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
+from ringtrain.spark import relay as relay_module
 from ringtrain.spark.relay import Address, Relay, Sender
 
 
@@ -109,16 +110,22 @@ def test_lines_after_the_driver_went_away_are_kept() -> None:
     assert [t for _, _, t in sender.kept] == [f"line {n}" for n in range(first, sent)] + ["last"]
 
 
-def test_a_connection_that_never_says_who_it_is_holds_nothing_up() -> None:
+def test_a_connection_that_never_says_who_it_is_is_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(relay_module, "HELLO_S", 0.3)  # 10 s in a run
     out = io.StringIO()
     relay = Relay("127.0.0.1", "127.0.0.1", out, None, timestamps=False)
-    with socket.create_connection(("127.0.0.1", relay.address.port)):  # silent, left open
+    with socket.create_connection(("127.0.0.1", relay.address.port)) as silent:
         honest = Sender(relay.address, 0)
         honest.line(1, time.time(), "mine")
         honest.close()
+        # Dropped by the relay once HELLO_S has passed: its end of the socket reads EOF.
+        silent.settimeout(5.0)
+        assert silent.recv(1) == b""
         began = time.monotonic()
-        relay.close(wait_s=0.5)  # the silent one is not waited for past the grace
-        assert time.monotonic() - began < 5.0
+        relay.close()  # nothing left to wait for: the silent reader has ended
+        assert time.monotonic() - began < 3.0
     assert out.getvalue() == "[0] mine\n"
 
 
