@@ -8,6 +8,8 @@ already exist (the test world's workers carry the launcher variables).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +242,27 @@ def test_a_bad_size_names_the_format(capsys: pytest.CaptureFixture[str]) -> None
         cli.main(["bench", "allreduce", "--sizes", "4Q"])
     err = capsys.readouterr().err
     assert "argument --sizes: cannot read '4Q' as a size" in err and "HINT: write e.g." in err
+
+
+def test_help_and_refused_flags_come_without_importing_torch() -> None:
+    """``ringtrain bench --help`` (and a flag argparse refuses) answer in a fraction of a
+    second: the benchmarks, and torch with them, are imported only to run one."""
+    code = (
+        "import sys\n"
+        "from ringtrain import cli\n"
+        "from ringtrain.bench.__main__ import main\n"
+        "for run, argv in [(cli.main, ['bench', '--help']), (cli.main, ['bench', 'train', '-h']),\n"
+        "                  (cli.main, ['bench', 'allreduce', '--sizes', '4Q']),\n"
+        "                  (main, ['mixed-speed', '--help']), (main, ['coordinator', '--rounds', 'x'])]:\n"
+        "    try:\n"
+        "        run(argv)\n"
+        "    except SystemExit as e:\n"
+        "        print('EXIT', e.code, flush=True)\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("EXIT 0") == 3 and done.stdout.count("EXIT 2") == 2, done.stdout
+    assert "transformer-25m: GPT-like LM" in done.stdout  # bench train's presets, from the catalog
+    assert "cannot read '4Q' as a size" in done.stderr and "--rounds: invalid int" in done.stderr
+    assert done.stdout.rstrip().endswith("TORCH False"), done.stdout

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ringtrain.bench import command
+from ringtrain.bench import command, runner
 from ringtrain.bench.mixed_speed import MixedSpeedParams, MixedSpeedResult, format_mixed_speed
 from ringtrain.errors import ConfigError
 from ringtrain.testing.spawn import World
@@ -20,20 +20,20 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_flags_become_params_and_bad_values_are_explained() -> None:
-    p = command._params(
+    p = runner._params(
         _args("-np", "3", "--slow-rank", "2", "--slow-by", "sleep", "--slow-factor", "3")
     )
     assert p == MixedSpeedParams(slow_rank=2, slow_by="sleep", factor=3.0)
-    local = command._params(_args("--slow-by", "sleep", "--sync-every", "8"))
+    local = runner._params(_args("--slow-by", "sleep", "--sync-every", "8"))
     assert local == MixedSpeedParams(slow_by="sleep", sync_every=8)
     with pytest.raises(ConfigError, match="--sync-every >= 0"):
-        command._params(_args("--sync-every", "-1"))
+        runner._params(_args("--sync-every", "-1"))
     with pytest.raises(ConfigError, match="--slow-factor must be above 1"):
-        command._params(_args("--slow-factor", "1"))
+        runner._params(_args("--slow-factor", "1"))
     with pytest.raises(ConfigError, match="draws no plot"):
-        command._params(_args("--plot", "x.png"))
+        runner._params(_args("--plot", "x.png"))
     with pytest.raises(ConfigError, match="--slow-rank 2 is not a rank of this job of 2"):
-        command._params(_args("--slow-rank", "2"))  # -np's default: 2 ranks
+        runner._params(_args("--slow-rank", "2"))  # -np's default: 2 ranks
     with pytest.raises(ConfigError, match="--slow-rank 3 is not a rank of this job of 3"):
         MixedSpeedParams(slow_rank=3).check(3)
 

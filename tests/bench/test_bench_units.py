@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from ringtrain.bench import ranks
-from ringtrain.bench.command import parse_bytes, parse_sizes
 from ringtrain.bench.models import PRESETS, count_parameters
-from ringtrain.bench.report import fmt_bytes, table
+from ringtrain.bench.report import table
 from ringtrain.bench.stats import Summary, bus_bandwidth
 from ringtrain.bench.train import TrainParams
+from ringtrain.bench.units import fmt_bytes, parse_bytes, parse_sizes
 from ringtrain.errors import ConfigError
 
 

@@ -37,13 +37,13 @@ import torch.distributed as dist
 
 import ringtrain
 from ringtrain import compat
+from ringtrain.bench import catalog
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import Summary, bus_bandwidth, load_average, machine_info
 from ringtrain.bench.timing import seconds_per_op
+from ringtrain.bench.units import KiB, MiB
 
-KiB = 1024
-MiB = 1024 * 1024
-DEFAULT_SIZES = (4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB)
+DEFAULT_SIZES = catalog.ALLREDUCE_SIZES
 # Auto iteration count: enough back-to-back ops per sample to move about this many bytes, so a
 # sample of small messages is long enough to time well but a big one is a single op.
 SAMPLE_BYTES = 8 * MiB

@@ -34,15 +34,15 @@ import torch
 import torch.distributed as dist
 
 import ringtrain
+from ringtrain.bench import catalog
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import Summary, load_average, machine_info
 from ringtrain.bench.timing import seconds_per_op
+from ringtrain.bench.units import KiB, MiB
 from ringtrain.collectives.requests import Request, TensorMeta, mismatch
 from ringtrain.runtime import state
 
-KiB = 1024
-MiB = 1024 * 1024
-DEFAULT_SIZES = (4 * KiB, MiB)
+DEFAULT_SIZES = catalog.CHECKS_SIZES
 SETTINGS = ("on", "off")
 # Auto iteration count: about this many bytes per sample, between MIN_ITERS and MAX_ITERS ops,
 # so a small op's sample is long enough that a few microseconds per op are not timer noise.

@@ -19,81 +19,13 @@ Without a launcher the command spawns ``-np`` ranks on this machine; started by 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
-import re
 from collections.abc import Callable
 from typing import Any
 
-from ringtrain.bench import (
-    bad_input,
-    checks,
-    converge,
-    coordinator,
-    cpu,
-    mixed_speed,
-    ranks,
-    secure,
-)
-from ringtrain.bench import checkpoint as ckpt_bench
-from ringtrain.bench.allreduce import DEFAULT_SIZES, AllreduceParams
-from ringtrain.bench.models import PRESETS
-from ringtrain.bench.registry import BENCHMARKS
-from ringtrain.bench.report import (
-    fmt_bytes,
-    format_allreduce,
-    format_checks,
-    format_secure,
-    format_train,
-    plot_allreduce,
-    plot_checks,
-    plot_secure,
-    plot_train,
-    save_json,
-)
-from ringtrain.bench.train import VARIANTS, TrainParams, variant_compression
-from ringtrain.config import OUTER_COMPRESSIONS, Config, check_path
+from ringtrain.bench import catalog
+from ringtrain.bench.units import fmt_bytes, parse_bytes, parse_sizes
+from ringtrain.config import OUTER_COMPRESSIONS
 from ringtrain.errors import ConfigError
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20}
-_UNITS |= {"g": 1 << 30, "gib": 1 << 30}
-
-
-def parse_bytes(text: str) -> int:
-    """``64K``, ``4MiB``, ``1048576`` -> bytes (binary units)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(
-            f"cannot read {text!r} as a size.\nHINT: write e.g. 4096, 64K, 64KiB, 16M or 1G."
-        )
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def parse_sizes(text: str) -> tuple[int, ...]:
-    """``4K,64K,1M`` (a list) or ``4K..64M`` (x4 steps) or ``4K..64M:2`` (x2 steps)."""
-    if ".." not in text:
-        sizes = [parse_bytes(s) for s in text.split(",") if s.strip()]
-    else:
-        span, _, factor_s = text.partition(":")
-        lo_s, _, hi_s = span.partition("..")
-        lo, hi = parse_bytes(lo_s), parse_bytes(hi_s)
-        try:
-            factor = int(factor_s or 4)
-        except ValueError:
-            factor = 0  # refused below, with the range's HINT
-        if lo < 1 or hi < lo or factor < 2:
-            raise ConfigError(
-                f"bad size range {text!r}: need 1 <= low <= high and a factor >= 2.\n"
-                "HINT: e.g. --sizes 4K..64M or --sizes 4K..64M:2."
-            )
-        sizes = []
-        s = lo
-        while s <= hi:
-            sizes.append(s)
-            s *= factor
-    if not sizes or min(sizes) < 1:
-        raise ConfigError(f"--sizes {text!r} gives no positive sizes")
-    return tuple(sizes)
 
 
 def _arg(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -110,6 +42,10 @@ def _arg(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 _size, _sizes = _arg(parse_bytes), _arg(parse_sizes)
+
+
+def _span(sizes: tuple[int, ...]) -> str:
+    return f"{fmt_bytes(sizes[0])}..{fmt_bytes(sizes[-1])}"
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -174,10 +110,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
             "torch.distributed.all_reduce, interleaved in the same run, plus a fusion case."
         ),
     )
-    default_sizes = f"{fmt_bytes(DEFAULT_SIZES[0])}..{fmt_bytes(DEFAULT_SIZES[-1])}"
+    default_sizes = _span(catalog.ALLREDUCE_SIZES)
     _sweep(
         ar,
-        DEFAULT_SIZES,
+        catalog.ALLREDUCE_SIZES,
         f"message sizes: 4K,64K,1M or 4K..64M[:factor] (default {default_sizes} x4)",
         "timed samples per size and impl",
     )
@@ -211,10 +147,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
             "launcher, start the job with `ringtrain run --secure` (or give --key-file)."
         ),
     )
-    secure_sizes = f"{fmt_bytes(secure.DEFAULT_SIZES[0])}..{fmt_bytes(secure.DEFAULT_SIZES[-1])}"
+    secure_sizes = _span(catalog.SECURE_SIZES)
     _sweep(
         se,
-        secure.DEFAULT_SIZES,
+        catalog.SECURE_SIZES,
         f"message sizes: 64K,1M or 64K..64M[:factor] (default {secure_sizes} x4)",
         "phases per mode (samples per size)",
     )
@@ -235,10 +171,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
             "named tensors; plus the check alone, per collective."
         ),
     )
-    ck_sizes = ",".join(fmt_bytes(b).replace(" ", "") for b in checks.DEFAULT_SIZES)
+    ck_sizes = ",".join(fmt_bytes(b).replace(" ", "") for b in catalog.CHECKS_SIZES)
     _sweep(
         ck,
-        checks.DEFAULT_SIZES,
+        catalog.CHECKS_SIZES,
         f"single-tensor sizes: 4K,1M or 4K..1M[:factor] (default {ck_sizes})",
         "phases per setting (samples)",
         link=False,
@@ -260,10 +196,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
             "does wall time. Plus a burst of async allreduces against one tensor of its bytes."
         ),
     )
-    cpu_sizes = f"{fmt_bytes(cpu.DEFAULT_SIZES[0])}..{fmt_bytes(cpu.DEFAULT_SIZES[-1])}"
+    cpu_sizes = _span(catalog.CPU_SIZES)
     _sweep(
         cu,
-        cpu.DEFAULT_SIZES,
+        catalog.CPU_SIZES,
         f"message sizes: 64K,1M or 64K..16M[:factor] (default {cpu_sizes} x4)",
         "samples per size and impl",
         link=False,
@@ -284,7 +220,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
             "time while it runs vs idle, interleaved in the same processes."
         ),
     )
-    cp.add_argument("--model", default="transformer-25m", choices=list(PRESETS))
+    cp.add_argument("--model", default="transformer-25m", choices=list(catalog.MODELS))
     cp.add_argument("--rounds", type=int, default=4, help="saves measured")
     cp.add_argument("--steps", type=int, default=6, help="steps after each save, and idle")
     cp.add_argument("--batch-size", type=int, default=None, help="per rank (default: preset's)")
@@ -308,10 +244,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         description=(
             "Training throughput of ringtrain's DistributedOptimizer, torch DDP and a "
             "no-communication reference, interleaved in the same processes. Presets: "
-            + "; ".join(f"{p.name}: {p.description}" for p in PRESETS.values())
+            + "; ".join(f"{name}: {what}" for name, what in catalog.MODELS.items())
         ),
     )
-    tr.add_argument("--model", default="transformer-25m", choices=list(PRESETS))
+    tr.add_argument("--model", default="transformer-25m", choices=list(catalog.MODELS))
     tr.add_argument("--steps", type=int, default=30, help="timed steps per variant")
     tr.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
     tr.add_argument("--block", type=int, default=5, help="steps per variant per turn")
@@ -324,8 +260,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     tr.add_argument("--backward-passes-per-step", type=int, default=1)
     tr.add_argument(
         "--variants",
-        default=",".join(VARIANTS),
-        help=f"comma-separated subset of {','.join(VARIANTS)}; ringtrain:NAME uses compression "
+        default=",".join(catalog.TRAIN_VARIANTS),
+        help=f"comma-separated subset of {','.join(catalog.TRAIN_VARIANTS)}; ringtrain:NAME uses compression "
         "NAME, e.g. ringtrain,ringtrain:powersgd,ringtrain:topk,ddp,nocomm; a ringtrain variant "
         "may end in @fusion=MiB, @cycle=MS, @link=fast|slow, @repro=0|1, @shard=0|1, "
         "@scatter=0|1 (with @shard=1: gradients reduce-scattered), @overlap=0|1, @whole=0|1 "
@@ -342,8 +278,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     tr.add_argument("--seed", type=int, default=0)
     _common(tr)
     _converge_parser(sub)
-    mixed_speed.configure(sub, _common)
-    coordinator.configure(sub)
+    _mixed_speed_parser(sub)
+    _coordinator_parser(sub)
 
 
 def _converge_parser(sub: Any) -> None:
@@ -358,11 +294,11 @@ def _converge_parser(sub: Any) -> None:
             "job (every rank trains alone on the whole data set), under the same load."
         ),
     )
-    cv.add_argument("--task", default="digits", choices=converge.TASKS)
+    cv.add_argument("--task", default="digits", choices=catalog.CONVERGE_TASKS)
     cv.add_argument(
         "--variants",
-        default=",".join(converge.DEFAULT_VARIANTS),
-        help=f"comma-separated subset of {','.join(converge.VARIANTS)}",
+        default=",".join(catalog.CONVERGE_DEFAULT_VARIANTS),
+        help=f"comma-separated subset of {','.join(catalog.CONVERGE_VARIANTS)}",
     )
     cv.add_argument(
         "--target", type=float, default=None, help="accuracy (digits, 0.95) or loss (lm)"
@@ -408,189 +344,65 @@ def _converge_parser(sub: Any) -> None:
     _common(cv)
 
 
-def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    settings: dict[str, Any] = {}
-    if args.fusion_threshold_mb is not None:
-        if not math.isfinite(args.fusion_threshold_mb):  # int() of it raises, unexplained
-            raise ConfigError(
-                f"--fusion-threshold-mb {args.fusion_threshold_mb}: give a finite number of "
-                "MiB.\nHINT: e.g. 64, or 0 to send every tensor alone."
-            )
-        settings["fusion_threshold_bytes"] = int(args.fusion_threshold_mb * (1 << 20))
-    if args.cycle_time_ms is not None:
-        settings["cycle_time_ms"] = args.cycle_time_ms
-    return settings
-
-
-def _options(args: argparse.Namespace) -> dict[str, Any]:
-    """The command's options, as recorded in the JSON file next to the results."""
-    return {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, tuple))}
-
-
-def _params(args: argparse.Namespace) -> Any:
-    """The benchmark's parameters from its command line; bad values fail here, not on ranks."""
-    bad_input.counts(args)
-    if args.benchmark == "allreduce":
-        return AllreduceParams(
-            sizes=tuple(args.sizes),
-            repeats=args.repeats,
-            iters=args.iters,
-            fusion_count=args.fusion_count,
-            fusion_each_bytes=args.fusion_size,
-            fusion_repeats=args.fusion_repeats,
-            dtype=args.dtype,
-            link_mbps=args.link_mbps,
-            tcp=args.tcp,
-            reducescatter=args.reducescatter,
-        )
-    if args.benchmark == "secure":
-        return secure.SecureParams(
-            sizes=tuple(args.sizes),
-            repeats=args.repeats,
-            iters=args.iters,
-            link_mbps=args.link_mbps,
-            key_file=args.key_file,
-        )
-    if args.benchmark == "checks":
-        return checks.ChecksParams(
-            sizes=tuple(args.sizes),
-            repeats=args.repeats,
-            iters=args.iters,
-            step_tensors=args.step_tensors,
-            step_each_bytes=args.step_size,
-            step_iters=args.step_iters,
-        )
-    if args.benchmark == "cpu":
-        if args.tail_ms < 0 or args.burst_count < 0:
-            raise ConfigError(
-                f"--tail-ms and --burst-count must be >= 0, got {args.tail_ms} and "
-                f"{args.burst_count}"
-            )
-        if args.plot:
-            raise ConfigError("bench cpu draws no plot.\nHINT: use --json for the numbers.")
-        return cpu.CpuParams(
-            sizes=tuple(args.sizes),
-            repeats=args.repeats,
-            iters=args.iters,
-            tail_s=args.tail_ms / 1e3,
-            burst_count=args.burst_count,
-            burst_each_bytes=args.burst_size,
-        )
-    if args.benchmark == "checkpoint":
-        if args.rounds < 1 or args.steps < 1:
-            raise ConfigError(f"--rounds and --steps must be >= 1, got {args.rounds}, {args.steps}")
-        if args.plot:
-            raise ConfigError("bench checkpoint draws no plot.\nHINT: use --json for the numbers.")
-        if args.dir:
-            check_path(f"--dir {args.dir}", args.dir, directory=True)
-        return ckpt_bench.CheckpointParams(
-            model=args.model,
-            rounds=args.rounds,
-            steps=args.steps,
-            batch_size=args.batch_size,
-            shard=not args.whole,
-            directory=args.dir,
-            writer=args.writer,
-        )
-    if args.benchmark == "mixed-speed":
-        return mixed_speed.params_from(args, bad_input.job_size(args))
-    if args.benchmark == "converge":
-        return _converge_params(args)
-    from ringtrain.compression import resolve
-
-    params = TrainParams(
-        model=args.model,
-        steps=args.steps,
-        warmup=args.warmup,
-        block=args.block,
-        batch_size=args.batch_size,
-        compression=args.compression,
-        backward_passes_per_step=args.backward_passes_per_step,
-        variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
-        lr=args.lr,
-        optimizer=args.optimizer,
-        seed=args.seed,
-        fusion_threshold_mb=args.fusion_threshold_mb,
+def _mixed_speed_parser(sub: Any) -> None:
+    ms = sub.add_parser(
+        "mixed-speed",
+        help="one rank slowed: equal shares vs batch_shares='auto' vs the sum of alone-speeds",
+        description=(
+            'Mixed speed: equal shares vs batch_shares="auto" with one rank slowed, side by '
+            "side (bench train's mixed-speed setting)."
+        ),
     )
-    # An unknown compression name fails here, not on every rank.
-    for name in {args.compression, *(variant_compression(v, "none") for v in params.variants)}:
-        resolve(name)
-    return params
-
-
-def _converge_params(args: argparse.Namespace) -> converge.ConvergeParams:
-    params = converge.ConvergeParams(
-        task=args.task,
-        variants=tuple(v.strip() for v in args.variants.split(",") if v.strip()),
-        target=args.target,
-        max_steps=args.max_steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        sync_every=args.sync_every,
-        outer_compression=args.outer_compression,
-        outer_lr=args.outer_lr,
-        outer_momentum=args.outer_momentum,
-        outer_delay=args.outer_delay,
-        outer_fragments=args.outer_fragments,
-        eval_every=args.eval_every,
-        seed=args.seed,
-        width=args.width,
-        slow_rank=args.slow_rank,
-        slow_factor=args.slow_factor,
-        cpus=args.cpus,
+    ms.add_argument("--slow-rank", type=int, default=1, help="the rank slowed (default 1)")
+    ms.add_argument(
+        "--slow-by",
+        default="hog",
+        choices=catalog.SLOW_BY,
+        help="hog: a busy process on its cores (a core per rank); sleep: it sleeps (any cores); "
+        "cgroup: CPU quotas, the slow rank's 1/--slow-factor of the others' (root)",
     )
-    params.check_size(bad_input.job_size(args))  # here, not on every rank
-    return params
+    ms.add_argument(
+        "--cpus",
+        type=float,
+        default=0.0,
+        help="--slow-by cgroup: each rank's CPUs (default: the quotas fill 0.9 of the cores)",
+    )
+    ms.add_argument(
+        "--slow-factor", type=float, default=2.0, help="sleep and cgroup: 1/speed (default 2)"
+    )
+    ms.add_argument("--global-batch", type=int, default=16384)
+    ms.add_argument("--steps", type=int, default=20, help="timed global batches per setting")
+    ms.add_argument("--width", type=int, default=512, help="the MLP's hidden width")
+    ms.add_argument(
+        "--sync-every",
+        type=int,
+        default=0,
+        help="local updates every H steps (shares measured a round at a time); 0: synchronous",
+    )
+    _common(ms)
 
 
-# How each benchmark's result is printed and plotted.
-_PRESENT: dict[str, tuple[Callable[[Any, bool], str], Callable[[Any, str], None]]] = {
-    "allreduce": (format_allreduce, plot_allreduce),
-    "secure": (format_secure, plot_secure),
-    "checks": (format_checks, plot_checks),
-    "cpu": (cpu.format_cpu, lambda res, path: None),  # --plot refused
-    "train": (format_train, plot_train),
-    "checkpoint": (ckpt_bench.format_checkpoint, lambda res, path: None),  # --plot refused
-    "converge": (converge.format_converge, converge.plot_converge),
-    "mixed-speed": (mixed_speed.format_mixed_speed, lambda res, path: None),  # --plot refused
-}
-
-
-def _check(args: argparse.Namespace) -> None:
-    """What can be checked before any rank starts, as ``ringtrain run`` does: numbers, the
-    engine settings (by the Config's own rules) and where the results will be written."""
-    if not math.isfinite(args.timeout) or args.timeout <= 0:
-        raise ConfigError(f"--timeout {args.timeout}: give a number of seconds above 0")
-    for flag, value in (("-np", args.np), ("--threads", args.threads)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{flag} {value}: give 1 or more (or leave it out)")
-    Config().replace(**_settings(args))
-    bad_input.outputs(args)
+def _coordinator_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "coordinator",
+        help="a negotiation round at N ranks, simulated in one process: gathered vs vector",
+        description=(
+            "What a negotiation round costs at N ranks, in one process: the real controller of "
+            "one rank over a simulated wire, gathered and vector rounds side by side, idle and "
+            "carrying cached ops. No ranks are spawned, so -np and the launcher play no part; "
+            "the Python times are this process's on whatever else the machine runs (the counts "
+            "are exact)."
+        ),
+    )
+    p.add_argument("--ranks", default="8,64,256,1024", help="rank counts, comma separated")
+    p.add_argument("--ops", default="0,64", help="cached ops per round, comma separated")
+    p.add_argument("--rounds", type=int, default=20, help="rounds per figure (median)")
+    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.benchmark == "coordinator":  # one process, no ranks
-        return coordinator.main(args)
-    _check(args)
-    params = _params(args)
-    with contextlib.ExitStack() as stack:
-        if args.benchmark == "secure" and not ranks.under_launcher():
-            # Spawned ranks share this machine: a throwaway key file serves them all.
-            params = stack.enter_context(secure.spawned_key_file(params))
-        result = ranks.run(
-            BENCHMARKS[args.benchmark],
-            params,
-            np=args.np,
-            threads=args.threads,
-            settings=_settings(args),
-            timeout_s=args.timeout,
-        )
-    if result is None:  # not rank 0 of a launched job: rank 0 reports
-        return 0
-    present, plot = _PRESENT[args.benchmark]
-    print(present(result, args.markdown), flush=True)
-    if args.json:  # first: a plot that fails must not lose the numbers
-        save_json(args.json, result, args.benchmark, _options(args))
-    if args.plot:
-        plot(result, args.plot)
-    return 0
+    # Imported here, not above: it imports torch and every benchmark (two seconds), which
+    # --help and a refused flag do without.
+    from ringtrain.bench import runner
+
+    return runner.main(args)

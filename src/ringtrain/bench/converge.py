@@ -82,7 +82,7 @@ from torch import nn
 
 import ringtrain
 from ringtrain import environ
-from ringtrain.bench import converge_tasks, cpu_limit
+from ringtrain.bench import catalog, converge_tasks, cpu_limit
 from ringtrain.bench.converge_tasks import TASKS, Task
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import machine_info
@@ -90,20 +90,7 @@ from ringtrain.elastic.share_sampler import split_counts
 from ringtrain.engine.local_settings import outer_delay
 from ringtrain.errors import ConfigError
 
-DEFAULT_VARIANTS = (
-    "alone",
-    "ddp",
-    "ringtrain",
-    "ringtrain:powersgd",
-    "local",
-    "local:overlap",
-    "local:bare",
-    "auto",
-    "local:shares",
-    "local:overlap:shares",
-)
-# Not run unless asked for: they need a slow rank (--slow-rank) to differ from local's.
-VARIANTS = (*DEFAULT_VARIANTS, "local:steps", "local:overlap:steps")
+DEFAULT_VARIANTS, VARIANTS = catalog.CONVERGE_DEFAULT_VARIANTS, catalog.CONVERGE_VARIANTS
 
 
 @dataclass(frozen=True)

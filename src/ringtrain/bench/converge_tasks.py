@@ -19,9 +19,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ringtrain.bench import catalog
 from ringtrain.errors import ConfigError
 
-TASKS = ("digits", "lm", "mlp")
+TASKS = catalog.CONVERGE_TASKS
 MLP_INPUTS = 64
 MLP_WIDTH = 1024  # two hidden layers: 64*1024 + 1024*1024 + 1024 weights, ~1.1M parameters
 # Training samples: with 8,192 the 1.1M-parameter student overfit, its held-out mse hovering at

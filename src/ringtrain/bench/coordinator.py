@@ -13,23 +13,10 @@ import argparse
 import dataclasses
 import json
 import os
-from typing import Any
 
 from ringtrain.collectives import simulated
 from ringtrain.config import check_path
 from ringtrain.errors import ConfigError
-
-
-def configure(sub: Any) -> None:
-    p = sub.add_parser(
-        "coordinator",
-        help="a negotiation round at N ranks, simulated in one process: gathered vs vector",
-        description=__doc__,
-    )
-    p.add_argument("--ranks", default="8,64,256,1024", help="rank counts, comma separated")
-    p.add_argument("--ops", default="0,64", help="cached ops per round, comma separated")
-    p.add_argument("--rounds", type=int, default=20, help="rounds per figure (median)")
-    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
 
 
 def _numbers(text: str, flag: str, least: int) -> tuple[int, ...]:

@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 
 import ringtrain
+from ringtrain.bench import catalog
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import Summary, load_average, machine_info
 from ringtrain.bench.timing import settle
+from ringtrain.bench.units import KiB, MiB, fmt_bytes
 
-KiB = 1024
-MiB = 1024 * 1024
-DEFAULT_SIZES = (64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB)
+DEFAULT_SIZES = catalog.CPU_SIZES
 # Ops per sample: about this many bytes, at least MIN_ITERS ops (CPU clocks tick finely, but
 # the tail's share per op should stay small).
 SAMPLE_BYTES = 64 * MiB
@@ -211,7 +211,7 @@ def _burst(params: CpuParams) -> list[CpuPoint]:
 
 
 def format_cpu(res: CpuResult, markdown: bool = False) -> str:
-    from ringtrain.bench.report import _load, fmt_bytes, table
+    from ringtrain.bench.report import _load, table
 
     def ms(s: Summary) -> str:
         return f"{s.median * 1e3:.3g} [{s.min * 1e3:.3g}-{s.max * 1e3:.3g}]"

@@ -43,14 +43,14 @@ import torch
 import torch.nn.functional as F
 
 import ringtrain as rt
-from ringtrain.bench import cpu_limit
+from ringtrain.bench import catalog, cpu_limit
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import load_average
 from ringtrain.elastic.share_sampler import split_counts
 from ringtrain.engine.auto_shares import MEASURE_STEPS, ROUND_PERIODS, WARMUP_STEPS
 from ringtrain.errors import ConfigError
 
-SLOW_BY = ("hog", "sleep", "cgroup")
+SLOW_BY = catalog.SLOW_BY
 # The hog: a busy loop on the given cores that ends when its parent (the rank) is gone.
 _HOG = (
     "import os, sys\n"
@@ -263,42 +263,6 @@ def format_mixed_speed(res: MixedSpeedResult, markdown: bool = False) -> str:
         ],
     ]
     return head + "\n" + table(["", "samples/s", "ratio"], rows, markdown)
-
-
-def configure(sub: Any, common: Any) -> None:
-    """The ``mixed-speed`` subcommand's flags (``common`` adds -np, --json, ...)."""
-    ms = sub.add_parser(
-        "mixed-speed",
-        help="one rank slowed: equal shares vs batch_shares='auto' vs the sum of alone-speeds",
-        description=__doc__.split("\n")[0].rstrip(".") + " (bench train's mixed-speed setting).",
-    )
-    ms.add_argument("--slow-rank", type=int, default=1, help="the rank slowed (default 1)")
-    ms.add_argument(
-        "--slow-by",
-        default="hog",
-        choices=SLOW_BY,
-        help="hog: a busy process on its cores (a core per rank); sleep: it sleeps (any cores); "
-        "cgroup: CPU quotas, the slow rank's 1/--slow-factor of the others' (root)",
-    )
-    ms.add_argument(
-        "--cpus",
-        type=float,
-        default=0.0,
-        help="--slow-by cgroup: each rank's CPUs (default: the quotas fill 0.9 of the cores)",
-    )
-    ms.add_argument(
-        "--slow-factor", type=float, default=2.0, help="sleep and cgroup: 1/speed (default 2)"
-    )
-    ms.add_argument("--global-batch", type=int, default=16384)
-    ms.add_argument("--steps", type=int, default=20, help="timed global batches per setting")
-    ms.add_argument("--width", type=int, default=512, help="the MLP's hidden width")
-    ms.add_argument(
-        "--sync-every",
-        type=int,
-        default=0,
-        help="local updates every H steps (shares measured a round at a time); 0: synchronous",
-    )
-    common(ms)
 
 
 def params_from(args: argparse.Namespace, size: int | None = None) -> MixedSpeedParams:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ringtrain.bench.catalog import MODELS
 from ringtrain.errors import ConfigError
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -146,7 +147,7 @@ PRESETS: dict[str, Preset] = {
     for p in [
         Preset(
             "mlp-1m",
-            "MLP 1024-640-512-10 on random 1024-d inputs",
+            MODELS["mlp-1m"],
             1_000_000,
             64,
             lambda: _mlp([1024, 640, 512, 10]),
@@ -155,7 +156,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "mlp-10m",
-            "MLP 1024-2048-2048-1536-10 on random 1024-d inputs",
+            MODELS["mlp-10m"],
             10_000_000,
             64,
             lambda: _mlp([1024, 2048, 2048, 1536, 10]),
@@ -164,7 +165,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "cnn-small",
-            "4-stage CNN (32-64-128-128 channels) + 1 hidden FC on random 3x32x32 images",
+            MODELS["cnn-small"],
             1_000_000,
             32,
             lambda: _cnn([32, 64, 128, 128], 384),
@@ -173,7 +174,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "cnn",
-            "4-stage CNN (64-128-256-512 channels) + 1 hidden FC on random 3x32x32 images",
+            MODELS["cnn"],
             10_000_000,
             32,
             lambda: _cnn([64, 128, 256, 512], 1024),
@@ -182,7 +183,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "transformer-25m",
-            "GPT-like LM: 6 layers, d=512, 8 heads, vocab 6144, seq 64",
+            MODELS["transformer-25m"],
             25_000_000,
             4,
             _gpt(6144, 512, 6, 8, 64),
@@ -191,7 +192,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             "transformer-100m",
-            "GPT-like LM: 12 layers, d=768, 12 heads, vocab 8192, seq 64",
+            MODELS["transformer-100m"],
             100_000_000,
             2,
             _gpt(8192, 768, 12, 12, 64),

@@ -18,14 +18,7 @@ from ringtrain.bench.secure import IMPLS as SECURE_IMPLS
 from ringtrain.bench.secure import MODES, SecureResult
 from ringtrain.bench.stats import Summary
 from ringtrain.bench.train import TrainResult
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            v = n / scale
-            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
-    return f"{n:.0f} B"
+from ringtrain.bench.units import fmt_bytes
 
 
 def _num(x: float) -> str:

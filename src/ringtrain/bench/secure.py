@@ -38,17 +38,17 @@ import torch.distributed as dist
 
 import ringtrain
 from ringtrain import environ
+from ringtrain.bench import catalog
 from ringtrain.bench.allreduce import SizePoint
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import Summary, bus_bandwidth, load_average, machine_info
 from ringtrain.bench.timing import seconds_per_op
+from ringtrain.bench.units import MiB
 from ringtrain.config import env_var
 from ringtrain.runtime import state
 from ringtrain.security import keys
 
-KiB = 1024
-MiB = 1024 * 1024
-DEFAULT_SIZES = (64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB, 64 * MiB)
+DEFAULT_SIZES = catalog.SECURE_SIZES
 MODES = ("plain", "secure")
 IMPLS = {"plain": ("gloo", "ringtrain"), "secure": ("ringtrain-secure", "sealed")}
 # Auto iteration count: about this many bytes per sample (small sizes are not all timer noise).

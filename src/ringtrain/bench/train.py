@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ringtrain
+from ringtrain.bench import catalog
 from ringtrain.bench.models import Batch, Preset, count_parameters, get_preset
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import Summary, load_average, machine_info
@@ -49,7 +50,7 @@ from ringtrain.bench.timing import settle
 from ringtrain.compression.policy import AutoCompression
 from ringtrain.errors import ConfigError
 
-VARIANTS = ("ringtrain", "ddp", "nocomm")
+VARIANTS = catalog.TRAIN_VARIANTS
 # Untimed steps a variant may take beyond --warmup to become steady (see the module docstring).
 MAX_EXTRA_WARMUP = 60
 # ``ringtrain...@KEY=VALUE`` sets a DistributedOptimizer knob for that variant alone, so bucket
