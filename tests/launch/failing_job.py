@@ -6,10 +6,12 @@ HOW: ``raise`` (an uncaught ValueError), ``finally`` (the same ValueError with
 ``hvd.shutdown()`` in a ``finally:`` block, as scripts clean up), ``exit3`` (``sys.exit(3)``),
 ``checkpoint`` (a CheckpointError, as a failed load raises it). WHERE rank 0 waits when rank 1
 fails: ``allreduce`` (a negotiated collective), ``lane`` (an allreduce repeated until the fast
-lane carries it), ``step`` (``DistributedOptimizer.step()``), ``save``
+lane carries it), ``step`` (``DistributedOptimizer.step()``), ``first-step`` (the same at
+the first step, whose plan the ranks agree on: rank 1 fails at step 1), ``save``
 (``ringtrain.checkpoint.save``). Rank 1
 writes the time it failed to ``OUT_DIR/failed_at``, and each rank the last words it got from
-ringtrain, with the time, to ``OUT_DIR/error.0`` before it exits (with ``exit3`` and ``finally``,
+ringtrain, with the time, to ``OUT_DIR/error.0`` before it exits (with ``exit3``, ``finally`` and
+``first-step``,
 rank 0 ignores the launcher's SIGTERM so that it always does).
 """
 
@@ -30,13 +32,17 @@ from ringtrain.runtime.state import global_process_set
 out, how, where = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 if where == "save":  # only there: it imports torch.distributed.tensor, costly in CPU
     import ringtrain.checkpoint
-FAIL_AT = 6
+FAIL_AT = 1 if where == "first-step" else 6
 
 hvd.init()
-if how in ("exit3", "finally") and hvd.rank() == 0:
+if (how in ("exit3", "finally") or where == "first-step") and hvd.rank() == 0:
     # The launcher stops the peers as soon as rank 1 has exited; this one takes the time to
     # say what it heard (the test reads its error), as a script that handles SIGTERM would.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if where == "first-step":
+    # Rank 1 fails right after init(), which it may leave before rank 0 does: this barrier
+    # holds it until rank 0 ignores SIGTERM (else the launcher's could end rank 0 first).
+    hvd.barrier()
 model = torch.nn.Linear(8, 2)
 opt = hvd.DistributedOptimizer(
     torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
@@ -51,10 +57,10 @@ def fail() -> None:
         raise CheckpointError(f"checkpoint {out / 'missing'} has no manifest (a test's failure)")
     if how == "finally":
         try:
-            raise ValueError("boom at step 6")
+            raise ValueError(f"boom at step {FAIL_AT}")
         finally:
             hvd.shutdown()
-    raise ValueError("boom at step 6")
+    raise ValueError(f"boom at step {FAIL_AT}")
 
 
 try:

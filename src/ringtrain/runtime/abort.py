@@ -63,7 +63,7 @@ def wait_work(work: Work, since: int | None = None) -> None:
         try:
             work.wait()
         except RuntimeError as e:  # a peer left: name it where it said why (runtime.departures)
-            _raise_named(e)
+            raise_named(e)
         return
     from ringtrain.runtime import state
 
@@ -76,11 +76,11 @@ def wait_work(work: Work, since: int | None = None) -> None:
             return
         except RuntimeError as e:
             if "timed out" not in str(e).lower() or time.monotonic() > deadline:
-                _raise_named(e)
+                raise_named(e)
         check(since)
 
 
-def _raise_named(e: RuntimeError) -> NoReturn:
+def raise_named(e: RuntimeError) -> NoReturn:
     """Raise ``e``, or the :class:`~ringtrain.errors.PeerFailedError` that names the peer whose
     departure broke it (see :mod:`ringtrain.runtime.departures`)."""
     named = departures.peer_error(e)

@@ -75,9 +75,17 @@ def _blocking_or_not(
     """``call(async_op)``, the torch call. A blocking one on host memory in an elastic job is
     issued async and waited through :func:`finish`, in slices: the controller thread of a world
     a peer left without closing its connections leaves it once the launcher announces a new
-    one, instead of sitting in Gloo until the transport timeout."""
-    if async_op or abort.announced is None or t.is_cuda:
+    one, instead of sitting in Gloo until the transport timeout. Elsewhere a blocking one that
+    breaks because a peer left raises the error naming that peer, as every other wait does
+    (the first step's plan agreement among them)."""
+    if async_op or t.is_cuda:
         return call(async_op)  # unchanged: torch's own call
+    if abort.announced is None:
+        try:
+            call(False)
+        except RuntimeError as e:  # a peer left ("Connection reset"): name it and its reason
+            abort.raise_named(e)
+        return None
     finish(call(True), t)
     return None
 
