@@ -442,3 +442,29 @@ def test_horovods_groups_are_accepted_ignored_and_warned_of(world2: spawn.World)
         for digest, weights, caught in world2.run(_horovod_groups, kwargs):
             assert (digest, weights) == plain[:2], kwargs
             assert len(caught) == 1 and "groups=/num_groups=) is ignored" in caught[0], kwargs
+
+
+def _extra_layer_on_rank_0() -> dict[str, Any]:
+    layers = [torch.nn.Linear(3, 3)] + ([torch.nn.Linear(3, 3)] if rt.rank() == 0 else [])
+    try:
+        rt.broadcast_parameters(torch.nn.Sequential(*layers).state_dict(), root_rank=0)
+    except rt.CollectiveArgumentError as e:
+        error = str(e)
+    else:
+        error = ""
+    after = rt.allreduce(torch.ones(1), op=rt.Sum, name="after.names")  # the job carries on
+    return {"error": error, "after": float(after)}
+
+
+def test_parameters_named_on_some_ranks_only_are_an_error_on_every_rank(
+    world2: spawn.World,
+) -> None:
+    # Horovod's ranks with fewer names return; rank 0 waits forever on '1.weight' (checked here
+    # before the names were agreed: rank 1 returned, rank 0 hung).
+    for res in world2.run(_extra_layer_on_rank_0):
+        assert res["error"].startswith(
+            "broadcast_parameters: the ranks hold different tensors (by name):\n"
+            "  rank 0: 4 tensors; only here: 1.bias, 1.weight\n"
+            "  rank 1: 2 tensors; only here: none\nHINT: build the same model"
+        ), res
+        assert res["after"] == 2.0

@@ -7,13 +7,14 @@ broadcasts), so ranks whose optimizer has not stepped yet, and so has no state, 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from ringtrain.collectives import ops
-from ringtrain.collectives.objects import broadcast_object
+from ringtrain.collectives.objects import allgather_object, broadcast_object
 from ringtrain.errors import CollectiveArgumentError
 from ringtrain.runtime.process_sets import ProcessSet
 
@@ -44,10 +45,16 @@ def broadcast_parameters(
     process_set: ProcessSet | None = None,
     prefix: str = "broadcast.param",
 ) -> None:
-    """Overwrite ``params`` (a state_dict, named_parameters() or tensors) with the root's, in place."""
+    """Overwrite ``params`` (a state_dict, named_parameters() or tensors) with the root's, in place.
+
+    The ranks first agree that they hold the same names (one small allgather): where they do
+    not, every rank raises, naming what differs. Horovod's ranks would wait forever for the
+    broadcasts that the others never submit."""
+    named = _named(params)
+    _same_names([name for name, _ in named], prefix, process_set)
     handles = []
     with torch.no_grad():
-        for name, t in _named(params):
+        for name, t in named:
             handles.append(
                 ops.broadcast_async_(
                     t.data if isinstance(t, torch.nn.Parameter) else t,
@@ -58,6 +65,33 @@ def broadcast_parameters(
             )
     for h in handles:
         ops.synchronize(h)
+
+
+def _same_names(names: list[str], prefix: str, process_set: ProcessSet | None) -> None:
+    """Raise on every rank unless every rank of ``process_set`` holds exactly ``names``."""
+    digest = hashlib.blake2b("\n".join(sorted(names)).encode(), digest_size=8).digest()
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    every = ops.synchronize(ops.allgather_async(mine, f"{prefix}.names", process_set)).tolist()
+    if len(set(every)) == 1:
+        return
+    lists = allgather_object(sorted(names), f"{prefix}.names.lists", process_set)
+    ranks = ops.controller_of(process_set).comm.ranks
+    common = set.intersection(*(set(n) for n in lists))
+    lines = [
+        f"  rank {r}: {len(n)} tensors; only here: {_few(sorted(set(n) - common))}"
+        for r, n in zip(ranks, lists)
+    ]
+    raise CollectiveArgumentError(
+        "broadcast_parameters: the ranks hold different tensors (by name):\n"
+        + "\n".join(lines)
+        + "\nHINT: build the same model on every rank before broadcasting its state_dict(); "
+        "a layer added on some ranks only, or a branch taken on some, does this."
+    )
+
+
+def _few(names: list[str], most: int = 5) -> str:
+    shown = ", ".join(names[:most]) or "none"
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 class _TensorSlot:
