@@ -468,3 +468,51 @@ def test_parameters_named_on_some_ranks_only_are_an_error_on_every_rank(
             "  rank 1: 2 tensors; only here: none\nHINT: build the same model"
         ), res
         assert res["after"] == 2.0
+
+
+def _second_layer_on_rank_0() -> dict[str, Any]:
+    layers = [torch.nn.Linear(3, 2)] + ([torch.nn.Linear(2, 1)] if rt.rank() == 0 else [])
+    model = torch.nn.Sequential(*layers)
+    try:
+        rt.broadcast_optimizer_state(torch.optim.Adam(model.parameters()), root_rank=0)
+    except rt.CollectiveArgumentError as e:
+        error = str(e)
+    else:
+        error = ""
+    after = rt.allreduce(torch.ones(1), op=rt.Sum, name="after.shapes")  # the job carries on
+    return {"error": error, "after": float(after)}
+
+
+def test_optimizers_over_other_parameters_are_an_error_on_every_rank(
+    world2: spawn.World,
+) -> None:
+    # Horovod: rank 0 returns, rank 1 fails alone in torch's load_state_dict (checked here
+    # before the shapes were agreed: rank 0 returned, rank 1 raised torch's ValueError).
+    for res in world2.run(_second_layer_on_rank_0):
+        assert res["error"] == (
+            "broadcast_optimizer_state: the optimizers hold different parameters (by shape):\n"
+            "  rank 0: 4 parameters in 1 group(s): group 0: [2, 3], [2], [1, 2], [1]\n"
+            "  rank 1: 2 parameters in 1 group(s): group 0: [2, 3], [2]\n"
+            "HINT: build the same model and optimizer (the same parameter groups) on every rank "
+            "before broadcasting the optimizer's state."
+        ), res
+        assert res["after"] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("call", "said"),
+    [
+        (lambda: rt.broadcast_parameters("abc", 0), "or a list of tensors, got str"),
+        (lambda: rt.broadcast_parameters([1, 2], 0), "its item 0 is of type int, not a (name,"),
+        (
+            lambda: rt.broadcast_optimizer_state(torch.nn.Linear(2, 1), 0),
+            "expects an optimizer (a torch.optim.Optimizer or a DistributedOptimizer), got Linear",
+        ),
+    ],
+)
+def test_what_is_not_parameters_or_an_optimizer_is_named(call: Any, said: str) -> None:
+    # Refused before any collective (no init needed): Horovod's errors here were a bare
+    # unpacking ValueError and KeyError('state').
+    with pytest.raises(rt.CollectiveArgumentError) as caught:
+        call()
+    assert said in str(caught.value)

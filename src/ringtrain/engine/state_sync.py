@@ -18,19 +18,25 @@ from ringtrain.collectives.objects import allgather_object, broadcast_object
 from ringtrain.errors import CollectiveArgumentError
 from ringtrain.runtime.process_sets import ProcessSet
 
+_EXPECTS = (
+    "broadcast_parameters expects model.state_dict(), model.named_parameters() or a list of tensors"
+)
+
 
 def _named(params: Any) -> list[tuple[str, torch.Tensor]]:
     if isinstance(params, Mapping):
         items = list(params.items())
-    elif isinstance(params, Iterable):
+    elif isinstance(params, Iterable) and not isinstance(params, (str, bytes)):
         items = list(params)
         if items and isinstance(items[0], torch.Tensor):
             items = [(f"param.{i}", t) for i, t in enumerate(items)]
     else:
-        raise CollectiveArgumentError(
-            "broadcast_parameters expects model.state_dict(), model.named_parameters() or a list "
-            f"of tensors, got {type(params).__name__}"
-        )
+        raise CollectiveArgumentError(f"{_EXPECTS}, got {type(params).__name__}")
+    for i, item in enumerate(items):
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise CollectiveArgumentError(
+                f"{_EXPECTS}; its item {i} is of type {type(item).__name__}, not a (name, tensor) pair"
+            )
     for name, t in items:
         if not isinstance(t, torch.Tensor):
             raise CollectiveArgumentError(
@@ -152,16 +158,31 @@ def _sparse_parameters(model: torch.nn.Module | None) -> set[int]:
     }
 
 
-def _stateless(stateful: bool, process_set: ProcessSet | None) -> bool:
+def _parameters(inner: torch.optim.Optimizer) -> list[list[tuple[int, ...]]]:
+    """The shapes of the optimizer's parameters, group by group: what its state is laid on."""
+    return [[tuple(p.shape) for p in group["params"]] for group in inner.param_groups]
+
+
+def _stateless(
+    stateful: bool, shapes: list[list[tuple[int, ...]]], process_set: ProcessSet | None
+) -> bool:
     """Whether the optimizer has no state on any rank (Horovod then sends nothing). Asked of
-    every rank: where Horovod would hang (the stateful ranks broadcasting to ranks that left),
-    every rank raises, naming which have state."""
+    every rank, with a digest of its parameters' shapes: where Horovod would hang (the stateful
+    ranks broadcasting to ranks that left) or fail on some ranks only (a root's state loaded
+    onto other parameters), every rank raises, naming what differs."""
     ctl = ops.controller_of(process_set)
-    flag = torch.tensor([int(stateful)], dtype=torch.int32)
+    digest = hashlib.blake2b(repr(shapes).encode(), digest_size=8).digest()
+    mine = [int(stateful), int.from_bytes(digest, "little", signed=True)]
     gathered = ops.synchronize(
-        ops.allgather_async(flag, "broadcast.optimizer_state.stateful", process_set)
+        ops.allgather_async(
+            torch.tensor([mine], dtype=torch.int64),
+            "broadcast.optimizer_state.stateful",
+            process_set,
+        )
     )
-    has = gathered.tolist()
+    has = [row[0] for row in gathered.tolist()]
+    if len({row[1] for row in gathered.tolist()}) > 1:
+        _different_parameters(shapes, process_set)
     if all(has) or not any(has):
         return not any(has)
     ranks = ctl.comm.ranks
@@ -172,6 +193,27 @@ def _stateless(stateful: bool, process_set: ProcessSet | None) -> bool:
         f"ranks {without}, even after a step on zero gradients (a stateless optimizer there: "
         "SGD without momentum, say).\n"
         "HINT: build the same optimizer, with the same options, on every rank."
+    )
+
+
+def _different_parameters(
+    shapes: list[list[tuple[int, ...]]], process_set: ProcessSet | None
+) -> None:
+    """Raise on every rank, each rank's parameters told (they differ on some rank)."""
+    every = allgather_object(shapes, "broadcast.optimizer_state.shapes", process_set)
+    ranks = ops.controller_of(process_set).comm.ranks
+    lines = []
+    for r, groups in zip(ranks, every):
+        told = "; ".join(
+            f"group {g}: " + _few([str(list(s)) for s in group]) for g, group in enumerate(groups)
+        )
+        count = sum(len(g) for g in groups)
+        lines.append(f"  rank {r}: {count} parameters in {len(groups)} group(s): {told}")
+    raise CollectiveArgumentError(
+        "broadcast_optimizer_state: the optimizers hold different parameters (by shape):\n"
+        + "\n".join(lines)
+        + "\nHINT: build the same model and optimizer (the same parameter groups) on every "
+        "rank before broadcasting the optimizer's state."
     )
 
 
@@ -189,6 +231,12 @@ def broadcast_optimizer_state(
     that still has no state after that step (SGD without momentum) is stateless: nothing is
     sent and each rank keeps its own hyper-parameters, as in Horovod."""
     inner = getattr(optimizer, "optimizer", optimizer)
+    if not hasattr(inner, "param_groups"):
+        raise CollectiveArgumentError(
+            "broadcast_optimizer_state expects an optimizer (a torch.optim.Optimizer or a "
+            f"DistributedOptimizer), got {type(optimizer).__name__}.\n"
+            "HINT: a model's weights go with broadcast_parameters(model.state_dict(), root_rank)."
+        )
     if isinstance(inner, torch.optim.LBFGS):
         raise CollectiveArgumentError(
             "cannot broadcast torch.optim.LBFGS state (as in Horovod).\n"
@@ -201,7 +249,7 @@ def broadcast_optimizer_state(
     if not state["state"]:
         _init_state(inner, model)
         state = owner.state_dict()
-    if _stateless(bool(state["state"]), process_set):
+    if _stateless(bool(state["state"]), _parameters(inner), process_set):
         return
     state.pop("ringtrain_compressor", None)  # per-rank (error feedback): never the root's
     me = ops.controller_of(process_set).comm.world_rank  # root_rank is global, as in Horovod
