@@ -12,7 +12,6 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -133,13 +132,13 @@ _RANKS_WRITER = "thread"
 
 def _saves_without_collectives(root: str) -> tuple[int, list[str]]:
     calls = []
-    agree = api._agree
+    agree = api.new_token  # the one collective of a Checkpointer's saves: its id and root
 
-    def counting(value: Any, size: int) -> Any:
-        calls.append(value)
-        return agree(value, size)
+    def counting(path: str) -> str:
+        calls.append(path)
+        return agree(path)
 
-    api._agree = counting  # type: ignore[assignment]
+    api.new_token = counting  # type: ignore[assignment]
     try:
         model = torch.nn.Linear(16, 16)
         with ckpt.Checkpointer(root, keep=0, writer=_RANKS_WRITER) as saver:
@@ -147,7 +146,7 @@ def _saves_without_collectives(root: str) -> tuple[int, list[str]]:
                 saver.save(step, model=model)
                 saver.wait()
     finally:
-        api._agree = agree  # type: ignore[assignment]
+        api.new_token = agree  # type: ignore[assignment]
     return len(calls), [step for step, _ in manifest.committed(root)]
 
 

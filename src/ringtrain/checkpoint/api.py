@@ -84,9 +84,39 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def new_token() -> str:
-    """A random id, the same on every rank (collective)."""
-    return str(_agree(uuid.uuid4().hex, world()[1]))
+def new_token(path: str) -> str:
+    """A random id, the same on every rank (collective), for saves into ``path``: raises on
+    every rank, before anything is written, if the ranks gave different paths."""
+    size = world()[1]
+    mine = (uuid.uuid4().hex, path)
+    if size == 1:
+        return mine[0]
+    from ringtrain.collectives.objects import allgather_object
+
+    every = allgather_object(mine)
+    if len({p for _, p in every}) > 1:
+        _different_paths([p for _, p in every])
+    return str(every[0][0])
+
+
+def _different_paths(paths: list[str]) -> None:
+    ranks: dict[str, list[int]] = {}
+    for r, p in enumerate(paths):
+        ranks.setdefault(p, []).append(r)
+    told = [f"  {p!r}: rank(s) {_ranges(rs)}" for p, rs in list(ranks.items())[:5]]
+    more = [f"  and {len(ranks) - 5} other paths"] if len(ranks) > 5 else []
+    raise CheckpointError(
+        "a checkpoint is saved into one directory by every rank together, but the ranks gave "
+        "different paths:\n"
+        + "\n".join(told + more)
+        + "\nHINT: give every rank the same path (not one built from its rank); ringtrain "
+        "writes each rank's part into it. Nothing was written."
+    )
+
+
+def _ranges(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
 def _all_ok(error: BaseException | None, size: int, what: str) -> None:
@@ -125,7 +155,7 @@ def prepare(
     committing) needs no collective."""
     rank, size, config = _where()
     if save_id is None:
-        save_id = _agree(uuid.uuid4().hex, size)
+        save_id = new_token(path)
     final = os.path.abspath(path)
     parent, base = os.path.split(final)
     job = store.Job(

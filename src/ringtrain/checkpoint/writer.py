@@ -456,12 +456,13 @@ class Checkpointer:
 
     def _save_id(self) -> str:
         """This save's id, the same on every rank without a collective in the blocking part:
-        a random prefix agreed once per world (at its first save), then a count of saves.
+        a random prefix agreed once per world (at its first save, which also checks that the
+        ranks' roots are the same), then a count of saves.
         Ranks that disagree (one skipped a save) write parts under different ids, which the
         committing writer never mixes: the save fails, named, at the next save."""
         world = api.world()
         if self._token is None or self._world != world:
-            self._token, self._world, self._saves = api.new_token(), world, 0
+            self._token, self._world, self._saves = api.new_token(self.root), world, 0
             if self.run is None:  # the run is this object's, across elastic re-formings
                 self.run = self._token
         self._saves += 1
