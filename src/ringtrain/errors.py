@@ -97,9 +97,14 @@ class PeerFailedError(CollectiveAbortedError):
     """A peer that this rank waited for failed or left the job; ``ranks`` names them (their
     own words are in the message: see :mod:`ringtrain.runtime.departures`)."""
 
-    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, message: str, ranks: tuple[int, ...] = (), exits_unread: bool = False
+    ) -> None:
         super().__init__(message)
         self.ranks = ranks
+        # Told only that they left (their script ended, none heard failing): their exit codes,
+        # not yet read, may say otherwise (runtime.departures.with_exit_codes).
+        self.exits_unread = exits_unread
 
 
 class SecurityError(RingtrainError):
@@ -129,9 +134,14 @@ class MissingRanksError(LaunchError):
     """Ranks of the job never arrived in ``init()`` (they exited first, or never called it);
     ``ranks`` names them."""
 
-    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, message: str, ranks: tuple[int, ...] = (), exits_unread: bool = False
+    ) -> None:
         super().__init__(message)
         self.ranks = ranks
+        # Told only that they left (their script ended, none heard failing): their exit codes,
+        # not yet read, may say otherwise (runtime.departures.with_exit_codes).
+        self.exits_unread = exits_unread
 
 
 class HostSpecError(LaunchError, ValueError):

@@ -62,6 +62,7 @@ def _run(
         ("raise", "allreduce", 1),
         ("finally", "allreduce", 1),
         ("exit3", "step", 3),
+        ("exit3", "allreduce", 3),
         ("raise", "first-step", 1),
         ("checkpoint", "save", 1),
         ("raise", "lane", 1),

@@ -20,20 +20,17 @@ An allreduce that repeats the request the set's fast lane reserved skips steps 1
 at once (see :mod:`ringtrain.collectives.lane`); rounds carry each rank's lane status, and decide
 when the lane opens, moves to another request, or releases a slot a peer waits in.
 
-Because every decision is a function of the exchanged table, ranks never disagree on what runs
-next. Decisions that depend on time (stall reports, aborts, and names that ranks submitted on
-different process sets, see :mod:`ringtrain.collectives.crossset`) are made by the set's rank 0
-and travel in its next message. If a peer dies, the control exchange fails and every pending
-handle fails with :class:`CollectiveAbortedError` instead of hanging.
+Every decision is a function of the exchanged table, so ranks agree on what runs next.
+Decisions that depend on time (stall reports, aborts, names that ranks submitted on different
+process sets: :mod:`ringtrain.collectives.crossset`) are made by the set's rank 0 and travel in
+its next message. If a peer dies, every pending handle fails, not hangs.
 
-Shutdown: a rank that shuts down votes so in its rounds; what follows (at once for a failing
-rank, once nothing is pending for a finished one) is :mod:`~ringtrain.collectives.shutdown_rules`.
+Shutdown: a rank votes so in its rounds, then :mod:`~ringtrain.collectives.shutdown_rules`.
 
-The parts, each an object the controller owns: the table every rank holds alike
-(:mod:`~ringtrain.collectives.request_table`), the message and its wire
-(:mod:`~ringtrain.collectives.control_round`, :mod:`~ringtrain.collectives.vector_round`), the
-fast lane's driver (:mod:`~ringtrain.collectives.lane_control`), running ready ops on the data
-groups (:mod:`~ringtrain.collectives.execute`), and how the set ends (``shutdown_rules.Ending``).
+The parts, each an object the controller owns, are modules of :mod:`ringtrain.collectives`: the
+table every rank holds alike (``request_table``), the message and its wire (``control_round``,
+``vector_round``), the fast lane's driver (``lane_control``), running ready ops on the data
+groups (``execute``), and how the set ends (``shutdown_rules.Ending``).
 """
 
 from __future__ import annotations
@@ -66,7 +63,7 @@ from ringtrain.errors import (
     SecurityError,
     StallError,
 )
-from ringtrain.runtime import abort, exit_guard
+from ringtrain.runtime import abort, departures, exit_guard
 from ringtrain.runtime.communicator import Communicator
 
 log = logging.getLogger("ringtrain")
@@ -171,9 +168,12 @@ class Controller:
         finish: Callable[[Any], Any] | None = None,
     ) -> Handle:
         fast = self._fast
+        if self._end.failure is not None:  # settled outside the lock: it may wait for exit codes
+            self._end.failure = departures.with_exit_codes(self._end.failure)
+            raise departures.again(self._end.failure)
         with self._lock:
             if self._end.failure is not None:
-                raise type(self._end.failure)(*self._end.failure.args)
+                raise departures.again(self._end.failure)
             if self._end.closed or self._end.shutdown:
                 raise CollectiveAbortedError(
                     f"cannot submit {request.name!r}: ringtrain is shutting down"

@@ -11,7 +11,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, cast
 
-from ringtrain.errors import CollectiveAbortedError, CollectiveError
+from ringtrain.errors import CollectiveAbortedError
+from ringtrain.runtime import departures
 
 T = TypeVar("T", covariant=True)  # a handle only hands its result out
 
@@ -73,9 +74,10 @@ class Handle(Generic[T]):
                 "(RINGTRAIN_STALL_WARNING_S) names the missing ranks."
             )
         if self._error is not None:
-            # A fresh exception per waiter keeps the traceback pointing at the caller.
-            err = self._error
-            raise type(err)(*err.args) if isinstance(err, CollectiveError) else err
+            # Peers told only that they left: their exit codes, read once here (not on the
+            # control round's thread: it may wait for the launcher's record).
+            self._error = departures.with_exit_codes(self._error)
+            raise departures.again(self._error)
         result = self._result
         if self._finish is not None:
             result = self._finish(result)

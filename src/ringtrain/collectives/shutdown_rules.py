@@ -114,4 +114,5 @@ def error(
         + "; ".join(lines)
         + f", before this collective completed.\nHINT: {hint}",
         named,
+        exits_unread=not gone[0][1].leaving,
     )

@@ -37,10 +37,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TypeVar
 
 from ringtrain import environ
 from ringtrain.environ import Ringtrain
-from ringtrain.errors import CollectiveAbortedError, PeerFailedError
+from ringtrain.errors import CollectiveAbortedError, CollectiveError, PeerFailedError
 from ringtrain.launch.failures import exited_key
 from ringtrain.runtime import heartbeat
 from ringtrain.runtime.contracts import Store
@@ -55,6 +56,7 @@ READ_TIMEOUT_S = 2.0  # a peer reading the posts after its wait broke; the store
 # delays no job's end: the launcher ends the job when the exit arrives, whatever the peer does.
 EXIT_WAIT_S = 15.0
 FAILED, FINISHED = "failed", "finished"
+E = TypeVar("E", bound=BaseException)
 
 
 @dataclass(frozen=True)
@@ -267,11 +269,42 @@ def peer_error(cause: BaseException, waited_for: str = "") -> BaseException:
     if not gone:
         return cause
     where = f" while this rank waited for it in {waited_for}" if waited_for else ""
-    lines = [f"rank {rt.rank}: a peer left the job{where}: {gone[0].describe()}"]
+    said = f"{type(cause).__name__}: {' '.join(str(cause).split())[:200]}"
+    return _named(rt.rank, where, gone, f"  (this rank's wait ended with {said})")
+
+
+def _named(me: int, where: str, gone: list[Departure], ended: str) -> PeerFailedError:
+    lines = [f"rank {me}: a peer left the job{where}: {gone[0].describe()}"]
     lines += [f"  also: {d.describe()}" for d in gone[1:]]
-    lines.append(
-        f"  (this rank's wait ended with {type(cause).__name__}: "
-        f"{' '.join(str(cause).split())[:200]})"
-    )
+    lines.append(ended)
     lines.append("HINT: the first failure above is the cause; fix it and start the job again.")
     return PeerFailedError("\n".join(lines), tuple(d.rank for d in gone))
+
+
+def with_exit_codes(error: E) -> E | PeerFailedError:
+    """``error``, or, where it says only that peers left (a control round's vote carries no
+    exit code), the failure their launcher saw: a rank that ended with ``sys.exit(3)`` failed.
+    Read on the waiting thread, not the control round's: under ``ringtrain run`` it may wait
+    up to :data:`EXIT_WAIT_S` for the record; elsewhere no one keeps one, and it does not wait."""
+    from ringtrain.runtime import state
+
+    if not (isinstance(error, PeerFailedError) and error.exits_unread):
+        return error
+    settled = PeerFailedError(str(error), error.ranks)  # read once, whatever it finds
+    if not state.is_initialized() or not _launcher_records_exits():
+        return settled
+    gone = read(state.global_process_set.communicator.store, list(error.ranks))
+    if not any(d.how == FAILED for d in gone):
+        return settled
+    ended = "  (this rank's collective ended when it left, before it completed)"
+    return _named(state.current().rank, "", gone, ended)
+
+
+def again(error: BaseException) -> BaseException:
+    """A fresh copy of a collective's ``error`` for each caller that raises it, so that its
+    traceback points at that caller (a handle's error may be raised to several)."""
+    if isinstance(error, PeerFailedError):
+        return PeerFailedError(str(error), error.ranks, error.exits_unread)
+    if isinstance(error, CollectiveError):
+        return type(error)(*error.args)
+    return error
