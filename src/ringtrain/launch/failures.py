@@ -100,7 +100,7 @@ def report(failures: Failure | Sequence[Failure]) -> str:
     if cause.finished:
         lines[0] += ", while its peers still waited for it (their errors say a peer left)"
     if len(every) > 1:
-        lines.append("(the root cause: the first observed failure; others are listed below)")
+        lines.append("(the root cause: the rank that failed first; the others are listed below)")
     if cause.tail:
         who = f"rank {cause.rank}" if cause.rank is not None else f"host {cause.host}"
         lines.append(f"last lines of {who}'s error output:")
