@@ -134,14 +134,9 @@ class MissingRanksError(LaunchError):
     """Ranks of the job never arrived in ``init()`` (they exited first, or never called it);
     ``ranks`` names them."""
 
-    def __init__(
-        self, message: str, ranks: tuple[int, ...] = (), exits_unread: bool = False
-    ) -> None:
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.ranks = ranks
-        # Told only that they left (their script ended, none heard failing): their exit codes,
-        # not yet read, may say otherwise (runtime.departures.with_exit_codes).
-        self.exits_unread = exits_unread
 
 
 class HostSpecError(LaunchError, ValueError):
