@@ -444,15 +444,21 @@ def test_horovods_groups_are_accepted_ignored_and_warned_of(world2: spawn.World)
             assert len(caught) == 1 and "groups=/num_groups=) is ignored" in caught[0], kwargs
 
 
-def _extra_layer_on_rank_0() -> dict[str, Any]:
-    layers = [torch.nn.Linear(3, 3)] + ([torch.nn.Linear(3, 3)] if rt.rank() == 0 else [])
+def _layer_on_rank_0_only(what: str) -> dict[str, Any]:
+    """Broadcast ``what`` ("parameters" or "optimizer") of a model whose second layer only rank
+    0 builds; the error every rank got, and whether the job carries on after it."""
+    layers = [torch.nn.Linear(3, 2)] + ([torch.nn.Linear(2, 1)] if rt.rank() == 0 else [])
+    model = torch.nn.Sequential(*layers)
     try:
-        rt.broadcast_parameters(torch.nn.Sequential(*layers).state_dict(), root_rank=0)
+        if what == "parameters":
+            rt.broadcast_parameters(model.state_dict(), root_rank=0)
+        else:
+            rt.broadcast_optimizer_state(torch.optim.Adam(model.parameters()), root_rank=0)
     except rt.CollectiveArgumentError as e:
         error = str(e)
     else:
         error = ""
-    after = rt.allreduce(torch.ones(1), op=rt.Sum, name="after.names")  # the job carries on
+    after = rt.allreduce(torch.ones(1), op=rt.Sum, name="after.mismatch")
     return {"error": error, "after": float(after)}
 
 
@@ -461,7 +467,7 @@ def test_parameters_named_on_some_ranks_only_are_an_error_on_every_rank(
 ) -> None:
     # Horovod's ranks with fewer names return; rank 0 waits forever on '1.weight' (checked here
     # before the names were agreed: rank 1 returned, rank 0 hung).
-    for res in world2.run(_extra_layer_on_rank_0):
+    for res in world2.run(_layer_on_rank_0_only, "parameters"):
         assert res["error"].startswith(
             "broadcast_parameters: the ranks hold different tensors (by name):\n"
             "  rank 0: 4 tensors; only here: 1.bias, 1.weight\n"
@@ -470,25 +476,12 @@ def test_parameters_named_on_some_ranks_only_are_an_error_on_every_rank(
         assert res["after"] == 2.0
 
 
-def _second_layer_on_rank_0() -> dict[str, Any]:
-    layers = [torch.nn.Linear(3, 2)] + ([torch.nn.Linear(2, 1)] if rt.rank() == 0 else [])
-    model = torch.nn.Sequential(*layers)
-    try:
-        rt.broadcast_optimizer_state(torch.optim.Adam(model.parameters()), root_rank=0)
-    except rt.CollectiveArgumentError as e:
-        error = str(e)
-    else:
-        error = ""
-    after = rt.allreduce(torch.ones(1), op=rt.Sum, name="after.shapes")  # the job carries on
-    return {"error": error, "after": float(after)}
-
-
 def test_optimizers_over_other_parameters_are_an_error_on_every_rank(
     world2: spawn.World,
 ) -> None:
     # Horovod: rank 0 returns, rank 1 fails alone in torch's load_state_dict (checked here
     # before the shapes were agreed: rank 0 returned, rank 1 raised torch's ValueError).
-    for res in world2.run(_second_layer_on_rank_0):
+    for res in world2.run(_layer_on_rank_0_only, "optimizer"):
         assert res["error"] == (
             "broadcast_optimizer_state: the optimizers hold different parameters (by shape):\n"
             "  rank 0: 4 parameters in 1 group(s): group 0: [2, 3], [2], [1, 2], [1]\n"
