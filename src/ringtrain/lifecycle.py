@@ -20,10 +20,11 @@ from typing import Any, cast
 from ringtrain import environ
 from ringtrain.collectives import step_timing
 from ringtrain.collectives.controller import Controller
+from ringtrain.collectives.objects import allgather_object
 from ringtrain.collectives.step_timing import StepTimer
 from ringtrain.config import Config
 from ringtrain.diagnostics import engine_wait, timeline, trainjob_status
-from ringtrain.errors import HorovodInternalError
+from ringtrain.errors import ConfigError, HorovodInternalError
 from ringtrain.launch import elastic as elastic_launch
 from ringtrain.runtime import departures, exit_guard, heartbeat, init_arguments, membership, state
 from ringtrain.runtime.arrivals import WorldSuperseded
@@ -275,10 +276,32 @@ def stop_timeline() -> None:
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Register a process set; every rank of the world must call this with the same ranks.
-    (Always allowed: no ``init(process_sets="dynamic")`` is needed first.)"""
+    (Always allowed: no ``init(process_sets="dynamic")`` is needed first.) The ranks first
+    agree on the set (one small allgather over the world): where they gave different ranks,
+    every rank raises, listing each rank's, instead of registering different sets under one
+    id."""
+    if state.current().size > 1:
+        _same_set(process_set)
     ps = state.add_process_set(process_set)
     _attach_controller(ps, state.current().config)
     return ps
+
+
+def _same_set(process_set: ProcessSet | Sequence[int]) -> None:
+    given = process_set.ranks if isinstance(process_set, ProcessSet) else process_set
+    try:
+        mine: list[int] | str = sorted(int(r) for r in given)  # a set: ProcessSet sorts too
+    except (TypeError, ValueError):
+        mine = repr(given)  # refused by state.add_process_set on every rank that gave it
+    every = allgather_object(mine, "ringtrain.add_process_set")
+    if all(ranks == every[0] for ranks in every):
+        return
+    told = "\n".join(f"  rank {r}: {ranks}" for r, ranks in enumerate(every))
+    raise ConfigError(
+        "add_process_set: the ranks gave different process sets:\n"
+        f"{told}\nHINT: every rank of the world calls add_process_set with the same ranks, in "
+        "the same order of calls (members or not); nothing was registered."
+    )
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:

@@ -293,3 +293,28 @@ def _reinit() -> None:
 
 def test_init_after_shutdown_repeatedly(world: World) -> None:
     world.run(_reinit)
+
+
+def _sets_that_differ() -> dict[str, object]:
+    # Rank 0 registers [0, 1], rank 1 [1]: before the ranks agreed, both got id 1 silently and
+    # rank 0's allreduce on it waited out the transport's timeout, blaming rank 1's end.
+    try:
+        rt.add_process_set([0, 1] if rt.rank() == 0 else [1])
+    except rt.ConfigError as e:
+        error = str(e)
+    else:
+        error = ""
+    agreed = rt.add_process_set([1, 0])  # the same set, in any order: registered
+    total = rt.allreduce(torch.ones(1), op=rt.Sum, process_set=agreed).item()
+    return {"error": error, "id": agreed.process_set_id, "total": total}
+
+
+def test_ranks_that_add_different_process_sets_fail_on_every_rank(world2: World) -> None:
+    for res in world2.run(_sets_that_differ):
+        assert res["error"] == (
+            "add_process_set: the ranks gave different process sets:\n"
+            "  rank 0: [0, 1]\n  rank 1: [1]\n"
+            "HINT: every rank of the world calls add_process_set with the same ranks, in the "
+            "same order of calls (members or not); nothing was registered."
+        ), res
+        assert res["id"] == 1 and res["total"] == 2.0, res
