@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -134,3 +136,30 @@ def test_timeline_filename_setting_starts_it_at_init(world2: World, tmp_path: An
         with open(path) as f:
             events = json.load(f)["traceEvents"]  # closed by shutdown
         assert any(e["name"] == "ALLREDUCE" for e in events)
+
+
+def test_the_merge_never_overwrites_a_rank_s_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Forgetting OUT (`timeline t.rank0.json t.rank1.json`) used to overwrite rank 0's file.
+    paths = []
+    for rank in range(2):
+        paths.append(str(tmp_path / f"t.rank{rank}.json"))
+        rec = timeline.Recorder(paths[-1], pid=rank)
+        rec.span("compute", "BACKWARD", 1.0, 2.0)
+        rec.close()
+    before = [Path(p).read_bytes() for p in paths]
+    for argv in (paths, [paths[1], *paths]):
+        with pytest.raises(SystemExit) as refused:
+            timeline.main(argv)
+        assert refused.value.code == 2
+    said = capsys.readouterr().err
+    assert f"OUT {paths[0]} is a rank's own timeline" in said
+    assert f"OUT {paths[1]} is also one of the files to merge" in said
+    assert [Path(p).read_bytes() for p in paths] == before
+    # A file that is no timeline, or none at all: named, and nothing written.
+    (tmp_path / "notes.txt").write_text("not json")
+    out = tmp_path / "merged.json"
+    for bad in ("notes.txt", "missing.json"):
+        assert timeline.main([str(out), paths[0], str(tmp_path / bad)]) == 1
+        assert bad in capsys.readouterr().err and not out.exists()

@@ -26,8 +26,10 @@ read. This module is plain Python: no torch, no runtime.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -242,21 +244,51 @@ def merge(paths: Sequence[str], out: str) -> int:
     """Join per-rank timelines into one file (one process per rank); returns the event count."""
     events: list[dict[str, Any]] = []
     for p in paths:
-        events.extend(load(p))
+        try:
+            events.extend(load(p))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{p} is not a timeline file ({e!r})") from e
     with open(out, "w", encoding="utf-8") as f:
         json.dump({"displayTimeUnit": "ms", "traceEvents": events}, f)
     return len(events)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m ringtrain.diagnostics.timeline OUT IN...``: merge per-rank timelines."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) < 2:
-        print("usage: python -m ringtrain.diagnostics.timeline OUT.json RANK_FILE.json...")
-        return 2
-    n = merge(args[1:], args[0])
-    print(f"wrote {n} events from {len(args) - 1} file(s) to {args[0]}")
+    """``python -m ringtrain.diagnostics.timeline OUT RANK_FILE...``: merge per-rank timelines."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ringtrain.diagnostics.timeline",
+        description="Merge the per-rank timeline files of a job (trace.rank0.json, ...) into "
+        "one trace for https://ui.perfetto.dev or chrome://tracing.",
+    )
+    parser.add_argument("out", metavar="OUT", help="the merged file to write (a new name)")
+    parser.add_argument("inputs", metavar="RANK_FILE", nargs="+", help="the ranks' files")
+    args = parser.parse_args(argv)
+    refused = _refused_output(args.out, args.inputs)
+    if refused:
+        parser.error(refused)  # exits 2, with the usage
+    try:
+        n = merge(args.inputs, args.out)
+    except (OSError, ValueError) as e:  # unreadable, or not a timeline
+        print(
+            f"{parser.prog}: error: could not merge: {e}; {args.out} was not written",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"wrote {n} events from {len(args.inputs)} file(s) to {args.out}")
     return 0
+
+
+def _refused_output(out: str, inputs: Sequence[str]) -> str:
+    """Why writing the merge to ``out`` would destroy a rank's file ("" when it would not): the
+    merged file comes first, and a forgotten OUT makes the first rank's file the output."""
+    if os.path.realpath(out) in {os.path.realpath(p) for p in inputs}:
+        return f"OUT {out} is also one of the files to merge: give the merged file a new name"
+    if os.path.exists(out) and re.search(r"\.rank\d+\.json$", out):
+        return (
+            f"OUT {out} is a rank's own timeline (it exists, and is named *.rankN.json), which "
+            "the merge would overwrite: give the merged file first, e.g. merged.json"
+        )
+    return ""
 
 
 if __name__ == "__main__":
