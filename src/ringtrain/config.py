@@ -27,6 +27,7 @@ import math
 import numbers
 import os
 import pwd
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -526,6 +527,15 @@ def check_path(label: str, path: str, *, directory: bool = False, writable: bool
             f"{label}: this user ({_user()}) cannot write in {existing}.\n"
             "HINT: give a path in a directory you can write to."
         )
+    if writable:  # root passes os.access where nothing can be created (/proc, a read-only mount)
+        try:
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as e:
+            raise ConfigError(
+                f"{label}: nothing can be created in {existing}: {e.strerror}.\n"
+                "HINT: give a path in a directory you can write to."
+            ) from None
 
 
 def _user() -> str:

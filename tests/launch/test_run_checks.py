@@ -222,6 +222,17 @@ def test_a_path_under_a_regular_file_is_refused(
     assert f"{flag} {given!r}: {tmp_path / 'plain'} is a file, not a directory" in line
 
 
+@pytest.mark.timeout(60)
+def test_a_timeline_where_nothing_can_be_created_is_refused_as_root_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # /proc: root passes os.access there, but no file can be created; each rank died in init()
+    # with a long traceback before the check made one.
+    line = _refused(tmp_path, capsys, "--timeline-filename", "/proc/t.json")
+    assert "--timeline-filename '/proc/t.json': " in line, line
+    assert "nothing can be created in /proc" in line or "cannot write in /proc" in line, line
+
+
 @pytest.mark.timeout(120)
 def test_a_timeline_under_a_regular_file_fails_init_clearly_without_the_launcher(
     tmp_path: Path,
