@@ -37,8 +37,20 @@ def test_the_error_names_the_failed_rank_first_with_its_words() -> None:
     assert isinstance(e, PeerFailedError) and e.ranks == (6, 4)
     text = str(e)
     assert text.startswith("ringtrain has been shut down on process set 2: rank 6 failed ")
-    assert "(ValueError: boom)" in text and "rank 4 shut down" in text
+    assert "(ValueError: boom)" in text and "rank 4 left the set (its script ended" in text
     assert "HINT: the failure above is the cause" in text
+
+
+def test_a_rank_that_left_a_set_may_have_removed_it() -> None:
+    # Not "shut down": the rank may go on in the world, having called remove_process_set alone.
+    e = error([RUN, DONE], me=0, ranks=[2, 3], set_id=1)
+    assert str(e) == (
+        "ringtrain has been shut down on process set 1: rank 3 left the set (its script ended, "
+        "or it called shutdown() or remove_process_set()), before this collective completed.\n"
+        "HINT: every rank must submit the same collectives; a rank that ran fewer ends the "
+        "others' (Horovod's rule). For uneven data see ringtrain.join(). Every rank of the "
+        "world calls remove_process_set alike."
+    )
 
 
 def test_a_finished_peer_is_named_with_horovods_rule() -> None:

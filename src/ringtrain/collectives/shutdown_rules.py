@@ -101,13 +101,19 @@ def error(
     for rank, (_, v) in zip(named, gone):
         if v.leaving:
             lines.append(f"rank {rank} failed ({v.leaving}) and left the job")
-        else:
+        elif set_id == 0:
             lines.append(f"rank {rank} shut down (its script ended or called shutdown())")
+        else:  # a set also ends on a rank that removed it
+            lines.append(
+                f"rank {rank} left the set (its script ended, or it called shutdown() or "
+                "remove_process_set())"
+            )
     hint = (
         "the failure above is the cause; fix it and start the job again."
         if gone[0][1].leaving
         else "every rank must submit the same collectives; a rank that ran fewer ends the "
         "others' (Horovod's rule). For uneven data see ringtrain.join()."
+        + ("" if set_id == 0 else " Every rank of the world calls remove_process_set alike.")
     )
     return PeerFailedError(
         f"ringtrain has been shut down on process set {set_id}: "
