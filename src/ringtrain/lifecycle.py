@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import faulthandler
 import gc
+import hashlib
 import logging
 import os
 import sys
@@ -293,10 +294,17 @@ def _same_set(process_set: ProcessSet | Sequence[int]) -> None:
         mine: list[int] | str = sorted(int(r) for r in given)  # a set: ProcessSet sorts too
     except (TypeError, ValueError):
         mine = repr(given)  # refused by state.add_process_set on every rank that gave it
-    every = allgather_object(mine, "ringtrain.add_process_set")
-    if all(ranks == every[0] for ranks in every):
-        return
-    told = "\n".join(f"  rank {r}: {ranks}" for r, ranks in enumerate(every))
+    digest = hashlib.blake2b(repr(mine).encode(), digest_size=8).hexdigest()
+    if len(set(allgather_object(digest, "ringtrain.add_process_set"))) == 1:
+        return  # the sets themselves travel only where they differ
+    by_set: dict[str, list[int]] = {}
+    for r, ranks in enumerate(allgather_object(mine, "ringtrain.add_process_set.sets")):
+        by_set.setdefault(str(ranks), []).append(r)
+    told = "\n".join(
+        f"  {ranks}: given by rank(s) {', '.join(map(str, who[:8]))}"
+        + (f" and {len(who) - 8} more" if len(who) > 8 else "")
+        for ranks, who in list(by_set.items())[:5]
+    )
     raise ConfigError(
         "add_process_set: the ranks gave different process sets:\n"
         f"{told}\nHINT: every rank of the world calls add_process_set with the same ranks, in "
