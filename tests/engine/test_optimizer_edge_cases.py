@@ -484,8 +484,8 @@ def test_optimizers_over_other_parameters_are_an_error_on_every_rank(
     for res in world2.run(_layer_on_rank_0_only, "optimizer"):
         assert res["error"] == (
             "broadcast_optimizer_state: the optimizers hold different parameters (by shape):\n"
-            "  rank 0: 4 parameters in 1 group(s): group 0: [2, 3], [2], [1, 2], [1]\n"
-            "  rank 1: 2 parameters in 1 group(s): group 0: [2, 3], [2]\n"
+            "  rank(s) 0: 4 parameters in 1 group(s): group 0: [2, 3], [2], [1, 2], [1]\n"
+            "  rank(s) 1: 2 parameters in 1 group(s): group 0: [2, 3], [2]\n"
             "HINT: build the same model and optimizer (the same parameter groups) on every rank "
             "before broadcasting the optimizer's state."
         ), res

@@ -202,13 +202,17 @@ def _different_parameters(
     """Raise on every rank, each rank's parameters told (they differ on some rank)."""
     every = allgather_object(shapes, "broadcast.optimizer_state.shapes", process_set)
     ranks = ops.controller_of(process_set).comm.ranks
-    lines = []
+    by_layout: dict[str, list[str]] = {}  # ranks that hold the same layout share a line
     for r, groups in zip(ranks, every):
         told = "; ".join(
             f"group {g}: " + _few([str(list(s)) for s in group]) for g, group in enumerate(groups)
         )
         count = sum(len(g) for g in groups)
-        lines.append(f"  rank {r}: {count} parameters in {len(groups)} group(s): {told}")
+        by_layout.setdefault(f"{count} parameters in {len(groups)} group(s): {told}", []).append(
+            str(r)
+        )
+    lines = [f"  rank(s) {_few(who, 8)}: {layout}" for layout, who in list(by_layout.items())[:5]]
+    lines += [f"  and {len(by_layout) - 5} other layouts"] if len(by_layout) > 5 else []
     raise CollectiveArgumentError(
         "broadcast_optimizer_state: the optimizers hold different parameters (by shape):\n"
         + "\n".join(lines)
