@@ -34,6 +34,23 @@ mismatch in either library.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+
+def by_rank(given: Sequence[object], ranks: Sequence[int] | None = None) -> list[str]:
+    """What the ranks gave, for an error saying they differ: one line ``"  rank(s) 0, 2: v"``
+    per value (ranks that gave the same share it), at most five lines of at most eight ranks,
+    so the message stays short at any world size. ``ranks``: the world ranks of ``given``'s
+    entries (default: their positions)."""
+    who: dict[str, list[int]] = {}
+    for r, value in zip(range(len(given)) if ranks is None else ranks, given):
+        who.setdefault(str(value), []).append(r)
+    lines = []
+    for value, rs in list(who.items())[:5]:
+        more = f" and {len(rs) - 8} more" if len(rs) > 8 else ""
+        lines.append(f"  rank(s) {', '.join(map(str, rs[:8]))}{more}: {value}")
+    return lines + ([f"  and {len(who) - 5} other values"] if len(who) > 5 else [])
+
 
 class RingtrainError(Exception):
     """Base of every error ringtrain raises on purpose."""

@@ -25,7 +25,7 @@ from ringtrain.collectives.objects import allgather_object
 from ringtrain.collectives.step_timing import StepTimer
 from ringtrain.config import Config
 from ringtrain.diagnostics import engine_wait, timeline, trainjob_status
-from ringtrain.errors import ConfigError, HorovodInternalError
+from ringtrain.errors import ConfigError, HorovodInternalError, by_rank
 from ringtrain.launch import elastic as elastic_launch
 from ringtrain.runtime import departures, exit_guard, heartbeat, init_arguments, membership, state
 from ringtrain.runtime.arrivals import WorldSuperseded
@@ -297,14 +297,7 @@ def _same_set(process_set: ProcessSet | Sequence[int]) -> None:
     digest = hashlib.blake2b(repr(mine).encode(), digest_size=8).hexdigest()
     if len(set(allgather_object(digest, "ringtrain.add_process_set"))) == 1:
         return  # the sets themselves travel only where they differ
-    by_set: dict[str, list[int]] = {}
-    for r, ranks in enumerate(allgather_object(mine, "ringtrain.add_process_set.sets")):
-        by_set.setdefault(str(ranks), []).append(r)
-    told = "\n".join(
-        f"  {ranks}: given by rank(s) {', '.join(map(str, who[:8]))}"
-        + (f" and {len(who) - 8} more" if len(who) > 8 else "")
-        for ranks, who in list(by_set.items())[:5]
-    )
+    told = "\n".join(by_rank(allgather_object(mine, "ringtrain.add_process_set.sets")))
     raise ConfigError(
         "add_process_set: the ranks gave different process sets:\n"
         f"{told}\nHINT: every rank of the world calls add_process_set with the same ranks, in "

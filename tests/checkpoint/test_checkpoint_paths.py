@@ -47,8 +47,8 @@ def test_a_path_per_rank_is_an_error_on_every_rank(
     for error, took in world2.run(_save_per_rank, str(tmp_path), background):
         assert error == (
             f"{SAID}different paths:\n"
-            f"  '{tmp_path}/rank-0{leaf}': rank(s) 0\n"
-            f"  '{tmp_path}/rank-1{leaf}': rank(s) 1\n"
+            f"  rank(s) 0: '{tmp_path}/rank-0{leaf}'\n"
+            f"  rank(s) 1: '{tmp_path}/rank-1{leaf}'\n"
             "HINT: give every rank the same path (not one built from its rank); ringtrain "
             "writes each rank's part into it. Nothing was written."
         )

@@ -313,7 +313,7 @@ def test_ranks_that_add_different_process_sets_fail_on_every_rank(world2: World)
     for res in world2.run(_sets_that_differ):
         assert res["error"] == (
             "add_process_set: the ranks gave different process sets:\n"
-            "  [0, 1]: given by rank(s) 0\n  [1]: given by rank(s) 1\n"
+            "  rank(s) 0: [0, 1]\n  rank(s) 1: [1]\n"
             "HINT: every rank of the world calls add_process_set with the same ranks, in the "
             "same order of calls (members or not); nothing was registered."
         ), res

@@ -26,7 +26,7 @@ from ringtrain.checkpoint import (
 )
 from ringtrain.checkpoint.layout import Item
 from ringtrain.checkpoint.manifest import Manifest
-from ringtrain.errors import CheckpointError, ConfigError, RingtrainError, SecurityError
+from ringtrain.errors import CheckpointError, ConfigError, RingtrainError, SecurityError, by_rank
 
 if TYPE_CHECKING:
     from ringtrain.config import Config
@@ -94,29 +94,16 @@ def new_token(path: str) -> str:
     from ringtrain.collectives.objects import allgather_object
 
     every = allgather_object(mine)
-    if len({p for _, p in every}) > 1:
-        _different_paths([p for _, p in every])
+    paths = [p for _, p in every]
+    if len(set(paths)) > 1:
+        raise CheckpointError(
+            "a checkpoint is saved into one directory by every rank together, but the ranks "
+            "gave different paths:\n"
+            + "\n".join(by_rank([repr(p) for p in paths]))
+            + "\nHINT: give every rank the same path (not one built from its rank); ringtrain "
+            "writes each rank's part into it. Nothing was written."
+        )
     return str(every[0][0])
-
-
-def _different_paths(paths: list[str]) -> None:
-    ranks: dict[str, list[int]] = {}
-    for r, p in enumerate(paths):
-        ranks.setdefault(p, []).append(r)
-    told = [f"  {p!r}: rank(s) {_ranges(rs)}" for p, rs in list(ranks.items())[:5]]
-    more = [f"  and {len(ranks) - 5} other paths"] if len(ranks) > 5 else []
-    raise CheckpointError(
-        "a checkpoint is saved into one directory by every rank together, but the ranks gave "
-        "different paths:\n"
-        + "\n".join(told + more)
-        + "\nHINT: give every rank the same path (not one built from its rank); ringtrain "
-        "writes each rank's part into it. Nothing was written."
-    )
-
-
-def _ranges(ranks: list[int]) -> str:
-    shown = ", ".join(map(str, ranks[:8]))
-    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
 def _all_ok(error: BaseException | None, size: int, what: str) -> None:

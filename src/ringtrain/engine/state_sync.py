@@ -15,7 +15,7 @@ import torch
 
 from ringtrain.collectives import ops
 from ringtrain.collectives.objects import allgather_object, broadcast_object
-from ringtrain.errors import CollectiveArgumentError
+from ringtrain.errors import CollectiveArgumentError, by_rank
 from ringtrain.runtime.process_sets import ProcessSet
 
 _EXPECTS = (
@@ -180,8 +180,9 @@ def _stateless(
             process_set,
         )
     )
-    has = [row[0] for row in gathered.tolist()]
-    if len({row[1] for row in gathered.tolist()}) > 1:
+    rows = gathered.tolist()
+    has = [row[0] for row in rows]
+    if len({row[1] for row in rows}) > 1:
         _different_parameters(shapes, process_set)
     if all(has) or not any(has):
         return not any(has)
@@ -201,18 +202,14 @@ def _different_parameters(
 ) -> None:
     """Raise on every rank, each rank's parameters told (they differ on some rank)."""
     every = allgather_object(shapes, "broadcast.optimizer_state.shapes", process_set)
-    ranks = ops.controller_of(process_set).comm.ranks
-    by_layout: dict[str, list[str]] = {}  # ranks that hold the same layout share a line
-    for r, groups in zip(ranks, every):
-        told = "; ".join(
+    layouts = [
+        f"{sum(len(g) for g in groups)} parameters in {len(groups)} group(s): "
+        + "; ".join(
             f"group {g}: " + _few([str(list(s)) for s in group]) for g, group in enumerate(groups)
         )
-        count = sum(len(g) for g in groups)
-        by_layout.setdefault(f"{count} parameters in {len(groups)} group(s): {told}", []).append(
-            str(r)
-        )
-    lines = [f"  rank(s) {_few(who, 8)}: {layout}" for layout, who in list(by_layout.items())[:5]]
-    lines += [f"  and {len(by_layout) - 5} other layouts"] if len(by_layout) > 5 else []
+        for groups in every
+    ]
+    lines = by_rank(layouts, ops.controller_of(process_set).comm.ranks)
     raise CollectiveArgumentError(
         "broadcast_optimizer_state: the optimizers hold different parameters (by shape):\n"
         + "\n".join(lines)
