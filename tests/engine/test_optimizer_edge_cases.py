@@ -399,6 +399,14 @@ def _wrapped_class() -> list[Any]:
     for bad in (-1, 0, "2"):
         with pytest.raises(ValueError, match="groups should be a positive integer"):
             rt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), groups=bad)
+    # Horovod's checks of a list, with its words (horovod/torch/optimizer.py).
+    w = model.weight
+    for bad, said in (([[w, w]], "only appear once"), ([[w], [w]], "only appear once")):
+        with pytest.raises(ValueError, match=said):
+            rt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), groups=bad)
+    for bad in ([[1, 2]], [["w"]], [3]):
+        with pytest.raises(ValueError, match=r"groups must consist of torch\.Tensor"):
+            rt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), groups=bad)
     for o in (opt, sgd):
         o.remove_hooks()
     return got

@@ -152,6 +152,19 @@ def check_groups(groups: object, num_groups: int) -> None:
             f"groups={groups!r}: groups should be a positive integer or a list of lists of "
             "torch.Tensor"
         )
+    if isinstance(groups, list):
+        seen: set[int] = set()
+        for group in groups:
+            members = group if isinstance(group, (list, tuple)) else [group]
+            if not all(isinstance(p, torch.Tensor) for p in members):
+                raise ConfigError(
+                    "groups must consist of torch.Tensor (a list of lists of parameters); got "
+                    f"a group {group!r:.80}"
+                )
+            for p in members:
+                if id(p) in seen:
+                    raise ConfigError("A parameter can only appear once in groups.")
+                seen.add(id(p))
     if groups is not None or num_groups:
         warnings.warn(
             "DistributedOptimizer(groups=/num_groups=) is ignored: ringtrain plans buckets itself "
