@@ -47,6 +47,15 @@ STEP_WITHOUT_SKIP = (
 )
 
 
+CLOSURE_TWICE = (
+    "{} evaluated step()'s closure a second time in one step: DistributedOptimizer averages "
+    "the gradients of one evaluation per step, and the ranks' losses differ, so optimizers that "
+    "re-evaluate the closure (LBFGS, line searches) cannot be kept in step.\nHINT: use an "
+    "optimizer that evaluates it once (SGD, Adam, ...), or call loss.backward() and then "
+    "optimizer.step() without a closure."
+)
+
+
 class GradientPath:
     """The engine of one DistributedOptimizer: hooks, plan, exchange, schedule, step strategy."""
 
@@ -341,7 +350,9 @@ class GradientPath:
         update = self.update  # sync_every="auto" may choose another one for the next step
         if self.schedule is not None:
             self.schedule.open = False
-        if self.should_sync and not self.skip_sync and update.exchanges():
+        if closure is not None and self.should_sync and update.exchanges():
+            closure = self._averaged(closure)
+        elif self.should_sync and not self.skip_sync and update.exchanges():
             if Phase.SYNCHRONIZED in progress:
                 warnings.warn(STEP_WITHOUT_SKIP, stacklevel=3)
             if self._overlapping(closure):
@@ -371,6 +382,33 @@ class GradientPath:
             self._after_round(local)
         # Outer steps wait for the peers: the straggler report does not count them as compute.
         return self._step_done(result, local.outer_seconds - outer_s if local else 0.0)
+
+    def _averaged(self, closure: Callable[[], float]) -> Callable[[], float]:
+        """step(closure): the optimizer must read the average of the gradients the closure's
+        backward makes, so the exchange is waited for after the closure, not before it (which
+        left the optimizer the rank's own gradient, mid-exchange). A backward or synchronize()
+        before step() is synchronized first, as without a closure."""
+        progress = self.progress
+        before = Phase.OPEN in progress or Phase.SYNCHRONIZED in progress
+        if before and not self.skip_sync:
+            if Phase.SYNCHRONIZED in progress:
+                warnings.warn(STEP_WITHOUT_SKIP, stacklevel=4)
+            self.synchronize()
+        calls = 0
+
+        def averaged() -> float:
+            nonlocal calls
+            calls += 1
+            if calls > 1:  # where Horovod's zero_grad() raises on its pending exchange
+                raise StepOrderError(CLOSURE_TWICE.format(type(self.optimizer).__name__))
+            loss = closure()
+            # Without a backward before, synchronize even where this rank's closure made no
+            # gradient: the peers' exchange includes it (as step() without a closure does).
+            if not before or Phase.OPEN in progress:
+                self.synchronize()
+            return loss
+
+        return averaged
 
     def _outer_weight(self, update: local_update.LocalUpdate) -> float | None:
         """This rank's weight in local updates' outer average: the samples it takes a round (its
