@@ -114,6 +114,12 @@ def test_manifest_of_another_checkpoint(tmp_path: Path) -> None:
     _expect_named_error(a, ".metadata", "another checkpoint or job")
 
 
+def test_manifest_that_is_not_an_object(tmp_path: Path) -> None:
+    path = _save(tmp_path, 1, 1)
+    Path(path, "manifest.json").write_text("[1, 2]")
+    _expect_named_error(path, "manifest.json", "holds a JSON list, not an object")
+
+
 def _save_two(path: str) -> None:
     import ringtrain as rt
 

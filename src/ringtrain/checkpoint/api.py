@@ -187,13 +187,13 @@ def save(
     error: BaseException | None = None
     try:
         store.write_part(job, items, keys)
-    except (OSError, RingtrainError) as e:
+    except Exception as e:  # any rank's failure is every rank's: the others wait for its word
         error = _named(e, job.final)
     _all_ok(error, job.size, f"writing the checkpoint {job.final}")
     if job.rank == 0:
         try:
             store.commit(job, keys)
-        except (OSError, RingtrainError) as e:
+        except Exception as e:
             error = _named(e, job.final)
     _all_ok(error if job.rank == 0 else None, job.size, f"committing the checkpoint {job.final}")
     return job.final
@@ -203,9 +203,14 @@ def _named(e: BaseException, where: str) -> BaseException:
     """OS errors become a :class:`CheckpointError` that names the checkpoint."""
     if isinstance(e, RingtrainError):
         return e
+    hint = (
+        "check the directory's space and permissions"
+        if isinstance(e, OSError)
+        else f"its cause, a {type(e).__name__}, is shown above"
+    )
     err = CheckpointError(
-        f"could not write the checkpoint {where}: {e}.\nHINT: check the directory's space "
-        "and permissions; earlier checkpoints are untouched."
+        f"could not write the checkpoint {where}: {e}.\nHINT: {hint}; earlier checkpoints "
+        "are untouched."
     )
     err.__cause__ = e
     return err
@@ -251,8 +256,11 @@ def _attempt(fn: Callable[[], T], size: int, what: str) -> T:
     out: T | None = None
     try:
         out = fn()
-    except (OSError, RingtrainError) as e:
-        error = e if isinstance(e, RingtrainError) else CheckpointError(f"{what}: {e}")
+    except Exception as e:  # any rank's failure is every rank's: the others wait for its word
+        error = e
+        if not isinstance(e, RingtrainError):
+            error = CheckpointError(f"{what}: {type(e).__name__}: {e}")
+            error.__cause__ = e
     _all_ok(error, size, what)
     assert out is not None  # _all_ok raised otherwise
     return out

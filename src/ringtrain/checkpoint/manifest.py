@@ -111,6 +111,12 @@ def read(directory: str, secure: bool = False) -> Manifest:
             f"{path} cannot be read as a checkpoint manifest ({e}).\n"
             "HINT: the file is damaged; load an earlier checkpoint."
         ) from None
+    if not isinstance(manifest, dict):
+        raise error(
+            f"{path} cannot be read as a checkpoint manifest (it holds a JSON "
+            f"{type(manifest).__name__}, not an object).\nHINT: the file is damaged; load an "
+            "earlier checkpoint."
+        )
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise error(
             f"{path} is not a {FORMAT} v{FORMAT_VERSION} manifest (format "

@@ -20,6 +20,7 @@ chunks, and only then applies anything.
 
 from __future__ import annotations
 
+import pickle
 import random
 import sys
 from collections.abc import Callable, Mapping
@@ -152,9 +153,24 @@ def snapshot(
     items.append(Item(f"rank{rank}.rng", rng_state()))
     if sampler is not None:
         items.append(Item(f"rank{rank}.sampler", samplers.save(sampler)))
-    if extra is not None and rank == 0:
-        items.append(Item("meta.extra", extra))
+    items += _extra(extra, rank)
     return items, layout
+
+
+def _extra(extra: object, rank: int) -> list[Item]:
+    """``extra``, written by rank 0 and checked on every rank: an error on rank 0 alone, while
+    writing, would leave the others waiting for its word on the save."""
+    if extra is None:
+        return []
+    try:
+        pickle.dumps(extra)
+    except Exception as e:  # PicklingError, or TypeError/AttributeError naming what could not go
+        raise CheckpointError(
+            f"extra cannot be saved: it must be picklable, and pickle says {type(e).__name__}: "
+            f"{e}.\nHINT: keep plain data in extra (numbers, strings, lists, dicts, tensors), "
+            "not lambdas, local functions, locks or open files. Nothing was written."
+        ) from e
+    return [Item("meta.extra", extra)] if rank == 0 else []
 
 
 def _first(owner: dict[str, int], piece: optimizer_state.PieceState, rank: int) -> bool:
