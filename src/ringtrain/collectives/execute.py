@@ -300,16 +300,31 @@ class Executor:
             self._unpack(out, None, item.outputs, _cut(out, work, numels), plain, scaling)
 
     def _fused_allreduce(self, batch: list[_Item]) -> None:
-        req = batch[0].request
-        op = req.op
-        n = batch[0].contributors
         tensors = [t for item in batch for t in item.tensors]
         outputs = [o for item in batch for o in item.outputs]
         if not tensors:
             return
+        work = dtypes.to_reducible_all(tensors, batch[0].request.op)
+        kinds = list(dict.fromkeys((w.dtype, w.device) for w in work))
+        if len(kinds) == 1:
+            self._reduce_fused(batch, work, outputs, sum(t.nbytes for t in tensors))
+            return
+        # A grouped allreduce over several dtypes (or devices): each reduced in its own, in
+        # the order they first come (alike on every rank), as Horovod fuses only alike tensors.
+        for kind in kinds:
+            mine = [i for i, w in enumerate(work) if (w.dtype, w.device) == kind]
+            nbytes = sum(tensors[i].nbytes for i in mine)
+            self._reduce_fused(batch, [work[i] for i in mine], [outputs[i] for i in mine], nbytes)
+
+    def _reduce_fused(
+        self, batch: list[_Item], work: list[torch.Tensor], outputs: list[torch.Tensor], nbytes: int
+    ) -> None:
+        """Allreduce ``work`` (one dtype, one device; ``nbytes`` as given) into ``outputs`` in
+        one fused op."""
+        req = batch[0].request
+        op = req.op
         self.fused_ops += 1
-        work = dtypes.to_reducible_all(tensors, op)
-        scaling = scaling_of(req, n, work[0].dtype)
+        scaling = scaling_of(req, batch[0].contributors, work[0].dtype)
         group = self.comm.group_for(work[0])
         # Reproducible from three ranks: floating-point sums in rank order, so that no element's
         # bits depend on where it lies in the buffer (ringtrain.collectives.ordered).
@@ -317,7 +332,7 @@ class Executor:
             not self.order_free
             and work[0].device.type == "cpu"
             and ordered.needed(op, work[0].dtype, self.comm.size)
-            and not (len(batch) == 1 and ordered.alone(sum(t.nbytes for t in tensors)))
+            and not (len(batch) == 1 and ordered.alone(nbytes))
         )
         flat = one_block(outputs, work)  # in place, back to back: reduce them where they lie
         if flat is None and len(work) == 1 and _reducible_in(outputs[0], work[0]):
