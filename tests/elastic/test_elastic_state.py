@@ -40,6 +40,25 @@ def test_check_host_updates_raises_once_per_announcement() -> None:
     assert calls == [1]
 
 
+def test_a_generation_handled_is_handled_for_every_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """@elastic.run re-forms the world for an announcement one state's commit() raised for;
+    a second state committed beside it (Horovod's ObjectState next to the TorchState) raised
+    again for the same generation, and the run then waited for a world that never came."""
+    monkeypatch.setattr(base, "_handled", 0)  # this process's: put back after the test
+    announced = [0]
+    a = base.ObjectState(lambda o: o, lambda o: [o], lambda: announced[0], x=1)
+    b = base.ObjectState(lambda o: o, lambda o: [o], lambda: announced[0], y=2)
+    announced[0] = 1
+    with pytest.raises(hvd.HostsUpdatedInterrupt):
+        a.commit()
+    a.mark_generation(1)  # what @elastic.run does once the new world is formed
+    b.commit()
+    base.ObjectState(lambda o: o, lambda o: [o], lambda: announced[0], z=3).commit()  # made later
+    announced[0] = 2  # the next announcement reaches every state
+    with pytest.raises(hvd.HostsUpdatedInterrupt):
+        b.commit()
+
+
 def _torch_state() -> list[float]:
     r = rt.rank()
     torch.manual_seed(r)  # different weights on every rank: sync must make them rank 0's

@@ -16,6 +16,11 @@ from ringtrain.errors import HostsUpdatedInterrupt
 
 T = TypeVar("T")
 
+# The newest membership generation this process's world has been re-formed to: one for every
+# state, since any state's commit() may be what raised for it (a second state, committed beside
+# the one given to @elastic.run, must not raise again for a generation already handled).
+_handled = 0
+
 
 class Broadcast(Protocol):
     def __call__(self, obj: T, /) -> T:
@@ -79,12 +84,15 @@ class State:
             if announced is not None:
                 self.on_hosts_updated(announced)
         newest = max(self._gather(self._pending_update))
-        if newest > self._seen_update:
+        if newest > max(self._seen_update, _handled):
             self._seen_update = newest
             raise HostsUpdatedInterrupt(skip_sync=False)
 
     def mark_generation(self, generation: int) -> None:
-        """The world now is ``generation``: announcements up to it are handled."""
+        """The world now is ``generation``: announcements up to it are handled, for every
+        state of this process."""
+        global _handled
+        _handled = max(_handled, generation)
         self._seen_update = max(self._seen_update, generation)
         self._pending_update = max(self._pending_update, generation)
 
