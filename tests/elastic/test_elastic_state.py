@@ -152,3 +152,28 @@ def test_on_reset_calls_the_states_own_reset_before_the_callbacks() -> None:
     s.on_reset()
     assert calls == ["reset", "callback"]
     base.ObjectState(lambda o: o, lambda o: [o], x=1).on_reset()  # the base's: nothing
+
+
+@pytest.mark.parametrize("failed", [True, False])
+def test_a_world_never_announced_names_what_started_the_wait(
+    monkeypatch: pytest.MonkeyPatch, failed: bool
+) -> None:
+    """@elastic.run waits for the launcher's next world after a peer failed or after a
+    HostsUpdatedInterrupt; the error when none comes names which one it was."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ringtrain.runtime import membership
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5))
+    monkeypatch.setattr(membership._clients, "store", store, raising=False)
+    with pytest.raises(hvd.HorovodInternalError) as err:
+        membership.next_world(wait_s=0.2, failed=failed)
+    said = str(err.value)
+    assert said.startswith("no new world was announced within 0 s of ")
+    if failed:
+        assert "of a collective failing" in said and "chained below" in said
+    else:
+        assert "of HostsUpdatedInterrupt (raised by a state's commit()" in said
+        assert "chained below" not in said

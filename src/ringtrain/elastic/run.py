@@ -112,7 +112,7 @@ def _reset(state: State, failure: BaseException | None) -> None:
         lifecycle.init()
         optimizer.rejoin_all()
         return
-    world = membership.next_world()
+    world = membership.next_world(failed=failure is not None)
     me = membership.identity()
     if me not in world.members:
         raise HorovodInternalError(

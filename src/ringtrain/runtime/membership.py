@@ -104,8 +104,9 @@ def newest() -> int:
     return announced() or 0
 
 
-def next_world(wait_s: float | None = None) -> Roster:
-    """Wait (at most ``wait_s``, default the elastic timeout) for a world newer than ours.
+def next_world(wait_s: float | None = None, failed: bool = True) -> Roster:
+    """Wait (at most ``wait_s``, default the elastic timeout) for a world newer than ours;
+    ``failed``: a collective failed (else a ``HostsUpdatedInterrupt`` was raised).
 
     Raises :class:`HorovodInternalError` when none is announced in time: the failure was not one
     the launcher saw (no rank left), so re-forming cannot help.
@@ -115,11 +116,17 @@ def next_world(wait_s: float | None = None) -> Roster:
     try:
         store.wait([members_key(_current + 1)], datetime.timedelta(seconds=wait_s))
     except Exception as e:  # the store's timeout error has no stable type across torch versions
+        what = (
+            "a collective failing"
+            if failed
+            else "HostsUpdatedInterrupt (raised by a state's commit() or check_host_updates(), "
+            "or by the script itself)"
+        )
         raise HorovodInternalError(
-            f"no new world was announced within {wait_s:.0f} s of a collective failing "
-            f"(this process is in generation {_current}).\n"
-            "HINT: the launcher announces one only when a rank exits; the error that started "
-            "this is chained below."
+            f"no new world was announced within {wait_s:.0f} s of {what} (this process is in "
+            f"generation {_current}).\nHINT: the launcher announces one only when a rank exits "
+            "or the hosts change"
+            + ("; the error that started this is chained below." if failed else ".")
         ) from e
     return announced_world()
 
