@@ -305,22 +305,25 @@ class Executor:
         if not tensors:
             return
         work = dtypes.to_reducible_all(tensors, batch[0].request.op)
-        kinds = list(dict.fromkeys((w.dtype, w.device) for w in work))
-        if len(kinds) == 1:
-            self._reduce_fused(batch, work, outputs, sum(t.nbytes for t in tensors))
+        if len({w.dtype for w in work}) == 1:  # the common case (a grouped call's 1,000s too)
+            self._reduce_fused(batch, tensors, work, outputs)
             return
-        # A grouped allreduce over several dtypes (or devices): each reduced in its own, in
-        # the order they first come (alike on every rank), as Horovod fuses only alike tensors.
-        for kind in kinds:
-            mine = [i for i, w in enumerate(work) if (w.dtype, w.device) == kind]
-            nbytes = sum(tensors[i].nbytes for i in mine)
-            self._reduce_fused(batch, [work[i] for i in mine], [outputs[i] for i in mine], nbytes)
+        # A grouped allreduce over several dtypes: each reduced in its own, in the order they
+        # first come (alike on every rank), as Horovod fuses only tensors of one dtype.
+        for kind in dict.fromkeys(w.dtype for w in work):
+            mine = [i for i, w in enumerate(work) if w.dtype == kind]
+            parts = [tensors[i] for i in mine], [work[i] for i in mine], [outputs[i] for i in mine]
+            self._reduce_fused(batch, *parts)
 
     def _reduce_fused(
-        self, batch: list[_Item], work: list[torch.Tensor], outputs: list[torch.Tensor], nbytes: int
+        self,
+        batch: list[_Item],
+        tensors: list[torch.Tensor],
+        work: list[torch.Tensor],
+        outputs: list[torch.Tensor],
     ) -> None:
-        """Allreduce ``work`` (one dtype, one device; ``nbytes`` as given) into ``outputs`` in
-        one fused op."""
+        """Allreduce ``tensors`` (``work``: as reduced, one dtype) into ``outputs`` in one
+        fused op."""
         req = batch[0].request
         op = req.op
         self.fused_ops += 1
@@ -332,7 +335,7 @@ class Executor:
             not self.order_free
             and work[0].device.type == "cpu"
             and ordered.needed(op, work[0].dtype, self.comm.size)
-            and not (len(batch) == 1 and ordered.alone(nbytes))
+            and not (len(batch) == 1 and ordered.alone(sum(t.nbytes for t in tensors)))
         )
         flat = one_block(outputs, work)  # in place, back to back: reduce them where they lie
         if flat is None and len(work) == 1 and _reducible_in(outputs[0], work[0]):
