@@ -103,6 +103,13 @@ def test_allreduce_cli_times_reducescatter(
         _positive(p["busbw"])
         _positive(p["time"])
         assert p["paired"]["n"] == 2
+    # Timed after the warm-up, every op of a size rides the fast lane, 4M's too, whose name
+    # takes the lane over from 64K's (with one warm-up op, 2 of its 4 timed ops went without).
+    lanes = res["environment"]["lane_slots"]
+    assert {size: (v["taken"], v["lost"]) for size, v in lanes.items()} == {
+        size: (v["timed"], 0) for size, v in lanes.items()
+    }
+    assert "ringtrain's timed ops on the fast lane: 64 KiB 100 of 100, 4 MiB 4 of 4" in printed
 
 
 def test_train_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -40,7 +40,7 @@ from ringtrain import compat
 from ringtrain.bench import catalog
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import Summary, bus_bandwidth, load_average, machine_info
-from ringtrain.bench.timing import seconds_per_op
+from ringtrain.bench.timing import WARM_UP_OPS, seconds_per_op
 from ringtrain.bench.units import KiB, MiB
 
 DEFAULT_SIZES = catalog.ALLREDUCE_SIZES
@@ -113,18 +113,30 @@ Op = Callable[[], None]
 FUSION_ITERS = 3
 
 
-def _timed_samples(cases: dict[str, tuple[Op, int]], repeats: int) -> dict[str, list[float]]:
-    """Seconds per op of each case, ``repeats`` samples each, cases interleaved per repeat."""
+def _timed_samples(
+    cases: dict[str, tuple[Op, int]],
+    repeats: int,
+    lane: dict[str, int] | None = None,
+    warm_up: int = WARM_UP_OPS,
+) -> dict[str, list[float]]:
+    """Seconds per op of each case, ``repeats`` samples each, cases interleaved per repeat,
+    after ``warm_up`` ops of each. ``lane``: filled with the fast lane's slots over the timed
+    ops (taken, lost)."""
     names = list(cases)
     local: dict[str, list[float]] = {n: [] for n in names}
-    for name in names:  # warm-up: first use allocates buffers and negotiates names
-        cases[name][0]()
+    for name in names:  # warm-up: buffers allocated, names negotiated, the lane opened
+        for _ in range(warm_up):
+            cases[name][0]()
+    before = _lane_slots()
     for rep in range(repeats):
         order = names if rep % 2 == 0 else names[::-1]
         for name in order:
             op, iters = cases[name]
             local[name].append(seconds_per_op(op, iters))
     # The slowest rank's time, sample by sample: one small allreduce, outside the timed region.
+    if lane is not None:
+        after = _lane_slots()
+        lane.update(taken=after[0] - before[0], lost=after[1] - before[1])
     flat = torch.tensor([local[n][i] for n in names for i in range(repeats)], dtype=torch.float64)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)
     values = flat.tolist()
@@ -177,13 +189,11 @@ def bench_allreduce(params: AllreduceParams) -> AllreduceResult:
         if tcp_group is not None:
             c = torch.zeros(numel, dtype=dtype)
             cases["tcp"] = (functools.partial(dist.all_reduce, c, group=tcp_group), iters)
-        before = _lane_slots()
-        samples = _timed_samples(cases, params.repeats)
-        after = _lane_slots()
-        # How many of this size's ops took the fast lane (collectives/lane.py), and how many
-        # lane slots were given up: (valid, not valid).
-        lanes = result.environment.setdefault("lane_slots", {})
-        lanes[str(nbytes)] = [after[0] - before[0], after[1] - before[1]]
+        # How many of this size's timed ops took the fast lane (collectives/lane.py), and how
+        # many lane slots were lost meanwhile.
+        lane = {"timed": iters * params.repeats}
+        samples = _timed_samples(cases, params.repeats, lane)
+        result.environment.setdefault("lane_slots", {})[str(nbytes)] = lane
         result.sizes += _points(samples, numel * itemsize, iters, n)
         if params.reducescatter and n > 1:
             result.reducescatter += _reducescatter_points(nbytes, dtype, iters, params.repeats, n)
@@ -273,7 +283,9 @@ def _fusion(
         "ringtrain async": (rt_async, k),
         "ringtrain engine": (engine.synchronize, k),
     }
-    samples = _timed_samples(cases, params.fusion_repeats)
+    # One warm-up op each: the lane changes hands between these cases in every repeat anyway
+    # (the burst's names take it from the one tensor), and 256 torch calls take seconds at 16.
+    samples = _timed_samples(cases, params.fusion_repeats, warm_up=1)
     points = []
     for case, s in samples.items():
         t, bw = _summaries(s, total, n)

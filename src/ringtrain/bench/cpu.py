@@ -37,7 +37,7 @@ import ringtrain
 from ringtrain.bench import catalog
 from ringtrain.bench.registry import register
 from ringtrain.bench.stats import Summary, load_average, machine_info
-from ringtrain.bench.timing import settle
+from ringtrain.bench.timing import WARM_UP_OPS, settle
 from ringtrain.bench.units import KiB, MiB, fmt_bytes
 
 DEFAULT_SIZES = catalog.CPU_SIZES
@@ -105,8 +105,8 @@ def _measure(
     names = list(cases)
     for name in names:  # warm-up: buffers, names negotiated, the lane opened
         op, _ = cases[name]
-        op()
-        op()
+        for _ in range(WARM_UP_OPS):
+            op()
     local: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
     for rep in range(repeats):
         for name in names if rep % 2 == 0 else names[::-1]:
@@ -205,7 +205,7 @@ def _burst(params: CpuParams) -> list[CpuPoint]:
     points = _points(
         _measure(cases, params.repeats, params.tail_s), "torch one tensor", count * numel * 4, iters
     )
-    runs = iters * params.repeats + 2  # the warm-up's two
+    runs = iters * params.repeats + WARM_UP_OPS
     points[0].gloo_ops = (_gloo_ops() - before) / runs
     return points
 

@@ -39,6 +39,18 @@ def _load(env: Mapping[str, Any]) -> str:
     return f"; load average {before} before, {after} after, on {env.get('cpus')} cpus"
 
 
+def _lane_line(lanes: Mapping[str, Any]) -> list[str]:
+    """How many of ringtrain's timed ops per size took the fast lane (runs before 2026-12-04
+    kept only the slots, warm-up included: left out)."""
+    parts = [
+        f"{fmt_bytes(int(size))} {v['taken']} of {v['timed']}"
+        + (f" ({v['lost']} lost)" if v["lost"] else "")
+        for size, v in lanes.items()
+        if isinstance(v, Mapping)
+    ]
+    return [f"ringtrain's timed ops on the fast lane: {', '.join(parts)}"] if parts else []
+
+
 def _mbs(bytes_per_s: float) -> str:
     return f"{bytes_per_s / 1e6:.0f}"
 
@@ -104,6 +116,7 @@ def format_allreduce(res: AllreduceResult, markdown: bool = False) -> str:
         "2(n-1)/n * bytes / time; rt/torch of the medians, and repeat by repeat (paired: "
         "median [min-max])" + _load(res.environment),
         table(headers, rows, markdown),
+        *_lane_line(res.environment.get("lane_slots") or {}),
     ]
     if res.reducescatter:
         out += ["", *_reducescatter_table(res, link_bps, markdown)]

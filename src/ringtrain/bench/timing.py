@@ -13,9 +13,16 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from ringtrain.collectives import lane
 from ringtrain.runtime import state
 
 SETTLE_TIMEOUT_S = 1.0
+# Ops of each case run before its first sample. A repeated op rides the fast lane once the lane
+# has given up the last name's reservation (SWITCH_AFTER ops negotiated), lost that slot and
+# reopened for it, in the controller's rounds (two ops more were not always enough): timed
+# earlier, a large size's first samples were negotiated ops and a lost slot (4 of 11 ops at
+# 4 MiB in `bench allreduce`), which no training loop pays. `bench allreduce` reports the rest.
+WARM_UP_OPS = lane.SWITCH_AFTER + 4
 
 
 def settle() -> None:
