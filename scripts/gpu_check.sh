@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: run from the repository root on a machine with a GPU and a CUDA build of torch
-# (as `python3`; nothing is installed). Prints the machine's GPUs and versions, runs tests/gpu
+# (as `python3`; ringtrain itself is not installed, its dependencies must be importable:
+# `cryptography` too, which the tests' cluster fixtures import; on a machine without it, put
+# its wheels on PYTHONPATH first). Prints the machine's GPUs and versions, runs tests/gpu
 # (CUDA tensors through every collective, the optimizer, SyncBatchNorm; skipped without CUDA),
 # then, as time allows, the CPU collective suites, to show a CUDA-enabled torch breaks nothing.
 # Every part is bounded; the whole script ends within 6 minutes. Logs go to $OUT (default /tmp).
@@ -33,11 +35,17 @@ print("all_gather_single:", hasattr(dist, "all_gather_single"),
 try:
     import cryptography  # noqa: F401
     print("cryptography: installed")
-except ImportError:
-    print("cryptography: not installed (fine: only --secure needs it)")
+except ImportError:  # ringtrain runs without it (only --secure needs it); its tests do not
+    print("cryptography: not installed")
 import ringtrain.torch  # noqa: F401  # the import path every job takes
 print("ringtrain imports from", ringtrain.torch.__file__)
 PY
+
+if ! python3 -c 'import cryptography' 2>/dev/null; then
+    echo "cryptography is missing: pytest cannot load the tests' fixtures (tests/_cluster_fixtures.py)."
+    echo "Install it (pip install cryptography), or put its wheels (cryptography, cffi, pycparser) on PYTHONPATH."
+    exit 2
+fi
 
 echo "== tests/gpu"
 NCCL_DEBUG="${NCCL_DEBUG:-WARN}" timeout 280 python3 -m pytest -p no:cacheprovider -q -rA \
