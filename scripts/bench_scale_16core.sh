@@ -3,14 +3,16 @@
 # cores): 8 ranks x 2 threads and 16 ranks x 1 thread on loopback, ringtrain against raw Gloo
 # interleaved in the same processes (every size 64 KiB-16 MiB, and a burst of 256 x 64 KiB
 # async ops against one tensor of its bytes); then CPU per op at 4 and 2 ranks, which on 16
-# cores runs one rank per core (the 2-core machine runs 4 ranks two to a core); then the burst
-# at 8 ranks by the fused path's pipeline chunk size (execute.PIPELINE_CHUNK_BYTES, 16 MiB,
-# chosen on 2 cores, where the copies cannot overlap Gloo: a 16 MiB burst is one chunk there).
+# cores runs one rank per core (the 2-core machine runs 4 ranks two to a core); then one tiny
+# value's latency by algorithm at 8 and 16 ranks (what a lane slot's agreement could run on);
+# then the burst at 8 ranks by the fused path's pipeline chunk size
+# (execute.PIPELINE_CHUNK_BYTES, 16 MiB, chosen on 2 cores, where the copies cannot overlap
+# Gloo: a 16 MiB burst is one chunk there).
 #
 # Run from the repository root with a torch-enabled python (PY, default python3; nothing is
 # installed). Every part is bounded, the most wanted first, so that a run cut short still
-# returns what it finished; the whole ends within about 7 minutes on 16 cores. Results go to
-# $OUT (default /tmp): scale.log and one JSON per part.
+# returns what it finished; the whole took 5 minutes on 16 cores (2026-12-04), before the
+# tiny-value part was added. Results go to $OUT (default /tmp): scale.log and one JSON per part.
 #
 #     bash scripts/bench_scale_16core.sh
 #     PY=.venv/bin/python QUICK=1 bash scripts/bench_scale_16core.sh   # a smoke run on 2 cores
@@ -22,8 +24,10 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 # QUICK=1: 2 and 3 ranks, two sizes, short bursts: checks the script, measures nothing.
 if [ "${QUICK:-0}" = 1 ]; then
     WIDE="2x1 3x1" CPU_RANKS="2" SIZES="64K,1M" REPEATS=2 BURST=32 LIMIT=60 CHUNKS_NP=2
+    TINY_RANKS="2"
 else
     WIDE="8x2 16x1" CPU_RANKS="4 2" SIZES="64K..16M:4" REPEATS=5 BURST=256 LIMIT=140 CHUNKS_NP=8
+    TINY_RANKS="8 16"
 fi
 start=$SECONDS
 log="$OUT/scale.log"
@@ -56,6 +60,11 @@ for np in $CPU_RANKS; do  # the done-when's CPU cases: 1 and 2 threads
             --repeats 4 --burst-count "$BURST" --markdown \
             --json "$OUT/scale-cpu-${np}x$threads.json"
     done
+done
+for np in $TINY_RANKS; do  # what a lane slot's agreement could run on (scripts/bench_tiny_latency.py)
+    part "one tiny value by algorithm, $np ranks x 1 thread" $((LIMIT / 2)) \
+        "$PY" -m ringtrain run -np "$np" -x OMP_NUM_THREADS=1 -- \
+        "$PY" scripts/bench_tiny_latency.py --repeats "$REPEATS"
 done
 part "burst by chunk size, $CHUNKS_NP ranks x 2 threads" "$LIMIT" \
     "$PY" -m ringtrain run -np "$CHUNKS_NP" -x OMP_NUM_THREADS=2 -- \
