@@ -9,8 +9,8 @@ to raw Gloo paired repeat by repeat. The lane picks its plan when it opens for a
 own and warms up until the lane is its.
 
 Run on 16 cores (2026-12-04, docs/benchmarks/log/2026-12-04-16core-scale.md), the copy lost at
-8 ranks (memory bandwidth: eight ranks copying at once) and won at 16 ranks only at 4 MiB; the
-lane keeps agreeing at every rank count.
+8 ranks (most likely the eight ranks' copies sharing the host's memory bandwidth with the ring)
+and won at 16 ranks only at 4 MiB; the lane keeps agreeing at every rank count.
 
 Each repeat times torch, then the two plans (their order flips every repeat), each
 ``--ops`` ops back to back after a barrier; a sample is the slowest rank's time per op. Prints

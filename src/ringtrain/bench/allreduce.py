@@ -127,16 +127,16 @@ def _timed_samples(
     for name in names:  # warm-up: buffers allocated, names negotiated, the lane opened
         for _ in range(warm_up):
             cases[name][0]()
-    before = _lane_slots()
+    before = _lane_slots() if lane is not None else (0, 0)
     for rep in range(repeats):
         order = names if rep % 2 == 0 else names[::-1]
         for name in order:
             op, iters = cases[name]
             local[name].append(seconds_per_op(op, iters))
-    # The slowest rank's time, sample by sample: one small allreduce, outside the timed region.
     if lane is not None:
         after = _lane_slots()
         lane.update(taken=after[0] - before[0], lost=after[1] - before[1])
+    # The slowest rank's time, sample by sample: one small allreduce, outside the timed region.
     flat = torch.tensor([local[n][i] for n in names for i in range(repeats)], dtype=torch.float64)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)
     values = flat.tolist()
