@@ -179,6 +179,7 @@ class Ray:
     AUTH_MODE = "RAY_AUTH_MODE"
     AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
     USAGE_STATS_ENABLED = "RAY_USAGE_STATS_ENABLED"
+    WORKER_NICENESS = "RAY_worker_niceness"
 
 
 class Threads:

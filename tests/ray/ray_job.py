@@ -39,6 +39,7 @@ def facts(hvd) -> dict:
         "hostname": socket.gethostname(),
         "node_ip": ray.util.get_node_ip_address(),
         "pid": os.getpid(),
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
     }
 
 

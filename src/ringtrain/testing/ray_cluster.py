@@ -90,6 +90,10 @@ class RayCluster:
                 Ray.AUTH_MODE: "token",
                 Ray.AUTH_TOKEN_PATH: str(self.token_path),
                 Ray.USAGE_STATS_ENABLED: "0",
+                # Ray runs its workers at nice 15 (it expects the machine to itself); here they
+                # share the cores with other tests, which would starve them (10x the quiet time
+                # beside `stress-ng --cpu 2`), so they run at the priority of everything else.
+                Ray.WORKER_NICENESS: "0",
                 Process.PYTHONUNBUFFERED: "1",
                 # A 2-core machine: one torch thread per process keeps the hosts responsive.
                 Threads.OMP_NUM_THREADS: "1",
