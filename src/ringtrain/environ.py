@@ -81,6 +81,12 @@ class Horovod:
     CPU_OPERATIONS = "HOROVOD_CPU_OPERATIONS"
 
 
+class HorovodDriver:
+    """Horovod's knobs that a driver program reads (not its ranks)."""
+
+    SPARK_START_TIMEOUT = "HOROVOD_SPARK_START_TIMEOUT"  # horovod.spark.run's start_timeout
+
+
 class Torch:
     """torchrun's (and any env:// launcher's), torch.distributed's and its backends'."""
 

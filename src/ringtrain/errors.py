@@ -156,6 +156,10 @@ class MissingRanksError(LaunchError):
         self.ranks = ranks
 
 
+class StartTimeoutError(LaunchError, TimeoutError):
+    """The job's processes did not all start within the time given for it."""
+
+
 class HostSpecError(LaunchError, ValueError):
     """A host specification could not be parsed."""
 

@@ -9,12 +9,14 @@ Debian's headless JDK when ``java`` is missing); the module skips, saying which,
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import re
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +37,7 @@ if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
 from pyspark.sql import SparkSession  # noqa: E402
 
 import ringtrain.spark  # noqa: E402
+from ringtrain.errors import StartTimeoutError  # noqa: E402
 
 JOB = Path(__file__).with_name("ringtrain_job.py")
 JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
@@ -175,6 +178,52 @@ def test_a_failing_rank_fails_the_run_with_its_traceback(spark: Any) -> None:
 def test_more_ranks_than_slots_is_spark_s_error(spark: Any) -> None:
     with pytest.raises(Exception, match=r"(?i)barrier"):
         ringtrain.spark.run(_train, args=(1,), num_proc=3)
+
+
+def _stage_tasks(sc: Any, group: str) -> int:
+    """Tasks running or done in the stages of ``group``'s jobs."""
+    tracker = sc.statusTracker()
+    jobs = [tracker.getJobInfo(j) for j in tracker.getJobIdsForGroup(group)]
+    stages = [tracker.getStageInfo(s) for job in jobs if job for s in job.stageIds]
+    return sum(s.numActiveTasks + s.numCompletedTasks for s in stages if s)
+
+
+def test_tasks_that_cannot_start_in_time_are_cancelled_with_horovods_error(spark: Any) -> None:
+    """Another job holds both slots: the run's barrier stage waits for free ones (Spark itself
+    would wait as long as they stay taken). start_timeout cancels that stage, and only it."""
+    sc = spark.sparkContext
+    busy = "ringtrain-test-busy"
+
+    def hold_both_slots() -> None:
+        sc.setJobGroup(busy, "holds both slots", interruptOnCancel=True)
+        with contextlib.suppress(Exception):  # cancelled below
+            sc.parallelize(range(2), 2).foreach(lambda _: time.sleep(300))
+
+    holder = threading.Thread(target=hold_both_slots, daemon=True)
+    holder.start()
+    try:
+        deadline = time.monotonic() + 120
+        while _stage_tasks(sc, busy) < 2:
+            assert time.monotonic() < deadline, "the busy job never took both slots"
+            time.sleep(0.2)
+        # Called as a notebook's cell calls it, in a job group of its own.
+        sc.setJobGroup("caller", "the caller's group")
+        began = time.monotonic()
+        with pytest.raises(
+            StartTimeoutError, match=r"^Timed out waiting for Spark tasks to start: 0 of 2 tasks"
+        ) as e:
+            ringtrain.spark.run(_train, args=(1,), num_proc=2, start_timeout=3)
+        took = time.monotonic() - began
+        assert 3 <= took < 60, took
+        assert "HINT" in str(e.value) and "num_proc" in str(e.value)
+        assert _stage_tasks(sc, busy) == 2  # the other job runs on, untouched
+        assert sc.getLocalProperty("spark.jobGroup.id") == "caller"  # the caller's, kept
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+        sc.cancelJobGroup(busy)
+        holder.join(60)
+    # Nothing of the cancelled stage is left waiting: a barrier stage gets both slots now.
+    assert sc.parallelize(range(2), 2).barrier().mapPartitions(lambda _: [1]).collect() == [1, 1]
 
 
 def test_torch_distributor_runs_a_ringtrain_script_unchanged(spark: Any, tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""``ringtrain.spark.run`` takes Horovod's signature: the arguments that mean nothing here are
-refused with the reason before Spark is touched (no SparkSession needed), never ignored."""
+"""``ringtrain.spark.run`` takes Horovod's signature: the arguments that mean nothing here, and
+a ``start_timeout`` that is not a time, are refused with the reason before Spark is touched (no
+SparkSession needed), never ignored."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 import ringtrain.spark
 from ringtrain.errors import ConfigError
+from ringtrain.spark import start_watch
 
 
 def _fn() -> None:  # never runs: every call below is refused first
@@ -22,7 +24,6 @@ def _fn() -> None:  # never runs: every call below is refused first
     [
         ({"use_mpi": True}, "use_mpi/extra_mpi_args"),
         ({"extra_mpi_args": "-x FOO"}, "use_mpi/extra_mpi_args"),
-        ({"start_timeout": 30}, "start_timeout"),
     ],
 )
 def test_horovods_arguments_without_a_meaning_are_refused(given: dict, named: str) -> None:
@@ -30,6 +31,27 @@ def test_horovods_arguments_without_a_meaning_are_refused(given: dict, named: st
         ringtrain.spark.run(_fn, num_proc=2, **given)
     msg = str(e.value)
     assert f"ringtrain.spark.run: {named}" in msg and "not supported" in msg and "HINT" in msg
+
+
+@pytest.mark.parametrize("given", [0, -5, "soon", float("nan")])
+def test_a_start_timeout_that_is_not_a_positive_number_is_refused(given: object) -> None:
+    with pytest.raises(ConfigError, match=r"start_timeout must be a positive number"):
+        ringtrain.spark.run(_fn, num_proc=2, start_timeout=given)  # type: ignore[arg-type]
+
+
+def test_start_timeout_falls_back_on_horovods_variable_then_on_600_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    var = "HOROVOD_SPARK_START_TIMEOUT"
+    monkeypatch.delenv(var, raising=False)
+    assert start_watch.timeout_s(None) == 600.0
+    assert start_watch.timeout_s(7) == 7.0
+    monkeypatch.setenv(var, "45")
+    assert start_watch.timeout_s(None) == 45.0
+    assert start_watch.timeout_s(7) == 7.0  # the argument wins, as in Horovod
+    monkeypatch.setenv(var, "ten")
+    with pytest.raises(ConfigError, match=rf"{var} must be a positive number"):
+        ringtrain.spark.run(_fn, num_proc=2)
 
 
 def test_the_positions_are_horovods() -> None:

@@ -31,6 +31,7 @@ from typing import IO, Any
 from ringtrain import environ
 from ringtrain.errors import ConfigError, LaunchEnvironmentError
 from ringtrain.launch import rank_env
+from ringtrain.spark import start_watch
 from ringtrain.spark.relay import Address, Line, Relay, Sender
 
 # The timeout of task 0's store (it serves; the ranks' own waits are RINGTRAIN_TIMEOUT_S).
@@ -62,12 +63,15 @@ def run(
     prefixed ``[rank]`` (and the time its task read it, with ``prefix_output_with_timestamp``);
     without them it stays in the executors' logs. ``verbose`` 2 logs at INFO; ``nics``: the
     network interfaces the ranks use; ``executable``: the ranks' Python (default
-    ``sys.executable``). ``use_gloo`` is accepted (ringtrain always runs over
-    torch.distributed); ``use_mpi``, ``extra_mpi_args`` and ``start_timeout`` are refused with
-    the reason. Needs an active SparkSession (or SparkContext). A rank that raises fails the
-    Spark stage, and with it this call, with that rank's traceback.
+    ``sys.executable``). ``start_timeout``: seconds for every task to be running (else
+    HOROVOD_SPARK_START_TIMEOUT, else 600), after which the stage is cancelled and
+    :class:`~ringtrain.errors.StartTimeoutError` raised (:mod:`ringtrain.spark.start_watch`).
+    ``use_gloo`` is accepted (ringtrain always runs over torch.distributed); ``use_mpi`` and
+    ``extra_mpi_args`` are refused with the reason. Needs an active SparkSession (or
+    SparkContext). A rank that raises fails the stage, and this call, with its traceback.
     """
-    _refuse(use_mpi, extra_mpi_args, start_timeout)
+    _refuse(use_mpi, extra_mpi_args)
+    seconds = start_watch.timeout_s(start_timeout)
     try:
         from pyspark import SparkContext
         from pyspark.cloudpickle import dumps
@@ -105,7 +109,7 @@ def run(
 
     rdd = sc.parallelize(range(size), size).barrier().mapPartitions(task)
     try:
-        by_rank = dict(rdd.collect())
+        by_rank = _collect(sc, rdd, size, seconds)
     finally:
         if relay is not None:
             relay.close()
@@ -113,6 +117,19 @@ def run(
         for r in range(size):
             relay.write_kept(r, by_rank[r][1])
     return [pickle.loads(by_rank[r][0]) for r in range(size)]
+
+
+def _collect(sc: Any, rdd: Any, size: int, start_timeout_s: float) -> dict[int, Any]:
+    """The barrier stage's results by rank; its tasks must all run within ``start_timeout_s``."""
+    watch = start_watch.StartWatch(sc, size, start_timeout_s)
+    try:
+        with watch:
+            return dict(rdd.collect())
+    except Exception:
+        late = watch.error()
+        if late is None:
+            raise
+        raise late from None  # Spark's own words say only that the stage was cancelled
 
 
 def run_elastic(
@@ -156,20 +173,13 @@ def _relay(
     return Relay(bind, advertise, stdout, stderr, timestamps)
 
 
-def _refuse(use_mpi: bool | None, extra_mpi_args: str | None, start_timeout: float | None) -> None:
+def _refuse(use_mpi: bool | None, extra_mpi_args: str | None) -> None:
     """Horovod's arguments that have no meaning here: a clear error instead of a quiet no-op."""
     if use_mpi or extra_mpi_args:
         raise ConfigError(
             "ringtrain.spark.run: use_mpi/extra_mpi_args are not supported: the ranks talk over "
             "torch.distributed (Gloo on CPU), never MPI.\nHINT: drop them (use_gloo=True is "
             "accepted)."
-        )
-    if start_timeout is not None:
-        raise ConfigError(
-            "ringtrain.spark.run: start_timeout is not supported: Spark's barrier stage starts "
-            "every task at once or fails (spark.scheduler.barrier.maxConcurrentTasksCheck.*), "
-            "and the ranks then wait for each other as long as RINGTRAIN_TIMEOUT_S.\nHINT: drop "
-            "it, or pass env={'RINGTRAIN_TIMEOUT_S': '...'}."
         )
 
 
