@@ -28,6 +28,12 @@ def test_the_earliest_failure_is_the_root_cause_whatever_arrived_first() -> None
     text = report(heard)
     first, second = text.splitlines()[:2]
     assert first.startswith("job failed: rank 2 ") and "root cause" in second
+    # Rank 0's end was heard of first (the live line named it): the report says why it is not
+    # the cause.
+    assert "rank 0, whose end was heard of first and stopped the job" in second
+    # Heard of first and the cause: nothing to explain.
+    in_order = report([_failure(2, at=10.1), _failure(0, at=10.5)]).splitlines()[1]
+    assert in_order == ("(the root cause: the rank that failed first; the others are listed below)")
     assert text.index("rank 1 ") < text.index("rank 0 ")  # the others in the order they failed
     assert "2 other rank(s) failed after it" in text
 
@@ -109,6 +115,10 @@ def test_three_ranks_fail_together_and_the_first_is_named_first(tmp_path: Path) 
     assert proc.returncode == 12, proc.stderr  # the root cause's code
     report_text = proc.stderr[proc.stderr.index("ringtrain run: job failed") :]
     assert report_text.splitlines()[0].startswith("ringtrain run: job failed: rank 2 ")
+    # The live line named the end heard of first (rank 0's); the report says why it differs.
+    live = next(ln for ln in proc.stderr.splitlines() if "stopping the other" in ln)
+    assert live.startswith("ringtrain run: rank 0 "), proc.stderr
+    assert "rank 0, whose end was heard of first and stopped the job" in report_text
     assert "rank 2 gives up" in report_text
     # The others failed on their own (they said so), and are listed under it in that order.
     assert report_text.index("rank 0 (") < report_text.index("rank 1 (")

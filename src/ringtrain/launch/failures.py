@@ -94,12 +94,21 @@ def _last_words(f: Failure) -> tuple[str, ...]:
 def report(failures: Failure | Sequence[Failure]) -> str:
     """The launcher's closing message for a failed job: the root cause first, then the
     other failures, grouped where their last words are the same."""
-    every = considered([failures] if isinstance(failures, Failure) else list(failures))
+    heard = [failures] if isinstance(failures, Failure) else list(failures)
+    every = considered(heard)
     cause = root_cause(every)
     lines = [f"job failed: {cause.description}"]
     if cause.finished:
         lines[0] += ", while its peers still waited for it (their errors say a peer left)"
-    if len(every) > 1:
+    # The live line named the first end heard of ("...; stopping the other ranks"): where that
+    # is not the cause, say so, or the two messages read as a contradiction.
+    stopper = next((f for f in heard if not f.finished), None)
+    if stopper is not None and stopper is not cause and stopper.rank is not None:
+        lines.append(
+            f"(the root cause: the rank that failed first; rank {stopper.rank}, whose end was "
+            "heard of first and stopped the job, is listed below with the others)"
+        )
+    elif len(every) > 1:
         lines.append("(the root cause: the rank that failed first; the others are listed below)")
     if cause.tail:
         who = f"rank {cause.rank}" if cause.rank is not None else f"host {cause.host}"
