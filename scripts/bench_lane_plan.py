@@ -1,12 +1,17 @@
-"""How a fast-lane slot above 1 MiB keeps the tensor, at 3+ ranks: agree first, or copy.
+"""How a fast-lane slot above 1 MiB keeps the tensor, at 3+ ranks: agree first, copy, or sum
+in rank order.
 
 A slot that agrees (``collectives/agreed.py``) sums one value over the lane's group before its
 data moves: a ring of 2(N-1) steps. A slot that copies (``Lane._backup_of``) takes the tensor
-into the lane's backup buffer, then starts the data at once. This script runs both in the same
-ranks, interleaved with torch's own ``all_reduce`` of the same tensor, so each is read as a ratio
+into the lane's backup buffer, then starts the data at once. A slot that sums in rank order
+(``ordered``, as every op up to ``ordered.ALONE_ABOVE_BYTES`` does) needs neither: two one-step
+alltoalls, the sum landing aside (a dummy marks every rank's chunk), at the price of adds that
+do not overlap the transfer; on 16 cores at 16 ranks it was 1.4-1.6x Gloo up to 1 MiB, and
+untried above. This script runs the three in the same ranks, interleaved with torch's own ``all_reduce`` of the same tensor, so each is read as a ratio
 to raw Gloo paired repeat by repeat. The lane picks its plan when it opens for a name
-(``agreed.agrees``, replaced here for the copying variant), so each variant has a name of its
-own and warms up until the lane is its.
+(``agreed.agrees`` and ``ordered.alone``, replaced here for the other variants: every rank
+replaces them at the same point of the program, as the choice must be alike everywhere), so
+each variant has a name of its own and warms up until the lane is its.
 
 Run on 16 cores (2026-12-04, docs/benchmarks/log/2026-12-04-16core-scale.md), the copy lost at
 8 ranks (most likely the eight ranks' copies sharing the host's memory bandwidth with the ring)
@@ -33,11 +38,18 @@ import torch.distributed as dist
 
 import ringtrain as rt
 from ringtrain.bench.timing import seconds_per_op
-from ringtrain.collectives import agreed
+from ringtrain.collectives import agreed, ordered
 from ringtrain.collectives.ops import controller_of
 
-AGREES = agreed.agrees
-PLANS = {"agree": AGREES, "copy": lambda nbytes, size: False}  # agreed.agrees for each
+AGREES, ALONE = agreed.agrees, ordered.alone
+
+
+def _never(*_: object) -> bool:
+    return False
+
+
+# Per plan: (agreed.agrees, ordered.alone).
+PLANS = {"agree": (AGREES, ALONE), "copy": (_never, ALONE), "ordered": (_never, _never)}
 WARM_OPS = 8  # enough for the lane to give up the last name and open for this one
 
 
@@ -61,12 +73,12 @@ def main() -> None:
             dist.all_reduce(t)
 
         def plan_op(plan: str, t: torch.Tensor = t, mib: int = mib) -> Callable[[], None]:
-            agreed.agrees = PLANS[plan]  # type: ignore[assignment]
+            agreed.agrees, ordered.alone = PLANS[plan]  # type: ignore[assignment]
             for _ in range(WARM_OPS):
                 rt.allreduce_(t, name=f"bench.lane.{plan}.{mib}", op=rt.Sum)
             return lambda: rt.allreduce_(t, name=f"bench.lane.{plan}.{mib}", op=rt.Sum)
 
-        samples: dict[str, list[float]] = {"torch": [], "agree": [], "copy": []}
+        samples: dict[str, list[float]] = {"torch": [], **{p: [] for p in PLANS}}
         counters = {p: [0, 0] for p in PLANS}
         torch_op()
         for rep in range(args.repeats):
@@ -87,7 +99,7 @@ def main() -> None:
             r = sorted(y / x for x, y in zip(v, base))  # speed relative to torch
             slots, copied = counters[plan]
             lines.append(
-                f"  {plan:6s} {statistics.median(v) * 1e3:7.2f} ms, "
+                f"  {plan:7s} {statistics.median(v) * 1e3:7.2f} ms, "
                 f"{statistics.median(r):.2f}x torch [{r[0]:.2f}-{r[-1]:.2f}]; "
                 f"lane slots {slots}, copied {copied >> 20} MiB"
             )

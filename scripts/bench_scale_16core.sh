@@ -5,7 +5,8 @@
 # async ops against one tensor of its bytes); then CPU per op at 4 and 2 ranks, which on 16
 # cores runs one rank per core (the 2-core machine runs 4 ranks two to a core); then one tiny
 # value's latency by algorithm at 8 and 16 ranks (what a lane slot's agreement could run on);
-# then the burst at 8 ranks by the fused path's pipeline chunk size
+# then a lane slot of 4 and 16 MiB by plan (agree, copy, or sum in rank order) at 8 x 2 and
+# 16 x 1 (scripts/bench_lane_plan.py); then the burst at 8 ranks by the fused path's pipeline chunk size
 # (execute.PIPELINE_CHUNK_BYTES, 16 MiB, chosen on 2 cores, where the copies cannot overlap
 # Gloo: a 16 MiB burst is one chunk there).
 #
@@ -24,10 +25,10 @@ export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
 # QUICK=1: 2 and 3 ranks, two sizes, short bursts: checks the script, measures nothing.
 if [ "${QUICK:-0}" = 1 ]; then
     WIDE="2x1 3x1" CPU_RANKS="2" SIZES="64K,1M" REPEATS=2 BURST=32 LIMIT=60 CHUNKS_NP=2
-    TINY_RANKS="2"
+    TINY_RANKS="2" PLAN_SHAPES="3x1"
 else
     WIDE="8x2 16x1" CPU_RANKS="4 2" SIZES="64K..16M:4" REPEATS=5 BURST=256 LIMIT=140 CHUNKS_NP=8
-    TINY_RANKS="8 16"
+    TINY_RANKS="8 16" PLAN_SHAPES="8x2 16x1"
 fi
 start=$SECONDS
 log="$OUT/scale.log"
@@ -65,6 +66,12 @@ for np in $TINY_RANKS; do  # what a lane slot's agreement could run on (scripts/
     part "one tiny value by algorithm, $np ranks x 1 thread" $((LIMIT / 2)) \
         "$PY" -m ringtrain run -np "$np" -x OMP_NUM_THREADS=1 -- \
         "$PY" scripts/bench_tiny_latency.py --repeats "$REPEATS"
+done
+for shape in $PLAN_SHAPES; do  # how a slot above 1 MiB keeps its tensor (bench_lane_plan.py)
+    np=${shape%x*} threads=${shape#*x}
+    part "lane slot plans, $np ranks x $threads threads" "$LIMIT" \
+        "$PY" -m ringtrain run -np "$np" -x OMP_NUM_THREADS="$threads" -- \
+        "$PY" scripts/bench_lane_plan.py --repeats "$REPEATS"
 done
 part "burst by chunk size, $CHUNKS_NP ranks x 2 threads" "$LIMIT" \
     "$PY" -m ringtrain run -np "$CHUNKS_NP" -x OMP_NUM_THREADS=2 -- \
