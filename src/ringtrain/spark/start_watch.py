@@ -58,8 +58,9 @@ class StartWatch:
         self._size = size
         self._seconds = seconds
         self._tag = f"ringtrain-spark-{secrets.token_hex(8)}"
-        self._own_group = sc.getLocalProperty(_GROUP) is None
-        self._group = self._tag if self._own_group else sc.getLocalProperty(_GROUP)
+        callers = sc.getLocalProperty(_GROUP)
+        self._own_group = callers is None
+        self._group = self._tag if callers is None else callers
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="spark-start-watch", daemon=True)
         self.running = 0  # the most tasks seen running at once
@@ -100,12 +101,15 @@ class StartWatch:
     def _watch(self) -> None:
         deadline = self._start + self._seconds
         while not self._done.wait(POLL_S):
-            self.running = max(self.running, self._tasks_running())
-            if self.running >= self._size:
-                return  # started: the ranks' own timeouts apply from here
-            if time.monotonic() >= deadline:
-                self.timed_out = True
-                self._sc.cancelJobsWithTag(self._tag)
+            try:
+                self.running = max(self.running, self._tasks_running())
+                if self.running >= self._size:
+                    return  # started: the ranks' own timeouts apply from here
+                if time.monotonic() >= deadline:
+                    self._sc.cancelJobsWithTag(self._tag)
+                    self.timed_out = True
+                    return
+            except Exception:  # the context stopped under the run: collect() says so itself
                 return
 
     def _tasks_running(self) -> int:
