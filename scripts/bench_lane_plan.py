@@ -7,8 +7,9 @@ into the lane's backup buffer, then starts the data at once. A slot that sums in
 (``ordered``, as every op up to ``ordered.ALONE_ABOVE_BYTES`` does) needs neither: two one-step
 alltoalls, the sum landing aside (a dummy marks every rank's chunk), at the price of adds that
 do not overlap the transfer; on 16 cores at 16 ranks it was 1.4-1.6x Gloo up to 1 MiB, and
-untried above. This script runs the three in the same ranks, interleaved with torch's own ``all_reduce`` of the same tensor, so each is read as a ratio
-to raw Gloo paired repeat by repeat. The lane picks its plan when it opens for a name
+untried above. This script runs the three in the same ranks, interleaved with torch's own
+``all_reduce`` of the same tensor, so each is read as a ratio to raw Gloo paired repeat by
+repeat. The lane picks its plan when it opens for a name
 (``agreed.agrees`` and ``ordered.alone``, replaced here for the other variants: every rank
 replaces them at the same point of the program, as the choice must be alike everywhere), so
 each variant has a name of its own and warms up until the lane is its.

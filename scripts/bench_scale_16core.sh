@@ -6,8 +6,8 @@
 # cores runs one rank per core (the 2-core machine runs 4 ranks two to a core); then one tiny
 # value's latency by algorithm at 8 and 16 ranks (what a lane slot's agreement could run on);
 # then a lane slot of 4 and 16 MiB by plan (agree, copy, or sum in rank order) at 8 x 2 and
-# 16 x 1 (scripts/bench_lane_plan.py); then the burst at 8 ranks by the fused path's pipeline chunk size
-# (execute.PIPELINE_CHUNK_BYTES, 16 MiB, chosen on 2 cores, where the copies cannot overlap
+# 16 x 1 (scripts/bench_lane_plan.py); then the burst at 8 ranks by the fused path's pipeline
+# chunk size (execute.PIPELINE_CHUNK_BYTES, 16 MiB, chosen on 2 cores, where the copies cannot overlap
 # Gloo: a 16 MiB burst is one chunk there).
 #
 # Run from the repository root with a torch-enabled python (PY, default python3; nothing is

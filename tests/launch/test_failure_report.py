@@ -33,7 +33,7 @@ def test_the_earliest_failure_is_the_root_cause_whatever_arrived_first() -> None
     assert "rank 0, whose end was heard of first and stopped the job" in second
     # Heard of first and the cause: nothing to explain.
     in_order = report([_failure(2, at=10.1), _failure(0, at=10.5)]).splitlines()[1]
-    assert in_order == ("(the root cause: the rank that failed first; the others are listed below)")
+    assert in_order == "(the root cause: the rank that failed first; the others are listed below)"
     assert text.index("rank 1 ") < text.index("rank 0 ")  # the others in the order they failed
     assert "2 other rank(s) failed after it" in text
 
