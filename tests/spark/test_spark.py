@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -71,6 +72,29 @@ def spark() -> Iterator[Any]:
         yield session
     finally:
         session.stop()
+        _end_gateway()
+
+
+def _end_gateway() -> None:
+    """End the gateway JVM that pyspark started for this process. ``SparkSession.stop()`` leaves
+    it running, kept for a next session, and the worker that ran this module would hold it idle
+    until the run ends: a distributed test leaves no process behind."""
+    from pyspark import SparkContext
+
+    gateway, SparkContext._gateway, SparkContext._jvm = SparkContext._gateway, None, None
+    if gateway is None:
+        return
+    proc = getattr(gateway, "proc", None)  # None where the JVM was not ours to start
+    gateway.shutdown()
+    if proc is None:
+        return
+    proc.stdin.close()  # the JVM ends on EOF from its parent (pyspark's java_gateway.py)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        raise AssertionError("the Spark gateway JVM did not end when its input closed") from None
 
 
 def _train(steps: int, lr: float = 0.1, seen: str = "") -> dict[str, Any]:
@@ -215,6 +239,7 @@ def test_tasks_that_cannot_start_in_time_are_cancelled_with_horovods_error(spark
             ringtrain.spark.run(_train, args=(1,), num_proc=2, start_timeout=3)
         took = time.monotonic() - began
         assert 3 <= took < 60, took
+        assert "after 3 s (start_timeout)" in str(e.value)  # where the 3 s were set
         assert "HINT" in str(e.value) and "num_proc" in str(e.value)
         assert _stage_tasks(sc, busy) == 2  # the other job runs on, untouched
         assert sc.getLocalProperty("spark.jobGroup.id") == "caller"  # the caller's, kept

@@ -44,11 +44,12 @@ def test_start_timeout_falls_back_on_horovods_variable_then_on_600_s(
 ) -> None:
     var = "HOROVOD_SPARK_START_TIMEOUT"
     monkeypatch.delenv(var, raising=False)
-    assert start_watch.timeout_s(None) == 600.0
-    assert start_watch.timeout_s(7) == 7.0
+    # Each with where it came from, which the timeout's error names.
+    assert start_watch.timeout(None) == (600.0, "the default start_timeout")
+    assert start_watch.timeout(7) == (7.0, "start_timeout")
     monkeypatch.setenv(var, "45")
-    assert start_watch.timeout_s(None) == 45.0
-    assert start_watch.timeout_s(7) == 7.0  # the argument wins, as in Horovod
+    assert start_watch.timeout(None) == (45.0, var)
+    assert start_watch.timeout(7) == (7.0, "start_timeout")  # the argument wins, as in Horovod
     monkeypatch.setenv(var, "ten")
     with pytest.raises(ConfigError, match=rf"{var} must be a positive number"):
         ringtrain.spark.run(_fn, num_proc=2)

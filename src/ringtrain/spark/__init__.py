@@ -71,7 +71,7 @@ def run(
     SparkContext). A rank that raises fails the stage, and this call, with its traceback.
     """
     _refuse(use_mpi, extra_mpi_args)
-    seconds = start_watch.timeout_s(start_timeout)
+    timeout = start_watch.timeout(start_timeout)
     try:
         from pyspark import SparkContext
         from pyspark.cloudpickle import dumps
@@ -109,7 +109,7 @@ def run(
 
     rdd = sc.parallelize(range(size), size).barrier().mapPartitions(task)
     try:
-        by_rank = _collect(sc, rdd, size, seconds)
+        by_rank = _collect(sc, rdd, size, timeout)
     finally:
         if relay is not None:
             relay.close()
@@ -119,9 +119,9 @@ def run(
     return [pickle.loads(by_rank[r][0]) for r in range(size)]
 
 
-def _collect(sc: Any, rdd: Any, size: int, start_timeout_s: float) -> dict[int, Any]:
-    """The barrier stage's results by rank; its tasks must all run within ``start_timeout_s``."""
-    watch = start_watch.StartWatch(sc, size, start_timeout_s)
+def _collect(sc: Any, rdd: Any, size: int, timeout: start_watch.Timeout) -> dict[int, Any]:
+    """The barrier stage's results by rank; its tasks must all run within ``timeout``."""
+    watch = start_watch.StartWatch(sc, size, timeout)
     try:
         with watch:
             return dict(rdd.collect())

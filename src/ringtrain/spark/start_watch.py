@@ -17,7 +17,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from ringtrain import environ
 from ringtrain.errors import ConfigError, StartTimeoutError
@@ -27,7 +27,14 @@ POLL_S = 0.2
 _GROUP = "spark.jobGroup.id"
 
 
-def timeout_s(given: float | None) -> float:
+class Timeout(NamedTuple):
+    """How long the tasks may take to start, and where that was set (the error names it)."""
+
+    seconds: float
+    source: str  # "start_timeout", the variable's name, or Horovod's default
+
+
+def timeout(given: float | None) -> Timeout:
     """``start_timeout`` as Horovod reads it: the argument, else HOROVOD_SPARK_START_TIMEOUT,
     else 600 seconds."""
     where = "start_timeout"
@@ -36,7 +43,7 @@ def timeout_s(given: float | None) -> float:
         where = environ.HorovodDriver.SPARK_START_TIMEOUT
         value = environ.current().get(where)
     if value is None:
-        return DEFAULT_S
+        return Timeout(DEFAULT_S, "the default start_timeout")
     try:
         seconds = float(value)
     except (TypeError, ValueError):
@@ -45,18 +52,18 @@ def timeout_s(given: float | None) -> float:
         raise ConfigError(
             f"ringtrain.spark.run: {where} must be a positive number of seconds, got {value!r}"
         )
-    return seconds
+    return Timeout(seconds, where)
 
 
 class StartWatch:
-    """``with StartWatch(sc, size, seconds): rdd.collect()``: the stage the block submits is
-    cancelled if not all ``size`` of its tasks run within ``seconds``; the block's exception
+    """``with StartWatch(sc, size, timeout): rdd.collect()``: the stage the block submits is
+    cancelled if not all ``size`` of its tasks run within ``timeout``; the block's exception
     is then to be replaced by :meth:`error`'s."""
 
-    def __init__(self, sc: Any, size: int, seconds: float) -> None:
+    def __init__(self, sc: Any, size: int, timeout: Timeout) -> None:
         self._sc = sc
         self._size = size
-        self._seconds = seconds
+        self._timeout = timeout
         self._tag = f"ringtrain-spark-{secrets.token_hex(8)}"
         callers = sc.getLocalProperty(_GROUP)
         self._own_group = callers is None
@@ -90,8 +97,9 @@ class StartWatch:
             return None
         return StartTimeoutError(
             "Timed out waiting for Spark tasks to start: "
-            f"{self.running} of {self._size} tasks were running after {self._seconds:g} s "
-            "(start_timeout), so the run's stage was cancelled.\nHINT: each rank is one "
+            f"{self.running} of {self._size} tasks were running after "
+            f"{self._timeout.seconds:g} s ({self._timeout.source}), so the run's stage was "
+            "cancelled.\nHINT: each rank is one "
             "Spark task, and the tasks start together once the cluster has a free slot for "
             "each: free slots (other jobs hold them), run fewer ranks (num_proc), or give "
             "executors allocated on demand more time (start_timeout, or "
@@ -99,7 +107,7 @@ class StartWatch:
         )
 
     def _watch(self) -> None:
-        deadline = self._start + self._seconds
+        deadline = self._start + self._timeout.seconds
         while not self._done.wait(POLL_S):
             try:
                 self.running = max(self.running, self._tasks_running())
