@@ -4,7 +4,8 @@ BIN := $(VENV)/bin
 NP ?= 4
 # pytest-xdist workers for `make unit`: by default one per usable core (the CPU quota of a
 # container counts, not the host's cores), the namespace-cluster tests kept on one worker (see
-# the README); JOBS=0 runs the tests serially.
+# the README); JOBS=0 runs the tests serially. No more than that: the suite keeps the cores busy
+# (92-99% on 2 cores, 2026-12-04), and a third worker made it slower (19:26 against 18:13).
 JOBS ?= $(shell $(BIN)/python -c 'from ringtrain.host.cpu_limits import usable_cpus; print(usable_cpus())')
 
 .PHONY: setup demo test lint unit check
