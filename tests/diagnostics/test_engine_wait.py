@@ -121,4 +121,7 @@ def test_a_rank_that_finished_early_is_named_while_the_other_waits(world2: World
     )
     assert error.startswith("PeerFailedError: rank 0: a peer left the job"), error
     assert "rank 1 (host" in error and "finished: its script ended" in error, error
+    # Nobody failed: the hint says what uneven data needs, not to fix a failure.
+    assert "HINT: no rank failed" in error and "join()" in error, error
+    assert "first failure above" not in error, error
     assert other_error == other_report == ""

@@ -100,3 +100,14 @@ def test_a_finished_post_takes_the_exit_code_the_launcher_recorded(
         "rank 1 (host a) failed: exited with code 3 without an exception (sys.exit"
     )
     assert got[2].how == FINISHED and got[3].how == FINISHED  # 3: no record within the wait
+
+
+def test_the_hint_follows_the_first_departure() -> None:
+    failed = Departure(1, FAILED, "ValueError: x", "a", 7.0)
+    finished = Departure(2, FINISHED, "", "b", 5.0)
+    told = str(departures._named(0, "", [failed, finished], "  (ended)"))
+    assert told.endswith(
+        "HINT: the first failure above is the cause; fix it and start the job again."
+    )
+    told = str(departures._named(0, "", [finished], "  (ended)"))
+    assert "HINT: no rank failed" in told and "join()" in told and "op=Min" in told

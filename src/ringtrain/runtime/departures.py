@@ -277,8 +277,19 @@ def _named(me: int, where: str, gone: list[Departure], ended: str) -> PeerFailed
     lines = [f"rank {me}: a peer left the job{where}: {gone[0].describe()}"]
     lines += [f"  also: {d.describe()}" for d in gone[1:]]
     lines.append(ended)
-    lines.append("HINT: the first failure above is the cause; fix it and start the job again.")
+    lines.append(_FAILED_HINT if gone[0].how == FAILED else _FINISHED_HINT)
     return PeerFailedError("\n".join(lines), tuple(d.rank for d in gone))
+
+
+_FAILED_HINT = "HINT: the first failure above is the cause; fix it and start the job again."
+# No rank failed: one ran fewer collectives than this one, most often a rank whose data ran
+# out first (uneven shards), which Horovod's join() is for.
+_FINISHED_HINT = (
+    "HINT: no rank failed; every rank must run the same collectives, and this one ran more. "
+    "Where ranks have unequal data, end them all at the same step (the smallest count over "
+    "the ranks, e.g. an allreduce with op=Min), or call ringtrain.join() in a rank whose data "
+    "ran out (Horovod's join: it adds zeros to the others' allreduces until all have joined)."
+)
 
 
 def with_exit_codes(error: E) -> E | PeerFailedError:
