@@ -284,11 +284,10 @@ def _named(me: int, where: str, gone: list[Departure], ended: str) -> PeerFailed
 _FAILED_HINT = "HINT: the first failure above is the cause; fix it and start the job again."
 # No rank failed: one ran fewer collectives than this one, most often a rank whose data ran
 # out first (uneven shards), which Horovod's join() is for.
-_FINISHED_HINT = (
-    "HINT: no rank failed; every rank must run the same collectives, and this one ran more. "
-    "Where ranks have unequal data, end them all at the same step (the smallest count over "
-    "the ranks, e.g. an allreduce with op=Min), or call ringtrain.join() in a rank whose data "
-    "ran out (Horovod's join: it adds zeros to the others' allreduces until all have joined)."
+_FINISHED_HINT = (  # as the control round's (collectives.shutdown_rules) for the same case
+    "HINT: no rank failed; every rank must submit the same collectives, and a rank that ran "
+    "fewer ends the others' (Horovod's rule). For uneven data see ringtrain.join(), or end every "
+    "rank at the same step (the smallest count over the ranks: an allreduce with op=Min)."
 )
 
 
