@@ -99,10 +99,9 @@ class StartWatch:
             "Timed out waiting for Spark tasks to start: "
             f"{self.running} of {self._size} tasks were running after "
             f"{self._timeout.seconds:g} s ({self._timeout.source}), so the run's stage was "
-            "cancelled.\nHINT: each rank is one "
-            "Spark task, and the tasks start together once the cluster has a free slot for "
-            "each: free slots (other jobs hold them), run fewer ranks (num_proc), or give "
-            "executors allocated on demand more time (start_timeout, or "
+            "cancelled.\nHINT: each rank is one Spark task, and the tasks start together once "
+            "the cluster has a free slot for each: free slots (other jobs hold them), run fewer "
+            "ranks (num_proc), or give executors allocated on demand more time (start_timeout, or "
             f"{environ.HorovodDriver.SPARK_START_TIMEOUT})."
         )
 
