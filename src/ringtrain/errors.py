@@ -52,6 +52,21 @@ def by_rank(given: Sequence[object], ranks: Sequence[int] | None = None) -> list
     return lines + ([f"  and {len(who) - 5} other values"] if len(who) > 5 else [])
 
 
+# What unequal data needs, said wherever a rank ran fewer collectives or steps than its peers:
+# join() stands in for a finished rank in explicit collectives only, not in the gradient
+# exchange of DistributedOptimizer.step() (docs/engine.md, Limits).
+UNEVEN_DATA = (
+    "for uneven data, end every rank at the same step (the smallest count over the ranks: an "
+    "allreduce with op=Min), or, where the others run only explicit collectives, call "
+    "ringtrain.join() in a rank whose data ran out (it does not stand in for step())"
+)
+# A peer that ran fewer collectives ended this rank's (Horovod's rule), and none failed.
+RAN_FEWER = (
+    "every rank must submit the same collectives; a rank that ran fewer ends the others' "
+    f"(Horovod's rule); {UNEVEN_DATA}."
+)
+
+
 class RingtrainError(Exception):
     """Base of every error ringtrain raises on purpose."""
 

@@ -48,8 +48,10 @@ def test_a_rank_that_left_a_set_may_have_removed_it() -> None:
         "ringtrain has been shut down on process set 1: rank 3 left the set (its script ended, "
         "or it called shutdown() or remove_process_set()), before this collective completed.\n"
         "HINT: every rank must submit the same collectives; a rank that ran fewer ends the "
-        "others' (Horovod's rule). For uneven data see ringtrain.join(). Every rank of the "
-        "world calls remove_process_set alike."
+        "others' (Horovod's rule); for uneven data, end every rank at the same step (the "
+        "smallest count over the ranks: an allreduce with op=Min), or, where the others run "
+        "only explicit collectives, call ringtrain.join() in a rank whose data ran out (it does "
+        "not stand in for step()). Every rank of the world calls remove_process_set alike."
     )
 
 

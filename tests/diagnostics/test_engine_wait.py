@@ -46,6 +46,9 @@ def test_a_long_wait_is_posted_reported_once_and_taken_back(
         time.sleep(0.3)
     assert len(caplog.records) == 1  # once per wait
     assert "ranks [1] have finished" in caplog.records[0].getMessage()
+    # The hint for step(): the same last step everywhere, since join() does not stand in there.
+    assert "end every rank at the same step" in caplog.records[0].getMessage()
+    assert "does not stand in for step()" in caplog.records[0].getMessage()
     watch.end()
     _wait_for(lambda: not store.check(["p/waiting/0"]))  # taken back when the wait ends
     # A short wait writes nothing.
@@ -122,6 +125,7 @@ def test_a_rank_that_finished_early_is_named_while_the_other_waits(world2: World
     assert error.startswith("PeerFailedError: rank 0: a peer left the job"), error
     assert "rank 1 (host" in error and "finished: its script ended" in error, error
     # Nobody failed: the hint says what uneven data needs, not to fix a failure.
-    assert "HINT: no rank failed" in error and "join()" in error, error
+    assert "HINT: no rank failed" in error and "end every rank at the same step" in error, error
+    assert "does not stand in for step()" in error, error  # join() would not help here
     assert "first failure above" not in error, error
     assert other_error == other_report == ""

@@ -25,6 +25,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from ringtrain.errors import (
+    RAN_FEWER,
     CollectiveAbortedError,
     CollectiveError,
     PeerFailedError,
@@ -111,8 +112,7 @@ def error(
     hint = (
         "the failure above is the cause; fix it and start the job again."
         if gone[0][1].leaving
-        else "every rank must submit the same collectives; a rank that ran fewer ends the "
-        "others' (Horovod's rule). For uneven data see ringtrain.join()."
+        else RAN_FEWER
         + ("" if set_id == 0 else " Every rank of the world calls remove_process_set alike.")
     )
     return PeerFailedError(

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ringtrain.errors import UNEVEN_DATA
 from ringtrain.runtime import exit_guard
 
 log = logging.getLogger("ringtrain")
@@ -66,9 +67,8 @@ def explain(
             "loading, stuck elsewhere, or gone"
         )
     lines.append(
-        "HINT: every rank must take the same number of steps (for uneven data see "
-        f"ringtrain.join()); the wait fails at the transport timeout ({timeout_s:g} s, "
-        "RINGTRAIN_TIMEOUT_S)."
+        f"HINT: every rank must take the same number of steps; {UNEVEN_DATA}. The wait fails "
+        f"at the transport timeout ({timeout_s:g} s, RINGTRAIN_TIMEOUT_S)."
     )
     return "\n".join(lines)
 

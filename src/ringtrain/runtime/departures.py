@@ -41,7 +41,7 @@ from typing import TypeVar
 
 from ringtrain import environ
 from ringtrain.environ import Ringtrain
-from ringtrain.errors import CollectiveAbortedError, CollectiveError, PeerFailedError
+from ringtrain.errors import RAN_FEWER, CollectiveAbortedError, CollectiveError, PeerFailedError
 from ringtrain.launch.failures import exited_key
 from ringtrain.runtime import heartbeat
 from ringtrain.runtime.contracts import Store
@@ -282,13 +282,7 @@ def _named(me: int, where: str, gone: list[Departure], ended: str) -> PeerFailed
 
 
 _FAILED_HINT = "HINT: the first failure above is the cause; fix it and start the job again."
-# No rank failed: one ran fewer collectives than this one, most often a rank whose data ran
-# out first (uneven shards), which Horovod's join() is for.
-_FINISHED_HINT = (  # as the control round's (collectives.shutdown_rules) for the same case
-    "HINT: no rank failed; every rank must submit the same collectives, and a rank that ran "
-    "fewer ends the others' (Horovod's rule). For uneven data see ringtrain.join(), or end every "
-    "rank at the same step (the smallest count over the ranks: an allreduce with op=Min)."
-)
+_FINISHED_HINT = f"HINT: no rank failed; {RAN_FEWER}"
 
 
 def with_exit_codes(error: E) -> E | PeerFailedError:
