@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DistributedSampler
@@ -13,6 +14,7 @@ from torch.utils.data import DistributedSampler
 import ringtrain as rt
 import ringtrain.checkpoint as ckpt
 from ringtrain.checkpoint import samplers
+from ringtrain.errors import ConfigError
 from ringtrain.testing import spawn
 
 pytestmark = pytest.mark.timeout(600)
@@ -46,6 +48,20 @@ def test_distributed_sampler_rest_of_epoch(shuffle: bool, drop_last: bool, new_s
     assert fresh.epoch == 2
     assert set(dealt) == every_index - seen
     assert len(dealt) - len(every_index - seen) < new_size  # padding only
+
+
+def test_distributed_sampler_position_is_a_count() -> None:
+    """``consumed`` counts this rank's indices used (docs/checkpoint.md); a list of them is
+    refused with what to pass, and numpy's integers count as integers."""
+    sampler = DistributedSampler(list(range(10)), num_replicas=2, rank=0)
+    with pytest.raises(ConfigError) as err:
+        samplers.save((sampler, [0, 2, 4]))
+    assert str(err.value) == (
+        "a DistributedSampler does not know how far the epoch went (consumed was a list).\n"
+        "HINT: pass sampler=(sampler, consumed), consumed being how many of this rank's "
+        "indices were used this epoch, a number (batches done * batch size)."
+    )
+    assert samplers.save((sampler, np.int64(3)))["consumed"] == 3
 
 
 def _save_distributed(path: str) -> list[int]:

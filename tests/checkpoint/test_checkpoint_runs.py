@@ -166,3 +166,28 @@ def test_checkpoints_of_no_run(tmp_path: Path) -> None:
         job.step(6)
     assert _steps(tmp_path) == [4, 6]
     assert manifest.run_of(str(tmp_path / manifest.step_name(6))) == ""
+
+
+def test_resumed_from_an_earlier_step_the_job_saves_beside_it(tmp_path: Path) -> None:
+    """The newest checkpoint damaged: its error names the earlier ones and how to resume from
+    one; resumed from ``root/step-N``, the job keeps saving into ``root`` (not inside the step),
+    and its save of the damaged step replaces it."""
+    run = _saves(tmp_path, [2, 4, 6], keep=0)
+    newest = tmp_path / manifest.step_name(6)
+    data = next(p for p in newest.iterdir() if p.name.endswith(".distcp"))
+    data.write_bytes(b"\0" + data.read_bytes()[1:])
+    earlier = tmp_path / manifest.step_name(4)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.load(tmp_path, model=_model(0))
+    assert str(err.value).splitlines()[-1] == (
+        f"Earlier checkpoints beside it: step 4 ({earlier}), step 2 "
+        f"({tmp_path / manifest.step_name(2)}). Load one by its directory; to resume a job from "
+        f"it: ringtrain run --resume {earlier} (it keeps saving into {tmp_path})."
+    )
+    resumed = Config(resume=str(earlier), checkpoint_every="2", checkpoint_writer=WRITER)
+    model = _model(0)
+    with ckpt.Durable(model=model, config=resumed) as job:
+        assert (job.start_step, job.run, job.directory) == (4, run, str(tmp_path))
+        job.step(6)
+    assert _steps(tmp_path) == [2, 4, 6] and _steps(earlier) == []
+    assert ckpt.load(tmp_path, model=_model(0)).step == 6

@@ -246,7 +246,7 @@ def load(
     opened = _attempt(
         lambda: store.open_checkpoint(os.fspath(path), keys, _host_share()), size, what
     )
-    prepared = _attempt(lambda: _read(opened, model, optimizer, rank, size), size, what)
+    prepared = _attempt(lambda: _read(opened, model, optimizer, strict, rank, size), size, what)
     return _apply(prepared, model, optimizer, sampler, strict, rank, size)
 
 
@@ -287,25 +287,25 @@ def _read(
     opened: store.Opened,
     model: torch.nn.Module | None,
     optimizer: torch.optim.Optimizer | None,
+    strict: bool,
     rank: int,
     size: int,
 ) -> _Prepared:
     asm = parts.assemble(opened.metadata, store.reader(opened), opened.directory)
     where = opened.directory
     if model is not None:
-        saved = {k[len("model.") :]: v for k, v in asm.tensors.items() if k.startswith("model.")}
-        if "meta.model" not in asm.objects:
-            raise CheckpointError(f"{where} holds no model.\nHINT: load without model=.")
-        for k, v in model.state_dict().items():
-            if isinstance(v, torch.Tensor) and k in saved and saved[k].shape != v.shape:
-                raise CheckpointError(
-                    f"{where}: the model's {k} has shape {tuple(v.shape)}, the checkpoint's "
-                    f"{tuple(saved[k].shape)}.\nHINT: build the model as it was saved."
-                )
+        _check_model(asm, model, strict, where)
     if optimizer is not None:
         meta = asm.objects.get("meta.optim")
         if meta is None:
             raise CheckpointError(f"{where} holds no optimizer.\nHINT: load without optimizer=.")
+        kind = optimizer_state.kind_of(optimizer)
+        if meta.get("kind", kind) != kind:
+            raise CheckpointError(
+                f"{where} holds the state of a {meta['kind']}, and this optimizer is a {kind}: "
+                "its state and hyperparameters would not fit.\nHINT: build the optimizer as "
+                "it was saved, or load only the model (without optimizer=) to change optimizers."
+            )
         shapes = [tuple(p.shape) for p in optimizer_state.params_of(optimizer)]
         if [tuple(s) for s in meta["shapes"]] != shapes:
             raise CheckpointError(
@@ -326,6 +326,39 @@ def _read(
             plan = local_state.plan(asm.tensors, asm.objects, optimizer, rank, size, saved_size)
             return _Prepared(opened, asm, plan)
     return _Prepared(opened, asm)
+
+
+def _check_model(asm: parts.Assembled, model: torch.nn.Module, strict: bool, where: str) -> None:
+    """Refuse, before anything is loaded, a model the checkpoint's tensors do not fit: torch's
+    ``load_state_dict`` copies the keys that match before it raises for those that do not."""
+    meta = asm.objects.get("meta.model")
+    if meta is None:
+        raise CheckpointError(f"{where} holds no model.\nHINT: load without model=.")
+    saved = {k[len("model.") :]: v for k, v in asm.tensors.items() if k.startswith("model.")}
+    mine = model.state_dict()
+    for k, v in mine.items():
+        if isinstance(v, torch.Tensor) and k in saved and saved[k].shape != v.shape:
+            raise CheckpointError(
+                f"{where}: the model's {k} has shape {tuple(v.shape)}, the checkpoint's "
+                f"{tuple(saved[k].shape)}.\nHINT: build the model as it was saved."
+            )
+    if not strict:
+        return
+    held = set(meta["keys"]) | set(meta["objects"])
+    missing, unexpected = sorted(set(mine) - held), sorted(held - set(mine))
+    if missing or unexpected:
+        said = [f"the checkpoint lacks {_some(missing)}"] if missing else []
+        said += [f"the model lacks {_some(unexpected)}"] if unexpected else []
+        raise CheckpointError(
+            f"{where} does not fit the model: {'; '.join(said)}. Nothing was loaded.\n"
+            "HINT: build the model as it was saved, or load with strict=False to take the "
+            "entries both have."
+        )
+
+
+def _some(keys: list[str]) -> str:
+    shown = ", ".join(keys[:5])
+    return f"{len(keys)} entries ({shown}{', ...' if len(keys) > 5 else ''})"
 
 
 def _apply(

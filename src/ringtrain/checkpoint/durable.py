@@ -9,7 +9,8 @@
 Settings come from the Config (``ringtrain run --checkpoint-dir D --checkpoint-every 100|300s
 --checkpoint-keep K``, or ``RINGTRAIN_CHECKPOINT_*``); ``ringtrain run --resume D`` loads the
 newest complete checkpoint of ``D`` when the object is made (``start_step`` is then its step)
-and keeps saving into ``D`` unless ``--checkpoint-dir`` says otherwise. Saves are asynchronous
+and keeps saving into ``D`` (into ``D``'s root where ``D`` is one ``root/step-N``) unless
+``--checkpoint-dir`` says otherwise. Saves are asynchronous
 (:class:`ringtrain.checkpoint.Checkpointer`). A schedule in seconds is decided by rank 0's
 clock and broadcast, so every rank saves at the same step.
 
@@ -50,7 +51,10 @@ class Durable:
     ) -> None:
         _, self._size, cfg = api._where()
         cfg = cfg if config is None else config
-        self.directory = cfg.checkpoint_dir or cfg.resume
+        # Resumed from root/step-N, the job keeps saving into root, beside the step.
+        self.directory = cfg.checkpoint_dir or (
+            manifest.save_root(cfg.resume) if cfg.resume else ""
+        )
         self._every = checkpoint_schedule(cfg.checkpoint_every) if cfg.checkpoint_every else None
         if self._every is not None and not self.directory:
             raise ConfigError(

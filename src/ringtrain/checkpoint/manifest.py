@@ -236,6 +236,32 @@ def resolve(path: str) -> str:
     )
 
 
+def save_root(path: str) -> str:
+    """Where a job resumed from ``path`` keeps saving: the root a ``step-N`` checkpoint lies
+    in (else its later saves would nest inside the step), or ``path`` itself."""
+    path = os.path.normpath(path)
+    if STEP_DIR.match(os.path.basename(path)) and os.path.isfile(os.path.join(path, MANIFEST)):
+        return os.path.dirname(os.path.abspath(path))
+    return path
+
+
+def earlier_than(directory: str) -> str:
+    """For a damaged ``step-N`` checkpoint: the committed ones of earlier steps beside it (the
+    newest three) and how to resume from one; "" when there are none."""
+    m = STEP_DIR.match(os.path.basename(os.path.normpath(directory)))
+    if m is None:
+        return ""
+    root = os.path.dirname(os.path.abspath(directory))
+    found = [(s, p) for s, p in committed(root) if s < int(m.group(1))][-3:]
+    if not found:
+        return ""
+    listed = ", ".join(f"step {s} ({p})" for s, p in reversed(found))
+    return (
+        f"Earlier checkpoints beside it: {listed}. Load one by its directory; to resume a job "
+        f"from it: ringtrain run --resume {found[-1][1]} (it keeps saving into {root})."
+    )
+
+
 def run_of(directory: str) -> str:
     """The run a committed checkpoint belongs to: the id its manifest records ("" when it
     records none: a plain :func:`ringtrain.checkpoint.save`, or a checkpoint written before

@@ -56,6 +56,7 @@ class Held:
     pieces: list[PieceState] = field(default_factory=list)
     compressor: dict[str, object] | None = None  # {"name", "state"} of a stateful compressor
     local: LocalHeld | None = None  # local updates: every rank's state differs (pieces whole)
+    kind: str = ""  # the optimizer's class (kind_of)
 
 
 @dataclass
@@ -111,7 +112,7 @@ def held(opt: torch.optim.Optimizer) -> Held:
     inner = _inner(opt)
     params = params_of(opt)
     sd_groups = inner.state_dict()["param_groups"]  # shallow: the state is not copied
-    out = Held([tuple(p.shape) for p in params], sd_groups, replicated=True)
+    out = Held([tuple(p.shape) for p in params], sd_groups, replicated=True, kind=kind_of(opt))
     if dist_opt is not None:
         comp = dist_opt.compression
         get = getattr(comp, "state_dict", None)
@@ -182,6 +183,14 @@ def load(
     opt.load_state_dict(sd)
     if lu is not None and local is None:
         lu.restart()
+
+
+def kind_of(opt: torch.optim.Optimizer) -> str:
+    """The class of the optimizer that holds the state (the wrapped one of a
+    ``DistributedOptimizer``), as ``module.Name``: a checkpoint records it, so that one
+    optimizer's state is not loaded into another's."""
+    cls = type(_inner(opt))
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def compressor_name(opt: torch.optim.Optimizer) -> str | None:

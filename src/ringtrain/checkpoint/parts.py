@@ -9,7 +9,7 @@ Keys (DCP's fully qualified names; the first dot separates the section):
   order), flattened to 1-D; each rank writes the chunks it holds: its ZeRO-1 pieces when the
   optimizer is sharded, else whole parameters dealt like the model's tensors.
   ``optim_scalar.<i>.<key>``: per-parameter values (``step``), from the rank holding element 0.
-  ``meta.optim``: param groups and shapes (rank 0).
+  ``meta.optim``: param groups, shapes and the optimizer's class (rank 0).
 * ``rank<r>.rng``, ``rank<r>.sampler``, ``rank<r>.compressor``: each rank's own.
 * ``meta.extra``: the ``extra`` object (rank 0; it must be the same on every rank).
 
@@ -145,7 +145,7 @@ def snapshot(
                     value = _host(scalar) if isinstance(scalar, torch.Tensor) else scalar
                     items.append(Item(f"optim_scalar.{piece.index}.{key}", value))
         if rank == 0:
-            meta = {"param_groups": held.param_groups, "shapes": held.shapes}
+            meta = {"param_groups": held.param_groups, "shapes": held.shapes, "kind": held.kind}
             items.append(Item("meta.optim", meta))
         if held.compressor is not None:
             comp = _to_host(held.compressor)

@@ -22,6 +22,7 @@ samplers do.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, TypeGuard
 
@@ -90,11 +91,12 @@ def save(sampler: object) -> dict[str, object]:
             "processed": sorted(sampler.processed_indices),
         }
     if isinstance(sampler, torch.utils.data.DistributedSampler):
-        if consumed is None:
+        if consumed is None or not hasattr(consumed, "__index__"):  # an int, numpy's too
+            said = "" if consumed is None else f" (consumed was a {type(consumed).__name__})"
             raise ConfigError(
-                "a DistributedSampler does not know how far the epoch went.\n"
+                f"a DistributedSampler does not know how far the epoch went{said}.\n"
                 "HINT: pass sampler=(sampler, consumed), consumed being how many of this "
-                "rank's indices were used this epoch (batches done * batch size)."
+                "rank's indices were used this epoch, a number (batches done * batch size)."
             )
         return {
             "kind": "distributed",
@@ -105,7 +107,7 @@ def save(sampler: object) -> dict[str, object]:
             "num_replicas": sampler.num_replicas,
             "rank": sampler.rank,
             "length": len(sampler.dataset),  # type: ignore[arg-type]
-            "consumed": int(consumed),
+            "consumed": operator.index(consumed),
         }
     raise ConfigError(
         f"cannot save the position of a {type(sampler).__name__}.\n"

@@ -56,6 +56,7 @@ def write_part(job: Job, items: list[Item], keys: Keys | None) -> Record:
     """Write this rank's data file and part record into the save's partial directory. A write
     that fails (a full disk) is a :class:`CheckpointError` naming the file; this rank's files of
     the save are removed, so the space they took is free again and earlier checkpoints stay."""
+    refuse_foreign(job.final, job.step)  # before a byte is written: every rank tells the same
     name = layout.data_file(job.rank)
     data = os.path.join(job.partial, name)
     tmp = os.path.join(job.partial, layout.part_file(job.rank) + ".tmp")
@@ -174,11 +175,48 @@ def commit(job: Job, keys: Keys | None) -> None:
     place(job)
 
 
+def refuse_foreign(final: str, step: int = 0) -> None:
+    """Raise :class:`CheckpointError` if ``final`` holds something a save must not replace.
+
+    A save replaces the directory at its path whole (the older checkpoint of that name goes),
+    so only a checkpoint or an empty directory may be there: anything else (a directory of the
+    user's files, the current directory, a root of ``step-N`` checkpoints, a file, a link)
+    would be deleted with it."""
+    if not os.path.lexists(final):
+        return
+    if os.path.islink(final) or not os.path.isdir(final):
+        what = "a link" if os.path.islink(final) else "a file"
+    elif os.path.isfile(os.path.join(final, manifest.MANIFEST)) or not os.listdir(final):
+        return
+    elif manifest.committed(final):
+        what = "a directory of step-N checkpoints"
+    else:
+        what = "a directory of other files, not a checkpoint"
+    hint = (
+        "give each save a directory of its own, as ringtrain.checkpoint.Checkpointer(root) "
+        f"does (root/step-N), e.g. {os.path.join(final, manifest.step_name(step))}"
+        if what.startswith("a directory")
+        else "give the save the path of a new or empty directory"
+    )
+    raise CheckpointError(
+        f"{final} is {what}: a save replaces the directory at its path whole, so it would be "
+        f"deleted. It was left as it was, and nothing was saved.\nHINT: {hint}."
+    )
+
+
 def place(job: Job) -> None:
     """Rename the finished directory into place; an older one of the same name goes after,
-    unless it belongs to another run (then the save fails and the older one stays)."""
+    unless it belongs to another run (then the save fails and the older one stays), or what
+    is there is not a checkpoint (:func:`refuse_foreign`: the save fails and it stays)."""
     parent = os.path.dirname(os.path.abspath(job.final)) or "."
     old = None
+    try:
+        refuse_foreign(
+            job.final, job.step
+        )  # again: something may have been put there while writing
+    except CheckpointError:
+        shutil.rmtree(job.partial, ignore_errors=True)
+        raise
     if os.path.exists(job.final):
         theirs = manifest.run_of(job.final)
         if job.run is not None and theirs != job.run:
@@ -250,8 +288,19 @@ def open_checkpoint(path: str, keys: Keys | None, share: tuple[int, int] = (0, 1
     the others' sizes; the ranks of a host, each given its local rank and the host's rank
     count, hash every file once between them and agree on the outcome before using any
     (``api.load``). Small files (``.metadata``) and sealed ones (authenticated whole, and held
-    for reading) are opened by every process."""
+    for reading) are opened by every process. A damaged ``step-N`` checkpoint's error names
+    the earlier ones beside it, and how to resume from one."""
     directory = manifest.resolve(path)
+    try:
+        return _open_verified(directory, keys, share)
+    except CheckpointError as e:
+        earlier = manifest.earlier_than(directory)
+        if not earlier:
+            raise
+        raise CheckpointError(f"{e}\n{earlier}") from e
+
+
+def _open_verified(directory: str, keys: Keys | None, share: tuple[int, int]) -> Opened:
     man = manifest.read(directory, secure=keys is not None)
     manifest.check_mac(directory, man, keys.manifest if keys is not None else None)
     if layout.METADATA_FILE not in man["files"]:
