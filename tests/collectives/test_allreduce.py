@@ -166,6 +166,37 @@ def test_every_dtype(world: World, path: str) -> None:
     world.run(on(path, _dtypes))
 
 
+def _bool_reductions() -> list[str]:
+    """bool reduces as torch's elementwise bool ops; an Average or a scale factor has no bool
+    meaning (it gave a logical or) and is refused on every rank, which then go on."""
+    n = rt.size()
+    x = torch.tensor([True, False, rt.rank() == 0])
+    assert hvd.allreduce(x, op=hvd.Sum).tolist() == [True, False, True]
+    assert hvd.allreduce(x, op=hvd.Min).tolist() == [True, False, n == 1]
+    assert hvd.allreduce(x, op=hvd.Product).tolist() == [True, False, n == 1]
+    said = []
+    for call in (
+        lambda: hvd.allreduce(x),  # Horovod's default op: Average
+        lambda: hvd.allreduce(x, op=hvd.Sum, postscale_factor=0.5),
+        lambda: hvd.reducescatter(torch.ones(2 * n, dtype=torch.bool)),
+    ):
+        try:
+            call()
+        except ValueError as e:
+            said.append(str(e))
+        else:
+            said.append("no error")
+        assert rt.allreduce(torch.ones(1), op=rt.Sum).item() == n
+    return said
+
+
+def test_bool_average_is_refused(world2: World) -> None:
+    for said in world2.run(_bool_reductions, timeout=60):
+        assert "Average is not defined for torch.bool" in said[0] and "HINT" in said[0], said
+        assert "cannot be scaled (prescale_factor=1.0, postscale_factor=0.5)" in said[1], said
+        assert "Average is not defined for torch.bool" in said[2], said
+
+
 def _which_path() -> list[int]:
     counts = []
     for t, op in [

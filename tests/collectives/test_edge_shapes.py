@@ -1,6 +1,6 @@
 """Tensors at the edges of what a collective takes, as users pass them: a rank with no rows,
 a dimension of size 1 whose stride is not 1, splits that leave rows unsent, objects only
-cloudpickle can send, and one that nothing can. Each case is followed by an ordinary op, so a
+cloudpickle can send, and one that nothing can, in-place results into an expanded tensor. Each case is followed by an ordinary op, so a
 failure that leaves the process set stopped shows too. Sizes 1-3, both data paths."""
 
 from __future__ import annotations
@@ -63,6 +63,44 @@ def _size1_stride() -> None:
 @PATHS
 def test_size_one_dimension_with_any_stride(world: World, path: str) -> None:
     world.run(on(path, _size1_stride))
+
+
+def _written_in_place_share_memory() -> list[str]:
+    """In-place collectives into a tensor whose elements share memory (``.expand()``) are
+    refused at submission with a ValueError, on every rank, and the set goes on: before, the
+    result's write failed on the controller's thread, as a peer failure on every rank, and
+    every later collective of the set failed."""
+    one = torch.tensor([1.0])
+    hvd.allreduce_(torch.ones(3), name="in_place.named")  # its repeat below takes no shortcut
+    calls = [
+        lambda: hvd.allreduce_(one.expand(3)),
+        lambda: hvd.allreduce_(one.expand(3), name="in_place.named"),
+        lambda: hvd.synchronize(hvd.allreduce_async_(one.expand(3), op=hvd.Sum)),
+        lambda: hvd.grouped_allreduce_([torch.ones(2), one.expand(2, 2)]),
+        lambda: hvd.broadcast_(one.expand(3), root_rank=0),
+        # one rank's tensor only: the other rank raises too, instead of waiting for it
+        lambda: hvd.allreduce_(one.expand(3) if hvd.rank() == 0 else torch.ones(3)),
+    ]
+    said = []
+    for call in calls:
+        try:
+            call()
+        except ValueError as e:
+            said.append(str(e))
+        else:
+            said.append("no error")
+        _still_works()
+    assert one.tolist() == [1.0]
+    return said
+
+
+def test_in_place_into_shared_memory_is_refused_and_the_set_goes_on(world2: World) -> None:
+    for said in world2.run(_written_in_place_share_memory, timeout=60):
+        assert len(said) == 6, said
+        for msg, kind in zip(said, ["allreduce"] * 4 + ["broadcast", "allreduce"]):
+            assert f"in-place {kind} cannot write its result into a tensor whose elements" in msg
+            assert "strides" in msg and "HINT: pass t.clone() or t.contiguous()" in msg, msg
+        assert "(item 1)" in said[3]
 
 
 def _sparse_embedding() -> None:

@@ -30,6 +30,7 @@ import torch
 import ringtrain as rt
 import ringtrain.torch as hvd
 from ringtrain.collectives import inline
+from ringtrain.runtime import queries
 from ringtrain.testing import spawn
 
 
@@ -279,6 +280,22 @@ def test_before_init_queries_raise_value_error_as_horovod() -> None:
     assert not hvd.mpi_enabled()
     with pytest.raises(ValueError, match="MPI is not enabled"):
         hvd.mpi_threads_supported()
+
+
+def test_nccl_built_is_horovods_version_code() -> None:
+    # Horovod's basics.py returns NCCL_VERSION_CODE, or 0; its tests compare it with 2700
+    built = hvd.nccl_built()
+    assert type(built) is int
+    if not torch.distributed.is_nccl_available():
+        assert built == 0
+    else:
+        assert built == queries.nccl_version_code(torch.cuda.nccl.version())
+    # nccl.h's NCCL_VERSION: a digit less for the minor version before 2.9
+    assert queries.nccl_version_code((2, 7, 8)) == 2708
+    assert queries.nccl_version_code((2, 8, 4)) == 2804
+    assert queries.nccl_version_code((2, 9, 6)) == 20906
+    assert queries.nccl_version_code((2, 21, 5)) == 22105
+    assert queries.nccl_version_code((3, 0, 1)) == 30001
 
 
 def _average_flag() -> list[str]:

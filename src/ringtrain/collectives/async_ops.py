@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ringtrain.collectives import dtypes
 from ringtrain.collectives.controller import Controller
 from ringtrain.collectives.handles import CompositeHandle, Handle
 from ringtrain.collectives.reduce_ops import ReduceOpLike, resolve_op
@@ -66,6 +67,28 @@ def _check_tensors(kind: str, tensors: Sequence[Any]) -> str:
             and kind != "allgather"
         ):
             return f"{kind} needs a tensor with at least one dimension{where}"
+    return ""
+
+
+def _written_error(kind: str, tensors: Sequence[Any]) -> str:
+    """An error for an in-place ``kind`` into a tensor whose elements share memory, or ''.
+
+    Checked at submission: torch refuses to write such a tensor only when the result lands, on
+    the controller's thread after the data moved, which failed the process set on every rank.
+    The test is torch's own for writes (``has_internal_overlap``, not public): a stride of 0 in
+    a dimension of more than one element, as ``.expand()`` makes; overlaps it cannot tell, torch
+    writes too."""
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            continue  # the general checks explain
+        if any(n > 1 and s == 0 for n, s in zip(t.shape, t.stride())):
+            where = f" (item {i})" if len(tensors) > 1 else ""
+            return (
+                f"an in-place {kind} cannot write its result into a tensor whose elements "
+                f"share memory{where}: shape {tuple(t.shape)}, strides {t.stride()} (an "
+                f".expand() view?).\nHINT: pass t.clone() or t.contiguous() and use what comes "
+                f"back, or call {kind}() for a new tensor."
+            )
     return ""
 
 
@@ -165,7 +188,8 @@ def _allreduce(
 ) -> Handle[Any]:
     op_name = resolve_op(op, average)
     pre, post = float(prescale_factor), float(postscale_factor)
-    if name is not None and not variant.grouped and (compression in _UNCOMPRESSED):
+    unwritable = _written_error("allreduce", tensors) if variant.inplace else ""
+    if name is not None and not variant.grouped and compression in _UNCOMPRESSED and not unwritable:
         handle = _repeat(variant, tensors[0], name, op_name, pre, post, process_set)
         if handle is not None:
             return handle
@@ -203,6 +227,7 @@ def _allreduce(
         process_set,
         finish,
         outputs,
+        lambda: unwritable or dtypes.refusal(sent, op_name, pre, post),
         op=op_name,
         prescale=pre,
         postscale=post,
@@ -394,6 +419,7 @@ def _broadcast(
     inplace = variant.inplace
     outputs = [t if inplace else torch.empty_like(t)] if isinstance(t, torch.Tensor) else None
     root, error = checked_root(root_rank, controller_of(process_set).comm.ranks)
+    error = error or (_written_error("broadcast", [t]) if inplace else "")
 
     def finish(result: list[torch.Tensor]) -> Any:
         # In place, the caller's own tensor comes back (the result is a view of it), as Horovod.
@@ -443,15 +469,18 @@ def _reducescatter(
     prescale_factor: float,
     postscale_factor: float,
 ) -> Handle[Any]:
+    sent, op_name = _detached(tensors), resolve_op(op)
+    pre, post = float(prescale_factor), float(postscale_factor)
     return _submit(
         "reducescatter",
-        _detached(tensors),
+        sent,
         name,
         process_set,
         variant.result,
-        op=resolve_op(op),
-        prescale=float(prescale_factor),
-        postscale=float(postscale_factor),
+        check=lambda: dtypes.refusal(sent, op_name, pre, post),
+        op=op_name,
+        prescale=pre,
+        postscale=post,
     )
 
 

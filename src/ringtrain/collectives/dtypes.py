@@ -2,13 +2,22 @@
 
 Data movement (broadcast, allgather, alltoall) reinterprets unsupported dtypes as bytes, so it is
 exact for all of them. Reductions convert to a dtype Gloo can reduce: narrow and unsigned integers
-to int64 (exact for sums below 2**63; uint64 sums wrap exactly as uint64 would), float8 to float32.
-Complex tensors reduce as pairs of reals for Sum/Average; Min/Max/Product have no complex meaning.
+to int64, float8 to float32. Gloo would sum int8 and uint8 itself, but in their own width: two
+ranks' 100s averaged to -28, not 100. Summed in int64 (exact below 2**63), an Average or a scaled
+result that fits the dtype is exact (truncated toward zero, as Horovod's); one that does not fit
+wraps on the cast back, modulo 2**bits, as torch's own arithmetic on the dtype wraps (int8
+100 + 100 is -56); uint64 sums wrap exactly as uint64 would. (Horovod refuses int8, uint8 and
+int16 reductions.) Complex tensors reduce as pairs of reals for Sum/Average; Min/Max/Product have
+no complex meaning. bool reduces as torch's elementwise bool arithmetic: Sum and Max are a
+logical or, Min and Product a logical and; an Average has no bool meaning (torch.mean refuses
+bool too), so it is refused rather than given as an or.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -20,7 +29,7 @@ GLOO_NATIVE = {
     torch.float64,
     torch.float16,
     torch.bfloat16,
-    torch.int8,
+    torch.int8,  # moved as they are; reduced widened (_WIDEN_INT)
     torch.uint8,
     torch.int32,
     torch.int64,
@@ -28,7 +37,7 @@ GLOO_NATIVE = {
     torch.complex64,
     torch.complex128,
 }
-_WIDEN_INT = {torch.int16, torch.uint16, torch.uint32}
+_WIDEN_INT = {torch.int8, torch.uint8, torch.int16, torch.uint16, torch.uint32}
 _FLOAT8 = {
     getattr(torch, n)
     for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
@@ -49,13 +58,35 @@ def reduction_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
         raise CollectiveArgumentError(
             f"{op} is not defined for complex tensors ({dtype}); use Sum or Average"
         )
-    if dtype in GLOO_NATIVE:
-        return dtype
+    if dtype == torch.bool and op == "Average":
+        raise CollectiveArgumentError(
+            f"Average is not defined for {dtype} tensors (Horovod refuses bool reductions).\n"
+            "HINT: cast to a float (t.float()) for the fraction of ranks, or to an integer for "
+            "the count (op=Sum); Sum/Max of bool give a logical or, Min a logical and."
+        )
     if dtype in _WIDEN_INT or dtype == torch.uint64:
         return torch.int64
+    if dtype in GLOO_NATIVE:
+        return dtype
     if dtype in _FLOAT8:
         return torch.float32
     raise CollectiveArgumentError(f"reductions of {dtype} are not supported")
+
+
+def refusal(tensors: Sequence[Any], op: str, pre: float = 1.0, post: float = 1.0) -> str:
+    """Why ``op`` (with scale factors ``pre``, ``post``) cannot reduce ``tensors``, or '':
+    asked at submission, so that every rank raises it before any data moves."""
+    for dtype in dict.fromkeys(t.dtype for t in tensors if isinstance(t, torch.Tensor)):
+        try:
+            reduction_dtype(dtype, op)
+        except CollectiveArgumentError as e:
+            return str(e)
+        if dtype == torch.bool and (pre != 1.0 or post != 1.0):
+            return (
+                f"a {dtype} tensor cannot be scaled (prescale_factor={pre}, "
+                f"postscale_factor={post}).\nHINT: cast it to a float or integer dtype first."
+            )
+    return ""
 
 
 def to_reducible(t: torch.Tensor, op: str) -> torch.Tensor:

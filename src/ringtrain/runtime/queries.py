@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ringtrain.runtime import state
 
 
@@ -60,10 +62,25 @@ def mpi_built() -> bool:
     return False
 
 
-def nccl_built() -> bool:
+def nccl_built() -> int:
+    """Horovod's ``NCCL_VERSION_CODE`` of the NCCL torch was built with (2.21.5: 22105), or 0
+    without NCCL. An int, as Horovod's: scripts compare it (``nccl_built() < 2700``)."""
+    import torch
     import torch.distributed as dist
 
-    return bool(dist.is_nccl_available())
+    if not dist.is_nccl_available():
+        return 0
+    version = torch.cuda.nccl.version()  # (major, minor, patch); older torch: the code itself
+    return version if isinstance(version, int) else nccl_version_code(version)
+
+
+def nccl_version_code(version: tuple[Any, ...]) -> int:
+    """nccl.h's ``NCCL_VERSION(X, Y, Z)``: ``X*1000 + Y*100 + Z`` up to 2.8, ``X*10000 + Y*100
+    + Z`` from 2.9 (when minor versions passed 9)."""
+    major, minor, patch = (int(v) for v in version[:3])  # newer torch may add a suffix
+    if major <= 2 and minor <= 8:
+        return major * 1000 + minor * 100 + patch
+    return major * 10000 + minor * 100 + patch
 
 
 def cuda_built() -> bool:
