@@ -123,3 +123,49 @@ def test_three_ranks_fail_together_and_the_first_is_named_first(tmp_path: Path) 
     # The others failed on their own (they said so), and are listed under it in that order.
     assert report_text.index("rank 0 (") < report_text.index("rank 1 (")
     assert "exited with code 10" in report_text and "exited with code 11" in report_text
+
+
+def test_failures_an_elastic_job_went_on_without_are_listed_after_the_last_worlds() -> None:
+    text = report([_failure(0, at=9.0)], absorbed=[_failure(2, at=6.0, tail=["ValueError: 2"])])
+    lines = text.splitlines()
+    assert lines[1] == (
+        "(the root cause: the rank that failed first in the last world; the others are listed "
+        "below)"
+    )
+    tail = lines[
+        lines.index("earlier, 1 rank(s) failed and the job went on without them (elastic):") :
+    ]
+    assert tail == [
+        "earlier, 1 rank(s) failed and the job went on without them (elastic):",
+        "  - rank 2 (host h, pid 102) exited with code 1 after 1.0 s, 3.0 s earlier",
+        "      | ValueError: 2",
+    ]
+
+
+# Torch-free ranks of an elastic job (--min-np 2 of 3): rank 2 fails first and the world goes
+# on without it; then rank 0 fails, below --min-np, and the job fails.
+ELASTIC_RANKS_FAIL = textwrap.dedent(
+    """
+    import os, sys, time
+    rank = int(os.environ["RINGTRAIN_RANK"])
+    time.sleep({2: 0.2, 0: 3.0, 1: 60.0}[rank])  # rank 1 is stopped when the job fails
+    print(f"rank {rank} gives up", file=sys.stderr, flush=True)
+    sys.exit(10 + rank)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_an_elastic_jobs_report_lists_the_ranks_it_went_on_without(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(ELASTIC_RANKS_FAIL)
+    argv = [sys.executable, "-m", "ringtrain", "run", "-np", "3", "--min-np", "2", "--"]
+    proc = subprocess.run(
+        [*argv, sys.executable, str(script)], capture_output=True, text=True, timeout=90
+    )
+    assert proc.returncode == 10, proc.stderr
+    report_text = proc.stderr[proc.stderr.index("ringtrain run: job failed") :]
+    assert report_text.splitlines()[0].startswith("ringtrain run: job failed: rank 0 ")
+    earlier = report_text[report_text.index("earlier, 1 rank(s) failed and the job went on") :]
+    assert "  - rank 2 (host localhost" in earlier and "exited with code 12" in earlier
+    assert "rank 2 gives up" in earlier

@@ -91,9 +91,10 @@ def _last_words(f: Failure) -> tuple[str, ...]:
     return tuple(_RANK_PREFIX.sub("", line) for line in f.tail[-3:])
 
 
-def report(failures: Failure | Sequence[Failure]) -> str:
+def report(failures: Failure | Sequence[Failure], absorbed: Sequence[Failure] = ()) -> str:
     """The launcher's closing message for a failed job: the root cause first, then the
-    other failures, grouped where their last words are the same."""
+    other failures, grouped where their last words are the same. ``absorbed``: failures of an
+    elastic job's earlier worlds, which it went on without (listed last, with their times)."""
     heard = [failures] if isinstance(failures, Failure) else list(failures)
     every = considered(heard)
     cause = root_cause(every)
@@ -103,35 +104,49 @@ def report(failures: Failure | Sequence[Failure]) -> str:
     # The live line named the first end heard of ("...; stopping the other ranks"): where that
     # is not the cause, say so, or the two messages read as a contradiction.
     stopper = next((f for f in heard if not f.finished), None)
+    first = "the rank that failed first" + (" in the last world" if absorbed else "")
     if stopper is not None and stopper is not cause and stopper.rank is not None:
         lines.append(
-            f"(the root cause: the rank that failed first; rank {stopper.rank}, whose end was "
+            f"(the root cause: {first}; rank {stopper.rank}, whose end was "
             "heard of first and stopped the job, is listed below with the others)"
         )
-    elif len(every) > 1:
-        lines.append("(the root cause: the rank that failed first; the others are listed below)")
+    elif len(every) > 1 or absorbed:
+        lines.append(f"(the root cause: {first}; the others are listed below)")
     if cause.tail:
         who = f"rank {cause.rank}" if cause.rank is not None else f"host {cause.host}"
         lines.append(f"last lines of {who}'s error output:")
         lines.extend(f"  | {t}" for t in cause.tail)
     others = sorted((f for f in every if f is not cause), key=lambda f: f.at)
-    groups: dict[tuple[str, ...], list[Failure]] = {}
-    for f in others:
-        groups.setdefault(_last_words(f), []).append(f)
-    if groups:
+    if others:
         lines.append(f"{len(others)} other rank(s) failed after it:")
+        lines.extend(_grouped(others, cause))
+    if absorbed:
+        lines.append(
+            f"earlier, {len(absorbed)} rank(s) failed and the job went on without them (elastic):"
+        )
+        lines.extend(_grouped(sorted(absorbed, key=lambda f: f.at), cause))
+    return "\n".join(lines)
+
+
+def _grouped(failures: Sequence[Failure], cause: Failure) -> list[str]:
+    """``failures`` listed, those whose last words are the same together, each timed from the
+    cause's."""
+    lines: list[str] = []
+    groups: dict[tuple[str, ...], list[Failure]] = {}
+    for f in failures:
+        groups.setdefault(_last_words(f), []).append(f)
     for words, group in groups.items():
         first = group[0]
         later = ""
         if first.at and cause.at:  # news of a rank can arrive before the cause's own
             gap = first.at - cause.at
-            later = f" {abs(gap):.1f} s {'later' if gap > 0 else 'earlier'}"
+            later = f", {abs(gap):.1f} s {'later' if gap > 0 else 'earlier'}"
             if abs(gap) < 0.05:
-                later = " at about the same time"
+                later = ", at about the same time"
         if len(group) == 1:
             lines.append(f"  - {first.description}{later}")
         else:
             ranks = ", ".join(str(f.rank) for f in group if f.rank is not None)
             lines.append(f"  - ranks {ranks} ended alike, the first{later}: {first.description}")
         lines.extend(f"      | {w}" for w in words)
-    return "\n".join(lines)
+    return lines

@@ -92,6 +92,7 @@ class Supervisor:
         self._exits: dict[int, dict[str, Any]] = {}
         self.state: job_state.State = job_state.Starting()
         self._failures: list[Failure] = []  # every failure heard of (report: earliest first)
+        self._absorbed: list[Failure] = []  # elastic: failures the job went on without
         # The SIGINTs (Ctrl-C) and SIGTERMs received, in order (the signal handler only notes)
         self._interrupts: list[signal.Signals] = []
         self._started_at = time.monotonic()
@@ -141,6 +142,13 @@ class Supervisor:
                     lk.kill()
         if decision.timed_out is not None:
             self._fail(self.pool.below_timeout(decision.timed_out))
+
+    def _lost(self, desc: str, host: str, failure: Failure, *ranks: int) -> None:
+        """Elastic: ranks failed; the job goes on without them, or fails (pool.lost)."""
+        change = self.pool.lost(desc, host, failure, *ranks)
+        if change.failed is None:
+            self._absorbed.append(failure)  # for the report, should the job fail later
+        self._changed(change)
 
     def _changed(self, change: Change) -> None:
         """Carry an elastic change into the job's state."""
@@ -436,7 +444,7 @@ class Supervisor:
                 return
             failure = Failure(None, link.host.name, 1, desc, list(link.err_tail))
             if self.pool.membership is not None:
-                self._changed(self.pool.lost(desc, link.host.name, failure, *alive))
+                self._lost(desc, link.host.name, failure, *alive)
                 return
             self._fail(failure)
 
@@ -477,7 +485,7 @@ class Supervisor:
         elif step is Next.JOINER_FAILED:
             self.pool.joiner_failed(link, [rank], failure.description)
         elif step is Next.REFORM:
-            self._changed(self.pool.lost(failure.description, link.host.name, failure, rank))
+            self._lost(failure.description, link.host.name, failure, rank)
         else:
             self._fail(failure)
 
@@ -561,5 +569,5 @@ class Supervisor:
                 f"{time.monotonic() - self._started_at:.1f} s"
             )
             return 0
-        self.say(report(self._failures))
+        self.say(report(self._failures, self._absorbed))
         return root_cause(self._failures).code
