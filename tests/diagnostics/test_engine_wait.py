@@ -129,3 +129,34 @@ def test_a_rank_that_finished_early_is_named_while_the_other_waits(world2: World
     assert "does not stand in for step()" in error, error  # join() would not help here
     assert "first failure above" not in error, error
     assert other_error == other_report == ""
+
+
+def _one_rank_elsewhere() -> str:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    for step in range(2):
+        if step == 1 and rt.rank() == 1:
+            time.sleep(8.0)  # stuck outside step() past rank 0's transport timeout
+        opt.zero_grad()
+        F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2)).backward()
+        try:
+            opt.step()
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def test_a_wait_past_the_transport_timeout_names_the_rank_elsewhere(world2: World) -> None:
+    # Gloo's own error says only that a receive timed out; the error names rank 1, which never
+    # came to step().
+    error, _ = world2.run(_one_rank_elsewhere, stall_warning_s=1.0, timeout_s=4.0, timeout=60)
+    assert error.startswith("StallError: step() gave up after "), error
+    assert (
+        " s, the transport timeout (4 s, RINGTRAIN_TIMEOUT_S), for the gradients of step 2; "
+        "ranks [0] wait there.\n" in error
+    ), error
+    assert "ranks [1] are not waiting in step()" in error, error
+    assert "The wait fails" not in error, error

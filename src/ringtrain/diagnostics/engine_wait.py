@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ringtrain.errors import UNEVEN_DATA
+from ringtrain.errors import UNEVEN_DATA, RingtrainError, StallError
 from ringtrain.runtime import exit_guard
 
 log = logging.getLogger("ringtrain")
@@ -43,17 +43,22 @@ def explain(
     waited_s: float,
     states: Mapping[int, int | str | None],
     timeout_s: float,
+    failed: bool = False,
 ) -> str:
-    """The warning for rank ``me``, waiting ``waited_s`` in ``step``. ``states`` holds every
-    member rank's post: a step number it waits in, :data:`FINISHED`, or None (no post)."""
+    """The warning for rank ``me``, waiting ``waited_s`` in ``step`` (``failed``: the error of
+    a wait that ran past the transport timeout). ``states`` holds every member rank's post: a
+    step number it waits in, :data:`FINISHED`, or None (no post)."""
     same = sorted(r for r, s in states.items() if s == step)
     other = {r: s for r, s in states.items() if isinstance(s, int) and s != step}
     done = sorted(r for r, s in states.items() if s == FINISHED)
     silent = sorted(r for r, s in states.items() if s is None and r != me)
-    lines = [
-        f"ringtrain: step() has waited {waited_s:.0f} s for the gradients of step {step}; "
-        f"ranks {same} wait there."
-    ]
+    waited = (
+        f"step() gave up after {waited_s:.0f} s, the transport timeout ({timeout_s:g} s, "
+        "RINGTRAIN_TIMEOUT_S),"
+        if failed
+        else f"ringtrain: step() has waited {waited_s:.0f} s"
+    )
+    lines = [f"{waited} for the gradients of step {step}; ranks {same} wait there."]
     for r, s in sorted(other.items()):
         lines.append(
             f"  rank {r} waits in step {s}: it ran {abs(s - step)} step(s) "
@@ -66,10 +71,12 @@ def explain(
             f"  ranks {silent} are not waiting in step(): still in forward, backward or data "
             "loading, stuck elsewhere, or gone"
         )
-    lines.append(
-        f"HINT: every rank must take the same number of steps; {UNEVEN_DATA}. The wait fails "
-        f"at the transport timeout ({timeout_s:g} s, RINGTRAIN_TIMEOUT_S)."
+    ends = (
+        ""
+        if failed
+        else (f" The wait fails at the transport timeout ({timeout_s:g} s, RINGTRAIN_TIMEOUT_S).")
     )
+    lines.append(f"HINT: every rank must take the same number of steps; {UNEVEN_DATA}.{ends}")
     return "\n".join(lines)
 
 
@@ -127,6 +134,25 @@ class WaitWatch:
         with self._cond:
             self._closed = True
             self._cond.notify()
+
+    def failed(self, e: BaseException) -> BaseException:
+        """The error to raise for this rank's wait that ended in ``e``: past the transport
+        timeout, a :class:`~ringtrain.errors.StallError` naming where the other ranks are
+        (Gloo's own says only that a receive timed out), else ``e``. Only a wait long enough
+        to have been posted is explained: a peer's post is then there if it waits too."""
+        with self._cond:
+            wait, posted = self._wait, self._posted
+        if wait is None or not posted or isinstance(e, RingtrainError):
+            return e
+        if "timed out" not in str(e).lower():
+            return e
+        step, since = wait
+        try:
+            states = {r: self._state(r) for r in self._members}
+        except Exception:  # the store is gone too: Gloo's error is all there is
+            return e
+        waited = self._clock() - since
+        return StallError(explain(self._rank, step, waited, states, self._timeout_s, True))
 
     def _run(self) -> None:
         while True:

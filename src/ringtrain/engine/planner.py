@@ -354,6 +354,11 @@ class Planner:
                     p = self._params[i]
                     if p.grad is not None and not p.grad.is_sparse:
                         p.grad = p.grad.to_sparse()
+        except RuntimeError as e:
+            named = watch.failed(e) if watch is not None else e
+            if named is e:
+                raise
+            raise named from e
         finally:
             if watch is not None:
                 watch.end()
