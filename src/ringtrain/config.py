@@ -558,9 +558,9 @@ def checkpoint_schedule(every: str) -> tuple[str, float]:
             kind = "steps"
     except ValueError:
         value, kind = 0, ""
-    if not kind or value <= 0:
+    if not kind or not 0 < value < math.inf:  # also nan: "nans" parses as a float
         raise ConfigError(
-            f"checkpoint_every={every!r} is neither a number of steps nor of seconds.\n"
+            f"checkpoint_every={every!r}: expected a positive number of steps or of seconds.\n"
             "HINT: --checkpoint-every 100 saves every 100 optimizer steps, 300s every 5 minutes."
         )
     return kind, value

@@ -123,7 +123,7 @@ def test_bad_schedule_is_refused_by_the_launcher() -> None:
     parser = argparse.ArgumentParser()
     command.configure(parser)
     args = parser.parse_args(["--checkpoint-every", "often", "-np", "1", "--", "true"])
-    with pytest.raises(ConfigError, match="neither a number of steps nor of seconds"):
+    with pytest.raises(ConfigError, match="expected a positive number of steps or of seconds"):
         command.options_from_args(args)
     good = parser.parse_args(["--checkpoint-every", "300s", "--resume", "D", "-np", "1", "true"])
     settings = command.options_from_args(good).settings

@@ -81,7 +81,8 @@ def test_a_key_file_without_a_key_is_refused(tmp_path: Path) -> None:
 def test_a_missing_interface_is_named_before_ranks_start(
     tmp_path: Path, flags: tuple[str, ...], says: str
 ) -> None:
-    """On one host: the launcher's own agent reports the interfaces; no Gloo traceback."""
+    """On one host: the launcher's own agent reports the interfaces; no Gloo traceback. Refused
+    as the other checks are (exit 2, one line and a whole HINT), not as a failed job."""
     argv = [PY, "-m", "ringtrain", "run", "-np", "2", *flags, "--network-interface", "nosuch0"]
     proc = subprocess.run(
         [*argv, *_marker_job(tmp_path)],
@@ -90,8 +91,12 @@ def test_a_missing_interface_is_named_before_ranks_start(
         timeout=90,
         cwd=tmp_path,
     )
-    assert proc.returncode != 0
-    assert says in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    [line] = _error_lines(proc.stderr)
+    assert says in line and "--network-interface 'nosuch0'" in line, proc.stderr
+    [hint] = [h for h in proc.stderr.splitlines() if h.startswith("HINT: ")]
+    assert hint.endswith(".") and "HOST=NAME" in hint, hint  # a whole sentence
+    assert "job failed" not in proc.stderr and "lost the connection" not in proc.stderr
     assert "Traceback" not in proc.stderr and "enforce fail" not in proc.stderr
     assert not (tmp_path / "started").exists()
 
@@ -293,14 +298,94 @@ def _one_error(err: str) -> str:
             "--checkpoint-every 10 is given without --checkpoint-dir",
         ),
         ((), {"RINGTRAIN_CHECKPOINT_EVERY": "300s"}, "RINGTRAIN_CHECKPOINT_EVERY='300s' is given"),
+        (("--checkpoint-keep", "2"), {}, "--checkpoint-keep 2 is given without --checkpoint-dir"),
     ],
 )
 @pytest.mark.timeout(90)
-def test_a_checkpoint_schedule_without_a_directory_is_refused(
+def test_a_checkpoint_setting_without_a_directory_is_refused(
     tmp_path: Path, flags: tuple[str, ...], env: dict[str, str], says: str
 ) -> None:
     err = _cli(tmp_path, "run", "-np", "1", *flags, *_marker_job(tmp_path), env=env)
     assert says in _one_error(err), err
+
+
+def test_checkpoint_settings_with_a_directory_or_read_by_a_checkpointer_pass(
+    tmp_path: Path,
+) -> None:
+    for where in ("checkpoint_dir", "resume"):  # --resume gives a directory too
+        config = Config(checkpoint_keep=2, **{where: str(tmp_path)})
+        command.check_settings(config, {"checkpoint_keep", where})
+    # A Checkpointer the script makes with its own directory reads the writer setting
+    # (docs/checkpoint.md), so --checkpoint-writer alone does something.
+    command.check_settings(Config(checkpoint_writer="thread"), {"checkpoint_writer"})
+
+
+@pytest.mark.parametrize("every", ["0", "0s", "-5", "nans", "often"])
+@pytest.mark.timeout(90)
+def test_a_checkpoint_schedule_that_is_no_positive_number_says_so(
+    tmp_path: Path, every: str
+) -> None:
+    flags = ("--checkpoint-dir", str(tmp_path / "ck"), f"--checkpoint-every={every}")
+    line = _one_error(_cli(tmp_path, "run", "-np", "1", *flags, *_marker_job(tmp_path)))
+    assert f"--checkpoint-every {every}: " in line, line
+    assert "expected a positive number of steps or of seconds" in line, line
+
+
+@pytest.mark.parametrize("kind", ["key", "empty, mode 644"])
+@pytest.mark.timeout(90)
+def test_a_key_file_without_secure_is_refused_not_left_unused(tmp_path: Path, kind: str) -> None:
+    """As ``ringtrain k8s`` does: the job would run unsealed, and the key would do nothing."""
+    key = tmp_path / "job.key"
+    if kind == "key":
+        keys.write_key_file(key, keys.generate_job_key())
+    else:
+        key.write_bytes(b"")
+        key.chmod(0o644)
+    err = _cli(tmp_path, "run", "-np", "1", "--key-file", str(key), *_marker_job(tmp_path))
+    line = _one_error(err)
+    assert f"--key-file {str(key)!r} is given without --secure" in line, err
+    assert "HINT: add --secure" in err and "leave --key-file out" in err
+
+
+def test_a_key_file_with_secure_from_the_environment_passes(tmp_path: Path) -> None:
+    key = keys.write_key_file(tmp_path / "job.key", keys.generate_job_key())
+    secure = Config.from_env({"RINGTRAIN_SECURE": "1"}, key_file=key)
+    command.check_settings(secure, {"key_file"})
+    with pytest.raises(ConfigError, match="without --secure"):
+        command.check_settings(Config(key_file=key), {"key_file"})
+    # RINGTRAIN_KEY_FILE alone keys the ringtrain_sealed DDP backend (docs/security.md)
+    command.check_settings(Config.from_env({"RINGTRAIN_KEY_FILE": key}), ())
+
+
+@pytest.mark.parametrize(
+    ("forward", "says"),
+    [
+        ("RINGTRAIN_TIMOUT=5", "-x: unknown variable RINGTRAIN_TIMOUT='5'"),
+        ("RINGTRAIN_TIMEOUT_S=nan", "-x: RINGTRAIN_TIMEOUT_S='nan': timeout_s must be > 0"),
+        ("HOROVOD_FUSION_THRESHOLD=abc", "-x: HOROVOD_FUSION_THRESHOLD='abc' is not valid"),
+    ],
+)
+@pytest.mark.timeout(90)
+def test_a_bad_variable_given_with_x_is_refused_before_ranks_start(
+    tmp_path: Path, forward: str, says: str
+) -> None:
+    """The ranks' environment is the launcher's plus the -x values: checked as one."""
+    err = _cli(tmp_path, "run", "-np", "2", "-x", forward, *_marker_job(tmp_path))
+    assert says in _one_error(err), err
+
+
+@pytest.mark.timeout(60)
+def test_x_values_are_checked_with_the_launchers_own(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # -x NAME forwards the launcher's value: refused as that variable, without "-x:"
+    monkeypatch.setenv("RINGTRAIN_TIMEOUT_S", "nan")
+    line = _refused(tmp_path, capsys, "-x", "RINGTRAIN_TIMEOUT_S")
+    assert "error: RINGTRAIN_TIMEOUT_S='nan': timeout_s must be > 0" in line, line
+    # the checks between settings see the -x ones too
+    monkeypatch.delenv("RINGTRAIN_TIMEOUT_S")
+    line = _refused(tmp_path, capsys, "-x", "RINGTRAIN_CHECKPOINT_EVERY=10")
+    assert "RINGTRAIN_CHECKPOINT_EVERY='10' is given without --checkpoint-dir" in line, line
 
 
 @pytest.mark.parametrize(

@@ -213,6 +213,45 @@ def test_a_script_that_is_not_executable_is_named_with_what_to_do(tmp_path: Path
     assert "never runs" not in proc.stdout
 
 
+def test_a_script_whose_interpreter_is_missing_names_its_interpreter_line(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "shebang.py"
+    script.write_text("#!/nonexistent/python\nprint('never runs')\n")
+    script.chmod(0o755)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringtrain", "run", "-np", "2", "--", "./shebang.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 127, proc.stderr  # bash's code for it, too
+    assert (
+        "cannot start './shebang.py': bad interpreter: its #! line names '/nonexistent/python'"
+    ) in proc.stderr
+    assert "command not found" not in proc.stderr
+    assert "HINT: fix that line" in proc.stderr and "python ./shebang.py" in proc.stderr
+
+
+def test_a_script_named_without_a_path_is_looked_up_on_path_and_the_hint_says_so(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "ok.py").write_text("print('never runs')\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ringtrain", "run", "-np", "2", "ok.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 127, proc.stderr
+    assert "cannot start 'ok.py': command not found" in proc.stderr
+    assert "HINT: ok.py is a file in the working directory" in proc.stderr
+    assert "run python ok.py (or ./ok.py" in proc.stderr
+    assert "never runs" not in proc.stdout
+
+
 def test_bad_flags_give_a_clear_error() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "ringtrain", "run", "-H", "a:x", "--", "true"],

@@ -369,7 +369,8 @@ def _match(host: str, ifaces: Sequence[Interface], token: str, value: Any) -> In
     have = ", ".join(i.label() for i in ifaces) or "none"
     raise LaunchError(
         f"--network-interface {token!r}: host {host} {what}; it has: {have}.\n"
-        "HINT: pass HOST=NAME for hosts whose interface is named differently, or a CIDR"
+        "HINT: pass HOST=NAME for hosts whose interface is named differently, or a CIDR "
+        "such as 10.0.0.0/24 to use each host's interface with an address in that subnet."
     )
 
 

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import glob
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,7 +28,7 @@ import psutil
 
 from ringtrain import environ
 from ringtrain.config import Config
-from ringtrain.environ import Ringtrain
+from ringtrain.environ import Process, Ringtrain
 from ringtrain.host import cpu_limits, network, open_files
 from ringtrain.launch import leftovers, protocol
 from ringtrain.launch.tuning import ALLOCATORS, LIB_DIRS
@@ -53,17 +54,52 @@ LOOK_S = 0.25  # how often a silent rank's state is read
 _STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 
 
-def _cannot_start(program: str, e: OSError, cwd: str | None) -> list[str]:
-    """Why a rank's command did not start, and what to do where that is plain."""
+def _cannot_start(program: str, e: OSError, cwd: str | None, path: str | None) -> list[str]:
+    """Why a rank's command did not start, and what to do where that is plain. ``path``: the
+    rank's PATH, where a command without a '/' was looked up."""
+    here = os.path.join(cwd or ".", program)
     if isinstance(e, FileNotFoundError):
-        return [f"cannot start {program!r}: command not found"]
+        found = here if "/" in program else shutil.which(program, path=path or os.defpath)
+        if found and os.path.isfile(found):  # the file is there: what it asks for is not
+            return _missing_interpreter(program, found)
+        lines = [f"cannot start {program!r}: command not found"]
+        if os.path.isfile(here):  # a bare name is looked up on PATH, never in the cwd
+            lines.append(
+                f"HINT: {program} is a file in the working directory, but a command without a "
+                f"'/' is looked up on PATH: run python {program} (or ./{program}, an "
+                "executable file with a #! line)."
+            )
+        return lines
     lines = [f"cannot start {program!r}: {e.strerror}"]
-    if isinstance(e, PermissionError) and os.path.isfile(os.path.join(cwd or ".", program)):
+    if isinstance(e, PermissionError) and os.path.isfile(here):
         lines.append(
             f"HINT: {program} is not executable: chmod +x {program}, or name its interpreter "
             f"first (ringtrain run ... python {program})."
         )
     return lines
+
+
+def _missing_interpreter(program: str, found: str) -> list[str]:
+    """A file the kernel found but could not run: its #! line names a missing program (a
+    shell says "bad interpreter"), or a binary's loader is missing."""
+    try:
+        with open(found, "rb") as f:
+            first = f.readline(256).rstrip(b"\r\n")
+    except OSError:
+        first = b""
+    if not first.startswith(b"#!"):
+        return [
+            f"cannot start {program!r}: {found} exists, but the loader or libraries it needs "
+            "to run were not found.",
+            f"HINT: check it with `ldd {found}` on this host.",
+        ]
+    interpreter = (first[2:].split() or [b""])[0].decode(errors="replace")
+    return [
+        f"cannot start {program!r}: bad interpreter: its #! line names {interpreter!r}, "
+        "which does not exist on this host",
+        "HINT: fix that line (e.g. #!/usr/bin/env python3), or name the interpreter first "
+        f"(ringtrain run ... python {program}).",
+    ]
 
 
 def host_facts() -> dict[str, Any]:
@@ -189,7 +225,7 @@ class Agent:
                 preexec_fn=_child_setup(cpus),
             )
         except OSError as e:
-            tail = _cannot_start(r["argv"][0], e, cwd)
+            tail = _cannot_start(r["argv"][0], e, cwd, env.get(Process.PATH))
             self._tails[rank].extend(tail)
             # A shell's codes: 127 not found, 126 found but not runnable.
             code = 127 if isinstance(e, FileNotFoundError) else 126

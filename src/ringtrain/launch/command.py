@@ -25,7 +25,7 @@ from ringtrain.config import (
 )
 from ringtrain.environ import LOG_LEVELS
 from ringtrain.errors import ConfigError, SecurityError
-from ringtrain.launch import horovodrun
+from ringtrain.launch import horovodrun, rank_env
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
 from ringtrain.launch.options import BIND_CHOICES, MALLOC_CHOICES, LaunchOptions
 from ringtrain.launch.plan import PLACEMENTS
@@ -477,18 +477,7 @@ def check_settings(
     checked per host by the supervisor, from what each host's agent reports."""
     flags = {f.field: f.flag for f in SETTING_FLAGS}
     check_launch_settings(config, {name: flags.get(name, name) for name in given})
-    if config.checkpoint_every and not (config.checkpoint_dir or config.resume):
-        # Durable refuses this on every rank; a job that never makes one would save nothing.
-        shown = (
-            f"--checkpoint-every {config.checkpoint_every}"
-            if "checkpoint_every" in given
-            else f"{env_var('checkpoint_every')}={config.checkpoint_every!r}"
-        )
-        raise ConfigError(
-            f"{shown} is given without --checkpoint-dir: there is nowhere to save checkpoints.\n"
-            f"HINT: ringtrain run --checkpoint-dir DIR --checkpoint-every "
-            f"{config.checkpoint_every} ... (or --resume DIR to continue a job)."
-        )
+    _check_unused(config, given)
     if ranks_here:
         # Checked again where ranks create them; paths on other hosts are theirs.
         if config.timeline_filename:  # each rank writes its own file beside the name given
@@ -513,6 +502,39 @@ def check_settings(
                 raise SecurityError(f"{shown}: {e}") from None
 
 
+def _check_unused(config: Config, given: Collection[str]) -> None:
+    """Settings that would do nothing, refused rather than ignored: whoever gives them expects
+    an effect (a key seals nothing without --secure; ``ringtrain k8s`` refuses it alike)."""
+    if "key_file" in given and not config.secure:
+        # Only the flag: RINGTRAIN_KEY_FILE alone keys the ringtrain_sealed DDP backend.
+        raise ConfigError(
+            f"--key-file {config.key_file!r} is given without --secure: the job's traffic would "
+            "not be sealed and the key would go unused.\n"
+            "HINT: add --secure to seal the job with this key, or leave --key-file out."
+        )
+    if config.checkpoint_every and not (config.checkpoint_dir or config.resume):
+        # Durable refuses this on every rank; a job that never makes one would save nothing.
+        shown = (
+            f"--checkpoint-every {config.checkpoint_every}"
+            if "checkpoint_every" in given
+            else f"{env_var('checkpoint_every')}={config.checkpoint_every!r}"
+        )
+        raise ConfigError(
+            f"{shown} is given without --checkpoint-dir: there is nowhere to save checkpoints.\n"
+            f"HINT: ringtrain run --checkpoint-dir DIR --checkpoint-every "
+            f"{config.checkpoint_every} ... (or --resume DIR to continue a job)."
+        )
+    if "checkpoint_keep" in given and not (config.checkpoint_dir or config.resume):
+        # Only Durable reads it, and only with a directory. (--checkpoint-writer is not refused:
+        # a Checkpointer the script makes with its own directory reads that setting.)
+        raise ConfigError(
+            f"--checkpoint-keep {config.checkpoint_keep} is given without --checkpoint-dir: "
+            "the job saves no checkpoints, so there are none to keep.\n"
+            "HINT: ringtrain run --checkpoint-dir DIR --checkpoint-every N --checkpoint-keep "
+            f"{config.checkpoint_keep} ... (or --resume DIR), or leave --checkpoint-keep out."
+        )
+
+
 def _interface_names(value: str | None) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -532,8 +554,16 @@ def checked_options(args: argparse.Namespace) -> LaunchOptions:
     """The launch options the flags describe, every value checked before any rank starts."""
     options = options_from_args(args)
     # A bad RINGTRAIN_*/HOROVOD_* value or setting fails here once, before any rank starts:
-    # the ranks compute this same Config from the variables the launcher hands them.
-    config = Config.from_env(environ.current(), **options.settings)
+    # the ranks compute this same Config from the variables the launcher hands them, its own
+    # and the -x ones (which win on every host).
+    env = environ.current()
+    config = Config.from_env(env, **options.settings)
+    sent = rank_env.explicit(env, options.forward_env)
+    if any(env.get(k) != v for k, v in sent.items()):  # the launcher's own values passed above
+        try:
+            config = Config.from_env({**env, **sent}, **options.settings)
+        except ConfigError as e:
+            raise ConfigError(f"-x: {e}") from None
     listed_here = any(h.is_local for h in options.hosts)
     here = options.discovery_script is not None or listed_here
     # A discovery script may name only other hosts: a key file missing here may be theirs.

@@ -42,7 +42,7 @@ from typing import IO, Any
 from ringtrain import environ
 from ringtrain.config import Config, to_env
 from ringtrain.environ import horovod_unused
-from ringtrain.errors import LaunchError
+from ringtrain.errors import ConfigError, LaunchError
 from ringtrain.host import network
 from ringtrain.launch import agent_start, discovery, elastic, job_network, job_state, rank_env
 from ringtrain.launch.agent import FAILING_GRACE_S
@@ -205,6 +205,12 @@ class Supervisor:
                 failure.at = time.time()
                 self._failures.append(failure)
             self._apply(job_state.Failed(failure, time.monotonic(), 0.0, hard=True))
+        except ConfigError as e:
+            # Refused before any rank started (_network): the agents are stopped as for a
+            # launch error, but nothing failed; the caller reports the refusal (exit 2).
+            refused = Failure(None, "", 2, str(e), [])
+            self._apply(job_state.Failed(refused, time.monotonic(), 0.0, hard=True))
+            raise
         finally:
             if self._poller is not None:
                 self._poller.stop()
@@ -376,7 +382,12 @@ class Supervisor:
         """The rendezvous address every host can reach, and per-host interface variables."""
         iface = job_network.named_interface(self.options, self.env)
         if iface.strip():
-            job_network.check_interface(iface, self.links, self.options.settings)
+            try:
+                job_network.check_interface(iface, self.links, self.options.settings)
+            except LaunchError as e:
+                # A setting no host can honour, found before any rank starts: refused as the
+                # launcher's other checks are (exit 2), not reported as a failed job.
+                raise ConfigError(str(e)) from None
         if self.is_local():
             return "127.0.0.1", {}
         return job_network.plan(self.links, iface, self.options)
