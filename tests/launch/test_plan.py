@@ -1,6 +1,11 @@
-"""The launcher's pure parts: host specs, the plan, rank variables, CPU tuning, flag mapping."""
+"""The launcher's pure parts: host specs, the plan, rank variables, CPU tuning, flag mapping;
+and one real run, of this machine named by its hostname."""
 
 from __future__ import annotations
+
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -17,6 +22,21 @@ from ringtrain.launch.tuning import HostFacts, tune
 def test_parse_hosts() -> None:
     assert parse_hosts("a:2,b:2") == [Host("a", 2), Host("b", 2)]
     assert parse_hosts("a, user@10.0.0.2:3") == [Host("a", 1), Host("user@10.0.0.2", 3)]
+
+
+def test_this_machines_own_hostname_is_a_local_host() -> None:
+    """A hostfile that lists the launch node by name (``hostname``'s output) runs its ranks
+    here, with no ssh to itself, as Horovod does; another name is still reached over ssh."""
+    own = socket.gethostname()
+    for name in {own, own.split(".")[0]}:
+        assert Host(name, 2).is_local
+        assert "ssh" not in agent_start.command_for(Host(name, 2), SshOptions(), "python", "/")
+    assert not Host(f"not-{own}", 2).is_local and not Host(f"me@{own}", 2).is_local
+    run = [sys.executable, "-m", "ringtrain", "run", "-H", f"{own}:2", "--"]
+    done = subprocess.run(
+        [*run, sys.executable, "-c", "print('up')"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout.count("up") == 2, done.stderr
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +14,16 @@ from ringtrain.errors import HostSpecError
 _SLOTS_HINT = "HINT: slots are a whole number >= 1: host:4 or 'host slots=4'."
 
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1", "local"})
+
+
+@functools.cache
+def _own_names() -> frozenset[str]:
+    """This machine's own hostname, as ``hostname`` prints it and its first label: a hostfile
+    that lists the launch node by name means this machine, which needs no ssh to itself (as in
+    Horovod). No name lookup: resolving every host could wait on DNS."""
+    name = socket.gethostname()
+    return frozenset({name, name.split(".")[0]} - {""})
+
 
 # A host name, an ssh alias, an IPv4 address or a bracketed IPv6 address; optionally user@.
 _HOST = re.compile(r"^(?:[A-Za-z0-9_.-]+@)?(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:]+\])$")
@@ -26,7 +38,7 @@ class Host:
 
     @property
     def is_local(self) -> bool:
-        return self.name in LOCAL_NAMES
+        return self.name in LOCAL_NAMES or self.name in _own_names()
 
 
 def parse_hosts(spec: str, flag: str = "") -> list[Host]:
