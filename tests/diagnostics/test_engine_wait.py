@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,3 +163,48 @@ def test_a_wait_past_the_transport_timeout_names_the_rank_elsewhere(world2: Worl
     ), error
     assert "ranks [1] are not waiting in step()" in error, error
     assert "The wait fails" not in error, error
+
+
+JOIN_A_STEP_SHORT = """
+import torch
+import torch.nn.functional as F
+import ringtrain.torch as hvd
+
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+opt = hvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+)
+for _ in range({steps} if hvd.rank() == 0 else 2):
+    opt.zero_grad()
+    F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2)).backward()
+    opt.step()
+print("joined, last", hvd.join(), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_join_does_not_stand_in_for_step_and_says_so_at_once(tmp_path: Path) -> None:
+    """Rank 1's data runs out a step early and it joins, Horovod's pattern for uneven data:
+    join() contributes zeros to explicit allreduces, not to step()'s exchange, so rank 0 would
+    wait in step 3 until the transport timeout (60 s here). Rank 1 reads rank 0's post and
+    raises; its exit ends rank 0's wait with its words. With as many steps, join() is harmless."""
+    script = tmp_path / "job.py"
+    run = [sys.executable, "-m", "ringtrain", "run", "-np", "2", "--timeout", "60"]
+    run += ["--stall-warning-time", "1", "--", sys.executable, str(script)]
+    script.write_text(JOIN_A_STEP_SHORT.format(steps=3))
+    t0 = time.monotonic()
+    done = subprocess.run(run, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 1 and time.monotonic() - t0 < 45, done.stderr
+    report = done.stderr[done.stderr.index("ringtrain run: job failed") :]
+    assert report.startswith("ringtrain run: job failed: rank 1 "), report
+    assert (
+        "CollectiveUnsupportedError: join() cannot stand in for DistributedOptimizer.step(): "
+        "rank 0 waits in step() for the gradients of step 3, and this rank joined after 2 "
+        "step(s); it would wait until the transport timeout." in report
+    ), report
+    assert "ringtrain.errors.PeerFailedError: rank 0: a peer left the job: rank 1" in report
+    script.write_text(JOIN_A_STEP_SHORT.format(steps=2))
+    done = subprocess.run(run, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0 and done.stdout.count("joined, last") == 2, done.stderr

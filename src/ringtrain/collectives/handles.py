@@ -66,6 +66,11 @@ class Handle(Generic[T]):
     def done(self) -> bool:
         return self._finished
 
+    def finished_within(self, timeout: float) -> bool:
+        """Whether the handle completed (its result or error is in), waiting up to
+        ``timeout`` seconds for it."""
+        return self._wait_done(timeout)
+
     def wait(self, timeout: float | None = None) -> T:
         if not self._wait_done(timeout):
             raise CollectiveAbortedError(

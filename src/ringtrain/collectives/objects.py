@@ -17,6 +17,7 @@ import torch
 from ringtrain.collectives import ops
 from ringtrain.collectives.controller import JOIN_NAME
 from ringtrain.collectives.requests import Request, TensorMeta
+from ringtrain.diagnostics import engine_wait
 from ringtrain.runtime.process_sets import ProcessSet
 
 T = TypeVar("T")
@@ -113,5 +114,9 @@ def join(device: int = -1, process_set: ProcessSet | None = None) -> int:
     ranks while any rank has joined, as they do in Horovod; so do allreduces with Min, Max or
     Product, which would take the zeros for data (Horovod reduces the zeros with them)."""
     ctl = ops.controller_of(process_set)
-    last: int = ops.synchronize(ctl.submit(Request(JOIN_NAME, "join"), [], []))
+    handle = ctl.submit(Request(JOIN_NAME, "join"), [], [])
+    # Not for DistributedOptimizer's step(), whose exchange is not negotiated: a peer that
+    # waits in a step this rank never took is an error here, not a wait until the timeout.
+    engine_wait.standing_in(ctl.comm.ranks, handle.finished_within)
+    last: int = ops.synchronize(handle)
     return last

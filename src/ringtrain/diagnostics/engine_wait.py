@@ -22,15 +22,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ringtrain.errors import UNEVEN_DATA, RingtrainError, StallError
+from ringtrain.errors import (
+    UNEVEN_DATA,
+    CollectiveUnsupportedError,
+    RingtrainError,
+    StallError,
+)
 from ringtrain.runtime import exit_guard
 
 log = logging.getLogger("ringtrain")
 
 FINISHED = "finished"
+# A wait is posted after half the warning time, or this long if sooner: a peer in join() reads
+# the posts to tell that it is left behind (left_behind), and should not wait a minute for it.
+POST_AFTER_S = 5.0
+# How often a rank in join() reads its peers' posts.
+JOIN_LOOK_S = 0.5
+
+_LIVE: weakref.WeakSet[WaitWatch] = weakref.WeakSet()  # this process's watches (join() reads)
 
 
 def finished_key(world_rank: int) -> str:
@@ -96,7 +109,7 @@ class WaitWatch:
         self._store = store
         self._prefix = prefix
         self._rank = rank
-        self._members = list(members)
+        self.members = list(members)
         self.warning_s = warning_s
         self._timeout_s = timeout_s
         self._clock = clock
@@ -107,6 +120,8 @@ class WaitWatch:
         self._unpost = False  # a post of an ended wait is still in the store
         self._closed = False
         self._thread: threading.Thread | None = None
+        self.last_step = 0  # the last step this rank began
+        _LIVE.add(self)
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}/waiting/{rank}"
@@ -114,6 +129,7 @@ class WaitWatch:
     def begin(self, step: int) -> None:
         with self._cond:
             self._wait = (step, self._clock())
+            self.last_step = step
             self._posted = self._warned = False
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -135,6 +151,21 @@ class WaitWatch:
             self._closed = True
             self._cond.notify()
 
+    def left_behind(self) -> str:
+        """For a rank in join(): why a peer waits in vain, or ''. A peer that waits in a step
+        this rank never began waits for gradients that will not come: join() contributes zeros
+        to explicit allreduces only, not to step()'s exchange."""
+        for r in self.members:
+            state = self._state(r) if r != self._rank else None
+            if isinstance(state, int) and state > self.last_step:
+                return (
+                    f"join() cannot stand in for DistributedOptimizer.step(): rank {r} waits in "
+                    f"step() for the gradients of step {state}, and this rank joined after "
+                    f"{self.last_step} step(s); it would wait until the transport timeout.\n"
+                    f"HINT: every rank must take the same number of steps; {UNEVEN_DATA}."
+                )
+        return ""
+
     def failed(self, e: BaseException) -> BaseException:
         """The error to raise for this rank's wait that ended in ``e``: past the transport
         timeout, a :class:`~ringtrain.errors.StallError` naming where the other ranks are
@@ -148,7 +179,7 @@ class WaitWatch:
             return e
         step, since = wait
         try:
-            states = {r: self._state(r) for r in self._members}
+            states = {r: self._state(r) for r in self.members}
         except Exception:  # the store is gone too: Gloo's error is all there is
             return e
         waited = self._clock() - since
@@ -180,7 +211,8 @@ class WaitWatch:
                 self._cond.wait()
                 continue
             step, since = self._wait
-            due = since + (self.warning_s if self._posted else self.warning_s / 2)
+            post_s = min(self.warning_s / 2, POST_AFTER_S)
+            due = since + (self.warning_s if self._posted else post_s)
             left = due - self._clock()
             if left > 0:
                 self._cond.wait(left)
@@ -194,7 +226,7 @@ class WaitWatch:
         return None
 
     def _report(self, step: int, waited: float) -> None:
-        states = {r: self._state(r) for r in self._members}
+        states = {r: self._state(r) for r in self.members}
         waiting_here = [r for r, s in states.items() if s == step]
         if len(waiting_here) == len(states):
             return  # all wait in this step together: a slow exchange, not a rank elsewhere
@@ -215,3 +247,17 @@ class WaitWatch:
         if self._store.check([finished_key(rank)]):
             return FINISHED
         return None
+
+
+def standing_in(ranks: Sequence[int], finished_within: Callable[[float], bool]) -> None:
+    """Wait for this rank's join() on ``ranks`` (``finished_within(s)``: whether it completed
+    within ``s`` seconds), raising :class:`~ringtrain.errors.CollectiveUnsupportedError` as soon
+    as a peer waits in a ``step()`` of an optimizer of these ranks that this rank never began:
+    the peer would wait until the transport timeout, and this rank with it."""
+    watches = [w for w in list(_LIVE) if w.members == list(ranks)]
+    while watches and not finished_within(JOIN_LOOK_S):
+        for w in watches:
+            with exit_guard.native_call() as ok:
+                why = w.left_behind() if ok else ""
+            if why:
+                raise CollectiveUnsupportedError(why)
