@@ -76,6 +76,9 @@ class Config:
     # ringtrain run's agents: a rank silent 4 s (no heartbeat) that then does no work for this
     # long (stuck in a driver or the kernel) is killed as frozen and handled like a dead rank.
     frozen_after_s: float = 30.0
+    # ringtrain run: ranks get this long after the Ctrl-C or SIGTERM it forwards (time to save a
+    # checkpoint) before SIGKILL; a second signal kills at once. Below Kubernetes' default 30 s.
+    grace_period_s: float = 20.0
     # Check that ranks submit matching collectives (name, op, shape, dtype, root, process set).
     check_consistency: bool = True
     # Chrome/Perfetto trace written by every rank (rank suffix added); empty disables.
@@ -365,12 +368,9 @@ NUMBERS: dict[str, Bounds] = {
     "stall_warning_s": Bounds(0, unit="seconds", hint="0 turns the stall inspector off."),
     "stall_shutdown_s": Bounds(0, unit="seconds", hint="0 never ends the job for a stall."),
     "frozen_after_s": Bounds(
-        0,
-        above=True,
-        unit="seconds",
-        hint="e.g. 120 where a rank may wait that long in a driver without using CPU; "
-        "leave it unset for 30.",
+        0, above=True, unit="seconds", hint="e.g. 120 where a rank may wait that long in a driver."
     ),
+    "grace_period_s": Bounds(0, unit="seconds", hint="e.g. 60 where ranks save on SIGTERM."),
     "powersgd_rank": Bounds(
         1, whole=True, hint="rank 1 for fine-tuning, 2-4 for training from scratch."
     ),

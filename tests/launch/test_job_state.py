@@ -52,12 +52,24 @@ def test_a_launch_error_stops_at_once_even_while_stopping() -> None:
     assert state == js.Stopping(None, 3.0 + js.KILL_AFTER_S, 1) and actions == [A.STOP_RANKS]
 
 
-def test_ctrl_c_forwards_sigint_then_a_second_stops_at_once() -> None:
+def test_ctrl_c_forwards_sigint_then_a_second_kills_at_once() -> None:
     state, actions = _run(js.Started(), js.Interrupted(1, now=0.0, grace_s=5.0))
-    assert state == js.Stopping(None, 5.0 + js.KILL_AFTER_S, 1) and actions == [A.FORWARD_SIGNAL]
+    forwarded = js.Stopping(None, 5.0 + js.KILL_AFTER_S, 1, kill_at=5.0)
+    assert state == forwarded and actions == [A.FORWARD_SIGNAL]
     assert _run(js.Interrupted(1, now=1.0, grace_s=5.0), state=state) == (state, [])  # seen
     state, actions = _run(js.Interrupted(2, now=1.0, grace_s=5.0), state=state)
-    assert state == js.Stopping(None, 1.0 + js.KILL_AFTER_S, 2) and actions == [A.STOP_RANKS]
+    assert state == js.Stopping(None, 1.0 + js.KILL_AFTER_S, 2) and actions == [A.KILL_RANKS]
+
+
+def test_ranks_are_killed_once_when_the_grace_period_ends_never_sent_sigterm_again() -> None:
+    state, _ = _run(js.Started(), js.Interrupted(1, now=0.0, grace_s=30.0))
+    assert _run(js.Tick(now=29.9), state=state) == (state, [])
+    state, actions = _run(js.Tick(now=30.0), state=state)
+    assert actions == [A.KILL_RANKS] and state.kill_at is None  # type: ignore[union-attr]
+    assert _run(js.Tick(now=31.0), state=state) == (state, [])
+    # A second signal after that kills nothing more (nor is said to have killed them at once).
+    assert _run(js.Interrupted(2, now=31.0, grace_s=30.0), state=state)[1] == []
+    assert _run(js.Tick(now=33.5), state=state)[1] == [A.KILL_AGENTS]  # agents that hang
 
 
 def test_ctrl_c_after_a_failure_keeps_the_failure() -> None:

@@ -168,13 +168,16 @@ def test_rank_killed_by_a_signal(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("mode", ["sleep", "stubborn"])
 def test_ctrl_c_is_forwarded_and_ends_everything(tmp_path: Path, mode: str) -> None:
-    proc = _launch(tmp_path, 2, mode)
+    proc = _launch(tmp_path, 2, mode, "--grace-period", "2")
     pids = _wait_for_pids(tmp_path, 2)
     time.sleep(0.2)  # let "stubborn" ranks install their handlers
     proc.send_signal(signal.SIGINT)
     code, _, err = _finish(proc)
     assert code == 130, err
     assert "interrupted" in err
+    # Ranks that ignore SIGINT and SIGTERM are SIGKILLed when the grace period ends.
+    killed = "did not exit within the grace period of 2 s after SIGINT; killed"
+    assert (killed in err) is (mode == "stubborn"), err
     _assert_all_gone(pids)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from ringtrain.runtime import departures
-from ringtrain.runtime.departures import FAILED, FINISHED, Departure
+from ringtrain.runtime.departures import FAILED, FINISHED, STOPPED, Departure
 
 
 def test_posts_are_read_failures_first_then_by_time() -> None:
@@ -111,3 +111,37 @@ def test_the_hint_follows_the_first_departure() -> None:
     )
     told = str(departures._named(0, "", [finished], "  (ended)"))
     assert "HINT: no rank failed" in told and "join()" in told and "op=Min" in told
+
+
+def test_an_interrupted_rank_did_not_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An uncaught KeyboardInterrupt posts that the job was interrupted; ``ringtrain run``'s
+    record of a rank that ended after it forwarded the signal says so too, naming it. A peer's
+    error then gives no failure to fix; a signal the launcher did not send stays a failure,
+    without the words about sys.exit that only an exit code calls for."""
+    from ringtrain.launch.failures import exited_key, interrupted_words
+
+    monkeypatch.setattr(sys, "excepthook", lambda *a: None)  # the hook's printing, quieted
+    monkeypatch.setattr(departures, "_previous_hook", None)
+    monkeypatch.setattr(departures, "EXIT_WAIT_S", 0.2)
+    monkeypatch.setattr(departures, "_launcher_records_exits", lambda: True)
+    store = dist.HashStore()
+    departures.bind(store, 0, "a")
+    try:
+        sys.excepthook(KeyboardInterrupt, KeyboardInterrupt(), None)
+    finally:
+        departures.unbind()
+    (own,) = departures.read(store, [0])
+    assert own.how == STOPPED and own.describe() == (
+        "rank 0 (host a) left: the job was interrupted (KeyboardInterrupt)"
+    )
+    assert departures.failure() is None
+    store.set(exited_key(0), interrupted_words("SIGINT"))
+    store.set(departures.PREFIX + "1", Departure(1, FINISHED, "", "b", 2.0).encode())
+    store.set(exited_key(1), "was killed by SIGKILL")
+    stopped, killed = sorted(departures.read(store, [0, 1]), key=lambda d: d.rank)
+    assert stopped.describe() == (
+        "rank 0 (host a) left: the job was interrupted (SIGINT from the launcher)"
+    )
+    told = str(departures._named(2, "", [stopped], "  (ended)"))
+    assert "HINT: no rank failed: the job was interrupted" in told and "fix it" not in told
+    assert killed.how == FAILED and killed.why == "was killed by SIGKILL"

@@ -381,7 +381,8 @@ def allreduce_job(
         "--budget",
         str(budget_s),
     )
-    settings: dict[str, Any] = {"timeout_s": max(30.0, budget_s * 2)}
+    # A measuring job saves nothing: Ctrl-C ends it within a second, as a failure does.
+    settings: dict[str, Any] = {"timeout_s": max(30.0, budget_s * 2), "grace_period_s": 1.0}
     if network_interface:
         settings["network_interface"] = network_interface
     options = LaunchOptions(

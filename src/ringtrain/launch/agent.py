@@ -153,6 +153,7 @@ class Agent:
         self._failing: set[int] = set()  # ranks that said an uncaught exception ends them
         self._after_peer: set[int] = set()  # ... one that says a peer left first
         self._signalled: set[int] = set()  # ranks this agent sent a signal (stop, Ctrl-C)
+        self._killed: set[int] = set()  # ... SIGKILL when a forwarded signal's grace ran out
         # silent rank -> (since when it did no work, last look, its threads' CPU seconds then)
         self._idle: dict[int, tuple[float, float, dict[tuple[int, int], float]]] = {}
 
@@ -365,6 +366,7 @@ class Agent:
                     failing=rank in self._failing,
                     after_peer=rank in self._after_peer,
                     stopped=rank in self._signalled,  # its end was ours, not its own
+                    killed=rank in self._killed,
                 )
             time.sleep(0.02)
         if not self._live_pids():  # what the ranks left behind (their orphans are ours)
@@ -411,6 +413,16 @@ class Agent:
             with contextlib.suppress(psutil.Error):
                 p.kill()
         leftovers.sweep(0.0, self._live_pids())  # orphans of ranks that had already exited
+
+    def kill_all(self) -> None:
+        """SIGKILL every rank still running, and what it started: the grace period after a
+        forwarded Ctrl-C or SIGTERM is over (no second SIGTERM: a handler would start over)."""
+        self._killed |= {r for r, p in self._procs.items() if p.poll() is None}
+        tree = self._descendants()
+        self.signal_all(signal.SIGKILL)
+        for p in tree:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
 
     def _descendants(self) -> list[psutil.Process]:
         out = []
@@ -513,6 +525,8 @@ def main() -> int:
             agent.signal_all(signal.Signals[msg["sig"]])
         elif msg["t"] == "stop":
             agent.stop_all()
+        elif msg["t"] == "kill":
+            agent.kill_all()
     # Lifeline cut (or the launcher is finished): nothing may outlive it.
     agent.stop_all()
     agent.wait_all(1.0)

@@ -86,6 +86,13 @@ SETTING_FLAGS = (
         "seconds a rank silent 4 s may do no work before its agent kills it as frozen (default 30)",
     ),
     SettingFlag(
+        "--grace-period",
+        "grace_period_s",
+        float,
+        "seconds ranks get to exit (save a checkpoint) after a forwarded Ctrl-C or SIGTERM, "
+        "before SIGKILL (default 20; a second signal kills at once)",
+    ),
+    SettingFlag(
         "--timeline-filename",
         "timeline_filename",
         str,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import signal
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # The launcher's record of how each rank's process ended, in the job's store (non-elastic jobs
@@ -25,6 +25,15 @@ from typing import Any
 # ``sys.exit(n)`` gives, so a rank cannot post it; its agent sees it, and peers that found only a
 # "finished" post read it here (:mod:`ringtrain.runtime.departures`, which imports this).
 EXITED_PREFIX = "ringtrain/exited/"
+
+
+# The record of a rank that ended after the launcher forwarded Ctrl-C or SIGTERM (the same
+# key): the job was interrupted, nothing failed; a peer's error says so, with no fix to make.
+INTERRUPTED = "the job was interrupted"
+
+
+def interrupted_words(sig: str) -> str:
+    return f"{INTERRUPTED} ({sig} from the launcher)"
 
 
 # A rank's exit without last words (``os._exit``) is stamped when its agent reaps it, which its
@@ -51,6 +60,42 @@ class Failure:
     # Not a failure: the rank exited 0. It is the cause only where it left before every
     # failure and each of them only says a peer left first (:func:`considered`).
     finished: bool = False
+
+
+@dataclass
+class Interruption:
+    """How the ranks ended after the launcher forwarded ``sig``: in time, or killed when the
+    grace period ended (or at once, by a second signal). The closing report's facts."""
+
+    sig: str
+    grace_s: float
+    in_time: list[int] = field(default_factory=list)
+    killed: list[int] = field(default_factory=list)
+    at_once: bool = False  # a second signal killed them before the grace period ended
+
+    def report(self) -> str:
+        what = "job interrupted" if self.sig == "SIGINT" else f"job terminated ({self.sig})"
+        period = f"the grace period of {self.grace_s:g} s after {self.sig}"
+        if not self.killed:
+            return f"{what}: every rank exited within {period}"
+        lines = [what]
+        if self.in_time:
+            lines[0] += f": {_ranks(self.in_time)} exited within {period}"
+        for rank in sorted(self.killed):
+            if self.at_once:
+                lines.append(f"rank {rank} was killed at once by the second {self.sig}")
+            else:
+                lines.append(f"rank {rank} did not exit within {period}; killed")
+        if not self.at_once:
+            lines.append(
+                "HINT: a rank that saves a checkpoint when interrupted may need longer: "
+                "--grace-period S (RINGTRAIN_GRACE_PERIOD_S)."
+            )
+        return "\n".join(lines)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
 
 
 def how_it_ended(msg: dict[str, Any]) -> tuple[str, int]:

@@ -9,7 +9,8 @@ A job is in exactly one phase, and the data that only that phase has travels wit
 ``WaitingForHosts``    elastic with a discovery script: fewer than ``--min-np`` ranks remain
                        (``since``, and the failure that took the job there)
 ``Stopping``           a failure or Ctrl-C: every rank is being stopped (``failure``, the
-                       deadline after which agents are killed, how many Ctrl-Cs)
+                       deadline after which agents are killed, how many Ctrl-Cs, when the
+                       ranks a forwarded signal left running are killed)
 ``Done``               every agent ended; ``code`` is the launcher's exit code
 =====================  ===========================================================================
 
@@ -67,6 +68,9 @@ class Stopping:
     failure: Failure | None  # the one acted on; None after Ctrl-C alone
     deadline: float  # monotonic time after which the agents are killed
     interrupts: int = 0  # Ctrl-Cs handled
+    # After a forwarded signal: when the grace period ends and what still runs is SIGKILLed
+    # (never a second SIGTERM: a rank's handler, mid-save, would start over).
+    kill_at: float | None = None
     phase = Phase.STOPPING
 
 
@@ -81,7 +85,8 @@ State = Starting | Running | Reforming | WaitingForHosts | Stopping | Done
 
 class Action(enum.Enum):
     STOP_RANKS = "stop ranks"  # tell every agent to stop its ranks (SIGTERM, then SIGKILL)
-    FORWARD_SIGNAL = "forward signal"  # SIGINT or SIGTERM; stop them after the grace period
+    FORWARD_SIGNAL = "forward signal"  # SIGINT or SIGTERM, once; killed after the grace period
+    KILL_RANKS = "kill ranks"  # SIGKILL every rank still running (the grace period is over)
     KILL_AGENTS = "kill agents"
 
 
@@ -198,13 +203,19 @@ def _interrupted(state: State, e: Interrupted) -> Decision:
     if e.count <= handled:
         return Decision(state)
     failure = state.failure if isinstance(state, Stopping) else None
-    if handled == 0:  # the first: forwarded to the ranks, stopped after the grace period
+    if handled == 0:  # the first: forwarded to the ranks, killed after the grace period
         deadline = e.now + e.grace_s + KILL_AFTER_S
-        return Decision(Stopping(failure, deadline, e.count), (Action.FORWARD_SIGNAL,))
-    return Decision(Stopping(failure, e.now + KILL_AFTER_S, e.count), (Action.STOP_RANKS,))
+        stopping = Stopping(failure, deadline, e.count, kill_at=e.now + e.grace_s)
+        return Decision(stopping, (Action.FORWARD_SIGNAL,))
+    # A second signal: the user will not wait for the rest of the grace period, if any is left.
+    left = isinstance(state, Stopping) and state.kill_at is not None
+    stopping = Stopping(failure, e.now + KILL_AFTER_S, e.count)
+    return Decision(stopping, (Action.KILL_RANKS,) if left else ())
 
 
 def _tick(state: State, e: Tick) -> Decision:
+    if isinstance(state, Stopping) and state.kill_at is not None and e.now >= state.kill_at:
+        return Decision(replace(state, kill_at=None), (Action.KILL_RANKS,))
     if isinstance(state, Stopping) and e.now > state.deadline:
         return Decision(replace(state, deadline=e.now + KILL_AGAIN_S), (Action.KILL_AGENTS,))
     if isinstance(state, WaitingForHosts) and e.now - state.since > e.elastic_timeout_s:

@@ -61,7 +61,8 @@ class LaunchOptions:
     # -x VAR or -x VAR=value: forwarded to every rank on top of the declared set.
     forward_env: tuple[str, ...] = ()
     start_timeout_s: float = 60.0
-    # After the first failure (or Ctrl-C), ranks get this long to exit before SIGKILL.
+    # After the first failure, ranks get this long after SIGTERM before SIGKILL (after Ctrl-C or
+    # a SIGTERM the launcher forwards: Config's grace_period_s, --grace-period).
     grace_s: float = 3.0
     bind_to: str = "auto"
     malloc: str = "system"

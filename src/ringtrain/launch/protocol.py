@@ -5,6 +5,7 @@ Launcher -> agent (agent's stdin):
      "frozen_s": float}                             frozen_s: the job's Config.frozen_after_s
     {"t": "signal", "sig": "SIGINT" | "SIGTERM"}   forward a signal to every rank
     {"t": "stop"}                                    end every rank (TERM, then KILL after grace)
+    {"t": "kill"}                                    SIGKILL every rank (a signal's grace is over)
     end of input                                     the launcher is gone: stop everything, exit
 
 Agent -> launcher (agent's stdout):
@@ -12,7 +13,8 @@ Agent -> launcher (agent's stdout):
     {"t": "started", "rank": r, "pid": p}
     {"t": "note", "line": str}                        a line for the user (a limit it raised)
     {"t": "out", "rank": r, "fd": 1 | 2, "line": str, "end": "\n" | "\r"}
-    {"t": "exit", "rank": r, "code": int | null, "signal": str | null, "tail": [str]}
+    {"t": "exit", "rank": r, "code": int | null, "signal": str | null, "tail": [str], ...}
+                                                      killed: SIGKILLed on "kill"
     {"t": "done"}                                     every rank has exited
 
 The launcher's reader adds ``"received_at"`` (its own ``time.time()``) to each message it gets.

@@ -13,11 +13,12 @@ waiting for hosts, stopping, done); every event goes through that module's pure
 :func:`~ringtrain.launch.job_state.on`, and this class carries out the actions it returns.
 
 Failure policy: the first rank that exits non-zero (or is killed by a signal) ends the job. The
-others get SIGTERM, then SIGKILL after a grace period; the launcher exits with that rank's code
+others get SIGTERM, then SIGKILL 3 s later; the launcher exits with that rank's code
 (128 + signal number for a signal) after a message naming the rank, its host, how it ended and
-the last lines of its error output. Ctrl-C is forwarded to every rank as SIGINT (exit 130), a
-SIGTERM as SIGTERM (exit 143); a second one stops them at once. A host whose agent link breaks
-counts as a failure of all its ranks.
+the last lines of its error output. Ctrl-C is forwarded to every rank once as SIGINT (exit 130),
+a SIGTERM as SIGTERM (exit 143); ranks still running after ``--grace-period`` (Config's
+``grace_period_s``) are SIGKILLed, at once after a second signal, and the last message names
+them. A host whose agent link breaks counts as a failure of all its ranks.
 
 The parts: :mod:`~ringtrain.launch.agent_link` (one agent process and its messages),
 :mod:`~ringtrain.launch.job_network` (interfaces checked on every host before ranks start),
@@ -49,7 +50,15 @@ from ringtrain.launch.agent import FAILING_GRACE_S
 from ringtrain.launch.agent_link import AGENT_EXIT_S, AgentLink, unreachable
 from ringtrain.launch.elastic_hosts import Change, ElasticPool
 from ringtrain.launch.exit_policy import Next, RankExit, decide
-from ringtrain.launch.failures import Failure, exited_key, how_it_ended, report, root_cause
+from ringtrain.launch.failures import (
+    Failure,
+    Interruption,
+    exited_key,
+    how_it_ended,
+    interrupted_words,
+    report,
+    root_cause,
+)
 from ringtrain.launch.hosts import Host
 from ringtrain.launch.options import LaunchOptions
 from ringtrain.launch.plan import ProcessSpec, describe, plan
@@ -95,6 +104,7 @@ class Supervisor:
         self._absorbed: list[Failure] = []  # elastic: failures the job went on without
         # The SIGINTs (Ctrl-C) and SIGTERMs received, in order (the signal handler only notes)
         self._interrupts: list[signal.Signals] = []
+        self._interruption: Interruption | None = None  # how the ranks ended after the first
         self._started_at = time.monotonic()
         self.output = RankOutput(options, self.out, self.err, on_result)
         self.pool = ElasticPool(options, self)
@@ -128,14 +138,20 @@ class Supervisor:
                 # The first signal's own: Ctrl-C reaches the ranks as SIGINT (KeyboardInterrupt),
                 # a SIGTERM (Slurm, Kubernetes) as SIGTERM, as torchrun and mpirun forward them.
                 sig = self._interrupts[0].name
+                grace = self._grace_period_s()
+                self._interruption = Interruption(sig, grace)
                 what = "interrupted" if sig == "SIGINT" else f"terminated ({sig})"
-                self.say(f"{what}: forwarding {sig} to every rank (again to stop at once)")
+                self.say(
+                    f"{what}: forwarding {sig} to every rank; they have {grace:g} s to exit "
+                    "(--grace-period), then are killed (again to kill them at once)"
+                )
                 for lk in self.links:
                     lk.send("signal", sig=sig)
-                # Ranks that ignore it still end: the agents escalate after the grace period.
-                timer = threading.Timer(self.options.grace_s, self._send_stop)
-                timer.daemon = True
-                timer.start()
+            elif action is job_state.Action.KILL_RANKS:
+                if self._interruption is not None and len(self._interrupts) > 1:
+                    self._interruption.at_once = True
+                for lk in self.links:
+                    lk.send("kill")
             elif action is job_state.Action.KILL_AGENTS:
                 self.log("ranks did not stop in time; killing their agents")
                 for lk in self.links:
@@ -296,6 +312,7 @@ class Supervisor:
         key = None
         if self.options.settings.get("secure") and not self.options.settings.get("key_file"):
             key = secrets.token_bytes(32).hex()
+        config = Config.from_env(self.env, **self.options.settings)
         # Kept for ranks started later on hosts a discovery script adds.
         self._run_env = {
             "rdzv": rank_env.Rendezvous(addr, port, self.job_id),
@@ -303,7 +320,8 @@ class Supervisor:
             "key": key,
             # The agents kill a silent rank that did no work this long: the job's setting, as
             # its flag or RINGTRAIN_FROZEN_AFTER_S gave it (checked before any rank started).
-            "frozen_s": Config.from_env(self.env, **self.options.settings).frozen_after_s,
+            "frozen_s": config.frozen_after_s,
+            "grace_s": config.grace_period_s,
         }
         by_host: dict[str, list[ProcessSpec]] = {}
         for s in self.specs:
@@ -462,6 +480,9 @@ class Supervisor:
     def _on_exit(self, link: AgentLink, msg: dict[str, Any]) -> None:
         rank = msg["rank"]
         self._exits[rank] = msg
+        if self._interruption is not None:
+            ended = self._interruption.killed if msg.get("killed") else self._interruption.in_time
+            ended.append(rank)
         self._record_exit(msg)
         pid = self._pids.get(rank)
         step = decide(
@@ -508,10 +529,13 @@ class Supervisor:
         if server is None or self.pool.membership is not None:
             return
         ok = msg.get("code") == 0 and msg.get("signal") is None
+        how = "exited with code 0" if ok else how_it_ended(msg)[0]
+        if not ok and self._interruption is not None and msg.get("stopped"):
+            # It ended on the signal its agent forwarded (KeyboardInterrupt, a handler's exit,
+            # the grace period's SIGKILL): the job was interrupted, the rank did not fail.
+            how = interrupted_words(self._interruption.sig)
         with contextlib.suppress(LaunchError):  # the store is gone: nobody left to tell
-            server.publish(
-                exited_key(msg["rank"]), "exited with code 0" if ok else how_it_ended(msg)[0]
-            )
+            server.publish(exited_key(msg["rank"]), how)
 
     def _exit_failure(self, host: str, msg: dict[str, Any], pid: int | None) -> Failure:
         """How a failed rank's exit is reported (see :mod:`ringtrain.launch.failures`)."""
@@ -539,18 +563,18 @@ class Supervisor:
         grace = self.options.grace_s + FAILING_GRACE_S
         self._apply(job_state.Failed(failure, time.monotonic(), grace))
 
-    def _send_stop(self) -> None:
-        for lk in self.links:
-            lk.send("stop")
-
     def _on_sigint(self, signum: int, _frame: FrameType | None) -> None:
         self._interrupts.append(signal.Signals(signum))  # acted on by the supervising loop
 
     def _handle_interrupts(self) -> None:
         if self._interrupts:
-            self._apply(
-                job_state.Interrupted(len(self._interrupts), time.monotonic(), self.options.grace_s)
-            )
+            now = time.monotonic()
+            self._apply(job_state.Interrupted(len(self._interrupts), now, self._grace_period_s()))
+
+    def _grace_period_s(self) -> float:
+        """How long ranks get after a forwarded signal: the job's setting, as its flag or
+        RINGTRAIN_GRACE_PERIOD_S gave it (checked before any rank started)."""
+        return float(self._run_env.get("grace_s", Config.grace_period_s))
 
     def say(self, text: str) -> None:
         when = stamp() if self.options.timestamp_output else ""
@@ -571,9 +595,14 @@ class Supervisor:
         if all(f.finished for f in self._failures):
             if self._interrupts:
                 sig = self._interrupts[0]
-                self.say(
-                    "job interrupted" if sig == signal.SIGINT else f"job terminated ({sig.name})"
-                )
+                if self._interruption is not None:  # ranks ran: how each ended
+                    self.say(self._interruption.report())
+                else:
+                    self.say(
+                        "job interrupted"
+                        if sig == signal.SIGINT
+                        else f"job terminated ({sig.name})"
+                    )
                 return 128 + int(sig)
             self.log(
                 f"all {len(self.specs)} ranks exited 0 in "

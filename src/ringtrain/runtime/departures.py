@@ -14,6 +14,11 @@ stops anyone, and a peer that reads a "finished" post waits up to :data:`EXIT_WA
 record: a non-zero code makes the post a failure ("exited with code 3"). Under torchrun,
 mpirun or Slurm no one records it, and the peer says the rank finished.
 
+A rank that ends because the job was interrupted (its uncaught ``KeyboardInterrupt``, or, under
+``ringtrain run``, any end after the launcher forwarded Ctrl-C or SIGTERM, as the launcher's
+record says) did not fail: its peers read "the job was interrupted (SIGINT from the launcher)",
+with no failure to fix.
+
 A peer that was waiting for it then sees its wait break (Gloo: "Connection closed by peer" once
 the departed process is gone, or the controller's shutdown vote, see
 :mod:`ringtrain.collectives.controller`) and calls :func:`peer_error`, which reads the posts and
@@ -42,7 +47,7 @@ from typing import TypeVar
 from ringtrain import environ
 from ringtrain.environ import Ringtrain
 from ringtrain.errors import RAN_FEWER, CollectiveAbortedError, CollectiveError, PeerFailedError
-from ringtrain.launch.failures import exited_key
+from ringtrain.launch.failures import INTERRUPTED, exited_key
 from ringtrain.runtime import heartbeat
 from ringtrain.runtime.contracts import Store
 
@@ -55,7 +60,7 @@ READ_TIMEOUT_S = 2.0  # a peer reading the posts after its wait broke; the store
 # which took 10 s on a 2-core machine under load (the record comes at once after it). The wait
 # delays no job's end: the launcher ends the job when the exit arrives, whatever the peer does.
 EXIT_WAIT_S = 15.0
-FAILED, FINISHED = "failed", "finished"
+FAILED, FINISHED, STOPPED = "failed", "finished", "interrupted"
 E = TypeVar("E", bound=BaseException)
 
 
@@ -64,14 +69,16 @@ class Departure:
     """One rank's record of how it left."""
 
     rank: int
-    how: str  # FAILED or FINISHED
-    why: str  # "ValueError: boom" for a failure; "" for a finish
+    how: str  # FAILED, FINISHED or STOPPED (the job was interrupted)
+    why: str  # "ValueError: boom" for a failure; "" for a finish; what interrupted the job
     host: str
     at: float  # time.time() on the departed rank's host
 
     def describe(self) -> str:
         if self.how == FAILED:
             return f"rank {self.rank} (host {self.host}) failed: {self.why}"
+        if self.how == STOPPED:
+            return f"rank {self.rank} (host {self.host}) left: {self.why}"
         return (
             f"rank {self.rank} (host {self.host}) finished: its script ended or called "
             "ringtrain.shutdown() while this rank still waited for it"
@@ -143,6 +150,8 @@ def _on_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackTyp
         if not issubclass(kind, KeyboardInterrupt):
             _here.failure = summary(exc)
             _tell(exc, _here.failure)
+        else:  # Ctrl-C: nothing failed (the launcher's record, if any, names the signal)
+            post(STOPPED, f"{INTERRUPTED} (KeyboardInterrupt)")
     except Exception:  # the hook must print the user's traceback whatever happens here
         log.debug("could not post this rank's failure", exc_info=True)
     hook = _previous_hook if _previous_hook is not None else sys.__excepthook__
@@ -212,7 +221,7 @@ def read(
         for key in keys:
             if client.check([key]):
                 found.append(Departure.decode(client.get(key)))
-        if any(d.how == FINISHED for d in found):
+        if any(d.how != FAILED for d in found):
             records = _launcher_store(client)
             records.set_timeout(datetime.timedelta(seconds=timeout_s))
             deadline = time.monotonic() + (EXIT_WAIT_S if _launcher_records_exits() else 0.0)
@@ -237,10 +246,11 @@ def _launcher_store(store: Store) -> Store:
 
 
 def _with_exit_code(client: Store, d: Departure, deadline: float) -> Departure:
-    """A "finished" post with the launcher's record of the rank's exit code, waited for until
-    ``deadline``: Python tells no at-exit hook the code of ``sys.exit(n)`` (SystemExit never
-    reaches ``sys.excepthook``), so the rank posted that it finished; its launcher saw the code."""
-    if d.how != FINISHED:
+    """A "finished" (or interrupted) post with the launcher's record of the rank's exit code,
+    waited for until ``deadline``: Python tells no at-exit hook the code of ``sys.exit(n)``
+    (SystemExit never reaches ``sys.excepthook``), so the rank posted that it finished; its
+    launcher saw the code, and whether the rank ended on a signal the launcher forwarded."""
+    if d.how == FAILED:
         return d
     key = exited_key(d.rank)
     while not client.check([key]):
@@ -250,8 +260,11 @@ def _with_exit_code(client: Store, d: Departure, deadline: float) -> Departure:
     how = bytes(client.get(key)).decode()
     if how == "exited with code 0":
         return d
-    why = f"{how} without an exception (sys.exit or os._exit; its launcher saw the code)"
-    return Departure(d.rank, FAILED, why, d.host, d.at)
+    if how.startswith(INTERRUPTED):
+        return Departure(d.rank, STOPPED, how, d.host, d.at)
+    if how.startswith("exited with code"):  # not for a signal: no sys.exit gives one
+        how += " without an exception (sys.exit or os._exit; its launcher saw the code)"
+    return Departure(d.rank, FAILED, how, d.host, d.at)
 
 
 def peer_error(cause: BaseException, waited_for: str = "") -> BaseException:
@@ -277,12 +290,19 @@ def _named(me: int, where: str, gone: list[Departure], ended: str) -> PeerFailed
     lines = [f"rank {me}: a peer left the job{where}: {gone[0].describe()}"]
     lines += [f"  also: {d.describe()}" for d in gone[1:]]
     lines.append(ended)
-    lines.append(_FAILED_HINT if gone[0].how == FAILED else _FINISHED_HINT)
+    hows = {d.how for d in gone}
+    lines.append(
+        _FAILED_HINT if FAILED in hows else _STOPPED_HINT if STOPPED in hows else _FINISHED_HINT
+    )
     return PeerFailedError("\n".join(lines), tuple(d.rank for d in gone))
 
 
 _FAILED_HINT = "HINT: the first failure above is the cause; fix it and start the job again."
 _FINISHED_HINT = f"HINT: no rank failed; {RAN_FEWER}"
+_STOPPED_HINT = (
+    "HINT: no rank failed: the job was interrupted and its ranks are ending; this rank went on "
+    "after the signal and found its peers gone."
+)
 
 
 def with_exit_codes(error: E) -> E | PeerFailedError:
@@ -298,7 +318,7 @@ def with_exit_codes(error: E) -> E | PeerFailedError:
     if not state.is_initialized() or not _launcher_records_exits():
         return settled
     gone = read(state.global_process_set.communicator.store, list(error.ranks))
-    if not any(d.how == FAILED for d in gone):
+    if all(d.how == FINISHED for d in gone):
         return settled
     ended = "  (this rank's collective ended when it left, before it completed)"
     return _named(state.current().rank, "", gone, ended)
