@@ -76,6 +76,7 @@ class ElasticPool:
         self.joiners: dict[int, float] = {}  # started, not yet in a world: id -> ready by
         self.retired: set[int] = set()  # stopped on purpose (host no longer offered)
         self.left: list[str] = []  # how each rank that left the world went
+        self.absorbed: list[Failure] = []  # failures the job went on without (report())
         self.growing = True  # until a rank finishes
         self._next_check = 0.0
 
@@ -105,8 +106,10 @@ class ElasticPool:
         them, or below --min-np a wait for hosts, or the job fails (naming what is missing)."""
         self.exclude(host, desc)
         if self._reform(desc, *ranks):
+            self.absorbed.append(failure)  # for the report, should the job fail later
             return Change(reformed=True)
         if self._await_hosts(desc):
+            self.absorbed.append(failure)
             return Change(waiting=failure)
         failure.description += self._shortfall()
         return Change(failed=failure)

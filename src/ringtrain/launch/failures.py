@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +109,38 @@ def how_it_ended(msg: dict[str, Any]) -> tuple[str, int]:
         signum = int(signal.Signals[sig])
         return f"was killed by {sig}", 128 + signum
     return f"exited with code {code}", int(code or 1)
+
+
+def exit_failure(host: str, msg: dict[str, Any], pid: int | None, elapsed_s: float) -> Failure:
+    """How a failed rank's exit (its agent's message) is reported, ``elapsed_s`` into the job;
+    ``pid`` None: the agent could not even start the command."""
+    rank = msg["rank"]
+    how, exit_code = how_it_ended(msg)
+    tail = list(msg.get("tail") or [])
+    if pid is None:  # the agent's reason first, then perhaps a HINT (agent._cannot_start)
+        desc = f"rank {rank} (host {host}) could not start: {tail[0] if tail else how}"
+    else:
+        desc = f"rank {rank} (host {host}, pid {pid}) {how} after {elapsed_s:.1f} s"
+    at = float(msg.get("at") or time.time())
+    return Failure(rank, host, exit_code, desc, tail, at, bool(msg.get("after_peer")))
+
+
+def recorded_end(msg: dict[str, Any], interruption: Interruption | None) -> str:
+    """How a rank's end is recorded for its peers (:func:`exited_key`)."""
+    if msg.get("code") == 0 and msg.get("signal") is None:
+        return "exited with code 0"
+    if interruption is not None and msg.get("stopped"):
+        # It ended on the signal its agent forwarded (KeyboardInterrupt, a handler's exit,
+        # the grace period's SIGKILL): the job was interrupted, the rank did not fail.
+        return interrupted_words(interruption.sig)
+    return how_it_ended(msg)[0]
+
+
+def interrupted_report(sig: str, interruption: Interruption | None) -> str:
+    """The last message of a job ended by ``sig``: how each rank ended, where ranks ran."""
+    if interruption is not None:
+        return interruption.report()
+    return "job interrupted" if sig == "SIGINT" else f"job terminated ({sig})"
 
 
 def considered(failures: Sequence[Failure]) -> list[Failure]:

@@ -53,9 +53,10 @@ from ringtrain.launch.exit_policy import Next, RankExit, decide
 from ringtrain.launch.failures import (
     Failure,
     Interruption,
+    exit_failure,
     exited_key,
-    how_it_ended,
-    interrupted_words,
+    interrupted_report,
+    recorded_end,
     report,
     root_cause,
 )
@@ -101,7 +102,6 @@ class Supervisor:
         self._exits: dict[int, dict[str, Any]] = {}
         self.state: job_state.State = job_state.Starting()
         self._failures: list[Failure] = []  # every failure heard of (report: earliest first)
-        self._absorbed: list[Failure] = []  # elastic: failures the job went on without
         # The SIGINTs (Ctrl-C) and SIGTERMs received, in order (the signal handler only notes)
         self._interrupts: list[signal.Signals] = []
         self._interruption: Interruption | None = None  # how the ranks ended after the first
@@ -158,13 +158,6 @@ class Supervisor:
                     lk.kill()
         if decision.timed_out is not None:
             self._fail(self.pool.below_timeout(decision.timed_out))
-
-    def _lost(self, desc: str, host: str, failure: Failure, *ranks: int) -> None:
-        """Elastic: ranks failed; the job goes on without them, or fails (pool.lost)."""
-        change = self.pool.lost(desc, host, failure, *ranks)
-        if change.failed is None:
-            self._absorbed.append(failure)  # for the report, should the job fail later
-        self._changed(change)
 
     def _changed(self, change: Change) -> None:
         """Carry an elastic change into the job's state."""
@@ -473,7 +466,7 @@ class Supervisor:
                 return
             failure = Failure(None, link.host.name, 1, desc, list(link.err_tail))
             if self.pool.membership is not None:
-                self._lost(desc, link.host.name, failure, *alive)
+                self._changed(self.pool.lost(desc, link.host.name, failure, *alive))
                 return
             self._fail(failure)
 
@@ -517,7 +510,7 @@ class Supervisor:
         elif step is Next.JOINER_FAILED:
             self.pool.joiner_failed(link, [rank], failure.description)
         elif step is Next.REFORM:
-            self._lost(failure.description, link.host.name, failure, rank)
+            self._changed(self.pool.lost(failure.description, link.host.name, failure, rank))
         else:
             self._fail(failure)
 
@@ -528,28 +521,11 @@ class Supervisor:
         server = self.pool.server
         if server is None or self.pool.membership is not None:
             return
-        ok = msg.get("code") == 0 and msg.get("signal") is None
-        how = "exited with code 0" if ok else how_it_ended(msg)[0]
-        if not ok and self._interruption is not None and msg.get("stopped"):
-            # It ended on the signal its agent forwarded (KeyboardInterrupt, a handler's exit,
-            # the grace period's SIGKILL): the job was interrupted, the rank did not fail.
-            how = interrupted_words(self._interruption.sig)
         with contextlib.suppress(LaunchError):  # the store is gone: nobody left to tell
-            server.publish(exited_key(msg["rank"]), how)
+            server.publish(exited_key(msg["rank"]), recorded_end(msg, self._interruption))
 
     def _exit_failure(self, host: str, msg: dict[str, Any], pid: int | None) -> Failure:
-        """How a failed rank's exit is reported (see :mod:`ringtrain.launch.failures`)."""
-        rank = msg["rank"]
-        how, exit_code = how_it_ended(msg)
-        tail = list(msg.get("tail") or [])
-        if pid is None:  # the agent could not even start the command
-            # the agent's reason first, then perhaps a HINT (agent._cannot_start)
-            desc = f"rank {rank} (host {host}) could not start: {tail[0] if tail else how}"
-        else:
-            elapsed = time.monotonic() - self._started_at
-            desc = f"rank {rank} (host {host}, pid {pid}) {how} after {elapsed:.1f} s"
-        at = float(msg.get("at") or time.time())
-        return Failure(rank, host, exit_code, desc, tail, at, bool(msg.get("after_peer")))
+        return exit_failure(host, msg, pid, time.monotonic() - self._started_at)
 
     def _fail(self, failure: Failure) -> None:
         if self._failure() is not None or self._interrupts:
@@ -595,19 +571,12 @@ class Supervisor:
         if all(f.finished for f in self._failures):
             if self._interrupts:
                 sig = self._interrupts[0]
-                if self._interruption is not None:  # ranks ran: how each ended
-                    self.say(self._interruption.report())
-                else:
-                    self.say(
-                        "job interrupted"
-                        if sig == signal.SIGINT
-                        else f"job terminated ({sig.name})"
-                    )
+                self.say(interrupted_report(sig.name, self._interruption))
                 return 128 + int(sig)
             self.log(
                 f"all {len(self.specs)} ranks exited 0 in "
                 f"{time.monotonic() - self._started_at:.1f} s"
             )
             return 0
-        self.say(report(self._failures, self._absorbed))
+        self.say(report(self._failures, self.pool.absorbed))
         return root_cause(self._failures).code
