@@ -20,9 +20,9 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
+from _launcher_runs import assert_gone, finish
 from ringtrain.config import Config
 from ringtrain.deploy import manifests
 from ringtrain.deploy.render import to_yaml
@@ -94,18 +94,6 @@ def _launch(
     )
 
 
-def _finish(proc: subprocess.Popen[str], timeout: float = 120.0) -> tuple[int, str]:
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
-        proc.kill()
-        _, err = proc.communicate()
-        raise AssertionError(f"the launcher did not finish:\n{err}") from None
-    return proc.returncode, err
-
-
 def _wait_ready(tmp_path: Path, proc: subprocess.Popen[str], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while len(list(tmp_path.glob("ready.*"))) < 2:
@@ -116,24 +104,8 @@ def _wait_ready(tmp_path: Path, proc: subprocess.Popen[str], timeout: float = 12
     time.sleep(0.2)  # the handlers are in place before "ready"; let the loop begin
 
 
-def _assert_gone(tmp_path: Path, within: float = 10.0) -> None:
-    pids = [int(f.read_text()) for f in tmp_path.glob("pid.*")]
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and _running(p)]
-        if not alive:
-            return
-        time.sleep(0.05)
-    for p in alive:  # do not leak them into other tests
-        psutil.Process(p).kill()
-    raise AssertionError(f"ranks survived the job: {alive}")
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+def _assert_gone(tmp_path: Path) -> None:
+    assert_gone([int(f.read_text()) for f in tmp_path.glob("pid.*")])
 
 
 def test_the_default_grace_period_is_20_s_and_the_flag_is_in_the_help() -> None:
@@ -186,7 +158,7 @@ def test_a_rank_saving_on_sigterm_finishes_and_one_that_ignores_it_is_killed(
     _wait_ready(tmp_path, proc)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    code, err = _finish(proc)
+    code, err = finish(proc, 120.0)
     took = time.monotonic() - sent
     assert code == 143, err
     assert "they have 8 s to exit" in err, err
@@ -204,7 +176,7 @@ def test_ctrl_c_is_no_failure_for_a_peer_that_outlives_it(tmp_path: Path) -> Non
     proc = _launch(tmp_path, HVD_JOB, [], [], {"RINGTRAIN_GRACE_PERIOD_S": "60"})
     _wait_ready(tmp_path, proc)
     proc.send_signal(signal.SIGINT)
-    code, err = _finish(proc, timeout=180.0)
+    code, err = finish(proc, 180.0)
     assert code == 130, err
     assert "PeerFailedError: rank 1: a peer left the job" in err, err
     assert ") left: the job was interrupted (SIGINT from the launcher)" in err, err
@@ -224,7 +196,7 @@ def test_a_second_ctrl_c_kills_at_once(tmp_path: Path) -> None:
         assert time.monotonic() - sent < 30, "rank 0's handler never ran"
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    code, err = _finish(proc)
+    code, err = finish(proc, 120.0)
     assert code == 130, err
     assert time.monotonic() - sent < 15, err
     assert not (tmp_path / "saved.0").exists(), err  # killed mid-save: the user asked for it

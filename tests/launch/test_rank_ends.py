@@ -15,7 +15,6 @@ Every test runs the real launcher and checks that no process it started is left.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -24,8 +23,9 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+
+from _launcher_runs import assert_gone, finish
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -104,18 +104,6 @@ def _launch(tmp_path: Path, np: int, script: str, *args: str) -> subprocess.Pope
     )
 
 
-def _finish(proc: subprocess.Popen[str], timeout: float = 180.0) -> tuple[int, str]:
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            child.kill()
-        proc.kill()
-        _, err = proc.communicate()
-        raise AssertionError(f"the launcher did not finish:\n{err}") from None
-    return proc.returncode, err
-
-
 def _wait_ready(tmp_path: Path, n: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while len(list(tmp_path.glob("ready.*"))) < n:
@@ -127,41 +115,20 @@ def _pids(tmp_path: Path, name: str) -> list[int]:
     return [int(p) for f in tmp_path.glob(f"{name}.*") for p in f.read_text().split()]
 
 
-def _assert_gone(pids: list[int], within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    alive = pids
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
-        if not alive:
-            return
-        time.sleep(0.05)
-    for p in alive:  # never leak them into other tests
-        with contextlib.suppress(psutil.Error):
-            psutil.Process(p).kill()
-    raise AssertionError(f"processes survived the job: {alive}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _report(err: str) -> list[str]:
     return err[err.index("ringtrain run: job failed") :].splitlines()
 
 
 @pytest.mark.parametrize("np", [2, 3])
 def test_sys_exit_3_after_init_is_named_first_with_its_code(tmp_path: Path, np: int) -> None:
-    code, err = _finish(_launch(tmp_path, np, HVD_JOB, "exit3"))
+    code, err = finish(_launch(tmp_path, np, HVD_JOB, "exit3"), 180.0)
     report = _report(err)
     assert code == 3, err
     assert "rank 1 " in report[0] and "exited with code 3" in report[0], err
 
 
 def test_a_rank_that_vanishes_with_code_0_mid_job_is_named(tmp_path: Path) -> None:
-    code, err = _finish(_launch(tmp_path, 2, HVD_JOB, "osexit0"))
+    code, err = finish(_launch(tmp_path, 2, HVD_JOB, "osexit0"), 180.0)
     report = _report(err)
     assert code == 1, err
     assert "rank 1 " in report[0] and "exited with code 0" in report[0], err
@@ -173,35 +140,35 @@ def test_ctrl_c_reaches_the_ranks_python(tmp_path: Path) -> None:
     proc = _launch(tmp_path, 2, PLAIN_JOB, str(tmp_path), "interrupt")
     _wait_ready(tmp_path, 2)
     proc.send_signal(signal.SIGINT)
-    code, err = _finish(proc)
+    code, err = finish(proc, 180.0)
     assert code == 130, err
     assert "interrupted: forwarding SIGINT" in err and "job interrupted" in err, err
     for rank in range(2):
         assert (tmp_path / f"caught.{rank}").read_text() == "KeyboardInterrupt", err
         assert (tmp_path / f"finally.{rank}").exists(), err
-    _assert_gone(_pids(tmp_path, "pid"))
+    assert_gone(_pids(tmp_path, "pid"))
 
 
 def test_sigterm_is_forwarded_as_sigterm(tmp_path: Path) -> None:
     proc = _launch(tmp_path, 2, PLAIN_JOB, str(tmp_path), "sigterm")
     _wait_ready(tmp_path, 2)
     proc.send_signal(signal.SIGTERM)
-    code, err = _finish(proc)
+    code, err = finish(proc, 180.0)
     assert code == 143, err
     assert "terminated (SIGTERM): forwarding SIGTERM" in err, err
     assert "job terminated (SIGTERM)" in err, err
     for rank in range(2):
         assert (tmp_path / f"term.{rank}").read_text() == "SIGTERM", err
-    _assert_gone(_pids(tmp_path, "pid"))
+    assert_gone(_pids(tmp_path, "pid"))
 
 
 @pytest.mark.parametrize(("mode", "want"), [("ok", 0), ("raise", 1), ("killed", 137)])
 def test_what_a_rank_started_ends_with_it(tmp_path: Path, mode: str, want: int) -> None:
     proc = _launch(tmp_path, 2, PLAIN_JOB, str(tmp_path), f"children-{mode}")
     try:
-        code, err = _finish(proc)
+        code, err = finish(proc, 180.0)
         kids = _pids(tmp_path, "kids")
         assert len(kids) == 6, err
         assert code == want, err
     finally:
-        _assert_gone(_pids(tmp_path, "kids") + _pids(tmp_path, "pid"))
+        assert_gone(_pids(tmp_path, "kids") + _pids(tmp_path, "pid"))

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
+from _launcher_runs import assert_gone
 from ringtrain import cli
 from ringtrain.launch.command import options_from_args
 from ringtrain.launch.hosts import Host
@@ -98,26 +98,6 @@ def _wait_for_pids(tmp_path: Path, n: int, timeout: float = 30.0) -> list[int]:
     raise AssertionError(f"ranks did not start: {list(tmp_path.iterdir())}")
 
 
-def _assert_all_gone(pids: list[int], within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    alive: list[int] = pids
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
-        if not alive:
-            return
-        time.sleep(0.05)
-    for p in alive:  # do not leak them into other tests
-        psutil.Process(p).kill()
-    raise AssertionError(f"ranks survived the job: {alive}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def _finish(proc: subprocess.Popen[str], timeout: float = 30.0) -> tuple[int, str, str]:
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -154,7 +134,7 @@ def test_failing_rank_ends_the_job_with_its_code(tmp_path: Path) -> None:
     assert "rank 1 (host localhost" in err and "exited with code 3" in err
     assert "| something went wrong on rank 1" in err  # the end of its error output
     assert "[1] something went wrong on rank 1" in err
-    _assert_all_gone(pids)
+    assert_gone(pids)
 
 
 def test_rank_killed_by_a_signal(tmp_path: Path) -> None:
@@ -163,7 +143,7 @@ def test_rank_killed_by_a_signal(tmp_path: Path) -> None:
     code, _, err = _finish(proc)
     assert code == 128 + signal.SIGKILL
     assert "rank 1" in err and "was killed by SIGKILL" in err
-    _assert_all_gone(pids)
+    assert_gone(pids)
 
 
 @pytest.mark.parametrize("mode", ["sleep", "stubborn"])
@@ -178,7 +158,7 @@ def test_ctrl_c_is_forwarded_and_ends_everything(tmp_path: Path, mode: str) -> N
     # Ranks that ignore SIGINT and SIGTERM are SIGKILLed when the grace period ends.
     killed = "did not exit within the grace period of 2 s after SIGINT; killed"
     assert (killed in err) is (mode == "stubborn"), err
-    _assert_all_gone(pids)
+    assert_gone(pids)
 
 
 def test_killing_the_launcher_leaves_no_rank(tmp_path: Path) -> None:
@@ -186,7 +166,7 @@ def test_killing_the_launcher_leaves_no_rank(tmp_path: Path) -> None:
     pids = _wait_for_pids(tmp_path, 2)
     proc.kill()
     proc.communicate()
-    _assert_all_gone(pids)
+    assert_gone(pids)
 
 
 def test_command_not_found(tmp_path: Path) -> None:
