@@ -290,10 +290,8 @@ def _named(me: int, where: str, gone: list[Departure], ended: str) -> PeerFailed
     lines = [f"rank {me}: a peer left the job{where}: {gone[0].describe()}"]
     lines += [f"  also: {d.describe()}" for d in gone[1:]]
     lines.append(ended)
-    hows = {d.how for d in gone}
-    lines.append(
-        _FAILED_HINT if FAILED in hows else _STOPPED_HINT if STOPPED in hows else _FINISHED_HINT
-    )
+    # By the first departure, as the report names it first: what came after may be its doing.
+    lines.append({FAILED: _FAILED_HINT, STOPPED: _STOPPED_HINT}.get(gone[0].how, _FINISHED_HINT))
     return PeerFailedError("\n".join(lines), tuple(d.rank for d in gone))
 
 
