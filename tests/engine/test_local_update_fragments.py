@@ -24,7 +24,10 @@ of each round. Shown at 2 ranks:
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,7 @@ import ringtrain as rt
 from ringtrain.config import Config
 from ringtrain.engine import local_settings, outer_fragment
 from ringtrain.errors import ConfigError
+from ringtrain.runtime import abort
 from ringtrain.testing import spawn
 
 P = 3
@@ -194,8 +198,6 @@ def _state_while_in_flight() -> tuple[bool, bool]:
     taken while it travels holds that error feedback, not the one before it; a state loaded
     while it travels is not overwritten by it as it ends (the GPU machine showed both races:
     a rank resumed with a stale error feedback)."""
-    import time
-
     _, opt = _adam_local(outer_compression="int4", outer_overlap=True, outer_delay=2)
     local = opt.local_update
     codec = local.fragments[0].codec
@@ -236,6 +238,28 @@ def test_rejoin_gives_up_every_fragment_in_flight() -> None:
 
 
 # ---- units ---------------------------------------------------------------------------------------
+
+
+def test_an_exchange_of_a_replaced_world_is_not_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore in an elastic job gives up the exchanges in flight. In the world the ranks
+    still run in, it lets them end first; in one the launcher replaced, it does not wait: a
+    survivor that left that world first may never send its part (a 240 s hang under stress-ng,
+    waiting for the transport timeout), and that world's wire is closed at the rejoin."""
+    frag = outer_fragment.Fragment(0, 0, 1, 1, 1, codec=None)  # type: ignore[arg-type]
+    never: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+    monkeypatch.setattr(abort, "announced", lambda: 1)  # world 1 announced; this rank is in 0
+    monkeypatch.setattr(abort, "generation", 0)
+    frag.pending = never
+    t0 = time.monotonic()
+    frag.drop(settle=True)
+    assert frag.pending is None and time.monotonic() - t0 < 1.0
+    # The current world's: let it end first.
+    monkeypatch.setattr(abort, "announced", lambda: 0)
+    ending: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()
+    frag.pending = ending
+    threading.Timer(0.3, ending.set_result, (torch.zeros(1),)).start()
+    frag.drop(settle=True)
+    assert ending.done() and frag.pending is None
 
 
 def test_the_cut_is_consecutive_balanced_and_staggered() -> None:

@@ -544,7 +544,7 @@ class LocalUpdate:
         alike (not applied on some ranks only); their change is still in each rank's weights,
         and travels with the next outer step's. ``settle``: they may still be using the wire,
         which stays in use, so they are let end first (on a whole world they complete; where a
-        rank is gone, the wire fails them at once or at the group's timeout); closing does not
-        wait, the wire closes under them."""
+        rank is gone, the wire fails them at once, and those of a world the launcher replaced
+        are not waited for: Fragment.drop); closing does not wait, the wire closes under them."""
         for frag in self.fragments:
             frag.drop(settle)

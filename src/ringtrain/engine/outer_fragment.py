@@ -25,6 +25,7 @@ import torch
 from ringtrain import transport
 from ringtrain.engine.outer_codec import OuterCodec
 from ringtrain.errors import ConfigError
+from ringtrain.runtime import abort
 
 
 class Fragment:
@@ -61,9 +62,13 @@ class Fragment:
             self.pending.set_result(mean.to("cpu", copy=True))
 
     def drop(self, settle: bool) -> None:
-        """Give up its exchange in flight; ``settle``: let it end first (the wire stays in use)."""
-        if settle and self.pending is not None:
-            concurrent.futures.wait([self.pending])
+        """Give up its exchange in flight; ``settle``: let it end first (the wire stays in use).
+        Not an exchange of a world the launcher replaced (elastic): a survivor that left that
+        world first may never send its part, and the wait would last the transport timeout;
+        that world's wire is closed when the ranks rejoin (``LocalUpdate.rejoin``)."""
+        pending = self.pending
+        while settle and pending is not None and not pending.done() and not abort.replaced():
+            concurrent.futures.wait([pending], timeout=abort.SLICE_S)
         self.pending = None
         self.base = None
         self.since_sent = 0

@@ -43,11 +43,17 @@ def _world() -> int:
     return world
 
 
+def replaced(since: int | None = None) -> bool:
+    """Whether the launcher replaced world ``since`` (default: the calling thread's, see
+    :func:`bind_world`; else the current one)."""
+    since = _world() if since is None else since
+    return announced is not None and announced() > since
+
+
 def check(since: int | None = None) -> None:
     """Raise :class:`CollectiveAbortedError` if the launcher replaced world ``since`` (default:
     the calling thread's, see :func:`bind_world`; else the current one)."""
-    since = _world() if since is None else since
-    if announced is not None and announced() > since:
+    if replaced(since):
         raise CollectiveAbortedError(
             "a peer failed: the launcher announced a new world while this rank waited"
         )
