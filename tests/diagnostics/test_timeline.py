@@ -163,3 +163,21 @@ def test_the_merge_never_overwrites_a_rank_s_file(
     for bad in ("notes.txt", "missing.json"):
         assert timeline.main([str(out), paths[0], str(tmp_path / bad)]) == 1
         assert bad in capsys.readouterr().err and not out.exists()
+
+
+def test_a_killed_rank_s_events_reach_the_file_and_an_empty_file_is_named(
+    tmp_path: Any, monkeypatch: Any, capsys: Any
+) -> None:
+    # Events are written a second after the last write at the latest, not only every
+    # FLUSH_EVERY events: a rank SIGKILLed mid-training had left an empty file.
+    monkeypatch.setattr(timeline, "FLUSH_AFTER_S", 0.0)
+    alive = str(tmp_path / "t.rank0.json")
+    rec = timeline.Recorder(alive, pid=0)
+    rec.span("compute", "BACKWARD", 1.0, 2.0)  # never closed, as if the process were killed
+    assert any(e["name"] == "BACKWARD" for e in timeline.load(alive))
+    killed = tmp_path / "t.rank1.json"
+    killed.write_text("")  # killed before its first write
+    out = str(tmp_path / "merged.json")
+    assert timeline.main([out, alive, str(killed)]) == 0
+    err = capsys.readouterr().err
+    assert f"{killed} held no events" in err and alive not in err

@@ -39,8 +39,11 @@ from typing import IO, Any
 from ringtrain.config import check_path
 from ringtrain.errors import ConfigError
 
-# Events held in memory before they are appended to the file.
+# Events held in memory before they are appended to the file; they are also appended at the first
+# event a second after the last write, so that a rank killed mid-training (SIGKILL, the OOM
+# killer) loses about its last second of events, not all it held.
 FLUSH_EVERY = 4096
+FLUSH_AFTER_S = 1.0
 
 
 class NullRecorder:
@@ -82,6 +85,7 @@ class Recorder(NullRecorder):
         self._tracks: dict[str, int] = {}
         self._events: list[dict[str, Any]] = []
         self._wrote_any = False
+        self._flushed_at = time.monotonic()
         self._file: IO[str] | None = _create(path)
         self._file.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
         self._events.append(
@@ -154,7 +158,10 @@ class Recorder(NullRecorder):
     def _add(self, event: dict[str, Any]) -> None:
         with self._lock:
             self._events.append(event)
-            if len(self._events) >= FLUSH_EVERY:
+            if (
+                len(self._events) >= FLUSH_EVERY
+                or time.monotonic() - self._flushed_at >= FLUSH_AFTER_S
+            ):
                 self._flush_locked()
 
     def _flush_locked(self) -> None:
@@ -165,6 +172,7 @@ class Recorder(NullRecorder):
         self._file.flush()
         self._wrote_any = True
         self._events = []
+        self._flushed_at = time.monotonic()
 
     def close(self) -> None:
         """Write what is buffered and close the JSON document."""
@@ -240,17 +248,22 @@ def load(path: str) -> list[dict[str, Any]]:
     return list(events)
 
 
-def merge(paths: Sequence[str], out: str) -> int:
-    """Join per-rank timelines into one file (one process per rank); returns the event count."""
+def merge(paths: Sequence[str], out: str) -> tuple[int, list[str]]:
+    """Join per-rank timelines into one file (one process per rank); returns the event count
+    and the files that held no event (a rank killed before its first write)."""
     events: list[dict[str, Any]] = []
+    empty = []
     for p in paths:
         try:
-            events.extend(load(p))
+            found = load(p)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{p} is not a timeline file ({e!r})") from e
+        events.extend(found)
+        if not found:
+            empty.append(p)
     with open(out, "w", encoding="utf-8") as f:
         json.dump({"displayTimeUnit": "ms", "traceEvents": events}, f)
-    return len(events)
+    return len(events), empty
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -267,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if refused:
         parser.error(refused)  # exits 2, with the usage
     try:
-        n = merge(args.inputs, args.out)
+        n, empty = merge(args.inputs, args.out)
     except (OSError, ValueError) as e:  # unreadable, or not a timeline
         print(
             f"{parser.prog}: error: could not merge: {e}; {args.out} was not written",
@@ -275,6 +288,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     print(f"wrote {n} events from {len(args.inputs)} file(s) to {args.out}")
+    for p in empty:
+        print(
+            f"note: {p} held no events: its rank ended before its first write (killed, or "
+            "it stopped the timeline at once); the merge has no lane for it",
+            file=sys.stderr,
+        )
     return 0
 
 

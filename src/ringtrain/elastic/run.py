@@ -94,7 +94,8 @@ def run(func: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
             limit = membership.reset_limit()
             if limit is not None and resets > limit:
                 raise LaunchError(
-                    f"the world was re-formed {resets} times, more than --reset-limit {limit}"
+                    f"the world was re-formed {resets} time{'s' if resets != 1 else ''}, more than "
+                    f"--reset-limit {limit}"
                 ) from failure
             _reset(state, failure)
             state.on_reset()

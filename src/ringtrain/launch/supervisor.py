@@ -534,7 +534,11 @@ class Supervisor:
             failure.at = time.time()
         self._failures.append(failure)
         others = len(self.pool.running())
-        self.say(f"{failure.description}; stopping the other {others} rank(s).")
+        self.say(
+            f"{failure.description}; stopping the other {others} rank(s)."
+            if others
+            else f"{failure.description}."
+        )
         # The agents give ranks that said they are failing FAILING_GRACE_S more to end alone.
         grace = self.options.grace_s + FAILING_GRACE_S
         self._apply(job_state.Failed(failure, time.monotonic(), grace))
