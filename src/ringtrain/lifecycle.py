@@ -81,9 +81,8 @@ def init(
         elastic = _elastic_join()
     rt = _start(config, rank, size, elastic)
     # From here on, an uncaught exception is posted where the peers look (runtime.departures).
-    departures.bind(
-        state.global_process_set.communicator.store, rt.rank, rt.topology.hosts[rt.rank]
-    )
+    world = state.global_process_set.communicator
+    departures.bind(world.store, rt.rank, rt.topology.hosts[rt.rank], world.notes)
     try:
         init_arguments.check_comm(comm, rt.size, _gather_ints)
         _attach_controller(state.global_process_set, config)

@@ -52,9 +52,9 @@ class _Store:
         self.data: dict[str, bytes] = {}
         self.sets = 0
 
-    def set(self, key: str, value: str) -> None:
+    def set(self, key: str, value: str | bytes) -> None:
         self.sets += 1
-        self.data[key] = value.encode()
+        self.data[key] = value.encode() if isinstance(value, str) else value
 
     def check(self, keys: list[str]) -> bool:
         return all(k in self.data for k in keys)

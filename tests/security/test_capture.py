@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import ringtrain as rt
+from ringtrain.collectives.crossset import STUCK_AFTER_S
 from ringtrain.testing.capture import CaptureUnavailable, PacketCapture
 from ringtrain.testing.spawn import World
 
@@ -27,6 +29,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def _plant(pattern: bytes) -> bool:
+    # A name that waits past STUCK_AFTER_S is posted in the store (collectives/crossset.py):
+    # sealed in secure mode, as the store's protocol is plaintext.
+    if rt.rank() == 1:
+        time.sleep(STUCK_AFTER_S + 0.5)
+    rt.allreduce(torch.ones(1), name=f"planted.{pattern.hex()}")
     data = torch.frombuffer(bytearray(pattern * 64), dtype=torch.uint8)
     rt.allreduce(data, op=rt.Max, name="planted.allreduce")
     rt.allgather(data, name="planted.allgather")
@@ -58,5 +65,6 @@ def test_planted_pattern_is_on_the_wire_only_in_plain_mode(
         assert len(captured) > 10_000, "the capture saw (almost) no traffic"
         if secure:
             assert pattern not in captured, "secure mode leaked planted bytes onto the wire"
+            assert pattern.hex().encode() not in captured, "secure mode leaked a name"
         else:
             assert pattern in captured, "plain mode's capture lacks the pattern: test is blind"

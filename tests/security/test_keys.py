@@ -4,6 +4,7 @@ file only, and split into independent subkeys."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ def test_generated_keys_are_fresh_and_encoded_as_one_hex_line() -> None:
 
 
 def test_key_from_pipe_is_read_once_and_closed() -> None:
+    keys.forget_pipe_keys()
     key = keys.generate_job_key()
     r, w = os.pipe()
     os.write(w, keys.encode_key(key))
@@ -94,3 +96,51 @@ def test_subkeys_are_independent_per_purpose() -> None:
     assert len(a) == len(b) == 32 and len({a, b, key}) == 3
     assert keys.derive(key, keys.SEALING, b"x") != b
     assert keys.derive(key, keys.SEALING) == b  # deterministic: every rank derives the same
+
+
+def test_a_later_init_never_reads_a_file_that_took_the_pipe_s_number(tmp_path: Path) -> None:
+    # The pipe is closed after the first read: its number may then be one of the script's own
+    # files, which a second init() read to EOF and closed (a user's file lost its descriptor).
+    keys.forget_pipe_keys()  # an earlier test's pipe may have had this number
+    key = keys.generate_job_key()
+    r, w = os.pipe()
+    os.write(w, keys.encode_key(key))
+    os.close(w)
+    env = {keys.KEY_FD_VAR: str(r)}
+    try:
+        assert keys.load_job_key(Config(), env) == key
+        user = os.open(tmp_path / "user.txt", os.O_RDWR | os.O_CREAT, 0o600)
+        assert user == r  # the lowest free number: the pipe's
+        os.write(user, b"the script's data")
+        assert keys.load_job_key(Config(), env) == key
+        os.fstat(user)  # still open
+        assert os.pread(user, 64, 0) == b"the script's data"
+        os.close(user)
+        # A process handed a new job's key on a new pipe reads it once told to.
+        new = keys.generate_job_key()
+        r2, w2 = os.pipe()
+        os.write(w2, keys.encode_key(new))
+        os.close(w2)
+        keys.forget_pipe_keys()
+        assert keys.load_job_key(Config(), {keys.KEY_FD_VAR: str(r2)}) == new
+    finally:
+        keys.forget_pipe_keys()
+
+
+def test_key_files_that_are_not_keys_say_what_they_hold(tmp_path: Path) -> None:
+    folder = tmp_path / "mount"
+    folder.mkdir(mode=0o700)
+    with pytest.raises(SecurityError, match="is not a file"):
+        keys.load_job_key(Config(key_file=str(folder)), {})
+    for text, said in (
+        (b"z" * 64 + b"\n", "64 characters that are not all hex digits"),
+        (b"0x" + b"ab" * 32 + b"\n", "starting with 0x"),
+        (b"ab" * 20 + b"\n", "41 bytes (40 without surrounding whitespace)"),
+    ):
+        path = tmp_path / "bad.key"
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, text)
+        os.close(fd)
+        with pytest.raises(SecurityError, match=re.escape(said)):
+            keys.load_job_key(Config(key_file=str(path)), {})

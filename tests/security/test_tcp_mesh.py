@@ -6,11 +6,13 @@ from __future__ import annotations
 import datetime
 import socket
 import threading
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from ringtrain.transport import tcp_mesh
 from ringtrain.transport.tcp_mesh import Mesh
 
 TIMEOUT = datetime.timedelta(seconds=20)
@@ -88,3 +90,22 @@ def test_a_stranger_is_turned_away_and_the_member_still_joins() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_a_silent_stranger_is_turned_away_after_the_greeting_time(monkeypatch: Any) -> None:
+    # A connection that says nothing held the listener until the group's timeout, and the
+    # real member behind it was never accepted.
+    monkeypatch.setattr(tcp_mesh, "GREETING_S", 0.5)
+    store = dist.HashStore()
+    result: list[Mesh] = []
+    t = threading.Thread(target=lambda: result.append(Mesh(store, 0, 2, TIMEOUT, "127.0.0.1")))
+    t.start()
+    ip, port, _token = store.get("tcp/0").decode().split(":")
+    with socket.create_connection((ip, int(port))) as silent:
+        b = Mesh(store, 1, 2, TIMEOUT, "127.0.0.1")
+        t.join(10)
+        assert not t.is_alive(), "the member waited behind a silent connection"
+        assert silent.recv(1) == b""  # turned away
+    (a,) = result
+    a.close()
+    b.close()

@@ -126,7 +126,7 @@ class Controller:
         self._doorbell = Doorbell(comm.store, comm.set_id, comm.set_rank)
         # Same name on other process sets: shared by this process's controllers (see crossset).
         if board is None and comm.store is not None and config.check_consistency:
-            board = crossset.Board(comm.store, comm.ranks[comm.set_rank])
+            board = crossset.Board(comm.store, comm.ranks[comm.set_rank], comm.notes)
         self._watch = (
             crossset.Watch(board, comm.set_id, comm.ranks, comm.set_rank, clock)
             if board is not None

@@ -14,7 +14,8 @@ name and every rank of the set fails that collective with it, listing both sides
 rank 0 finds the same from its side, so every rank involved gets the error; a failed name stays
 posted for :data:`LINGER_S`, so the side that decides second still finds the first side's post.
 
-Posts are JSON: the store is shared by the whole job and its contents are never unpickled.
+Posts are JSON: the store is shared by the whole job and its contents are never unpickled. In
+secure mode they are sealed (they name the user's collectives: :mod:`ringtrain.security.notes`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from ringtrain.security.notes import PLAIN, Notes
 
 log = logging.getLogger("ringtrain")
 
@@ -67,9 +70,10 @@ def _key(world_rank: int) -> str:
 class Board:
     """This process's stuck collectives, over all its process sets, posted in the job's store."""
 
-    def __init__(self, store: Any, world_rank: int) -> None:
+    def __init__(self, store: Any, world_rank: int, notes: Notes = PLAIN) -> None:
         self._store = store
         self._rank = world_rank
+        self._notes = notes
         self._lock = threading.Lock()
         self._by_set: dict[int, tuple[Stuck, ...]] = {}
         self._posted: tuple[Stuck, ...] = ()
@@ -87,7 +91,9 @@ class Board:
                 return
             # Under the lock: two sets' controllers must not post out of order.
             try:
-                self._store.set(_key(self._rank), json.dumps([s.to_json() for s in content]))
+                post = json.dumps([s.to_json() for s in content]).encode()
+                key = _key(self._rank)
+                self._store.set(key, self._notes.seal(key, post))
             except Exception as e:  # a diagnostic must not fail the job: try again next check
                 log.debug("could not post stuck collectives: %s", e)
                 return
@@ -99,8 +105,8 @@ class Board:
         try:
             if not self._store.check([key]):
                 return ()
-            raw = self._store.get(key)
-            return tuple(Stuck.from_json(item) for item in json.loads(bytes(raw).decode()))
+            post = self._notes.open(key, bytes(self._store.get(key)))
+            return tuple(Stuck.from_json(item) for item in json.loads(post.decode()))
         except Exception as e:  # unreadable: no evidence of a mismatch, the stall report stays
             log.debug("could not read rank %d's stuck collectives: %s", world_rank, e)
             return ()

@@ -302,10 +302,11 @@ class Supervisor:
 
     def _start_ranks(self, port: int) -> None:
         addr, host_env = self._network()
-        key = None
-        if self.options.settings.get("secure") and not self.options.settings.get("key_file"):
-            key = secrets.token_bytes(32).hex()
-        config = Config.from_env(self.env, **self.options.settings)
+        # The settings as the ranks will read them: -x values too (RINGTRAIN_SECURE=1 by -x
+        # needs a key the launcher makes, as --secure does).
+        ranks_see = {**self.env, **rank_env.explicit(self.env, self.options.forward_env)}
+        config = Config.from_env(ranks_see, **self.options.settings)
+        key = secrets.token_bytes(32).hex() if _makes_key(config, self.options.settings) else None
         # Kept for ranks started later on hosts a discovery script adds.
         self._run_env = {
             "rdzv": rank_env.Rendezvous(addr, port, self.job_id),
@@ -584,3 +585,11 @@ class Supervisor:
             return 0
         self.say(report(self._failures, self.pool.absorbed))
         return root_cause(self._failures).code
+
+
+def _makes_key(config: Config, flags: dict[str, Any]) -> bool:
+    """Whether the launcher makes the job key: secure mode (by flag or RINGTRAIN_SECURE) and no
+    key file named by flag, nor alongside RINGTRAIN_SECURE (launch/command.check_settings)."""
+    if flags.get("key_file"):
+        return False
+    return config.secure and (bool(flags.get("secure")) or not config.key_file)

@@ -36,6 +36,7 @@ def set_environment(env: Mapping[str, str], key: bytes | None = None) -> int:
     argv or a file. Returns this process's pid."""
     environ.update(env)
     if key is not None:
+        keys.forget_pipe_keys()  # an actor reused for a new job: this pipe holds a new key
         read_end, write_end = os.pipe()
         os.write(write_end, keys.encode_key(key))
         os.close(write_end)

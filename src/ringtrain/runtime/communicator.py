@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ringtrain.host.connections import GROUP_KINDS, doubling_pairs, doubling_steps
 from ringtrain.runtime import devices
 from ringtrain.runtime.contracts import Group, Store
+from ringtrain.security.notes import PLAIN, Notes
 
 log = logging.getLogger("ringtrain")
 
@@ -51,6 +52,7 @@ class Communicator:
         is_world: bool,
         store: Store | None = None,
         host: str = "",
+        notes: Notes = PLAIN,
     ) -> None:
         self.set_id = set_id
         self.ranks = tuple(ranks)
@@ -60,6 +62,8 @@ class Communicator:
         self.is_world = is_world
         # The job's rendezvous store (None at world size 1): idle controllers wait on it.
         self.store = store
+        # Seals the store values that carry a user's words, in secure mode (security/notes.py).
+        self.notes = notes
         self.host = host or socket.gethostname()
         self._groups = groups
         self._services: dict[str, Closable] = {}
@@ -185,6 +189,7 @@ def create(
     store: Store | None = None,
     host: str = "",
     pairs: bool = False,
+    notes: Notes = PLAIN,
 ) -> Communicator:
     """Create the groups of a process set. Collective: every world rank calls it in the same order.
 
@@ -198,7 +203,8 @@ def create(
     other group; CUDA tensors then travel through host memory (NCCL cannot seal, and an enclave
     job makes no NCCL group). With Gloo, the NCCL group is made here (it connects lazily, at its
     first collective) and used only if no two ranks of the set share a GPU; ``host``: this rank's
-    host, for that check (see :mod:`ringtrain.runtime.devices`).
+    host, for that check (see :mod:`ringtrain.runtime.devices`). ``notes``: seals what the set's
+    services post in ``store`` that carries a user's words (secure mode).
     """
     import datetime
 
@@ -227,4 +233,4 @@ def create(
         groups["cuda"] = groups["cpu"]
     elif torch.cuda.is_available() and dist.is_nccl_available():
         groups["nccl"] = dist.new_group(list(ranks), timeout=timeout, backend="nccl")
-    return Communicator(set_id, ranks, world_rank, groups, is_world, store, host)
+    return Communicator(set_id, ranks, world_rank, groups, is_world, store, host, notes)

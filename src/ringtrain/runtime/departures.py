@@ -50,6 +50,7 @@ from ringtrain.errors import RAN_FEWER, CollectiveAbortedError, CollectiveError,
 from ringtrain.launch.failures import INTERRUPTED, exited_key
 from ringtrain.runtime import heartbeat
 from ringtrain.runtime.contracts import Store
+from ringtrain.security.notes import PLAIN, Notes
 
 log = logging.getLogger("ringtrain")
 
@@ -103,6 +104,7 @@ class _Where:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.store: Store | None = None
+        self.notes = PLAIN  # the world's: a failure's words are sealed in secure mode
         self.rank = -1
         self.host = ""
         self.failure: str | None = None  # set by the except hook: this process is failing
@@ -114,12 +116,13 @@ _Hook = Callable[[type[BaseException], BaseException, TracebackType | None], obj
 _previous_hook: _Hook | None = None
 
 
-def bind(store: Store | None, rank: int, host: str) -> None:
-    """Post to ``store`` as world ``rank`` from now on (``ringtrain.init``); installs the hook
-    that records an uncaught exception, once per process."""
+def bind(store: Store | None, rank: int, host: str, notes: Notes = PLAIN) -> None:
+    """Post to ``store`` as world ``rank`` from now on (``ringtrain.init``), sealed by ``notes``;
+    installs the hook that records an uncaught exception, once per process."""
     global _previous_hook
     with _here.lock:
         _here.store, _here.rank, _here.host, _here.posted = store, rank, host, False
+        _here.notes = notes
     if _previous_hook is None:
         _previous_hook = sys.excepthook
         sys.excepthook = _on_uncaught
@@ -202,7 +205,8 @@ def post(how: str, why: str = "") -> None:
     host = _here.host or socket.gethostname()
     record = Departure(rank, how, why, host, time.time())
     try:
-        store.set(PREFIX + str(rank), record.encode())
+        key = PREFIX + str(rank)
+        store.set(key, _here.notes.seal(key, record.encode().encode()))  # type: ignore[arg-type]
     except Exception as e:
         log.debug("could not post that rank %d %s: %s", rank, how, e)
 
@@ -220,7 +224,7 @@ def read(
         client.set_timeout(datetime.timedelta(seconds=timeout_s))
         for key in keys:
             if client.check([key]):
-                found.append(Departure.decode(client.get(key)))
+                found.append(Departure.decode(_here.notes.open(key, bytes(client.get(key)))))
         if any(d.how != FAILED for d in found):
             records = _launcher_store(client)
             records.set_timeout(datetime.timedelta(seconds=timeout_s))

@@ -50,6 +50,8 @@ from ringtrain.runtime.environment import Placement
 from ringtrain.runtime.process_sets import ProcessSet, global_process_set
 from ringtrain.runtime.topology import Topology
 from ringtrain.runtime.watched_store import WatchedStore
+from ringtrain.security import keys
+from ringtrain.security.notes import PLAIN, Notes
 
 log = logging.getLogger("ringtrain")
 
@@ -178,7 +180,8 @@ def start(
             _init_default_group(backend, transport, store, placement, config, superseded)
         comm = None
         try:
-            comm = _world_communicator(placement, config, backend, store)
+            notes = Notes(keys.load_job_key(config, env)) if config.secure else PLAIN
+            comm = _world_communicator(placement, config, backend, store, notes)
             topo = _measure_topology(placement, config, env, comm.group("control"), superseded)
             comm.host = topo.hosts[placement.rank]
             fit_threads_to_quota(env, topo.local_size(placement.rank))
@@ -217,7 +220,7 @@ def start(
 
 
 def _world_communicator(
-    placement: Placement, config: Config, backend: str, store: dist.Store
+    placement: Placement, config: Config, backend: str, store: dist.Store, notes: Notes
 ) -> communicator.Communicator:
     """The world's process set: its groups, made by every rank (collective)."""
     return communicator.create(
@@ -229,6 +232,7 @@ def _world_communicator(
         backend=backend,
         store=store,
         pairs=config.vector_rounds_at(placement.size),
+        notes=notes,
     )
 
 
@@ -365,6 +369,7 @@ def add_process_set(ranks: Sequence[int] | ProcessSet) -> ProcessSet:
         store=global_process_set.communicator.store,
         host=rt.topology.hosts[rt.rank],
         pairs=rt.config.vector_rounds_at(len(ps.ranks)),
+        notes=global_process_set.communicator.notes,
     )
     ps._bind(set_id, comm)
     rt.process_sets[set_id] = ps

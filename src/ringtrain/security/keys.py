@@ -34,6 +34,7 @@ KEY_FD_VAR = Ringtrain.KEY_FD
 # Subkey purposes. Changing a label changes every derived key: it is part of the protocol.
 RENDEZVOUS = "rendezvous"
 SEALING = "sealing"
+NOTES = "notes"
 
 # A key read from RINGTRAIN_KEY_FD: the pipe can be read once, but init() may run many times.
 _from_fd: dict[int, bytes] = {}
@@ -72,8 +73,14 @@ def decode_key(data: bytes, where: str) -> bytes:
             pass
     if len(data) == KEY_BYTES:
         return bytes(data)
+    if len(text) == 2 * KEY_BYTES:
+        got = f"{len(text)} characters that are not all hex digits (0-9, a-f)"
+    elif text[:2].lower() == b"0x":
+        got = f"{len(text)} characters starting with 0x (write the hex digits alone)"
+    else:
+        got = f"{len(data)} bytes ({len(text)} without surrounding whitespace)"
     raise SecurityError(
-        f"{where} does not hold a job key: got {len(data)} bytes, expected {2 * KEY_BYTES} hex "
+        f"{where} does not hold a job key: got {got}, expected {2 * KEY_BYTES} hex "
         f"characters or {KEY_BYTES} raw bytes.\n"
         "HINT: create one with `python -c 'import secrets; print(secrets.token_hex(32))' > key` "
         "and `chmod 600 key`."
@@ -129,10 +136,10 @@ def _read_fd(raw_fd: str) -> bytes:
             "HINT: this variable is set by `ringtrain run --secure`; do not set it by hand."
         ) from None
     if fd in _from_fd:
-        try:
-            os.fstat(fd)  # open again: the number was reused for a new pipe, read that one
-        except OSError:
-            return _from_fd[fd]
+        # Read and closed by an earlier init(): the number may now be one of the script's own
+        # files, which must not be read or closed. A process handed a new key on a new pipe
+        # (a reused Ray actor) calls forget_pipe_keys() first.
+        return _from_fd[fd]
     chunks = []
     try:
         while True:
@@ -154,6 +161,12 @@ def _read_fd(raw_fd: str) -> bytes:
     return key
 
 
+def forget_pipe_keys() -> None:
+    """Forget the keys read from ``RINGTRAIN_KEY_FD``: the next :func:`load_job_key` reads the
+    pipe it names (a process given a new job's key, as a reused Ray actor is)."""
+    _from_fd.clear()
+
+
 def check_key_file(path: str) -> None:
     """Raise :class:`SecurityError` unless ``path`` holds a job key only its owner can access
     (what ``ringtrain run`` checks before starting ranks)."""
@@ -170,6 +183,12 @@ def _read_file(path: str) -> bytes:
         ) from e
     try:
         st = os.fstat(fd)  # of the opened file, so a swapped path cannot fool the check
+        if not stat.S_ISREG(st.st_mode):
+            raise SecurityError(
+                f"the key file {path!r} is not a file (a directory, a device or a pipe).\n"
+                "HINT: name the file that holds the key (Kubernetes: the Secret's file inside "
+                "its mount, e.g. /etc/ringtrain/job.key, not the mount)."
+            )
         if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise SecurityError(
                 f"the key file {path!r} has mode {stat.S_IMODE(st.st_mode):o}: group or others "
@@ -179,7 +198,10 @@ def _read_file(path: str) -> bytes:
             )
         data = b""
         while len(data) < 4096:
-            chunk = os.read(fd, 4096)
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError as e:
+                raise SecurityError(f"could not read the key file {path!r} ({e.strerror})") from e
             if not chunk:
                 break
             data += chunk

@@ -45,6 +45,10 @@ log = logging.getLogger("ringtrain")
 
 # How long closing a mesh waits for its peers' threads to end (they end as their sockets shut).
 CLOSE_JOIN_S = 2.0
+# How long an accepted connection has to say who it is. A member sends its greeting as soon as
+# it connects; a connection that stays silent (anyone who read the address in the store) is
+# turned away after this, so it cannot hold the listener until the group's timeout.
+GREETING_S = 10.0
 _MAGIC = b"RTM1"
 _HELLO = struct.Struct("<4s16sI")  # magic, the listener's token, the connecting rank
 _HEADER = struct.Struct("<Q")  # payload length
@@ -221,8 +225,11 @@ class Mesh:
                 self._peers[peer] = _Peer(
                     self._connect(store, peer, timeout_s), rank, peer, timeout_s
                 )
+            deadline = time.monotonic() + timeout_s
             while len(self._peers) < size - 1:
+                listener.settimeout(max(deadline - time.monotonic(), 0.001))
                 sock, _ = listener.accept()
+                sock.settimeout(min(GREETING_S, max(deadline - time.monotonic(), 0.001)))
                 joiner = self._admit(sock, token)
                 if joiner is not None:
                     self._peers[joiner] = _Peer(sock, rank, joiner, timeout_s)
