@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
+import subprocess
 import sys
+import time
 
 import pytest
 import torch.distributed as dist
@@ -145,3 +148,29 @@ def test_an_interrupted_rank_did_not_fail(monkeypatch: pytest.MonkeyPatch) -> No
     told = str(departures._named(2, "", [stopped], "  (ended)"))
     assert "HINT: no rank failed: the job was interrupted" in told and "fix it" not in told
     assert killed.how == FAILED and killed.why == "was killed by SIGKILL"
+
+
+@pytest.mark.timeout(60)
+def test_a_store_whose_server_died_is_given_up_within_the_read_timeout() -> None:
+    # Rank 0 serves the store: where it was killed, a clone of the store retried its connect
+    # for the job's whole timeout_s before the survivor could say anything.
+    code = (
+        "import sys, time, torch.distributed as d;"
+        "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False);"
+        "print(s.port, flush=True); time.sleep(60)"
+    )
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline()) if server.stdout else 0
+        client = dist.TCPStore(
+            "127.0.0.1", port, is_master=False, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=40),
+        )  # fmt: skip
+        store = dist.PrefixStore("ringtrain/gen1", client)
+    finally:
+        server.kill()
+        server.wait()
+    start = time.monotonic()
+    assert departures.read(store, [0]) == []
+    assert time.monotonic() - start < departures.READ_TIMEOUT_S + 8
+    assert store.timeout == datetime.timedelta(seconds=40)  # the job's client keeps its own

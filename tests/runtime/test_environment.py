@@ -125,7 +125,10 @@ def test_slurm_derives_master_and_port() -> None:
     p = detect(env)
     assert (p.launcher, p.rank, p.size, p.local_rank, p.local_size) == ("slurm", 5, 8, 1, 2)
     assert p.rendezvous_addr == "gpu07"
-    assert p.rendezvous_port == 20000 + 123456 % 20000
+    assert p.rendezvous_port == 20000 + 123456 * 61 % 12768
+    # Steps of one allocation that run at once meet in stores of their own.
+    ports = {detect({**env, "SLURM_STEP_ID": str(s)}).rendezvous_port for s in range(8)}
+    assert len(ports) == 8 and all(20000 <= p < 32768 for p in ports)
 
 
 def test_expand_nodelist() -> None:

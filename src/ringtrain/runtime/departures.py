@@ -220,8 +220,7 @@ def read(
     keys = [PREFIX + str(r) for r in ranks]
     found: list[Departure] = []
     try:
-        client = store.clone() if hasattr(store, "clone") else store
-        client.set_timeout(datetime.timedelta(seconds=timeout_s))
+        client = _client(store, datetime.timedelta(seconds=timeout_s))
         for key in keys:
             if client.check([key]):
                 found.append(Departure.decode(_here.notes.open(key, bytes(client.get(key)))))
@@ -233,6 +232,23 @@ def read(
     except Exception as e:  # the store left with a failed rank: the caller says what it has
         log.debug("could not read the departures: %s", e)
     return sorted(found, key=lambda d: (d.how != FAILED, d.at))
+
+
+def _client(store: Store, timeout: datetime.timedelta) -> Store:
+    """A client of ``store`` of its own (the job's may be busy in another thread's wait), with
+    ``timeout``. The clone connects within ``timeout`` too: where the store's server died with
+    rank 0, a clone retried for the job's whole timeout_s (minutes) before the read gave up."""
+    clone, kept = getattr(store, "clone", None), getattr(store, "timeout", None)
+    if clone is None or kept is None:
+        store.set_timeout(timeout)
+        return store
+    store.set_timeout(timeout)  # read by the clone's connect; restored at once
+    try:
+        client: Store = clone()
+    finally:
+        store.set_timeout(kept)
+    client.set_timeout(timeout)
+    return client
 
 
 def _launcher_records_exits() -> bool:

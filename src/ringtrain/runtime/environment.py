@@ -194,9 +194,12 @@ def _slurm(env: Mapping[str, str]) -> Placement:
     merged = dict(env)
     if fallback_addr and not (env.get(Ringtrain.RENDEZVOUS_ADDR) or env.get(Torch.MASTER_ADDR)):
         merged[Torch.MASTER_ADDR] = fallback_addr
-    # Every task derives the same port from the job id, so no extra variable is needed.
-    job_id = env.get(Slurm.JOB_ID, "0")
-    default_port = 20000 + (int(job_id) % 20000 if job_id.isdigit() else 0)
+    # Every task derives the same port from the job and step ids, so no extra variable is
+    # needed; each step its own, as one allocation may run steps at once (srun --exact ... &),
+    # whose ranks would otherwise meet in one store and sum each other's tensors.
+    job, step = env.get(Slurm.JOB_ID, "0"), env.get(Slurm.STEP_ID, "0")
+    number = int(job) * 61 + int(step) if job.isdigit() and step.isdigit() else 0
+    default_port = _job_port(str(number))
     addr, port = _rendezvous(merged, "Slurm (srun)", default_port=default_port)
     return Placement(
         "slurm",
