@@ -517,3 +517,52 @@ def test_what_is_not_parameters_or_an_optimizer_is_named(call: Any, said: str) -
     with pytest.raises(rt.CollectiveArgumentError) as caught:
         call()
     assert said in str(caught.value)
+
+
+# ---- built with other settings on some ranks -------------------------------------------------
+
+
+def _settings_on_rank_1(kind: str) -> dict[str, Any]:
+    r = rt.rank()
+    model, x = _linear(r)
+    other: dict[str, Any] = {
+        "op": {"op": rt.Sum},
+        "compression": {"compression": rt.Compression.fp16},
+        "fusion": {"fusion_threshold_bytes": 1024},
+    }[kind]
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        named_parameters=model.named_parameters(),
+        **(other if r == 1 else {}),
+    )
+    model(x).sum().backward()
+    try:
+        opt.step()
+        error = ""
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    after = rt.allreduce(torch.ones(1), op=rt.Sum, name=f"after.settings.{kind}")
+    return {"error": error, "after": float(after), "weight": model.weight.tolist()}
+
+
+@pytest.mark.parametrize(
+    ("kind", "line"),
+    [
+        ("op", "  op: rank 0 Average, rank 1 Sum"),
+        ("compression", "  compression (as given): rank 0 none, rank 1 FP16Compressor"),
+        ("fusion", "  fusion_threshold_bytes: rank 0 67108864, rank 1 1024"),
+    ],
+)
+def test_optimizer_settings_that_differ_between_ranks_are_an_error_on_every_rank(
+    world2: spawn.World, kind: str, line: str
+) -> None:
+    # The exchange is not negotiated: with Average on rank 0 and Sum on rank 1 both ranks
+    # stepped with g0/2 + g1, no error; fp16 or a bucket size on one rank made Gloo abort.
+    for res in world2.run(_settings_on_rank_1, kind):
+        assert res["error"].startswith(
+            "ConfigError: the DistributedOptimizer's settings differ between ranks:\n"
+        ), res
+        assert line in res["error"].splitlines(), res
+        assert "HINT: every rank must build the optimizer with the same arguments" in res["error"]
+        assert res["weight"] == [[0.0, 0.0]], res  # nothing stepped
+        assert res["after"] == 2.0  # the job goes on

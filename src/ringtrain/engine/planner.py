@@ -36,6 +36,14 @@ from ringtrain.transport.hierarchical import prefer_hierarchical
 
 log = logging.getLogger("ringtrain")
 
+# The engine settings every rank's optimizer must share (engine/same_settings.py).
+_SHARED_FIELDS = (
+    "fusion_threshold_bytes", "cycle_time_ms", "bucket_order", "compression", "powersgd_rank",
+    "powersgd_start_step", "topk_ratio", "hierarchical", "engine_streams", "reproducible",
+    "link_class", "shard_optimizer", "reduce_scatter", "overlap", "sync_every",
+    "outer_compression", "outer_overlap", "outer_delay", "outer_fragments", "batch_shares",
+)  # fmt: skip
+
 
 class Planner:
     """Learns and keeps the bucket plan, its streams and its :class:`GradientExchange`."""
@@ -141,7 +149,10 @@ class Planner:
             observation = dataclasses.replace(
                 observation, sparse=tuple(False for _ in self._params)
             )
-        self._observed = schedule.gather(observation, self.comm.group("engine"), self.size)
+        settings = self._shared_settings(averaging, sparse_as_dense)
+        self._observed = schedule.gather(
+            observation, self.comm.group("engine"), self.size, settings
+        )
         plan = self._agree(buckets.MIN_TIMED_BUCKET_BYTES)
         self.drop_plan()
         self.plan = plan
@@ -158,6 +169,19 @@ class Planner:
         self.build_exchange(averaging)
         log.debug("ringtrain bucket plan %s: %s", plan.digest, plan.describe())
         rec.span("step", "PLAN", t0, time.perf_counter(), {"plan": plan.describe()})
+
+    def _shared_settings(self, averaging: Averaging, sparse_as_dense: bool) -> dict[str, str]:
+        """What every rank's optimizer must share, as text (:mod:`.same_settings`): not a
+        rank's ``batch_shares`` weight, which is its own."""
+        out = {name: str(getattr(self._config, name)) for name in _SHARED_FIELDS}
+        out["op"] = "Average" if averaging.average else "Sum"
+        out["gradient_predivide_factor"] = repr(averaging.predivide)
+        out["backward_passes_per_step (averaged)"] = repr(averaging.k_scale)
+        arg = self.compression_arg  # a name, or a compressor class or object (Horovod's)
+        given = arg if isinstance(arg, str) else getattr(arg, "__name__", type(arg).__name__)
+        out["compression (as given)"] = given
+        out["sparse_as_dense"] = str(sparse_as_dense)
+        return out
 
     def learned(self, averaging: Averaging) -> None:
         """After the learning step's exchange: fix the bucket size and the launch order."""

@@ -16,11 +16,12 @@ the plan is frozen until ``requires_grad`` changes.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from ringtrain.engine import same_settings
 from ringtrain.engine.buckets import NOT_SEEN, Observation, ParamSpec
 from ringtrain.errors import ConfigError
 from ringtrain.transport import group_ops
@@ -77,22 +78,29 @@ class Learner:
         )
 
 
-def gather(local: Observation, group: Any, size: int) -> list[Observation]:
+def gather(
+    local: Observation, group: Any, size: int, settings: Mapping[str, str] | None = None
+) -> list[Observation]:
     """Every rank's observation, rank by rank, gathered on ``group``.
 
-    Two collectives: the parameter count first (so a rank with a different model fails with a
-    message instead of a size mismatch deep inside Gloo), then the observations.
+    Two collectives: the parameter count and a digest of ``settings`` first (so a rank with a
+    different model or optimizer settings fails with a message instead of a size mismatch deep
+    inside Gloo, or wrong sums: :mod:`ringtrain.engine.same_settings`), then the observations.
     """
     if size == 1:
         return [local]
     n = len(local.numel)
-    counts = torch.empty(size, dtype=torch.int64)
-    group_ops.all_gather_into(counts, torch.tensor([n], dtype=torch.int64), group)
-    if len(set(counts.tolist())) != 1:
+    firsts = torch.empty(size * 2, dtype=torch.int64)
+    mine = torch.tensor([n, same_settings.digest(settings or {})], dtype=torch.int64)
+    group_ops.all_gather_into(firsts, mine, group)
+    counts, digests = firsts.view(size, 2).t().tolist()
+    if len(set(counts)) != 1:
         raise ConfigError(
-            f"the optimizer holds {counts.tolist()} parameters on ranks 0..{size - 1}.\n"
+            f"the optimizer holds {counts} parameters on ranks 0..{size - 1}.\n"
             "HINT: every rank must build the same model and optimizer."
         )
+    if len(set(digests)) != 1:
+        same_settings.raise_differences(settings or {}, group, size)
     mine = torch.tensor(local.encode(), dtype=torch.int64)
     gathered = torch.empty(size * mine.numel(), dtype=torch.int64)
     group_ops.all_gather_into(gathered, mine, group)
