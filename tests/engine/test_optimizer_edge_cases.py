@@ -390,6 +390,77 @@ def test_an_early_step_reduces_what_was_accumulated(world: spawn.World) -> None:
         assert "before optimizer.step()" in caught[0] and "computed again" in caught[1]
 
 
+def _set_passes() -> dict[str, Any]:
+    """Horovod's set_backward_passes_per_step (horovod/torch/optimizer.py): sets the count and
+    restarts every gradient's countdown; checked as the constructor checks the argument."""
+    import ringtrain.torch as hvd
+    from ringtrain.torch import optimizer as hvd_optimizer
+
+    r = rt.rank()
+    model, x = _linear(r)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0), named_parameters=model.named_parameters()
+    )
+    reexported = hvd_optimizer.DistributedOptimizer  # Horovod's module path
+    out: dict[str, Any] = {"reexported": isinstance(opt, reexported)}
+    said = []
+    for bad in (0, -2):
+        try:
+            opt.set_backward_passes_per_step(bad)
+        except rt.ConfigError as e:
+            said.append(str(e))
+        try:
+            rt.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=1.0), backward_passes_per_step=bad
+            )
+        except rt.ConfigError as e:
+            said.append(str(e))
+    out["bad"] = said
+    opt.set_backward_passes_per_step(2)
+    out["attribute"] = opt.backward_passes_per_step
+    got = []
+    for _ in range(2):  # two passes, one reduction of their sum
+        model(x).sum().backward()
+    opt.step()
+    got.append(model.weight[0, 0].item())
+    # Mid-accumulation (1 pass of 3): the countdown restarts, the pass taken stays summed.
+    opt.set_backward_passes_per_step(3)
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.set_backward_passes_per_step(2)
+    for _ in range(2):
+        model(x).sum().backward()
+    opt.step()
+    got.append(model.weight[0, 0].item())
+    out["weights"] = got
+    # After the step's last pass its gradients are on their way: refused alike, the step goes on.
+    opt.zero_grad()
+    for _ in range(2):
+        model(x).sum().backward()
+    try:
+        opt.set_backward_passes_per_step(1)
+    except AssertionError as e:
+        out["late"] = str(e)
+    opt.step()
+    out["after_late"] = (opt.backward_passes_per_step, model.weight[0, 0].item())
+    opt.remove_hooks()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_set_backward_passes_per_step_restarts_the_count(world2: spawn.World) -> None:
+    mean = sum(r + 1 for r in range(world2.size)) / world2.size
+    for out in world2.run(_set_passes, timeout=240):
+        assert out["reexported"]
+        assert out["bad"] == [
+            f"backward_passes_per_step must be >= 1, got {b}" for b in (0, 0, -2, -2)
+        ]
+        assert out["attribute"] == 2
+        assert out["weights"] == [-2 * mean, -5 * mean]
+        assert "set_backward_passes_per_step() was called after" in out["late"]
+        assert out["after_late"] == (2, -7 * mean)
+
+
 def _wrapped_class() -> list[Any]:
     model, _ = _linear(rt.rank())
     opt = rt.DistributedOptimizer(torch.optim.Adam(model.parameters()))

@@ -352,6 +352,36 @@ def test_what_overlap_does_not_support_says_so(world2: World, what: str, says: s
     assert all(says in msg for msg in messages), messages
 
 
+def _sparse_first_step() -> tuple[str, bool]:
+    """overlap=True with a sparse embedding: the first step is refused (it used to run, then
+    fail at the second), before the reduction and with the weights as they were."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(8, 3, sparse=True)
+    before = emb.weight.detach().clone()
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(emb.parameters(), lr=0.1),
+        named_parameters=emb.named_parameters(),
+        overlap=True,
+    )
+    emb(torch.tensor([1, 2 + rt.rank()])).sum().backward()
+    said = "no error"
+    try:
+        opt.step()
+    except ConfigError as e:
+        said = str(e)
+    unchanged = torch.equal(before, emb.weight)
+    opt.remove_hooks()
+    rt.barrier()  # every rank got here: none waits in a half-done exchange
+    return said, unchanged
+
+
+@pytest.mark.timeout(300)
+def test_sparse_gradients_are_refused_at_the_first_step(world2: World) -> None:
+    for said, unchanged in world2.run(_sparse_first_step, timeout=TIMEOUT_S):
+        assert said.startswith("overlap=True needs dense gradients, but weight came sparse"), said
+        assert unchanged
+
+
 def _auto_overlapped(steps: int) -> dict[str, Any]:
     """compression="auto" with overlap: it measures whole steps without overlap, settles, then
     overlaps with what it chose."""

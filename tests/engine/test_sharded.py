@@ -328,6 +328,45 @@ def test_unsupported_is_a_clear_error(case: str, words: str) -> None:
         assert words in msg, msg
 
 
+def _closure_first_step() -> tuple[str, bool]:
+    """step(closure) with shard_optimizer=True at the very first step, no backward before:
+    refused there (it used to run whole, then fail at the second step), nothing updated."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        shard_optimizer=True,
+    )
+    x = torch.ones(4, 3) * (rt.rank() + 1)
+
+    def closure() -> float:
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        return float(loss)
+
+    said = "no error"
+    try:
+        opt.step(closure)
+    except rt.ConfigError as e:
+        said = str(e)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()  # the job goes on without the closure, alike on every rank
+    return said, unchanged
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("size", [1, 2])
+def test_step_closure_is_refused_at_the_first_step(size: int) -> None:
+    for said, unchanged in spawn.world(size).run(_closure_first_step, timeout=240):
+        assert "step(closure) is not supported with shard_optimizer=True" in said, said
+        assert unchanged
+
+
 def _env_twin() -> bool:
     model = torch.nn.Linear(3, 2)
     return rt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)).shards_state

@@ -31,9 +31,10 @@ from ringtrain.engine import auto_shares, local_defaults, local_first, local_set
 from ringtrain.engine.auto_shares import AutoShares, agree_on
 from ringtrain.engine.parameters import Hooks, make_watch
 from ringtrain.engine.planner import Planner
-from ringtrain.engine.settings import Reduction
+from ringtrain.engine.settings import Reduction, check_passes
 from ringtrain.engine.step_phase import Phase, StepProgress
 from ringtrain.engine.steps import BucketUpdates, Overlapped, ShardedUpdate, Update, WholeStep
+from ringtrain.engine.steps.sharded import closure_refused
 from ringtrain.engine.weighting import Averaging, check_shares
 from ringtrain.errors import ConfigError, StepOrderError
 
@@ -118,6 +119,26 @@ class GradientPath:
         averaging = self.averaging()  # checks one share per rank
         if self.planner.exchange is not None:
             self.planner.exchange.set_scaling(averaging)
+
+    def set_passes(self, passes: int) -> None:
+        """Horovod's ``set_backward_passes_per_step``: communicate once every ``passes``
+        backward passes from now on, and restart every gradient's count. Mid-accumulation (some
+        passes of a step taken, no gradient handed to the exchange yet) the gradients keep what
+        they summed and are reduced after ``passes`` more passes, as Horovod's countdown
+        restarts. Once a gradient has reached the exchange this step, refused alike on every
+        rank: its reduction, scaled for the old count, is under way."""
+        check_passes(passes)
+        if Phase.READY in self.progress:
+            raise StepOrderError(
+                "set_backward_passes_per_step() was called after this step's gradients reached "
+                "the exchange (their reduction has begun).\nHINT: call it between steps (after "
+                "optimizer.step()), or before the last backward pass of the step."
+            )
+        self.drain()  # an overlapped step's updates still use the exchange's scaling
+        self.passes = passes
+        self.progress.counts = [0] * len(self.progress.counts)
+        if self.planner.exchange is not None:  # average_aggregated_gradients: 1/passes
+            self.planner.exchange.set_scaling(self.averaging())
 
     @property
     def shards_state(self) -> bool:
@@ -345,6 +366,8 @@ class GradientPath:
         self.update = self._make_update()
 
     def step(self, closure: Callable[[], float] | None) -> Any:
+        if closure is not None and self.config.shard_optimizer:
+            raise closure_refused()  # before anything runs, at the first step as at the next
         self.drain()
         progress = self.progress
         update = self.update  # sync_every="auto" may choose another one for the next step

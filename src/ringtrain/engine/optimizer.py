@@ -329,6 +329,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         shares = self._path.reduction.shares
         return shares if isinstance(shares, tuple) else None
 
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Horovod's: communicate once every ``passes`` backward passes from now on, and
+        restart the count of every gradient (``backward_passes_per_step`` must be >= 1, as in
+        the constructor). Called mid-accumulation, the passes already taken stay summed in the
+        gradients and the reduction comes after ``passes`` more, as Horovod's countdown restarts.
+        Call it alike on every rank; after this step's last backward pass (its gradients on their
+        way) it is a :class:`~ringtrain.errors.StepOrderError`: call it after ``step()``."""
+        self._path.set_passes(passes)
+
     def set_batch_shares(self, shares: Sequence[float]) -> None:
         """Weigh ranks by these shares from the next step on: call it between steps, with the
         same list on every rank (e.g. the samples each rank takes of a short last batch)."""

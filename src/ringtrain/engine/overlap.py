@@ -92,6 +92,18 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+def check_dense(plan: Plan, names: Sequence[str]) -> None:
+    """ConfigError if ``plan`` has sparse gradients. Checked where the learning step agrees on
+    the plan (alike on every rank, before any gradient is reduced or parameter updated), so
+    the first step is refused, not the second."""
+    if plan.sparse:
+        raise ConfigError(
+            "overlap=True needs dense gradients, but "
+            f"{', '.join(names[i] for i in plan.sparse)} came sparse.\n"
+            "HINT: pass sparse_as_dense=True, or overlap=False."
+        )
+
+
 @dataclass(frozen=True)
 class BucketTiming:
     """What the replay knows about one bucket."""

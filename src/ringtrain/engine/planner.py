@@ -27,7 +27,7 @@ from ringtrain.engine import buckets, schedule
 from ringtrain.engine.auto import AutoTuner
 from ringtrain.engine.buckets import Observation, Plan
 from ringtrain.engine.exchange import GradientExchange
-from ringtrain.engine.overlap import launch_order, timings
+from ringtrain.engine.overlap import check_dense, launch_order, timings
 from ringtrain.engine.streams import Route, StreamPool
 from ringtrain.engine.weighting import Averaging
 from ringtrain.errors import ConfigError
@@ -154,6 +154,8 @@ class Planner:
             observation, self.comm.group("engine"), self.size, settings
         )
         plan = self._agree(buckets.MIN_TIMED_BUCKET_BYTES)
+        if self._overlap:
+            check_dense(plan, self._names)  # agreed alike: every rank refuses, nothing reduced
         self.drop_plan()
         self.plan = plan
         if self._routes is None:

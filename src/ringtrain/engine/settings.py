@@ -84,6 +84,13 @@ CONFIG_ARGS = (
 )
 
 
+def check_passes(passes: int) -> None:
+    """``backward_passes_per_step``, as the constructor and ``set_backward_passes_per_step``
+    take it: one or more."""
+    if passes < 1:
+        raise ConfigError(f"backward_passes_per_step must be >= 1, got {passes}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Reduction:
     """What the reduction makes of the sum: Horovod's ``op``, ``gradient_predivide_factor``,
@@ -105,8 +112,7 @@ class Reduction:
         average_aggregated: bool,
         shares: object = None,
     ) -> Reduction:
-        if passes < 1:
-            raise ConfigError(f"backward_passes_per_step must be >= 1, got {passes}")
+        check_passes(passes)
         if predivide <= 0:
             raise ConfigError(f"gradient_predivide_factor must be > 0, got {predivide}")
         name = resolve_op(op)

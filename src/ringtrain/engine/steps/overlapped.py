@@ -17,7 +17,7 @@ import torch
 from ringtrain.config import Config
 from ringtrain.diagnostics import timeline
 from ringtrain.engine.exchange import GradientExchange
-from ringtrain.engine.overlap import Overlap, check_optimizer
+from ringtrain.engine.overlap import Overlap, check_dense, check_optimizer
 from ringtrain.engine.planner import Planner
 from ringtrain.engine.steps.base import Update
 from ringtrain.errors import ConfigError
@@ -57,12 +57,7 @@ class Overlapped:
             return False
         if planner.tuner is not None and planner.tuner.active:
             return False
-        if plan.sparse:
-            raise ConfigError(
-                "overlap=True needs dense gradients, but "
-                f"{', '.join(names[i] for i in plan.sparse)} came sparse.\n"
-                "HINT: pass sparse_as_dense=True, or overlap=False."
-            )
+        check_dense(plan, names)  # refused at the learning step already (Planner.make_plan)
         return planner.launch_order is not None
 
     def step(self, planner: Planner, update: Update, progress: Any) -> None:

@@ -21,6 +21,16 @@ from ringtrain.engine.steps.whole import BucketUpdates, tensor_bytes
 from ringtrain.errors import ConfigError
 
 
+def closure_refused() -> ConfigError:
+    """``step(closure)`` with ``shard_optimizer=True``: refused at every step, the first too,
+    and at any world size (a one-rank trial fails as the job would)."""
+    return ConfigError(
+        "step(closure) is not supported with shard_optimizer=True: the closure would run on "
+        "the whole model while only a shard steps.\n"
+        "HINT: compute the loss before step(), or use shard_optimizer=False."
+    )
+
+
 class ShardedUpdate:
     """:class:`ringtrain.engine.steps.Update` for ``shard_optimizer=True`` (2 or more ranks)."""
 
@@ -64,15 +74,11 @@ class ShardedUpdate:
         )
 
     def step(self, closure: Callable[[], float] | None) -> Any:
+        if closure is not None:
+            raise closure_refused()  # GradientPath.step refuses it first, before the exchange
         if self._plan is None:
             # No plan yet (no gradient reached the exchange): the wrapped optimizer steps whole.
-            opt = self._optimizer
-            return opt.step(closure) if closure is not None else opt.step()
-        if closure is not None:
-            raise ConfigError(
-                "step(closure) is not supported with shard_optimizer=True.\n"
-                "HINT: compute the loss before step(), or use shard_optimizer=False."
-            )
+            return self._optimizer.step()
         self._current().step()
         return None
 
