@@ -623,11 +623,12 @@ def test_cli_out_under_a_regular_file_is_one_error(tmp_path: Path, capsys: Any) 
     assert "HINT:" in err and "Traceback" not in err
 
 
-def test_numbers_in_the_command_become_arguments() -> None:
-    spec = JobSpec.from_mapping(
-        {**BASE, "command": ["python", "t.py", "--epochs", 10, "--lr", 0.5]}
-    )
-    assert spec.command == ("python", "t.py", "--epochs", "10", "--lr", "0.5")
+def test_numbers_in_the_command_are_refused_not_rewritten() -> None:
+    """YAML reads --seed 010 as 8: str() of it would run another command than written."""
+    with pytest.raises(ConfigError, match=r"command\[3\] \(after '--epochs'\) is the number 10"):
+        JobSpec.from_mapping({**BASE, "command": ["python", "t.py", "--epochs", 10]})
+    spec = JobSpec.from_mapping({**BASE, "command": ["python", "t.py", "--epochs", "010"]})
+    assert spec.command == ("python", "t.py", "--epochs", "010")
 
 
 def test_without_pyyaml_the_command_says_what_to_install(

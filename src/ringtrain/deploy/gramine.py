@@ -83,8 +83,20 @@ def passthrough_vars(spec: JobSpec) -> list[str]:
 
 
 def _toml(value: str) -> str:
-    # A TOML basic string: JSON's escapes are valid TOML for the characters we write.
-    return json.dumps(value)
+    """``value`` as a TOML basic string that survives the template's Jinja rendering as is.
+
+    JSON's escapes are valid TOML; other characters are written as they are (JSON's ``\\u``
+    escapes of characters past U+FFFF are surrogate pairs, which TOML refuses), but for DEL,
+    which TOML wants escaped and JSON does not. The template is Jinja text, so a value holding
+    ``{{``, ``{%`` or ``{#`` (all begin with ``{``) would be evaluated by ``gramine-manifest``,
+    and the measured argv would differ from the job's command: such a string is written as a
+    Jinja expression, ``{{ "<the TOML string>" }}``, which renders the TOML string literally (a
+    Jinja string literal takes Python's escapes, as JSON writes them).
+    """
+    text = json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if "{" not in text:
+        return text
+    return "{{ " + json.dumps(text, ensure_ascii=False) + " }}"
 
 
 def app_dirs(spec: JobSpec) -> list[str]:

@@ -9,9 +9,11 @@ so the generators (:mod:`ringtrain.deploy.manifests`) only build dictionaries.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from fractions import Fraction
 from typing import Any
 
 from ringtrain.config import Bounds, Config, check_launch_settings, settings_from, to_env
@@ -24,18 +26,21 @@ TARGETS = ("pytorchjob", "mpijob", "trainjob")
 # "-ringtrain-key", so a job name keeps 40 of the 63 characters a label may have.
 _NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 MAX_NAME = 40
-# Kubernetes quantities for memory: binary (Ki, Mi, Gi, Ti) or decimal (k, M, G, T) suffixes.
-_MEMORY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
-_MEMORY_FACTOR = {
-    None: 1,
-    "Ki": 1 << 10,
-    "Mi": 1 << 20,
-    "Gi": 1 << 30,
-    "Ti": 1 << 40,
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
+# Namespaces: RFC 1123 labels (they may start with a digit), at most 63 characters.
+_NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# Kubernetes quantities (k8s.io/apimachinery resource.Quantity): a signed decimal number
+# (`1`, `1.5`, `.5`, `2.`), then a binary suffix (Ki..Ei), a decimal one (n, u, m, k, M..E) or
+# a decimal exponent (`e3`, `E-2`).
+_QUANTITY = re.compile(
+    r"^(?P<number>[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"
+    r"(?:(?P<suffix>[KMGTPE]i|[numkMGTPE])|[eE](?P<exponent>[+-]?[0-9]+))?$"
+)
+_SUFFIX_FACTOR = {
+    **{f"{p}i": Fraction(1 << (10 * (i + 1))) for i, p in enumerate("KMGTPE")},
+    **{p: Fraction(10) ** (3 * i) for i, p in enumerate("kMGTPE", start=1)},
+    "n": Fraction(1, 10**9),
+    "u": Fraction(1, 10**6),
+    "m": Fraction(1, 10**3),
 }
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PORT = Bounds(1, high=65535, whole=True, hint="a TCP port, as a number: port: 23456.")
@@ -85,8 +90,12 @@ class JobSpec:
                 f"name {self.name!r} is not a valid job name: lowercase letters, digits and '-', "
                 f"starting with a letter, at most {MAX_NAME} characters.\nHINT: e.g. mnist-ddp."
             )
-        if not _NAME.match(self.namespace) or len(self.namespace) > 63:
-            raise ConfigError(f"namespace {self.namespace!r} is not a valid Kubernetes namespace")
+        if not _NAMESPACE.match(self.namespace) or len(self.namespace) > 63:
+            raise ConfigError(
+                f"namespace {self.namespace!r} is not a valid Kubernetes namespace: lowercase "
+                "letters, digits and '-', starting and ending with a letter or digit, at most 63 "
+                "characters.\nHINT: e.g. ml-team."
+            )
         if not self.image.strip() or any(c.isspace() for c in self.image):
             raise ConfigError(f"image {self.image!r} must be one image reference, no spaces")
         if not self.command or not all(isinstance(a, str) and a for a in self.command):
@@ -196,14 +205,11 @@ class JobSpec:
             )
         if not isinstance(command, list | tuple):
             raise ConfigError(f"{where}: command must be a list of arguments, got {command!r}")
-        # YAML reads `--epochs, 10` as a number; an argv holds strings.
-        values["command"] = tuple(
-            str(a) if isinstance(a, int | float) and not isinstance(a, bool) else a for a in command
-        )
+        values["command"] = tuple(_argv(command, where))
         for key in ("settings", "env"):
             if key in values and not isinstance(values[key], Mapping):
                 raise ConfigError(f"{where}: {key} must be a mapping, got {values[key]!r}")
-        values["env"] = {str(k): str(v) for k, v in dict(values.get("env") or {}).items()}
+        values["env"] = _env(dict(values.get("env") or {}), where)
         values["settings"] = dict(values.get("settings") or {})
         for key in ("secure", "sgx"):
             if key in values and not isinstance(values[key], bool):
@@ -217,12 +223,80 @@ class JobSpec:
         return dataclasses.replace(self, **changes)
 
 
+# YAML reads unquoted 012 as 10, 0x1A as 26, 1.50 as 1.5, off as false and 2024-01-02 as a
+# date: turned back into text they would not be what was written, so they are refused.
+_QUOTE_HINT = (
+    "HINT: write it in quotes, as the job should see it: {example} (unquoted, YAML reads 012 as "
+    "the number 10, 0x1A as 26, 1.0e-3 as 0.001 and off as false)."
+)
+
+
+def _as_yaml_read(value: object) -> str:
+    """``value`` named as YAML read it: ``the number 8``, ``the boolean false``, ``null``."""
+    if value is None:
+        return "null (no value)"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, int | float):
+        return f"the number {value!r}"
+    return f"the {type(value).__name__} {value!r}"
+
+
+def _argv(command: Sequence[object], where: str) -> list[str]:
+    """``command``'s arguments, each a string as written (never a number turned back to text)."""
+    argv = []
+    for i, arg in enumerate(command):
+        if not isinstance(arg, str):
+            prev = command[i - 1] if i else None
+            after = f" (after {prev!r})" if isinstance(prev, str) else ""
+            example = f"command: [..., {prev}, " if isinstance(prev, str) else "command: [..., "
+            raise ConfigError(
+                f"{where}: command[{i}]{after} is {_as_yaml_read(arg)}, not a string.\n"
+                + _QUOTE_HINT.format(example=example + '"...", ...]')
+            )
+        argv.append(arg)
+    return argv
+
+
+def _env(env: Mapping[object, object], where: str) -> dict[str, str]:
+    """The description's ``env``: names and values strings (Kubernetes takes only strings)."""
+    out = {}
+    for name, value in env.items():
+        if not isinstance(name, str):
+            raise ConfigError(
+                f"{where}: env: a name is {_as_yaml_read(name)}, not a string.\n"
+                + _QUOTE_HINT.format(example='"...": value')
+            )
+        if not isinstance(value, str):
+            raise ConfigError(
+                f"{where}: env: {name} is {_as_yaml_read(value)}, not a string (Kubernetes "
+                "takes only strings).\n" + _QUOTE_HINT.format(example=f'{name}: "..."')
+            )
+        out[name] = value
+    return out
+
+
 def memory_bytes(quantity: str) -> int:
-    """A Kubernetes memory quantity (``2Gi``, ``512Mi``, ``1G``) in bytes."""
-    m = _MEMORY.match(str(quantity))
-    if not m or int(m.group(1)) == 0:
+    """A Kubernetes memory quantity (``2Gi``, ``1.5Gi``, ``512M``, ``1e9``) in bytes."""
+    m = _QUANTITY.match(str(quantity))
+    if not m:
         raise ConfigError(
             f"memory {quantity!r} is not a Kubernetes memory quantity.\n"
-            "HINT: write e.g. 2Gi, 512Mi or 4G."
+            "HINT: write e.g. 2Gi, 1.5Gi, 512Mi or 4G."
         )
-    return int(m.group(1)) * _MEMORY_FACTOR[m.group(2)]
+    value = Fraction(m["number"])
+    if m["exponent"] is not None:
+        value *= Fraction(10) ** int(m["exponent"])
+    elif m["suffix"]:
+        value *= _SUFFIX_FACTOR[m["suffix"]]
+    if value <= 0:
+        raise ConfigError(
+            f"memory {quantity!r} is not more than 0 bytes.\nHINT: write e.g. 2Gi or 512Mi."
+        )
+    if value.denominator != 1:
+        # Kubernetes warns of it too: "fractional byte value ... must be an integer".
+        raise ConfigError(
+            f"memory {quantity!r} is {float(value):g} bytes, not a whole number of bytes "
+            "('m' is milli, not mega).\nHINT: write e.g. 512Mi or 512M."
+        )
+    return math.floor(value)
