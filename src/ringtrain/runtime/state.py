@@ -180,8 +180,7 @@ def start(
             _init_default_group(backend, transport, store, placement, config, superseded)
         comm = None
         try:
-            notes = Notes(keys.load_job_key(config, env)) if config.secure else PLAIN
-            comm = _world_communicator(placement, config, backend, store, notes)
+            comm = _world_communicator(placement, config, backend, store, env)
             topo = _measure_topology(placement, config, env, comm.group("control"), superseded)
             comm.host = topo.hosts[placement.rank]
             fit_threads_to_quota(env, topo.local_size(placement.rank))
@@ -220,9 +219,11 @@ def start(
 
 
 def _world_communicator(
-    placement: Placement, config: Config, backend: str, store: dist.Store, notes: Notes
+    placement: Placement, config: Config, backend: str, store: dist.Store, env: Mapping[str, str]
 ) -> communicator.Communicator:
-    """The world's process set: its groups, made by every rank (collective)."""
+    """The world's process set: its groups, made by every rank (collective). In secure mode
+    the store values that carry a user's words are sealed (security/notes.py)."""
+    notes = Notes(keys.load_job_key(config, env)) if config.secure else PLAIN
     return communicator.create(
         WORLD_SET_ID,
         range(placement.size),
