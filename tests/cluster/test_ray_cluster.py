@@ -91,6 +91,8 @@ def test_ray_executor_secure_one_worker_per_host(ray_cluster: RayCluster) -> Non
     result = _job(ray_cluster, "executor")
     _two_hosts(result["ranks"])
     assert all(r["backend"] == "ringtrain_sealed" for r in result["ranks"])
+    assert "boom in executor rank 1" in result["failure"], result["failure"]
+    assert result["again"] == [result["ranks"][0]["sum"]] * 2, result
     assert result["tags"] == ["made", "made"]  # executable_cls built in every worker
     assert result["single_pid"] == result["ranks"][0]["pid"]  # execute_single: rank 0
     assert result["remote"] == [42, 42]

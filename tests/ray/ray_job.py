@@ -117,6 +117,17 @@ def executor_fn() -> dict:
     return out
 
 
+def failing_fn() -> float:
+    import torch
+
+    import ringtrain.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        raise ValueError("boom in executor rank 1")
+    return float(hvd.allreduce(torch.ones(1), name="never.answered").item())
+
+
 def run_executor(out_dir: str) -> dict:
     from ringtrain.ray import RayExecutor
 
@@ -130,12 +141,27 @@ def run_executor(out_dir: str) -> dict:
     ex.start(executable_cls=Executable, executable_args=["made"])
     try:
         ranks = ex.run(executor_fn)
+        # A rank that raises: run() raises its error, and the next run() starts afresh (the
+        # peer had stayed in its allreduce, and the next run() hung).
+        try:
+            ex.run(failing_fn)
+            failure = ""
+        except Exception as e:
+            failure = str(e)
+        again = ex.run(executor_fn)
         tags = ex.execute(lambda e: e.tag)
         single = ex.execute_single(lambda e: os.getpid())
         remote = ray.get(ex.run_remote(lambda x: x * 2, args=[21]))
     finally:
         ex.shutdown()
-    return {"ranks": ranks, "tags": tags, "single_pid": single, "remote": remote}
+    return {
+        "ranks": ranks,
+        "failure": failure,
+        "again": [r["sum"] for r in again],
+        "tags": tags,
+        "single_pid": single,
+        "remote": remote,
+    }
 
 
 def _step_model():

@@ -44,7 +44,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import ray
 from ray import ObjectRef
-from ringtrain.errors import ConfigError, LaunchError
+from ringtrain.errors import ConfigError, LaunchError, PeerFailedError
 from ringtrain.launch import elastic as elastic_launch
 from ringtrain.launch.plan import ProcessSpec
 from ringtrain.launch.rendezvous import RendezvousServer
@@ -341,7 +341,7 @@ class RayExecutor:
         """The results of ``refs`` (one per worker, in rank order). Elastic: ``grow(pending)``
         is called about once a second and may add the refs of workers it started."""
         if not self.elastic:
-            return list(ray.get(refs))
+            return _all_or_first_failure(refs)
         m = self._membership
         assert m is not None and self._server is not None
         pending = dict(zip(refs, self._identities))
@@ -448,6 +448,24 @@ def free_slots(cpus_per_slot: float, gpus_per_slot: float) -> dict[str, int]:
         if n > 0:
             out[node["NodeID"]] = n
     return out
+
+
+def _all_or_first_failure(refs: list[ObjectRef[R]]) -> list[R]:
+    """Every worker's result, or, where some failed, the error of one that failed first: not
+    a peer's that only says it left (a failing worker leaves the job, so every worker ends
+    within seconds: ray/worker.py). Waiting for all of them leaves no run in flight."""
+    ray.wait(refs, num_returns=len(refs))
+    results: list[R] = []
+    errors: list[Exception] = []
+    for ref in refs:
+        try:
+            results.append(ray.get(ref))
+        except Exception as e:
+            errors.append(e)
+    if errors:
+        # A RayTaskError carries what the function raised as its cause.
+        raise min(errors, key=lambda e: isinstance(getattr(e, "cause", e), PeerFailedError))
+    return results
 
 
 @dataclass(frozen=True)

@@ -67,4 +67,14 @@ class Worker:
             self.executable = executable_cls(*(args or []), **(kwargs or {}))
 
     def execute(self, fn: Callable[[Any], R]) -> R:
-        return fn(self.executable)
+        try:
+            return fn(self.executable)
+        except Exception:
+            # Ray catches what fn raised, so no except hook tells the peers: leave the job as a
+            # failing rank does (shutdown() in an except block posts the exception), so that
+            # their waits end naming it within seconds, not at the transport timeout, and the
+            # executor's next run() starts a world afresh.
+            import ringtrain
+
+            ringtrain.shutdown()
+            raise
