@@ -13,6 +13,9 @@ The worker is a daemon thread, so a process that leaves waits for what was queue
 script's last exchange, which its peers are running): a job of ``ringtrain run`` whose script
 ends with an exchange that takes longer than the exit guard's wait ends cleanly, the exchange
 complete on every rank.
+
+The same holds for a bare ``sync_every``'s link probe, queued at its first step and not waited
+for, against a plain optimizer's plan (gathered on the same group at its first step).
 """
 
 from __future__ import annotations
@@ -21,14 +24,16 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _local import H, Tiny, _adam_local, _alike, _step, delay_exchanges
+from _local import H, Tiny, _adam_local, _alike, _step, _weights, delay_exchanges
 
 import ringtrain as rt
+from ringtrain.engine import auto
 from ringtrain.runtime import exit_guard
 from ringtrain.testing import spawn
 
@@ -78,6 +83,49 @@ def test_two_optimizers_exchanges_queue_alike_on_every_rank() -> None:
         assert r["alike"] and all(r["alike"]), r["alike"]
     assert torch.equal(quick[0]["a"], late[0]["a"])
     assert torch.equal(quick[0]["b"], late[0]["b"])
+
+
+def _local_beside_plain(probe_delay: float, plain_first: bool) -> dict[str, Any]:
+    """A GAN's pattern: a bare ``sync_every=H`` (its link probe queued on the engine group's
+    worker at its first step, not waited for) and a plain optimizer (its plan gathered on that
+    group at its first step), stepped in turn; rank 0's probe starts ``probe_delay`` s late."""
+    probe = auto.probe_link
+
+    def late(*args: Any) -> tuple[float, float]:
+        time.sleep(probe_delay)
+        return probe(*args)
+
+    if rt.rank() == 0:
+        auto.probe_link = late
+    try:
+        model_a, opt_a = _adam_local()  # outer_compression not given: the first round measures
+        torch.manual_seed(1)
+        model_b = Tiny()
+        opt_b = rt.DistributedOptimizer(
+            torch.optim.Adam(model_b.parameters(), lr=0.01),
+            named_parameters=model_b.named_parameters(),
+        )
+        for i in range(2 * H):
+            if plain_first:
+                _step(model_b, opt_b, i)
+            _step(model_a, opt_a, i)
+            if not plain_first:
+                _step(model_b, opt_b, i)
+    finally:
+        auto.probe_link = probe
+    local = opt_a.local_update
+    assert local is not None and local.anchor is not None
+    return {"measured": local.outer_reason != "", "a": _flat(local.anchor), "b": _weights(model_b)}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("plain_first", [False, True])
+def test_a_link_probe_in_flight_and_another_optimizers_plan_queue_alike(plain_first: bool) -> None:
+    every = spawn.world(2).run(_local_beside_plain, 0.3, plain_first, timeout=90)
+    for r in every:
+        assert r["measured"]
+        assert torch.equal(r["a"], every[0]["a"])
+        assert torch.equal(r["b"], every[0]["b"])
 
 
 @pytest.mark.timeout(240)

@@ -19,7 +19,11 @@ The probe itself is queued at the round's first inner step, on the outer exchang
 (:meth:`FirstRound.start_probe`): the link is idle while a round's inner steps run, so the probe
 runs beside them, and the first outer exchange finds its figures ready instead of waiting 0.4-0.6
 s for them at 10 Mbit/s. Every rank queues it at the same step, behind what the worker already
-holds, so its collectives run in the same order everywhere. Beside the steps, though, the probe
+holds, so its collectives run in the same order everywhere; and, queued with
+:meth:`ringtrain.transport.Hold.submit_beside`, every collective issued on that group from
+another thread meanwhile (another optimizer's plan agreement or buckets, a GAN's two
+optimizers stepping in turn) waits for it first, so it follows the probe on every rank instead
+of meeting it in another order on each (which hung). Beside the steps, though, the probe
 waits for the GIL and the CPU they hold: on loopback that read 510-1,000 MB/s where the same
 probe alone reads 1,000, enough to make a fast link look slow. That wait is a few switch
 intervals per collective, small only against a long probe: the figures stand where the probe's

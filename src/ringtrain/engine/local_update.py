@@ -193,7 +193,8 @@ class LocalUpdate:
             self.anchor = [p.detach().clone() for p in self._params]
         first = self._defaults
         if first is not None:
-            first.start_probe(self._serial.submit, self._group, self._params)  # beside the steps
+            # Beside the steps; the group's collectives issued meanwhile wait for it.
+            first.start_probe(self._serial.submit_beside, self._group, self._params)
             first.tick()
         result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         self.inner_steps += 1

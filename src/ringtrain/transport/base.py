@@ -16,7 +16,7 @@ from ringtrain.transport import group_ops
 from ringtrain.transport.hierarchical import HierarchicalAllreduce
 from ringtrain.transport.ring import Plain, Ring
 from ringtrain.transport.ring_group import RingProcessGroup
-from ringtrain.transport.workers import Hold
+from ringtrain.transport.workers import WORKERS, Hold
 
 
 class InFlight(Protocol):
@@ -101,6 +101,7 @@ def _group_allreduce(group: Group, t: torch.Tensor) -> InFlight:
     and tcp groups' ring run as one operation of the group. Issued from the calling thread, in
     its order, as every other collective on the group; its bits are the group's allreduce's
     (the Gloo group's ring of :class:`Ring` sums in another order)."""
+    WORKERS.settle(group)
     return _Work(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True), [])
 
 
@@ -108,6 +109,7 @@ def _group_broadcast(group: Group, t: torch.Tensor, root: int) -> InFlight:
     """The group's own broadcast of rank ``root``'s ``t`` (a rank of ``group``), under way;
     issued from the calling thread, as :func:`_group_allreduce`."""
     pg = cast(dist.ProcessGroup, group)  # the runtime's groups are torch's (broadcast types it)
+    WORKERS.settle(group)
     work: dist.Work | None = dist.broadcast(t, group=pg, group_src=root, async_op=True)
     assert work is not None  # asked for with async_op
     return _Work(work, [])

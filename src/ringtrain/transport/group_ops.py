@@ -17,7 +17,10 @@ issue it async and wait through :func:`wait` or :func:`finish`, whose waits are 
 send's or receive's never are (a Gloo one whose timed wait runs out closes the connection).
 :func:`ring_reduce_scatter` is the collectives' door to the plain ring (``hvd.reducescatter``
 on a Gloo group), so nothing above the transport builds a :class:`~ringtrain.transport.ring.Ring`
-itself (an import contract in pyproject.toml holds it).
+itself (an import contract in pyproject.toml holds it). Each of the group's own collectives
+(numbered by the order they are issued in) first waits for the jobs on the group's worker that
+issue its collectives unwaited (:meth:`~ringtrain.transport.workers.SharedWorkers.settle`: a
+local update's link probe), so every rank issues them in one order.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from ringtrain import compat
 from ringtrain.runtime import abort, object_gather
 from ringtrain.runtime.contracts import Group, Work
 from ringtrain.transport.ring import Plain, Ring
+from ringtrain.transport.workers import WORKERS
 
 
 def _pg(group: Group | None) -> dist.ProcessGroup | None:
@@ -64,6 +68,7 @@ def allreduce(
 ) -> dist.Work | None:
     """``t`` becomes the ``op`` ("sum", "max", "min", "product", "band") of every rank's ``t``,
     in place."""
+    WORKERS.settle(group)
     return _blocking_or_not(
         t, async_op, lambda a: dist.all_reduce(t, op=_OPS[op], group=group, async_op=a)
     )
@@ -100,11 +105,13 @@ class PreparedSum:
         self._opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
 
     def __call__(self, t: torch.Tensor) -> dist.Work:
+        WORKERS.settle(self._group)
         return self._group.allreduce([t], self._opts)
 
 
 def broadcast(t: torch.Tensor, group: Group, root: int, async_op: bool = False) -> dist.Work | None:
     """``t`` becomes the ``t`` of the rank ``root`` (its index in ``group``)."""
+    WORKERS.settle(group)
     return _blocking_or_not(
         t, async_op, lambda a: dist.broadcast(t, group=_pg(group), group_src=root, async_op=a)
     )
@@ -116,6 +123,7 @@ def reduce_scatter_into(
     """``out`` becomes the ``op`` of every rank's r-th slice of ``t`` (r: this rank's index).
     Gloo's work ignores a timed wait (it waits to the group's timeout, checked on torch 2.13):
     there only other groups' waits are sliced."""
+    WORKERS.settle(group)
     return _blocking_or_not(
         t,
         async_op,
@@ -132,6 +140,7 @@ def all_to_all(
 ) -> dist.Work:
     """Rank r's ``out`` becomes every rank's r-th split of ``t`` (equal splits where None),
     under way (``wait()`` for it)."""
+    WORKERS.settle(group)
     work: dist.Work = dist.all_to_all_single(
         out,
         t,
@@ -157,6 +166,7 @@ def recv(t: torch.Tensor, src: int, group: Group | None) -> dist.Work | None:
 
 def barrier(group: Group | None) -> None:
     """Until every rank of ``group`` arrived; sliced as :func:`wait`."""
+    WORKERS.settle(group)
     wait(dist.barrier(group=_pg(group), async_op=True))
 
 
@@ -202,6 +212,7 @@ def all_gather_into(
     out: torch.Tensor, t: torch.Tensor, group: Group, async_op: bool = False
 ) -> dist.Work | None:
     """``out`` (size x ``t``'s elements) becomes every rank's ``t``, in rank order."""
+    WORKERS.settle(group)
     return _blocking_or_not(
         t, async_op, lambda a: compat.all_gather_single(out, t, group=group, async_op=a)
     )
@@ -211,6 +222,7 @@ def all_gather(
     outs: list[torch.Tensor], t: torch.Tensor, group: Group, async_op: bool = False
 ) -> dist.Work | None:
     """``outs[r]`` becomes rank r's ``t``."""
+    WORKERS.settle(group)
     return _blocking_or_not(
         t, async_op, lambda a: dist.all_gather(outs, t, group=group, async_op=a)
     )
@@ -231,6 +243,7 @@ def ring_reduce_scatter(chunks: Sequence[torch.Tensor], group: dist.ProcessGroup
 def all_gather_object(outs: list[object], obj: object, group: Group | None) -> None:
     """``outs[r]`` becomes rank r's ``obj`` (pickled). On host memory its waits are sliced as
     :func:`wait`'s; NCCL's pickles travel in device memory, as torch's own call sends them."""
+    WORKERS.settle(group)
     if group is None or _on_device(group):
         dist.all_gather_object(outs, obj, group=_pg(group))
         return

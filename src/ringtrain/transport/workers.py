@@ -62,6 +62,10 @@ class WorkerThread:
             if not ok:
                 return
 
+    def running_here(self) -> bool:
+        """Whether the calling thread is this worker's (a job is calling)."""
+        return threading.current_thread() is self._thread
+
     def close(self) -> None:
         self._jobs.put(None)
 
@@ -86,11 +90,21 @@ class SharedWorkers:
     order, which is the main thread's and the same on every rank: a job that issues several
     collectives (a local update's outer exchange) is queued whole from the main thread, and
     its collectives run inside it (:meth:`WorkerThread.submit`). The worker ends when the last
-    holder releases it."""
+    holder releases it.
+
+    The group's own collectives (Gloo's allreduce, all-gather, broadcast, barrier: numbered by
+    the order they are issued in, unlike the ring's point-to-point messages) are issued from the
+    main thread too, beside the jobs on the worker: a job that issues them and that nobody waits
+    for (a local update's link probe, run beside the first round's steps) is noted with
+    :meth:`beside`, and every such collective issued on the group from another thread waits
+    for those jobs first (:meth:`settle`, which :mod:`~ringtrain.transport.group_ops` calls):
+    it follows them on every rank, as it was issued after them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[int, tuple[WorkerThread, int]] = {}  # id(group): (worker, holders)
+        # id(group): the jobs on its worker issuing its collectives that nobody waits for.
+        self._beside: dict[int, list[concurrent.futures.Future[object]]] = {}
 
     def acquire(self, group: Group) -> WorkerThread:
         with self._lock:
@@ -99,6 +113,36 @@ class SharedWorkers:
                 worker = WorkerThread()
             self._held[id(group)] = (worker, holders + 1)
             return worker
+
+    def beside(self, group: Group, job: concurrent.futures.Future[T]) -> None:
+        """``job`` (queued on ``group``'s worker) issues ``group``'s own collectives and is not
+        waited for: :meth:`settle` waits for it until it ends."""
+        key = id(group)
+        fut = cast("concurrent.futures.Future[object]", job)
+        with self._lock:
+            self._beside.setdefault(key, []).append(fut)
+        fut.add_done_callback(lambda done: self._forget(key, done))
+
+    def _forget(self, key: int, done: concurrent.futures.Future[object]) -> None:
+        with self._lock:
+            jobs = self._beside.get(key, [])
+            if done in jobs:
+                jobs.remove(done)
+            if not jobs:
+                self._beside.pop(key, None)
+
+    def settle(self, group: Group | None) -> None:
+        """Before a collective on ``group`` is issued: wait for the jobs :meth:`beside` noted
+        on it (their errors are their owners' to raise), unless the caller is a job on the
+        group's worker (queued after them, or one of them)."""
+        if group is None or not self._beside:  # the usual case: nothing beside, no lock
+            return
+        key = id(group)
+        with self._lock:
+            jobs = list(self._beside.get(key, ()))
+            worker, _ = self._held.get(key, (None, 0))
+        if jobs and not (worker is not None and worker.running_here()):
+            concurrent.futures.wait(jobs)
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every worker has run what was queued on it so far, at most ``timeout_s``
@@ -142,6 +186,14 @@ class Hold:
                 self._release = weakref.finalize(self, WORKERS.release, id(self._group))
             worker = self._worker
         return worker.submit(fn, *args)
+
+    def submit_beside(self, fn: Callable[..., T], *args: object) -> concurrent.futures.Future[T]:
+        """:meth:`submit` for a job that issues the group's own collectives and that its caller
+        does not wait for now: the group's collectives issued from other threads wait for it
+        (:meth:`SharedWorkers.beside`), so they follow it on every rank."""
+        job = self.submit(fn, *args)
+        WORKERS.beside(self._group, job)
+        return job
 
     def release(self) -> None:
         """Idempotent. A job under way still runs; its own collectives run inside it."""
