@@ -330,12 +330,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return shares if isinstance(shares, tuple) else None
 
     def set_backward_passes_per_step(self, passes: int) -> None:
-        """Horovod's: communicate once every ``passes`` backward passes from now on, and
-        restart the count of every gradient (``backward_passes_per_step`` must be >= 1, as in
-        the constructor). Called mid-accumulation, the passes already taken stay summed in the
-        gradients and the reduction comes after ``passes`` more, as Horovod's countdown restarts.
-        Call it alike on every rank; after this step's last backward pass (its gradients on their
-        way) it is a :class:`~ringtrain.errors.StepOrderError`: call it after ``step()``."""
+        """Horovod's: communicate once every ``passes`` backward passes from now on, every
+        gradient's count restarted (see ``GradientPath.set_passes``); alike on every rank."""
         self._path.set_passes(passes)
 
     def set_batch_shares(self, shares: Sequence[float]) -> None:
