@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from _hang_report import left_behind, run_job, tagged
-from ringtrain.errors import LaunchError, MissingRanksError, RingtrainError
+from ringtrain.errors import LaunchError, MissingRanksError, RingtrainError, SecurityError
 from ringtrain.launch.failures import exited_key
 from ringtrain.runtime import arrivals
 
@@ -43,6 +43,48 @@ def test_ranks_that_all_arrive_go_on() -> None:
     for t in threads:
         t.join(30)
     assert errors == [] and not any(t.is_alive() for t in threads)
+
+
+def test_ranks_of_mixed_modes_are_named_by_every_rank() -> None:
+    """Rank 1 of 3 was started without secure mode: all three raise, naming it, as soon as all
+    arrived (not at the timeout)."""
+    store, base = _world()
+    out: dict[int, BaseException | None] = {}
+
+    def rank(r: int) -> None:
+        try:
+            arrivals.wait_for_all(store, r, 3, timeout_s=60, records=base, secure=r != 1)
+            out[r] = None
+        except BaseException as e:
+            out[r] = e
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - started < 10 and sorted(out) == [0, 1, 2]
+    for r, e in out.items():
+        assert isinstance(e, SecurityError), (r, e)
+        assert str(e).startswith(
+            f"rank {r}: 2 of 3 ranks started in secure mode, the others without it:\n"
+            "  rank(s) 0, 2: secure\n  rank(s) 1: not secure\nHINT: start every rank"
+        ), str(e)
+    # All secure, or none: nothing to say.
+    for secure in (True, False):
+        store = dist.PrefixStore(f"gen-{secure}", base)
+        threads = [
+            threading.Thread(
+                target=arrivals.wait_for_all, args=(store, r, 2, 30, base, None, secure)
+            )
+            for r in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert store.add(arrivals.SECURE_COUNT, 0) == (2 if secure else 0)
 
 
 def test_a_rank_the_launcher_saw_exit_is_named_at_once() -> None:

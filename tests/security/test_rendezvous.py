@@ -117,3 +117,14 @@ def test_a_rank_with_the_wrong_key_fails_clearly_on_every_rank(
     assert "wrong key" in rank0  # rank 0 saw and rejected the attempt
     # the same ranks with the same key work
     assert world2.run(_sum, secure=True, key_file=key_file) == [2.0, 2.0]
+
+
+def test_a_rank_started_without_secure_mode_is_named_at_once(world2: World, key_file: str) -> None:
+    """A wrapper dropped secure mode for rank 1: both ranks fail within seconds naming it, not
+    after the timeout with "did not prove they hold the job key"."""
+    envs = [{"RINGTRAIN_SECURE": "1", "RINGTRAIN_KEY_FILE": key_file}, {}]
+    with pytest.raises(RankFailed) as info:
+        world2.run(_sum, env=envs, timeout=60, timeout_s=120)
+    for part in str(info.value).split("--- rank 1 ---"):
+        assert "SecurityError" in part and "1 of 2 ranks started in secure mode" in part, part
+        assert "rank(s) 0: secure\n  rank(s) 1: not secure" in part

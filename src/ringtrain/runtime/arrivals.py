@@ -14,6 +14,12 @@ world's store prefix, and waits for every rank's post:
 - in an elastic job, a newer world announced by the launcher (a rank was lost before it
   arrived) ends the wait with :class:`WorldSuperseded`: the caller joins that world instead.
 
+A secure rank's arrival says so (and counts itself in ``arrived-secure``): once all arrived,
+every rank compares that count with the world's size, and where some ranks are secure and some
+not (a wrapper that dropped ``--secure`` for one rank), every rank raises a
+:class:`~ringtrain.errors.SecurityError` naming them, at once. Without it the secure ranks wait
+the whole timeout for a proof of the key that a plain rank never gives, and blame the key.
+
 The wait polls with ``check`` (which never waits): a TCPStore ``wait`` that times out logs two
 c10d warnings, every slice.
 """
@@ -27,14 +33,16 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch.distributed as dist
 
-from ringtrain.errors import CollectiveAbortedError, MissingRanksError
+from ringtrain.config import Config
+from ringtrain.errors import CollectiveAbortedError, MissingRanksError, SecurityError, by_rank
 from ringtrain.launch.failures import exited_key
 from ringtrain.runtime.contracts import Store
 from ringtrain.runtime.environment import Placement
 
 log = logging.getLogger("ringtrain")
 
-PREFIX, COUNT = "arrived/", "arrived"
+PREFIX, COUNT, SECURE_COUNT = "arrived/", "arrived", "arrived-secure"
+SECURE = "secure"  # a secure rank's arrival post (a plain rank's is "1")
 SAY_AFTER_S, SAY_EVERY_S = 10.0, 30.0
 # How often, and for how many ranks at most, the arrivals and the launcher's exit records of
 # the ranks not seen yet are read.
@@ -51,7 +59,7 @@ def world_store(
     prefix: str,
     base: dist.Store,
     p: Placement,
-    timeout_s: float,
+    config: Config,
     adopted: bool,
     superseded: Callable[[], bool] | None = None,
 ) -> dist.Store:
@@ -59,7 +67,8 @@ def world_store(
     its arrival in it (:func:`wait_for_all`). Ranks of an adopted group are numbered by the
     script's group, not the launcher: its exit records are not read then."""
     store = dist.PrefixStore(prefix, base)
-    wait_for_all(store, p.rank, p.size, timeout_s, None if adopted else base, superseded)
+    records = None if adopted else base
+    wait_for_all(store, p.rank, p.size, config.timeout_s, records, superseded, config.secure)
     return store
 
 
@@ -70,17 +79,21 @@ def wait_for_all(
     timeout_s: float,
     records: Store | None = None,
     superseded: Callable[[], bool] | None = None,
+    secure: bool = False,
 ) -> None:
     """Post this rank's arrival in ``store`` (the world's prefix) and wait for every rank's.
 
     ``records``: the store where the launcher records how ranks' processes ended (the job's
     store without the world's prefix; None where ranks are not numbered as the launcher numbers
     them). ``superseded``: whether a newer world was announced (elastic jobs), asked at each
-    look; True raises :class:`WorldSuperseded`.
+    look; True raises :class:`WorldSuperseded`. ``secure``: this rank is in secure mode; all
+    ranks must be, or none (:func:`_same_mode`).
     """
     if size <= 1:
         return
-    store.set(PREFIX + str(rank), "1")
+    store.set(PREFIX + str(rank), SECURE if secure else "1")
+    if secure:  # counted before the arrival: complete once every rank has arrived
+        store.add(SECURE_COUNT, 1)
     # A count to poll (one request, whatever the size); the keys say who is missing.
     arrived = store.add(COUNT, 1)
     start = time.monotonic()
@@ -117,6 +130,26 @@ def wait_for_all(
                 now - start,
                 timeout_s,
             )
+    _same_mode(store, rank, size)
+
+
+def _same_mode(store: dist.Store, rank: int, size: int) -> None:
+    """Raise on every rank where some ranks arrived in secure mode and some did not (one read
+    where all agree; the ranks' posts only to name them)."""
+    secure = store.add(SECURE_COUNT, 0)
+    if secure in (0, size):
+        return
+    modes = [
+        "secure" if bytes(store.get(PREFIX + str(r))).decode() == SECURE else "not secure"
+        for r in range(size)
+    ]
+    raise SecurityError(
+        f"rank {rank}: {secure} of {size} ranks started in secure mode, the others without it:\n"
+        + "\n".join(by_rank(modes))
+        + "\nHINT: start every rank of a secure job in secure mode (ringtrain run --secure, or "
+        "RINGTRAIN_SECURE=1 and the same RINGTRAIN_KEY_FILE on every rank); a wrapper script "
+        "or launcher that drops the variables for some ranks does this."
+    )
 
 
 def _arrived(store: Store, r: int) -> bool:
