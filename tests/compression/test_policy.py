@@ -193,6 +193,14 @@ def test_keep_needs_a_real_gain() -> None:
     assert not keep(1.0, 0.99) and not keep(1.0, 1.2)
 
 
+def test_keep_counts_no_more_than_the_wait_compression_could_save() -> None:
+    # The uncompressed steps waited 10 ms for the exchange: a step 500 ms shorter with the
+    # method is noise in their compute (warm-up), not the method's gain.
+    assert not keep(1.0, 0.5, uncompressed_wait_s=0.01)
+    assert keep(1.0, 0.5, uncompressed_wait_s=0.05) and keep(1.0, 0.9, uncompressed_wait_s=0.2)
+    assert not keep(1.0, 0.99, uncompressed_wait_s=0.5)
+
+
 def test_bad_measurement_is_an_error() -> None:
     with pytest.raises(rt.ConfigError, match="HINT"):
         _m(wait_s=float("nan"))

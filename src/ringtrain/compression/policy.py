@@ -246,9 +246,15 @@ def choose(m: Measurement, methods: tuple[str, ...] = PREFERENCE) -> Decision:
     )
 
 
-def keep(uncompressed_step_s: float, tried_step_s: float) -> bool:
-    """Whether a tried method measured enough faster than uncompressed to keep it."""
-    return tried_step_s <= uncompressed_step_s * (1 - KEEP_MARGIN)
+def keep(
+    uncompressed_step_s: float, tried_step_s: float, uncompressed_wait_s: float = math.inf
+) -> bool:
+    """Whether a tried method measured enough faster than uncompressed to keep it. Compression
+    can save at most the time a step waited for the exchange (``uncompressed_wait_s``): a gain
+    beyond it is noise in the uncompressed steps' compute (warm-up, a busy core), not the
+    method's, and does not count."""
+    saving = min(uncompressed_step_s - tried_step_s, uncompressed_wait_s)
+    return saving >= uncompressed_step_s * KEEP_MARGIN
 
 
 class AutoCompression:

@@ -214,7 +214,8 @@ class AutoTuner:
             f" Tried: {tried * 1e3:.1f} ms per step against {self._baseline_s * 1e3:.1f} ms "
             "uncompressed"
         )
-        if policy.keep(self._baseline_s, tried):
+        waited = self.measurement.wait_s if self.measurement is not None else math.inf
+        if policy.keep(self._baseline_s, tried, waited):
             self._finish(
                 Decision(
                     decision.compression,
@@ -229,7 +230,10 @@ class AutoTuner:
             Decision(
                 "none",
                 decision.backward_passes_per_step,
-                decision.reason + verdict + f": not {policy.KEEP_MARGIN:.0%} faster, so none.",
+                decision.reason
+                + verdict
+                + f" ({waited * 1e3:.1f} ms of which waited for the exchange, all that "
+                f"compression can save): not {policy.KEEP_MARGIN:.0%} faster, so none.",
                 decision.predicted_step_s,
             )
         )
