@@ -444,6 +444,24 @@ def _set_passes() -> dict[str, Any]:
     opt.step()
     out["after_late"] = (opt.backward_passes_per_step, model.weight[0, 0].item())
     opt.remove_hooks()
+    # Assigned, as Horovod scripts do, after the plan was built for 1 pass: with averaged passes
+    # the scaling follows at once (it stayed 1/1, and the step took the sum of 2 passes).
+    model, x = _linear(r)
+    avg = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        named_parameters=model.named_parameters(),
+        average_aggregated_gradients=True,
+    )
+    model(x).sum().backward()
+    avg.step()
+    start = model.weight[0, 0].item()
+    avg.backward_passes_per_step = 2
+    avg.zero_grad()
+    for _ in range(2):
+        model(x).sum().backward()
+    avg.step()
+    out["assigned"] = (avg.backward_passes_per_step, model.weight[0, 0].item() - start)
+    avg.remove_hooks()
     return out
 
 
@@ -457,8 +475,9 @@ def test_set_backward_passes_per_step_restarts_the_count(world2: spawn.World) ->
         ]
         assert out["attribute"] == 2
         assert out["weights"] == [-2 * mean, -5 * mean]
-        assert "set_backward_passes_per_step() was called after" in out["late"]
+        assert "backward_passes_per_step was changed after" in out["late"]
         assert out["after_late"] == (2, -7 * mean)
+        assert out["assigned"] == (2, -mean)
 
 
 def _wrapped_class() -> list[Any]:

@@ -76,7 +76,7 @@ class GradientPath:
         self.comm = comm
         self.config = config
         self.reduction = reduction
-        self.passes = reduction.passes  # backward_passes_per_step (Horovod scripts may set it)
+        self._passes = reduction.passes  # backward_passes_per_step (Horovod scripts set it)
         self.sparse_as_dense = sparse_as_dense
         self.params, self.names = params
         self.schedule = Overlapped.of(optimizer, comm, config)  # None: synchronous
@@ -127,16 +127,29 @@ class GradientPath:
         they summed and are reduced after ``passes`` more passes, as Horovod's countdown
         restarts. Once a gradient has reached the exchange this step, refused alike on every
         rank: its reduction, scaled for the old count, is under way."""
+        self.assign_passes(passes)
+        self.progress.counts = [0] * len(self.progress.counts)
+
+    @property
+    def passes(self) -> int:
+        return self._passes
+
+    @passes.setter
+    def passes(self, passes: int) -> None:
+        self.assign_passes(passes)
+
+    def assign_passes(self, passes: int) -> None:
+        """``optimizer.backward_passes_per_step = n``, as Horovod scripts assign it: the
+        counts go on (Horovod's countdowns do), the scaling follows at once."""
         check_passes(passes)
         if Phase.READY in self.progress:
             raise StepOrderError(
-                "set_backward_passes_per_step() was called after this step's gradients reached "
-                "the exchange (their reduction has begun).\nHINT: call it between steps (after "
+                "backward_passes_per_step was changed after this step's gradients reached the "
+                "exchange (their reduction has begun).\nHINT: change it between steps (after "
                 "optimizer.step()), or before the last backward pass of the step."
             )
         self.drain()  # an overlapped step's updates still use the exchange's scaling
-        self.passes = passes
-        self.progress.counts = [0] * len(self.progress.counts)
+        self._passes = passes
         if self.planner.exchange is not None:  # average_aggregated_gradients: 1/passes
             self.planner.exchange.set_scaling(self.averaging())
 
