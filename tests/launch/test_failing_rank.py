@@ -126,6 +126,27 @@ def test_under_torchrun_the_peer_ends_naming_the_failed_rank(tmp_path: Path) -> 
     assert "PeerFailedError" in error and "rank 1 failed (ValueError: boom at step 6)" in error
 
 
+@pytest.mark.skipif(
+    shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
+    reason="no torchrun",
+)
+def test_under_torchrun_a_restarted_try_starts_afresh(tmp_path: Path) -> None:
+    """torchrun --max-restarts: rank 1 raises in the first try and torchrun starts both ranks
+    again. Its agent keeps its store, so the new try's init() read the first try's keys (the
+    dead ranks' addresses) and hung; each try now has keys of its own, as in torch's env://."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    argv = [torchrun, "--nproc-per-node", "2", "--monitor-interval", "0.5", "--max-restarts", "1"]
+    argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]
+    argv += [str(HERE / "restart_job.py"), str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "boom in the first try" in done.stderr  # the first try did fail
+    results = [json.loads((tmp_path / f"result.{r}").read_text()) for r in range(2)]
+    assert [r[:2] for r in results] == [[1, 3.0], [1, 3.0]]
+    assert results[0][2] == results[1][2]  # the same weights on both ranks
+
+
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI (openmpi-bin)")
 def test_under_mpirun_the_job_ends_and_the_peer_names_the_failed_rank(tmp_path: Path) -> None:
     """Plain ``mpirun -np 2`` (rank 0 serves the store; nothing exported but what lets mpirun

@@ -43,6 +43,10 @@ class Placement:
     # The launcher's name for this rank's host; ranks with one node share a host, whatever their
     # hostnames say (cloned VMs and containers often share one). None: the launcher has none.
     node: str | None = None
+    # Where the launcher's store outlives a try of the job (torchrun's agent keeps its store when
+    # it restarts the workers, --max-restarts): this try's keys live under this prefix, as torch's
+    # own env:// rendezvous puts them, so none is read from an earlier try's dead ranks.
+    store_prefix: str = ""
 
 
 def detect(env: Mapping[str, str]) -> Placement:
@@ -123,6 +127,8 @@ def _ringtrain(env: Mapping[str, str]) -> Placement:
 
 def _torchrun(env: Mapping[str, str]) -> Placement:
     addr, port = _rendezvous(env, "torchrun")
+    hosted = env.get(Torch.TORCHELASTIC_USE_AGENT_STORE, "").lower() == "true"
+    attempt = env.get(Torch.TORCHELASTIC_RESTART_COUNT, "0")
     return Placement(
         "torchrun",
         _int(env, Torch.RANK, "torchrun"),
@@ -130,11 +136,12 @@ def _torchrun(env: Mapping[str, str]) -> Placement:
         addr,
         port,
         # torchrun's agent serves the store when it says so; older versions leave it to rank 0.
-        store_hosted=env.get(Torch.TORCHELASTIC_USE_AGENT_STORE, "").lower() == "true",
+        store_hosted=hosted,
         local_rank=_opt_int(env, Torch.LOCAL_RANK),
         local_size=_opt_int(env, Torch.LOCAL_WORLD_SIZE),
         # torchrun numbers its agents (one per node); Ray Train and Lightning say NODE_RANK.
         node=_node(env, Torch.GROUP_RANK) or _node(env, Torch.NODE_RANK),
+        store_prefix=f"/worker/attempt_{attempt}" if hosted else "",
     )
 
 

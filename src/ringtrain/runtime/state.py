@@ -509,7 +509,7 @@ def _store(p: Placement, config: Config) -> dist.Store:
     key = (p.rendezvous_addr, p.rendezvous_port, is_master)
     if key not in _stores:
         _stores[key] = _new_store(p, p.rendezvous_addr, p.rendezvous_port, is_master, config)
-    return _stores[key]
+    return dist.PrefixStore(p.store_prefix, _stores[key]) if p.store_prefix else _stores[key]
 
 
 def _new_store(
