@@ -149,3 +149,23 @@ def test_bad_input_shapes_are_explained() -> None:
         bn(torch.randn(3))
     with pytest.raises(ValueError, match=r"got 4 channels(?s:.*)HINT"):
         bn(torch.randn(2, 4))
+
+
+def _large_mean_small_spread() -> None:
+    # float32 values of mean 1000 and spread 0.1: their squares (1e6) hold only a few digits of
+    # the variance (1e-2), so statistics built from x * x in float32 came out wrong by up to
+    # 0.8 in the normalized output; torch's own float32 BatchNorm is within 1e-3 of the truth.
+    g = torch.Generator().manual_seed(3)
+    x = (1000.0 + 0.1 * torch.randn(16, 4, generator=g, dtype=torch.float64)).float()
+    truth_bn = nn.BatchNorm1d(4).double()
+    truth = truth_bn(x.double())
+    n = 16 // rt.size()
+    mine = slice(rt.rank() * n, (rt.rank() + 1) * n)
+    sync = hvd.SyncBatchNorm(4)
+    out = sync(x[mine])
+    torch.testing.assert_close(out.double(), truth[mine], rtol=0, atol=1e-2)
+    torch.testing.assert_close(sync.running_var.double(), truth_bn.running_var, rtol=1e-4, atol=0)
+
+
+def test_large_mean_keeps_the_variance(world2: World) -> None:
+    world2.run(_large_mean_small_spread)

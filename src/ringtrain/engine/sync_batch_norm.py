@@ -1,7 +1,8 @@
 """Batch norm whose batch statistics cover every rank's batch, as Horovod's ``SyncBatchNorm``.
 
-In training mode each rank sums its inputs and their squares per channel (in float64) and counts
-its elements; one differentiable allreduce (Sum) of that vector gives the statistics of the
+In training mode each rank sums its inputs and their squares per channel (in float64; the squares
+are of the deviations from the rank's own mean, so a large mean does not drown the variance) and
+counts its elements; one differentiable allreduce (Sum) of that vector gives the statistics of the
 global batch, so ranks may hold batches of different sizes. The allreduce's gradient is the
 allreduce of the gradients, which is exactly the cross-rank term batch norm's backward needs.
 Running statistics are updated from the global mean and unbiased variance, as torch's BatchNorm
@@ -95,11 +96,20 @@ class SyncBatchNorm(_BatchNorm):
         # Squares of fp16/bf16 values overflow or lose digits before the float64 sum sees them.
         x = input.float() if input.is_floating_point() and input.element_size() < 4 else input
         local_count = input.numel() // max(input.shape[1], 1)
+        # Squares of the deviations from this rank's own mean: x * x in float32 rounds a small
+        # variance under a large mean away. Any constant shift k is exact, as the sums show:
+        # sum(x) = s1 + n*k and sum(x^2) = s2 + 2*k*s1 + n*k^2 (float64).
+        shape = (1, -1) + (1,) * (input.dim() - 2)
+        k = (x.detach().sum(dims, dtype=torch.float64) / max(local_count, 1)).to(x.dtype)
+        d = x - k.view(shape)
+        s1 = d.sum(dims, dtype=torch.float64)
+        s2 = (d * d).sum(dims, dtype=torch.float64)
+        k64, n = k.to(torch.float64), float(local_count)
         stats = torch.cat(
             [
-                x.sum(dims, dtype=torch.float64),
-                (x * x).sum(dims, dtype=torch.float64),
-                torch.tensor([float(local_count)], dtype=torch.float64, device=input.device),
+                s1 + n * k64,
+                s2 + 2.0 * k64 * s1 + n * k64 * k64,
+                torch.tensor([n], dtype=torch.float64, device=input.device),
             ]
         )
         total = ops.allreduce(stats, name=name, op=Sum, process_set=self.process_set)
