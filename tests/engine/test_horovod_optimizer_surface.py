@@ -5,6 +5,8 @@
   ``skip_synchronize()`` it does not warn.
 * ``optimizer._parameter_names`` maps each parameter to its name.
 * the constructor takes Horovod's positional order.
+* ``op=Adasum`` on one rank is the plain optimizer, as Horovod's factory makes it; on more ranks
+  it raises ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -97,3 +99,27 @@ def test_horovod_warning_and_parameter_names(size: int) -> None:
         assert out["warnings_skip=True"] == [], out
         assert out["filtered"] == 0
         assert out["positional"]
+
+
+def _adasum_step() -> list[float] | str:
+    """One SGD step (lr 0.5) through DistributedOptimizer(op=Adasum): the weight's change, or
+    the error's type and words."""
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+    try:
+        opt = rt.DistributedOptimizer(sgd, model.named_parameters(), op=rt.Adasum)
+    except NotImplementedError as e:
+        return f"{type(e).__name__}: {e}"
+    model(torch.tensor([[1.0, 2.0]])).sum().backward()
+    opt.step()
+    opt.remove_hooks()
+    return model.weight.detach().flatten().tolist()
+
+
+def test_adasum_on_one_rank_is_the_plain_optimizer(world2: spawn.World) -> None:
+    # horovod/torch/optimizer.py: `if op != Adasum or size() == 1:` gives the regular
+    # _DistributedOptimizer, whose Adasum of one rank's gradient is that gradient.
+    assert spawn.world(1).run(_adasum_step, timeout=120) == [[-0.5, -1.0]]
+    for out in world2.run(_adasum_step, timeout=120):
+        assert isinstance(out, str) and "Adasum is not supported" in out, out

@@ -39,6 +39,13 @@ _ALIASES = {m.value.lower(): m.value for m in ReduceOp} | {"avg": "Average", "me
 _HOROVOD_NUMBERS = dict(enumerate((Average, Sum, Adasum, Min, Max, Product)))
 
 
+def is_adasum(op: object) -> bool:
+    """Whether ``op`` names Adasum in any form ``op=`` takes (the enum, its name, Horovod's 2)."""
+    if isinstance(op, str):  # ReduceOp is a str: ReduceOp.ADASUM == "Adasum"
+        return op.lower() == "adasum"
+    return isinstance(op, int) and not isinstance(op, bool) and op == 2
+
+
 def resolve_op(
     op: ReduceOpLike | None, average: bool | None = None, default: ReduceOp = Average
 ) -> str:

@@ -57,12 +57,13 @@ from typing import Any
 
 import torch
 
-from ringtrain.collectives.reduce_ops import resolve_op
+from ringtrain.collectives.reduce_ops import Sum, is_adasum, resolve_op
 from ringtrain.compression import averaging
 from ringtrain.config import Config
 from ringtrain.engine import local_settings
 from ringtrain.engine.weighting import Averaging, check_shares, weight_of
 from ringtrain.errors import ConfigError
+from ringtrain.runtime import queries
 
 # DistributedOptimizer's keyword arguments that are Config fields of the same name.
 CONFIG_ARGS = (
@@ -115,6 +116,10 @@ class Reduction:
         check_passes(passes)
         if predivide <= 0:
             raise ConfigError(f"gradient_predivide_factor must be > 0, got {predivide}")
+        if is_adasum(op) and queries.size() == 1:
+            # Horovod's factory returns its plain optimizer on one rank (Adasum of one gradient
+            # is that gradient); on more, resolve_op raises its NotImplementedError.
+            op = Sum
         name = resolve_op(op)
         if name not in ("Average", "Sum"):
             raise ConfigError(f"DistributedOptimizer supports op=Average or Sum, got {name}")
