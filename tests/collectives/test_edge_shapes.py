@@ -159,6 +159,28 @@ def test_alltoall_splits_of_two_dimensions(world: World) -> None:
     world.run(_two_d_splits, timeout=60)
 
 
+def _float_splits() -> None:
+    # Rank 0's float splits: 1.5 would be cut to 1 and the last row left unsent, silently
+    # (Horovod: ValueError, splits must be 32-bit integers); a bool tensor is no count either.
+    for bad in (torch.tensor([1.5, 2.5]), torch.tensor([True, True])):
+        splits = bad if rt.rank() == 0 else torch.tensor([2, 2])
+        try:
+            rt.alltoall(torch.arange(4.0), splits=splits)
+        except ValueError as e:
+            assert "must be a whole number of rows per rank" in str(e), str(e)
+            assert "integer tensor" in str(e), str(e)
+        else:
+            raise AssertionError(f"splits {bad} were taken")
+    got, received = rt.alltoall(torch.arange(4.0), splits=torch.tensor([1, 3]))  # int64 is fine
+    assert received.tolist() == ([1, 1] if rt.rank() == 0 else [3, 3])
+    assert got.tolist() == ([0.0, 0.0] if rt.rank() == 0 else [1.0, 2.0, 3.0] * 2)
+    _still_works()
+
+
+def test_alltoall_float_splits_are_refused(world2: World) -> None:
+    world2.run(_float_splits, timeout=60)
+
+
 def test_alltoall_splits_beyond_the_rows(world2: World) -> None:
     with pytest.raises(RankFailed, match=r"sum to at most dim 0 of the tensor \(2\)"):
         world2.run(_too_many_rows, timeout=60)

@@ -516,7 +516,12 @@ def reducescatter_async(
 def _not_1d(splits: Any) -> bool:
     """Whether ``splits`` is anything but one whole number per entry."""
     if isinstance(splits, torch.Tensor):
-        return splits.dim() != 1
+        # A float tensor's 1.5 would be cut to 1 and its rows silently left unsent (Horovod
+        # takes only int32 splits); bool is not a count either.
+        whole = not (
+            splits.is_floating_point() or splits.is_complex() or splits.dtype == torch.bool
+        )
+        return splits.dim() != 1 or not whole
     try:
         for s in splits:
             operator.index(s)
@@ -538,7 +543,10 @@ def _splits_check(tensor: Any, splits: Any, process_set: ProcessSet | None) -> C
                 )
             )
         if _not_1d(splits):  # raised on every rank, as the checks below
-            return f"alltoall splits must be a whole number of rows per rank (1-D), got {splits!r}"
+            return (
+                "alltoall splits must be a whole number of rows per rank (1-D), got "
+                f"{splits!r}\nHINT: pass a list of ints or a 1-D integer tensor (e.g. torch.int32)."
+            )
         if len(splits) != size:
             return f"alltoall splits has {len(splits)} entries, expected one per rank ({size})"
         if any(int(s) < 0 for s in splits) or sum(int(s) for s in splits) > rows:
@@ -560,7 +568,7 @@ def alltoall_async(
     """Send ``splits[r]`` rows to rank r; receive each rank's rows for us, in rank order.
     ``synchronize`` returns ``(output, received_splits)``, with or without ``splits``, as
     Horovod's does (only the sync :func:`alltoall` drops the splits when none were given)."""
-    if isinstance(splits, torch.Tensor) and splits.dim() == 1:
+    if isinstance(splits, torch.Tensor) and not _not_1d(splits):
         splits = [int(s) for s in splits.tolist()]
     split_tuple = () if splits is None or _not_1d(splits) else tuple(int(s) for s in splits)
     t = tensor.detach() if isinstance(tensor, torch.Tensor) else tensor
