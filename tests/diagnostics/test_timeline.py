@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -181,3 +182,26 @@ def test_a_killed_rank_s_events_reach_the_file_and_an_empty_file_is_named(
     assert timeline.main([out, alive, str(killed)]) == 0
     err = capsys.readouterr().err
     assert f"{killed} held no events" in err and alive not in err
+
+
+def test_a_rank_that_goes_quiet_has_its_events_in_the_file_a_second_later(tmp_path: Any) -> None:
+    # A rank that stops making events (stuck, or waiting for a peer) wrote nothing more: what it
+    # held stayed in memory, and a rank the launcher then stopped (SIGTERM after a peer failed)
+    # left a file without its last steps. A timer writes them within FLUSH_AFTER_S.
+    path = str(tmp_path / "t.rank0.json")
+    rec = timeline.Recorder(path, pid=0)
+    try:
+        rec.span("compute", "BACKWARD", 1.0, 2.0)  # the first write: the header and this
+        rec.span("step", "SYNCHRONIZE", 2.0, 3.0)  # within the second: held in memory
+        deadline = time.monotonic() + timeline.FLUSH_AFTER_S + 2.0
+        while time.monotonic() < deadline and not any(
+            e["name"] == "SYNCHRONIZE" for e in timeline.load(path)
+        ):
+            time.sleep(0.05)
+        assert any(e["name"] == "SYNCHRONIZE" for e in timeline.load(path))
+    finally:
+        rec.close()
+    assert [e["name"] for e in timeline.load(path) if e["ph"] == "X"] == [
+        "BACKWARD",
+        "SYNCHRONIZE",
+    ]

@@ -39,9 +39,10 @@ from typing import IO, Any
 from ringtrain.config import check_path
 from ringtrain.errors import ConfigError
 
-# Events held in memory before they are appended to the file; they are also appended at the first
-# event a second after the last write, so that a rank killed mid-training (SIGKILL, the OOM
-# killer) loses about its last second of events, not all it held.
+# Events held in memory before they are appended to the file; they are also appended a second
+# after the last write at the latest (at the next event, or by a timer where none comes: a rank
+# stuck or waiting for a peer), so that a rank killed (SIGKILL, the OOM killer, the launcher's
+# SIGTERM after a peer failed) loses about its last second of events, not all it held.
 FLUSH_EVERY = 4096
 FLUSH_AFTER_S = 1.0
 
@@ -86,6 +87,7 @@ class Recorder(NullRecorder):
         self._events: list[dict[str, Any]] = []
         self._wrote_any = False
         self._flushed_at = time.monotonic()
+        self._timer: threading.Timer | None = None
         self._file: IO[str] | None = _create(path)
         self._file.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
         self._events.append(
@@ -163,6 +165,18 @@ class Recorder(NullRecorder):
                 or time.monotonic() - self._flushed_at >= FLUSH_AFTER_S
             ):
                 self._flush_locked()
+            elif self._timer is None and self._file is not None:
+                # No next event may come (a rank that hangs): write what is held without one.
+                wait = FLUSH_AFTER_S - (time.monotonic() - self._flushed_at)
+                self._timer = threading.Timer(max(0.0, wait), self._flush_held)
+                self._timer.name = "ringtrain-timeline-flush"
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _flush_held(self) -> None:
+        with self._lock:
+            self._timer = None
+            self._flush_locked()
 
     def _flush_locked(self) -> None:
         if self._file is None or not self._events:
@@ -179,6 +193,9 @@ class Recorder(NullRecorder):
         with self._lock:
             if self._file is None:
                 return
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             self._flush_locked()
             self._file.write("\n]}\n")
             self._file.close()
