@@ -66,7 +66,7 @@ def test_happy_path_and_a_difference() -> None:
     assert "ranks 0-1: allreduce(op=Sum, float32[4], float32[2, 3])" in problem
     assert "rank 2: allreduce(op=Sum, float64[4], float64[2, 3])" in problem
     err = Request("w", "allreduce", error="allreduce expects a torch.Tensor, got list")
-    assert "invalid on rank 0" in str(mismatch("w", dict.fromkeys(range(2), err)))
+    assert "invalid on ranks 0-1" in str(mismatch("w", dict.fromkeys(range(2), err)))
 
 
 @pytest.mark.parametrize("cached", [True, False])

@@ -218,9 +218,12 @@ def mismatch(
     ranks = sorted(by_rank)
     errors = {r: by_rank[r].error for r in ranks if by_rank[r].error}
     if errors:
-        first = min(errors)
-        who = set_ranks[first] if set_ranks is not None else first
-        return f"collective {name!r} was invalid on rank {who}: {errors[first]}"
+        # Every rank that found the first rank's error: one root outside the set passed by all
+        # ranks is not a branch on the lowest of them.
+        first = errors[min(errors)]
+        alike = [r for r in ranks if errors.get(r) == first]
+        who = [set_ranks[r] for r in alike] if set_ranks is not None else alike
+        return f"collective {name!r} was invalid on {_rank_list(who)}: {first}"
     what = _first_difference([by_rank[r] for r in ranks])
     if what is None:
         return None
