@@ -270,7 +270,9 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> str:
 
 
 def stop_timeline() -> None:
-    """Stop recording the timeline and close its file (also done by :func:`shutdown`)."""
+    """Stop recording the timeline and close its file (also done by :func:`shutdown`). Before
+    ``init()``, Horovod's ``ValueError`` (:class:`~ringtrain.errors.NotInitializedError`)."""
+    state.current()
     timeline.stop()
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import ringtrain as rt
 from ringtrain.diagnostics import timeline
+from ringtrain.errors import NotInitializedError
 from ringtrain.testing.spawn import World
 
 BUCKET_EVENTS = {"FILL", "PACK", "ALLREDUCE", "UNPACK"}
@@ -47,6 +48,12 @@ def test_recorder_writes_a_valid_trace_with_named_lanes(tmp_path: Any) -> None:
 def test_rank_paths_merge_and_unterminated_files(tmp_path: Any) -> None:
     assert timeline.rank_path("out/t.json", 2) == "out/t.rank2.json"
     assert timeline.rank_path("trace", 0) == "trace.rank0.json"
+    # A blank name or a directory made hidden .rank0.json files, or files beside the directory.
+    for bad, what in (("", "a blank one"), (" ", "a blank one"), (str(tmp_path), "a directory")):
+        with pytest.raises(rt.ConfigError, match=f"give a file name, not {what}"):
+            timeline.rank_path(bad, 0)
+    with pytest.raises(NotInitializedError):  # Horovod's ValueError before init()
+        rt.stop_timeline()
     paths = []
     for rank in range(2):
         p = str(tmp_path / f"t.rank{rank}.json")

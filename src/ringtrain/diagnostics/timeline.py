@@ -228,7 +228,16 @@ def current() -> NullRecorder:
 
 
 def rank_path(filename: str, rank: int) -> str:
-    """Where ``rank`` writes the timeline asked for as ``filename``: ``t.json`` -> ``t.rank3.json``."""
+    """Where ``rank`` writes the timeline asked for as ``filename``: ``t.json`` -> ``t.rank3.json``.
+    A blank name or a directory is a :class:`ConfigError` (they would make hidden
+    ``.rank0.json`` files, or files beside the directory)."""
+    if not str(filename).strip() or os.path.isdir(filename) or str(filename).endswith(os.sep):
+        raise ConfigError(
+            f"timeline {filename!r}: give a file name, not "
+            f"{'a directory' if str(filename).strip() else 'a blank one'}; each rank writes "
+            "its own file beside it (t.json -> t.rank0.json).\nHINT: e.g. "
+            "start_timeline('/tmp/trace.json')."
+        )
     root, ext = os.path.splitext(filename)
     return f"{root}.rank{rank}{ext or '.json'}"
 
