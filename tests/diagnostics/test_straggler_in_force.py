@@ -23,7 +23,7 @@ def test_a_rank_busy_longer_only_for_its_share_is_named_for_the_share() -> None:
     first, *_, last = report.line().splitlines()
     assert first.startswith(
         "ringtrain straggler report (batch_shares in force [75, 25]): rank 0 on host a has more "
-        "of each global batch than its speed: busy 0.300 s/step vs median 0.200 s, taking 75.0% "
+        "of each global batch than its speed: busy 0.300 s/step vs median 0.100 s, taking 75.0% "
         "of each global batch at 1.0x the median rank's time per sample"
     )
     # now: the slowest rank's 0.3 s + its 0.02 s; in proportion: 0.2 s per equal share each

@@ -72,3 +72,16 @@ def test_network_hints_name_the_settings_of_the_jobs_mode() -> None:
         assert "--compression" in synced and "outer_compression" not in synced
         assert "outer_compression='int4'" in local and "sync_every" in local
         assert "outer_overlap=True" in local and "--compression" not in local
+
+
+def test_of_two_ranks_the_slow_one_is_compared_with_the_other() -> None:
+    # The median of two ranks is their mean, the slow rank's own time half of it: a rank 10x
+    # slower than its peer read "vs median 0.275 s (1.8x)", and the sync_every advice aimed
+    # its round at that mean, still far longer than its peer's round.
+    times = [RankTimes(0, "a", 0.01, 0.05, 0.3), RankTimes(1, "b", 0.01, 0.5, 0.0)]
+    r = analyse(times, in_force=None)
+    assert r.kind == "compute" and r.ranks == (1,)
+    assert "compute 0.500 s/step vs median 0.050 s (10.0x)" in r.line()
+    rounds = [RankTimes(0, "a", 0.0, 0.4, 0.0), RankTimes(1, "b", 0.0, 0.2, 0.2)]
+    line = analyse(rounds, in_force=None, per="round").line()
+    assert "about 50% of its steps now" in line, line
