@@ -123,3 +123,20 @@ def test_membership_drops_failed_ranks_until_min_np() -> None:
 def test_elastic_flags_are_checked(kw: dict[str, float]) -> None:
     with pytest.raises(ConfigError):
         LaunchOptions(np=3, hosts=(Host("localhost", 3),), command=("x",), **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_optimizers_state_is_restored_after_a_peer_failure() -> None:
+    """The survivor restored its last commit into the old world's shards, which the re-formed
+    world then dropped: Adam's moments and step count were lost (an empty state at the reset,
+    and Adam started over) with no word. The restore now comes after the re-forming."""
+    job = Path(__file__).parent / "sharded_state_job.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "ringtrain", "run", "-np", "2", "--min-np", "1"]
+    proc = run_job([*cmd, sys.executable, str(job)], env, timeout=240, rank_marker=str(job))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    commits = {c["batch"]: c["opt"] for c in _fields(proc.stdout, "commit") if c["id"] == "0"}
+    (reset,) = _fields(proc.stdout, "reset")
+    assert reset["batch"] == "4", proc.stdout
+    assert reset["opt"] == commits["4"], proc.stdout  # the committed state, not an empty one
+    assert [d["id"] for d in _fields(proc.stdout, "done")] == ["0"]

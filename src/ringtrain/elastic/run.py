@@ -89,7 +89,6 @@ def run(func: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
                     raise
                 failure = e
                 skip_sync = False
-                state.restore()
             resets += 1
             limit = membership.reset_limit()
             if limit is not None and resets > limit:
@@ -98,6 +97,10 @@ def run(func: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
                     f"--reset-limit {limit}"
                 ) from failure
             _reset(state, failure)
+            if failure is not None:
+                # Into the new world's objects, not the old one's: a sharded optimizer's old
+                # shards, which a restore before the re-forming filled, go with the old world.
+                state.restore()
             state.on_reset()
 
     # ``state`` may also be passed by name (as Horovod's wrapper takes it), which Concatenate
