@@ -118,6 +118,45 @@ def test_run_resets_and_retries_on_a_host_update(world: World) -> None:
         assert total == 4 * world.size and resets == 1
 
 
+def _sharded_state_across_a_host_update() -> list[dict[int, float]]:
+    model = torch.nn.Linear(2, 2)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        shard_optimizer=True,
+    )
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=0)
+
+    def adam_steps() -> dict[int, float]:
+        return {i: float(s["step"]) for i, s in opt.state_dict()["state"].items()}
+
+    seen: list[dict[int, float]] = []
+    state.register_reset_callbacks([lambda: seen.append(adam_steps())])
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> None:
+        while state.batch < 4:
+            opt.zero_grad()
+            model(torch.ones(2, 2)).sum().backward()
+            opt.step()
+            state.batch += 1
+            if state.batch == 2 and not seen and rt.rank() == 0:
+                state.on_hosts_updated(1)
+            state.commit()
+
+    train(state)
+    return [*seen, adam_steps()]
+
+
+def test_a_sharded_optimizers_state_survives_a_host_update(world2: World) -> None:
+    """A re-formed world drops the old world's shards, and after a HostsUpdatedInterrupt
+    nothing restored them: Adam's state was gone after the reset and started over (3 steps at
+    the end instead of 5: the 4 batches and the state's initial step of the first sync)."""
+    for at_reset, at_end in world2.run(_sharded_state_across_a_host_update):
+        assert set(at_reset.values()) == {3.0}  # the commit of batch 2
+        assert set(at_end.values()) == {5.0}
+
+
 def _reset_forever() -> str:
     state = hvd.elastic.ObjectState(step=0)
 

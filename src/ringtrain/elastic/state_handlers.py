@@ -90,6 +90,14 @@ class ModelStateHandler(StateDictHandler[torch.nn.Module]):
 
 
 class OptimizerStateHandler(StateDictHandler[torch.optim.Optimizer]):
+    def retake_dropped(self) -> None:
+        """After a re-formed world: a sharded optimizer's state lived in the old world's shards,
+        dropped with it, and after a HostsUpdatedInterrupt nothing restored it. Take the last
+        commit's, the state it had when the interrupt came from ``commit()`` (a script that
+        calls ``check_host_updates()`` itself loses the steps since). Every rank calls it."""
+        if self.saved.get("state") and not self.value.state_dict()["state"]:
+            self.restore()
+
     def sync(self) -> None:
         broadcast_optimizer_state(self.value, root_rank=0)
 

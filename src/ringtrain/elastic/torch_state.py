@@ -84,6 +84,13 @@ class TorchState(ObjectState):
             handler.sync()
         super().sync()
 
+    def on_reset(self) -> None:
+        # Before the callbacks, as the restore after a failure: they see the committed state.
+        for handler in self._handlers.values():
+            if isinstance(handler, state_handlers.OptimizerStateHandler):
+                handler.retake_dropped()
+        super().on_reset()
+
     # ---- durable checkpoints (ringtrain.checkpoint) --------------------------------------------
 
     def _tracked(self) -> _Tracked:
