@@ -3,6 +3,7 @@ HINT), not a job that starts and fails later on every rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -515,3 +516,23 @@ def test_ssh_files_are_checked_where_ssh_reads_them(tmp_path: Path, flag: str) -
     given = tmp_path / "id"
     given.write_text("x")
     ssh_flags.check_ssh_files(SshOptions(**{flag: str(given)}), remote=True)
+
+
+@pytest.mark.timeout(90)
+def test_a_secure_resume_under_the_launchers_own_key_is_refused(tmp_path: Path) -> None:
+    """``--secure --resume D`` without ``--key-file``: the launcher's fresh key opens no
+    checkpoint of an earlier run, so every rank failed in its load ("failed authentication: it
+    was changed, or sealed under another key") once the job had started."""
+    (tmp_path / "ck").mkdir()
+    flags = ("--secure", "--resume", str(tmp_path / "ck"))
+    for env in ({}, {"RINGTRAIN_KEY_FILE": str(tmp_path / "job.key")}):  # the pipe wins
+        err = _cli(tmp_path, "run", "-np", "1", *flags, *_marker_job(tmp_path), env=env)
+        assert "in secure mode without --key-file" in _one_error(err), err
+        assert "HINT: give the key file of the run that saved it" in err
+    key = keys.write_key_file(tmp_path / "job.key", keys.generate_job_key())
+    resume = str(tmp_path / "ck")
+    command.check_settings(Config(secure=True, resume=resume, key_file=key), {"key_file"})
+    env_secure = Config.from_env({"RINGTRAIN_SECURE": "1", "RINGTRAIN_KEY_FILE": key})
+    command.check_settings(dataclasses.replace(env_secure, resume=resume), {"resume"})
+    with pytest.raises(ConfigError, match="without --key-file"):  # RINGTRAIN_SECURE alone
+        command.check_settings(Config(secure=True, resume=resume), {"resume"})

@@ -25,7 +25,7 @@ from ringtrain.config import (
 )
 from ringtrain.environ import LOG_LEVELS
 from ringtrain.errors import ConfigError, SecurityError
-from ringtrain.launch import horovodrun, rank_env
+from ringtrain.launch import horovodrun, rank_env, sealed_resume
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
 from ringtrain.launch.options import BIND_CHOICES, MALLOC_CHOICES, LaunchOptions
 from ringtrain.launch.plan import PLACEMENTS
@@ -485,6 +485,7 @@ def check_settings(
     flags = {f.field: f.flag for f in SETTING_FLAGS}
     check_launch_settings(config, {name: flags.get(name, name) for name in given})
     _check_unused(config, given)
+    sealed_resume.check(config, given)
     if ranks_here:
         # Checked again where ranks create them; paths on other hosts are theirs.
         if config.timeline_filename:  # each rank writes its own file beside the name given
