@@ -25,6 +25,9 @@ def test_explain_names_each_rank_by_where_it_is() -> None:
     assert "rank 2 waits in step 9: it ran 2 step(s) more than these ranks" in msg
     assert "ranks [3] have finished (ringtrain.shutdown()): they ran fewer steps" in msg
     assert "ranks [4] are not waiting in step()" in msg
+    known = explain(0, 7, 61.0, {0: 7, 1: None, 2: None}, 300.0, doing={1: "collective 'm'"})
+    assert "rank 1 waits in collective 'm', not in step()" in known
+    assert "ranks [2] are not waiting in step()" in known
     assert "ringtrain.join()" in msg and "(300 s, RINGTRAIN_TIMEOUT_S)" in msg
 
 
@@ -163,6 +166,37 @@ def test_a_wait_past_the_transport_timeout_names_the_rank_elsewhere(world2: Worl
     ), error
     assert "ranks [1] are not waiting in step()" in error, error
     assert "The wait fails" not in error, error
+
+
+def _one_rank_in_a_collective() -> str:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    try:
+        for step in range(2):
+            if step == 1 and rt.rank() == 1:  # a metric only this rank reduces: a script's bug
+                rt.allreduce(torch.ones(1), name="metric")
+            opt.zero_grad()
+            F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2)).backward()
+            opt.step()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def test_a_wait_names_the_collective_a_rank_waits_in_instead(world2: World) -> None:
+    # Rank 1 waits in an allreduce rank 0 never calls, rank 0 in step(): rank 0's error names
+    # the collective (rank 1's controller posts it), not "not waiting in step()".
+    error, other = world2.run(
+        _one_rank_in_a_collective, stall_warning_s=1.0, stall_shutdown_s=6.0, timeout_s=4.0,
+        timeout=60,
+    )  # fmt: skip
+    assert error.startswith("StallError: step() gave up after "), error
+    assert "rank 1 waits in collective 'metric' (process set 0), not in step()" in error, error
+    assert "not waiting in step()" not in error, error
+    assert other.startswith(("StallError", "PeerFailedError")), other  # and rank 1's ends too
 
 
 JOIN_A_STEP_SHORT = """

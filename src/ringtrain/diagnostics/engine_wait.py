@@ -57,14 +57,17 @@ def explain(
     states: Mapping[int, int | str | None],
     timeout_s: float,
     failed: bool = False,
+    doing: Mapping[int, str] | None = None,
 ) -> str:
     """The warning for rank ``me``, waiting ``waited_s`` in ``step`` (``failed``: the error of
     a wait that ran past the transport timeout). ``states`` holds every member rank's post: a
-    step number it waits in, :data:`FINISHED`, or None (no post)."""
+    step number it waits in, :data:`FINISHED`, or None (no post). ``doing``: for ranks without
+    a post, the collective they are known to wait in instead (the controllers' posts)."""
+    doing = doing or {}
     same = sorted(r for r, s in states.items() if s == step)
     other = {r: s for r, s in states.items() if isinstance(s, int) and s != step}
     done = sorted(r for r, s in states.items() if s == FINISHED)
-    silent = sorted(r for r, s in states.items() if s is None and r != me)
+    silent = sorted(r for r, s in states.items() if s is None and r != me and r not in doing)
     waited = (
         f"step() gave up after {waited_s:.0f} s, the transport timeout ({timeout_s:g} s, "
         "RINGTRAIN_TIMEOUT_S),"
@@ -79,6 +82,13 @@ def explain(
         )
     if done:
         lines.append(f"  ranks {done} have finished (ringtrain.shutdown()): they ran fewer steps")
+    for r, what in sorted(doing.items()):
+        if states.get(r) is None and r != me:
+            lines.append(
+                f"  rank {r} waits in {what}, not in step(): the ranks run different "
+                "collectives here (one that only some ranks call, such as a metric under "
+                "`if rank == 0`)"
+            )
     if silent:
         lines.append(
             f"  ranks {silent} are not waiting in step(): still in forward, backward or data "
@@ -105,8 +115,12 @@ class WaitWatch:
         warning_s: float,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        doing: Callable[[int], str] | None = None,
     ) -> None:
+        """``doing(r)``: the collective rank r is known to wait in, or '' (read only for ranks
+        that post no step)."""
         self._store = store
+        self._doing = doing
         self._prefix = prefix
         self._rank = rank
         self.members = list(members)
@@ -183,7 +197,8 @@ class WaitWatch:
         except Exception:  # the store is gone too: Gloo's error is all there is
             return e
         waited = self._clock() - since
-        return StallError(explain(self._rank, step, waited, states, self._timeout_s, True))
+        doing = self._elsewhere(states)
+        return StallError(explain(self._rank, step, waited, states, self._timeout_s, True, doing))
 
     def _run(self) -> None:
         while True:
@@ -235,7 +250,17 @@ class WaitWatch:
         with self._cond:
             still = self._wait is not None and self._wait[0] == step
         if still:
-            log.warning("%s", explain(self._rank, step, waited, states, self._timeout_s))
+            doing = self._elsewhere(states)
+            log.warning(
+                "%s", explain(self._rank, step, waited, states, self._timeout_s, False, doing)
+            )
+
+    def _elsewhere(self, states: Mapping[int, int | str | None]) -> dict[int, str]:
+        """What the ranks without a post wait in instead, where known."""
+        if self._doing is None:
+            return {}
+        known = {r: self._doing(r) for r, s in states.items() if s is None and r != self._rank}
+        return {r: what for r, what in known.items() if what}
 
     def _state(self, rank: int) -> int | str | None:
         if rank == self._rank:

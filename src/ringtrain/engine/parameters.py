@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ringtrain.collectives import crossset
 from ringtrain.diagnostics import engine_wait
 from ringtrain.errors import ConfigError
 
@@ -59,6 +60,8 @@ def make_watch(
     if comm.size == 1 or not comm.included or comm.store is None or warning_s <= 0:
         return None
     crc = zlib.crc32("\n".join(names).encode())
+    ctl = comm.service("controller")
+    board = ctl.board if ctl is not None else None
     watch = engine_wait.WaitWatch(
         comm.store,
         f"ringtrain/engine/set{comm.set_id}/{crc:08x}",
@@ -66,9 +69,17 @@ def make_watch(
         comm.ranks,
         warning_s,
         timeout_s,
+        doing=None if board is None else functools.partial(_stuck_in, board),
     )
     weakref.finalize(owner, watch.close)
     return watch
+
+
+def _stuck_in(board: crossset.Board, rank: int) -> str:
+    """The collectives ``rank`` posted as waiting in its controllers (explicit ones such as
+    ``hvd.allreduce``), for a wait in ``step()`` that it never joined; '' if none."""
+    stuck = board.read(rank)
+    return ", ".join(f"collective {s.name!r} (process set {s.set_id})" for s in stuck)
 
 
 class Hooks:
