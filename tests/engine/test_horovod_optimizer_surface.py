@@ -101,15 +101,15 @@ def test_horovod_warning_and_parameter_names(size: int) -> None:
         assert out["positional"]
 
 
-def _adasum_step() -> list[float] | str:
-    """One SGD step (lr 0.5) through DistributedOptimizer(op=Adasum): the weight's change, or
+def _adasum_step(op: Any = rt.Adasum) -> list[float] | str:
+    """One SGD step (lr 0.5) through DistributedOptimizer(op=op): the weight's change, or
     the error's type and words."""
     model = torch.nn.Linear(2, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
     sgd = torch.optim.SGD(model.parameters(), lr=0.5)
     try:
-        opt = rt.DistributedOptimizer(sgd, model.named_parameters(), op=rt.Adasum)
-    except NotImplementedError as e:
+        opt = rt.DistributedOptimizer(sgd, model.named_parameters(), op=op)
+    except (NotImplementedError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     model(torch.tensor([[1.0, 2.0]])).sum().backward()
     opt.step()
@@ -123,3 +123,7 @@ def test_adasum_on_one_rank_is_the_plain_optimizer(world2: spawn.World) -> None:
     assert spawn.world(1).run(_adasum_step, timeout=120) == [[-0.5, -1.0]]
     for out in world2.run(_adasum_step, timeout=120):
         assert isinstance(out, str) and "Adasum is not supported" in out, out
+    # Min, Max, Product: Horovod hands them to its allreduce; no gradient means them. Refused.
+    for op in (rt.Min, rt.Max, rt.Product):
+        for out in world2.run(_adasum_step, op, timeout=120):
+            assert out == f"ConfigError: DistributedOptimizer supports op=Average or Sum, got {op}"
