@@ -52,6 +52,8 @@ def test_a_shutdown_time_below_the_warning_time_stops_at_the_time_it_names() -> 
     assert inspector.check(_waiting(0), 3, now=29) == StallInspector(0, 0).check({}, 3, 0)
     v = inspector.check(_waiting(0), 3, now=31)
     assert "stopping the job" in v.abort and "rank 1 has not submitted" in v.abort
+    # Every name of the setting, not only ringtrain's variable: it may have come from any.
+    assert "(--stall-shutdown-time, RINGTRAIN_STALL_SHUTDOWN_S, HOROVOD_STALL_SHUTDOWN" in v.abort
 
 
 def test_only_names_past_the_warning_time_are_warned_of() -> None:

@@ -76,7 +76,7 @@ class Handle(Generic[T]):
             raise CollectiveAbortedError(
                 f"collective {self.name!r} did not complete within {timeout:g} s.\n"
                 "HINT: another rank may not have submitted it; the stall inspector's report "
-                "(RINGTRAIN_STALL_WARNING_S) names the missing ranks."
+                "(--stall-warning-time, RINGTRAIN_STALL_WARNING_S) names the missing ranks."
             )
         if self._error is not None:
             # Peers told only that they left: their exit codes, read once here (not on the

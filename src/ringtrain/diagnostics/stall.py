@@ -63,7 +63,8 @@ class StallInspector:
             return Verdict(
                 abort=stall_report(stalled, set_size, now, global_ranks)
                 + "\nringtrain is stopping the job: the stall exceeded "
-                f"the shutdown time of {self.shutdown_s:g} s (RINGTRAIN_STALL_SHUTDOWN_S)."
+                f"the shutdown time of {self.shutdown_s:g} s (--stall-shutdown-time, "
+                "RINGTRAIN_STALL_SHUTDOWN_S, HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)."
             )
         warned = [w for w in stalled if now - w.since >= self.warning_s]
         if not warned or now - self._last_warning < self.warning_s:
