@@ -6,10 +6,12 @@ and changes nothing in D."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -94,6 +96,41 @@ def test_kill_9_the_launcher_then_resume(tmp_path: Path, finished_run: tuple[Pat
         assert torch.equal(a, b)
     # The resumed job continues the killed run: keep 3 counts the checkpoints it resumed from.
     assert [s for s, _ in manifest.committed(str(ck))] == [8, 10, 12]
+
+
+def test_a_preempted_job_commits_the_save_in_flight(tmp_path: Path) -> None:
+    """SIGTERM to the launcher (a preemption) while a save is being written: the ranks unwind
+    (Durable turns SIGTERM into SystemExit) and their ``with`` block waits for the save, which
+    commits within the grace period. Python's default ended the ranks at once, and their writers
+    with them. The writers are held (SIGSTOP) so that a save is surely in flight."""
+    ck = tmp_path / "ck"
+    argv = _argv("--checkpoint-dir", str(ck), "--checkpoint-every", "2", out=tmp_path / "p.pt",
+                 pause=0.3)  # fmt: skip
+    argv[argv.index(str(STEPS))] = "1000"  # ends only by the signal
+    launcher = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for_commit(launcher, ck, 2)
+        family = psutil.Process(launcher.pid).children(recursive=True)
+        writers = [p for p in family if "ringtrain.checkpoint.writer" in " ".join(p.cmdline())]
+        assert len(writers) == 2, family
+        for w in writers:
+            w.suspend()
+        held = max(s for s, _ in manifest.committed(str(ck)))
+        time.sleep(3.0)  # the ranks hand the next save to the held writers, then wait for it
+        launcher.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # every rank has its SIGTERM
+        for w in writers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                w.resume()
+        _, err = launcher.communicate(timeout=120)
+        _, alive = psutil.wait_procs(family, timeout=30)
+        assert not alive, f"processes outlived the job: {alive}"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 143, err.decode()[-3000:]
+    assert max(s for s, _ in manifest.committed(str(ck))) > held, err.decode()[-3000:]
 
 
 def test_a_new_job_in_a_used_directory_loses_nothing(

@@ -20,11 +20,20 @@ A new job whose checkpoint directory holds another run's checkpoints refuses to 
 (:class:`ConfigError` on every rank, before any step): saving beside them, its keep-last would
 remove them (or they its own), its steps would replace theirs, and a later ``--resume`` could
 continue either run. Keep-last counts only this run's checkpoints.
+
+A job that saves turns SIGTERM (a preemption, forwarded by the launcher; Kubernetes and Slurm
+send it) into ``SystemExit(143)`` where the script left Python's default, which ends the
+process at once, the save in flight with it (its writer dies with the rank). The script then
+unwinds as on Ctrl-C, and ``with Durable(...)`` (or ``close()`` in a ``finally``) lets that save
+commit within the launcher's grace period. A second SIGTERM ends the process at once.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from ringtrain import environ
@@ -82,6 +91,8 @@ class Durable:
         )
         self._last_step = self.start_step
         self._last_time = time.monotonic()
+        if self._saver is not None:
+            _unwind_on_sigterm()
 
     @property
     def extra(self) -> Any:
@@ -120,6 +131,20 @@ class Durable:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _unwind_on_sigterm() -> None:
+    """SIGTERM raises ``SystemExit(143)`` from now on, where Python's default would end the
+    process at once (a handler the script set is left alone; only the main thread may set one)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _preempted)
+
+
+def _preempted(signum: int, _frame: FrameType | None) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise SystemExit(128 + signum)
 
 
 def _refuse_other_runs(directory: str, run: str | None, resumed_from: str) -> None:

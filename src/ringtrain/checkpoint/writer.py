@@ -183,6 +183,11 @@ def main(argv: list[str] | None = None) -> None:
 
     with contextlib.suppress(OSError):  # die with the training process
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    # Ctrl-C and a preemption's SIGTERM reach the rank's whole process group: the rank decides
+    # (a durable job waits for the save in flight within the grace period); this process ends
+    # when told, or with the rank.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     args = sys.argv[1:] if argv is None else argv
     preload(args[2:])
     _yield_to_training()
