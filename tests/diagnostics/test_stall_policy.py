@@ -42,6 +42,10 @@ def test_disabled_with_zero_warning_time() -> None:
 def test_global_rank_translation_for_process_sets() -> None:
     v = StallInspector(1, 0).check(_waiting(0, submitted=(0,)), 2, now=5, global_ranks=[4, 6])
     assert "rank 6 has not submitted" in v.warning and "submitted by ranks [4]" in v.warning
+    # A set other than the world's is named: one name may be in use on several sets.
+    assert v.warning.startswith("stall: 1 collective(s)")
+    v = StallInspector(1, 0).check(_waiting(0, submitted=(0,)), 2, 5, [4, 6], set_id=3)
+    assert v.warning.startswith("stall on process set 3 (ranks [4, 6]): 1 collective(s)")
 
 
 def test_a_shutdown_time_below_the_warning_time_stops_at_the_time_it_names() -> None:

@@ -582,7 +582,7 @@ class Controller:
         """Rank 0's time-based decisions: log stall warnings; return an abort message if due."""
         now = self._clock()
         waiting = self._requests.waiting(now, self._stall.watch_from_s)  # those it may report
-        verdict = self._stall.check(waiting, self.comm.size, now, self.comm.ranks)
+        verdict = self._stall.check(waiting, self.comm.size, now, self.comm.ranks, self.comm.set_id)
         if verdict.warning:
             log.warning("%s", verdict.warning)
         return verdict.abort

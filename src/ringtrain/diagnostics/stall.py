@@ -52,6 +52,7 @@ class StallInspector:
         set_size: int,
         now: float,
         global_ranks: Sequence[int] | None = None,
+        set_id: int = 0,
     ) -> Verdict:
         if self.warning_s <= 0 or not waiting:
             return Verdict()
@@ -61,7 +62,7 @@ class StallInspector:
         longest = max(now - w.since for w in stalled)
         if self.shutdown_s > 0 and longest >= self.shutdown_s:
             return Verdict(
-                abort=stall_report(stalled, set_size, now, global_ranks)
+                abort=stall_report(stalled, set_size, now, global_ranks, set_id)
                 + "\nringtrain is stopping the job: the stall exceeded "
                 f"the shutdown time of {self.shutdown_s:g} s (--stall-shutdown-time, "
                 "RINGTRAIN_STALL_SHUTDOWN_S, HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)."
@@ -70,20 +71,28 @@ class StallInspector:
         if not warned or now - self._last_warning < self.warning_s:
             return Verdict()
         self._last_warning = now
-        return Verdict(warning=stall_report(warned, set_size, now, global_ranks))
+        return Verdict(warning=stall_report(warned, set_size, now, global_ranks, set_id))
 
 
 def stall_report(
-    stalled: Sequence[Waiting], set_size: int, now: float, global_ranks: Sequence[int] | None = None
+    stalled: Sequence[Waiting],
+    set_size: int,
+    now: float,
+    global_ranks: Sequence[int] | None = None,
+    set_id: int = 0,
 ) -> str:
-    """Human-readable report: which ranks are missing which collectives, grouped by rank."""
+    """Human-readable report: which ranks are missing which collectives, grouped by rank; a
+    process set other than the world's is named (one name may be in use on several sets)."""
     to_global = list(global_ranks) if global_ranks is not None else list(range(set_size))
+    where = f" on process set {set_id} (ranks {to_global})" if set_id else ""
     missing_by_rank: dict[int, list[str]] = {}
     for w in stalled:
         for r in range(set_size):
             if r not in w.submitted:
                 missing_by_rank.setdefault(to_global[r], []).append(w.name)
-    lines = [f"stall: {len(stalled)} collective(s) waited for ranks that have not submitted them:"]
+    lines = [
+        f"stall{where}: {len(stalled)} collective(s) waited for ranks that have not submitted them:"
+    ]
     for w in sorted(stalled, key=lambda w: w.since):
         have = [to_global[r] for r in w.submitted]
         lines.append(f"  {w.name!r} waiting {now - w.since:.0f} s; submitted by ranks {have}")
