@@ -169,3 +169,34 @@ def test_an_elastic_jobs_report_lists_the_ranks_it_went_on_without(tmp_path: Pat
     earlier = report_text[report_text.index("earlier, 1 rank(s) failed and the job went on") :]
     assert "  - rank 2 (host localhost" in earlier and "exited with code 12" in earlier
     assert "rank 2 gives up" in earlier
+
+
+# Torch-free ranks of an elastic job (--min-np 2 of 3): rank 2 fails, the others finish well.
+ELASTIC_RANK_FAILS_JOB_ENDS_WELL = textwrap.dedent(
+    """
+    import os, sys, time
+    rank = int(os.environ["RINGTRAIN_RANK"])
+    if rank == 2:
+        print("bad batch in rank 2's data", file=sys.stderr, flush=True)
+        sys.exit(7)
+    time.sleep(3.0)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_an_elastic_job_that_ends_well_still_names_the_ranks_it_lost(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(ELASTIC_RANK_FAILS_JOB_ENDS_WELL)
+    argv = [sys.executable, "-m", "ringtrain", "run", "-np", "3", "--min-np", "2", "--"]
+    proc = subprocess.run(
+        [*argv, sys.executable, str(script)], capture_output=True, text=True, timeout=90
+    )
+    assert proc.returncode == 0, proc.stderr  # as Horovod's driver: the last world's result
+    closing = proc.stderr[proc.stderr.index("ringtrain run: job finished") :].splitlines()
+    assert closing[0] == (
+        "ringtrain run: job finished: the last world's 2 rank(s) exited 0; earlier, 1 rank(s) "
+        "failed and the job went on without them (elastic):"
+    )
+    assert closing[1].startswith("  - rank 2 (host localhost") and "code 7" in closing[1]
+    assert closing[2] == "      | bad batch in rank 2's data"

@@ -206,9 +206,21 @@ def report(failures: Failure | Sequence[Failure], absorbed: Sequence[Failure] = 
     return "\n".join(lines)
 
 
-def _grouped(failures: Sequence[Failure], cause: Failure) -> list[str]:
+def survived_report(absorbed: Sequence[Failure], ranks: int) -> str:
+    """The launcher's closing message for an elastic job that ended well after losing ranks:
+    the job's exit is 0 (as Horovod's elastic driver counts only the last world), so without
+    this line its log would not say that some of its ranks failed, nor why."""
+    lines = [
+        f"job finished: the last world's {ranks} rank(s) exited 0; earlier, "
+        f"{len(absorbed)} rank(s) failed and the job went on without them (elastic):"
+    ]
+    lines.extend(_grouped(sorted(absorbed, key=lambda f: f.at), None))
+    return "\n".join(lines)
+
+
+def _grouped(failures: Sequence[Failure], cause: Failure | None) -> list[str]:
     """``failures`` listed, those whose last words are the same together, each timed from the
-    cause's."""
+    cause's (where there is one)."""
     lines: list[str] = []
     groups: dict[tuple[str, ...], list[Failure]] = {}
     for f in failures:
@@ -216,7 +228,8 @@ def _grouped(failures: Sequence[Failure], cause: Failure) -> list[str]:
     for words, group in groups.items():
         first = group[0]
         later = ""
-        if first.at and cause.at:  # news of a rank can arrive before the cause's own
+        # News of a rank can arrive before the cause's own.
+        if cause is not None and first.at and cause.at:
             gap = first.at - cause.at
             later = f", {abs(gap):.1f} s {'later' if gap > 0 else 'earlier'}"
             if abs(gap) < 0.05:

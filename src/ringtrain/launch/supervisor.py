@@ -59,6 +59,7 @@ from ringtrain.launch.failures import (
     recorded_end,
     report,
     root_cause,
+    survived_report,
 )
 from ringtrain.launch.hosts import Host
 from ringtrain.launch.options import LaunchOptions
@@ -578,10 +579,10 @@ class Supervisor:
                 sig = self._interrupts[0]
                 self.say(interrupted_report(sig.name, self._interruption))
                 return 128 + int(sig)
-            self.log(
-                f"all {len(self.specs)} ranks exited 0 in "
-                f"{time.monotonic() - self._started_at:.1f} s"
-            )
+            if self.pool.absorbed:
+                self.say(survived_report(self.pool.absorbed, len(self._failures)))
+            took = time.monotonic() - self._started_at
+            self.log(f"all {len(self.specs)} ranks exited 0 in {took:.1f} s")
             return 0
         self.say(report(self._failures, self.pool.absorbed))
         return root_cause(self._failures).code
