@@ -271,6 +271,34 @@ def test_mismatches_are_runtime_errors_a_script_can_catch(world: spawn.World) ->
                     assert f"rank {k}: broadcast(root_rank={k}, float32[3])" in set_msgs["root"]
 
 
+def _adasum_of_one() -> dict[str, Any]:
+    t = torch.tensor([1.0, -2.0])
+    out: dict[str, Any] = {}
+    if hvd.size() == 1:  # Horovod's Adasum of the one rank's tensor: that tensor (scaled)
+        out["world"] = [
+            hvd.allreduce(t, op=hvd.Adasum).tolist(),
+            hvd.allreduce_(t.clone(), op=2).tolist(),  # Horovod's number for Adasum
+            hvd.grouped_allreduce([t], op=hvd.Adasum, postscale_factor=2.0)[0].tolist(),
+            hvd.synchronize(hvd.allreduce_async(t, op=hvd.Adasum)).tolist(),
+        ]
+    ps = hvd.add_process_set([hvd.size() - 1])
+    if ps.included():  # a set of one rank is not the global set: NotImplementedError there
+        e = _raises(lambda: hvd.allreduce(t, op=hvd.Adasum, process_set=ps), NotImplementedError)
+        out["set"] = str(e)
+    assert hvd.remove_process_set(ps)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_adasum_of_one_rank_as_horovod(n: int) -> None:
+    # horovod/torch/mpi_ops.py _allreduce_async: Adasum raises NotImplementedError on a
+    # non-global process set; on the global set of one rank its C++ Adasum returns the tensor.
+    results = spawn.world(n).run(_adasum_of_one)
+    if n == 1:
+        assert results[0]["world"] == [[1.0, -2.0], [1.0, -2.0], [2.0, -4.0], [1.0, -2.0]]
+    assert "Adasum runs only on the global process set" in results[-1]["set"]
+
+
 def test_before_init_queries_raise_value_error_as_horovod() -> None:
     with pytest.raises(ValueError, match=r"init\(\)"):
         hvd.size()

@@ -19,7 +19,7 @@ import torch
 from ringtrain.collectives import dtypes
 from ringtrain.collectives.controller import Controller
 from ringtrain.collectives.handles import CompositeHandle, Handle
-from ringtrain.collectives.reduce_ops import ReduceOpLike, resolve_op
+from ringtrain.collectives.reduce_ops import ReduceOpLike, resolve_allreduce_op, resolve_op
 from ringtrain.collectives.requests import Request, TensorMeta
 from ringtrain.compression import CompressionLike
 from ringtrain.compression import resolve as resolve_compression
@@ -186,7 +186,7 @@ def _allreduce(
     process_set: ProcessSet | None,
     compression: CompressionLike | None = None,
 ) -> Handle[Any]:
-    op_name = resolve_op(op, average)
+    op_name = resolve_allreduce_op(op, average, process_set)
     pre, post = float(prescale_factor), float(postscale_factor)
     unwritable = _written_error("allreduce", tensors) if variant.inplace else ""
     if name is not None and not variant.grouped and compression in _UNCOMPRESSED and not unwritable:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ringtrain.collectives import async_ops
-from ringtrain.collectives.reduce_ops import resolve_op
+from ringtrain.collectives.reduce_ops import resolve_allreduce_op, resolve_op
 from ringtrain.compression import resolve as resolve_compression
 from ringtrain.runtime.process_sets import ProcessSet
 
@@ -97,7 +97,7 @@ def allreduce(
     post: float,
     ps: ProcessSet | None,
 ) -> torch.Tensor:
-    op_name = resolve_op(op, average)
+    op_name = resolve_allreduce_op(op, average, ps)
     comp, [(sent, ctx)] = _compressed(compression, [tensor])
     out = _Allreduce.apply(sent, op_name, name, pre, post, ps)
     return comp.decompress(out, ctx)
@@ -136,7 +136,7 @@ def grouped_allreduce(
     post: float,
     ps: ProcessSet | None,
 ) -> list[torch.Tensor]:
-    op_name = resolve_op(op, average)
+    op_name = resolve_allreduce_op(op, average, ps)
     comp, sent = _compressed(compression, tensors)
     outs = _GroupedAllreduce.apply(op_name, name, pre, post, ps, *(s for s, _ in sent))
     return [comp.decompress(o, ctx) for o, (_, ctx) in zip(outs, sent)]

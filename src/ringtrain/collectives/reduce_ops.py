@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import warnings
 from enum import Enum
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 from ringtrain.errors import CollectiveArgumentError, CollectiveUnsupportedError
+
+if TYPE_CHECKING:
+    from ringtrain.runtime.process_sets import ProcessSet
 
 
 class ReduceOp(str, Enum):
@@ -82,3 +85,23 @@ def resolve_op(
             "HINT: use Average (the default) or Sum; Adasum needs Horovod's MPI build."
         )
     return op.value
+
+
+def resolve_allreduce_op(
+    op: ReduceOpLike | None, average: bool | None, ps: ProcessSet | None
+) -> str:
+    """resolve_op for an allreduce over ``ps``. Adasum over a world of one rank returns that
+    rank's tensor, as Horovod's does (its Adasum has no peer to combine with: Sum of one);
+    on any other process set Horovod raises NotImplementedError, and so does this."""
+    if average is None and is_adasum(op):
+        from ringtrain.runtime import state
+
+        if ps is not None and ps != state.global_process_set:
+            raise CollectiveUnsupportedError(
+                f"op=Adasum on {ps!r}: Adasum runs only on the global process set, as in "
+                "Horovod ('Adasum does not support non-global process sets yet').\n"
+                "HINT: use op=Average or op=Sum on a process set."
+            )
+        if state.current().size == 1:
+            return Sum.value
+    return resolve_op(op, average)
