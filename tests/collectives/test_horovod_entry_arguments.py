@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 import torch
 
@@ -75,6 +76,17 @@ def test_init_takes_horovods_comm_and_dynamic_process_sets(world2: World) -> Non
     assert "comm is a list of ranks or an MPI communicator" in not_comm
     assert 'the only string taken is "dynamic"' in static
     assert "ProcessSet(_Comm): ringtrain makes process sets from ranks" in mpi_set
+
+
+def test_process_set_ranks_must_be_integers_as_in_horovod() -> None:
+    # horovod/common/process_sets.py: ValueError for any rank that is not an int; int(0.5)
+    # would otherwise name rank 0 quietly.
+    for ranks, bad in (([0.0, 1.0], "0.0 (float)"), ([0, 1.5], "1.5"), (["0"], "'0' (str)")):
+        said = _refused(lambda r=ranks: hvd.ProcessSet(r), CollectiveArgumentError)
+        assert said.startswith(f"ProcessSet takes a list of integer ranks, got {bad}"), said
+    assert issubclass(CollectiveArgumentError, ValueError)
+    # integers of numpy and torch are integers (Horovod's isinstance(rk, int) refuses them)
+    assert hvd.ProcessSet([numpy.int64(1), torch.tensor(0)]).ranks == [0, 1]
 
 
 _MPI_JOB = textwrap.dedent(

@@ -7,6 +7,7 @@ world, because ``torch.distributed.new_group`` must be called by every rank in t
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,21 @@ def _ranks_of(ranks_or_comm: object) -> Iterable[int]:
     return ranks_or_comm
 
 
+def _rank_numbers(ranks: Iterable[object]) -> list[int]:
+    """The ranks as ints. A float or a string is refused, as Horovod's ValueError refuses
+    anything not an int: int(1.5) would quietly name rank 1. Integers of numpy or torch pass."""
+    numbers = []
+    for r in ranks:
+        try:
+            numbers.append(operator.index(r))  # type: ignore[arg-type]
+        except TypeError:
+            raise CollectiveArgumentError(
+                f"ProcessSet takes a list of integer ranks, got {r!r} ({type(r).__name__}).\n"
+                "HINT: pass ints, e.g. hvd.ProcessSet([0, 2])."
+            ) from None
+    return numbers
+
+
 class ProcessSet:
     """A subset of the world's ranks. ``ProcessSet(None)`` stands for the whole world."""
 
@@ -46,7 +62,7 @@ class ProcessSet:
         if ranks_or_comm is None:
             self._ranks: tuple[int, ...] | None = None
         else:
-            ranks = [int(r) for r in _ranks_of(ranks_or_comm)]
+            ranks = _rank_numbers(_ranks_of(ranks_or_comm))
             if len(set(ranks)) != len(ranks):
                 raise CollectiveArgumentError(f"process set ranks must be distinct, got {ranks}")
             if not ranks:
