@@ -252,11 +252,12 @@ def reform(rank: int, size: int, generation: int) -> None:
     init(config=config, elastic=(rank, size, generation))
 
 
-def start_timeline(file_path: str, mark_cycles: bool = False) -> str:
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Record a Chrome/Perfetto trace of this rank's gradient buckets and collectives.
 
     Every rank writes its own file, ``file_path`` with a rank suffix (``t.json`` ->
-    ``t.rank0.json``; elastic jobs: the rank the process started as); returns its path. Merge with
+    ``t.rank0.json``; elastic jobs: the rank the process started as); returns None, as
+    Horovod's does (``timeline.rank_path(file_path, rank)`` names the file). Merge with
     ``python -m ringtrain.diagnostics.timeline merged.json t.rank*.json``. ``mark_cycles`` is
     accepted for Horovod compatibility and ignored. See :mod:`ringtrain.diagnostics.timeline`.
     """
@@ -264,9 +265,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> str:
     # Elastic jobs renumber ranks: a process's file is named by its first rank (its identity),
     # so it records the whole job in one file and never overwrites another process's.
     rank = int(environ.current().get(elastic_launch.ID_VAR, rank))
-    path = timeline.rank_path(file_path, rank)
-    timeline.start(path, pid=rank)
-    return path
+    timeline.start(timeline.rank_path(file_path, rank), pid=rank)
 
 
 def stop_timeline() -> None:

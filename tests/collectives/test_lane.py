@@ -348,7 +348,10 @@ def test_shutdown_with_a_claim_nobody_matched(world: spawn.World) -> None:
 def _traced(base: str) -> list[str]:
     import json
 
-    path = rt.start_timeline(base)
+    from ringtrain.diagnostics import timeline
+
+    rt.start_timeline(base)
+    path = timeline.rank_path(base, rt.rank())
     for s in range(4):
         rt.allreduce(_data(s, rt.rank()), name="traced", op=rt.Sum)
     rt.stop_timeline()

@@ -104,7 +104,10 @@ def test_auto_stays_flat_on_one_host(world2: spawn.World) -> None:
 
 def _streams_per_bucket(base: str) -> list[tuple[int, int]]:
     """(bucket, stream) of every bucket allreduce the timeline recorded."""
-    path = rt.start_timeline(base)
+    from ringtrain.diagnostics import timeline
+
+    rt.start_timeline(base)
+    path = timeline.rank_path(base, rt.rank())
     _train({"engine_streams": 3}, steps=2)
     rt.stop_timeline()
     with open(path) as f:

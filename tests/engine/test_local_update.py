@@ -128,7 +128,8 @@ def _merge_arithmetic(path: str) -> tuple[list[float], dict[str, int], float]:
     assert local is not None
     gaps: list[float] = []
     sent = mean = torch.empty(0)
-    name = rt.start_timeline(path)
+    rt.start_timeline(path)
+    name = timeline.rank_path(path, rt.rank())
     for i in range(1, 3 * H + 1):
         _step(model, opt, i)
         if i % H == 0:  # sent: the weights go on unchanged

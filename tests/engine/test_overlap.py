@@ -448,7 +448,8 @@ def _trace(path: str) -> tuple[list[tuple[float, float]], list[tuple[float, floa
     opt = rt.DistributedOptimizer(
         _make("sgd", model), named_parameters=model.named_parameters(), overlap=True, **ENGINE
     )
-    name = rt.start_timeline(path)
+    rt.start_timeline(path)
+    name = timeline.rank_path(path, rt.rank())
     for step in range(4):
         opt.zero_grad()
         loss = _loss(model, step)
