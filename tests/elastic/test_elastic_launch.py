@@ -140,3 +140,41 @@ def test_a_sharded_optimizers_state_is_restored_after_a_peer_failure() -> None:
     assert reset["batch"] == "4", proc.stdout
     assert reset["opt"] == commits["4"], proc.stdout  # the committed state, not an empty one
     assert [d["id"] for d in _fields(proc.stdout, "done")] == ["0"]
+
+
+_RAISES_AFTER_REFORM = """
+import os, torch, ringtrain.torch as hvd
+hvd.init()
+state = hvd.elastic.ObjectState(step=0)
+
+@hvd.elastic.run
+def train(state):
+    while state.step < 4:
+        hvd.allreduce(torch.ones(1), name="x")
+        state.step += 1
+        state.commit()
+        if state.step == 2 and hvd.size() == 2 and hvd.rank() == 0:
+            os._exit(1)
+
+train(state)
+raise ValueError(f"boom as rank {hvd.rank()} of {hvd.size()}")
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_traceback_after_a_reform_has_one_rank_prefix_naming_the_new_rank(
+    tmp_path: Path,
+) -> None:
+    """torch's init_process_group wraps sys.excepthook anew at each call: after a re-form the
+    traceback read "[rank0]: [rank1]: Traceback", the inner prefix naming the old rank. Now
+    one prefix, the rank the process has in the world it failed in."""
+    job = tmp_path / "raises_after_reform.py"
+    job.write_text(_RAISES_AFTER_REFORM)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "ringtrain", "run", "-np", "2", "--min-np", "1"]
+    proc = run_job([*cmd, sys.executable, str(job)], env, timeout=240, rank_marker=str(job))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.startswith("[1] [rank")]
+    assert said, proc.stdout + proc.stderr
+    assert said[-1] == "[1] [rank0]: ValueError: boom as rank 0 of 1", said
+    assert all(line.startswith("[1] [rank0]: ") and line.count("[rank") == 1 for line in said)

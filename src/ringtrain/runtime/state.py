@@ -40,6 +40,7 @@ from ringtrain.runtime import (
     environment,
     exit_guard,
     forming_gather,
+    rank_prefix,
     store_connect,
     topology,
 )
@@ -272,13 +273,14 @@ def _init_default_group(
     if superseded is not None:
         store = WatchedStore(store, superseded, config.timeout_s)
     try:
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=placement.rank,
-            world_size=placement.size,
-            timeout=datetime.timedelta(seconds=config.timeout_s),
-        )
+        with rank_prefix.once(placement.rank):  # torch's "[rankN]: " hook, once, not once per world
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=placement.rank,
+                world_size=placement.size,
+                timeout=datetime.timedelta(seconds=config.timeout_s),
+            )
     except RuntimeError as e:
         if transport == "gloo" and "Address family not supported" in str(e):
             raise LaunchEnvironmentError(
