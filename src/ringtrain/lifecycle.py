@@ -27,7 +27,15 @@ from ringtrain.config import Config
 from ringtrain.diagnostics import engine_wait, timeline, trainjob_status
 from ringtrain.errors import ConfigError, HorovodInternalError, by_rank
 from ringtrain.launch import elastic as elastic_launch
-from ringtrain.runtime import departures, exit_guard, heartbeat, init_arguments, membership, state
+from ringtrain.runtime import (
+    departures,
+    environment,
+    exit_guard,
+    heartbeat,
+    init_arguments,
+    membership,
+    state,
+)
 from ringtrain.runtime.arrivals import WorldSuperseded
 from ringtrain.runtime.process_sets import ProcessSet
 from ringtrain.transport import group_ops
@@ -265,7 +273,8 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     # Elastic jobs renumber ranks: a process's file is named by its first rank (its identity),
     # so it records the whole job in one file and never overwrites another process's.
     rank = int(environ.current().get(elastic_launch.ID_VAR, rank))
-    timeline.start(timeline.rank_path(file_path, rank), pid=rank)
+    job = environment.job_id(environ.current())  # the merge refuses to join two jobs' files
+    timeline.start(timeline.rank_path(file_path, rank), pid=rank, job=job)
 
 
 def stop_timeline() -> None:

@@ -175,6 +175,44 @@ def test_the_merge_never_overwrites_a_rank_s_file(
         assert bad in capsys.readouterr().err and not out.exists()
 
 
+def test_the_merge_refuses_files_of_two_jobs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # trace.rank0.json of today's run beside yesterday's trace.rank1.json used to merge into
+    # one job's trace without a word: each file now records its job, and mixed jobs are refused.
+    def write(name: str, rank: int, job: str | None) -> str:
+        rec = timeline.Recorder(str(tmp_path / name), pid=rank, job=job)
+        rec.span("compute", "BACKWARD", 1.0, 2.0)
+        rec.close()
+        return str(tmp_path / name)
+
+    today = [write(f"t.rank{r}.json", r, "job-b") for r in range(2)]
+    old = write("old.rank1.json", 1, "job-a")
+    crashed = timeline.Recorder(str(tmp_path / "crashed.rank1.json"), pid=1, job="job-a")
+    crashed.span("compute", "BACKWARD", 1.0, 2.0)
+    crashed._flush_locked()  # unterminated: its job is still read
+    out = tmp_path / "merged.json"
+    for other in (old, crashed.path):
+        assert timeline.main([str(out), today[0], other]) == 1
+        said = capsys.readouterr().err
+        assert f"the files come from 2 different jobs (job job-b: {today[0]}; job job-a: " in said
+        assert "Merge the files of one job at a time" in said and not out.exists()
+    assert timeline.main([str(out), *today]) == 0  # one job: merged, and it says which
+    assert json.loads(out.read_text())["otherData"] == {"job": "job-b"}
+    # A file that names no job (an older one, a launcher that tells none) is not refused
+    assert timeline.main([str(tmp_path / "m2.json"), today[0], write("x.rank1.json", 1, None)]) == 0
+
+
+def test_the_job_a_timeline_records_is_the_launchers() -> None:
+    from ringtrain.runtime.environment import job_id
+
+    assert job_id({"RINGTRAIN_JOB_ID": "4dc0bb23c225", "SLURM_JOB_ID": "7"}) == "4dc0bb23c225"
+    assert job_id({"TORCHELASTIC_RUN_ID": "none"}) is None  # torchrun's default, every run
+    assert job_id({"TORCHELASTIC_RUN_ID": "a1"}) == "torchrun a1"
+    assert job_id({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "2"}) == "slurm 7.2"
+    assert job_id({"OMPI_MCA_ess_base_jobid": "123"}) == "mpirun 123"
+
+
 def test_a_killed_rank_s_events_reach_the_file_and_an_empty_file_is_named(
     tmp_path: Any, monkeypatch: Any, capsys: Any
 ) -> None:

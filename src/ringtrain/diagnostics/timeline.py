@@ -76,7 +76,9 @@ class Recorder(NullRecorder):
 
     enabled = True
 
-    def __init__(self, path: str, pid: int, label: str | None = None) -> None:
+    def __init__(
+        self, path: str, pid: int, label: str | None = None, job: str | None = None
+    ) -> None:
         self.path = path
         self.pid = pid
         # One anchor maps the monotonic clock onto wall-clock microseconds.
@@ -89,7 +91,9 @@ class Recorder(NullRecorder):
         self._flushed_at = time.monotonic()
         self._timer: threading.Timer | None = None
         self._file: IO[str] | None = _create(path)
-        self._file.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
+        # The job the file is of (the trace format's otherData): the merge refuses to join jobs.
+        other = f'"otherData": {json.dumps({"job": job})}, ' if job else ""
+        self._file.write(f'{{"displayTimeUnit": "ms", {other}"traceEvents": [\n')
         self._events.append(
             {
                 "name": "process_name",
@@ -242,10 +246,11 @@ def rank_path(filename: str, rank: int) -> str:
     return f"{root}.rank{rank}{ext or '.json'}"
 
 
-def start(path: str, pid: int, label: str | None = None) -> Recorder:
-    """Start recording to ``path`` (replacing a running timeline, which is closed first)."""
+def start(path: str, pid: int, label: str | None = None, job: str | None = None) -> Recorder:
+    """Start recording to ``path`` (replacing a running timeline, which is closed first);
+    ``job`` names the job the file is of, where the launcher tells (see :func:`merge`)."""
     global _current
-    recorder = Recorder(path, pid, label)
+    recorder = Recorder(path, pid, label, job)
     with _current_lock:
         previous, _current = _current, recorder
     previous.close()
@@ -262,33 +267,54 @@ def stop() -> None:
 
 def load(path: str) -> list[dict[str, Any]]:
     """The events of a timeline file, including one whose writer died before closing it."""
+    return _read(path)[0]
+
+
+def _read(path: str) -> tuple[list[dict[str, Any]], str | None]:
+    """A timeline file's events and the job it records (None: a file that names none)."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     if not text.strip():  # its writer was killed (SIGKILL) before its first write
-        return []
+        return [], None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError:
         doc = json.loads(text.rstrip().rstrip(",") + "\n]}")  # unterminated: a crashed writer
-    events = doc["traceEvents"] if isinstance(doc, dict) else doc
-    return list(events)
+    if not isinstance(doc, dict):
+        return list(doc), None
+    job = (doc.get("otherData") or {}).get("job")
+    return list(doc["traceEvents"]), str(job) if job else None
 
 
 def merge(paths: Sequence[str], out: str) -> tuple[int, list[str]]:
     """Join per-rank timelines into one file (one process per rank); returns the event count
-    and the files that held no event (a rank killed before its first write)."""
+    and the files that held no event (a rank killed before its first write). Files of
+    different jobs (``t.rank0.json`` of today's run beside yesterday's ``t.rank1.json``) are
+    refused with a ``ValueError`` naming each job's files: their lanes would be joined as one
+    job's, times days apart."""
     events: list[dict[str, Any]] = []
     empty = []
+    jobs: dict[str, list[str]] = {}
     for p in paths:
         try:
-            found = load(p)
-        except (ValueError, KeyError, TypeError) as e:
+            found, job = _read(p)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{p} is not a timeline file ({e!r})") from e
         events.extend(found)
         if not found:
             empty.append(p)
+        if job is not None:
+            jobs.setdefault(job, []).append(p)
+    if len(jobs) > 1:
+        found_jobs = "; ".join(f"job {j}: {', '.join(ps)}" for j, ps in jobs.items())
+        raise ValueError(
+            f"the files come from {len(jobs)} different jobs ({found_jobs}). Merge the files "
+            "of one job at a time (each run's start_timeline or --timeline-filename files; "
+            "move an older run's files away or give each run its own name)"
+        )
+    other = {"otherData": {"job": next(iter(jobs))}} if jobs else {}
     with open(out, "w", encoding="utf-8") as f:
-        json.dump({"displayTimeUnit": "ms", "traceEvents": events}, f)
+        json.dump({"displayTimeUnit": "ms", **other, "traceEvents": events}, f)
     return len(events), empty
 
 

@@ -175,6 +175,21 @@ def _openmpi(env: Mapping[str, str]) -> Placement:
     )
 
 
+def job_id(env: Mapping[str, str]) -> str | None:
+    """What tells this job from another run of the same command, where its launcher says:
+    ringtrain run's job id, torchrun's run id, Slurm's job and step, Open MPI's job id."""
+    if env.get(Ringtrain.JOB_ID):
+        return env[Ringtrain.JOB_ID]
+    run = env.get(Torch.TORCHELASTIC_RUN_ID, "none")
+    if run != "none":  # torchrun's default --rdzv-id: the same in every run
+        return f"torchrun {run}"
+    if env.get(Slurm.JOB_ID):
+        return f"slurm {env[Slurm.JOB_ID]}.{env.get(Slurm.STEP_ID, '0')}"
+    if env.get(OpenMPI.JOB_ID):
+        return f"mpirun {env[OpenMPI.JOB_ID]}"
+    return None
+
+
 def _job_port(job_id: str) -> int:
     """A port every rank of one job derives alike: 20000-32767, below Linux's ephemeral range."""
     return 20000 + (int(job_id) % 12768 if job_id.isdigit() else 0)
