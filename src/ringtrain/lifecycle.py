@@ -209,7 +209,7 @@ def _leave(failure: str | None) -> bool:
         timeline.stop()
         timer = state.global_process_set.communicator.service("step_timer")
         if timer is not None and failure is None:  # a collective: not with peers in doubt
-            timer.final_report()
+            timer.final_report(state.global_process_set.communicator.store)
         trainjob_status.stop()  # its last post, bounded by the post timeout
         _post_finished(rt.rank)
         if failure is None:  # a failure was posted by the except hook, before the traceback

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 import ringtrain as rt
+from ringtrain.collectives import step_timing
 from ringtrain.testing.spawn import World
 
 
@@ -96,3 +98,63 @@ def test_per_rank_inner_steps_report_per_round(world2: World) -> None:
     # Every 2 rounds (4 steps of the shortest round): 3 reports, the first the same as the rest.
     assert lines and all("rank 0 on host" in x and "compute-bound" in x for x in lines), lines
     assert all("s/round" in x and "fewer inner steps a round in sync_every" in x for x in lines)
+
+
+def _shut_down_late(late_s: float, wait_s: float, timeout_s: float) -> tuple[float, bool, str]:
+    """Two steps since the last report (none is due before shutdown), then rank 1 comes to its
+    shutdown ``late_s`` after rank 0 (a checkpoint it saves, an evaluation): how long rank 0's
+    shutdown took, whether this rank holds a final report, and what it logged."""
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ringtrain").addHandler(handler)
+    kept = step_timing.FINAL_WAIT_S
+    step_timing.FINAL_WAIT_S = wait_s
+    try:
+        rt.init(straggler_report_steps=100, timeout_s=timeout_s)
+        try:
+            model = torch.nn.Linear(8, 1)
+            opt = rt.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.01),
+                named_parameters=model.named_parameters(),
+            )
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+                opt.step()
+            if rt.rank() == 1:
+                time.sleep(late_s)
+        finally:
+            start = time.monotonic()
+            rt.shutdown()
+        return time.monotonic() - start, rt.straggler_report() is not None, "\n".join(said)
+    finally:
+        step_timing.FINAL_WAIT_S = kept
+        logging.getLogger("ringtrain").removeHandler(handler)
+
+
+def test_the_final_report_waits_for_a_late_rank_not_the_transport_timeout(world2: World) -> None:
+    # Rank 1 comes 6 s late, past the 4 s transport timeout: rank 0's shutdown waited in the
+    # report's all-gather until that timeout and dropped the report without a word. Now it
+    # waits for rank 1 to come (it does, within the final wait) and both hold the report.
+    (took, report, _), (_, report1, _) = world2.run(_shut_down_late, 6.0, 30.0, 4.0, init=False)
+    assert report and report1
+    assert 5.0 < took < 15.0, took
+
+
+def test_the_final_report_is_given_up_alike_and_said_when_a_rank_is_too_late(
+    world2: World,
+) -> None:
+    # Rank 1 comes 5 s late, the final wait is 1.5 s: rank 0 gives the report up at 1.5 s and
+    # says why; rank 1 follows that decision at once (no all-gather alone), saying nothing.
+    (took, report, said), (took1, report1, said1) = world2.run(
+        _shut_down_late, 5.0, 1.5, 20.0, init=False, timeout=90
+    )
+    assert not report and not report1
+    assert took < 4.5, took
+    assert took1 < 3.0, took1
+    assert (
+        "ringtrain: no final straggler report: ranks [1] did not call shutdown() within 1.5 s "
+        "of rank 0 (still working, stuck, or gone)" in said
+    ), said
+    assert "final straggler report" not in said1, said1

@@ -22,6 +22,7 @@ import torch
 
 from ringtrain.diagnostics import shares
 from ringtrain.diagnostics.straggler import RankTimes, StragglerReport, analyse
+from ringtrain.runtime import departures
 from ringtrain.transport import group_ops
 
 log = logging.getLogger("ringtrain")
@@ -29,6 +30,13 @@ log = logging.getLogger("ringtrain")
 # Bytes each host leader sends its neighbours to measure a link: small enough to cost ~0.2 s at
 # 10 Mbit/s, large enough that latency does not dominate at 1 Gbit/s.
 PROBE_BYTES = 256 * 1024
+# The final report (at shutdown) waits this long for every rank to come to its shutdown: a rank
+# that comes later gets none, and neither do the others, instead of waiting for it until the
+# transport timeout inside the report's all-gather.
+FINAL_WAIT_S = 30.0
+FINAL_LOOK_S = 0.1  # how often a rank at shutdown looks for the others' posts
+FINAL_PREFIX = "ringtrain/straggler/final"
+GO = "go"
 
 _last: StragglerReport | None = None
 
@@ -150,16 +158,30 @@ class StepTimer:
             self.report()
         self._step_end = self.clock()
 
-    def final_report(self) -> None:
+    def final_report(self, store: Any = None) -> None:
         """The report for the steps since the last one, at shutdown (a no-op if there are none).
 
-        Every rank runs the same number of steps, so every rank has the same window here. A
-        timer that never reports (``every`` 0: it only counts steps) has none to give."""
-        if self.every > 0 and self._window.steps:
+        The ranks first agree in the job's ``store`` that every one of them has come to its
+        shutdown with steps to report (:func:`final_decision`): a rank that comes late, never
+        comes, or left failing would otherwise hold the others' all-gather until the transport
+        timeout, and the report would be dropped without a word. A timer that never reports
+        (``every`` 0: it only counts steps) has none to give."""
+        if self.every <= 0:
+            return
+        steps = self._window.steps
+        if store is not None and group_ops.size(self.group) > 1:
+            decision = final_decision(
+                store, group_ops.rank(self.group), group_ops.size(self.group), steps
+            )
+            if decision != GO:
+                if decision:
+                    log.warning("ringtrain: no final straggler report: %s", decision)
+                return
+        if steps:
             try:
                 self.report()
-            except Exception as e:  # a peer is gone; shutdown goes on without the report
-                log.debug("no final straggler report: %s", e)
+            except Exception as e:  # a peer is gone after it came; shutdown goes on without it
+                log.warning("ringtrain: no final straggler report: %s", e)
 
     def report(self) -> StragglerReport:
         global _last
@@ -174,6 +196,61 @@ class StepTimer:
         if group_ops.rank(self.group) == 0:
             log.warning("%s", _last.line())
         return _last
+
+
+def final_decision(
+    store: Any, rank: int, size: int, steps: int, wait_s: float | None = None
+) -> str:
+    """Whether the final report goes ahead, decided alike on every rank: :data:`GO`, else why
+    not for this rank to log, or '' (nothing to say here: another rank decided and says why, or
+    some rank had no steps to report), so that a job logs one line and no rank starts the
+    report's all-gather alone.
+
+    Each rank posts that it came, with or without steps since the last report; a rank without
+    any leaves at once (nothing to report; the others see its post). A rank with steps waits up
+    to ``wait_s`` (:data:`FINAL_WAIT_S`) for every other rank's post, and the first rank to
+    decide sets the outcome for all (``compare_set``): GO when every rank came with steps, else
+    that some ranks left the job (a departure post: they failed) or did not call ``shutdown()``
+    in time. A rank that comes after the decision follows it."""
+    wait_s = FINAL_WAIT_S if wait_s is None else wait_s
+    came = [f"{FINAL_PREFIX}/came/{r}" for r in range(size)]
+    decision = FINAL_PREFIX + "/decision"
+    try:
+        store.set(came[rank], "1" if steps else "0")
+        deadline = time.monotonic() + wait_s
+        while steps and not store.check([decision]):
+            all_came = store.check(came)
+            missing = [] if all_came else [r for r in range(size) if not store.check([came[r]])]
+            gone = [r for r in missing if store.check([departures.PREFIX + str(r)])]
+            if not missing:
+                empty = any(bytes(store.get(k)) == b"0" for k in came)
+                why, loud = (
+                    ("some ranks had no steps since the last report", False)
+                    if empty
+                    else (GO, False)
+                )
+            elif gone:
+                why, loud = (
+                    f"ranks {gone} left the job without calling shutdown() (they failed or "
+                    "were interrupted: see their output)",
+                    True,
+                )
+            elif time.monotonic() > deadline:
+                why, loud = (
+                    f"ranks {missing} did not call shutdown() within {wait_s:g} s of rank "
+                    f"{rank} (still working, stuck, or gone); shutdown goes on without them",
+                    True,
+                )
+            else:
+                time.sleep(FINAL_LOOK_S)
+                continue
+            decided = bytes(store.compare_set(decision, "", why)).decode()
+            return GO if decided == GO else why if decided == why and loud else ""
+        if steps:
+            return GO if bytes(store.get(decision)).decode() == GO else ""
+        return ""
+    except Exception as e:  # the store is gone with a failed rank
+        return f"the ranks could not agree on it in the job's store ({e})"
 
 
 def probe_links(group: Any, host_of_rank: list[str], nbytes: int = PROBE_BYTES) -> dict[str, float]:
