@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 import ringtrain as rt
 from ringtrain.diagnostics.engine_wait import FINISHED, WaitWatch, explain, finished_key
+from ringtrain.errors import StallError
 from ringtrain.testing.spawn import World
 
 
@@ -29,6 +31,12 @@ def test_explain_names_each_rank_by_where_it_is() -> None:
     assert "rank 1 waits in collective 'm', not in step()" in known
     assert "ranks [2] are not waiting in step()" in known
     assert "ringtrain.join()" in msg and "(300 s, RINGTRAIN_TIMEOUT_S)" in msg
+    # With a stall shutdown time below the transport timeout, the warning names that instead.
+    ending = explain(0, 7, 61.0, {0: 7, 1: None}, 300.0, shutdown_s=120.0)
+    assert ending.endswith(
+        "The wait fails at the stall shutdown time (120 s, --stall-shutdown-time) if these "
+        "ranks stay away."
+    ), ending
 
 
 def _wait_for(cond: object, within: float = 5.0) -> None:
@@ -166,6 +174,66 @@ def test_a_wait_past_the_transport_timeout_names_the_rank_elsewhere(world2: Worl
     ), error
     assert "ranks [1] are not waiting in step()" in error, error
     assert "The wait fails" not in error, error
+
+
+def _one_rank_away_for(away_s: float) -> tuple[str, float]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    for step in range(2):
+        if step == 1 and rt.rank() == 1:
+            time.sleep(away_s)  # stuck outside step(), in data loading, say
+        opt.zero_grad()
+        F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2)).backward()
+        start = time.monotonic()
+        try:
+            opt.step()
+        except Exception as e:
+            return f"{type(e).__name__}: {e}", time.monotonic() - start
+    return "", 0.0
+
+
+def test_a_wait_ends_at_the_stall_shutdown_time_naming_the_rank_elsewhere(
+    world2: World,
+) -> None:
+    # Rank 1 stays away from step() 9 s; the stall shutdown time is 2 s, the transport
+    # timeout 30 s. The wait in step() ended only when rank 1 came (or at the transport
+    # timeout); as for a negotiated collective, it now ends past the shutdown time (plus the
+    # moment a waiting peer takes to post, and a second to be sure), naming rank 1. Rank 1
+    # then completes what rank 0 left under way, so both ranks leave cleanly.
+    (error, waited), _ = world2.run(
+        _one_rank_away_for, 9.0, stall_warning_s=1.0, stall_shutdown_s=2.0, timeout_s=30.0,
+        timeout=90,
+    )  # fmt: skip
+    assert re.match(
+        r"StallError: step\(\) gave up after \d s, past the stall shutdown time, for the "
+        r"gradients of step 2; ranks \[0\] wait there.\n",
+        error,
+    ), error
+    assert "ranks [1] are not waiting in step()" in error, error
+    assert error.endswith(
+        "ringtrain is stopping the job: the stall exceeded the shutdown time of 2 s "
+        "(--stall-shutdown-time, RINGTRAIN_STALL_SHUTDOWN_S, HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)."
+    ), error
+    assert waited < 7.0, waited
+
+
+def test_the_stall_shutdown_time_ends_no_wait_where_every_rank_waits() -> None:
+    # Every member waits in this step (a slow exchange): nothing to end, however long.
+    store = dist.HashStore()
+    store.set("p/waiting/1", "3")
+    watch = WaitWatch(store, "p", 0, [0, 1], warning_s=0.2, timeout_s=300.0, shutdown_s=0.2)
+    watch.begin(3)
+    time.sleep(2.0)
+    watch.check()  # does not raise
+    store.delete_key("p/waiting/1")  # rank 1 is elsewhere from now on
+    _wait_for(lambda: watch._stall != "", within=5.0)
+    with pytest.raises(StallError, match="ranks \\[1\\] are not waiting in step"):
+        watch.check()
+    watch.end()
+    watch.close()
 
 
 def _one_rank_in_a_collective() -> str:

@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ringtrain.diagnostics import stall
 from ringtrain.errors import (
     UNEVEN_DATA,
     CollectiveUnsupportedError,
@@ -42,6 +43,8 @@ FINISHED = "finished"
 POST_AFTER_S = 5.0
 # How often a rank in join() reads its peers' posts.
 JOIN_LOOK_S = 0.5
+# Past the stall shutdown time, how often a wait looks again for the members missing from it.
+LOOK_AGAIN_S = 1.0
 
 _LIVE: weakref.WeakSet[WaitWatch] = weakref.WeakSet()  # this process's watches (join() reads)
 
@@ -58,22 +61,28 @@ def explain(
     timeout_s: float,
     failed: bool = False,
     doing: Mapping[int, str] | None = None,
+    shutdown_s: float = 0.0,
+    stopped: bool = False,
 ) -> str:
     """The warning for rank ``me``, waiting ``waited_s`` in ``step`` (``failed``: the error of
-    a wait that ran past the transport timeout). ``states`` holds every member rank's post: a
-    step number it waits in, :data:`FINISHED`, or None (no post). ``doing``: for ranks without
-    a post, the collective they are known to wait in instead (the controllers' posts)."""
+    a wait that ran past the transport timeout; ``stopped``: the error of one ended at the stall
+    shutdown time, ``shutdown_s``). ``states`` holds every member rank's post: a step number it
+    waits in, :data:`FINISHED`, or None (no post). ``doing``: for ranks without a post, the
+    collective they are known to wait in instead (the controllers' posts)."""
     doing = doing or {}
     same = sorted(r for r, s in states.items() if s == step)
     other = {r: s for r, s in states.items() if isinstance(s, int) and s != step}
     done = sorted(r for r, s in states.items() if s == FINISHED)
     silent = sorted(r for r, s in states.items() if s is None and r != me and r not in doing)
-    waited = (
-        f"step() gave up after {waited_s:.0f} s, the transport timeout ({timeout_s:g} s, "
-        "RINGTRAIN_TIMEOUT_S),"
-        if failed
-        else f"ringtrain: step() has waited {waited_s:.0f} s"
-    )
+    if stopped:
+        waited = f"step() gave up after {waited_s:.0f} s, past the stall shutdown time,"
+    elif failed:
+        waited = (
+            f"step() gave up after {waited_s:.0f} s, the transport timeout ({timeout_s:g} s, "
+            "RINGTRAIN_TIMEOUT_S),"
+        )
+    else:
+        waited = f"ringtrain: step() has waited {waited_s:.0f} s"
     lines = [f"{waited} for the gradients of step {step}; ranks {same} wait there."]
     for r, s in sorted(other.items()):
         lines.append(
@@ -94,12 +103,18 @@ def explain(
             f"  ranks {silent} are not waiting in step(): still in forward, backward or data "
             "loading, stuck elsewhere, or gone"
         )
-    ends = (
-        ""
-        if failed
-        else (f" The wait fails at the transport timeout ({timeout_s:g} s, RINGTRAIN_TIMEOUT_S).")
-    )
+    if failed or stopped:
+        ends = ""
+    elif 0 < shutdown_s < timeout_s:
+        ends = (
+            f" The wait fails at the stall shutdown time ({shutdown_s:g} s, "
+            "--stall-shutdown-time) if these ranks stay away."
+        )
+    else:
+        ends = f" The wait fails at the transport timeout ({timeout_s:g} s, RINGTRAIN_TIMEOUT_S)."
     lines.append(f"HINT: every rank must take the same number of steps; {UNEVEN_DATA}.{ends}")
+    if stopped:
+        lines.append(stall.stopping(shutdown_s))
     return "\n".join(lines)
 
 
@@ -116,9 +131,11 @@ class WaitWatch:
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         doing: Callable[[int], str] | None = None,
+        shutdown_s: float = 0.0,
     ) -> None:
         """``doing(r)``: the collective rank r is known to wait in, or '' (read only for ranks
-        that post no step)."""
+        that post no step). ``shutdown_s``: the stall shutdown time (0: never), past which a
+        wait that some members never joined ends (:meth:`check`)."""
         self._store = store
         self._doing = doing
         self._prefix = prefix
@@ -133,6 +150,10 @@ class WaitWatch:
         self._warned = False  # this wait was reported
         self._unpost = False  # a post of an ended wait is still in the store
         self._closed = False
+        self.shutdown_s = shutdown_s
+        self._look_at = 0.0  # when to look for a stall next (with shutdown_s)
+        self._missing: list[int] | None = None  # the members missing at the last look
+        self._stall = ""  # the error that ends this wait: the stall shutdown time passed
         self._thread: threading.Thread | None = None
         self.last_step = 0  # the last step this rank began
         _LIVE.add(self)
@@ -145,6 +166,8 @@ class WaitWatch:
             self._wait = (step, self._clock())
             self.last_step = step
             self._posted = self._warned = False
+            self._look_at = self._wait[1] + self.shutdown_s + self._post_s()
+            self._missing, self._stall = None, ""
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="ringtrain-wait-watch", daemon=True
@@ -159,6 +182,18 @@ class WaitWatch:
                 self._unpost = True
                 self._posted = False
                 self._cond.notify()
+
+    def check(self) -> None:
+        """Raise the :class:`~ringtrain.errors.StallError` that ends this wait, once the stall
+        shutdown time has passed with members that never joined it (called between the slices
+        of the wait, see :func:`ringtrain.runtime.abort.stopping`)."""
+        with self._cond:
+            stall = self._stall
+        if stall:
+            raise StallError(stall)
+
+    def _post_s(self) -> float:
+        return min(self.warning_s / 2, POST_AFTER_S)
 
     def close(self) -> None:
         with self._cond:
@@ -222,23 +257,49 @@ class WaitWatch:
             if self._unpost:
                 self._unpost = False
                 return lambda: self._store.delete_key(self._key(self._rank))
-            if self._wait is None or self._warned:
+            looks = self.shutdown_s > 0 and not self._stall
+            if self._wait is None or (self._warned and not looks):
                 self._cond.wait()
                 continue
             step, since = self._wait
-            post_s = min(self.warning_s / 2, POST_AFTER_S)
-            due = since + (self.warning_s if self._posted else post_s)
-            left = due - self._clock()
-            if left > 0:
-                self._cond.wait(left)
+            dues = [since + (self.warning_s if self._posted else self._post_s())]
+            dues = dues if not self._warned else []
+            dues += [self._look_at] if looks and self._posted else []
+            now = self._clock()
+            if min(dues) > now:
+                self._cond.wait(min(dues) - now)
                 continue
             if not self._posted:
                 self._posted = True
                 return lambda: self._store.set(self._key(self._rank), str(step))
-            self._warned = True
-            waited = self._clock() - since
-            return lambda: self._report(step, waited)
+            if not self._warned and dues[0] <= now:
+                self._warned = True
+                return lambda: self._report(step, now - since)
+            self._look_at = now + LOOK_AGAIN_S
+            return lambda: self._look_for_stall(step, now - since)
         return None
+
+    def _look_for_stall(self, step: int, waited: float) -> None:
+        """Past the stall shutdown time (and the time a peer takes to post its own wait, so
+        that every member waiting in this step has posted): the members not waiting here never
+        joined it in time. Seen at two looks a second apart (a peer whose wait just ended took
+        its post back, and this wait ends too), that ends the wait: :meth:`check`."""
+        states = {r: self._state(r) for r in self.members}
+        missing = sorted(r for r, s in states.items() if s != step)
+        doing = self._elsewhere(states) if missing else {}
+        with self._cond:
+            if self._wait is None or self._wait[0] != step:
+                return
+            if not missing:  # all here: a slow exchange, not a stall; looked at again later
+                self._missing, self._look_at = None, self._clock() + self._post_s()
+                return
+            if missing != self._missing:
+                self._missing = missing
+                return
+            self._stall = explain(
+                self._rank, step, waited, states, self._timeout_s, False, doing,
+                self.shutdown_s, stopped=True,
+            )  # fmt: skip
 
     def _report(self, step: int, waited: float) -> None:
         states = {r: self._state(r) for r in self.members}
@@ -251,9 +312,10 @@ class WaitWatch:
             still = self._wait is not None and self._wait[0] == step
         if still:
             doing = self._elsewhere(states)
-            log.warning(
-                "%s", explain(self._rank, step, waited, states, self._timeout_s, False, doing)
+            said = explain(
+                self._rank, step, waited, states, self._timeout_s, False, doing, self.shutdown_s
             )
+            log.warning("%s", said)
 
     def _elsewhere(self, states: Mapping[int, int | str | None]) -> dict[int, str]:
         """What the ranks without a post wait in instead, where known."""

@@ -63,15 +63,22 @@ class StallInspector:
         if self.shutdown_s > 0 and longest >= self.shutdown_s:
             return Verdict(
                 abort=stall_report(stalled, set_size, now, global_ranks, set_id)
-                + "\nringtrain is stopping the job: the stall exceeded "
-                f"the shutdown time of {self.shutdown_s:g} s (--stall-shutdown-time, "
-                "RINGTRAIN_STALL_SHUTDOWN_S, HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)."
+                + "\n"
+                + stopping(self.shutdown_s)
             )
         warned = [w for w in stalled if now - w.since >= self.warning_s]
         if not warned or now - self._last_warning < self.warning_s:
             return Verdict()
         self._last_warning = now
         return Verdict(warning=stall_report(warned, set_size, now, global_ranks, set_id))
+
+
+def stopping(shutdown_s: float) -> str:
+    """The last line of a stall's error (a negotiated collective's, or step()'s wait)."""
+    return (
+        f"ringtrain is stopping the job: the stall exceeded the shutdown time of {shutdown_s:g} s "
+        "(--stall-shutdown-time, RINGTRAIN_STALL_SHUTDOWN_S, HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)."
+    )
 
 
 def stall_report(

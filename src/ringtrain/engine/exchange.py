@@ -83,6 +83,7 @@ from ringtrain.engine.buckets import Bucket, Plan
 from ringtrain.engine.streams import Route
 from ringtrain.engine.weighting import Averaging
 from ringtrain.errors import InternalError
+from ringtrain.runtime import abort
 from ringtrain.transport import group_ops
 
 _now = time.perf_counter
@@ -435,7 +436,7 @@ class GradientExchange:
             raise InternalError(f"{slot.bucket.key} was never launched before finish()")
         flat, wire, post = slot.flat, slot.wire, slot.post
         if wire is None:  # a codec with rounds of its own returned the average
-            codec_scaled_into(slot.work.result(), flat, post)
+            codec_scaled_into(abort.wait_future(slot.work), flat, post)
         elif slot.chunks:
             redone = slot.work.wait()  # True: the narrow sum overflowed, the full one was taken
             mine = slot.chunks[self._transport(slot).rank]

@@ -69,7 +69,7 @@ class GradientPath:
         compression: Any,
         sparse_as_dense: bool,
         params: tuple[list[torch.nn.Parameter], list[str]],
-        stall_warning_s: float,
+        stall_s: tuple[float, float],
         outer_optimizer: local_update.OuterFactory | None = None,
     ) -> None:
         self.optimizer = optimizer
@@ -93,7 +93,7 @@ class GradientPath:
         self.should_sync = True  # False inside no_sync()
         self.skip_sync = False  # inside skip_synchronize()
         self._hooks = Hooks(self)
-        self._watch = make_watch(self, comm, self.names, stall_warning_s, config.timeout_s)
+        self._watch = make_watch(self, comm, self.names, stall_s, config.timeout_s)
         self._auto_shares = self._make_auto_shares()
         self.register_hooks()
 
@@ -234,7 +234,11 @@ class GradientPath:
         if self._watch is not None:
             self._watch.close()
         self._watch = make_watch(
-            self, comm, self.names, job_config.stall_warning_s, self.config.timeout_s
+            self,
+            comm,
+            self.names,
+            (job_config.stall_warning_s, job_config.stall_shutdown_s),
+            self.config.timeout_s,
         )
         if self._auto_shares is not None or self.reduction.shares is not None:
             # Elastic: measured shares are measured again; given ones must fit the new world.

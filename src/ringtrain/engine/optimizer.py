@@ -193,7 +193,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             config.compression if compression is None else compression,
             sparse_as_dense,
             named,
-            job_config.stall_warning_s,
+            (job_config.stall_warning_s, job_config.stall_shutdown_s),
             outer_optimizer,
         )
         _live.add(self)

@@ -53,10 +53,12 @@ def names_of(
 
 
 def make_watch(
-    owner: object, comm: Any, names: list[str], warning_s: float, timeout_s: float
+    owner: object, comm: Any, names: list[str], stall_s: tuple[float, float], timeout_s: float
 ) -> engine_wait.WaitWatch | None:
-    """Names the ranks elsewhere when synchronize() waits past the stall warning time.
-    Keyed by the parameter names, which every rank's optimizer of one model shares."""
+    """Names the ranks elsewhere when synchronize() waits past the stall warning time, and
+    ends the wait past the stall shutdown time (``stall_s``: both). Keyed by the parameter
+    names, which every rank's optimizer of one model shares."""
+    warning_s, shutdown_s = stall_s
     if comm.size == 1 or not comm.included or comm.store is None or warning_s <= 0:
         return None
     crc = zlib.crc32("\n".join(names).encode())
@@ -70,6 +72,7 @@ def make_watch(
         warning_s,
         timeout_s,
         doing=None if board is None else functools.partial(_stuck_in, board),
+        shutdown_s=shutdown_s,
     )
     weakref.finalize(owner, watch.close)
     return watch

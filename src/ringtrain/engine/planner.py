@@ -31,6 +31,7 @@ from ringtrain.engine.overlap import check_dense, launch_order, timings
 from ringtrain.engine.streams import Route, StreamPool
 from ringtrain.engine.weighting import Averaging
 from ringtrain.errors import ConfigError
+from ringtrain.runtime import abort
 from ringtrain.runtime import state as runtime_state
 from ringtrain.transport.hierarchical import prefer_hierarchical
 
@@ -370,8 +371,10 @@ class Planner:
             sparse_back.update(
                 i for i, p in enumerate(self._params) if p.grad is not None and p.grad.is_sparse
             )
+        # Past the stall shutdown time, a wait that some ranks never joined ends (sliced waits).
+        stop = watch.check if watch is not None and watch.shutdown_s > 0 else None
         try:
-            with torch.no_grad():
+            with torch.no_grad(), abort.stopping(stop):
                 exchange.flush()
                 exchange.finish(None if learning else then)
                 # A gradient that came in sparse goes back sparse (as in Horovod), so optimizers

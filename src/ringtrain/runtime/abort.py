@@ -15,17 +15,20 @@ Abandoned controllers may still be inside such a wait when the process exits:
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import datetime
 import threading
 import time
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Iterator
+from typing import NoReturn, TypeVar
 
 from ringtrain.errors import CollectiveAbortedError
 from ringtrain.runtime import departures
 from ringtrain.runtime.contracts import Work
 
 SLICE_S = 1.0
+T = TypeVar("T")
 announced: Callable[[], int] | None = None
 generation = 0  # the world this process runs in now
 _thread = threading.local()  # .world: the world a thread works for (see bind_world)
@@ -59,13 +62,42 @@ def check(since: int | None = None) -> None:
         )
 
 
+@contextlib.contextmanager
+def stopping(stop: Callable[[], None] | None) -> Iterator[None]:
+    """While inside, this thread's waits (:func:`wait_work`, :func:`wait_future`) are sliced and
+    call ``stop()`` between slices, which raises to end the wait (``step()``'s wait at the stall
+    shutdown time: :class:`ringtrain.diagnostics.engine_wait.WaitWatch`). None: no change."""
+    kept = getattr(_thread, "stop", None)
+    _thread.stop = stop if stop is not None else kept
+    try:
+        yield
+    finally:
+        _thread.stop = kept
+
+
+def wait_future(fut: concurrent.futures.Future[T]) -> T:
+    """``fut.result()``, sliced where this thread has a :func:`stopping` check."""
+    stop: Callable[[], None] | None = getattr(_thread, "stop", None)
+    if stop is None:
+        return fut.result()
+    while True:
+        try:
+            return fut.result(timeout=SLICE_S)
+        except concurrent.futures.TimeoutError:
+            if fut.done():
+                raise  # the operation's own timeout, not the slice's
+            stop()
+
+
 def wait_work(work: Work, since: int | None = None) -> None:
-    """``work.wait()`` for a torch.distributed work, leaving early if the world was replaced.
+    """``work.wait()`` for a torch.distributed work, leaving early if the world was replaced
+    (or this thread's :func:`stopping` check raises).
 
     A work whose slice ran out can be waited on again (checked on torch 2.13's Gloo); past the
     job's transport timeout the last error is raised, as an unsliced wait would have.
     """
-    if announced is None:
+    stop: Callable[[], None] | None = getattr(_thread, "stop", None)
+    if announced is None and stop is None:
         try:
             work.wait()
         except RuntimeError as e:  # a peer left: name it where it said why (runtime.departures)
@@ -84,6 +116,8 @@ def wait_work(work: Work, since: int | None = None) -> None:
             if "timed out" not in str(e).lower() or time.monotonic() > deadline:
                 raise_named(e)
         check(since)
+        if stop is not None:
+            stop()
 
 
 def raise_named(e: RuntimeError) -> NoReturn:

@@ -76,7 +76,7 @@ class _Future:
         self._fut = fut
 
     def wait(self) -> object:
-        return self._fut.result()
+        return abort.wait_future(self._fut)
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
         self._fut.add_done_callback(lambda _f: fn())
