@@ -25,7 +25,7 @@ def free_port() -> int:
 
 def _listener() -> socket.socket:
     """A socket bound to a free port on every interface and listening: the store's, made here
-    so that its port is known before the server has imported torch and is never free between
+    so that its port is known before the server has started and is never free between
     (a port chosen free and bound later was once taken meanwhile: EADDRINUSE at start)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -39,8 +39,8 @@ def _listener() -> socket.socket:
 
 class RendezvousServer:
     def __init__(self, python: str, timeout_s: float, start_timeout_s: float) -> None:
-        # The ranks start at the same time as the server, not after its torch import: they
-        # are given the port now, and the server serves on this socket.
+        # The ranks start at the same time as the server, not after it started: they are
+        # given the port now, and the server serves on this socket.
         with _listener() as listener:
             self.chosen_port = int(listener.getsockname()[1])
             fd = listener.fileno()
@@ -91,14 +91,14 @@ class RendezvousServer:
             if ended and self._proc.stderr is not None:
                 err = self._proc.stderr.read()[-2000:]
             self.close()
-            if ended:  # its own words say why (torch missing, a bad interpreter)
+            if ended:  # its own words say why (ringtrain missing, a bad interpreter)
                 raise LaunchError(
                     f"the rendezvous store did not start:\n{err.strip() or '(no output)'}\n"
-                    "HINT: the launcher host needs torch installed in the same interpreter."
+                    "HINT: the launcher host needs ringtrain installed in the same interpreter."
                 )
-            raise LaunchError(  # still starting: importing torch takes long on a busy host
+            raise LaunchError(  # still starting: a busy host
                 f"the rendezvous store did not report its port within {self._start_timeout_s:g} "
-                "s (--start-timeout).\nHINT: on a busy host importing torch can take longer: "
+                "s (--start-timeout).\nHINT: on a busy host starting Python can take longer: "
                 "give --start-timeout more seconds."
             )
         self._port = int(line.split()[1])

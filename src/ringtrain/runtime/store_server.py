@@ -44,6 +44,7 @@ MAGIC = 0x3C85F7CE
 ) = range(14)
 READY, NOT_READY = b"\x00", b"\x01"  # CHECK's answers
 STOP_WAITING, WAIT_CANCELED = b"\x00", b"\x01"  # WAIT's and CANCEL_WAIT's
+MAX_SAID = 20  # lines about bad connections written to stderr, at most
 MAX_KEYS = 128 * 1024  # keys in one CHECK, WAIT or MULTI_* query (torch's own bound)
 
 
@@ -111,6 +112,7 @@ class StoreServer:
         self.data: dict[bytes, bytes] = {}
         self.waiting: dict[bytes, list[_Client]] = {}  # key -> clients whose WAIT lacks it
         self.selector = selectors.DefaultSelector()
+        self._said = 0  # connections closed for a bad query, counted
         self.selector.register(listener, selectors.EVENT_READ, self._accept)
 
     @property
@@ -194,7 +196,9 @@ class StoreServer:
                     return
                 del client.inbox[: reader.at]
         except Exception as e:  # one client's bad query must not end the job's store
-            print(f"ringtrain store: closing a connection: {e}", file=sys.stderr, flush=True)
+            self._said += 1
+            if self._said <= MAX_SAID:  # the launcher reads this pipe only if the store fails
+                print(f"ringtrain store: closing a connection: {e}", file=sys.stderr, flush=True)
             self._close(client)
 
     def _close(self, client: _Client) -> None:
