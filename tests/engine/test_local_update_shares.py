@@ -271,3 +271,43 @@ def test_measured_shares_follow_each_rank_s_rate_a_round_at_a_time(world2: World
             assert got[run]["weight"] == pytest.approx(shares[0][r] / sum(shares[0]))
         for a, b in zip(per_rank[0][run]["anchor"], per_rank[1][run]["anchor"]):
             assert torch.equal(a, b), f"the ranks' anchors differ ({run})"
+
+
+def _first_choice(overlap: bool = True, logged: bool = False) -> Any:
+    """The shares of batch_shares="auto"'s first decision (at the end of round 3: round 1 starts
+    the clock, round 2 is let pass), rank 1 five times slower; ``logged``: a collective between
+    two steps of every round, as a script's loss logging (it waits for the slow rank)."""
+    model = task.model()
+    opt = _local(model, "auto", overlap=overlap)
+    for step in range(H * 3 + 1):
+        shares = opt.batch_shares or (1, 1)
+        time.sleep(BATCH_S[rt.rank()] * shares[rt.rank()] / sum(shares))
+        _inner_step(model, opt, step, rt.rank())
+        if logged and step % H == 1:
+            rt.allreduce(torch.ones(1), name=f"loss.{step}")
+    return opt.batch_shares
+
+
+def _first_choice_logged() -> Any:
+    return _first_choice(overlap=False, logged=True)
+
+
+def test_the_first_measured_round_excludes_the_wait_for_the_exchange_in_flight(
+    world2: World,
+) -> None:
+    # The round let pass left its overlapped exchange in flight; the fast rank's next merge
+    # waited for the slow rank's round in it, counted as its own work: both ranks measured
+    # alike (speed 0.97) and the first decision kept equal shares.
+    per_rank = world2.run(_first_choice)
+    assert per_rank[0] == per_rank[1], per_rank  # agreed
+    fast, slow = per_rank[0] or (1, 1)  # None: equal shares kept
+    assert fast > 2 * slow, per_rank
+
+
+def test_a_collective_between_steps_is_not_counted_as_a_rank_s_work(world2: World) -> None:
+    # The fast rank waited for the slow one in the script's collective; its whole round was
+    # counted as its work, so both ranks measured the slow rank's pace (in line too).
+    per_rank = world2.run(_first_choice_logged)
+    assert per_rank[0] == per_rank[1], per_rank
+    fast, slow = per_rank[0] or (1, 1)
+    assert fast > 2 * slow, per_rank

@@ -135,31 +135,52 @@ class AutoShares:
         agree: Callable[[list[float]], list[float]],
         clock: Callable[[], float] = time.perf_counter,
         periods: tuple[int, int, str] = (WARMUP_STEPS, MEASURE_STEPS, "steps"),
+        settle: Callable[[], None] | None = None,
     ) -> None:
         """``agree(values)``: every rank's ``values`` summed (identical on every rank).
         ``periods``: what :meth:`observe` is called at (``"steps"``; local updates: ``"rounds"``,
-        each a whole round's work), how many of them to let pass, how many to measure over."""
+        each a whole round's work), how many of them to let pass, how many to measure over.
+        ``settle()``: waits for what a period left in flight (local updates: the outer exchange)
+        before the next period's clock starts, as ``agree`` does after a measurement."""
         self.size, self.rank = size, rank
         self.shares: tuple[int, ...] = (1,) * size
-        self._agree, self._clock = agree, clock
+        self._agree, self._clock, self._settle = agree, clock, settle
         self._decided = False  # the first choice made (from the equal shares at the start)
         self._pending: list[float] | None = None  # rates of a measurement that asked for a change
         self._seconds: list[float] = []
         self._skip, self._measure, unit = periods
         self._basis = f"median of {self._measure} {unit}"
         self._last_end = 0.0
+        self._gaps: list[float] = []  # local updates: this round's times between steps
+        self._step_end = 0.0
+
+    def inner_step(self, start: float, end: float) -> None:
+        """Local updates: an inner ``step()`` from ``start`` to ``end`` (every one, the round's
+        last too, before :meth:`observe`). A round's work is the median time between two steps
+        times the steps: a collective between steps (a script's loss allreduce) waits for the
+        slowest rank, and counted whole it made every rank measure that rank's pace."""
+        if self._step_end:
+            self._gaps.append(max(start - self._step_end, 1e-9))
+        self._step_end = end
 
     def observe(self, start: float, end: float) -> tuple[int, ...] | None:
         """One ``synchronize()`` (a round's last ``step()``) from ``start`` to ``end``; new shares
         when they change (the same on every rank, at the same step). Collective once a
         measurement is complete."""
         previous, self._last_end = self._last_end, end
+        gaps, self._gaps = self._gaps, []
         if previous == 0.0:
             return None
         if self._skip > 0:
             self._skip -= 1
+            if self._settle is not None:
+                # An overlapped exchange left in flight would be waited for in the next
+                # period, for the slowest rank: every rank would measure its pace.
+                self._settle()
+                self._last_end = self._step_end = self._clock()
             return None
-        self._seconds.append(max(start - previous, 1e-9))
+        work = statistics.median(gaps) * len(gaps) if gaps else start - previous
+        self._seconds.append(max(work, 1e-9))
         if len(self._seconds) < self._measure:
             return None
         mine = self.shares[self.rank] / statistics.median(self._seconds)
@@ -167,7 +188,7 @@ class AutoShares:
         vector = [0.0] * self.size
         vector[self.rank] = mine
         rates = self._agree(vector)
-        self._last_end = self._clock()  # the agreement is not this rank's work
+        self._last_end = self._step_end = self._clock()  # the agreement is not this rank's work
         new = self._decide(rates)
         if new is None or new == self.shares:
             return None

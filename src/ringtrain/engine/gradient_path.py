@@ -109,9 +109,14 @@ class GradientPath:
             assert isinstance(self.update, local_update.LocalUpdate)
             return self.update.after_exchanges(lambda: agree(values))
 
+        def settle() -> None:  # the round let pass: its exchange ends before the clock starts
+            assert isinstance(self.update, local_update.LocalUpdate)
+            self.update.after_exchanges(lambda: None)
+
         # Local updates: measured a round at a time, agreed behind the outer exchanges.
         rank, size = self.comm.set_rank, self.comm.size
-        return AutoShares(size, rank, after_exchanges, periods=auto_shares.ROUND_PERIODS)
+        periods = auto_shares.ROUND_PERIODS
+        return AutoShares(size, rank, after_exchanges, periods=periods, settle=settle)
 
     def set_batch_shares(self, shares: object) -> None:
         """New shares from the next step on (the same on every rank, between steps)."""
@@ -416,6 +421,8 @@ class GradientPath:
         result = update.step(closure)
         t1 = time.perf_counter()
         timeline.current().span("step", "OPTIMIZER_STEP", t0, t1)
+        if local is not None and self._auto_shares is not None:
+            self._auto_shares.inner_step(t0, t1)
         if local is not None and local.outer_steps != rounds:
             self._round_ended(t0, t1)
         if self.sync_every == "auto" and local is not None:
