@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -68,7 +69,7 @@ def run(
                 f"{here.size} started by {here.launcher}.\n"
                 "HINT: leave -np out when a launcher starts the ranks; it decides their number."
             )
-        return _run_in_place(fn, params, threads, dict(settings))
+        return _run_in_place(fn, params, threads, dict(settings), timeout_s)
     n = 2 if np is None else np
     if n < 1:
         raise ConfigError(f"-np must be >= 1, got {n}")
@@ -91,21 +92,52 @@ def _say_if_oversubscribed(n: int, threads: int) -> None:
 
 
 def _run_in_place(
-    fn: Callable[[P], R], params: P, threads: int | None, settings: dict[str, Any]
+    fn: Callable[[P], R],
+    params: P,
+    threads: int | None,
+    settings: dict[str, Any],
+    timeout_s: float | None = None,
 ) -> R | None:
+    """``fn`` on this rank. ``timeout_s``: under a launcher, the time this rank may take before
+    it gives up (spawned ranks are timed by the process that spawned them)."""
     import torch
 
     import ringtrain
 
+    watchdog = _give_up_after(timeout_s) if timeout_s is not None else None
     if threads is not None:
         torch.set_num_threads(threads)
-    ringtrain.init(**settings)
     try:
-        result = fn(params)
-        rank = ringtrain.rank()
+        ringtrain.init(**settings)
+        try:
+            result = fn(params)
+            rank = ringtrain.rank()
+        finally:
+            ringtrain.shutdown()
     finally:
-        ringtrain.shutdown()
+        if watchdog is not None:
+            watchdog.cancel()
     return result if rank == 0 else None
+
+
+def _give_up_after(timeout_s: float) -> threading.Timer:
+    """Ends this process with one line and exit code 1 after ``timeout_s``: a rank may be
+    waiting in a collective for a peer, where no exception reaches it; its launcher then ends
+    the job, naming it."""
+
+    def give_up() -> None:
+        print(
+            f"bench: no result within --timeout {timeout_s:g} s: giving up.\n"
+            "HINT: raise --timeout, or lower --max-steps (converge) or the sizes measured.",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    timer = threading.Timer(timeout_s, give_up)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def _child(
