@@ -329,6 +329,28 @@ def test_an_interface_ringtrain_run_refuses_is_a_problem(hosts: tuple[str, ...])
     assert fine is None
 
 
+def test_a_refused_interface_is_not_shown_as_no_common_subnet() -> None:
+    # The hosts share 10.0.0.0/24; only the name given is wrong. The report said "NO COMMON
+    # SUBNET", which sent the user to the network rather than to the flag.
+    probes = [
+        _probe("a", Interface("eth0", "10.0.0.1", 24)),
+        _probe("b", Interface("eth0", "10.0.0.2", 24)),
+    ]
+    section, _, problem = checkup._network(probes, "eth9")
+    assert problem is not None
+    lines = "\n".join(report._network({"network": section}))
+    assert "NO COMMON SUBNET" not in lines, lines
+    assert "10.0.0.0/24" in lines and "--network-interface 'eth9' REFUSED" in lines, lines
+    # A network that connects nothing is still said so.
+    apart = [
+        _probe("a", Interface("eth0", "10.0.0.1", 24)),
+        _probe("b", Interface("eth0", "10.1.0.2", 24)),
+    ]
+    section, _, problem = checkup._network(apart, "")
+    assert problem is not None
+    assert "NO COMMON SUBNET" in "\n".join(report._network({"network": section}))
+
+
 @pytest.mark.parametrize(
     ("flags", "says"),
     [

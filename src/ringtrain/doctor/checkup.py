@@ -97,7 +97,7 @@ def _network(
                 spec, {p.name: per_host.get(p.name, []) for p in probes}, {}
             )
         except LaunchError as e:
-            section["error"] = str(e)
+            section["error"], section["refused_interface"] = str(e), spec
             return section, None, f"ringtrain run would refuse the network interface: {e}"
     if len(probes) < 2:
         section["note"] = "one host: its ranks talk over loopback"

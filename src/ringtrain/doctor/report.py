@@ -117,13 +117,16 @@ def _network(doc: Mapping[str, Any]) -> list[str]:
     net = doc.get("network") or {}
     if net.get("note"):
         return [f"Network: {net['note']}"]
-    if net.get("error"):
+    refused = net.get("refused_interface")
+    if net.get("error") and not refused:
         return ["Network: NO COMMON SUBNET (see problems)"]
     chosen = net.get("chosen") or {}
     shown = ", ".join(f"{h} {i['name']} {i['address']}" for h, i in chosen.items())
     subnets = ", ".join(net.get("routable_subnets") or []) or "-"
     lines = [f"Network: subnets routed between all hosts: {subnets}"]
     lines += [f"  not routed: {u}" for u in net.get("unrouted_subnets") or []]
+    if refused:  # the hosts may well connect: the name given is what is wrong
+        return [*lines, f"  --network-interface {refused!r} REFUSED (see problems)"]
     return [*lines, f"  the job would use: {shown}"]
 
 
