@@ -47,8 +47,12 @@ JOB_TIMEOUT_S = 780
 
 
 def _job(rc: RayCluster, mode: str, timeout: float = JOB_TIMEOUT_S) -> dict:
-    out_dir = tempfile.mkdtemp(prefix=f"ringtrain-ray-{mode}-")
-    done = rc.run_driver("h0", [sys.executable, str(JOB), mode, out_dir], timeout=timeout)
+    # Removed afterwards: mkdtemp's folders (the ranks' files, Ray Train's storage) were left
+    # in /tmp, four per run of this module.
+    with tempfile.TemporaryDirectory(
+        prefix=f"ringtrain-ray-{mode}-", ignore_cleanup_errors=True
+    ) as out_dir:
+        done = rc.run_driver("h0", [sys.executable, str(JOB), mode, out_dir], timeout=timeout)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     assert done.returncode == 0 and lines, (
         f"{mode} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
