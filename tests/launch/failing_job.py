@@ -4,13 +4,15 @@
 
 HOW: ``raise`` (an uncaught ValueError), ``finally`` (the same ValueError with
 ``hvd.shutdown()`` in a ``finally:`` block, as scripts clean up), ``exit3`` (``sys.exit(3)``),
-``checkpoint`` (a CheckpointError, as a failed load raises it). WHERE rank 0 waits when rank 1
+``checkpoint`` (a CheckpointError, as a failed load raises it), ``kill`` (SIGKILL: no last
+words, as the OOM killer or a lost host). WHERE rank 0 waits when rank 1
 fails: ``allreduce`` (a negotiated collective), ``lane`` (an allreduce repeated until the fast
 lane carries it), ``step`` (``DistributedOptimizer.step()``), ``first-step`` (the same at
 the first step, whose plan the ranks agree on: rank 1 fails at step 1), ``save``
 (``ringtrain.checkpoint.save``). Rank 1
 writes the time it failed to ``OUT_DIR/failed_at``, and each rank the last words it got from
-ringtrain, with the time, to ``OUT_DIR/error.0`` before it exits (with ``exit3``, ``finally`` and
+ringtrain, with the time, to ``OUT_DIR/error.0`` (and whether it is a ``HorovodInternalError``
+to ``OUT_DIR/horovod.0``) before it exits (with ``exit3``, ``kill``, ``finally`` and
 ``first-step``,
 rank 0 ignores the launcher's SIGTERM so that it always does).
 """
@@ -18,6 +20,7 @@ rank 0 ignores the launcher's SIGTERM so that it always does).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -35,7 +38,7 @@ if where == "save":  # only there: it imports torch.distributed.tensor, costly i
 FAIL_AT = 1 if where == "first-step" else 6
 
 hvd.init()
-if (how in ("exit3", "finally") or where == "first-step") and hvd.rank() == 0:
+if (how in ("exit3", "kill", "finally") or where == "first-step") and hvd.rank() == 0:
     # The launcher stops the peers as soon as rank 1 has exited; this one takes the time to
     # say what it heard (the test reads its error), as a script that handles SIGTERM would.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -53,6 +56,8 @@ def fail() -> None:
     (out / "failed_at").write_text(repr(time.time()))
     if how == "exit3":
         sys.exit(3)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
     if how == "checkpoint":
         raise CheckpointError(f"checkpoint {out / 'missing'} has no manifest (a test's failure)")
     if how == "finally":
@@ -82,4 +87,5 @@ try:
 except Exception as e:
     if hvd.rank() == 0:  # when and what: the torchrun test times the peer's own end
         (out / "error.0").write_text(json.dumps([time.time(), f"{type(e).__name__}: {e}"]))
+        (out / "horovod.0").write_text(repr(isinstance(e, hvd.HorovodInternalError)))
     raise

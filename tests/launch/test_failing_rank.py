@@ -107,6 +107,23 @@ def test_the_job_ends_naming_the_failed_rank(
         assert "rank 1" in error, error
 
 
+@pytest.mark.parametrize("where", ["step", "allreduce"])
+def test_a_peer_killed_without_last_words_is_a_horovod_internal_error(
+    tmp_path: Path, where: str
+) -> None:
+    """SIGKILL (the OOM killer, a lost host) leaves no departure to read: the survivor's
+    ``step()`` raised Gloo's bare RuntimeError, which ``except hvd.HorovodInternalError`` (the
+    error Horovod's ``synchronize`` raises for any failed collective) did not catch."""
+    argv = [sys.executable, "-m", "ringtrain", "run", "-np", "2", "--"]
+    argv += [sys.executable, str(JOB), str(tmp_path), "kill", where]
+    done, took = _run(argv, tmp_path)
+    assert "rank 1 " in done.stderr and "SIGKILL" in done.stderr, done.stderr
+    assert took < ENDS_WITHIN_S, f"the job ended {took:.1f} s after rank 1 was killed"
+    _, error = json.loads((tmp_path / "error.0").read_text())
+    assert (tmp_path / "horovod.0").read_text() == "True", error
+    assert "peer" in error, error
+
+
 @pytest.mark.skipif(
     shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
     reason="no torchrun",

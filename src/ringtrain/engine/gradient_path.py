@@ -36,7 +36,7 @@ from ringtrain.engine.step_phase import Phase, StepProgress
 from ringtrain.engine.steps import BucketUpdates, Overlapped, ShardedUpdate, Update, WholeStep
 from ringtrain.engine.steps.sharded import closure_refused
 from ringtrain.engine.weighting import Averaging, check_shares
-from ringtrain.errors import ConfigError, StepOrderError
+from ringtrain.errors import CollectiveAbortedError, ConfigError, RingtrainError, StepOrderError
 
 log = logging.getLogger("ringtrain")
 
@@ -330,6 +330,10 @@ class GradientPath:
             planner.run(
                 then, self.averaging(), back, self._watch, progress.syncs, self.register_hooks
             )
+        except RuntimeError as e:
+            if isinstance(e, RingtrainError):
+                raise
+            raise _peer_failure(e) from e
         finally:
             progress.ended()
             planner.step_ended()
@@ -536,3 +540,14 @@ class GradientPath:
         if self.schedule is not None and self.schedule.zero_grad(self.params, set_to_none):
             return
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def _peer_failure(e: RuntimeError) -> CollectiveAbortedError:
+    """Torch's bare transport error ``e`` (a peer killed without last words to read: see
+    runtime.departures) as a :class:`CollectiveAbortedError`, a ``HorovodInternalError``, as
+    Horovod's ``synchronize`` raises every failed reduction."""
+    return CollectiveAbortedError(
+        "DistributedOptimizer: reducing the gradients failed: a peer rank failed or became "
+        f"unreachable ({type(e).__name__}: {' '.join(str(e).split())[:300]}).\n"
+        "HINT: the launcher's message names the rank that failed first."
+    )
