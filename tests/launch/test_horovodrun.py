@@ -273,6 +273,28 @@ def test_output_filename_pads_ranks_to_one_width(tmp_path: Path) -> None:
     assert (tmp_path / "d" / "rank.10" / "stdout").read_text() == "y\n"
 
 
+def test_output_filename_opens_every_rank_s_files_afresh(tmp_path: Path) -> None:
+    # horovodrun (gloo_run.py) opens DIR/rank.N/stdout and stderr with "w" as each rank starts:
+    # a rank that prints nothing has empty files, not none, nor an earlier job's lines.
+    stale = tmp_path / "d" / "rank.1" / "stdout"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("an earlier job's line\n")
+    quiet_rank_1 = "import os; os.environ['HOROVOD_RANK'] == '0' and print('hi')"
+    proc = _run(
+        "-np", "2", "--output-filename", str(tmp_path / "d"), sys.executable, "-c", quiet_rank_1,
+        env={}, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    files = {
+        p.relative_to(tmp_path / "d").as_posix(): p.read_text()
+        for p in (tmp_path / "d").rglob("*")
+        if p.is_file()
+    }
+    assert files == {
+        "rank.0/stdout": "hi\n", "rank.0/stderr": "", "rank.1/stdout": "", "rank.1/stderr": "",
+    }  # fmt: skip
+
+
 def test_bad_flag_value_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
     proc = _run("-np", "1", "--log-level", "LOUD", "true", env={}, cwd=tmp_path)
     assert proc.returncode == 2 and "log_level must be one of" in proc.stderr

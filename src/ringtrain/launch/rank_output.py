@@ -64,6 +64,13 @@ class RankOutput:
             stream.write(text + end)
             stream.flush()
 
+    def started(self, rank: int) -> None:
+        """With --output-filename, ``rank``'s two files exist from its start, empty, as
+        horovodrun opens them: one that prints nothing has none missing, nor an earlier job's."""
+        if self.options.output_dir:
+            self.file(rank, 1)
+            self.file(rank, 2)
+
     def file(self, rank: int, fd: int) -> IO[str]:
         """--output-filename DIR: DIR/rank.<rank>/stdout|stderr, as horovodrun lays them out
         (ranks zero-padded to the width of the largest, so they sort in order)."""

@@ -444,6 +444,7 @@ class Supervisor:
             self.pool.joiner_hello(link, msg)
         elif kind == "started":
             self._pids[msg["rank"]] = msg["pid"]
+            self.output.started(msg["rank"])
         elif kind == "note":
             self.say(f"host {link.host.name}: {msg['line']}")
         elif kind == "exit":
