@@ -95,3 +95,21 @@ def test_a_change_names_who_left_and_joined_and_why() -> None:
     assert describe_change((0, 1, 2, 3), world, failed) == (
         "rank(s) [1] left (a peer failed: CollectiveAbortedError: a peer failed: boom)"
     )
+
+
+def test_a_change_keeps_the_transport_s_reason_and_cuts_between_words() -> None:
+    # A SIGKILLed peer, as a survivor reported it: the reason came last and was cut to "Conne".
+    from ringtrain.elastic.run import describe_change
+    from ringtrain.errors import CollectiveAbortedError
+    from ringtrain.runtime import membership
+
+    failed = CollectiveAbortedError(
+        "collectives of process set 0 stopped: a peer rank failed or became unreachable "
+        "(RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] "
+        "Read error [127.0.0.1]:41866: Connection reset by peer. This is typically caused by a "
+        "remote worker hanging or bugs in the application. Check the logs of the remote worker "
+        "before reporting an error.).\nHINT: the launcher's message names the rank that failed"
+    )
+    said = describe_change((0, 1), membership.Roster(1, (0,)), failed)
+    assert "(RuntimeError: Read error [127.0.0.1]:41866: Connection reset by peer." in said, said
+    assert said.endswith(" ...)") and len(said) < 300, said

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Concatenate, ParamSpec, TypeVar, cast
@@ -169,4 +170,12 @@ def describe_change(
     if failure is None:
         return f"{what} (the launcher announced new hosts)"
     first = (str(failure).strip().splitlines() or [type(failure).__name__])[0]
-    return f"{what} (a peer failed: {type(failure).__name__}: {first[:200]})"
+    # Gloo's source location says nothing to a user and pushed its reason past the cut.
+    first = _GLOO_WHERE.sub("", first)
+    if len(first) > REASON_CHARS:
+        first = first[:REASON_CHARS].rsplit(" ", 1)[0] + " ..."
+    return f"{what} (a peer failed: {type(failure).__name__}: {first})"
+
+
+REASON_CHARS = 200  # of the failure's first line in the one-line report
+_GLOO_WHERE = re.compile(r"\[[^\]\s]*/gloo/[^\]\s]*\] ")  # "[/.../gloo/.../pair.cc:537] "
