@@ -547,7 +547,8 @@ def _peer_failure(e: RuntimeError) -> CollectiveAbortedError:
     runtime.departures) as a :class:`CollectiveAbortedError`, a ``HorovodInternalError``, as
     Horovod's ``synchronize`` raises every failed reduction."""
     return CollectiveAbortedError(
-        "DistributedOptimizer: reducing the gradients failed: a peer rank failed or became "
-        f"unreachable ({type(e).__name__}: {' '.join(str(e).split())[:300]}).\n"
-        "HINT: the launcher's message names the rank that failed first."
+        "DistributedOptimizer: reducing the gradients failed "
+        f"({type(e).__name__}: {' '.join(str(e).split())[:300]}).\n"
+        "HINT: where a peer rank failed or became unreachable, the launcher's message names "
+        "the rank that failed first."
     )
