@@ -25,6 +25,7 @@ from ringtrain.collectives.objects import allgather_object
 from ringtrain.collectives.step_timing import StepTimer
 from ringtrain.config import Config
 from ringtrain.diagnostics import engine_wait, timeline, trainjob_status
+from ringtrain.engine import overlap
 from ringtrain.errors import ConfigError, HorovodInternalError, by_rank
 from ringtrain.launch import elastic as elastic_launch
 from ringtrain.runtime import (
@@ -190,7 +191,12 @@ def shutdown() -> None:
     if not state.is_initialized():
         return
     failure = departures.failure()
-    _leave(failure if failure is not None else departures.raising())
+    if failure is None:
+        failure = departures.raising()
+    if failure is None:
+        # Raised before leaving: the script sees it, its exit (a failure) leaves and reports it.
+        overlap.finish_all("shutdown()")
+    _leave(failure)
 
 
 def _leave(failure: str | None) -> bool:
@@ -380,10 +386,20 @@ def _shutdown_at_exit() -> None:
     if not state.is_initialized():
         return
     failure = departures.failure()
+    lost = False
+    if failure is None:
+        try:
+            overlap.finish_all("the script's end")
+        except Exception as e:
+            sys.stderr.write(f"ringtrain: {e}\nringtrain: exiting with code 1.\n")
+            failure, lost = departures.raising(), True  # posted where the peers look
     try:
         _leave(failure)
     except Exception as e:  # at exit there is nobody left to raise to
         log.warning("ringtrain shutdown at exit failed: %s", e)
+    if lost:  # the script ended as if its last update were done: the launcher must hear not
+        exit_guard.settle()
+        _exit_now(1)
     if failure is not None and exit_guard.settle(warn=False):
         # A thread is still inside a Gloo wait for a peer that will not answer: the
         # interpreter's finalization would abort the process (SIGABRT) when it returns, and the

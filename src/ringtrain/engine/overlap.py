@@ -28,7 +28,8 @@ parameter is updated by the time the forward of a module that holds it starts, b
 gradient of the next backward pass, and by ``synchronize()``, ``state_dict()`` (optimizer's,
 and a module's that ran forward since), ``load_state_dict()``; ``zero_grad()`` is deferred per
 bucket (applied right after the bucket's update). Reading a tensor directly (``p.clone()``)
-between ``step()`` and the next forward needs ``synchronize()`` first.
+between ``step()`` and the next forward needs ``synchronize()`` first. ``shutdown()`` and the
+process's exit wait for the last step's update (:func:`finish_all`) and fail where it cannot end.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import torch
 from ringtrain.diagnostics import timeline
 from ringtrain.engine.buckets import NOT_SEEN, Observation, Plan
 from ringtrain.errors import CollectiveAbortedError, CollectiveError, ConfigError
-from ringtrain.runtime import exit_guard
+from ringtrain.runtime import departures, exit_guard
 
 # Fixed cost of one collective (Gloo's setup and thread hand-offs), in the replay.
 OP_COST_S = 0.001
@@ -324,6 +325,7 @@ class Overlap:
         self._forward_t0 = 0.0
         self._generation = -1  # of the modules seen when state_dict hooks were last placed
         _install_global_hook()
+        _live.add(self)
 
     @property
     def pending(self) -> bool:
@@ -477,6 +479,33 @@ class Overlap:
         """Let pending updates end (a dropped optimizer's step still completes on every rank)."""
         if self.pending:
             self._idle.wait(self._timeout_s + 30.0)
+
+
+# Every overlapped optimizer of the process: shutdown and exit finish their pending updates.
+_live: weakref.WeakSet[Overlap] = weakref.WeakSet()
+
+
+def finish_all(before: str) -> None:
+    """Wait for every overlapped optimizer's pending updates (each bounded by the transport
+    timeout), ``before`` shutting down or exiting: ``step()`` returned before its update, which a
+    script that ends there never waits for. Raises if one did not complete (or failed earlier,
+    unseen): the parameters miss that update, and the rank must not end as if they did not."""
+    failed: BaseException | None = None
+    for overlap in list(_live):
+        try:
+            overlap.drain()
+        except Exception as e:
+            failed = failed or e
+    if failed is None:
+        return
+    cls = CollectiveAbortedError if isinstance(failed, CollectiveAbortedError) else CollectiveError
+    raise cls(
+        f"the last step's update did not complete before {before} (overlap=True: step() "
+        "returns before the update, which ends once every rank's gradients arrived); this "
+        f"rank's parameters miss it: {departures.summary(failed)}\n"
+        "HINT: every rank must call step() as often as the others, each within the transport "
+        "timeout (--timeout, RINGTRAIN_TIMEOUT_S) of the others."
+    ) from failed
 
 
 # One updater thread per process, for every overlapped optimizer, started at the first step and

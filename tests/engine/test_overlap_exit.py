@@ -1,0 +1,69 @@
+"""A script that ends right after an overlapped ``step()`` (``overlap=True``), without
+``synchronize()``: that step's update is still pending, waiting for the peers' gradients.
+
+The exit (and ``shutdown()``) waits for it, bounded by the transport timeout: with a peer late
+by less, the job ends cleanly with the weights of the same run without overlap, on every rank.
+With a peer later than that, the update cannot complete: the rank says so and exits with code 1
+(``shutdown()`` raises), so the launcher reports the job failed. Before, the rank exited 0 at
+once, its weights missing the last update, with no word but the exit guard's note.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ringtrain.runtime import exit_guard
+
+JOB = Path(__file__).with_name("overlap_exit_job.py")
+MISSED = "the last step's update did not complete before"
+
+
+def _job(out: Path, mode: str, late: float, timeout_s: int) -> tuple[int, str]:
+    argv = [sys.executable, "-m", "ringtrain", "run", "-np", "2", "-x", "OMP_NUM_THREADS=1"]
+    argv += ["--timeout", str(timeout_s), "--", sys.executable, str(JOB), str(out), mode]
+    argv += [str(late)]
+    # Its own session: a job that does not end is stopped with its ranks.
+    job = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        said, _ = job.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        raise AssertionError(f"the job did not end:\n{job.communicate()[0]}") from None
+    return job.returncode, said
+
+
+def _weights(out: Path, rank: int) -> list[torch.Tensor]:
+    return torch.load(out / f"weights.{rank}.pt")  # type: ignore[no-any-return]
+
+
+@pytest.mark.timeout(400)
+def test_the_exit_waits_for_the_last_update_of_a_late_peer(tmp_path: Path) -> None:
+    late = exit_guard.EXIT_WAIT_S + 3  # longer than the exit guard waits for a native call
+    plain, overlapped = tmp_path / "plain", tmp_path / "overlap"
+    plain.mkdir(), overlapped.mkdir()
+    code, said = _job(plain, "plain", late, 60)
+    assert code == 0, said
+    code, said = _job(overlapped, "overlap", late, 60)
+    assert code == 0, said
+    assert MISSED not in said and "may still be inside a torch call" not in said, said
+    expected = _weights(plain, 0)
+    for rank in (0, 1):
+        assert all(torch.equal(a, b) for a, b in zip(_weights(overlapped, rank), expected)), said
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["overlap", "shutdown"])
+def test_a_last_update_that_cannot_complete_fails_the_rank(tmp_path: Path, mode: str) -> None:
+    code, said = _job(tmp_path, mode, 20.0, 5)  # rank 1 comes after the transport timeout
+    assert code != 0, said
+    assert f"{MISSED} {'shutdown()' if mode == 'shutdown' else 'the script'}" in said, said
+    assert "rank 0" in said and "exited with code 1" in said, said
