@@ -485,27 +485,39 @@ class Overlap:
 _live: weakref.WeakSet[Overlap] = weakref.WeakSet()
 
 
-def finish_all(before: str) -> None:
+def drain_all() -> None:
     """Wait for every overlapped optimizer's pending updates (each bounded by the transport
-    timeout), ``before`` shutting down or exiting: ``step()`` returned before its update, which a
-    script that ends there never waits for. Raises if one did not complete (or failed earlier,
-    unseen): the parameters miss that update, and the rank must not end as if they did not."""
+    timeout), re-raising the first error of an updater once all are drained."""
     failed: BaseException | None = None
     for overlap in list(_live):
         try:
             overlap.drain()
         except Exception as e:
             failed = failed or e
-    if failed is None:
-        return
-    cls = CollectiveAbortedError if isinstance(failed, CollectiveAbortedError) else CollectiveError
-    raise cls(
-        f"the last step's update did not complete before {before} (overlap=True: step() "
-        "returns before the update, which ends once every rank's gradients arrived); this "
-        f"rank's parameters miss it: {departures.summary(failed)}\n"
-        "HINT: every rank must call step() as often as the others, each within the transport "
-        "timeout (--timeout, RINGTRAIN_TIMEOUT_S) of the others."
-    ) from failed
+    if failed is not None:
+        raise failed
+
+
+def finish_all(before: str) -> None:
+    """:func:`drain_all`, ``before`` shutting down or exiting: ``step()`` returned before its
+    update, which a script that ends there never waits for. Raises if one did not complete (or
+    failed earlier, unseen): the parameters miss that update, and the rank must not end as if
+    they did not."""
+    try:
+        drain_all()
+    except Exception as failed:
+        kind = (
+            CollectiveAbortedError
+            if isinstance(failed, CollectiveAbortedError)
+            else CollectiveError
+        )
+        raise kind(
+            f"the last step's update did not complete before {before} (overlap=True: step() "
+            "returns before the update, which ends once every rank's gradients arrived); this "
+            f"rank's parameters miss it: {departures.summary(failed)}\n"
+            "HINT: every rank must call step() as often as the others, each within the "
+            "transport timeout (--timeout, RINGTRAIN_TIMEOUT_S) of the others."
+        ) from failed
 
 
 # One updater thread per process, for every overlapped optimizer, started at the first step and

@@ -15,6 +15,7 @@ import torch
 
 from ringtrain.collectives import ops
 from ringtrain.collectives.objects import allgather_object, broadcast_object
+from ringtrain.engine import overlap
 from ringtrain.errors import CollectiveArgumentError, by_rank
 from ringtrain.runtime.process_sets import ProcessSet
 
@@ -55,8 +56,13 @@ def broadcast_parameters(
 
     The ranks first agree that they hold the same names (one small allgather): where they do
     not, every rank raises, naming what differs. Horovod's ranks would wait forever for the
-    broadcasts that the others never submit."""
+    broadcasts that the others never submit.
+
+    Pending updates of overlapped optimizers (``overlap=True``) end first, as Horovod's ``step()``
+    returns with the parameters updated: a broadcast racing them sends stale values from the
+    root and is overwritten by the update elsewhere, and the ranks part."""
     named = _named(params)
+    overlap.drain_all()
     _same_names([name for name, _ in named], prefix, process_set)
     handles = []
     with torch.no_grad():
