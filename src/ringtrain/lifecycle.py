@@ -387,9 +387,11 @@ def _shutdown_at_exit() -> None:
         return
     failure = departures.failure()
     lost = False
-    if failure is None:
+    if failure is None and not _interrupted():
         try:
             overlap.finish_all("the script's end")
+        except KeyboardInterrupt:  # Ctrl-C while waiting: the job is stopping, leave now
+            failure = "KeyboardInterrupt"
         except Exception as e:
             sys.stderr.write(f"ringtrain: {e}\nringtrain: exiting with code 1.\n")
             failure, lost = departures.raising(), True  # posted where the peers look
@@ -406,6 +408,12 @@ def _shutdown_at_exit() -> None:
         # launcher would report a signal instead of this rank's exit code (Python's 1 for an
         # uncaught exception). Leave with that code now.
         _exit_now(1)
+
+
+def _interrupted() -> bool:
+    """Whether the script ended on an uncaught KeyboardInterrupt (Ctrl-C, the launcher's
+    SIGINT): its peers are stopping too, and a pending update would wait for them in vain."""
+    return isinstance(getattr(sys, "last_value", None), KeyboardInterrupt)
 
 
 def _exit_now(code: int) -> None:

@@ -1,7 +1,7 @@
 """A job whose script ends right after an overlapped step() (test_overlap_exit.py), its last
 update not waited for: no synchronize(). Rank 1 sleeps ``argv[3]`` s before its last step.
-``argv[2]``: ``overlap``, ``plain`` (overlap=False) or ``shutdown`` (overlap, then an explicit
-``shutdown()``). After ringtrain's own exit handler, each rank saves the weights it ends with."""
+``argv[2]``: ``overlap``, ``plain`` (overlap=False), ``shutdown`` (overlap, then an explicit
+``shutdown()``) or ``interrupt`` (overlap; rank 0 then waits to be interrupted). After ringtrain's own exit handler, each rank saves the weights it ends with."""
 
 from __future__ import annotations
 
@@ -44,3 +44,5 @@ for step in range(4):
 print(f"rank {rank} done", flush=True)
 if mode == "shutdown":
     rt.shutdown()
+if mode == "interrupt" and rank == 0:
+    time.sleep(120)

@@ -5,7 +5,8 @@ The exit (and ``shutdown()``) waits for it, bounded by the transport timeout: wi
 by less, the job ends cleanly with the weights of the same run without overlap, on every rank.
 With a peer later than that, the update cannot complete: the rank says so and exits with code 1
 (``shutdown()`` raises), so the launcher reports the job failed. Before, the rank exited 0 at
-once, its weights missing the last update, with no word but the exit guard's note.
+once, its weights missing the last update, with no word but the exit guard's note. A rank
+interrupted (Ctrl-C) leaves without waiting: its peers are stopping too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,31 @@ def test_a_last_update_that_cannot_complete_fails_the_rank(tmp_path: Path, mode:
     assert code != 0, said
     assert f"{MISSED} {'shutdown()' if mode == 'shutdown' else 'the script'}" in said, said
     assert "rank 0" in said and "exited with code 1" in said, said
+
+
+@pytest.mark.timeout(200)
+def test_an_interrupted_rank_does_not_wait_for_its_last_update(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "ringtrain", "run", "-np", "2", "-x", "OMP_NUM_THREADS=1"]
+    argv += ["--", sys.executable, str(JOB), str(tmp_path), "interrupt", "60"]
+    job = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    said = []
+    try:
+        assert job.stdout is not None
+        for line in job.stdout:  # rank 0's last step() returned, its update pending
+            said.append(line)
+            if "rank 0 done" in line:
+                break
+        time.sleep(2)
+        job.send_signal(signal.SIGINT)  # Ctrl-C at the launcher
+        t0 = time.monotonic()
+        said.append(job.communicate(timeout=60)[0])
+        took = time.monotonic() - t0
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    text = "".join(said)
+    assert job.returncode == 130, text
+    assert MISSED not in text and took < 15, text
