@@ -70,6 +70,7 @@ class _Window:
     input_s: float = 0.0
     compute_s: float = 0.0
     wait_s: float = 0.0
+    compression: str | None = None  # the gradients' compression over the window's steps
 
 
 @dataclass
@@ -124,17 +125,28 @@ class StepTimer:
         (local updates' outer steps)."""
         self._wait_s += seconds
 
-    def step_done(self, rounds: RoundEnds | None = None, local: bool = False) -> None:
+    def step_done(
+        self,
+        rounds: RoundEnds | None = None,
+        local: bool = False,
+        compression: str | None = None,
+        trial: bool = False,
+    ) -> None:
         """End of an optimizer step; every ``every`` steps this gathers and reports. With
         ``rounds`` (per-rank inner steps), at the end of every ``every`` steps' worth of the
         shortest round instead, in rounds every rank ends alike, and per round. ``local``: the
-        step is one of local updates (``sync_every``)."""
+        step is one of local updates (``sync_every``); ``compression``: the gradients'
+        compression it used (for the report's hint); ``trial``: it was one of
+        ``compression="auto"``'s measuring or trying steps (alike on every rank), which the
+        window leaves out: uncompressed, or timed with the decision's collectives, they are
+        not the chosen method's steps."""
         now = self.clock()
         self._local = local
         if rounds is not None and rounds.ended < self._rounds_ended:
             self._rounds_ended = rounds.ended  # counted anew (another optimizer, a re-forming)
         round_ended = rounds is not None and rounds.ended > self._rounds_ended
-        if self._step_end is not None:
+        if self._step_end is not None and not trial:
+            self._window.compression = compression
             start = self._forward_start if self._forward_start is not None else self._step_end
             w = self._window
             w.steps += 1
@@ -192,7 +204,9 @@ class StepTimer:
         gathered: list[Any] = [None] * group_ops.size(self.group)
         group_ops.all_gather_object(gathered, mine, self.group)
         links = probe_links(self.group, self.host_of_rank)
-        _last = analyse(gathered, links, per=per, local_updates=self._local)
+        _last = analyse(
+            gathered, links, per=per, local_updates=self._local, compression=w.compression
+        )
         if group_ops.rank(self.group) == 0:
             log.warning("%s", _last.line())
         return _last

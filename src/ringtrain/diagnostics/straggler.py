@@ -106,6 +106,7 @@ def analyse(
     in_force: Sequence[float] | shares.InForce | None = shares.IN_FORCE,
     per: str = "step",
     local_updates: bool = False,
+    compression: str | None = None,
 ) -> StragglerReport:
     """The verdict for one window. ``link_mb_s`` maps host -> measured link rate (MB/s);
     ``in_force``: the shares of the global batch over the window in rank order (None: equal),
@@ -139,7 +140,7 @@ def analyse(
                 ranks,
                 f"link {rates} vs median {med_link:.1f} MB/s; every rank waits "
                 f"{mean_wait:.3f} s/{per} for communication.\n"
-                f"HINT: fix or avoid that link, or {_fewer_bytes(local_updates)}",
+                f"HINT: fix or avoid that link, or {_fewer_bytes(local_updates, compression)}",
             )
     busy = _busy_verdict(per_rank, fractions, step, per)
     if busy is not None:
@@ -155,7 +156,7 @@ def analyse(
             ranks,
             f"every rank waits {mean_wait:.3f} s of a {step:.3f} s {per} for communication "
             "that did not overlap with compute.\n"
-            f"HINT: {_fewer_bytes(local_updates)}",
+            f"HINT: {_fewer_bytes(local_updates, compression)}",
         )
     return report(
         "none",
@@ -165,16 +166,40 @@ def analyse(
     )
 
 
-def _fewer_bytes(local_updates: bool) -> str:
+# Where synchronous steps wait for the link even with their gradients compressed, what is left
+# is to send them less often: the local updates of docs/engine.md, named as that page names them.
+LOCAL_UPDATES = (
+    "train with local updates, which send the weights once every H steps instead of the "
+    "gradients every step (DistributedOptimizer(sync_every=H) or RINGTRAIN_SYNC_EVERY=auto; "
+    'docs/engine.md, "Local updates")'
+)
+# Compressions that still send 16 bits per element: a stronger one sends fewer bytes.
+HALF_PRECISION = ("fp16", "bf16")
+
+
+def _fewer_bytes(local_updates: bool, compression: str | None = None) -> str:
     """What a network verdict suggests: the settings that move fewer bytes, or less often, in
-    the job's mode (gradients every step, or weights every ``sync_every`` steps)."""
+    the job's mode (gradients every step, or weights every ``sync_every`` steps), never the
+    compression already in use."""
     if local_updates:
         return (
             "exchange fewer bytes or less often: outer_compression='int4', a larger "
             "sync_every; or hide the exchange behind the inner steps (outer_overlap=True)."
         )
+    if compression is None or compression.split()[0] == "none":  # also auto's "none (chosen...)"
+        return (
+            "send fewer bytes (--compression fp16/powersgd/topk) or communicate less often "
+            f"(backward_passes_per_step > 1); where compressed steps still wait for it, "
+            f"{LOCAL_UPDATES}."
+        )
+    stronger = (
+        "compress further (--compression powersgd/topk), "
+        if compression.split()[0] in HALF_PRECISION  # "fp16", or "fp16 (chosen by ...)"
+        else ""
+    )
     return (
-        "send fewer bytes (--compression fp16/powersgd/topk) or communicate less often "
+        f"{LOCAL_UPDATES}: the gradients are already compressed ({compression}) and the steps "
+        f"still wait for the link; or {stronger}communicate less often "
         "(backward_passes_per_step > 1)."
     )
 

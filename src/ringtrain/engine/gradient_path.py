@@ -519,7 +519,8 @@ class GradientPath:
             in_force.IN_FORCE.add(shares if isinstance(shares, tuple) else None, self.comm.size)
             observer.waited(waited_s)
             local = isinstance(self.update, local_update.LocalUpdate)
-            observer.step_done(self._rounds(), local)
+            compression, trial = self.planner.compression_in_use()
+            observer.step_done(self._rounds(), local, compression, trial)
         return result
 
     def _rounds(self) -> RoundEnds | None:

@@ -75,6 +75,7 @@ class Planner:
         self._last_sync_end = 0.0
         self.compression: Any = None
         self.tuner: AutoTuner | None = None
+        self._trial = False  # the step now ending was one the tuner observed (compression_in_use)
         self.rebind(comm, config)
 
     def rebind(self, comm: Any, config: Config) -> None:
@@ -137,6 +138,16 @@ class Planner:
         """The compressor in use: the one given, or what auto currently uses."""
         comp = self.compression
         return comp.inner if isinstance(comp, AutoCompression) else comp
+
+    def compression_in_use(self) -> tuple[str, bool]:
+        """(the compression of the step now ending, as the straggler report names it; whether
+        it was one of compression="auto"'s measuring or trying steps, alike on every rank),
+        for the report, which leaves those steps out and does not offer what is in use."""
+        trial, self._trial = self._trial, False
+        comp = self.compression
+        if isinstance(comp, AutoCompression):
+            return f"{comp.choice or 'none'} (chosen by compression='auto')", trial
+        return str(getattr(comp, "name", "") or type(comp).__name__), trial
 
     # ---- learning ------------------------------------------------------------------------------
 
@@ -333,6 +344,7 @@ class Planner:
         end), and rebuild the exchange when it switched compressors."""
         if self.tuner is None or not self.tuner.active:
             return
+        self._trial = True
         assert self.exchange is not None and self.plan is not None
         previous, self._last_sync_end = self._last_sync_end, t1
         if learning or previous == 0.0:
