@@ -68,6 +68,10 @@ def test_local_doctor_json(tmp_path: Path) -> None:
     assert ar["rank_hosts"] == ["localhost"] * 2 and len(ar["compute_gflops"]) == 2
     assert compute["host_gflops"]["localhost"] > 0 and compute["shares"] == [100]
     assert compute["gain"] == 1.0
+    # Several probes per rank, the medians in compute_gflops (the spread: test_doctor_speed_noise).
+    samples = ar["compute_samples"]
+    assert len(samples) == 2 and all(len(s) == 5 and min(s) > 0 for s in samples)
+    assert compute["probes"] == 5 and compute["host_range"]["localhost"][0] > 0
     pred = doc["prediction"]
     assert pred["world"] == 1 and pred["recommended"]["efficiency"] == 1.0
 

@@ -7,20 +7,25 @@ import pytest
 from ringtrain.doctor import report, speed
 
 
-def _allreduce(rank_hosts: list[str], gflops: list[float]) -> dict[str, object]:
-    return {"allreduce": [{"bytes": 1}], "rank_hosts": rank_hosts, "compute_gflops": gflops}
+def _allreduce(
+    rank_hosts: list[str], gflops: list[float], samples: list[list[float]] | None = None
+) -> dict[str, object]:
+    doc = {"allreduce": [{"bytes": 1}], "rank_hosts": rank_hosts, "compute_gflops": gflops}
+    return doc if samples is None else {**doc, "compute_samples": samples}
 
 
 def test_a_host_at_half_speed_gets_a_third_of_each_batch() -> None:
-    got = speed.examine(_allreduce(["a", "b"], [20.0, 10.0]), {"a": 1, "b": 1})
+    probes = [[19.5, 20.0, 20.5], [9.8, 10.0, 10.2]]
+    got = speed.examine(_allreduce(["a", "b"], [20.0, 10.0], probes), {"a": 1, "b": 1})
     assert got["skipped"] is None
     assert got["host_gflops"] == {"a": 20.0, "b": 10.0}
-    assert got["shares"] == [67, 33]
+    assert got["shares"] == [67, 33] and got["sure"] is True
     assert got["gain"] == pytest.approx(1.5) and got["compute_vs_equal"] == pytest.approx(2 / 3)
     assert got["line"] == (
         "batch_shares would gain 1.50x samples/s: a step's compute 0.67x that at equal shares "
         "with shares in proportion to each rank's speed; set batch_shares=[67, 33] (rank order) "
-        "or 'auto'"
+        "or 'auto' (sure: each of 3 probes per rank was faster on a than any on b (GFLOP/s per "
+        "rank: a 19.5-20.5, b 9.8-10.2))"
     )
 
 

@@ -19,6 +19,7 @@ import os
 import platform
 import re
 import resource
+import statistics
 import sys
 import threading
 import time
@@ -137,8 +138,11 @@ def _cpu_model() -> str:
 
 # ---- allreduce ---------------------------------------------------------------------------------
 
-# Seconds each rank of the allreduce job spends on the compute probe.
-COMPUTE_SECONDS = 0.3
+# Seconds of each compute probe, and the probes each rank of the allreduce job takes: the spread
+# of a rank's probes says how far apart two hosts must be before their difference is not noise
+# (one 0.3 s probe read 73.5 and 86.9 GFLOP/s on two identical hosts).
+COMPUTE_SECONDS = 0.1
+COMPUTE_PROBES = 5
 _MATMUL = 256
 
 
@@ -180,9 +184,12 @@ def allreduce(sizes: Sequence[int], budget_s: float, per_size_s: float, max_iter
 
     # Every rank's compute rate, all at once (as ranks compute in a job): batch_shares' advice.
     slowest(0.0, "doctor.compute.start")
-    rates = torch.zeros(n, dtype=torch.float64)
-    rates[rank] = compute_gflops(COMPUTE_SECONDS)
-    gflops = [float(v) for v in ops.allreduce(rates, op="sum", name="doctor.compute").tolist()]
+    rates = torch.zeros(n * COMPUTE_PROBES, dtype=torch.float64)
+    for j in range(COMPUTE_PROBES):
+        rates[rank * COMPUTE_PROBES + j] = compute_gflops(COMPUTE_SECONDS)
+    every = [float(v) for v in ops.allreduce(rates, op="sum", name="doctor.compute").tolist()]
+    samples = [every[r * COMPUTE_PROBES : (r + 1) * COMPUTE_PROBES] for r in range(n)]
+    gflops = [statistics.median(s) for s in samples]
 
     for k, nbytes in enumerate(sizes):
         tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
@@ -206,7 +213,10 @@ def allreduce(sizes: Sequence[int], budget_s: float, per_size_s: float, max_iter
     topo = {"world": n, "local_size": queries.local_size(), "cross_size": queries.cross_size()}
     lifecycle.shutdown()
     if rank == 0:
-        emit(sys.stdout, {"allreduce": points, "compute_gflops": gflops, **topo})
+        compute = {"compute_gflops": gflops, "compute_samples": samples}
+        emit(
+            sys.stdout, {"allreduce": points, **compute, "compute_probe_s": COMPUTE_SECONDS, **topo}
+        )
     return 0
 
 
