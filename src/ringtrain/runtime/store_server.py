@@ -16,6 +16,7 @@ answers only once every key it names is set (or with WAIT_CANCELED after CANCEL_
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import socket
@@ -98,7 +99,6 @@ def _blob(value: bytes) -> bytes:
 class _Client:
     sock: socket.socket
     inbox: bytearray = field(default_factory=bytearray)
-    outbox: bytearray = field(default_factory=bytearray)  # replies the socket has not taken
     validated: bool = False
     awaited: set[bytes] = field(default_factory=set)  # keys its WAIT still lacks
 
@@ -113,7 +113,7 @@ class StoreServer:
         self.waiting: dict[bytes, list[_Client]] = {}  # key -> clients whose WAIT lacks it
         self.selector = selectors.DefaultSelector()
         self._said = 0  # connections closed for a bad query, counted
-        self.selector.register(listener, selectors.EVENT_READ, lambda _: self._accept())
+        self.selector.register(listener, selectors.EVENT_READ, self._accept)
 
     @property
     def port(self) -> int:
@@ -148,7 +148,7 @@ class StoreServer:
         lines the selector never reports. :meth:`serve` ends when ``fd`` ends."""
         pending = bytearray()
 
-        def read(events: int) -> None:
+        def read() -> None:
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 self._open = False
@@ -165,33 +165,23 @@ class StoreServer:
         """Serve until the watched stream ends (forever if none is watched)."""
         self._open = True
         while self._open:
-            for key, events in self.selector.select():
-                key.data(events)
+            for key, _ in self.selector.select():
+                key.data()
 
     def _accept(self) -> None:
         try:
             sock, _ = self.listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        # Non-blocking: a client that stops reading (a rank stopped mid-reply) holds only its
-        # own replies back, never the store.
-        sock.setblocking(False)
+        sock.setblocking(True)  # replies are small: sent whole, in order
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         client = _Client(sock)
-        self.selector.register(sock, selectors.EVENT_READ, lambda ev: self._ready(client, ev))
-
-    def _ready(self, client: _Client, events: int) -> None:
-        if events & selectors.EVENT_WRITE:
-            self._flush(client)
-        if events & selectors.EVENT_READ and client.sock.fileno() >= 0:
-            self._read(client)
+        self.selector.register(sock, selectors.EVENT_READ, lambda: self._read(client))
 
     def _read(self, client: _Client) -> None:
         try:
             chunk = client.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
+        except (ConnectionError, OSError):
             chunk = b""
         if not chunk:
             self._close(client)
@@ -212,33 +202,13 @@ class StoreServer:
             self._close(client)
 
     def _close(self, client: _Client) -> None:
-        if client.sock.fileno() < 0:
-            return  # closed already
         self._forget_waits(client)
         self.selector.unregister(client.sock)
         client.sock.close()
 
     def _send(self, client: _Client, data: bytes) -> None:
-        """Queue a reply, in order; what the socket takes now goes at once."""
-        was_empty = not client.outbox
-        client.outbox += data
-        if was_empty:
-            self._flush(client)
-
-    def _flush(self, client: _Client) -> None:
-        if client.sock.fileno() < 0:
-            return
-        try:
-            sent = client.sock.send(client.outbox)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:  # it left: its read end sees that and closes it
-            client.outbox.clear()
-            sent = 0
-        del client.outbox[:sent]
-        wanted = selectors.EVENT_READ | (selectors.EVENT_WRITE if client.outbox else 0)
-        if self.selector.get_key(client.sock).events != wanted:
-            self.selector.modify(client.sock, wanted, lambda ev: self._ready(client, ev))
+        with contextlib.suppress(OSError):  # it left: its read end sees that and closes it
+            client.sock.sendall(data)
 
     def _query(self, client: _Client, r: _Reader) -> None:
         kind = r.u8()
