@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -57,6 +58,7 @@ def test_every_query_of_torchs_client(server: tuple[subprocess.Popen[str], int])
     assert store.num_keys() == keys - 1
     big = b"\0\xff" * (3 << 20)  # bytes of any value, longer than one read
     store.set("big", big)
+    store.wait(["big"])  # set() returns once sent: a GET on another connection could pass it
     assert store.get("big") == big
     prefixed = dist.PrefixStore("job", store)
     prefixed.set("k", "v")
@@ -126,3 +128,30 @@ def test_the_server_imports_no_torch() -> None:
         [sys.executable, "-c", probe], input="", capture_output=True, text=True, timeout=30
     )
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_stops_reading_holds_back_only_its_own_replies(
+    server: tuple[subprocess.Popen[str], int],
+) -> None:
+    store = _client(server[1])
+    big = b"x" * (32 << 20)  # far more than a socket's buffers hold
+    store.set("big", big)
+    store.wait(["big"])  # set() returns once sent: a GET on another connection could pass it
+    with socket.create_connection(("127.0.0.1", server[1])) as stopped:  # a rank stopped mid-read
+        key = b"/big"  # torch's clients put "/" before every key
+        stopped.sendall(struct.pack("<BI", 0, 0x3C85F7CE))  # VALIDATE, torch's magic number
+        stopped.sendall(struct.pack("<BQ", 3, len(key)) + key)  # GET, never read
+        time.sleep(0.5)
+        t = time.monotonic()
+        other = _client(server[1])
+        other.set("still", "served")
+        assert store.get("still") == b"served"
+        assert time.monotonic() - t < 5
+        stopped.settimeout(10)  # the reply is whole once read
+        got = bytearray()
+        while len(got) < 8 + len(big):
+            chunk = stopped.recv(1 << 20)
+            assert chunk, f"the store closed the reply after {len(got)} bytes"
+            got += chunk
+        assert got == struct.pack("<Q", len(big)) + big

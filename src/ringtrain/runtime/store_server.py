@@ -16,12 +16,12 @@ answers only once every key it names is set (or with WAIT_CANCELED after CANCEL_
 
 from __future__ import annotations
 
-import contextlib
 import os
 import selectors
 import socket
 import struct
 import sys
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -99,6 +99,9 @@ def _blob(value: bytes) -> bytes:
 class _Client:
     sock: socket.socket
     inbox: bytearray = field(default_factory=bytearray)
+    # Replies its socket has not taken yet, in order; a view's slice is what is left of it
+    # (no copy of a large value per partial send).
+    outbox: deque[memoryview] = field(default_factory=deque)
     validated: bool = False
     awaited: set[bytes] = field(default_factory=set)  # keys its WAIT still lacks
 
@@ -113,7 +116,7 @@ class StoreServer:
         self.waiting: dict[bytes, list[_Client]] = {}  # key -> clients whose WAIT lacks it
         self.selector = selectors.DefaultSelector()
         self._said = 0  # connections closed for a bad query, counted
-        self.selector.register(listener, selectors.EVENT_READ, self._accept)
+        self.selector.register(listener, selectors.EVENT_READ, lambda _: self._accept())
 
     @property
     def port(self) -> int:
@@ -148,7 +151,7 @@ class StoreServer:
         lines the selector never reports. :meth:`serve` ends when ``fd`` ends."""
         pending = bytearray()
 
-        def read() -> None:
+        def read(_events: int) -> None:
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 self._open = False
@@ -165,23 +168,33 @@ class StoreServer:
         """Serve until the watched stream ends (forever if none is watched)."""
         self._open = True
         while self._open:
-            for key, _ in self.selector.select():
-                key.data()
+            for key, events in self.selector.select():
+                key.data(events)
 
     def _accept(self) -> None:
         try:
             sock, _ = self.listener.accept()
         except (BlockingIOError, InterruptedError):
             return
-        sock.setblocking(True)  # replies are small: sent whole, in order
+        # Non-blocking: a client that stops reading (a rank stopped mid-reply) holds back only
+        # its own replies, never the store.
+        sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         client = _Client(sock)
-        self.selector.register(sock, selectors.EVENT_READ, lambda: self._read(client))
+        self.selector.register(sock, selectors.EVENT_READ, lambda ev: self._ready(client, ev))
+
+    def _ready(self, client: _Client, events: int) -> None:
+        if events & selectors.EVENT_WRITE:
+            self._flush(client)
+        if events & selectors.EVENT_READ and client.sock.fileno() >= 0:
+            self._read(client)
 
     def _read(self, client: _Client) -> None:
         try:
             chunk = client.sock.recv(1 << 16)
-        except (ConnectionError, OSError):
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
             chunk = b""
         if not chunk:
             self._close(client)
@@ -202,13 +215,39 @@ class StoreServer:
             self._close(client)
 
     def _close(self, client: _Client) -> None:
+        if client.sock.fileno() < 0:
+            return  # closed already
         self._forget_waits(client)
+        client.outbox.clear()
         self.selector.unregister(client.sock)
         client.sock.close()
 
     def _send(self, client: _Client, data: bytes) -> None:
-        with contextlib.suppress(OSError):  # it left: its read end sees that and closes it
-            client.sock.sendall(data)
+        """Queue a reply behind the client's others; what its socket takes now goes at once."""
+        client.outbox.append(memoryview(data))
+        if len(client.outbox) == 1:
+            self._flush(client)
+
+    def _flush(self, client: _Client) -> None:
+        """Send queued replies until the socket would block; then ask the selector to say when
+        it can take more (and stop asking once the queue is empty)."""
+        if client.sock.fileno() < 0:
+            return
+        box = client.outbox
+        try:
+            while box:
+                sent = client.sock.send(box[0])
+                if sent < len(box[0]):
+                    box[0] = box[0][sent:]
+                    break
+                box.popleft()
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:  # it left: its read end sees that and closes it
+            box.clear()
+        wanted = selectors.EVENT_READ | (selectors.EVENT_WRITE if box else 0)
+        if self.selector.get_key(client.sock).events != wanted:
+            self.selector.modify(client.sock, wanted, lambda ev: self._ready(client, ev))
 
     def _query(self, client: _Client, r: _Reader) -> None:
         kind = r.u8()
