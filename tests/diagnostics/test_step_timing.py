@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
 
 import ringtrain as rt
 from ringtrain.collectives import step_timing
+from ringtrain.diagnostics.straggler import SLOW_LINK_FACTOR
 from ringtrain.runtime.state import global_process_set
 from ringtrain.testing.spawn import World
+from ringtrain.transport import group_ops
 
 
 def _probe() -> dict[str, float]:
@@ -20,6 +27,66 @@ def test_probe_measures_every_host(world3: World) -> None:
     rates = world3.run(_probe, timeout=60)
     assert rates[0] == rates[1] == rates[2]
     assert set(rates[0]) == {"a", "b"} and all(r > 0 for r in rates[0].values())
+
+
+def _probe_with_a_slow_host_and_a_late_leader() -> dict[str, float]:
+    """Hosts a, b, c (ranks 0-2); c's link is slow: every probe payload to or from it arrives
+    0.5 s late. Rank 0 leaves every barrier 1 s after the others (descheduled, or held by a
+    slow link)."""
+    barrier, send = group_ops.barrier, group_ops.send
+    slow = {(1, 2), (2, 0)}  # (from, to): the ring's two transfers over c's link
+    me = rt.rank()
+
+    def late(group: Any) -> None:
+        barrier(group)
+        time.sleep(1.0)
+
+    def slow_send(t: torch.Tensor, dst: int, group: Any, tag: int = 0) -> Any:
+        def go() -> Any:
+            return send(t, dst, group, tag)
+
+        if t.numel() != LATE_PROBE_BYTES or (me, dst) not in slow:
+            return go()
+        return _Late(go)  # under way at once, as a send is; it arrives 0.5 s later
+
+    group_ops.send = slow_send
+    if me == 0:
+        group_ops.barrier = late
+    try:
+        group = global_process_set.communicator.group("engine")
+        return step_timing.probe_links(group, ["a", "b", "c"], nbytes=LATE_PROBE_BYTES)
+    finally:
+        group_ops.barrier, group_ops.send = barrier, send
+
+
+LATE_PROBE_BYTES = 256 * 1024
+
+
+class _Late:
+    """A send over a slow link: it starts 0.5 s after it was posted, on a thread of its own."""
+
+    def __init__(self, send: Callable[[], Any]) -> None:
+        self.work: Any = None
+        self.thread = threading.Thread(target=self._run, args=(send,))
+        self.thread.start()
+
+    def _run(self, send: Callable[[], Any]) -> None:
+        time.sleep(0.5)
+        self.work = send()
+
+    def wait(self) -> None:
+        self.thread.join()
+        self.work.wait()
+
+
+def test_a_leader_late_to_the_probe_does_not_slow_the_link_it_measures(world3: World) -> None:
+    """Timed from each receiver's own start, the transfer from late rank 0 to b took its 1 s
+    lateness (b measured slow), and the one from c to rank 0 had arrived before rank 0 looked
+    (c measured fast): the report named host b for c's slow link."""
+    rates = world3.run(_probe_with_a_slow_host_and_a_late_leader, timeout=60)
+    assert rates[0] == rates[1] == rates[2]
+    links = rates[0]
+    assert links["c"] < SLOW_LINK_FACTOR * min(links["a"], links["b"]), links
 
 
 def _slow_rank_is_reported() -> tuple[str, tuple[int, ...]]:

@@ -220,15 +220,15 @@ def test_a_link_probe_slower_than_a_slice_measures_in_an_elastic_job(
     monkeypatch.setattr(abort, "generation", 0)
     monkeypatch.setattr(abort, "announced", lambda: 0)  # elastic, no newer world
 
-    def late_send(t: torch.Tensor, dst: int, group: dist.ProcessGroup) -> dist.Work:
-        if group is groups[1]:
+    def late_send(t: torch.Tensor, dst: int, group: dist.ProcessGroup, tag: int) -> dist.Work:
+        if group is groups[1] and tag == step_timing._PAYLOAD:
             time.sleep(1.5)
-        return group.send([t], dst, 0)
+        return group.send([t], dst, tag)
 
     # The groups are made directly, not registered with torch (whose calls by world rank would
     # look them up): the probe's point-to-point and rank questions go to them as they are.
     monkeypatch.setattr(group_ops, "send", late_send)
-    monkeypatch.setattr(group_ops, "recv", lambda t, src, group: group.recv([t], src, 0))
+    monkeypatch.setattr(group_ops, "recv", lambda t, src, group, tag: group.recv([t], src, tag))
     monkeypatch.setattr(group_ops, "rank", lambda group: group.rank())
     monkeypatch.setattr(group_ops, "size", lambda group: group.size())
     got = both(lambda r: step_timing.probe_links(groups[r], ["h0", "h1"], nbytes=1024))

@@ -30,6 +30,9 @@ log = logging.getLogger("ringtrain")
 # Bytes each host leader sends its neighbours to measure a link: small enough to cost ~0.2 s at
 # 10 Mbit/s, large enough that latency does not dominate at 1 Gbit/s.
 PROBE_BYTES = 256 * 1024
+# Transfers each link probe times, a barrier before each, the fastest counting: one is slow
+# wherever the sending leader was late (descheduled on a busy host, or held by its own slow link).
+PROBE_ROUNDS = 2
 # The final report (at shutdown) waits this long for every rank to come to its shutdown: a rank
 # that comes later gets none, and neither do the others, instead of waiting for it until the
 # transport timeout inside the report's all-gather.
@@ -271,7 +274,8 @@ def probe_links(group: Any, host_of_rank: list[str], nbytes: int = PROBE_BYTES) 
     """MB/s of each host's link, measured between host leaders (each host's first rank).
 
     Every leader sends ``nbytes`` to the next leader in a ring while receiving from the previous
-    one, and times the arrival: that measures the link between the two. A host's rate is the
+    one, and times the arrival (the fastest of :data:`PROBE_ROUNDS`): that measures the link
+    between the two. A host's rate is the
     *fastest* transfer it took part in, so a slow link is pinned on the host that all slow
     transfers share (with only two hosts both share it and both are named). With one host there
     is no link to measure.
@@ -281,23 +285,16 @@ def probe_links(group: Any, host_of_rank: list[str], nbytes: int = PROBE_BYTES) 
         return {}
     leaders = [host_of_rank.index(h) for h in hosts]
     me = group_ops.rank(group)
-    group_ops.barrier(group)
     edges: list[tuple[str, str, float]] = []
+    elapsed = float("inf")
+    for _ in range(PROBE_ROUNDS):
+        group_ops.barrier(group)
+        if me in leaders:
+            i = leaders.index(me)
+            prv, nxt = leaders[(i - 1) % len(leaders)], leaders[(i + 1) % len(leaders)]
+            elapsed = min(elapsed, _timed_transfer(group, prv, nxt, nbytes))
     if me in leaders:
         i = leaders.index(me)
-        nxt, prv = leaders[(i + 1) % len(leaders)], leaders[(i - 1) % len(leaders)]
-        send = torch.zeros(nbytes, dtype=torch.uint8)
-        got = torch.empty(nbytes, dtype=torch.uint8)
-        start = time.perf_counter()
-        sent = group_ops.send(send, nxt, group)
-        received = group_ops.recv(got, prv, group)
-        assert sent is not None and received is not None  # None only for non-members
-        # Plain waits, never sliced: a Gloo send or receive whose timed wait runs out closes
-        # the connection for good (tests/transport/test_sliced_waits.py), and a probe of a slow
-        # link takes longer than a slice.
-        received.wait()
-        elapsed = max(time.perf_counter() - start, 1e-6)
-        sent.wait()
         edges.append((hosts[(i - 1) % len(hosts)], hosts[i], nbytes / elapsed / 1e6))
     gathered: list[Any] = [None] * group_ops.size(group)
     group_ops.all_gather_object(gathered, edges, group)
@@ -307,3 +304,38 @@ def probe_links(group: Any, host_of_rank: list[str], nbytes: int = PROBE_BYTES) 
             for h in (src, dst):
                 out[h] = max(out.get(h, 0.0), rate)
     return out
+
+
+# The probe's messages, apart by tag: "here", "send now", the payload.
+_HERE, _GO, _PAYLOAD = 1, 2, 3
+
+
+def _timed_transfer(group: Any, prv: int, nxt: int, nbytes: int) -> float:
+    """Seconds from asking ``prv`` for ``nbytes`` to having them (while serving ``nxt`` alike).
+
+    The clock starts once ``prv`` has said it is here: timed from this leader's own start, the
+    lag between two leaders' leaving the barrier counted as transfer time (on a loaded host, a
+    link of the same switch measured 0.7 MB/s beside 1 MB/s on a 10 Mbit/s one, and the report
+    named the wrong host). The payload goes only when asked for, so a late receiver never
+    finds it arrived already (a slow link measured fast)."""
+    flag, flags = torch.zeros(1, dtype=torch.uint8), torch.empty(2, 1, dtype=torch.uint8)
+    payload, got = torch.zeros(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    works = [group_ops.send(flag, nxt, group, tag=_HERE)]
+    here = group_ops.recv(flags[0], prv, group, tag=_HERE)
+    asked = group_ops.recv(flags[1], nxt, group, tag=_GO)
+    arrived = group_ops.recv(got, prv, group, tag=_PAYLOAD)
+    assert here is not None and asked is not None and arrived is not None  # members only
+    # Plain waits, never sliced: a Gloo send or receive whose timed wait runs out closes the
+    # connection for good (tests/transport/test_sliced_waits.py), and a probe of a slow link
+    # takes longer than a slice.
+    here.wait()
+    start = time.perf_counter()
+    works.append(group_ops.send(flag, prv, group, tag=_GO))
+    asked.wait()
+    works.append(group_ops.send(payload, nxt, group, tag=_PAYLOAD))
+    arrived.wait()
+    elapsed = max(time.perf_counter() - start, 1e-6)
+    for work in works:
+        assert work is not None
+        work.wait()
+    return elapsed

@@ -152,15 +152,15 @@ def all_to_all(
     return work
 
 
-def send(t: torch.Tensor, dst: int, group: Group | None) -> dist.Work | None:
-    """Send ``t`` to world rank ``dst``, under way."""
-    work: dist.Work | None = dist.isend(t, dst, group=_pg(group))
+def send(t: torch.Tensor, dst: int, group: Group | None, tag: int = 0) -> dist.Work | None:
+    """Send ``t`` to world rank ``dst``, under way (matched by a :func:`recv` of ``tag``)."""
+    work: dist.Work | None = dist.isend(t, dst, group=_pg(group), tag=tag)
     return work
 
 
-def recv(t: torch.Tensor, src: int, group: Group | None) -> dist.Work | None:
+def recv(t: torch.Tensor, src: int, group: Group | None, tag: int = 0) -> dist.Work | None:
     """Receive ``t`` from world rank ``src``, under way."""
-    work: dist.Work | None = dist.irecv(t, src, group=_pg(group))
+    work: dist.Work | None = dist.irecv(t, src, group=_pg(group), tag=tag)
     return work
 
 
