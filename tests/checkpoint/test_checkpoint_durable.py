@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -116,7 +119,7 @@ def test_a_preempted_job_commits_the_save_in_flight(tmp_path: Path) -> None:
         for w in writers:
             w.suspend()
         held = max(s for s, _ in manifest.committed(str(ck)))
-        time.sleep(3.0)  # the ranks hand the next save to the held writers, then wait for it
+        _until_handed_over(writers)
         launcher.send_signal(signal.SIGTERM)
         time.sleep(1.0)  # every rank has its SIGTERM
         for w in writers:
@@ -131,6 +134,25 @@ def test_a_preempted_job_commits_the_save_in_flight(tmp_path: Path) -> None:
             launcher.wait()
     assert launcher.returncode == 143, err.decode()[-3000:]
     assert max(s for s, _ in manifest.committed(str(ck))) > held, err.decode()[-3000:]
+
+
+def _queued(writer: psutil.Process) -> int:
+    """Bytes a rank has handed to its writer that the writer has not read: its job pipe's read
+    end is the first number after ``-c <program>`` on its command line (writer.py)."""
+    fd = os.open(f"/proc/{writer.pid}/fd/{writer.cmdline()[3]}", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+    finally:
+        os.close(fd)
+
+
+def _until_handed_over(writers: list[psutil.Process], most_s: float = 15.0) -> None:
+    """Until each held writer has a save queued (a rank handed it one and went on, to wait for
+    it at the next save). A writer held while it wrote a save never gets one (its rank waits for
+    that save first), but that save is in flight too: past ``most_s`` that is the case."""
+    deadline = time.monotonic() + most_s
+    while time.monotonic() < deadline and not all(_queued(w) for w in writers):
+        time.sleep(0.1)
 
 
 def test_a_new_job_in_a_used_directory_loses_nothing(
