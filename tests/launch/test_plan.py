@@ -204,3 +204,19 @@ def test_flag_errors() -> None:
         _options("-np", "2", "--check", "python")
     with pytest.raises(ConfigError, match="-x '1BAD'"):
         _options("-np", "1", "-x", "1BAD", "true")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("python", "t.py"),  # neither -np nor hosts whose slots count the ranks
+        ("-np", "2", "--check", "python"),
+        ("--host-discovery-script", "./hosts.sh", "-H", "a:1", "--min-np", "1", "python"),
+    ],
+)
+def test_flag_errors_end_with_a_hint_line(argv: tuple[str, ...]) -> None:
+    """docs/launch.md: a bad flag ends the run with what was wrong, then a ``HINT:`` line."""
+    with pytest.raises(ConfigError) as info:
+        _options(*argv)
+    what, _, hint = str(info.value).partition("\nHINT: ")
+    assert what and "HINT" not in what and hint, str(info.value)

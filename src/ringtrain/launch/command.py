@@ -375,13 +375,13 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     if discovering and hosts:
         raise ConfigError(
             "give --host-discovery-script or -H/--hostfile, not both: with a discovery script "
-            "the hosts are whatever it prints"
+            "the hosts are whatever it prints\nHINT: drop -H/--hostfile, or the script."
         )
     if np is None and discovering and args.min_np is not None:
         np = args.min_np
     if np is None:
         if not hosts:
-            raise ConfigError("how many ranks? HINT: ringtrain run -np 4 -- python train.py")
+            raise ConfigError("how many ranks? (-np)\nHINT: ringtrain run -np 4 -- python train.py")
         np = sum(h.slots for h in hosts)
     if not hosts and not discovering:
         hosts = [Host("localhost", np)]
@@ -452,7 +452,10 @@ def _command(args: argparse.Namespace) -> list[str]:
         command = command[1:]
     if args.check:
         if command:
-            raise ConfigError("--check runs its own smoke job; give no COMMAND with it")
+            raise ConfigError(
+                "--check runs its own smoke job; give no COMMAND with it\n"
+                "HINT: ringtrain run --check -H HOSTS, or drop --check to run COMMAND."
+            )
         command = [sys.executable, "-m", SMOKE_MODULE]
     return command
 
