@@ -30,3 +30,18 @@ def test_skipped_allreduce_reported_then_aborted(world3: World) -> None:
     assert "stopping the job" in msg
     with open(world3.logs[0]) as f:
         assert "stall:" in f.read(), "rank 0 logged no stall warning before aborting"
+
+
+def test_log_level_error_hides_the_stall_warning_not_the_stall_error(world3: World) -> None:
+    """docs/diagnostics.md: ``--log-level ERROR`` (RINGTRAIN_LOG_LEVEL) hides the warnings; the
+    StallError at the shutdown time still ends the job."""
+    with open(world3.logs[0]) as f:
+        before = len(f.read())
+    with pytest.raises(RankFailed) as info:
+        world3.run(
+            _skip_one, timeout=40, stall_warning_s=1.0, stall_shutdown_s=3.0, log_level="ERROR"
+        )
+    assert "--- rank 0 ---\nStallError" in str(info.value), str(info.value)
+    with open(world3.logs[0]) as f:
+        logged = f.read()[before:]
+    assert "stall:" not in logged and "has not submitted" not in logged, logged
