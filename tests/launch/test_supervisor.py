@@ -122,6 +122,13 @@ def test_success_prefixes_output_and_sets_horovod_variables(tmp_path: Path) -> N
     ]
 
 
+def test_no_prefix_relays_each_line_bare(tmp_path: Path) -> None:
+    """docs/launch.md: ``--no-prefix`` prints the ranks' lines without ``[rank] ``."""
+    code, out, err = _finish(_launch(tmp_path, 2, "hello", "--no-prefix"))
+    assert code == 0, err
+    assert sorted(out.splitlines()) == [f"hello from {r} of 2" for r in range(2)], out
+
+
 def test_failing_rank_ends_the_job_with_its_code(tmp_path: Path) -> None:
     proc = _launch(tmp_path, 3, "fail")
     pids = _wait_for_pids(tmp_path, 3)
