@@ -310,3 +310,74 @@ def test_join_does_not_stand_in_for_step_and_says_so_at_once(tmp_path: Path) -> 
     script.write_text(JOIN_A_STEP_SHORT.format(steps=2))
     done = subprocess.run(run, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0 and done.stdout.count("joined, last") == 2, done.stderr
+
+
+def _one_rank_away_from(where: str, away_s: float) -> tuple[str, str, float, str]:
+    """Rank 1 stays away ``away_s`` before its second step; rank 0 waits in ``where``: the
+    updater of an overlapped step (``overlap``: the next forward raises) or local updates'
+    outer exchange (``local``: step() raises). Rank 0's error, where it came, when, and the
+    stall warnings said before."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logging.getLogger("ringtrain").addHandler(handler)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    kind = {"overlap": {"overlap": True}, "local": {"sync_every": 2}}[where]
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        **kind,  # type: ignore[arg-type]
+    )
+    start, at, error = time.monotonic(), "step", ""
+    try:
+        for step in range(2):
+            if step == 1 and rt.rank() == 1:
+                time.sleep(away_s)  # stuck outside step(), in data loading, say
+            opt.zero_grad()
+            F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2)).backward()
+            opt.step()
+        at = "forward"
+        model(torch.randn(4, 8))  # the next forward waits for an overlapped step's update
+        at = ""
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        logging.getLogger("ringtrain").removeHandler(handler)
+    said = "\n".join(r for r in records if "has waited" in r)
+    return error, at, time.monotonic() - start, said
+
+
+@pytest.mark.parametrize(
+    ("where", "at", "waits_for"),
+    [
+        ("overlap", "forward", "the gradients of step 2"),
+    ],
+)
+def test_a_background_wait_is_watched_as_a_step(
+    world2: World, where: str, at: str, waits_for: str
+) -> None:
+    # overlap=True: step() returns at once and the updater thread waits for the peers; local
+    # updates (sync_every): step() waits for the outer exchange on the group's worker. Both
+    # waited silently until the transport timeout (30 s here) and then raised Gloo's bare
+    # "Timed out waiting ... for recv". Now, as a synchronous step()'s wait: a warning naming
+    # rank 1 past the warning time, and a StallError naming it past the shutdown time, raised
+    # where the rank next waits (the next forward for overlap).
+    (error, where_, took, said), _ = world2.run(
+        _one_rank_away_from, where, 9.0, stall_warning_s=1.0, stall_shutdown_s=2.0,
+        timeout_s=30.0, timeout=90,
+    )  # fmt: skip
+    assert (
+        error.startswith("StallError: step() gave up after ")
+        and f" s, past the stall shutdown time, for {waits_for}; ranks [0] wait there.\n" in error
+    ), error
+    assert "ranks [1] are not waiting in step()" in error, error
+    assert error.endswith("(--stall-shutdown-time, RINGTRAIN_STALL_SHUTDOWN_S, "
+                          "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)."), error  # fmt: skip
+    assert where_ == at and took < 7.0, (where_, took)
+    assert said.startswith(f"ringtrain: step() has waited 1 s for {waits_for}"), said
+    assert "ranks [1] are not waiting in step()" in said, said

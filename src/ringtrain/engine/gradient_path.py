@@ -406,7 +406,7 @@ class GradientPath:
                 warnings.warn(STEP_WITHOUT_SKIP, stacklevel=3)
             if self._overlapping(closure):
                 assert self.schedule is not None
-                self.schedule.step(self.planner, update, progress)
+                self.schedule.step(self.planner, update, progress, self._watch)
                 return self._step_done(None)
             updates = self.bucket_updates(closure)
             if updates is not None:

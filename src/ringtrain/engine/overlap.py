@@ -47,8 +47,8 @@ import torch
 
 from ringtrain.diagnostics import timeline
 from ringtrain.engine.buckets import NOT_SEEN, Observation, Plan
-from ringtrain.errors import CollectiveAbortedError, CollectiveError, ConfigError
-from ringtrain.runtime import departures, exit_guard
+from ringtrain.errors import CollectiveAbortedError, CollectiveError, ConfigError, RingtrainError
+from ringtrain.runtime import abort, departures, exit_guard
 
 # Fixed cost of one collective (Gloo's setup and thread hand-offs), in the replay.
 OP_COST_S = 0.001
@@ -340,12 +340,15 @@ class Overlap:
         finish_slot: Callable[[int], None],
         finish_all: Callable[[], None],
         update: Callable[[int], None] | None = None,
+        watch: tuple[Any, int] | None = None,
     ) -> None:
         """Update bucket ``order[0]``, ``order[1]``, ... as each one's reduction completes
         (``finish_slot(s)`` waits for bucket ``s`` and writes its averages into ``.grad``),
         then ``finish_all()``. The buckets are launched already; this returns at once.
         ``update(s)``, if given, updates bucket ``s`` instead of the wrapped optimizer (the
-        sharded step: this rank's shard, then the all-gather of the bucket's parameters)."""
+        sharded step: this rank's shard, then the all-gather of the bucket's parameters).
+        ``watch``: the optimizer's :class:`~ringtrain.diagnostics.engine_wait.WaitWatch` and
+        this step's number: the updater's wait is watched as ``step()``'s own."""
         assert not self.pending, "start() while the previous step's updates are pending"
         opt = self._optimizer
         # The hyper-parameters as they are now: an LR scheduler may change them after step().
@@ -365,7 +368,24 @@ class Overlap:
                     _waits[id(p)] = pending
         self._idle.clear()
         run = update if update is not None else (lambda s: step_subset(opt, plans[s]))
-        self._submit(lambda: self._run(list(order), run, finish_slot, finish_all))
+        jobs = (list(order), run, finish_slot, finish_all)
+        self._submit(lambda: self._watched(watch, jobs))
+
+    def _watched(self, watch: tuple[Any, int] | None, jobs: tuple[Any, Any, Any, Any]) -> None:
+        """:meth:`_run`, its wait watched as a synchronous ``step()``'s (engine_wait): past the
+        stall warning time it names the ranks missing; past the stall shutdown time it ends in
+        a StallError naming them, which the main thread raises at its next wait (the next
+        forward, ``synchronize()``, ``shutdown()`` or the exit)."""
+        if watch is None:
+            self._run(*jobs)
+            return
+        w, step = watch
+        w.begin(step)
+        try:
+            with abort.stopping(w.check if w.shutdown_s > 0 else None):
+                self._run(*jobs, named=w.failed)
+        finally:
+            w.end()
 
     def _run(
         self,
@@ -373,7 +393,10 @@ class Overlap:
         update: Callable[[int], None],
         finish_slot: Callable[[int], None],
         finish_all: Callable[[], None],
+        named: Callable[[BaseException], BaseException] | None = None,
     ) -> None:
+        """``named(e)``: the error to hand on for a wait that failed in ``e`` (the watch's:
+        past the transport timeout, a StallError naming the ranks elsewhere)."""
         rec = timeline.current()
         try:
             for s in order:
@@ -391,6 +414,8 @@ class Overlap:
             finish_all()
         except BaseException as e:  # handed to the main thread at its next wait
             self._error = e
+            if named is not None and not isinstance(e, RingtrainError):
+                self._error = named(e)
         finally:
             with self._lock:
                 for pending in self._pending:

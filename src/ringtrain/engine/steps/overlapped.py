@@ -60,9 +60,10 @@ class Overlapped:
         check_dense(plan, names)  # refused at the learning step already (Planner.make_plan)
         return planner.launch_order is not None
 
-    def step(self, planner: Planner, update: Update, progress: Any) -> None:
+    def step(self, planner: Planner, update: Update, progress: Any, watch: Any = None) -> None:
         """Launch what is left and hand the waiting and the per-bucket updates to the updater
-        thread: the parameters are updated by the time they are next used."""
+        thread: the parameters are updated by the time they are next used. ``watch``: the
+        optimizer's WaitWatch (None: none), which watches the updater's wait."""
         exchange = planner.exchange
         assert exchange is not None
         t0 = time.perf_counter()
@@ -75,7 +76,8 @@ class Overlapped:
         progress.syncs += 1
         update.replan(planner.plan)
         group = planner.updater_group
-        self.launch(exchange, planner.launch_order, update.bucket_update(group), group)
+        watched = (watch, progress.syncs) if watch is not None else None
+        self.launch(exchange, planner.launch_order, update.bucket_update(group), group, watched)
         timeline.current().span("step", "STEP_LAUNCHED", t0, time.perf_counter())
 
     @property
@@ -100,6 +102,7 @@ class Overlapped:
         order: Sequence[int] | None,
         update: Callable[[int], None] | None,
         redo_group: Any,
+        watch: tuple[Any, int] | None = None,
     ) -> None:
         """The buckets are launched: hand their waiting and their updates to the updater
         thread (``update(s)``, or the wrapped optimizer's own, per bucket)."""
@@ -110,6 +113,7 @@ class Overlapped:
             functools.partial(exchange.finish_slot, redo_group=redo_group),
             exchange.reset,
             update,
+            watch,
         )
         self.open = True
 
