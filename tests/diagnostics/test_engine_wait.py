@@ -356,6 +356,7 @@ def _one_rank_away_from(where: str, away_s: float) -> tuple[str, str, float, str
     ("where", "at", "waits_for"),
     [
         ("overlap", "forward", "the gradients of step 2"),
+        ("local", "step", "the outer exchange of local updates (sync_every=2)"),
     ],
 )
 def test_a_background_wait_is_watched_as_a_step(

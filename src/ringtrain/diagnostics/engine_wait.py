@@ -19,12 +19,13 @@ Posts are taken back when the wait ends, and only a wait that lasted writes anyt
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from ringtrain.diagnostics import stall
 from ringtrain.errors import (
@@ -33,9 +34,10 @@ from ringtrain.errors import (
     RingtrainError,
     StallError,
 )
-from ringtrain.runtime import exit_guard
+from ringtrain.runtime import abort, exit_guard
 
 log = logging.getLogger("ringtrain")
+T = TypeVar("T")
 
 FINISHED = "finished"
 # A wait is posted after half the warning time, or this long if sooner: a peer in join() reads
@@ -63,12 +65,14 @@ def explain(
     doing: Mapping[int, str] | None = None,
     shutdown_s: float = 0.0,
     stopped: bool = False,
+    what: str = "",
 ) -> str:
     """The warning for rank ``me``, waiting ``waited_s`` in ``step`` (``failed``: the error of
     a wait that ran past the transport timeout; ``stopped``: the error of one ended at the stall
     shutdown time, ``shutdown_s``). ``states`` holds every member rank's post: a step number it
     waits in, :data:`FINISHED`, or None (no post). ``doing``: for ranks without a post, the
-    collective they are known to wait in instead (the controllers' posts)."""
+    collective they are known to wait in instead (the controllers' posts). ``what``: what the
+    wait is for, if not step ``step``'s gradients (local updates' outer exchange)."""
     doing = doing or {}
     same = sorted(r for r, s in states.items() if s == step)
     other = {r: s for r, s in states.items() if isinstance(s, int) and s != step}
@@ -83,7 +87,7 @@ def explain(
         )
     else:
         waited = f"ringtrain: step() has waited {waited_s:.0f} s"
-    lines = [f"{waited} for the gradients of step {step}; ranks {same} wait there."]
+    lines = [f"{waited} for {what or f'the gradients of step {step}'}; ranks {same} wait there."]
     for r, s in sorted(other.items()):
         lines.append(
             f"  rank {r} waits in step {s}: it ran {abs(s - step)} step(s) "
@@ -145,7 +149,8 @@ class WaitWatch:
         self._timeout_s = timeout_s
         self._clock = clock
         self._cond = threading.Condition()
-        self._wait: tuple[int, float] | None = None  # (step, since)
+        # (step, since, what): what the wait is for, if not the step's gradients (explain)
+        self._wait: tuple[int, float, str] | None = None
         self._posted = False  # this wait is posted
         self._warned = False  # this wait was reported
         self._unpost = False  # a post of an ended wait is still in the store
@@ -161,9 +166,9 @@ class WaitWatch:
     def _key(self, rank: int) -> str:
         return f"{self._prefix}/waiting/{rank}"
 
-    def begin(self, step: int) -> None:
+    def begin(self, step: int, what: str = "") -> None:
         with self._cond:
-            self._wait = (step, self._clock())
+            self._wait = (step, self._clock(), what)
             self.last_step = step
             self._posted = self._warned = False
             self._look_at = self._wait[1] + self.shutdown_s + self._post_s()
@@ -226,14 +231,16 @@ class WaitWatch:
             return e
         if "timed out" not in str(e).lower():
             return e
-        step, since = wait
+        step, since, what = wait
         try:
             states = {r: self._state(r) for r in self.members}
         except Exception:  # the store is gone too: Gloo's error is all there is
             return e
         waited = self._clock() - since
         doing = self._elsewhere(states)
-        return StallError(explain(self._rank, step, waited, states, self._timeout_s, True, doing))
+        return StallError(
+            explain(self._rank, step, waited, states, self._timeout_s, True, doing, what=what)
+        )
 
     def _run(self) -> None:
         while True:
@@ -261,7 +268,7 @@ class WaitWatch:
             if self._wait is None or (self._warned and not looks):
                 self._cond.wait()
                 continue
-            step, since = self._wait
+            step, since, _ = self._wait
             dues = [since + (self.warning_s if self._posted else self._post_s())]
             dues = dues if not self._warned else []
             dues += [self._look_at] if looks and self._posted else []
@@ -290,6 +297,7 @@ class WaitWatch:
         with self._cond:
             if self._wait is None or self._wait[0] != step:
                 return
+            what = self._wait[2]
             if not missing:  # all here: a slow exchange, not a stall; looked at again later
                 self._missing, self._look_at = None, self._clock() + self._post_s()
                 return
@@ -298,7 +306,7 @@ class WaitWatch:
                 return
             self._stall = explain(
                 self._rank, step, waited, states, self._timeout_s, False, doing,
-                self.shutdown_s, stopped=True,
+                self.shutdown_s, stopped=True, what=what,
             )  # fmt: skip
 
     def _report(self, step: int, waited: float) -> None:
@@ -309,12 +317,13 @@ class WaitWatch:
         if waiting_here and min(waiting_here) != self._rank:
             return  # the lowest waiting rank speaks for all
         with self._cond:
-            still = self._wait is not None and self._wait[0] == step
-        if still:
+            what = self._wait[2] if self._wait is not None and self._wait[0] == step else None
+        if what is not None:
             doing = self._elsewhere(states)
             said = explain(
-                self._rank, step, waited, states, self._timeout_s, False, doing, self.shutdown_s
-            )
+                self._rank, step, waited, states, self._timeout_s, False, doing, self.shutdown_s,
+                what=what,
+            )  # fmt: skip
             log.warning("%s", said)
 
     def _elsewhere(self, states: Mapping[int, int | str | None]) -> dict[int, str]:
@@ -334,6 +343,28 @@ class WaitWatch:
         if self._store.check([finished_key(rank)]):
             return FINISHED
         return None
+
+
+def watched_result(
+    watch: WaitWatch | None, step: int, fut: concurrent.futures.Future[T], what: str
+) -> T:
+    """``fut.result()`` (collectives a worker thread runs for this one) watched as ``step()``'s
+    own wait, as wait ``step`` for ``what`` (see :func:`explain`): past the stall warning
+    time the ranks missing are named, past the stall shutdown time the wait ends in a
+    StallError naming them. ``watch`` None: a plain wait."""
+    if watch is None:
+        return fut.result()
+    watch.begin(step, what)
+    try:
+        with abort.stopping(watch.check if watch.shutdown_s > 0 else None):
+            return abort.wait_future(fut)
+    except RuntimeError as e:
+        named = watch.failed(e)
+        if named is e:
+            raise
+        raise named from e
+    finally:
+        watch.end()
 
 
 def standing_in(ranks: Sequence[int], finished_within: Callable[[float], bool]) -> None:

@@ -418,6 +418,7 @@ class GradientPath:
         progress.set(Phase.SYNCHRONIZED, False)
         if isinstance(update, local_update.LocalUpdate):
             update.weight = self._outer_weight(update)
+            update.watch(self._watch)
         t0 = time.perf_counter()
         update.replan(self.planner.plan)
         local = update if isinstance(update, local_update.LocalUpdate) else None

@@ -35,6 +35,7 @@ plain average of the weights and the inner state and the optimizer goes synchron
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -43,7 +44,7 @@ from typing import Any, TypeVar
 import torch
 
 from ringtrain import transport
-from ringtrain.diagnostics import timeline
+from ringtrain.diagnostics import engine_wait, timeline
 from ringtrain.engine import (
     anchor_agreement,
     local_first,
@@ -68,6 +69,21 @@ OUTER_MOMENTUM = 0.9
 
 T = TypeVar("T")
 OuterFactory = Callable[[Sequence[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+class WatchedHold(transport.Hold):
+    """The outer exchange's hold on its group's worker (:class:`ringtrain.transport.Hold`),
+    whose results are waited for as ``step()``'s gradients are (``engine_wait``)."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__(group)
+        self.watch: engine_wait.WaitWatch | None = None
+        self.waits = 0  # watched waits so far: the same count on every rank
+
+    def result(self, fut: concurrent.futures.Future[T], every: int) -> T:
+        self.waits += 1
+        what = f"the outer exchange of local updates (sync_every={every})"
+        return engine_wait.watched_result(self.watch, self.waits, fut, what)
 
 
 def nesterov(params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -121,7 +137,7 @@ class LocalUpdate:
         # Every collective of the outer step runs as one job on the group's worker, queued from
         # the main thread: behind what other optimizers queued there before, in the same order
         # on every rank (transport.workers.SharedWorkers). An overlapped one is not waited for.
-        self._serial = transport.Hold(group)
+        self._serial = WatchedHold(group)
         self.anchor: list[torch.Tensor] | None = None
         self.inner_steps = 0  # since the round began
         self.outer_steps = 0  # rounds ended
@@ -307,7 +323,13 @@ class LocalUpdate:
         before has ended, this optimizer's exchanges in flight and any other's: on the group's
         worker, so every rank runs it in the same order with them. It waits for them (an
         overlapped round's exchange is then exposed)."""
-        return self._serial.submit(fn).result()
+        return self._serial.result(self._serial.submit(fn), self.sync_every)
+
+    def watch(self, watch: engine_wait.WaitWatch | None) -> None:
+        """The optimizer's wait watch (None: none; set before each step, the watch is made
+        again when the world is re-formed): the waits for the outer exchange name the ranks
+        missing past the stall warning time, and end at the stall shutdown time."""
+        self._serial.watch = watch
 
     @property
     def outer_reason(self) -> str:
@@ -362,7 +384,7 @@ class LocalUpdate:
         belongs to the next round's change). What is applied never depends on when the
         exchange finished."""
         assert frag.pending is not None and frag.base is not None
-        mean = frag.pending.result()
+        mean = self._serial.result(frag.pending, self.sync_every)
         frag.pending = None
         with torch.no_grad():
             progress = [self._params[i].detach() - b for i, b in zip(frag.indices, frag.base)]
@@ -529,7 +551,7 @@ class LocalUpdate:
         self._serial.release()
         self._wire = transport.of(group)
         self._group = group
-        self._serial = transport.Hold(group)
+        self._serial = WatchedHold(group)
         for frag in self.fragments:
             frag.codec = OuterCodec(self._compression, self._wire)
         self.inner_steps = 0

@@ -86,7 +86,7 @@ def wait_future(fut: concurrent.futures.Future[T]) -> T:
         except concurrent.futures.TimeoutError:
             if fut.done():
                 raise  # the operation's own timeout, not the slice's
-            stop()
+        stop()  # outside the except: its error is no consequence of the slice's timeout
 
 
 def wait_work(work: Work, since: int | None = None) -> None:
