@@ -27,9 +27,10 @@ JOB = Path(__file__).with_name("overlap_exit_job.py")
 MISSED = "the last step's update did not complete before"
 
 
-def _job(out: Path, mode: str, late: float, timeout_s: int) -> tuple[int, str]:
+def _job(out: Path, mode: str, late: float, timeout_s: int, *flags: str) -> tuple[int, str]:
     argv = [sys.executable, "-m", "ringtrain", "run", "-np", "2", "-x", "OMP_NUM_THREADS=1"]
-    argv += ["--timeout", str(timeout_s), "--", sys.executable, str(JOB), str(out), mode]
+    argv += ["--timeout", str(timeout_s), *flags]
+    argv += ["--", sys.executable, str(JOB), str(out), mode]
     argv += [str(late)]
     # Its own session: a job that does not end is stopped with its ranks.
     job = subprocess.Popen(
@@ -69,6 +70,30 @@ def test_a_last_update_that_cannot_complete_fails_the_rank(tmp_path: Path, mode:
     assert code != 0, said
     assert f"{MISSED} {'shutdown()' if mode == 'shutdown' else 'the script'}" in said, said
     assert "rank 0" in said and "exited with code 1" in said, said
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["overlap", "shutdown"])
+def test_a_last_update_whose_peer_stays_away_ends_at_the_stall_shutdown_time(
+    tmp_path: Path, mode: str
+) -> None:
+    # Rank 1 comes 30 s late to its last step; the transport timeout is 60 s. Rank 0's exit
+    # (or shutdown()) waited for the pending update silently until rank 1 came. As step()'s
+    # wait: a warning naming rank 1 past the warning time, and past the stall shutdown time a
+    # StallError that names it, whole (the update's summary cut it at 300 characters).
+    # A shutdown time the ranks' start under load stays within (broadcast_parameters is a
+    # negotiated collective: the stall inspector ends it too).
+    flags = ("--stall-warning-time", "1", "--stall-shutdown-time", "8")
+    code, said = _job(tmp_path, mode, 30.0, 60, *flags)
+    assert code != 0, said  # before: 0, once rank 1 came
+    assert "ringtrain: step() has waited 1 s for the gradients of step 4" in said, said
+    assert (
+        f"StallError: {MISSED} {'shutdown()' if mode == 'shutdown' else 'the script'}" in said
+        or f"ringtrain: {MISSED} the script's end" in said
+    ), said
+    assert "past the stall shutdown time, for the gradients of step 4" in said, said
+    assert "ranks [1] are not waiting in step()" in said, said
+    assert "the stall exceeded the shutdown time of 8 s" in said, said
 
 
 @pytest.mark.timeout(200)

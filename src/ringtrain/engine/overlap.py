@@ -47,7 +47,13 @@ import torch
 
 from ringtrain.diagnostics import timeline
 from ringtrain.engine.buckets import NOT_SEEN, Observation, Plan
-from ringtrain.errors import CollectiveAbortedError, CollectiveError, ConfigError, RingtrainError
+from ringtrain.errors import (
+    CollectiveAbortedError,
+    CollectiveError,
+    ConfigError,
+    RingtrainError,
+    StallError,
+)
 from ringtrain.runtime import abort, departures, exit_guard
 
 # Fixed cost of one collective (Gloo's setup and thread hand-offs), in the replay.
@@ -530,6 +536,11 @@ def finish_all(before: str) -> None:
     they did not."""
     try:
         drain_all()
+    except StallError as failed:  # the watched wait ended: its report whole, not summarized
+        raise StallError(
+            f"the last step's update did not complete before {before} (overlap=True); this "
+            f"rank's parameters miss it: {failed}"
+        ) from failed
     except Exception as failed:
         kind = (
             CollectiveAbortedError
