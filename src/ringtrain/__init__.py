@@ -82,7 +82,7 @@ _EXPORTS: dict[str, str] = {
     "broadcast_object": "ringtrain.collectives.objects",
     "allgather_object": "ringtrain.collectives.objects",
     "barrier": "ringtrain.collectives.objects",
-    "join": "ringtrain.collectives.objects",
+    "join": "ringtrain.engine.state_sync",
     "Handle": "ringtrain.collectives.handles",
     "ReduceOp": "ringtrain.collectives.reduce_ops",
     "Average": "ringtrain.collectives.reduce_ops",
@@ -129,7 +129,6 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real objects ("X as X": re-e
     from ringtrain.collectives.objects import allgather_object as allgather_object
     from ringtrain.collectives.objects import barrier as barrier
     from ringtrain.collectives.objects import broadcast_object as broadcast_object
-    from ringtrain.collectives.objects import join as join
     from ringtrain.collectives.ops import allgather as allgather
     from ringtrain.collectives.ops import allgather_async as allgather_async
     from ringtrain.collectives.ops import allreduce as allreduce
@@ -167,6 +166,7 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real objects ("X as X": re-e
     from ringtrain.engine.optimizer import DistributedOptimizer as DistributedOptimizer
     from ringtrain.engine.state_sync import broadcast_optimizer_state as broadcast_optimizer_state
     from ringtrain.engine.state_sync import broadcast_parameters as broadcast_parameters
+    from ringtrain.engine.state_sync import join as join
     from ringtrain.engine.sync_batch_norm import SyncBatchNorm as SyncBatchNorm
     from ringtrain.errors import CollectiveArgumentError as CollectiveArgumentError
     from ringtrain.errors import CollectiveError as CollectiveError

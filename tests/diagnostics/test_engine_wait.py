@@ -276,7 +276,8 @@ hvd.init()
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 2)
 opt = hvd.DistributedOptimizer(
-    torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+    overlap={overlap},
 )
 for _ in range({steps} if hvd.rank() == 0 else 2):
     opt.zero_grad()
@@ -287,15 +288,18 @@ print("joined, last", hvd.join(), flush=True)
 
 
 @pytest.mark.timeout(120)
-def test_join_does_not_stand_in_for_step_and_says_so_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+def test_join_does_not_stand_in_for_step_and_says_so_at_once(tmp_path: Path, overlap: bool) -> None:
     """Rank 1's data runs out a step early and it joins, Horovod's pattern for uneven data:
     join() contributes zeros to explicit allreduces, not to step()'s exchange, so rank 0 would
     wait in step 3 until the transport timeout (60 s here). Rank 1 reads rank 0's post and
-    raises; its exit ends rank 0's wait with its words. With as many steps, join() is harmless."""
+    raises; its exit ends rank 0's wait with its words. With as many steps, join() is harmless.
+    With overlap=True rank 0 waits in the updater thread, which posted nothing: the job hung
+    until the transport timeout (before its wait was watched as step()'s)."""
     script = tmp_path / "job.py"
     run = [sys.executable, "-m", "ringtrain", "run", "-np", "2", "--timeout", "60"]
     run += ["--stall-warning-time", "1", "--", sys.executable, str(script)]
-    script.write_text(JOIN_A_STEP_SHORT.format(steps=3))
+    script.write_text(JOIN_A_STEP_SHORT.format(steps=3, overlap=overlap))
     t0 = time.monotonic()
     done = subprocess.run(run, capture_output=True, text=True, timeout=100)
     assert done.returncode == 1 and time.monotonic() - t0 < 45, done.stderr
@@ -307,7 +311,9 @@ def test_join_does_not_stand_in_for_step_and_says_so_at_once(tmp_path: Path) -> 
         "step(s); it would wait until the transport timeout." in report
     ), report
     assert "ringtrain.errors.PeerFailedError: rank 0: a peer left the job: rank 1" in report
-    script.write_text(JOIN_A_STEP_SHORT.format(steps=2))
+    if overlap:
+        return
+    script.write_text(JOIN_A_STEP_SHORT.format(steps=2, overlap=overlap))
     done = subprocess.run(run, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0 and done.stdout.count("joined, last") == 2, done.stderr
 

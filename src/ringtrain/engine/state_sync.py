@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ringtrain.collectives import ops
+from ringtrain.collectives import objects, ops
 from ringtrain.collectives.objects import allgather_object, broadcast_object
 from ringtrain.engine import overlap
 from ringtrain.errors import CollectiveArgumentError, by_rank
@@ -289,3 +289,13 @@ def broadcast_optimizer_state(
         ops.synchronize(h)
     if me != root_rank:
         owner.load_state_dict(_fill(skeleton, tensors))
+
+
+def join(device: int = -1, process_set: ProcessSet | None = None) -> int:
+    """:func:`ringtrain.collectives.objects.join` (Horovod's), once this rank's overlapped
+    updates (``overlap=True``) have ended, as Horovod's ``step()`` returns with the update done.
+    A rank whose last step still waited in the updater joined at once: its peer, one step
+    short, joined too, and the job ended with that update missing, not with join()'s error that
+    it does not stand in for ``step()`` (the peer now sees this rank wait in that step)."""
+    overlap.drain_all()
+    return objects.join(device, process_set)

@@ -7,7 +7,7 @@ imports the same objects from here; each is the one ``hvd.<name>`` is. Horovod's
 
 from __future__ import annotations
 
-from ringtrain.collectives.objects import barrier, join
+from ringtrain.collectives.objects import barrier
 from ringtrain.collectives.ops import (
     allgather,
     allgather_async,
@@ -37,6 +37,7 @@ from ringtrain.collectives.ops import (
 )
 from ringtrain.collectives.reduce_ops import Adasum, Average, Max, Min, Product, Sum
 from ringtrain.compression import Compression
+from ringtrain.engine.state_sync import join
 from ringtrain.errors import HorovodInternalError
 from ringtrain.lifecycle import (
     add_process_set,
