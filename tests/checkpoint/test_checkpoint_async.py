@@ -88,6 +88,32 @@ def test_buffers_of_a_killed_process_are_removed(tmp_path: Path) -> None:
     assert not os.path.exists(mine)
 
 
+_UNCLOSED = """
+import sys, torch
+import ringtrain.checkpoint as ckpt
+saver = ckpt.Checkpointer(sys.argv[1], writer=sys.argv[2])
+saver.save(1, model=torch.nn.Linear(256, 256))
+print(saver.buffer_dir, flush=True)
+"""  # and the script ends: no close(), no wait(), no with-block
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_a_save_in_flight_when_the_script_ends_is_committed(tmp_path: Path, kind: str) -> None:
+    """A script that saves at its last step and ends without close(): the exit waits for the
+    save in flight, as Python waits for a ThreadPoolExecutor's work. It ended with code 0 and
+    that save left only a partial directory (the writer died with the process), its buffers
+    kept in /dev/shm until the next Checkpointer on the machine."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNCLOSED, str(tmp_path), kind],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert [s for s, _ in manifest.committed(str(tmp_path))] == [1], os.listdir(tmp_path)
+    assert not [n for n in os.listdir(tmp_path) if "partial" in n]
+    if kind == "process":
+        assert not os.path.exists(proc.stdout.strip())  # its buffers were freed
+
+
 def test_failed_write_is_raised_at_the_next_save(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

@@ -22,6 +22,7 @@ semantics; ``Checkpointer(writer=...)`` and the ``checkpoint_writer`` setting ch
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import io
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -410,6 +412,7 @@ class Checkpointer:
         # Rank 0 commits (a rank 0 of a later elastic world imports DCP at its first commit).
         rank0 = api._where()[0] == 0
         self._writer = ThreadWriter() if kind == "thread" else _ProcessWriter(commits=rank0)
+        _unclosed.add(self)
         return self._writer
 
     def _collect(self, block: bool) -> None:
@@ -454,6 +457,7 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            _unclosed.discard(self)
             if self._writer is not None:
                 self._writer.close()
 
@@ -512,3 +516,29 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# Checkpointers with a writer that were not closed. A script that saves at its last step and
+# ends without close() (no ``with``) lost that save: the writer process died with the rank
+# (PR_SET_PDEATHSIG), the writer thread is a daemon, and the exit code was 0.
+_unclosed: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    """atexit: close every Checkpointer left open, so the save in flight commits (as Python
+    waits for a ThreadPoolExecutor's work) and its buffers are freed. Not in a rank that is
+    failing (an uncaught exception): it leaves at once with its own exit code."""
+    from ringtrain.runtime import departures  # not at import: the writer process imports this
+
+    if departures.failure() is not None:
+        return
+    for saver in list(_unclosed):
+        try:
+            if saver.in_flight():
+                log.info("ringtrain: waiting for the save into %s at exit", saver._inflight)
+            saver.close()
+        except Exception as e:  # nobody is left to raise to: say it where the job's output is
+            sys.stderr.write(f"ringtrain: at exit: {e}\n")
+
+
+atexit.register(_close_at_exit)
