@@ -49,6 +49,29 @@ def test_bad_host_specs_quote_the_token(spec: str, quoted: str) -> None:
     assert quoted in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    ["localhost:1,127.0.0.1:1", f"127.0.0.1:2,{socket.gethostname()}:2", "local,localhost:3"],
+)
+def test_this_machine_under_two_names_is_refused(spec: str, tmp_path) -> None:
+    """``-H localhost:1,127.0.0.1:1`` ran two agents here, each sure it had a host of its own:
+    both ranks got local_rank 0 (the same GPU under ``set_device(local_rank())``) and the same
+    cores. Like a host listed twice, it is refused, with the sum of the slots to give."""
+    first, second = (t.rpartition(":")[0] or t for t in spec.split(","))
+    with pytest.raises(HostSpecError) as e:
+        parse_hosts(spec, "-H")
+    said = str(e.value)
+    assert f"{first!r} and {second!r} both name this machine" in said, said
+    assert "local_rank" in said and "HINT: give this machine once" in said, said
+    (tmp_path / "hosts").write_text(spec.replace(",", "\n"))
+    with pytest.raises(HostSpecError, match="both name this machine"):
+        parse_hostfile(tmp_path / "hosts")
+    assert parse_hosts("localhost:2,a:1") == [Host("localhost", 2), Host("a", 1)]
+    argv = [sys.executable, "-m", "ringtrain", "run", "-H", spec, "-np", "2", "--", "true"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "both name this machine" in done.stderr, done.stderr
+
+
 def test_hostfile(tmp_path) -> None:
     f = tmp_path / "hosts"
     f.write_text("# cluster\n\nnode1 slots=4\nnode2 slots=2  # half\nnode3:1\n")

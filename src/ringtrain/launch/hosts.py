@@ -129,6 +129,7 @@ def _host(name: str, slots: str, token: str) -> Host:
 
 def _unique(hosts: list[Host], where: str) -> list[Host]:
     seen: set[str] = set()
+    here: Host | None = None  # this machine, under the first of its names listed
     for h in hosts:
         if h.name in seen:
             raise HostSpecError(
@@ -136,4 +137,15 @@ def _unique(hosts: list[Host], where: str) -> list[Host]:
                 "HINT: give it once with all its slots, e.g. localhost:4."
             )
         seen.add(h.name)
+        if h.is_local and here is not None:
+            # Two agents here, each sure it has a host of its own: every rank local_rank 0
+            # (one GPU for all under set_device(local_rank())), each bound to the same cores.
+            raise HostSpecError(
+                f"{here.name!r} and {h.name!r} both name this machine in {where!r}: its ranks "
+                "would run as on two hosts, each with local_rank 0 (the same GPU) and the same "
+                f"cores.\nHINT: give this machine once with all its slots, e.g. "
+                f"{here.name}:{here.slots + h.slots}."
+            )
+        if h.is_local:
+            here = h
     return hosts
