@@ -199,9 +199,10 @@ def shutdown() -> None:
     _leave(failure)
 
 
-def _leave(failure: str | None) -> bool:
-    """Shut down; ``failure``: this rank's uncaught exception. Returns whether every
-    controller told its peers in time (else the groups were abandoned, not destroyed)."""
+def _leave(failure: str | None, at_exit: bool = False) -> bool:
+    """Shut down; ``failure``: this rank's uncaught exception; ``at_exit``: the script ended
+    (or called ``sys.exit(n)``, whose code no hook sees). Returns whether every controller told
+    its peers in time (else the groups were abandoned, not destroyed)."""
     rt = state.current()
     told = True
     heartbeat.say(heartbeat.LEAVING)
@@ -219,7 +220,7 @@ def _leave(failure: str | None) -> bool:
         trainjob_status.stop()  # its last post, bounded by the post timeout
         _post_finished(rt.rank)
         if failure is None:  # a failure was posted by the except hook, before the traceback
-            departures.post(departures.FINISHED)
+            departures.post(departures.FINISHED, departures.AT_EXIT if at_exit else "")
         wait = SHUTDOWN_WAIT_S if failure is None else FAILED_SHUTDOWN_WAIT_S
         for ps in sorted(rt.process_sets.values(), key=lambda p: -(p.process_set_id or 0)):
             ctl = ps.communicator.service("controller")
@@ -396,7 +397,7 @@ def _shutdown_at_exit() -> None:
             sys.stderr.write(f"ringtrain: {e}\nringtrain: exiting with code 1.\n")
             failure, lost = departures.raising(), True  # posted where the peers look
     try:
-        _leave(failure)
+        _leave(failure, at_exit=True)
     except Exception as e:  # at exit there is nobody left to raise to
         log.warning("ringtrain shutdown at exit failed: %s", e)
     if lost:  # the script ended as if its last update were done: the launcher must hear not

@@ -147,6 +147,30 @@ def test_under_torchrun_the_peer_ends_naming_the_failed_rank(tmp_path: Path) -> 
     shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
     reason="no torchrun",
 )
+@pytest.mark.parametrize("where", ["step", "allreduce"])
+def test_under_torchrun_a_rank_that_called_sys_exit_is_not_said_to_have_finished(
+    tmp_path: Path, where: str
+) -> None:
+    """``sys.exit(3)`` while the peer waits in ``step()`` or a negotiated allreduce: torchrun
+    records no exit code where a peer can read it, so the peer cannot know it; its error said
+    "finished" and "HINT: no rank failed" (or "shut down (its script ended or called
+    shutdown())"), and now says what it cannot know and where the code is."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    argv = [torchrun, "--nproc-per-node", "2", "--monitor-interval", "0.5"]
+    argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]
+    argv += [str(JOB), str(tmp_path), "exit3", where]
+    done, _ = _run(argv, tmp_path)
+    assert done.returncode != 0
+    _, error = json.loads((tmp_path / "error.0").read_text())
+    assert error.startswith("PeerFailedError") and "rank 1 (host" in error, error
+    assert "its script ended or called sys.exit()" in error, error
+    assert "HINT: no rank failed;" not in error, error
+
+
+@pytest.mark.skipif(
+    shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
+    reason="no torchrun",
+)
 def test_under_torchrun_a_restarted_try_starts_afresh(tmp_path: Path) -> None:
     """torchrun --max-restarts: rank 1 raises in the first try and torchrun starts both ranks
     again. Its agent keeps its store, so the new try's init() read the first try's keys (the

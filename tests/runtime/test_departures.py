@@ -105,6 +105,38 @@ def test_a_finished_post_takes_the_exit_code_the_launcher_recorded(
     assert got[2].how == FINISHED and got[3].how == FINISHED  # 3: no record within the wait
 
 
+def test_an_end_at_exit_with_no_exit_code_known_is_not_called_a_finish(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under torchrun or mpirun nobody records exit codes: a rank whose shutdown ran at exit
+    may have ended with ``sys.exit(3)``. Its peer said "finished" and "HINT: no rank failed"
+    (mpirun then named the peer's own exit code 1 as the first failure); it now says what it
+    cannot know and where the code is. An explicit ``shutdown()``, or an exit the launcher
+    recorded as code 0, is a finish."""
+    from ringtrain.launch.failures import exited_key
+
+    monkeypatch.setattr(departures, "EXIT_WAIT_S", 0.2)
+    store = dist.HashStore()
+    store.set(
+        departures.PREFIX + "1", Departure(1, FINISHED, departures.AT_EXIT, "a", 1.0).encode()
+    )
+    store.set(departures.PREFIX + "2", Departure(2, FINISHED, "", "b", 2.0).encode())
+    for records in (False, True):
+        monkeypatch.setattr(departures, "_launcher_records_exits", lambda r=records: r)
+        at_exit, called = departures.read(store, [1, 2])
+        told = str(departures._named(0, "", [at_exit], "  (ended)"))
+        assert at_exit.describe().startswith(
+            "rank 1 (host a) left without an exception: its script ended or called sys.exit()"
+        ), at_exit.describe()
+        assert "no rank failed" not in told.split("HINT:")[1].split(";")[0], told
+        assert "the exit code your launcher reports for rank 1" in told, told
+        assert called.describe().startswith("rank 2 (host b) finished: its script ended")
+    store.set(exited_key(1), "exited with code 0")
+    at_exit, _ = departures.read(store, [1, 2])
+    assert at_exit.describe().startswith("rank 1 (host a) finished: its script ended")
+    assert "HINT: no rank failed" in str(departures._named(0, "", [at_exit], "  (ended)"))
+
+
 def test_the_hint_follows_the_first_departure() -> None:
     failed = Departure(1, FAILED, "ValueError: x", "a", 7.0)
     finished = Departure(2, FINISHED, "", "b", 5.0)

@@ -62,6 +62,9 @@ READ_TIMEOUT_S = 2.0  # a peer reading the posts after its wait broke; the store
 # delays no job's end: the launcher ends the job when the exit arrives, whatever the peer does.
 EXIT_WAIT_S = 15.0
 FAILED, FINISHED, STOPPED = "failed", "finished", "interrupted"
+# The ``why`` of a finish posted by the at-exit shutdown: the script ended, or called
+# ``sys.exit(n)`` with a code no hook sees. Only the launcher's record (or none) tells which.
+AT_EXIT = "at exit"
 E = TypeVar("E", bound=BaseException)
 
 
@@ -80,6 +83,12 @@ class Departure:
             return f"rank {self.rank} (host {self.host}) failed: {self.why}"
         if self.how == STOPPED:
             return f"rank {self.rank} (host {self.host}) left: {self.why}"
+        if self.why == AT_EXIT:  # no exit code recorded (torchrun, mpirun, Slurm)
+            return (
+                f"rank {self.rank} (host {self.host}) left without an exception: its script "
+                "ended or called sys.exit(), with an exit code this rank cannot see, while this "
+                "rank still waited for it"
+            )
         return (
             f"rank {self.rank} (host {self.host}) finished: its script ended or called "
             "ringtrain.shutdown() while this rank still waited for it"
@@ -278,8 +287,8 @@ def _with_exit_code(client: Store, d: Departure, deadline: float) -> Departure:
             return d
         time.sleep(0.02)
     how = bytes(client.get(key)).decode()
-    if how == "exited with code 0":
-        return d
+    if how == "exited with code 0":  # known now: a finish, whether it posted at exit or not
+        return Departure(d.rank, FINISHED, "", d.host, d.at)
     if how.startswith(INTERRUPTED):
         return Departure(d.rank, STOPPED, how, d.host, d.at)
     if how.startswith("exited with code"):  # not for a signal: no sys.exit gives one
@@ -311,12 +320,22 @@ def _named(me: int, where: str, gone: list[Departure], ended: str) -> PeerFailed
     lines += [f"  also: {d.describe()}" for d in gone[1:]]
     lines.append(ended)
     # By the first departure, as the report names it first: what came after may be its doing.
-    lines.append({FAILED: _FAILED_HINT, STOPPED: _STOPPED_HINT}.get(gone[0].how, _FINISHED_HINT))
+    hint = {FAILED: _FAILED_HINT, STOPPED: _STOPPED_HINT}.get(gone[0].how, _FINISHED_HINT)
+    lines.append(_unknown_exit_hint(gone[0].rank) if gone[0].why == AT_EXIT else hint)
     return PeerFailedError("\n".join(lines), tuple(d.rank for d in gone))
 
 
 _FAILED_HINT = "HINT: the first failure above is the cause; fix it and start the job again."
 _FINISHED_HINT = f"HINT: no rank failed; {RAN_FEWER}"
+
+
+def _unknown_exit_hint(rank: int) -> str:
+    return (
+        f"HINT: the exit code your launcher reports for rank {rank} tells: not 0 (sys.exit(n)), "
+        f"that is the failure to fix; 0, no rank failed: {RAN_FEWER}"
+    )
+
+
 _STOPPED_HINT = (
     "HINT: no rank failed: the job was interrupted and its ranks are ending; this rank went on "
     "after the signal and found its peers gone."
@@ -327,16 +346,17 @@ def with_exit_codes(error: E) -> E | PeerFailedError:
     """``error``, or, where it says only that peers left (a control round's vote carries no
     exit code), the failure their launcher saw: a rank that ended with ``sys.exit(3)`` failed.
     Read on the waiting thread, not the control round's: under ``ringtrain run`` it may wait
-    up to :data:`EXIT_WAIT_S` for the record; elsewhere no one keeps one, and it does not wait."""
+    up to :data:`EXIT_WAIT_S` for the record; elsewhere no one keeps one, and it does not wait
+    (a rank that left at exit is then named as one whose exit code this rank cannot see)."""
     from ringtrain.runtime import state
 
     if not (isinstance(error, PeerFailedError) and error.exits_unread):
         return error
     settled = PeerFailedError(str(error), error.ranks)  # read once, whatever it finds
-    if not state.is_initialized() or not _launcher_records_exits():
+    if not state.is_initialized():
         return settled
     gone = read(state.global_process_set.communicator.store, list(error.ranks))
-    if all(d.how == FINISHED for d in gone):
+    if all(d.how == FINISHED and d.why != AT_EXIT for d in gone):
         return settled
     ended = "  (this rank's collective ended when it left, before it completed)"
     return _named(state.current().rank, "", gone, ended)
