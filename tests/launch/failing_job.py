@@ -4,7 +4,8 @@
 
 HOW: ``raise`` (an uncaught ValueError), ``finally`` (the same ValueError with
 ``hvd.shutdown()`` in a ``finally:`` block, as scripts clean up), ``exit3`` (``sys.exit(3)``),
-``checkpoint`` (a CheckpointError, as a failed load raises it), ``kill`` (SIGKILL: no last
+``checkpoint`` (a CheckpointError, as a failed load raises it), ``osexit`` (``os._exit(5)``:
+no last words, but an exit code), ``kill`` (SIGKILL: no last
 words, as the OOM killer or a lost host). WHERE rank 0 waits when rank 1
 fails: ``allreduce`` (a negotiated collective), ``lane`` (an allreduce repeated until the fast
 lane carries it), ``step`` (``DistributedOptimizer.step()``), ``first-step`` (the same at
@@ -12,7 +13,7 @@ the first step, whose plan the ranks agree on: rank 1 fails at step 1), ``save``
 (``ringtrain.checkpoint.save``). Rank 1
 writes the time it failed to ``OUT_DIR/failed_at``, and each rank the last words it got from
 ringtrain, with the time, to ``OUT_DIR/error.0`` (and whether it is a ``HorovodInternalError``
-to ``OUT_DIR/horovod.0``) before it exits (with ``exit3``, ``kill``, ``finally`` and
+to ``OUT_DIR/horovod.0``) before it exits (with ``exit3``, ``osexit``, ``kill``, ``finally`` and
 ``first-step``,
 rank 0 ignores the launcher's SIGTERM so that it always does).
 """
@@ -38,7 +39,7 @@ if where == "save":  # only there: it imports torch.distributed.tensor, costly i
 FAIL_AT = 1 if where == "first-step" else 6
 
 hvd.init()
-if (how in ("exit3", "kill", "finally") or where == "first-step") and hvd.rank() == 0:
+if (how in ("exit3", "osexit", "kill", "finally") or where == "first-step") and hvd.rank() == 0:
     # The launcher stops the peers as soon as rank 1 has exited; this one takes the time to
     # say what it heard (the test reads its error), as a script that handles SIGTERM would.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -56,6 +57,8 @@ def fail() -> None:
     (out / "failed_at").write_text(repr(time.time()))
     if how == "exit3":
         sys.exit(3)
+    if how == "osexit":
+        os._exit(5)
     if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if how == "checkpoint":

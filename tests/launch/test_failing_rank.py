@@ -63,6 +63,7 @@ def _run(
         ("finally", "allreduce", 1),
         ("exit3", "step", 3),
         ("exit3", "allreduce", 3),
+        ("osexit", "step", 5),
         ("raise", "first-step", 1),
         ("checkpoint", "save", 1),
         ("raise", "lane", 1),
@@ -95,6 +96,10 @@ def test_the_job_ends_naming_the_failed_rank(
     if how == "exit3":  # its code, which only the launcher saw, reached the peer (issue 37)
         _, error = json.loads(said.read_text())
         assert "rank 1 (host" in error and "failed: exited with code 3" in error, error
+    elif how == "osexit":  # no post at all: the launcher's record names it, not Gloo's words
+        _, error = json.loads(said.read_text())
+        assert error.startswith("PeerFailedError"), error
+        assert "rank 1 failed: exited with code 5" in error, error
     elif where == "first-step" and said.exists():  # not Gloo's "Connection reset by peer"
         # (A loaded machine can hold rank 0 past the launcher's grace before its wait breaks.)
         _, error = json.loads(said.read_text())
@@ -113,7 +118,8 @@ def test_a_peer_killed_without_last_words_is_a_horovod_internal_error(
 ) -> None:
     """SIGKILL (the OOM killer, a lost host) leaves no departure to read: the survivor's
     ``step()`` raised Gloo's bare RuntimeError, which ``except hvd.HorovodInternalError`` (the
-    error Horovod's ``synchronize`` raises for any failed collective) did not catch."""
+    error Horovod's ``synchronize`` raises for any failed collective) did not catch. Its error
+    names the rank from the launcher's record of its end."""
     argv = [sys.executable, "-m", "ringtrain", "run", "-np", "2", "--"]
     argv += [sys.executable, str(JOB), str(tmp_path), "kill", where]
     done, took = _run(argv, tmp_path)
@@ -122,6 +128,8 @@ def test_a_peer_killed_without_last_words_is_a_horovod_internal_error(
     _, error = json.loads((tmp_path / "error.0").read_text())
     assert (tmp_path / "horovod.0").read_text() == "True", error
     assert "peer" in error, error
+    # The launcher's record of its end, which the peer waits for where no post is to be read.
+    assert "rank 1 failed: was killed by SIGKILL" in error, error
 
 
 @pytest.mark.skipif(

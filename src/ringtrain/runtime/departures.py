@@ -23,8 +23,10 @@ A peer that was waiting for it then sees its wait break (Gloo: "Connection close
 the departed process is gone, or the controller's shutdown vote, see
 :mod:`ringtrain.collectives.controller`) and calls :func:`peer_error`, which reads the posts and
 raises :class:`~ringtrain.errors.PeerFailedError` naming the rank and its own words, failures
-first. Where no post can be read (the store left with the rank that served it, as under plain
-mpirun when rank 0 fails), the error says what the transport said.
+first. A rank that left without a post (``os._exit``, a signal) is named from ``ringtrain
+run``'s record of its end, waited for a moment. Where nothing can be read (the store left with
+the rank that served it, as under plain mpirun when rank 0 fails), the error says what the
+transport said.
 
 The record is the rank's last word, not a protocol: nothing waits for it, every read is bounded
 by :data:`READ_TIMEOUT_S`, and a store that is gone makes every call here a no-op.
@@ -61,6 +63,9 @@ READ_TIMEOUT_S = 2.0  # a peer reading the posts after its wait broke; the store
 # which took 10 s on a 2-core machine under load (the record comes at once after it). The wait
 # delays no job's end: the launcher ends the job when the exit arrives, whatever the peer does.
 EXIT_WAIT_S = 15.0
+# How long a peer whose wait broke, with no post to read, waits for the launcher's record of
+# the exit of a rank that left without a word (os._exit, a signal): its agent's reaping.
+UNPOSTED_WAIT_S = 5.0
 FAILED, FINISHED, STOPPED = "failed", "finished", "interrupted"
 # The ``why`` of a finish posted by the at-exit shutdown: the script ended, or called
 # ``sys.exit(n)`` with a code no hook sees. Only the launcher's record (or none) tells which.
@@ -79,18 +84,21 @@ class Departure:
     at: float  # time.time() on the departed rank's host
 
     def describe(self) -> str:
+        who = f"rank {self.rank} (host {self.host})" if self.host else f"rank {self.rank}"
         if self.how == FAILED:
-            return f"rank {self.rank} (host {self.host}) failed: {self.why}"
+            return f"{who} failed: {self.why}"
         if self.how == STOPPED:
-            return f"rank {self.rank} (host {self.host}) left: {self.why}"
+            return f"{who} left: {self.why}"
+        if self.why and self.why != AT_EXIT:  # the launcher's record: no shutdown ran
+            return f"{who} {self.why} while this rank still waited for it"
         if self.why == AT_EXIT:  # no exit code recorded (torchrun, mpirun, Slurm)
             return (
-                f"rank {self.rank} (host {self.host}) left without an exception: its script "
+                f"{who} left without an exception: its script "
                 "ended or called sys.exit(), with an exit code this rank cannot see, while this "
                 "rank still waited for it"
             )
         return (
-            f"rank {self.rank} (host {self.host}) finished: its script ended or called "
+            f"{who} finished: its script ended or called "
             "ringtrain.shutdown() while this rank still waited for it"
         )
 
@@ -296,6 +304,36 @@ def _with_exit_code(client: Store, d: Departure, deadline: float) -> Departure:
     return Departure(d.rank, FAILED, how, d.host, d.at)
 
 
+def _unposted(store: Store, ranks: Sequence[int]) -> list[Departure]:
+    """Ranks that left without a post (``os._exit(5)``, a signal), as ``ringtrain run``
+    recorded their ends, waited for up to :data:`UNPOSTED_WAIT_S`: the wait broke when the
+    process was gone, and its agent reaps and reports it moments later. Else Gloo's "Connection
+    closed by peer" was all the peer could say. No host: the record does not carry one."""
+    found: list[Departure] = []
+    try:
+        client = _launcher_store(_client(store, datetime.timedelta(seconds=READ_TIMEOUT_S)))
+        deadline = time.monotonic() + UNPOSTED_WAIT_S
+        while not found and time.monotonic() < deadline:
+            for r in ranks:
+                if client.check([exited_key(r)]):
+                    how = bytes(client.get(exited_key(r))).decode()
+                    kind = _recorded_how(how)
+                    why = (
+                        f"{how} without leaving the job (os._exit(0)?)" if kind == FINISHED else how
+                    )
+                    found.append(Departure(r, kind, why, "", time.time()))
+            time.sleep(0.05)
+    except Exception as e:  # the store left with the launcher: the caller says what it has
+        log.debug("could not read the launcher's records: %s", e)
+    return sorted(found, key=lambda d: d.how != FAILED)
+
+
+def _recorded_how(how: str) -> str:
+    if how == "exited with code 0":
+        return FINISHED
+    return STOPPED if how.startswith(INTERRUPTED) else FAILED
+
+
 def peer_error(cause: BaseException, waited_for: str = "") -> BaseException:
     """The error to raise for ``cause``, a wait on peers that broke: a :class:`PeerFailedError`
     naming the ranks that posted a departure (failures first), else ``cause`` itself."""
@@ -307,7 +345,10 @@ def peer_error(cause: BaseException, waited_for: str = "") -> BaseException:
     if rt.size <= 1:
         return cause
     store = state.global_process_set.communicator.store
-    gone = read(store, [r for r in range(rt.size) if r != rt.rank])
+    others = [r for r in range(rt.size) if r != rt.rank]
+    gone = read(store, others)
+    if not gone and store is not None and _launcher_records_exits():
+        gone = _unposted(store, others)
     if not gone:
         return cause
     where = f" while this rank waited for it in {waited_for}" if waited_for else ""
