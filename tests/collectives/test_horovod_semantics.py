@@ -5,7 +5,8 @@
   ``ValueError``, Adasum ``NotImplementedError``, and a job that catches them goes on;
 * ``join()``: the joined ranks add zeros, Average divides by every rank, allgather, broadcast,
   alltoall and reducescatter are refused while a rank has joined, and join returns the last rank;
-* handles: ``poll``/``synchronize`` on every kind, and sparse handles are callable.
+* handles: ``poll``/``synchronize`` on every kind, and sparse handles are callable; a handle
+  synchronized once is released (``synchronize`` again returns None, ``poll`` raises).
 
 Expected values are worked out from Horovod's definitions (horovod/torch/mpi_ops.py and
 horovod/common/operations.cc, controller.cc). Each test sends many cases to one spawned job, and
@@ -469,12 +470,15 @@ def _handles(ps: Any = None) -> None:
         assert isinstance(hvd.poll(h), bool), kind
         out = h() if kind == "sparse_allreduce_async" else hvd.synchronize(h)  # as Horovod's users
         assert check(out), (kind, out)
-        assert hvd.poll(h) is True, kind
-        assert hvd.synchronize(h) is out and h() is out, kind  # waiting again: the same result
-    if n > 1:  # a failed op: done, and every wait raises its error
+        assert h() is out, kind  # calling it again: the same result
+        if kind != "sparse_allreduce_async":  # synchronized: released, as Horovod's handles
+            assert hvd.synchronize(h) is None, kind
+    if n > 1:  # a failed op: done, and every call raises its error
         h = hvd.allreduce_async(torch.ones(1 + r), name="h.bad", process_set=ps)
+        while not hvd.poll(h):
+            pass
+        _raises(h, rt.CollectiveMismatchError)
         _raises(lambda: hvd.synchronize(h), rt.CollectiveMismatchError)
-        assert hvd.poll(h) is True
         _raises(h, rt.CollectiveMismatchError)
 
 
@@ -512,3 +516,29 @@ def test_a_horovod_script_catches_the_mismatch_on_every_rank(tmp_path: Path) -> 
         assert f"[{r}] caught CollectiveMismatchError internal=True" in proc.stdout, proc.stdout
         assert f"[{r}] after [2.0, 2.0]" in proc.stdout, proc.stdout
     assert "[1] set broadcast 1" in proc.stdout, proc.stdout
+
+
+def _synchronize_twice() -> dict[str, Any]:
+    h = hvd.allreduce_async(torch.ones(2), op=hvd.Sum, name="twice")
+    out = hvd.synchronize(h)
+    again = hvd.synchronize(h)
+    polled = _raises(lambda: hvd.poll(h), ValueError)
+    bad = hvd.allreduce_async(torch.ones(1 + hvd.rank()), name="twice.bad")
+    _raises(lambda: hvd.synchronize(bad), RuntimeError)
+    return {
+        "out": out.tolist(),
+        "again": again,
+        "bad again": hvd.synchronize(bad),
+        "poll": str(polled),
+        "called": h().tolist(),  # ringtrain's own: a handle called returns its result
+    }
+
+
+def test_a_second_synchronize_returns_none_as_horovod(world2: spawn.World) -> None:
+    # horovod/torch/mpi_ops.py synchronize(): `if handle not in _handle_map: return`, and the
+    # first call pops the handle, with its result or its error; poll() of it then raises
+    # ValueError (horovod/torch/handle_manager.cc: "was not created or has been cleared").
+    for res in world2.run(_synchronize_twice):
+        assert res["out"] == [2.0, 2.0] and res["called"] == [2.0, 2.0], res
+        assert res["again"] is None and res["bad again"] is None, res
+        assert res["poll"].startswith("poll: the handle of 'twice' was synchronized already"), res

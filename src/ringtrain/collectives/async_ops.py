@@ -12,7 +12,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -25,10 +25,8 @@ from ringtrain.compression import CompressionLike
 from ringtrain.compression import resolve as resolve_compression
 from ringtrain.compression.halfprec import NoneCompressor
 from ringtrain.errors import CollectiveAbortedError, CollectiveArgumentError
-from ringtrain.runtime import abort, state
+from ringtrain.runtime import state
 from ringtrain.runtime.process_sets import ProcessSet
-
-T = TypeVar("T")
 
 
 def controller_of(process_set: ProcessSet | None) -> Controller:
@@ -113,33 +111,6 @@ def _submit(
         outputs,
         finish,
     )
-
-
-def _check_handle(fn: str, handle: Any) -> None:
-    if not isinstance(handle, Handle):
-        raise CollectiveArgumentError(f"{fn} expects a handle from an *_async call, got {handle!r}")
-
-
-def synchronize(handle: Handle[T]) -> T:
-    """Wait for an asynchronous collective and return its result (raises its error). Waiting
-    again on the same handle returns the same result."""
-    _check_handle("synchronize", handle)
-    if abort.announced is None:
-        return handle.wait()
-    since = abort.generation
-    while True:  # elastic: a controller stuck on an abandoned world would never answer
-        try:
-            return handle.wait(abort.SLICE_S)
-        except CollectiveAbortedError:
-            if handle.done():
-                raise  # the op's own error, not the slice running out
-        abort.check(since)
-
-
-def poll(handle: Handle[Any]) -> bool:
-    """True once the collective finished (``synchronize`` then returns at once); never blocks."""
-    _check_handle("poll", handle)
-    return handle.done()
 
 
 # ---- Horovod's spellings ---------------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ringtrain.collectives import async_ops
+from ringtrain.collectives.handles import synchronize
 from ringtrain.collectives.reduce_ops import resolve_allreduce_op, resolve_op
 from ringtrain.compression import resolve as resolve_compression
 from ringtrain.runtime.process_sets import ProcessSet
@@ -54,10 +55,8 @@ def _own_rows(
     )
     # Every rank's row counts, one gathered row per rank (the counts may differ per rank).
     counts = async_ops.allgather_async(torch.tensor([list(rows)]), _grad_name(name, "rows"), ps)
-    averaged_grads = async_ops.synchronize(averaged)
-    starts = (
-        async_ops.synchronize(counts)[: async_ops.controller_of(ps).comm.set_rank].sum(0).tolist()
-    )
+    averaged_grads = synchronize(averaged)
+    starts = synchronize(counts)[: async_ops.controller_of(ps).comm.set_rank].sum(0).tolist()
     out = []
     for g, start, n, scalar in zip(averaged_grads, starts, rows, scalars):
         mine = g[start : start + n]
@@ -74,14 +73,12 @@ class _Allreduce(torch.autograd.Function):
         ctx: Any, tensor: torch.Tensor, op: str, name: Any, pre: float, post: float, ps: Any
     ) -> torch.Tensor:
         ctx.args = (op, name, pre, post, ps)
-        return async_ops.synchronize(
-            async_ops.allreduce_async(tensor, None, name, op, pre, post, ps)
-        )
+        return synchronize(async_ops.allreduce_async(tensor, None, name, op, pre, post, ps))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         op, name, pre, post, ps = ctx.args
-        g = async_ops.synchronize(
+        g = synchronize(
             async_ops.allreduce_async(grad.contiguous(), None, _grad_name(name), op, pre, post, ps)
         )
         return g, None, None, None, None, None
@@ -110,7 +107,7 @@ class _GroupedAllreduce(torch.autograd.Function):
     ) -> Any:
         ctx.args = (op, name, pre, post, ps)
         return tuple(
-            async_ops.synchronize(
+            synchronize(
                 async_ops.grouped_allreduce_async(list(tensors), None, name, op, pre, post, ps)
             )
         )
@@ -118,7 +115,7 @@ class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         op, name, pre, post, ps = ctx.args
-        g = async_ops.synchronize(
+        g = synchronize(
             async_ops.grouped_allreduce_async(
                 [x.contiguous() for x in grads], None, _grad_name(name), op, pre, post, ps
             )
@@ -151,9 +148,7 @@ class _Allgather(torch.autograd.Function):
         ctx.args = (name, ps)
         ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
         ctx.scalars = [t.dim() == 0 for t in tensors]
-        return tuple(
-            async_ops.synchronize(async_ops.grouped_allgather_async(list(tensors), name, ps))
-        )
+        return tuple(synchronize(async_ops.grouped_allgather_async(list(tensors), name, ps)))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
@@ -179,12 +174,12 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root: int, name: Any, ps: Any) -> torch.Tensor:
         ctx.args = (root, name, ps)
-        return async_ops.synchronize(async_ops.broadcast_async(tensor, root, name, ps))
+        return synchronize(async_ops.broadcast_async(tensor, root, name, ps))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         root, name, ps = ctx.args
-        averaged = async_ops.synchronize(
+        averaged = synchronize(
             async_ops.allreduce_async(
                 grad.contiguous(), name=_grad_name(name), op="Average", process_set=ps
             )
@@ -206,7 +201,7 @@ def _scattered_grads(grads: Sequence[torch.Tensor], ctx: Any) -> list[torch.Tens
     # Horovod's convention: Sum's gradient is n times the slices, Average's is the slices.
     scale = pre * post * (_set_size(ps) if op == "Sum" else 1)
     scaled = [g.contiguous() * scale if scale != 1.0 else g.contiguous() for g in grads]
-    return async_ops.synchronize(async_ops.grouped_allgather_async(scaled, _grad_name(name), ps))
+    return synchronize(async_ops.grouped_allgather_async(scaled, _grad_name(name), ps))
 
 
 class _Reducescatter(torch.autograd.Function):
@@ -216,7 +211,7 @@ class _Reducescatter(torch.autograd.Function):
     ) -> Any:
         ctx.args = (name, op, ps, pre, post)
         return tuple(
-            async_ops.synchronize(
+            synchronize(
                 async_ops.grouped_reducescatter_async(list(tensors), name, op, ps, pre, post)
             )
         )
@@ -259,7 +254,7 @@ def reducescatter(
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any, ps: Any) -> Any:
-        out, received = async_ops.synchronize(async_ops.alltoall_async(tensor, splits, name, ps))
+        out, received = synchronize(async_ops.alltoall_async(tensor, splits, name, ps))
         ctx.args = (name, ps)
         # Without splits, ranks may still send different row counts (dim 0 / n each): the
         # gradient goes back along what each rank really received, never an even split.
@@ -273,7 +268,7 @@ class _Alltoall(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> Any:
         name, ps = ctx.args
-        g, _ = async_ops.synchronize(
+        g, _ = synchronize(
             async_ops.alltoall_async(grad.contiguous(), ctx.received, _grad_name(name), ps)
         )
         if g.dim() and g.shape[0] < ctx.rows:  # rows the splits left unsent: no gradient

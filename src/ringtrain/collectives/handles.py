@@ -1,4 +1,5 @@
-"""Handles of asynchronous collectives: ``poll`` never blocks, ``synchronize`` waits.
+"""Handles of asynchronous collectives: ``poll`` never blocks, ``synchronize`` waits (both here,
+re-exported by :mod:`ringtrain.collectives.ops`).
 
 Every handle is also callable (``handle()`` waits and returns the result): Horovod's
 ``sparse_allreduce_async`` returns a plain function that its users call, so any handle can
@@ -11,8 +12,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, cast
 
-from ringtrain.errors import CollectiveAbortedError
-from ringtrain.runtime import departures
+from ringtrain.errors import CollectiveAbortedError, CollectiveArgumentError
+from ringtrain.runtime import abort, departures
 
 T = TypeVar("T", covariant=True)  # a handle only hands its result out
 
@@ -26,7 +27,7 @@ _WAKE = threading.Lock()
 class Handle(Generic[T]):
     """The future result of one submitted collective (``Handle[torch.Tensor]`` for one tensor)."""
 
-    __slots__ = ("_error", "_event", "_finish", "_finished", "_result", "name")
+    __slots__ = ("_error", "_event", "_finish", "_finished", "_result", "name", "synchronized")
 
     def __init__(self, name: str, finish: Callable[[Any], Any] | None = None) -> None:
         self.name = name
@@ -35,6 +36,9 @@ class Handle(Generic[T]):
         self._result: Any = None
         self._error: BaseException | None = None
         self._finish = finish
+        # Set by the first synchronize(), as Horovod's pops the handle from its map then: a
+        # second synchronize() returns None and poll() raises (async_ops).
+        self.synchronized = False
 
     def set_result(self, result: Any) -> None:
         self._result = result
@@ -117,3 +121,50 @@ class CompositeHandle(Handle[T]):
             self._result = self._build(*(p.wait(timeout) for p in self._parts))
             self._complete()
         return cast(T, self._result)
+
+
+def _check_handle(fn: str, handle: Any) -> None:
+    if not isinstance(handle, Handle):
+        raise CollectiveArgumentError(f"{fn} expects a handle from an *_async call, got {handle!r}")
+
+
+def synchronize(handle: Handle[T]) -> T:
+    """Wait for an asynchronous collective and return its result (raises its error). As in
+    Horovod, the first call releases the handle, with its result or its error: a second
+    ``synchronize`` of it returns None (``handle()`` still returns the result)."""
+    _check_handle("synchronize", handle)
+    if handle.synchronized:
+        return cast(T, None)  # Horovod's: `if handle not in _handle_map: return`
+    try:
+        result = _wait(handle)
+    except Exception:
+        handle.synchronized = True  # Horovod pops a failed handle too
+        raise
+    handle.synchronized = True
+    return result
+
+
+def _wait(handle: Handle[T]) -> T:
+    if abort.announced is None:
+        return handle.wait()
+    since = abort.generation
+    while True:  # elastic: a controller stuck on an abandoned world would never answer
+        try:
+            return handle.wait(abort.SLICE_S)
+        except CollectiveAbortedError:
+            if handle.done():
+                raise  # the op's own error, not the slice running out
+        abort.check(since)
+
+
+def poll(handle: Handle[Any]) -> bool:
+    """True once the collective finished (``synchronize`` then returns at once); never blocks.
+    A handle already synchronized raises ``ValueError``, as Horovod's, which no longer knows it."""
+    _check_handle("poll", handle)
+    if handle.synchronized:
+        raise CollectiveArgumentError(
+            f"poll: the handle of {handle.name!r} was synchronized already; Horovod releases a "
+            "handle there.\nHINT: poll a handle before synchronize(), or keep the result that "
+            "synchronize() returned."
+        )
+    return handle.done()

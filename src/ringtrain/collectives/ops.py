@@ -34,12 +34,10 @@ from ringtrain.collectives.async_ops import (
     grouped_allreduce_async,
     grouped_allreduce_async_,
     grouped_reducescatter_async,
-    poll,
     reducescatter_async,
     sparse_allreduce_async,
-    synchronize,
 )
-from ringtrain.collectives.handles import Handle
+from ringtrain.collectives.handles import Handle, poll, synchronize
 from ringtrain.collectives.reduce_ops import ReduceOpLike
 from ringtrain.compression import CompressionLike
 from ringtrain.compression import resolve as resolve_compression
