@@ -99,8 +99,7 @@ def init(
             _attach_step_timer(rt, config.straggler_report_steps)
         if rt.rank == 0:
             _start_trainjob_status()
-        for ps in sets:
-            add_process_set(ps)
+        _add_at_init(sets)
         if config.timeline_filename and not timeline.current().enabled:
             # Elastic: a re-formed world keeps the running timeline (one file per process).
             start_timeline(config.timeline_filename)
@@ -299,9 +298,66 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     id."""
     if state.current().size > 1:
         _same_set(process_set)
+    return _register(process_set)
+
+
+def _register(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    ranks = _ranks_of(process_set)
+    existing = _registered_as(ranks)
+    if existing == state.WORLD_SET_ID:  # Horovod: "Attempted to add a duplicate process set"
+        raise ConfigError(
+            f"add_process_set({ranks}): these are the ranks of the global process set, which "
+            "is always registered (id 0).\nHINT: use hvd.global_process_set (or leave "
+            "process_set out) for collectives over every rank."
+        )
+    if existing is not None:
+        raise ConfigError(
+            f"a process set with ranks {ranks} is already registered as id {existing}.\n"
+            "HINT: pass the ProcessSet that add_process_set() returned the first time."
+        )
     ps = state.add_process_set(process_set)
     _attach_controller(ps, state.current().config)
     return ps
+
+
+def _add_at_init(sets: init_arguments.ProcessSets) -> None:
+    """``init(process_sets=...)`` as Horovod's: a set whose ranks the global set or an earlier
+    one has is left unregistered (Horovod's ``_init_process_sets`` invalidates it), and init
+    fails where none is new (Horovod's "Horovod initialization failed")."""
+    new = 0
+    for given in sets:
+        if state.current().size > 1:
+            _same_set(given)  # every rank agrees first, so every rank skips alike
+        existing = _registered_as(_ranks_of(given))
+        if existing is None:
+            _register(given)
+            new += 1
+        else:
+            log.warning(
+                "init(process_sets=...): %s has the ranks of the registered process set %d; "
+                "it stays unregistered (as in Horovod): use that set instead.",
+                given,
+                existing,
+            )
+    if sets and not new:
+        raise ConfigError(
+            "init(process_sets=...): no process set given is new: each has the ranks of the "
+            "global process set (every rank) or of one before it in the list.\nHINT: leave "
+            "process_sets out and use hvd.global_process_set for every rank; give each subset "
+            "of the ranks once."
+        )
+
+
+def _ranks_of(process_set: ProcessSet | Sequence[int]) -> list[int]:
+    return (process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)).ranks
+
+
+def _registered_as(ranks: list[int]) -> int | None:
+    """The id of the registered process set with these ranks (0: the whole world's)."""
+    for set_id, ps in state.current().process_sets.items():
+        if ps.ranks == ranks:
+            return set_id
+    return None
 
 
 def _same_set(process_set: ProcessSet | Sequence[int]) -> None:

@@ -154,3 +154,41 @@ def _sparse_state() -> list[Any]:
 
 def test_broadcast_optimizer_state_takes_the_model_and_sparse_embeddings(world2: World) -> None:
     assert world2.run(_sparse_state) == [[0.01, 1], [0.01, 1]]
+
+
+def _duplicate_sets() -> dict[str, Any]:
+    n = hvd.size()
+    said = {"whole": _refused(lambda: hvd.add_process_set(list(range(n))), ValueError)}
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n  # the job goes on
+    hvd.shutdown()
+    first, again, whole = hvd.ProcessSet([n - 1]), hvd.ProcessSet([n - 1]), hvd.ProcessSet(range(n))
+    hvd.init(process_sets=[first, again, whole])  # as Horovod: the first registers, not the rest
+    ids = [first.process_set_id is not None, again.process_set_id, whole.process_set_id]
+    sizes = [again.size(), whole.size()]
+    if first.included():
+        assert hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=first).item() == 1
+    hvd.shutdown()
+    # Nothing new to register: Horovod's init fails ("Horovod initialization failed").
+    said["only whole"] = _refused(
+        lambda: hvd.init(process_sets=[hvd.ProcessSet(range(n))]), ValueError
+    )
+    said["initialized after"] = str(hvd.is_initialized())
+    hvd.init()
+    return {"ids": ids, "sizes": sizes, **said}
+
+
+def test_a_set_of_the_whole_world_or_a_duplicate_is_handled_as_horovod(world2: World) -> None:
+    # horovod/common/process_sets.py add_process_set: ValueError("Attempted to add a duplicate
+    # process set") where one with these ranks exists, the global set included; init()'s
+    # _init_process_sets invalidates (process_set_id None) a set whose ranks an earlier one or
+    # the global set has, and operations.cc fails init() where none of them is new.
+    for res in world2.run(_duplicate_sets):
+        assert res["ids"] == [True, None, None] and res["sizes"] == [None, None], res
+        assert res["whole"].startswith(
+            "add_process_set([0, 1]): these are the ranks of the global"
+        ), res
+        assert "HINT: use hvd.global_process_set" in res["whole"], res
+        assert res["only whole"].startswith(
+            "init(process_sets=...): no process set given is new"
+        ), res
+        assert res["initialized after"] == "False", res

@@ -314,6 +314,8 @@ def _process_sets() -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def test_process_sets_have_lanes_of_their_own(world: spawn.World) -> None:
+    if world.size < 3:  # as Horovod's, add_process_set refuses the whole world's ranks
+        pytest.skip("a set of 2 ranks other than the global one needs a world of 3")
     for r, (world_slots, set_slots) in enumerate(_run(world, _process_sets)):
         assert world_slots[0] >= 3
         if r in (0, 1):
