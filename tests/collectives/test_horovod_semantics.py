@@ -545,3 +545,20 @@ def test_a_second_synchronize_returns_none_as_horovod(world2: spawn.World) -> No
         assert res["out"] == [2.0, 2.0] and res["called"] == [2.0, 2.0], res
         assert res["again"] is None and res["bad again"] is None, res
         assert res["poll"].startswith("poll: the handle of 'twice' was synchronized already"), res
+
+
+@pytest.mark.parametrize("kind", ["named_parameters", "parameters", "tuple"])
+def test_broadcast_parameters_refuses_what_horovods_refuses(kind: str) -> None:
+    # horovod/torch/functions.py broadcast_parameters: a dict or a list, else
+    # ValueError('invalid params of type ...'), before any collective (so no init here).
+    model = torch.nn.Linear(2, 1)
+    params = {
+        "named_parameters": model.named_parameters(),
+        "parameters": model.parameters(),
+        "tuple": tuple(model.parameters()),
+    }[kind]
+    with pytest.raises(ValueError) as e:
+        hvd.broadcast_parameters(params, root_rank=0)
+    said = str(e.value)
+    assert said.startswith("broadcast_parameters expects model.state_dict()"), said
+    assert f"got {type(params).__name__}" in said and "HINT: pass list(model." in said, said

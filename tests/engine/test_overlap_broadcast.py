@@ -55,7 +55,7 @@ def _broadcast_after_step(named: bool) -> list[torch.Tensor]:
         F.mse_loss(model(x), y).backward()
         opt.step()
     assert opt.overlap
-    params = model.named_parameters() if named else [p for p in model.parameters()]
+    params = list(model.named_parameters()) if named else list(model.parameters())
     rt.broadcast_parameters(params, 0)
     opt.synchronize()
     return [p.detach().clone() for p in model.parameters()]

@@ -8,7 +8,7 @@ broadcasts), so ranks whose optimizer has not stepped yet, and so has no state, 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,19 +20,24 @@ from ringtrain.errors import CollectiveArgumentError, by_rank
 from ringtrain.runtime.process_sets import ProcessSet
 
 _EXPECTS = (
-    "broadcast_parameters expects model.state_dict(), model.named_parameters() or a list of tensors"
+    "broadcast_parameters expects model.state_dict(), list(model.named_parameters()) or a list "
+    "of tensors"
 )
 
 
 def _named(params: Any) -> list[tuple[str, torch.Tensor]]:
     if isinstance(params, Mapping):
         items = list(params.items())
-    elif isinstance(params, Iterable) and not isinstance(params, (str, bytes)):
+    elif isinstance(params, list):
         items = list(params)
         if items and isinstance(items[0], torch.Tensor):
             items = [(f"param.{i}", t) for i, t in enumerate(items)]
-    else:
-        raise CollectiveArgumentError(f"{_EXPECTS}, got {type(params).__name__}")
+    else:  # Horovod's: ValueError('invalid params of type ...') for all but a dict or a list
+        raise CollectiveArgumentError(
+            f"{_EXPECTS}, got {type(params).__name__}, as Horovod's refuses anything but a dict "
+            "or a list.\nHINT: pass list(model.named_parameters()), list(model.parameters()) or "
+            "model.state_dict()."
+        )
     for i, item in enumerate(items):
         if not (isinstance(item, tuple) and len(item) == 2):
             raise CollectiveArgumentError(
