@@ -127,9 +127,9 @@ def _allgather(ps: rt.ProcessSet | None, members: list[int]) -> None:
     _backward([y], [_w(r, (total, 2))])
     _close(x.grad, mean((total, 2))[start : start + rows[p]], "allgather")
 
-    # a 0-d tensor is one row; its gradient is 0-d again
+    # a 0-d tensor made one row (Horovod refuses a 0-d one): its gradient is 0-d again
     s = torch.tensor(float(r), dtype=F64, requires_grad=True)
-    _backward([rt.allgather(s, process_set=ps, name="ag.scalar")], [_w(r, (n,))])
+    _backward([rt.allgather(s.reshape(1), process_set=ps, name="ag.scalar")], [_w(r, (n,))])
     _close(s.grad, mean((n,))[p], "allgather 0-d")
 
     a, b = _leaf((rows[p], 2), 1.0), _leaf((2,), 2.0)

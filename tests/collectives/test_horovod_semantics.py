@@ -562,3 +562,23 @@ def test_broadcast_parameters_refuses_what_horovods_refuses(kind: str) -> None:
     said = str(e.value)
     assert said.startswith("broadcast_parameters expects model.state_dict()"), said
     assert f"got {type(params).__name__}" in said and "HINT: pass list(model." in said, said
+
+
+def _zero_d_allgathers() -> dict[str, str]:
+    s = torch.tensor(float(hvd.rank()))
+    said = {
+        "allgather": str(_raises(lambda: hvd.allgather(s), RuntimeError)),
+        "async": str(_raises(lambda: hvd.synchronize(hvd.allgather_async(s)), RuntimeError)),
+        "grouped": str(_raises(lambda: hvd.grouped_allgather([s.reshape(1), s]), ValueError)),
+    }
+    assert hvd.allgather(s.reshape(1)).tolist() == [0.0, 1.0]  # the job goes on
+    return said
+
+
+def test_allgather_of_a_0d_tensor_fails_as_horovods(world2: spawn.World) -> None:
+    # horovod/common/controller.cc ConstructResponse: "Rank zero tried to ALLGATHER a rank-zero
+    # tensor.", an error response, so synchronize raises HorovodInternalError on every rank.
+    for said in world2.run(_zero_d_allgathers):
+        for kind, msg in said.items():
+            assert "allgather needs a tensor with at least one dimension" in msg, (kind, msg)
+            assert "got a 0-d tensor" in msg and "HINT: t.reshape(1)" in msg, (kind, msg)

@@ -59,12 +59,12 @@ def _check_tensors(kind: str, tensors: Sequence[Any]) -> str:
                 f"{kind} got a sparse tensor{where}; convert it with .to_dense(), or use "
                 "DistributedOptimizer, which handles sparse gradients"
             )
-        if (
-            kind in ("allgather", "reducescatter", "alltoall")
-            and t.dim() == 0
-            and kind != "allgather"
-        ):
-            return f"{kind} needs a tensor with at least one dimension{where}"
+        if kind in ("allgather", "reducescatter", "alltoall") and t.dim() == 0:
+            # Horovod's controller: "Rank zero tried to ALLGATHER a rank-zero tensor."
+            return (
+                f"{kind} needs a tensor with at least one dimension{where}; got a 0-d tensor, "
+                f"as Horovod refuses.\nHINT: t.reshape(1) (or t.unsqueeze(0)) makes it one row."
+            )
     return ""
 
 
