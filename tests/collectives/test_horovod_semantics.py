@@ -582,3 +582,41 @@ def test_allgather_of_a_0d_tensor_fails_as_horovods(world2: spawn.World) -> None
         for kind, msg in said.items():
             assert "allgather needs a tensor with at least one dimension" in msg, (kind, msg)
             assert "got a 0-d tensor" in msg and "HINT: t.reshape(1)" in msg, (kind, msg)
+
+
+def _non_contiguous() -> dict[str, Any]:
+    r, n = hvd.rank(), hvd.size()
+    odd = torch.arange(2.0 * n).reshape(2, n).t()  # (n, 2), strides (1, n): not contiguous
+    good = torch.ones(n, 2)
+    calls: dict[str, Callable[[], Any]] = {
+        "allreduce": lambda: hvd.allreduce(odd, name="nc.ar"),
+        "allreduce named again": lambda: hvd.allreduce(odd, name="nc.ar.again"),
+        "allreduce_": lambda: hvd.allreduce_(odd.clone().t().contiguous().t()),
+        "allreduce_async": lambda: hvd.synchronize(hvd.allreduce_async(odd)),
+        "grouped_allreduce": lambda: hvd.grouped_allreduce([good, odd]),
+        "allgather": lambda: hvd.allgather(odd),
+        "grouped_allgather": lambda: hvd.grouped_allgather([odd]),
+        "broadcast": lambda: hvd.broadcast(odd, 0),
+        "broadcast_": lambda: hvd.broadcast_(odd.clone().t().contiguous().t(), 0),
+        "alltoall": lambda: hvd.alltoall(odd),
+        "reducescatter": lambda: hvd.reducescatter(odd),
+        "grouped_reducescatter": lambda: hvd.grouped_reducescatter([odd]),
+    }
+    hvd.allreduce(good, name="nc.ar.again")  # a named op seen before takes a shorter path
+    said = {kind: str(_raises(call, ValueError)) for kind, call in calls.items()}
+    # broadcast_parameters (and the optimizer's state) take non-contiguous tensors still: a
+    # channels_last model's weights are not contiguous.
+    weight = torch.nn.Parameter(torch.full((2, 3), float(r)).t())
+    hvd.broadcast_parameters([weight], root_rank=1)
+    said["parameters"] = weight.tolist()
+    return said
+
+
+def test_non_contiguous_tensors_are_refused_as_horovod(world2: spawn.World) -> None:
+    # horovod/torch/mpi_ops.py _check_function, called by every collective's _async:
+    # ValueError('Tensor is required to be contiguous.').
+    for said in world2.run(_non_contiguous):
+        assert said.pop("parameters") == [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
+        for kind, msg in said.items():
+            assert "needs contiguous tensors" in msg, (kind, msg)
+            assert "HINT: pass t.contiguous()" in msg, (kind, msg)

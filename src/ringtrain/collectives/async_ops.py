@@ -68,6 +68,19 @@ def _check_tensors(kind: str, tensors: Sequence[Any]) -> str:
     return ""
 
 
+def _contiguity_error(kind: str, tensors: Sequence[Any]) -> str:
+    """Horovod's ``ValueError('Tensor is required to be contiguous.')``, or ''."""
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_contiguous():
+            where = f" (item {i})" if len(tensors) > 1 else ""
+            return (
+                f"{kind} needs contiguous tensors, as Horovod's do{where}: shape "
+                f"{tuple(t.shape)}, strides {t.stride()}.\nHINT: pass t.contiguous() (for an "
+                "in-place op, copy the result back: t.copy_(result))."
+            )
+    return ""
+
+
 def _written_error(kind: str, tensors: Sequence[Any]) -> str:
     """An error for an in-place ``kind`` into a tensor whose elements share memory, or ''.
 
@@ -102,7 +115,11 @@ def _submit(
 ) -> Handle[Any]:
     ctl = controller_of(process_set)
     name = name if name is not None else ctl.auto_name(kind)
-    error = _check_tensors(kind, tensors) or (check() if check else "")
+    error = (
+        _check_tensors(kind, tensors)
+        or (check() if check else "")
+        or _contiguity_error(kind, tensors)
+    )
     if error:
         return ctl.submit(Request(name, kind, error=error, **fields), [], [], finish)
     return ctl.submit(
@@ -221,8 +238,8 @@ def _repeat(
     reservation or the request cache's, found by comparing the arguments with it, so a repeated
     op builds no request, metadata or lists of its own (issue 38: the caller's Python per op).
     None: take the general path."""
-    if not isinstance(t, torch.Tensor) or t.requires_grad:
-        return None  # not a tensor (the general path explains), or detached there
+    if not isinstance(t, torch.Tensor) or t.requires_grad or not t.is_contiguous():
+        return None  # the general path explains (not a tensor, not contiguous), or detaches
     ctl = controller_of(process_set)
     request = ctl.repeat_of(name, t, op, pre, post)
     if request is None:
@@ -346,7 +363,7 @@ def sparse_allreduce_async(
     # Allgather concatenates along dim 0: indices travel transposed, one row per entry.
     parts = [
         allgather_async(t.indices().t().contiguous(), f"{name}.indices", process_set),
-        allgather_async(t.values(), f"{name}.values", process_set),
+        allgather_async(t.values().contiguous(), f"{name}.values", process_set),
     ]
 
     def build(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -72,16 +72,18 @@ def broadcast_parameters(
     handles = []
     with torch.no_grad():
         for name, t in named:
+            data = t.data if isinstance(t, torch.nn.Parameter) else t
+            # Collectives take contiguous tensors only (as Horovod's); a channels_last model's
+            # weights are not, so they travel in a contiguous copy and are written back.
+            sent = data.contiguous()
             handles.append(
-                ops.broadcast_async_(
-                    t.data if isinstance(t, torch.nn.Parameter) else t,
-                    root_rank,
-                    f"{prefix}.{name}",
-                    process_set,
-                )
+                (data, sent, ops.broadcast_async_(sent, root_rank, f"{prefix}.{name}", process_set))
             )
-    for h in handles:
+    for data, sent, h in handles:
         ops.synchronize(h)
+        if sent is not data:
+            with torch.no_grad():
+                data.copy_(sent)
 
 
 def _same_names(names: list[str], prefix: str, process_set: ProcessSet | None) -> None:
@@ -286,6 +288,7 @@ def broadcast_optimizer_state(
     slots.sort(key=lambda s: s.index)
     if me != root_rank:
         tensors = [torch.empty(s.shape, dtype=s.dtype) for s in slots]
+    tensors = [t.contiguous() for t in tensors]  # the root's may not be (channels_last)
     handles = [
         ops.broadcast_async_(t, root_rank, f"broadcast.optimizer_state.{i}", process_set)
         for i, t in enumerate(tensors)
