@@ -75,6 +75,10 @@ class ConfigError(RingtrainError, ValueError):
     """A configuration value, flag or environment variable is invalid."""
 
 
+class ConfigTypeError(ConfigError, TypeError):
+    """A configuration value is of the wrong type, where Horovod raises ``TypeError``."""
+
+
 class NotInitializedError(RingtrainError, ValueError):
     """The call needs ``ringtrain.init()`` first."""
 

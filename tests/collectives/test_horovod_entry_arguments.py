@@ -192,3 +192,22 @@ def test_a_set_of_the_whole_world_or_a_duplicate_is_handled_as_horovod(world2: W
             "init(process_sets=...): no process set given is new"
         ), res
         assert res["initialized after"] == "False", res
+
+
+@pytest.mark.parametrize(
+    ("comm", "said"),
+    [
+        ([0.0, 1.0], "item 0 is 0.0 (float)"),
+        ([0, "1"], "item 1 is '1' (str)"),
+        ([0, True], "item 1 is True (bool)"),
+    ],
+)
+def test_comm_ranks_that_are_not_ints_are_a_type_error_as_in_horovod(comm: Any, said: str) -> None:
+    # horovod/common/basics.py init(): a list goes to (ctypes.c_int * n)(*comm), whose TypeError
+    # ("int expected instead of float") refuses anything but ints; before any rank joins.
+    with pytest.raises(TypeError) as e:
+        hvd.init(comm=comm)
+    msg = str(e.value)
+    assert isinstance(e.value, ConfigError) and not hvd.is_initialized()
+    assert msg.startswith(f"init(comm={comm!r}): comm's ranks must be ints; {said}"), msg
+    assert "HINT: give ranks as ints, e.g. comm=[0, 1], or leave comm out" in msg, msg

@@ -11,10 +11,11 @@ widened or renumbered. ``process_sets="dynamic"`` is accepted: ringtrain always 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeGuard
 
-from ringtrain.errors import ConfigError
+from ringtrain.errors import ConfigError, ConfigTypeError
 from ringtrain.runtime.process_sets import ProcessSet, is_mpi_comm
 
 ProcessSets = Sequence[ProcessSet | Sequence[int]]
@@ -52,7 +53,16 @@ def process_sets_of(process_sets: ProcessSets | str | None) -> ProcessSets:
 
 def check_comm_type(comm: object) -> None:
     """Before joining: ``comm`` is None, a list of ranks or an MPI communicator."""
-    if comm is None or _is_mpi_comm(comm) or _is_rank_list(comm):
+    if comm is None or _is_mpi_comm(comm):
+        return
+    if isinstance(comm, Sequence) and not isinstance(comm, (str, bytes)):
+        for i, r in enumerate(comm):
+            if not _is_int(r):  # Horovod's (ctypes.c_int * n)(*comm) raises TypeError
+                raise ConfigTypeError(
+                    f"init(comm={comm!r}): comm's ranks must be ints; item {i} is {r!r} "
+                    f"({type(r).__name__}).\nHINT: give ranks as ints, e.g. comm=[0, 1], or leave "
+                    "comm out to use every rank of the job."
+                )
         return
     raise ConfigError(
         f"init(comm={comm!r}): comm is a list of ranks or an MPI communicator, as in Horovod.\n"
@@ -90,12 +100,15 @@ def check_comm(comm: Comm, size: int, gather: Callable[[int], list[int]]) -> Non
         )
 
 
-def _is_rank_list(comm: object) -> TypeGuard[Sequence[int]]:
-    return (
-        isinstance(comm, Sequence)
-        and not isinstance(comm, (str, bytes))
-        and all(isinstance(r, int) and not isinstance(r, bool) for r in comm)
-    )
+def _is_int(r: object) -> bool:
+    """An int, or an integer of numpy or torch (ctypes takes them too); never a bool."""
+    if isinstance(r, bool):
+        return False
+    try:
+        operator.index(r)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
 
 
 def _is_mpi_comm(comm: object) -> TypeGuard[MpiComm]:
