@@ -332,7 +332,7 @@ def _add_at_init(sets: init_arguments.ProcessSets) -> None:
         if existing is None:
             _register(given)
             new += 1
-        else:
+        elif not (isinstance(given, ProcessSet) and given.process_set_id == existing):
             log.warning(
                 "init(process_sets=...): %s has the ranks of the registered process set %d; "
                 "it stays unregistered (as in Horovod): use that set instead.",
