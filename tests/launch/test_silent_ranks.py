@@ -14,7 +14,10 @@ import pytest
 
 JOB = Path(__file__).parents[1] / "elastic" / "elastic_job.py"
 N, EPOCHS = 60, 2  # as in elastic_job.py
-FROZEN = 9  # --frozen-after: seconds without work before a silent rank is killed
+# --frozen-after: seconds without work before a silent rank is killed. Short: the agent starts
+# counting at SILENT_S (4 s) of silence, so rank 0's 7 s call (gil_job.py) would reach 4 + 2 s if
+# its work were not seen, and rank 1 is killed 6 s after it falls silent.
+FROZEN = 2
 EXPECTED = [N * EPOCHS, EPOCHS * N * (N + 1) // 2, EPOCHS * N * (N + 1) * (2 * N + 1) // 6]
 
 
@@ -63,8 +66,8 @@ def test_stopped_rank_leaves_an_elastic_world() -> None:
 def test_a_silent_rank_that_works_lives_and_one_doing_nothing_is_killed_as_frozen() -> None:
     """Silence alone kills nobody (on a loaded host a running rank misses beats): a rank holding
     the GIL in C while it computes lives; one holding it asleep, doing no work for the job's
-    frozen_after_s (``--frozen-after``, FROZEN here: longer than rank 0's 7 s in one C call,
-    shorter than the default 30 s), is killed, and not before that."""
+    frozen_after_s (``--frozen-after``, FROZEN here: shorter than rank 0's 7 s in one C call
+    less SILENT_S, and than the default 30 s), is killed, and not before that."""
     job = Path(__file__).with_name("gil_job.py")
     proc = subprocess.run(
         [
