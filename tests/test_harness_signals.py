@@ -132,7 +132,7 @@ def test_sigterm_tears_the_fixtures_down_without_xdist(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_a_worker_deaf_to_sigterm_holds_the_run_no_longer_than_the_grace(tmp_path: Path) -> None:
-    """After GRACE_S (3 s here) the controller stops as a second SIGTERM stops it, and xdist
+    """After GRACE_S (1 s here) the controller stops as a second SIGTERM stops it, and xdist
     stops the deaf worker: the run ends instead of waiting for the test's 120 s sleep."""
-    _, output, took = _stopped_run(tmp_path, ["-n", "2"], DEAF, lambda s: s == {"deaf"}, grace=3)
-    assert took < 90, output  # the grace (3 s), then xdist's 10 s for its workers; not 120 s
+    _, output, took = _stopped_run(tmp_path, ["-n", "2"], DEAF, lambda s: s == {"deaf"}, grace=1)
+    assert took < 90, output  # the grace (1 s), then xdist's 10 s for its workers; not 120 s
