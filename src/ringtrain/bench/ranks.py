@@ -189,9 +189,16 @@ def _spawn(
     # A fork server that has imported torch once forks every rank after that in milliseconds;
     # a plain spawn re-imports torch in every rank of every run (seconds each). The server is a
     # clean single-threaded process, so forking it is safe where forking this one might not be.
+    # torch._dynamo too: a rank's first torch optimizer imports it (seconds of CPU). The server
+    # is the process's one: ringtrain.testing.spawn's worlds fork from it too when a benchmark
+    # started it, so this list holds theirs (spawn.PRELOAD) as well.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(
         [
+            "torch",
+            "torch._dynamo",
+            "ringtrain",
+            "ringtrain.torch",
             "ringtrain.bench.allreduce",
             "ringtrain.bench.cpu",
             "ringtrain.bench.secure",
