@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -98,7 +101,10 @@ def test_who_reports_and_when(
     assert bool(caplog.records) == logs
 
 
-def _uneven_steps() -> tuple[str, str]:
+@contextlib.contextmanager
+def _warnings() -> Iterator[list[str]]:
+    """The messages ringtrain's logger warns while inside (in a rank: pytest's caplog does not
+    reach it)."""
     records: list[str] = []
 
     class Keep(logging.Handler):
@@ -108,6 +114,13 @@ def _uneven_steps() -> tuple[str, str]:
     handler = Keep(logging.WARNING)
     logging.getLogger("ringtrain").addHandler(handler)
     try:
+        yield records
+    finally:
+        logging.getLogger("ringtrain").removeHandler(handler)
+
+
+def _uneven_steps() -> tuple[str, str]:
+    with _warnings() as records:
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 2)
         opt = rt.DistributedOptimizer(
@@ -125,8 +138,6 @@ def _uneven_steps() -> tuple[str, str]:
                 error = f"{type(e).__name__}: {e}"
                 break
         return error, "\n".join(r for r in records if "step() has waited" in r)
-    finally:
-        logging.getLogger("ringtrain").removeHandler(handler)
 
 
 def test_a_rank_that_finished_early_is_named_while_the_other_waits(world2: World) -> None:
@@ -323,14 +334,6 @@ def _one_rank_away_from(where: str, away_s: float) -> tuple[str, str, float, str
     updater of an overlapped step (``overlap``: the next forward raises) or local updates'
     outer exchange (``local``: step() raises). Rank 0's error, where it came, when, and the
     stall warnings said before."""
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    handler = Keep(logging.WARNING)
-    logging.getLogger("ringtrain").addHandler(handler)
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 2)
     kind = {"overlap": {"overlap": True}, "local": {"sync_every": 2}}[where]
@@ -340,22 +343,25 @@ def _one_rank_away_from(where: str, away_s: float) -> tuple[str, str, float, str
         **kind,  # type: ignore[arg-type]
     )
     start, at, error = time.monotonic(), "step", ""
-    try:
-        for step in range(2):
-            if step == 1 and rt.rank() == 1:
-                time.sleep(away_s)  # stuck outside step(), in data loading, say
-            opt.zero_grad()
-            F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2)).backward()
-            opt.step()
-        at = "forward"
-        model(torch.randn(4, 8))  # the next forward waits for an overlapped step's update
-        at = ""
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"
-    finally:
-        logging.getLogger("ringtrain").removeHandler(handler)
+    with _warnings() as records:
+        try:
+            _away_steps(opt, model, away_s)
+            at = "forward"
+            model(torch.randn(4, 8))  # the next forward waits for an overlapped step's update
+            at = ""
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
     said = "\n".join(r for r in records if "has waited" in r)
     return error, at, time.monotonic() - start, said
+
+
+def _away_steps(opt: Any, model: torch.nn.Module, away_s: float) -> None:
+    for step in range(2):
+        if step == 1 and rt.rank() == 1:
+            time.sleep(away_s)  # stuck outside step(), in data loading, say
+        opt.zero_grad()
+        F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2)).backward()
+        opt.step()
 
 
 @pytest.mark.parametrize(

@@ -19,13 +19,12 @@ Posts are taken back when the wait ends, and only a wait that lasted writes anyt
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from ringtrain.diagnostics import stall
 from ringtrain.errors import (
@@ -34,10 +33,9 @@ from ringtrain.errors import (
     RingtrainError,
     StallError,
 )
-from ringtrain.runtime import abort, exit_guard
+from ringtrain.runtime import exit_guard
 
 log = logging.getLogger("ringtrain")
-T = TypeVar("T")
 
 FINISHED = "finished"
 # A wait is posted after half the warning time, or this long if sooner: a peer in join() reads
@@ -343,28 +341,6 @@ class WaitWatch:
         if self._store.check([finished_key(rank)]):
             return FINISHED
         return None
-
-
-def watched_result(
-    watch: WaitWatch | None, step: int, fut: concurrent.futures.Future[T], what: str
-) -> T:
-    """``fut.result()`` (collectives a worker thread runs for this one) watched as ``step()``'s
-    own wait, as wait ``step`` for ``what`` (see :func:`explain`): past the stall warning
-    time the ranks missing are named, past the stall shutdown time the wait ends in a
-    StallError naming them. ``watch`` None: a plain wait."""
-    if watch is None:
-        return fut.result()
-    watch.begin(step, what)
-    try:
-        with abort.stopping(watch.check if watch.shutdown_s > 0 else None):
-            return abort.wait_future(fut)
-    except RuntimeError as e:
-        named = watch.failed(e)
-        if named is e:
-            raise
-        raise named from e
-    finally:
-        watch.end()
 
 
 def standing_in(ranks: Sequence[int], finished_within: Callable[[float], bool]) -> None:

@@ -35,7 +35,6 @@ plain average of the weights and the inner state and the optimizer goes synchron
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -59,6 +58,7 @@ from ringtrain.engine.local_settings import bad_sync_every, outer_delay
 from ringtrain.engine.outer_codec import OuterCodec
 from ringtrain.engine.outer_fragment import Fragment
 from ringtrain.engine.steps.whole import BucketUpdates, tensor_bytes
+from ringtrain.engine.watched_wait import WatchedHold
 from ringtrain.errors import ConfigError
 
 # Key under which DistributedOptimizer.state_dict() keeps this step's state.
@@ -69,21 +69,6 @@ OUTER_MOMENTUM = 0.9
 
 T = TypeVar("T")
 OuterFactory = Callable[[Sequence[torch.nn.Parameter]], torch.optim.Optimizer]
-
-
-class WatchedHold(transport.Hold):
-    """The outer exchange's hold on its group's worker (:class:`ringtrain.transport.Hold`),
-    whose results are waited for as ``step()``'s gradients are (``engine_wait``)."""
-
-    def __init__(self, group: Any) -> None:
-        super().__init__(group)
-        self.watch: engine_wait.WaitWatch | None = None
-        self.waits = 0  # watched waits so far: the same count on every rank
-
-    def result(self, fut: concurrent.futures.Future[T], every: int) -> T:
-        self.waits += 1
-        what = f"the outer exchange of local updates (sync_every={every})"
-        return engine_wait.watched_result(self.watch, self.waits, fut, what)
 
 
 def nesterov(params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:
