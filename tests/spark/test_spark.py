@@ -69,10 +69,27 @@ def spark() -> Iterator[Any]:
         .getOrCreate()
     )
     try:
+        _wait_for_executors(session.sparkContext, 2)
         yield session
     finally:
         session.stop()
         _end_gateway()
+
+
+def _wait_for_executors(sc: Any, count: int, timeout: float = 120.0) -> None:
+    """Return once ``count`` executors have registered. ``getOrCreate()`` returns as the
+    local-cluster's executor JVMs start, and a barrier stage run before both have registered
+    fails Spark's slot check at once (maxFailures 1 above): BarrierJobSlotsNumberCheckFailed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        executors = sc._jsc.sc().getExecutorMemoryStatus().size() - 1  # the driver counts too
+        if executors >= count:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"{executors} of {count} Spark executors registered in {timeout} s"
+            )
+        time.sleep(0.2)
 
 
 def _end_gateway() -> None:
