@@ -221,6 +221,8 @@ def test_flags_map_onto_settings() -> None:
 def test_flag_errors() -> None:
     with pytest.raises(ConfigError, match="how many ranks"):
         _options("python", "t.py")
+    with pytest.raises(ConfigError, match="needs --min-np"):  # not "how many ranks" first
+        _options("--host-discovery-script", "./hosts.sh", "python", "t.py")
     with pytest.raises(ConfigError, match="no command to run"):
         _options("-np", "2")
     with pytest.raises(ConfigError, match="--check runs its own smoke job"):
@@ -235,6 +237,8 @@ def test_flag_errors() -> None:
         ("python", "t.py"),  # neither -np nor hosts whose slots count the ranks
         ("-np", "2", "--check", "python"),
         ("--host-discovery-script", "./hosts.sh", "-H", "a:1", "--min-np", "1", "python"),
+        ("--host-discovery-script", "./hosts.sh", "python"),  # neither -np nor --min-np
+        ("-np", "4", "--min-np", "5", "python"),  # an elastic range out of order
     ],
 )
 def test_flag_errors_end_with_a_hint_line(argv: tuple[str, ...]) -> None:

@@ -377,8 +377,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
             "give --host-discovery-script or -H/--hostfile, not both: with a discovery script "
             "the hosts are whatever it prints\nHINT: drop -H/--hostfile, or the script."
         )
-    if np is None and discovering and args.min_np is not None:
-        np = args.min_np
+    if np is None and discovering:  # no --min-np either: LaunchOptions asks for that first
+        np = args.min_np if args.min_np is not None else 1
     if np is None:
         if not hosts:
             raise ConfigError("how many ranks? (-np)\nHINT: ringtrain run -np 4 -- python train.py")

@@ -126,7 +126,8 @@ class LaunchOptions:
             if not 1 <= lo <= self.np <= hi:
                 raise ConfigError(
                     f"elastic jobs need 1 <= --min-np <= -np <= --max-np; got --min-np {lo}, "
-                    f"-np {self.np}, --max-np {hi}"
+                    f"-np {self.np}, --max-np {hi}\nHINT: e.g. -np 4 --min-np 2 --max-np 8: "
+                    "start 4 ranks, go on while 2 remain, grow to 8 as hosts come."
                 )
         if self.discovery_script is not None:
             if self.hosts:
@@ -136,7 +137,7 @@ class LaunchOptions:
                 )
             if self.min_np is None:
                 raise ConfigError(
-                    "--host-discovery-script needs --min-np (and usually --max-np).\n"
+                    "--host-discovery-script needs --min-np (and usually -np and --max-np).\n"
                     "HINT: ringtrain run -np 2 --min-np 2 --max-np 4 "
                     "--host-discovery-script ./hosts.sh -- python train.py"
                 )
