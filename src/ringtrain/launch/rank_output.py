@@ -47,6 +47,9 @@ class RankOutput:
         self.files: dict[tuple[int, int], IO[str]] = {}
         # ringtrain.run: a rank's return value arrives as one marked stdout line (run_func.py).
         self.on_result = on_result
+        # The (rank, fd) whose last text ended with "\r" (a progress bar redrawn in place) and
+        # the stream it went to: the next line from anyone else must not start over it.
+        self._bar: tuple[tuple[int, int], IO[str]] | None = None
 
     def print_line(
         self, rank: int, fd: int, line: str, end: str, received_at: float | None = None
@@ -60,8 +63,22 @@ class RankOutput:
             self.file(rank, fd).write(when + line + end)
         stream = self.out if fd == 1 else self.err
         text = f"{when}[{rank}] {line}" if self.options.prefix_output else when + line
+        self.end_bar((rank, fd))
         with contextlib.suppress(BrokenPipeError, ValueError):
             stream.write(text + end)
+            stream.flush()
+        self._bar = ((rank, fd), stream) if end == "\r" else None
+
+    def end_bar(self, source: tuple[int, int] | None = None) -> None:
+        """End the line of a progress bar left open by another ``source`` (rank, fd) than the
+        one writing next, or before the launcher's own message: written after the bar's "\r",
+        a line would overwrite the bar and show its tail after it. The bar's last state stays
+        on its line; its next redraw starts below."""
+        if self._bar is None or self._bar[0] == source:
+            return
+        stream, self._bar = self._bar[1], None
+        with contextlib.suppress(BrokenPipeError, ValueError):
+            stream.write("\n")
             stream.flush()
 
     def started(self, rank: int) -> None:

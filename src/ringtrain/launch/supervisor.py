@@ -561,6 +561,7 @@ class Supervisor:
 
     def say(self, text: str) -> None:
         when = stamp() if self.options.timestamp_output else ""
+        self.output.end_bar()
         with contextlib.suppress(BrokenPipeError, ValueError):
             self.err.write(f"{when}ringtrain run: {text}\n")
             self.err.flush()
