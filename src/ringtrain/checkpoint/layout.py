@@ -41,6 +41,11 @@ def part_file(rank: int) -> str:
     return f"part-{rank}.pkl"
 
 
+def left_file(rank: int) -> str:
+    """A note that ``rank`` left the job, for the committing writer (see checkpoint.peers)."""
+    return f"left-{rank}.txt"
+
+
 @dataclass
 class Item:
     """One entry of a rank's part: a tensor chunk or a Python object (``value`` is bytes-able)."""

@@ -3,7 +3,8 @@
 No collective here: this runs in the training process (a blocking save) or in the background
 writer process (:mod:`ringtrain.checkpoint.writer`). Every rank writes its data file and a part
 record (JSON: what it wrote where, and the file's SHA-256) into the save's partial directory;
-rank 0's writer waits for all the records of this save (by its save id), writes DCP's
+rank 0's writer waits for all the records of this save (by its save id; a save that lacks
+the part of a rank that left the job is given up, :mod:`ringtrain.checkpoint.peers`), writes DCP's
 ``.metadata`` and the manifest (last, by rename), renames the directory into place, and prunes
 old checkpoints of its run (never another run's). A write that fails (a full disk) is a
 :class:`CheckpointError` naming the file, and the failed save's files are removed. A shared file
@@ -97,12 +98,20 @@ def unwritable(e: OSError, final: str) -> CheckpointError:
     )
 
 
+class SaveGivenUp(CheckpointError):
+    """A save that cannot commit: a rank whose part it lacks left the job. Not a failed write:
+    the departure is the failure, reported where it happened; the save stays uncommitted."""
+
+
 def _records(job: Job) -> list[Record]:
-    """Every rank's part record of this save (rank 0's writer waits for them)."""
+    """Every rank's part record of this save (rank 0's writer waits for them), until a rank
+    whose part is missing is noted to have left (:mod:`ringtrain.checkpoint.peers`)."""
     deadline = time.monotonic() + job.timeout_s
     found: dict[int, Record] = {}
     pause = 0.02
     while True:
+        # Read before the parts: a part written before its rank left is found below.
+        left = _left(job, [r for r in range(job.size) if r not in found])
         for r in range(job.size):
             if r in found:
                 continue
@@ -118,6 +127,17 @@ def _records(job: Job) -> list[Record]:
                 found[r] = Record(**rec)
         if len(found) == job.size:
             return [found[r] for r in range(job.size)]
+        lacking = {r: why for r, why in left.items() if r not in found}
+        if lacking:
+            ranks = ", ".join(map(str, lacking))
+            who = f"ranks {ranks} left the job before writing their parts"
+            if len(lacking) == 1:
+                who = f"rank {ranks} left the job before writing its part"
+            raise SaveGivenUp(
+                f"gave up the save into {job.final}: {who} ({'; '.join(lacking.values())}). "
+                f"It stays uncommitted in {job.partial}, as after a crash; earlier checkpoints "
+                "are untouched."
+            )
         if time.monotonic() > deadline:
             missing = sorted(set(range(job.size)) - set(found))
             raise CheckpointError(
@@ -127,6 +147,16 @@ def _records(job: Job) -> list[Record]:
             )
         time.sleep(pause)
         pause = min(0.25, pause * 1.5)  # ranks still writing: poll less, wake training less
+
+
+def _left(job: Job, ranks: list[int]) -> dict[int, str]:
+    """The notes of ``ranks`` that left the job, left in the save's directory by rank 0."""
+    notes = {}
+    for r in ranks:
+        path = os.path.join(job.partial, layout.left_file(r))
+        with contextlib.suppress(OSError), open(path) as f:
+            notes[r] = f.read().strip() or f"rank {r} left the job"
+    return notes
 
 
 def commit(job: Job, keys: Keys | None) -> None:
@@ -150,6 +180,8 @@ def commit(job: Job, keys: Keys | None) -> None:
         }
         for r in range(job.size):
             os.remove(os.path.join(job.partial, layout.part_file(r)))
+            with contextlib.suppress(FileNotFoundError):  # its part came in the end
+                os.remove(os.path.join(job.partial, layout.left_file(r)))
         contents = {
             "format": manifest.FORMAT,
             "format_version": manifest.FORMAT_VERSION,

@@ -21,6 +21,8 @@ from ringtrain.checkpoint import sealed, store
 from ringtrain.checkpoint.layout import Item
 from ringtrain.errors import CheckpointError
 
+GIVEN_UP = "given up"  # a writer's outcome: a rank whose part the save lacks left the job
+
 
 def said(e: BaseException) -> str:
     """A failed write as the writer reports it (a CheckpointError's own words, with its HINT)."""
@@ -68,17 +70,19 @@ class ThreadWriter:
             if job.rank == 0:
                 store.commit(job, keys)
             self._result = ("ok", job.final)
+        except store.SaveGivenUp as e:  # a rank left: not this writer's failure
+            self._result = (GIVEN_UP, str(e))
         except BaseException as e:  # every failure goes back to the training loop
             self._result = ("error", said(e))
 
-    def outcome(self, block: bool) -> tuple[str, str] | None:
-        """The submitted save's outcome; None while it is still being written."""
+    def outcome(self, wait_s: float | None) -> tuple[str, str] | None:
+        """The submitted save's outcome, waited for up to ``wait_s`` (None: until it comes);
+        None while it is still being written."""
         thread = self._thread
         if thread is None:
             return None
-        if block:
-            thread.join()
-        elif thread.is_alive():
+        thread.join(wait_s)
+        if thread.is_alive():
             return None
         self._thread = None
         return self._result or ("error", "the writer thread ended without an outcome")

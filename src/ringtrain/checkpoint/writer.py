@@ -43,8 +43,8 @@ import psutil
 import torch
 
 from ringtrain import environ
-from ringtrain.checkpoint import api, manifest, store
-from ringtrain.checkpoint.thread_writer import ThreadWriter, said
+from ringtrain.checkpoint import api, manifest, peers, store
+from ringtrain.checkpoint.thread_writer import GIVEN_UP, ThreadWriter, said
 from ringtrain.config import CHECKPOINT_WRITERS
 from ringtrain.environ import Process
 from ringtrain.errors import CheckpointError, ConfigError
@@ -218,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
             if job.rank == 0:
                 store.commit(job, keys)
             reply = ("ok", job.final)
+        except store.SaveGivenUp as e:  # a rank left: not this writer's failure
+            reply = (GIVEN_UP, str(e))
         except BaseException as e:  # every failure goes back to the training process
             reply = ("error", said(e))
         del items
@@ -275,9 +277,10 @@ class _ProcessWriter:
     def submit(self, job: store.Job, items: list[Any], keys: Any) -> None:
         self._tx.send_bytes(_dumps((job, items, keys)))
 
-    def outcome(self, block: bool) -> tuple[str, str] | None:
-        """The submitted save's outcome; None while it is still being written."""
-        if not block and not self._rx.poll() and self._alive():
+    def outcome(self, wait_s: float | None) -> tuple[str, str] | None:
+        """The submitted save's outcome, waited for up to ``wait_s`` (None: until it comes);
+        None while it is still being written."""
+        if wait_s is not None and not self._rx.poll(wait_s) and self._alive():
             return None
         try:
             status, value = pickle.loads(self._rx.recv_bytes())
@@ -371,6 +374,7 @@ class Checkpointer:
         self._world: tuple[int, int] | None = None
         self._saves = 0  # saves in this world: the same count on every rank
         self._inflight: str | None = None  # the checkpoint being written
+        self._lookout: peers.Lookout | None = None  # rank 0: for its peers that left meanwhile
         self._failure: str | None = None
         self.last_blocked_s = 0.0
         self.last_phases: dict[str, float] = {}  # where last_blocked_s went (seconds)
@@ -416,16 +420,23 @@ class Checkpointer:
         return self._writer
 
     def _collect(self, block: bool) -> None:
-        """Take the in-flight save's outcome, if it is known (or wait for it)."""
+        """Take the in-flight save's outcome, if it is known (or wait for it). Rank 0 meanwhile
+        notes the peers that left, whose parts its writer would wait for until the timeout."""
         if self._inflight is None or self._writer is None:
             return
-        got = self._writer.outcome(block)
+        lookout = self._lookout if block else None  # not in check(): no reads per step
+        got = self._writer.outcome(None if block and lookout is None else 0.0)
+        while got is None and lookout is not None:
+            lookout.look()
+            got = self._writer.outcome(peers.EVERY_S)
         if got is None:
             return
-        final, self._inflight = self._inflight, None
+        final, self._inflight, self._lookout = self._inflight, None, None
         status, value = got
         if status == "ok":
             self.last_committed = value
+        elif status == GIVEN_UP:  # said, not raised: the peer's departure is the failure
+            log.warning("ringtrain: %s", value)
         else:
             self._failure = f"the background save into {final} failed: {value}"
 
@@ -501,7 +512,7 @@ class Checkpointer:
         )
         t2, c2 = time.perf_counter(), time.process_time()
         writer.submit(job, items, keys)
-        self._inflight = final
+        self._inflight, self._lookout = final, peers.Lookout.of(job)
         t3 = time.perf_counter()
         self.last_blocked_s = t3 - t0
         self.last_phases = {

@@ -328,6 +328,34 @@ def _unposted(store: Store, ranks: Sequence[int]) -> list[Departure]:
     return sorted(found, key=lambda d: d.how != FAILED)
 
 
+def reader(store: Store) -> Store:
+    """A client of ``store`` of its own for :func:`gone`, each wait bounded by
+    :data:`READ_TIMEOUT_S` (raises if the store cannot be reached)."""
+    return _client(store, datetime.timedelta(seconds=READ_TIMEOUT_S))
+
+
+def gone(client: Store, ranks: Sequence[int]) -> dict[int, tuple[str, bool]]:
+    """Those of ``ranks`` known to be gone, for one that waits for what they were to write (a
+    checkpoint's parts): each with how it left and whether its process has ended, as ``ringtrain
+    run`` recorded it (else it posted a failure, and its end comes moments later: a failing
+    rank's at-exit work waits for nothing). A rank that posted only that it finished may still
+    be in its at-exit work, which may be writing: it is named once its exit is recorded.
+    Raises what the store raises (``client``: see :func:`reader`)."""
+    found: dict[int, tuple[str, bool]] = {}
+    records = _launcher_store(client) if _launcher_records_exits() else None
+    for r in ranks:
+        key = PREFIX + str(r)
+        post = None
+        if client.check([key]):
+            post = Departure.decode(_here.notes.open(key, bytes(client.get(key))))
+        ended = records is not None and records.check([exited_key(r)])
+        if post is not None and post.how == FAILED:
+            found[r] = (post.describe(), ended)
+        elif ended and records is not None:
+            found[r] = (f"rank {r} {bytes(records.get(exited_key(r))).decode()}", True)
+    return found
+
+
 def _recorded_how(how: str) -> str:
     if how == "exited with code 0":
         return FINISHED

@@ -1,0 +1,105 @@
+"""Rank 0's look-out for the ranks whose parts a background save still lacks.
+
+Rank 0's writer commits a save once every rank's part is in its directory
+(:func:`ringtrain.checkpoint.store.commit`). A rank that left the job will never write its part,
+and the writer, which cannot read the job's store (it is a process of its own), waited out the
+transport timeout (``timeout_s``, 300 s by default) for it: at ``close()``, at exit, or at the
+next save, long after the job's departures (:mod:`ringtrain.runtime.departures`) said the rank
+was gone. So rank 0's training process, while it waits for a save, reads them for the ranks
+whose parts are missing, and leaves a note in the save's directory for each rank known gone; the
+writer gives the save up when a rank whose part it lacks has one. A part written before its rank
+left is still committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+from ringtrain.checkpoint import layout, store
+
+if TYPE_CHECKING:  # the runtime is imported where used: the writer process imports this module
+    from ringtrain.runtime.contracts import Store
+
+log = logging.getLogger("ringtrain")
+
+EVERY_S = 1.0  # how often the departures are read while a save is in flight
+# A rank that posted a failure ends within seconds (its at-exit work waits for nothing; its
+# shutdown, at most 3 s); its writer may finish its part meanwhile. Where its end is recorded
+# (`ringtrain run`), that record comes first.
+FAILING_SETTLE_S = 10.0
+
+
+class Lookout:
+    """Reads the departures of the ranks whose parts one save lacks, at most every
+    :data:`EVERY_S`, and notes each that is gone in the save's directory."""
+
+    def __init__(self, job: store.Job, world_store: Store) -> None:
+        self._job = job
+        self._store: Store | None = world_store
+        self._client: Store | None = None
+        self._failing: dict[int, float] = {}  # rank: when its failure was first read
+        self._noted: set[int] = set()
+        self._next = time.monotonic() + EVERY_S
+
+    @staticmethod
+    def of(job: store.Job) -> Lookout | None:
+        """Rank 0's look-out for ``job``, where there are peers and a store to read."""
+        from ringtrain.runtime import state
+
+        if job.rank != 0 or job.size <= 1 or not state.is_initialized():
+            return None
+        world = state.global_process_set.communicator.store
+        return None if world is None else Lookout(job, world)
+
+    def look(self) -> None:
+        """Note the ranks that left, if it is time to read again; never raises."""
+        from ringtrain.runtime import departures
+
+        now = time.monotonic()
+        if self._store is None or now < self._next:
+            return
+        self._next = now + EVERY_S
+        others = self._lacking()
+        if not others:
+            return
+        try:
+            if self._client is None:
+                self._client = departures.reader(self._store)
+            found = departures.gone(self._client, others)
+        except Exception as e:  # the store went with the job: the writer's timeout stands
+            log.debug("checkpoint: cannot read the departures any more: %s", e)
+            self._store = None
+            return
+        for rank, (why, ended) in found.items():
+            since = self._failing.setdefault(rank, now)
+            if ended or now - since >= FAILING_SETTLE_S:
+                self._note(rank, why)
+
+    def _lacking(self) -> list[int]:
+        """The ranks whose parts are not in the save's directory yet, and not noted."""
+        try:
+            there = set(os.listdir(self._job.partial))
+        except OSError:  # not made yet, or committed
+            return []
+        return [
+            r
+            for r in range(1, self._job.size)
+            if r not in self._noted and layout.part_file(r) not in there
+        ]
+
+    def _note(self, rank: int, why: str) -> None:
+        """Leave the note where the writer looks, in the save's directory, once it exists (the
+        writer makes it; a directory made here could outlive a save that commits)."""
+        partial = self._job.partial
+        if not os.path.isdir(partial):
+            return
+        path = os.path.join(partial, layout.left_file(rank))
+        with contextlib.suppress(OSError):  # committed meanwhile: nothing waits for it
+            with open(path + ".tmp", "w") as f:
+                f.write(why)
+            os.replace(path + ".tmp", path)
+            self._noted.add(rank)
