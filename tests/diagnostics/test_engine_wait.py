@@ -300,7 +300,9 @@ print("joined, last", hvd.join(), flush=True)
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_join_does_not_stand_in_for_step_and_says_so_at_once(tmp_path: Path, overlap: bool) -> None:
+def test_join_does_not_stand_in_for_step_and_says_so_at_once(
+    tmp_path: Path, overlap: bool, world2: World
+) -> None:
     """Rank 1's data runs out a step early and it joins, Horovod's pattern for uneven data:
     join() contributes zeros to explicit allreduces, not to step()'s exchange, so rank 0 would
     wait in step 3 until the transport timeout (60 s here). Rank 1 reads rank 0's post and
@@ -324,9 +326,23 @@ def test_join_does_not_stand_in_for_step_and_says_so_at_once(tmp_path: Path, ove
     assert "ringtrain.errors.PeerFailedError: rank 0: a peer left the job: rank 1" in report
     if overlap:
         return
-    script.write_text(JOIN_A_STEP_SHORT.format(steps=2, overlap=overlap))
-    done = subprocess.run(run, capture_output=True, text=True, timeout=100)
-    assert done.returncode == 0 and done.stdout.count("joined, last") == 2, done.stderr
+    # The same script with as many steps on both ranks, in an in-process world (the launcher
+    # is not what this shows): no error on either rank, and join() names the last to join.
+    last = world2.run(_steps_then_join, 2)
+    assert len(last) == 2 and last[0] == last[1] and last[0] in (0, 1), last
+
+
+def _steps_then_join(steps: int) -> int:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    for _ in range(steps):
+        opt.zero_grad()
+        F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2)).backward()
+        opt.step()
+    return int(rt.join())
 
 
 def _one_rank_away_from(where: str, away_s: float) -> tuple[str, str, float, str]:
