@@ -436,3 +436,30 @@ def test_the_retests_clear_a_pair_that_a_load_slowed_and_keep_a_slow_host(
     # h0's pairs: measured, then retested once; the cleared pair's round ran back to back.
     assert sum("h0" in p for p in sent) == 8
     assert sent[-2:] == [("h2", "h1"), ("h1", "h2")]
+
+
+@pytest.mark.parametrize(
+    ("flags", "np"), [((), None), (("-np", "4"), 4), (("-H", "localhost:3"), 3)]
+)
+def test_a_placement_is_checked_only_where_a_job_size_is_known(
+    flags: tuple[str, ...], np: int | None
+) -> None:
+    """Plain ``ringtrain doctor`` knows no job: its placement section said "Placement of -np 1"
+    beside a 2-rank allreduce job. It now says it checked none and how to ask for one."""
+    import argparse
+
+    from ringtrain.doctor import command
+
+    parser = argparse.ArgumentParser()
+    command.configure(parser)
+    options = command.options_from_args(parser.parse_args(list(flags)))
+    section, counts, problems, _ = checkup._placement(options, [])
+    assert section["np"] == np and not problems and counts
+    text = "\n".join(report._placement({"placement": section, "hosts": []}))
+    if np is None:
+        assert text == (
+            "Placement: not checked (this machine and no -np; give -np N, and -H or "
+            "--hostfile for more hosts)"
+        ), text
+    else:
+        assert text.startswith(f"Placement of -np {np}: {np} (localhost {np}) even"), text

@@ -63,7 +63,9 @@ def test_local_doctor_json(tmp_path: Path) -> None:
     assert ar["world"] == 2 and ar["hosts"] == ["localhost"]
     assert [p["bytes"] for p in ar["allreduce"]][:1] == [64 * 1024]
     assert all(p["busbw"] > 0 and p["iters"] >= 1 for p in ar["allreduce"])
-    assert doc["placement"]["uneven"] is False
+    # No -np and no hosts named: no job's placement is known, so none is claimed (it said
+    # "Placement of -np 1" beside a 2-rank allreduce job).
+    assert doc["placement"]["np"] is None and "no -np" in doc["placement"]["skipped"]
     compute = doc["compute"]  # every rank of the job timed its compute; one planned rank here
     assert ar["rank_hosts"] == ["localhost"] * 2 and len(ar["compute_gflops"]) == 2
     assert compute["host_gflops"]["localhost"] > 0 and compute["shares"] == [100]

@@ -31,6 +31,9 @@ REPORT_VERSION = 1
 class DoctorOptions:
     hosts: tuple[Host, ...]
     np: int | None = None
+    # False where no -H or --hostfile named the hosts (this machine, one slot): with no -np
+    # either, no job's placement is known, and none is checked.
+    hosts_given: bool = True
     reach: Reach = field(default_factory=Reach)
     network_interface: str = ""
     links: bool = True
@@ -189,6 +192,9 @@ def _placement(
     options: DoctorOptions, probes: Sequence[gather.HostProbe]
 ) -> tuple[dict[str, Any], dict[str, int] | None, list[str], list[str]]:
     """The placement section, ranks per host, problems and warnings."""
+    if not options.hosts_given and options.np is None:
+        skipped = "this machine and no -np; give -np N, and -H or --hostfile for more hosts"
+        return {"np": None, "skipped": skipped}, {h.name: 1 for h in options.hosts}, [], []
     np = options.np or sum(h.slots for h in options.hosts)
     cores = {
         p.name: int((p.facts or {}).get("cpu", {}).get("usable") or 0)

@@ -143,6 +143,7 @@ def options_from_args(args: argparse.Namespace) -> checkup.DoctorOptions:
     return checkup.DoctorOptions(
         hosts=tuple(hosts),
         np=args.np,
+        hosts_given=args.hosts is not None or args.hostfile is not None,
         reach=Reach(ssh=ssh),
         network_interface=args.network_interface,
         links=args.links,

@@ -167,6 +167,8 @@ def _allreduce(doc: Mapping[str, Any]) -> list[str]:
 
 def _placement(doc: Mapping[str, Any]) -> list[str]:
     pl = doc.get("placement") or {}
+    if pl.get("skipped"):
+        return [f"Placement: not checked ({pl['skipped']})"]
     if pl.get("error"):
         return [f"Placement of -np {pl.get('np')}: IMPOSSIBLE (see problems)"]
     shown = ", ".join(f"{h} {c}" for h, c in (pl.get("ranks_per_host") or {}).items())
