@@ -137,9 +137,7 @@ PROCESS_MODULES = (
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def _uses_process_modules(
-    module: types.ModuleType, depth: int = 1, modules: tuple[str, ...] = PROCESS_MODULES
-) -> bool:
+def _uses_process_modules(module: types.ModuleType, depth: int = 1) -> bool:
     """Whether ``module`` binds a process-starting module or anything defined in one; a helper
     module of tests/ it binds from (``_elastic_grow.run_job``) is looked into ``depth`` deep."""
     for value in vars(module).values():
@@ -147,12 +145,12 @@ def _uses_process_modules(
         name = name or getattr(value, "__module__", None)
         if not isinstance(name, str) or name == module.__name__:
             continue
-        if any(name == m or name.startswith(m + ".") for m in modules):
+        if any(name == m or name.startswith(m + ".") for m in PROCESS_MODULES):
             return True
         helper = sys.modules.get(name)
         if helper is None or not depth or not _in_tests(helper):
             continue
-        if _uses_process_modules(helper, depth - 1, modules):
+        if _uses_process_modules(helper, depth - 1):
             return True
     return False
 
@@ -171,21 +169,6 @@ def _starts_processes(item: pytest.Item) -> bool:
     return module is not None and _uses_process_modules(module)
 
 
-# What starts a job of its own, seconds of interpreters and torch imports (a test world's ranks
-# are started once per worker and then run tests in milliseconds).
-JOB_MODULES = tuple(m for m in PROCESS_MODULES if m != "ringtrain.testing")
-
-
-def _cost_class(item: pytest.Item) -> int:
-    """0: end-to-end runs and the namespace cluster's; 1: tests that start jobs or commands;
-    2: the rest (test worlds, plain functions), each a fraction of a second."""
-    if item.get_closest_marker("slow") or item.get_closest_marker("cluster"):
-        return 0
-    module = getattr(item, "module", None)
-    starts_jobs = module is not None and _uses_process_modules(module, modules=JOB_MODULES)
-    return 1 if starts_jobs else 2
-
-
 # tryfirst: xdist's own hook turns the xdist_group marker into the scheduling group, so the
 # marker must be on the item before that hook runs. Known gap: under pytest 9, xdist 3.8's hook
 # writes item._nodeid, which pytest 9 no longer reads, so the group has no effect there
@@ -197,11 +180,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.processes)
     if not config.pluginmanager.hasplugin("xdist"):
         return
-    if hasattr(config, "workerinput"):  # an xdist worker: the controller sends in this order
-        # The workers take the tests in this order, one at a time: the long ones first (end-to-end
-        # runs, then tests that start jobs) leave the many short ones to fill the end,
-        # where otherwise one worker ran a last long test alone while the other sat idle.
-        items.sort(key=_cost_class)  # stable: each class keeps its collection order
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if item.get_closest_marker("xdist_group"):

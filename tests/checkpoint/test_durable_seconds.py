@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 import ringtrain as rt
@@ -39,6 +38,5 @@ def _saves(directory: str) -> list[int]:
         durable.time = real
 
 
-@pytest.mark.slow
 def test_a_schedule_in_seconds_follows_rank_0s_clock(world2: World, tmp_path: Path) -> None:
     assert world2.run(_saves, str(tmp_path / "ck")) == [[3, 6, 9], [3, 6, 9]]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -116,7 +115,6 @@ def _digits(
     return out
 
 
-@pytest.mark.slow
 def test_digits_every_method_within_tolerance(world2: World) -> None:
     results = world2.run(_digits, list(METHODS), DIGITS_STEPS, 16, env=ONE_HOST, timeout=120)[0]
     report = ", ".join(f"{m}: loss {lo:.4f} acc {a:.3f}" for m, (lo, a, _) in results.items())
@@ -198,7 +196,6 @@ def _entropy_floor() -> float:
     return float(-(p * p.log()).sum(1).mean())
 
 
-@pytest.mark.slow
 def test_transformer_lm_every_method_within_tolerance(world2: World) -> None:
     results = world2.run(_lm, list(METHODS), env=ONE_HOST, timeout=120)[0]
     report = ", ".join(f"{m}: loss {lo:.4f}" for m, (lo, _, _) in results.items())

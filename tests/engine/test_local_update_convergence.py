@@ -123,7 +123,6 @@ def _run(seed: int) -> dict[str, tuple[float, bool]]:
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_local_updates_reach_synchronous_accuracy() -> None:
     runs = []

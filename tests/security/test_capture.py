@@ -50,7 +50,6 @@ def _capture(path: Path) -> PacketCapture:
         pytest.skip(str(e))
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_planted_pattern_is_on_the_wire_only_in_plain_mode(
     world2: World, key_file: str, tmp_path: Path
