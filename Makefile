@@ -2,11 +2,14 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 NP ?= 4
-# pytest-xdist workers for `make unit`: by default one per usable core (the CPU quota of a
+# pytest-xdist workers for `make unit`: one more than the usable cores (the CPU quota of a
 # container counts, not the host's cores), the namespace-cluster tests kept on one worker (see
-# the README); JOBS=0 runs the tests serially. No more than that: the suite keeps the cores busy
-# (92-99% on 2 cores, 2026-12-04), and a third worker made it slower (19:26 against 18:13).
-JOBS ?= $(shell $(BIN)/python -c 'from ringtrain.host.cpu_limits import usable_cpus; print(usable_cpus())')
+# the README); JOBS=0 runs the tests serially. The extra worker fills the cores while other
+# tests wait (transport timeouts, stall times, slow links, Spark and Ray): with one worker per
+# core the 2 cores were 86-88% busy, and on 2026-12-05, one run after the other on a quiet
+# 2-core machine, 3 workers took 19:45 (93% busy) against 2 workers' 21:16. (On 2026-12-04,
+# when the suite kept the cores 92-99% busy, a third worker was slower: 19:26 against 18:13.)
+JOBS ?= $(shell $(BIN)/python -c 'from ringtrain.host.cpu_limits import usable_cpus; print(usable_cpus() + 1)')
 
 .PHONY: setup demo test lint unit check bytecode
 
