@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
 from ringtrain import cli
-from ringtrain.doctor import checkup, findings, gather, placement, report
+from ringtrain.doctor import checkup, command, findings, gather, placement, report
 from ringtrain.doctor.findings import LinkSample
 from ringtrain.errors import LaunchError
 from ringtrain.host.network import Interface
@@ -446,10 +447,6 @@ def test_a_placement_is_checked_only_where_a_job_size_is_known(
 ) -> None:
     """Plain ``ringtrain doctor`` knows no job: its placement section said "Placement of -np 1"
     beside a 2-rank allreduce job. It now says it checked none and how to ask for one."""
-    import argparse
-
-    from ringtrain.doctor import command
-
     parser = argparse.ArgumentParser()
     command.configure(parser)
     options = command.options_from_args(parser.parse_args(list(flags)))
