@@ -6,9 +6,11 @@ NP ?= 4
 # container counts, not the host's cores), the namespace-cluster tests kept on one worker (see
 # the README); JOBS=0 runs the tests serially. The extra worker fills the cores while other
 # tests wait (transport timeouts, stall times, slow links, Spark and Ray): with one worker per
-# core the 2 cores were 86-88% busy, and on 2026-12-05, one run after the other on a quiet
-# 2-core machine, 3 workers took 19:45 (93% busy) against 2 workers' 21:16. (On 2026-12-04,
-# when the suite kept the cores 92-99% busy, a third worker was slower: 19:26 against 18:13.)
+# core the 2 cores were 82-88% busy. On 2026-12-05, a quiet 2-core machine, two pairs of runs
+# one after the other: 3 workers 19:45 and 20:26 (93-97% busy), 2 workers 21:16 and 21:11;
+# beside `stress-ng --cpu 2`, 3 workers 26:45 (2 workers, earlier that day: 29:08, 30:49). (On
+# 2026-12-04, when the suite kept the cores 92-99% busy, a third worker was slower: 19:26
+# against 18:13.)
 JOBS ?= $(shell $(BIN)/python -c 'from ringtrain.host.cpu_limits import usable_cpus; print(usable_cpus() + 1)')
 
 .PHONY: setup demo test lint unit check bytecode
