@@ -286,7 +286,7 @@ def test_cluster_is_fast_to_make(cluster_tools: None) -> None:
     with tc.Cluster(3) as c:
         took = time.monotonic() - t0
         assert all(c.pids(h.name) for h in c.hosts)
-    assert took < 3.0, f"3 hosts took {took:.1f} s"
+    assert took < 10.0, f"3 hosts took {took:.1f} s"  # ~1 s on a quiet machine
     assert os.path.exists(c.workdir) is False
 
 

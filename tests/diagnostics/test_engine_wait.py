@@ -301,7 +301,7 @@ print("joined, last", hvd.join(), flush=True)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 def test_join_does_not_stand_in_for_step_and_says_so_at_once(
-    tmp_path: Path, overlap: bool, world2: World
+    tmp_path: Path, overlap: bool, request: pytest.FixtureRequest
 ) -> None:
     """Rank 1's data runs out a step early and it joins, Horovod's pattern for uneven data:
     join() contributes zeros to explicit allreduces, not to step()'s exchange, so rank 0 would
@@ -328,6 +328,8 @@ def test_join_does_not_stand_in_for_step_and_says_so_at_once(
         return
     # The same script with as many steps on both ranks, in an in-process world (the launcher
     # is not what this shows): no error on either rank, and join() names the last to join.
+    # (The world is asked for here, not in the signature: the overlap case starts none.)
+    world2: World = request.getfixturevalue("world2")
     last = world2.run(_steps_then_join, 2)
     assert len(last) == 2 and last[0] == last[1] and last[0] in (0, 1), last
 
@@ -407,6 +409,6 @@ def test_a_background_wait_is_watched_as_a_step(
     assert "ranks [1] are not waiting in step()" in error, error
     assert error.endswith("(--stall-shutdown-time, RINGTRAIN_STALL_SHUTDOWN_S, "
                           "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)."), error  # fmt: skip
-    assert where_ == at and took < 7.0, (where_, took)
+    assert where_ == at and took < 20.0, (where_, took)  # not the transport timeout (30 s)
     assert said.startswith(f"ringtrain: step() has waited 1 s for {waits_for}"), said
     assert "ranks [1] are not waiting in step()" in said, said

@@ -151,8 +151,10 @@ def test_the_final_report_is_given_up_alike_and_said_when_a_rank_is_too_late(
         _shut_down_late, 5.0, 1.5, 20.0, init=False, timeout=90
     )
     assert not report and not report1
-    assert took < 4.5, took
-    assert took1 < 3.0, took1
+    # Not the transport timeout (20 s); had rank 0 waited for rank 1 (5 s), both would hold
+    # the report. Wide bounds: the machine may be loaded.
+    assert took < 12.0, took
+    assert took1 < 10.0, took1
     assert (
         "ringtrain: no final straggler report: ranks [1] did not call shutdown() within 1.5 s "
         "of rank 0 (still working, stuck, or gone)" in said

@@ -252,7 +252,7 @@ def test_an_exchange_of_a_replaced_world_is_not_waited_for(monkeypatch: pytest.M
     frag.pending = never
     t0 = time.monotonic()
     frag.drop(settle=True)
-    assert frag.pending is None and time.monotonic() - t0 < 1.0
+    assert frag.pending is None and time.monotonic() - t0 < 10.0  # the future never ends
     # The current world's: let it end first.
     monkeypatch.setattr(abort, "announced", lambda: 0)
     ending: concurrent.futures.Future[torch.Tensor] = concurrent.futures.Future()

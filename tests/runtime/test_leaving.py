@@ -151,7 +151,9 @@ def test_leaving_a_group_ends_the_operation_waiting_on_a_peer_now() -> None:
         assert not stuck.is_completed() and not stuck._done.wait(0.3)
         t0 = time.monotonic()
         g0.leave()
-        assert time.monotonic() - t0 < 1.0  # leaving never waits for peers
+        # Leaving never waits for peers (the transport timeout is 60 s; the bound is wide for
+        # a loaded machine).
+        assert time.monotonic() - t0 < 10.0
         assert stuck._done.wait(5.0)
         with pytest.raises(ConnectionError):
             stuck.wait()
