@@ -46,10 +46,12 @@ def test_a_failure_stops_every_rank_once_and_kills_agents_past_the_deadline() ->
 def test_a_launch_error_stops_at_once_even_while_stopping() -> None:
     hard = js.Failed(_failure(), now=3.0, grace_s=0.0, hard=True)
     state, actions = _run(hard)
-    assert state == js.Stopping(_failure(), 3.0 + js.KILL_AFTER_S) and actions == [A.STOP_RANKS]
+    assert state == js.Stopping(_failure(), 3.0 + js.KILL_AFTER_S)
+    assert actions == [A.STOP_RANKS_NOW]  # no notice for the peers: the ranks may not run yet
     slow = js.Stopping(None, deadline=100.0, interrupts=1)
     state, actions = _run(hard, state=slow)
-    assert state == js.Stopping(None, 3.0 + js.KILL_AFTER_S, 1) and actions == [A.STOP_RANKS]
+    assert state == js.Stopping(None, 3.0 + js.KILL_AFTER_S, 1)
+    assert actions == [A.STOP_RANKS_NOW]
 
 
 def test_ctrl_c_forwards_sigint_then_a_second_kills_at_once() -> None:

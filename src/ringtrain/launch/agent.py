@@ -49,6 +49,11 @@ SILENT_S = 4.0
 # with torch on a loaded host. It gets this long past the grace period before SIGKILL, so that
 # its exit code and last words are its own.
 FAILING_GRACE_S = 7.0
+# A launcher's stop follows a rank's failure: the peers that waited on that rank see their wait
+# break at its exit and say so (PeerFailedError naming it), which under load takes a moment.
+# SIGTERM before then would end them without those words; they get this long to begin to (the
+# launcher's stop after a failure says so, as "notice_s").
+PEER_NOTICE_S = 2.0
 _MAIN_WORK_S, _THREAD_WORK_S = 0.05, 0.5
 LOOK_S = 0.25  # how often a silent rank's state is read
 _STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
@@ -387,14 +392,18 @@ class Agent:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, sig)
 
-    def stop_all(self) -> None:
+    def stop_all(self, notice_s: float = 0.0) -> None:
         """SIGTERM every rank's process group, SIGKILL what is left after the grace period.
         A rank that said it is failing is left to end by itself (it leaves within seconds,
-        runtime/lifecycle) until then, so that its exit code and last words are its own."""
+        runtime/lifecycle) until then, so that its exit code and last words are its own.
+        ``notice_s``: how long ranks that have not said so get to say it first."""
         if self._stopping:
             return
         self._stopping = True
         tree = self._descendants()
+        deadline = time.monotonic() + notice_s
+        while time.monotonic() < deadline and self._unaware():
+            time.sleep(0.05)
         # Ranks that said they fail or leave (shutdown began) end by themselves within
         # seconds: their exit code is their own, and may be the job's root cause.
         leaving = self._failing | set(self._left_at.copy())
@@ -413,6 +422,11 @@ class Agent:
             with contextlib.suppress(psutil.Error):
                 p.kill()
         leftovers.sweep(0.0, self._live_pids())  # orphans of ranks that had already exited
+
+    def _unaware(self) -> list[int]:
+        """Ranks still running that have not said they are failing or leaving."""
+        leaving = self._failing | set(self._left_at.copy())
+        return [r for r, p in self._procs.items() if p.poll() is None and r not in leaving]
 
     def kill_all(self) -> None:
         """SIGKILL every rank still running, and what it started: the grace period after a
@@ -524,7 +538,7 @@ def main() -> int:
         elif msg["t"] == "signal":
             agent.signal_all(signal.Signals[msg["sig"]])
         elif msg["t"] == "stop":
-            agent.stop_all()
+            agent.stop_all(float(msg.get("notice_s", 0.0)))
         elif msg["t"] == "kill":
             agent.kill_all()
     # Lifeline cut (or the launcher is finished): nothing may outlive it.

@@ -85,6 +85,7 @@ State = Starting | Running | Reforming | WaitingForHosts | Stopping | Done
 
 class Action(enum.Enum):
     STOP_RANKS = "stop ranks"  # tell every agent to stop its ranks (SIGTERM, then SIGKILL)
+    STOP_RANKS_NOW = "stop ranks now"  # the same without the peers' notice (a launch error)
     FORWARD_SIGNAL = "forward signal"  # SIGINT or SIGTERM, once; killed after the grace period
     KILL_RANKS = "kill ranks"  # SIGKILL every rank still running (the grace period is over)
     KILL_AGENTS = "kill agents"
@@ -178,13 +179,13 @@ def on(state: State, event: Event) -> Decision:
         return _tick(state, event)
     if isinstance(state, Stopping):  # nothing else changes a job that is ending, but a
         if isinstance(event, Failed) and event.hard:  # launch error stops it at once
-            return Decision(replace(state, deadline=event.now + KILL_AFTER_S), (Action.STOP_RANKS,))
+            deadline = event.now + KILL_AFTER_S
+            return Decision(replace(state, deadline=deadline), (Action.STOP_RANKS_NOW,))
         return Decision(state)
     if isinstance(event, Failed):
         grace = 0.0 if event.hard else event.grace_s
-        return Decision(
-            Stopping(event.failure, event.now + grace + KILL_AFTER_S), (Action.STOP_RANKS,)
-        )
+        stop = Action.STOP_RANKS_NOW if event.hard else Action.STOP_RANKS
+        return Decision(Stopping(event.failure, event.now + grace + KILL_AFTER_S), (stop,))
     if isinstance(event, Started):
         return Decision(Running() if isinstance(state, Starting) else state)
     if isinstance(event, WorldChanged):

@@ -4,7 +4,8 @@ Launcher -> agent (agent's stdin):
     {"t": "start", "ranks": [RankLaunch...], "cwd": str, "key": hex | null, "grace_s": float,
      "frozen_s": float}                             frozen_s: the job's Config.frozen_after_s
     {"t": "signal", "sig": "SIGINT" | "SIGTERM"}   forward a signal to every rank
-    {"t": "stop"}                                    end every rank (TERM, then KILL after grace)
+    {"t": "stop", "notice_s": float}                 end every rank (TERM, then KILL after grace),
+                                                      after notice_s for those unaware (optional)
     {"t": "kill"}                                    SIGKILL every rank (a signal's grace is over)
     end of input                                     the launcher is gone: stop everything, exit
 

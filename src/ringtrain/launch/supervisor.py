@@ -46,7 +46,7 @@ from ringtrain.environ import horovod_unused
 from ringtrain.errors import ConfigError, LaunchError
 from ringtrain.host import network
 from ringtrain.launch import agent_start, discovery, elastic, job_network, job_state, rank_env
-from ringtrain.launch.agent import FAILING_GRACE_S
+from ringtrain.launch.agent import FAILING_GRACE_S, PEER_NOTICE_S
 from ringtrain.launch.agent_link import AGENT_EXIT_S, AgentLink, unreachable
 from ringtrain.launch.elastic_hosts import Change, ElasticPool
 from ringtrain.launch.exit_policy import Next, RankExit, decide
@@ -132,9 +132,10 @@ class Supervisor:
         decision = job_state.on(self.state, event)
         self.state = decision.state
         for action in decision.actions:
-            if action is job_state.Action.STOP_RANKS:
+            if action in (job_state.Action.STOP_RANKS, job_state.Action.STOP_RANKS_NOW):
+                notice = PEER_NOTICE_S if action is job_state.Action.STOP_RANKS else 0.0
                 for lk in self.links:
-                    lk.send("stop")
+                    lk.send("stop", notice_s=notice)
             elif action is job_state.Action.FORWARD_SIGNAL:
                 # The first signal's own: Ctrl-C reaches the ranks as SIGINT (KeyboardInterrupt),
                 # a SIGTERM (Slurm, Kubernetes) as SIGTERM, as torchrun and mpirun forward them.
@@ -542,8 +543,8 @@ class Supervisor:
             if others
             else f"{failure.description}."
         )
-        # The agents give ranks that said they are failing FAILING_GRACE_S more to end alone.
-        grace = self.options.grace_s + FAILING_GRACE_S
+        # The agents give the peers a notice first, those that said they fail more to end alone.
+        grace = PEER_NOTICE_S + self.options.grace_s + FAILING_GRACE_S
         self._apply(job_state.Failed(failure, time.monotonic(), grace))
 
     def _on_sigint(self, signum: int, _frame: FrameType | None) -> None:
