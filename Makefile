@@ -36,16 +36,16 @@ unit: bytecode
 
 # Lint beside the tests, its output after theirs: mypy keeps one core busy for ~30 s on a clean
 # clone, which the tests would otherwise wait through (the suite keeps 2 cores busy). The tests'
-# verdict comes last (pytest's summary of what failed, or its last lines where a worker died),
-# so that a log cut to its tail, as CI's report is, still names the failing tests.
+# verdict comes last (the failed tests' lines of pytest's summary, not its skips, then its last
+# lines, which say where a worker died), so that a log cut to its tail, as CI's report is, still
+# names the failing tests.
 test: bytecode
 	@lint_out=$$(mktemp); unit_out=$$(mktemp); \
 	VENV=$(VENV) ./scripts/lint > "$$lint_out" 2>&1 & lint_pid=$$!; \
 	$(UNIT) 2>&1 | tee "$$unit_out"; unit_rc=$${PIPESTATUS[0]}; wait $$lint_pid; lint_rc=$$?; \
 	echo "== lint (scripts/lint, run beside the tests): exit code $$lint_rc"; cat "$$lint_out"; \
 	echo "== tests: exit code $$unit_rc"; \
-	if grep -q "short test summary info" "$$unit_out"; then \
-	  sed -n '/short test summary info/,$$p' "$$unit_out"; else tail -n 3 "$$unit_out"; fi; \
+	grep -E '^(FAILED|ERROR) ' "$$unit_out" | head -n 40; tail -n 3 "$$unit_out"; \
 	rm -f "$$lint_out" "$$unit_out"; test $$lint_rc -eq 0 && test $$unit_rc -eq 0
 
 # The quick tier for the inner loop: lint, then the tests that start no test world, cluster,
