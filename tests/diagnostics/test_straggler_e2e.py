@@ -67,20 +67,22 @@ def test_the_report_compares_ranks_per_sample_at_the_shares_in_force(world2: Wor
 
 
 def _train_per_rank_steps() -> tuple[list[str], int]:
-    """sync_every=[4, 2], both ranks as fast: rank 0's round takes twice rank 1's. Rank 0
-    takes 24 steps, rank 1 12: a report at a step number would wait for a rank waiting for
-    this one's next outer step (it hung); reports come at the ends of rounds instead."""
+    """sync_every=[6, 2], both ranks as fast: rank 0's round takes three times rank 1's (twice
+    was too close to the report's 1.25x under load: a window of two rounds in which rank 1
+    was held back read as balanced). Rank 0 takes 36 steps, rank 1 12: a report at a step
+    number would wait for a rank waiting for this one's next outer step (it hung); reports
+    come at the ends of rounds instead."""
     assert rt.straggler_report() is None  # a new job: not the report of one before it
     torch.manual_seed(0)
     model = torch.nn.Linear(32, 1)
     opt = rt.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters(),
-        sync_every=[4, 2],
+        sync_every=[6, 2],
         outer_compression="none",
     )
     lines = []
-    for _ in range(24 if rt.rank() == 0 else 12):
+    for _ in range(36 if rt.rank() == 0 else 12):
         opt.zero_grad()
         model(torch.randn(16, 32)).pow(2).mean().backward()
         time.sleep(0.03)  # the same compute per step on both ranks
