@@ -406,7 +406,7 @@ class Agent:
             time.sleep(0.05)
         # Ranks that said they fail or leave (shutdown began) end by themselves within
         # seconds: their exit code is their own, and may be the job's root cause.
-        leaving = self._failing | set(self._left_at.copy())
+        leaving = self._leaving()
         self.signal_all(signal.SIGTERM, spare=leaving)
         start = time.monotonic()
         deadline = start + self._grace_s
@@ -423,9 +423,13 @@ class Agent:
                 p.kill()
         leftovers.sweep(0.0, self._live_pids())  # orphans of ranks that had already exited
 
+    def _leaving(self) -> set[int]:
+        """Ranks that said they are failing or leaving (shutdown began)."""
+        return self._failing | set(self._left_at.copy())
+
     def _unaware(self) -> list[int]:
         """Ranks still running that have not said they are failing or leaving."""
-        leaving = self._failing | set(self._left_at.copy())
+        leaving = self._leaving()
         return [r for r, p in self._procs.items() if p.poll() is None and r not in leaving]
 
     def kill_all(self) -> None:
