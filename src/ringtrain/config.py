@@ -171,6 +171,8 @@ class Config:
     checkpoint_keep: int = 3
     # Who writes the saves: "process", "thread" (enclaves) or "auto" (docs/checkpoint.md).
     checkpoint_writer: str = "auto"
+    # The process writer's shared-memory buffers' directory ("": /dev/shm, else the temp dir).
+    checkpoint_buffers: str = ""
     # Continue from the newest complete checkpoint in this directory (`ringtrain run --resume`).
     resume: str = ""
 

@@ -4,6 +4,7 @@ taken when save() returned; one in flight; a failed write raised at the next sav
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,15 +69,22 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_buffers_of_a_killed_process_are_removed(tmp_path: Path) -> None:
+def test_buffers_of_a_killed_process_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """kill -9 leaves the shared-memory buffers (a copy of the rank's part) behind; the next
-    Checkpointer on the machine removes them, and never a live one's."""
+    Checkpointer with the same buffer directory removes them, and never a live one's."""
+    # A directory of the test's own: in /dev/shm, another test's Checkpointer on this machine
+    # may sweep the dead one's buffers before this one looks (as it should: CI saw it).
+    shm = tmp_path / "shm"
+    monkeypatch.setenv("RINGTRAIN_CHECKPOINT_BUFFERS", str(shm))
     proc = subprocess.run(
         [sys.executable, "-c", _KILLED, str(tmp_path / "a")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     left = proc.stdout.strip()
+    assert os.path.dirname(left) == str(shm)
     assert os.path.isdir(left) and os.listdir(left)
     with ckpt.Checkpointer(tmp_path / "b") as live, ckpt.Checkpointer(tmp_path / "c") as other:
         live.save(1, model=_model())
@@ -86,6 +94,44 @@ def test_buffers_of_a_killed_process_are_removed(tmp_path: Path) -> None:
         other.save(1, model=_model())  # sweeps again: the live one's buffers stay
         assert os.path.isdir(mine) and other.buffer_dir != mine
     assert not os.path.exists(mine)
+
+
+_FULL = """
+import sys, torch
+import ringtrain.checkpoint as ckpt
+from ringtrain.errors import CheckpointError
+with ckpt.Checkpointer(sys.argv[1], writer="process") as saver:
+    try:
+        saver.save(1, model=torch.nn.Linear(256, 512))  # 0.5 MiB of buffers
+    except CheckpointError as e:
+        print(e, flush=True)
+    saver.save(2, model=torch.nn.Linear(64, 64))  # 16 KiB: fits
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="mounts a small tmpfs in a mount namespace of its own: needs root and unshare",
+)
+def test_a_full_buffer_directory_is_an_error_that_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A /dev/shm too small for the rank's part (Docker's default is 64 MiB) killed the rank
+    with SIGBUS at the first write into the mapping (exit code 135, no words). Now save()
+    says what is full and what to do, and a save that fits goes on."""
+    small = tmp_path / "small"
+    small.mkdir()
+    monkeypatch.setenv("RINGTRAIN_CHECKPOINT_BUFFERS", str(small))
+    script = f'mount -t tmpfs -o size=256k tmpfs {small} && exec {sys.executable} -c "$0" "$1"'
+    proc = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", script, _FULL, str(tmp_path / "ck")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    said = proc.stdout
+    assert f"no room for this rank's checkpoint buffer in {small}: it needs 0.5 MiB" in said
+    assert "RINGTRAIN_CHECKPOINT_BUFFERS" in said and "--shm-size" in said
+    assert [s for s, _ in manifest.committed(str(tmp_path / "ck"))] == [2]
 
 
 _UNCLOSED = """

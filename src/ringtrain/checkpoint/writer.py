@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import io
 import logging
@@ -64,11 +65,20 @@ _SHM_PREFIX = "ringtrain-ckpt-"
 _OWNER = ".owner"  # in each buffer directory: locked (flock) by its process while it lives
 
 
-def _buffer_dir() -> tuple[str, int]:
-    """A directory for this process's shared-memory buffers and the descriptor holding its
-    owner lock. Removes first the directories whose owner died without cleaning up (kill -9):
-    shared memory outlives its processes, and each holds a copy of a rank's checkpoint part."""
-    where = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+def _buffer_dir(where: str) -> tuple[str, int]:
+    """A directory under ``where`` ("": /dev/shm) for this process's shared-memory buffers and
+    the descriptor holding its owner lock. Removes first the directories whose owner died
+    without cleaning up (kill -9): shared memory outlives its processes, and each holds a copy
+    of a rank's checkpoint part."""
+    if not where:
+        where = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    try:
+        os.makedirs(where, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot make the checkpoint buffers' directory {where!r}: {e}\n"
+            "HINT: set RINGTRAIN_CHECKPOINT_BUFFERS to a writable directory on this host."
+        ) from e
     _sweep(where)
     path = tempfile.mkdtemp(prefix=_SHM_PREFIX, dir=where)
     tmp = os.path.join(path, _OWNER + ".tmp")
@@ -98,6 +108,33 @@ def _sweep(where: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
         finally:
             os.close(fd)
+
+
+def _reserved(path: str, nbytes: int) -> None:
+    """Make the buffer file and claim its space now. A sparse file on a full tmpfs (Docker
+    gives /dev/shm 64 MiB) is found full only when a page is first written through the
+    mapping, and that write kills the rank with SIGBUS, saying nothing."""
+    fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return  # a file system that cannot reserve: written as before
+        os.remove(path)
+        where = os.path.dirname(os.path.dirname(path))
+        free = shutil.disk_usage(where).free / 2**20
+        raise CheckpointError(
+            f"no room for this rank's checkpoint buffer in {where}: it needs "
+            f"{nbytes / 2**20:.1f} MiB, {free:.1f} MiB are free ({e.strerror})\n"
+            f"HINT: give {where} room for a "
+            "copy of each rank's part on this host (docker run --shm-size; on Kubernetes an "
+            "emptyDir of medium Memory at /dev/shm), or set RINGTRAIN_CHECKPOINT_BUFFERS to a "
+            "directory on a local disk, or RINGTRAIN_CHECKPOINT_WRITER=thread (private memory)."
+        ) from e
+    finally:
+        os.close(fd)
 
 
 def _yield_to_training() -> None:
@@ -232,8 +269,9 @@ class _ProcessWriter:
 
     kind = "process"
 
-    def __init__(self, commits: bool = False) -> None:
+    def __init__(self, commits: bool = False, buffers: str = "") -> None:
         self._commits = commits  # rank 0's: its process imports DCP at once (see preload)
+        self._where = buffers  # the buffers' parent directory ("": /dev/shm)
         self._buffers: dict[str, tuple[_Shared, torch.Tensor]] = {}
         self._made = 0  # buffer files made: each a new name, so the writer's mappings stay true
         self._proc: subprocess.Popen[bytes] | None = None
@@ -327,14 +365,13 @@ class _ProcessWriter:
         got = self._buffers.get(key)
         if got is None or got[1].shape != src.shape or got[1].dtype != src.dtype:
             if self.shm is None:
-                self.shm, self._shm_lock = _buffer_dir()
+                self.shm, self._shm_lock = _buffer_dir(self._where)
             if got is not None:  # the writer maps it until its next save: unlinking is safe
                 with contextlib.suppress(OSError):
                     os.remove(got[0].path)
             shared = _Shared(os.path.join(self.shm, str(self._made)), dtype, tuple(src.shape))
             self._made += 1
-            with open(shared.path, "wb") as f:
-                f.truncate(src.numel() * src.element_size())
+            _reserved(shared.path, src.numel() * src.element_size())
             got = self._buffers[key] = (shared, shared.open())
         got[1].copy_(src)
         return got[0]
@@ -414,8 +451,12 @@ class Checkpointer:
             )
         log.info("checkpoints into %s: the %s writer (%s)", self.root, kind, why)
         # Rank 0 commits (a rank 0 of a later elastic world imports DCP at its first commit).
-        rank0 = api._where()[0] == 0
-        self._writer = ThreadWriter() if kind == "thread" else _ProcessWriter(commits=rank0)
+        rank, _, cfg = api._where()
+        self._writer = (
+            ThreadWriter()
+            if kind == "thread"
+            else _ProcessWriter(commits=rank == 0, buffers=cfg.checkpoint_buffers)
+        )
         _unclosed.add(self)
         return self._writer
 
