@@ -20,9 +20,11 @@ import pytest
 
 from _launcher_runs import assert_gone
 from ringtrain import cli
+from ringtrain.launch import job_state
 from ringtrain.launch.command import options_from_args
+from ringtrain.launch.failures import Failure
 from ringtrain.launch.hosts import Host
-from ringtrain.launch.supervisor import AgentLink, Supervisor
+from ringtrain.launch.supervisor import PEER_NOTICE_S, AgentLink, Supervisor
 
 RANK_SCRIPT = textwrap.dedent(
     """
@@ -286,3 +288,42 @@ def test_an_agent_that_dies_is_reported_with_its_last_words() -> None:
     _, msg = events.get(timeout=10)
     assert msg == {"t": "eof"}
     assert list(link.err_tail) == ["ssh: connect to host ghost: Connection refused"]
+
+
+class _Recording:
+    """An agent link that records what the launcher sends it."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, Any]]] = []
+
+    def send(self, kind: str, **fields: Any) -> None:
+        self.sent.append((kind, fields))
+
+
+@pytest.mark.parametrize("hard", [False, True], ids=["rank failed", "launch error"])
+def test_a_failure_stops_the_ranks_with_the_peers_notice_a_launch_error_without(
+    hard: bool,
+) -> None:
+    """A rank's failure gives the other ranks PEER_NOTICE_S to say so before SIGTERM (and the
+    job's deadline makes room for it); a launch error stops them at once."""
+    argv = ["run", "-np", "2", "--", sys.executable, "-c", "pass"]
+    sup = Supervisor(
+        options_from_args(cli.build_parser(argv).parse_args(argv)),
+        out=io.StringIO(),
+        err=io.StringIO(),
+    )
+    link = _Recording()
+    sup.links = [link]  # type: ignore[list-item]
+    failure = Failure(rank=1, host="localhost", code=3, description="rank 1 exited", tail=[])
+    before = time.monotonic()
+    if hard:
+        sup._apply(job_state.Failed(failure, before, 0.0, hard=True))
+    else:
+        sup._fail(failure)
+    assert link.sent == [("stop", {"notice_s": 0.0 if hard else PEER_NOTICE_S})]
+    assert isinstance(sup.state, job_state.Stopping)
+    room = sup.state.deadline - before  # until the agents are killed
+    if hard:
+        assert room <= job_state.KILL_AFTER_S + 1.0
+    else:
+        assert room >= PEER_NOTICE_S + job_state.KILL_AFTER_S
