@@ -170,6 +170,10 @@ def test_auto_shares_follow_the_rates_and_move_only_past_the_margin(
     said = [r.getMessage() for r in caplog.records if r.name == "ringtrain"]
     assert len(said) == 1  # rank 0 says it, once
     assert said[0].startswith("ringtrain batch_shares=auto: shares [750, 250] of each global")
+    assert (
+        "rank 0 75.0%, rank 1 25.0%; each rank's busy time per step at the shares in force "
+        "[1, 1] (median of 5 steps): rank 0 1.0 ms, rank 1 3.0 ms;" in said[0]
+    ), said[0]
     assert [a.shares for a in autos] == [(750, 250)] * 2
     seconds[1] = 0.0033  # 10% slower: within the margin, no change
     assert [s for s in steps(2 * MEASURE_STEPS) if s is not None] == []
@@ -179,7 +183,11 @@ def test_auto_shares_follow_the_rates_and_move_only_past_the_margin(
         steps(2 * MEASURE_STEPS)
     assert [r.levelno for r in caplog.records if r.name == "ringtrain"] == [logging.INFO]
     assert autos[0].shares == autos[1].shares == shares_for([1.0, 1.0])
-    assert "rank 0 75.0% (speed 1.00), rank 1 25.0% (speed 0.33)" in describe((750, 250), [9, 3])
+    # A rank left with 1% of the batch, 5 ms of fixed time per step: its rate per sample is a
+    # thirtieth of rank 0's, but it is the one that waits; the line says so.
+    line = describe((500, 500), [990 / 0.015, 10 / 0.0051], (990, 10), per="round")
+    assert "busy time per round at the shares in force [990, 10]" in line
+    assert "rank 0 15.0 ms, rank 1 5.1 ms" in line
 
 
 def _auto() -> tuple[tuple[float, ...] | None, tuple[float, ...] | None]:

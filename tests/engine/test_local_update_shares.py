@@ -297,7 +297,7 @@ def test_the_first_measured_round_excludes_the_wait_for_the_exchange_in_flight(
 ) -> None:
     # The round let pass left its overlapped exchange in flight; the fast rank's next merge
     # waited for the slow rank's round in it, counted as its own work: both ranks measured
-    # alike (speed 0.97) and the first decision kept equal shares.
+    # alike (rates 3% apart) and the first decision kept equal shares.
     per_rank = world2.run(_first_choice)
     assert per_rank[0] == per_rank[1], per_rank  # agreed
     fast, slow = per_rank[0] or (1, 1)  # None: equal shares kept

@@ -48,7 +48,7 @@ GAIN_MARGIN = 0.1  # new shares must be predicted to gain more than this over th
 CONFIRM = 2  # measurements in a row that must agree before shares in force change
 RESOLUTION = 1000
 # Local updates: one round let pass (the first holds the link probe), then each round measured.
-ROUND_PERIODS = (1, 1, "round(s)")
+ROUND_PERIODS = (1, 1, "round")
 
 
 def shares_for(rates: Sequence[float]) -> tuple[int, ...]:
@@ -108,20 +108,24 @@ def gains(now: Sequence[float], rates: Sequence[float], margin: float = GAIN_MAR
 
 
 def describe(
-    shares: Sequence[int], rates: Sequence[float], basis: str = f"median of {MEASURE_STEPS} steps"
+    shares: Sequence[int],
+    rates: Sequence[float],
+    before: Sequence[int],
+    basis: str = f"median of {MEASURE_STEPS} steps",
+    per: str = "step",
 ) -> str:
-    """The one log line: who gets how much of each global batch, and why (each rank's speed
-    relative to the fastest's: the rates are in the shares' unit per second, not samples);
-    ``basis``: what each rate was measured over."""
-    whole, fastest = sum(shares), max(rates)
-    parts = ", ".join(
-        f"rank {r} {s / whole:.1%} (speed {rate / fastest:.2f})"
-        for r, (s, rate) in enumerate(zip(shares, rates))
-    )
+    """The one log line: who gets how much of each global batch, and why: each rank's busy
+    time per ``per`` at the shares in force, ``before`` (measured: ``share / rate``; a speed per
+    sample would make a rank with a small share and a step's fixed time look slower than it
+    is); ``basis``: what each rate was measured over."""
+    whole = sum(shares)
+    parts = ", ".join(f"rank {r} {s / whole:.1%}" for r, s in enumerate(shares))
+    busy = ", ".join(f"rank {r} {b * 1e3:.1f} ms" for r, b in enumerate(_busy(before, rates)))
     return (
-        f"ringtrain batch_shares=auto: shares {list(shares)} of each global batch: {parts}, "
-        f"from each rank's measured rate ({basis}); changed again only "
-        f"when other shares would gain over {GAIN_MARGIN:.0%} at {CONFIRM} measurements in a row"
+        f"ringtrain batch_shares=auto: shares {list(shares)} of each global batch: {parts}; "
+        f"each rank's busy time per {per} at the shares in force {list(before)} ({basis}): "
+        f"{busy}; changed again only when other shares would gain over {GAIN_MARGIN:.0%} at "
+        f"{CONFIRM} measurements in a row"
     )
 
 
@@ -134,12 +138,13 @@ class AutoShares:
         rank: int,
         agree: Callable[[list[float]], list[float]],
         clock: Callable[[], float] = time.perf_counter,
-        periods: tuple[int, int, str] = (WARMUP_STEPS, MEASURE_STEPS, "steps"),
+        periods: tuple[int, int, str] = (WARMUP_STEPS, MEASURE_STEPS, "step"),
         settle: Callable[[], None] | None = None,
     ) -> None:
         """``agree(values)``: every rank's ``values`` summed (identical on every rank).
-        ``periods``: what :meth:`observe` is called at (``"steps"``; local updates: ``"rounds"``,
-        each a whole round's work), how many of them to let pass, how many to measure over.
+        ``periods``: how many periods to let pass, how many to measure over, and what
+        :meth:`observe` is called at (``"step"``; local updates: ``"round"``, each a whole
+        round's work).
         ``settle()``: waits for what a period left in flight (local updates: the outer exchange)
         before the next period's clock starts, as ``agree`` does after a measurement."""
         self.size, self.rank = size, rank
@@ -148,8 +153,8 @@ class AutoShares:
         self._decided = False  # the first choice made (from the equal shares at the start)
         self._pending: list[float] | None = None  # rates of a measurement that asked for a change
         self._seconds: list[float] = []
-        self._skip, self._measure, unit = periods
-        self._basis = f"median of {self._measure} {unit}"
+        self._skip, self._measure, self._per = periods
+        self._basis = f"median of {self._measure} {self._per}{'s' * (self._measure != 1)}"
         self._last_end = 0.0
         self._gaps: list[float] = []  # local updates: this round's times between steps
         self._step_end = 0.0
@@ -202,7 +207,7 @@ class AutoShares:
             self._decided = True
             new = shares_for(rates) if gains(self.shares, rates) else self.shares
             if self.rank == 0:  # the first choice shown by default (as auto compression's)
-                log.warning("%s", describe(new, rates, self._basis))
+                log.warning("%s", describe(new, rates, self.shares, self._basis, self._per))
             return new
         if not gains(self.shares, rates):
             self._pending = None  # noise within the margin: nothing moves
@@ -216,7 +221,7 @@ class AutoShares:
             return None  # the two measurements disagree on what to change
         self._pending = None
         if self.rank == 0:
-            log.info("%s", describe(new, mean, self._basis))
+            log.info("%s", describe(new, mean, self.shares, self._basis, self._per))
         return new
 
 
