@@ -4,7 +4,8 @@ tiny model to the same weights as one process computing the same steps.
 
 What stands in for Kubernetes: the pods' DNS names are lines in each host's ``/etc/hosts``; the
 key Secret's volume is the Secret's data in a file (mode 0400, root's) bind-mounted at the
-mount path inside the pod's mount namespace; MPIJob's ssh key mount at ``/root/.ssh`` is the
+mount path inside the pod's mount namespace, and the memory-backed emptyDir at ``/dev/shm`` a
+tmpfs of its ``sizeLimit`` mounted there; MPIJob's ssh key mount at ``/root/.ssh`` is the
 test cluster's ssh config (given to mpirun through ``OMPI_MCA_plm_rsh_args``), and the
 operator's hostfile is a file named by ``OMPI_MCA_orte_default_hostfile`` as the operator sets.
 """
@@ -28,7 +29,7 @@ import pytest
 import torch
 
 from ringtrain.deploy import gramine, manifests, sizing
-from ringtrain.deploy.spec import JobSpec
+from ringtrain.deploy.spec import JobSpec, memory_bytes
 from ringtrain.testing import cluster as tc
 from ringtrain.testing.netns import ETC_NETNS
 
@@ -102,13 +103,45 @@ def _secret_volume(secret: dict[str, Any] | None, tmp_path: Path) -> Iterator[Pa
                 p.rmdir()
 
 
-def _mounted(argv: Sequence[str], volume: Path | None) -> list[str]:
-    """``argv`` in a pod whose mount namespace has the key volume at its mount path (the
-    command runs in the host's own mount namespace: ``ip netns exec`` makes one)."""
-    if volume is None:
-        return list(argv)
-    script = f'mount --bind "$0" {manifests.KEY_DIR} && exec "$@"'
-    return ["sh", "-c", script, str(volume), *argv]
+def _dev_shm_bytes(doc: Any) -> int:
+    """The size of the memory-backed emptyDir that ``doc``'s rank pods mount at /dev/shm (one
+    size for every pod of the job)."""
+    found: set[int] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            mounts = {m["name"]: m["mountPath"] for m in node.get("volumeMounts", [])}
+            for c in node.get("containers", []):
+                mounts.update({m["name"]: m["mountPath"] for m in c.get("volumeMounts", [])})
+            for v in node.get("volumes", []):
+                if v.get("emptyDir", {}).get("medium") == "Memory" and (
+                    mounts.get(v["name"]) == "/dev/shm"
+                ):
+                    found.add(memory_bytes(v["emptyDir"]["sizeLimit"]))
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(doc)
+    (size,) = found
+    return size
+
+
+def _shm_mount(size: int) -> list[str]:
+    """What the kubelet mounts for a memory-backed emptyDir of ``size`` bytes at /dev/shm."""
+    return ["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "shm", "/dev/shm"]
+
+
+def _mounted(argv: Sequence[str], volume: Path | None, shm: int) -> list[str]:
+    """``argv`` in a pod whose mount namespace has its /dev/shm (``shm`` bytes) and the key
+    volume at its mount path (the command runs in the host's own mount namespace: ``ip netns
+    exec`` makes one)."""
+    script = " ".join(_shm_mount(shm)) + " && "
+    if volume is not None:
+        script += f'mount --bind "$1" {manifests.KEY_DIR} && '
+    return ["sh", "-c", script + 'shift && exec "$@"', "pod", str(volume), *argv]
 
 
 def _run(
@@ -187,6 +220,10 @@ def _check_reports(out: Path, spec: JobSpec, launcher: str, hosts: set[str]) -> 
         # What --sgx would give this rank: the estimate must cover what it used.
         assert rep["threads"] <= plan.max_threads - sizing.GRAMINE_THREADS, rep["threads"]
         assert rep["vm_hwm_bytes"] + rep["mapped_objects_bytes"] <= sizing.RUNTIME_BASE_BYTES
+        # The pod's /dev/shm as its manifest sized it, not the runtime's 64 MiB (an enclave
+        # sees its own, empty one).
+        if not spec.sgx:
+            assert rep["dev_shm_bytes"] == memory_bytes(spec.shm_size) > 64 << 20
     assert len({tuple(r["weights"]) for r in reports}) == 1, "ranks disagree"
     assert {r["hostname"] for r in reports} == hosts
 
@@ -204,6 +241,7 @@ def test_pytorchjob_trains_on_namespace_hosts(
     secret = next((d for d in docs if d["kind"] == "Secret"), None)
     (job,) = [d for d in docs if d["kind"] == "PyTorchJob"]
     pods = operators.pytorchjob_pods(job)
+    shm = _dev_shm_bytes(job)
     cluster = make_cluster(len(pods))
     hosts = {pod.name: h.name for pod, h in zip(pods, cluster.hosts)}
     _name_hosts(cluster, hosts)
@@ -211,7 +249,7 @@ def test_pytorchjob_trains_on_namespace_hosts(
         _run(
             cluster,
             [
-                (hosts[pod.name], _mounted(pod.argv, volume), {**_base_env(), **pod.env})
+                (hosts[pod.name], _mounted(pod.argv, volume, shm), {**_base_env(), **pod.env})
                 for pod in pods
             ],
             tmp_path / "logs",
@@ -277,6 +315,7 @@ def test_sgx_pytorchjob_trains_with_every_rank_in_an_enclave_stand_in(
     secret, job = manifests.generate(spec, "pytorchjob", KEY)
     pods = operators.pytorchjob_pods(job)
     assert pods[0].argv[-2:] == ["gramine-sgx", "ringtrain"]
+    shm = _dev_shm_bytes(job)
     bin_dir = _gramine_stand_in(spec, tmp_path)
     cluster = make_cluster(len(pods))
     hosts = {pod.name: h.name for pod, h in zip(pods, cluster.hosts)}
@@ -286,7 +325,10 @@ def test_sgx_pytorchjob_trains_with_every_rank_in_an_enclave_stand_in(
     with _secret_volume(secret, tmp_path) as volume:
         _run(
             cluster,
-            [(hosts[pod.name], _mounted(pod.argv, volume), {**base, **pod.env}) for pod in pods],
+            [
+                (hosts[pod.name], _mounted(pod.argv, volume, shm), {**base, **pod.env})
+                for pod in pods
+            ],
             tmp_path / "logs",
             timeout_s=2 * JOB_TIMEOUT_S,
         )
@@ -303,6 +345,7 @@ def test_trainjob_trains_on_namespace_hosts(make_cluster: Any, tmp_path: Path) -
     spec = describe(out, secure=True)
     secret, runtime, trainjob = manifests.generate(spec, "trainjob", KEY)
     pods = operators.trainjob_pods(runtime, trainjob)
+    shm = _dev_shm_bytes(runtime)
     cluster = make_cluster(len(pods))
     hosts = {pod.name: h.name for pod, h in zip(pods, cluster.hosts)}
     # The JobSet's headless Service: <trainjob>-node-0-<i>.<trainjob>.
@@ -311,7 +354,7 @@ def test_trainjob_trains_on_namespace_hosts(make_cluster: Any, tmp_path: Path) -
         _run(
             cluster,
             [
-                (hosts[pod.name], _mounted(pod.argv, volume), {**_base_env(), **pod.env})
+                (hosts[pod.name], _mounted(pod.argv, volume, shm), {**_base_env(), **pod.env})
                 for pod in pods
             ],
             tmp_path / "logs",
@@ -381,15 +424,14 @@ def test_mpijob_trains_on_namespace_hosts(
     no_stdin = "" if stdin else "-n "
     env["OMPI_MCA_plm_rsh_args"] = f"{no_stdin}-F {_ssh_config(cluster, names, tmp_path)} {rsh}"
     with _secret_volume(secret, tmp_path) as volume:
-        # The worker pods' container is sshd: the key volume goes into its mount namespace,
-        # where the ranks mpirun starts over ssh look for it.
-        for h in cluster.hosts[1:] if volume is not None else []:
+        # The worker pods' container is sshd: /dev/shm and the key volume go into its mount
+        # namespace, where the ranks mpirun starts over ssh look for them.
+        for h in cluster.hosts[1:]:
             enter = ["nsenter", "-t", str(cluster.sshd_pid(h.name)), "-m", "--"]
-            subprocess.run(
-                [*enter, "mount", "--bind", str(volume), manifests.KEY_DIR],
-                check=True,
-                capture_output=True,
-                timeout=30,
-            )
+            mounts = [_shm_mount(_dev_shm_bytes(job))]
+            if volume is not None:
+                mounts.append(["mount", "--bind", str(volume), manifests.KEY_DIR])
+            for mount in mounts:
+                subprocess.run([*enter, *mount], check=True, capture_output=True, timeout=30)
         _run(cluster, [(cluster.hosts[0].name, launcher.argv, env)], tmp_path / "logs")
     _check_reports(out, spec, "openmpi", {h.name for h in cluster.hosts[1:]})

@@ -180,15 +180,49 @@ def test_secure_pods_mount_the_key_read_only_0400_where_ranks_run(target: str) -
         if container["name"] == "launcher":  # mpirun's pod runs no rank: no key there
             assert "volumes" not in pod
             continue
-        (volume,) = pod["volumes"]
+        (volume,) = [v for v in pod["volumes"] if "secret" in v]
         assert volume["secret"]["secretName"] == manifests.secret_name(spec_of("secure"))
-        (mount,) = container["volumeMounts"]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
         assert mount == {"name": volume["name"], "mountPath": manifests.KEY_DIR, "readOnly": True}
     text = to_yaml(docs)
     assert "defaultMode: 0400\n" in text  # octal, as people write it
     for pod in pods([yaml.safe_load(d) for d in text.split("\n---\n") if "Secret" not in d]):
         for v in pod.get("volumes", []):
-            assert v["secret"]["defaultMode"] == 0o400  # and Kubernetes reads it as 256
+            if "secret" in v:
+                assert v["secret"]["defaultMode"] == 0o400  # and Kubernetes reads it as 256
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(("shm", "size"), [(None, "4Gi"), ("6Gi", "6Gi"), ("1.5Gi", "1.5Gi")])
+def test_every_rank_pod_gets_a_memory_backed_dev_shm_of_its_size(
+    target: str, variant: str, shm: str | None, size: str
+) -> None:
+    """Not the runtime's 64 MiB: an emptyDir in memory at /dev/shm, half the pod's memory (8Gi)
+    unless ``shm`` says otherwise; mpirun's pod, which runs no rank, gets none."""
+    docs = manifests.generate(spec_of(variant, **({"shm": shm} if shm else {})), target, KEY)
+    rank_pods = 0
+    for pod in pods(docs):
+        container = pod["containers"][0]
+        if container["name"] == "launcher":
+            assert "volumes" not in pod and "volumeMounts" not in container
+            continue
+        rank_pods += 1
+        (volume,) = [v for v in pod["volumes"] if "emptyDir" in v]
+        assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": size}
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount == {"name": volume["name"], "mountPath": "/dev/shm"}
+    assert rank_pods == {"pytorchjob": 2, "mpijob": 1, "trainjob": 1}[target]
+    for doc in docs:
+        assert schemas.errors(yaml.safe_load(to_yaml([doc]))) == [], doc["kind"]
+
+
+@pytest.mark.parametrize(
+    ("memory", "half"),
+    [("8Gi", "4Gi"), ("3Gi", "1536Mi"), ("1.5Gi", "768Mi"), ("1G", "500000000"), ("1001", "500")],
+)
+def test_the_default_dev_shm_is_half_the_pods_memory_in_whole_bytes(memory: str, half: str) -> None:
+    assert spec_of("plain", memory=memory).shm_size == half
 
 
 def test_the_secret_holds_the_key_as_a_key_file_does(tmp_path: Path) -> None:
@@ -409,9 +443,12 @@ def test_cli_writes_the_files_and_the_secret_only_for_its_owner(tmp_path: Path) 
 def test_cli_reads_a_description_file_and_flags_win(tmp_path: Path, capsys: Any) -> None:
     desc = tmp_path / "job.yaml"
     desc.write_text(yaml.safe_dump({**BASE, "settings": {"compression": "fp16"}}))
-    assert cli(["k8s", str(desc), "--replicas", "5", "--set", "timeout_s=60"]) == 0
+    argv = ["k8s", str(desc), "--replicas", "5", "--set", "timeout_s=60", "--shm", "6Gi"]
+    assert cli(argv) == 0
     (job,) = yaml.safe_load_all(capsys.readouterr().out)
     assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 4
+    volumes = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["volumes"]
+    assert [v["emptyDir"]["sizeLimit"] for v in volumes if "emptyDir" in v] == ["6Gi"]
     env = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["env"]
     env = {e["name"]: e["value"] for e in env}
     assert env["RINGTRAIN_COMPRESSION"] == "fp16" and env["RINGTRAIN_TIMEOUT_S"] == "60.0"

@@ -140,6 +140,25 @@ def test_memory_that_is_no_quantity_or_no_whole_bytes_is_refused(quantity: str, 
     assert says in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    ("shm", "says"),
+    [
+        ("4 gigs", "shm '4 gigs' is not a Kubernetes memory quantity"),
+        ("0", "shm '0' is not more than 0 bytes"),
+        ("3Gi", "shm '3Gi' is more than the pod's memory '2Gi': /dev/shm's pages count"),
+        (4, "shm must be a string, got 4"),
+    ],
+)
+def test_a_dev_shm_that_is_no_quantity_or_more_than_the_pods_memory_is_refused(
+    shm: object, says: str
+) -> None:
+    with pytest.raises(ConfigError) as raised:
+        JobSpec.from_mapping({**BASE, "memory": "2Gi", "shm": shm})
+    assert says in str(raised.value)
+    if "more than the pod's memory" in says:
+        assert "HINT: shm: 1Gi (the default, half of memory), or raise memory." in str(raised.value)
+
+
 @pytest.mark.parametrize("namespace", ["1team", "123", "a", "ml-team-2", "x" * 63])
 def test_namespaces_are_rfc_1123_labels(namespace: str) -> None:
     spec = JobSpec.from_mapping({**BASE, "namespace": namespace})

@@ -39,6 +39,11 @@ def _mapped_objects_bytes() -> int:
     return sum(os.path.getsize(p) for p in paths if os.path.exists(p))
 
 
+def _dev_shm_bytes() -> int:
+    st = os.statvfs("/dev/shm")
+    return st.f_blocks * st.f_frsize
+
+
 def _vm_hwm_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -76,6 +81,7 @@ def main() -> None:
         "weights": torch.cat([q.detach().reshape(-1) for q in net.parameters()]).tolist(),
         "threads": len(os.listdir("/proc/self/task")),
         "omp_threads": torch.get_num_threads(),
+        "dev_shm_bytes": _dev_shm_bytes(),
         "vm_hwm_bytes": _vm_hwm_bytes(),
         "mapped_objects_bytes": _mapped_objects_bytes(),
     }

@@ -35,6 +35,7 @@ _FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--slots", "slots", int, "ranks per pod (default: 1)"),
     ("--cpus", "cpus", int, "whole CPUs per pod, exclusive under the static CPU manager"),
     ("--memory", "memory", str, "memory per pod, e.g. 16Gi (default: 2Gi)"),
+    ("--shm", "shm", str, "each rank pod's /dev/shm, e.g. 4Gi (default: half of --memory)"),
     ("--interface", "interface", str, "the pods' network interface (default: eth0)"),
     ("--port", "port", int, "rendezvous port on rank 0's pod (default: 23456)"),
     ("--model-params", "model_params", int, "--sgx: the model's parameter count"),

@@ -19,6 +19,8 @@ Targets (``generate(spec, target, key)``):
 Every target also gets a ``Secret`` with the job key when the job is secure. Pods are
 Guaranteed QoS with whole CPUs (requests == limits), so a kubelet with the static CPU manager
 policy gives them exclusive cores; ``OMP_NUM_THREADS`` shares those out among the pod's ranks.
+Pods that run ranks mount a memory-backed ``emptyDir`` of ``spec.shm_size`` at ``/dev/shm``
+(the runtime's own is 64 MiB).
 Pods set no ``fsGroup``: with one, Kubernetes makes the mounted key group-readable (0440,
 kubernetes#57923), which ringtrain refuses. ``sgx`` adds the SGX device plugin's resources and
 runs each rank through ``gramine-sgx``.
@@ -41,6 +43,8 @@ KEY_DIR = "/var/run/secrets/ringtrain"
 KEY_ITEM = "job.key"
 KEY_FILE = f"{KEY_DIR}/{KEY_ITEM}"
 KEY_VOLUME = "ringtrain-key"
+SHM_DIR = "/dev/shm"
+SHM_VOLUME = "ringtrain-shm"
 # The training operator looks up the master's port by these names.
 PYTORCH_CONTAINER = "pytorch"
 PYTORCH_PORT_NAME = "pytorchjob-port"
@@ -96,10 +100,15 @@ def _env(spec: JobSpec) -> list[dict[str, str]]:
     return [{"name": k, "value": v} for k, v in env.items()]
 
 
-def _key_volume(spec: JobSpec) -> list[dict[str, Any]]:
+def _rank_volumes(spec: JobSpec) -> list[dict[str, Any]]:
+    """The volumes of a pod that runs ranks: its /dev/shm, and the key when the job is secure."""
+    # Container runtimes give /dev/shm 64 MiB, less than a checkpoint part's copy in the process
+    # writer (or a DataLoader's worker batches) needs: a memory-backed emptyDir of its own size.
+    shm = {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}}
     if not spec.sealed:
-        return []
+        return [shm]
     return [
+        shm,
         {
             "name": KEY_VOLUME,
             "secret": {
@@ -107,14 +116,15 @@ def _key_volume(spec: JobSpec) -> list[dict[str, Any]]:
                 "defaultMode": Octal(0o400),
                 "items": [{"key": KEY_ITEM, "path": KEY_ITEM}],
             },
-        }
+        },
     ]
 
 
-def _key_mount(spec: JobSpec) -> list[dict[str, Any]]:
+def _rank_mounts(spec: JobSpec) -> list[dict[str, Any]]:
+    shm = {"name": SHM_VOLUME, "mountPath": SHM_DIR}
     if not spec.sealed:
-        return []
-    return [{"name": KEY_VOLUME, "mountPath": KEY_DIR, "readOnly": True}]
+        return [shm]
+    return [shm, {"name": KEY_VOLUME, "mountPath": KEY_DIR, "readOnly": True}]
 
 
 def rank_command(spec: JobSpec) -> list[str]:
@@ -135,10 +145,8 @@ def _container(spec: JobSpec, name: str, command: list[str]) -> dict[str, Any]:
         "command": command,
         "env": _env(spec),
         "resources": _resources(spec, spec.cpus, spec.memory),
+        "volumeMounts": _rank_mounts(spec),
     }
-    mounts = _key_mount(spec)
-    if mounts:
-        container["volumeMounts"] = mounts
     return container
 
 
@@ -170,7 +178,7 @@ def pytorchjob(spec: JobSpec) -> Manifest:
     container["ports"] = [
         {"name": PYTORCH_PORT_NAME, "containerPort": spec.port, "protocol": "TCP"}
     ]
-    volumes = _key_volume(spec)
+    volumes = _rank_volumes(spec)
     replicas: dict[str, Any] = {
         "Master": {
             "replicas": 1,
@@ -255,7 +263,7 @@ def mpijob(spec: JobSpec) -> Manifest:
                 "Worker": {
                     "replicas": spec.replicas,
                     "restartPolicy": "Never",
-                    "template": _pod_template(spec, "worker", [worker], _key_volume(spec)),
+                    "template": _pod_template(spec, "worker", [worker], _rank_volumes(spec)),
                 },
             },
         },
@@ -268,7 +276,7 @@ def runtime_name(spec: JobSpec) -> str:
 
 def trainingruntime(spec: JobSpec) -> Manifest:
     container = _container(spec, TRAINER_CONTAINER, _torchrun(spec))
-    pod = _pod_template(spec, "node", [container], _key_volume(spec))
+    pod = _pod_template(spec, "node", [container], _rank_volumes(spec))
     # As the other targets: a lost rank fails the job. Unset, Job's backoffLimit is 6 retries,
     # each a pod that cannot rejoin the running ring.
     pod["spec"]["restartPolicy"] = "Never"

@@ -65,6 +65,9 @@ class JobSpec:
     cpus: int = 1
     # Memory per pod (a Kubernetes quantity); requests == limits (Guaranteed QoS).
     memory: str = "2Gi"
+    # The size of each rank pod's /dev/shm, a memory-backed emptyDir (its pages count against
+    # `memory`); "" is half of `memory`: room for a copy of the rank's state beside the state.
+    shm: str = ""
     # Seal all traffic with the job key from a Secret (see docs/security.md).
     secure: bool = False
     # The pods' network interface for ringtrain's traffic (RINGTRAIN_NETWORK_INTERFACE).
@@ -118,7 +121,14 @@ class JobSpec:
                 f"would get unequal cores.\nHINT: cpus={self.slots * (self.cpus // self.slots)} "
                 f"or {self.slots * (self.cpus // self.slots + 1)}."
             )
-        memory_bytes(self.memory)
+        memory = memory_bytes(self.memory)
+        if self.shm and memory_bytes(self.shm, "shm") > memory:
+            raise ConfigError(
+                f"shm {self.shm!r} is more than the pod's memory {self.memory!r}: /dev/shm's "
+                "pages count against the pod's memory limit, so no more than that can be used."
+                f"\nHINT: shm: {_quantity(memory // 2)} (the default, half of memory), or "
+                "raise memory."
+            )
         object.__setattr__(self, "port", _PORT.check("port", self.port))
         if not self.interface or any(c.isspace() or c == "/" for c in self.interface):
             raise ConfigError(f"interface {self.interface!r} is not an interface name")
@@ -155,6 +165,11 @@ class JobSpec:
     def sealed(self) -> bool:
         """Whether ranks run in secure mode (an enclave job always does)."""
         return self.secure or self.sgx
+
+    @property
+    def shm_size(self) -> str:
+        """The size of each rank pod's ``/dev/shm`` (a Kubernetes quantity)."""
+        return self.shm or _quantity(memory_bytes(self.memory) // 2)
 
     @property
     def world_size(self) -> int:
@@ -214,7 +229,7 @@ class JobSpec:
         for key in ("secure", "sgx"):
             if key in values and not isinstance(values[key], bool):
                 raise ConfigError(f"{where}: {key} must be true or false, got {values[key]!r}")
-        for key in ("name", "image", "namespace", "interface", "memory"):
+        for key in ("name", "image", "namespace", "interface", "memory", "shm"):
             if key in values and not isinstance(values[key], str):
                 raise ConfigError(f"{where}: {key} must be a string, got {values[key]!r}")
         return cls(**values)
@@ -276,12 +291,13 @@ def _env(env: Mapping[object, object], where: str) -> dict[str, str]:
     return out
 
 
-def memory_bytes(quantity: str) -> int:
-    """A Kubernetes memory quantity (``2Gi``, ``1.5Gi``, ``512M``, ``1e9``) in bytes."""
+def memory_bytes(quantity: str, key: str = "memory") -> int:
+    """A Kubernetes memory quantity (``2Gi``, ``1.5Gi``, ``512M``, ``1e9``) in bytes; ``key``
+    names it in errors."""
     m = _QUANTITY.match(str(quantity))
     if not m:
         raise ConfigError(
-            f"memory {quantity!r} is not a Kubernetes memory quantity.\n"
+            f"{key} {quantity!r} is not a Kubernetes memory quantity.\n"
             "HINT: write e.g. 2Gi, 1.5Gi, 512Mi or 4G."
         )
     value = Fraction(m["number"])
@@ -291,12 +307,21 @@ def memory_bytes(quantity: str) -> int:
         value *= _SUFFIX_FACTOR[m["suffix"]]
     if value <= 0:
         raise ConfigError(
-            f"memory {quantity!r} is not more than 0 bytes.\nHINT: write e.g. 2Gi or 512Mi."
+            f"{key} {quantity!r} is not more than 0 bytes.\nHINT: write e.g. 2Gi or 512Mi."
         )
     if value.denominator != 1:
         # Kubernetes warns of it too: "fractional byte value ... must be an integer".
         raise ConfigError(
-            f"memory {quantity!r} is {float(value):g} bytes, not a whole number of bytes "
+            f"{key} {quantity!r} is {float(value):g} bytes, not a whole number of bytes "
             "('m' is milli, not mega).\nHINT: write e.g. 512Mi or 512M."
         )
     return math.floor(value)
+
+
+def _quantity(size: int) -> str:
+    """``size`` bytes as a Kubernetes quantity: the largest binary suffix that divides it."""
+    for suffix in ("Ei", "Pi", "Ti", "Gi", "Mi", "Ki"):
+        factor = int(_SUFFIX_FACTOR[suffix])
+        if size % factor == 0:
+            return f"{size // factor}{suffix}"
+    return str(size)
