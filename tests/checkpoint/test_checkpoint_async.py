@@ -17,7 +17,7 @@ import torch
 
 import ringtrain as rt
 import ringtrain.checkpoint as ckpt
-from ringtrain.checkpoint import manifest, writer
+from ringtrain.checkpoint import manifest, process_writer
 from ringtrain.errors import CheckpointError
 from ringtrain.testing import spawn
 
@@ -49,7 +49,7 @@ def test_background_process_writes_the_snapshot(tmp_path: Path) -> None:
         # the steps first (the benchmark's slowdown figure depends on it); it set them at its
         # first write.
         writer_proc = psutil.Process(saver.writer_pid)
-        assert writer_proc.nice() == min(19, psutil.Process().nice() + writer.NICE)
+        assert writer_proc.nice() == min(19, psutil.Process().nice() + process_writer.NICE)
         assert tuple(writer_proc.ionice()) == (psutil.IOPRIO_CLASS_BE, 7)
     assert [s for s, _ in manifest.committed(str(tmp_path))] == [2, 3]
     fresh = _model()

@@ -114,7 +114,9 @@ def test_a_preempted_job_commits_the_save_in_flight(tmp_path: Path) -> None:
     try:
         wait_for_commit(launcher, ck, 2)
         family = psutil.Process(launcher.pid).children(recursive=True)
-        writers = [p for p in family if "ringtrain.checkpoint.writer" in " ".join(p.cmdline())]
+        writers = [
+            p for p in family if "ringtrain.checkpoint.process_writer" in " ".join(p.cmdline())
+        ]
         assert len(writers) == 2, family
         for w in writers:
             w.suspend()
@@ -138,7 +140,7 @@ def test_a_preempted_job_commits_the_save_in_flight(tmp_path: Path) -> None:
 
 def _queued(writer: psutil.Process) -> int:
     """Bytes a rank has handed to its writer that the writer has not read: its job pipe's read
-    end is the first number after ``-c <program>`` on its command line (writer.py)."""
+    end is the first number after ``-c <program>`` on its command line (process_writer.py)."""
     fd = os.open(f"/proc/{writer.pid}/fd/{writer.cmdline()[3]}", os.O_RDONLY | os.O_NONBLOCK)
     try:
         return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]

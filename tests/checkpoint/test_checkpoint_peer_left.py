@@ -76,7 +76,7 @@ def test_the_word_that_a_rank_left_and_what_the_writer_makes_of_it(
     job = store.Job(str(final), str(partial), "x-2", 0, 3, 2, 0, 60.0, {})
     os.makedirs(partial)
     _part(job, 0)
-    lookout = peers.Lookout(job, world)
+    lookout = peers.Lookout(job, peers.Departed(world))
     lookout.look()
     assert not os.path.exists(partial / layout.left_file(1))  # not settled yet
     monkeypatch.setattr(peers, "FAILING_SETTLE_S", 0.0)

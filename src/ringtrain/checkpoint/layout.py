@@ -46,6 +46,10 @@ def left_file(rank: int) -> str:
     return f"left-{rank}.txt"
 
 
+# Rank 0's word on a save it did not commit, for the other ranks (see store.verdict).
+VERDICT_FILE = "not-committed.txt"
+
+
 @dataclass
 class Item:
     """One entry of a rank's part: a tensor chunk or a Python object (``value`` is bytes-able)."""
@@ -211,7 +215,7 @@ def write_file(path: str, data: bytes) -> str:
 def build_metadata(records: list[Record]) -> Metadata:
     """DCP's metadata for the parts of every rank."""
     # DCP is imported where it is used: only rank 0's writer commits (it imports DCP when it
-    # starts, writer.preload); the other ranks' writers never spend that second of CPU.
+    # starts, process_writer.preload); the other ranks' writers never spend that second of CPU.
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,

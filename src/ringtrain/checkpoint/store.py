@@ -1,14 +1,19 @@
 """Writing a rank's part and committing a checkpoint; opening one verified, and reading its items.
 
 No collective here: this runs in the training process (a blocking save) or in the background
-writer process (:mod:`ringtrain.checkpoint.writer`). Every rank writes its data file and a part
-record (JSON: what it wrote where, and the file's SHA-256) into the save's partial directory;
+writer (:mod:`ringtrain.checkpoint.process_writer`, ``thread_writer``). Every rank writes its
+data file and a part record (JSON: what it wrote where, and the file's SHA-256) into the save's
+partial directory;
 rank 0's writer waits for all the records of this save (by its save id; a save that lacks
 the part of a rank that left the job is given up, :mod:`ringtrain.checkpoint.peers`), writes DCP's
 ``.metadata`` and the manifest (last, by rename), renames the directory into place, and prunes
 old checkpoints of its run (never another run's). A write that fails (a full disk) is a
 :class:`CheckpointError` naming the file, and the failed save's files are removed. A shared file
 system is assumed (as DCP assumes) when ranks span hosts.
+
+The other ranks learn rank 0's outcome from the same directories (:func:`verdict`): the save's
+directory renamed into place with their save id in its manifest is a commit; a commit that
+failed leaves rank 0's words in the save's directory, or removes that directory.
 """
 
 from __future__ import annotations
@@ -32,6 +37,14 @@ from ringtrain.errors import CheckpointError
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+
+GIVEN_UP = "given up"  # a writer's outcome: a rank whose part the save lacks left the job
+
+
+def said(e: BaseException) -> str:
+    """A failed write as the writer reports it (a CheckpointError's own words, with its HINT)."""
+    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
 
 
 @dataclass
@@ -160,7 +173,51 @@ def _left(job: Job, ranks: list[int]) -> dict[int, str]:
 
 
 def commit(job: Job, keys: Keys | None) -> None:
-    """Rank 0's writer: metadata, manifest (last), rename into place, prune."""
+    """Rank 0's writer: metadata, manifest (last), rename into place, prune. A commit that fails
+    leaves its words for the other ranks (:func:`verdict`) where the save's directory stays."""
+    try:
+        _commit(job, keys)
+    except BaseException as e:
+        _tell(job, GIVEN_UP if isinstance(e, SaveGivenUp) else "error", said(e))
+        raise
+
+
+def _tell(job: Job, status: str, message: str) -> None:
+    path = os.path.join(job.partial, layout.VERDICT_FILE)
+    with contextlib.suppress(OSError):  # removed with its files: verdict() tells that apart
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{status}\n{message}")
+        os.replace(path + ".tmp", path)
+
+
+def verdict(job: Job) -> tuple[str, str] | None:
+    """Rank 0's outcome of ``job`` as a rank other than 0 finds it once its own part is written:
+    ``("ok", final)``, ``(GIVEN_UP, why)`` or ``("error", why)``; None while rank 0 is at it.
+    (A later save of this rank cannot commit before it writes its part, so the committed
+    directory is not yet pruned or replaced when this looks.)"""
+    try:
+        with open(os.path.join(job.partial, layout.VERDICT_FILE)) as f:
+            status, _, message = f.read().partition("\n")
+        return status, message
+    except OSError:
+        pass
+    if os.path.isdir(job.partial):
+        return None
+    try:  # renamed into place, or removed with the failure
+        with open(os.path.join(job.final, manifest.MANIFEST)) as f:
+            ours = json.load(f).get("save_id") == job.save_id
+    except (OSError, ValueError, AttributeError):
+        ours = False
+    if ours:
+        return "ok", job.final
+    return "error", (
+        f"rank 0 did not commit the save into {job.final}: its commit failed and removed the "
+        "save's files.\nHINT: rank 0 raises its error, which says why; earlier checkpoints are "
+        "untouched."
+    )
+
+
+def _commit(job: Job, keys: Keys | None) -> None:
     import torch
     from torch.distributed.checkpoint.metadata import StorageMeta
 

@@ -1,7 +1,7 @@
 """The in-process writer of :class:`ringtrain.checkpoint.Checkpointer`: a background thread.
 
 Where a rank may not start a process, lock a file or use ``/dev/shm`` (an SGX/Gramine enclave),
-the writer process of :mod:`ringtrain.checkpoint.writer` cannot run. This writer copies the
+the writer process of :mod:`ringtrain.checkpoint.process_writer` cannot run. This writer copies the
 rank's tensors into private host buffers (``torch.empty_like(...).copy_()``, made once per key
 and reused, as the shared-memory ones are), snapshots the rest of the part (so training may
 change it at once), and writes and commits on a thread of the rank's own process, calling the
@@ -19,14 +19,7 @@ import torch
 
 from ringtrain.checkpoint import sealed, store
 from ringtrain.checkpoint.layout import Item
-from ringtrain.errors import CheckpointError
-
-GIVEN_UP = "given up"  # a writer's outcome: a rank whose part the save lacks left the job
-
-
-def said(e: BaseException) -> str:
-    """A failed write as the writer reports it (a CheckpointError's own words, with its HINT)."""
-    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+from ringtrain.checkpoint.store import GIVEN_UP, said
 
 
 class ThreadWriter:
