@@ -136,3 +136,18 @@ def test_no_word_from_rank_0_within_the_timeout_is_an_error_that_says_why(
     assert status == "error"
     assert said.startswith(f"rank 0 did not commit the save into {job.final} within 0.3 s")
     assert "\nHINT: rank 0 is stuck or gone" in said
+
+
+def test_a_world_that_re_formed_does_not_wait_for_the_old_rank_0(tmp_path: Path) -> None:
+    """A rank whose elastic world re-formed (or shut down) since its part of a save was written
+    takes rank 0's word on it only if it is there: that world's rank 0 may be gone, and no
+    departure of the world it is in now would say so. Before, close() waited timeout_s."""
+    job = _job(tmp_path, rank=1, size=2, timeout_s=120.0)
+    _part(job, 1)
+    saver = ckpt.Checkpointer(tmp_path / "root", writer="thread")
+    saver._unconfirmed, saver._world = job, (3, 2)  # this process is in world (0, 1)
+    t0 = time.monotonic()
+    assert saver.wait() is None
+    assert time.monotonic() - t0 < 10
+    assert saver._unconfirmed is None
+    saver.close()

@@ -141,13 +141,16 @@ class Checkpointer:
 
     def _confirm(self, block: bool) -> None:
         """Take rank 0's word on the save this rank (not rank 0) wrote its part of: waited for,
-        or only if it is there already."""
+        or only if it is there already. Not waited for once the world re-formed (or shut down)
+        since: that world's rank 0 may be gone, and no departure of this world would say so."""
         job = self._unconfirmed
         if job is None:
             return
-        got = peers.await_commit(job) if block else store.verdict(job)
+        got = store.verdict(job)
+        if got is None and block and api.world() == self._world:
+            got = peers.await_commit(job)
+        self._unconfirmed = None if got is not None or block else job
         if got is not None:
-            self._unconfirmed = None
             self._take(job, got)
 
     def _take(self, job: store.Job, got: tuple[str, str]) -> None:

@@ -103,7 +103,7 @@ def _env(spec: JobSpec) -> list[dict[str, str]]:
 def _rank_volumes(spec: JobSpec) -> list[dict[str, Any]]:
     """The volumes of a pod that runs ranks: its /dev/shm, and the key when the job is secure."""
     # Container runtimes give /dev/shm 64 MiB, less than a checkpoint part's copy in the process
-    # writer (or a DataLoader's worker batches) needs: a memory-backed emptyDir of its own size.
+    # writer needs (or DataLoader workers' batches): a memory-backed emptyDir of its own size.
     shm = {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}}
     if not spec.sealed:
         return [shm]
