@@ -160,6 +160,29 @@ def test_under_torchrun_a_rank_that_called_sys_exit_is_not_said_to_have_finished
     shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
     reason="no torchrun",
 )
+def test_under_torchrun_a_rank_killed_without_last_words_is_named(tmp_path: Path) -> None:
+    """SIGKILL (as the OOM killer sends it) while the peer waits in a negotiated allreduce:
+    no post, and torchrun records no exit where a peer can read it, so the peer's error said
+    only what the transport said. Its process ran on the peer's machine, which sees it ended:
+    the error names rank 1 and says where its exit code is."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    argv = [torchrun, "--nproc-per-node", "2", "--monitor-interval", "0.5"]
+    argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]
+    argv += [str(JOB), str(tmp_path), "kill", "allreduce"]
+    done, took = _run(argv, tmp_path)
+    assert done.returncode != 0
+    _, error = json.loads((tmp_path / "error.0").read_text())
+    assert error.startswith("PeerFailedError"), error
+    assert "rank 1 ended without a word (os._exit, or killed by a signal)" in error, error
+    assert "HINT: the exit code your launcher reports for rank 1 tells" in error, error
+    assert (tmp_path / "horovod.0").read_text() == "True", error
+    assert took < ENDS_WITHIN_S, f"the job ended {took:.1f} s after rank 1 was killed"
+
+
+@pytest.mark.skipif(
+    shutil.which("torchrun") is None and not Path(sys.executable).with_name("torchrun").exists(),
+    reason="no torchrun",
+)
 def test_under_torchrun_the_peer_ends_naming_the_failed_rank_and_a_restarted_try_starts_afresh(
     tmp_path: Path,
 ) -> None:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch.distributed as dist
 
@@ -206,3 +209,66 @@ def test_a_store_whose_server_died_is_given_up_within_the_read_timeout() -> None
     assert departures.read(store, [0]) == []
     assert time.monotonic() - start < departures.READ_TIMEOUT_S + 8
     assert store.timeout == datetime.timedelta(seconds=40)  # the job's client keeps its own
+
+
+def _present(store: dist.Store, rank: int, pid: int, started: float, machine: str = "") -> None:
+    """What rank ``rank``'s bind() posts: which process it is."""
+    record = {"machine": machine or departures._machine(), "pid": pid, "started": started}
+    store.set(departures.PRESENT + str(rank), json.dumps(record))
+
+
+def test_a_rank_says_which_process_it_is_when_it_binds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(departures, "_previous_hook", None)
+    store = dist.HashStore()
+    departures.bind(store, 3, "h")
+    departures.unbind()
+    said = json.loads(store.get(departures.PRESENT + "3"))
+    assert said["pid"] == os.getpid() and said["machine"] == departures._machine() != ""
+    assert said["started"] == psutil.Process().create_time()
+
+
+@pytest.mark.timeout(60)
+def test_where_no_launcher_records_ends_a_process_seen_ended_here_is_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under torchrun or mpirun a rank that left with os._exit or a signal posts nothing and
+    nobody records its end: a peer on its machine sees its process ended (a zombie included)
+    and names it, whether it posted a finish or not. A live one, one on another machine and
+    a pid reused by another process are not named."""
+    monkeypatch.setattr(departures, "_launcher_records_exits", lambda: False)
+    store = dist.HashStore()
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(4)]
+    try:
+        for rank, p in enumerate(procs):
+            _present(store, rank, p.pid, psutil.Process(p.pid).create_time())
+        _present(store, 4, procs[0].pid, 1.0)  # a process with this pid started long ago
+        _present(store, 5, 999_999_999, 1.0, machine="another-boot/1")
+        store.set(
+            departures.PREFIX + "2", Departure(2, FINISHED, departures.AT_EXIT, "a", 1.0).encode()
+        )
+        assert departures.gone(store, [0, 1, 2, 3, 5]) == {}
+        procs[0].kill()
+        procs[0].wait()  # reaped: no such process
+        procs[1].kill()  # a zombie until its parent (here, this test) reaps it
+        procs[2].kill()
+        procs[2].wait()
+        deadline = time.monotonic() + 10
+        while psutil.Process(procs[1].pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        got = departures.gone(store, [0, 1, 2, 3, 4, 5])
+        assert sorted(got) == [0, 1, 2, 4]
+        assert got[0] == (
+            "rank 0 ended without a word (os._exit, or killed by a signal) while this rank still "
+            "waited for it",
+            True,
+        )
+        assert got[2][0].startswith("rank 2 (host a) left without an exception: its script ended")
+        told = str(departures._named(9, "", departures._vanished_here(store, [0, 3]), "  (ended)"))
+        assert "rank 9: a peer left the job: rank 0 ended without a word" in told, told
+        assert "HINT: the exit code your launcher reports for rank 0 tells" in told, told
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

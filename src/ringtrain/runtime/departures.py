@@ -24,7 +24,10 @@ the departed process is gone, or the controller's shutdown vote, see
 :mod:`ringtrain.collectives.controller`) and calls :func:`peer_error`, which reads the posts and
 raises :class:`~ringtrain.errors.PeerFailedError` naming the rank and its own words, failures
 first. A rank that left without a post (``os._exit``, a signal) is named from ``ringtrain
-run``'s record of its end, waited for a moment. Where nothing can be read (the store left with
+run``'s record of its end, waited for a moment; elsewhere (torchrun, mpirun), from the process
+itself where it ran on the peer's machine: each rank says at ``bind`` which process it is
+(:data:`PRESENT`), and a peer that sees the same processes (the same kernel and pid namespace)
+finds it ended. Where nothing can be read (the store left with
 the rank that served it, as under plain mpirun when rank 0 fails), the error says what the
 transport said.
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import socket
 import sys
 import threading
@@ -45,6 +49,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeVar
+
+import psutil
 
 from ringtrain import environ
 from ringtrain.environ import Ringtrain
@@ -57,6 +63,7 @@ from ringtrain.security.notes import PLAIN, Notes
 log = logging.getLogger("ringtrain")
 
 PREFIX = "ringtrain/departed/"
+PRESENT = "ringtrain/present/"  # each rank's process, for a peer on its machine to see it end
 READ_TIMEOUT_S = 2.0  # a peer reading the posts after its wait broke; the store may be gone
 # How long a peer that found a "finished" post waits for the launcher's record of that rank's
 # exit code: the rank's process ends after its at-exit shutdown and interpreter finalization,
@@ -67,6 +74,7 @@ EXIT_WAIT_S = 15.0
 # the exit of a rank that left without a word (os._exit, a signal): its agent's reaping.
 UNPOSTED_WAIT_S = 5.0
 FAILED, FINISHED, STOPPED = "failed", "finished", "interrupted"
+VANISHED = "vanished"  # not posted: its process was found ended (os._exit, a signal)
 # The ``why`` of a finish posted by the at-exit shutdown: the script ended, or called
 # ``sys.exit(n)`` with a code no hook sees. Only the launcher's record (or none) tells which.
 AT_EXIT = "at exit"
@@ -89,6 +97,11 @@ class Departure:
             return f"{who} failed: {self.why}"
         if self.how == STOPPED:
             return f"{who} left: {self.why}"
+        if self.how == VANISHED:
+            return (
+                f"{who} ended without a word (os._exit, or killed by a signal) while this rank "
+                "still waited for it"
+            )
         if self.why and self.why != AT_EXIT:  # the launcher's record: no shutdown ran
             return f"{who} {self.why} while this rank still waited for it"
         if self.why == AT_EXIT:  # no exit code recorded (torchrun, mpirun, Slurm)
@@ -140,9 +153,77 @@ def bind(store: Store | None, rank: int, host: str, notes: Notes = PLAIN) -> Non
     with _here.lock:
         _here.store, _here.rank, _here.host, _here.posted = store, rank, host, False
         _here.notes = notes
+    _say_present(store, rank, notes)
     if _previous_hook is None:
         _previous_hook = sys.excepthook
         sys.excepthook = _on_uncaught
+
+
+def _machine() -> str:
+    """Which processes this one sees: the kernel's boot id and its pid namespace ("" unknown).
+    A peer with the same can tell from a pid whether a rank's process still runs."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+def _say_present(store: Store | None, rank: int, notes: Notes) -> None:
+    """Post which process this rank is (:data:`PRESENT`); best effort."""
+    machine = _machine()
+    if store is None or not machine:
+        return
+    me = psutil.Process()
+    record = json.dumps({"machine": machine, "pid": me.pid, "started": me.create_time()})
+    key = PRESENT + str(rank)
+    try:
+        store.set(key, notes.seal(key, record.encode()))  # type: ignore[arg-type]
+    except Exception as e:
+        log.debug("could not post which process rank %d is: %s", rank, e)
+
+
+def _processes(client: Store, ranks: Sequence[int]) -> dict[int, bool]:
+    """Those of ``ranks`` whose process ran on this machine, each with whether it has ended (a
+    zombie included: its launcher has not reaped it yet)."""
+    machine, out = _machine(), {}
+    for r in ranks if machine else ():
+        key = PRESENT + str(r)
+        if not client.check([key]):
+            continue
+        seen = json.loads(_here.notes.open(key, bytes(client.get(key))))
+        if seen.get("machine") != machine:
+            continue
+        try:
+            proc = psutil.Process(int(seen["pid"]))
+            out[r] = (
+                abs(proc.create_time() - float(seen["started"])) > 0.5  # the pid was reused
+                or proc.status() == psutil.STATUS_ZOMBIE
+            )
+        except psutil.NoSuchProcess:
+            out[r] = True
+        except psutil.Error:  # not ours to look at: say nothing
+            continue
+    return out
+
+
+def _vanished_here(store: Store, ranks: Sequence[int]) -> list[Departure]:
+    """Ranks that left without a post, found ended on this machine (where no launcher records
+    ends), waited for up to :data:`UNPOSTED_WAIT_S`: the wait broke as the process closed its
+    sockets, moments before it ended."""
+    try:
+        client = _client(store, datetime.timedelta(seconds=READ_TIMEOUT_S))
+        deadline = time.monotonic() + UNPOSTED_WAIT_S
+        while True:
+            here = _processes(client, ranks)
+            ended = [r for r, done in here.items() if done]
+            if ended or not here or time.monotonic() >= deadline:
+                return [Departure(r, VANISHED, "", "", time.time()) for r in ended]
+            time.sleep(0.05)
+    except Exception as e:  # the store left with the rank that served it
+        log.debug("could not read which processes the ranks are: %s", e)
+        return []
 
 
 def unbind() -> None:
@@ -339,20 +420,29 @@ def gone(client: Store, ranks: Sequence[int]) -> dict[int, tuple[str, bool]]:
     checkpoint's parts): each with how it left and whether its process has ended, as ``ringtrain
     run`` recorded it (else it posted a failure, and its end comes moments later: a failing
     rank's at-exit work waits for nothing). A rank that posted only that it finished may still
-    be in its at-exit work, which may be writing: it is named once its exit is recorded.
+    be in its at-exit work, which may be writing: it is named once its exit is recorded. Where
+    no launcher records exits, a rank whose process is seen ended on this machine has ended,
+    whether it posted or not (``os._exit``, a signal).
     Raises what the store raises (``client``: see :func:`reader`)."""
     found: dict[int, tuple[str, bool]] = {}
+    posts: dict[int, Departure] = {}
     records = _launcher_store(client) if _launcher_records_exits() else None
     for r in ranks:
         key = PREFIX + str(r)
         post = None
         if client.check([key]):
-            post = Departure.decode(_here.notes.open(key, bytes(client.get(key))))
+            post = posts[r] = Departure.decode(_here.notes.open(key, bytes(client.get(key))))
         ended = records is not None and records.check([exited_key(r)])
         if post is not None and post.how == FAILED:
             found[r] = (post.describe(), ended)
         elif ended and records is not None:
             found[r] = (f"rank {r} {bytes(records.get(exited_key(r))).decode()}", True)
+    # No launcher's record (torchrun, mpirun): a rank's process seen ended on this machine.
+    rest = [r for r in ranks if not found.get(r, ("", False))[1]] if records is None else []
+    for r, ended in _processes(client, rest).items():
+        if ended:
+            d = posts.get(r, Departure(r, VANISHED, "", "", 0.0))
+            found[r] = (d.describe(), True)
     return found
 
 
@@ -375,8 +465,10 @@ def peer_error(cause: BaseException, waited_for: str = "") -> BaseException:
     store = state.global_process_set.communicator.store
     others = [r for r in range(rt.size) if r != rt.rank]
     gone = read(store, others)
-    if not gone and store is not None and _launcher_records_exits():
-        gone = _unposted(store, others)
+    if not gone and store is not None:
+        gone = (
+            _unposted(store, others) if _launcher_records_exits() else _vanished_here(store, others)
+        )
     if not gone:
         return cause
     where = f" while this rank waited for it in {waited_for}" if waited_for else ""
@@ -390,7 +482,8 @@ def _named(me: int, where: str, gone: list[Departure], ended: str) -> PeerFailed
     lines.append(ended)
     # By the first departure, as the report names it first: what came after may be its doing.
     hint = {FAILED: _FAILED_HINT, STOPPED: _STOPPED_HINT}.get(gone[0].how, _FINISHED_HINT)
-    lines.append(_unknown_exit_hint(gone[0].rank) if gone[0].why == AT_EXIT else hint)
+    unknown = gone[0].why == AT_EXIT or gone[0].how == VANISHED  # no exit code known here
+    lines.append(_unknown_exit_hint(gone[0].rank) if unknown else hint)
     return PeerFailedError("\n".join(lines), tuple(d.rank for d in gone))
 
 
