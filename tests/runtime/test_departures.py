@@ -265,7 +265,11 @@ def test_where_no_launcher_records_ends_a_process_seen_ended_here_is_gone(
             True,
         )
         assert got[2][0].startswith("rank 2 (host a) left without an exception: its script ended")
-        told = str(departures._named(9, "", departures._vanished_here(store, [0, 3]), "  (ended)"))
+        t0 = time.monotonic()
+        assert departures._vanished_here(store, [3], patient=False) == []  # alive: at once
+        assert time.monotonic() - t0 < departures.VANISH_WAIT_S
+        vanished = departures._vanished_here(store, [0, 3], patient=True)
+        told = str(departures._named(9, "", vanished, "  (ended)"))
         assert "rank 9: a peer left the job: rank 0 ended without a word" in told, told
         assert "HINT: the exit code your launcher reports for rank 0 tells" in told, told
     finally:

@@ -73,6 +73,10 @@ EXIT_WAIT_S = 15.0
 # How long a peer whose wait broke, with no post to read, waits for the launcher's record of
 # the exit of a rank that left without a word (os._exit, a signal): its agent's reaping.
 UNPOSTED_WAIT_S = 5.0
+# The same where no launcher records ends, for a rank's process to be seen ended on this
+# machine: a wait breaks as the process closes its sockets, moments before it ends. Short: a
+# wait that broke while every process lives (a peer's abort) waits it out for nothing.
+VANISH_WAIT_S = 1.0
 FAILED, FINISHED, STOPPED = "failed", "finished", "interrupted"
 VANISHED = "vanished"  # not posted: its process was found ended (os._exit, a signal)
 # The ``why`` of a finish posted by the at-exit shutdown: the script ended, or called
@@ -208,13 +212,13 @@ def _processes(client: Store, ranks: Sequence[int]) -> dict[int, bool]:
     return out
 
 
-def _vanished_here(store: Store, ranks: Sequence[int]) -> list[Departure]:
+def _vanished_here(store: Store, ranks: Sequence[int], patient: bool) -> list[Departure]:
     """Ranks that left without a post, found ended on this machine (where no launcher records
-    ends), waited for up to :data:`UNPOSTED_WAIT_S`: the wait broke as the process closed its
-    sockets, moments before it ended."""
+    ends); ``patient``: waited for up to :data:`VANISH_WAIT_S`, for a wait that broke as a
+    process closed its sockets (not for one that timed out)."""
     try:
         client = _client(store, datetime.timedelta(seconds=READ_TIMEOUT_S))
-        deadline = time.monotonic() + UNPOSTED_WAIT_S
+        deadline = time.monotonic() + (VANISH_WAIT_S if patient else 0.0)
         while True:
             here = _processes(client, ranks)
             ended = [r for r, done in here.items() if done]
@@ -465,10 +469,10 @@ def peer_error(cause: BaseException, waited_for: str = "") -> BaseException:
     store = state.global_process_set.communicator.store
     others = [r for r in range(rt.size) if r != rt.rank]
     gone = read(store, others)
-    if not gone and store is not None:
-        gone = (
-            _unposted(store, others) if _launcher_records_exits() else _vanished_here(store, others)
-        )
+    if not gone and store is not None and _launcher_records_exits():
+        gone = _unposted(store, others)
+    elif not gone and store is not None:  # a wait that timed out: no process is ending now
+        gone = _vanished_here(store, others, patient="timed out" not in str(cause).lower())
     if not gone:
         return cause
     where = f" while this rank waited for it in {waited_for}" if waited_for else ""
