@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import psutil
 import pytest
@@ -226,6 +227,28 @@ def test_a_rank_says_which_process_it_is_when_it_binds(monkeypatch: pytest.Monke
     said = json.loads(store.get(departures.PRESENT + "3"))
     assert said["pid"] == os.getpid() and said["machine"] == departures._machine() != ""
     assert said["started"] == psutil.Process().create_time()
+
+
+def test_a_rank_that_cannot_say_which_process_it_is_still_binds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An enclave's /proc (Gramine's) may hold no boot id or pid namespace, or psutil may not
+    read it: init() goes on, the rank posts nothing, and its peers say what they said before."""
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(departures, "_previous_hook", None)
+
+    def unreadable(*_a: object) -> psutil.Process:
+        raise psutil.AccessDenied()
+
+    for patch in [("_machine", lambda: ""), ("psutil", types.SimpleNamespace(Process=unreadable))]:
+        with monkeypatch.context() as m:
+            m.setattr(departures, *patch)
+            store = dist.HashStore()
+            departures.bind(store, 3, "h")
+            departures.post(FAILED, "ValueError: x")  # bound all the same
+            departures.unbind()
+            assert not store.check([departures.PRESENT + "3"])
+            assert [d.rank for d in departures.read(store, [3])] == [3]
 
 
 @pytest.mark.timeout(60)

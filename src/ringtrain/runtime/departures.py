@@ -179,10 +179,10 @@ def _say_present(store: Store | None, rank: int, notes: Notes) -> None:
     machine = _machine()
     if store is None or not machine:
         return
-    me = psutil.Process()
-    record = json.dumps({"machine": machine, "pid": me.pid, "started": me.create_time()})
     key = PRESENT + str(rank)
-    try:
+    try:  # never fails init(): a /proc that psutil cannot read (an enclave's) posts nothing
+        me = psutil.Process()
+        record = json.dumps({"machine": machine, "pid": me.pid, "started": me.create_time()})
         store.set(key, notes.seal(key, record.encode()))  # type: ignore[arg-type]
     except Exception as e:
         log.debug("could not post which process rank %d is: %s", rank, e)
