@@ -83,12 +83,13 @@ def test_thread_writer_failure_is_raised_with_the_hint(tmp_path: Path) -> None:
 def test_thread_writer_keeps_one_save_in_flight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    release = threading.Event()
+    # Each save's part is written once its step's event is set: save 2 is held too, or it
+    # could be committed before the check that only save 1 is.
+    release = {1: threading.Event(), 2: threading.Event()}
     write_part = store.write_part
 
     def held(job: store.Job, items: Any, keys: Any) -> Any:
-        if job.step == 1:
-            assert release.wait(60)
+        assert release[job.step].wait(60)
         return write_part(job, items, keys)
 
     monkeypatch.setattr(store, "write_part", held)
@@ -96,10 +97,12 @@ def test_thread_writer_keeps_one_save_in_flight(
     with ckpt.Checkpointer(tmp_path, writer="thread") as saver:
         saver.save(1, model=model)
         assert saver.in_flight()
-        threading.Timer(0.3, release.set).start()
+        threading.Timer(0.3, release[1].set).start()
         saver.save(2, model=model)  # waits for save 1, which is committed when this returns
         assert [s for s, _ in manifest.committed(str(tmp_path))] == [1]
         assert saver.last_phases["previous"] > 0
+        assert saver.in_flight()
+        release[2].set()
         saver.wait()
         assert not saver.in_flight()
     assert [s for s, _ in manifest.committed(str(tmp_path))] == [1, 2]

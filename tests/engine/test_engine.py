@@ -430,7 +430,14 @@ def _dropped_optimizer_is_freed() -> tuple[bool, list[str], int, bool]:
     import weakref
 
     from ringtrain.compression import PowerSGDReducer
+    from ringtrain.transport import Hold
 
+    def reducers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("ringtrain-reducer")}
+
+    # Only the threads this optimizer started count: a world's rank serves one test after
+    # another, and another test's thread is that test's to check.
+    before = reducers()
     r, n = rt.rank(), rt.size()
     model = TwoHeads()
     opt = rt.DistributedOptimizer(
@@ -440,21 +447,30 @@ def _dropped_optimizer_is_freed() -> tuple[bool, list[str], int, bool]:
         **SMALL_BUCKETS,
     )
     train(opt, range(3), lambda step: _loss("plain", model, step, r, n))
+    holds = [weakref.ref(o) for o in gc.get_objects() if isinstance(o, Hold)]
     gone = weakref.ref(opt)
     del opt
     gc.collect()
     deadline = time.monotonic() + 30  # ends in milliseconds; a loaded machine can hold it back
-    while any(t.name == "ringtrain-reducer" for t in threading.enumerate()):
-        if time.monotonic() > deadline:
-            break
+    while reducers() - before and time.monotonic() < deadline:
         time.sleep(0.01)
-    threads = [t.name for t in threading.enumerate() if t.name.startswith("ringtrain-reducer")]
+    threads = [t.name for t in reducers() - before]
+    if threads:  # say what still holds it, for whoever reads the failure
+        threads += [_holders(h) for h in holds if h() is not None] or ["no Hold left alive"]
     hooks = sum(
         len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters()
     )
     # The model trains on alone afterwards: nothing of the optimizer is left in its backward.
     _loss("plain", model, 9, r, n).backward()
     return gone() is None, threads, hooks, all(p.grad is not None for p in model.parameters())
+
+
+def _holders(ref: Any) -> str:
+    import gc
+
+    held_by = [type(o).__name__ for o in gc.get_referrers(ref())]
+    # The collector does not see what the world's rank froze at its start (module state).
+    return f"a Hold alive, held by {held_by or 'module state'}"
 
 
 def test_a_dropped_optimizer_frees_itself_and_its_threads(world2: World) -> None:
