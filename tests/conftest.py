@@ -14,7 +14,9 @@ themselves, are a group of their own).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import types
 from collections.abc import Iterator
@@ -191,10 +193,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("cluster"))
 
 
+# Where torchrun keeps its ranks' logs (its --log-dir).
+TORCHRUN_LOG_DIR = "PET_LOG_DIR"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # A SIGTERM (CI's timeout, `kill`) ends the run like Ctrl-C, in xdist's workers too: pytest
     # then tears their fixtures down, so namespace clusters, sshd and Ray nodes do not outlive it.
     _interrupts.install(config)
+    # torchrun (the tests', Spark's) keeps its ranks' logs in a directory it makes in /tmp and
+    # never removes, unless told where: here, one this process removes when it ends.
+    if TORCHRUN_LOG_DIR not in os.environ:
+        os.environ[TORCHRUN_LOG_DIR] = tempfile.mkdtemp(prefix="ringtrain-tests-torchrun-")
+        config.add_cleanup(_remove_torchrun_logs)
+
+
+def _remove_torchrun_logs() -> None:
+    shutil.rmtree(os.environ.pop(TORCHRUN_LOG_DIR), ignore_errors=True)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -24,12 +24,14 @@ LIMIT = 200.0
 # Variables that could hand ranks a rendezvous: the test process's own must not leak into a job.
 _DROP = ("MASTER_", "RINGTRAIN_", "GLOO_", "OMPI_", "PMIX_", "RANK", "WORLD_SIZE", "LOCAL_")
 _DROP_LAUNCHERS = ("TORCHELASTIC_", "PET_", "NODE_")
+# But torchrun's log directory (tests/conftest.py's, removed when the tests end) is kept.
+_LOGS = {k: v for k, v in os.environ.items() if k == "PET_LOG_DIR"}
 
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without anything that could hand ranks a rendezvous."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_DROP + _DROP_LAUNCHERS)}
-    return {**env, **extra}
+    return {**env, **_LOGS, **extra}
 
 
 def start(

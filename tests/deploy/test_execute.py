@@ -63,9 +63,12 @@ def describe(out: Path, **more: Any) -> JobSpec:
 
 
 def _base_env() -> dict[str, str]:
-    """What the image provides: a PATH with its Python (and torchrun) first."""
+    """What the image provides: a PATH with its Python (and torchrun) first. And where torchrun
+    keeps its logs (tests/conftest.py's folder, removed when the tests end): a pod's /tmp goes
+    with the pod, these pods' is the machine's."""
     path = f"{Path(PY).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-    return {"PATH": path, "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8"}
+    logs = {k: v for k, v in os.environ.items() if k == "PET_LOG_DIR"}
+    return {"PATH": path, "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8", **logs}
 
 
 def _name_hosts(cluster: tc.Cluster, names: dict[str, str]) -> None:

@@ -22,7 +22,9 @@ def _env() -> dict[str, str]:
     """This process's environment without anything that could hand ranks a rendezvous."""
     drop = ("MASTER_", "RINGTRAIN_", "GLOO_", "OMPI_", "PMIX_", "RANK", "WORLD_SIZE", "LOCAL_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    return {k: v for k, v in env.items() if not k.startswith(("TORCHELASTIC_", "PET_"))}
+    # torchrun's log directory (tests/conftest.py's, removed when the tests end) is kept.
+    launcher = ("TORCHELASTIC_", "PET_")
+    return {k: v for k, v in env.items() if not k.startswith(launcher) or k == "PET_LOG_DIR"}
 
 
 def _run(mode: str, tmp_path: Path, n: int = 2) -> list[dict[str, Any]]:
