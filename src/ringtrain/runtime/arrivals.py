@@ -29,15 +29,16 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch.distributed as dist
 
 from ringtrain.config import Config
 from ringtrain.errors import CollectiveAbortedError, MissingRanksError, SecurityError, by_rank
 from ringtrain.launch.failures import exited_key
+from ringtrain.runtime import seats
 from ringtrain.runtime.contracts import Store
-from ringtrain.runtime.environment import Placement
+from ringtrain.runtime.environment import Placement, job_id
 
 log = logging.getLogger("ringtrain")
 
@@ -62,13 +63,19 @@ def world_store(
     config: Config,
     adopted: bool,
     superseded: Callable[[], bool] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> dist.Store:
     """The world's store (``base`` under ``prefix``), once every rank of ``p``'s world posted
     its arrival in it (:func:`wait_for_all`). Ranks of an adopted group are numbered by the
-    script's group, not the launcher: its exit records are not read then."""
+    script's group, not the launcher: its exit records are not read then. ``env``: the
+    launcher's variables, for its job id (:func:`.environment.job_id`)."""
     store = dist.PrefixStore(prefix, base)
     records = None if adopted else base
-    wait_for_all(store, p.rank, p.size, config.timeout_s, records, superseded, config.secure)
+    job = job_id(env or {}) or ""
+    where = f"{p.rendezvous_addr}:{p.rendezvous_port}"
+    wait_for_all(
+        store, p.rank, p.size, config.timeout_s, records, superseded, config.secure, job, where
+    )
     return store
 
 
@@ -80,6 +87,8 @@ def wait_for_all(
     records: Store | None = None,
     superseded: Callable[[], bool] | None = None,
     secure: bool = False,
+    job: str = "",
+    where: str = "the rendezvous store",
 ) -> None:
     """Post this rank's arrival in ``store`` (the world's prefix) and wait for every rank's.
 
@@ -87,27 +96,31 @@ def wait_for_all(
     store without the world's prefix; None where ranks are not numbered as the launcher numbers
     them). ``superseded``: whether a newer world was announced (elastic jobs), asked at each
     look; True raises :class:`WorldSuperseded`. ``secure``: this rank is in secure mode; all
-    ranks must be, or none (:func:`_same_mode`).
+    ranks must be, or none (:func:`_same_mode`). ``job`` and ``where``: the launcher's job id
+    ("" where it has none) and the rendezvous address; the arrival is this process's seat
+    (:mod:`.seats`: one process per rank, one world size, one job).
     """
     if size <= 1:
         return
-    store.set(PREFIX + str(rank), SECURE if secure else "1")
-    if secure:  # counted before the arrival: complete once every rank has arrived
-        store.add(SECURE_COUNT, 1)
+    seat = seats.Seat(store, PREFIX + str(rank), rank, size, job, where, SECURE if secure else "1")
+    seated = seat.take()  # rank 0's at once; another's once rank 0 posted its world
     # A count to poll (one request, whatever the size); the keys say who is missing.
-    arrived = store.add(COUNT, 1)
+    arrived = _arrive(store, secure) if seated else store.add(COUNT, 0)
     start = time.monotonic()
     deadline, say_at, look_at = start + timeout_s, start + SAY_AFTER_S, start + LOOK_EVERY_S
     # Short polls while the world gathers (a rank late by milliseconds costs milliseconds),
     # longer ones in big worlds, so that N waiting ranks do not flood the store's server.
     pause, longest = 0.002, min(1.0, 0.05 * max(1, size // 64))
     unseen = collections.deque(r for r in range(size) if r != rank)
-    while arrived < size:
+    while not seated or arrived < size:
         time.sleep(pause)
         pause = min(pause * 2, longest)
-        arrived = store.add(COUNT, 0)
+        if not seated and seat.take():
+            seated, arrived = True, _arrive(store, secure)
+        else:
+            arrived = store.add(COUNT, 0)
         now = time.monotonic()
-        if arrived >= size or now < look_at:
+        if (seated and arrived >= size) or now < look_at:
             continue
         look_at = now + LOOK_EVERY_S
         if superseded is not None and superseded():
@@ -133,6 +146,13 @@ def wait_for_all(
     _same_mode(store, rank, size)
 
 
+def _arrive(store: dist.Store, secure: bool) -> int:
+    """Count this rank's arrival (seated); the count of arrivals so far."""
+    if secure:  # counted before the arrival: complete once every rank has arrived
+        store.add(SECURE_COUNT, 1)
+    return store.add(COUNT, 1)
+
+
 def _same_mode(store: dist.Store, rank: int, size: int) -> None:
     """Raise on every rank where some ranks arrived in secure mode and some did not (one read
     where all agree; the ranks' posts only to name them)."""
@@ -140,7 +160,7 @@ def _same_mode(store: dist.Store, rank: int, size: int) -> None:
     if secure in (0, size):
         return
     modes = [
-        "secure" if bytes(store.get(PREFIX + str(r))).decode() == SECURE else "not secure"
+        "secure" if seats.mode(bytes(store.get(PREFIX + str(r)))) == SECURE else "not secure"
         for r in range(size)
     ]
     raise SecurityError(

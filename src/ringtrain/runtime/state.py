@@ -172,7 +172,7 @@ def start(
             prefix = f"ringtrain/elastic/gen{elastic[2]}"
         _gloo_environment(interface)
         base = _adopted_store(placement, config) if adopted else _store(placement, config)
-        store = world_store(prefix, base, placement, config, adopted, superseded)
+        store = world_store(prefix, base, placement, config, adopted, superseded, env)
         backend, transport = backends.choose(config, env, placement)
         _backends = backends
         if config.secure:  # every group is sealed; ranks first prove they hold the job key
