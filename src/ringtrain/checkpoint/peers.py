@@ -27,6 +27,7 @@ from ringtrain.checkpoint import layout, store
 
 if TYPE_CHECKING:  # the runtime is imported where used: the writer process imports this module
     from ringtrain.runtime.contracts import Store
+    from ringtrain.runtime.departures import Present
 
 log = logging.getLogger("ringtrain")
 
@@ -47,6 +48,7 @@ class Departed:
         self._store: Store | None = world_store
         self._client: Store | None = None
         self._failing: dict[int, float] = {}  # rank: when its failure was first read
+        self._present: Present = {}  # the ranks' process posts, read once each
         self._next = time.monotonic() + EVERY_S
 
     @staticmethod
@@ -70,7 +72,7 @@ class Departed:
         try:
             if self._client is None:
                 self._client = departures.reader(self._store)
-            found = departures.gone(self._client, ranks)
+            found = departures.gone(self._client, ranks, self._present)
         except Exception as e:  # the store went with the job: the caller's timeout stands
             log.debug("checkpoint: cannot read the departures any more: %s", e)
             self._store = None

@@ -188,21 +188,34 @@ def _say_present(store: Store | None, rank: int, notes: Notes) -> None:
         log.debug("could not post which process rank %d is: %s", rank, e)
 
 
-def _processes(client: Store, ranks: Sequence[int]) -> dict[int, bool]:
+# What ranks posted of their processes, as a reader keeps it: (pid, start time) on this
+# machine, None elsewhere. A post never changes in its world.
+Present = dict[int, "tuple[int, float] | None"]
+
+
+def _processes(
+    client: Store, ranks: Sequence[int], known: Present | None = None
+) -> dict[int, bool]:
     """Those of ``ranks`` whose process ran on this machine, each with whether it has ended (a
-    zombie included: its launcher has not reaped it yet)."""
+    zombie included: its launcher has not reaped it yet). ``known``: the posts read so far
+    from ``client``'s world, read once each (a reader that asks every second keeps them)."""
     machine, out = _machine(), {}
+    known = {} if known is None else known
     for r in ranks if machine else ():
-        key = PRESENT + str(r)
-        if not client.check([key]):
-            continue
-        seen = json.loads(_here.notes.open(key, bytes(client.get(key))))
-        if seen.get("machine") != machine:
+        if r not in known:
+            key = PRESENT + str(r)
+            if not client.check([key]):
+                continue  # not posted (yet): asked again next time
+            seen = json.loads(_here.notes.open(key, bytes(client.get(key))))
+            here = seen.get("machine") == machine
+            known[r] = (int(seen["pid"]), float(seen["started"])) if here else None
+        process = known[r]
+        if process is None:
             continue
         try:
-            proc = psutil.Process(int(seen["pid"]))
+            proc = psutil.Process(process[0])
             out[r] = (
-                abs(proc.create_time() - float(seen["started"])) > 0.5  # the pid was reused
+                abs(proc.create_time() - process[1]) > 0.5  # the pid was reused
                 or proc.status() == psutil.STATUS_ZOMBIE
             )
         except psutil.NoSuchProcess:
@@ -419,14 +432,17 @@ def reader(store: Store) -> Store:
     return _client(store, datetime.timedelta(seconds=READ_TIMEOUT_S))
 
 
-def gone(client: Store, ranks: Sequence[int]) -> dict[int, tuple[str, bool]]:
+def gone(
+    client: Store, ranks: Sequence[int], known: Present | None = None
+) -> dict[int, tuple[str, bool]]:
     """Those of ``ranks`` known to be gone, for one that waits for what they were to write (a
     checkpoint's parts): each with how it left and whether its process has ended, as ``ringtrain
     run`` recorded it (else it posted a failure, and its end comes moments later: a failing
     rank's at-exit work waits for nothing). A rank that posted only that it finished may still
     be in its at-exit work, which may be writing: it is named once its exit is recorded. Where
     no launcher records exits, a rank whose process is seen ended on this machine has ended,
-    whether it posted or not (``os._exit``, a signal).
+    whether it posted or not (``os._exit``, a signal). ``known``: the ranks' process posts read
+    so far from ``client`` (a reader that asks again keeps them: each is read once).
     Raises what the store raises (``client``: see :func:`reader`)."""
     found: dict[int, tuple[str, bool]] = {}
     posts: dict[int, Departure] = {}
@@ -443,7 +459,7 @@ def gone(client: Store, ranks: Sequence[int]) -> dict[int, tuple[str, bool]]:
             found[r] = (f"rank {r} {bytes(records.get(exited_key(r))).decode()}", True)
     # No launcher's record (torchrun, mpirun): a rank's process seen ended on this machine.
     rest = [r for r in ranks if not found.get(r, ("", False))[1]] if records is None else []
-    for r, ended in _processes(client, rest).items():
+    for r, ended in _processes(client, rest, known).items():
         if ended:
             d = posts.get(r, Departure(r, VANISHED, "", "", 0.0))
             found[r] = (d.describe(), True)
