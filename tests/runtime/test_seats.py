@@ -16,9 +16,11 @@ import pytest
 import torch.distributed as dist
 
 from _hang_report import left_behind, tagged
+from ringtrain.config import Config
 from ringtrain.errors import LaunchEnvironmentError, MissingRanksError
 from ringtrain.launch.rendezvous import free_port
 from ringtrain.runtime import arrivals, seats
+from ringtrain.runtime.environment import Placement
 
 JOB = Path(__file__).with_name("seats_job.py")
 WHERE = "10.0.0.1:29500"
@@ -89,6 +91,24 @@ def test_a_rank_of_another_job_is_refused_and_one_without_a_job_id_is_not() -> N
         f"rank 1: the rendezvous at {WHERE} is another job's (rank 0 there is of mpirun 7; "
         "this rank is of mpirun 8).\nHINT: give each job its own rendezvous port"
     ), other
+
+
+def test_init_takes_the_job_id_from_the_launchers_variables() -> None:
+    """What init() calls (``world_store``) reads the job id from the launcher's variables, as
+    :func:`ringtrain.runtime.environment.job_id` names it: a rank of another mpirun job is
+    refused before it takes a seat."""
+    base = dist.HashStore()
+    store = dist.PrefixStore("ringtrain/gen1", base)
+    store.set(seats.WORLD, json.dumps({"size": 2, "job": "mpirun 7"}))  # rank 0's, job 7's
+    placed = Placement("openmpi", 1, 2, "127.0.0.1", 29500)
+    env = {"OMPI_MCA_ess_base_jobid": "8"}
+    with pytest.raises(LaunchEnvironmentError) as refused:
+        arrivals.world_store("ringtrain/gen1", base, placed, Config(timeout_s=2), False, None, env)
+    assert str(refused.value).startswith(
+        "rank 1: the rendezvous at 127.0.0.1:29500 is another job's (rank 0 there is of mpirun "
+        "7; this rank is of mpirun 8)."
+    ), refused.value
+    assert not store.check([arrivals.PREFIX + "1"])
 
 
 def test_ranks_wait_for_rank_0s_world_before_they_take_a_seat() -> None:
