@@ -299,10 +299,15 @@ class ProcessWriter:
     def submit(self, job: store.Job, items: list[Any], keys: Any) -> None:
         self._tx.send_bytes(_dumps((job, items, keys)))
 
-    def outcome(self, wait_s: float | None) -> tuple[str, str] | None:
-        """The submitted save's outcome, waited for up to ``wait_s`` (None: until it comes);
-        None while it is still being written."""
-        if wait_s is not None and not self._rx.poll(wait_s) and self._alive():
+    def wait(self, wait_s: float | None) -> None:
+        """Until the submitted save's outcome is in, or the writer ended (at most ``wait_s``;
+        None: no limit). Interruptible: the outcome is taken by :meth:`outcome`."""
+        self._rx.poll(wait_s)
+
+    def outcome(self) -> tuple[str, str] | None:
+        """The submitted save's outcome if it is in (a reply is one short write: it reads at
+        once); None while the save is still being written."""
+        if not self._rx.poll(0) and self._alive():
             return None
         try:
             status, value = pickle.loads(self._rx.recv_bytes())

@@ -23,8 +23,9 @@ from ringtrain.checkpoint.store import GIVEN_UP, said
 
 
 class ThreadWriter:
-    """One save at a time: :meth:`host` copies, :meth:`submit` starts the write, :meth:`outcome`
-    takes its ``("ok", path)`` or ``("error", message)``. The interface of the process writer."""
+    """One save at a time: :meth:`host` copies, :meth:`submit` starts the write, :meth:`wait`
+    waits for it, :meth:`outcome` takes its ``("ok", path)`` or ``("error", message)``. The
+    interface of the process writer."""
 
     kind = "thread"
 
@@ -68,14 +69,16 @@ class ThreadWriter:
         except BaseException as e:  # every failure goes back to the training loop
             self._result = ("error", said(e))
 
-    def outcome(self, wait_s: float | None) -> tuple[str, str] | None:
-        """The submitted save's outcome, waited for up to ``wait_s`` (None: until it comes);
-        None while it is still being written."""
+    def wait(self, wait_s: float | None) -> None:
+        """Until the submitted save's outcome is in (at most ``wait_s``; None: no limit)."""
         thread = self._thread
-        if thread is None:
-            return None
-        thread.join(wait_s)
-        if thread.is_alive():
+        if thread is not None:
+            thread.join(wait_s)
+
+    def outcome(self) -> tuple[str, str] | None:
+        """The submitted save's outcome if it is in; None while it is still being written."""
+        thread = self._thread
+        if thread is None or thread.is_alive():
             return None
         self._thread = None
         return self._result or ("error", "the writer thread ended without an outcome")

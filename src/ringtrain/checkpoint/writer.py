@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from ringtrain.checkpoint import api, manifest, peers, store
+from ringtrain.checkpoint import api, interrupts, manifest, peers, store
 from ringtrain.checkpoint.process_writer import ProcessWriter
 from ringtrain.checkpoint.store import GIVEN_UP
 from ringtrain.checkpoint.thread_writer import ThreadWriter
@@ -126,14 +126,22 @@ class Checkpointer:
         notes the peers that left, whose parts its writer would wait for until the timeout."""
         if self._inflight is None or self._writer is None:
             return
-        lookout = self._lookout if block else None  # not in check(): no reads per step
-        got = self._writer.outcome(None if block and lookout is None else 0.0)
-        while got is None and lookout is not None:
-            lookout.look()
-            got = self._writer.outcome(peers.EVERY_S)
-        if got is None:
-            return
+        writer, lookout = self._writer, self._lookout if block else None  # check(): no reads
+        while True:
+            with interrupts.deferred():  # an outcome taken is an outcome recorded
+                got = writer.outcome()
+                if got is not None:
+                    self._collected(got)
+                    return
+            if not block:
+                return
+            if lookout is not None:
+                lookout.look()
+            writer.wait(peers.EVERY_S if lookout is not None else None)
+
+    def _collected(self, got: tuple[str, str]) -> None:
         job, self._inflight, self._lookout = self._inflight, None, None
+        assert job is not None
         if got[0] == "ok" and job.rank != 0:
             self._unconfirmed = job  # its part only: rank 0 commits
         else:
@@ -239,8 +247,10 @@ class Checkpointer:
             final, step, self.keep, model, optimizer, sampler, extra, writer.host, save_id, self.run
         )
         t2, c2 = time.perf_counter(), time.process_time()
-        writer.submit(job, items, keys)
-        self._inflight, self._lookout = job, peers.Lookout.of(job)
+        lookout = peers.Lookout.of(job)
+        with interrupts.deferred():  # a save handed over is a save close() waits for
+            writer.submit(job, items, keys)
+            self._inflight, self._lookout = job, lookout
         t3 = time.perf_counter()
         self.last_blocked_s = t3 - t0
         self.last_phases = {

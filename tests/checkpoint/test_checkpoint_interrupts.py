@@ -1,0 +1,118 @@
+"""A Ctrl-C or a preemption's SIGTERM that comes while a save changes hands loses nothing: a save
+handed to the writer is one that ``wait()`` and ``close()`` wait for, an outcome taken from the
+writer is one recorded. The signal is sent at the worst moment, from inside the hand-over (CI
+saw it come there by chance: a preempted job's save in flight was never committed)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+import torch
+
+import ringtrain.checkpoint as ckpt
+from ringtrain.checkpoint import interrupts, manifest
+from ringtrain.checkpoint.process_writer import ProcessWriter
+from ringtrain.checkpoint.thread_writer import ThreadWriter
+
+pytestmark = pytest.mark.timeout(120)
+WRITERS = {"process": ProcessWriter, "thread": ThreadWriter}
+
+
+class Preempted(Exception):
+    """What the test's SIGTERM handler raises (a durable job's raises SystemExit)."""
+
+
+@pytest.fixture
+def sigterm_raises() -> Iterator[list[int]]:
+    """SIGTERM raises :class:`Preempted`; yields the signals handled, in order."""
+    seen: list[int] = []
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        seen.append(signum)
+        raise Preempted(signum)
+
+    before = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _signalled_inside(method: Any) -> Any:
+    """``method``, which sends this process a SIGTERM just before it returns, then runs on a
+    few statements (where the handler would run, were it not deferred)."""
+
+    def wrapped(self: Any, *args: Any) -> Any:
+        got = method(self, *args)
+        if got is not None or method.__name__ == "submit":
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(10_000))
+        return got
+
+    return wrapped
+
+
+@pytest.mark.parametrize("kind", WRITERS)
+def test_a_signal_during_the_hand_over_leaves_the_save_waited_for(
+    tmp_path: Path, kind: str, sigterm_raises: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cls = WRITERS[kind]
+    monkeypatch.setattr(cls, "submit", _signalled_inside(cls.submit))
+    with ckpt.Checkpointer(tmp_path, writer=kind) as saver:
+        with pytest.raises(Preempted):
+            saver.save(1, model=torch.nn.Linear(8, 8))
+        assert sigterm_raises == [signal.SIGTERM]  # handled once, after the hand-over
+        monkeypatch.undo()
+        assert saver.wait() == os.path.join(str(tmp_path), manifest.step_name(1))
+    assert [s for s, _ in manifest.committed(str(tmp_path))] == [1]
+
+
+@pytest.mark.parametrize("kind", WRITERS)
+def test_a_signal_while_the_outcome_is_taken_leaves_it_recorded(
+    tmp_path: Path, kind: str, sigterm_raises: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cls = WRITERS[kind]
+    with ckpt.Checkpointer(tmp_path, writer=kind) as saver:
+        saver.save(1, model=torch.nn.Linear(8, 8))
+        monkeypatch.setattr(cls, "outcome", _signalled_inside(cls.outcome))
+        with pytest.raises(Preempted):
+            saver.wait()
+        monkeypatch.undo()
+        assert sigterm_raises == [signal.SIGTERM]
+        assert not saver.in_flight()  # before: the outcome was lost, and a wait never ended
+        assert saver.last_committed == os.path.join(str(tmp_path), manifest.step_name(1))
+
+
+def test_the_handlers_are_the_scripts_own_again_after_the_section(
+    sigterm_raises: list[int],
+) -> None:
+    before = {sig: signal.getsignal(sig) for sig in interrupts.SIGNALS}
+    with interrupts.deferred():
+        assert signal.getsignal(signal.SIGTERM) is not before[signal.SIGTERM]  # noted in here
+    assert {sig: signal.getsignal(sig) for sig in interrupts.SIGNALS} == before
+    with pytest.raises(Preempted), interrupts.deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        sum(range(10_000))
+        done = True
+    assert done and sigterm_raises == [signal.SIGTERM]
+    with pytest.raises(Preempted) as raised, interrupts.deferred():  # the block's error stays
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise OSError("the block failed")
+    assert isinstance(raised.value.__context__, OSError)
+
+
+def test_a_signal_left_to_the_system_is_not_touched() -> None:
+    """SIGTERM's default ends the process at once, save or not: a rank that did not ask to
+    unwind (no ``Durable``) is not kept alive by a section."""
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with interrupts.deferred():
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, before)
