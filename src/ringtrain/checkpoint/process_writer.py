@@ -299,10 +299,10 @@ class ProcessWriter:
     def submit(self, job: store.Job, items: list[Any], keys: Any) -> None:
         self._tx.send_bytes(_dumps((job, items, keys)))
 
-    def wait(self, wait_s: float | None) -> None:
-        """Until the submitted save's outcome is in, or the writer ended (at most ``wait_s``;
-        None: no limit). Interruptible: the outcome is taken by :meth:`outcome`."""
-        self._rx.poll(wait_s)
+    def wait(self, wait_s: float | None) -> bool:
+        """Whether the submitted save's outcome is in (or the writer ended), waited for up to
+        ``wait_s`` (None: until it is). Interruptible: :meth:`outcome` takes it."""
+        return bool(self._rx.poll(wait_s)) or not self._alive()
 
     def outcome(self) -> tuple[str, str] | None:
         """The submitted save's outcome if it is in (a reply is one short write: it reads at

@@ -69,11 +69,14 @@ class ThreadWriter:
         except BaseException as e:  # every failure goes back to the training loop
             self._result = ("error", said(e))
 
-    def wait(self, wait_s: float | None) -> None:
-        """Until the submitted save's outcome is in (at most ``wait_s``; None: no limit)."""
+    def wait(self, wait_s: float | None) -> bool:
+        """Whether the submitted save's outcome is in (or nothing is being written), waited for
+        up to ``wait_s`` (None: until it is)."""
         thread = self._thread
-        if thread is not None:
-            thread.join(wait_s)
+        if thread is None:
+            return True
+        thread.join(wait_s)
+        return not thread.is_alive()
 
     def outcome(self) -> tuple[str, str] | None:
         """The submitted save's outcome if it is in; None while it is still being written."""

@@ -127,17 +127,17 @@ class Checkpointer:
         if self._inflight is None or self._writer is None:
             return
         writer, lookout = self._writer, self._lookout if block else None  # check(): no reads
-        while True:
-            with interrupts.deferred():  # an outcome taken is an outcome recorded
-                got = writer.outcome()
-                if got is not None:
-                    self._collected(got)
-                    return
+        arrived = writer.wait(0.0)  # asked first: a step's check() costs no section
+        while not arrived:
             if not block:
                 return
             if lookout is not None:
                 lookout.look()
-            writer.wait(peers.EVERY_S if lookout is not None else None)
+            arrived = writer.wait(peers.EVERY_S if lookout is not None else None)
+        with interrupts.deferred():  # an outcome taken is an outcome recorded
+            got = writer.outcome()
+            if got is not None:
+                self._collected(got)
 
     def _collected(self, got: tuple[str, str]) -> None:
         job, self._inflight, self._lookout = self._inflight, None, None
