@@ -5,6 +5,7 @@ saw it come there by chance: a preempted job's save in flight was never committe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Iterator
@@ -28,63 +29,80 @@ class Preempted(Exception):
     """What the test's SIGTERM handler raises (a durable job's raises SystemExit)."""
 
 
-@pytest.fixture
-def sigterm_raises() -> Iterator[list[int]]:
-    """SIGTERM raises :class:`Preempted`; yields the signals handled, in order."""
+# Each signal as a script meets it: Ctrl-C's KeyboardInterrupt (Python's own handler), and a
+# SIGTERM handler that raises (Durable's, which raises SystemExit).
+RAISES = {signal.SIGINT: KeyboardInterrupt, signal.SIGTERM: Preempted}
+
+
+@contextlib.contextmanager
+def _raising(sig: signal.Signals) -> Iterator[list[int]]:
+    """``sig`` raises as in :data:`RAISES`; yields the signals handled, in order."""
     seen: list[int] = []
 
-    def handler(signum: int, _frame: FrameType | None) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         seen.append(signum)
+        if signum == signal.SIGINT:
+            signal.default_int_handler(signum, frame)
         raise Preempted(signum)
 
-    before = signal.signal(signal.SIGTERM, handler)
+    before = signal.signal(sig, handler)
     try:
         yield seen
     finally:
-        signal.signal(signal.SIGTERM, before)
+        signal.signal(sig, before)
 
 
-def _signalled_inside(method: Any) -> Any:
-    """``method``, which sends this process a SIGTERM just before it returns, then runs on a
-    few statements (where the handler would run, were it not deferred)."""
+@pytest.fixture
+def sigterm_raises() -> Iterator[list[int]]:
+    with _raising(signal.SIGTERM) as seen:
+        yield seen
+
+
+def _signalled_inside(method: Any, sig: signal.Signals, when: Any = lambda got: True) -> Any:
+    """``method``, which sends this process ``sig`` just before it returns (where ``when`` of
+    what it returns), then runs on a few statements (where the handler would run, were it not
+    deferred)."""
 
     def wrapped(self: Any, *args: Any) -> Any:
         got = method(self, *args)
-        if got is not None or method.__name__ == "submit":
-            os.kill(os.getpid(), signal.SIGTERM)
+        if when(got):
+            os.kill(os.getpid(), sig)
             sum(range(10_000))
         return got
 
     return wrapped
 
 
+@pytest.mark.parametrize("sig", RAISES, ids=lambda s: s.name)
 @pytest.mark.parametrize("kind", WRITERS)
 def test_a_signal_during_the_hand_over_leaves_the_save_waited_for(
-    tmp_path: Path, kind: str, sigterm_raises: list[int], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, kind: str, sig: signal.Signals, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cls = WRITERS[kind]
-    monkeypatch.setattr(cls, "submit", _signalled_inside(cls.submit))
-    with ckpt.Checkpointer(tmp_path, writer=kind) as saver:
-        with pytest.raises(Preempted):
+    monkeypatch.setattr(cls, "submit", _signalled_inside(cls.submit, sig))
+    with _raising(sig) as seen, ckpt.Checkpointer(tmp_path, writer=kind) as saver:
+        with pytest.raises(RAISES[sig]):
             saver.save(1, model=torch.nn.Linear(8, 8))
-        assert sigterm_raises == [signal.SIGTERM]  # handled once, after the hand-over
+        assert seen == [sig]  # handled once, after the hand-over
         monkeypatch.undo()
         assert saver.wait() == os.path.join(str(tmp_path), manifest.step_name(1))
     assert [s for s, _ in manifest.committed(str(tmp_path))] == [1]
 
 
+@pytest.mark.parametrize("sig", RAISES, ids=lambda s: s.name)
 @pytest.mark.parametrize("kind", WRITERS)
 def test_a_signal_while_the_outcome_is_taken_leaves_it_recorded(
-    tmp_path: Path, kind: str, sigterm_raises: list[int], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, kind: str, sig: signal.Signals, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cls = WRITERS[kind]
-    with ckpt.Checkpointer(tmp_path, writer=kind) as saver:
+    with _raising(sig) as seen, ckpt.Checkpointer(tmp_path, writer=kind) as saver:
         saver.save(1, model=torch.nn.Linear(8, 8))
-        monkeypatch.setattr(cls, "outcome", _signalled_inside(cls.outcome))
-        with pytest.raises(Preempted):
+        taken = _signalled_inside(cls.outcome, sig, when=lambda got: got is not None)
+        monkeypatch.setattr(cls, "outcome", taken)
+        with pytest.raises(RAISES[sig]):
             saver.wait()
         monkeypatch.undo()
-        assert sigterm_raises == [signal.SIGTERM]
+        assert seen == [sig]
         assert not saver.in_flight()  # before: the outcome was lost, and a wait never ended
         assert saver.last_committed == os.path.join(str(tmp_path), manifest.step_name(1))
 
