@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -31,7 +32,11 @@ GIVES_UP_WITHIN_S = 15.0
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # How rank 0 names rank 1, which left with os._exit(0): `ringtrain run` records its exit; under
 # torchrun, which records none, rank 0 finds its process ended (both run on this machine).
-NAMED = {"ringtrain": "(rank 1 exited ", "torchrun": "(rank 1 ended without a word (os._exit, "}
+# Under torchrun, rank 0 found rank 1's process ended on its machine (this one) and posted so.
+NAMED = {
+    "ringtrain": "(rank 1 exited ",
+    "torchrun": f"(rank 1 (host {socket.gethostname()}) ended without a word (os._exit, ",
+}
 
 
 @pytest.mark.parametrize("launcher", list(NAMED))

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -14,7 +15,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from ringtrain.runtime import departures
+from ringtrain.runtime import departures, processes
 from ringtrain.runtime.departures import FAILED, FINISHED, STOPPED, Departure
 
 
@@ -214,8 +215,8 @@ def test_a_store_whose_server_died_is_given_up_within_the_read_timeout() -> None
 
 def _present(store: dist.Store, rank: int, pid: int, started: float, machine: str = "") -> None:
     """What rank ``rank``'s bind() posts: which process it is."""
-    record = {"machine": machine or departures._machine(), "pid": pid, "started": started}
-    store.set(departures.PRESENT + str(rank), json.dumps(record))
+    record = {"machine": machine or processes.machine(), "pid": pid, "started": started}
+    store.set(processes.PRESENT + str(rank), json.dumps(record))
 
 
 def test_a_rank_says_which_process_it_is_when_it_binds(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -224,8 +225,8 @@ def test_a_rank_says_which_process_it_is_when_it_binds(monkeypatch: pytest.Monke
     store = dist.HashStore()
     departures.bind(store, 3, "h")
     departures.unbind()
-    said = json.loads(store.get(departures.PRESENT + "3"))
-    assert said["pid"] == os.getpid() and said["machine"] == departures._machine() != ""
+    said = json.loads(store.get(processes.PRESENT + "3"))
+    assert said["pid"] == os.getpid() and said["machine"] == processes.machine() != ""
     assert said["started"] == psutil.Process().create_time()
 
 
@@ -240,14 +241,14 @@ def test_a_rank_that_cannot_say_which_process_it_is_still_binds(
     def unreadable(*_a: object) -> psutil.Process:
         raise psutil.AccessDenied()
 
-    for patch in [("_machine", lambda: ""), ("psutil", types.SimpleNamespace(Process=unreadable))]:
+    for patch in [("machine", lambda: ""), ("psutil", types.SimpleNamespace(Process=unreadable))]:
         with monkeypatch.context() as m:
-            m.setattr(departures, *patch)
+            m.setattr(processes, *patch)
             store = dist.HashStore()
             departures.bind(store, 3, "h")
             departures.post(FAILED, "ValueError: x")  # bound all the same
             departures.unbind()
-            assert not store.check([departures.PRESENT + "3"])
+            assert not store.check([processes.PRESENT + "3"])
             assert [d.rank for d in departures.read(store, [3])] == [3]
 
 
@@ -260,6 +261,7 @@ def test_where_no_launcher_records_ends_a_process_seen_ended_here_is_gone(
     and names it, whether it posted a finish or not. A live one, one on another machine and
     a pid reused by another process are not named."""
     monkeypatch.setattr(departures, "_launcher_records_exits", lambda: False)
+    monkeypatch.setattr(departures._here, "host", "h0")  # this peer's host: also the ranks'
     store = dist.HashStore()
     procs = [subprocess.Popen(["sleep", "60"]) for _ in range(4)]
     try:
@@ -283,8 +285,8 @@ def test_where_no_launcher_records_ends_a_process_seen_ended_here_is_gone(
         got = departures.gone(store, [0, 1, 2, 3, 4, 5])
         assert sorted(got) == [0, 1, 2, 4]
         assert got[0] == (
-            "rank 0 ended without a word (os._exit, or killed by a signal) while this rank still "
-            "waited for it",
+            "rank 0 (host h0) ended without a word (os._exit, or killed by a signal) while this "
+            "rank still waited for it",
             True,
         )
         assert got[2][0].startswith("rank 2 (host a) left without an exception: its script ended")
@@ -293,12 +295,91 @@ def test_where_no_launcher_records_ends_a_process_seen_ended_here_is_gone(
         assert time.monotonic() - t0 < departures.VANISH_WAIT_S
         vanished = departures._vanished_here(store, [0, 3], patient=True)
         told = str(departures._named(9, "", vanished, "  (ended)"))
-        assert "rank 9: a peer left the job: rank 0 ended without a word" in told, told
+        assert "rank 9: a peer left the job: rank 0 (host h0) ended without a word" in told, told
         assert "HINT: the exit code your launcher reports for rank 0 tells" in told, told
     finally:
         for p in procs:
             p.kill()
             p.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_seen_ended_on_its_machine_is_named_on_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under torchrun or mpirun across machines, only a peer on the vanished rank's machine can
+    see its process end. It posts that for it, with the rank's host; a peer on another machine,
+    whose wait broke too, waits for that post (up to TOLD_WAIT_S) and names the rank, and so
+    does a checkpoint's look-out there (gone()). A post of the rank's own stays."""
+    monkeypatch.setattr(departures, "_launcher_records_exits", lambda: False)
+    monkeypatch.setattr(departures._here, "host", "h1")
+    store = dist.HashStore()
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        for rank, p in zip((2, 3), procs, strict=True):  # ranks 2 and 3 run on h1, here
+            _present(store, rank, p.pid, psutil.Process(p.pid).create_time())
+        me = psutil.Process()
+        for rank in (0, 1):  # ranks 0 and 1 on h0, alive (this process, seen from h0)
+            _present(store, rank, me.pid, me.create_time(), machine="h0-boot/1")
+        store.set(departures.PREFIX + "2", Departure(2, FINISHED, "", "h1", 1.0).encode())
+        procs[0].kill()
+        procs[1].kill()
+        for p in procs:
+            p.wait()
+        # Rank 1, on h0, sees no process of h1: no post for rank 3, so it waits in vain so far.
+        with monkeypatch.context() as m:
+            m.setattr(processes, "machine", lambda: "h0-boot/1")
+            t0 = time.monotonic()
+            assert departures._vanished_here(store, [0, 3], patient=False) == []
+            assert time.monotonic() - t0 < departures.VANISH_WAIT_S
+            assert departures._vanished_here(store, [0, 3], patient=True) == []
+            waited = time.monotonic() - t0
+            assert departures.TOLD_WAIT_S <= waited < departures.TOLD_WAIT_S + 2, waited
+            assert departures.gone(store, [3]) == {}
+        # A rank on h1 finds rank 3's process ended and posts that for it.
+        [found] = departures._vanished_here(store, [3], patient=True)
+        assert (found.rank, found.how, found.host) == (3, departures.VANISHED, "h1")
+        assert Departure.decode(store.get(departures.PREFIX + "3")) == found
+        departures._post_vanished(store, 2)  # a rank's own post stays
+        assert Departure.decode(store.get(departures.PREFIX + "2")).how == FINISHED
+        assert sorted(departures.gone(store, [2, 3])) == [2, 3]  # each process ended
+        # Back on h0: the post names rank 3 and its host, at once.
+        with monkeypatch.context() as m:
+            m.setattr(processes, "machine", lambda: "h0-boot/1")
+            m.setattr(departures._here, "host", "h0")
+            t0 = time.monotonic()
+            told = departures._vanished_here(store, [0, 3], patient=True)
+            assert time.monotonic() - t0 < departures.TOLD_WAIT_S
+            text = str(departures._named(1, "", told, "  (ended)"))
+            assert "rank 1: a peer left the job: rank 3 (host h1) ended without a word" in text
+            assert departures.gone(store, [0, 3]) == {
+                3: (told[0].describe(), True),
+            }
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_post_that_comes_while_a_peer_on_another_machine_waits_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The peer on the vanished rank's machine posts moments after this rank's wait broke:
+    this rank's look ends when the post comes, not at TOLD_WAIT_S."""
+    monkeypatch.setattr(departures, "_launcher_records_exits", lambda: False)
+    store = dist.HashStore()
+    _present(store, 3, 999_999_999, 1.0, machine="h1-boot/1")
+    late = Departure(3, departures.VANISHED, "", "h1", time.time())
+    timer = threading.Timer(0.5, lambda: store.set(departures.PREFIX + "3", late.encode()))
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        assert departures._vanished_here(store, [3], patient=True) == [late]
+        assert 0.4 < time.monotonic() - t0 < departures.TOLD_WAIT_S
+    finally:
+        timer.cancel()
+        timer.join()
 
 
 def test_a_reader_that_asks_again_reads_each_process_post_once(
@@ -310,11 +391,11 @@ def test_a_reader_that_asks_again_reads_each_process_post_once(
     monkeypatch.setattr(departures, "_launcher_records_exits", lambda: False)
     store = dist.HashStore()
     reads: list[str] = []
-    known: departures.Present = {}  # what the reader keeps
+    known: processes.Known = {}  # what the reader keeps
 
     class Counted:  # the reader's client, counting what it reads
         def check(self, keys: list[str]) -> bool:
-            reads.extend(k for k in keys if k.startswith(departures.PRESENT))
+            reads.extend(k for k in keys if k.startswith(processes.PRESENT))
             return store.check(keys)
 
         def get(self, key: str) -> bytes:
@@ -329,7 +410,7 @@ def test_a_reader_that_asks_again_reads_each_process_post_once(
         for _ in range(3):
             assert departures.gone(client, [0, 1, 2], known) == {}  # type: ignore[arg-type]
         # Each post read once (a check, a get); rank 2's, not posted, asked each time.
-        posts = [departures.PRESENT + str(r) for r in range(3)]
+        posts = [processes.PRESENT + str(r) for r in range(3)]
         assert sorted(reads) == sorted(posts[:2] * 2 + [posts[2]] * 3), reads
         proc.kill()
         proc.wait()

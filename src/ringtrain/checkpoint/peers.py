@@ -27,7 +27,7 @@ from ringtrain.checkpoint import layout, store
 
 if TYPE_CHECKING:  # the runtime is imported where used: the writer process imports this module
     from ringtrain.runtime.contracts import Store
-    from ringtrain.runtime.departures import Present
+    from ringtrain.runtime.processes import Known
 
 log = logging.getLogger("ringtrain")
 
@@ -48,7 +48,7 @@ class Departed:
         self._store: Store | None = world_store
         self._client: Store | None = None
         self._failing: dict[int, float] = {}  # rank: when its failure was first read
-        self._present: Present = {}  # the ranks' process posts, read once each
+        self._present: Known = {}  # the ranks' process posts, read once each
         self._next = time.monotonic() + EVERY_S
 
     @staticmethod

@@ -53,6 +53,11 @@ class Store(Protocol):
 
     def delete_key(self, key: str) -> bool: ...
 
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (``""``: if it is not there);
+        what ``key`` holds afterwards."""
+        ...
+
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         """What every later wait on this store (``get``, ``wait``) is bounded by."""
         ...

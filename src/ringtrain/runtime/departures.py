@@ -26,10 +26,11 @@ raises :class:`~ringtrain.errors.PeerFailedError` naming the rank and its own wo
 first. A rank that left without a post (``os._exit``, a signal) is named from ``ringtrain
 run``'s record of its end, waited for a moment; elsewhere (torchrun, mpirun), from the process
 itself where it ran on the peer's machine: each rank says at ``bind`` which process it is
-(:data:`PRESENT`), and a peer that sees the same processes (the same kernel and pid namespace)
-finds it ended. Where nothing can be read (the store left with
-the rank that served it, as under plain mpirun when rank 0 fails), the error says what the
-transport said.
+(:mod:`ringtrain.runtime.processes`), and a peer that sees the same processes (the same kernel and pid namespace)
+finds it ended, and posts that for it (:data:`VANISHED`), for the peers on other machines, which
+cannot look. A rank alone on its machine is seen by no one. Where nothing can be read (the store
+left with the rank that served it, as under plain mpirun when rank 0 fails), the error says what
+the transport said.
 
 The record is the rank's last word, not a protocol: nothing waits for it, every read is bounded
 by :data:`READ_TIMEOUT_S`, and a store that is gone makes every call here a no-op.
@@ -40,7 +41,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import socket
 import sys
 import threading
@@ -50,20 +50,17 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeVar
 
-import psutil
-
 from ringtrain import environ
 from ringtrain.environ import Ringtrain
 from ringtrain.errors import RAN_FEWER, CollectiveAbortedError, CollectiveError, PeerFailedError
 from ringtrain.launch.failures import INTERRUPTED, exited_key
-from ringtrain.runtime import heartbeat
+from ringtrain.runtime import heartbeat, processes
 from ringtrain.runtime.contracts import Store
 from ringtrain.security.notes import PLAIN, Notes
 
 log = logging.getLogger("ringtrain")
 
 PREFIX = "ringtrain/departed/"
-PRESENT = "ringtrain/present/"  # each rank's process, for a peer on its machine to see it end
 READ_TIMEOUT_S = 2.0  # a peer reading the posts after its wait broke; the store may be gone
 # How long a peer that found a "finished" post waits for the launcher's record of that rank's
 # exit code: the rank's process ends after its at-exit shutdown and interpreter finalization,
@@ -77,8 +74,15 @@ UNPOSTED_WAIT_S = 5.0
 # machine: a wait breaks as the process closes its sockets, moments before it ends. Short: a
 # wait that broke while every process lives (a peer's abort) waits it out for nothing.
 VANISH_WAIT_S = 1.0
+# The same for a rank on another machine, for a peer on its machine to post that it ended: that
+# peer's wait breaks about when this one's does, then it looks and posts (0.07-0.21 s after the
+# kill in tests/cluster/test_vanished_elsewhere.py, on a loaded 2-core machine). Where no one
+# can post (a rank alone on its machine), a peer's error comes this much later.
+TOLD_WAIT_S = 2.0
 FAILED, FINISHED, STOPPED = "failed", "finished", "interrupted"
-VANISHED = "vanished"  # not posted: its process was found ended (os._exit, a signal)
+# Posted for a rank by a peer on its machine, which found its process ended without a post
+# (os._exit, a signal); the host is the rank's.
+VANISHED = "vanished"
 # The ``why`` of a finish posted by the at-exit shutdown: the script ended, or called
 # ``sys.exit(n)`` with a code no hook sees. Only the launcher's record (or none) tells which.
 AT_EXIT = "at exit"
@@ -157,90 +161,59 @@ def bind(store: Store | None, rank: int, host: str, notes: Notes = PLAIN) -> Non
     with _here.lock:
         _here.store, _here.rank, _here.host, _here.posted = store, rank, host, False
         _here.notes = notes
-    _say_present(store, rank, notes)
+    processes.say_present(store, rank, notes)
     if _previous_hook is None:
         _previous_hook = sys.excepthook
         sys.excepthook = _on_uncaught
 
 
-def _machine() -> str:
-    """Which processes this one sees: the kernel's boot id and its pid namespace ("" unknown).
-    A peer with the same can tell from a pid whether a rank's process still runs."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return ""
-
-
-def _say_present(store: Store | None, rank: int, notes: Notes) -> None:
-    """Post which process this rank is (:data:`PRESENT`); best effort."""
-    machine = _machine()
-    if store is None or not machine:
-        return
-    key = PRESENT + str(rank)
-    try:  # never fails init(): a /proc that psutil cannot read (an enclave's) posts nothing
-        me = psutil.Process()
-        record = json.dumps({"machine": machine, "pid": me.pid, "started": me.create_time()})
-        store.set(key, notes.seal(key, record.encode()))  # type: ignore[arg-type]
-    except Exception as e:
-        log.debug("could not post which process rank %d is: %s", rank, e)
-
-
-# What ranks posted of their processes, as a reader keeps it: (pid, start time) on this
-# machine, None elsewhere. A post never changes in its world.
-Present = dict[int, "tuple[int, float] | None"]
-
-
-def _processes(
-    client: Store, ranks: Sequence[int], known: Present | None = None
-) -> dict[int, bool]:
-    """Those of ``ranks`` whose process ran on this machine, each with whether it has ended (a
-    zombie included: its launcher has not reaped it yet). ``known``: the posts read so far
-    from ``client``'s world, read once each (a reader that asks every second keeps them)."""
-    machine, out = _machine(), {}
-    known = {} if known is None else known
-    for r in ranks if machine else ():
-        if r not in known:
-            key = PRESENT + str(r)
-            if not client.check([key]):
-                continue  # not posted (yet): asked again next time
-            seen = json.loads(_here.notes.open(key, bytes(client.get(key))))
-            here = seen.get("machine") == machine
-            known[r] = (int(seen["pid"]), float(seen["started"])) if here else None
-        process = known[r]
-        if process is None:
-            continue
-        try:
-            proc = psutil.Process(process[0])
-            out[r] = (
-                abs(proc.create_time() - process[1]) > 0.5  # the pid was reused
-                or proc.status() == psutil.STATUS_ZOMBIE
-            )
-        except psutil.NoSuchProcess:
-            out[r] = True
-        except psutil.Error:  # not ours to look at: say nothing
-            continue
-    return out
-
-
 def _vanished_here(store: Store, ranks: Sequence[int], patient: bool) -> list[Departure]:
-    """Ranks that left without a post, found ended on this machine (where no launcher records
-    ends); ``patient``: waited for up to :data:`VANISH_WAIT_S`, for a wait that broke as a
-    process closed its sockets (not for one that timed out)."""
+    """Ranks that left without a post (where no launcher records ends): posted as ended by a
+    peer on their machine, or found ended on this one, and then posted as such for the peers on
+    other machines, which cannot look. ``patient``: waited for a wait that broke as a process
+    closed its sockets (not for one that timed out), up to :data:`VANISH_WAIT_S` for a process
+    here, :data:`TOLD_WAIT_S` where some of ``ranks`` ran on other machines."""
     try:
         client = _client(store, datetime.timedelta(seconds=READ_TIMEOUT_S))
-        deadline = time.monotonic() + (VANISH_WAIT_S if patient else 0.0)
+        start, known = time.monotonic(), {}  # type: float, processes.Known
         while True:
-            here = _processes(client, ranks)
+            told = _posts(client, ranks)  # first: a rank that ended after a peer is no cause
+            if told:
+                return told
+            here = processes.ended(client, ranks, _here.notes, known)
             ended = [r for r, done in here.items() if done]
-            if ended or not here or time.monotonic() >= deadline:
-                return [Departure(r, VANISHED, "", "", time.time()) for r in ended]
+            if ended:
+                return [_post_vanished(client, r) for r in ended]
+            elsewhere = any(r in known and known[r] is None for r in ranks)
+            limit = (TOLD_WAIT_S if elsewhere else VANISH_WAIT_S) if patient else 0.0
+            if not (here or elsewhere) or time.monotonic() - start >= limit:
+                return []
             time.sleep(0.05)
     except Exception as e:  # the store left with the rank that served it
         log.debug("could not read which processes the ranks are: %s", e)
         return []
+
+
+def _post_vanished(client: Store, rank: int) -> Departure:
+    """Post that ``rank``, whose process ran on this machine, ended without a word; a post of
+    its own, or another peer's, stays (``compare_set`` sets only a key not there)."""
+    d = Departure(rank, VANISHED, "", _here.host or socket.gethostname(), time.time())
+    key = PREFIX + str(rank)
+    try:
+        client.compare_set(key, "", _here.notes.seal(key, d.encode().encode()))  # type: ignore[arg-type]
+    except Exception as e:
+        log.debug("could not post that rank %d ended: %s", rank, e)
+    return d
+
+
+def _posts(client: Store, ranks: Sequence[int]) -> list[Departure]:
+    """The departures of ``ranks`` posted now, as posted."""
+    keys = [PREFIX + str(r) for r in ranks]
+    return [
+        Departure.decode(_here.notes.open(k, bytes(client.get(k))))
+        for k in keys
+        if client.check([k])
+    ]
 
 
 def unbind() -> None:
@@ -332,13 +305,10 @@ def read(
     """The posts of ``ranks`` that exist now, failures first, then by time."""
     if store is None:
         return []
-    keys = [PREFIX + str(r) for r in ranks]
     found: list[Departure] = []
     try:
         client = _client(store, datetime.timedelta(seconds=timeout_s))
-        for key in keys:
-            if client.check([key]):
-                found.append(Departure.decode(_here.notes.open(key, bytes(client.get(key)))))
+        found = _posts(client, ranks)
         if any(d.how != FAILED for d in found):
             records = _launcher_store(client)
             records.set_timeout(datetime.timedelta(seconds=timeout_s))
@@ -433,7 +403,7 @@ def reader(store: Store) -> Store:
 
 
 def gone(
-    client: Store, ranks: Sequence[int], known: Present | None = None
+    client: Store, ranks: Sequence[int], known: processes.Known | None = None
 ) -> dict[int, tuple[str, bool]]:
     """Those of ``ranks`` known to be gone, for one that waits for what they were to write (a
     checkpoint's parts): each with how it left and whether its process has ended, as ``ringtrain
@@ -441,7 +411,8 @@ def gone(
     rank's at-exit work waits for nothing). A rank that posted only that it finished may still
     be in its at-exit work, which may be writing: it is named once its exit is recorded. Where
     no launcher records exits, a rank whose process is seen ended on this machine has ended,
-    whether it posted or not (``os._exit``, a signal). ``known``: the ranks' process posts read
+    whether it posted or not (``os._exit``, a signal), and so is one a peer on its machine
+    posted as such (:data:`VANISHED`). ``known``: the ranks' process posts read
     so far from ``client`` (a reader that asks again keeps them: each is read once).
     Raises what the store raises (``client``: see :func:`reader`)."""
     found: dict[int, tuple[str, bool]] = {}
@@ -455,13 +426,15 @@ def gone(
         ended = records is not None and records.check([exited_key(r)])
         if post is not None and post.how == FAILED:
             found[r] = (post.describe(), ended)
+        elif post is not None and post.how == VANISHED:  # seen ended by a peer on its machine
+            found[r] = (post.describe(), True)
         elif ended and records is not None:
             found[r] = (f"rank {r} {bytes(records.get(exited_key(r))).decode()}", True)
     # No launcher's record (torchrun, mpirun): a rank's process seen ended on this machine.
     rest = [r for r in ranks if not found.get(r, ("", False))[1]] if records is None else []
-    for r, ended in _processes(client, rest, known).items():
-        if ended:
-            d = posts.get(r, Departure(r, VANISHED, "", "", 0.0))
+    for r, ended in processes.ended(client, rest, _here.notes, known).items():
+        if ended:  # posted for the peers on other machines, where it said nothing
+            d = posts[r] if r in posts else _post_vanished(client, r)
             found[r] = (d.describe(), True)
     return found
 
