@@ -105,7 +105,7 @@ def test_a_rank_that_serves_the_store_holds_a_socket_per_rank() -> None:
 
 def test_files_add_each_groups_device() -> None:
     f = footprint(8, PROFILES["horovod"])
-    assert f.files == f.sockets + c.FILES_PER_GLOO_GROUP * f.gloo_groups
+    assert f.files == f.sockets + c.FILES_PER_GLOO_GROUP * f.gloo_groups + c.DOORS
     assert c.most_files(1024) >= footprint(1024, PROFILES["horovod+direct"]).files
 
 

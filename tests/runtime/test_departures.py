@@ -340,7 +340,7 @@ def test_a_rank_seen_ended_on_its_machine_is_named_on_the_others(
         [found] = departures._vanished_here(store, [3], patient=True)
         assert (found.rank, found.how, found.host) == (3, departures.VANISHED, "h1")
         assert Departure.decode(store.get(departures.PREFIX + "3")) == found
-        departures._post_vanished(store, 2)  # a rank's own post stays
+        departures._post_vanished(store, 2, {})  # a rank's own post stays
         assert Departure.decode(store.get(departures.PREFIX + "2")).how == FINISHED
         assert sorted(departures.gone(store, [2, 3])) == [2, 3]  # each process ended
         # Back on h0: the post names rank 3 and its host, at once.

@@ -76,7 +76,7 @@ def _steps_measured_and_predicted() -> dict[str, Any]:
         f = connections.footprint(rt.size(), uses, **kw)
         idle = connections.footprint(rt.size(), uses, dozed=False, **kw)
         files = len(os.listdir("/proc/self/fd"))
-        predicted = (f.gloo_sockets, (idle.store_sockets, f.store_sockets), f.gloo_groups)
+        predicted = (f.gloo_sockets, (idle.store_sockets, f.store_sockets), f.listeners)
         steps.append((label, count(), predicted, files, f.files))
         # Nobody goes on (connecting to a rank that still counts, or leaving) before all have
         # counted: a new small op travels inline in the negotiation, over the control ring.
@@ -134,9 +134,10 @@ def test_the_model_predicts_the_sockets_of_four_ranks() -> None:
         assert result["lane_slots"][0] > 0, result  # a valid slot: the lane's sums ran
         for label, measured, predicted, files, most in result["steps"]:
             gloo, store, listening = measured
-            (gloo_model, (store_least, store_most), groups_model) = predicted
-            # Gloo: exactly the model's peers; one listener per Gloo group the model counts.
-            assert (gloo, listening) == (gloo_model, groups_model), (rank, label, result)
+            (gloo_model, (store_least, store_most), listeners_model) = predicted
+            # Gloo: exactly the model's peers; one listener per Gloo group the model counts, and
+            # the rank's door.
+            assert (gloo, listening) == (gloo_model, listeners_model), (rank, label, result)
             # The store: the job's connection, and one per set whose controller dozed so far.
             assert store_least <= store <= store_most, (rank, label, result)
             # + the interpreter's own, as the agent's open-file limit counts them

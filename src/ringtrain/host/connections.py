@@ -53,6 +53,9 @@ FILES_PER_GLOO_GROUP = 4
 # controller blocks on a store key over a connection of its own (collectives/doorbell.py).
 STORE_CLIENT_SOCKETS = 1
 STORE_SOCKETS_PER_DOZING_SET = 1
+# A rank's door: a socket it listens on and never accepts from, whose refusal tells a peer on
+# another machine that the rank's process ended (runtime/processes.py).
+DOORS = 1
 
 
 class Pattern(enum.Enum):
@@ -227,9 +230,14 @@ class Footprint:
         return self.gloo_sockets + self.store_sockets
 
     @property
+    def listeners(self) -> int:
+        """Listening sockets: each Gloo group's and the rank's door."""
+        return self.gloo_groups + DOORS
+
+    @property
     def files(self) -> int:
-        """Descriptors for them: the sockets, and each group's listener, epoll and pipe."""
-        return self.sockets + FILES_PER_GLOO_GROUP * self.gloo_groups
+        """Descriptors for them: the sockets, each group's listener, epoll and pipe, the door."""
+        return self.sockets + FILES_PER_GLOO_GROUP * self.gloo_groups + DOORS
 
 
 def _group_sockets(uses: Iterable[str], rank: int, size: int) -> dict[str, int]:

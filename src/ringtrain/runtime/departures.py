@@ -28,9 +28,9 @@ run``'s record of its end, waited for a moment; elsewhere (torchrun, mpirun), fr
 itself where it ran on the peer's machine: each rank says at ``bind`` which process it is
 (:mod:`ringtrain.runtime.processes`), and a peer that sees the same processes (the same kernel and pid namespace)
 finds it ended, and posts that for it (:data:`VANISHED`), for the peers on other machines, which
-cannot look. A rank alone on its machine is seen by no one. Where nothing can be read (the store
-left with the rank that served it, as under plain mpirun when rank 0 fails), the error says what
-the transport said.
+cannot look; they knock on its door instead (a socket it listens on, refused once the process is
+gone). Where nothing can be read (the store left with the rank that served it, as under plain
+mpirun when rank 0 fails), the error says what the transport said.
 
 The record is the rank's last word, not a protocol: nothing waits for it, every read is bounded
 by :data:`READ_TIMEOUT_S`, and a store that is gone makes every call here a no-op.
@@ -56,6 +56,7 @@ from ringtrain.errors import RAN_FEWER, CollectiveAbortedError, CollectiveError,
 from ringtrain.launch.failures import INTERRUPTED, exited_key
 from ringtrain.runtime import heartbeat, processes
 from ringtrain.runtime.contracts import Store
+from ringtrain.runtime.processes import Known
 from ringtrain.security.notes import PLAIN, Notes
 
 log = logging.getLogger("ringtrain")
@@ -79,6 +80,8 @@ VANISH_WAIT_S = 1.0
 # kill in tests/cluster/test_vanished_elsewhere.py, on a loaded 2-core machine). Where no one
 # can post (a rank alone on its machine), a peer's error comes this much later.
 TOLD_WAIT_S = 2.0
+# How often such a peer knocks on the doors of ranks on other machines (runtime/processes.py).
+KNOCK_EVERY_S = 0.5
 FAILED, FINISHED, STOPPED = "failed", "finished", "interrupted"
 # Posted for a rank by a peer on its machine, which found its process ended without a post
 # (os._exit, a signal); the host is the rank's.
@@ -161,7 +164,7 @@ def bind(store: Store | None, rank: int, host: str, notes: Notes = PLAIN) -> Non
     with _here.lock:
         _here.store, _here.rank, _here.host, _here.posted = store, rank, host, False
         _here.notes = notes
-    processes.say_present(store, rank, notes)
+    processes.say_present(store, rank, host, notes)
     if _previous_hook is None:
         _previous_hook = sys.excepthook
         sys.excepthook = _on_uncaught
@@ -169,24 +172,28 @@ def bind(store: Store | None, rank: int, host: str, notes: Notes = PLAIN) -> Non
 
 def _vanished_here(store: Store, ranks: Sequence[int], patient: bool) -> list[Departure]:
     """Ranks that left without a post (where no launcher records ends): posted as ended by a
-    peer on their machine, or found ended on this one, and then posted as such for the peers on
-    other machines, which cannot look. ``patient``: waited for a wait that broke as a process
-    closed its sockets (not for one that timed out), up to :data:`VANISH_WAIT_S` for a process
-    here, :data:`TOLD_WAIT_S` where some of ``ranks`` ran on other machines."""
+    peer that looked, or found ended here (a process on this machine ended; the door of one on
+    another machine refused a knock, see :mod:`~ringtrain.runtime.processes`), and then posted
+    as such for the others. ``patient``: waited for a wait that broke as a process closed its
+    sockets (not for one that timed out), up to :data:`VANISH_WAIT_S`, or :data:`TOLD_WAIT_S`
+    where some of ``ranks`` ran on other machines."""
     try:
         client = _client(store, datetime.timedelta(seconds=READ_TIMEOUT_S))
-        start, known = time.monotonic(), {}  # type: float, processes.Known
+        start, known, knocked = time.monotonic(), {}, -KNOCK_EVERY_S  # type: float, Known, float
         while True:
             told = _posts(client, ranks)  # first: a rank that ended after a peer is no cause
             if told:
                 return told
             here = processes.ended(client, ranks, _here.notes, known)
             ended = [r for r, done in here.items() if done]
+            away = processes.elsewhere(ranks, known)
+            if not ended and away and time.monotonic() - knocked >= KNOCK_EVERY_S:
+                knocked = time.monotonic()
+                ended = processes.knock(away, known)
             if ended:
-                return [_post_vanished(client, r) for r in ended]
-            elsewhere = any(r in known and known[r] is None for r in ranks)
-            limit = (TOLD_WAIT_S if elsewhere else VANISH_WAIT_S) if patient else 0.0
-            if not (here or elsewhere) or time.monotonic() - start >= limit:
+                return [_post_vanished(client, r, known) for r in ended]
+            limit = (TOLD_WAIT_S if away else VANISH_WAIT_S) if patient else 0.0
+            if not (here or away) or time.monotonic() - start >= limit:
                 return []
             time.sleep(0.05)
     except Exception as e:  # the store left with the rank that served it
@@ -194,10 +201,11 @@ def _vanished_here(store: Store, ranks: Sequence[int], patient: bool) -> list[De
         return []
 
 
-def _post_vanished(client: Store, rank: int) -> Departure:
-    """Post that ``rank``, whose process ran on this machine, ended without a word; a post of
-    its own, or another peer's, stays (``compare_set`` sets only a key not there)."""
-    d = Departure(rank, VANISHED, "", _here.host or socket.gethostname(), time.time())
+def _post_vanished(client: Store, rank: int, known: Known) -> Departure:
+    """Post that ``rank`` ended without a word; a post of its own, or another peer's, stays
+    (``compare_set`` sets only a key not there)."""
+    host = known[rank].host if rank in known else ""
+    d = Departure(rank, VANISHED, "", host or _here.host or socket.gethostname(), time.time())
     key = PREFIX + str(rank)
     try:
         client.compare_set(key, "", _here.notes.seal(key, d.encode().encode()))  # type: ignore[arg-type]
@@ -403,7 +411,7 @@ def reader(store: Store) -> Store:
 
 
 def gone(
-    client: Store, ranks: Sequence[int], known: processes.Known | None = None
+    client: Store, ranks: Sequence[int], known: Known | None = None
 ) -> dict[int, tuple[str, bool]]:
     """Those of ``ranks`` known to be gone, for one that waits for what they were to write (a
     checkpoint's parts): each with how it left and whether its process has ended, as ``ringtrain
@@ -417,6 +425,7 @@ def gone(
     Raises what the store raises (``client``: see :func:`reader`)."""
     found: dict[int, tuple[str, bool]] = {}
     posts: dict[int, Departure] = {}
+    known = {} if known is None else known
     records = _launcher_store(client) if _launcher_records_exits() else None
     for r in ranks:
         key = PREFIX + str(r)
@@ -434,7 +443,7 @@ def gone(
     rest = [r for r in ranks if not found.get(r, ("", False))[1]] if records is None else []
     for r, ended in processes.ended(client, rest, _here.notes, known).items():
         if ended:  # posted for the peers on other machines, where it said nothing
-            d = posts[r] if r in posts else _post_vanished(client, r)
+            d = posts[r] if r in posts else _post_vanished(client, r, known)
             found[r] = (d.describe(), True)
     return found
 

@@ -1,0 +1,169 @@
+"""Which process each rank is: a door that a live rank's kernel answers and a dead rank's
+refuses, knocked on by peers on other machines (ringtrain.runtime.processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch.distributed as dist
+
+from ringtrain.runtime import departures, processes
+from ringtrain.security.notes import PLAIN
+
+pytestmark = pytest.mark.timeout(60)
+
+# A rank's process as init() leaves it: posted, with its door open; then busy or asleep.
+RANK = """
+import sys, time
+import torch.distributed as dist
+from ringtrain.runtime import processes
+from ringtrain.security.notes import PLAIN
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
+processes.say_present(store, int(sys.argv[2]), "h1", PLAIN)
+print("posted", flush=True)
+time.sleep(60)
+"""
+
+
+def _rank(port: int, rank: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RANK, str(port), str(rank)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "posted"
+    return proc
+
+
+@pytest.fixture
+def store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def test_a_live_ranks_door_answers_and_a_dead_ones_refuses(store: dist.TCPStore) -> None:
+    """Whatever the process does (here: asleep), its kernel answers; once it is killed, its
+    port refuses. A SIGSTOPped process still answers: stuck is not gone."""
+    procs = [_rank(store.port, r) for r in (1, 2)]
+    try:
+        known: processes.Known = {}
+        processes._read(store, [1, 2], PLAIN, known)
+        doors = {r: known[r].door for r in (1, 2)}
+        assert all(d is not None and d[0] == "127.0.0.1" for d in doors.values()), doors
+        assert (known[1].host, known[1].pid) == ("h1", procs[0].pid)
+        assert processes.refused(doors) == []  # type: ignore[arg-type]
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        procs[0].kill()
+        procs[0].wait()
+        t0 = time.monotonic()
+        assert processes.refused(doors) == [1]  # type: ignore[arg-type]
+        assert time.monotonic() - t0 < processes.KNOCK_TIMEOUT_S  # a refusal is one round trip
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_door_that_does_not_answer_names_no_one() -> None:
+    """A knock that gets no answer (a machine or a network down; here, a listener whose backlog
+    is full, so the kernel drops the knock) says nothing: only a refusal names a rank."""
+    import socket
+
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    where = full.getsockname()
+    queued = []
+    try:
+        for _ in range(4):  # fill the accept queue: later knocks are dropped, not refused
+            s = socket.socket()
+            s.settimeout(0.2)
+            try:
+                s.connect(where)
+            except OSError:
+                s.close()
+                break
+            queued.append(s)
+        t0 = time.monotonic()
+        assert processes.refused({7: where}, timeout_s=0.3) == []
+        assert time.monotonic() - t0 >= 0.25  # it waited for an answer, and got none
+    finally:
+        for s in queued:
+            s.close()
+        full.close()
+
+
+def test_a_forked_child_does_not_hold_the_door_open(store: dist.TCPStore) -> None:
+    """A DataLoader worker or a writer forked from the rank outlives it for a moment, or for
+    good: the door closes in the child, so the rank's end is still seen."""
+    processes.say_present(store, 5, "h0", PLAIN)
+    known: processes.Known = {}
+    processes._read(store, [5], PLAIN, known)
+    door = known[5].door
+    assert door is not None
+    ready_r, ready_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: sleep, holding whatever it inherited
+        os.write(ready_w, b"1")  # its fork hooks have run
+        time.sleep(30)
+        os._exit(0)
+    os.close(ready_w)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        assert processes.refused({5: door}) == []
+        processes._close_door()  # what this rank's end does to its sockets
+        assert processes.refused({5: door}) == [5]
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(ready_r)
+
+
+def test_a_door_on_loopback_is_not_knocked_on() -> None:
+    """A rank whose door is on 127.0.0.1 (its store's host was this machine's loopback):
+    knocked on from another machine, that port would be the knocker's own and refuse."""
+    known = {
+        1: processes.Process("m1", "h1", 1, 1.0, ("127.0.0.1", 1)),
+        2: processes.Process("m2", "h2", 1, 1.0, ("127.0.1.1", 1)),
+    }
+    assert processes.knock([1, 2], known) == []
+
+
+def test_ranks_alone_on_their_machine_are_knocked_on_first() -> None:
+    mine = processes.machine()
+    known = {
+        1: processes.Process("m1", "h1", 1, 1.0, None),
+        2: processes.Process("m2", "h2", 1, 1.0, None),
+        3: processes.Process("m1", "h1", 2, 1.0, None),
+        4: processes.Process(mine, "h0", os.getpid(), psutil.Process().create_time(), None),
+    }
+    assert processes.elsewhere([1, 2, 3, 4, 5], known) == [2, 1, 3]
+
+
+def test_a_rank_alone_on_another_machine_is_named_when_its_door_refuses(
+    store: dist.TCPStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torchrun or mpirun with one rank per machine, no peer sees the rank's process: the
+    peer whose wait broke knocks on its door, names it at once with its host (no wait for a
+    post that no one would make), and posts that for the others."""
+    monkeypatch.setattr(departures, "_launcher_records_exits", lambda: False)
+    proc = _rank(store.port, 1)
+    monkeypatch.setattr(processes, "machine", lambda: "h0-boot/1")  # this peer: elsewhere
+    # Its door is on loopback, as the store is: knocked on all the same, this machine playing
+    # both (a loopback door is not knocked on in a job: test_a_door_on_loopback_...).
+    monkeypatch.setattr(processes, "_knockable", lambda address: True)
+    try:
+        assert departures._vanished_here(store, [1], patient=False) == []  # alive
+        proc.kill()
+        proc.wait()
+        t0 = time.monotonic()
+        [gone] = departures._vanished_here(store, [1], patient=True)
+        assert time.monotonic() - t0 < departures.VANISH_WAIT_S
+        assert (gone.rank, gone.how, gone.host) == (1, departures.VANISHED, "h1")
+        assert departures.read(store, [1]) == [gone]  # posted for the others
+    finally:
+        proc.kill()
+        proc.wait()
