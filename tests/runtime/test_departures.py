@@ -366,20 +366,44 @@ def test_a_post_that_comes_while_a_peer_on_another_machine_waits_is_named(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The peer on the vanished rank's machine posts moments after this rank's wait broke:
-    this rank's look ends when the post comes, not at TOLD_WAIT_S."""
+    this rank's look ends when the post comes, not at TOLD_WAIT_S. While it waits it reads the
+    posts again only when one came (one counter a look, not a key per rank: in a large job every
+    peer looks at once)."""
     monkeypatch.setattr(departures, "_launcher_records_exits", lambda: False)
     store = dist.HashStore()
-    _present(store, 3, 999_999_999, 1.0, machine="h1-boot/1")
-    late = Departure(3, departures.VANISHED, "", "h1", time.time())
-    timer = threading.Timer(0.5, lambda: store.set(departures.PREFIX + "3", late.encode()))
+    asked: list[str] = []
+
+    class Counted:  # this rank's client of the store, counting what it asks
+        def __getattr__(self, name: str) -> object:
+            return getattr(store, name)
+
+        def clone(self) -> Counted:  # the look's own client: this one, to count
+            return self
+
+        def check(self, keys: list[str]) -> bool:
+            asked.extend(keys)
+            return store.check(keys)
+
+    ranks = list(range(1, 33))
+    for r in ranks:  # 32 ranks elsewhere, on one machine, all alive, without doors
+        _present(store, r, 999_999_999, 1.0, machine="h1-boot/1")
     t0 = time.monotonic()
-    timer.start()
+    assert departures._vanished_here(Counted(), ranks, patient=True) == []  # type: ignore[arg-type]
+    assert time.monotonic() - t0 >= departures.TOLD_WAIT_S
+    reads = sum(k.startswith(departures.PREFIX) for k in asked)
+    assert reads == len(ranks), reads  # read once, at the start: nothing was posted since
+    # Now rank 3 is posted, by the peer on its machine, half a second into the look.
+    seen_there = {3: processes.Process("h1-boot/1", "h1", 1, 1.0, None)}
+    post = threading.Timer(0.5, lambda: departures._post_vanished(store, 3, seen_there))
+    t0 = time.monotonic()
+    post.start()
     try:
-        assert departures._vanished_here(store, [3], patient=True) == [late]
+        [got] = departures._vanished_here(store, [3], patient=True)
         assert 0.4 < time.monotonic() - t0 < departures.TOLD_WAIT_S
+        assert (got.rank, got.how, got.host) == (3, departures.VANISHED, "h1")
     finally:
-        timer.cancel()
-        timer.join()
+        post.cancel()
+        post.join()
 
 
 def test_a_reader_that_asks_again_reads_each_process_post_once(

@@ -132,15 +132,28 @@ def test_a_door_on_loopback_is_not_knocked_on() -> None:
     assert processes.knock([1, 2], known) == []
 
 
-def test_ranks_alone_on_their_machine_are_knocked_on_first() -> None:
+def test_each_peer_knocks_on_a_window_of_doors_and_together_on_all() -> None:
+    """Up to KNOCK_MAX ranks elsewhere, a peer knocks on every door. Beyond, each peer knocks on
+    KNOCK_MAX of them, from its own rank times KNOCK_MAX on: at 1,024 ranks the peers together
+    knock on every door, each door about KNOCK_MAX times (not N squared knocks in all)."""
     mine = processes.machine()
     known = {
         1: processes.Process("m1", "h1", 1, 1.0, None),
-        2: processes.Process("m2", "h2", 1, 1.0, None),
-        3: processes.Process("m1", "h1", 2, 1.0, None),
-        4: processes.Process(mine, "h0", os.getpid(), psutil.Process().create_time(), None),
+        2: processes.Process(mine, "h0", os.getpid(), psutil.Process().create_time(), None),
     }
-    assert processes.elsewhere([1, 2, 3, 4, 5], known) == [2, 1, 3]
+    assert processes.elsewhere([1, 2, 3], known) == [1]  # 3 did not post
+    few = list(range(10))
+    assert processes.window(few, 7 * processes.KNOCK_MAX) == few
+    ranks = list(range(1, 1024))  # as rank 0 sees the others
+    knocks = [0] * 1024
+    for me in range(1024):
+        others = [r for r in range(1024) if r != me]
+        seen = processes.window(others, me * processes.KNOCK_MAX)
+        assert len(seen) == processes.KNOCK_MAX and me not in seen
+        for r in seen:
+            knocks[r] += 1
+    assert min(knocks) >= 1 and max(knocks) <= 2 * processes.KNOCK_MAX, (min(knocks), max(knocks))
+    assert processes.window(ranks, 1023 * processes.KNOCK_MAX)[0] == ranks[(1023 * 64) % 1023]
 
 
 def test_a_rank_alone_on_another_machine_is_named_when_its_door_refuses(

@@ -53,6 +53,10 @@ class Store(Protocol):
 
     def delete_key(self, key: str) -> bool: ...
 
+    def add(self, key: str, value: int) -> int:
+        """Add ``value`` to the counter ``key`` (0 if it is not there); the sum."""
+        ...
+
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected`` (``""``: if it is not there);
         what ``key`` holds afterwards."""

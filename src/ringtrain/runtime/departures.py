@@ -62,6 +62,7 @@ from ringtrain.security.notes import PLAIN, Notes
 log = logging.getLogger("ringtrain")
 
 PREFIX = "ringtrain/departed/"
+POSTED = "ringtrain/departures"  # how many posts were made: a look that waits reads them anew
 READ_TIMEOUT_S = 2.0  # a peer reading the posts after its wait broke; the store may be gone
 # How long a peer that found a "finished" post waits for the launcher's record of that rank's
 # exit code: the rank's process ends after its at-exit shutdown and interpreter finalization,
@@ -180,16 +181,21 @@ def _vanished_here(store: Store, ranks: Sequence[int], patient: bool) -> list[De
     try:
         client = _client(store, datetime.timedelta(seconds=READ_TIMEOUT_S))
         start, known, knocked = time.monotonic(), {}, -KNOCK_EVERY_S  # type: float, Known, float
+        posted, looks = -1, 0
         while True:
-            told = _posts(client, ranks)  # first: a rank that ended after a peer is no cause
-            if told:
-                return told
+            # First: a rank that ended after a peer is no cause. Read again only when a post
+            # came (one request a look, not one per rank: every peer of a large job looks).
+            count = client.add(POSTED, 0)
+            if count != posted:
+                posted, told = count, _posts(client, ranks)
+                if told:
+                    return told
             here = processes.ended(client, ranks, _here.notes, known)
             ended = [r for r, done in here.items() if done]
             away = processes.elsewhere(ranks, known)
             if not ended and away and time.monotonic() - knocked >= KNOCK_EVERY_S:
-                knocked = time.monotonic()
-                ended = processes.knock(away, known)
+                knocked, looks = time.monotonic(), looks + 1
+                ended = processes.knock(away, known, (_here.rank + looks) * processes.KNOCK_MAX)
             if ended:
                 return [_post_vanished(client, r, known) for r in ended]
             limit = (TOLD_WAIT_S if away else VANISH_WAIT_S) if patient else 0.0
@@ -208,7 +214,9 @@ def _post_vanished(client: Store, rank: int, known: Known) -> Departure:
     d = Departure(rank, VANISHED, "", host or _here.host or socket.gethostname(), time.time())
     key = PREFIX + str(rank)
     try:
-        client.compare_set(key, "", _here.notes.seal(key, d.encode().encode()))  # type: ignore[arg-type]
+        sealed = _here.notes.seal(key, d.encode().encode())
+        if bytes(client.compare_set(key, "", sealed)) == sealed:  # type: ignore[arg-type]
+            client.add(POSTED, 1)
     except Exception as e:
         log.debug("could not post that rank %d ended: %s", rank, e)
     return d
@@ -303,6 +311,7 @@ def post(how: str, why: str = "") -> None:
     try:
         key = PREFIX + str(rank)
         store.set(key, _here.notes.seal(key, record.encode().encode()))  # type: ignore[arg-type]
+        store.add(POSTED, 1)
     except Exception as e:
         log.debug("could not post that rank %d %s: %s", rank, how, e)
 

@@ -173,22 +173,27 @@ def ended(
 
 
 def elsewhere(ranks: Sequence[int], known: Known) -> list[int]:
-    """Those of ``ranks`` posted as running on another machine, those alone on theirs first
-    (no peer beside them can see them end)."""
+    """Those of ``ranks`` posted as running on another machine."""
     mine = machine()
-    there = [r for r in ranks if r in known and known[r].machine != mine]
-    count: dict[str, int] = {}
-    for p in known.values():
-        count[p.machine] = count.get(p.machine, 0) + 1
-    return sorted(there, key=lambda r: (count[known[r].machine] > 1, r))
+    return [r for r in ranks if r in known and known[r].machine != mine]
 
 
-def knock(ranks: Sequence[int], known: Known) -> list[int]:
-    """Those of ``ranks`` (on other machines: :func:`elsewhere`) whose door refused a knock, of
-    the first :data:`KNOCK_MAX`. A door on a loopback address is not knocked on: from another
-    machine that address is the knocker's own, whose refusal would say nothing of the rank."""
+def window(ranks: Sequence[int], start: int) -> list[int]:
+    """The :data:`KNOCK_MAX` of ``ranks`` from ``start`` on, wrapping: peers that start at
+    their own rank times KNOCK_MAX knock on every door between them, each door a few times,
+    where each knocking on all would take N squared connects."""
+    if len(ranks) <= KNOCK_MAX:
+        return list(ranks)
+    first = start % len(ranks)
+    return [*ranks[first:], *ranks[:first]][:KNOCK_MAX]
+
+
+def knock(ranks: Sequence[int], known: Known, start: int = 0) -> list[int]:
+    """Those of ``ranks`` (on other machines: :func:`elsewhere`) whose door refused a knock, in
+    the :func:`window` from ``start``. A door on a loopback address is not knocked on: from
+    another machine that address is the knocker's own, whose refusal says nothing of the rank."""
     doors = {}
-    for r in ranks[:KNOCK_MAX]:
+    for r in window(ranks, start):
         door = known[r].door if r in known else None
         if door is not None and _knockable(door[0]):
             doors[r] = door
