@@ -32,6 +32,9 @@ from dataclasses import dataclass
 
 import psutil
 
+from ringtrain import environ
+from ringtrain.environ import Torch
+from ringtrain.host import network
 from ringtrain.runtime.contracts import Store
 from ringtrain.security.notes import Notes
 
@@ -82,20 +85,18 @@ os.register_at_fork(after_in_child=_close_door)
 
 
 def _open_door(store: Store) -> tuple[str, int] | None:
-    """A listening socket on the address that routes toward the store's host (the network the
-    peers share); None where there is none to find or the socket cannot be made."""
+    """A listening socket on this host's address for the job's traffic (the network the peers
+    share); None where there is none to find or the socket cannot be made."""
     _close_door()
     host = _store_host(store)
     if not host:
         return None
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))  # consults the routing table; sends nothing
-            addr = str(probe.getsockname()[0])
+    try:  # Gloo's interface where the job chose one, else the route toward the store
+        addr = network.local_address(environ.current().get(Torch.GLOO_SOCKET_IFNAME, ""), host)
         door = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         door.bind((addr, 0))
         door.listen(BACKLOG)
-    except OSError as e:
+    except Exception as e:  # no address to listen on: the peers cannot knock, that is all
         log.debug("could not open a door for the peers to knock on: %s", e)
         return None
     _door.append(door)
