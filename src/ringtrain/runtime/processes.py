@@ -91,12 +91,13 @@ def _open_door(store: Store) -> tuple[str, int] | None:
     host = _store_host(store)
     if not host:
         return None
+    door = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:  # Gloo's interface where the job chose one, else the route toward the store
         addr = network.local_address(environ.current().get(Torch.GLOO_SOCKET_IFNAME, ""), host)
-        door = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         door.bind((addr, 0))
         door.listen(BACKLOG)
     except Exception as e:  # no address to listen on: the peers cannot knock, that is all
+        door.close()
         log.debug("could not open a door for the peers to knock on: %s", e)
         return None
     _door.append(door)
