@@ -177,6 +177,8 @@ def _one_rank_elsewhere() -> str:
 def test_a_wait_past_the_transport_timeout_names_the_rank_elsewhere(world2: World) -> None:
     # Gloo's own error says only that a receive timed out; the error names rank 1, which never
     # came to step().
+    with open(world2.logs[1]) as f:
+        before = len(f.read())
     error, _ = world2.run(_one_rank_elsewhere, stall_warning_s=1.0, timeout_s=4.0, timeout=60)
     assert error.startswith("StallError: step() gave up after "), error
     assert (
@@ -185,6 +187,14 @@ def test_a_wait_past_the_transport_timeout_names_the_rank_elsewhere(world2: Worl
     ), error
     assert "ranks [1] are not waiting in step()" in error, error
     assert "The wait fails" not in error, error
+    # Rank 0's report asked rank 1 where it is, and rank 1 said (diagnostics/whereabouts.py).
+    with open(world2.logs[1]) as f:
+        told = f.read()[before:]
+    assert (
+        "rank 1 keeps its peers waiting in step(): ranks [0] wait there for the gradients of "
+        "step 2, and this rank is not in step() (the last step it began: 1)." in told
+    ), told
+    assert "time.sleep(8.0)  # stuck outside step()" in told, told
 
 
 def _one_rank_away_for(away_s: float) -> tuple[str, float]:

@@ -29,7 +29,16 @@ def test_skipped_allreduce_reported_then_aborted(world3: World) -> None:
     assert "rank 1 has not submitted: 'grad.skipped'" in msg
     assert "stopping the job" in msg
     with open(world3.logs[0]) as f:
-        assert "stall:" in f.read(), "rank 0 logged no stall warning before aborting"
+        said = f.read()
+    assert "stall:" in said, "rank 0 logged no stall warning before aborting"
+    # Each side says where it is (diagnostics/whereabouts.py): rank 1 waits in another
+    # collective, which ranks 0 and 2 have not submitted.
+    with open(world3.logs[1]) as f:
+        told = f.read()
+    assert "rank 1 keeps its peers waiting: it has not submitted 'grad.skipped'" in told, told
+    assert 'rt.allreduce(torch.ones(1), name="grad.next")' in told, told
+    assert "(inside ringtrain: collectives/" in told, told
+    assert "rank 0 keeps its peers waiting: it has not submitted 'grad.next'" in said, said
 
 
 def test_log_level_error_hides_the_stall_warning_not_the_stall_error(world3: World) -> None:

@@ -23,7 +23,8 @@ when the lane opens, moves to another request, or releases a slot a peer waits i
 Every decision is a function of the exchanged table, so ranks agree on what runs next.
 Decisions that depend on time (stall reports, aborts, names that ranks submitted on different
 process sets: :mod:`ringtrain.collectives.crossset`) are made by the set's rank 0 and travel in
-its next message. If a peer dies, every pending handle fails, not hangs.
+its next message; a rank its peers wait for says where it is itself
+(:mod:`ringtrain.diagnostics.whereabouts`). If a peer dies, every pending handle fails, not hangs.
 
 Shutdown: a rank votes so in its rounds, then :mod:`~ringtrain.collectives.shutdown_rules`.
 
@@ -39,14 +40,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ringtrain.collectives import crossset, inline, lane, shutdown_rules, vector_round
 from ringtrain.collectives.control_round import ControlChannel, Message, inline_payloads
-from ringtrain.collectives.doorbell import Doorbell
+from ringtrain.collectives.doorbell import Doorbell, Pace
 from ringtrain.collectives.execute import Executor, Pending
 from ringtrain.collectives.handles import Handle
 from ringtrain.collectives.lane_control import LANE_DRAIN_S, LaneDriver, LaneHandle, split_settled
@@ -54,7 +54,7 @@ from ringtrain.collectives.request_table import RequestTable
 from ringtrain.collectives.requests import Request, local_errors, mismatch
 from ringtrain.collectives.vector_round import LaneView, VectorChannel, VectorRounds
 from ringtrain.config import Config
-from ringtrain.diagnostics import stall, timeline
+from ringtrain.diagnostics import stall, timeline, whereabouts
 from ringtrain.errors import (
     CollectiveAbortedError,
     CollectiveArgumentError,
@@ -86,16 +86,6 @@ JOIN_NAME = "__join__"
 _NONE = frozenset[int]()  # no rank joined
 
 
-@dataclass
-class Pace:
-    """How busy the rounds are: with nothing in flight a controller naps between rounds, then,
-    agreed with every rank, dozes until a submission rings."""
-
-    idle_cycles: int = 0  # idle rounds in a row on this rank
-    doze: bool = False  # every rank agreed, in the last round, to doze
-    active: bool = False  # the last round carried requests
-
-
 class Controller:
     """Negotiates and runs the collectives of one process set on this rank."""
 
@@ -115,11 +105,11 @@ class Controller:
         self.config = config
         self._clock = clock
         self._lock = threading.Lock()
-        self._wake = threading.Event()
         self._new: list[str] = []  # names submitted since this rank's last round
         self._pending: dict[str, Pending] = {}  # this rank's ops in flight
         self._requests = RequestTable(config.cache_capacity)  # alike on every rank
         self._stall = stall.StallInspector(config.stall_warning_s, config.stall_shutdown_s)
+        self._where = whereabouts.Whereabouts(comm, config.stall_warning_s, config.stall_shutdown_s)
         self._end = shutdown_rules.Ending()
         self._counters: dict[str, int] = {}
         self._pace = Pace()
@@ -198,8 +188,8 @@ class Controller:
             self._pending[request.name] = Pending(request, tensors, outputs, handle, cid)
             self._new.append(request.name)
             bell = self._doorbell.disarm()
-        if not self._wake.is_set():  # a burst's later ops: the controller has yet to wake
-            self._wake.set()
+        if not self._pace.wake.is_set():  # a burst's later ops: the controller has yet to wake
+            self._pace.wake.set()
         self._doorbell.ring(bell)
         return handle
 
@@ -234,7 +224,7 @@ class Controller:
         with self._lock:
             self._end.closed = True
             bell = self._doorbell.disarm()
-        self._wake.set()
+        self._pace.wake.set()
         if bell is not None:  # dozing in a store wait: wake it, so that it can leave
             try:
                 self._doorbell.ring(bell)
@@ -305,7 +295,7 @@ class Controller:
     def wake(self) -> None:
         with self._lock:
             bell = self._doorbell.disarm()
-        self._wake.set()
+        self._pace.wake.set()
         self._doorbell.ring(bell)
 
     # ---- the background thread ---------------------------------------------------------------
@@ -328,8 +318,8 @@ class Controller:
                 self._pace.idle_cycles = 0 if self._pace.active else self._pace.idle_cycles + 1
                 # Alone in the set, nothing can arrive but a local submission: wait for it.
                 alone = self.comm.size == 1
-                self._wake.wait(None if alone else self._nap_s())
-                self._wake.clear()
+                self._pace.wake.wait(None if alone else self._nap_s())
+                self._pace.wake.clear()
         except (CollectiveError, SecurityError) as e:  # secure mode names the peer: keep it
             self._fail_all(e)
         except Exception as e:  # a peer died or the network failed: fail loudly, never hang
@@ -414,6 +404,7 @@ class Controller:
         mine.inline = inline_payloads(subs, self.comm.world_rank)
         known = self._requests
         stuck = self._watch.stuck(known.by_name, known.first_seen) if self._watch else None
+        self._where.look(known.waiting, self._clock())
         if self.comm.set_rank == 0:
             mine.abort = self._inspect()
             carried: tuple[tuple[str, str], ...] = ()

@@ -10,12 +10,25 @@ controller's lock, so that exactly one thread rings a given episode.
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 # A doze has no deadline of its own: a dead peer's controller fails the next round instead.
 DOORBELL_WAIT = datetime.timedelta(days=7)
+
+
+@dataclass
+class Pace:
+    """How busy the rounds are: with nothing in flight a controller naps between rounds (on
+    ``wake``, which a submission sets), then, agreed with every rank, dozes until one rings."""
+
+    wake: threading.Event = field(default_factory=threading.Event)
+    idle_cycles: int = 0  # idle rounds in a row on this rank
+    doze: bool = False  # every rank agreed, in the last round, to doze
+    active: bool = False  # the last round carried requests
 
 
 class Doorbell:

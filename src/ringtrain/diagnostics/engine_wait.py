@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ringtrain.diagnostics import stall
+from ringtrain.diagnostics import stall, whereabouts
 from ringtrain.errors import (
     UNEVEN_DATA,
     CollectiveUnsupportedError,
@@ -158,16 +158,25 @@ class WaitWatch:
         self._missing: list[int] | None = None  # the members missing at the last look
         self._stall = ""  # the error that ends this wait: the stall shutdown time passed
         self._thread: threading.Thread | None = None
-        self.last_step = 0  # the last step this rank began
+        # Outside step(): the last step begun, and where this rank is if waiting ranks ask.
+        self._away = whereabouts.Away(store, self._asked_key(rank), rank, warning_s)
         _LIVE.add(self)
+
+    @property
+    def last_step(self) -> int:
+        """The last step this rank began."""
+        return self._away.last_step
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}/waiting/{rank}"
 
+    def _asked_key(self, rank: int) -> str:
+        return f"{self._prefix}/where/{rank}"
+
     def begin(self, step: int, what: str = "") -> None:
         with self._cond:
             self._wait = (step, self._clock(), what)
-            self.last_step = step
+            self._away.began(step)
             self._posted = self._warned = False
             self._look_at = self._wait[1] + self.shutdown_s + self._post_s()
             self._missing, self._stall = None, ""
@@ -181,6 +190,7 @@ class WaitWatch:
     def end(self) -> None:
         with self._cond:
             self._wait = None
+            self._away.ended(self._clock())
             if self._posted:
                 self._unpost = True
                 self._posted = False
@@ -256,14 +266,21 @@ class WaitWatch:
                 except Exception as e:  # a diagnostic must never fail training
                     log.debug("ringtrain wait watch: %s", e)
 
-    def _next_action(self) -> Callable[[], None] | None:
+    def _next_action(self) -> Callable[[], object] | None:
         """Under the lock: sleep until there is something to do; None once closed."""
         while not self._closed:
             if self._unpost:
                 self._unpost = False
                 return lambda: self._store.delete_key(self._key(self._rank))
             looks = self.shutdown_s > 0 and not self._stall
-            if self._wait is None or (self._warned and not looks):
+            if self._wait is None:  # outside step(): have waiting ranks asked where it is?
+                due, now = self._away.due(), self._clock()
+                if due is not None and due <= now:
+                    self._away.looking(now)
+                    return self._away.look
+                self._cond.wait(None if due is None else due - now)
+                continue
+            if self._warned and not looks:
                 self._cond.wait()
                 continue
             step, since, _ = self._wait
@@ -318,6 +335,9 @@ class WaitWatch:
             what = self._wait[2] if self._wait is not None and self._wait[0] == step else None
         if what is not None:
             doing = self._elsewhere(states)
+            ask = f"{step}:{sorted(waiting_here)}"  # where are you? (whereabouts.Away answers)
+            for r in sorted(r for r, s in states.items() if s is None and r != self._rank):
+                self._store.set(self._asked_key(r), ask)
             said = explain(
                 self._rank, step, waited, states, self._timeout_s, False, doing, self.shutdown_s,
                 what=what,

@@ -110,6 +110,7 @@ def stall_report(
         lines.append(f"  rank {rank} has not submitted: {shown}")
     lines.append(
         "HINT: the missing ranks may have skipped a collective (a data-dependent branch, an "
-        "uneven number of batches: see ringtrain.join()), be stuck elsewhere, or be much slower."
+        "uneven number of batches: see ringtrain.join()), be stuck elsewhere, or be much slower; "
+        "a missing rank still running logs where its threads are."
     )
     return "\n".join(lines)
