@@ -7,11 +7,14 @@ waits in an allreduce.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +61,40 @@ def _load_batch(stop: threading.Event) -> None:
 
 def _in_ringtrain(stop: threading.Event) -> None:
     Doorbell(None, 0, 1).settled(30.0, stop.is_set)  # blocked in a ringtrain call
+
+
+def _runs_a_loop(loops: list[tuple[asyncio.AbstractEventLoop, asyncio.Task[None]]]) -> None:
+    async def idle() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        loops.append((asyncio.get_running_loop(), task))
+        await asyncio.sleep(60)
+
+    with contextlib.suppress(asyncio.CancelledError):
+        asyncio.run(idle())  # deep in the standard library, waiting in select()
+
+
+def test_a_long_run_of_library_frames_folds_and_the_users_own_frame_shows() -> None:
+    loops: list[tuple[asyncio.AbstractEventLoop, asyncio.Task[None]]] = []
+    thread = threading.Thread(target=_runs_a_loop, args=(loops,), name="looper")
+    thread.start()
+    try:
+        while not loops:
+            time.sleep(0.01)
+        time.sleep(0.2)  # in select() by now
+        lines = dict(whereabouts.threads_now())["looper"]
+    finally:
+        loop, task = loops[0]
+        loop.call_soon_threadsafe(task.cancel)
+        thread.join()
+    said = "\n".join(lines)
+    assert lines[0].endswith(", in _runs_a_loop"), said  # not threading's bootstrap
+    assert "asyncio.run(idle())" in said, said
+    assert any(
+        line.startswith("      ... ") and "more frames in libraries" in line for line in lines
+    ), said
+    assert "in run\n" in said  # where the user's call entered the libraries
+    assert lines[-2].endswith(", in select"), said  # and where it waits
 
 
 def test_threads_now_shows_the_users_threads_main_first_and_folds_ringtrain_frames() -> None:

@@ -38,6 +38,9 @@ log = logging.getLogger("ringtrain")
 
 # Enough to show the caller's own frames under a deep library stack; a report per thread.
 FRAMES_SHOWN = 10
+# Library frames above the user's innermost one shown whole; more fold to the first and the
+# last two.
+LIBRARY_SHOWN = 4
 THREADS_SHOWN = 6
 # How often a controller looks for names its peers wait for (rank 0's inspector looks every round).
 LOOK_EVERY_S = 1.0
@@ -127,8 +130,9 @@ def threads_now(
     skip: int | None = None,
 ) -> list[tuple[str, list[str]]]:
     """This process's threads but ringtrain's own and ``skip`` (an ident: the caller's), the
-    main thread first, each with its last :data:`FRAMES_SHOWN` frames. Frames inside ringtrain
-    at the top of a stack (a collective the thread waits in) fold into one line."""
+    main thread first, each with its last :data:`FRAMES_SHOWN` frames of the user's own code.
+    Frames inside ringtrain at the top of a stack (a collective the thread waits in) fold into
+    one line; other library frames there into the first and the last ones."""
     frames = sys._current_frames() if frames is None else frames
     named = {t.ident: t for t in (threading.enumerate() if threads is None else threads)}
     out: list[tuple[bool, str, list[str]]] = []
@@ -144,20 +148,35 @@ def threads_now(
 
 
 def _frames(frame: FrameType) -> list[str]:
+    """A thread's stack, innermost last: its last frames up to the innermost one of the user's
+    own code, then the library calls it waits in, folded so that the user's frames show."""
     stack = traceback.extract_stack(frame)
     user = len(stack)  # past the innermost frame of the user's own code
     while user > 0 and _library(stack[user - 1].filename):
         user -= 1
-    inside = [e for e in stack[user:] if e.filename.startswith(_PACKAGE)]
-    if not inside or user == 0:
-        user = len(stack)  # library calls the user's code did not go through ringtrain for
-    shown = traceback.format_list(stack[max(user - FRAMES_SHOWN, 0) : user])
-    lines = ["  " + line for entry in shown for line in entry.rstrip("\n").splitlines()]
-    if inside and user < len(stack):
+    start = 0  # past the library frames that started the thread (threading's, runpy's)
+    if user == 0:  # a thread that runs library code only
+        user = len(stack)
+    else:
+        while _library(stack[start].filename):
+            start += 1
+    run = stack[user:]
+    inside = [e for e in run if e.filename.startswith(_PACKAGE)]
+    if inside:  # a collective the user's call waits in: one line
         first = inside[0]  # where the user's call entered ringtrain
         where = Path(first.filename).relative_to(_PACKAGE)
-        lines.append(f"      (inside ringtrain: {where}:{first.lineno}, in {first.name})")
-    return lines
+        tail = [f"      (inside ringtrain: {where}:{first.lineno}, in {first.name})"]
+    elif len(run) > LIBRARY_SHOWN:  # where the call entered the libraries, and where it is
+        folded = f"      ... {len(run) - 3} more frames in libraries ..."
+        tail = [*_format(run[:1]), folded, *_format(run[-2:])]
+    else:
+        tail = _format(run)
+    return _format(stack[max(user - FRAMES_SHOWN, start) : user]) + tail
+
+
+def _format(entries: Sequence[traceback.FrameSummary]) -> list[str]:
+    shown = traceback.format_list(list(entries))
+    return ["  " + line for entry in shown for line in entry.rstrip("\n").splitlines()]
 
 
 def _library(filename: str) -> bool:
