@@ -30,7 +30,7 @@ from ringtrain import environ
 from ringtrain.config import Config
 from ringtrain.environ import Process, Ringtrain
 from ringtrain.host import cpu_limits, network, open_files
-from ringtrain.launch import leftovers, protocol
+from ringtrain.launch import exit_hints, leftovers, protocol
 from ringtrain.launch.tuning import ALLOCATORS, LIB_DIRS
 
 TAIL_LINES = 20
@@ -147,6 +147,8 @@ class Agent:
         self._write_lock = threading.Lock()
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._tails: dict[int, collections.deque[str]] = {}
+        # rank -> its command and PATH, for what its exit report hints (exit_hints)
+        self._commands: dict[int, tuple[list[str], str | None]] = {}
         self._readers: dict[int, list[threading.Thread]] = {}
         self._grace_s = 3.0
         self._frozen_s = Config.frozen_after_s
@@ -218,6 +220,7 @@ class Agent:
             env[Ringtrain.KEY_FD] = str(key_r)
             pass_fds = (beat_w, key_r)
         self._tails[rank] = collections.deque(maxlen=TAIL_LINES)
+        self._commands[rank] = (list(r["argv"]), env.get(Process.PATH))
         try:
             proc = subprocess.Popen(
                 r["argv"],
@@ -358,12 +361,14 @@ class Agent:
                 for t in self._readers.get(rank, []):
                     t.join(1.0)
                 sig = signal.Signals(-code).name if code < 0 else None
+                tail = list(self._tails[rank])
                 self.send(
                     "exit",
                     rank=rank,
                     code=code if code >= 0 else None,
                     signal=sig,
-                    tail=list(self._tails[rank]),
+                    tail=tail,
+                    hint=exit_hints.for_exit(tail, *self._commands[rank]) if code > 0 else [],
                     silent_s=self._silent.get(rank) or None,
                     # When it failed or began to leave (else exited), on this host's clock:
                     # the launcher names the earliest as the root cause.

@@ -61,6 +61,8 @@ class Failure:
     # Not a failure: the rank exited 0. It is the cause only where it left before every
     # failure and each of them only says a peer left first (:func:`considered`).
     finished: bool = False
+    # What to do about it, where its agent could tell (launch/exit_hints): after its last words.
+    hint: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -122,7 +124,9 @@ def exit_failure(host: str, msg: dict[str, Any], pid: int | None, elapsed_s: flo
     else:
         desc = f"rank {rank} (host {host}, pid {pid}) {how} after {elapsed_s:.1f} s"
     at = float(msg.get("at") or time.time())
-    return Failure(rank, host, exit_code, desc, tail, at, bool(msg.get("after_peer")))
+    failure = Failure(rank, host, exit_code, desc, tail, at, bool(msg.get("after_peer")))
+    failure.hint = list(msg.get("hint") or [])
+    return failure
 
 
 def recorded_end(msg: dict[str, Any], interruption: Interruption | None) -> str:
@@ -194,6 +198,7 @@ def report(failures: Failure | Sequence[Failure], absorbed: Sequence[Failure] = 
         who = f"rank {cause.rank}" if cause.rank is not None else f"host {cause.host}"
         lines.append(f"last lines of {who}'s error output:")
         lines.extend(f"  | {t}" for t in cause.tail)
+    lines.extend(cause.hint)
     others = sorted((f for f in every if f is not cause), key=lambda f: f.at)
     if others:
         lines.append(f"{len(others)} other rank(s) failed after it:")

@@ -14,8 +14,9 @@ Agent -> launcher (agent's stdout):
     {"t": "started", "rank": r, "pid": p}
     {"t": "note", "line": str}                        a line for the user (a limit it raised)
     {"t": "out", "rank": r, "fd": 1 | 2, "line": str, "end": "\n" | "\r"}
-    {"t": "exit", "rank": r, "code": int | null, "signal": str | null, "tail": [str], ...}
-                                                      killed: SIGKILLed on "kill"
+    {"t": "exit", "rank": r, "code": int | null, "signal": str | null, "tail": [str],
+     "hint": [str], ...}                              killed: SIGKILLed on "kill"; hint:
+                                                      what to do about it (exit_hints)
     {"t": "done"}                                     every rank has exited
 
 The launcher's reader adds ``"received_at"`` (its own ``time.time()``) to each message it gets.
