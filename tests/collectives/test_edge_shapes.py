@@ -123,6 +123,30 @@ def test_sparse_allreduce_of_an_embedding_gradient(world: World) -> None:
     world.run(_sparse_embedding)
 
 
+def _sparse_of_other_shapes() -> None:
+    # Rank r's tensor has 4 + r rows and an entry in its last: only the last rank's holds every
+    # index. Unchecked, torch would build sparse tensors whose indices run out of their memory.
+    r, n = rt.rank(), rt.size()
+    length = 4 + r
+    t = torch.sparse_coo_tensor(torch.tensor([[length - 1]]), torch.tensor([1.0]), (length,))
+    handle = hvd.sparse_allreduce_async(t, name="lengths", op=hvd.Sum)
+    if r < n - 1:
+        try:
+            handle()
+        except ValueError as e:
+            assert "sparse_allreduce 'lengths': the ranks' indices do not fit" in str(e), str(e)
+            assert f"this rank's shape ({length},)" in str(e) and "one shape" in str(e), str(e)
+        else:
+            raise AssertionError("indices out of this rank's shape were taken")
+    else:
+        assert handle().to_dense()[3 : 3 + n].tolist() == [1.0] * n
+    _still_works()
+
+
+def test_sparse_allreduce_of_other_shapes_fails_on_the_rank_they_do_not_fit(world: World) -> None:
+    world.run(_sparse_of_other_shapes, timeout=60)
+
+
 def _splits_below_rows() -> None:
     r, n = rt.rank(), rt.size()
     x = torch.arange(float(n + 2)).reshape(-1, 1).requires_grad_()

@@ -369,7 +369,13 @@ def sparse_allreduce_async(
     def build(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         if op_name == "Average":
             values = values / size
-        return torch.sparse_coo_tensor(indices.t(), values, t.shape)
+        try:  # checked: indices come from peers, and one out of this shape corrupts memory
+            return torch.sparse_coo_tensor(indices.t(), values, t.shape, check_invariants=True)
+        except RuntimeError as e:
+            raise ValueError(
+                f"sparse_allreduce {name!r}: the ranks' indices do not fit this rank's shape "
+                f"{tuple(t.shape)} ({e}).\nHINT: every rank must pass a tensor of one shape."
+            ) from e
 
     return CompositeHandle(name, parts, build)
 

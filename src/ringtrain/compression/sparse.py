@@ -73,7 +73,10 @@ class SparseRows:
             wv.wait()
             indices = torch.cat([t[:, :n] for t, n in zip(out_i, rows)], dim=1)
             values = torch.cat([t[:n] for t, n in zip(out_v, rows)]) * scale
-            out.append(torch.sparse_coo_tensor(indices, values, p.shape).coalesce())
+            # Checked: indices come from peers, and one out of this shape would corrupt memory.
+            out.append(
+                torch.sparse_coo_tensor(indices, values, p.shape, check_invariants=True).coalesce()
+            )
         return out
 
     def state_dict(self) -> dict[str, Any]:
