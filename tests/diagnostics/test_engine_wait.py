@@ -156,6 +156,16 @@ def test_a_rank_that_finished_early_is_named_while_the_other_waits(world2: World
     assert other_error == other_report == ""
 
 
+def _logged(world: World, rank: int) -> int:
+    """How much rank ``rank``'s log holds (its ranks write it from their first run on)."""
+    path = Path(world.logs[rank])
+    return path.stat().st_size if path.exists() else 0
+
+
+def _logged_since(world: World, rank: int, before: int) -> str:
+    return Path(world.logs[rank]).read_bytes()[before:].decode(errors="replace")
+
+
 def _one_rank_elsewhere() -> str:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 2)
@@ -177,8 +187,7 @@ def _one_rank_elsewhere() -> str:
 def test_a_wait_past_the_transport_timeout_names_the_rank_elsewhere(world2: World) -> None:
     # Gloo's own error says only that a receive timed out; the error names rank 1, which never
     # came to step().
-    with open(world2.logs[1]) as f:
-        before = len(f.read())
+    before = _logged(world2, 1)
     error, _ = world2.run(_one_rank_elsewhere, stall_warning_s=1.0, timeout_s=4.0, timeout=60)
     assert error.startswith("StallError: step() gave up after "), error
     assert (
@@ -188,8 +197,7 @@ def test_a_wait_past_the_transport_timeout_names_the_rank_elsewhere(world2: Worl
     assert "ranks [1] are not waiting in step()" in error, error
     assert "The wait fails" not in error, error
     # Rank 0's report asked rank 1 where it is, and rank 1 said (diagnostics/whereabouts.py).
-    with open(world2.logs[1]) as f:
-        told = f.read()[before:]
+    told = _logged_since(world2, 1, before)
     assert (
         "rank 1 keeps its peers waiting in step(): ranks [0] wait there for the gradients of "
         "step 2, and this rank is not in step() (the last step it began: 1)." in told
@@ -197,14 +205,14 @@ def test_a_wait_past_the_transport_timeout_names_the_rank_elsewhere(world2: Worl
     assert "time.sleep(8.0)  # stuck outside step()" in told, told
 
 
-def _one_rank_away_for(away_s: float) -> tuple[str, float]:
+def _one_rank_away_for(away_s: float, stuck_at: int = 1) -> tuple[str, float]:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 2)
     opt = rt.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
     )
     for step in range(2):
-        if step == 1 and rt.rank() == 1:
+        if step == stuck_at and rt.rank() == 1:
             time.sleep(away_s)  # stuck outside step(), in data loading, say
         opt.zero_grad()
         F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2)).backward()
@@ -216,23 +224,37 @@ def _one_rank_away_for(away_s: float) -> tuple[str, float]:
     return "", 0.0
 
 
+@pytest.mark.parametrize("stuck_at", [1, 0], ids=["after-a-step", "before-the-first"])
 def test_a_wait_ends_at_the_stall_shutdown_time_naming_the_rank_elsewhere(
-    world2: World,
+    world2: World, stuck_at: int
 ) -> None:
     # Rank 1 stays away from step() 9 s; the stall shutdown time is 2 s, the transport
     # timeout 30 s. The wait in step() ended only when rank 1 came (or at the transport
     # timeout); as for a negotiated collective, it now ends past the shutdown time (plus the
     # moment a waiting peer takes to post, and a second to be sure), naming rank 1. Rank 1
-    # then completes what rank 0 left under way, so both ranks leave cleanly.
+    # then completes what rank 0 left under way, so both ranks leave cleanly. A first step
+    # waits in the agreement on its plan before its exchange: watched, and ended, alike.
+    before = _logged(world2, 1)
     (error, waited), _ = world2.run(
-        _one_rank_away_for, 9.0, stall_warning_s=1.0, stall_shutdown_s=2.0, timeout_s=30.0,
-        timeout=90,
+        _one_rank_away_for, 9.0, stuck_at, stall_warning_s=1.0, stall_shutdown_s=2.0,
+        timeout_s=30.0, timeout=90,
     )  # fmt: skip
     assert re.match(
         r"StallError: step\(\) gave up after \d s, past the stall shutdown time, for the "
-        r"gradients of step 2; ranks \[0\] wait there.\n",
+        rf"gradients of step {stuck_at + 1}; ranks \[0\] wait there.\n",
         error,
     ), error
+    # Rank 0's report asked rank 1 where it is, and rank 1 said, also before its first step.
+    told = _logged_since(world2, 1, before)
+    said = {
+        1: "and this rank is not in step() (the last step it began: 1).",
+        0: "and this rank has not begun a step yet.",
+    }
+    assert (
+        "rank 1 keeps its peers waiting in step(): ranks [0] wait there for the gradients of "
+        f"step {stuck_at + 1}, {said[stuck_at]}" in told
+    ), told
+    assert "time.sleep(away_s)  # stuck outside step(), in data loading, say" in told, told
     assert "ranks [1] are not waiting in step()" in error, error
     assert error.endswith(
         "ringtrain is stopping the job: the stall exceeded the shutdown time of 2 s "

@@ -157,9 +157,13 @@ class WaitWatch:
         self._look_at = 0.0  # when to look for a stall next (with shutdown_s)
         self._missing: list[int] | None = None  # the members missing at the last look
         self._stall = ""  # the error that ends this wait: the stall shutdown time passed
-        self._thread: threading.Thread | None = None
-        # Outside step(): the last step begun, and where this rank is if waiting ranks ask.
+        # Outside step(), from the start (a rank stuck before its first step is asked too):
+        # the last step begun, and where this rank is if waiting ranks ask.
         self._away = whereabouts.Away(store, self._asked_key(rank), rank, warning_s)
+        self._away.ended(clock())
+        # Ends at close(), which the optimizer's finalizer calls (engine.parameters.make_watch).
+        self._thread = threading.Thread(target=self._run, name="ringtrain-wait-watch", daemon=True)
+        self._thread.start()
         _LIVE.add(self)
 
     @property
@@ -180,11 +184,6 @@ class WaitWatch:
             self._posted = self._warned = False
             self._look_at = self._wait[1] + self.shutdown_s + self._post_s()
             self._missing, self._stall = None, ""
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="ringtrain-wait-watch", daemon=True
-                )
-                self._thread.start()
             self._cond.notify()
 
     def end(self) -> None:

@@ -108,6 +108,15 @@ def step_report(
         "a rank that stopped taking steps: its data ran out first (uneven batches), a loop or "
         "a data loader that does not return, or a collective that its peers do not call."
     )
+    if last_step == 0:
+        head = (
+            f"rank {world_rank} keeps its peers waiting in step(): ranks {waiting} wait there "
+            f"for the gradients of step {step}, and this rank has not begun a step yet."
+        )
+        hint = (
+            "a rank that never reaches its first step: a data loader, a download or a file "
+            "system that does not answer on this host, or a branch that its peers do not take."
+        )
     return _with_threads(head, threads, hint)
 
 
@@ -239,8 +248,9 @@ class Whereabouts:
 class Away:
     """This rank's time outside one optimizer's ``step()`` waits, and its answer when ranks
     that wait in a step ask where it is (:mod:`ringtrain.diagnostics.engine_wait`'s report asks,
-    under this rank's ``key``). A rank out of ``step()`` for half the warning time looks for the
-    question every quarter of it, so a job whose steps take less asks the store nothing.
+    under this rank's ``key``). A rank out of ``step()`` (since its last wait, or since the
+    optimizer was built: the owner calls :meth:`ended` at its start) for half the warning time
+    looks for the question every quarter of it, so a job whose steps take less asks nothing.
     The owner (a ``WaitWatch``) calls :meth:`began`, :meth:`ended` and :meth:`looking` under its
     lock, and :meth:`look` (store calls) on its own thread."""
 

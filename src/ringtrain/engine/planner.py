@@ -370,22 +370,25 @@ class Planner:
         ``then(s)`` runs as bucket ``s`` is reduced (not in a learning step); ``sparse_back``
         (``sparse_as_dense``) collects the gradients that came sparse, which go back sparse."""
         learning = self.learning
-        if learning:
-            self.make_plan(sparse_back is not None, averaging)
-            on_plan()
-        exchange = self.exchange
-        assert exchange is not None
+        # Watched from the first collective on: a learning step's plan is agreed in one, where
+        # a rank not yet at its first step keeps the others waiting as in any later step.
         if watch is not None:
             watch.begin(step)
-        if learning:
-            exchange.measure = True  # for _calibrate
-        if sparse_back is not None:
-            sparse_back.update(
-                i for i, p in enumerate(self._params) if p.grad is not None and p.grad.is_sparse
-            )
         # Past the stall shutdown time, a wait that some ranks never joined ends (sliced waits).
         stop = watch.check if watch is not None and watch.shutdown_s > 0 else None
         try:
+            with abort.stopping(stop):
+                if learning:
+                    self.make_plan(sparse_back is not None, averaging)
+                    on_plan()
+            exchange = self.exchange
+            assert exchange is not None
+            if learning:
+                exchange.measure = True  # for _calibrate
+            if sparse_back is not None:
+                sparse_back.update(
+                    i for i, p in enumerate(self._params) if p.grad is not None and p.grad.is_sparse
+                )
             with torch.no_grad(), abort.stopping(stop):
                 exchange.flush()
                 exchange.finish(None if learning else then)

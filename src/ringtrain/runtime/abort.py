@@ -75,6 +75,12 @@ def stopping(stop: Callable[[], None] | None) -> Iterator[None]:
         _thread.stop = kept
 
 
+def sliced() -> bool:
+    """Whether this thread's waits are sliced: in an elastic job (its launcher can announce a
+    new world) or inside :func:`stopping` with a check."""
+    return announced is not None or getattr(_thread, "stop", None) is not None
+
+
 def wait_future(fut: concurrent.futures.Future[T]) -> T:
     """``fut.result()``, sliced where this thread has a :func:`stopping` check."""
     stop: Callable[[], None] | None = getattr(_thread, "stop", None)

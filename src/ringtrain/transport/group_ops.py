@@ -80,12 +80,14 @@ def _blocking_or_not(
     """``call(async_op)``, the torch call. A blocking one on host memory in an elastic job is
     issued async and waited through :func:`finish`, in slices: the controller thread of a world
     a peer left without closing its connections leaves it once the launcher announces a new
-    one, instead of sitting in Gloo until the transport timeout. Elsewhere a blocking one that
-    breaks because a peer left raises the error naming that peer, as every other wait does
-    (the first step's plan agreement among them)."""
+    one, instead of sitting in Gloo until the transport timeout; so is one inside a
+    :func:`~ringtrain.runtime.abort.stopping` check (the first step's plan agreement, which
+    ends at the stall shutdown time as the step's exchange does). Elsewhere a blocking one
+    that breaks because a peer left raises the error naming that peer, as every other wait
+    does."""
     if async_op or t.is_cuda:
         return call(async_op)  # unchanged: torch's own call
-    if abort.announced is None:
+    if not abort.sliced():
         try:
             call(False)
         except RuntimeError as e:  # a peer left ("Connection reset"): name it and its reason
@@ -180,11 +182,12 @@ def wait(work: Work | None) -> None:
 
 
 def finish(work: Work | None, t: torch.Tensor) -> None:
-    """Until ``work``, a collective's on ``t``, is done. In an elastic job, on host memory, as
-    :func:`wait` (sliced); elsewhere the plain ``wait()`` of torch's blocking call, as before
-    (on a CUDA tensor too: NCCL's timed wait was never checked on a GPU here)."""
+    """Until ``work``, a collective's on ``t``, is done. On host memory, where this thread's
+    waits are sliced (:func:`~ringtrain.runtime.abort.sliced`), as :func:`wait`; elsewhere the
+    plain ``wait()`` of torch's blocking call, as before (on a CUDA tensor too: NCCL's timed
+    wait was never checked on a GPU here)."""
     assert work is not None  # issued with async_op=True by a member of the group
-    if abort.announced is None or t.is_cuda:
+    if not abort.sliced() or t.is_cuda:
         work.wait()
     else:
         abort.wait_work(work)
