@@ -18,6 +18,7 @@ open for a rank that died, and when the rank binds again (an elastic world re-fo
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import ipaddress
@@ -82,6 +83,9 @@ def _close_door() -> None:
 
 
 os.register_at_fork(after_in_child=_close_door)
+# The door is open until the process ends; closed as the interpreter exits, before it collects
+# what is left, which would warn of a socket never closed (ResourceWarning, in -X dev).
+atexit.register(_close_door)
 
 
 def _open_door(store: Store) -> tuple[str, int] | None:
