@@ -70,13 +70,14 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
-    module = importlib.import_module(SUBCOMMANDS[args.subcommand][0])
-    try:
-        return int(module.main(args))
-    except RingtrainError as exc:
-        print(f"ringtrain {args.subcommand}: error: {exc}", file=sys.stderr)
-        return 2
+    try:  # Ctrl-C while the subcommand's modules import (seconds, with torch) is no traceback
+        args = build_parser(argv).parse_args(argv)
+        module = importlib.import_module(SUBCOMMANDS[args.subcommand][0])
+        try:
+            return int(module.main(args))
+        except RingtrainError as exc:
+            print(f"ringtrain {args.subcommand}: error: {exc}", file=sys.stderr)
+            return 2
     except KeyboardInterrupt:
         return 130
 

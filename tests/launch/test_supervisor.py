@@ -255,6 +255,33 @@ def test_bad_flags_give_a_clear_error() -> None:
     assert "bad slot count in 'a:x'" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_ctrl_c_while_the_subcommand_imports_ends_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Before the subcommand takes over its signals, its modules import (seconds on a busy
+    # host); Ctrl-C there printed the import machinery's traceback.
+    def interrupted(name: str) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.importlib, "import_module", interrupted)
+    assert cli.main(["run", "-np", "1", "--", "true"]) == 130
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_the_launcher_closes_the_pipes_it_opened(code: int) -> None:
+    # Left open, each printed "ResourceWarning: unclosed file <_io.FileIO ...>" at the
+    # launcher's exit where warnings show: the store's pipes, each agent's output.
+    proc = subprocess.run(
+        [sys.executable, "-W", "always::ResourceWarning", "-m", "ringtrain", "run", "-np", "2",
+         "--", sys.executable, "-c", f"raise SystemExit({code})"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == code, proc.stderr
+    assert "ResourceWarning" not in proc.stderr, proc.stderr
+
+
 def test_launcher_never_imports_torch(tmp_path: Path) -> None:
     code = (
         "import sys; from ringtrain import cli; "

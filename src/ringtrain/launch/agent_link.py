@@ -57,13 +57,14 @@ class AgentLink:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            msg = protocol.parse(line)
-            if msg is not None:
-                # Here, not where the supervisor handles it (which may be busy starting the
-                # job): the time a rank's line reached the launcher, for its timestamp.
-                msg["received_at"] = time.time()
-                self._events.put((self, msg))
+        with self.proc.stdout:  # closed at its end, not left to the interpreter's exit
+            for line in self.proc.stdout:
+                msg = protocol.parse(line)
+                if msg is not None:
+                    # Here, not where the supervisor handles it (which may be busy starting the
+                    # job): the time a rank's line reached the launcher, for its timestamp.
+                    msg["received_at"] = time.time()
+                    self._events.put((self, msg))
         self.proc.wait()
         # The eof report quotes err_tail (ssh's own words), so wait for stderr to drain too; a
         # grandchild holding stderr open must not hold the report up for long.
@@ -72,8 +73,9 @@ class AgentLink:
 
     def _read_err(self) -> None:
         assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.err_tail.append(line.rstrip("\n"))
+        with self.proc.stderr:
+            for line in self.proc.stderr:
+                self.err_tail.append(line.rstrip("\n"))
 
     def send(self, kind: str, **fields: Any) -> None:
         if self.proc.stdin is None or self.proc.poll() is not None:

@@ -141,3 +141,7 @@ class RendezvousServer:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+        for pipe in (self._proc.stdin, self._proc.stdout, self._proc.stderr):
+            with contextlib.suppress(OSError):
+                if pipe is not None:
+                    pipe.close()
