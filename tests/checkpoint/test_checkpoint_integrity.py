@@ -156,6 +156,19 @@ def test_torn_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
         ckpt.load(tmp_path, model=model)
 
 
+def test_a_file_given_for_a_checkpoint_names_the_directory_to_give(tmp_path: Path) -> None:
+    path = _save(tmp_path, 1, 1)
+    model, _, _ = _load_fresh(tmp_path)
+    given = os.path.join(path, "manifest.json")
+    with pytest.raises(CheckpointError) as e:
+        ckpt.load(given, model=model)
+    assert str(e.value) == (
+        f"{given} is a file, not a checkpoint: a checkpoint is the directory a save wrote.\n"
+        f"HINT: give {path} if this file is in one, or the directory above the step-N ones for "
+        "the newest."
+    )
+
+
 def test_keep_last(tmp_path: Path) -> None:
     for step in range(1, 6):
         _save(tmp_path, step, step, keep=2)

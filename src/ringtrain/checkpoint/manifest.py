@@ -222,6 +222,12 @@ def resolve(path: str) -> str:
     """A checkpoint directory: ``path`` itself, or the newest committed one under it."""
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return path
+    if os.path.isfile(path):  # a file of one (its manifest, a part), or a torch.save file
+        raise CheckpointError(
+            f"{path} is a file, not a checkpoint: a checkpoint is the directory a save wrote.\n"
+            f"HINT: give {os.path.dirname(os.path.abspath(path))} if this file is in one, or "
+            "the directory above the step-N ones for the newest."
+        )
     found = committed(path)
     if found:
         return found[-1][1]
