@@ -32,6 +32,10 @@ T = TypeVar("T")
 announced: Callable[[], int] | None = None
 generation = 0  # the world this process runs in now
 _thread = threading.local()  # .world: the world a thread works for (see bind_world)
+# Threads inside stopping() with a check, counted so that sliced() costs two reads where none is
+# (every blocking collective asks).
+_stoppers = 0
+_stoppers_lock = threading.Lock()
 
 
 def bind_world(world: int) -> None:
@@ -67,18 +71,23 @@ def stopping(stop: Callable[[], None] | None) -> Iterator[None]:
     """While inside, this thread's waits (:func:`wait_work`, :func:`wait_future`) are sliced and
     call ``stop()`` between slices, which raises to end the wait (``step()``'s wait at the stall
     shutdown time: :class:`ringtrain.diagnostics.engine_wait.WaitWatch`). None: no change."""
+    global _stoppers
     kept = getattr(_thread, "stop", None)
     _thread.stop = stop if stop is not None else kept
+    with _stoppers_lock:
+        _stoppers += stop is not None
     try:
         yield
     finally:
         _thread.stop = kept
+        with _stoppers_lock:
+            _stoppers -= stop is not None
 
 
 def sliced() -> bool:
     """Whether this thread's waits are sliced: in an elastic job (its launcher can announce a
     new world) or inside :func:`stopping` with a check."""
-    return announced is not None or getattr(_thread, "stop", None) is not None
+    return announced is not None or (_stoppers > 0 and getattr(_thread, "stop", None) is not None)
 
 
 def wait_future(fut: concurrent.futures.Future[T]) -> T:
