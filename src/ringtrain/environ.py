@@ -397,6 +397,49 @@ HOROVOD_UNUSED: dict[str, str] = {
     "NCCL_*": "read by NCCL only: no effect on Gloo (CPU) jobs",
 }
 
+# horovodrun's --config-file (YAML): section -> key -> the variable horovodrun gives the ranks
+# for it (horovod/runner/common/util/config_parser.py) and how it writes the value: "plain",
+# "mib" (megabytes, written in bytes), "switch" (1/0), "switch_off" (0/1). launch/horovod_config
+# reads a file through this table and HOROVOD_VARS.
+HOROVOD_CONFIG_KEYS: dict[str, dict[str, tuple[str, str]]] = {
+    "params": {
+        "fusion_threshold_mb": ("HOROVOD_FUSION_THRESHOLD", "mib"),
+        "cycle_time_ms": ("HOROVOD_CYCLE_TIME", "plain"),
+        "cache_capacity": ("HOROVOD_CACHE_CAPACITY", "plain"),
+        "hierarchical_allreduce": ("HOROVOD_HIERARCHICAL_ALLREDUCE", "switch"),
+        "hierarchical_allgather": ("HOROVOD_HIERARCHICAL_ALLGATHER", "switch"),
+    },
+    "autotune": {
+        "enabled": ("HOROVOD_AUTOTUNE", "switch"),
+        "log_file": ("HOROVOD_AUTOTUNE_LOG", "plain"),
+        "warmup_samples": ("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", "plain"),
+        "steps_per_sample": ("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "plain"),
+        "bayes_opt_max_samples": ("HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "plain"),
+        "gaussian_process_noise": ("HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "plain"),
+    },
+    "timeline": {
+        "filename": ("HOROVOD_TIMELINE", "plain"),
+        "mark_cycles": ("HOROVOD_TIMELINE_MARK_CYCLES", "switch"),
+    },
+    "stall_check": {
+        "enabled": ("HOROVOD_STALL_CHECK_DISABLE", "switch_off"),
+        "warning_time_seconds": ("HOROVOD_STALL_CHECK_TIME_SECONDS", "plain"),
+        "shutdown_time_seconds": ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "plain"),
+    },
+    "library_options": {
+        "mpi_threads_disable": ("HOROVOD_MPI_THREADS_DISABLE", "switch"),
+        "num_nccl_streams": ("HOROVOD_NUM_NCCL_STREAMS", "plain"),
+        "ccl_bgt_affinity": ("HOROVOD_CCL_BGT_AFFINITY", "plain"),
+        "gloo_timeout_seconds": ("HOROVOD_GLOO_TIMEOUT_SECONDS", "plain"),
+    },
+    "logging": {
+        "level": ("HOROVOD_LOG_LEVEL", "plain"),
+        "with_timestamp": ("HOROVOD_LOG_HIDE_TIME", "switch"),
+        # In Horovod's own example file; its parser reads with_timestamp only.
+        "hide_timestamp": ("HOROVOD_LOG_HIDE_TIME", "switch"),
+    },
+}
+
 # Set by a launcher (ringtrain run writes these itself) and read as placement, not settings.
 # No HOROVOD_GLOO_* glob: HOROVOD_GLOO_TIMEOUT_SECONDS is a setting, and an unknown one is reported.
 HOROVOD_PLACEMENT = tuple(

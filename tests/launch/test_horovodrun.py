@@ -163,6 +163,19 @@ hvd.shutdown()
 """
 
 
+# horovodrun's YAML file: the flags given win over its keys, its keys over the environment.
+CONFIG_FILE = """
+params:
+  fusion_threshold_mb: 2  # beats HOROVOD_FUSION_THRESHOLD
+  cycle_time_ms: 7  # --cycle-time-ms 4 beats it
+  hierarchical_allreduce: true  # --no-hierarchical-allreduce beats it
+timeline:
+  mark_cycles: true  # no effect here: one line says so
+library_options:
+  gloo_timeout_seconds: 60  # --timeout 200 beats it
+"""
+
+
 @pytest.mark.parametrize("np", [2, 4])
 def test_real_job_with_horovodrun_flags_and_horovod_variables(tmp_path: Path, np: int) -> None:
     (tmp_path / "train.py").write_text(SCRIPT)
@@ -177,16 +190,19 @@ def test_real_job_with_horovodrun_flags_and_horovod_variables(tmp_path: Path, np
         "HOROVOD_MPI_THREADS_DISABLE": "1",
         "NCCL_IB_DISABLE": "1",
     }
+    (tmp_path / "hvd.yaml").write_text(CONFIG_FILE)
     proc = _run(
         "-np", str(np), "--gloo", "-v", "--output-filename", "logs", "--no-hierarchical-allreduce",
         "--cycle-time-ms", "4", "--timeout", "200", "-x", "RINGTRAIN_TIMEOUT_S=100",
-        sys.executable, "train.py", env=env, cwd=tmp_path,
+        "--config-file", "hvd.yaml", sys.executable, "train.py", env=env, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # Flag (launcher) > RINGTRAIN_* (environment or -x) > HOROVOD_*; TRACE reads as DEBUG.
+    # Flag (launcher) > --config-file > RINGTRAIN_* (environment or -x) > HOROVOD_*; TRACE reads
+    # as DEBUG.
     for rank in range(np):
-        assert f"[{rank}] config 1048576 4.0 off 45.0 0 True 200.0" in proc.stdout
+        assert f"[{rank}] config 2097152 4.0 off 45.0 0 True 200.0" in proc.stdout
         assert f"[{rank}] cached 0" in proc.stdout  # HOROVOD_CACHE_CAPACITY=0: no cache
+    assert proc.stderr.count("timeline.mark_cycles: no effect here") == 1
     # One line for --gloo, and the variables without meaning listed once.
     assert proc.stderr.count("--gloo is not needed") == 1
     unused = [line for line in proc.stderr.splitlines() if "accepted without effect" in line]
@@ -197,7 +213,7 @@ def test_real_job_with_horovodrun_flags_and_horovod_variables(tmp_path: Path, np
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ranks
     for rank in range(np):
         out = (tmp_path / "logs" / f"rank.{rank}" / "stdout").read_text()
-        assert out.startswith("config 1048576") and "cached 0" in out
+        assert out.startswith("config 2097152") and "cached 0" in out
         err = (tmp_path / "logs" / f"rank.{rank}" / "stderr").read_text()
         assert f"to stderr {rank}" in err
 
@@ -300,7 +316,7 @@ def test_bad_flag_value_is_refused_before_any_rank_starts(tmp_path: Path) -> Non
     assert proc.returncode == 2 and "log_level must be one of" in proc.stderr
 
 
-@pytest.mark.parametrize("flag", ["--autotune", "--config-file", "--mpi-args"])
+@pytest.mark.parametrize("flag", ["--autotune", "--hierarchical-allgather", "--mpi-args"])
 def test_horovodrun_flags_without_a_counterpart_are_refused(flag: str, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         cli.build_parser(["run"]).parse_args(["run", "-np", "1", flag, "x", "true"])

@@ -48,6 +48,7 @@ VALUES = {
     "--stall-check-warning-time-seconds": "60", "--stall-check-shutdown-time-seconds": "0",
     "--gloo-timeout-seconds": "30", "--log-level": "INFO", "-H": "localhost:2",
     "--hosts": "localhost:2", "-hostfile": "hosts.txt", "--hostfile": "hosts.txt",
+    "--config-file": "hvd.yaml",
     "--host-discovery-script": "discover.sh",
 }  # fmt: skip
 

@@ -25,7 +25,7 @@ from ringtrain.config import (
 )
 from ringtrain.environ import LOG_LEVELS
 from ringtrain.errors import ConfigError, SecurityError
-from ringtrain.launch import horovodrun, rank_env, sealed_resume
+from ringtrain.launch import horovod_config, horovodrun, rank_env, sealed_resume
 from ringtrain.launch.hosts import Host, parse_hostfile, parse_hosts
 from ringtrain.launch.options import BIND_CHOICES, MALLOC_CHOICES, LaunchOptions
 from ringtrain.launch.plan import PLACEMENTS
@@ -345,6 +345,7 @@ def _add_horovodrun_arguments(p: argparse.ArgumentParser) -> None:
         const=0.0,
         help="same as --stall-warning-time 0",
     )
+    horovod_config.add_flag(hvd)
     horovodrun.add_not_needed(hvd)
     horovodrun.add_refused(p)
 
@@ -386,7 +387,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     if not hosts and not discovering:
         hosts = [Host("localhost", np)]
     command = _command(args)
-    settings: dict[str, Any] = {}
+    settings = horovod_config.read(getattr(args, "config_file", None)).settings  # flags win:
     for f in SETTING_FLAGS:
         value = getattr(args, f.field)
         if value is not None:
@@ -593,6 +594,6 @@ def checked_options(args: argparse.Namespace) -> LaunchOptions:
     if options.output_dir:  # the launcher itself writes there
         label = f"--output-filename {options.output_dir!r}"
         check_path(label, options.output_dir, directory=True)
-    for line in horovodrun.not_needed(args):
+    for line in [*horovod_config.read(args.config_file).notes, *horovodrun.not_needed(args)]:
         print(f"ringtrain run: {line}", file=sys.stderr)
     return options

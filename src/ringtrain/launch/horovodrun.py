@@ -47,8 +47,6 @@ REFUSED: dict[str, str] = {
     "--check-build": "ringtrain has no build options: every wheel has Gloo and, with CUDA, "
     "NCCL; `ringtrain doctor` checks what a job needs on every host",
     "-cb": "see --check-build",
-    "--config-file": "ringtrain takes no YAML config file; give the flags, or RINGTRAIN_*/"
-    "HOROVOD_* variables (docs/horovod.md lists them)",
     "--autotune": _NO_AUTOTUNE,
     "--no-autotune": "the default: ringtrain has no autotuner",
     "--autotune-log-file": _NO_AUTOTUNE,
