@@ -29,7 +29,7 @@ def test_each_rank_returns_its_result() -> None:
     assert got == [(1, 2, 1.0), (11, 2, 1.0)]
 
 
-def test_a_rank_that_raises_fails_the_call_as_horovod_run_does() -> None:
+def test_a_rank_that_raises_fails_the_call_as_horovod_run_does(capfd) -> None:
     def train() -> None:
         import os
 
@@ -39,6 +39,29 @@ def test_a_rank_that_raises_fails_the_call_as_horovod_run_does() -> None:
     with pytest.raises(RuntimeError, match="failed with exit code 1") as caught:
         ringtrain.run(train, num_proc=2)
     assert isinstance(caught.value, ringtrain.JobFailedError)
+    # The rank's traceback names this file and quotes the line, though cloudpickle sends the
+    # function by value with "<dynamic-code>" for its file: the launcher sends the file along.
+    code = train.__code__
+    err = capfd.readouterr().err
+    assert f'File "{code.co_filename}", line {code.co_firstlineno + 4}, in train' in err, err
+    assert 'raise ValueError("no data on rank 1")' in err and "<dynamic-code>" not in err
+
+
+def test_the_files_go_back_into_the_function_and_the_code_nested_in_it() -> None:
+    import pickle
+
+    import cloudpickle
+
+    from ringtrain.launch import code_files
+
+    def outer() -> tuple[list[int], int]:
+        return [len(x) for x in ("ab",)], (lambda: 1)()
+
+    got, files = pickle.loads(cloudpickle.dumps((outer, code_files.files_of(outer))))
+    code_files.restore(got, files)
+    nested = [c for c in got.__code__.co_consts if hasattr(c, "co_filename")]
+    assert nested and got() == outer()
+    assert {c.co_filename for c in [got.__code__, *nested]} == {outer.__code__.co_filename}
 
 
 def test_arguments_horovod_run_refuses_or_ringtrain_cannot_honour() -> None:

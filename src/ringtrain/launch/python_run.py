@@ -24,7 +24,7 @@ from typing import Any
 import cloudpickle
 
 from ringtrain.errors import ConfigError, JobFailedError
-from ringtrain.launch import command
+from ringtrain.launch import code_files, command
 from ringtrain.launch.supervisor import Supervisor
 
 # Linux refuses a single argument over 128 KiB (MAX_ARG_STRLEN); leave room for the rest.
@@ -89,13 +89,7 @@ def run(
         verbose=verbose,
         network_interface=network_interface,
     )
-    payload = base64.b64encode(cloudpickle.dumps((func, tuple(args), dict(kwargs or {}))))
-    if len(payload) > MAX_PAYLOAD:
-        raise ConfigError(
-            f"ringtrain.run: the function and its arguments pickle to {len(payload)} bytes "
-            f"(base64), more than a command line carries ({MAX_PAYLOAD}).\nHINT: pass paths "
-            "or small values, and load large data inside the function."
-        )
+    payload = _payload(func, args, kwargs)
     argv = [*flags, "--", executable or sys.executable, "-m", "ringtrain.launch.run_func"]
     parser = argparse.ArgumentParser(prog="ringtrain.run")
     command.configure(parser)
@@ -154,3 +148,16 @@ def _flags(**given: Any) -> list[str]:
         else:
             out += [spell[name], str(value)]
     return out
+
+
+def _payload(func: object, args: Sequence[object], kwargs: Mapping[str, object] | None) -> bytes:
+    """What the ranks' command line carries: the call, and the function's files (code_files)."""
+    sent = (func, tuple(args), dict(kwargs or {}), code_files.files_of(func))
+    payload = base64.b64encode(cloudpickle.dumps(sent))
+    if len(payload) > MAX_PAYLOAD:
+        raise ConfigError(
+            f"ringtrain.run: the function and its arguments pickle to {len(payload)} bytes "
+            f"(base64), more than a command line carries ({MAX_PAYLOAD}).\nHINT: pass paths "
+            "or small values, and load large data inside the function."
+        )
+    return payload

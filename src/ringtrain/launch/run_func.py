@@ -14,12 +14,14 @@ import sys
 
 import cloudpickle
 
+from ringtrain.launch import code_files
 from ringtrain.launch.rank_output import RESULT_PREFIX
 
 
 def main(argv: list[str] | None = None) -> int:
     (payload,) = sys.argv[1:] if argv is None else argv
-    func, args, kwargs = cloudpickle.loads(base64.b64decode(payload))
+    func, args, kwargs, *files = cloudpickle.loads(base64.b64decode(payload))
+    code_files.restore(func, files[0] if files else {})  # tracebacks name the user's file
     result = func(*args, **kwargs)
     sys.stdout.flush()
     # A line of its own (a print() of the function ends its line; one without end does not).
