@@ -63,6 +63,9 @@ def test_local_doctor_json(tmp_path: Path) -> None:
     assert ar["world"] == 2 and ar["hosts"] == ["localhost"]
     assert [p["bytes"] for p in ar["allreduce"]][:1] == [64 * 1024]
     assert all(p["busbw"] > 0 and p["iters"] >= 1 for p in ar["allreduce"])
+    # Each size's timed ops repeat one name, so they all ride the fast lane (as a training
+    # step's repeated collectives do), none negotiated.
+    assert [p["on_lane"] for p in ar["allreduce"]] == [p["iters"] for p in ar["allreduce"]]
     # No -np and no hosts named: no job's placement is known, so none is claimed (it said
     # "Placement of -np 1" beside a 2-rank allreduce job).
     assert doc["placement"]["np"] is None and "no -np" in doc["placement"]["skipped"]

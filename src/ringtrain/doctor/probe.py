@@ -33,6 +33,9 @@ from ringtrain import environ
 from ringtrain.doctor import linktest
 from ringtrain.doctor.wire import emit, parse_sizes
 
+# Warm-up ops of each size, all under the size's name: the first is negotiated; the fast lane's
+# reservation, still the previous size's, is given up after lane.SWITCH_AFTER of them.
+WARM_UP_OPS = 4
 # Thread settings worth showing: they decide how many threads each rank starts.
 THREAD_VARS = environ.THREAD_VARS
 _ALLOCATOR_LIB = re.compile(r"lib(jemalloc|tcmalloc(?:_minimal)?|mimalloc)[^/\s]*\.so")
@@ -192,19 +195,28 @@ def allreduce(sizes: Sequence[int], budget_s: float, per_size_s: float, max_iter
     gflops = [statistics.median(s) for s in samples]
 
     for k, nbytes in enumerate(sizes):
+        # One name for every op of a size, as a training step repeats its collectives: after
+        # the warm-up the ops ride the fast lane, with no negotiation round each (the fixed
+        # cost per collective the prediction takes from the smallest size is then a step's,
+        # not a negotiated op's: about 2x larger at 64 KiB, 2 ranks on one host).
+        name = f"doctor.allreduce.{nbytes}"
         tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-        t0 = time.perf_counter()
-        ops.allreduce(tensor, op="sum", name=f"doctor.warmup.{nbytes}")
+        for _ in range(WARM_UP_OPS):  # the lane taken over from the previous size's name
+            t0 = time.perf_counter()
+            ops.allreduce(tensor, op="sum", name=name)
         warm = slowest(time.perf_counter() - t0, f"doctor.warmup_time.{nbytes}")
         iters = int(max(1, min(max_iters, per_size_s // max(warm, 1e-6))))
         slowest(0.0, f"doctor.barrier.{nbytes}")
+        lane_before = ops.controller_of(None).lane_slots[0]
         t0 = time.perf_counter()
-        for i in range(iters):
-            ops.allreduce(tensor, op="sum", name=f"doctor.allreduce.{nbytes}.{i}")
+        for _ in range(iters):
+            ops.allreduce(tensor, op="sum", name=name)
         elapsed = slowest(time.perf_counter() - t0, f"doctor.time.{nbytes}")
+        on_lane = ops.controller_of(None).lane_slots[0] - lane_before
         seconds = elapsed / iters
         busbw = 2 * (n - 1) / n * nbytes / seconds if n > 1 and seconds > 0 else 0.0
-        points.append({"bytes": nbytes, "iters": iters, "seconds": seconds, "busbw": busbw})
+        point = {"bytes": nbytes, "iters": iters, "seconds": seconds, "busbw": busbw}
+        points.append({**point, "on_lane": on_lane})
         spent += warm + elapsed
         # The next size's warm-up and one timed op, at this size's rate: over the budget, stop
         # here (on a 10 Mbit/s link 8 MiB would take seconds per op).
