@@ -245,6 +245,10 @@ FORWARDED = (
     "NCCL_*",
     "GLOO_*",
     "TORCH_*",
+    # ATen's kernels: set on the launcher, every host computes with the same ones (hosts whose
+    # CPUs differ would otherwise pick their own, and the same job's weights differ in the
+    # last bits between them).
+    Torch.ATEN_CPU_CAPABILITY,
     Torch.CUDA_VISIBLE_DEVICES,
     "HF_*",
     PREFIX + "*",

@@ -142,8 +142,15 @@ def test_rank_env_has_both_spellings() -> None:
 
 def test_only_declared_variables_are_forwarded() -> None:
     env = {"PATH": "/bin", "OMP_NUM_THREADS": "2", "SECRET_TOKEN": "s", "MY_VAR": "1"}
+    env["ATEN_CPU_CAPABILITY"] = "avx2"  # the same kernels on every host
     out = rank_env.forwarded(env, ["MY_VAR", "EXTRA=x", "UNSET"])
-    assert out == {"PATH": "/bin", "OMP_NUM_THREADS": "2", "MY_VAR": "1", "EXTRA": "x"}
+    assert out == {
+        "PATH": "/bin",
+        "OMP_NUM_THREADS": "2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MY_VAR": "1",
+        "EXTRA": "x",
+    }
 
 
 def test_tuning_binds_cores_when_each_rank_gets_one() -> None:
