@@ -230,6 +230,21 @@ def test_torch_missing_is_a_problem() -> None:
     assert len(problems) == 1 and "torch cannot be imported on host b" in problems[0]
 
 
+def test_hosts_whose_torch_picks_other_cpu_kernels_are_told_how_to_match() -> None:
+    t = {"version": "2.13.0", "distributed": True, "gloo": True, "num_threads": 2}
+    wide, plain = ({**t, "cpu_capability": c} for c in ("AVX512", "AVX2"))
+    hosts = [_host("a", wide), _host("b", plain)]
+    assert findings.check_hosts(hosts) == ([], [])  # no environment given: not judged
+    (said,) = findings.check_kernels(hosts, {})
+    assert findings.check_hosts(hosts, {}) == ([], [said])
+    assert "different CPU kernels: a AVX512, b AVX2" in said
+    assert "HINT: ATEN_CPU_CAPABILITY=avx2 ringtrain run ..." in said
+    # Set where the doctor (the launcher) runs, ringtrain run gives it to every host.
+    assert findings.check_kernels(hosts, {"ATEN_CPU_CAPABILITY": "avx2"}) == []
+    assert findings.check_kernels([_host("a", wide), _host("b", wide)], {}) == []
+    assert findings.check_kernels([_host("a"), _host("b", plain)], {}) == []  # one host unknown
+
+
 def test_torch_version_mismatch_is_a_problem() -> None:
     other = {"version": "2.4.0", "distributed": True, "gloo": True}
     problems, _ = findings.check_hosts([_host("a"), _host("b", other)])

@@ -52,6 +52,8 @@ def test_local_doctor_json(tmp_path: Path) -> None:
     import torch  # the test may import torch; the doctor process did not
 
     assert facts["torch"]["version"] == torch.__version__
+    # ATen's kernels, as this process picked them (same environment, same CPU).
+    assert facts["torch"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert facts["torch"]["gloo"] is True
     assert facts["cpu"]["logical"] == psutil.cpu_count(logical=True)
     assert facts["cpu"]["usable"] >= 1 and isinstance(facts["cpu"]["hyperthreading"], bool)

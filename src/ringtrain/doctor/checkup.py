@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringtrain import environ
 from ringtrain.doctor import advice, findings, gather, placement, speed
 from ringtrain.doctor.gather import Reach
 from ringtrain.errors import LaunchError
@@ -300,7 +301,7 @@ def examine(options: DoctorOptions, say: Callable[[str], None] = lambda _m: None
         say(f"probing {len(hosts)} host(s): {', '.join(h.name for h in hosts)}")
         probes = gather.probe_hosts(hosts, options.reach, options.probe_timeout_s)
         timings["probe"] = time.monotonic() - t0
-        p_host, w_host = findings.check_hosts([p.to_dict() for p in probes])
+        p_host, w_host = findings.check_hosts([p.to_dict() for p in probes], environ.current())
         problems += p_host
         warnings += w_host
         healthy = [h for h, p in zip(hosts, probes) if p.facts is not None]

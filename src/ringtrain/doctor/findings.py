@@ -27,6 +27,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringtrain.environ import Torch
 from ringtrain.host import connections, open_files
 from ringtrain.host.cpu_limits import is_shared_pool, shared_cores
 from ringtrain.launch.tuning import HostFacts, tune
@@ -222,11 +223,14 @@ def _version_problem(what: str, by_host: Mapping[str, str]) -> str | None:
     )
 
 
-def check_hosts(hosts: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[str]]:
+def check_hosts(
+    hosts: Sequence[Mapping[str, Any]], env: Mapping[str, str] | None = None
+) -> tuple[list[str], list[str]]:
     """Problems and warnings from the hosts' probe results.
 
     Each entry has ``name``, ``reachable`` (ssh worked), ``error`` (why the probe failed, or
-    None) and ``facts`` (the probe's facts, or None).
+    None) and ``facts`` (the probe's facts, or None). ``env``: the launcher's environment, where
+    one is to be judged (:func:`check_kernels`).
     """
     problems: list[str] = []
     warnings: list[str] = []
@@ -280,7 +284,38 @@ def check_hosts(hosts: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[str
     if len(set(gpus.values())) > 1:
         shown = ", ".join(f"{h} {n}" for h, n in gpus.items())
         warnings.append(f"hosts have different numbers of CUDA devices: {shown}.")
+    if env is not None:
+        warnings += check_kernels(hosts, env)
     return problems, warnings
+
+
+# ATen's CPU capabilities on x86, plainest first: each host runs the kernels of its best one.
+_CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
+
+
+def check_kernels(hosts: Sequence[Mapping[str, Any]], env: Mapping[str, str]) -> list[str]:
+    """A warning where the hosts' torch would pick different ATen CPU kernels: the same job's
+    weights then differ in their last bits between hosts (and from a run on one host). None
+    where ATEN_CPU_CAPABILITY is set here: ``ringtrain run`` forwards it to every host."""
+    if env.get(Torch.ATEN_CPU_CAPABILITY):
+        return []
+    picked = {
+        h["name"]: str(((h.get("facts") or {}).get("torch") or {}).get("cpu_capability"))
+        for h in hosts
+        if ((h.get("facts") or {}).get("torch") or {}).get("cpu_capability")
+    }
+    if len(set(picked.values())) < 2:
+        return []
+    shown = ", ".join(f"{h} {c}" for h, c in picked.items())
+    known = set(picked.values()) <= set(_CAPABILITIES)
+    plainest = min(picked.values(), key=_CAPABILITIES.index).lower() if known else "CAPABILITY"
+    return [
+        f"the hosts' torch picks different CPU kernels: {shown}; a job's weights will differ in "
+        "their last bits between these hosts, and from the same job on one host.\n"
+        f"HINT: ATEN_CPU_CAPABILITY={plainest} ringtrain run ... gives every host the same "
+        "kernels (ringtrain run forwards it; with mpirun: -x ATEN_CPU_CAPABILITY); a value "
+        "above what a host's CPU has kills its ranks with SIGILL."
+    ]
 
 
 def check_cpus(name: str, facts: Mapping[str, Any], ranks: int) -> list[str]:

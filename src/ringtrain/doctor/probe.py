@@ -33,9 +33,6 @@ from ringtrain import environ
 from ringtrain.doctor import linktest
 from ringtrain.doctor.wire import emit, parse_sizes
 
-# Warm-up ops of each size, all under the size's name: the first is negotiated; the fast lane's
-# reservation, still the previous size's, is given up after lane.SWITCH_AFTER of them.
-WARM_UP_OPS = 4
 # Thread settings worth showing: they decide how many threads each rank starts.
 THREAD_VARS = environ.THREAD_VARS
 _ALLOCATOR_LIB = re.compile(r"lib(jemalloc|tcmalloc(?:_minimal)?|mimalloc)[^/\s]*\.so")
@@ -68,6 +65,8 @@ def _torch_facts() -> dict[str, Any]:
     facts["mkl"] = bool(torch.backends.mkl.is_available())
     facts["mkldnn"] = bool(torch.backends.mkldnn.is_available())
     facts["openmp"] = bool(torch.backends.openmp.is_available())
+    # ATen's kernels here (AVX512, AVX2, DEFAULT, ...): hosts that differ compute differently.
+    facts["cpu_capability"] = str(torch.backends.cpu.get_cpu_capability())
     with contextlib.suppress(Exception):
         info = torch.__config__.parallel_info()
         m = re.search(r"ATen parallel backend: (.+)", info)
@@ -173,7 +172,7 @@ def allreduce(sizes: Sequence[int], budget_s: float, per_size_s: float, max_iter
     import torch
 
     from ringtrain import lifecycle
-    from ringtrain.collectives import ops
+    from ringtrain.collectives import lane, ops
     from ringtrain.runtime import queries
 
     lifecycle.init()
@@ -201,7 +200,11 @@ def allreduce(sizes: Sequence[int], budget_s: float, per_size_s: float, max_iter
         # not a negotiated op's: about 2x larger at 64 KiB, 2 ranks on one host).
         name = f"doctor.allreduce.{nbytes}"
         tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-        for _ in range(WARM_UP_OPS):  # the lane taken over from the previous size's name
+        # Warm-up ops, all under the size's name, as `bench allreduce` runs them (its
+        # bench/timing.py says why): the lane's reservation, still the previous size's, is given
+        # up after lane.SWITCH_AFTER negotiated ops, then reopens for this name (4 ops in all
+        # were not always enough: 19 of 20 timed 1 MiB ops on the lane, once).
+        for _ in range(lane.SWITCH_AFTER + 4):
             t0 = time.perf_counter()
             ops.allreduce(tensor, op="sum", name=name)
         warm = slowest(time.perf_counter() - t0, f"doctor.warmup_time.{nbytes}")
