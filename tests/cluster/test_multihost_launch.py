@@ -25,7 +25,8 @@ RANK = textwrap.dedent(
     rank = int(os.environ["RINGTRAIN_RANK"])
     print(f"rank {rank} host {socket.gethostname()} local {os.environ['HOROVOD_LOCAL_RANK']} "
           f"cross {os.environ['HOROVOD_CROSS_RANK']} fwd {os.environ.get('MY_SETTING')} "
-          f"secret {os.environ.get('MY_SECRET')} cwd {os.getcwd()}", flush=True)
+          f"secret {os.environ.get('MY_SECRET')} kernels {os.environ.get('ATEN_CPU_CAPABILITY')} "
+          f"cwd {os.getcwd()}", flush=True)
     if sys.argv[1] == "fail" and rank == 3:
         time.sleep(0.5)
         print("rank 3 gives up", file=sys.stderr, flush=True)
@@ -34,6 +35,9 @@ RANK = textwrap.dedent(
         time.sleep(120)
     """
 )
+
+
+KERNELS = {"ATEN_CPU_CAPABILITY": "default"}
 
 
 def _launch(cluster: tc.Cluster, tmp_path: Path, mode: str, *flags: str) -> subprocess.Popen[str]:
@@ -56,7 +60,8 @@ def _launch(cluster: tc.Cluster, tmp_path: Path, mode: str, *flags: str) -> subp
         stderr=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
-        env={**os.environ, "MY_SETTING": "on", "MY_SECRET": "not-forwarded"},
+        # ATen's kernels reach every host unasked (hosts of different CPUs compute alike).
+        env={**os.environ, "MY_SETTING": "on", "MY_SECRET": "not-forwarded", **KERNELS},
     )
 
 
@@ -68,10 +73,10 @@ def test_ranks_are_placed_host_major_with_forwarded_env(
     assert proc.returncode == 0, out + err
     lines = sorted(out.splitlines())
     assert lines == [
-        f"[0] rank 0 host h0 local 0 cross 0 fwd on secret None cwd {tmp_path}",
-        f"[1] rank 1 host h0 local 1 cross 0 fwd on secret None cwd {tmp_path}",
-        f"[2] rank 2 host h1 local 0 cross 1 fwd on secret None cwd {tmp_path}",
-        f"[3] rank 3 host h1 local 1 cross 1 fwd on secret None cwd {tmp_path}",
+        f"[0] rank 0 host h0 local 0 cross 0 fwd on secret None kernels default cwd {tmp_path}",
+        f"[1] rank 1 host h0 local 1 cross 0 fwd on secret None kernels default cwd {tmp_path}",
+        f"[2] rank 2 host h1 local 0 cross 1 fwd on secret None kernels default cwd {tmp_path}",
+        f"[3] rank 3 host h1 local 1 cross 1 fwd on secret None kernels default cwd {tmp_path}",
     ]
     wait_for_only_sshd(cluster)
 
