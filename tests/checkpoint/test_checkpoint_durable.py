@@ -150,8 +150,10 @@ def _queued(writer: psutil.Process) -> int:
 
 def _until_handed_over(writers: list[psutil.Process], most_s: float = 15.0) -> None:
     """Until each held writer has a save queued (a rank handed it one and went on, to wait for
-    it at the next save). A writer held while it wrote a save never gets one (its rank waits for
-    that save first), but that save is in flight too: past ``most_s`` that is the case."""
+    it at the next save). A writer held while it wrote a save, or (rank 0's) after it committed
+    one but before it said so, never gets one: its rank waits in ``save()`` for that save first,
+    and hands the next one over before it unwinds, as its peers did. Past ``most_s`` that is the
+    case."""
     deadline = time.monotonic() + most_s
     while time.monotonic() < deadline and not all(_queued(w) for w in writers):
         time.sleep(0.1)

@@ -1,13 +1,17 @@
 """A Ctrl-C or a preemption's SIGTERM that comes while a save changes hands loses nothing: a save
 handed to the writer is one that ``wait()`` and ``close()`` wait for, an outcome taken from the
 writer is one recorded. The signal is sent at the worst moment, from inside the hand-over (CI
-saw it come there by chance: a preempted job's save in flight was never committed)."""
+saw it come there by chance: a preempted job's save in flight was never committed). One that
+comes while ``save()`` waits for the previous save is raised once the save asked for is handed
+over too (CI saw rank 0 leave from that wait: its peers' save of that step could not commit)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -105,6 +109,87 @@ def test_a_signal_while_the_outcome_is_taken_leaves_it_recorded(
         assert seen == [sig]
         assert not saver.in_flight()  # before: the outcome was lost, and a wait never ended
         assert saver.last_committed == os.path.join(str(tmp_path), manifest.step_name(1))
+
+
+def _signalled_in_the_wait(method: Any, sig: signal.Signals, times: int) -> Any:
+    """A writer's ``wait``, which is sent ``sig`` ``times`` times (each handled before the next
+    is sent: two sent at once reach Python's handler as one) at its first call."""
+    calls: list[int] = []
+
+    def wrapped(self: Any, *args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            for _ in range(times):
+                os.kill(os.getpid(), sig)
+                sum(range(10_000))
+        return method(self, *args)
+
+    return wrapped
+
+
+@pytest.mark.parametrize("sig", RAISES, ids=lambda s: s.name)
+@pytest.mark.parametrize("kind", WRITERS)
+def test_a_signal_while_a_save_waits_for_the_previous_one_comes_after_its_hand_over(
+    tmp_path: Path, kind: str, sig: signal.Signals, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cls = WRITERS[kind]
+    model = torch.nn.Linear(8, 8)
+    with _raising(sig) as seen, ckpt.Checkpointer(tmp_path, writer=kind) as saver:
+        saver.save(1, model=model)
+        monkeypatch.setattr(cls, "wait", _signalled_in_the_wait(cls.wait, sig, times=1))
+        with pytest.raises(RAISES[sig]):
+            saver.save(2, model=model)
+        monkeypatch.undo()
+        assert seen == [sig]  # handled once, after the hand-over
+        assert saver.wait() == os.path.join(str(tmp_path), manifest.step_name(2))
+    assert [s for s, _ in manifest.committed(str(tmp_path))] == [1, 2]
+
+
+@pytest.mark.parametrize("sig", RAISES, ids=lambda s: s.name)
+@pytest.mark.parametrize("kind", WRITERS)
+def test_a_second_signal_while_a_save_waits_is_raised_at_once(
+    tmp_path: Path, kind: str, sig: signal.Signals, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cls = WRITERS[kind]
+    model = torch.nn.Linear(8, 8)
+    with _raising(sig) as seen, ckpt.Checkpointer(tmp_path, writer=kind) as saver:
+        saver.save(1, model=model)
+        monkeypatch.setattr(cls, "wait", _signalled_in_the_wait(cls.wait, sig, times=2))
+        with pytest.raises(RAISES[sig]):
+            saver.save(2, model=model)
+        monkeypatch.undo()
+        assert seen == [sig]  # the two signals, handled once, in the wait
+        assert saver.wait() == os.path.join(str(tmp_path), manifest.step_name(1))
+    assert [s for s, _ in manifest.committed(str(tmp_path))] == [1]  # 2 was never handed over
+
+
+_DURABLE_SECTION = """
+import os, signal, sys
+from ringtrain.checkpoint import durable, interrupts
+signal.signal(signal.SIGTERM, durable._preempted)
+try:
+    with interrupts.deferred(insist=True):
+        for _ in range(int(sys.argv[1])):
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(10_000))
+        print("section done", flush=True)
+finally:
+    print("unwound", flush=True)
+"""
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_durables_sigterm_in_a_waiting_section(times: int) -> None:
+    """Durable's handler turns a first SIGTERM into SystemExit(143), after the section; a
+    second one, as outside a section, ends the process at once (no unwinding)."""
+    ran = subprocess.run(
+        [sys.executable, "-c", _DURABLE_SECTION, str(times)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    if times == 1:
+        assert (ran.returncode, ran.stdout) == (143, "section done\nunwound\n"), ran.stderr
+    else:
+        assert (ran.returncode, ran.stdout) == (-signal.SIGTERM, ""), ran.stderr
 
 
 def test_the_handlers_are_the_scripts_own_again_after_the_section(

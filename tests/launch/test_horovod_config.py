@@ -163,3 +163,15 @@ def test_a_missing_file_stops_the_launch_in_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "--config-file nope.yaml: cannot read it: No such file or directory" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_without_pyyaml_the_launch_says_how_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PyYAML is an extra (ringtrain[k8s]): a plain install that is given a file says so."""
+    monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml raises ImportError
+    with pytest.raises(ConfigError) as e:
+        _options(tmp_path, "params:\n  fusion_threshold_mb: 32\n")
+    said = str(e.value)
+    assert f"--config-file {tmp_path / 'hvd.yaml'}: reading YAML needs PyYAML" in said, said
+    assert "HINT: pip install PyYAML (or pip install 'ringtrain[k8s]')" in said, said

@@ -14,6 +14,11 @@ handler of SIGINT and SIGTERM for one that only notes the signal, for the few st
 the section, and calls the script's own handler after it: the interruption comes, only a few
 statements later. Signals left to the system (``SIG_DFL``: the process ends at once) or ignored
 are not touched, nor are handlers outside the main thread, the only one they run in.
+
+A section may also wait (``Checkpointer.save`` waits for the previous save): with ``insist``, a
+second signal of one kind is not deferred (the user insists): the first one's handler runs at
+once, and where that handler left the signal to the system (Durable's: a second SIGTERM ends
+the process), the second one then takes that effect.
 """
 
 from __future__ import annotations
@@ -31,19 +36,28 @@ Handler = Callable[[int, FrameType | None], Any]
 
 
 @contextlib.contextmanager
-def deferred() -> Iterator[None]:
+def deferred(insist: bool = False) -> Iterator[None]:
     """Run the ``with`` block without being interrupted by a Python handler of SIGINT or
     SIGTERM; a signal that came meanwhile is handled when the block ends (its handler's
-    exception is raised there, after the block's work)."""
+    exception is raised there, after the block's work). ``insist``: a second signal of one kind
+    is handled at once (see the module docstring)."""
     if threading.current_thread() is not threading.main_thread():
         yield  # handlers run only in the main thread: nothing here is interrupted by them
         return
     came: list[tuple[int, FrameType | None]] = []
+    swapped: dict[int, Handler] = {}
 
     def note(signum: int, frame: FrameType | None) -> None:
+        if insist and any(s == signum for s, _ in came):  # a second one: the user insists
+            came[:] = [(s, f) for s, f in came if s != signum]
+            try:
+                swapped[signum](signum, frame)  # the first one's handling, now
+            finally:
+                if signal.getsignal(signum) is signal.SIG_DFL:  # as the handler left the next
+                    signal.raise_signal(signum)  # one (Durable's: the process ends at once)
+            return
         came.append((signum, frame))
 
-    swapped: dict[int, Handler] = {}
     try:
         for sig in SIGNALS:
             handler = signal.getsignal(sig)
@@ -53,7 +67,9 @@ def deferred() -> Iterator[None]:
         yield
     finally:
         for signum, handler in swapped.items():
-            signal.signal(signum, handler)
+            # Unless a handler run meanwhile chose another (Durable's: SIG_DFL after the first).
+            if signal.getsignal(signum) is note:
+                signal.signal(signum, handler)
         # As the first one's handler would have, a moment later (and if the block raised, with
         # its error as the context: the interruption is what ends the script).
         for signum, frame in came[:1]:

@@ -232,7 +232,23 @@ class Checkpointer:
         extra: object = None,
     ) -> None:
         """Start saving ``root/step-<step>``: returns once this rank's part is in host memory.
-        Raises the failure of the previous background save, if it failed."""
+        Raises the failure of the previous background save, if it failed.
+
+        A Ctrl-C or a durable job's SIGTERM that comes meanwhile is raised once this save is
+        handed over: the rank it finds here is the one still waiting for its writer, whose peers
+        handed this save over already, and a save some ranks never hand over cannot commit. A
+        second one is raised at once."""
+        with interrupts.deferred(insist=True):
+            self._save(step, model, optimizer, sampler, extra)
+
+    def _save(
+        self,
+        step: int,
+        model: torch.nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
+        sampler: object,
+        extra: object,
+    ) -> None:
         t0 = time.perf_counter()
         self._collect(block=True)  # one save in flight: the previous one must be done
         self._confirm(block=False)  # rank 0's word on it, if in; not waited for (wait() does)
