@@ -21,9 +21,10 @@ import pytest
 import torch
 
 import ringtrain.checkpoint as ckpt
-from ringtrain.checkpoint import interrupts, manifest
+from ringtrain.checkpoint import interrupts, manifest, store
 from ringtrain.checkpoint.process_writer import ProcessWriter
 from ringtrain.checkpoint.thread_writer import ThreadWriter
+from ringtrain.errors import CheckpointError
 
 pytestmark = pytest.mark.timeout(120)
 WRITERS = {"process": ProcessWriter, "thread": ThreadWriter}
@@ -147,6 +148,30 @@ def test_a_signal_while_a_save_waits_for_the_previous_one(
         newest = 2 if times == 1 else 1
         assert saver.wait() == os.path.join(str(tmp_path), manifest.step_name(newest))
     assert [s for s, _ in manifest.committed(str(tmp_path))] == list(range(1, newest + 1))
+
+
+def test_a_signal_in_the_wait_does_not_hide_the_previous_saves_failure(
+    tmp_path: Path, sigterm_raises: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The interruption is raised from ``save()``; the earlier save's failure then from
+    ``close()`` (a durable job's ``with`` block), which a ``SystemExit`` would not print."""
+
+    def failing(*_: object) -> None:
+        raise store.unwritable(OSError(28, "No space left on device", "part"), "step-1")
+
+    model = torch.nn.Linear(8, 8)
+    saver = ckpt.Checkpointer(tmp_path, writer="thread")
+    with monkeypatch.context() as patched:
+        patched.setattr(store, "write_part", failing)
+        saver.save(1, model=model)
+        waits = _signalled_in_the_wait(ThreadWriter.wait, signal.SIGTERM, 1)
+        patched.setattr(ThreadWriter, "wait", waits)
+        with pytest.raises(Preempted):
+            saver.save(2, model=model)
+    assert sigterm_raises == [signal.SIGTERM]
+    with pytest.raises(CheckpointError, match="no space left on device"):
+        saver.close()
+    assert manifest.committed(str(tmp_path)) == []
 
 
 _DURABLE_SECTION = """

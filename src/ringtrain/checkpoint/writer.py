@@ -239,7 +239,11 @@ class Checkpointer:
         handed this save over already, and a save some ranks never hand over cannot commit. A
         second one is raised at once."""
         with interrupts.deferred(insist=True):
-            self._save(step, model, optimizer, sampler, extra)
+            handed_over = self._save(step, model, optimizer, sampler, extra)
+        if not handed_over:
+            # The previous save failed: raised here, after the section, so that an interruption
+            # handled at its end does not hide it (the failure stays for close() to raise).
+            self.check()
 
     def _save(
         self,
@@ -248,12 +252,13 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer | None,
         sampler: object,
         extra: object,
-    ) -> None:
+    ) -> bool:
         t0 = time.perf_counter()
         self._collect(block=True)  # one save in flight: the previous one must be done
         self._confirm(block=False)  # rank 0's word on it, if in; not waited for (wait() does)
         self._unconfirmed = None
-        self.check()
+        if self._failure is not None:
+            return False
         writer = self._made_writer()
         writer.ready()
         t1, c1 = time.perf_counter(), time.process_time()
@@ -275,6 +280,7 @@ class Checkpointer:
             "copy_cpu": c2 - c1,  # CPU time (all threads): the work, not the load
             "handoff": t3 - t2,
         }
+        return True
 
     def __enter__(self) -> Checkpointer:
         return self
