@@ -58,8 +58,16 @@ def test_logs_timeline_and_straggler_reports_carry_over(tmp_path: Path) -> None:
         (line,) = [x for x in err if x.startswith(f"[{who}] ringtrain elastic: generation 1:")]
         assert "rank(s) [1] left (a peer failed: " in line
         assert line.endswith(f"rank {who} is now rank {new_rank} of 2")
+    # Every survivor says what failed before it waits for the new world.
+    for who in ("0", "2"):
+        assert any(
+            x.startswith(f"[{who}] ringtrain elastic: rank {who}: ")
+            and "; re-forming: waiting up to " in x
+            and x.endswith(" s for the launcher's next world")
+            for x in err
+        ), proc.stderr
     # Straggler reports before and after the change (rank 0 of each world logs them).
-    change = err.index(next(x for x in err if x.startswith("[0] ringtrain elastic:")))
+    change = err.index(next(x for x in err if x.startswith("[0] ringtrain elastic: generation")))
     reports = [i for i, x in enumerate(err) if x.startswith("[0] ringtrain straggler report:")]
     assert any(i < change for i in reports) and any(i > change for i in reports), proc.stderr
     # One timeline file per process, named by the rank it started as, spanning the change.

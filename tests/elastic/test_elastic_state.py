@@ -216,3 +216,33 @@ def test_a_world_never_announced_names_what_started_the_wait(
     else:
         assert "of HostsUpdatedInterrupt (raised by a state's commit()" in said
         assert "chained below" not in said
+
+
+def test_a_rank_that_resets_after_a_failure_says_why_before_it_waits(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where no rank left (the failure was this rank's own transport's), no world comes until
+    the elastic timeout, and the peers' stall report shows only that this rank is inside the
+    wrapper: the rank says what failed and what it waits for, before the wait (a Ray elastic
+    job waited so, saying nothing)."""
+    import importlib
+
+    from ringtrain.errors import CollectiveAbortedError, HorovodInternalError
+    from ringtrain.runtime import membership
+
+    def none_comes(wait_s: float | None = None, failed: bool = True) -> None:
+        raise HorovodInternalError("no new world was announced")
+
+    monkeypatch.setattr(membership, "active", lambda env=None: True)
+    monkeypatch.setattr(membership, "next_world", none_comes)
+    failure = CollectiveAbortedError("a collective failed in transit: boom")
+    state = base.ObjectState(lambda o: o, lambda o: [o], x=1)
+    run = importlib.import_module("ringtrain.elastic.run")  # the package's `run` is the function
+    with caplog.at_level("WARNING", logger="ringtrain"), pytest.raises(HorovodInternalError):
+        run._reset(state, failure)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "ringtrain elastic: rank ?: CollectiveAbortedError: a collective failed in transit: "
+        f"boom; re-forming: waiting up to {membership.timeout_s():.0f} s for the launcher's "
+        "next world"
+    ], said

@@ -31,7 +31,7 @@ from ringtrain.errors import (
     HostsUpdatedInterrupt,
     LaunchError,
 )
-from ringtrain.runtime import abort, membership
+from ringtrain.runtime import abort, departures, membership
 from ringtrain.runtime import state as runtime
 
 log = logging.getLogger("ringtrain")
@@ -117,6 +117,17 @@ def _reset(state: State, failure: BaseException | None) -> None:
         lifecycle.init()
         optimizer.rejoin_all()
         return
+    if failure is not None:
+        # Said before the wait: where no rank left (a failure of this rank's own transport),
+        # no world comes until the timeout, and the peers' stall report shows only that this
+        # rank is inside the wrapper.
+        log.warning(
+            "ringtrain elastic: rank %s: %s; re-forming: waiting up to %.0f s for the "
+            "launcher's next world",
+            runtime.current().rank if runtime.is_initialized() else "?",
+            departures.summary(failure),
+            membership.timeout_s(),
+        )
     world = membership.next_world(failed=failure is not None)
     me = membership.identity()
     if me not in world.members:
