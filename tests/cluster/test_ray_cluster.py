@@ -26,7 +26,7 @@ from ringtrain.testing.ray_cluster import RayCluster  # noqa: E402
 pytestmark = pytest.mark.cluster
 CLUSTER = 2
 JOB = Path(__file__).parent.parent / "ray" / "ray_job.py"
-STEPS, KILL_STEP, COMMIT_EVERY = 24, 12, 5  # as in ray_job.py
+STEPS, KILL_STEP, COMMIT_EVERY, TRIP_STEP = 24, 12, 5, 7  # as in ray_job.py
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +137,10 @@ def _reference_weights(steps: int) -> list[float]:
 
 @pytest.mark.timeout(900)
 def test_elastic_ray_executor_shrinks_in_place_then_grows(ray_cluster: RayCluster) -> None:
-    """Horovod's ElasticRayExecutor (min_np=2, max_np=3, 4 slots on 2 hosts): a worker SIGKILLs
-    itself at step 12 (commits every 5 steps). The two others go on in the same processes from
+    """Horovod's ElasticRayExecutor (min_np=2, max_np=3, 4 slots on 2 hosts): first rank 0's
+    collective fails on its side alone after step 7 (no worker leaves): the driver re-forms the
+    same three, which go on from the commit at step 5. Then a worker SIGKILLs itself at step 12
+    (commits every 5 steps). The two others go on in the same processes from
     their last commit (step 10), without waiting out the transport's 60 s timeout; the driver
     then finds the freed slot, starts a worker there, and it joins: the world is 3 again on two
     hosts, with the training state it was sent (its step, and the weights: it starts with
@@ -159,6 +161,10 @@ def test_elastic_ray_executor_shrinks_in_place_then_grows(ray_cluster: RayCluste
     assert len(final) == 1 and final.pop() >= STEPS
     for s in survivors:
         assert {p for *_, p in s["log"]} == {s["start"]["pid"]}  # not restarted
+        # The same three re-formed after rank 0's failure, from the commit before it.
+        back = TRIP_STEP // COMMIT_EVERY * COMMIT_EVERY  # steps 1..7, then 6 and 7 again
+        again = [*range(1, TRIP_STEP + 1), *range(back + 1, TRIP_STEP + 1)]
+        assert [e[0] for e in s["log"][: len(again)]] == again, s["log"]
         assert _runs([e[2] for e in s["log"]]) == [3, 2, 3], s["log"]  # shrank, then grew
         first = next(e for e in s["log"] if e[2] == 2)
         # Rolled back to the last commit, not to the start; from there every step once, in

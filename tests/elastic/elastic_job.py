@@ -10,7 +10,8 @@ int8, overlapped, in 2 fragments), reporting a digest of its anchor as ``anchor`
 SIGKILLs that rank mid-epoch, after a commit and one uncommitted batch, in the job's first world
 (``KILL=stop``: SIGSTOPs it instead; ``KILL=agent``: its agent instead, so every rank of its host
 vanishes at once, as when a host is lost; ``KILL=cut``: it says so and stops, and the test cuts
-its host's network link, so the host falls silent).
+its host's network link, so the host falls silent; ``KILL=raise``: it raises the error a
+collective that failed on its side alone raises, and stays: no rank leaves).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import ringtrain.torch as hvd
+from ringtrain.errors import CollectiveAbortedError
 from ringtrain.runtime import membership
 
 N, B, EPOCHS, COMMIT_EVERY = 60, 2, 2, 2
@@ -93,6 +95,8 @@ def main() -> None:
                     and idx == KILL_AT
                 ):
                     say(f"kill id={me} t={time.time():.3f}")
+                    if os.environ.get("KILL") == "raise":  # its own connection broke
+                        raise CollectiveAbortedError("a collective failed in transit (the test)")
                     if os.environ.get("KILL") == "cut":  # the test cuts this host's link now
                         time.sleep(3600)
                     if os.environ.get("KILL") == "stop":  # silent, not dead: the heartbeat

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,12 +59,19 @@ def test_logs_timeline_and_straggler_reports_carry_over(tmp_path: Path) -> None:
         (line,) = [x for x in err if x.startswith(f"[{who}] ringtrain elastic: generation 1:")]
         assert "rank(s) [1] left (a peer failed: " in line
         assert line.endswith(f"rank {who} is now rank {new_rank} of 2")
-    # Every survivor says what failed before it waits for the new world.
+    # Every survivor says what failed before it waits for the new world: it asks for one, or
+    # joins the one announced if the launcher saw the loss first.
     for who in ("0", "2"):
         assert any(
             x.startswith(f"[{who}] ringtrain elastic: rank {who}: ")
-            and "; re-forming: waiting up to " in x
-            and x.endswith(" s for the launcher's next world")
+            and (
+                re.search(
+                    r"; re-forming: asked the launcher for a new world, waiting up to "
+                    r"\d+ s for it$",
+                    x,
+                )
+                or x.endswith("; re-forming: joining the world the launcher announced")
+            )
             for x in err
         ), proc.stderr
     # Straggler reports before and after the change (rank 0 of each world logs them).
@@ -102,6 +110,10 @@ def test_a_change_names_who_left_and_joined_and_why() -> None:
     failed = CollectiveAbortedError("a peer failed: boom\nmore detail")
     assert describe_change((0, 1, 2, 3), world, failed) == (
         "rank(s) [1] left (a peer failed: CollectiveAbortedError: a peer failed: boom)"
+    )
+    # No rank left: the same ranks re-formed after a collective failed (a rank's request).
+    assert describe_change((0, 2, 3), world, failed) == (
+        "the world was re-formed (a collective failed: CollectiveAbortedError: a peer failed: boom)"
     )
 
 

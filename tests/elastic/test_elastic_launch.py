@@ -23,8 +23,10 @@ N, EPOCHS = 60, 2  # as in elastic_job.py
 EXPECTED = [N * EPOCHS, EPOCHS * N * (N + 1) // 2, EPOCHS * N * (N + 1) * (2 * N + 1) // 6]
 
 
-def _job(*flags: str, victim: int, mode: str = "allreduce") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "VICTIM": str(victim), "OMP_NUM_THREADS": "1", "MODE": mode}
+def _job(
+    *flags: str, victim: int, mode: str = "allreduce", kill: str = ""
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "VICTIM": str(victim), "OMP_NUM_THREADS": "1", "MODE": mode, "KILL": kill}
     cmd = [sys.executable, "-m", "ringtrain", "run", "-np", "3", *flags, sys.executable, str(JOB)]
     return run_job(cmd, env, timeout=240, rank_marker=str(JOB))
 
@@ -88,6 +90,87 @@ def test_local_updates_survive_a_membership_change() -> None:
     assert all(d["size"] == "2" and d["w"] == str(EXPECTED).replace(" ", "") for d in done)
     assert done[0]["anchor"] == done[1]["anchor"], done
     assert len(_fields(proc.stdout, "reset")) == 2
+
+
+@pytest.mark.timeout(300)
+def test_a_collective_failing_on_one_rank_alone_re_forms_the_same_ranks() -> None:
+    """Rank 2's collective fails on its side alone (as when its own connection breaks) and no
+    rank leaves: it asks the launcher, which, seeing no rank leave within the grace, re-forms
+    the same 3 ranks as generation 1; the peers, waiting on rank 2 in the old world, leave it
+    for the new one. Every rank rolls back to its last commit: every sample once. (A Ray job's
+    rank waited so for 630 s for a world no event would bring.)"""
+    proc = _job("--min-np", "2", "--elastic-timeout", "60", victim=2, kill="raise")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pids = {s["id"]: s["pid"] for s in _fields(proc.stdout, "start")}
+    done = _fields(proc.stdout, "done")
+    assert sorted(d["id"] for d in done) == ["0", "1", "2"], proc.stdout + proc.stderr
+    for d in done:
+        assert d["pid"] == pids[d["id"]] and d["size"] == "3" and d["rank"] == d["id"]
+        assert d["w"] == str(EXPECTED).replace(" ", "")  # rolled back: every sample once
+    assert len(_fields(proc.stdout, "reset")) == 3
+    assert (
+        "rank(s) [2] failed a collective while no rank had left the world; re-forming it with "
+        "the same 3 rank(s) [0, 1, 2] (generation 1)" in proc.stderr
+    ), proc.stderr
+    err = proc.stderr.splitlines()
+    assert any(
+        x.startswith("[2] ringtrain elastic: rank 2: CollectiveAbortedError: a collective failed ")
+        and "; re-forming: asked the launcher for a new world, waiting up to " in x
+        for x in err
+    ), proc.stderr
+    for who in ("0", "1"):  # their waits on rank 2 left the old world for the announced one
+        assert any(
+            x.startswith(f"[{who}] ringtrain elastic: rank {who}: ")
+            and x.endswith("; re-forming: joining the world the launcher announced")
+            for x in err
+        ), proc.stderr
+    for who in ("0", "1", "2"):
+        assert any(
+            x.startswith(f"[{who}] ringtrain elastic: generation 1: the world was re-formed ")
+            for x in err
+        ), proc.stderr
+
+
+def test_a_re_form_request_is_granted_after_its_grace_unless_the_world_changed() -> None:
+    """The launcher's side: a request re-forms the same members once it stood
+    ``REFORM_GRACE_S``; a rank's exit seen meanwhile re-forms without it, and the request,
+    which was for the older world, lapses; below --min-np, or once a rank finished, no request
+    re-forms a world."""
+
+    class Store:
+        def __init__(self) -> None:
+            self.keys: dict[str, str] = {}
+
+        def present(self, keys: list[str], timeout_s: float = 5.0) -> set[str]:
+            return {k for k in keys if k in self.keys}
+
+        def publish(self, key: str, value: str) -> None:
+            self.keys[key] = value
+
+    grace = elastic.REFORM_GRACE_S
+    store, m, requests = Store(), elastic.Membership([0, 1, 2], min_np=2), elastic.ReformRequests()
+
+    def poll(now: float, finished: bool = False) -> list[int]:
+        return requests.poll(m, store, now, finished)
+
+    assert poll(0.0) == []
+    store.keys[elastic.reform_key(0, 2)] = "1"
+    assert poll(10.0) == [] and m.generation == 0  # within its grace
+    store.keys[elastic.reform_key(0, 0)] = "1"
+    assert poll(10.0 + grace, finished=True) == []
+    assert poll(10.0 + grace) == [0, 2]
+    assert m.generation == 1 and m.members == [0, 1, 2]
+    assert store.keys[elastic.GENERATION_KEY] == "1"
+    assert store.keys[elastic.members_key(1)] == "[0,1,2]"
+    assert poll(20.0 + grace) == []  # those were for world 0
+    store.keys[elastic.reform_key(1, 1)] = "1"
+    assert poll(30.0) == []
+    assert m.lose(2) and m.generation == 2  # rank 2 exits within the grace: a world without it
+    assert poll(30.0 + grace) == [] and m.generation == 2
+    store.keys[elastic.reform_key(2, 0)] = "1"
+    assert not m.lose(1)  # below --min-np the world stays as it is, waiting for hosts
+    assert poll(40.0) == [] and poll(40.0 + grace) == []
+    assert m.generation == 2
 
 
 @pytest.mark.timeout(300)

@@ -218,22 +218,30 @@ def test_a_world_never_announced_names_what_started_the_wait(
         assert "chained below" not in said
 
 
-def test_a_rank_that_resets_after_a_failure_says_why_before_it_waits(
+def test_a_rank_that_resets_after_a_failure_says_why_and_asks_for_a_new_world(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Where no rank left (the failure was this rank's own transport's), no world comes until
-    the elastic timeout, and the peers' stall report shows only that this rank is inside the
-    wrapper: the rank says what failed and what it waits for, before the wait (a Ray elastic
-    job waited so, saying nothing)."""
+    """Where no rank left (the failure was this rank's own transport's), only the rank's request
+    brings a new world, and the peers' stall report shows only that this rank is inside the
+    wrapper: the rank says what failed and what it waits for, and asks the launcher for its
+    world's re-forming (in the store, for its generation), before the wait (a Ray elastic job
+    waited so, saying nothing and asking for nothing)."""
+    import datetime
     import importlib
 
+    import torch.distributed as dist
+
     from ringtrain.errors import CollectiveAbortedError, HorovodInternalError
+    from ringtrain.launch.elastic import reform_key
     from ringtrain.runtime import membership
 
     def none_comes(wait_s: float | None = None, failed: bool = True) -> None:
         raise HorovodInternalError("no new world was announced")
 
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5))
+    monkeypatch.setattr(membership._clients, "store", store, raising=False)
     monkeypatch.setattr(membership, "active", lambda env=None: True)
+    monkeypatch.setattr(membership, "identity", lambda: 2)
     monkeypatch.setattr(membership, "next_world", none_comes)
     failure = CollectiveAbortedError("a collective failed in transit: boom")
     state = base.ObjectState(lambda o: o, lambda o: [o], x=1)
@@ -243,6 +251,7 @@ def test_a_rank_that_resets_after_a_failure_says_why_before_it_waits(
     said = [r.getMessage() for r in caplog.records]
     assert said == [
         "ringtrain elastic: rank ?: CollectiveAbortedError: a collective failed in transit: "
-        f"boom; re-forming: waiting up to {membership.timeout_s():.0f} s for the launcher's "
-        "next world"
+        "boom; re-forming: asked the launcher for a new world, waiting up to "
+        f"{membership.timeout_s():.0f} s for it"
     ], said
+    assert store.check([reform_key(membership.current(), 2)])

@@ -5,7 +5,8 @@
 Modes: ``trainer`` (TorchTrainer + RingtrainConfig), ``trainer-torch`` (TorchTrainer with Ray's
 own process group; hvd.init() adopts it), ``executor`` (RayExecutor, one worker per host),
 ``elastic`` (RayExecutor with min_workers: a worker kills itself mid-training),
-``elastic-grow`` (ElasticRayExecutor: the same kill, then a worker started on a free slot joins),
+``elastic-grow`` (ElasticRayExecutor: first a collective fails on one worker alone and the same
+workers re-form, then the same kill, then a worker started on a free slot joins),
 ``raytrain-restart`` (the same kill under Ray Train's elastic restart, for comparison).
 Ranks write what they saw into OUT_DIR (one filesystem for every fake host).
 """
@@ -23,6 +24,7 @@ import ray
 STEPS = 24
 KILL_STEP = 12
 COMMIT_EVERY = 5
+TRIP_STEP = 7  # elastic-grow: rank 0's collective "fails" after this step, in the first world
 GROW_WAIT_STEPS = 1000  # elastic-grow: steps of 0.1 s the ranks wait at most for the joiner
 
 
@@ -174,10 +176,14 @@ def _step_model():
 def elastic_fn(out_dir: str, grow: bool = False) -> dict:
     """Train STEPS steps; one worker kills itself at KILL_STEP. With ``grow`` the world must
     also grow back to 3 and take 3 steps so before the job ends (a worker started later
-    joins): the ranks go on stepping until it has (at most GROW_WAIT_STEPS more steps)."""
+    joins): the ranks go on stepping until it has (at most GROW_WAIT_STEPS more steps); and
+    before that, in the first world, rank 0 raises after TRIP_STEP the error a collective that
+    failed on its side alone raises (no worker leaves: the same three re-form)."""
     import torch
 
     import ringtrain.torch as hvd
+    from ringtrain.errors import CollectiveAbortedError
+    from ringtrain.runtime import membership
 
     hvd.init()
     start = facts(hvd)
@@ -203,6 +209,8 @@ def elastic_fn(out_dir: str, grow: bool = False) -> dict:
     @hvd.elastic.run
     def train(state):
         while going_on(state):
+            if grow and state.step == TRIP_STEP and membership.current() == 0 and hvd.rank() == 0:
+                raise CollectiveAbortedError("a collective failed in transit (the test)")
             g = torch.Generator().manual_seed(state.step)
             x = torch.randn(32, 16, generator=g)
             opt.zero_grad()

@@ -118,16 +118,23 @@ def _reset(state: State, failure: BaseException | None) -> None:
         optimizer.rejoin_all()
         return
     if failure is not None:
-        # Said before the wait: where no rank left (a failure of this rank's own transport),
-        # no world comes until the timeout, and the peers' stall report shows only that this
-        # rank is inside the wrapper.
+        # Where no rank left (this rank's own connection broke), nothing but this rank's
+        # request brings a new world; where the launcher announced one already (the failure
+        # was the wait leaving the old world), there is nothing to ask.
+        announced = membership.newest() > membership.current()
+        # Said before the wait, which may be long, while the peers' stall reports show only
+        # that this rank is inside the wrapper.
         log.warning(
-            "ringtrain elastic: rank %s: %s; re-forming: waiting up to %.0f s for the "
-            "launcher's next world",
+            "ringtrain elastic: rank %s: %s; re-forming: %s",
             runtime.current().rank if runtime.is_initialized() else "?",
             departures.summary(failure),
-            membership.timeout_s(),
+            "joining the world the launcher announced"
+            if announced
+            else "asked the launcher for a new world, waiting up to "
+            f"{membership.timeout_s():.0f} s for it",
         )
+        if not announced:
+            membership.ask_reform()
     world = membership.next_world(failed=failure is not None)
     me = membership.identity()
     if me not in world.members:
@@ -185,7 +192,9 @@ def describe_change(
     first = _GLOO_WHERE.sub("", first)
     if len(first) > REASON_CHARS:
         first = first[:REASON_CHARS].rsplit(" ", 1)[0] + " ..."
-    return f"{what} (a peer failed: {type(failure).__name__}: {first})"
+    # No rank left: the same ranks re-formed because a rank's collective failed (it asked).
+    cause = "a peer failed" if left else "a collective failed"
+    return f"{what} ({cause}: {type(failure).__name__}: {first})"
 
 
 REASON_CHARS = 200  # of the failure's first line in the one-line report

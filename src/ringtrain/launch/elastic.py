@@ -6,14 +6,18 @@ least ``--min-np`` remain, or when ranks started on newly discovered hosts are r
 launcher announces a new generation in the rendezvous store (the member list first, then the
 generation number) and the ranks re-form the world in the same processes
 (:mod:`ringtrain.elastic`). A rank started to join a running job (``JOIN_VAR``) first sets its
-``ready_key`` and waits for a member list that holds it. The key names here are the contract
-with :mod:`ringtrain.runtime.membership`, which imports them.
+``ready_key`` and waits for a member list that holds it. A rank whose collective failed while
+no rank left (its own connection broke) sets its ``reform_key`` for its world: the launcher then
+announces the same members as a new world (:class:`ReformRequests`), as Horovod's driver does
+once its workers re-initialise. The key names here are the contract with
+:mod:`ringtrain.runtime.membership`, which imports them.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ringtrain.environ import Ringtrain
 
@@ -26,6 +30,9 @@ GENERATION_KEY = "ringtrain/elastic/generation"
 # the job when its own timeout passes, must decide first (a rank that gave up would be taken
 # for a failing one).
 RANK_WAIT_MARGIN_S = 30.0
+# A re-form request stands this long before it is granted: where a rank's exit caused the
+# failure, the launcher sees that exit meanwhile and re-forms the world without it instead.
+REFORM_GRACE_S = 3.0
 
 
 def members_key(generation: int) -> str:
@@ -34,6 +41,10 @@ def members_key(generation: int) -> str:
 
 def ready_key(identity: int) -> str:
     return f"ringtrain/elastic/ready/{identity}"
+
+
+def reform_key(generation: int, identity: int) -> str:
+    return f"ringtrain/elastic/reform/{generation}/{identity}"
 
 
 def rank_env(
@@ -76,7 +87,48 @@ class Membership:
             self.members.extend(new)
             self.generation += 1
 
+    def again(self) -> None:
+        """The same members re-form as a new world (a rank asked: :class:`ReformRequests`)."""
+        self.generation += 1
+
     def announcement(self) -> list[tuple[str, str]]:
         """The store writes that announce the current world, in the order they must happen."""
         members = json.dumps(self.members, separators=(",", ":"))
         return [(members_key(self.generation), members), (GENERATION_KEY, str(self.generation))]
+
+
+class Store(Protocol):
+    """The launcher's side of the rendezvous store (:class:`ringtrain.launch.rendezvous`)."""
+
+    def present(self, keys: list[str], timeout_s: float = ...) -> set[str]: ...
+    def publish(self, key: str, value: str) -> None: ...
+
+
+@dataclass
+class ReformRequests:
+    """Re-form requests of the current world's ranks, granted :data:`REFORM_GRACE_S` after the
+    first one unless another change came first (both elastic launchers own one)."""
+
+    generation: int = -1  # the world the first request seen was for
+    since: float = 0.0  # when it was seen (monotonic)
+
+    def poll(self, m: Membership, store: Store, now: float, finished: bool) -> list[int]:
+        """The ranks that asked, once the world is re-formed for them (announced in ``store``);
+        empty while none asked or the request is still within its grace. ``finished``: a rank
+        finished, so the same ranks cannot form a world again; nor can fewer than --min-np
+        (the launcher waits for hosts)."""
+        if finished or len(m.members) < m.min_np:
+            return []
+        keys = [reform_key(m.generation, i) for i in m.members]
+        have = store.present(keys)
+        asked = [i for i, k in zip(m.members, keys, strict=True) if k in have]
+        if not asked:
+            return []
+        if self.generation != m.generation:
+            self.generation, self.since = m.generation, now
+        if now - self.since < REFORM_GRACE_S:
+            return []
+        m.again()
+        for key, value in m.announcement():
+            store.publish(key, value)
+        return asked

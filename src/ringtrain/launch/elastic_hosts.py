@@ -1,7 +1,8 @@
 """Elastic jobs in the launcher: the world re-formed after a loss, hosts from a discovery script.
 
 With ``--min-np``/``--max-np`` (:mod:`ringtrain.launch.elastic`) a rank that fails is dropped
-and the survivors are told their new world, while at least ``--min-np`` remain. With
+and the survivors are told their new world, while at least ``--min-np`` remain; a rank whose
+collective failed while none left asks, and the same ranks re-form as a new world. With
 ``--host-discovery-script`` (:mod:`ringtrain.launch.discovery`) the launcher also starts ranks on
 hosts the script offers (up to ``--max-np``; a host's new ranks join together once all are
 ready), retires those of hosts it no longer offers, excludes hosts whose ranks failed for a
@@ -78,6 +79,7 @@ class ElasticPool:
         self.left: list[str] = []  # how each rank that left the world went
         self.absorbed: list[Failure] = []  # failures the job went on without (report())
         self.growing = True  # until a rank finishes
+        self.requests = elastic.ReformRequests()
         self._next_check = 0.0
 
     def begin(self, specs: list[ProcessSpec], server: RendezvousServer) -> None:
@@ -306,13 +308,24 @@ class ElasticPool:
         self.job.launch(link, specs, ids, host_net, join=True, beside=beside)
 
     def tick(self, now: float) -> bool:
-        """Give up on late joiners; announce those that are ready (a host's new ranks join
-        together, in one new world). Whether the world grew."""
-        if now < self._next_check or self.job.ending():
+        """Re-form the world where a rank asked; give up on late joiners; announce those that
+        are ready (a host's new ranks join together, in one new world). Whether a new world
+        was announced."""
+        if now < self._next_check or self.job.ending() or self.membership is None:
             return False
         self._next_check = now + 0.25
         m = self.membership
-        assert m is not None and self.server is not None
+        assert self.server is not None
+        asked = self.requests.poll(m, self.server, now, finished=not self.growing)
+        if asked:
+            self.job.say(
+                f"rank(s) {asked} failed a collective while no rank had left the world; "
+                f"re-forming it with the same {len(m.members)} rank(s) {m.members} "
+                f"(generation {m.generation})"
+            )
+            return True
+        if not self.options.discovery_script:
+            return False
         for lk in self.job.links:
             late = [i for i in lk.ranks if i in self.joiners and self.joiners[i] < now]
             if late:

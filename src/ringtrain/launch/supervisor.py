@@ -411,7 +411,7 @@ class Supervisor:
             self._handle_interrupts()
             now = time.monotonic()
             self._apply(job_state.Tick(now, self.options.elastic_timeout_s))
-            if self.options.discovery_script and self.pool.tick(now):
+            if self.pool.tick(now):
                 self._changed(Change(reformed=True))
             if isinstance(self.state, WORLD_CHANGING) and self.pool.whole():
                 self._apply(job_state.Settled())

@@ -346,6 +346,7 @@ class RayExecutor:
         assert m is not None and self._server is not None
         pending = dict(zip(refs, self._identities))
         results: dict[int, R] = {}
+        requests = elastic_launch.ReformRequests()
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
             for ref in ready:
@@ -354,6 +355,15 @@ class RayExecutor:
                     results[ident] = ray.get(ref)
                 except Exception as e:  # the actor died, or fn raised: the rank failed
                     self._drop(ident, e, list(pending.values()))
+            asked = requests.poll(m, self._server, time.monotonic(), finished=bool(results))
+            if asked:
+                log.warning(
+                    "ringtrain: worker(s) %s failed a collective while no worker had left; the "
+                    "same %d re-form as world %d",
+                    asked,
+                    len(m.members),
+                    m.generation,
+                )
             if grow is not None and pending:
                 grow(pending)
         # Later calls go to the last world's workers, in its rank order.

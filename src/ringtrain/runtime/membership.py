@@ -6,6 +6,9 @@ first rank) and, when ranks leave, announces a new world in the store it serves:
 * ``ringtrain/elastic/members/<g>``: the identities of world ``g``, in new-rank order;
 * ``ringtrain/elastic/generation``: the newest ``g`` (written after its member list).
 
+A rank whose collective failed sets ``ringtrain/elastic/reform/<g>/<identity>``
+(:func:`ask_reform`): where no rank left, the launcher re-forms world ``g``'s ranks as ``g + 1``.
+
 The launcher is the one authority on generations, so survivors agree on the new world and its
 store prefix whatever each one saw of the failure. Generation 0 is the world the job started as.
 """
@@ -30,6 +33,7 @@ from ringtrain.launch.elastic import (
     TIMEOUT_VAR,
     members_key,
     ready_key,
+    reform_key,
 )
 from ringtrain.runtime import abort
 from ringtrain.runtime.contracts import Store
@@ -104,6 +108,13 @@ def newest() -> int:
     return announced() or 0
 
 
+def ask_reform() -> None:
+    """Ask the launcher to re-form this world: a collective failed here. Where no rank left
+    (this rank's own connection broke, or a peer's that stays), no other event would bring a new
+    world; where one left, the launcher's world without it comes first and this request lapses."""
+    _store().set(reform_key(_current, identity()), "1")
+
+
 def next_world(wait_s: float | None = None, failed: bool = True) -> Roster:
     """Wait (at most ``wait_s``, default the elastic timeout) for a world newer than ours;
     ``failed``: a collective failed (else a ``HostsUpdatedInterrupt`` was raised).
@@ -124,9 +135,10 @@ def next_world(wait_s: float | None = None, failed: bool = True) -> Roster:
         )
         raise HorovodInternalError(
             f"no new world was announced within {wait_s:.0f} s of {what} (this process is in "
-            f"generation {_current}).\nHINT: the launcher announces one only when a rank exits "
-            "or the hosts change"
-            + ("; the error that started this is chained below." if failed else ".")
+            f"generation {_current}).\nHINT: the launcher announces one when a rank exits, the "
+            "hosts change, or a rank asks after a failed collective (every rank whose collective "
+            "failed asks); is the launcher still running?"
+            + (" The error that started this is chained below." if failed else "")
         ) from e
     return announced_world()
 
