@@ -31,8 +31,9 @@ GENERATION_KEY = "ringtrain/elastic/generation"
 # for a failing one).
 RANK_WAIT_MARGIN_S = 30.0
 # A re-form request stands this long before it is granted: where a rank's exit caused the
-# failure, the launcher sees that exit meanwhile and re-forms the world without it instead.
-REFORM_GRACE_S = 3.0
+# failure, the launcher sees that exit meanwhile and re-forms the world without it instead (a
+# job of 64 ranks on 2 busy cores ended 2-5 s after a rank's exit: docs/launch.md).
+REFORM_GRACE_S = 5.0
 
 
 def members_key(generation: int) -> str:
