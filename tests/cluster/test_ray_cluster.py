@@ -97,6 +97,12 @@ def test_ray_executor_secure_one_worker_per_host(ray_cluster: RayCluster) -> Non
     assert all(r["backend"] == "ringtrain_sealed" for r in result["ranks"])
     assert "boom in executor rank 1" in result["failure"], result["failure"]
     assert result["again"] == [result["ranks"][0]["sum"]] * 2, result
+    # Callbacks (Horovod's ray_logger): rank 0's values, and with chief_only=False every
+    # rank's, reach the driver; one callback that raises is called no more, the other goes on.
+    logged = result["logged"]
+    assert {"chief": 0, "sum": 3.0} in logged and len(logged) == 3, logged
+    assert sorted(v["every"] for v in logged if "every" in v) == [0, 1], logged
+    assert result["raising_calls"] == 1
     assert result["tags"] == ["made", "made"]  # executable_cls built in every worker
     assert result["single_pid"] == result["ranks"][0]["pid"]  # execute_single: rank 0
     assert result["remote"] == [42, 42]
@@ -183,6 +189,14 @@ def test_elastic_ray_executor_shrinks_in_place_then_grows(ray_cluster: RayCluste
         assert end["size"] == 3 and end["local_size"] == per_host[end["hostname"]]
         assert end["cross_size"] == (2 if end["local_rank"] == 0 else 1)
         assert r["weights"] == pytest.approx(_reference_weights(r["step"]), rel=1e-4, abs=1e-6)
+    # Callbacks: every worker's hello (the one killed and the one started later among them),
+    # and rank 0's commits in each world, in the order logged.
+    logged = el["logged"]
+    hellos = {v["hello"] for v in logged if "hello" in v}
+    assert hellos == {r["start"]["pid"] for r in results} | {el["killed"]["pid"]}, logged
+    commits = [(v["step"], v["size"]) for v in logged if "step" in v]
+    assert _runs([size for _, size in commits]) == [3, 2, 3], commits
+    assert all(step % COMMIT_EVERY == 0 for step, _ in commits), commits
     reformed = [next(e for e in s["log"] if e[2] == 2) for s in survivors]
     in_place = max(e[1] for e in reformed) - t_kill
     grown = joiner["log"][0][1] - t_kill

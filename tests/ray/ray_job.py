@@ -107,8 +107,9 @@ class Executable:
         self.tag = tag
 
 
-def executor_fn() -> dict:
+def executor_fn(log: bool = False) -> dict:
     import ringtrain.torch as hvd
+    from ringtrain.ray import ray_logger
 
     hvd.init()
     import torch.distributed as dist
@@ -116,7 +117,21 @@ def executor_fn() -> dict:
     out = facts(hvd)
     out["sum"] = allreduce_check(hvd)
     out["backend"] = dist.get_backend()
+    if log:
+        ray_logger.log({"chief": hvd.rank(), "sum": out["sum"]})  # rank 0's only
+        ray_logger.log({"every": hvd.rank()}, chief_only=False)
     return out
+
+
+class Raising:
+    """A callback that raises on the first value: reported, called no more, the run goes on."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, value: dict) -> None:
+        self.calls += 1
+        raise RuntimeError("a callback's own error")
 
 
 def failing_fn() -> float:
@@ -150,7 +165,9 @@ def run_executor(out_dir: str) -> dict:
             failure = ""
         except Exception as e:
             failure = str(e)
-        again = ex.run(executor_fn)
+        logged: list = []
+        raising = Raising()
+        again = ex.run(executor_fn, kwargs={"log": True}, callbacks=[raising, logged.append])
         tags = ex.execute(lambda e: e.tag)
         single = ex.execute_single(lambda e: os.getpid())
         remote = ray.get(ex.run_remote(lambda x: x * 2, args=[21]))
@@ -160,6 +177,8 @@ def run_executor(out_dir: str) -> dict:
         "ranks": ranks,
         "failure": failure,
         "again": [r["sum"] for r in again],
+        "logged": logged,
+        "raising_calls": raising.calls,
         "tags": tags,
         "single_pid": single,
         "remote": remote,
@@ -183,10 +202,13 @@ def elastic_fn(out_dir: str, grow: bool = False) -> dict:
 
     import ringtrain.torch as hvd
     from ringtrain.errors import CollectiveAbortedError
+    from ringtrain.ray import ray_logger
     from ringtrain.runtime import membership
 
     hvd.init()
     start = facts(hvd)
+    if grow:  # every worker, the one started later too: the driver's callbacks take it
+        ray_logger.log({"hello": os.getpid()}, chief_only=False)
     marker = os.path.join(out_dir, "killed.json")
     victim = hvd.local_size() == 2 and hvd.local_rank() == 1 and not os.path.exists(marker)
     model = _step_model()
@@ -227,6 +249,8 @@ def elastic_fn(out_dir: str, grow: bool = False) -> dict:
                 os.kill(os.getpid(), signal.SIGKILL)
             if state.step % COMMIT_EVERY == 0:
                 state.commit()
+                if grow:  # rank 0 of the moment's only
+                    ray_logger.log({"step": state.step, "size": hvd.size()})
             time.sleep(0.1)
 
     train(state)
@@ -253,8 +277,13 @@ def run_elastic_grow(out_dir: str) -> dict:
     settings = ElasticRayExecutor.create_settings(min_np=2, max_np=3, timeout_s=60)
     ex = ElasticRayExecutor(settings, cpus_per_slot=1, env_vars={"RT_TEST_ELASTIC_TAG": "grow"})
     ex.start()
-    results = ex.run(functools.partial(elastic_fn, out_dir, True))
-    return {"results": results, "killed": json.loads(_read(out_dir, "killed.json"))}
+    logged: list = []
+    results = ex.run(functools.partial(elastic_fn, out_dir, True), callbacks=[logged.append])
+    return {
+        "results": results,
+        "killed": json.loads(_read(out_dir, "killed.json")),
+        "logged": logged,
+    }
 
 
 def run_elastic(out_dir: str) -> dict:

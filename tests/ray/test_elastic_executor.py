@@ -35,8 +35,8 @@ def test_what_ringtrain_cannot_honour_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="override_discovery"):
         ElasticRayExecutor(settings, override_discovery=False)
     executor = ElasticRayExecutor(settings)
-    with pytest.raises(ConfigError, match="callbacks"):
-        executor.run(lambda: None, callbacks=[print])
+    with pytest.raises(ConfigError, match=r"callbacks\[0\] is not callable: 1 \(int\)"):
+        executor.run(lambda: None, callbacks=[1])
 
 
 def test_bad_counts_get_horovods_rules() -> None:

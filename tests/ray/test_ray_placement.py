@@ -82,13 +82,13 @@ def test_executor_arguments_are_checked_as_horovod_does(kwargs: dict, message: s
         RayExecutor(RayExecutor.create_settings(), **kwargs)
 
 
-def test_executor_refuses_callbacks_before_anything_runs() -> None:
+def test_executor_refuses_callbacks_it_cannot_call_before_anything_runs() -> None:
     ex = RayExecutor(num_workers=2)  # not started: the refusal comes first
     for call in (ex.run, ex.execute):
-        with pytest.raises(
-            ValueError, match=r"callbacks are not supported by ringtrain's RayExecutor"
-        ):
-            call(lambda *_: 1, callbacks=[print])
+        with pytest.raises(ValueError, match=r"callbacks\[1\] is not callable: 'print' \(str\)"):
+            call(lambda *_: 1, callbacks=[print, "print"])
+    with pytest.raises(ValueError, match=r"run_remote does not wait for the run"):
+        ex.run_remote(lambda: 1, callbacks=[print])
 
 
 def test_executor_without_start_says_so() -> None:

@@ -19,9 +19,8 @@ re-form in place, as under ``ringtrain run --host-discovery-script`` (docs/elast
 ``run`` returns the results of the workers of the last world, in rank order, and ends the job's
 workers (one ``run`` per ``start``, as in Horovod).
 
-Not done: ``callbacks`` (Horovod's worker-to-driver queue), a user-supplied discovery
-(``override_discovery=False``) and ``cooldown_range`` (ringtrain never blacklists a node);
-each is refused with a ``ConfigError`` naming it.
+Not done: a user-supplied discovery (``override_discovery=False``) and ``cooldown_range``
+(ringtrain never blacklists a node); each is refused with a ``ConfigError`` naming it.
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ from ray import ObjectRef
 from ringtrain.errors import ConfigError
 from ringtrain.launch import elastic as elastic_launch
 from ringtrain.ray import placement
+from ringtrain.ray.callbacks import Logged
 from ringtrain.ray.executor import (
     Call,
     R,
@@ -49,7 +49,6 @@ from ringtrain.ray.executor import (
     call_on,
     free_slots,
     new_worker,
-    no_callbacks,
 )
 from ringtrain.ray.worker import Worker
 
@@ -176,13 +175,14 @@ class ElasticRayExecutor:
 
     def run(self, worker_fn: Callable[[], R], callbacks: Sequence[object] | None = None) -> list[R]:
         """``worker_fn()`` on every worker, and on every worker started later; the results of
-        the last world's workers in rank order. The workers are ended afterwards."""
-        no_callbacks(callbacks, "ElasticRayExecutor")
+        the last world's workers in rank order. The workers are ended afterwards. Each of
+        ``callbacks`` is called on the driver with every value the rank 0 of the moment logs
+        (:mod:`ringtrain.ray.ray_logger`)."""
         ex = self._executor
-        call = Call(worker_fn, [], {})
         try:
-            refs = [call_on(w, call) for w in ex._live()]
-            return ex._collect(refs, grow=_Growth(ex, call).tick)
+            return ex.call_all(
+                Call(worker_fn, [], {}), callbacks, growth=lambda call: _Growth(ex, call).tick
+            )
         finally:
             ex.shutdown()
 
@@ -194,7 +194,7 @@ class ElasticRayExecutor:
 class _Growth(Generic[R]):
     """The driver's discovery while ``run`` waits: start workers on free slots, admit them."""
 
-    def __init__(self, executor: RayExecutor, call: Call[R]) -> None:
+    def __init__(self, executor: RayExecutor, call: Logged[R]) -> None:
         self.ex = executor
         self.call = call
         self.starting: dict[

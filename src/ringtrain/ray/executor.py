@@ -20,11 +20,12 @@ The elastic ``run`` returns the results of the workers that finished, in their f
 
 Not done here: growing onto slots that appear later (that is
 :class:`ringtrain.ray.ElasticRayExecutor`, Horovod's Ray discovery, on this machinery); a
-RayExecutor's elastic world only shrinks. ``callbacks`` and ``cooldown_range`` are refused.
+RayExecutor's elastic world only shrinks. ``cooldown_range`` is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -48,7 +49,9 @@ from ringtrain.errors import ConfigError, LaunchError, PeerFailedError
 from ringtrain.launch import elastic as elastic_launch
 from ringtrain.launch.plan import ProcessSpec
 from ringtrain.launch.rendezvous import RendezvousServer
+from ringtrain.ray import callbacks as worker_callbacks
 from ringtrain.ray import placement
+from ringtrain.ray.callbacks import Logged
 from ringtrain.ray.worker import Worker
 from ringtrain.security import keys
 
@@ -293,9 +296,9 @@ class RayExecutor:
     # ---- run ---------------------------------------------------------------------------------
 
     def execute(self, fn: Callable[[Any], R], callbacks: Sequence[object] | None = None) -> list[R]:
-        """``fn(executable)`` on every worker; the results in rank order."""
-        no_callbacks(callbacks)
-        return self._collect([call_on(w, fn) for w in self._live()])
+        """``fn(executable)`` on every worker; the results in rank order. Each of ``callbacks``
+        is called on the driver with every value rank 0 logs (:mod:`ringtrain.ray.ray_logger`)."""
+        return self.call_all(fn, callbacks)
 
     def run(
         self,
@@ -304,18 +307,40 @@ class RayExecutor:
         kwargs: Mapping[str, object] | None = None,
         callbacks: Sequence[object] | None = None,
     ) -> list[R]:
-        """``fn(*args, **kwargs)`` on every worker; the results in rank order."""
-        no_callbacks(callbacks)
-        call = Call(fn, list(args or []), dict(kwargs or {}))
-        return self._collect([call_on(w, call) for w in self._live()])
+        """``fn(*args, **kwargs)`` on every worker; the results in rank order. ``callbacks`` as
+        for :meth:`execute`."""
+        return self.call_all(Call(fn, list(args or []), dict(kwargs or {})), callbacks)
+
+    def call_all(
+        self,
+        fn: Callable[[Any], R],
+        callbacks: Sequence[object] | None,
+        growth: Callable[[Logged[R]], Callable[[dict[ObjectRef[R], int]], None]] | None = None,
+    ) -> list[R]:
+        """``fn(executable)`` on every worker, the values they log handed to ``callbacks``
+        meanwhile; elastic: ``growth(call)`` makes :meth:`_collect`'s ``grow`` for the call."""
+        chosen = worker_callbacks.checked(callbacks)
+        workers = self._live()
+        with contextlib.ExitStack() as stack:
+            queue = stack.enter_context(worker_callbacks.Delivery(chosen)).queue if chosen else None
+            call = Logged(fn, queue)
+            grow = growth(call) if growth is not None else None
+            return self._collect([call_on(w, call) for w in workers], grow=grow)
 
     def run_remote(
         self,
         fn: Callable[..., R],
         args: Sequence[object] | None = None,
         kwargs: Mapping[str, object] | None = None,
+        callbacks: Sequence[object] | None = None,
     ) -> list[ObjectRef[R]]:
         """Like :meth:`run` without waiting: one ``ObjectRef`` per worker (fixed-size jobs)."""
+        if callbacks:
+            raise ConfigError(
+                "run_remote does not wait for the run, so no callback could take the values "
+                "the workers log (Horovod ignores them here).\nHINT: use run(fn, "
+                "callbacks=[...]), or leave callbacks out."
+            )
         if self.elastic:
             raise NotImplementedError(
                 "run_remote is not available in elastic jobs: a worker may leave while it "
@@ -488,11 +513,3 @@ class Call(Generic[R]):
 
     def __call__(self, _executable: object) -> R:
         return self.fn(*self.args, **self.kwargs)
-
-
-def no_callbacks(callbacks: Sequence[object] | None, who: str = "RayExecutor") -> None:
-    if callbacks:
-        raise ConfigError(
-            f"callbacks are not supported by ringtrain's {who}.\n"
-            "HINT: return values from the function, or log from rank 0."
-        )
