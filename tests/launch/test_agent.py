@@ -72,22 +72,23 @@ def test_an_agent_inside_another_process_leaves_its_other_children_alone() -> No
 
 
 # Rank 0 waits on a peer that failed: its wait breaks and it says so ("P" on its heartbeat pipe,
-# as runtime.heartbeat does) a moment after the launcher's stop came, then ends with its own
-# words and code. Rank 1 knows of nothing and sleeps.
+# as runtime.heartbeat does) SAY_AFTER seconds after it starts, a moment after the launcher's
+# stop came, then ends with its own words and code. Rank 1 knows of nothing and sleeps.
 _FD = Ringtrain.HEARTBEAT_FD
 _PEER_SAYS_LATE = (
-    f"import os, sys, time; fd = int(os.environ[{_FD!r}]); os.write(fd, b'.'); time.sleep(0.5); "
-    "os.write(fd, b'P'); time.sleep(0.5); print('rank 0: a peer left the job', flush=True); "
-    "sys.exit(1)"
+    f"import os, sys, time; fd = int(os.environ[{_FD!r}]); os.write(fd, b'.'); "
+    "time.sleep(float(os.environ['SAY_AFTER'])); os.write(fd, b'P'); time.sleep(0.5); "
+    "print('rank 0: a peer left the job', flush=True); sys.exit(1)"
 )
 
 
-def _stop_two_ranks(notice_s: float) -> dict[int, dict[str, Any]]:
+def _stop_two_ranks(notice_s: float, say_after_s: float) -> dict[int, dict[str, Any]]:
     """Start the two ranks above, stop them at once with ``notice_s``; each rank's exit."""
     out = io.StringIO()
     a = agent.Agent(out)
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-    ranks = [{"rank": 0, "env": {}, "argv": [sys.executable, "-c", _PEER_SAYS_LATE]}]
+    env = {"SAY_AFTER": str(say_after_s)}
+    ranks = [{"rank": 0, "env": env, "argv": [sys.executable, "-c", _PEER_SAYS_LATE]}]
     a.start({"ranks": [*ranks, {"rank": 1, "env": {}, "argv": sleeper}], "grace_s": 20.0})
     a.stop_all(notice_s)
     deadline = time.monotonic() + 30
@@ -102,8 +103,10 @@ def test_a_stop_after_a_failure_lets_the_peers_say_so_first() -> None:
     a notice (agent.PEER_NOTICE_S) before SIGTERM: a peer whose wait broke at the failed rank's
     exit says so within it and then ends alone, with its own code and words. Without the
     notice, SIGTERM came first and ended it without them."""
-    exits = _stop_two_ranks(notice_s=6.0)  # rank 0 speaks 0.5 s after it starts
+    exits = _stop_two_ranks(notice_s=6.0, say_after_s=0.5)  # it speaks within the notice
     assert exits[0]["code"] == 1 and exits[0]["signal"] is None, exits[0]
     assert exits[1]["signal"] == "SIGTERM", exits[1]  # sent at the notice's end: it never spoke
-    exits = _stop_two_ranks(notice_s=0.0)
+    # Without the notice, SIGTERM comes before it speaks: at 0.5 s, a suite beside stress-ng
+    # had delayed the stop past it once (rank 0 ended by itself, code 1).
+    exits = _stop_two_ranks(notice_s=0.0, say_after_s=10.0)
     assert exits[0]["signal"] == "SIGTERM", exits[0]
