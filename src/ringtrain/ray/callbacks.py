@@ -15,19 +15,21 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from ringtrain.errors import ConfigError
+from ringtrain.ray.ray_logger import ValueQueue
 
 log = logging.getLogger("ringtrain")
 R = TypeVar("R")
+Callback = Callable[[object], object]  # takes one logged value
 POLL_S = 0.1  # how long the driver thread waits for a value before it looks whether to stop
 
 
-def checked(callbacks: Sequence[object] | None) -> list[Callable[[Any], object]]:
+def checked(callbacks: Sequence[object] | None) -> list[Callback]:
     """The callbacks, each a function or an object with ``__call__`` (else a ``ConfigError``
     naming it, before any worker runs)."""
-    out: list[Callable[[Any], object]] = []
+    out: list[Callback] = []
     for i, c in enumerate(callbacks or []):
         if not callable(c):
             raise ConfigError(
@@ -41,7 +43,7 @@ def checked(callbacks: Sequence[object] | None) -> list[Callable[[Any], object]]
 class Delivery:
     """While inside: the values logged into :attr:`queue` go to the callbacks (``with``)."""
 
-    def __init__(self, callbacks: list[Callable[[Any], object]]) -> None:
+    def __init__(self, callbacks: list[Callback]) -> None:
         from ray.util.queue import Queue
 
         self.callbacks = callbacks
@@ -92,8 +94,8 @@ class Logged(Generic[R]):
     """An ``execute`` function that runs ``fn`` with the run's queue configured in the worker
     (None: a run without callbacks, so that a queue of an earlier run is never used)."""
 
-    fn: Callable[[Any], R]
-    queue: Any = None
+    fn: Callable[[object], R]
+    queue: ValueQueue | None = None
 
     def __call__(self, executable: object) -> R:
         from ringtrain.ray import ray_logger

@@ -313,7 +313,7 @@ class RayExecutor:
 
     def call_all(
         self,
-        fn: Callable[[Any], R],
+        fn: Callable[[object], R],
         callbacks: Sequence[object] | None,
         growth: Callable[[Logged[R]], Callable[[dict[ObjectRef[R], int]], None]] | None = None,
     ) -> list[R]:

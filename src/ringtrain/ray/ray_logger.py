@@ -17,22 +17,30 @@ logs unless ``chief_only=False``, and a ``log`` without callbacks to take it war
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from collections.abc import Mapping
+from typing import Protocol
 
 from ringtrain import environ
 from ringtrain.environ import Ringtrain
 
-_queue: Any = None  # ray.util.queue.Queue of the run in progress, or None
+
+class ValueQueue(Protocol):
+    """What a worker needs of the run's ``ray.util.queue.Queue``."""
+
+    def put(self, item: object, block: bool = ..., timeout: float | None = ...) -> None: ...
+
+
+_queue: ValueQueue | None = None  # the queue of the run in progress
 _warned = False
 
 
-def configure(queue: Any) -> None:
+def configure(queue: ValueQueue | None) -> None:
     """The queue of the call that starts (None: a call without callbacks)."""
     global _queue
     _queue = queue
 
 
-def log(info_dict: dict[str, Any], chief_only: bool = True) -> None:
+def log(info_dict: Mapping[str, object], chief_only: bool = True) -> None:
     """Send ``info_dict`` to the driver's callbacks (``chief_only``: rank 0's only)."""
     global _warned
     if chief_only and _rank() != 0:
