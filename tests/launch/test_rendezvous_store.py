@@ -40,6 +40,23 @@ def test_the_port_is_never_free_between_choosing_and_serving() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_late_answer_is_never_taken_for_a_later_questions() -> None:
+    """The launcher asks the store in turn about re-form requests and joiners' ready keys. An
+    answer that comes after its question gave up (a busy store) was read as the next
+    question's answer, and so on: every answer one behind, the joiners' keys never seen."""
+    server = RendezvousServer(sys.executable, timeout_s=30.0, start_timeout_s=30.0)
+    try:
+        assert server.port
+        server.publish("ringtrain/a", "1")
+        server.publish("ringtrain/b", "1")
+        assert server.present(["ringtrain/a"], timeout_s=0.0) == set()  # gave up at once
+        assert server.present(["ringtrain/b", "ringtrain/c"]) == {"ringtrain/b"}
+        assert server.present(["ringtrain/a", "ringtrain/c"]) == {"ringtrain/a"}
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_store_slower_than_the_start_timeout_says_which_flag_to_raise(tmp_path: Path) -> None:
     """A busy host starts the store slowly: the error names --start-timeout, not a missing
     ringtrain. (The store starts in a fraction of a second: an interpreter that first sleeps

@@ -6,6 +6,7 @@ Run as a separate interpreter so the launcher itself never imports torch.
 from __future__ import annotations
 
 import contextlib
+import os
 import select
 import socket
 import subprocess
@@ -65,6 +66,10 @@ class RendezvousServer:
             )
         self._start_timeout_s = start_timeout_s
         self._port: int | None = None
+        # The server's output, read from its pipe's fd (select sees the fd, not what a Python
+        # stream would have buffered): what came after the last whole line.
+        self._pending = b""
+        self._asked = 0  # CHECK questions sent, each answered with its number
 
     @property
     def port(self) -> int:
@@ -75,12 +80,11 @@ class RendezvousServer:
         deadline = time.monotonic() + self._start_timeout_s
         line, ended = "", False
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([self._proc.stdout], [], [], 0.1)
-            if ready:
-                line = self._proc.stdout.readline()
-                ended = not line  # its output closed: it ended (or is ending)
+            got = self._line(min(deadline, time.monotonic() + 0.1))
+            if got:
+                line = got
                 break
-            if self._proc.poll() is not None:
+            if got == "" or self._proc.poll() is not None:  # its output closed, or it ended
                 ended = True
                 break
         if not line.startswith("PORT "):
@@ -116,20 +120,43 @@ class RendezvousServer:
             raise LaunchError(f"the rendezvous store is gone; cannot announce {key}: {e}") from e
 
     def present(self, keys: list[str], timeout_s: float = 5.0) -> set[str]:
-        """Those of ``keys`` that are set in the store (empty if the store does not answer)."""
+        """Those of ``keys`` that are set in the store (empty if the store does not answer
+        within ``timeout_s``). Answers carry their question's number: one that comes after its
+        question gave up is skipped, never taken for a later question's (the launcher asks
+        about re-form requests and joiners in turn)."""
         if not keys:
             return set()
-        assert self._proc.stdin is not None and self._proc.stdout is not None
+        assert self._proc.stdin is not None
+        self._asked += 1
         try:
-            self._proc.stdin.write("CHECK " + " ".join(keys) + "\n")
+            self._proc.stdin.write(f"CHECK {self._asked} " + " ".join(keys) + "\n")
             self._proc.stdin.flush()
         except (OSError, ValueError) as e:
             raise LaunchError(f"the rendezvous store is gone: {e}") from e
-        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
-        line = self._proc.stdout.readline() if ready else ""
-        if not line.startswith("HAVE"):
-            return set()
-        return set(line.split()[1:])
+        deadline = time.monotonic() + timeout_s
+        while (line := self._line(deadline)) is not None:
+            parts = line.split()
+            if parts[:2] == ["HAVE", str(self._asked)]:
+                return set(parts[2:])
+            if not line:
+                break  # its output closed
+        return set()
+
+    def _line(self, deadline: float) -> str | None:
+        """The server's next line; "" once its output closed; None at ``deadline``."""
+        assert self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([fd], [], [], max(left, 0.0))
+            if not ready:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return ""
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode()
 
     def close(self) -> None:
         if self._proc.poll() is None:

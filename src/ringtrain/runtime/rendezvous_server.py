@@ -8,8 +8,10 @@ before this process starts, so no other process can take the port meanwhile, and
 connect early wait in its backlog), or binds ``--port`` itself; prints ``PORT <n>`` on stdout,
 then serves until its stdin closes: the launcher holds that pipe, so the store lives exactly as long as the launcher.
 Lines ``SET <key> <value>`` on stdin set keys: how the launcher, which has no store client,
-announces elastic membership (:mod:`ringtrain.runtime.membership`); ``CHECK <key> ...`` answers
-``HAVE <key> ...`` on stdout with those of the keys that are set (joining ranks' ready keys).
+announces elastic membership (:mod:`ringtrain.runtime.membership`); ``CHECK <n> <key> ...`` answers
+``HAVE <n> <key> ...`` on stdout with those of the keys that are set (joining ranks' ready keys,
+ranks' re-form requests); ``n`` numbers the question, so that a late answer is never taken for
+a later question's.
 Hosting the store outside the ranks means rank 0 can fail or restart without taking the
 rendezvous with it.
 """
@@ -47,10 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         parts = line.split(" ", 2)
         if len(parts) == 3 and parts[0] == "SET":
             server.set(KEY_PREFIX + parts[1].encode(), parts[2].encode())
-        elif parts[0] == "CHECK":
-            keys = line.split()[1:]
+        elif parts[0] == "CHECK" and len(parts) > 1:
+            number, *keys = line.split()[1:]
             have = [k for k in keys if server.check([KEY_PREFIX + k.encode()])]
-            print(" ".join(["HAVE", *have]), flush=True)
+            print(" ".join(["HAVE", number, *have]), flush=True)
 
     print(f"PORT {server.port}", flush=True)
     server.watch(sys.stdin.fileno(), on_line)  # ends when the launcher closes the pipe or dies
