@@ -4,7 +4,9 @@
 A Ray queue (an actor of no CPU) carries the values; a driver thread takes them while the run
 waits and, once the run's results are in, takes what is left before it stops, so every value
 logged before a worker's function returned reaches the callbacks. A callback that raises is
-reported with its traceback and called no more; the run goes on and returns its results.
+reported with its traceback and called no more; the run goes on and returns its results. One
+still busy :data:`DRAIN_S` after the results are in is left behind, said in a warning, so that a
+callback that blocks cannot hold ``run`` forever.
 Horovod documents callbacks for ``RayExecutor`` too but takes them only in its elastic
 executor; ringtrain takes them in both.
 """
@@ -15,15 +17,24 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from ringtrain.errors import ConfigError
 from ringtrain.ray.ray_logger import ValueQueue
+
+
+class RunQueue(ValueQueue, Protocol):
+    """What the driver needs of the run's ``ray.util.queue.Queue`` (the workers, its put)."""
+
+    def get(self, block: bool = ..., timeout: float | None = ...) -> object: ...
+    def shutdown(self, force: bool = ..., grace_period_s: int = ...) -> None: ...
+
 
 log = logging.getLogger("ringtrain")
 R = TypeVar("R")
 Callback = Callable[[object], object]  # takes one logged value
 POLL_S = 0.1  # how long the driver thread waits for a value before it looks whether to stop
+DRAIN_S = 60.0  # how long the run waits for the callbacks once its results are in (Horovod's)
 
 
 def checked(callbacks: Sequence[object] | None) -> list[Callback]:
@@ -43,14 +54,20 @@ def checked(callbacks: Sequence[object] | None) -> list[Callback]:
 class Delivery:
     """While inside: the values logged into :attr:`queue` go to the callbacks (``with``)."""
 
-    def __init__(self, callbacks: list[Callback]) -> None:
-        from ray.util.queue import Queue
+    def __init__(self, callbacks: list[Callback], queue: RunQueue | None = None) -> None:
+        """``queue``: a Ray queue actor is started unless one is given (tests)."""
+        if queue is None:
+            from ray.util.queue import Queue
 
+            queue = Queue(actor_options={"num_cpus": 0})
         self.callbacks = callbacks
-        self.queue = Queue(actor_options={"num_cpus": 0})
+        self.queue = queue
         self._failed: set[int] = set()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._take, name="ringtrain-ray-callbacks")
+        # A daemon: one left behind in a blocked callback must not hold the driver's exit.
+        self._thread = threading.Thread(
+            target=self._take, name="ringtrain-ray-callbacks", daemon=True
+        )
 
     def __enter__(self) -> Delivery:
         self._thread.start()
@@ -58,7 +75,13 @@ class Delivery:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        self._thread.join(DRAIN_S)
+        if self._thread.is_alive():
+            log.warning(
+                "ringtrain: a callback was still busy %.0f s after the run's results were in; "
+                "the run returns without it, and values still queued are not delivered",
+                DRAIN_S,
+            )
         self.queue.shutdown()
 
     def _take(self) -> None:
@@ -71,6 +94,10 @@ class Delivery:
                 if self._stop.is_set():
                     return  # stopped, and nothing is left
                 continue
+            except Exception as e:  # the queue's actor is gone (the run ended without us)
+                if not self._stop.is_set():
+                    log.warning("ringtrain: the callbacks' queue failed: %s", e)
+                return
             self._deliver(value)
 
     def _deliver(self, value: object) -> None:
