@@ -38,6 +38,20 @@ def test_rank_0_logs_every_rank_with_chief_only_false(monkeypatch: pytest.Monkey
     assert queue.items == [{"a": 1}, {"c": 3}]
 
 
+def test_rank_0_is_the_rank_of_the_moment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Started as rank 1, renumbered 0 by a re-formed elastic world: it logs as rank 0."""
+    import types
+
+    from ringtrain.runtime import state
+
+    queue = Queue()
+    monkeypatch.setenv("RINGTRAIN_RANK", "1")
+    monkeypatch.setattr(state, "is_initialized", lambda: True)
+    monkeypatch.setattr(state, "current", lambda: types.SimpleNamespace(rank=0))
+    Logged(lambda _: ray_logger.log({"a": 1}), queue)(None)
+    assert queue.items == [{"a": 1}]
+
+
 def test_a_call_without_callbacks_never_uses_an_earlier_runs_queue_and_warns_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
