@@ -95,9 +95,10 @@ def test_the_launchers_lines_set_and_check_keys_clients_see(
     proc.stdin.flush()
     assert store.get("ringtrain/elastic/generation") == b"3 [0, 1]"
     store.set("ready/1", "1")
-    proc.stdin.write("CHECK ready/0 ready/1 ringtrain/elastic/generation\n")
+    proc.stdin.write("CHECK 7 ready/0 ready/1 ringtrain/elastic/generation\n")  # question 7
     proc.stdin.flush()
-    assert proc.stdout.readline().split() == ["HAVE", "ready/1", "ringtrain/elastic/generation"]
+    answer = ["HAVE", "7", "ready/1", "ringtrain/elastic/generation"]  # its number, then keys
+    assert proc.stdout.readline().split() == answer
     proc.stdin.close()  # the launcher went: the store ends
     assert proc.wait(timeout=10) == 0
 
