@@ -6,6 +6,7 @@ file in tests/launch/test_horovodrun.py's ``test_real_job_with_horovodrun_flags_
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +121,25 @@ def test_switches_off_and_an_autotuner_that_is_off_say_nothing(tmp_path: Path, c
     text += "autotune:\n  enabled: false\n  warmup_samples: 5\ntimeline:\n  mark_cycles: false\n"
     assert _options(tmp_path, text).settings == {"hierarchical": "off"}
     assert capsys.readouterr().err == ""
+
+
+def test_a_file_given_as_a_pipe_is_read_once_for_its_settings_and_its_notes(capsys) -> None:
+    """``--config-file <(make-config)``: the shell's pipe reads empty a second time, so the
+    launcher reads the file once (it read it twice and said none of its notes)."""
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, b"controller: gloo\nparams:\n  cycle_time_ms: 10\n")
+        os.close(write_end)
+        path = f"/dev/fd/{read_end}"
+        argv = ["run", "-np", "2", "--config-file", path, "true"]
+        options = command.checked_options(cli.build_parser(argv).parse_args(argv))
+    finally:
+        os.close(read_end)
+    assert options.settings == {"cycle_time_ms": 10.0}
+    assert capsys.readouterr().err.splitlines() == [
+        f"ringtrain run: --config-file {path}: controller: --gloo is not needed: ranks always "
+        "talk over torch.distributed (Gloo on CPU)"
+    ]
 
 
 def test_an_empty_file_sets_nothing(tmp_path: Path) -> None:

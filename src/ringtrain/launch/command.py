@@ -387,7 +387,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     if not hosts and not discovering:
         hosts = [Host("localhost", np)]
     command = _command(args)
-    settings = horovod_config.read(getattr(args, "config_file", None)).settings  # flags win:
+    from_file = horovod_config.read(getattr(args, "config_file", None))
+    settings = dict(from_file.settings)  # flags win:
     for f in SETTING_FLAGS:
         value = getattr(args, f.field)
         if value is not None:
@@ -406,10 +407,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         settings["secure"] = True
     if args.check_consistency is not None:
         settings["check_consistency"] = False
-    asked = (
-        env_var("log_level"),
-        *environ.horovod_vars_of("log_level"),
-    )  # a level the job set wins over -v's
+    asked = (env_var("log_level"), *environ.horovod_vars_of("log_level"))  # the job's wins
     if (
         args.verbose
         and "log_level" not in settings
@@ -437,6 +435,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         elastic_timeout_s=args.elastic_timeout,
         reset_limit=args.reset_limit,
         discovery_script=getattr(args, "host_discovery_script", None),
+        notes=from_file.notes,
         slots_per_host=getattr(args, "slots_per_host", 1),
         cooldown_range=(
             (args.blacklist_cooldown_range[0], args.blacklist_cooldown_range[1])
@@ -594,6 +593,6 @@ def checked_options(args: argparse.Namespace) -> LaunchOptions:
     if options.output_dir:  # the launcher itself writes there
         label = f"--output-filename {options.output_dir!r}"
         check_path(label, options.output_dir, directory=True)
-    for line in [*horovod_config.read(args.config_file).notes, *horovodrun.not_needed(args)]:
+    for line in [*options.notes, *horovodrun.not_needed(args)]:
         print(f"ringtrain run: {line}", file=sys.stderr)
     return options

@@ -88,6 +88,9 @@ class LaunchOptions:
     slots_per_host: int = 1
     # --blacklist-cooldown-range MIN MAX: a failing host comes back after a cool-down.
     cooldown_range: tuple[float, float] | None = None
+    # What the launcher says before any rank starts: a --config-file's keys without effect. Kept
+    # from its one reading (a file given as a pipe, <(...), reads empty the second time).
+    notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Every number first: NaN, inf and negatives end here, before any host is reached.
