@@ -24,7 +24,7 @@ from ringtrain.collectives.controller import Controller
 from ringtrain.collectives.objects import allgather_object
 from ringtrain.collectives.step_timing import StepTimer
 from ringtrain.config import Config
-from ringtrain.diagnostics import engine_wait, timeline, trainjob_status
+from ringtrain.diagnostics import engine_wait, gil_watch, timeline, trainjob_status
 from ringtrain.engine import overlap
 from ringtrain.errors import ConfigError, HorovodInternalError, by_rank
 from ringtrain.launch import elastic as elastic_launch
@@ -81,7 +81,7 @@ def init(
         return
     init_arguments.check_comm_type(comm)
     sets = init_arguments.process_sets_of(process_sets)
-    heartbeat.start()  # under `ringtrain run`: the agent finds a rank that stops responding
+    beating = heartbeat.start()  # under `ringtrain run`: its agent finds a rank that stops
     if config is None:
         config = Config.from_env(**settings)
     elif settings:
@@ -103,7 +103,10 @@ def init(
         if config.timeline_filename and not timeline.current().enabled:
             # Elastic: a re-formed world keeps the running timeline (one file per process).
             start_timeline(config.timeline_filename)
+        if rt.size > 1:  # a rank holding the GIL in C says where (its peers cannot)
+            gil_watch.start(gil_watch.timeout_for(config, beating), rt.rank)
     except BaseException:
+        gil_watch.stop()
         timeline.stop()
         trainjob_status.stop()
         departures.unbind()
@@ -226,6 +229,7 @@ def _leave(failure: str | None, at_exit: bool = False) -> bool:
             if ctl is not None:
                 told = ctl.request_shutdown(wait, failure or "") and told
     finally:
+        gil_watch.stop()
         departures.unbind()
         if told and failure is None:
             state.stop()

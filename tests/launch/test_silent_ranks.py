@@ -83,3 +83,12 @@ def test_a_silent_rank_that_works_lives_and_one_doing_nothing_is_killed_as_froze
     assert frozen and FROZEN <= int(frozen[1]) < 30, out  # the setting's, not the default's
     assert not re.search(r"rank 0 \(pid \d+\) stopped responding", out), out
     assert "job failed: rank 1" in proc.stderr, out
+    # Each said where it held the GIL (diagnostics/gil_watch.py: its timeout is FROZEN here),
+    # rank 1 before its agent killed it; rank 0, once its Python ran again, for how long.
+    lines = out.splitlines()
+    where = f'[1]   File "{job}", line 33 in <module>'
+    assert where in lines, out
+    killed = next(i for i, line in enumerate(lines) if "frozen: no work for" in line)
+    assert lines.index("[1] Timeout (0:00:02)!") < lines.index(where) < killed, out
+    assert f'[0]   File "{job}", line 27 in <module>' in lines, out
+    assert "[0] ringtrain: rank 0: no Python ran in this process for " in out, out

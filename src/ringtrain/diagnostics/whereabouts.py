@@ -9,7 +9,8 @@ then logs where its own threads are, at the cadence of rank 0's warnings (the st
 time), on its own output, where ``ringtrain run`` prefixes it with the rank.
 
 What it cannot show: a rank whose main thread holds the GIL in C code (its controller cannot
-run Python either, and the round that would tell rank 0 stalls too); a rank that is gone.
+run Python either, and the round that would tell rank 0 stalls too: there faulthandler's
+watchdog speaks, :mod:`ringtrain.diagnostics.gil_watch`); a rank that is gone.
 
 DistributedOptimizer's buckets are not negotiated, so there the ranks waiting in ``step()``
 ask: the lowest of them, when it reports (:mod:`ringtrain.diagnostics.engine_wait`), leaves a
