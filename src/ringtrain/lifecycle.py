@@ -104,7 +104,7 @@ def init(
             # Elastic: a re-formed world keeps the running timeline (one file per process).
             start_timeline(config.timeline_filename)
         if rt.size > 1:  # a rank holding the GIL in C says where (its peers cannot)
-            gil_watch.start(gil_watch.timeout_for(config, beating), rt.rank)
+            gil_watch.start(gil_watch.timeout_for(config, beating), rt.rank, _rounds_led)
     except BaseException:
         gil_watch.stop()
         timeline.stop()
@@ -404,6 +404,17 @@ def _attach_controller(ps: ProcessSet, config: Config) -> None:
         world = state.global_process_set.communicator.service("controller")
         board = world.board if world is not None else None
         comm.attach("controller", Controller(comm, config, board=board))
+
+
+def _rounds_led() -> list[tuple[int, float]]:
+    """The control rounds in progress of the sets this rank is rank 0 of (gil_watch.Rounds)."""
+    found = []
+    for ps in list(state.current().process_sets.values()):
+        comm = ps.communicator
+        ctl = comm.service("controller")
+        if ctl is not None and comm.set_rank == 0 and (since := ctl.round_started) is not None:
+            found.append((comm.set_id, since))
+    return found
 
 
 def _attach_step_timer(rt: state.Runtime, every: int) -> None:

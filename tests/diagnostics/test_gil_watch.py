@@ -1,6 +1,6 @@
 """A rank whose Python stops (a C call holding the GIL) prints where its threads are
 (diagnostics/gil_watch.py): in this process, in a forked child's exit, and under ``ringtrain
-run`` while its peer waits in an allreduce."""
+run`` while its peer waits in an allreduce, whose control round says what it waits for."""
 
 from __future__ import annotations
 
@@ -147,3 +147,7 @@ def test_under_ringtrain_run_a_rank_holding_the_gil_says_where_it_was(tmp_path: 
         for line in lines
     ), out
     assert not any(line.startswith("[0] Timeout") for line in lines), out  # rank 0 ran Python
+    waited = [line for line in lines if "control round has waited" in line]
+    assert len(waited) == 1, out  # once per round, by the set's rank 0
+    assert waited[0].startswith("[0] ringtrain: rank 0: process set 0's control round has "), out
+    assert "a rank that runs no Python (a call into C code holding the GIL" in waited[0], out

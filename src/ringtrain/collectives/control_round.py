@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 import struct
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,9 @@ class ControlChannel:
         self._slot = torch.zeros(CONTROL_SLOT_BYTES, dtype=torch.uint8)
         self._slots = torch.zeros(comm.size * CONTROL_SLOT_BYTES, dtype=torch.uint8)
         self.rounds = 0  # exchanges so far: a protocol counter for tests and benchmarks
+        # When the exchange in progress began (perf_counter); None between exchanges. A round
+        # waits milliseconds unless a peer runs no Python (diagnostics.gil_watch reads it).
+        self.started: float | None = None
 
     def exchange(self, msg: Message) -> list[Message]:
         """Allgather one pickled message per rank over the control group.
@@ -74,6 +78,13 @@ class ControlChannel:
         self.rounds += 1
         if self._size == 1:
             return [msg]
+        self.started = time.perf_counter()
+        try:
+            return self._exchange(msg)
+        finally:
+            self.started = None
+
+    def _exchange(self, msg: Message) -> list[Message]:
         payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         # Preallocated slots, filled and read through memoryviews: a round runs every cycle, and
         # a dozen small torch ops cost as much CPU as the allgather itself.

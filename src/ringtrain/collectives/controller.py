@@ -216,6 +216,12 @@ class Controller:
     def close(self) -> None:
         self.request_shutdown()
 
+    @property
+    def round_started(self) -> float | None:
+        """When this rank's control round in progress began (perf_counter), None between."""
+        vector = self._vector.channel.started if self._vector is not None else None
+        return vector if vector is not None else self._channel.started
+
     def abandon(self) -> None:
         """Stop at once, without the peers (elastic: one of them failed). Pending ops fail. The
         background thread leaves at its next sliced wait (:mod:`ringtrain.runtime.abort`), and

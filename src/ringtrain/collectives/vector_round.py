@@ -29,6 +29,7 @@ unnamed ops are new every time, and each would otherwise cost a vector round and
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -213,6 +214,7 @@ class VectorChannel:
         self._steps: list[Any] = pairs or ([comm.group("control")] if comm.size > 1 else [])
         self._world = world
         self.rounds = 0  # exchanges so far: a protocol counter for tests and benchmarks
+        self.started: float | None = None  # as ControlChannel.started
         if pairs:
             # Connect the pairs now, on every member alike (the controller is made at init or
             # add_process_set, collectively): a broken pair fails there, not in a round, and
@@ -224,7 +226,11 @@ class VectorChannel:
         if self._size == 1:
             return v
         t = torch.from_numpy(v.view(np.int64))
-        self._reduce(t)
+        self.started = time.perf_counter()
+        try:
+            self._reduce(t)
+        finally:
+            self.started = None
         return t.numpy().view(np.uint64)
 
     def _reduce(self, t: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO
 
 from ringtrain.config import Config
@@ -39,10 +40,17 @@ _watch: _Watch | None = None
 _fork_hooks = False
 
 
+# (process set id, when its control round in progress began, perf_counter) for each set of
+# which this rank is rank 0 and that is in a round now.
+Rounds = Callable[[], list[tuple[int, float]]]
+
+
 class _Watch:
-    def __init__(self, timeout_s: float, rank: int) -> None:
+    def __init__(self, timeout_s: float, rank: int, rounds: Rounds) -> None:
         self.timeout_s = timeout_s
         self.rank = rank
+        self.rounds = rounds
+        self.told: dict[int, float] = {}  # set id -> the round whose wait was said
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="ringtrain-gil-watch", daemon=True)
 
@@ -69,6 +77,29 @@ class _Watch:
                     self.timeout_s,
                 )
             last = now
+            self._look_at_rounds()
+
+    def _look_at_rounds(self) -> None:
+        """The peers' side: a round that waits this long waits for a rank that runs no
+        Python (its stacks come from its own watch). Said once per round, by the set's rank 0."""
+        try:
+            rounds = self.rounds()
+        except Exception:  # the runtime shutting down under this thread: nothing to say
+            return
+        for set_id, since in rounds:
+            waited = time.perf_counter() - since
+            if waited > self.timeout_s and self.told.get(set_id) != since:
+                self.told[set_id] = since
+                log.warning(
+                    "ringtrain: rank %d: process set %d's control round has waited %.0f s for "
+                    "its peers (a round takes milliseconds): a rank that runs no Python (a call "
+                    "into C code holding the GIL, a stopped process) holds every collective of "
+                    "the set. That rank prints its threads' stacks on its own output "
+                    "('Timeout (...)!', from faulthandler).",
+                    self.rank,
+                    set_id,
+                    waited,
+                )
 
 
 def timeout_for(config: Config, beating: bool) -> float:
@@ -80,9 +111,9 @@ def timeout_for(config: Config, beating: bool) -> float:
     return min(config.stall_warning_s, config.frozen_after_s)
 
 
-def start(timeout_s: float, rank: int) -> None:
+def start(timeout_s: float, rank: int, rounds: Rounds = list) -> None:
     """Watch this process from now on (again after an elastic re-forming: the newest rank and
-    timeout win); ``timeout_s`` 0 watches nothing."""
+    timeout win), and the control rounds ``rounds`` lists; ``timeout_s`` 0 watches nothing."""
     global _watch, _fork_hooks
     stop()
     if timeout_s <= 0:
@@ -93,7 +124,7 @@ def start(timeout_s: float, rank: int) -> None:
                 before=_before_fork, after_in_parent=_after_fork, after_in_child=_in_child
             )
             _fork_hooks = True
-        _watch = _Watch(timeout_s, rank)
+        _watch = _Watch(timeout_s, rank, rounds)
         _watch.arm()
         _watch.thread.start()
 
