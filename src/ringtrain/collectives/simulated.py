@@ -63,6 +63,7 @@ class CountingChannel(ControlChannel):
         self._slot = torch.zeros(_slot_bytes(), dtype=torch.uint8)
         self._slots = torch.zeros(size * _slot_bytes(), dtype=torch.uint8)
         self.rounds = 0
+        self.started: float | None = None
         self.counts = counts
 
     def exchange(self, msg: Message) -> list[Message]:
@@ -91,6 +92,7 @@ class CountingVectors(VectorChannel):
         self._steps = [None] * len(doubling_steps(0, size)) if size > 1 else []
         self._world = -1
         self.rounds = 0
+        self.started: float | None = None
         self.counts = counts
 
     def exchange(self, v: np.ndarray) -> np.ndarray:
