@@ -103,8 +103,9 @@ def init(
         if config.timeline_filename and not timeline.current().enabled:
             # Elastic: a re-formed world keeps the running timeline (one file per process).
             start_timeline(config.timeline_filename)
-        if rt.size > 1:  # a rank holding the GIL in C says where (its peers cannot)
-            gil_watch.start(gil_watch.timeout_for(config, beating), rt.rank, _rounds_led)
+        # A rank holding the GIL in C says where (its peers cannot); alone, it keeps no one.
+        watch_s = gil_watch.timeout_for(config, beating) if rt.size > 1 else 0.0
+        gil_watch.start(watch_s, rt.rank, _rounds_led)
     except BaseException:
         gil_watch.stop()
         timeline.stop()

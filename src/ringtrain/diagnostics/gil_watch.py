@@ -66,14 +66,14 @@ class _Watch:
                 if self.stop.is_set():
                     return
                 self.arm()
-            if now - last > self.timeout_s:
+            if now - last > self.timeout_s:  # the watchdog armed at `last` has fired
                 log.warning(
-                    "ringtrain: rank %d: no Python ran in this process for %.1f s: a call into "
-                    "C code held the GIL (or the process was stopped), so this rank took part "
-                    "in no collective meanwhile. The stacks faulthandler printed above after "
-                    "'Timeout (...)!', %g s into it, show where its threads were.",
+                    "ringtrain: rank %d: no Python ran in this process for at least %.1f s: a "
+                    "call into C code held the GIL (or the process was stopped), so this rank "
+                    "took part in no collective meanwhile. The stacks faulthandler printed "
+                    "above after 'Timeout (...)!', %g s into it, show where its threads were.",
                     self.rank,
-                    now - last,
+                    now - last - every,  # this thread's wait ended then, and it got no GIL
                     self.timeout_s,
                 )
             last = now
