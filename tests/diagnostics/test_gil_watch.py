@@ -123,6 +123,20 @@ def test_a_runtime_shutting_down_under_the_watch_says_nothing(
     assert not caplog.records
 
 
+def _watched() -> tuple[int, bool, bool]:
+    import ringtrain.torch as hvd
+
+    size, watched = hvd.size(), gil_watch.active()
+    hvd.shutdown()
+    after = gil_watch.active()
+    hvd.init()  # the shared world as the next test expects it
+    return size, watched, after
+
+
+def test_a_rank_with_peers_is_watched_until_shutdown_and_one_alone_is_not(world) -> None:
+    assert world.run(_watched) == [(world.size, world.size > 1, False)] * world.size
+
+
 FORKS = """\
 import ctypes, os, sys
 from ringtrain.diagnostics import gil_watch
