@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import fcntl
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -136,6 +137,122 @@ def test_a_preempted_job_commits_the_save_in_flight(tmp_path: Path) -> None:
             launcher.wait()
     assert launcher.returncode == 143, err.decode()[-3000:]
     assert max(s for s, _ in manifest.committed(str(ck))) > held, err.decode()[-3000:]
+
+
+def _until_started(launcher: subprocess.Popen[bytes]) -> None:
+    """Until both ranks said they start (their first step is next)."""
+    assert launcher.stdout is not None
+    started = 0
+    while started < 2:
+        line = launcher.stdout.readline()
+        assert line, "the job ended before its ranks started"
+        started += b" starts at step " in line
+
+
+def _stopped_at(err: str, ck: Path) -> int:
+    """The step a preemption stopped the job at (rank 0 says it), checked to be the one
+    checkpoint in ``ck``: no save was due, so that save is the preemption's, and it committed,
+    so every rank wrote its part of it."""
+    said = re.search(r"the job stops at step (\d+), saved into", err)
+    assert said, err[-3000:]
+    step = int(said[1])
+    assert [s for s, _ in manifest.committed(str(ck))] == [step], err[-3000:]
+    return step
+
+
+def test_a_preempted_job_saves_the_step_it_stops_at_and_resumes_from_it(
+    tmp_path: Path, finished_run: tuple[Path, Path]
+) -> None:
+    """SIGTERM to the launcher, no save due (one every 100 steps): the ranks, which take the
+    signal at different statements, agree on a step, save it and exit with 143; resumed from it,
+    the job ends with the weights of the uninterrupted run, bit for bit."""
+    ck = tmp_path / "ck"
+    argv = _argv("--checkpoint-dir", str(ck), "--checkpoint-every", "100", out=tmp_path / "p.pt",
+                 pause=0.3)  # fmt: skip
+    argv[argv.index(str(STEPS))] = "1000"  # ends only by the signal
+    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _until_started(launcher)
+        time.sleep(0.5)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 143, err.decode()[-3000:]
+    assert "2 rank(s) got SIGTERM" in err.decode()
+    assert _stopped_at(err.decode(), ck) < STEPS  # the resumed job has steps left to take
+    _run("--resume", str(ck), out=tmp_path / "b.pt")
+    for a, b in zip(torch.load(finished_run[1]), torch.load(tmp_path / "b.pt")):
+        assert torch.equal(a, b)
+
+
+def test_a_rank_preempted_alone_stops_its_peer_at_the_same_saved_step(tmp_path: Path) -> None:
+    """SIGTERM to rank 1 alone (as when one worker's pod is deleted): rank 0, never signalled,
+    saves the same step and stops with it. Before, rank 1 left at once and rank 0 failed in its
+    next collective, with no checkpoint at all."""
+    ck = tmp_path / "ck"
+    argv = _argv("--checkpoint-dir", str(ck), "--checkpoint-every", "100", out=tmp_path / "p.pt",
+                 pause=0.3)  # fmt: skip
+    argv[argv.index(str(STEPS))] = "1000"
+    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _until_started(launcher)
+        ranks = [
+            p for p in psutil.Process(launcher.pid).children(recursive=True)
+            if JOB in p.cmdline()
+        ]  # fmt: skip
+        (one,) = [p for p in ranks if p.environ().get("RINGTRAIN_RANK") == "1"]
+        one.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 143, err.decode()[-3000:]
+    assert "1 rank(s) got SIGTERM" in err.decode()
+    _stopped_at(err.decode(), ck)
+    assert "PeerFailedError" not in err.decode()
+
+
+def test_in_an_elastic_job_a_preempted_rank_saves_with_its_peers_and_they_go_on(
+    tmp_path: Path,
+) -> None:
+    """``--min-np``: SIGTERM to rank 2 alone; every rank saves the step it stops at (the save
+    commits: every part was written), rank 2 leaves with 143, the others re-form and finish."""
+    ck = tmp_path / "ck"
+    argv = [
+        sys.executable, "-m", "ringtrain", "run", "-np", "3", "--min-np", "2",
+        "--checkpoint-dir", str(ck), "--checkpoint-every", "1000",
+        "--", sys.executable, str(Path(__file__).with_name("durable_elastic_job.py")), "80",
+    ]  # fmt: skip
+    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert launcher.stdout is not None
+        pids = {}
+        while len(pids) < 3:
+            line = launcher.stdout.readline().decode()
+            assert line, "the job ended before its ranks started"
+            said = re.search(r"rank (\d) starts, pid (\d+)", line)
+            if said:
+                pids[int(said[1])] = int(said[2])
+        os.kill(pids[2], signal.SIGTERM)
+        out, err = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    said = err.decode()
+    assert launcher.returncode == 0, said[-3000:]
+    stop = re.search(r"rank 2: SIGTERM \(a preemption\): this rank stops at step (\d+)", said)
+    assert stop, said[-3000:]
+    assert [s for s, _ in manifest.committed(str(ck))] == [int(stop[1])], said[-3000:]
+    assert "rank 2 (host localhost, pid" in said and "exited with code 143" in said, said[-3000:]
+    assert sorted(re.findall(r"rank (\d) of (\d) ends at step (\d+)", out.decode())) == [
+        ("0", "2", "80"),
+        ("1", "2", "80"),
+    ]
 
 
 def _queued(writer: psutil.Process) -> int:

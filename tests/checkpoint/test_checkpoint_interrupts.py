@@ -176,31 +176,35 @@ def test_a_signal_in_the_wait_does_not_hide_the_previous_saves_failure(
 
 _DURABLE_SECTION = """
 import os, signal, sys
-from ringtrain.checkpoint import durable, interrupts
-signal.signal(signal.SIGTERM, durable._preempted)
+from ringtrain.checkpoint import interrupts, preemption
+job = preemption.Preemption(within_s=60.0)
+job.install()
 try:
     with interrupts.deferred(insist=True):
         for _ in range(int(sys.argv[1])):
             os.kill(os.getpid(), signal.SIGTERM)
             sum(range(10_000))
         print("section done", flush=True)
+    print("asked to stop:", job.requested, flush=True)
 finally:
     print("unwound", flush=True)
 """
 
 
-@pytest.mark.parametrize("times", [1, 2])
+@pytest.mark.parametrize("times", [1, 2, 3])
 def test_durables_sigterm_in_a_waiting_section(times: int) -> None:
-    """Durable's handler turns a first SIGTERM into SystemExit(143), after the section; a
-    second one, as outside a section, ends the process at once (no unwinding)."""
+    """Durable's handler, a SIGTERM in a waiting section (``save()``'s): the first only asks the
+    job to stop at its next step, after the section; a second, the user insisting, is handled at
+    once, as the first (it only asks); a third unwinds (SystemExit(143)) after the section."""
     ran = subprocess.run(
         [sys.executable, "-c", _DURABLE_SECTION, str(times)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    if times == 1:
-        assert (ran.returncode, ran.stdout) == (143, "section done\nunwound\n"), ran.stderr
+    if times < 3:
+        want = (0, "section done\nasked to stop: True\nunwound\n")
+        assert (ran.returncode, ran.stdout) == want, ran.stderr
     else:
-        assert (ran.returncode, ran.stdout) == (-signal.SIGTERM, ""), ran.stderr
+        assert (ran.returncode, ran.stdout) == (143, "section done\nunwound\n"), ran.stderr
 
 
 def test_the_handlers_are_the_scripts_own_again_after_the_section(

@@ -21,23 +21,22 @@ A new job whose checkpoint directory holds another run's checkpoints refuses to 
 remove them (or they its own), its steps would replace theirs, and a later ``--resume`` could
 continue either run. Keep-last counts only this run's checkpoints.
 
-A job that saves turns SIGTERM (a preemption, forwarded by the launcher; Kubernetes and Slurm
-send it) into ``SystemExit(143)`` where the script left Python's default, which ends the
-process at once, the save in flight with it (its writer dies with the rank). The script then
-unwinds as on Ctrl-C, and ``with Durable(...)`` (or ``close()`` in a ``finally``) lets that save
-commit within the launcher's grace period. A second SIGTERM ends the process at once.
+A job that saves stops at a step on SIGTERM (a preemption, forwarded by the launcher;
+Kubernetes and Slurm send it), where the script left Python's default, which ends the process at
+once, the save in flight with it: every rank saves that step and raises ``SystemExit(143)``,
+and ``with Durable(...)`` (or ``close()`` in a ``finally``) lets the save commit within the
+launcher's grace period (:mod:`ringtrain.checkpoint.preemption`).
 """
 
 from __future__ import annotations
 
-import signal
-import threading
+import logging
 import time
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from ringtrain import environ
-from ringtrain.checkpoint import api, manifest
+from ringtrain.checkpoint import api, manifest, step_checks
+from ringtrain.checkpoint.preemption import EXIT_CODE, Preemption
 from ringtrain.checkpoint.writer import Checkpointer
 from ringtrain.config import Config, checkpoint_schedule
 from ringtrain.environ import Ringtrain
@@ -45,6 +44,8 @@ from ringtrain.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("ringtrain")
 
 
 class Durable:
@@ -58,7 +59,7 @@ class Durable:
         sampler: object = None,
         config: Config | None = None,
     ) -> None:
-        _, self._size, cfg = api._where()
+        self._rank, self._size, cfg = api._where()
         cfg = cfg if config is None else config
         # Resumed from root/step-N, the job keeps saving into root, beside the step.
         self.directory = cfg.checkpoint_dir or (
@@ -91,60 +92,97 @@ class Durable:
         )
         self._last_step = self.start_step
         self._last_time = time.monotonic()
+        # Half the grace period to reach a step after SIGTERM, half to save it.
+        self._preemption = Preemption(cfg.grace_period_s / 2, loud=self._rank == 0)
+        # Elastic: the ranks not signalled go on in a smaller world once the save is handed over.
+        self._elastic = Ringtrain.ELASTIC_ID in environ.current()
+        self.stopped_at: int | None = None  # the step a preemption stopped the job at
+        # Every few steps, the ranks agree on a stop and on rank 0's clock (read at call time:
+        # tests set this module's clock).
+        self._checks = step_checks.StepChecks(clock=lambda: time.monotonic())
         if self._saver is not None:
-            _unwind_on_sigterm()
+            self._preemption.install()
 
     @property
     def extra(self) -> Any:
         """The ``extra`` of the checkpoint resumed from (None on a fresh start)."""
         return self.restored.extra if self.restored is not None else None
 
-    def _due(self, step: int) -> bool:
-        if self._every is None:
-            return False
-        kind, n = self._every
-        if kind == "steps":
-            return step - self._last_step >= n
-        due = time.monotonic() - self._last_time >= n
-        return bool(api._agree(due, self._size))
+    def _verdict(self, step: int) -> tuple[bool, int]:
+        """Whether a save is due at ``step``, and how many ranks were asked to stop (SIGTERM),
+        the same on every rank: where there are peers, a schedule in seconds (rank 0's clock)
+        and a stop are agreed every few steps (:mod:`.step_checks`)."""
+        kind, n = self._every if self._every is not None else ("steps", 0)
+        due = kind == "steps" and n > 0 and step - self._last_step >= n
+        on_clock = kind == "seconds" and time.monotonic() - self._last_time >= n
+        self._rank, self._size, _ = api._where()  # an elastic world may have re-formed
+        if self._size == 1:
+            agreed: step_checks.Agreed | None = step_checks.Agreed(
+                on_clock, int(self._preemption.requested)
+            )
+        else:
+            agreed = self._checks.at(step, on_clock, self._preemption.requested)
+        if agreed is None:
+            return due, 0
+        if on_clock:
+            self._last_time = time.monotonic()  # asked: not again before the answer (and the save)
+        return due or agreed.on_clock, agreed.stopping
 
     def step(self, step: int, extra: object = None, force: bool = False) -> bool:
-        """Call after optimizer step ``step`` (counting from 1): saves if due (or ``force``);
+        """Call after optimizer step ``step`` (counting from 1): saves if due (or ``force``, or
+        a rank was preempted: then raises ``SystemExit(143)`` once the save is handed over);
         returns whether it saved. Raises an earlier background save's failure."""
         if self._saver is None:
             return False
         self._saver.check()
-        if not force and not self._due(step):
+        due, stopping = self._verdict(step)
+        if not (due or force or stopping):
             return False
         model, optimizer, sampler = self._objects
         self._saver.save(step, model=model, optimizer=optimizer, sampler=sampler, extra=extra)
         self._last_step, self._last_time = step, time.monotonic()
+        if stopping and (self._preemption.requested or not self._elastic):
+            self.stopped_at = step
+            if self._elastic:
+                log.warning(
+                    "ringtrain: rank %d: SIGTERM (a preemption): this rank stops at step %d, "
+                    "saved into %s with its peers, which go on without it (elastic)",
+                    self._rank, step, self.directory,
+                )  # fmt: skip
+            elif self._rank == 0:
+                log.warning(
+                    "ringtrain: rank 0: %d rank(s) got SIGTERM (a preemption): the job stops at "
+                    "step %d, saved into %s (continue with --resume %s)",
+                    stopping, step, self.directory, self.directory,
+                )  # fmt: skip
+            self._preemption.stop()
         return True
 
     def close(self) -> None:
-        """Wait for the last save and stop the writer."""
-        if self._saver is not None:
-            self._saver.close()
+        """Wait for the last save and stop the writer. Where a SIGTERM came after the last
+        step, raises its ``SystemExit(143)`` once that save committed."""
+        self._close(raising=True)
+
+    def _close(self, raising: bool, settle: bool = True) -> None:
+        self._preemption.closing()  # a SIGTERM now is noted: the wait for the save goes on
+        try:
+            if settle:
+                self._checks.settle()
+            if self._saver is not None:
+                self._saver.close()
+        finally:
+            self._preemption.closed()
+        if raising and self._preemption.requested and self.stopped_at is None:
+            self.stopped_at = self._last_step
+            raise SystemExit(EXIT_CODE)
 
     def __enter__(self) -> Durable:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _unwind_on_sigterm() -> None:
-    """SIGTERM raises ``SystemExit(143)`` from now on, where Python's default would end the
-    process at once (a handler the script set is left alone; only the main thread may set one)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _preempted)
-
-
-def _preempted(signum: int, _frame: FrameType | None) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
-    raise SystemExit(128 + signum)
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        # Never raised in place of the error the block ended with; after an error, the last
+        # step's agreement is not waited for (the peers may never ask theirs).
+        self._close(raising=kind is None, settle=kind is None or self.stopped_at is not None)
 
 
 def _refuse_other_runs(directory: str, run: str | None, resumed_from: str) -> None:

@@ -17,8 +17,9 @@ are not touched, nor are handlers outside the main thread, the only one they run
 
 A section may also wait (``Checkpointer.save`` waits for the previous save): with ``insist``, a
 second signal of one kind is not deferred (the user insists): the first one's handler runs at
-once, and where that handler left the signal to the system (Durable's: a second SIGTERM ends
-the process), the second one then takes that effect.
+once, and where that handler left the signal to the system, the second one then takes that
+effect; where it set another handler for the next one (Durable's: the next SIGTERM unwinds),
+that one is deferred in turn.
 """
 
 from __future__ import annotations
@@ -53,8 +54,12 @@ def deferred(insist: bool = False) -> Iterator[None]:
             try:
                 swapped[signum](signum, frame)  # the first one's handling, now
             finally:
-                if signal.getsignal(signum) is signal.SIG_DFL:  # as the handler left the next
-                    signal.raise_signal(signum)  # one (Durable's: the process ends at once)
+                after = signal.getsignal(signum)
+                if after is signal.SIG_DFL:  # as the handler left the next one (the process
+                    signal.raise_signal(signum)  # ends at once)
+                elif callable(after) and after is not note:  # it chose the next one's handler
+                    swapped[signum] = after  # (Durable's: unwind): that one waits here too
+                    signal.signal(signum, note)
             return
         came.append((signum, frame))
 
@@ -67,7 +72,7 @@ def deferred(insist: bool = False) -> Iterator[None]:
         yield
     finally:
         for signum, handler in swapped.items():
-            # Unless a handler run meanwhile chose another (Durable's: SIG_DFL after the first).
+            # Unless a handler run meanwhile left the signal to the system (SIG_DFL).
             if signal.getsignal(signum) is note:
                 signal.signal(signum, handler)
         # As the first one's handler would have, a moment later (and if the block raised, with

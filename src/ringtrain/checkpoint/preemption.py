@@ -1,0 +1,115 @@
+"""A durable job's preemption: SIGTERM stops every rank at one step, and that step is saved.
+
+Kubernetes, Slurm and ``ringtrain run`` (forwarding its own) send SIGTERM to every rank, but no
+two ranks take it at the same statement. A rank that unwound at once could leave in the tail of a
+step whose save its peers then handed over: it never wrote its part, so that save could not
+commit, and the job resumed from the one before, a whole interval's work lost (more where saves
+are hours apart). So, in a job that saves (``Durable``, where the script left SIGTERM to Python's
+default), the first SIGTERM is only noted; at the next ``Durable.step`` every rank learns that a
+rank was signalled (the step's agreement, one small allreduce), saves that step and stops with
+``SystemExit(143)``; the ``with`` block then waits for the save to commit. In an elastic job only
+the signalled ranks stop, after the save, and the others go on in a smaller world.
+
+A rank that reaches no step within half the grace period (``grace_period_s``: a step longer than
+that, a loop waiting for input) unwinds there, as on Ctrl-C (the save in flight still commits,
+a newer step is not saved). A second SIGTERM does that at once; a third ends the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from types import FrameType
+
+EXIT_CODE = 128 + signal.SIGTERM
+log = logging.getLogger("ringtrain")
+
+
+class Preemption:
+    """The SIGTERM handling of one durable job (see the module docstring). States: open (steps
+    will come: the first SIGTERM asks to stop at the next), closing (stopping, or waiting for
+    the last save: the first SIGTERM is only noted, the wait goes on) and closed (nothing left
+    to wait for: a SIGTERM unwinds at once)."""
+
+    def __init__(self, within_s: float, loud: bool = True) -> None:
+        self.within_s = within_s  # after the first SIGTERM, how long stopping may take
+        self._level = logging.WARNING if loud else logging.INFO  # one rank says it, not each
+        self.noted_at: float | None = None  # time.monotonic() of the first SIGTERM
+        self.installed = False
+        self._state = "open"
+        self._timer: threading.Timer | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.noted_at is not None
+
+    def install(self) -> None:
+        """Take SIGTERM where the script left Python's default, which ends the process at once
+        (a handler the script set is left alone; only the main thread may set one)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, _unwind_now):
+            signal.signal(signal.SIGTERM, self._first)
+            self.installed = True
+
+    def _first(self, signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, self._unwind)  # the next one unwinds at once
+        if self._state == "closed" or (self._state == "open" and self.within_s <= 0):
+            self._unwind(signum, frame)  # no step to stop at, nothing to wait for: as Ctrl-C
+        if self.requested:  # a second one (a section handed both to this handler): as _unwind
+            self._unwind(signum, frame)
+        self.noted_at = time.monotonic()
+        if self._state == "closing":
+            return  # the job stops already, its save waited for; close() raises after it
+        log.log(
+            self._level,
+            "ringtrain: SIGTERM: the ranks stop at a step they agree on and save it (this rank "
+            "unwinds where it is if that takes over %g s; a second SIGTERM unwinds it now)",
+            self.within_s,
+        )
+        # pthread_kill: the main thread's blocking call (a sleep, a read) returns to run the
+        # handler; a signal to the process may be taken by another thread, which wakes nothing.
+        main = threading.main_thread().ident
+        assert main is not None
+        self._timer = threading.Timer(self.within_s, signal.pthread_kill, (main, signum))
+        self._timer.name = "ringtrain-preemption"
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _unwind(self, signum: int, _frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the next one ends the process at once
+        self._cancel()
+        raise SystemExit(128 + signum)
+
+    def stop(self) -> None:
+        """Raise the ``SystemExit`` the job stops with (its last save handed over)."""
+        self.closing()
+        raise SystemExit(EXIT_CODE)
+
+    def closing(self) -> None:
+        """No step will come; the last save is being waited for."""
+        self._state = "closing"
+        self._cancel()
+
+    def closed(self) -> None:
+        """Nothing left to wait for: a SIGTERM from now on unwinds at once (also once a later
+        durable job, which takes SIGTERM over, has closed in turn)."""
+        self._state = "closed"
+        self._cancel()
+        ours = (self._first, self._unwind)
+        if threading.current_thread() is threading.main_thread():
+            if self.installed and signal.getsignal(signal.SIGTERM) in ours:
+                signal.signal(signal.SIGTERM, _unwind_now)
+
+    def _cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+def _unwind_now(signum: int, _frame: FrameType | None) -> None:
+    """SIGTERM once a durable job closed: unwind (the next one ends the process at once)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise SystemExit(128 + signum)

@@ -1,0 +1,50 @@
+"""An elastic durable job for the preemption test: ``hvd.elastic.run`` around a loop of STEPS
+optimizer steps, committed every 5 and saved by ``Durable`` on the job's schedule.
+
+    durable_elastic_job.py STEPS
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+import ringtrain.checkpoint as ckpt
+import ringtrain.torch as hvd
+
+
+def main() -> None:
+    total = int(sys.argv[1])
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
+    )
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+    job = ckpt.Durable(model=model, optimizer=opt)
+    print(f"rank {hvd.rank()} starts, pid {os.getpid()}", flush=True)
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> None:
+        while state.step < total:
+            g = torch.Generator().manual_seed(state.step)
+            opt.zero_grad()
+            model(torch.randn(8, 4, generator=g)).sum().backward()
+            opt.step()
+            state.step += 1
+            job.step(state.step)
+            if state.step % 5 == 0:
+                state.commit()
+            time.sleep(0.1)
+
+    with job:
+        train(state)
+    print(f"rank {hvd.rank()} of {hvd.size()} ends at step {state.step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

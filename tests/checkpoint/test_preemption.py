@@ -1,0 +1,101 @@
+"""A durable job's SIGTERM handling (``checkpoint/preemption.py``), in a process of its own:
+the first SIGTERM asks the job to stop at its next step; a second unwinds; a third ends the
+process; no step within the time allowed unwinds the rank, even asleep in a blocking call."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+_SCRIPT = """
+import os, signal, sys, time
+from ringtrain.checkpoint import preemption
+job = preemption.Preemption(within_s=float(sys.argv[1]))
+job.install()
+try:
+    for what in sys.argv[2:]:
+        if what == "final":  # for the unwinding
+            continue
+        if what == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(10_000))  # the handler runs between two bytecodes
+        elif what == "closing":
+            job.closing()
+        elif what == "closed":
+            job.closed()
+        else:
+            time.sleep(float(what))
+        print(what, job.requested, flush=True)
+finally:
+    if "final" in sys.argv:  # a SIGTERM while the script unwinds (its with blocks wait)
+        os.kill(os.getpid(), signal.SIGTERM)
+        sum(range(10_000))
+    print("unwound", flush=True)
+"""
+
+
+def _run(within_s: float, *steps: str) -> tuple[int, list[str], float]:
+    t0 = time.monotonic()
+    ran = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(within_s), *steps],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    return ran.returncode, ran.stdout.splitlines(), time.monotonic() - t0
+
+
+def test_the_first_sigterm_asks_a_second_unwinds_a_third_ends_the_process() -> None:
+    rc, said, _ = _run(60.0, "term", "0.2")
+    assert (rc, said) == (0, ["term True", "0.2 True", "unwound"])
+    rc, said, _ = _run(60.0, "term", "term", "0.2")
+    assert (rc, said) == (143, ["term True", "unwound"])
+    rc, said, _ = _run(60.0, "term", "term", "final")
+    assert (rc, said) == (-signal.SIGTERM, ["term True"])
+
+
+@pytest.mark.parametrize("within_s", [0.5, 0.0])
+def test_without_a_step_in_time_the_rank_unwinds_even_asleep(within_s: float) -> None:
+    """No step (nothing calls ``stop()``) within ``within_s`` after the first SIGTERM: the main
+    thread, asleep for 30 s, unwinds at the deadline; at 0 (no grace period), at once."""
+    rc, said, took = _run(within_s, "term", "30")
+    want = ["unwound"] if within_s == 0 else ["term True", "unwound"]
+    assert (rc, said) == (143, want)
+    assert took < 20, took  # not the 30 s sleep
+
+
+def test_while_the_last_save_is_waited_for_a_sigterm_only_asks() -> None:
+    """Closing (stopping, or ``close()`` waiting for the save): the first SIGTERM is noted and
+    the wait goes on, past the deadline too; closed (nothing to wait for): it unwinds at once."""
+    rc, said, _ = _run(0.3, "closing", "term", "1.0")
+    assert (rc, said) == (0, ["closing False", "term True", "1.0 True", "unwound"])
+    rc, said, _ = _run(60.0, "closed", "term", "1.0")
+    assert (rc, said) == (143, ["closed False", "unwound"])
+
+
+def test_a_later_durable_job_takes_sigterm_over_and_after_it_sigterm_unwinds() -> None:
+    """Two durable jobs one after the other in one script (two phases): the second asks to
+    stop on its first SIGTERM as the first did; between and after them, a SIGTERM unwinds."""
+    script = """
+import os, signal
+from ringtrain.checkpoint import preemption
+first = preemption.Preemption(within_s=60.0)
+first.install()
+first.closed()
+second = preemption.Preemption(within_s=60.0)
+second.install()
+os.kill(os.getpid(), signal.SIGTERM)
+sum(range(10_000))
+print("second asked:", second.requested, flush=True)
+second.closing()
+second.closed()
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    sum(range(10_000))
+finally:
+    print("unwound", flush=True)
+"""
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert (ran.returncode, ran.stdout) == (143, "second asked: True\nunwound\n"), ran.stderr
