@@ -16,6 +16,7 @@ import subprocess
 import sys
 import termios
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -149,6 +150,24 @@ def _until_started(launcher: subprocess.Popen[bytes]) -> None:
         started += b" starts at step " in line
 
 
+def _preempted(ck: Path, out: Path, preempt: Callable[[subprocess.Popen[bytes]], None]) -> str:
+    """A 2-rank job saving into ``ck`` every 100 steps of 1,000 (no save comes due), given
+    SIGTERM by ``preempt`` once both ranks started; its stderr, once it exited with 143."""
+    argv = _argv("--checkpoint-dir", str(ck), "--checkpoint-every", "100", out=out, pause=0.3)
+    argv[argv.index(str(STEPS))] = "1000"  # ends only by the signal
+    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _until_started(launcher)
+        preempt(launcher)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 143, err.decode()[-3000:]
+    return err.decode()
+
+
 def _stopped_at(err: str, ck: Path) -> int:
     """The step a preemption stopped the job at (rank 0 says it), checked to be the one
     checkpoint in ``ck``: no save was due, so that save is the preemption's, and it committed,
@@ -163,26 +182,18 @@ def _stopped_at(err: str, ck: Path) -> int:
 def test_a_preempted_job_saves_the_step_it_stops_at_and_resumes_from_it(
     tmp_path: Path, finished_run: tuple[Path, Path]
 ) -> None:
-    """SIGTERM to the launcher, no save due (one every 100 steps): the ranks, which take the
-    signal at different statements, agree on a step, save it and exit with 143; resumed from it,
-    the job ends with the weights of the uninterrupted run, bit for bit."""
-    ck = tmp_path / "ck"
-    argv = _argv("--checkpoint-dir", str(ck), "--checkpoint-every", "100", out=tmp_path / "p.pt",
-                 pause=0.3)  # fmt: skip
-    argv[argv.index(str(STEPS))] = "1000"  # ends only by the signal
-    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        _until_started(launcher)
+    """SIGTERM to the launcher, no save due: the ranks, which take the signal at different
+    statements, agree on a step, save it and exit with 143; resumed from it, the job ends with
+    the weights of the uninterrupted run, bit for bit."""
+
+    def to_the_launcher(launcher: subprocess.Popen[bytes]) -> None:
         time.sleep(0.5)
         launcher.send_signal(signal.SIGTERM)
-        _, err = launcher.communicate(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    assert launcher.returncode == 143, err.decode()[-3000:]
-    assert "2 rank(s) got SIGTERM" in err.decode()
-    assert _stopped_at(err.decode(), ck) < STEPS  # the resumed job has steps left to take
+
+    ck = tmp_path / "ck"
+    err = _preempted(ck, tmp_path / "p.pt", to_the_launcher)
+    assert "2 rank(s) got SIGTERM" in err
+    assert _stopped_at(err, ck) < STEPS  # the resumed job has steps left to take
     _run("--resume", str(ck), out=tmp_path / "b.pt")
     for a, b in zip(torch.load(finished_run[1]), torch.load(tmp_path / "b.pt")):
         assert torch.equal(a, b)
@@ -192,28 +203,18 @@ def test_a_rank_preempted_alone_stops_its_peer_at_the_same_saved_step(tmp_path: 
     """SIGTERM to rank 1 alone (as when one worker's pod is deleted): rank 0, never signalled,
     saves the same step and stops with it. Before, rank 1 left at once and rank 0 failed in its
     next collective, with no checkpoint at all."""
-    ck = tmp_path / "ck"
-    argv = _argv("--checkpoint-dir", str(ck), "--checkpoint-every", "100", out=tmp_path / "p.pt",
-                 pause=0.3)  # fmt: skip
-    argv[argv.index(str(STEPS))] = "1000"
-    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        _until_started(launcher)
-        ranks = [
-            p for p in psutil.Process(launcher.pid).children(recursive=True)
-            if JOB in p.cmdline()
-        ]  # fmt: skip
+
+    def to_rank_1(launcher: subprocess.Popen[bytes]) -> None:
+        family = psutil.Process(launcher.pid).children(recursive=True)
+        ranks = [p for p in family if JOB in p.cmdline()]
         (one,) = [p for p in ranks if p.environ().get("RINGTRAIN_RANK") == "1"]
         one.send_signal(signal.SIGTERM)
-        _, err = launcher.communicate(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    assert launcher.returncode == 143, err.decode()[-3000:]
-    assert "1 rank(s) got SIGTERM" in err.decode()
-    _stopped_at(err.decode(), ck)
-    assert "PeerFailedError" not in err.decode()
+
+    ck = tmp_path / "ck"
+    err = _preempted(ck, tmp_path / "p.pt", to_rank_1)
+    assert "1 rank(s) got SIGTERM" in err
+    _stopped_at(err, ck)
+    assert "PeerFailedError" not in err
 
 
 def test_in_an_elastic_job_a_preempted_rank_saves_with_its_peers_and_they_go_on(
