@@ -98,10 +98,13 @@ class Preemption:
         durable job, which takes SIGTERM over, has closed in turn)."""
         self._state = "closed"
         self._cancel()
-        ours = (self._first, self._unwind)
-        if threading.current_thread() is threading.main_thread():
-            if self.installed and signal.getsignal(signal.SIGTERM) in ours:
-                signal.signal(signal.SIGTERM, _unwind_now)
+        main = threading.current_thread() is threading.main_thread()  # which alone may set it
+        if (
+            main
+            and self.installed
+            and signal.getsignal(signal.SIGTERM) in (self._first, self._unwind)
+        ):
+            signal.signal(signal.SIGTERM, _unwind_now)
 
     def _cancel(self) -> None:
         if self._timer is not None:
