@@ -186,12 +186,8 @@ def test_a_preempted_job_saves_the_step_it_stops_at_and_resumes_from_it(
     statements, agree on a step, save it and exit with 143; resumed from it, the job ends with
     the weights of the uninterrupted run, bit for bit."""
 
-    def to_the_launcher(launcher: subprocess.Popen[bytes]) -> None:
-        time.sleep(0.5)
-        launcher.send_signal(signal.SIGTERM)
-
     ck = tmp_path / "ck"
-    err = _preempted(ck, tmp_path / "p.pt", to_the_launcher)
+    err = _preempted(ck, tmp_path / "p.pt", lambda launcher: launcher.send_signal(signal.SIGTERM))
     assert "2 rank(s) got SIGTERM" in err
     assert _stopped_at(err, ck) < STEPS  # the resumed job has steps left to take
     _run("--resume", str(ck), out=tmp_path / "b.pt")
