@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +100,46 @@ finally:
 """
     ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert (ran.returncode, ran.stdout) == (143, "second asked: True\nunwound\n"), ran.stderr
+
+
+_DURABLE = """
+import os, signal, sys
+import torch
+from ringtrain import Config
+from ringtrain.checkpoint import durable, manifest
+model = torch.nn.Linear(2, 2)
+cfg = Config(checkpoint_dir=sys.argv[1], grace_period_s=8.0)
+job = durable.Durable(model=model, config=cfg)
+print("allowed", job._preemption.within_s, flush=True)  # half the grace period
+job.step(1)  # no save due
+os.kill(os.getpid(), signal.SIGTERM)
+sum(range(10_000))
+try:
+    with job:
+        job.step(2)
+        print("went on", flush=True)
+except SystemExit as stop:
+    print("stopped", stop.code, job.stopped_at, flush=True)
+print("saved", [s for s, _ in manifest.committed(sys.argv[1])], flush=True)
+late = durable.Durable(model=model, config=Config(checkpoint_dir=sys.argv[2]))
+late.step(1)
+os.kill(os.getpid(), signal.SIGTERM)  # after the last step
+sum(range(10_000))
+try:
+    late.close()
+except SystemExit as stop:
+    print("close raised", stop.code, flush=True)
+"""
+
+
+def test_a_durable_job_alone_stops_at_its_next_step_saved(tmp_path: Path) -> None:
+    """One rank (no peers to agree with): the step after a SIGTERM is saved and the job stops
+    there, within half the grace period; a SIGTERM after the last step is raised by
+    ``close()``."""
+    ran = subprocess.run(
+        [sys.executable, "-c", _DURABLE, str(tmp_path / "a"), str(tmp_path / "b")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    said = ran.stdout.splitlines()
+    assert said == ["allowed 4.0", "stopped 143 2", "saved [2]", "close raised 143"], ran.stderr
