@@ -65,15 +65,6 @@ def _where() -> tuple[int, int, Config]:
     return 0, 1, Config.from_env()
 
 
-def _agree(value: T, size: int) -> T:
-    """Rank 0's value on every rank."""
-    if size == 1:
-        return value
-    from ringtrain.collectives.objects import broadcast_object
-
-    return broadcast_object(value, root_rank=0)
-
-
 def world() -> tuple[int, int]:
     """Which world this process is in: (generation, size); a new elastic world is another."""
     from ringtrain.runtime import state as runtime
