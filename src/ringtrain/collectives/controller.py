@@ -25,7 +25,6 @@ Decisions that depend on time (stall reports, aborts, names that ranks submitted
 process sets: :mod:`ringtrain.collectives.crossset`) are made by the set's rank 0 and travel in
 its next message; a rank its peers wait for says where it is itself
 (:mod:`ringtrain.diagnostics.whereabouts`). If a peer dies, every pending handle fails, not hangs.
-
 Shutdown: a rank votes so in its rounds, then :mod:`~ringtrain.collectives.shutdown_rules`.
 
 The parts, each an object the controller owns, are modules of :mod:`ringtrain.collectives`: the
@@ -454,15 +453,16 @@ class Controller:
         self._executor.flush()
         self._pace.active = any(m.requests for m in messages)
         self._pace.doze = size > 1 and all(m.idle for m in messages) and not table
-        if rounds is not None:  # uncached requests come in runs (unnamed ops): stay gathered
+        if rounds is not None:  # whether another gathered round follows (VectorRounds.gathered)
             fresh = any(not isinstance(r, int) for m in messages for r in m.requests)
-            rounds.gather_next = fresh or bool(table)
+            rounds.gathered(fresh, bool(table))
         if any(m.shutdown for m in messages):
             self._after_votes(messages)
 
     def _vector_cycle(self, rounds: VectorRounds) -> None:
         """A vector round (collectives.vector_round): cached requests by their bits."""
         now = self._clock()
+        why = ""  # this rank's reason to ask for a gathered round (VectorRounds.why)
         with self._lock:
             new, self._new = self._new, []
             joined = bool(self._requests.joined)
@@ -471,20 +471,22 @@ class Controller:
                 cid = p.cache_id if p.cache_id >= 0 else self._requests.cache_id(p.request)
                 if cid < 0 or joined or name in self._requests.by_name:
                     self._new.append(name)  # for the gathered round this one asks for
+                    why = why or ("uncached" if cid < 0 else "joined" if joined else "late")
                 else:
                     rounds.pending[cid] = (name, now)
-            gather = bool(self._new) or self._end.shutdown or rounds.overdue(now)
+            if not why:
+                why = "shutdown" if self._end.shutdown else "overdue" if rounds.overdue(now) else ""
             idle = self._may_doze(bool(new))
         status = self._fast.lane.status() if self._fast is not None else None
-        if status is not None and not vector_round.fits(status, rounds.base):
-            gather = True
+        if not why and status is not None and not vector_round.fits(status, rounds.base):
+            why = "lane"
         known = self._requests
         stuck = self._watch.stuck(known.by_name, known.first_seen) if self._watch else None
         if self.comm.set_rank == 0:
             if stuck and self._watch is not None:
                 rounds.carried += self._watch.mismatches(stuck)
-            gather = gather or bool(rounds.carried) or bool(self._inspect())
-        words = vector_round.words_for(len(self._requests.cache))
+            why = why or ("verdict" if rounds.carried else "abort" if self._inspect() else "")
+        words, gather = vector_round.words_for(len(self._requests.cache)), rounds.asks(why)
         mine = vector_round.encode(words, rounds.pending, gather, idle, status, rounds.base)
         started = time.perf_counter()
         got = vector_round.decode(rounds.channel.exchange(mine), rounds.base)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -256,6 +257,11 @@ class VectorRounds:
         # Rank 0's cross-set verdicts found in a vector round, sent in the gathered one.
         self.carried: tuple[tuple[str, str], ...] = ()
         self._alike: dict[int, Alike] = {}
+        # Why a gathered round came next, by cause (a protocol counter, as channel.rounds): the
+        # first of this rank's reasons when it flagged one ("uncached", "joined", "late": a name
+        # the table holds, "shutdown", "overdue", "lane", "verdict", "abort"), or the gathered
+        # round's own rule ("fresh", "waiting": alike on every rank).
+        self.why: Counter[str] = Counter()
 
     def overdue(self, now: float) -> bool:
         """Whether a request has waited PATIENCE_S. Entries go in as they are submitted, so
@@ -269,6 +275,19 @@ class VectorRounds:
         if got is None:
             got = self._alike[cid] = Alike(request, size)
         return got
+
+    def asks(self, why: str) -> bool:
+        """Whether this rank asks for a gathered round next (``why``: its reason, or "")."""
+        if why:
+            self.why[why] += 1
+        return bool(why)
+
+    def gathered(self, fresh: bool, waiting: bool) -> None:
+        """After a gathered round (alike on every rank): another follows if it carried uncached
+        requests (unnamed ops come in runs) or left names waiting for some rank."""
+        self.gather_next = fresh or waiting
+        if self.gather_next:
+            self.why["fresh" if fresh else "waiting"] += 1
 
     def take_all(self) -> list[str]:
         """The names pending by bits, in cache order, to go into a gathered round's table."""
