@@ -198,7 +198,8 @@ def test_a_preempted_job_saves_the_step_it_stops_at_and_resumes_from_it(
 def test_a_rank_preempted_alone_stops_its_peer_at_the_same_saved_step(tmp_path: Path) -> None:
     """SIGTERM to rank 1 alone (as when one worker's pod is deleted): rank 0, never signalled,
     saves the same step and stops with it. Before, rank 1 left at once and rank 0 failed in its
-    next collective, with no checkpoint at all."""
+    next collective, with no checkpoint at all. The launcher, which got no signal itself, says
+    the job stopped on a preemption (each rank told its agent so), not that it failed."""
 
     def to_rank_1(launcher: subprocess.Popen[bytes]) -> None:
         family = psutil.Process(launcher.pid).children(recursive=True)
@@ -211,6 +212,8 @@ def test_a_rank_preempted_alone_stops_its_peer_at_the_same_saved_step(tmp_path: 
     assert "1 rank(s) got SIGTERM" in err
     _stopped_at(err, ck)
     assert "PeerFailedError" not in err
+    assert "ringtrain run: job stopped on a preemption: ranks 0, 1 exited with code 143" in err
+    assert "job failed" not in err and "stopping the other" not in err, err[-3000:]
 
 
 def test_in_an_elastic_job_a_preempted_rank_saves_with_its_peers_and_they_go_on(
@@ -245,7 +248,9 @@ def test_in_an_elastic_job_a_preempted_rank_saves_with_its_peers_and_they_go_on(
     stop = re.search(r"rank 2: SIGTERM \(a preemption\): this rank stops at step (\d+)", said)
     assert stop, said[-3000:]
     assert [s for s, _ in manifest.committed(str(ck))] == [int(stop[1])], said[-3000:]
-    assert "rank 2 (host localhost, pid" in said and "exited with code 143" in said, said[-3000:]
+    assert "rank 2 (host localhost, pid" in said, said[-3000:]
+    assert "stopped on a preemption at a step it saved (exit code 143)" in said, said[-3000:]
+    assert "earlier, 1 rank(s) stopped on a preemption and the job went on" in said, said[-3000:]
     assert sorted(re.findall(r"rank (\d) of (\d) ends at step (\d+)", out.decode())) == [
         ("0", "2", "80"),
         ("1", "2", "80"),

@@ -13,7 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from ringtrain.launch.failures import Failure, report, root_cause
+from ringtrain.checkpoint.preemption import EXIT_CODE
+from ringtrain.launch.failures import (
+    PREEMPTED_CODE,
+    Failure,
+    acted_on,
+    exit_failure,
+    report,
+    root_cause,
+    survived_report,
+)
 
 
 def _failure(rank: int, at: float, code: int = 1, tail: list[str] | None = None) -> Failure:
@@ -78,6 +87,43 @@ def test_a_rank_that_left_with_code_0_is_named_where_the_peers_only_say_so() -> 
 def test_no_negative_delays() -> None:
     text = report([_failure(1, at=5.0), _failure(0, at=4.99, tail=["other words"])])
     assert "-0.0" not in text and "at about the same time" in text
+
+
+def _exit(rank: int, code: int, said: bool = True) -> dict[str, object]:
+    """An agent's exit message (agent.py): ``said``, the rank said it stops on a preemption."""
+    tail = [f"rank {rank}: the job stops at step 12, saved into ck"] if rank == 0 else []
+    return {"rank": rank, "code": code, "signal": None, "tail": tail, "preempted": said}
+
+
+def test_ranks_that_stopped_on_a_preemption_are_no_failure() -> None:
+    """A durable job's ranks that stop at a step they saved (checkpoint/preemption.py) end the
+    job with 143, reported as a preemption, not as "job failed" with a root cause."""
+    assert PREEMPTED_CODE == EXIT_CODE
+    stopped = [exit_failure("h", _exit(r, 143), 100 + r, 9.0) for r in (1, 0)]
+    assert all(f.preempted and f.code == 143 for f in stopped)
+    assert stopped[0].description == (
+        "rank 1 (host h, pid 101) stopped on a preemption at a step it saved (exit code 143) "
+        "after 9.0 s"
+    )
+    assert acted_on(stopped[0], 1).endswith("; the other 1 rank(s) stop at the same step.")
+    text = report(stopped)
+    assert text.startswith("job stopped on a preemption: ranks 0, 1 exited with code 143")
+    assert "job failed" not in text and "root cause" not in text
+    assert "  | rank 0: the job stops at step 12, saved into ck" in text  # rank 0 says where
+    # Said, but then not the stop's code (the save failed: a traceback, exit 1): a failure,
+    # and the root cause over the ranks that did stop.
+    broken = exit_failure("h", _exit(2, 1), 102, 9.5)
+    assert not broken.preempted
+    mixed = report([*stopped, broken])
+    assert mixed.startswith("job failed: rank 2 ") and root_cause([*stopped, broken]) is broken
+    assert not exit_failure("h", _exit(3, 143, said=False), 103, 1.0).preempted  # a bare 143
+    assert acted_on(broken, 2).endswith("; stopping the other 2 rank(s).")
+    # An elastic job that went on without a preempted rank says so, not that it failed.
+    assert "earlier, 1 rank(s) stopped on a preemption and the job went on" in survived_report(
+        stopped[:1], 2
+    )
+    both = survived_report([stopped[0], broken], 2)
+    assert "earlier, 1 rank(s) failed and 1 rank(s) stopped on a preemption and" in both
 
 
 # Each rank says it fails on the heartbeat pipe, as ringtrain's except hook does

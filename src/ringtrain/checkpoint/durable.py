@@ -41,6 +41,7 @@ from ringtrain.checkpoint.writer import Checkpointer
 from ringtrain.config import Config, checkpoint_schedule
 from ringtrain.environ import Ringtrain
 from ringtrain.errors import ConfigError
+from ringtrain.runtime import heartbeat
 
 if TYPE_CHECKING:
     import torch
@@ -174,6 +175,7 @@ class Durable:
             self._preemption.closed()
         if raising and self._preemption.requested and self.stopped_at is None:
             self.stopped_at = self._last_step
+            heartbeat.say(heartbeat.PREEMPTED)  # as Preemption.stop: its last step saved
             raise SystemExit(EXIT_CODE)
 
     def __enter__(self) -> Durable:

@@ -23,6 +23,8 @@ import threading
 import time
 from types import FrameType
 
+from ringtrain.runtime import heartbeat
+
 EXIT_CODE = 128 + signal.SIGTERM
 log = logging.getLogger("ringtrain")
 
@@ -84,8 +86,11 @@ class Preemption:
         raise SystemExit(128 + signum)
 
     def stop(self) -> None:
-        """Raise the ``SystemExit`` the job stops with (its last save handed over)."""
+        """Raise the ``SystemExit`` the job stops with (its last save handed over). Under
+        ``ringtrain run`` the rank's agent hears of it first: the launcher reports a preemption,
+        not a failure, and leaves the rank to end by itself."""
         self.closing()
+        heartbeat.say(heartbeat.PREEMPTED)
         raise SystemExit(EXIT_CODE)
 
     def closing(self) -> None:

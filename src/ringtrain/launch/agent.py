@@ -159,6 +159,7 @@ class Agent:
         self._left_at: dict[int, float] = {}
         self._failing: set[int] = set()  # ranks that said an uncaught exception ends them
         self._after_peer: set[int] = set()  # ... one that says a peer left first
+        self._preempted: set[int] = set()  # ranks that stop on a preemption, their step saved
         self._signalled: set[int] = set()  # ranks this agent sent a signal (stop, Ctrl-C)
         self._killed: set[int] = set()  # ... SIGKILL when a forwarded signal's grace ran out
         # silent rank -> (since when it did no work, last look, its threads' CPU seconds then)
@@ -256,12 +257,14 @@ class Agent:
         """Note each heartbeat of ``rank`` (none come from a rank that never calls init)."""
         try:
             while data := os.read(fd, 4096):
-                if b"F" in data or b"P" in data or b"L" in data:
+                if b"F" in data or b"P" in data or b"L" in data or b"S" in data:
                     self._left_at.setdefault(rank, time.time())
                     if b"F" in data or b"P" in data:
                         self._failing.add(rank)
                     if b"P" in data:
                         self._after_peer.add(rank)
+                    if b"S" in data:
+                        self._preempted.add(rank)
                 if b"!" in data:  # goodbye: exiting; the beats stop before the process does
                     self._beats.pop(rank, None)
                     self._silent[rank] = 0.0  # never checked again
@@ -375,6 +378,7 @@ class Agent:
                     at=self._left_at.get(rank, exited_at),
                     failing=rank in self._failing,
                     after_peer=rank in self._after_peer,
+                    preempted=rank in self._preempted and rank not in self._failing,
                     stopped=rank in self._signalled,  # its end was ours, not its own
                     killed=rank in self._killed,
                 )

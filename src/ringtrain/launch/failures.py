@@ -37,6 +37,11 @@ def interrupted_words(sig: str) -> str:
     return f"{INTERRUPTED} ({sig} from the launcher)"
 
 
+# How a durable job's rank ends when it stops on a preemption (checkpoint/preemption.py's
+# EXIT_CODE: 128 + SIGTERM, as a shell reports a job that SIGTERM ended).
+PREEMPTED_CODE = 128 + int(signal.SIGTERM)
+
+
 # A rank's exit without last words (``os._exit``) is stamped when its agent reaps it, which its
 # polling and a loaded host can delay past the moment its peers say they failed because of it.
 EXIT_SEEN_S = 1.0
@@ -63,6 +68,9 @@ class Failure:
     finished: bool = False
     # What to do about it, where its agent could tell (launch/exit_hints): after its last words.
     hint: list[str] = field(default_factory=list)
+    # Not a failure either: a durable job's rank stopped on a SIGTERM at a step it saved
+    # (checkpoint/preemption.py); the cause only where nothing else failed.
+    preempted: bool = False
 
 
 @dataclass
@@ -101,9 +109,17 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
 
 
+def preempted(msg: dict[str, Any]) -> bool:
+    """Whether an agent's ``exit`` message is of a rank that stopped on a preemption: it said
+    so (runtime/heartbeat.py), and then ended with the code that stop gives, not an error."""
+    return bool(msg.get("preempted")) and msg.get("code") == PREEMPTED_CODE
+
+
 def how_it_ended(msg: dict[str, Any]) -> tuple[str, int]:
     """``(words, exit code)`` for an agent's ``exit`` message of a rank that did not succeed."""
     code, sig = msg.get("code"), msg.get("signal")
+    if preempted(msg):
+        return f"stopped on a preemption at a step it saved (exit code {code})", PREEMPTED_CODE
     if msg.get("silent_s") is not None:
         how = f"stopped responding (no heartbeat for {msg['silent_s']:.1f} s) and was killed"
         return how, 128 + int(signal.SIGKILL)
@@ -126,7 +142,17 @@ def exit_failure(host: str, msg: dict[str, Any], pid: int | None, elapsed_s: flo
     at = float(msg.get("at") or time.time())
     failure = Failure(rank, host, exit_code, desc, tail, at, bool(msg.get("after_peer")))
     failure.hint = list(msg.get("hint") or [])
+    failure.preempted = preempted(msg)
     return failure
+
+
+def acted_on(failure: Failure, others: int) -> str:
+    """The launcher's line when the first end it hears of stops the job."""
+    if not others:
+        return f"{failure.description}."
+    if failure.preempted:  # the peers learnt of it at the same step: they stop there too
+        return f"{failure.description}; the other {others} rank(s) stop at the same step."
+    return f"{failure.description}; stopping the other {others} rank(s)."
 
 
 def recorded_end(msg: dict[str, Any], interruption: Interruption | None) -> str:
@@ -160,9 +186,14 @@ def considered(failures: Sequence[Failure]) -> list[Failure]:
 
 def root_cause(failures: Sequence[Failure]) -> Failure:
     """The failure that happened first (the earliest stamp; the first heard of on a tie),
-    among those that are not only a peer's news (unless all are)."""
+    among those that are not only a peer's news nor a preemption (unless all are)."""
     every = considered(failures) or list(failures)
-    return min(enumerate(every), key=lambda i_f: (i_f[1].after_peer, i_f[1].at, i_f[0]))[1]
+    return min(enumerate(every), key=lambda i_f: (_rank_of(i_f[1]), i_f[1].at, i_f[0]))[1]
+
+
+def _rank_of(f: Failure) -> int:
+    """How far down the list of causes ``f`` comes: a real failure first."""
+    return 2 if f.after_peer else 1 if f.preempted else 0
 
 
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
@@ -180,6 +211,8 @@ def report(failures: Failure | Sequence[Failure], absorbed: Sequence[Failure] = 
     heard = [failures] if isinstance(failures, Failure) else list(failures)
     every = considered(heard)
     cause = root_cause(every)
+    if all(f.preempted for f in every) and not absorbed:
+        return _preempted_report(every)
     lines = [f"job failed: {cause.description}"]
     if cause.finished:
         lines[0] += ", while its peers still waited for it (their errors say a peer left)"
@@ -204,10 +237,24 @@ def report(failures: Failure | Sequence[Failure], absorbed: Sequence[Failure] = 
         lines.append(f"{len(others)} other rank(s) failed after it:")
         lines.extend(_grouped(others, cause))
     if absorbed:
-        lines.append(
-            f"earlier, {len(absorbed)} rank(s) failed and the job went on without them (elastic):"
-        )
+        lines.append(f"earlier, {_left(absorbed)} and the job went on without them (elastic):")
         lines.extend(_grouped(sorted(absorbed, key=lambda f: f.at), cause))
+    return "\n".join(lines)
+
+
+def _preempted_report(every: Sequence[Failure]) -> str:
+    """The last message of a job whose ranks all stopped on a preemption, at the step they
+    saved: the words of the rank that says which step (rank 0, in checkpoint/durable.py)."""
+    ranks = sorted(f.rank for f in every if f.rank is not None)
+    teller = min(every, key=lambda f: (f.rank is None, f.rank or 0))
+    lines = [
+        f"job stopped on a preemption: {_ranks(ranks)} exited with code {PREEMPTED_CODE} "
+        "at the step the job saved (to continue, run the job again with --resume and its "
+        "checkpoint directory)"
+    ]
+    if teller.tail:
+        lines.append(f"last lines of rank {teller.rank}'s error output:")
+        lines.extend(f"  | {t}" for t in teller.tail)
     return "\n".join(lines)
 
 
@@ -217,10 +264,20 @@ def survived_report(absorbed: Sequence[Failure], ranks: int) -> str:
     this line its log would not say that some of its ranks failed, nor why."""
     lines = [
         f"job finished: the last world's {ranks} rank(s) exited 0; earlier, "
-        f"{len(absorbed)} rank(s) failed and the job went on without them (elastic):"
+        f"{_left(absorbed)} and the job went on without them (elastic):"
     ]
     lines.extend(_grouped(sorted(absorbed, key=lambda f: f.at), None))
     return "\n".join(lines)
+
+
+def _left(absorbed: Sequence[Failure]) -> str:
+    """How the ranks an elastic job went on without ended: failed, or stopped on a preemption."""
+    stopped = sum(f.preempted for f in absorbed)
+    failed = len(absorbed) - stopped
+    if not stopped:
+        return f"{failed} rank(s) failed"
+    said = f"{stopped} rank(s) stopped on a preemption"
+    return f"{failed} rank(s) failed and {said}" if failed else said
 
 
 def _grouped(failures: Sequence[Failure], cause: Failure | None) -> list[str]:

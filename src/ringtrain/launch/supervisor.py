@@ -53,6 +53,7 @@ from ringtrain.launch.exit_policy import Next, RankExit, decide
 from ringtrain.launch.failures import (
     Failure,
     Interruption,
+    acted_on,
     exit_failure,
     exited_key,
     interrupted_report,
@@ -538,11 +539,7 @@ class Supervisor:
             failure.at = time.time()
         self._failures.append(failure)
         others = len(self.pool.running())
-        self.say(
-            f"{failure.description}; stopping the other {others} rank(s)."
-            if others
-            else f"{failure.description}."
-        )
+        self.say(acted_on(failure, others))
         # The agents give the peers a notice first, those that said they fail more to end alone.
         grace = PEER_NOTICE_S + self.options.grace_s + FAILING_GRACE_S
         self._apply(job_state.Failed(failure, time.monotonic(), grace))

@@ -12,7 +12,8 @@ the rank still uses.
 
 More words travel on the same pipe, each when it happens: :data:`FAILING` (an uncaught
 exception, said before the traceback is printed; :data:`FAILING_AFTER_PEER` for one that only
-says a peer left first) and :data:`LEAVING` (shutdown begins). The
+says a peer left first), :data:`LEAVING` (shutdown begins) and :data:`PREEMPTED` (a durable job
+stops on a preemption, its step saved: :mod:`ringtrain.checkpoint.preemption`). The
 agent stamps them with its clock, so the launcher can name the rank that failed *first*
 (its peers fail after it, when they hear), and it lets a failing rank end by itself, with
 its own exit code, instead of stopping it with the others.
@@ -35,11 +36,13 @@ INTERVAL_S = 0.5
 BEAT, GOODBYE = b".", b"!"  # GOODBYE: the process is exiting (its daemon threads stop soon)
 FAILING, LEAVING = b"F", b"L"  # an uncaught exception; shutdown begins
 FAILING_AFTER_PEER = b"P"  # an uncaught exception that says a peer left first: not a cause
+PREEMPTED = b"S"  # stops on a SIGTERM, its step saved: ends by itself with 143, not a failure
 _started: set[int] = set()
 
 
 def say(word: bytes) -> None:
-    """Tell the agent ``word`` (:data:`FAILING`, :data:`LEAVING`) now; nothing without one."""
+    """Tell the agent ``word`` (:data:`FAILING`, :data:`LEAVING`, ...) now; nothing without
+    one."""
     for fd in _started:
         with contextlib.suppress(OSError):
             os.write(fd, word)
