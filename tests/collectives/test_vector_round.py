@@ -152,10 +152,11 @@ def test_bursts_and_loops_ride_vector_rounds(world3: spawn.World) -> None:
         assert vectors > gathered  # the cached ops negotiated by bits
 
 
-def _every_kind(ops: int) -> dict[str, tuple[float, float, bool]]:
+def _every_kind(ops: int) -> dict[str, tuple[float, float, bool, dict[str, int]]]:
     """Per collective kind (issue 38 item 6), a named call repeated ``ops`` times after its
-    first: rounds per op, the share of them that were vector rounds, and whether every result
-    was right. 63 rows: no even split at 3 ranks needed, small enough to travel inline."""
+    first: rounds per op, the share of them that were vector rounds, whether every result was
+    right, and what sent rounds to gathered ones (VectorRounds.why). 63 rows: no even split
+    at 3 ranks needed, small enough to travel inline."""
     import torch
 
     import ringtrain as rt
