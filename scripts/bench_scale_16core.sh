@@ -2,7 +2,10 @@
 # Issue 38's wall-time figures, for a machine with the cores (a lent GPU machine's host: 16
 # cores): 8 ranks x 2 threads and 16 ranks x 1 thread on loopback, ringtrain against raw Gloo
 # interleaved in the same processes (every size 64 KiB-16 MiB, and a burst of 256 x 64 KiB
-# async ops against one tensor of its bytes); then CPU per op at 4 and 2 ranks, which on 16
+# async ops against one tensor of its bytes); then, at the same shapes, where the burst's wall
+# time goes (scripts/bench_burst_wall.py) and the rank-ordered sum that fused bursts take from
+# 3 ranks, whole or in pipelined pieces (scripts/bench_ordered_pieces.py; ordered.PIECE_BYTES,
+# off by default: on 2 cores pieces cost more); then CPU per op at 4 and 2 ranks, which on 16
 # cores runs one rank per core (the 2-core machine runs 4 ranks two to a core); then one tiny
 # value's latency by algorithm at 8 and 16 ranks (what a lane slot's agreement could run on);
 # then a lane slot of 4 and 16 MiB by plan (agree, copy, or sum in rank order) at 8 x 2 and
@@ -53,6 +56,15 @@ for shape in $WIDE; do  # RANKSxTHREADS: the done-when's wall-time cases
         "$PY" -m ringtrain.bench allreduce -np "$np" --threads "$threads" --sizes "$SIZES" \
         --repeats "$REPEATS" --fusion-count "$BURST" --fusion-size 65536 \
         --fusion-repeats "$REPEATS" --markdown --json "$OUT/scale-allreduce-$shape.json"
+done
+for shape in $WIDE; do  # where the burst's wall time goes (2.6-3.5x one tensor at 8 x 2)
+    np=${shape%x*} threads=${shape#*x}
+    part "burst wall by segment, $np ranks x $threads threads" $((LIMIT / 2)) \
+        "$PY" -m ringtrain run -np "$np" -x OMP_NUM_THREADS="$threads" -- \
+        "$PY" scripts/bench_burst_wall.py --count "$BURST" --samples "$((REPEATS * 4))"
+    part "rank-ordered sum, whole or in pieces, $np ranks x $threads threads" $((LIMIT / 2)) \
+        "$PY" -m ringtrain run -np "$np" -x OMP_NUM_THREADS="$threads" -- \
+        "$PY" scripts/bench_ordered_pieces.py --mib 16 --pieces 0,4,2 --repeats "$REPEATS"
 done
 for np in $CPU_RANKS; do  # the done-when's CPU cases: 1 and 2 threads
     for threads in 1 2; do

@@ -116,6 +116,40 @@ def test_which_reductions_take_the_rank_order() -> None:
     assert not ordered.needed("Max", torch.float32, 3)  # picks a value
 
 
+def _in_pieces() -> list[bool]:
+    """With ``ordered.PIECE_BYTES`` set (pieces pipelined, an experiment): sums and products of
+    sizes that do not divide into pieces or ranks, and buffers of fewer elements than ranks, in
+    rank order; then an async burst, fused and summed in pieces."""
+    r = rt.rank()
+    comm = rt.global_process_set.communicator
+    scratch = ordered.Scratch()
+    before, ordered.PIECE_BYTES = ordered.PIECE_BYTES, 64 * 1024
+    try:
+        out = []
+        for i, (numel, dtype) in enumerate(
+            [(100_003, torch.float32), (16_385, torch.float64), (2, torch.float32)]
+        ):
+            t = _data(i, r, numel, dtype)
+            ordered.allreduce(t, "Sum", comm.group_for(t), scratch)
+            out.append(torch.equal(t, _in_rank_order(i, numel, dtype)))
+        factors = 1.0 + _data(5, r, 50_001, torch.float64) * 1e-3
+        ordered.allreduce(factors, "Product", comm.group_for(factors), scratch)
+        acc = 1.0 + _data(5, 0, 50_001, torch.float64) * 1e-3
+        for k in range(1, rt.size()):
+            acc = acc * (1.0 + _data(5, k, 50_001, torch.float64) * 1e-3)
+        out.append(torch.equal(factors, acc))
+        same, _ = _burst(None)
+        return out + same
+    finally:
+        ordered.PIECE_BYTES = before
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_pieces_sum_in_rank_order(world3: spawn.World) -> None:
+    for flags in world3.run(_in_pieces, timeout=TIMEOUT):
+        assert all(flags), flags
+
+
 LARGE = (ordered.ALONE_ABOVE_BYTES // 4) + 1  # float32 elements: just above the limit
 
 

@@ -16,7 +16,8 @@ the buffer. Wire bytes are a ring allreduce's, 2(N-1)/N of the buffer per rank; 
 one step with its N-1 pieces in flight at once (the ring takes 2(N-1) steps); the adds are the
 ring's adds. The costs: a scratch of the buffer's size, kept and reused; a copy of the sum into
 the rows (N-1)/N of the buffer, so that the second alltoall has a piece for every rank; and no
-overlap of the adds with the transfer, which Gloo's ring pipelines. Measured at 3 ranks, 16 MiB,
+overlap of the adds with the transfer, which Gloo's ring pipelines (pieces that would overlap
+them are an experiment, off by default: :data:`PIECE_BYTES`). Measured at 3 ranks, 16 MiB,
 on a loaded 2-core machine: 1.06-1.17x the CPU of Gloo's allreduce, and longer in wall time.
 
 The other choice was fusion buckets fixed the first time a set of requests is seen (DDP, the
@@ -34,6 +35,7 @@ per buffer, on NCCL's ring.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import threading
 import time
@@ -53,6 +55,14 @@ ORDERED_OPS = ("Sum", "Average", "Product")
 # docs/benchmarks/log/2026-11-28-ordered-fusion.md). Alone, an op's bits depend on its own size
 # only, so this keeps reproducibility: the choice is a function of the op, never of timing.
 ALONE_ABOVE_BYTES = 1 << 20
+# A buffer above this many bytes may sum in pieces of this size, pipelined, IN_FLIGHT pieces at
+# a time, each in a scratch of its own (see allreduce); 0: whole, the default. On 2 cores the
+# pieces cost more than they hide (3 ranks, 16 MiB: 4 MiB pieces 1.50x the ring's wall, whole
+# 1.24x; docs/benchmarks/log/2026-12-07-burst-wall.md): ranks that share cores have no idle
+# core for the adds to overlap on. With a core per rank it is unmeasured:
+# scripts/bench_scale_16core.sh times it at 8 and 16 ranks (scripts/bench_ordered_pieces.py).
+PIECE_BYTES = 0
+IN_FLIGHT = 2
 
 
 def alone(nbytes: int) -> bool:
@@ -77,16 +87,26 @@ def needed(op: str, dtype: torch.dtype, size: int) -> bool:
 
 class Scratch:
     """The bytes an ordered allreduce works in, kept for the next: a fresh buffer of tens of
-    MiB is a fresh mmap whose page faults cost more than the copy. One op at a time."""
+    MiB is a fresh mmap whose page faults cost more than the copy. One op at a time; the
+    pieces of a pipelined one (:func:`allreduce`) take one slot each."""
 
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
+        self._slots: list[Scratch] = []
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if self._buf is None or self._buf.numel() < nbytes:
             self._buf = torch.empty(nbytes, dtype=torch.uint8)
         return self._buf[:nbytes].view(dtype)
+
+    def slot(self, k: int) -> Scratch:
+        """Scratch ``k`` of those that pieces in flight together use (0 is this one)."""
+        if k == 0:
+            return self
+        while len(self._slots) < k:
+            self._slots.append(Scratch())
+        return self._slots[k - 1]
 
 
 def chunk_starts(n: int, size: int) -> list[int]:
@@ -178,22 +198,71 @@ class OrderedWork:
         return self._mine > 0 and not bool(self._rows[:, 0].isnan().any())
 
     def is_completed(self) -> bool:
+        return self._summed() and bool(self._back.is_completed())
+
+    def _summed(self) -> bool:
+        """Whether the rows are summed and the second exchange started (starting it if the
+        first has landed)."""
         if self._back is None:
             if not self._exchange.is_completed():
                 return False
             self._send_back()
-        return bool(self._back.is_completed())
+        return True
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        self._first_half(deadline)
+        wait_until(self._back, deadline)
+        return True
+
+    def _first_half(self, deadline: float | None) -> None:
+        """Until the rows are summed and the second exchange started."""
         if self._back is None:
             if deadline is not None:
                 wait_until(self._exchange, deadline)
             self._send_back()
-        wait_until(self._back, deadline)
+
+    def summed(self) -> _Summed:
+        """A work that is done once this one's rows are summed and its second exchange has
+        started: what :func:`allreduce` waits for (sliced, as any work) between pieces."""
+        return _Summed(self)
+
+
+class _Summed:
+    """The first half of an :class:`OrderedWork`, as a work: ``wait(timeout=None)``."""
+
+    def __init__(self, work: OrderedWork) -> None:
+        self._work = work
+
+    def is_completed(self) -> bool:
+        return self._work._summed()
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        self._work._first_half(deadline)
         return True
 
 
 def allreduce(flat: torch.Tensor, op: str, group: Any, scratch: Scratch) -> None:
-    """``flat`` (1-D, dense) summed (or multiplied) over ``group`` in rank order, in place."""
-    group_ops.finish(OrderedWork(flat, op, group, scratch), flat)
+    """``flat`` (1-D, dense) summed (or multiplied) over ``group`` in rank order, in place.
+
+    Where :data:`PIECE_BYTES` is set, a buffer above it sums in pieces of that size, pipelined
+    (an experiment, off by default): while one piece's first
+    exchange moves, this thread sums the rows of the piece before and starts its second, so
+    the adds overlap the transfer as in Gloo's ring. Every rank cuts alike (by size alone) and
+    starts the same exchanges in the same order: first(0), first(1), second(0), first(2),
+    second(1), ... Each element still sums in rank order: a piece changes no bit."""
+    step = max(1, PIECE_BYTES // flat.element_size()) if PIECE_BYTES else flat.numel()
+    if flat.numel() <= step:
+        group_ops.finish(OrderedWork(flat, op, group, scratch), flat)
+        return
+    flying: collections.deque[OrderedWork] = collections.deque()
+    for i, start in enumerate(range(0, flat.numel(), step)):
+        if len(flying) == IN_FLIGHT:  # its scratch slot is this piece's: let it land first
+            group_ops.finish(flying.popleft(), flat)
+        piece = flat[start : start + step]
+        flying.append(OrderedWork(piece, op, group, scratch.slot(i % IN_FLIGHT)))
+        if len(flying) > 1:  # sum the piece before while this one's exchange moves
+            group_ops.finish(flying[-2].summed(), flat)
+    while flying:
+        group_ops.finish(flying.popleft(), flat)
