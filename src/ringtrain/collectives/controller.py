@@ -173,9 +173,10 @@ class Controller:
                     "HINT: names must be unique among pending operations; wait for the first "
                     "(synchronize) or give the second another name."
                 )
-            if fast is not None and fast.lane.reserved is not None:
+            reserved = fast.lane.reserved if fast is not None else None
+            if fast is not None and reserved is not None and reserved.name == request.name:
                 # Made before the claim starts the op, so that little runs between its start
-                # and the caller's wait (lane.Lane._launch).
+                # and the caller's wait (lane.Lane._launch); other names (a burst's) cannot claim.
                 lane_handle = LaneHandle(request.name, finish, fast)
                 pending = Pending(request, tensors, outputs, lane_handle)
                 lane_handle.claim = fast.lane.try_claim(request, tensors, outputs)
