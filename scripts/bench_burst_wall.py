@@ -6,8 +6,8 @@ Each rank records a timeline (:mod:`ringtrain.diagnostics.timeline`) and marks i
 submissions; afterwards it reads its file back and prints, per burst (medians over the samples):
 the wall time; the caller's submissions; how long after the first submission the first round
 with work began, and the rounds with work (``NEGOTIATE``); the fused ops (``ALLREDUCE``: packing,
-the wire, unpacking), the first one's start; and the tail, from the last fused op's end to the
-caller's last ``synchronize``. The timeline costs a few microseconds an event, so the burst runs
+the wire, unpacking), the first one's start; the tail, from the last fused op's end to the
+caller's last ``synchronize``; and the caller's CPU per submission (its thread's). The timeline costs a few microseconds an event, so the burst runs
 slightly slower than without it: read the segments against each other and against the raw op.
 
     OMP_NUM_THREADS=1 .venv/bin/ringtrain run -np 2 -- .venv/bin/python \
@@ -81,13 +81,15 @@ def main() -> None:
     folder = tempfile.mkdtemp(prefix="burst-wall-")
     path = os.path.join(folder, f"trace.rank{hvd.rank()}.json")
     rec = timeline.start(path, hvd.rank())
-    raw = []
+    raw: list[float] = []
+    submit_cpu: list[float] = []  # the caller's CPU per submission, us
     for _ in range(args.samples):
         hvd.barrier()
         time.sleep(0.02)
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         handles = [hvd.allreduce_async_(t, name=f"b.{i}", op=hvd.Sum) for i, t in enumerate(parts)]
         t1 = time.perf_counter()
+        submit_cpu.append((time.thread_time() - c0) / args.count * 1e6)
         for h in handles:
             hvd.synchronize(h)
         t2 = time.perf_counter()
@@ -112,7 +114,8 @@ def main() -> None:
     )
     print(
         f"rank {hvd.rank()}: {hvd.size()} ranks, {args.count} x 64 KiB, medians of {args.samples}: "
-        f"one raw tensor {one:.2f} ms; burst {wall / one:.2f}x of it: {cells} (ms)",
+        f"one raw tensor {one:.2f} ms; burst {wall / one:.2f}x of it: {cells} (ms); the "
+        f"caller's CPU per submission {statistics.median(submit_cpu):.1f} us",
         flush=True,
     )
     hvd.shutdown()
