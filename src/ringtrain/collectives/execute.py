@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ringtrain.collectives import copies, dtypes, inline, ordered, unfused
 from ringtrain.collectives.handles import Handle
+from ringtrain.collectives.inline import INLINE_MAX_BYTES as INLINE_MAX
 from ringtrain.collectives.requests import Request, lowest
 from ringtrain.collectives.scaling import REDUCE_OPS, scaling_of
 from ringtrain.compression.averaging import Factors
@@ -117,14 +119,14 @@ class Executor:
             if req.kind == "allreduce":
                 # Joined ranks contribute zeros and Average divides by the whole set, as Horovod.
                 item = _Item(name, req, tensors, outputs, handle, self.comm.size)
-                if inline_data is not None:
-                    result = self._inline_allreduce(item, inline_data)
-                elif not self.order_free and inline.inlinable_size(tensors):
-                    self._small.append(item)  # with the round's other small ones
+                if inline_data is None:
+                    facts = req.derived("fusion", _facts)
+                    if not self.order_free and facts.on_cpu and 0 < facts.nbytes <= INLINE_MAX:
+                        self._small.append(item)  # with the round's other small ones
+                    else:
+                        self._queue_allreduce(item, facts)
                     return
-                else:
-                    self._queue_allreduce(item)
-                    return
+                result = self._inline_allreduce(item, inline_data)
             else:
                 self.flush()
                 result = self._run_one(req, by_rank, tensors, outputs, me, inline_data)
@@ -166,44 +168,33 @@ class Executor:
 
     # ---- allreduce with fusion ---------------------------------------------------------------
 
-    def _queue_allreduce(self, item: _Item) -> None:
-        t0 = item.tensors[0] if item.tensors else None
-        key = (
-            item.request.op,
-            item.request.tensors[0].dtype if item.request.tensors else None,
-            t0.device if t0 is not None else None,
-            item.request.prescale,
-            item.request.postscale,
-            item.contributors,
-        )
-        tensors = item.tensors
-        nbytes = tensors[0].nbytes if len(tensors) == 1 else sum(t.nbytes for t in tensors)
-        alone = not self._fuses_freely(item, nbytes)
+    def _queue_allreduce(self, item: _Item, facts: _Facts) -> None:
+        key = (facts.key, item.contributors)
+        alone = not self._fuses_freely(facts)
         if self._batch and (
             key != self._batch_key
-            or self._batch_bytes + nbytes > self.threshold
+            or self._batch_bytes + facts.nbytes > self.threshold
             or alone
             or self._batch_alone
         ):
             self.flush()
         self._batch.append(item)
         self._batch_key = key
-        self._batch_bytes += nbytes
+        self._batch_bytes += facts.nbytes
         self._batch_alone = alone
 
-    def _fuses_freely(self, item: _Item, nbytes: int) -> bool:
-        """Whether ``item`` may share a buffer with ops that arrived with it, its bits the same:
+    def _fuses_freely(self, facts: _Facts) -> bool:
+        """Whether an op may share a buffer with ops that arrived with it, its bits the same:
         at two ranks, when reproducibility was waived, for reductions exact in any order, and
         in host memory up to :data:`~ringtrain.collectives.ordered.ALONE_ABOVE_BYTES` (summed
         in rank order). Device tensors on 3+ ranks, reproducibly, still go one request per
         buffer (NCCL's ring orders a sum by offset, as Gloo's does), and so do larger ops,
         on Gloo's ring."""
-        if self.order_free or not item.tensors:
+        if self.order_free or facts.dtype is None:
             return True
-        dtype = dtypes.from_name(item.request.tensors[0].dtype)
-        if not ordered.needed(item.request.op, dtype, self.comm.size):
+        if not ordered.needed(facts.key[0], facts.dtype, self.comm.size):
             return True
-        return item.tensors[0].device.type == "cpu" and not ordered.alone(nbytes)
+        return facts.first_on_cpu and not ordered.alone(facts.nbytes)
 
     def flush(self) -> None:
         """Run the allreduces batched so far: the fused batch, then the small ones gathered."""
@@ -465,6 +456,33 @@ class Executor:
         if req.kind == "alltoall":
             return unfused.alltoall(self.comm, by_rank, tensors[0], me)
         raise CollectiveArgumentError(f"unknown collective kind {req.kind!r}")
+
+
+class _Facts(NamedTuple):
+    """What fusion asks of an allreduce's tensors, read from its request once per request
+    object (a repeated op submits the same one: issue 38, the controller's Python per op)."""
+
+    key: tuple[Any, ...]  # op, dtype, device, prescale, postscale: what a batch shares
+    nbytes: int
+    dtype: torch.dtype | None  # the first tensor's (None: no tensors)
+    first_on_cpu: bool
+    on_cpu: bool  # every tensor's
+
+
+def _facts(req: Request) -> _Facts:
+    metas = req.tensors
+    first = metas[0] if metas else None
+    key = (
+        req.op,
+        first.dtype if first else None,
+        first.device if first else None,
+        req.prescale,
+        req.postscale,
+    )
+    nbytes = sum(math.prod(m.shape) * dtypes.from_name(m.dtype).itemsize for m in metas)
+    dtype = dtypes.from_name(first.dtype) if first else None
+    on_cpu = all(m.device == "cpu" for m in metas)
+    return _Facts(key, nbytes, dtype, first is not None and first.device == "cpu", on_cpu)
 
 
 def transport_error(e: Exception) -> Exception:
