@@ -33,7 +33,6 @@ FUNCTIONS_OVER = {
     "doctor/placement.py:check": 82,
     "engine/optimizer.py:__init__": 96,
     "launch/command.py:options_from_args": 81,
-    "launch/python_run.py:run": 86,
     "runtime/state.py:start": 94,
     "runtime/store_connect.py:connect": 104,
 }

@@ -105,6 +105,7 @@ _EXPORTS: dict[str, str] = {
     "StallError": "ringtrain.errors",
     "PeerFailedError": "ringtrain.errors",
     "JobFailedError": "ringtrain.errors",
+    "JobPreemptedError": "ringtrain.errors",
     "ConfigError": "ringtrain.errors",
 }
 
@@ -173,6 +174,7 @@ if TYPE_CHECKING:  # type checkers and IDEs see the real objects ("X as X": re-e
     from ringtrain.errors import CollectiveMismatchError as CollectiveMismatchError
     from ringtrain.errors import ConfigError as ConfigError
     from ringtrain.errors import JobFailedError as JobFailedError
+    from ringtrain.errors import JobPreemptedError as JobPreemptedError
     from ringtrain.errors import PeerFailedError as PeerFailedError
     from ringtrain.errors import RingtrainError as RingtrainError
     from ringtrain.errors import StallError as StallError

@@ -21,6 +21,7 @@
     │   ├── HostSpecError (ValueError)  a -H / --hostfile entry could not be parsed
     │   ├── MissingRanksError           ranks never arrived in init() (exited first, or stuck)
     │   └── JobFailedError (RuntimeError)  ringtrain.run's job failed (horovod.run raises so)
+    │       └── JobPreemptedError       it stopped on a preemption at a step it saved
     └── InternalError                   a bug in ringtrain itself: please report it
 
 Messages say what was given, what was expected, and what to do (``HINT:``).
@@ -189,6 +190,13 @@ class JobFailedError(LaunchError, RuntimeError):
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class JobPreemptedError(JobFailedError):
+    """The job that ``ringtrain.run`` started stopped on a preemption (SIGTERM) at a step it
+    saved (a durable job: ringtrain.checkpoint.Durable): nothing failed, and running it again
+    with ``resume`` set continues from that step. A JobFailedError still, as Horovod's
+    ``horovod.run`` raises RuntimeError for any job that did not end well."""
 
 
 class InternalError(RingtrainError):

@@ -47,6 +47,59 @@ def test_a_rank_that_raises_fails_the_call_as_horovod_run_does(capfd) -> None:
     assert 'raise ValueError("no data on rank 1")' in err and "<dynamic-code>" not in err
 
 
+def test_a_preempted_durable_job_raises_job_preempted_and_runs_on_from_its_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A preemption is no failure: every rank saved the step the job stopped at. So the call
+    raises JobPreemptedError (still a JobFailedError, a RuntimeError, as horovod.run raises for
+    any job that did not end well) with the way on; run again with RINGTRAIN_RESUME, the job
+    starts at that step on every rank."""
+
+    def durable(total: int, stop_at: int) -> tuple[int, int]:
+        # Directory and schedule from the environment; rank 1 sends itself SIGTERM after step
+        # stop_at, as a preemption does. Nested: cloudpickle sends it by value.
+        import os
+        import signal
+        import time
+
+        import torch
+
+        import ringtrain as rt
+        import ringtrain.checkpoint as ckpt
+
+        rt.init()
+        model = torch.nn.Linear(4, 1)
+        opt = rt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+        )
+        with ckpt.Durable(model=model, optimizer=opt) as job:
+            first = job.start_step
+            for step in range(first, total):
+                opt.zero_grad()
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+                job.step(step + 1)
+                if step + 1 == stop_at and rt.rank() == 1:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.02)
+        return first, total
+
+    ck = tmp_path / "ck"
+    monkeypatch.setenv("RINGTRAIN_CHECKPOINT_DIR", str(ck))
+    monkeypatch.setenv("RINGTRAIN_CHECKPOINT_EVERY", "1000")  # no save due on the schedule
+    with pytest.raises(ringtrain.JobPreemptedError, match="stopped on a preemption") as caught:
+        ringtrain.run(durable, args=(400, 3), np=2)
+    assert isinstance(caught.value, ringtrain.JobFailedError)
+    assert caught.value.exit_code == 143
+    assert "RINGTRAIN_RESUME" in str(caught.value)
+    assert "job stopped on a preemption" in capfd.readouterr().err
+    monkeypatch.delenv("RINGTRAIN_CHECKPOINT_DIR")
+    monkeypatch.setenv("RINGTRAIN_RESUME", str(ck))
+    resumed = ringtrain.run(durable, args=(400, 0), np=2)
+    starts = {first for first, _ in resumed}
+    assert len(starts) == 1 and 3 < starts.pop() < 400, resumed
+
+
 def test_the_files_go_back_into_the_function_and_the_code_nested_in_it() -> None:
     import pickle
 

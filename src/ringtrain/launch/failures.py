@@ -211,7 +211,7 @@ def report(failures: Failure | Sequence[Failure], absorbed: Sequence[Failure] = 
     heard = [failures] if isinstance(failures, Failure) else list(failures)
     every = considered(heard)
     cause = root_cause(every)
-    if all(f.preempted for f in every) and not absorbed:
+    if stopped_on_preemption(heard, absorbed):
         return _preempted_report(every)
     lines = [f"job failed: {cause.description}"]
     if cause.finished:
@@ -240,6 +240,14 @@ def report(failures: Failure | Sequence[Failure], absorbed: Sequence[Failure] = 
         lines.append(f"earlier, {_left(absorbed)} and the job went on without them (elastic):")
         lines.extend(_grouped(sorted(absorbed, key=lambda f: f.at), cause))
     return "\n".join(lines)
+
+
+def stopped_on_preemption(failures: Sequence[Failure], absorbed: Sequence[Failure] = ()) -> bool:
+    """Whether a job that did not succeed stopped on a preemption, at a step it saved: every
+    rank that ended it said so (:func:`report` then says that, not "job failed"). An elastic
+    job that went on without some ranks first is reported as a failure."""
+    every = considered(failures)
+    return bool(every) and all(f.preempted for f in every) and not absorbed
 
 
 def _preempted_report(every: Sequence[Failure]) -> str:

@@ -77,6 +77,7 @@ class Stopping:
 @dataclass(frozen=True)
 class Done:
     code: int
+    preempted: bool = False  # stopped on a preemption at a step it saved (AgentsEnded)
     phase = Phase.DONE
 
 
@@ -147,9 +148,11 @@ class Tick:
 @dataclass(frozen=True)
 class AgentsEnded:
     """Every agent has ended (or its link was lost); ``code`` is the launcher's exit code (the
-    root cause's, see :mod:`ringtrain.launch.failures`)."""
+    root cause's, see :mod:`ringtrain.launch.failures`); ``preempted``: the ranks that ended
+    the job stopped on a preemption, at a step it saved (failures.stopped_on_preemption)."""
 
     code: int
+    preempted: bool = False
 
 
 Event = Started | WorldChanged | Settled | BelowMinNp | Failed | Interrupted | Tick | AgentsEnded
@@ -170,7 +173,7 @@ def stopping(state: State) -> bool:
 def on(state: State, event: Event) -> Decision:
     """The next state after ``event``, and what to do."""
     if isinstance(event, AgentsEnded):
-        return Decision(Done(event.code))
+        return Decision(Done(event.code, event.preempted))
     if isinstance(state, Done):
         return Decision(state)
     if isinstance(event, Interrupted):

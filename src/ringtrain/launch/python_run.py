@@ -10,7 +10,9 @@ command line, so it needs no shared file system: a function defined in a noteboo
 ``__main__`` works. Each rank's return value comes back on one marked line of its stdout
 (:data:`~ringtrain.launch.rank_output.RESULT_PREFIX`), which the launcher keeps instead of
 printing. A job that fails raises :class:`~ringtrain.errors.JobFailedError` (a RuntimeError,
-as Horovod's), after the launcher's report naming the rank that failed first.
+as Horovod's), after the launcher's report naming the rank that failed first; a durable job
+that stopped on a preemption at a step it saved raises its subclass
+:class:`~ringtrain.errors.JobPreemptedError`, which says how to continue.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from typing import Any
 
 import cloudpickle
 
-from ringtrain.errors import ConfigError, JobFailedError
-from ringtrain.launch import code_files, command
+from ringtrain.errors import ConfigError, JobFailedError, JobPreemptedError
+from ringtrain.launch import code_files, command, job_state
 from ringtrain.launch.supervisor import Supervisor
 
 # Linux refuses a single argument over 128 KiB (MAX_ARG_STRLEN); leave room for the rest.
@@ -102,21 +104,33 @@ def run(
     def keep(rank: int, line: str) -> None:
         results[rank] = cloudpickle.loads(base64.b64decode(line))
 
-    code = Supervisor(options, on_result=keep).run()
+    supervisor = Supervisor(options, on_result=keep)
+    return _results(supervisor.run(), supervisor.state, results, options.np)
+
+
+def _results(code: int, ended: job_state.State, results: dict[int, Any], np: int) -> list[Any]:
+    """The ranks' results in rank order, or the error that says how the job ended instead."""
+    if code != 0 and isinstance(ended, job_state.Done) and ended.preempted:
+        raise JobPreemptedError(
+            f"ringtrain.run: the job stopped on a preemption at the step it saved (exit code "
+            f"{code}); nothing failed.\nHINT: to continue from that step, run it again with "
+            "RINGTRAIN_RESUME set to its checkpoint directory.",
+            code,
+        )
     if code != 0:
         raise JobFailedError(
             f"ringtrain.run: the job failed with exit code {code}; the report above names the "
             "rank that failed first.",
             code,
         )
-    missing = [r for r in range(options.np) if r not in results]
+    missing = [r for r in range(np) if r not in results]
     if missing:
         raise JobFailedError(
             f"ringtrain.run: ranks {missing} exited 0 without returning a result (a rank that "
             "ends its process itself, os._exit or sys.exit(0), returns nothing).",
             1,
         )
-    return [results[r] for r in range(options.np)]
+    return [results[r] for r in range(np)]
 
 
 def _flags(**given: Any) -> list[str]:

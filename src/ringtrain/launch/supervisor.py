@@ -60,6 +60,7 @@ from ringtrain.launch.failures import (
     recorded_end,
     report,
     root_cause,
+    stopped_on_preemption,
     survived_report,
 )
 from ringtrain.launch.hosts import Host
@@ -570,7 +571,8 @@ class Supervisor:
 
     def _report(self) -> int:
         code = self._verdict()
-        self._apply(job_state.AgentsEnded(code))
+        preempted = code != 0 and stopped_on_preemption(self._failures, self.pool.absorbed)
+        self._apply(job_state.AgentsEnded(code, preempted))
         return code
 
     def _verdict(self) -> int:
