@@ -16,11 +16,12 @@ bool too), so it is refused rather than given as an or.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
+from ringtrain.collectives.requests import TensorMeta
 from ringtrain.errors import CollectiveArgumentError
 from ringtrain.transport import views
 
@@ -50,6 +51,11 @@ def from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name.removeprefix("torch."))
     assert isinstance(dtype, torch.dtype), name
     return dtype
+
+
+def nbytes_of(metas: Iterable[TensorMeta]) -> int:
+    """The bytes of the tensors a request describes."""
+    return sum(math.prod(m.shape) * from_name(m.dtype).itemsize for m in metas)
 
 
 def reduction_dtype(dtype: torch.dtype, op: str) -> torch.dtype:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -479,7 +478,7 @@ def _facts(req: Request) -> _Facts:
         req.prescale,
         req.postscale,
     )
-    nbytes = sum(math.prod(m.shape) * dtypes.from_name(m.dtype).itemsize for m in metas)
+    nbytes = dtypes.nbytes_of(metas)
     dtype = dtypes.from_name(first.dtype) if first else None
     on_cpu = all(m.device == "cpu" for m in metas)
     return _Facts(key, nbytes, dtype, first is not None and first.device == "cpu", on_cpu)

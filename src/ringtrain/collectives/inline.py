@@ -126,7 +126,7 @@ def reduce_rows(stack: torch.Tensor, op: str) -> torch.Tensor:
 def _small(request: Request) -> bool:
     """Whether the request's tensors may be small enough to travel inline (their metadata's
     bytes; inlinable_size decides from the tensors themselves)."""
-    nbytes = sum(math.prod(m.shape) * dtypes.from_name(m.dtype).itemsize for m in request.tensors)
+    nbytes = dtypes.nbytes_of(request.tensors)
     return nbytes <= INLINE_MAX_BYTES and all(m.device == "cpu" for m in request.tensors)
 
 

@@ -247,11 +247,11 @@ def allreduce(flat: torch.Tensor, op: str, group: Any, scratch: Scratch) -> None
     """``flat`` (1-D, dense) summed (or multiplied) over ``group`` in rank order, in place.
 
     Where :data:`PIECE_BYTES` is set, a buffer above it sums in pieces of that size, pipelined
-    (an experiment, off by default): while one piece's first
-    exchange moves, this thread sums the rows of the piece before and starts its second, so
-    the adds overlap the transfer as in Gloo's ring. Every rank cuts alike (by size alone) and
-    starts the same exchanges in the same order: first(0), first(1), second(0), first(2),
-    second(1), ... Each element still sums in rank order: a piece changes no bit."""
+    (an experiment, off by default): while one piece's first exchange moves, this thread sums
+    the rows of the piece before and starts its second, so the adds overlap the transfer as in
+    Gloo's ring. Every rank cuts alike (by size alone) and starts the same exchanges in the same
+    order: first(0), first(1), second(0), first(2), second(1), ... Each element still sums in
+    rank order: a piece changes no bit."""
     step = max(1, PIECE_BYTES // flat.element_size()) if PIECE_BYTES else flat.numel()
     if flat.numel() <= step:
         group_ops.finish(OrderedWork(flat, op, group, scratch), flat)
