@@ -135,13 +135,19 @@ class PeerFailedError(CollectiveAbortedError):
     own words are in the message: see :mod:`ringtrain.runtime.departures`)."""
 
     def __init__(
-        self, message: str, ranks: tuple[int, ...] = (), exits_unread: bool = False
+        self,
+        message: str,
+        ranks: tuple[int, ...] = (),
+        exits_unread: bool = False,
+        preempted: bool = False,
     ) -> None:
         super().__init__(message)
         self.ranks = ranks
         # Told only that they left (their script ended, none heard failing): their exit codes,
         # not yet read, may say otherwise (runtime.departures.with_exit_codes).
         self.exits_unread = exits_unread
+        # Each stopped on a preemption at a step saved with this rank: nothing failed.
+        self.preempted = preempted
 
 
 class SecurityError(RingtrainError):

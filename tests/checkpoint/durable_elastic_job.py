@@ -1,5 +1,6 @@
 """An elastic durable job for the preemption test: ``hvd.elastic.run`` around a loop of STEPS
-optimizer steps, committed every 5 and saved by ``Durable`` on the job's schedule.
+optimizer steps, committed every 5 (rank 0 says so) and saved by ``Durable`` on the job's
+schedule.
 
     durable_elastic_job.py STEPS
 """
@@ -39,6 +40,8 @@ def main() -> None:
             job.step(state.step)
             if state.step % 5 == 0:
                 state.commit()
+                if hvd.rank() == 0:
+                    print(f"rank 0 of {hvd.size()} commits step {state.step}", flush=True)
             time.sleep(0.1)
 
     with job:

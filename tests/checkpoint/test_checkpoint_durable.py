@@ -257,6 +257,62 @@ def test_in_an_elastic_job_a_preempted_rank_saves_with_its_peers_and_they_go_on(
     ]
 
 
+def test_an_elastic_job_whose_last_world_is_preempted_stopped_on_a_preemption(
+    tmp_path: Path,
+) -> None:
+    """``--min-np``: SIGTERM to rank 2 alone, the others go on in a world of 2; then SIGTERM to
+    both: they save the step they stop at and the job ends with 143 as a preempted job (the
+    last world counts, as for its exit code), with rank 2's earlier stop listed, not "job
+    failed" for want of ranks."""
+    ck = tmp_path / "ck"
+    argv = [
+        sys.executable, "-m", "ringtrain", "run", "-np", "3", "--min-np", "2",
+        "--checkpoint-dir", str(ck), "--checkpoint-every", "1000",
+        "--", sys.executable, str(Path(__file__).with_name("durable_elastic_job.py")), "1000",
+    ]  # fmt: skip
+    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert launcher.stdout is not None
+        pids = {}
+        while len(pids) < 3:
+            starts = re.search(r"rank (\d) starts, pid (\d+)", launcher.stdout.readline())
+            if starts:
+                pids[int(starts[1])] = int(starts[2])
+        os.kill(pids[2], signal.SIGTERM)
+        # The world of 2 goes on from the last commit, below rank 2's stop, and commits again
+        # 5 steps on: past that stop.
+        while not re.search(r"rank 0 of 2 commits step", launcher.stdout.readline()):
+            if launcher.poll() is not None:
+                assert launcher.stderr is not None
+                pytest.fail(f"ended before the world of 2 committed: {launcher.stderr.read()}")
+        os.kill(pids[0], signal.SIGTERM)
+        os.kill(pids[1], signal.SIGTERM)
+        out, err = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 143, err[-3000:]
+    first = re.search(r"rank 2: SIGTERM \(a preemption\): this rank stops at step (\d+)", err)
+    last = re.search(r"rank 0: 2 rank\(s\) got SIGTERM \(a preemption\): the job stops at step "
+                     r"(\d+), saved into", err)  # fmt: skip
+    assert first and last, err[-3000:]
+    assert [s for s, _ in manifest.committed(str(ck))] == [int(first[1]), int(last[1])]
+    # The peers that went on named rank 2's stop (its departure), not a failure of its script.
+    assert re.search(r"\[0\] ringtrain elastic: generation 1: rank\(s\) \[2\] left \(a peer "
+                     r"stopped on a preemption: .*rank 2 \(host localhost\) stopped on a "
+                     r"preemption at step \d+, saved with this rank", err), err  # fmt: skip
+    assert "exit code this rank cannot see" not in err, err
+    # Ranks 0 and 1 do not say they leave peers that go on: none does.
+    assert not re.search(r"rank [01]: SIGTERM \(a preemption\): this rank stops", err), err
+    end = err[err.index("ringtrain run: job stopped on a preemption: ranks 0, 1 exited") :]
+    assert "continue, run the job again with --resume" in end, err[-3000:]
+    assert "earlier, 1 rank(s) stopped on a preemption and the job went on" in end, end
+    assert "rank 2 (host localhost, pid" in end, end
+    assert "job failed" not in err, err[-3000:]
+    assert "ends at step" not in out
+
+
 def _queued(writer: psutil.Process) -> int:
     """Bytes a rank has handed to its writer that the writer has not read: its job pipe's read
     end is the first number after ``-c <program>`` on its command line (process_writer.py)."""

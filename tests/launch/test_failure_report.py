@@ -21,6 +21,7 @@ from ringtrain.launch.failures import (
     exit_failure,
     report,
     root_cause,
+    stopped_on_preemption,
     survived_report,
 )
 
@@ -124,6 +125,14 @@ def test_ranks_that_stopped_on_a_preemption_are_no_failure() -> None:
     )
     both = survived_report([stopped[0], broken], 2)
     assert "earlier, 1 rank(s) failed and 1 rank(s) stopped on a preemption and" in both
+    # ... and one whose last world then stopped on a preemption stopped on a preemption (as
+    # for its exit code, its last world counts), the ranks it went on without listed after.
+    assert stopped_on_preemption(stopped, absorbed=[broken])
+    last = report(stopped, absorbed=[broken])
+    assert last.startswith("job stopped on a preemption: ranks 0, 1 exited with code 143")
+    assert "job failed" not in last and "root cause" not in last
+    assert "earlier, 1 rank(s) failed and the job went on without them (elastic):" in last
+    assert "  - rank 2 (host h, pid 102) exited with code 1 after 9.5 s" in last
 
 
 # Each rank says it fails on the heartbeat pipe, as ringtrain's except hook does

@@ -35,13 +35,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ringtrain import environ
-from ringtrain.checkpoint import api, manifest, step_checks
+from ringtrain.checkpoint import api, manifest, preemption, step_checks
 from ringtrain.checkpoint.preemption import EXIT_CODE, Preemption
 from ringtrain.checkpoint.writer import Checkpointer
 from ringtrain.config import Config, checkpoint_schedule
 from ringtrain.environ import Ringtrain
 from ringtrain.errors import ConfigError
-from ringtrain.runtime import heartbeat
 
 if TYPE_CHECKING:
     import torch
@@ -144,7 +143,7 @@ class Durable:
         self._last_step, self._last_time = step, time.monotonic()
         if stopping and (self._preemption.requested or not self._elastic):
             self.stopped_at = step
-            if self._elastic:
+            if self._elastic and stopping < self._size:  # not every rank: the others go on
                 log.warning(
                     "ringtrain: rank %d: SIGTERM (a preemption): this rank stops at step %d, "
                     "saved into %s with its peers, which go on without it (elastic)",
@@ -156,7 +155,7 @@ class Durable:
                     "step %d, saved into %s (continue with --resume %s)",
                     stopping, step, self.directory, self.directory,
                 )  # fmt: skip
-            self._preemption.stop()
+            self._preemption.stop(step)
         return True
 
     def close(self) -> None:
@@ -175,7 +174,7 @@ class Durable:
             self._preemption.closed()
         if raising and self._preemption.requested and self.stopped_at is None:
             self.stopped_at = self._last_step
-            heartbeat.say(heartbeat.PREEMPTED)  # as Preemption.stop: its last step saved
+            preemption.said(self._last_step)  # as Preemption.stop: its last step saved
             raise SystemExit(EXIT_CODE)
 
     def __enter__(self) -> Durable:

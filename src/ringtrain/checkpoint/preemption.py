@@ -23,7 +23,7 @@ import threading
 import time
 from types import FrameType
 
-from ringtrain.runtime import heartbeat
+from ringtrain.runtime import departures, heartbeat
 
 EXIT_CODE = 128 + signal.SIGTERM
 log = logging.getLogger("ringtrain")
@@ -85,12 +85,13 @@ class Preemption:
         self._cancel()
         raise SystemExit(128 + signum)
 
-    def stop(self) -> None:
-        """Raise the ``SystemExit`` the job stops with (its last save handed over). Under
-        ``ringtrain run`` the rank's agent hears of it first: the launcher reports a preemption,
-        not a failure, and leaves the rank to end by itself."""
+    def stop(self, step: int) -> None:
+        """Raise the ``SystemExit`` the job stops with (``step`` saved: its save handed over,
+        or committed). Under ``ringtrain run`` the rank's agent hears of it first: the launcher
+        reports a preemption, not a failure, and leaves the rank to end by itself. The peers
+        read it too (an elastic job's, which go on, name it when their collectives break)."""
         self.closing()
-        heartbeat.say(heartbeat.PREEMPTED)
+        said(step)
         raise SystemExit(EXIT_CODE)
 
     def closing(self) -> None:
@@ -121,3 +122,9 @@ def _unwind_now(signum: int, _frame: FrameType | None) -> None:
     """SIGTERM once a durable job closed: unwind (the next one ends the process at once)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise SystemExit(128 + signum)
+
+
+def said(step: int) -> None:
+    """Tell the rank's agent and its peers that it stops on a preemption, ``step`` saved."""
+    departures.post(departures.PREEMPTED, str(step))
+    heartbeat.say(heartbeat.PREEMPTED)

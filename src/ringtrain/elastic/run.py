@@ -30,6 +30,7 @@ from ringtrain.errors import (
     HorovodInternalError,
     HostsUpdatedInterrupt,
     LaunchError,
+    PeerFailedError,
 )
 from ringtrain.runtime import abort, departures, membership
 from ringtrain.runtime import state as runtime
@@ -194,6 +195,8 @@ def describe_change(
         first = first[:REASON_CHARS].rsplit(" ", 1)[0] + " ..."
     # No rank left: the same ranks re-formed because a rank's collective failed (it asked).
     cause = "a peer failed" if left else "a collective failed"
+    if left and isinstance(failure, PeerFailedError) and failure.preempted:
+        cause = "a peer stopped on a preemption"
     return f"{what} ({cause}: {type(failure).__name__}: {first})"
 
 

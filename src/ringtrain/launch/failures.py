@@ -212,7 +212,7 @@ def report(failures: Failure | Sequence[Failure], absorbed: Sequence[Failure] = 
     every = considered(heard)
     cause = root_cause(every)
     if stopped_on_preemption(heard, absorbed):
-        return _preempted_report(every)
+        return _preempted_report(every, absorbed)
     lines = [f"job failed: {cause.description}"]
     if cause.finished:
         lines[0] += ", while its peers still waited for it (their errors say a peer left)"
@@ -236,23 +236,31 @@ def report(failures: Failure | Sequence[Failure], absorbed: Sequence[Failure] = 
     if others:
         lines.append(f"{len(others)} other rank(s) failed after it:")
         lines.extend(_grouped(others, cause))
-    if absorbed:
-        lines.append(f"earlier, {_left(absorbed)} and the job went on without them (elastic):")
-        lines.extend(_grouped(sorted(absorbed, key=lambda f: f.at), cause))
+    lines.extend(_earlier(absorbed, cause))
     return "\n".join(lines)
+
+
+def _earlier(absorbed: Sequence[Failure], cause: Failure) -> list[str]:
+    """The ranks an elastic job went on without (in earlier worlds), timed from ``cause``."""
+    if not absorbed:
+        return []
+    head = f"earlier, {_left(absorbed)} and the job went on without them (elastic):"
+    return [head, *_grouped(sorted(absorbed, key=lambda f: f.at), cause)]
 
 
 def stopped_on_preemption(failures: Sequence[Failure], absorbed: Sequence[Failure] = ()) -> bool:
     """Whether a job that did not succeed stopped on a preemption, at a step it saved: every
-    rank that ended it said so (:func:`report` then says that, not "job failed"). An elastic
-    job that went on without some ranks first is reported as a failure."""
+    rank that ended it said so (:func:`report` then says that, not "job failed"). As for an
+    elastic job's exit code, only its last world counts: the ranks it went on without
+    (``absorbed``) are listed, whatever ended them."""
     every = considered(failures)
-    return bool(every) and all(f.preempted for f in every) and not absorbed
+    return bool(every) and all(f.preempted for f in every)
 
 
-def _preempted_report(every: Sequence[Failure]) -> str:
+def _preempted_report(every: Sequence[Failure], absorbed: Sequence[Failure]) -> str:
     """The last message of a job whose ranks all stopped on a preemption, at the step they
-    saved: the words of the rank that says which step (rank 0, in checkpoint/durable.py)."""
+    saved: the words of the rank that says which step (rank 0, in checkpoint/durable.py), then
+    the ranks an elastic job went on without before."""
     ranks = sorted(f.rank for f in every if f.rank is not None)
     teller = min(every, key=lambda f: (f.rank is None, f.rank or 0))
     lines = [
@@ -263,6 +271,7 @@ def _preempted_report(every: Sequence[Failure]) -> str:
     if teller.tail:
         lines.append(f"last lines of rank {teller.rank}'s error output:")
         lines.extend(f"  | {t}" for t in teller.tail)
+    lines.extend(_earlier(absorbed, teller))
     return "\n".join(lines)
 
 

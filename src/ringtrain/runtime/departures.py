@@ -87,6 +87,9 @@ FAILED, FINISHED, STOPPED = "failed", "finished", "interrupted"
 # Posted for a rank by a peer on its machine, which found its process ended without a post
 # (os._exit, a signal); the host is the rank's.
 VANISHED = "vanished"
+# Posted by a rank that stops on a preemption, its ``why`` the step the ranks saved with it
+# (checkpoint/preemption.py): no failure, and an elastic job's peers go on without it.
+PREEMPTED = "preempted"
 # The ``why`` of a finish posted by the at-exit shutdown: the script ended, or called
 # ``sys.exit(n)`` with a code no hook sees. Only the launcher's record (or none) tells which.
 AT_EXIT = "at exit"
@@ -98,7 +101,7 @@ class Departure:
     """One rank's record of how it left."""
 
     rank: int
-    how: str  # FAILED, FINISHED or STOPPED (the job was interrupted)
+    how: str  # FAILED, FINISHED, STOPPED (the job was interrupted), PREEMPTED or VANISHED
     why: str  # "ValueError: boom" for a failure; "" for a finish; what interrupted the job
     host: str
     at: float  # time.time() on the departed rank's host
@@ -109,6 +112,8 @@ class Departure:
             return f"{who} failed: {self.why}"
         if self.how == STOPPED:
             return f"{who} left: {self.why}"
+        if self.how == PREEMPTED:
+            return f"{who} stopped on a preemption at step {self.why}, saved with this rank"
         if self.how == VANISHED:
             return (
                 f"{who} ended without a word (os._exit, or killed by a signal) while this rank "
@@ -326,7 +331,7 @@ def read(
     try:
         client = _client(store, datetime.timedelta(seconds=timeout_s))
         found = _posts(client, ranks)
-        if any(d.how != FAILED for d in found):
+        if any(d.how not in _OWN_WORD for d in found):
             records = _launcher_store(client)
             records.set_timeout(datetime.timedelta(seconds=timeout_s))
             deadline = time.monotonic() + (EXIT_WAIT_S if _launcher_records_exits() else 0.0)
@@ -372,7 +377,7 @@ def _with_exit_code(client: Store, d: Departure, deadline: float) -> Departure:
     waited for until ``deadline``: Python tells no at-exit hook the code of ``sys.exit(n)``
     (SystemExit never reaches ``sys.excepthook``), so the rank posted that it finished; its
     launcher saw the code, and whether the rank ended on a signal the launcher forwarded."""
-    if d.how == FAILED:
+    if d.how in _OWN_WORD:
         return d
     key = exited_key(d.rank)
     while not client.check([key]):
@@ -387,6 +392,10 @@ def _with_exit_code(client: Store, d: Departure, deadline: float) -> Departure:
     if how.startswith("exited with code"):  # not for a signal: no sys.exit gives one
         how += " without an exception (sys.exit or os._exit; its launcher saw the code)"
     return Departure(d.rank, FAILED, how, d.host, d.at)
+
+
+# Posts that say how the rank ends, which no exit code recorded later can tell better.
+_OWN_WORD = (FAILED, PREEMPTED)
 
 
 def _unposted(store: Store, ranks: Sequence[int]) -> list[Departure]:
@@ -492,10 +501,12 @@ def _named(me: int, where: str, gone: list[Departure], ended: str) -> PeerFailed
     lines += [f"  also: {d.describe()}" for d in gone[1:]]
     lines.append(ended)
     # By the first departure, as the report names it first: what came after may be its doing.
-    hint = {FAILED: _FAILED_HINT, STOPPED: _STOPPED_HINT}.get(gone[0].how, _FINISHED_HINT)
+    hints = {FAILED: _FAILED_HINT, STOPPED: _STOPPED_HINT, PREEMPTED: _PREEMPTED_HINT}
+    hint = hints.get(gone[0].how, _FINISHED_HINT)
     unknown = gone[0].why == AT_EXIT or gone[0].how == VANISHED  # no exit code known here
     lines.append(_unknown_exit_hint(gone[0].rank) if unknown else hint)
-    return PeerFailedError("\n".join(lines), tuple(d.rank for d in gone))
+    preempted = all(d.how == PREEMPTED for d in gone)
+    return PeerFailedError("\n".join(lines), tuple(d.rank for d in gone), preempted=preempted)
 
 
 _FAILED_HINT = "HINT: the first failure above is the cause; fix it and start the job again."
@@ -512,6 +523,12 @@ def _unknown_exit_hint(rank: int) -> str:
 _STOPPED_HINT = (
     "HINT: no rank failed: the job was interrupted and its ranks are ending; this rank went on "
     "after the signal and found its peers gone."
+)
+
+
+_PREEMPTED_HINT = (
+    "HINT: no rank failed: a rank stopped on a preemption at a step the ranks saved; an elastic "
+    "job goes on without it, another resumes from that save (ringtrain run --resume)."
 )
 
 
@@ -539,7 +556,7 @@ def again(error: BaseException) -> BaseException:
     """A fresh copy of a collective's ``error`` for each caller that raises it, so that its
     traceback points at that caller (a handle's error may be raised to several)."""
     if isinstance(error, PeerFailedError):
-        return PeerFailedError(str(error), error.ranks, error.exits_unread)
+        return PeerFailedError(str(error), error.ranks, error.exits_unread, error.preempted)
     if isinstance(error, CollectiveError):
         return type(error)(*error.args)
     return error
