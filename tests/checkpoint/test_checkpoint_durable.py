@@ -189,6 +189,8 @@ def test_a_preempted_job_saves_the_step_it_stops_at_and_resumes_from_it(
     ck = tmp_path / "ck"
     err = _preempted(ck, tmp_path / "p.pt", lambda launcher: launcher.send_signal(signal.SIGTERM))
     assert "2 rank(s) got SIGTERM" in err
+    assert "job terminated (SIGTERM): every rank stopped within the grace period of 20 s after " \
+        "SIGTERM at the step the job saved" in err, err[-3000:]  # fmt: skip
     assert _stopped_at(err, ck) < STEPS  # the resumed job has steps left to take
     _run("--resume", str(ck), out=tmp_path / "b.pt")
     for a, b in zip(torch.load(finished_run[1]), torch.load(tmp_path / "b.pt")):

@@ -127,7 +127,7 @@ def test_ranks_that_stopped_on_a_preemption_are_no_failure() -> None:
     assert "earlier, 1 rank(s) failed and 1 rank(s) stopped on a preemption and" in both
     # ... and one whose last world then stopped on a preemption stopped on a preemption (as
     # for its exit code, its last world counts), the ranks it went on without listed after.
-    assert stopped_on_preemption(stopped, absorbed=[broken])
+    assert stopped_on_preemption(stopped)
     last = report(stopped, absorbed=[broken])
     assert last.startswith("job stopped on a preemption: ranks 0, 1 exited with code 143")
     assert "job failed" not in last and "root cause" not in last

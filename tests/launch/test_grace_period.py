@@ -151,6 +151,27 @@ def test_the_report_names_killed_ranks_apart_from_those_in_time() -> None:
     assert at_once == "job interrupted\nrank 0 was killed at once by the second SIGINT"
 
 
+def test_ranks_that_all_stopped_at_a_save_say_so_and_one_that_did_not_is_an_exit() -> None:
+    """A durable job's ranks answer SIGTERM with a save of the step they stop at (exit 143,
+    said to their agents): the report says how to go on; a rank that only exited does not."""
+    ends = Interruption("SIGTERM", 5.0)
+    for rank in (1, 0):
+        ends.ended({"rank": rank, "code": 143, "preempted": True})
+    assert ends.at_a_save() and ends.report() == (
+        "job terminated (SIGTERM): every rank stopped within the grace period of 5 s after "
+        "SIGTERM at the step the job saved (to continue, run the job again with --resume and "
+        "its checkpoint directory)"
+    )
+    ends.ended({"rank": 2, "code": 143})  # a bare 143: Python's default SIGTERM, no save
+    assert not ends.at_a_save() and ends.report().endswith(
+        "every rank exited within the grace period of 5 s after SIGTERM"
+    )
+    killed = Interruption("SIGTERM", 5.0)
+    killed.ended({"rank": 0, "code": 143, "preempted": True})
+    killed.ended({"rank": 1, "killed": True, "signal": "SIGKILL"})
+    assert not killed.at_a_save() and "rank 1 did not exit" in killed.report()
+
+
 def test_a_rank_saving_on_sigterm_finishes_and_one_that_ignores_it_is_killed(
     tmp_path: Path,
 ) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import ringtrain
+from ringtrain.checkpoint import manifest
 from ringtrain.launch.python_run import MAX_PAYLOAD
 
 pytestmark = pytest.mark.timeout(240)
@@ -98,6 +101,71 @@ def test_a_preempted_durable_job_raises_job_preempted_and_runs_on_from_its_save(
     resumed = ringtrain.run(durable, args=(400, 0), np=2)
     starts = {first for first, _ in resumed}
     assert len(starts) == 1 and 3 < starts.pop() < 400, resumed
+
+
+_CALLER = """
+import time
+
+import ringtrain
+
+
+def durable() -> None:
+    import torch
+
+    import ringtrain as rt
+    import ringtrain.checkpoint as ckpt
+
+    rt.init()
+    model = torch.nn.Linear(4, 1)
+    opt = rt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    with ckpt.Durable(model=model, optimizer=opt) as job:
+        print(f"rank {rt.rank()} starts", flush=True)
+        for step in range(job.start_step, 100_000):
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            job.step(step + 1)
+            time.sleep(0.02)
+
+
+try:
+    ringtrain.run(durable, np=2)
+except ringtrain.JobFailedError as e:
+    print(f"raised {type(e).__name__} {e.exit_code}", flush=True)
+"""
+
+
+def test_a_preemption_of_the_calling_process_raises_job_preempted(tmp_path: Path) -> None:
+    """SIGTERM to the process that called ``ringtrain.run`` (its machine is preempted): the
+    call forwards it to the ranks, which save the step they stop at, and raises
+    JobPreemptedError, as where the ranks alone were signalled."""
+    caller = tmp_path / "caller.py"
+    caller.write_text(_CALLER)
+    env = {**os.environ, "RINGTRAIN_CHECKPOINT_DIR": str(tmp_path / "ck")}
+    env["RINGTRAIN_CHECKPOINT_EVERY"] = "1000"  # no save due on the schedule
+    proc = subprocess.Popen(
+        [sys.executable, str(caller)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        started = 0
+        while started < 2:
+            line = proc.stdout.readline()
+            assert line, "the job ended before its ranks started"
+            started += "starts" in line
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "raised JobPreemptedError 143" in out, out + err[-3000:]
+    assert "job terminated (SIGTERM): every rank stopped within the grace period" in err, err
+    assert "at the step the job saved (to continue, run the job again with --resume" in err
+    assert [s for s, _ in manifest.committed(str(tmp_path / "ck"))], err[-3000:]
 
 
 def test_the_files_go_back_into_the_function_and_the_code_nested_in_it() -> None:

@@ -83,10 +83,31 @@ class Interruption:
     in_time: list[int] = field(default_factory=list)
     killed: list[int] = field(default_factory=list)
     at_once: bool = False  # a second signal killed them before the grace period ended
+    # Of those in time, the ranks that stopped on it as a preemption, at a step the job saved
+    # (a durable job's answer to SIGTERM, checkpoint/preemption.py).
+    saved: list[int] = field(default_factory=list)
+
+    def ended(self, msg: dict[str, Any]) -> None:
+        """Note a rank's end (its agent's ``exit`` message) after the signal."""
+        if msg.get("killed"):
+            self.killed.append(msg["rank"])
+            return
+        self.in_time.append(msg["rank"])
+        if preempted(msg):
+            self.saved.append(msg["rank"])
+
+    def at_a_save(self) -> bool:
+        """Whether every rank that ended after the signal stopped at the step the job saved."""
+        return not self.killed and bool(self.in_time) and set(self.saved) == set(self.in_time)
 
     def report(self) -> str:
         what = "job interrupted" if self.sig == "SIGINT" else f"job terminated ({self.sig})"
         period = f"the grace period of {self.grace_s:g} s after {self.sig}"
+        if self.at_a_save():
+            return (
+                f"{what}: every rank stopped within {period} at the step the job saved (to "
+                "continue, run the job again with --resume and its checkpoint directory)"
+            )
         if not self.killed:
             return f"{what}: every rank exited within {period}"
         lines = [what]
@@ -211,7 +232,7 @@ def report(failures: Failure | Sequence[Failure], absorbed: Sequence[Failure] = 
     heard = [failures] if isinstance(failures, Failure) else list(failures)
     every = considered(heard)
     cause = root_cause(every)
-    if stopped_on_preemption(heard, absorbed):
+    if stopped_on_preemption(heard):
         return _preempted_report(every, absorbed)
     lines = [f"job failed: {cause.description}"]
     if cause.finished:
@@ -248,12 +269,16 @@ def _earlier(absorbed: Sequence[Failure], cause: Failure) -> list[str]:
     return [head, *_grouped(sorted(absorbed, key=lambda f: f.at), cause)]
 
 
-def stopped_on_preemption(failures: Sequence[Failure], absorbed: Sequence[Failure] = ()) -> bool:
+def stopped_on_preemption(
+    failures: Sequence[Failure], interruption: Interruption | None = None
+) -> bool:
     """Whether a job that did not succeed stopped on a preemption, at a step it saved: every
-    rank that ended it said so (:func:`report` then says that, not "job failed"). As for an
-    elastic job's exit code, only its last world counts: the ranks it went on without
-    (``absorbed``) are listed, whatever ended them."""
+    rank that ended it said so (:func:`report` then says that, not "job failed"), on a SIGTERM
+    of its own or on the launcher's (``interruption``). As for an elastic job's exit code, only
+    its last world counts: the ranks it went on without are listed, whatever ended them."""
     every = considered(failures)
+    if interruption is not None and interruption.at_a_save():
+        return all(f.preempted for f in every)
     return bool(every) and all(f.preempted for f in every)
 
 

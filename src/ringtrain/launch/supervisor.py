@@ -480,8 +480,7 @@ class Supervisor:
         rank = msg["rank"]
         self._exits[rank] = msg
         if self._interruption is not None:
-            ended = self._interruption.killed if msg.get("killed") else self._interruption.in_time
-            ended.append(rank)
+            self._interruption.ended(msg)
         self._record_exit(msg)
         pid = self._pids.get(rank)
         step = decide(
@@ -571,7 +570,7 @@ class Supervisor:
 
     def _report(self) -> int:
         code = self._verdict()
-        preempted = code != 0 and stopped_on_preemption(self._failures, self.pool.absorbed)
+        preempted = code != 0 and stopped_on_preemption(self._failures, self._interruption)
         self._apply(job_state.AgentsEnded(code, preempted))
         return code
 
