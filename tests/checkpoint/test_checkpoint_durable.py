@@ -16,7 +16,7 @@ import subprocess
 import sys
 import termios
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -218,34 +218,42 @@ def test_a_rank_preempted_alone_stops_its_peer_at_the_same_saved_step(tmp_path: 
     assert "job failed" not in err and "stopping the other" not in err, err[-3000:]
 
 
+@contextlib.contextmanager
+def _elastic_job(ck: Path, steps: int) -> Iterator[tuple[subprocess.Popen[str], dict[int, int]]]:
+    """An elastic durable job of 3 ranks (``--min-np 2``) saving into ``ck`` (no save due on
+    the schedule), once its ranks started: the launcher and the ranks' pids; killed on the way
+    out if it still runs."""
+    argv = [
+        sys.executable, "-m", "ringtrain", "run", "-np", "3", "--min-np", "2",
+        "--checkpoint-dir", str(ck), "--checkpoint-every", "1000",
+        "--", sys.executable, str(Path(__file__).with_name("durable_elastic_job.py")), str(steps),
+    ]  # fmt: skip
+    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert launcher.stdout is not None
+        pids: dict[int, int] = {}
+        while len(pids) < 3:
+            line = launcher.stdout.readline()
+            assert line, "the job ended before its ranks started"
+            starts = re.search(r"rank (\d) starts, pid (\d+)", line)
+            if starts:
+                pids[int(starts[1])] = int(starts[2])
+        yield launcher, pids
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
 def test_in_an_elastic_job_a_preempted_rank_saves_with_its_peers_and_they_go_on(
     tmp_path: Path,
 ) -> None:
     """``--min-np``: SIGTERM to rank 2 alone; every rank saves the step it stops at (the save
     commits: every part was written), rank 2 leaves with 143, the others re-form and finish."""
     ck = tmp_path / "ck"
-    argv = [
-        sys.executable, "-m", "ringtrain", "run", "-np", "3", "--min-np", "2",
-        "--checkpoint-dir", str(ck), "--checkpoint-every", "1000",
-        "--", sys.executable, str(Path(__file__).with_name("durable_elastic_job.py")), "80",
-    ]  # fmt: skip
-    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        assert launcher.stdout is not None
-        pids = {}
-        while len(pids) < 3:
-            line = launcher.stdout.readline().decode()
-            assert line, "the job ended before its ranks started"
-            said = re.search(r"rank (\d) starts, pid (\d+)", line)
-            if said:
-                pids[int(said[1])] = int(said[2])
+    with _elastic_job(ck, 80) as (launcher, pids):
         os.kill(pids[2], signal.SIGTERM)
-        out, err = launcher.communicate(timeout=240)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    said = err.decode()
+        out, said = launcher.communicate(timeout=240)
     assert launcher.returncode == 0, said[-3000:]
     stop = re.search(r"rank 2: SIGTERM \(a preemption\): this rank stops at step (\d+)", said)
     assert stop, said[-3000:]
@@ -253,7 +261,7 @@ def test_in_an_elastic_job_a_preempted_rank_saves_with_its_peers_and_they_go_on(
     assert "rank 2 (host localhost, pid" in said, said[-3000:]
     assert "stopped on a preemption at a step it saved (exit code 143)" in said, said[-3000:]
     assert "earlier, 1 rank(s) stopped on a preemption and the job went on" in said, said[-3000:]
-    assert sorted(re.findall(r"rank (\d) of (\d) ends at step (\d+)", out.decode())) == [
+    assert sorted(re.findall(r"rank (\d) of (\d) ends at step (\d+)", out)) == [
         ("0", "2", "80"),
         ("1", "2", "80"),
     ]
@@ -267,19 +275,8 @@ def test_an_elastic_job_whose_last_world_is_preempted_stopped_on_a_preemption(
     last world counts, as for its exit code), with rank 2's earlier stop listed, not "job
     failed" for want of ranks."""
     ck = tmp_path / "ck"
-    argv = [
-        sys.executable, "-m", "ringtrain", "run", "-np", "3", "--min-np", "2",
-        "--checkpoint-dir", str(ck), "--checkpoint-every", "1000",
-        "--", sys.executable, str(Path(__file__).with_name("durable_elastic_job.py")), "1000",
-    ]  # fmt: skip
-    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _elastic_job(ck, 1000) as (launcher, pids):
         assert launcher.stdout is not None
-        pids = {}
-        while len(pids) < 3:
-            starts = re.search(r"rank (\d) starts, pid (\d+)", launcher.stdout.readline())
-            if starts:
-                pids[int(starts[1])] = int(starts[2])
         os.kill(pids[2], signal.SIGTERM)
         # The world of 2 goes on from the last commit, below rank 2's stop, and commits again
         # 5 steps on: past that stop.
@@ -290,10 +287,6 @@ def test_an_elastic_job_whose_last_world_is_preempted_stopped_on_a_preemption(
         os.kill(pids[0], signal.SIGTERM)
         os.kill(pids[1], signal.SIGTERM)
         out, err = launcher.communicate(timeout=240)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
     assert launcher.returncode == 143, err[-3000:]
     first = re.search(r"rank 2: SIGTERM \(a preemption\): this rank stops at step (\d+)", err)
     last = re.search(r"rank 0: 2 rank\(s\) got SIGTERM \(a preemption\): the job stops at step "
