@@ -17,7 +17,9 @@ mpirun or Slurm no one records it, and the peer says the rank finished.
 A rank that ends because the job was interrupted (its uncaught ``KeyboardInterrupt``, or, under
 ``ringtrain run``, any end after the launcher forwarded Ctrl-C or SIGTERM, as the launcher's
 record says) did not fail: its peers read "the job was interrupted (SIGINT from the launcher)",
-with no failure to fix.
+with no failure to fix. A rank that stops on a preemption, at a step the ranks saved
+(:mod:`ringtrain.checkpoint.preemption`), posts that with the step: an elastic job's peers, which
+go on without it, name the stop, not a failure.
 
 A peer that was waiting for it then sees its wait break (Gloo: "Connection closed by peer" once
 the departed process is gone, or the controller's shutdown vote, see
