@@ -100,7 +100,7 @@ def test_logs_timeline_and_straggler_reports_carry_over(tmp_path: Path) -> None:
 
 def test_a_change_names_who_left_and_joined_and_why() -> None:
     from ringtrain.elastic.run import describe_change
-    from ringtrain.errors import CollectiveAbortedError
+    from ringtrain.errors import CollectiveAbortedError, PeerFailedError
     from ringtrain.runtime import membership
 
     world = membership.Roster(2, (0, 2, 3))
@@ -114,6 +114,14 @@ def test_a_change_names_who_left_and_joined_and_why() -> None:
     # No rank left: the same ranks re-formed after a collective failed (a rank's request).
     assert describe_change((0, 2, 3), world, failed) == (
         "the world was re-formed (a collective failed: CollectiveAbortedError: a peer failed: boom)"
+    )
+    # A peer that stopped on a preemption (it posted so: runtime/departures.py) did not fail.
+    stopped = PeerFailedError(
+        "rank 0: a peer left the job: rank 1 stopped ...", (1,), preempted=True
+    )
+    assert describe_change((0, 1, 2, 3), world, stopped) == (
+        "rank(s) [1] left (a peer stopped on a preemption: PeerFailedError: rank 0: a peer left "
+        "the job: rank 1 stopped ...)"
     )
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 import time
 from collections.abc import Callable
 from typing import Concatenate, ParamSpec, TypeVar, cast
@@ -189,8 +188,7 @@ def describe_change(
     if failure is None:
         return f"{what} (the launcher announced new hosts)"
     first = (str(failure).strip().splitlines() or [type(failure).__name__])[0]
-    # Gloo's source location says nothing to a user and pushed its reason past the cut.
-    first = _GLOO_WHERE.sub("", first)
+    first = departures.unplaced(first)
     if len(first) > REASON_CHARS:
         first = first[:REASON_CHARS].rsplit(" ", 1)[0] + " ..."
     # No rank left: the same ranks re-formed because a rank's collective failed (it asked).
@@ -201,4 +199,3 @@ def describe_change(
 
 
 REASON_CHARS = 200  # of the failure's first line in the one-line report
-_GLOO_WHERE = re.compile(r"\[[^\]\s]*/gloo/[^\]\s]*\] ")  # "[/.../gloo/.../pair.cc:537] "

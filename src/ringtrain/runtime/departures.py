@@ -43,6 +43,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import re
 import socket
 import sys
 import threading
@@ -494,8 +495,17 @@ def peer_error(cause: BaseException, waited_for: str = "") -> BaseException:
     if not gone:
         return cause
     where = f" while this rank waited for it in {waited_for}" if waited_for else ""
-    said = f"{type(cause).__name__}: {' '.join(str(cause).split())[:200]}"
+    said = f"{type(cause).__name__}: {' '.join(unplaced(str(cause)).split())[:200]}"
     return _named(rt.rank, where, gone, f"  (this rank's wait ended with {said})")
+
+
+_GLOO_WHERE = re.compile(r"\[[^\]\s]*/gloo/[^\]\s]*\] ")  # "[/.../gloo/.../pair.cc:537] "
+
+
+def unplaced(text: str) -> str:
+    """``text`` without Gloo's source locations, which say nothing to a user and push the
+    reason after them past any cut."""
+    return _GLOO_WHERE.sub("", text)
 
 
 def _named(me: int, where: str, gone: list[Departure], ended: str) -> PeerFailedError:
