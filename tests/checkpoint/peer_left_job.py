@@ -2,22 +2,29 @@
 
 Rank 0 saves step 2 into ``a`` (process writer, closed by ``with``), ``b`` (thread writer,
 left open: closed at exit) and ``c`` (thread writer), whose part of rank 1 is written before
-it leaves. Rank 0 catches the collective's HorovodInternalError and ends normally. argv: OUT.
+it leaves. Rank 0 catches the collective's HorovodInternalError and ends normally, and writes
+when its at-exit work ended to ``done_at``. argv: OUT.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
 from pathlib import Path
 
-import torch
-
-import ringtrain.checkpoint as ckpt
-import ringtrain.torch as hvd
-
 out = Path(sys.argv[1])
+# Registered before ringtrain's at-exit work (which closes ``b``), so run after it (last in,
+# first out): when rank 0 is done giving up, before the interpreter and the launcher wind down.
+atexit.register(lambda: rank == 0 and (out / "done_at").write_text(repr(time.time())))
+
+import torch  # noqa: E402
+
+import ringtrain.checkpoint as ckpt  # noqa: E402
+import ringtrain.torch as hvd  # noqa: E402
+
+rank = -1
 hvd.init()
 rank = hvd.rank()
 model = torch.nn.Linear(64, 64)

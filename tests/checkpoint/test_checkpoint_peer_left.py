@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,8 +23,9 @@ from ringtrain.runtime.departures import FAILED, FINISHED, Departure
 pytestmark = pytest.mark.timeout(180)
 JOB = str(Path(__file__).with_name("peer_left_job.py"))
 # Before: rank 0 waited out --timeout (60 s here) for the missing part, at close() and at exit.
-# Giving up takes a read of the departures (each second); the rest is the rank's exit, slow
-# on a loaded 2-core machine.
+# Giving up takes a read of the departures (each second), timed to the end of rank 0's at-exit
+# work (which gives up the save left open): the interpreter's and the launcher's wind-down after
+# it, which took 17 s once beside stress-ng under torchrun, say nothing of it.
 GIVES_UP_WITHIN_S = 15.0
 
 
@@ -53,7 +53,7 @@ def test_saves_a_departed_rank_never_wrote_are_given_up(tmp_path: Path, launcher
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     code, err = finish(proc, timeout=90)
-    took = time.time() - float((tmp_path / "left_at").read_text())
+    took = float((tmp_path / "done_at").read_text()) - float((tmp_path / "left_at").read_text())
     assert code == 0, err  # both ranks ended with 0: rank 0 caught the collective's error
     assert took < GIVES_UP_WITHIN_S, err
     for name in ("a", "b"):  # closed by `with`, and at exit
