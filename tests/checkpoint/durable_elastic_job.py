@@ -1,6 +1,6 @@
 """An elastic durable job for the preemption test: ``hvd.elastic.run`` around a loop of STEPS
 optimizer steps, committed every 5 (rank 0 says so) and saved by ``Durable`` on the job's
-schedule.
+schedule; on ``--resume`` the loop starts at the saved step (``job.start_step``).
 
     durable_elastic_job.py STEPS
 """
@@ -25,9 +25,9 @@ def main() -> None:
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
     )
-    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
-    job = ckpt.Durable(model=model, optimizer=opt)
-    print(f"rank {hvd.rank()} starts, pid {os.getpid()}", flush=True)
+    job = ckpt.Durable(model=model, optimizer=opt)  # restores model and optimizer on --resume
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=job.start_step)
+    print(f"rank {hvd.rank()} starts at step {job.start_step}, pid {os.getpid()}", flush=True)
 
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:

@@ -218,16 +218,21 @@ def test_a_rank_preempted_alone_stops_its_peer_at_the_same_saved_step(tmp_path: 
     assert "job failed" not in err and "stopping the other" not in err, err[-3000:]
 
 
-@contextlib.contextmanager
-def _elastic_job(ck: Path, steps: int) -> Iterator[tuple[subprocess.Popen[str], dict[int, int]]]:
-    """An elastic durable job of 3 ranks (``--min-np 2``) saving into ``ck`` (no save due on
-    the schedule), once its ranks started: the launcher and the ranks' pids; killed on the way
-    out if it still runs."""
-    argv = [
-        sys.executable, "-m", "ringtrain", "run", "-np", "3", "--min-np", "2",
-        "--checkpoint-dir", str(ck), "--checkpoint-every", "1000",
+def _elastic_argv(ck: Path, steps: int, *flags: str) -> list[str]:
+    """``ringtrain run`` of durable_elastic_job.py, 3 ranks (``--min-np 2``), no save due on
+    the schedule."""
+    return [
+        sys.executable, "-m", "ringtrain", "run", "-np", "3", "--min-np", "2", *flags,
+        "--checkpoint-every", "1000",
         "--", sys.executable, str(Path(__file__).with_name("durable_elastic_job.py")), str(steps),
     ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def _elastic_job(ck: Path, steps: int) -> Iterator[tuple[subprocess.Popen[str], dict[int, int]]]:
+    """An elastic durable job of 3 ranks saving into ``ck``, once its ranks started: the
+    launcher and the ranks' pids; killed on the way out if it still runs."""
+    argv = _elastic_argv(ck, steps, "--checkpoint-dir", str(ck))
     launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert launcher.stdout is not None
@@ -235,7 +240,7 @@ def _elastic_job(ck: Path, steps: int) -> Iterator[tuple[subprocess.Popen[str], 
         while len(pids) < 3:
             line = launcher.stdout.readline()
             assert line, "the job ended before its ranks started"
-            starts = re.search(r"rank (\d) starts, pid (\d+)", line)
+            starts = re.search(r"rank (\d) starts at step 0, pid (\d+)", line)
             if starts:
                 pids[int(starts[1])] = int(starts[2])
         yield launcher, pids
@@ -273,7 +278,7 @@ def test_an_elastic_job_whose_last_world_is_preempted_stopped_on_a_preemption(
     """``--min-np``: SIGTERM to rank 2 alone, the others go on in a world of 2; then SIGTERM to
     both: they save the step they stop at and the job ends with 143 as a preempted job (the
     last world counts, as for its exit code), with rank 2's earlier stop listed, not "job
-    failed" for want of ranks."""
+    failed" for want of ranks; resumed, a world of 3 starts at the saved step."""
     ck = tmp_path / "ck"
     with _elastic_job(ck, 1000) as (launcher, pids):
         assert launcher.stdout is not None
@@ -306,6 +311,16 @@ def test_an_elastic_job_whose_last_world_is_preempted_stopped_on_a_preemption(
     assert "rank 2 (host localhost, pid" in end, end
     assert "job failed" not in err, err[-3000:]
     assert "ends at step" not in out
+    # What the report says to do: --resume starts every rank of a new world of 3 at the step
+    # the world of 2 saved, and the job finishes from there.
+    stop = int(last[1])
+    again = subprocess.run(_elastic_argv(ck, stop + 5, "--resume", str(ck)),
+                           capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    starts = re.findall(r"rank (\d) starts at step (\d+)", again.stdout)
+    assert sorted(starts) == [(str(r), str(stop)) for r in range(3)], again.stdout
+    ends = re.findall(r"rank (\d) of 3 ends at step (\d+)", again.stdout)
+    assert sorted(ends) == [(str(r), str(stop + 5)) for r in range(3)], again.stdout
 
 
 def _queued(writer: psutil.Process) -> int:
