@@ -57,6 +57,7 @@ class Ringtrain:
     ELASTIC_TIMEOUT = "RINGTRAIN_ELASTIC_TIMEOUT"
     ELASTIC_RESET_LIMIT = "RINGTRAIN_ELASTIC_RESET_LIMIT"
     ELASTIC_JOIN = "RINGTRAIN_ELASTIC_JOIN"
+    ELASTIC_MIN_NP = "RINGTRAIN_ELASTIC_MIN_NP"  # the fewest ranks the job goes on with
 
 
 # Placement, not settings: Config.from_env skips them instead of calling them typos.

@@ -323,6 +323,36 @@ def test_an_elastic_job_whose_last_world_is_preempted_stopped_on_a_preemption(
     assert sorted(ends) == [(str(r), str(stop + 5)) for r in range(3)], again.stdout
 
 
+def test_an_elastic_job_preempted_below_min_np_stops_at_one_step(tmp_path: Path) -> None:
+    """``--min-np 2``: SIGTERM to ranks 1 and 2 of 3 at once. They stop at the same saved
+    step and say that one rank remains, fewer than --min-np (not that their peers go on);
+    the launcher hears of them one by one, yet reports one stop at that step, not a rank the
+    job went on without."""
+    ck = tmp_path / "ck"
+    with _elastic_job(ck, 1000) as (launcher, pids):
+        assert launcher.stdout is not None
+        while not re.search(r"rank 0 of 3 commits step", launcher.stdout.readline()):
+            assert launcher.poll() is None, "the job ended before its first commit"
+        os.kill(pids[1], signal.SIGTERM)
+        os.kill(pids[2], signal.SIGTERM)
+        _, err = launcher.communicate(timeout=240)
+    assert launcher.returncode == 143, err[-3000:]
+    said = re.findall(r"(?m)^\[[12]\] ringtrain: rank ([12]): SIGTERM \(a preemption\): this "
+                      r"rank stops at step (\d+), saved into \S+ with its peers; 1 rank\(s\) "
+                      r"remain, fewer than --min-np 2: the job goes on only if hosts join",
+                      err)  # fmt: skip
+    assert sorted(r for r, _ in said) == ["1", "2"] and said[0][1] == said[1][1], err[-3000:]
+    assert "which go on without it" not in err, err[-3000:]
+    step = said[0][1]
+    assert [s for s, _ in manifest.committed(str(ck))] == [int(step)], err[-3000:]
+    end = err[err.index("ringtrain run: job stopped on a preemption") :]
+    assert end.startswith(
+        f"ringtrain run: job stopped on a preemption: ranks 1, 2 exited with code 143 at step "
+        f"{step}, the step the job saved"
+    ), end
+    assert "earlier" not in end and "job failed" not in err, err[-3000:]
+
+
 def _queued(writer: psutil.Process) -> int:
     """Bytes a rank has handed to its writer that the writer has not read: its job pipe's read
     end is the first number after ``-c <program>`` on its command line (process_writer.py)."""

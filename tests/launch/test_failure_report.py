@@ -135,6 +135,29 @@ def test_ranks_that_stopped_on_a_preemption_are_no_failure() -> None:
     assert "  - rank 2 (host h, pid 102) exited with code 1 after 9.5 s" in last
 
 
+def test_ranks_preempted_at_one_step_of_one_world_are_one_stop() -> None:
+    """Ranks 1 and 2 of an elastic job stop at step 21 of world 0, but the launcher hears of
+    rank 1 first and re-forms the world with ranks 0 and 2: both stopped the job at that step,
+    neither went on without the other. A rank stopped at the same step number of another world
+    (a world re-formed from an earlier commit may reach it again) was an earlier stop."""
+
+    def stopped(rank: int, step: int, world: int) -> Failure:
+        msg = {**_exit(rank, 143), "preempted_at": [step, world]}
+        return exit_failure("h", msg, 100 + rank, 9.0 + rank / 10)
+
+    first, second = stopped(1, 21, 0), stopped(2, 21, 0)
+    assert first.stop == (21, 0) and exit_failure("h", _exit(3, 143), 103, 1.0).stop is None
+    one = report([second], absorbed=[first])
+    assert one.startswith(
+        "job stopped on a preemption: ranks 1, 2 exited with code 143 at step 21, the step the "
+        "job saved (to continue"
+    ), one
+    assert "earlier" not in one, one
+    again = report([stopped(2, 21, 1)], absorbed=[first])
+    assert again.startswith("job stopped on a preemption: rank 2 exited with code 143 at step 21")
+    assert "earlier, 1 rank(s) stopped on a preemption and the job went on" in again, again
+
+
 # Each rank says it fails on the heartbeat pipe, as ringtrain's except hook does
 # (runtime/heartbeat.py), then exits later, in another order: rank 2 fails first and exits
 # last, rank 0 fails second and exits first, so the news of rank 0 reaches the launcher first.

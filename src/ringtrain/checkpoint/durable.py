@@ -143,20 +143,32 @@ class Durable:
         self._last_step, self._last_time = step, time.monotonic()
         if stopping and (self._preemption.requested or not self._elastic):
             self.stopped_at = step
-            if self._elastic and stopping < self._size:  # not every rank: the others go on
-                log.warning(
-                    "ringtrain: rank %d: SIGTERM (a preemption): this rank stops at step %d, "
-                    "saved into %s with its peers, which go on without it (elastic)",
-                    self._rank, step, self.directory,
-                )  # fmt: skip
-            elif self._rank == 0:
-                log.warning(
-                    "ringtrain: rank 0: %d rank(s) got SIGTERM (a preemption): the job stops at "
-                    "step %d, saved into %s (continue with --resume %s)",
-                    stopping, step, self.directory, self.directory,
-                )  # fmt: skip
+            self._say_stop(step, stopping)
             self._preemption.stop(step)
         return True
+
+    def _say_stop(self, step: int, stopping: int) -> None:
+        """This rank's line as the job (or, elastic, this rank) stops at ``step``, saved."""
+        if self._elastic and stopping < self._size:  # not every rank: the others may go on
+            head = "ringtrain: rank %d: SIGTERM (a preemption): this rank stops at step %d, saved"
+            left, fewest = self._size - stopping, _fewest()
+            if left >= fewest:
+                log.warning(
+                    head + " into %s with its peers, which go on without it (elastic)",
+                    self._rank, step, self.directory,
+                )  # fmt: skip
+            else:  # the launcher stops them, or waits for hosts (--host-discovery-script)
+                log.warning(
+                    head + " into %s with its peers; %d rank(s) remain, fewer than --min-np %d: "
+                    "the job goes on only if hosts join (continue with --resume %s)",
+                    self._rank, step, self.directory, left, fewest, self.directory,
+                )  # fmt: skip
+        elif self._rank == 0:
+            log.warning(
+                "ringtrain: rank 0: %d rank(s) got SIGTERM (a preemption): the job stops at "
+                "step %d, saved into %s (continue with --resume %s)",
+                stopping, step, self.directory, self.directory,
+            )  # fmt: skip
 
     def close(self) -> None:
         """Wait for the last save and stop the writer. Where a SIGTERM came after the last
@@ -206,3 +218,8 @@ def _refuse_other_runs(directory: str, run: str | None, resumed_from: str) -> No
         f"overwrite.\nHINT: save into the directory resumed from (leave out --checkpoint-dir), "
         "or give --checkpoint-dir a fresh directory."
     )
+
+
+def _fewest() -> int:
+    """The fewest ranks this elastic job goes on with (``--min-np``, from its launcher)."""
+    return int(environ.current().get(Ringtrain.ELASTIC_MIN_NP) or 1)

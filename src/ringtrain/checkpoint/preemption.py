@@ -23,7 +23,7 @@ import threading
 import time
 from types import FrameType
 
-from ringtrain.runtime import departures, heartbeat
+from ringtrain.runtime import departures, heartbeat, membership
 
 EXIT_CODE = 128 + signal.SIGTERM
 log = logging.getLogger("ringtrain")
@@ -127,4 +127,4 @@ def _unwind_now(signum: int, _frame: FrameType | None) -> None:
 def said(step: int) -> None:
     """Tell the rank's agent and its peers that it stops on a preemption, ``step`` saved."""
     departures.post(departures.PREEMPTED, str(step))
-    heartbeat.say(heartbeat.PREEMPTED)
+    heartbeat.say(heartbeat.preempted_at(step, membership.current()))

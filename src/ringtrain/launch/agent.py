@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import glob
 import os
+import re
 import shutil
 import signal
 import socket
@@ -56,6 +57,8 @@ FAILING_GRACE_S = 7.0
 PEER_NOTICE_S = 2.0
 _MAIN_WORK_S, _THREAD_WORK_S = 0.05, 0.5
 LOOK_S = 0.25  # how often a silent rank's state is read
+# A rank's "stops on a preemption, step N of world G saved" (runtime/heartbeat.preempted_at).
+_PREEMPTED_AT = re.compile(rb"S(\d+)/(\d+);")
 _STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 
 
@@ -159,7 +162,8 @@ class Agent:
         self._left_at: dict[int, float] = {}
         self._failing: set[int] = set()  # ranks that said an uncaught exception ends them
         self._after_peer: set[int] = set()  # ... one that says a peer left first
-        self._preempted: set[int] = set()  # ranks that stop on a preemption, their step saved
+        # Ranks that stop on a preemption: [step saved, world] (None: not said).
+        self._preempted: dict[int, list[int] | None] = {}
         self._signalled: set[int] = set()  # ranks this agent sent a signal (stop, Ctrl-C)
         self._killed: set[int] = set()  # ... SIGKILL when a forwarded signal's grace ran out
         # silent rank -> (since when it did no work, last look, its threads' CPU seconds then)
@@ -264,7 +268,8 @@ class Agent:
                     if b"P" in data:
                         self._after_peer.add(rank)
                     if b"S" in data:
-                        self._preempted.add(rank)
+                        at = _PREEMPTED_AT.search(data)
+                        self._preempted[rank] = [int(at[1]), int(at[2])] if at else None
                 if b"!" in data:  # goodbye: exiting; the beats stop before the process does
                     self._beats.pop(rank, None)
                     self._silent[rank] = 0.0  # never checked again
@@ -379,6 +384,7 @@ class Agent:
                     failing=rank in self._failing,
                     after_peer=rank in self._after_peer,
                     preempted=rank in self._preempted and rank not in self._failing,
+                    preempted_at=self._preempted.get(rank),
                     stopped=rank in self._signalled,  # its end was ours, not its own
                     killed=rank in self._killed,
                 )

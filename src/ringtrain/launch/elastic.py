@@ -25,6 +25,7 @@ ID_VAR = Ringtrain.ELASTIC_ID
 TIMEOUT_VAR = Ringtrain.ELASTIC_TIMEOUT
 RESET_LIMIT_VAR = Ringtrain.ELASTIC_RESET_LIMIT
 JOIN_VAR = Ringtrain.ELASTIC_JOIN
+MIN_NP_VAR = Ringtrain.ELASTIC_MIN_NP
 GENERATION_KEY = "ringtrain/elastic/generation"
 # Ranks wait this much longer than --elastic-timeout for a new world: the launcher, which ends
 # the job when its own timeout passes, must decide first (a rank that gave up would be taken
@@ -49,9 +50,12 @@ def reform_key(generation: int, identity: int) -> str:
 
 
 def rank_env(
-    identity: int, timeout_s: float, reset_limit: int | None, join: bool = False
+    identity: int, timeout_s: float, reset_limit: int | None, join: bool, min_np: int
 ) -> dict[str, str]:
+    """An elastic rank's variables; ``min_np``: the fewest ranks the job goes on with (a
+    rank that stops on a preemption says whether its peers go on, checkpoint/durable.py)."""
     env = {ID_VAR: str(identity), TIMEOUT_VAR: str(timeout_s + RANK_WAIT_MARGIN_S)}
+    env[MIN_NP_VAR] = str(min_np)
     if reset_limit is not None:
         env[RESET_LIMIT_VAR] = str(reset_limit)
     if join:

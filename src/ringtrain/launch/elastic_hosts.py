@@ -87,10 +87,7 @@ class ElasticPool:
         self.server = server
         self.rank_host = {s.rank: s.host for s in specs}
         if self.options.elastic:
-            o = self.options
-            self.membership = elastic.Membership(
-                [s.rank for s in specs], o.min_np if o.min_np is not None else o.np
-            )
+            self.membership = elastic.Membership([s.rank for s in specs], self.options.fewest)
 
     def running(self) -> list[int]:
         """Ranks started and neither exited nor retired."""
@@ -161,7 +158,7 @@ class ElasticPool:
         configuration error."""
         o = self.options
         assert o.discovery_script is not None
-        min_np = o.min_np if o.min_np is not None else o.np
+        min_np = o.fewest
         deadline = time.monotonic() + o.elastic_timeout_s
         while True:
             hosts = discovery.run_script(o.discovery_script, o.slots_per_host)

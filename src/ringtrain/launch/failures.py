@@ -71,6 +71,8 @@ class Failure:
     # Not a failure either: a durable job's rank stopped on a SIGTERM at a step it saved
     # (checkpoint/preemption.py); the cause only where nothing else failed.
     preempted: bool = False
+    # Where a preempted rank said: the step it stopped at, and its (elastic) world's generation.
+    stop: tuple[int, int] | None = None
 
 
 @dataclass
@@ -164,6 +166,9 @@ def exit_failure(host: str, msg: dict[str, Any], pid: int | None, elapsed_s: flo
     failure = Failure(rank, host, exit_code, desc, tail, at, bool(msg.get("after_peer")))
     failure.hint = list(msg.get("hint") or [])
     failure.preempted = preempted(msg)
+    if failure.preempted and msg.get("preempted_at"):
+        step, world = msg["preempted_at"]
+        failure.stop = (int(step), int(world))
     return failure
 
 
@@ -286,11 +291,18 @@ def _preempted_report(every: Sequence[Failure], absorbed: Sequence[Failure]) -> 
     """The last message of a job whose ranks all stopped on a preemption, at the step they
     saved: the words of the rank that says which step (rank 0, in checkpoint/durable.py), then
     the ranks an elastic job went on without before."""
+    # Ranks signalled together stop at one step of one world, but the launcher hears of them
+    # one by one: one whose exit re-formed the world before the others' came stopped with them.
+    stops = {f.stop for f in every if f.stop is not None}
+    together = [f for f in absorbed if f.preempted and f.stop in stops]
+    every = [*every, *together]
+    absorbed = [f for f in absorbed if f not in together]
     ranks = sorted(f.rank for f in every if f.rank is not None)
     teller = min(every, key=lambda f: (f.rank is None, f.rank or 0))
+    at = f"step {stops.pop()[0]}, " if len(stops) == 1 else ""
     lines = [
         f"job stopped on a preemption: {_ranks(ranks)} exited with code {PREEMPTED_CODE} "
-        "at the step the job saved (to continue, run the job again with --resume and its "
+        f"at {at}the step the job saved (to continue, run the job again with --resume and its "
         "checkpoint directory)"
     ]
     if teller.tail:

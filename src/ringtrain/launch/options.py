@@ -165,5 +165,10 @@ class LaunchOptions:
         )
 
     @property
+    def fewest(self) -> int:
+        """The fewest ranks an elastic job goes on with: --min-np, else -np."""
+        return self.min_np if self.min_np is not None else self.np
+
+    @property
     def is_local(self) -> bool:
         return all(h.is_local for h in self.hosts)

@@ -370,11 +370,9 @@ class Supervisor:
         for s, ident, t in zip(specs, identities, tunings):
             env = {**base, **self._run_env["settings"], **net, **t.env}
             env.update(rank_env.placement(s, self._run_env["rdzv"]))
-            if self.options.elastic:
+            if (o := self.options).elastic:
                 env.update(
-                    elastic.rank_env(
-                        ident, self.options.elastic_timeout_s, self.options.reset_limit, join
-                    )
+                    elastic.rank_env(ident, o.elastic_timeout_s, o.reset_limit, join, o.fewest)
                 )
             ranks.append(
                 {

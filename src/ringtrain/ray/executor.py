@@ -239,7 +239,9 @@ class RayExecutor:
         )
         if self.elastic:
             env.update(
-                elastic_launch.rank_env(identity, self.elastic_timeout, self.reset_limit, join)
+                elastic_launch.rank_env(
+                    identity, self.elastic_timeout, self.reset_limit, join, self.min_workers or 1
+                )
             )
         return env
 

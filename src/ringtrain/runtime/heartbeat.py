@@ -48,6 +48,14 @@ def say(word: bytes) -> None:
             os.write(fd, word)
 
 
+def preempted_at(step: int, world: int) -> bytes:
+    """:data:`PREEMPTED` with the step saved and the (elastic) world's generation: the launcher
+    groups the ranks that stopped at the same step of one world as one stop, though it hears of
+    them one by one (launch/failures.py); a world re-formed from an earlier commit may reach
+    the same step number again."""
+    return PREEMPTED + b"%d/%d;" % (step, world)
+
+
 def start(env: Mapping[str, str] | None = None) -> bool:
     """Start beating on the agent's pipe, once per process; False when there is none."""
     raw = (environ.current() if env is None else env).get(VAR, "").strip()
