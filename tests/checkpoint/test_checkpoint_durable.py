@@ -218,26 +218,28 @@ def test_a_rank_preempted_alone_stops_its_peer_at_the_same_saved_step(tmp_path: 
     assert "job failed" not in err and "stopping the other" not in err, err[-3000:]
 
 
-def _elastic_argv(ck: Path, steps: int, *flags: str) -> list[str]:
-    """``ringtrain run`` of durable_elastic_job.py, 3 ranks (``--min-np 2``), no save due on
-    the schedule."""
+def _elastic_argv(ck: Path, steps: int, *flags: str, np: int = 3) -> list[str]:
+    """``ringtrain run`` of durable_elastic_job.py, ``np`` ranks (``--min-np 2``), no save due
+    on the schedule."""
     return [
-        sys.executable, "-m", "ringtrain", "run", "-np", "3", "--min-np", "2", *flags,
+        sys.executable, "-m", "ringtrain", "run", "-np", str(np), "--min-np", "2", *flags,
         "--checkpoint-every", "1000",
         "--", sys.executable, str(Path(__file__).with_name("durable_elastic_job.py")), str(steps),
     ]  # fmt: skip
 
 
 @contextlib.contextmanager
-def _elastic_job(ck: Path, steps: int) -> Iterator[tuple[subprocess.Popen[str], dict[int, int]]]:
-    """An elastic durable job of 3 ranks saving into ``ck``, once its ranks started: the
+def _elastic_job(
+    ck: Path, steps: int, np: int = 3
+) -> Iterator[tuple[subprocess.Popen[str], dict[int, int]]]:
+    """An elastic durable job of ``np`` ranks saving into ``ck``, once its ranks started: the
     launcher and the ranks' pids; killed on the way out if it still runs."""
-    argv = _elastic_argv(ck, steps, "--checkpoint-dir", str(ck))
+    argv = _elastic_argv(ck, steps, "--checkpoint-dir", str(ck), np=np)
     launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert launcher.stdout is not None
         pids: dict[int, int] = {}
-        while len(pids) < 3:
+        while len(pids) < np:
             line = launcher.stdout.readline()
             assert line, "the job ended before its ranks started"
             starts = re.search(r"rank (\d) starts at step 0, pid (\d+)", line)
@@ -250,22 +252,30 @@ def _elastic_job(ck: Path, steps: int) -> Iterator[tuple[subprocess.Popen[str], 
             launcher.wait()
 
 
-def test_in_an_elastic_job_a_preempted_rank_saves_with_its_peers_and_they_go_on(
+def test_in_an_elastic_job_preempted_ranks_save_with_their_peers_and_they_go_on(
     tmp_path: Path,
 ) -> None:
-    """``--min-np``: SIGTERM to rank 2 alone; every rank saves the step it stops at (the save
-    commits: every part was written), rank 2 leaves with 143, the others re-form and finish."""
+    """``--min-np 2``: SIGTERM to ranks 2 and 3 of 4 at once; every rank saves the step they
+    stop at (the save commits: every part was written), ranks 2 and 3 leave with 143, the
+    others re-form once (not once per exit: each stopping rank told the launcher its step
+    first) and finish."""
     ck = tmp_path / "ck"
-    with _elastic_job(ck, 80) as (launcher, pids):
+    with _elastic_job(ck, 80, np=4) as (launcher, pids):
         os.kill(pids[2], signal.SIGTERM)
+        os.kill(pids[3], signal.SIGTERM)
         out, said = launcher.communicate(timeout=240)
     assert launcher.returncode == 0, said[-3000:]
-    stop = re.search(r"rank 2: SIGTERM \(a preemption\): this rank stops at step (\d+)", said)
-    assert stop, said[-3000:]
-    assert [s for s, _ in manifest.committed(str(ck))] == [int(stop[1])], said[-3000:]
-    assert "rank 2 (host localhost, pid" in said, said[-3000:]
-    assert "stopped on a preemption at a step it saved (exit code 143)" in said, said[-3000:]
-    assert "earlier, 1 rank(s) stopped on a preemption and the job went on" in said, said[-3000:]
+    stops = re.findall(r"(?m)^\[([23])\] ringtrain: rank \1: SIGTERM \(a preemption\): this "
+                       r"rank stops at step (\d+), saved into \S+ with its peers, which go on",
+                       said)  # fmt: skip
+    assert sorted(r for r, _ in stops) == ["2", "3"] and stops[0][1] == stops[1][1], said[-3000:]
+    assert [s for s, _ in manifest.committed(str(ck))] == [int(stops[0][1])], said[-3000:]
+    once = re.search(r"stopped on a preemption at a step it saved \(exit code 143\) after "
+                     r"[\d.]+ s; rank\(s\) [23] stop at that step too; re-forming the world "
+                     r"with the 2 remaining rank\(s\) \[0, 1\] \(generation 1\)", said)  # fmt: skip
+    assert once and "generation 2" not in said, said[-3000:]
+    assert "it had left the world with the ranks that stopped at that step" in said, said[-3000:]
+    assert "earlier, 2 rank(s) stopped on a preemption and the job went on" in said, said[-3000:]
     assert sorted(re.findall(r"rank (\d) of (\d) ends at step (\d+)", out)) == [
         ("0", "2", "80"),
         ("1", "2", "80"),

@@ -26,6 +26,11 @@ FAILED = RankExit(succeeded=False)
             RankExit(succeeded=False, job_failed=True, stopped_by_launcher=True, said_failing=True),
             Next.ALSO_FAILED,
         ),
+        # ... or stopped on a preemption of their own, at the step saved: the job's stop.
+        (
+            RankExit(succeeded=False, job_failed=True, stopped_by_launcher=True, preempted=True),
+            Next.ALSO_FAILED,
+        ),
         (RankExit(succeeded=False, job_failed=True), Next.ALSO_FAILED),
         (RankExit(succeeded=True, job_failed=True), Next.FINISHED),
         # Elastic jobs re-form around a started rank that failed; a joiner failed to join.

@@ -270,6 +270,8 @@ class Agent:
                     if b"S" in data:
                         at = _PREEMPTED_AT.search(data)
                         self._preempted[rank] = [int(at[1]), int(at[2])] if at else None
+                        if at:  # the launcher takes the ranks that stop together out at once
+                            self.send("stopping", rank=rank, at=self._preempted[rank])
                 if b"!" in data:  # goodbye: exiting; the beats stop before the process does
                     self._beats.pop(rank, None)
                     self._silent[rank] = 0.0  # never checked again

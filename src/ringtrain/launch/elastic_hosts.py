@@ -78,6 +78,8 @@ class ElasticPool:
         self.retired: set[int] = set()  # stopped on purpose (host no longer offered)
         self.left: list[str] = []  # how each rank that left the world went
         self.absorbed: list[Failure] = []  # failures the job went on without (report())
+        # Ranks that said they stop on a preemption: (step, world) saved; their exits follow.
+        self.stopping: dict[int, tuple[int, int]] = {}
         self.growing = True  # until a rank finishes
         self.requests = elastic.ReformRequests()
         self._next_check = 0.0
@@ -102,7 +104,23 @@ class ElasticPool:
 
     def lost(self, desc: str, host: str, failure: Failure, *ranks: int) -> Change:
         """Ranks that failed (or a host's, together) leave the world: a new world without
-        them, or below --min-np a wait for hosts, or the job fails (naming what is missing)."""
+        them, or below --min-np a wait for hosts, or the job fails (naming what is missing).
+        A rank that stopped on a preemption takes the ranks that stop at the same step with it:
+        one new world, not one per rank as their exits come."""
+        m = self.membership
+        assert m is not None
+        if not any(r in m.members for r in ranks):  # taken out before its exit came
+            self.absorbed.append(failure)
+            with_ = "with the ranks that stopped at that step" if failure.preempted else "before"
+            self.job.say(f"{desc}; it had left the world {with_}")
+            return Change()
+        together = [
+            r for r in m.members
+            if r not in ranks and failure.stop is not None and self.stopping.get(r) == failure.stop
+        ]  # fmt: skip
+        if together:
+            desc += f"; rank(s) {', '.join(map(str, together))} stop at that step too"
+            ranks = (*ranks, *together)
         self.exclude(host, desc)
         if self._reform(desc, *ranks):
             self.absorbed.append(failure)  # for the report, should the job fail later
@@ -110,7 +128,7 @@ class ElasticPool:
         if self._await_hosts(desc):
             self.absorbed.append(failure)
             return Change(waiting=failure)
-        failure.description += self._shortfall()
+        failure.description = desc + self._shortfall()  # desc: the failure's, and who went too
         return Change(failed=failure)
 
     def _reform(self, desc: str, *ranks: int) -> bool:

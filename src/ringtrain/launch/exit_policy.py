@@ -8,7 +8,8 @@ agent's message and the job's state, into :class:`RankExit`; :func:`decide` name
 2. a rank that exited 0 finished: the job is finishing, no new ranks join;
 3. after Ctrl-C every end is the interrupt's;
 4. after the first failure, a rank the launcher stopped is not a failure, unless it said it
-   was failing before (runtime/heartbeat.py); any other failure then is listed under the root
+   was failing before (runtime/heartbeat.py), or stopped on a preemption of its own (its end,
+   at the step it saved, is the job's stop); any other failure then is listed under the root
    cause (:mod:`ringtrain.launch.failures`);
 5. a rank that was joining a running elastic job failed to join;
 6. in an elastic job, a started rank that fails is dropped and the world re-formed;
@@ -41,6 +42,7 @@ class RankExit:
     job_failed: bool = False  # a failure was already acted on
     stopped_by_launcher: bool = False  # its agent signalled it (stop, Ctrl-C)
     said_failing: bool = False  # it said it was failing before it exited
+    preempted: bool = False  # it stopped on a preemption at a step it saved (exit code 143)
     joining: bool = False  # started to join a running elastic job, not yet in a world
     elastic: bool = False  # the job re-forms (--min-np)
     started: bool = True  # the agent started its command (a pid was reported)
@@ -55,7 +57,7 @@ def decide(e: RankExit) -> Next:
     if e.interrupted:
         return Next.IGNORE
     if e.job_failed:
-        if e.stopped_by_launcher and not e.said_failing:
+        if e.stopped_by_launcher and not (e.said_failing or e.preempted):
             return Next.IGNORE
         return Next.ALSO_FAILED
     if e.joining:

@@ -14,6 +14,8 @@ Agent -> launcher (agent's stdout):
     {"t": "started", "rank": r, "pid": p}
     {"t": "note", "line": str}                        a line for the user (a limit it raised)
     {"t": "out", "rank": r, "fd": 1 | 2, "line": str, "end": "\n" | "\r"}
+    {"t": "stopping", "rank": r, "at": [step, world]}  the rank stops on a preemption, that step
+                                                      of that (elastic) world saved: it exits soon
     {"t": "exit", "rank": r, "code": int | null, "signal": str | null, "tail": [str],
      "hint": [str], ...}                              killed: SIGKILLed on "kill"; hint:
                                                       what to do about it (exit_hints)

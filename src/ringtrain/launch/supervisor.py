@@ -57,6 +57,7 @@ from ringtrain.launch.failures import (
     exit_failure,
     exited_key,
     interrupted_report,
+    preempted,
     recorded_end,
     report,
     root_cause,
@@ -448,6 +449,8 @@ class Supervisor:
             self.output.started(msg["rank"])
         elif kind == "note":
             self.say(f"host {link.host.name}: {msg['line']}")
+        elif kind == "stopping":  # on a preemption, at a step saved: its exit follows
+            self.pool.stopping[msg["rank"]] = (msg["at"][0], msg["at"][1])
         elif kind == "exit":
             self._on_exit(link, msg)
         elif kind == "done":
@@ -489,6 +492,7 @@ class Supervisor:
                 job_failed=self._failure() is not None,
                 stopped_by_launcher=bool(msg.get("stopped")),
                 said_failing=bool(msg.get("failing")),
+                preempted=preempted(msg),
                 joining=rank in self.pool.joiners,
                 elastic=self.pool.membership is not None,
                 started=pid is not None,
