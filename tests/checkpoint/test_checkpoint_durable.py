@@ -11,6 +11,7 @@ import fcntl
 import os
 import re
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -216,6 +217,69 @@ def test_a_rank_preempted_alone_stops_its_peer_at_the_same_saved_step(tmp_path: 
     assert "PeerFailedError" not in err
     assert "ringtrain run: job stopped on a preemption: ranks 0, 1 exited with code 143" in err
     assert "job failed" not in err and "stopping the other" not in err, err[-3000:]
+
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def _torchrun(node: int, port: int, out: Path, steps: int, **env: str) -> subprocess.Popen[str]:
+    """Node ``node`` of a 2-node torchrun job of durable_job.py (one rank each, static
+    rendezvous at ``port``, as a PyTorchJob's pods start), ``env`` added."""
+    argv = [
+        TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+        "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "0",
+        "--monitor-interval", "0.5", JOB, str(out), str(steps), "0.3" if steps > STEPS else "0",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_pod_deleted_under_torchrun_stops_at_a_saved_step_and_resumes(
+    tmp_path: Path, finished_run: tuple[Path, Path]
+) -> None:
+    """The manifests ``ringtrain k8s`` writes start ranks with torchrun. A deleted pod's
+    torchrun gets SIGTERM and passes it to its rank: both ranks save the step they agree on
+    and exit with 143 (torchrun reports that as its worker's failure: its exit is its own);
+    rank 0 says how to continue without ``ringtrain run`` (``RINGTRAIN_RESUME``), and resumed
+    so, both ranks start at that step and end with the uninterrupted run's weights."""
+    ck = tmp_path / "ck"
+    saving = {"RINGTRAIN_CHECKPOINT_DIR": str(ck), "RINGTRAIN_CHECKPOINT_EVERY": "100"}
+    port = _free_port()
+    nodes = [_torchrun(n, port, tmp_path / "p.pt", 1000, **saving) for n in (0, 1)]
+    try:
+        for node in nodes:
+            assert node.stdout is not None
+            while " starts at step 0" not in node.stdout.readline():
+                assert node.poll() is None, "a node ended before its rank started"
+        nodes[1].send_signal(signal.SIGTERM)  # what the kubelet sends a deleted pod
+        err = nodes[0].communicate(timeout=120)[1]
+        nodes[1].communicate(timeout=120)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    said = re.search(r"rank 0: 1 rank\(s\) got SIGTERM \(a preemption\): the job stops at step "
+                     r"(\d+), saved into \S+ \(continue with RINGTRAIN_RESUME=(\S+) in the next "
+                     r"start's environment\)", err)  # fmt: skip
+    assert said and said[2] == str(ck), err[-3000:]
+    step = int(said[1])
+    assert [s for s, _ in manifest.committed(str(ck))] == [step] and step < STEPS, err[-3000:]
+    assert "exitcode  : 143" in err, err[-3000:]  # torchrun's own report of its worker's end
+    port = _free_port()
+    again = [_torchrun(n, port, tmp_path / "b.pt", STEPS, RINGTRAIN_RESUME=str(ck)) for n in (0, 1)]
+    ends = [node.communicate(timeout=180) for node in again]
+    assert [node.returncode for node in again] == [0, 0], ends[0][1][-3000:] + ends[1][1][-3000:]
+    assert all(f" starts at step {step}" in out for out, _ in ends), ends
+    for a, b in zip(torch.load(finished_run[1]), torch.load(tmp_path / "b.pt")):
+        assert torch.equal(a, b)
 
 
 def _elastic_argv(ck: Path, steps: int, *flags: str, np: int = 3) -> list[str]:

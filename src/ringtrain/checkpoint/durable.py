@@ -160,14 +160,14 @@ class Durable:
             else:  # the launcher stops them, or waits for hosts (--host-discovery-script)
                 log.warning(
                     head + " into %s with its peers; %d rank(s) remain, fewer than --min-np %d: "
-                    "the job goes on only if hosts join (continue with --resume %s)",
-                    self._rank, step, self.directory, left, fewest, self.directory,
+                    "the job goes on only if hosts join (continue with %s)",
+                    self._rank, step, self.directory, left, fewest, _resume(self.directory),
                 )  # fmt: skip
         elif self._rank == 0:
             log.warning(
                 "ringtrain: rank 0: %d rank(s) got SIGTERM (a preemption): the job stops at "
-                "step %d, saved into %s (continue with --resume %s)",
-                stopping, step, self.directory, self.directory,
+                "step %d, saved into %s (continue with %s)",
+                stopping, step, self.directory, _resume(self.directory),
             )  # fmt: skip
 
     def close(self) -> None:
@@ -223,3 +223,11 @@ def _refuse_other_runs(directory: str, run: str | None, resumed_from: str) -> No
 def _fewest() -> int:
     """The fewest ranks this elastic job goes on with (``--min-np``, from its launcher)."""
     return int(environ.current().get(Ringtrain.ELASTIC_MIN_NP) or 1)
+
+
+def _resume(directory: str) -> str:
+    """How to continue from ``directory``: ``ringtrain run``'s flag where it started this rank
+    (its heartbeat pipe), else the variable (torchrun, mpirun, Slurm, Kubernetes)."""
+    if environ.current().get(Ringtrain.HEARTBEAT_FD):
+        return f"--resume {directory}"
+    return f"RINGTRAIN_RESUME={directory} in the next start's environment"
