@@ -129,6 +129,8 @@ class OpenMPI:
     # interfaces MPI's TCP transport must not use (written before MPI starts)
     TCP_IF_EXCLUDE = "OMPI_MCA_btl_tcp_if_exclude"
     TCP_IF_INCLUDE = "OMPI_MCA_btl_tcp_if_include"
+    # mpirun, given SIGTERM, passes it on this many seconds later, and SIGKILL as long after
+    SIGKILL_TIMEOUT = "OMPI_MCA_odls_base_sigkill_timeout"
 
 
 class MPICH:

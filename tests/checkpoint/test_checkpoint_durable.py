@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import os
 import re
+import shutil
 import signal
 import socket
 import struct
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from _durable_runs import wait_for_commit
+from _mpirun import mpirun_env
 from ringtrain.checkpoint import manifest
 from ringtrain.errors import ConfigError
 from ringtrain.launch import command
@@ -280,6 +282,43 @@ def test_a_pod_deleted_under_torchrun_stops_at_a_saved_step_and_resumes(
     assert all(f" starts at step {step}" in out for out, _ in ends), ends
     for a, b in zip(torch.load(finished_run[1]), torch.load(tmp_path / "b.pt")):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI (openmpi-bin)")
+@pytest.mark.parametrize("sigkill_timeout_s", [None, 8])
+def test_a_preempted_mpirun_job_saves_given_the_time(
+    tmp_path: Path, sigkill_timeout_s: int | None
+) -> None:
+    """mpirun, given SIGTERM, passes it to the ranks ``odls_base_sigkill_timeout`` seconds later
+    (1 by default) and SIGKILLs them as long after that. With the default, no save can commit:
+    rank 0 says so when the job starts, and no line claims a save. Given 8 s (and a grace
+    period of 8 s), the ranks stop at a step, save it, and rank 0 names it."""
+    ck = tmp_path / "ck"
+    env = {**mpirun_env(), "OMP_NUM_THREADS": "1", "RINGTRAIN_CHECKPOINT_DIR": str(ck),
+           "RINGTRAIN_CHECKPOINT_EVERY": "1000"}  # fmt: skip
+    mca = []
+    if sigkill_timeout_s is not None:
+        mca = ["--mca", "odls_base_sigkill_timeout", str(sigkill_timeout_s)]
+        env["RINGTRAIN_GRACE_PERIOD_S"] = str(sigkill_timeout_s)
+    argv = ["mpirun", "-np", "2", *mca, sys.executable, JOB, str(tmp_path / "p.pt"), "1000", "0.3"]
+    mpirun = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        _until_started(mpirun)
+        mpirun.send_signal(signal.SIGTERM)
+        err = mpirun.communicate(timeout=120)[1].decode()
+    finally:
+        if mpirun.poll() is None:
+            mpirun.kill()
+            mpirun.wait()
+    warned = "under mpirun, a SIGTERM (a preemption) reaches the ranks with 1 s left" in err
+    said = re.search(r"the job stops at step (\d+), saved into", err)
+    if sigkill_timeout_s is None:
+        assert warned and "HINT: mpirun --mca odls_base_sigkill_timeout 20" in err, err[-3000:]
+        assert not said and manifest.committed(str(ck)) == [], err[-3000:]
+    else:
+        assert not warned and "odls_base_sigkill_timeout" not in err, err[-3000:]
+        assert said, err[-3000:]
+        assert [s for s, _ in manifest.committed(str(ck))] == [int(said[1])], err[-3000:]
 
 
 def _elastic_argv(ck: Path, steps: int, *flags: str, np: int = 3) -> list[str]:

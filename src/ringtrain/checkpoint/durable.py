@@ -31,6 +31,7 @@ launcher's grace period (:mod:`ringtrain.checkpoint.preemption`).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -93,10 +94,12 @@ class Durable:
         self._last_step = self.start_step
         self._last_time = time.monotonic()
         # Half the grace period to reach a step after SIGTERM, half to save it.
-        self._preemption = Preemption(cfg.grace_period_s / 2, loud=self._rank == 0)
+        grace_s = _grace_s(cfg.grace_period_s, self._saver is not None and self._rank == 0)
+        self._preemption = Preemption(grace_s / 2, loud=self._rank == 0)
         # Elastic: the ranks not signalled go on in a smaller world once the save is handed over.
         self._elastic = Ringtrain.ELASTIC_ID in environ.current()
         self.stopped_at: int | None = None  # the step a preemption stopped the job at
+        self._stopping = 0  # how many ranks got SIGTERM, agreed at that step
         # Every few steps, the ranks agree on a stop and on rank 0's clock (read at call time:
         # tests set this module's clock).
         self._checks = step_checks.StepChecks(clock=lambda: time.monotonic())
@@ -142,10 +145,18 @@ class Durable:
         self._saver.save(step, model=model, optimizer=optimizer, sampler=sampler, extra=extra)
         self._last_step, self._last_time = step, time.monotonic()
         if stopping and (self._preemption.requested or not self._elastic):
-            self.stopped_at = step
-            self._say_stop(step, stopping)
+            self.stopped_at, self._stopping = step, stopping
             self._preemption.stop(step)
         return True
+
+    def _stopped(self) -> None:
+        """The line of a stop at a step, once its save committed: where the ranks were killed
+        before (mpirun kills 1 s after its SIGTERM unless told otherwise), none claims it."""
+        committed = self._saver.last_committed if self._saver is not None else None
+        if self.stopped_at is None or not committed:
+            return
+        if os.path.basename(committed) == manifest.step_name(self.stopped_at):
+            self._say_stop(self.stopped_at, self._stopping)
 
     def _say_stop(self, step: int, stopping: int) -> None:
         """This rank's line as the job (or, elastic, this rank) stops at ``step``, saved."""
@@ -182,6 +193,7 @@ class Durable:
                 self._checks.settle()
             if self._saver is not None:
                 self._saver.close()
+                self._stopped()
         finally:
             self._preemption.closed()
         if raising and self._preemption.requested and self.stopped_at is None:
@@ -231,3 +243,22 @@ def _resume(directory: str) -> str:
     if environ.current().get(Ringtrain.HEARTBEAT_FD):
         return f"--resume {directory}"
     return f"RINGTRAIN_RESUME={directory} in the next start's environment"
+
+
+def _grace_s(configured_s: float, say: bool) -> float:
+    """The time a rank has after a SIGTERM: the grace period, or less under mpirun, which
+    SIGKILLs its ranks soon after (``say``: warn where that leaves too little to save)."""
+    mpirun_s = preemption.mpirun_grace_s()
+    if mpirun_s is None or mpirun_s >= configured_s:
+        return configured_s
+    if say:
+        log.warning(
+            "ringtrain: rank 0: under mpirun, a SIGTERM (a preemption) reaches the ranks with "
+            "%g s left before mpirun's SIGKILL (odls_base_sigkill_timeout), less than the grace "
+            "period of %g s to stop at one step and save it.\nHINT: mpirun --mca "
+            "odls_base_sigkill_timeout %g (or a shorter RINGTRAIN_GRACE_PERIOD_S); mpirun passes "
+            "a SIGTERM on that long after its own, so the preemption's own grace (Slurm's "
+            "KillWait, a pod's terminationGracePeriodSeconds) must cover twice that.",
+            mpirun_s, configured_s, configured_s,
+        )  # fmt: skip
+    return mpirun_s

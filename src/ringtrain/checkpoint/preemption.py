@@ -23,6 +23,8 @@ import threading
 import time
 from types import FrameType
 
+from ringtrain import environ
+from ringtrain.environ import OpenMPI
 from ringtrain.runtime import departures, heartbeat, membership
 
 EXIT_CODE = 128 + signal.SIGTERM
@@ -122,6 +124,16 @@ def _unwind_now(signum: int, _frame: FrameType | None) -> None:
     """SIGTERM once a durable job closed: unwind (the next one ends the process at once)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise SystemExit(128 + signum)
+
+
+def mpirun_grace_s() -> float | None:
+    """Under Open MPI's mpirun, the seconds a rank has between the SIGTERM mpirun passes on
+    (that long after its own) and its SIGKILL: ``odls_base_sigkill_timeout``, 1 by default
+    (measured: SIGCONT at once, SIGTERM after it, SIGKILL after it again). None elsewhere."""
+    env = environ.current()
+    if OpenMPI.SIZE not in env:
+        return None
+    return float(env.get(OpenMPI.SIGKILL_TIMEOUT) or 1)
 
 
 def said(step: int) -> None:
