@@ -285,17 +285,20 @@ def test_a_pod_deleted_under_torchrun_stops_at_a_saved_step_and_resumes(
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI (openmpi-bin)")
-@pytest.mark.parametrize("sigkill_timeout_s", [None, 8])
+@pytest.mark.parametrize("sigkill_timeout_s", [None, 10])
 def test_a_preempted_mpirun_job_saves_given_the_time(
     tmp_path: Path, sigkill_timeout_s: int | None
 ) -> None:
     """mpirun, given SIGTERM, passes it to the ranks ``odls_base_sigkill_timeout`` seconds later
-    (1 by default) and SIGKILLs them as long after that. With the default, no save can commit:
-    rank 0 says so when the job starts, and no line claims a save. Given 8 s (and a grace
-    period of 8 s), the ranks stop at a step, save it, and rank 0 names it."""
+    (1 by default) and SIGKILLs them as long after that. With the default, rank 0 warns when
+    the job starts, and no line claims a save that did not commit. Given 10 s (and a grace
+    period of 10 s), the ranks stop at a step, save it, and rank 0 names it. The ranks save on
+    a thread: a writer process, at nice +19, got too little of two cores busy with stress-ng
+    to start and write within 10 s (this tests mpirun's time, not the writer)."""
     ck = tmp_path / "ck"
     env = {**mpirun_env(), "OMP_NUM_THREADS": "1", "RINGTRAIN_CHECKPOINT_DIR": str(ck),
-           "RINGTRAIN_CHECKPOINT_EVERY": "1000"}  # fmt: skip
+           "RINGTRAIN_CHECKPOINT_EVERY": "1000",
+           "RINGTRAIN_CHECKPOINT_WRITER": "thread"}  # fmt: skip
     mca = []
     if sigkill_timeout_s is not None:
         mca = ["--mca", "odls_base_sigkill_timeout", str(sigkill_timeout_s)]
@@ -312,13 +315,15 @@ def test_a_preempted_mpirun_job_saves_given_the_time(
             mpirun.wait()
     warned = "under mpirun, a SIGTERM (a preemption) reaches the ranks with 1 s left" in err
     said = re.search(r"the job stops at step (\d+), saved into", err)
+    # No line claims a save that did not commit (within 1 s, one may: a step of 0.3 s, a
+    # small save on a thread).
+    committed = [s for s, _ in manifest.committed(str(ck))]
+    assert len(committed) <= 1 and (not said or committed == [int(said[1])]), err[-3000:]
     if sigkill_timeout_s is None:
         assert warned and "HINT: mpirun --mca odls_base_sigkill_timeout 20" in err, err[-3000:]
-        assert not said and manifest.committed(str(ck)) == [], err[-3000:]
     else:
         assert not warned and "odls_base_sigkill_timeout" not in err, err[-3000:]
         assert said, err[-3000:]
-        assert [s for s, _ in manifest.committed(str(ck))] == [int(said[1])], err[-3000:]
 
 
 def _elastic_argv(ck: Path, steps: int, *flags: str, np: int = 3) -> list[str]:
