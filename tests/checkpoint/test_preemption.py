@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from _mpirun import mpirun_env
+
 _SCRIPT = """
 import os, signal, sys, time
 from ringtrain.checkpoint import preemption
@@ -143,3 +145,39 @@ def test_a_durable_job_alone_stops_at_its_next_step_saved(tmp_path: Path) -> Non
     assert ran.returncode == 0, ran.stderr
     said = ran.stdout.splitlines()
     assert said == ["allowed 4.0", "stopped 143 2", "saved [2]", "close raised 143"], ran.stderr
+
+
+_SIGNALS = """
+import signal, sys, time
+from ringtrain.checkpoint import preemption
+signal.signal(signal.SIGTERM, lambda *_: print("term", time.time(), flush=True))
+print("ready", preemption.mpirun_grace_s(), flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_mpirun_passes_sigterm_on_after_its_timeout_and_sigkills_after_it_again() -> None:
+    """What ``mpirun_grace_s`` and docs/launch.md assume of Open MPI's mpirun, given SIGTERM
+    with ``--mca odls_base_sigkill_timeout T``: the rank reads T, gets SIGTERM no sooner than T
+    later, and is SIGKILLed (it ignores the SIGTERM) no sooner than 2T after mpirun's SIGTERM,
+    so a preemption must leave the job 2T. Lower bounds only: load can only delay."""
+    timeout_s = 3
+    argv = ["mpirun", "-np", "1", "--mca", "odls_base_sigkill_timeout", str(timeout_s),
+            sys.executable, "-c", _SIGNALS]  # fmt: skip
+    mpirun = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=mpirun_env())
+    try:
+        assert mpirun.stdout is not None
+        assert mpirun.stdout.readline().split() == ["ready", f"{timeout_s:.1f}"]
+        sent = time.time()
+        mpirun.send_signal(signal.SIGTERM)
+        term = mpirun.stdout.readline().split()
+        rest = mpirun.communicate(timeout=60)[0]
+        ended = time.time()
+    finally:
+        if mpirun.poll() is None:
+            mpirun.kill()
+            mpirun.wait()
+    assert term[0] == "term" and float(term[1]) - sent >= 0.9 * timeout_s, (term, sent)
+    assert ended - sent >= 1.9 * timeout_s and "term" not in rest, (ended - sent, rest)
+    assert mpirun.returncode != 0
