@@ -138,3 +138,39 @@ def test_the_setting_chooses_and_bad_values_are_refused(
     assert ckpt.Checkpointer(tmp_path).writer == "thread"
     durable = ckpt.Durable(config=Config(checkpoint_dir=str(tmp_path), checkpoint_writer="thread"))
     assert durable._saver is not None and durable._saver.writer == "thread"
+
+
+def test_a_preemptions_save_is_written_on_a_thread_beside_the_writer_process(
+    tmp_path: Path,
+) -> None:
+    """``save(urgent=True)`` (a durable job's stop): with the process writer configured, the
+    save is written on a thread of this rank, where no writer process runs yet (none is started
+    for it) and where one runs (it writes the saves before and after, and is killed at close,
+    with nothing in flight); each commits what load gives back."""
+    model = _model()
+    before = {p.pid for p in psutil.Process().children()}
+    with ckpt.Checkpointer(tmp_path / "fresh", writer="process") as saver:
+        saver.save(1, model=model, urgent=True)
+        assert saver._by is saver._spare and saver.writer_pid is None
+        saved = {"fresh": [p.detach().clone() for p in model.parameters()]}
+        assert {p.pid for p in psutil.Process().children()} <= before
+    with ckpt.Checkpointer(tmp_path / "later", writer="process") as saver:
+        saver.save(1, model=model)
+        saver.wait()
+        assert saver._by is saver._writer and saver.writer_kind == "process"
+        pid = saver.writer_pid
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        saver.save(2, model=model, urgent=True)
+        assert saver._by is saver._spare and saver.writer_pid == pid
+        saver.wait()
+        saver.save(3, model=model)  # an elastic rank that goes on: its writer process again
+        assert saver._by is saver._writer and saver.writer_pid == pid
+        saved["later"] = [p.detach().clone() for p in model.parameters()]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    for where, step in (("fresh", 1), ("later", 3)):
+        assert [s for s, _ in manifest.committed(str(tmp_path / where))][-1] == step
+        fresh = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+        ckpt.load(tmp_path / where / manifest.step_name(step), model=fresh)
+        assert all(torch.equal(a, b) for a, b in zip(saved[where], fresh.parameters()))

@@ -142,7 +142,10 @@ class Durable:
         if not (due or force or stopping):
             return False
         model, optimizer, sampler = self._objects
-        self._saver.save(step, model=model, optimizer=optimizer, sampler=sampler, extra=extra)
+        self._saver.save(
+            step, model=model, optimizer=optimizer, sampler=sampler, extra=extra,
+            urgent=stopping > 0,  # every rank: the stopping ranks wait for its commit
+        )  # fmt: skip
         self._last_step, self._last_time = step, time.monotonic()
         if stopping and (self._preemption.requested or not self._elastic):
             self.stopped_at, self._stopping = step, stopping

@@ -317,27 +317,28 @@ class ProcessWriter:
             return "error", f"the writer process died (exit code {code})"
         return status, value
 
-    def _stop(self) -> None:
+    def _stop(self, at_once: bool = False) -> None:
         if self._proc is None:
             return
         with contextlib.suppress(OSError):
             self._tx.send_bytes(pickle.dumps(None))
-        try:
-            self._proc.wait(10)
+        try:  # at once: nothing in flight, and no time to wait for a niced process's turn
+            self._proc.wait(0 if at_once else 10)
         except subprocess.TimeoutExpired:
             self._proc.kill()
             # A niced process on a busy host may need a while to be scheduled and die; it dies
             # with this process in any case (PR_SET_PDEATHSIG), so closing never fails on it.
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(30)
+                self._proc.wait(1 if at_once else 30)
         self._tx.close()
         self._rx.close()
         self._proc = None
 
-    def close(self) -> None:
-        """Stop the writer process and free the buffers."""
+    def close(self, at_once: bool = False) -> None:
+        """Stop the writer process (``at_once``: kill it; nothing may be in flight) and free
+        the buffers."""
         try:
-            self._stop()
+            self._stop(at_once)
         finally:
             self._buffers.clear()
             if self.shm is not None:

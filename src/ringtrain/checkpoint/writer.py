@@ -2,12 +2,12 @@
 
 :class:`Checkpointer` copies this rank's part into buffers and hands them to its writer (a
 process of its own, :mod:`ringtrain.checkpoint.process_writer`, or where no process may start, a
-thread, :mod:`ringtrain.checkpoint.thread_writer`), and returns. Nothing in that blocking part
-waits for other ranks after a world's first save: the save id is a prefix agreed at that first
-save and a count of saves. Each writer writes its rank's part; rank 0's then commits the
-checkpoint (:mod:`ringtrain.checkpoint.store`). One save is in flight at a time: a save while
-the previous one still writes first waits for it (that wait is blocked time, reported by
-:attr:`Checkpointer.last_blocked_s`). A write that failed is raised as
+thread, :mod:`ringtrain.checkpoint.thread_writer`; a preemption's save always a thread), and
+returns. Nothing in that blocking part waits for other ranks after a world's first save: the
+save id is a prefix agreed at that first save and a count of saves. Each writer writes its
+rank's part; rank 0's then commits the checkpoint (:mod:`ringtrain.checkpoint.store`). One save
+is in flight at a time: a save while the previous one still writes first waits for it (that wait
+is blocked time, reported by :attr:`Checkpointer.last_blocked_s`). A write that failed is raised as
 :class:`CheckpointError` at the next :meth:`Checkpointer.save`, :meth:`~Checkpointer.check` or
 :meth:`~Checkpointer.wait`; a writer process that died is such a failure too.
 :meth:`~Checkpointer.wait` returns once the save is committed, on every rank: the other ranks
@@ -65,6 +65,11 @@ class Checkpointer:
                 f"writer must be one of {', '.join(CHECKPOINT_WRITERS)}, got {self.writer!r}"
             )
         self._writer: ProcessWriter | ThreadWriter | None = None
+        # A stop's save (``urgent``) is written on a thread of this rank beside a writer process:
+        # the writer process, at nice +19, can get too little of a busy host's cores to write
+        # within a preemption's grace period; training is over (or waits for it) by then.
+        self._spare: ThreadWriter | None = None
+        self._by: ProcessWriter | ThreadWriter | None = None  # the writer of the save in flight
         self._token: str | None = None  # this world's save-id prefix (agreed once per world)
         self._world: tuple[int, int] | None = None
         self._saves = 0  # saves in this world: the same count on every rank
@@ -98,18 +103,7 @@ class Checkpointer:
         """The writer, chosen once (at the first save: ``auto`` needs the running job)."""
         if self._writer is not None:
             return self._writer
-        kind, why = self.writer, "asked for"
-        if kind == "auto":
-            from ringtrain.transport import tcp_backend
-
-            tcp = tcp_backend.configured()
-            kind = "thread" if tcp else "process"
-            why = (
-                "auto: this rank's collectives run on ringtrain's TCP transport, as in enclaves, "
-                "where no process may start"
-                if tcp
-                else "auto: a low-priority process keeps the training steps fast"
-            )
+        kind, why = self._kind()
         log.info("checkpoints into %s: the %s writer (%s)", self.root, kind, why)
         # Rank 0 commits (a rank 0 of a later elastic world imports DCP at its first commit).
         rank, _, cfg = api._where()
@@ -121,12 +115,38 @@ class Checkpointer:
         _unclosed.add(self)
         return self._writer
 
+    def _kind(self) -> tuple[str, str]:
+        """The writer this rank takes (``"process"`` or ``"thread"``), and why."""
+        if self.writer != "auto":
+            return self.writer, "asked for"
+        from ringtrain.transport import tcp_backend
+
+        if tcp_backend.configured():
+            return "thread", (
+                "auto: this rank's collectives run on ringtrain's TCP transport, as in enclaves, "
+                "where no process may start"
+            )
+        return "process", "auto: a low-priority process keeps the training steps fast"
+
+    def _urgent_writer(self) -> ThreadWriter:
+        """A thread writer: the job's own, else one beside its writer process, made or not
+        (see ``_spare``: a stop is no time to start a process)."""
+        if self._writer is not None or self._kind()[0] == "thread":
+            writer = self._made_writer()
+            if isinstance(writer, ThreadWriter):
+                return writer
+        if self._spare is None:
+            log.info("ringtrain: a preemption's save: written on this rank's own thread")
+            self._spare = ThreadWriter()
+            _unclosed.add(self)
+        return self._spare
+
     def _collect(self, block: bool) -> None:
         """Take the in-flight save's outcome, if it is known (or wait for it). Rank 0 meanwhile
         notes the peers that left, whose parts its writer would wait for until the timeout."""
-        if self._inflight is None or self._writer is None:
+        if self._inflight is None or self._by is None:
             return
-        writer, lookout = self._writer, self._lookout if block else None  # check(): no reads
+        writer, lookout = self._by, self._lookout if block else None  # check(): no reads
         arrived = writer.wait(0.0)  # asked first: a step's check() costs no section
         while not arrived:
             if not block:
@@ -138,6 +158,8 @@ class Checkpointer:
             got = writer.outcome()
             if got is not None:
                 self._collected(got)
+                if writer is self._spare:  # its buffers: a copy of the state, freed until needed
+                    writer.close()
 
     def _collected(self, got: tuple[str, str]) -> None:
         job, self._inflight, self._lookout = self._inflight, None, None
@@ -203,7 +225,12 @@ class Checkpointer:
             self.wait()
         finally:
             _unclosed.discard(self)
-            if self._writer is not None:
+            if self._spare is not None:
+                self._spare.close()
+            if isinstance(self._writer, ProcessWriter):
+                # After a stop's save, with nothing in flight: the grace period is short.
+                self._writer.close(at_once=self._spare is not None and self._inflight is None)
+            elif self._writer is not None:
                 self._writer.close()
 
     # ---- saving ------------------------------------------------------------------------------
@@ -230,16 +257,19 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer | None = None,
         sampler: object = None,
         extra: object = None,
+        urgent: bool = False,
     ) -> None:
         """Start saving ``root/step-<step>``: returns once this rank's part is in host memory.
-        Raises the failure of the previous background save, if it failed.
+        Raises the failure of the previous background save, if it failed. ``urgent`` (a
+        preemption's save, on every rank): written on a thread of this rank, at its priority,
+        where the writer is a process (the same on every rank: rank 0's writer commits).
 
         A Ctrl-C or a durable job's SIGTERM that comes meanwhile is raised once this save is
         handed over: the rank it finds here is the one still waiting for its writer, whose peers
         handed this save over already, and a save some ranks never hand over cannot commit. A
         second one is raised at once."""
         with interrupts.deferred(insist=True):
-            handed_over = self._save(step, model, optimizer, sampler, extra)
+            handed_over = self._save(step, model, optimizer, sampler, extra, urgent)
         if not handed_over:
             # The previous save failed: raised here, after the section, so that an interruption
             # handled at its end does not hide it (the failure stays for close() to raise).
@@ -252,6 +282,7 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer | None,
         sampler: object,
         extra: object,
+        urgent: bool,
     ) -> bool:
         t0 = time.perf_counter()
         self._collect(block=True)  # one save in flight: the previous one must be done
@@ -259,7 +290,7 @@ class Checkpointer:
         self._unconfirmed = None
         if self._failure is not None:
             return False
-        writer = self._made_writer()
+        writer = self._urgent_writer() if urgent else self._made_writer()
         writer.ready()
         t1, c1 = time.perf_counter(), time.process_time()
         save_id = self._save_id()
@@ -271,7 +302,7 @@ class Checkpointer:
         lookout = peers.Lookout.of(job)
         with interrupts.deferred():  # a save handed over is a save close() waits for
             writer.submit(job, items, keys)
-            self._inflight, self._lookout = job, lookout
+            self._inflight, self._lookout, self._by = job, lookout, writer
         t3 = time.perf_counter()
         self.last_blocked_s = t3 - t0
         self.last_phases = {
