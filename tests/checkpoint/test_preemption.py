@@ -151,33 +151,82 @@ _SIGNALS = """
 import signal, sys, time
 from ringtrain.checkpoint import preemption
 signal.signal(signal.SIGTERM, lambda *_: print("term", time.time(), flush=True))
-print("ready", preemption.mpirun_grace_s(), flush=True)
+print("ready", *preemption.launcher_grace_s(), flush=True)
 while True:
     time.sleep(0.05)
 """
 
 
+def _signalled(argv: list[str], ready: list[str], wait_s: float) -> tuple[float, float, str]:
+    """Start ``argv``, a launcher of one rank running _SIGNALS, check the rank's ready line,
+    SIGTERM the launcher: the seconds until the rank's SIGTERM and until the launcher's end,
+    and what the rank said after its SIGTERM line."""
+    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=mpirun_env())
+    try:
+        assert launcher.stdout is not None
+        assert launcher.stdout.readline().split() == ["ready", *ready]
+        sent = time.time()
+        launcher.send_signal(signal.SIGTERM)
+        term = launcher.stdout.readline().split()
+        rest = launcher.communicate(timeout=wait_s)[0]
+        ended = time.time()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert term[0] == "term" and launcher.returncode != 0, (term, launcher.returncode)
+    return float(term[1]) - sent, ended - sent, rest
+
+
 def test_mpirun_passes_sigterm_on_after_its_timeout_and_sigkills_after_it_again() -> None:
-    """What ``mpirun_grace_s`` and docs/launch.md assume of Open MPI's mpirun, given SIGTERM
+    """What ``launcher_grace_s`` and docs/launch.md assume of Open MPI's mpirun, given SIGTERM
     with ``--mca odls_base_sigkill_timeout T``: the rank reads T, gets SIGTERM no sooner than T
     later, and is SIGKILLed (it ignores the SIGTERM) no sooner than 2T after mpirun's SIGTERM,
     so a preemption must leave the job 2T. Lower bounds only: load can only delay."""
-    timeout_s = 3
-    argv = ["mpirun", "-np", "1", "--mca", "odls_base_sigkill_timeout", str(timeout_s),
+    t = 3
+    argv = ["mpirun", "-np", "1", "--mca", "odls_base_sigkill_timeout", str(t),
             sys.executable, "-c", _SIGNALS]  # fmt: skip
-    mpirun = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=mpirun_env())
-    try:
-        assert mpirun.stdout is not None
-        assert mpirun.stdout.readline().split() == ["ready", f"{timeout_s:.1f}"]
-        sent = time.time()
-        mpirun.send_signal(signal.SIGTERM)
-        term = mpirun.stdout.readline().split()
-        rest = mpirun.communicate(timeout=60)[0]
-        ended = time.time()
-    finally:
-        if mpirun.poll() is None:
-            mpirun.kill()
-            mpirun.wait()
-    assert term[0] == "term" and float(term[1]) - sent >= 0.9 * timeout_s, (term, sent)
-    assert ended - sent >= 1.9 * timeout_s and "term" not in rest, (ended - sent, rest)
-    assert mpirun.returncode != 0
+    term_s, end_s, rest = _signalled(argv, ["mpirun", f"{t:.1f}"], wait_s=60)
+    assert term_s >= 0.9 * t and end_s >= 1.9 * t and "term" not in rest, (term_s, end_s, rest)
+
+
+def test_torchrun_passes_sigterm_on_at_once_and_sigkills_30_s_after_it(tmp_path: Path) -> None:
+    """What ``launcher_grace_s`` assumes of torchrun (torch.distributed.elastic's fixed shutdown
+    timeout): the rank gets torchrun's SIGTERM at once and, ignoring it, SIGKILL no sooner than
+    30 s later. Lower bounds (and a loose upper one for "at once"): load can only delay."""
+    script = tmp_path / "signals.py"
+    script.write_text(_SIGNALS)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+            "--standalone", str(script)]  # fmt: skip
+    term_s, end_s, rest = _signalled(argv, ["torchrun", "30.0"], wait_s=90)
+    assert term_s < 10 and end_s >= 29.5 and "term" not in rest, (term_s, end_s, rest)
+
+
+@pytest.mark.parametrize(
+    ("launcher", "env", "hint"),
+    [
+        ("mpirun", {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_MCA_odls_base_sigkill_timeout": "5"},
+         "HINT: mpirun --mca odls_base_sigkill_timeout 40"),
+        ("torchrun", {"TORCHELASTIC_RUN_ID": "r"}, "HINT: torchrun's time is fixed (40 s asked)"),
+    ],
+)  # fmt: skip
+def test_under_a_launcher_that_kills_sooner_the_ranks_take_its_time_and_rank_0_says_so(
+    launcher: str, env: dict[str, str], hint: str, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    from ringtrain.checkpoint import durable
+
+    for name in (
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_MCA_odls_base_sigkill_timeout",
+        "TORCHELASTIC_RUN_ID",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    assert durable._grace_s(40.0, say=True) == 40.0 and not caplog.text
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    left = {"mpirun": 5.0, "torchrun": 30.0}[launcher]
+    with caplog.at_level("WARNING", logger="ringtrain"):
+        assert durable._grace_s(40.0, say=True) == left
+        assert durable._grace_s(left, say=True) == left  # no shorter: nothing said
+    assert caplog.text.count(f"under {launcher}, a SIGTERM") == 1 and hint in caplog.text

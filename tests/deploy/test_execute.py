@@ -397,6 +397,27 @@ def _ssh_config(cluster: tc.Cluster, names: dict[str, str], tmp_path: Path) -> P
     return config
 
 
+def mpijob_on_hosts(
+    make_cluster: Any, job: dict[str, Any], tmp_path: Path, stdin: bool = True
+) -> tuple[tc.Cluster, operators.Pod, dict[str, str]]:
+    """A cluster for an MPIJob (its launcher pod's host first, then one per worker, named as
+    the operator names them), and the launcher's command and environment there: the operator's
+    hostfile, and ssh as its mounted key pair gives it (``stdin`` False: ``ssh -n``)."""
+    workers = operators.mpijob_workers(job)
+    cluster = make_cluster(1 + len(workers))
+    names = {w: h.name for w, h in zip(workers, cluster.hosts[1:])}
+    names[f"{job['metadata']['name']}-launcher"] = cluster.hosts[0].name
+    _name_hosts(cluster, names)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(operators.mpijob_hostfile(job))
+    launcher = operators.mpijob_launcher(job, str(hostfile))
+    env = {**_base_env(), **launcher.env}
+    rsh = env["OMPI_MCA_plm_rsh_args"]
+    no_stdin = "" if stdin else "-n "
+    env["OMPI_MCA_plm_rsh_args"] = f"{no_stdin}-F {_ssh_config(cluster, names, tmp_path)} {rsh}"
+    return cluster, launcher, env
+
+
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI (Debian openmpi-bin)")
 @pytest.mark.parametrize(
     ("secure", "slots", "stdin"),
@@ -414,18 +435,7 @@ def test_mpijob_trains_on_namespace_hosts(
     docs = manifests.generate(spec, "mpijob", KEY if secure else None)
     secret = next((d for d in docs if d["kind"] == "Secret"), None)
     (job,) = [d for d in docs if d["kind"] == "MPIJob"]
-    workers = operators.mpijob_workers(job)
-    cluster = make_cluster(1 + len(workers))
-    names = {w: h.name for w, h in zip(workers, cluster.hosts[1:])}
-    names[f"{spec.name}-launcher"] = cluster.hosts[0].name
-    _name_hosts(cluster, names)
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text(operators.mpijob_hostfile(job))
-    launcher = operators.mpijob_launcher(job, str(hostfile))
-    env = {**_base_env(), **launcher.env}
-    rsh = env["OMPI_MCA_plm_rsh_args"]
-    no_stdin = "" if stdin else "-n "
-    env["OMPI_MCA_plm_rsh_args"] = f"{no_stdin}-F {_ssh_config(cluster, names, tmp_path)} {rsh}"
+    cluster, launcher, env = mpijob_on_hosts(make_cluster, job, tmp_path, stdin)
     with _secret_volume(secret, tmp_path) as volume:
         # The worker pods' container is sshd: /dev/shm and the key volume go into its mount
         # namespace, where the ranks mpirun starts over ssh look for them.

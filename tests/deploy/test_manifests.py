@@ -46,6 +46,7 @@ VARIANTS = {
         "batch_size": 32,
         "sample_bytes": 3 * 224**2 * 4,
     },
+    "durable": {"settings": {"checkpoint_dir": "/ckpt", "grace_period_s": 44.5}},
 }
 
 
@@ -70,14 +71,15 @@ def pods(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_manifest_validates_against_its_schema(target: str, variant: str) -> None:
-    docs = manifests.generate(spec_of(variant), target, KEY)
+    spec = spec_of(variant)
+    docs = manifests.generate(spec, target, KEY)
     kinds = [d["kind"] for d in docs]
     expected = {
         "pytorchjob": ["PyTorchJob"],
         "mpijob": ["MPIJob"],
         "trainjob": ["TrainingRuntime", "TrainJob"],
     }[target]
-    assert kinds == (["Secret"] if variant != "plain" else []) + expected
+    assert kinds == (["Secret"] if spec.sealed else []) + expected
     for doc in docs:
         # What kubectl would send: the YAML text, read back.
         sent = yaml.safe_load(to_yaml([doc]))
@@ -688,3 +690,23 @@ def test_the_command_never_imports_torch(tmp_path: Path) -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_durable_jobs_pods_leave_its_ranks_the_grace_period(target: str) -> None:
+    """docs/deploy.md, "Preemption": where the ranks save (``checkpoint_dir`` in settings), the
+    rank pods' terminationGracePeriodSeconds is the grace period (rounded up) and 10 s; the
+    MPIJob's launcher pod's twice the grace period and 10 s, and its mpirun passes the SIGTERM
+    on after the grace period (``odls_base_sigkill_timeout``). Elsewhere, neither."""
+    for variant, want in (("durable", 45), ("plain", None)):
+        spec = spec_of(variant)
+        docs = manifests.generate(spec, target, KEY)
+        graces = [p.get("terminationGracePeriodSeconds") for p in pods(docs)]
+        mca = " --mca odls_base_sigkill_timeout 45 " in " ".join(manifests.mpirun_command(spec))
+        slack = manifests.EXIT_SLACK_S
+        if want is None:
+            assert set(graces) == {None} and not mca
+        elif target == "mpijob":  # the launcher's pod, then the workers' (sshd's)
+            assert graces == [2 * want + slack, None] and mca
+        else:
+            assert set(graces) == {want + slack}

@@ -249,19 +249,27 @@ def _resume(directory: str) -> str:
 
 
 def _grace_s(configured_s: float, say: bool) -> float:
-    """The time a rank has after a SIGTERM: the grace period, or less under mpirun, which
-    SIGKILLs its ranks soon after (``say``: warn where that leaves too little to save)."""
-    mpirun_s = preemption.mpirun_grace_s()
-    if mpirun_s is None or mpirun_s >= configured_s:
+    """The time a rank has after a SIGTERM: the grace period, or less under mpirun or torchrun,
+    which SIGKILL their ranks a fixed time after it (``say``: warn where that is shorter)."""
+    fixed = preemption.launcher_grace_s()
+    if fixed is None or fixed[1] >= configured_s:
         return configured_s
+    launcher, left_s = fixed
     if say:
         log.warning(
-            "ringtrain: rank 0: under mpirun, a SIGTERM (a preemption) reaches the ranks with "
-            "%g s left before mpirun's SIGKILL (odls_base_sigkill_timeout), less than the grace "
-            "period of %g s to stop at one step and save it.\nHINT: mpirun --mca "
-            "odls_base_sigkill_timeout %g (or a shorter RINGTRAIN_GRACE_PERIOD_S); mpirun passes "
-            "a SIGTERM on that long after its own, so the preemption's own grace (Slurm's "
-            "KillWait, a pod's terminationGracePeriodSeconds) must cover twice that.",
-            mpirun_s, configured_s, configured_s,
+            "ringtrain: rank 0: under %s, a SIGTERM (a preemption) reaches the ranks with %g s "
+            "left before %s's SIGKILL, less than the grace period of %g s to stop at one step "
+            "and save it: they take %g s.\nHINT: %s",
+            launcher, left_s, launcher, configured_s, left_s, _LONGER[launcher] % configured_s,
         )  # fmt: skip
-    return mpirun_s
+    return left_s
+
+
+# How to give the ranks the grace period, by launcher.
+_LONGER = {
+    "mpirun": "mpirun --mca odls_base_sigkill_timeout %g (or a shorter RINGTRAIN_GRACE_PERIOD_S); "
+    "mpirun passes a SIGTERM on that long after its own, so the preemption's own grace (Slurm's "
+    "KillWait, a pod's terminationGracePeriodSeconds) must cover twice that.",
+    "torchrun": "torchrun's time is fixed (%g s asked): set RINGTRAIN_GRACE_PERIOD_S to at most "
+    "30, or start one rank per pod without torchrun (ringtrain k8s: slots: 1).",
+}

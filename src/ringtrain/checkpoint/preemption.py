@@ -24,10 +24,13 @@ import time
 from types import FrameType
 
 from ringtrain import environ
-from ringtrain.environ import OpenMPI
+from ringtrain.environ import OpenMPI, Torch
 from ringtrain.runtime import departures, heartbeat, membership
 
 EXIT_CODE = 128 + signal.SIGTERM
+# torchrun's time from passing a SIGTERM on to its SIGKILL (torch.distributed.elastic's
+# shutdown timeout, which no flag or variable sets).
+TORCHRUN_KILL_S = 30.0
 log = logging.getLogger("ringtrain")
 
 
@@ -126,14 +129,19 @@ def _unwind_now(signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
-def mpirun_grace_s() -> float | None:
-    """Under Open MPI's mpirun, the seconds a rank has between the SIGTERM mpirun passes on
-    (that long after its own) and its SIGKILL: ``odls_base_sigkill_timeout``, 1 by default
-    (measured: SIGCONT at once, SIGTERM after it, SIGKILL after it again). None elsewhere."""
+def launcher_grace_s() -> tuple[str, float] | None:
+    """Where the rank's launcher SIGKILLs it a fixed time after passing a SIGTERM on: the
+    launcher and the seconds the rank has. Open MPI's mpirun: ``odls_base_sigkill_timeout``, 1
+    by default (it passes the SIGTERM on that long after its own, and SIGKILLs that long after
+    it); torchrun: TORCHRUN_KILL_S (it passes the SIGTERM on at once). None elsewhere (ringtrain
+    run, srun, a pod's command: the grace period is theirs). Measured in
+    tests/checkpoint/test_preemption.py."""
     env = environ.current()
-    if OpenMPI.SIZE not in env:
-        return None
-    return float(env.get(OpenMPI.SIGKILL_TIMEOUT) or 1)
+    if OpenMPI.SIZE in env:
+        return "mpirun", float(env.get(OpenMPI.SIGKILL_TIMEOUT) or 1)
+    if Torch.TORCHELASTIC_RUN_ID in env:
+        return "torchrun", TORCHRUN_KILL_S
+    return None
 
 
 def said(step: int) -> None:

@@ -23,7 +23,9 @@ Pods that run ranks mount a memory-backed ``emptyDir`` of ``spec.shm_size`` at `
 (the runtime's own is 64 MiB).
 Pods set no ``fsGroup``: with one, Kubernetes makes the mounted key group-readable (0440,
 kubernetes#57923), which ringtrain refuses. ``sgx`` adds the SGX device plugin's resources and
-runs each rank through ``gramine-sgx``.
+runs each rank through ``gramine-sgx``. Where the ranks save (``checkpoint_dir`` in settings),
+pods get the time to save on a preemption (``terminationGracePeriodSeconds``; mpirun's
+``odls_base_sigkill_timeout``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ SGX_ENCLAVE = "sgx.intel.com/enclave"
 SGX_PROVISION = "sgx.intel.com/provision"
 LAUNCHER_CPUS = 1
 LAUNCHER_MEMORY = "512Mi"
+# Where ranks save on a preemption, a pod's time after its grace period for the save's commit
+# and the processes' ends.
+EXIT_SLACK_S = 10
 
 
 class Octal(int):
@@ -151,12 +156,26 @@ def _container(spec: JobSpec, name: str, command: list[str]) -> dict[str, Any]:
 
 
 def _pod_template(
-    spec: JobSpec, component: str, containers: list[dict[str, Any]], volumes: list[Any]
+    spec: JobSpec,
+    component: str,
+    containers: list[dict[str, Any]],
+    volumes: list[Any],
+    grace_s: int | None = None,
 ) -> dict[str, Any]:
     pod: dict[str, Any] = {"containers": containers}
     if volumes:
         pod["volumes"] = volumes
+    if grace_s is not None:
+        pod["terminationGracePeriodSeconds"] = grace_s
     return {"metadata": {"labels": _labels(spec, component)}, "spec": pod}
+
+
+def _termination_grace_s(spec: JobSpec, times: int = 1) -> int | None:
+    """A pod's time from the kubelet's SIGTERM to its SIGKILL where the ranks save on a
+    preemption: ``times`` their grace period (mpirun's pod: 2, see :func:`mpirun_command`) and
+    EXIT_SLACK_S. None elsewhere: the kubelet's default (30 s)."""
+    grace_s = spec.stop_grace_s
+    return None if grace_s is None else times * grace_s + EXIT_SLACK_S
 
 
 def secret(spec: JobSpec, key: bytes) -> Manifest:
@@ -183,7 +202,9 @@ def pytorchjob(spec: JobSpec) -> Manifest:
         "Master": {
             "replicas": 1,
             "restartPolicy": "Never",
-            "template": _pod_template(spec, "master", [container], volumes),
+            "template": _pod_template(
+                spec, "master", [container], volumes, _termination_grace_s(spec)
+            ),
         }
     }
     if spec.replicas > 1:
@@ -191,7 +212,11 @@ def pytorchjob(spec: JobSpec) -> Manifest:
             "replicas": spec.replicas - 1,
             "restartPolicy": "Never",
             "template": _pod_template(
-                spec, "worker", [copy.deepcopy(container)], copy.deepcopy(volumes)
+                spec,
+                "worker",
+                [copy.deepcopy(container)],
+                copy.deepcopy(volumes),
+                _termination_grace_s(spec),
             ),
         }
     return {
@@ -226,6 +251,10 @@ def mpirun_command(spec: JobSpec) -> list[str]:
     # Placement on cores is the CPU manager's (the pod's cpuset): mpirun binding inside a pod
     # would pin ranks of pods sharing a node to the same cores where the policy is not static.
     argv += ["--map-by", "slot", "--bind-to", "none", "-x", Process.PATH]
+    if spec.stop_grace_s is not None:
+        # mpirun passes a SIGTERM on this long after its own, and SIGKILLs as long after that
+        # (1 s by default): the ranks' grace period to stop at a step and save it.
+        argv += ["--mca", "odls_base_sigkill_timeout", str(spec.stop_grace_s)]
     for name, value in forwarded.items():
         argv += ["-x", f"{name}={value}"]
     return [*argv, *rank_command(spec)]
@@ -258,7 +287,9 @@ def mpijob(spec: JobSpec) -> Manifest:
                 "Launcher": {
                     "replicas": 1,
                     "restartPolicy": "Never",
-                    "template": _pod_template(spec, "launcher", [launcher], []),
+                    "template": _pod_template(
+                        spec, "launcher", [launcher], [], _termination_grace_s(spec, times=2)
+                    ),
                 },
                 "Worker": {
                     "replicas": spec.replicas,
@@ -276,7 +307,7 @@ def runtime_name(spec: JobSpec) -> str:
 
 def trainingruntime(spec: JobSpec) -> Manifest:
     container = _container(spec, TRAINER_CONTAINER, _torchrun(spec))
-    pod = _pod_template(spec, "node", [container], _rank_volumes(spec))
+    pod = _pod_template(spec, "node", [container], _rank_volumes(spec), _termination_grace_s(spec))
     # As the other targets: a lost rank fails the job. Unset, Job's backoffLimit is 6 retries,
     # each a pod that cannot rejoin the running ring.
     pod["spec"]["restartPolicy"] = "Never"

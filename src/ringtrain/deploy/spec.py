@@ -172,6 +172,15 @@ class JobSpec:
         return self.shm or _quantity(memory_bytes(self.memory) // 2)
 
     @property
+    def stop_grace_s(self) -> int | None:
+        """Where the ranks save on a preemption (a checkpoint directory, or a resume, in
+        ``settings``): the seconds they have to stop at a step and save it (``grace_period_s``,
+        rounded up, at least 1). None where they do not save."""
+        if not (self.settings.get("checkpoint_dir") or self.settings.get("resume")):
+            return None
+        return max(1, math.ceil(self.settings.get("grace_period_s", Config().grace_period_s)))
+
+    @property
     def world_size(self) -> int:
         return self.replicas * self.slots
 
