@@ -5,6 +5,8 @@ transport. The real enclave job is tests/security/test_enclave_checkpoint.py."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -168,7 +170,10 @@ def test_a_preemptions_save_is_written_on_a_thread_beside_the_writer_process(
         saver.save(3, model=model)  # an elastic rank that goes on: its writer process again
         assert saver._by is saver._writer and saver.writer_pid == pid
         saved["later"] = [p.detach().clone() for p in model.parameters()]
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    # Killed at close (or, were it quicker than the kill, ended by the stop word sent first): a
+    # killed niced process on a busy host can take seconds to die (q89 saw it still running).
+    with contextlib.suppress(psutil.NoSuchProcess):
+        assert psutil.Process(pid).wait(timeout=60) in (0, -signal.SIGKILL)
     for where, step in (("fresh", 1), ("later", 3)):
         assert [s for s, _ in manifest.committed(str(tmp_path / where))][-1] == step
         fresh = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
