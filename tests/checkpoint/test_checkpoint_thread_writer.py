@@ -5,9 +5,9 @@ transport. The real enclave job is tests/security/test_enclave_checkpoint.py."""
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -147,8 +147,8 @@ def test_a_preemptions_save_is_written_on_a_thread_beside_the_writer_process(
 ) -> None:
     """``save(urgent=True)`` (a durable job's stop): with the process writer configured, the
     save is written on a thread of this rank, where no writer process runs yet (none is started
-    for it) and where one runs (it writes the saves before and after, and is killed at close,
-    with nothing in flight); each commits what load gives back."""
+    for it) and where one runs (it writes the saves before and after, and is stopped at close
+    without a wait for its turn: nothing is in flight); each commits what load gives back."""
     model = _model()
     before = {p.pid for p in psutil.Process().children()}
     with ckpt.Checkpointer(tmp_path / "fresh", writer="process") as saver:
@@ -170,10 +170,15 @@ def test_a_preemptions_save_is_written_on_a_thread_beside_the_writer_process(
         saver.save(3, model=model)  # an elastic rank that goes on: its writer process again
         assert saver._by is saver._writer and saver.writer_pid == pid
         saved["later"] = [p.detach().clone() for p in model.parameters()]
-    # Killed at close (or, were it quicker than the kill, ended by the stop word sent first): a
-    # killed niced process on a busy host can take seconds to die (q89 saw it still running).
-    with contextlib.suppress(psutil.NoSuchProcess):
-        assert psutil.Process(pid).wait(timeout=60) in (0, -signal.SIGKILL)
+        saver.wait()
+        # A writer that gets no turn (stopped here; a niced one on a busy host): close kills it
+        # rather than wait the 10 s it gives a writer whose save may be in flight.
+        process = saver._writer._proc
+        process.send_signal(signal.SIGSTOP)
+        closing = time.monotonic()
+    assert time.monotonic() - closing < 8.0
+    # A killed process can take a while to end on a busy host (q89 saw one still running).
+    assert process.wait(timeout=60) == -signal.SIGKILL
     for where, step in (("fresh", 1), ("later", 3)):
         assert [s for s, _ in manifest.committed(str(tmp_path / where))][-1] == step
         fresh = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
