@@ -1,8 +1,9 @@
 """An elastic durable job for the preemption test: ``hvd.elastic.run`` around a loop of STEPS
 optimizer steps, committed every 5 (rank 0 says so) and saved by ``Durable`` on the job's
-schedule; on ``--resume`` the loop starts at the saved step (``job.start_step``).
+schedule; on ``--resume`` the loop starts at the saved step (``job.start_step``). With SIZE, the loop
+goes on past STEPS until the world has SIZE ranks (a rank that joins takes a while to start).
 
-    durable_elastic_job.py STEPS
+    durable_elastic_job.py STEPS [SIZE]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import ringtrain.torch as hvd
 
 def main() -> None:
     total = int(sys.argv[1])
+    size = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     hvd.init()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -31,7 +33,7 @@ def main() -> None:
 
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
-        while state.step < total:
+        while state.step < total or hvd.size() < size:
             g = torch.Generator().manual_seed(state.step)
             opt.zero_grad()
             model(torch.randn(8, 4, generator=g)).sum().backward()

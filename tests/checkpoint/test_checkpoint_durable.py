@@ -325,23 +325,24 @@ def test_a_preempted_mpirun_job_saves_given_the_time(
         assert said, err[-3000:]
 
 
-def _elastic_argv(ck: Path, steps: int, *flags: str, np: int = 3) -> list[str]:
+def _elastic_argv(ck: Path, steps: int, *flags: str, np: int = 3, size: int = 0) -> list[str]:
     """``ringtrain run`` of durable_elastic_job.py, ``np`` ranks (``--min-np 2``), no save due
-    on the schedule."""
+    on the schedule; with ``size``, the job runs until its world has that many ranks."""
     return [
         sys.executable, "-m", "ringtrain", "run", "-np", str(np), "--min-np", "2", *flags,
         "--checkpoint-every", "1000",
         "--", sys.executable, str(Path(__file__).with_name("durable_elastic_job.py")), str(steps),
+        str(size),
     ]  # fmt: skip
 
 
 @contextlib.contextmanager
 def _elastic_job(
-    ck: Path, steps: int, np: int = 3
+    ck: Path, steps: int, np: int = 3, *flags: str, size: int = 0
 ) -> Iterator[tuple[subprocess.Popen[str], dict[int, int]]]:
     """An elastic durable job of ``np`` ranks saving into ``ck``, once its ranks started: the
     launcher and the ranks' pids; killed on the way out if it still runs."""
-    argv = _elastic_argv(ck, steps, "--checkpoint-dir", str(ck), np=np)
+    argv = _elastic_argv(ck, steps, "--checkpoint-dir", str(ck), *flags, np=np, size=size)
     launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert launcher.stdout is not None
@@ -387,6 +388,32 @@ def test_in_an_elastic_job_preempted_ranks_save_with_their_peers_and_they_go_on(
         ("0", "2", "80"),
         ("1", "2", "80"),
     ]
+
+
+def test_a_preempted_host_the_discovery_script_still_offers_gets_a_rank_again(
+    tmp_path: Path,
+) -> None:
+    """``--host-discovery-script`` offering localhost:2 and 127.0.0.1:1 throughout: SIGTERM to
+    the rank on 127.0.0.1 (a preempted pod the platform re-creates under its name). It saves
+    with its peers and stops; its host is not excluded, as a failing rank's would be, so a
+    new rank starts there, joins the two that went on, and the world of 3 finishes."""
+    ck = tmp_path / "ck"
+    disc = tmp_path / "discover.sh"
+    disc.write_text("#!/bin/sh\nprintf 'localhost:2\\n127.0.0.1:1\\n'\n")
+    disc.chmod(0o755)
+    flags = ("--max-np", "3", "--host-discovery-script", str(disc))
+    with _elastic_job(ck, 60, 3, *flags, size=3) as (launcher, pids):
+        os.kill(pids[2], signal.SIGTERM)
+        out, err = launcher.communicate(timeout=240)
+    assert launcher.returncode == 0, err[-3000:]
+    assert re.search(r"rank 2 \(host 127\.0\.0\.1, pid \d+\) stopped on a preemption", err), err
+    assert "host 127.0.0.1 is not excluded: its rank stopped on a preemption" in err, err[-3000:]
+    assert "excluding host" not in err, err[-3000:]
+    assert "growing the world to 3 rank(s) [0, 1, 3]" in err, err[-3000:]
+    stop = re.search(r"rank 2: SIGTERM \(a preemption\): this rank stops at step (\d+)", err)
+    assert stop and [s for s, _ in manifest.committed(str(ck))] == [int(stop[1])], err[-3000:]
+    ends = re.findall(r"rank (\d) of 3 ends at step (\d+)", out)
+    assert sorted(r for r, _ in ends) == ["0", "1", "2"] and len({s for _, s in ends}) == 1, out
 
 
 def test_an_elastic_job_whose_last_world_is_preempted_stopped_on_a_preemption(

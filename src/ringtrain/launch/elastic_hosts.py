@@ -121,7 +121,10 @@ class ElasticPool:
         if together:
             desc += f"; rank(s) {', '.join(map(str, together))} stop at that step too"
             ranks = (*ranks, *together)
-        self.exclude(host, desc)
+        if failure.preempted:  # the platform took the host: if the script offers it again, use it
+            self._spared(host)
+        else:
+            self.exclude(host, desc)
         if self._reform(desc, *ranks):
             self.absorbed.append(failure)  # for the report, should the job fail later
             return Change(reformed=True)
@@ -411,6 +414,15 @@ class ElasticPool:
         else:
             span = f"for {cooldown:.1f} s"
         self.job.say(f"excluding host {host} {span} after failure {n} of its ranks: {why}")
+
+    def _spared(self, host: str) -> None:
+        """A rank stopped on a preemption: no fault of its host's, which is not excluded (a
+        re-created pod or a node back from maintenance is offered again under its name)."""
+        if self.options.discovery_script:
+            self.job.say(
+                f"host {host} is not excluded: its rank stopped on a preemption; new ranks start "
+                "there if the discovery script still offers it"
+            )
 
     def _await_hosts(self, desc: str) -> bool:
         """Below --min-np with a discovery script: wait up to --elastic-timeout for hosts."""
