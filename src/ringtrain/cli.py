@@ -27,6 +27,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "ringtrain.deploy.command",
         "write Kubernetes manifests (PyTorchJob, MPIJob, TrainJob)",
     ),
+    "pod-init": (
+        "ringtrain.deploy.pod_init",
+        "a container's first process: pass the pod's SIGTERM on to every process in it",
+    ),
 }
 
 

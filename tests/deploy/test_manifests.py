@@ -696,17 +696,21 @@ def test_the_command_never_imports_torch(tmp_path: Path) -> None:
 def test_a_durable_jobs_pods_leave_its_ranks_the_grace_period(target: str) -> None:
     """docs/deploy.md, "Preemption": where the ranks save (``checkpoint_dir`` in settings), the
     rank pods' terminationGracePeriodSeconds is the grace period (rounded up) and 10 s; the
-    MPIJob's launcher pod's twice the grace period and 10 s, and its mpirun passes the SIGTERM
-    on after the grace period (``odls_base_sigkill_timeout``). Elsewhere, neither."""
+    MPIJob's pods' twice the grace period and 10 s, its mpirun passes the SIGTERM on after the
+    grace period (``odls_base_sigkill_timeout``), and its workers' sshd runs under ``ringtrain
+    pod-init``, which passes their pod's SIGTERM on to the ranks. Elsewhere, none of it."""
     for variant, want in (("durable", 45), ("plain", None)):
         spec = spec_of(variant)
         docs = manifests.generate(spec, target, KEY)
         graces = [p.get("terminationGracePeriodSeconds") for p in pods(docs)]
         mca = " --mca odls_base_sigkill_timeout 45 " in " ".join(manifests.mpirun_command(spec))
         slack = manifests.EXIT_SLACK_S
+        inits = [
+            c["command"][:3] == manifests.POD_INIT for p in pods(docs) for c in p["containers"]
+        ]
         if want is None:
-            assert set(graces) == {None} and not mca
+            assert set(graces) == {None} and not mca and not any(inits)
         elif target == "mpijob":  # the launcher's pod, then the workers' (sshd's)
-            assert graces == [2 * want + slack, None] and mca
+            assert graces == [2 * want + slack] * 2 and mca and inits == [False, True]
         else:
-            assert set(graces) == {want + slack}
+            assert set(graces) == {want + slack} and not any(inits)

@@ -6,6 +6,7 @@
     gramine.py    the Gramine manifest template for --sgx
     render.py     YAML text (PyYAML, imported only there)
     command.py    the ``ringtrain k8s`` subcommand
+    pod_init.py   ``ringtrain pod-init``: a durable MPIJob worker's PID 1, passing SIGTERM on
 
 Pure functions of the description; nothing here imports torch (an import-linter contract).
 """

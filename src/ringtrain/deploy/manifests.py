@@ -66,6 +66,8 @@ LAUNCHER_MEMORY = "512Mi"
 # Where ranks save on a preemption, a pod's time after its grace period for the save's commit
 # and the processes' ends.
 EXIT_SLACK_S = 10
+# A durable MPIJob worker's first process: it passes the pod's SIGTERM on to the ranks.
+POD_INIT = ["ringtrain", "pod-init", "--"]
 
 
 class Octal(int):
@@ -270,7 +272,12 @@ def mpijob(spec: JobSpec) -> Manifest:
             "limits": {"cpu": str(LAUNCHER_CPUS), "memory": LAUNCHER_MEMORY},
         },
     }
-    worker = _container(spec, "worker", ["/usr/sbin/sshd", "-De"])
+    sshd = ["/usr/sbin/sshd", "-De"]
+    if spec.stop_grace_s is not None:
+        # The kubelet's SIGTERM reaches PID 1 alone; sshd would leave the ranks of its sessions
+        # running, to be killed unsaved at the end of the pod's grace (deploy/pod_init.py).
+        sshd = [*POD_INIT, *sshd]
+    worker = _container(spec, "worker", sshd)
     # The ranks' environment comes through mpirun's -x, not the worker container's env.
     del worker["env"]
     return {
@@ -294,7 +301,9 @@ def mpijob(spec: JobSpec) -> Manifest:
                 "Worker": {
                     "replicas": spec.replicas,
                     "restartPolicy": "Never",
-                    "template": _pod_template(spec, "worker", [worker], _rank_volumes(spec)),
+                    "template": _pod_template(
+                        spec, "worker", [worker], _rank_volumes(spec), _termination_grace_s(spec, 2)
+                    ),
                 },
             },
         },
