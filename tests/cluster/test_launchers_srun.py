@@ -4,12 +4,14 @@ A throwaway Slurm (:mod:`ringtrain.testing.slurm`: munged, slurmctld and slurmd 
 slurm.conf in a temporary directory) on this machine, and one with a slurmd in each of two
 namespace hosts. ``SLURM_CONF`` points srun at it; that is the only variable set, and it is for
 srun, not ringtrain. Ranks find rank 0 from the job's node list and a port from the job id.
+A durable job cancelled with ``scancel`` (a preemption's SIGTERM) stops at a step it saved.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from typing import Any
 import pytest
 
 from _only_sshd import wait_for_only_sshd
+from ringtrain.checkpoint import manifest
 from ringtrain.testing import cluster as tc
 from ringtrain.testing import slurm
 
@@ -115,3 +118,40 @@ def test_srun_across_two_namespace_hosts(cluster: tc.Cluster, tmp_path: Path) ->
         assert r["identical"] and r["trained"]
     assert len({r["checksum"] for r in res}) == 1
     wait_for_only_sshd(cluster, within=20)  # a step's slurmstepd may take a moment
+
+
+def test_a_cancelled_srun_job_stops_at_a_step_it_saved(
+    local_slurm: slurm.MiniSlurm, tmp_path: Path
+) -> None:
+    """``scancel`` (as a preemption with PreemptMode=CANCEL): Slurm sends every task of the job
+    SIGTERM, and KillWait later SIGKILL. A durable job started by srun alone (its settings in
+    ``RINGTRAIN_*``, as a batch script sets them) stops at one step, saved, with rank 0 saying
+    how to continue (``RINGTRAIN_RESUME``), well before the SIGKILL."""
+    ck = tmp_path / "ck"
+    saving = {"RINGTRAIN_CHECKPOINT_DIR": str(ck), "RINGTRAIN_CHECKPOINT_EVERY": "1000"}
+    job = str(Path(__file__).parents[1] / "checkpoint" / "durable_job.py")
+    name = f"preempted-{os.getpid()}"
+    proc = subprocess.Popen(
+        ["srun", "-n", "2", "-J", name, sys.executable, job, str(tmp_path / "w.pt"), "1000", "0.3"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+        env={**_env(), **local_slurm.env(), **saving}, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        started: list[str] = []
+        while len(started) < 2:
+            line = proc.stdout.readline()
+            assert line, "the job ended before its ranks started:\n" + "".join(started)
+            started += [line] if " starts at step " in line else []
+        cancel = ["scancel", "-n", name]
+        subprocess.run(cancel, env={**_env(), **local_slurm.env()}, check=True, timeout=60)
+        rc, out = _finish(proc, local_slurm.logs)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    said = re.search(r"rank 0: 2 rank\(s\) got SIGTERM \(a preemption\): the job stops at step "
+                     r"(\d+), saved into \S+ \(continue with RINGTRAIN_RESUME=", out)  # fmt: skip
+    assert said, out[-3000:] + local_slurm.logs()
+    assert [s for s, _ in manifest.committed(str(ck))] == [int(said[1])], out[-3000:]
+    assert rc == 143, out[-3000:]  # srun: its tasks' exit code
