@@ -147,8 +147,8 @@ def test_a_preemptions_save_is_written_on_a_thread_beside_the_writer_process(
 ) -> None:
     """``save(urgent=True)`` (a durable job's stop): with the process writer configured, the
     save is written on a thread of this rank, where no writer process runs yet (none is started
-    for it) and where one runs (it writes the saves before and after, and is stopped at close
-    without a wait for its turn: nothing is in flight); each commits what load gives back."""
+    for it) and where one runs (it writes the saves before and after, lends its buffers to the
+    thread, and is stopped at close without a wait for its turn: nothing is in flight); each commits what load gives back."""
     model = _model()
     before = {p.pid for p in psutil.Process().children()}
     with ckpt.Checkpointer(tmp_path / "fresh", writer="process") as saver:
@@ -166,6 +166,10 @@ def test_a_preemptions_save_is_written_on_a_thread_beside_the_writer_process(
                 p.add_(1.0)
         saver.save(2, model=model, urgent=True)
         assert saver._by is saver._spare and saver.writer_pid == pid
+        # Its host copy is the writer process's shared buffers: no second copy of the state.
+        shared = {b.data_ptr() for _, b in saver._writer._buffers.values()}
+        lent = {b.data_ptr() for b in saver._spare._buffers.values()}
+        assert lent and lent <= shared
         saver.wait()
         saver.save(3, model=model)  # an elastic rank that goes on: its writer process again
         assert saver._by is saver._writer and saver.writer_pid == pid

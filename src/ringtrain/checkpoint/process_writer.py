@@ -365,3 +365,8 @@ class ProcessWriter:
             got = self._buffers[key] = (shared, shared.open())
         got[1].copy_(src)
         return got[0]
+
+    def lend(self, t: torch.Tensor, key: str) -> torch.Tensor:
+        """:meth:`host`, for another writer of this rank: the buffer itself, mapped here."""
+        self.host(t, key)
+        return self._buffers[key][1]

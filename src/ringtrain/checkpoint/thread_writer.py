@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -33,9 +34,17 @@ class ThreadWriter:
         self._buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._result: tuple[str, str] | None = None
+        # Another writer's host copy (a writer process's shared buffers), used instead of
+        # buffers of this one's own while that writer has nothing in flight: a preemption's save
+        # beside it then takes no second copy of the state (see Checkpointer._urgent_writer).
+        self.lender: Callable[[torch.Tensor, str], torch.Tensor] | None = None
 
     def host(self, t: torch.Tensor, key: str) -> torch.Tensor:
-        """Copy into this key's private host buffer (made once, reused by later saves)."""
+        """Copy into this key's host buffer: the lender's, else a private one (made once,
+        reused by later saves)."""
+        if self.lender is not None:
+            lent = self._buffers[key] = self.lender(t, key)
+            return lent
         src = t.detach()
         got = self._buffers.get(key)
         if got is None or got.shape != src.shape or got.dtype != src.dtype:

@@ -139,6 +139,10 @@ class Checkpointer:
             log.info("ringtrain: a preemption's save: written on this rank's own thread")
             self._spare = ThreadWriter()
             _unclosed.add(self)
+        # The writer process's buffers, where it has them (nothing is in flight: _save collected
+        # it): a second copy of the state could exceed the pod's memory as it is preempted.
+        process = self._writer
+        self._spare.lender = process.lend if isinstance(process, ProcessWriter) else None
         return self._spare
 
     def _collect(self, block: bool) -> None:
