@@ -274,8 +274,8 @@ def mpijob(spec: JobSpec) -> Manifest:
     }
     sshd = ["/usr/sbin/sshd", "-De"]
     if spec.stop_grace_s is not None:
-        # The kubelet's SIGTERM reaches PID 1 alone; sshd would leave the ranks of its sessions
-        # running, to be killed unsaved at the end of the pod's grace (deploy/pod_init.py).
+        # The kubelet's SIGTERM reaches PID 1 alone: sshd there would end on it, and with it
+        # every process of the pod, the ranks unsaved (deploy/pod_init.py).
         sshd = [*POD_INIT, *sshd]
     worker = _container(spec, "worker", sshd)
     # The ranks' environment comes through mpirun's -x, not the worker container's env.
@@ -302,7 +302,11 @@ def mpijob(spec: JobSpec) -> Manifest:
                     "replicas": spec.replicas,
                     "restartPolicy": "Never",
                     "template": _pod_template(
-                        spec, "worker", [worker], _rank_volumes(spec), _termination_grace_s(spec, 2)
+                        spec,
+                        "worker",
+                        [worker],
+                        _rank_volumes(spec),
+                        _termination_grace_s(spec, times=2),
                     ),
                 },
             },

@@ -40,9 +40,9 @@ def main(args: argparse.Namespace) -> int:
         )
     if os.getpid() != 1:
         raise ConfigError(
-            f"it runs as a container's first process (PID 1), where every "
-            f"process it signals is the container's; here it is pid {os.getpid()}. Make it the "
-            "container's command, or run COMMAND directly"
+            "it runs as a container's first process (PID 1), where every process it signals "
+            f"is the container's; here it is pid {os.getpid()}. Make it the container's "
+            "command, or run COMMAND directly"
         )
     return run(command)
 
@@ -62,6 +62,8 @@ def run(command: list[str]) -> int:
         child = os.posix_spawnp(command[0], command, dict(environ.current()))
     except OSError as e:
         raise ConfigError(f"cannot start {command[0]!r}: {e}") from e
+    if stopping:  # the SIGTERM came while it was starting
+        os.kill(-1, stopping[0])
     code = None
     while True:
         try:
