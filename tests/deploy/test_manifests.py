@@ -457,6 +457,16 @@ def test_cli_reads_a_description_file_and_flags_win(tmp_path: Path, capsys: Any)
     assert env["OMP_NUM_THREADS"] == "2"
 
 
+def test_cli_says_what_a_durable_mpijobs_image_needs(tmp_path: Path, capsys: Any) -> None:
+    """Its worker pods run ``ringtrain pod-init``: the image must have the command."""
+    desc = tmp_path / "job.yaml"
+    desc.write_text(yaml.safe_dump({**BASE, "settings": {"checkpoint_dir": "/ckpt"}}))
+    for target, said in (("mpijob", True), ("pytorchjob", False)):
+        assert cli(["k8s", str(desc), "--target", target]) == 0
+        err = capsys.readouterr().err
+        assert ("the image needs the `ringtrain` command on its PATH" in err) is said, err
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

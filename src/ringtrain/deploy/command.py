@@ -190,6 +190,13 @@ def main(args: argparse.Namespace) -> int:
     if spec.sgx:
         for line in sizing.plan(spec).lines():
             print(f"ringtrain k8s: enclave {line}", file=sys.stderr)
+    if args.target == "mpijob" and spec.stop_grace_s is not None:
+        print(
+            "ringtrain k8s: the worker pods run sshd under `ringtrain pod-init`, which passes a "
+            "preemption's SIGTERM on to their ranks: the image needs the `ringtrain` command on "
+            "its PATH",
+            file=sys.stderr,
+        )
     if not args.out:
         sys.stdout.write(render.to_yaml(docs))
         if spec.sgx:
