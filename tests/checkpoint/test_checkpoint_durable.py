@@ -338,12 +338,14 @@ def _elastic_argv(ck: Path, steps: int, *flags: str, np: int = 3, size: int = 0)
 
 @contextlib.contextmanager
 def _elastic_job(
-    ck: Path, steps: int, np: int = 3, *flags: str, size: int = 0
+    ck: Path, steps: int, np: int = 3, *flags: str, size: int = 0, **env: str
 ) -> Iterator[tuple[subprocess.Popen[str], dict[int, int]]]:
     """An elastic durable job of ``np`` ranks saving into ``ck``, once its ranks started: the
     launcher and the ranks' pids; killed on the way out if it still runs."""
     argv = _elastic_argv(ck, steps, "--checkpoint-dir", str(ck), *flags, np=np, size=size)
-    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env}
+    )
     try:
         assert launcher.stdout is not None
         pids: dict[int, int] = {}
@@ -366,9 +368,10 @@ def test_in_an_elastic_job_preempted_ranks_save_with_their_peers_and_they_go_on(
     """``--min-np 2``: SIGTERM to ranks 2 and 3 of 4 at once; every rank saves the step they
     stop at (the save commits: every part was written), ranks 2 and 3 leave with 143, the
     others re-form once (not once per exit: each stopping rank told the launcher its step
-    first) and finish."""
+    first) and finish. Every rank writes that save on its own thread (the job's writer is a
+    process, at nice +19: HOROVOD_LOG_LEVEL=info shows the choice)."""
     ck = tmp_path / "ck"
-    with _elastic_job(ck, 80, np=4) as (launcher, pids):
+    with _elastic_job(ck, 80, np=4, HOROVOD_LOG_LEVEL="info") as (launcher, pids):
         os.kill(pids[2], signal.SIGTERM)
         os.kill(pids[3], signal.SIGTERM)
         out, said = launcher.communicate(timeout=240)
@@ -384,6 +387,9 @@ def test_in_an_elastic_job_preempted_ranks_save_with_their_peers_and_they_go_on(
     assert once and "generation 2" not in said, said[-3000:]
     assert "it had left the world with the ranks that stopped at that step" in said, said[-3000:]
     assert "earlier, 2 rank(s) stopped on a preemption and the job went on" in said, said[-3000:]
+    threads = re.findall(r"(?m)^\[(\d)\] .*a preemption's save: written on this rank's own thread",
+                         said)  # fmt: skip
+    assert sorted(threads) == ["0", "1", "2", "3"], said[-3000:]
     assert sorted(re.findall(r"rank (\d) of (\d) ends at step (\d+)", out)) == [
         ("0", "2", "80"),
         ("1", "2", "80"),
