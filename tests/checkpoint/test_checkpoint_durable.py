@@ -25,7 +25,7 @@ import psutil
 import pytest
 import torch
 
-from _durable_runs import wait_for_commit
+from _durable_runs import until_started, wait_for_commit
 from _mpirun import mpirun_env
 from ringtrain.checkpoint import manifest
 from ringtrain.errors import ConfigError
@@ -143,16 +143,6 @@ def test_a_preempted_job_commits_the_save_in_flight(tmp_path: Path) -> None:
     assert max(s for s, _ in manifest.committed(str(ck))) > held, err.decode()[-3000:]
 
 
-def _until_started(launcher: subprocess.Popen[bytes]) -> None:
-    """Until both ranks said they start (their first step is next)."""
-    assert launcher.stdout is not None
-    started = 0
-    while started < 2:
-        line = launcher.stdout.readline()
-        assert line, "the job ended before its ranks started"
-        started += b" starts at step " in line
-
-
 def _preempted(ck: Path, out: Path, preempt: Callable[[subprocess.Popen[bytes]], None]) -> str:
     """A 2-rank job saving into ``ck`` every 100 steps of 1,000 (no save comes due), given
     SIGTERM by ``preempt`` once both ranks started; its stderr, once it exited with 143."""
@@ -160,7 +150,7 @@ def _preempted(ck: Path, out: Path, preempt: Callable[[subprocess.Popen[bytes]],
     argv[argv.index(str(STEPS))] = "1000"  # ends only by the signal
     launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        _until_started(launcher)
+        until_started(launcher)
         preempt(launcher)
         _, err = launcher.communicate(timeout=120)
     finally:
@@ -305,7 +295,7 @@ def test_a_preempted_mpirun_job_saves_given_the_time(
     argv = ["mpirun", "-np", "2", *mca, sys.executable, JOB, str(tmp_path / "p.pt"), "1000", "0.3"]
     mpirun = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
-        _until_started(mpirun)
+        until_started(mpirun)
         mpirun.send_signal(signal.SIGTERM)
         err = mpirun.communicate(timeout=120)[1].decode()
     finally:

@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
+from _durable_runs import until_started
 from ringtrain.checkpoint import manifest
 from ringtrain.deploy import manifests
 from ringtrain.deploy.spec import JobSpec
@@ -134,12 +135,7 @@ def _mpirun(cluster: Any, argv: list[str], env: dict[str, str]) -> Iterator[subp
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     try:
-        assert mpirun.stdout is not None
-        started: list[str] = []
-        while len(started) < 2:
-            line = mpirun.stdout.readline()
-            assert line, "the job ended before its ranks started:\n" + "".join(started)
-            started += [line] if " starts at step " in line else []
+        until_started(mpirun)
         yield mpirun
     finally:
         if mpirun.poll() is None:
