@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import ringtrain.checkpoint as ckpt
-from ringtrain.checkpoint import interrupts, manifest, store
+from ringtrain.checkpoint import interrupts, manifest, preemption, store
 from ringtrain.checkpoint.process_writer import ProcessWriter
 from ringtrain.checkpoint.thread_writer import ThreadWriter
 from ringtrain.errors import CheckpointError
@@ -175,13 +175,15 @@ def test_a_signal_in_the_wait_does_not_hide_the_previous_saves_failure(
 
 
 _DURABLE_SECTION = """
-import os, signal, sys
+import os, signal, sys, time
 from ringtrain.checkpoint import interrupts, preemption
 job = preemption.Preemption(within_s=60.0)
 job.install()
 try:
     with interrupts.deferred(insist=True):
-        for _ in range(int(sys.argv[1])):
+        for i in range(int(sys.argv[1])):
+            if i == 2:  # the third: a second notice, or the first's duplicate (preemption.py)
+                time.sleep(float(sys.argv[2]))
             os.kill(os.getpid(), signal.SIGTERM)
             sum(range(10_000))
         print("section done", flush=True)
@@ -191,16 +193,18 @@ finally:
 """
 
 
-@pytest.mark.parametrize("times", [1, 2, 3])
-def test_durables_sigterm_in_a_waiting_section(times: int) -> None:
+@pytest.mark.parametrize("times", ["1", "2", "3-at-once", "3"])
+def test_durables_sigterm_in_a_waiting_section(times: str) -> None:
     """Durable's handler, a SIGTERM in a waiting section (``save()``'s): the first only asks the
     job to stop at its next step, after the section; a second, the user insisting, is handled at
-    once, as the first (it only asks); a third unwinds (SystemExit(143)) after the section."""
+    once, as the first (it only asks); a third unwinds (SystemExit(143)) after the section,
+    unless it came right after the first (the same notice twice: it only asks)."""
+    gap = "0" if times == "3-at-once" else str(preemption.DUPLICATE_S + 0.5)
     ran = subprocess.run(
-        [sys.executable, "-c", _DURABLE_SECTION, str(times)],
+        [sys.executable, "-c", _DURABLE_SECTION, times[0], gap],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    if times < 3:
+    if times != "3":
         want = (0, "section done\nasked to stop: True\nunwound\n")
         assert (ran.returncode, ran.stdout) == want, ran.stderr
     else:

@@ -1,6 +1,7 @@
 """A durable job's SIGTERM handling (``checkpoint/preemption.py``), in a process of its own:
-the first SIGTERM asks the job to stop at its next step; a second unwinds; a third ends the
-process; no step within the time allowed unwinds the rank, even asleep in a blocking call."""
+the first SIGTERM asks the job to stop at its next step; a second unwinds, unless it comes
+right after the first (the same notice, twice); a third ends the process; no step within the
+time allowed unwinds the rank, even asleep in a blocking call."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from _mpirun import mpirun_env
+from ringtrain.checkpoint import preemption
+from ringtrain.environ import OpenMPI
 
 _SCRIPT = """
 import os, signal, sys, time
@@ -53,10 +56,33 @@ def _run(within_s: float, *steps: str) -> tuple[int, list[str], float]:
 def test_the_first_sigterm_asks_a_second_unwinds_a_third_ends_the_process() -> None:
     rc, said, _ = _run(60.0, "term", "0.2")
     assert (rc, said) == (0, ["term True", "0.2 True", "unwound"])
-    rc, said, _ = _run(60.0, "term", "term", "0.2")
-    assert (rc, said) == (143, ["term True", "unwound"])
-    rc, said, _ = _run(60.0, "term", "term", "final")
-    assert (rc, said) == (-signal.SIGTERM, ["term True"])
+    later = str(preemption.DUPLICATE_S + 0.5)
+    rc, said, _ = _run(60.0, "term", later, "term", "0.2")
+    assert (rc, said) == (143, ["term True", f"{later} True", "unwound"])
+    rc, said, _ = _run(60.0, "term", later, "term", "final")
+    assert (rc, said) == (-signal.SIGTERM, ["term True", f"{later} True"])
+
+
+def test_a_second_sigterm_right_after_the_first_is_the_same_notice() -> None:
+    """Slurm signals every process of a cancelled job, and the launcher passes its own on:
+    two SIGTERMs a rank must take as one (unwound by the second, no rank saved the step)."""
+    rc, said, _ = _run(60.0, "term", "0.3", "term", "0.2")
+    assert (rc, said) == (0, ["term True", "0.3 True", "term True", "0.2 True", "unwound"])
+    # The time to reach a step still ends it.
+    rc, said, took = _run(1.0, "term", "0.3", "term", "30")
+    assert (rc, said) == (143, ["term True", "0.3 True", "term True", "unwound"])
+    assert took < 20, took
+
+
+def test_under_mpirun_the_same_notice_comes_its_sigkill_timeout_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """mpirun passes a SIGTERM on ``odls_base_sigkill_timeout`` after its own (measured below),
+    so under Slurm its ranks get Slurm's and, that long after, mpirun's."""
+    assert preemption.duplicate_s() == preemption.DUPLICATE_S
+    monkeypatch.setenv(OpenMPI.SIZE, "2")
+    monkeypatch.setenv(OpenMPI.SIGKILL_TIMEOUT, "10")
+    assert preemption.duplicate_s() == preemption.DUPLICATE_S + 10
 
 
 @pytest.mark.parametrize("within_s", [0.5, 0.0])

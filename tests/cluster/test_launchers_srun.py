@@ -128,20 +128,24 @@ def test_srun_across_two_namespace_hosts(cluster: tc.Cluster, tmp_path: Path) ->
     wait_for_only_sshd(cluster, within=20)  # a step's slurmstepd may take a moment
 
 
-@ON_LOCAL_SLURM
-def test_a_cancelled_srun_job_stops_at_a_step_it_saved(
-    local_slurm: slurm.MiniSlurm, tmp_path: Path
-) -> None:
-    """``scancel`` (as a preemption with PreemptMode=CANCEL): Slurm sends every task of the job
-    SIGTERM, and KillWait later SIGKILL. A durable job started by srun alone (its settings in
-    ``RINGTRAIN_*``, as a batch script sets them) stops at one step, saved, with rank 0 saying
-    how to continue (``RINGTRAIN_RESUME``), well before the SIGKILL."""
+DURABLE_JOB = [
+    str(Path(__file__).parents[1] / "checkpoint" / "durable_job.py"),
+    "w.pt",
+    "1000",
+    "0.3",
+]
+
+
+def _cancelled(
+    local_slurm: slurm.MiniSlurm, tmp_path: Path, srun_args: list[str], command: list[str]
+) -> tuple[int, str, Path]:
+    """``srun SRUN_ARGS COMMAND`` (a durable job of 2 ranks, DURABLE_JOB), ``scancel``ed once
+    both ranks started: srun's exit code, its output, and the job's checkpoint directory."""
     ck = tmp_path / "ck"
     saving = {"RINGTRAIN_CHECKPOINT_DIR": str(ck), "RINGTRAIN_CHECKPOINT_EVERY": "1000"}
-    job = str(Path(__file__).parents[1] / "checkpoint" / "durable_job.py")
     name = f"preempted-{os.getpid()}"
     proc = subprocess.Popen(
-        ["srun", "-n", "2", "-J", name, sys.executable, job, str(tmp_path / "w.pt"), "1000", "0.3"],
+        ["srun", *srun_args, "-J", name, *command],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
         env={**_env(), **local_slurm.env(), **saving}, start_new_session=True,
     )  # fmt: skip
@@ -160,8 +164,51 @@ def test_a_cancelled_srun_job_stops_at_a_step_it_saved(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             subprocess.run(cancel, env={**_env(), **local_slurm.env()}, timeout=60)
+    return rc, out, ck
+
+
+def _saved_where_said(out: str, ck: Path, resume: str) -> None:
+    """Rank 0 names the step the job stopped at, and that step alone is in the checkpoint."""
     said = re.search(r"rank 0: 2 rank\(s\) got SIGTERM \(a preemption\): the job stops at step "
-                     r"(\d+), saved into \S+ \(continue with RINGTRAIN_RESUME=", out)  # fmt: skip
-    assert said, out[-3000:] + local_slurm.logs()
+                     r"(\d+), saved into \S+ \(continue with " + re.escape(resume), out)  # fmt: skip
+    assert said, out[-3000:]
     assert [s for s, _ in manifest.committed(str(ck))] == [int(said[1])], out[-3000:]
+
+
+@ON_LOCAL_SLURM
+def test_a_cancelled_srun_job_stops_at_a_step_it_saved(
+    local_slurm: slurm.MiniSlurm, tmp_path: Path
+) -> None:
+    """``scancel`` (as a preemption with PreemptMode=CANCEL): Slurm sends every task of the job
+    SIGTERM, and KillWait later SIGKILL. A durable job started by srun alone (its settings in
+    ``RINGTRAIN_*``, as a batch script sets them) stops at one step, saved, with rank 0 saying
+    how to continue (``RINGTRAIN_RESUME``), well before the SIGKILL."""
+    rc, out, ck = _cancelled(local_slurm, tmp_path, ["-n", "2"], [sys.executable, *DURABLE_JOB])
+    _saved_where_said(out, ck, "RINGTRAIN_RESUME=")
     assert rc == 143, out[-3000:]  # srun: its tasks' exit code
+
+
+@ON_LOCAL_SLURM
+@pytest.mark.parametrize("launcher", ["ringtrain-run", "torchrun"])
+def test_a_cancelled_launcher_in_the_job_and_its_ranks_all_get_sigterm_and_save_one_step(
+    local_slurm: slurm.MiniSlurm, tmp_path: Path, launcher: str
+) -> None:
+    """A launcher inside the job (a batch script's ``ringtrain run`` or torchrun; here one srun
+    task): ``scancel`` signals every process of the job (proctrack follows the children), the
+    launcher, its helpers and the ranks, and the launcher passes its own SIGTERM on at once.
+    The ranks take the two as one notice, and ``ringtrain run``'s store and agent stay for
+    them: they stop at one step, saved. (Before, the second SIGTERM unwound the ranks where
+    they were, and the store ended on its own: no checkpoint at all.)"""
+    if launcher == "torchrun":
+        torchrun = str(Path(sys.executable).with_name("torchrun"))
+        command = [torchrun, "--standalone", "--nproc-per-node", "2", *DURABLE_JOB]
+    else:
+        command = [sys.executable, "-m", "ringtrain", "run", "-np", "2", "--", sys.executable]
+        command += DURABLE_JOB
+    rc, out, ck = _cancelled(local_slurm, tmp_path, ["-n", "1"], command)
+    _saved_where_said(out, ck, "--resume" if launcher == "ringtrain-run" else "RINGTRAIN_RESUME=")
+    if launcher == "ringtrain-run":
+        assert "every rank stopped within the grace period of 20 s after SIGTERM at the step " \
+               "the job saved" in out, out[-3000:]  # fmt: skip
+    # torchrun ends on a signal with its SignalException's traceback, exit code 1.
+    assert rc == (143 if launcher == "ringtrain-run" else 1), out[-3000:]

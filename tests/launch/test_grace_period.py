@@ -20,6 +20,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from _launcher_runs import assert_gone, finish
@@ -27,6 +28,7 @@ from ringtrain.config import Config
 from ringtrain.deploy import manifests
 from ringtrain.deploy.render import to_yaml
 from ringtrain.deploy.spec import JobSpec
+from ringtrain.launch import agent
 from ringtrain.launch.failures import Interruption
 
 pytestmark = pytest.mark.timeout(240)
@@ -224,4 +226,59 @@ def test_a_second_ctrl_c_kills_at_once(tmp_path: Path) -> None:
     assert not (tmp_path / "saved.0").exists(), err  # killed mid-save: the user asked for it
     for rank in (0, 1):
         assert f"rank {rank} was killed at once by the second SIGINT" in err, err
+    _assert_gone(tmp_path)
+
+
+# Each rank notes every SIGTERM it gets, and ends 1.5 s after the first (time for another).
+COUNTING_JOB = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    out = sys.argv[1]
+    rank = int(os.environ["RINGTRAIN_RANK"])
+    got = []
+    signal.signal(signal.SIGTERM, lambda *_: got.append(time.time()))
+    with open(os.path.join(out, f"pid.{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    open(os.path.join(out, f"ready.{rank}"), "w").close()
+    while not got:
+        time.sleep(0.02)
+    time.sleep(1.5)
+    with open(os.path.join(out, f"got.{rank}"), "w") as f:
+        f.write(" ".join(repr(t) for t in got))
+    """
+)
+
+
+def _sigterms(tmp_path: Path) -> list[list[float]]:
+    return [[float(t) for t in f.read_text().split()] for f in sorted(tmp_path.glob("got.*"))]
+
+
+@pytest.mark.parametrize("signalled", ["every-process", "agent-alone"])
+def test_a_sigterm_to_the_agent_too_reaches_each_rank_once_from_the_launcher(
+    tmp_path: Path, signalled: str
+) -> None:
+    """Slurm signals every process of a cancelled job: the launcher, its agent and the ranks.
+    The agent leaves the passing on to the launcher, so each rank gets Slurm's SIGTERM and the
+    launcher's (two a handler sees; Python may merge two that come at once), not a third.
+    An agent signalled alone passes it on itself, ``agent.TERM_WAIT_S`` later."""
+    proc = _launch(tmp_path, COUNTING_JOB, [], [])
+    _wait_ready(tmp_path, proc)
+    launcher = psutil.Process(proc.pid)
+    agents = [p for p in launcher.children() if "ringtrain.launch.agent" in p.cmdline()]
+    assert len(agents) == 1, launcher.children()
+    ranks = [int(f.read_text()) for f in tmp_path.glob("pid.*")]
+    sent = time.time()
+    targets = [agents[0].pid] if signalled == "agent-alone" else [proc.pid, agents[0].pid, *ranks]
+    for pid in targets:
+        os.kill(pid, signal.SIGTERM)
+    code, err = finish(proc, 120.0)
+    got = _sigterms(tmp_path)
+    assert len(got) == 2, err
+    if signalled == "agent-alone":
+        assert code == 0, err  # the ranks ended by themselves
+        for times in got:
+            assert len(times) == 1 and times[0] - sent >= agent.TERM_WAIT_S - 0.1, (times, sent)
+    else:
+        assert code == 143 and "every rank exited within the grace period" in err, err
+        assert all(1 <= len(times) <= 2 for times in got), (got, sent, err)
     _assert_gone(tmp_path)

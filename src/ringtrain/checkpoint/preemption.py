@@ -13,6 +13,12 @@ the signalled ranks stop, after the save, and the others go on in a smaller worl
 A rank that reaches no step within half the grace period (``grace_period_s``: a step longer than
 that, a loop waiting for input) unwinds there, as on Ctrl-C (the save in flight still commits,
 a newer step is not saved). A second SIGTERM does that at once; a third ends the process.
+
+A second SIGTERM that comes within ``duplicate_s()`` of the first is the same notice, not a
+second one: Slurm signals every process of a cancelled or preempted job (the ranks, and the
+launcher that started them in the batch script or under srun), and ``ringtrain run``, torchrun
+and srun pass their own on at once, mpirun its sigkill timeout later. Taken as a second notice,
+it unwound every rank before the step's save (no checkpoint at all).
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ EXIT_CODE = 128 + signal.SIGTERM
 # torchrun's time from passing a SIGTERM on to its SIGKILL (torch.distributed.elastic's
 # shutdown timeout, which no flag or variable sets).
 TORCHRUN_KILL_S = 30.0
+# A launcher's passing on of a SIGTERM that reached it and its ranks at once (Slurm): within
+# milliseconds (ringtrain run, torchrun, srun); this allows for a loaded host.
+DUPLICATE_S = 2.0
 log = logging.getLogger("ringtrain")
 
 
@@ -47,6 +56,8 @@ class Preemption:
         self.installed = False
         self._state = "open"
         self._timer: threading.Timer | None = None
+        self._duplicate_s = duplicate_s()
+        self._expired = False  # the time to reach a step is over: the timer's SIGTERM unwinds
 
     @property
     def requested(self) -> bool:
@@ -62,28 +73,47 @@ class Preemption:
             self.installed = True
 
     def _first(self, signum: int, frame: FrameType | None) -> None:
-        signal.signal(signal.SIGTERM, self._unwind)  # the next one unwinds at once
+        signal.signal(signal.SIGTERM, self._again)  # the next one unwinds, unless a duplicate
         if self._state == "closed" or (self._state == "open" and self.within_s <= 0):
             self._unwind(signum, frame)  # no step to stop at, nothing to wait for: as Ctrl-C
-        if self.requested:  # a second one (a section handed both to this handler): as _unwind
-            self._unwind(signum, frame)
+        if self.requested:  # a second one (a section handed both to this handler)
+            self._again(signum, frame)
+            return
         self.noted_at = time.monotonic()
         if self._state == "closing":
             return  # the job stops already, its save waited for; close() raises after it
         log.log(
             self._level,
             "ringtrain: SIGTERM: the ranks stop at a step they agree on and save it (this rank "
-            "unwinds where it is if that takes over %g s; a second SIGTERM unwinds it now)",
+            "unwinds where it is if that takes over %g s; a second SIGTERM over %g s later "
+            "unwinds it now)",
             self.within_s,
+            self._duplicate_s,
         )
         # pthread_kill: the main thread's blocking call (a sleep, a read) returns to run the
         # handler; a signal to the process may be taken by another thread, which wakes nothing.
         main = threading.main_thread().ident
         assert main is not None
-        self._timer = threading.Timer(self.within_s, signal.pthread_kill, (main, signum))
+        self._timer = threading.Timer(self.within_s, self._expire, (main, signum))
         self._timer.name = "ringtrain-preemption"
         self._timer.daemon = True
         self._timer.start()
+
+    def _expire(self, main: int, signum: int) -> None:
+        self._expired = True
+        signal.pthread_kill(main, signum)
+
+    def _again(self, signum: int, frame: FrameType | None) -> None:
+        """A SIGTERM after the first: the timer's, or a second notice, unwinds; the first one's
+        duplicate (see the module docstring) is only noted."""
+        since_s = time.monotonic() - (self.noted_at or 0.0)
+        if self._expired or self.noted_at is None or since_s > self._duplicate_s:
+            self._unwind(signum, frame)
+        log.info(
+            "ringtrain: a second SIGTERM %.2f s after the first: the same notice (a launcher "
+            "passing on what reached its ranks too), not a second one",
+            since_s,
+        )
 
     def _unwind(self, signum: int, _frame: FrameType | None) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the next one ends the process at once
@@ -113,7 +143,7 @@ class Preemption:
         if (
             main
             and self.installed
-            and signal.getsignal(signal.SIGTERM) in (self._first, self._unwind)
+            and signal.getsignal(signal.SIGTERM) in (self._first, self._again, self._unwind)
         ):
             signal.signal(signal.SIGTERM, _unwind_now)
 
@@ -127,6 +157,13 @@ def _unwind_now(signum: int, _frame: FrameType | None) -> None:
     """SIGTERM once a durable job closed: unwind (the next one ends the process at once)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise SystemExit(128 + signum)
+
+
+def duplicate_s() -> float:
+    """How long after a rank's first SIGTERM a second is taken as the same notice:
+    ``DUPLICATE_S``, and under mpirun also the time it passes a SIGTERM on after its own."""
+    fixed = launcher_grace_s()
+    return DUPLICATE_S + (fixed[1] if fixed is not None and fixed[0] == "mpirun" else 0.0)
 
 
 def launcher_grace_s() -> tuple[str, float] | None:

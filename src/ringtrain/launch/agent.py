@@ -55,6 +55,9 @@ FAILING_GRACE_S = 7.0
 # SIGTERM before then would end them without those words; they get this long to begin to (the
 # launcher's stop after a failure says so, as "notice_s").
 PEER_NOTICE_S = 2.0
+# A SIGTERM to the agent itself is passed on to its ranks only if the launcher does not pass its
+# own on within this time: Slurm signals every process of a job, the ranks and the launcher too.
+TERM_WAIT_S = 2.0
 _MAIN_WORK_S, _THREAD_WORK_S = 0.05, 0.5
 LOOK_S = 0.25  # how often a silent rank's state is read
 # A rank's "stops on a preemption, step N of world G saved" (runtime/heartbeat.preempted_at).
@@ -540,12 +543,25 @@ def main() -> int:
         "hello", version=protocol.PROTOCOL_VERSION, facts=host_facts(), interfaces=interfaces
     )
 
-    def on_term(signum: int, _frame: Any) -> None:
+    forwarded = threading.Event()  # the launcher passed a signal on, or stops the ranks
+
+    def on_term(_signum: int, _frame: Any) -> None:
+        # Where the launcher got it too (Slurm's job cancel), so did the ranks: one more each
+        # would be one too many for a rank that saves in its handler (the launcher's own comes
+        # anyway). Where this agent alone got it, its ranks get it from here; the launcher then
+        # hears of their exits and ends or re-forms the job as for any.
+        def unless_forwarded() -> None:
+            if not forwarded.is_set():
+                agent.signal_all(signal.SIGTERM)
+
+        threading.Timer(TERM_WAIT_S, unless_forwarded).start()
+
+    def on_hangup(signum: int, _frame: Any) -> None:  # the ssh session to the launcher ended
         agent.stop_all()
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGHUP, on_term)
+    signal.signal(signal.SIGHUP, on_hangup)
     # The launcher forwards Ctrl-C explicitly. A no-op handler, not SIG_IGN: an ignored signal
     # stays ignored across exec, so the ranks would never see the forwarded SIGINT.
     signal.signal(signal.SIGINT, _ignore)
@@ -557,10 +573,13 @@ def main() -> int:
         if msg["t"] == "start":
             agent.start(msg)
         elif msg["t"] == "signal":
+            forwarded.set()
             agent.signal_all(signal.Signals[msg["sig"]])
         elif msg["t"] == "stop":
+            forwarded.set()
             agent.stop_all(float(msg.get("notice_s", 0.0)))
         elif msg["t"] == "kill":
+            forwarded.set()
             agent.kill_all()
     # Lifeline cut (or the launcher is finished): nothing may outlive it.
     agent.stop_all()

@@ -13,13 +13,16 @@ announces elastic membership (:mod:`ringtrain.runtime.membership`); ``CHECK <n> 
 ranks' re-form requests); ``n`` numbers the question, so that a late answer is never taken for
 a later question's.
 Hosting the store outside the ranks means rank 0 can fail or restart without taking the
-rendezvous with it.
+rendezvous with it. It ignores SIGTERM and SIGHUP for the same reason: Slurm signals every
+process of a cancelled job, this one too, while the ranks still need the store to agree on the
+step they stop at and save.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 
@@ -34,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=300.0)  # kept for callers; unused
     parser.add_argument("--listen-fd", type=int, default=None)
     args = parser.parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # the launcher's pipe alone ends this process
     if args.listen_fd is not None:
         listener = socket.socket(fileno=args.listen_fd)
     else:
