@@ -16,8 +16,8 @@ a newer step is not saved). A second SIGTERM does that at once; a third ends the
 
 A second SIGTERM that comes within ``duplicate_s()`` of the first is the same notice, not a
 second one: Slurm signals every process of a cancelled or preempted job (the ranks, and the
-launcher that started them in the batch script or under srun), and ``ringtrain run``, torchrun
-and srun pass their own on at once, mpirun its sigkill timeout later. Taken as a second notice,
+launcher that started them in the batch script or under srun), and ``ringtrain run`` and
+torchrun pass their own on at once, mpirun its sigkill timeout later (measured: test_preemption). Taken as a second notice,
 it unwound every rank before the step's save (no checkpoint at all).
 """
 
@@ -38,7 +38,7 @@ EXIT_CODE = 128 + signal.SIGTERM
 # shutdown timeout, which no flag or variable sets).
 TORCHRUN_KILL_S = 30.0
 # A launcher's passing on of a SIGTERM that reached it and its ranks at once (Slurm): within
-# milliseconds (ringtrain run, torchrun, srun); this allows for a loaded host.
+# milliseconds (ringtrain run, torchrun); this allows for a loaded host.
 DUPLICATE_S = 2.0
 log = logging.getLogger("ringtrain")
 

@@ -554,7 +554,9 @@ def main() -> int:
             if not forwarded.is_set():
                 agent.signal_all(signal.SIGTERM)
 
-        threading.Timer(TERM_WAIT_S, unless_forwarded).start()
+        timer = threading.Timer(TERM_WAIT_S, unless_forwarded)
+        timer.daemon = True  # an agent whose launcher is gone must not wait for it to exit
+        timer.start()
 
     def on_hangup(signum: int, _frame: Any) -> None:  # the ssh session to the launcher ended
         agent.stop_all()
